@@ -1,0 +1,153 @@
+"""The text environment API: ``TextEnv`` is a ``gymnasium.Env`` whose
+observations and actions are strings, plus the registry helpers.
+
+A subclass overrides ``reset`` and ``step`` (calling ``super().reset(seed=seed)``
+first, as gymnasium asks) and returns ``info`` with:
+
+- ``instruction``: the task, in words;
+- ``admissible_actions``: the valid actions now, where the env knows them;
+- ``tools``: the tool specs (``ToolSpec.model_dump()`` dicts) the model may call.
+
+Envs that can be branched implement ``snapshot()`` / ``restore()``. The default
+deep-copies the instance's state, which is right for pure-Python envs.
+Envs with a scripted solver implement ``expert_action()``.
+
+Envs are registered with ``register_env("agentrl/<Name>-v0", entry_point)``,
+which is ``gymnasium.register`` plus a check of the id's namespace.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import importlib
+from importlib.metadata import entry_points
+from typing import Any
+
+import gymnasium as gym
+from gymnasium import spaces
+
+from .errors import EnvError
+
+__all__ = [
+    "NAMESPACE",
+    "TextEnv",
+    "TextSpace",
+    "list_envs",
+    "make_env",
+    "register_env",
+]
+
+NAMESPACE = "agentrl"
+MAX_TEXT = 1_000_000
+_PRINTABLE = "".join(chr(c) for c in range(32, 127)) + "\n\t"
+
+
+class TextSpace(spaces.Text):
+    """A ``gymnasium.spaces.Text`` that holds any Unicode string up to ``max_length``.
+
+    gymnasium's ``Text.contains`` only admits strings over a fixed charset, which
+    model outputs and observations do not respect; sampling still draws from
+    printable ASCII so ``action_space.sample()`` gives readable junk for fuzzing.
+    """
+
+    def __init__(self, max_length: int = MAX_TEXT, min_length: int = 0, seed: int | None = None):
+        super().__init__(max_length=max_length, min_length=min_length, charset=_PRINTABLE, seed=seed)
+
+    def sample(self, mask: Any = None, probability: Any = None) -> str:
+        if mask is None and probability is None:
+            length = int(self.np_random.integers(self.min_length, min(self.max_length, 64) + 1))
+            chars = self.np_random.choice(list(_PRINTABLE), size=length)
+            return "".join(chars)
+        return super().sample(mask=mask, probability=probability)
+
+    def contains(self, x: Any) -> bool:
+        return isinstance(x, str) and self.min_length <= len(x) <= self.max_length
+
+    def __repr__(self) -> str:
+        return f"TextSpace({self.min_length}, {self.max_length})"
+
+
+class TextEnv(gym.Env[str, str]):
+    """Base class of agentrl's environments: string observations and actions.
+
+    Subclasses override ``reset`` and ``step``; see the module docstring for the
+    ``info`` keys. ``snapshot()`` / ``restore()`` deep-copy the instance state by
+    default; override them when the state is not plain Python.
+    """
+
+    metadata: dict[str, Any] = {"render_modes": ["ansi"], "render_fps": 1}
+
+    def __init__(self, render_mode: str | None = None):
+        self.observation_space = TextSpace()
+        self.action_space = TextSpace()
+        self.render_mode = render_mode
+        self._last_obs = ""
+
+    # -- branching -------------------------------------------------------------
+    _NOT_STATE = frozenset({"observation_space", "action_space", "spec", "render_mode"})
+
+    def snapshot(self) -> Any:
+        """A copy of this env's state that ``restore`` returns to."""
+        state = {k: v for k, v in self.__dict__.items() if k not in self._NOT_STATE}
+        return copy.deepcopy(state)
+
+    def restore(self, snapshot: Any) -> None:
+        """Return to the state captured by ``snapshot()``; the snapshot stays reusable."""
+        self.__dict__.update(copy.deepcopy(snapshot))
+
+    # -- optional hooks --------------------------------------------------------
+    def expert_action(self) -> str:
+        """The scripted expert's next action. Envs with a solver override this."""
+        raise NotImplementedError(f"{type(self).__name__} has no scripted expert")
+
+    def render(self) -> str | None:
+        if self.render_mode == "ansi":
+            return self._last_obs
+        return None
+
+
+def register_env(env_id: str, entry_point: Any, **kwargs: Any) -> None:
+    """Register an env under ``agentrl/<Name>-v<N>`` (a thin ``gymnasium.register``)."""
+    if not env_id.startswith(f"{NAMESPACE}/"):
+        raise EnvError(f"env id {env_id!r} must start with {NAMESPACE + '/'!r}")
+    if env_id in gym.registry:
+        return
+    gym.register(id=env_id, entry_point=entry_point, **kwargs)
+
+
+_loaded = False
+
+
+def _load_env_plugins() -> None:
+    """Import the built-in envs and any ``agentrl.envs`` entry points, once."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    importlib.import_module("agentrl.envs")
+    for ep in entry_points(group="agentrl.envs"):
+        ep.load()
+
+
+def list_envs() -> list[str]:
+    """Ids of every registered agentrl env, sorted."""
+    _load_env_plugins()
+    return sorted(k for k in gym.registry if k.startswith(f"{NAMESPACE}/"))
+
+
+def make_env(env_id: str, **kwargs: Any) -> gym.Env:
+    """``gymnasium.make`` for agentrl envs, with a did-you-mean on unknown ids.
+
+    A bare name (``GuessNumber``) or versionless id is completed when unambiguous.
+    """
+    known = list_envs()
+    if env_id not in known:
+        full = [k for k in known if k.split("/", 1)[1].split("-v")[0] == env_id.split("/")[-1]]
+        if len(full) == 1:
+            env_id = full[0]
+        else:
+            close = difflib.get_close_matches(env_id, known, n=1, cutoff=0.4)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise EnvError(f"unknown env {env_id!r}.{hint} Registered envs: {', '.join(known)}")
+    return gym.make(env_id, disable_env_checker=True, **kwargs)

@@ -1,0 +1,261 @@
+"""Core data types: chat messages and tool schemas (pydantic, at the edges) and
+rollout trees (slotted dataclasses, in the hot path).
+
+A ``RolloutTree`` holds the turns of one task. Each ``Node`` is one turn: the
+context tokens added just before the action (the rendered observation delta and
+generation prompt), the action tokens exactly as sampled, their behaviour
+logprobs, and what the env answered. A linear rollout is a tree with one child
+per node; a root-to-leaf path is an ``Episode``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "Episode",
+    "Message",
+    "Node",
+    "RolloutTree",
+    "ToolCall",
+    "ToolSpec",
+    "read_trees",
+    "write_trees",
+]
+
+
+class ToolCall(BaseModel):
+    """One call of a tool, as parsed from model text or sent by an OpenAI client."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(default="", description="Call id, echoed in the tool message that answers it.")
+    name: str = Field(description="Name of the tool to call.")
+    arguments: dict[str, Any] = Field(default_factory=dict, description="Parsed JSON arguments.")
+
+
+class Message(BaseModel):
+    """One chat message, in the shape chat templates and the OpenAI API expect."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "tool"] = Field(description="Who speaks.")
+    content: str = Field(default="", description="Text of the message.")
+    tool_calls: list[ToolCall] | None = Field(default=None, description="Calls an assistant made.")
+    tool_call_id: str | None = Field(default=None, description="For role=tool: the call answered.")
+    name: str | None = Field(default=None, description="For role=tool: the tool's name.")
+
+    def to_template(self) -> dict[str, Any]:
+        """The plain dict that ``tokenizer.apply_chat_template`` takes."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ToolSpec(BaseModel):
+    """What the model is told about a tool: name, description and JSON-schema parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="Tool name the model calls.")
+    description: str = Field(default="", description="What the tool does, for the model.")
+    parameters: dict[str, Any] = Field(
+        default_factory=lambda: {"type": "object", "properties": {}},
+        description="JSON schema of the arguments object.",
+    )
+
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI ``tools=[...]`` entry for this tool."""
+        return {"type": "function", "function": self.model_dump()}
+
+
+@dataclass(slots=True)
+class Node:
+    """One turn of a rollout.
+
+    ``context_ids`` are the tokens appended to the context just before the action
+    (for a root: the whole rendered opening prompt; later: the rendered delta of
+    the last observation plus the generation prompt). ``action_ids`` are the
+    sampled tokens, exactly as sampled, with their behaviour ``logprobs``.
+    ``observation`` is the env's text answer to the action. ``snapshot`` is a
+    handle into ``RolloutTree.snapshots`` (live env states are process-local and
+    not serialized). ``error`` records why an episode failed at this turn.
+    """
+
+    id: int = -1
+    parent: int | None = None
+    children: list[int] = field(default_factory=list)
+    context_ids: list[int] = field(default_factory=list)
+    action_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+    version: int = 0
+    action_text: str = ""
+    observation: str = ""
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    finish_reason: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+    snapshot: str | None = None
+    error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.terminated or self.truncated
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Node:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown Node fields: {sorted(unknown)}")
+        return cls(**data)
+
+
+@dataclass(slots=True)
+class Episode:
+    """A root-to-leaf path of a tree, flattened into one token sequence.
+
+    ``loss_mask`` is 1 on action tokens, 0 on context tokens. ``logprobs`` and
+    ``versions`` are aligned with ``input_ids`` (0.0 and -1 on context tokens).
+    ``turn_spans[k]`` is the half-open ``(start, end)`` of turn k's action tokens.
+    """
+
+    nodes: list[Node]
+    input_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    turn_spans: list[tuple[int, int]]
+
+    @classmethod
+    def from_path(cls, nodes: list[Node]) -> Episode:
+        ids: list[int] = []
+        mask: list[int] = []
+        lps: list[float] = []
+        vers: list[int] = []
+        spans: list[tuple[int, int]] = []
+        for node in nodes:
+            ids += node.context_ids
+            mask += [0] * len(node.context_ids)
+            lps += [0.0] * len(node.context_ids)
+            vers += [-1] * len(node.context_ids)
+            start = len(ids)
+            ids += node.action_ids
+            mask += [1] * len(node.action_ids)
+            lps += node.logprobs
+            vers += [node.version] * len(node.action_ids)
+            spans.append((start, len(ids)))
+        return cls(nodes, ids, mask, lps, vers, spans)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [n.reward for n in self.nodes]
+
+    @property
+    def total_reward(self) -> float:
+        return sum(self.rewards)
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def error(self) -> str | None:
+        return next((n.error for n in self.nodes if n.error), None)
+
+
+@dataclass(slots=True)
+class RolloutTree:
+    """The turns of one task, as a tree of ``Node``s keyed by id.
+
+    Several roots are allowed: they are first turns sampled from the same
+    opening context. ``meta`` holds the task: env id, seed, instruction.
+    """
+
+    meta: dict[str, Any] = field(default_factory=dict)
+    nodes: dict[int, Node] = field(default_factory=dict)
+    roots: list[int] = field(default_factory=list)
+    snapshots: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def add(self, node: Node, parent: int | None = None) -> Node:
+        """Insert ``node`` under ``parent`` (None for a root) and give it an id."""
+        node.id = len(self.nodes)
+        node.parent = parent
+        if parent is None:
+            self.roots.append(node.id)
+        else:
+            self.nodes[parent].children.append(node.id)
+        self.nodes[node.id] = node
+        return node
+
+    def path(self, node_id: int) -> list[Node]:
+        """Nodes from a root down to ``node_id``."""
+        out = []
+        cur: int | None = node_id
+        while cur is not None:
+            out.append(self.nodes[cur])
+            cur = self.nodes[cur].parent
+        return out[::-1]
+
+    def leaves(self) -> list[Node]:
+        return [n for n in self.nodes.values() if not n.children]
+
+    def episodes(self) -> Iterator[Episode]:
+        """Every root-to-leaf path, in leaf id order."""
+        for leaf in self.leaves():
+            yield Episode.from_path(self.path(leaf.id))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "meta": self.meta,
+            "roots": self.roots,
+            "nodes": [n.to_dict() for n in self.nodes.values()],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RolloutTree:
+        nodes = {d["id"]: Node.from_dict(d) for d in data["nodes"]}
+        return cls(meta=data.get("meta", {}), nodes=nodes, roots=list(data["roots"]))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, line: str) -> RolloutTree:
+        return cls.from_dict(json.loads(line))
+
+
+def write_trees(path: str | Path, trees: Iterable[RolloutTree], append: bool = False) -> int:
+    """Write trees as JSONL, one tree a line. Returns how many were written."""
+    n = 0
+    with open(path, "a" if append else "w", encoding="utf-8") as f:
+        for tree in trees:
+            f.write(tree.to_json() + "\n")
+            n += 1
+    return n
+
+
+def read_trees(path: str | Path) -> list[RolloutTree]:
+    """Read a JSONL file written by ``write_trees``."""
+    with open(path, encoding="utf-8") as f:
+        return [RolloutTree.from_json(line) for line in f if line.strip()]

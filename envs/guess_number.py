@@ -1,0 +1,78 @@
+"""``agentrl/GuessNumber-v0``: find a secret integer from "higher"/"lower" hints.
+
+The smallest built-in env: it runs everything end to end in milliseconds and has
+a scripted expert (bisection) that always wins within ceil(log2(high)) + 1 turns.
+
+Reward: 1.0 on the turn the number is found, else 0.0. The episode is truncated
+after ``max_turns`` turns. An action that holds no integer in range is answered
+with an error observation and uses up the turn.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from agentrl.env import TextEnv
+
+_INT = re.compile(r"-?\d+")
+
+
+class GuessNumberEnv(TextEnv):
+    """Guess a secret integer in ``[1, high]`` within ``max_turns`` turns."""
+
+    def __init__(self, high: int = 32, max_turns: int = 8, render_mode: str | None = None):
+        super().__init__(render_mode=render_mode)
+        if high < 1 or max_turns < 1:
+            raise ValueError("high and max_turns must be >= 1")
+        self.high = high
+        self.max_turns = max_turns
+        self.secret = 1
+        self.low_bound, self.high_bound = 1, high
+        self.turn = 0
+
+    def _info(self) -> dict[str, Any]:
+        return {
+            "instruction": self.instruction,
+            "admissible_actions": [str(i) for i in range(self.low_bound, self.high_bound + 1)],
+            "tools": [],
+        }
+
+    @property
+    def instruction(self) -> str:
+        return (
+            f"I am thinking of a whole number between 1 and {self.high}. "
+            f"Guess it: answer with one number only. You have {self.max_turns} guesses."
+        )
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.secret = int(self.np_random.integers(1, self.high + 1))
+        self.low_bound, self.high_bound = 1, self.high
+        self.turn = 0
+        self._last_obs = self.instruction
+        return self._last_obs, self._info()
+
+    def step(self, action: str):
+        self.turn += 1
+        match = _INT.search(action[:10_000])
+        guess = int(match.group()) if match else None
+        reward, terminated = 0.0, False
+        if guess is None or not 1 <= guess <= self.high:
+            obs = f"Invalid guess. Answer with one whole number between 1 and {self.high}."
+        elif guess == self.secret:
+            obs, reward, terminated = f"Correct! The number was {self.secret}.", 1.0, True
+        elif guess < self.secret:
+            self.low_bound = max(self.low_bound, guess + 1)
+            obs = f"{guess} is too low. Guess higher."
+        else:
+            self.high_bound = min(self.high_bound, guess - 1)
+            obs = f"{guess} is too high. Guess lower."
+        truncated = not terminated and self.turn >= self.max_turns
+        if truncated:
+            obs += f" Out of guesses; the number was {self.secret}."
+        self._last_obs = obs
+        return obs, reward, terminated, truncated, self._info()
+
+    def expert_action(self) -> str:
+        return str((self.low_bound + self.high_bound) // 2)
