@@ -36,6 +36,7 @@ __all__ = [
     "list_envs",
     "make_env",
     "register_env",
+    "resolve_env_id",
 ]
 
 NAMESPACE = "agentrl"
@@ -136,18 +137,26 @@ def list_envs() -> list[str]:
     return sorted(k for k in gym.registry if k.startswith(f"{NAMESPACE}/"))
 
 
-def make_env(env_id: str, **kwargs: Any) -> gym.Env:
-    """``gymnasium.make`` for agentrl envs, with a did-you-mean on unknown ids.
+def resolve_env_id(env_id: str) -> str:
+    """The registered id ``env_id`` names; a bare or versionless name is completed.
 
-    A bare name (``GuessNumber``) or versionless id is completed when unambiguous.
+    Raises ``EnvError`` with the closest registered id and the full list.
     """
     known = list_envs()
-    if env_id not in known:
-        full = [k for k in known if k.split("/", 1)[1].split("-v")[0] == env_id.split("/")[-1]]
-        if len(full) == 1:
-            env_id = full[0]
-        else:
-            close = difflib.get_close_matches(env_id, known, n=1, cutoff=0.4)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise EnvError(f"unknown env {env_id!r}.{hint} Registered envs: {', '.join(known)}")
-    return gym.make(env_id, disable_env_checker=True, **kwargs)
+    if env_id in known:
+        return env_id
+    short = {k.split("/", 1)[1]: k for k in known}
+    bare = {name.split("-v")[0]: k for name, k in short.items()}
+    name = env_id.split("/")[-1]
+    if name in short:
+        return short[name]
+    if name in bare:
+        return bare[name]
+    close = difflib.get_close_matches(name, list(short) + list(bare), n=1, cutoff=0.4)
+    hint = f" Did you mean {short.get(close[0], bare.get(close[0]))!r}?" if close else ""
+    raise EnvError(f"unknown env {env_id!r}.{hint} Registered envs: {', '.join(known)}")
+
+
+def make_env(env_id: str, **kwargs: Any) -> gym.Env:
+    """``gymnasium.make`` for agentrl envs, with a did-you-mean on unknown ids."""
+    return gym.make(resolve_env_id(env_id), disable_env_checker=True, **kwargs)

@@ -1,0 +1,181 @@
+"""Token-exact chat context.
+
+``ChatContext`` holds the exact token ids a policy has seen and sampled in one
+episode. The opening messages are rendered with the tokenizer's chat template
+once. Sampled action tokens are appended exactly as sampled. Each observation
+is appended as the template rendering of the new messages only (the "delta"),
+never by re-rendering the history, so the training sequence is the sampled one.
+
+How a delta is rendered: the new messages are rendered after a fixed base
+conversation (system, user, assistant with placeholder text) and the base's own
+rendering is cut off the front. The text the template puts after an assistant
+message (``<|im_end|>\\n`` for ChatML) is closed first, minus whatever of it the
+action already sampled (usually the EOS token).
+
+Templates that are not prefix-stable (say, ones that drop an earlier
+``<think>`` block when later messages are rendered) make the appended context
+differ from a full re-render. ``ChatContext`` keeps what the policy saw, and
+reports the mismatch: ``prefix_stable`` turns False, ``mismatches`` records the
+turn, and a ``TemplateMismatchWarning`` is issued once per context.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import ContextOverflowError
+from .types import Message
+
+__all__ = ["ChatContext", "TemplateMismatchWarning", "render_ids"]
+
+_BASE: list[dict[str, Any]] = [
+    {"role": "system", "content": "S"},
+    {"role": "user", "content": "U"},
+    {"role": "assistant", "content": "A"},
+]
+
+
+class TemplateMismatchWarning(UserWarning):
+    """The chat template is not prefix-stable: a full re-render differs from the context."""
+
+
+def _as_dicts(messages: Sequence[Message | dict[str, Any]]) -> list[dict[str, Any]]:
+    return [m.to_template() if isinstance(m, Message) else dict(m) for m in messages]
+
+
+def _render_text(tokenizer: Any, messages: list[dict[str, Any]], gen_prompt: bool, **kw: Any) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=gen_prompt, **kw
+    )
+
+
+def render_ids(tokenizer: Any, messages: Sequence[Message | dict[str, Any]],
+               add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+    """Token ids of a full template rendering (used for the opening and for checks)."""
+    text = _render_text(tokenizer, _as_dicts(messages), add_generation_prompt, **template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+class ChatContext:
+    """The growing token sequence of one episode, with a loss mask and logprobs.
+
+    ``ids`` are all tokens so far; ``mask`` is 1 on sampled action tokens;
+    ``logprobs`` holds behaviour logprobs on action tokens (0.0 elsewhere).
+    ``max_tokens`` is the context budget: an append that crosses it raises
+    ``ContextOverflowError`` and leaves the context unchanged.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        messages: Sequence[Message | dict[str, Any]],
+        max_tokens: int | None = None,
+        check_prefix: bool = True,
+        **template_kwargs: Any,
+    ):
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+        self.check_prefix = check_prefix
+        self.template_kwargs = template_kwargs
+        self.messages: list[dict[str, Any]] = _as_dicts(messages)
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.prefix_stable = True
+        self.mismatches: list[int] = []
+        self._terminator, self._delta_base = self._template_probe()
+        self._append(render_ids(tokenizer, self.messages, True, **template_kwargs))
+
+    # -- what the template puts around messages --------------------------------
+    def _template_probe(self) -> tuple[str, str]:
+        tok, kw = self.tokenizer, self.template_kwargs
+        before = _render_text(tok, _BASE[:2], True, **kw)
+        full = _render_text(tok, _BASE, False, **kw)
+        if not full.startswith(before + "A"):
+            raise ValueError("chat template does not render assistant content verbatim")
+        return full[len(before) + 1:], full
+
+    @property
+    def terminator(self) -> str:
+        """Text the template closes an assistant message with (e.g. ``<|im_end|>\\n``)."""
+        return self._terminator
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def _append(self, ids: list[int], mask: int = 0, logprobs: Sequence[float] | None = None) -> None:
+        if self.max_tokens is not None and len(self.ids) + len(ids) > self.max_tokens:
+            raise ContextOverflowError(
+                f"context would grow to {len(self.ids) + len(ids)} tokens, "
+                f"over the budget of {self.max_tokens}"
+            )
+        self.ids += ids
+        self.mask += [mask] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+
+    # -- appends ---------------------------------------------------------------
+    def append_action(self, ids: Sequence[int], logprobs: Sequence[float] | None = None,
+                      text: str | None = None) -> None:
+        """Append sampled action tokens exactly as sampled.
+
+        ``text`` is the assistant message recorded in ``messages`` (default: the
+        ids decoded without special tokens). It is only used for consistency
+        checks, never to produce tokens.
+        """
+        ids = list(ids)
+        if logprobs is not None and len(logprobs) != len(ids):
+            raise ValueError(f"{len(logprobs)} logprobs for {len(ids)} action tokens")
+        self._append(ids, 1, logprobs if logprobs is not None else [0.0] * len(ids))
+        if text is None:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        self.messages.append({"role": "assistant", "content": text})
+        self._last_action = ids
+
+    def observation_ids(self, messages: Sequence[Message | dict[str, Any]]) -> list[int]:
+        """Token ids that ``append_observation(messages)`` would append."""
+        new = _as_dicts(messages)
+        closing = self._terminator
+        if self.messages and self.messages[-1]["role"] == "assistant":
+            # Drop the part of the terminator the action already sampled (its EOS).
+            tail = self.tokenizer.decode(getattr(self, "_last_action", [])[-4:])
+            for k in range(min(len(tail), len(closing)), 0, -1):
+                if tail.endswith(closing[:k]):
+                    closing = closing[k:]
+                    break
+        else:
+            closing = ""
+        full = _render_text(self.tokenizer, _BASE + new, True, **self.template_kwargs)
+        if not full.startswith(self._delta_base):
+            raise ValueError("chat template re-renders the base conversation; cannot take a delta")
+        text = closing + full[len(self._delta_base):]
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def append_observation(self, messages: Sequence[Message | dict[str, Any]]) -> list[int]:
+        """Append the rendering of the new messages plus the generation prompt.
+
+        Returns the appended ids (a ``Node``'s ``context_ids``).
+        """
+        ids = self.observation_ids(messages)
+        self._append(ids)
+        self.messages += _as_dicts(messages)
+        if self.check_prefix:
+            self._check_prefix()
+        return ids
+
+    def _check_prefix(self) -> None:
+        """Compare the context with a full re-render; record and warn on a mismatch."""
+        full = _render_text(self.tokenizer, self.messages, True, **self.template_kwargs)
+        seen = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+        if full != seen:
+            turn = sum(1 for m in self.messages if m["role"] == "assistant")
+            self.mismatches.append(turn)
+            if self.prefix_stable:
+                warnings.warn(
+                    f"chat template is not prefix-stable: at turn {turn} a full re-render "
+                    "differs from the tokens the policy saw; the context keeps what was seen",
+                    TemplateMismatchWarning,
+                    stacklevel=3,
+                )
+            self.prefix_stable = False

@@ -1,0 +1,137 @@
+"""The ``agentrl`` command line (typer).
+
+    agentrl rollout --env agentrl/GuessNumber-v0 --model smollm2-135m --episodes 8 --out runs/x
+    agentrl envs list
+    agentrl models list | prepare [NAME]
+    agentrl sandbox ...      (see ``agentrl sandbox --help``)
+
+Flags override the YAML given with ``--config``; ``--set key.path=value`` sets
+any other config key. Heavy imports happen inside the commands.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from importlib import import_module
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import AgentRLError
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(help="Train LLM agents with RL on multi-turn, tool-using tasks.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+envs_app = typer.Typer(help="Registered environments.", no_args_is_help=True)
+models_app = typer.Typer(help="Registered models.", no_args_is_help=True)
+app.add_typer(envs_app, name="envs")
+app.add_typer(models_app, name="models")
+console = Console()
+
+
+def _fail(err: AgentRLError) -> typer.Exit:
+    console.print(f"[bold red]error:[/] {err}", highlight=False)
+    return typer.Exit(code=2)
+
+
+@app.command()
+def rollout(
+    config: Annotated[Path | None, typer.Option(help="YAML config file.")] = None,
+    env: Annotated[str | None, typer.Option(help="Env id (env.id).")] = None,
+    model: Annotated[str | None, typer.Option(help="Model name or folder (policy.model).")] = None,
+    backend: Annotated[str | None, typer.Option(help="hf or mock (policy.backend).")] = None,
+    episodes: Annotated[int | None, typer.Option(help="Episodes (rollout.episodes).")] = None,
+    out: Annotated[str | None, typer.Option(help="Output folder (rollout.out_dir).")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="key.path=value override.")] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Run episodes of a policy in an env; write trajectories (JSONL trees) and a summary."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from .config import load_config
+    from .env import resolve_env_id
+    from .policy import make_policy
+    from .rollout import run_episodes, summarize, write_run
+
+    flags = {"env.id": env, "policy.model": model, "policy.backend": backend,
+             "rollout.episodes": episodes, "rollout.out_dir": out}
+    overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(set_ or [])
+    try:
+        cfg = load_config(config, overrides)
+        cfg.env.id = resolve_env_id(cfg.env.id)
+        console.print(f"loading model [bold]{cfg.policy.model}[/] ({cfg.policy.backend})")
+        policy = make_policy(cfg.policy)
+        with Progress("[progress.description]{task.description}", BarColumn(),
+                      MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                      disable=not progress) as bar:
+            task = bar.add_task(f"{cfg.env.id}", total=cfg.rollout.episodes)
+            t0 = time.perf_counter()
+            trees = run_episodes(cfg.env.id, policy, cfg,
+                                 on_episode_done=lambda _t: bar.advance(task))
+            wall = time.perf_counter() - t0
+    except AgentRLError as e:
+        raise _fail(e) from None
+    summary = {"env": cfg.env.id, "model": cfg.policy.model, **summarize(trees, wall)}
+    path = write_run(cfg.rollout.out_dir, trees, summary)
+    table = Table(title=f"rollout summary ({path})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in summary.items():
+        table.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
+    console.print(table)
+
+
+@envs_app.command("list")
+def envs_list() -> None:
+    """Show every registered env id."""
+    from .env import list_envs
+
+    for env_id in list_envs():
+        typer.echo(env_id)
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """Show registered models and whether they are prepared."""
+    from .models import list_models
+
+    table = Table()
+    for col in ("name", "description", "ready"):
+        table.add_column(col)
+    for name, desc, ready in list_models():
+        table.add_row(name, desc, "yes" if ready else "no (agentrl models prepare)")
+    console.print(table)
+
+
+@models_app.command("prepare")
+def models_prepare(
+    name: Annotated[str, typer.Argument(help="Model to prepare.")] = "smollm2-135m",
+    force: Annotated[bool, typer.Option(help="Convert again even if cached.")] = False,
+) -> None:
+    """Convert a registered model to safetensors in the cache (once)."""
+    from .models import prepare_model
+
+    try:
+        path = prepare_model(name, force=force)
+    except AgentRLError as e:
+        raise _fail(e) from None
+    typer.echo(json.dumps({"model": name, "path": str(path)}))
+
+
+def _mount_plugins() -> None:
+    """Sub-commands that live in the plugin packages (``agentrl sandbox``)."""
+    try:
+        sandbox_cli = import_module("agentrl.sandboxes.cli")
+    except ImportError:
+        return
+    app.add_typer(sandbox_cli.app, name="sandbox", help="Sandbox images and servers.")
+
+
+def main() -> None:
+    _mount_plugins()
+    app()

@@ -1,0 +1,126 @@
+"""Run configuration: pydantic models, loaded from YAML and overridden by CLI flags.
+
+The models here are the single source of truth; YAML files only set values.
+An unknown key or a bad value raises ``ConfigError`` whose message names the
+key path (``policy.temperature``) and the reason.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ConfigError
+
+__all__ = [
+    "Config",
+    "EnvConfig",
+    "PolicyConfig",
+    "RolloutConfig",
+    "SamplingConfig",
+    "apply_overrides",
+    "load_config",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass kept.")
+    top_k: int = Field(0, ge=0, description="Keep the k likeliest tokens; 0 disables.")
+    max_new_tokens: int = Field(64, ge=1, description="Tokens per turn; the turn is truncated there.")
+    stop: list[str] = Field(default_factory=list, description="Strings that end a turn.")
+
+
+class PolicyConfig(_Strict):
+    backend: Literal["hf", "mock"] = Field("hf", description="Generation backend.")
+    model: str = Field("smollm2-135m", description="Registered model name or local folder.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
+    device: str = Field("cpu", description="torch device.")
+    max_batch_size: int = Field(16, ge=1, description="Prompts per forward pass.")
+    mock_responses: list[str] = Field(
+        default_factory=lambda: ["1"], description="Scripted answers for backend=mock."
+    )
+
+
+class EnvConfig(_Strict):
+    id: str = Field("agentrl/GuessNumber-v0", description="Registered env id.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword args for the env.")
+
+
+class RolloutConfig(_Strict):
+    episodes: int = Field(8, ge=1, description="Episodes to run.")
+    max_turns: int = Field(16, ge=1, description="Turns per episode before truncation.")
+    max_context_tokens: int = Field(2048, ge=16, description="Context budget per episode.")
+    seed: int = Field(0, description="Episode i uses env seed seed + i.")
+    system_prompt: str | None = Field(
+        "You are an agent acting in a text environment. Reply with the action only.",
+        description="System message; null uses the chat template's default.",
+    )
+    show_admissible: bool = Field(False, description="List admissible actions in observations.")
+    out_dir: str = Field("runs/rollout", description="Where trajectories and the summary go.")
+
+
+class Config(_Strict):
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+
+
+def _format(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        reason = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"{path}: {reason}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    cur = data
+    for i, key in enumerate(keys[:-1]):
+        nxt = cur.setdefault(key, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{'.'.join(keys[:i + 1])}: is a value, cannot set {dotted}")
+        cur = nxt
+    cur[keys[-1]] = value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.path=value`` strings; values are parsed as YAML (``1``, ``true``, ``[a]``)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.path=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_path(data, key.strip(), value)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (if given), apply overrides, validate. Raises ``ConfigError``."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read config {path}: {e}") from e
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
+        data = loaded or {}
+    apply_overrides(data, overrides or [])
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format(e)) from None

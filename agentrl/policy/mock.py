@@ -1,0 +1,55 @@
+"""``mock`` backend: scripted, deterministic responses for tests and dry runs.
+
+A response is chosen by a callable from the decoded prompt (or cycled from a
+list), tokenized, and followed by EOS. Logprobs are a fixed value per token,
+so tests can hand-compute anything downstream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .base import GenerateRequest, GenerateResult
+
+__all__ = ["MockPolicy"]
+
+
+class MockPolicy:
+    """Answer each request with a scripted text.
+
+    ``responses`` is a list (used in turn, cycling) or a function of the decoded
+    prompt text. ``max_new_tokens`` is honoured: a longer response is cut and
+    reported as ``length``.
+    """
+
+    def __init__(self, tokenizer: Any, responses: Sequence[str] | Callable[[str], str],
+                 logprob: float = -0.5):
+        self.tokenizer = tokenizer
+        self.responses = responses
+        self.logprob = logprob
+        self.version = 0
+        self.calls = 0
+
+    def _respond(self, prompt_ids: list[int]) -> str:
+        if callable(self.responses):
+            return self.responses(self.tokenizer.decode(prompt_ids, skip_special_tokens=False))
+        text = self.responses[self.calls % len(self.responses)]
+        return text
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        out = []
+        for req in requests:
+            text = self._respond(req.prompt_ids)
+            self.calls += 1
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids.append(self.tokenizer.eos_token_id)
+            n = req.params.max_new_tokens
+            finish = "stop" if len(ids) <= n else "length"
+            ids = ids[:n]
+            out.append(GenerateResult(ids, [self.logprob] * len(ids), [0.0] * len(ids),
+                                      finish, self.version))  # type: ignore[arg-type]
+        return out
+
+    def update_weights(self, state_dict: dict[str, Any]) -> None:
+        self.version += 1

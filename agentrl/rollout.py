@@ -1,0 +1,184 @@
+"""A minimal multi-turn runner: episodes in lockstep, one batched generate per turn.
+
+Each episode keeps a token-exact ``ChatContext``; every turn becomes a ``Node``
+of the episode's ``RolloutTree`` (linear here; allocators grow real trees).
+Failures are recorded, never raised: a crashed ``env.step`` ends only its
+episode with ``node.error`` set, and an observation that overflows the context
+budget ends the episode as truncated with ``info["truncation_reason"]``.
+
+This runner is small on purpose; the async engine replaces it later.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .chat import ChatContext
+from .config import Config
+from .env import make_env
+from .errors import ContextOverflowError
+from .policy.base import GenerateRequest, Policy, SamplingParams
+from .types import Node, RolloutTree, write_trees
+
+__all__ = ["episode_success", "run_episodes", "summarize", "write_run"]
+
+_HEAVY_INFO = ("admissible_actions", "tools")
+
+
+@dataclass
+class _Episode:
+    env: Any
+    tree: RolloutTree
+    ctx: ChatContext | None
+    pending: list[int] = field(default_factory=list)
+    parent: int | None = None
+    turns: int = 0
+    done: bool = False
+
+
+def _jsonable(info: dict[str, Any]) -> dict[str, Any]:
+    """Info minus per-step lists, made JSON-safe so trees serialize."""
+    kept = {k: v for k, v in info.items() if k not in _HEAVY_INFO}
+    return json.loads(json.dumps(kept, default=str))
+
+
+def _observation_messages(obs: str, info: dict[str, Any], cfg: Config) -> list[dict[str, Any]]:
+    if "observation_messages" in info:  # tool envs answer with role=tool messages
+        return list(info["observation_messages"])
+    text = obs
+    if cfg.rollout.show_admissible and info.get("admissible_actions"):
+        text += "\nValid actions: " + ", ".join(map(str, info["admissible_actions"]))
+    return [{"role": "user", "content": text}]
+
+
+def _start(env_id: str, seed: int, tokenizer: Any, cfg: Config) -> _Episode:
+    env = make_env(env_id, **cfg.env.kwargs)
+    tree = RolloutTree(meta={"env": env_id, "seed": seed})
+    try:
+        obs, info = env.reset(seed=seed)
+    except Exception as e:  # a crashed env fails only its episode
+        tree.meta["error"] = f"env.reset raised {type(e).__name__}: {e}"
+        return _Episode(env, tree, None, done=True)
+    tree.meta["instruction"] = info.get("instruction", "")
+    messages = []
+    if cfg.rollout.system_prompt is not None:
+        messages.append({"role": "system", "content": cfg.rollout.system_prompt})
+    messages += _observation_messages(obs, info, cfg)
+    try:
+        ctx = ChatContext(tokenizer, messages, max_tokens=cfg.rollout.max_context_tokens)
+    except ContextOverflowError as e:
+        tree.meta["error"] = f"opening prompt over budget: {e}"
+        return _Episode(env, tree, None, done=True)
+    return _Episode(env, tree, ctx, pending=list(ctx.ids))
+
+
+def _step(ep: _Episode, result: Any, tokenizer: Any, cfg: Config) -> None:
+    """Apply one sampled action to its episode and record the turn."""
+    assert ep.ctx is not None
+    ep.ctx.append_action(result.token_ids, result.logprobs)
+    text = tokenizer.decode(result.token_ids, skip_special_tokens=True).strip()
+    node = Node(context_ids=ep.pending, action_ids=list(result.token_ids),
+                logprobs=list(result.logprobs), entropies=list(result.entropies),
+                version=result.version, action_text=text, finish_reason=result.finish_reason)
+    ep.turns += 1
+    try:
+        obs, reward, terminated, truncated, info = ep.env.step(text)
+        node.observation, node.reward = obs, float(reward)
+        node.terminated, node.truncated = bool(terminated), bool(truncated)
+        node.info = _jsonable(info)
+    except Exception as e:
+        node.error = f"env.step raised {type(e).__name__}: {e}"
+        node.truncated, info = True, {}
+    if not node.done and ep.turns >= cfg.rollout.max_turns:
+        node.truncated = True
+        node.info["truncation_reason"] = f"max_turns={cfg.rollout.max_turns}"
+    if not node.done:
+        try:
+            ep.pending = ep.ctx.append_observation(_observation_messages(node.observation, info, cfg))
+        except ContextOverflowError as e:
+            node.truncated = True
+            node.info["truncation_reason"] = f"context budget: {e}"
+    ep.parent = ep.tree.add(node, ep.parent).id
+    ep.done = node.done
+
+
+def run_episodes(env_id: str, policy: Policy, cfg: Config,
+                 on_episode_done: Callable[[RolloutTree], None] | None = None) -> list[RolloutTree]:
+    """Run ``cfg.rollout.episodes`` episodes (env seeds ``seed, seed+1, ...``) to the end."""
+    tok = policy.tokenizer
+    s = cfg.sampling
+    eps = [_start(env_id, cfg.rollout.seed + i, tok, cfg) for i in range(cfg.rollout.episodes)]
+    for ep in eps:
+        if ep.done and on_episode_done:
+            on_episode_done(ep.tree)
+    while active := [ep for ep in eps if not ep.done]:
+        requests = []
+        for ep in active:
+            assert ep.ctx is not None
+            room = cfg.rollout.max_context_tokens - len(ep.ctx)
+            requests.append(GenerateRequest(list(ep.ctx.ids), SamplingParams(
+                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                max_new_tokens=max(1, min(s.max_new_tokens, room)), stop=tuple(s.stop))))
+        results = policy.generate(requests)
+        for ep, res in zip(active, results, strict=True):
+            try:
+                _step(ep, res, tok, cfg)
+            except ContextOverflowError as e:  # the action itself did not fit
+                ep.tree.meta["error"], ep.done = f"context budget: {e}", True
+            if ep.done and on_episode_done:
+                on_episode_done(ep.tree)
+    for ep in eps:
+        ep.env.close()
+    return [ep.tree for ep in eps]
+
+
+def episode_success(tree: RolloutTree) -> bool:
+    """``info["success"]`` of the last turn if the env sets it, else terminated with reward > 0."""
+    leaves = tree.leaves()
+    if not leaves:
+        return False
+    last = leaves[-1]
+    if "success" in last.info:
+        return bool(last.info["success"])
+    return last.terminated and last.reward > 0
+
+
+def summarize(trees: list[RolloutTree], wall_s: float) -> dict[str, Any]:
+    """Success rate, mean reward, turns, tokens and wall time of a set of linear rollouts."""
+    episodes = [ep for t in trees for ep in t.episodes()]
+    n = max(len(trees), 1)
+    action_tokens = sum(sum(ep.loss_mask) for ep in episodes)
+    context_tokens = sum(len(ep.input_ids) - sum(ep.loss_mask) for ep in episodes)
+    failed = [t for t in trees if t.meta.get("error") or any(n.error for n in t.nodes.values())]
+    return {
+        "episodes": len(trees),
+        "success_rate": sum(episode_success(t) for t in trees) / n,
+        "mean_reward": sum(ep.total_reward for ep in episodes) / max(len(episodes), 1),
+        "mean_turns": sum(ep.num_turns for ep in episodes) / max(len(episodes), 1),
+        "action_tokens": action_tokens,
+        "context_tokens": context_tokens,
+        "truncated_turns": sum(n.finish_reason == "length" for t in trees for n in t.nodes.values()),
+        "failed_episodes": len(failed),
+        "wall_s": round(wall_s, 3),
+        "action_tokens_per_s": round(action_tokens / wall_s, 2) if wall_s > 0 else math.nan,
+    }
+
+
+def write_run(out_dir: str | Path, trees: list[RolloutTree], summary: dict[str, Any]) -> Path:
+    """Write ``trajectories.jsonl`` and ``summary.json`` into ``out_dir``, each atomically."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / ".trajectories.jsonl.tmp"
+    write_trees(tmp, trees)
+    os.replace(tmp, out / "trajectories.jsonl")
+    tmp = out / ".summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, out / "summary.json")
+    return out
+

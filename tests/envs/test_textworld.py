@@ -1,0 +1,146 @@
+"""agentrl/TextWorld-v0: real TextWorld games, generated on demand and cached.
+
+Tests that play games need the optional ``textworld`` package and skip, saying
+so, without it. Games are generated once per test session into a temp cache.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agentrl.env import list_envs, make_env
+from agentrl.envs.textworld import GameSpec, TextWorldEnv, clean_command, game_file
+from agentrl.envs.textworld.games import require_textworld
+from agentrl.errors import EnvError
+
+HAS_TEXTWORLD = importlib.util.find_spec("textworld") is not None
+needs_textworld = pytest.mark.skipif(
+    not HAS_TEXTWORLD, reason="textworld is not installed (pip install 'agentrl[textworld]')"
+)
+
+
+@pytest.fixture(scope="session")
+def tw_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("textworld-cache")
+
+
+@pytest.fixture()
+def env(tw_cache):
+    environment = TextWorldEnv(cache_dir=tw_cache)
+    yield environment
+    environment.close()
+
+
+def test_registered_without_importing_textworld():
+    assert "agentrl/TextWorld-v0" in list_envs()
+
+
+def test_missing_textworld_names_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "textworld", None)  # import now fails
+    with pytest.raises(EnvError, match="pip install textworld"):
+        require_textworld()
+    with pytest.raises(EnvError, match=r"agentrl\[textworld\]"):
+        TextWorldEnv()
+
+
+def test_clean_command_strips_junk_and_bounds_length():
+    assert clean_command("  take\x00 the\n\tkey \x7f") == "take the key"
+    assert len(clean_command("a" * 100_000)) == 190
+    assert clean_command("\x01\x02") == ""
+
+
+@needs_textworld
+def test_expert_wins_generated_games(env, tw_cache):
+    home = os.environ.get("HOME")
+    for seed in (1, 2):
+        obs, info = env.reset(seed=seed)
+        assert obs and info["instruction"] and info["admissible_actions"]
+        assert info["tools"] == []
+        total, terminated, truncated, steps = 0.0, False, False, 0
+        while not (terminated or truncated):
+            action = env.expert_action()
+            assert action in info["admissible_actions"]
+            _, reward, terminated, truncated, info = env.step(action)
+            total += reward
+            steps += 1
+        assert terminated and info["success"] and info["won"]
+        assert total == pytest.approx(1.0)
+        assert steps <= GameSpec().quest_length + 2
+    assert os.environ.get("HOME") == home  # restored after compiling
+    assert (tw_cache / "Inform").is_dir()  # the compiler wrote under the cache, not ~
+
+
+@needs_textworld
+def test_games_are_cached_and_seeds_are_reproducible(env, tw_cache, tmp_path):
+    first, _ = env.reset(seed=1)
+    path = game_file(GameSpec(), 1, tw_cache)
+    mtime = path.stat().st_mtime_ns
+    again, _ = env.reset(seed=1)
+    assert again == first and path.stat().st_mtime_ns == mtime
+    fresh = TextWorldEnv(cache_dir=tmp_path)
+    try:
+        assert fresh.reset(seed=1)[0] == first  # regenerated elsewhere: the same game
+    finally:
+        fresh.close()
+
+
+@needs_textworld
+def test_restored_env_continues_identically(env):
+    env.reset(seed=2)
+    env.step("look")
+    env.step("inventory")
+    snap = env.snapshot()
+    actions = ["look", env.expert_action(), "take nothing", "inventory"]
+    first = [env.step(a) for a in actions]
+    env.reset(seed=1)
+    env.restore(snap)
+    assert [env.step(a) for a in actions] == first
+
+
+@needs_textworld
+def test_step_limit_truncates_inside_the_env(tw_cache):
+    env = TextWorldEnv(cache_dir=tw_cache, max_steps=2)
+    try:
+        env.reset(seed=1)
+        assert env.step("look")[3] is False
+        _, _, terminated, truncated, info = env.step("look")
+        assert truncated and not terminated and info["admissible_actions"] == []
+    finally:
+        env.close()
+
+
+@needs_textworld
+def test_made_through_make_env(tw_cache):
+    env = make_env("agentrl/TextWorld-v0", cache_dir=tw_cache)
+    try:
+        obs, info = env.reset(seed=1)
+        assert set(info) >= {"instruction", "admissible_actions", "tools"}
+    finally:
+        env.close()
+
+
+junk = st.one_of(
+    st.text(max_size=100),
+    st.binary(max_size=100).map(lambda b: b.decode("latin-1")),
+    st.just(""),
+    st.text(min_size=1, max_size=8).map(lambda s: (s * 100_000)[:100_000]),
+)
+
+
+@needs_textworld
+@settings(
+    deadline=None, max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(actions=st.lists(junk, min_size=1, max_size=3))
+def test_any_action_string_gets_an_observation(env, actions):
+    env.reset(seed=1)
+    for action in actions:
+        obs, reward, terminated, truncated, info = env.step(action)
+        assert isinstance(obs, str) and obs
+        assert isinstance(info["admissible_actions"], list)

@@ -1,0 +1,105 @@
+"""ChatContext keeps exactly the tokens the policy saw, and reports unstable templates."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from agentrl.chat import ChatContext, TemplateMismatchWarning, render_ids
+from agentrl.errors import ContextOverflowError
+
+# Drops the <think> block of every assistant message except the last one, as
+# some reasoning-model templates do: not prefix-stable.
+THINK_DROPPING_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% set c = m['content'] %}"
+    "{% if m['role'] == 'assistant' and not loop.last and '</think>' in c %}"
+    "{% set c = c.split('</think>')[-1] %}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ c }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _action(tokenizer, text, eos=True):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids + [tokenizer.eos_token_id] if eos else ids
+
+
+def test_chatml_context_equals_full_rerender(tokenizer):
+    ctx = ChatContext(tokenizer, [{"role": "system", "content": "Be brief."},
+                                  {"role": "user", "content": "Guess a number from 1 to 32."}])
+    for guess, hint in [("16", "Too low."), ("24", "Too high."), ("20", "Too low.")]:
+        ctx.append_action(_action(tokenizer, guess))
+        ctx.append_observation([{"role": "user", "content": hint}])
+    assert ctx.ids == render_ids(tokenizer, ctx.messages)
+    assert ctx.prefix_stable and ctx.mismatches == []
+
+
+def test_truncated_action_is_closed_before_the_observation(tokenizer):
+    ctx = ChatContext(tokenizer, [{"role": "user", "content": "Count."}])
+    action = _action(tokenizer, "one two three", eos=False)  # hit max_new_tokens: no EOS
+    ctx.append_action(action)
+    delta = ctx.append_observation([{"role": "user", "content": "Stop."}])
+    assert tokenizer.decode(delta).startswith("<|im_end|>\n<|im_start|>user\nStop.")
+    assert ctx.ids == render_ids(tokenizer, ctx.messages)
+
+
+def test_loss_mask_and_logprobs_cover_only_actions(tokenizer):
+    ctx = ChatContext(tokenizer, [{"role": "user", "content": "Hi"}])
+    n0 = len(ctx)
+    action = _action(tokenizer, "Hello there")
+    ctx.append_action(action, logprobs=[-0.25] * len(action))
+    ctx.append_observation([{"role": "user", "content": "Bye"}])
+    assert ctx.mask[:n0] == [0] * n0
+    assert ctx.mask[n0:n0 + len(action)] == [1] * len(action)
+    assert ctx.ids[n0:n0 + len(action)] == action
+    assert ctx.logprobs[n0:n0 + len(action)] == [-0.25] * len(action)
+    assert sum(ctx.mask) == len(action)
+    assert all(lp == 0.0 for lp, m in zip(ctx.logprobs, ctx.mask, strict=True) if m == 0)
+
+
+def test_non_canonical_action_tokens_are_kept_as_sampled(tokenizer):
+    # "hello" spelled one character per token: a re-tokenization would merge them.
+    chars = [tokenizer.convert_tokens_to_ids(c) for c in "hello"]
+    ctx = ChatContext(tokenizer, [{"role": "user", "content": "Say hello"}])
+    n0 = len(ctx)
+    ctx.append_action(chars + [tokenizer.eos_token_id])
+    ctx.append_observation([{"role": "user", "content": "Again"}])
+    assert ctx.ids[n0:n0 + 6] == chars + [tokenizer.eos_token_id]
+    assert render_ids(tokenizer, ctx.messages) != ctx.ids  # the re-render would differ
+
+
+def test_non_prefix_stable_template_keeps_what_policy_saw_and_reports(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = THINK_DROPPING_TEMPLATE
+    ctx = ChatContext(tok, [{"role": "user", "content": "Solve 2+2."}])
+    expected = list(ctx.ids)
+    action = _action(tok, "<think>2 plus 2 is 4</think>4")
+    ctx.append_action(action)
+    expected += action
+    with pytest.warns(TemplateMismatchWarning, match="not prefix-stable"):
+        delta = ctx.append_observation([{"role": "user", "content": "And 3+3?"}])
+    expected += delta
+    assert ctx.ids == expected  # nothing was re-rendered
+    assert "<think>2 plus 2 is 4</think>" in tok.decode(ctx.ids)
+    assert not ctx.prefix_stable
+    assert ctx.mismatches == [1]
+    # The template's own full rendering dropped the reasoning: the two differ.
+    assert render_ids(tok, ctx.messages) != ctx.ids
+
+
+def test_overflowing_observation_raises_and_leaves_context_unchanged(tokenizer):
+    ctx = ChatContext(tokenizer, [{"role": "user", "content": "Hi"}], max_tokens=64)
+    ctx.append_action(_action(tokenizer, "ok"))
+    before = (list(ctx.ids), list(ctx.mask), list(ctx.messages))
+    with pytest.raises(ContextOverflowError, match="budget of 64"):
+        ctx.append_observation([{"role": "user", "content": "word " * 200}])
+    assert (ctx.ids, ctx.mask, ctx.messages) == before
+
+
+def test_logprob_length_mismatch_is_an_error(tokenizer):
+    ctx = ChatContext(tokenizer, [{"role": "user", "content": "Hi"}])
+    with pytest.raises(ValueError, match="2 logprobs for 3"):
+        ctx.append_action([10, 11, 12], logprobs=[-1.0, -1.0])

@@ -1,0 +1,61 @@
+"""Smoke tests of every CLI command, with tiny budgets."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from agentrl.cli import app
+
+runner = CliRunner()
+
+
+def test_envs_list_shows_builtin_env():
+    res = runner.invoke(app, ["envs", "list"])
+    assert res.exit_code == 0
+    assert "agentrl/GuessNumber-v0" in res.output.split()
+
+
+def test_models_list_names_default_and_tiny():
+    res = runner.invoke(app, ["models", "list"])
+    assert res.exit_code == 0
+    assert "smollm2-135m" in res.output and "tiny-random" in res.output
+
+
+def test_models_prepare_rejects_unpreparable():
+    res = runner.invoke(app, ["models", "prepare", "tiny-random"])
+    assert res.exit_code == 2 and "needs no preparation" in res.output
+
+
+def test_rollout_with_mock_policy_writes_trees_and_summary(tmp_path):
+    out = tmp_path / "run"
+    res = runner.invoke(app, ["rollout", "--backend", "mock", "--episodes", "3", "--out", str(out),
+                              "--set", "policy.mock_responses=['16']", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["episodes"] == 3 and summary["env"] == "agentrl/GuessNumber-v0"
+    assert 0.0 <= summary["success_rate"] <= 1.0
+    lines = (out / "trajectories.jsonl").read_text().splitlines()
+    assert len(lines) == 3
+    assert "success_rate" in res.output
+
+
+def test_rollout_with_tiny_model_and_yaml(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("policy: {model: tiny-random}\nsampling: {max_new_tokens: 4}\n"
+                   f"rollout: {{episodes: 2, max_turns: 2, out_dir: {tmp_path / 'r'}}}\n")
+    res = runner.invoke(app, ["rollout", "--config", str(cfg), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["action_tokens"] > 0 and summary["mean_turns"] <= 2
+
+
+def test_bad_input_is_a_clear_error_with_exit_code_2(tmp_path):
+    res = runner.invoke(app, ["rollout", "--env", "GuesNumber", "--backend", "mock"])
+    assert res.exit_code == 2 and "Did you mean 'agentrl/GuessNumber-v0'" in res.output
+    res = runner.invoke(app, ["rollout", "--model", "gpt-17", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "unknown model 'gpt-17'" in res.output
+    assert "smollm2-135m" in res.output
+    res = runner.invoke(app, ["rollout", "--set", "sampling.temperature=-1"])
+    assert res.exit_code == 2 and "sampling.temperature" in res.output

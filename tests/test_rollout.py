@@ -1,0 +1,104 @@
+"""The minimal runner: token-exact trees, recorded failures, truncation reasons."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import tests.fakes  # noqa: F401  (registers the misbehaving test envs)
+from agentrl.chat import ChatContext
+from agentrl.config import load_config
+from agentrl.policy import HFPolicy, MockPolicy
+from agentrl.rollout import episode_success, run_episodes, summarize, write_run
+from agentrl.types import read_trees
+
+
+def _bisect(prompt: str) -> str:
+    """A scripted agent that reads the hints in its own context and bisects."""
+    low, high = 1, 32
+    for guess, word in re.findall(r"(\d+) is too (low|high)", prompt):
+        if word == "low":
+            low = max(low, int(guess) + 1)
+        else:
+            high = min(high, int(guess) - 1)
+    return str((low + high) // 2)
+
+
+def test_scripted_bisection_wins_every_episode(tokenizer):
+    cfg = load_config(overrides=["rollout.episodes=4", "rollout.max_turns=8"])
+    trees = run_episodes("agentrl/GuessNumber-v0", MockPolicy(tokenizer, _bisect), cfg)
+    assert all(episode_success(t) for t in trees)
+    summary = summarize(trees, wall_s=1.0)
+    assert summary["success_rate"] == 1.0 and summary["mean_reward"] == 1.0
+    assert summary["failed_episodes"] == 0
+    assert 1 <= summary["mean_turns"] <= 6
+
+
+def test_episode_tokens_are_exactly_the_context_the_policy_saw(tokenizer):
+    cfg = load_config(overrides=["rollout.episodes=2", "rollout.max_turns=3"])
+    seen: list[list[int]] = []
+
+    class Recording(MockPolicy):
+        def generate(self, requests):
+            seen.extend(list(r.prompt_ids) for r in requests)
+            return super().generate(requests)
+
+    trees = run_episodes("agentrl/GuessNumber-v0", Recording(tokenizer, ["7", "oops", "9"]), cfg)
+    ep = next(trees[0].episodes())
+    # Each prompt the policy got is a prefix of the episode's final token sequence.
+    prompts = seen[0::2]
+    for p, span in zip(prompts, ep.turn_spans, strict=True):
+        assert ep.input_ids[:len(p)] == p and span[0] == len(p)
+    # Replaying the context by hand gives the same ids.
+    ctx = ChatContext(tokenizer, [{"role": "system", "content": cfg.rollout.system_prompt},
+                                  {"role": "user", "content": trees[0].meta["instruction"]}])
+    for node in ep.nodes[:-1]:
+        ctx.append_action(node.action_ids)
+        ctx.append_observation([{"role": "user", "content": node.observation}])
+    ctx.append_action(ep.nodes[-1].action_ids)
+    assert ctx.ids == ep.input_ids
+    assert sum(ep.loss_mask) == sum(len(n.action_ids) for n in ep.nodes)
+    assert ep.logprobs[ep.turn_spans[0][0]] == -0.5
+
+
+def test_crashed_env_fails_only_its_episode_with_the_reason(tokenizer):
+    cfg = load_config(overrides=["rollout.episodes=2", "env.id=agentrl/TestCrashing-v0",
+                                 "env.kwargs={crash_on: 2}"])
+    trees = run_episodes("agentrl/TestCrashing-v0", MockPolicy(tokenizer, ["hi"]), cfg)
+    for t in trees:
+        last = t.leaves()[0]
+        assert last.error == "env.step raised RuntimeError: simulated env crash"
+        assert last.truncated and len(t.nodes) == 2
+    assert summarize(trees, 1.0)["failed_episodes"] == 2
+
+
+def test_observation_over_budget_truncates_with_reason(tokenizer):
+    cfg = load_config(overrides=["rollout.episodes=1", "rollout.max_context_tokens=400"])
+    trees = run_episodes("agentrl/TestFlood-v0", MockPolicy(tokenizer, ["hi"]), cfg)
+    nodes = list(trees[0].nodes.values())
+    assert len(nodes) == 1 and nodes[0].truncated and not nodes[0].terminated
+    assert nodes[0].info["truncation_reason"].startswith("context budget")
+    assert nodes[0].error is None
+
+
+def test_generation_without_eos_marks_the_turn_truncated(tokenizer, tiny_model):
+    cfg = load_config(overrides=["rollout.episodes=2", "rollout.max_turns=2",
+                                 "sampling.max_new_tokens=5"])
+    policy = HFPolicy(tiny_model, tokenizer)
+    policy.eos_ids = {-1}  # the random model never ends a turn by itself
+    trees = run_episodes("agentrl/GuessNumber-v0", policy, cfg)
+    for t in trees:
+        nodes = list(t.nodes.values())
+        assert [n.finish_reason for n in nodes] == ["length", "length"]
+        assert all(len(n.action_ids) == 5 == len(n.logprobs) for n in nodes)
+        assert nodes[-1].truncated and nodes[-1].info["truncation_reason"] == "max_turns=2"
+    assert summarize(trees, 1.0)["truncated_turns"] == 4
+
+
+def test_run_is_written_atomically_and_reads_back(tokenizer, tmp_path):
+    cfg = load_config(overrides=["rollout.episodes=2"])
+    trees = run_episodes("agentrl/GuessNumber-v0", MockPolicy(tokenizer, _bisect), cfg)
+    out = write_run(tmp_path / "run", trees, summarize(trees, 2.0))
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json", "trajectories.jsonl"]
+    assert json.loads((out / "summary.json").read_text())["episodes"] == 2
+    assert [t.to_dict() for t in read_trees(out / "trajectories.jsonl")] == [t.to_dict() for t in trees]

@@ -1,0 +1,92 @@
+"""Rollout trees: structure, episode views, and lossless JSONL round trips."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentrl.types import Episode, Message, Node, RolloutTree, ToolCall, ToolSpec, read_trees, write_trees
+
+
+def _branching_tree() -> RolloutTree:
+    t = RolloutTree(meta={"env": "agentrl/GuessNumber-v0", "seed": 3})
+    a = t.add(Node(context_ids=[1, 2, 3], action_ids=[10, 11], logprobs=[-0.1, -0.2], version=1))
+    b = t.add(Node(context_ids=[4], action_ids=[12], logprobs=[-0.3], reward=1.0, terminated=True), a.id)
+    c = t.add(Node(context_ids=[5, 6], action_ids=[13, 14, 15], logprobs=[-1, -2, -3.5]), a.id)
+    return t, a, b, c
+
+
+def test_episode_view_concatenates_context_and_actions():
+    t, a, b, c = _branching_tree()
+    eps = list(t.episodes())
+    assert len(eps) == 2
+    ep = eps[0]
+    assert [n.id for n in ep.nodes] == [a.id, b.id]
+    assert ep.input_ids == [1, 2, 3, 10, 11, 4, 12]
+    assert ep.loss_mask == [0, 0, 0, 1, 1, 0, 1]
+    assert ep.logprobs == [0.0, 0.0, 0.0, -0.1, -0.2, 0.0, -0.3]
+    assert ep.versions == [-1, -1, -1, 1, 1, -1, 0]
+    assert ep.turn_spans == [(3, 5), (6, 7)]
+    assert ep.total_reward == 1.0
+    assert eps[1].input_ids == [1, 2, 3, 10, 11, 5, 6, 13, 14, 15]
+    assert t.nodes[a.id].children == [b.id, c.id]
+    assert t.path(c.id)[0] is a
+
+
+def test_tree_round_trips_through_jsonl(tmp_path):
+    t, *_ = _branching_tree()
+    t.nodes[0].info = {"won": False, "nested": {"x": [1, 2]}}
+    t.nodes[1].error = "env.step raised RuntimeError: boom"
+    path = tmp_path / "trees.jsonl"
+    assert write_trees(path, [t, t]) == 2
+    back = read_trees(path)
+    assert len(back) == 2
+    assert back[0].to_dict() == t.to_dict()
+    assert [e.input_ids for e in back[0].episodes()] == [e.input_ids for e in t.episodes()]
+
+
+def test_unknown_node_field_is_rejected():
+    with pytest.raises(ValueError, match="unknown Node fields"):
+        Node.from_dict({"id": 0, "bogus": 1})
+
+
+node_st = st.builds(
+    Node,
+    context_ids=st.lists(st.integers(0, 50_000), max_size=5),
+    action_ids=st.lists(st.integers(0, 50_000), max_size=5),
+    logprobs=st.lists(st.floats(-50, 0, allow_nan=False), max_size=5),
+    reward=st.floats(-10, 10, allow_nan=False),
+    terminated=st.booleans(),
+    action_text=st.text(max_size=20),
+    observation=st.text(max_size=20),
+    info=st.dictionaries(st.text(max_size=5), st.integers() | st.text(max_size=5), max_size=3),
+)
+
+
+@settings(deadline=None, max_examples=60)
+@given(st.lists(st.tuples(node_st, st.integers(0, 100)), min_size=1, max_size=12))
+def test_random_trees_round_trip_losslessly(items):
+    t = RolloutTree(meta={"k": "v"})
+    for node, parent_pick in items:
+        parent = None if not t.nodes else parent_pick % (len(t.nodes) + 1)
+        t.add(node, parent if parent is not None and parent < len(t.nodes) else None)
+    back = RolloutTree.from_json(t.to_json())
+    assert back.to_dict() == t.to_dict()
+    assert sum(1 for _ in back.episodes()) == len(t.leaves())
+
+
+def test_message_and_tool_schemas_render_for_templates():
+    call = ToolCall(id="c1", name="python", arguments={"code": "1+1"})
+    msg = Message(role="assistant", content="", tool_calls=[call])
+    d = msg.to_template()
+    assert d["tool_calls"][0]["function"] == {"name": "python", "arguments": {"code": "1+1"}}
+    spec = ToolSpec(name="python", description="Run code")
+    assert spec.to_openai()["function"]["name"] == "python"
+    with pytest.raises(ValueError):
+        Message(role="robot", content="x")
+
+
+def test_episode_from_empty_path_is_empty():
+    ep = Episode.from_path([])
+    assert ep.input_ids == [] and ep.turn_spans == [] and ep.total_reward == 0
