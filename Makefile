@@ -10,6 +10,8 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.agentrl-installed
 PYTEST_ARGS ?=
+# See agentrl/cli.py: OpenMP threads that spin are slow on a shared 2-core CPU.
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: install run test lint sandbox-deps bench clean
 

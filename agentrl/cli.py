@@ -12,6 +12,7 @@ any other config key. Heavy imports happen inside the commands.
 from __future__ import annotations
 
 import json
+import os
 import time
 from importlib import import_module
 from pathlib import Path
@@ -133,5 +134,8 @@ def _mount_plugins() -> None:
 
 
 def main() -> None:
+    # torch's OpenMP threads spin while they wait; on a small shared CPU that
+    # costs 3-30x when another process holds a core. Must be set before torch loads.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     _mount_plugins()
     app()

@@ -2,8 +2,8 @@
 
 Each episode keeps a token-exact ``ChatContext``; every turn becomes a ``Node``
 of the episode's ``RolloutTree`` (linear here; allocators grow real trees).
-Failures are recorded, never raised: a crashed ``env.step`` ends only its
-episode with ``node.error`` set, and an observation that overflows the context
+Failures are recorded, never raised: a crashed ``env.step`` (or an env that
+reports ``info["error"]``) ends only its episode with ``node.error`` set, and an observation that overflows the context
 budget ends the episode as truncated with ``info["truncation_reason"]``.
 
 This runner is small on purpose; the async engine replaces it later.
@@ -49,8 +49,8 @@ def _jsonable(info: dict[str, Any]) -> dict[str, Any]:
 
 
 def _observation_messages(obs: str, info: dict[str, Any], cfg: Config) -> list[dict[str, Any]]:
-    if "observation_messages" in info:  # tool envs answer with role=tool messages
-        return list(info["observation_messages"])
+    if info.get("tool_messages"):  # tool envs answer with role=tool messages
+        return [{k: v for k, v in m.items() if v is not None} for m in info["tool_messages"]]
     text = obs
     if cfg.rollout.show_admissible and info.get("admissible_actions"):
         text += "\nValid actions: " + ", ".join(map(str, info["admissible_actions"]))
@@ -92,6 +92,8 @@ def _step(ep: _Episode, result: Any, tokenizer: Any, cfg: Config) -> None:
         node.observation, node.reward = obs, float(reward)
         node.terminated, node.truncated = bool(terminated), bool(truncated)
         node.info = _jsonable(info)
+        if info.get("error"):  # the env failed the episode itself and said why
+            node.error = str(info["error"])
     except Exception as e:
         node.error = f"env.step raised {type(e).__name__}: {e}"
         node.truncated, info = True, {}

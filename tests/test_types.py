@@ -6,7 +6,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentrl.types import Episode, Message, Node, RolloutTree, ToolCall, ToolSpec, read_trees, write_trees
+from agentrl.types import (
+    Episode,
+    Message,
+    Node,
+    RolloutTree,
+    ToolCall,
+    ToolSpec,
+    read_trees,
+    write_trees,
+)
 
 
 def _branching_tree() -> RolloutTree:

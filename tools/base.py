@@ -1,0 +1,225 @@
+"""The ``Tool`` base class: a name, a description, a pydantic ``Args`` model and
+an async ``__call__(args, sandbox) -> ToolResult``.
+
+A tool reports mistakes the model can fix (a missing file, a bad expression) as
+a ``ToolResult`` with ``is_error=True``. It raises only for failures outside the
+model's control: ``SandboxError`` (the sandbox died) or ``ToolError``; the
+``ToolEnv`` then fails the episode and records the reason.
+
+``Tool.invoke(arguments, sandbox)`` is the entry point for raw model arguments:
+it validates them against ``Args`` (a readable error result on failure), runs the
+tool and caps the output size.
+
+The ``@tool`` decorator makes a tool from an async function whose first
+parameter is annotated with a pydantic model::
+
+    class AddArgs(BaseModel):
+        a: int = Field(description="first addend")
+        b: int = Field(description="second addend")
+
+    @tool(description="Add two integers.")
+    async def add(args: AddArgs) -> str:
+        return str(args.a + args.b)
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, get_type_hints
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from agentrl.types import ToolSpec
+
+if TYPE_CHECKING:
+    from agentrl.sandboxes.base import Sandbox
+
+__all__ = [
+    "DEFAULT_MAX_OUTPUT_CHARS",
+    "FunctionTool",
+    "NoArgs",
+    "Tool",
+    "ToolResult",
+    "format_validation_error",
+    "tool",
+    "truncate_middle",
+]
+
+DEFAULT_MAX_OUTPUT_CHARS = 8_000
+
+
+@dataclass(slots=True)
+class ToolResult:
+    """What one tool call returned: the text shown to the model and an error flag."""
+
+    content: str
+    is_error: bool = False
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def error(cls, message: str, **metadata: Any) -> ToolResult:
+        return cls(content=message, is_error=True, metadata=dict(metadata))
+
+
+class NoArgs(BaseModel):
+    """Arguments of a tool that takes none."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def truncate_middle(text: str, limit: int) -> str:
+    """``text`` cut to at most about ``limit`` chars, keeping its head and tail.
+
+    The marker says how much was dropped, so the model knows output is missing.
+    """
+    if limit <= 0 or len(text) <= limit:
+        return text
+    marker = f"\n[... {len(text) - limit} characters truncated ...]\n"
+    head = max(0, (limit * 2) // 3)
+    tail = max(0, limit - head)
+    return text[:head] + marker + (text[-tail:] if tail else "")
+
+
+def format_validation_error(tool_name: str, err: ValidationError) -> str:
+    """A short, model-readable account of why arguments failed validation."""
+    lines = [f"Invalid arguments for tool {tool_name!r}:"]
+    for e in err.errors(include_url=False)[:10]:
+        loc = ".".join(str(p) for p in e.get("loc", ())) or "(arguments)"
+        lines.append(f"- {loc}: {e.get('msg', 'invalid')}")
+    return "\n".join(lines)
+
+
+def _schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAI-style JSON schema of an ``Args`` model (no pydantic titles)."""
+
+    def strip(node: Any, in_props: bool = False) -> Any:
+        # Drop pydantic's "title" keys (noise for the model) but keep a
+        # property that happens to be named "title".
+        if isinstance(node, dict):
+            return {
+                k: strip(v, in_props=(k == "properties" and not in_props))
+                for k, v in node.items()
+                if in_props or k != "title"
+            }
+        if isinstance(node, list):
+            return [strip(v) for v in node]
+        return node
+
+    out = strip(model.model_json_schema())
+    out.setdefault("type", "object")
+    out.setdefault("properties", {})
+    return out
+
+
+class Tool:
+    """A tool the model can call. Subclasses set ``name``, ``description``,
+    ``Args`` and implement ``__call__``.
+
+    ``needs_sandbox`` tells the env whether to lease a sandbox for this tool.
+    ``max_output_chars`` caps what one call returns (head and tail are kept).
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    Args: ClassVar[type[BaseModel]] = NoArgs
+    needs_sandbox: ClassVar[bool] = False
+    max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS
+
+    def spec(self) -> ToolSpec:
+        """The schema the model is shown."""
+        return ToolSpec(name=self.name, description=self.description, parameters=_schema(self.Args))
+
+    async def __call__(self, args: Any, sandbox: Sandbox | None) -> ToolResult:
+        raise NotImplementedError(f"{type(self).__name__} must implement __call__")
+
+    async def invoke(self, arguments: dict[str, Any], sandbox: Sandbox | None) -> ToolResult:
+        """Validate raw ``arguments``, run the tool and cap its output.
+
+        Invalid arguments give an error result naming each bad field. Errors
+        outside the model's control (``SandboxError``, ``ToolError``) propagate.
+        """
+        try:
+            args = self.Args.model_validate(arguments)
+        except ValidationError as err:
+            return ToolResult.error(format_validation_error(self.name, err))
+        result = await self(args, sandbox)
+        if not isinstance(result, ToolResult):
+            result = ToolResult(content=str(result))
+        if len(result.content) > self.max_output_chars:
+            result.metadata["truncated_from"] = len(result.content)
+            result.content = truncate_middle(result.content, self.max_output_chars)
+        return result
+
+    async def release(self, sandbox: Sandbox) -> None:
+        """Drop any state this tool keeps for ``sandbox`` (called when an episode ends)."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+class FunctionTool(Tool):
+    """A tool made from an async function ``fn(args)`` or ``fn(args, sandbox)``."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Awaitable[str | ToolResult]],
+        args_model: type[BaseModel],
+        name: str,
+        description: str,
+        needs_sandbox: bool,
+    ):
+        self._fn = fn
+        self._pass_sandbox = len(inspect.signature(fn).parameters) >= 2
+        # Instance attributes shadow the ClassVars of Tool on purpose.
+        self.name = name  # type: ignore[misc]
+        self.description = description  # type: ignore[misc]
+        self.Args = args_model  # type: ignore[misc]
+        self.needs_sandbox = needs_sandbox  # type: ignore[misc]
+
+    async def __call__(self, args: Any, sandbox: Sandbox | None) -> ToolResult:
+        out = await (self._fn(args, sandbox) if self._pass_sandbox else self._fn(args))
+        return out if isinstance(out, ToolResult) else ToolResult(content=str(out))
+
+
+def tool(
+    fn: Callable[..., Awaitable[Any]] | None = None,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+) -> Any:
+    """Decorator: turn ``async def fn(args: SomeModel[, sandbox])`` into a ``Tool``.
+
+    The name defaults to the function's name and the description to its
+    docstring. The tool asks for a sandbox when ``fn`` takes a second parameter.
+    """
+
+    # Locals of the decorating scope, so models defined in a function resolve
+    # under ``from __future__ import annotations``.
+    caller_locals = dict(sys._getframe(1).f_locals)
+
+    def wrap(f: Callable[..., Awaitable[Any]]) -> FunctionTool:
+        if not inspect.iscoroutinefunction(f):
+            raise TypeError(f"@tool needs an async function; {f.__name__} is not")
+        params = list(inspect.signature(f).parameters)
+        if not params:
+            raise TypeError(f"{f.__name__} must take an args parameter annotated with a model")
+        try:
+            hints = get_type_hints(f, localns=caller_locals)
+        except NameError as err:
+            raise TypeError(f"cannot resolve the annotations of {f.__name__}: {err}") from err
+        model = hints.get(params[0], NoArgs)
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            raise TypeError(f"annotate {f.__name__}'s first parameter with a pydantic model")
+        doc = inspect.getdoc(f) or ""
+        return FunctionTool(
+            f,
+            model,
+            name=name or f.__name__,
+            description=description if description is not None else doc,
+            needs_sandbox=len(params) >= 2,
+        )
+
+    return wrap(fn) if fn is not None else wrap

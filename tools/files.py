@@ -1,0 +1,150 @@
+"""File tools: ``read_file``, ``write_file`` and ``edit_file`` (search and replace).
+
+Paths are relative to the sandbox's working directory; the sandbox decides what
+lies outside it. Mistakes the model can fix (a missing file, search text that is
+absent or occurs more than once) come back as error results.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentrl.errors import SandboxError
+from agentrl.sandboxes.base import Sandbox
+
+from ._sandbox_errors import is_model_fixable, require_sandbox
+from .base import Tool, ToolResult
+
+__all__ = [
+    "EditFileArgs",
+    "EditFileTool",
+    "ReadFileArgs",
+    "ReadFileTool",
+    "WriteFileArgs",
+    "WriteFileTool",
+]
+
+MAX_FILE_BYTES = 5_000_000  # edit_file and read_file refuse bigger files
+
+
+class ReadFileArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(min_length=1, description="File path, relative to the working directory.")
+    start_line: int = Field(1, ge=1, description="First line to return (1-based).")
+    end_line: int | None = Field(None, ge=1, description="Last line to return; default: the end.")
+
+
+class WriteFileArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(min_length=1, description="File path, relative to the working directory.")
+    content: str = Field(description="Full new content of the file.")
+
+
+class EditFileArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(min_length=1, description="File path, relative to the working directory.")
+    search: str = Field(min_length=1, description="Exact text to find; must occur exactly once.")
+    replace: str = Field(description="Text that replaces it.")
+    replace_all: bool = Field(False, description="Replace every occurrence instead of one.")
+
+
+def _describe(err: BaseException, verb: str, path: str) -> str:
+    # Sandbox errors already name the path and the reason.
+    if isinstance(err, SandboxError):
+        return str(err)
+    return f"cannot {verb} {path!r}: {type(err).__name__}: {err}"
+
+
+async def _read_text(sandbox: Sandbox, path: str) -> str | ToolResult:
+    """The file's text, or an error result the model can act on."""
+    try:
+        data = await sandbox.read_file(path)
+    except Exception as err:
+        if not is_model_fixable(err):
+            raise
+        return ToolResult.error(_describe(err, "read", path))
+    if len(data) > MAX_FILE_BYTES:
+        return ToolResult.error(f"{path!r} is larger than {MAX_FILE_BYTES} bytes")
+    return data.decode("utf-8", errors="replace")
+
+
+async def _write_text(sandbox: Sandbox, path: str, text: str) -> ToolResult | None:
+    try:
+        await sandbox.write_file(path, text)
+    except Exception as err:
+        if not is_model_fixable(err):
+            raise
+        return ToolResult.error(_describe(err, "write", path))
+    return None
+
+
+class ReadFileTool(Tool):
+    name: ClassVar[str] = "read_file"
+    description: ClassVar[str] = "Read a text file, optionally only lines start_line..end_line."
+    Args: ClassVar[type[BaseModel]] = ReadFileArgs
+    needs_sandbox: ClassVar[bool] = True
+
+    async def __call__(self, args: ReadFileArgs, sandbox: Sandbox | None) -> ToolResult:
+        text = await _read_text(require_sandbox(sandbox, self.name), args.path)
+        if isinstance(text, ToolResult):
+            return text
+        if args.start_line == 1 and args.end_line is None:
+            return ToolResult(content=text)
+        lines = text.splitlines(keepends=True)
+        end = args.end_line if args.end_line is not None else len(lines)
+        if args.start_line > max(len(lines), 1) or end < args.start_line:
+            return ToolResult.error(
+                f"lines {args.start_line}..{end} are out of range; {args.path!r} has "
+                f"{len(lines)} lines"
+            )
+        return ToolResult(content="".join(lines[args.start_line - 1 : end]))
+
+
+class WriteFileTool(Tool):
+    name: ClassVar[str] = "write_file"
+    description: ClassVar[str] = "Create or overwrite a text file with the given content."
+    Args: ClassVar[type[BaseModel]] = WriteFileArgs
+    needs_sandbox: ClassVar[bool] = True
+
+    async def __call__(self, args: WriteFileArgs, sandbox: Sandbox | None) -> ToolResult:
+        failed = await _write_text(require_sandbox(sandbox, self.name), args.path, args.content)
+        n = len(args.content.encode())
+        return failed or ToolResult(content=f"wrote {n} bytes to {args.path}")
+
+
+class EditFileTool(Tool):
+    name: ClassVar[str] = "edit_file"
+    description: ClassVar[str] = (
+        "Replace an exact piece of text in a file. The search text must occur exactly once "
+        "(include surrounding lines to make it unique) unless replace_all is true."
+    )
+    Args: ClassVar[type[BaseModel]] = EditFileArgs
+    needs_sandbox: ClassVar[bool] = True
+
+    async def __call__(self, args: EditFileArgs, sandbox: Sandbox | None) -> ToolResult:
+        box = require_sandbox(sandbox, self.name)
+        text = await _read_text(box, args.path)
+        if isinstance(text, ToolResult):
+            return text
+        count = text.count(args.search)
+        if count == 0:
+            return ToolResult.error(
+                f"the search text was not found in {args.path!r}; read the file and copy the "
+                "text exactly, including whitespace"
+            )
+        if count > 1 and not args.replace_all:
+            return ToolResult.error(
+                f"the search text occurs {count} times in {args.path!r}; include more "
+                "surrounding text to make it unique, or set replace_all to true"
+            )
+        new = text.replace(args.search, args.replace, -1 if args.replace_all else 1)
+        failed = await _write_text(box, args.path, new)
+        return failed or ToolResult(
+            content=f"replaced {count if args.replace_all else 1} occurrence(s) in {args.path}",
+            metadata={"replacements": count if args.replace_all else 1},
+        )

@@ -1,0 +1,220 @@
+"""Tool calls in model text: parse them, and render tools and results as prompt text.
+
+Two formats are read:
+
+- ``hermes`` (Hermes / Qwen): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+  blocks. An unterminated last block is accepted, since generation often stops
+  on ``</tool_call>``.
+- ``json`` (OpenAI-style, bare): JSON objects anywhere in the text, shaped
+  ``{"name": ..., "arguments": ...}``, ``{"name": ..., "parameters": ...}`` or
+  ``{"type": "function", "function": {"name": ..., "arguments": ...}}``.
+
+In both, ``arguments`` may be an object or a JSON string holding one. With
+``style="auto"`` the hermes format wins when the text holds a ``<tool_call>``
+tag; otherwise bare JSON is read.
+
+``parse_tool_calls`` never raises: what it cannot read becomes a message in
+``ParseResult.errors``, written for the model to fix its next call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from agentrl.types import ToolCall, ToolSpec
+
+__all__ = [
+    "ParseResult",
+    "Style",
+    "parse_tool_calls",
+    "render_tool_results",
+    "render_tools_prompt",
+]
+
+Style = Literal["hermes", "json"]
+
+MAX_PARSE_CHARS = 200_000  # longer text is cut before parsing; calls live near the start
+MAX_JSON_ATTEMPTS = 256
+MAX_NAME_CHARS = 128  # bound on raw_decode tries when scanning for bare JSON
+_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+_FENCE = re.compile(r"^```[a-zA-Z]*\s*|\s*```$")
+# A bare object that starts like a call; used to report broken JSON as an error.
+_CALL_START = re.compile(r'\{\s*"(?:name|function)"\s*:')
+_HERMES_EXAMPLE = '<tool_call>{"name": "TOOL", "arguments": {...}}</tool_call>'
+_JSON_EXAMPLE = '{"name": "TOOL", "arguments": {...}}'
+
+
+@dataclass(slots=True)
+class ParseResult:
+    """Calls read from one action, plus a message for each part that could not be read."""
+
+    calls: list[ToolCall] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def attempted(self) -> bool:
+        """True when the text tried to call a tool, successfully or not."""
+        return bool(self.calls or self.errors)
+
+
+def _short(err: Exception) -> str:
+    return str(err).split("\n", 1)[0][:200]
+
+
+def _call_from_obj(obj: Any, index: int) -> ToolCall | str:
+    """A ``ToolCall`` from one decoded JSON value, or an error message."""
+    if not isinstance(obj, dict):
+        return f"a tool call must be a JSON object, got {type(obj).__name__}"
+    if isinstance(obj.get("function"), dict):  # OpenAI {"type": "function", "function": {...}}
+        call_id = obj.get("id")
+        obj = obj["function"]
+    else:
+        call_id = obj.get("id")
+    name = obj.get("name")
+    if not isinstance(name, str) or not name.strip():
+        return 'a tool call needs a "name" string naming the tool'
+    if len(name) > MAX_NAME_CHARS:
+        return f"the tool name is longer than {MAX_NAME_CHARS} characters"
+    args: Any = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        if not args.strip():
+            args = {}
+        else:
+            try:
+                args = json.loads(args)
+            except (ValueError, RecursionError) as err:
+                return f'tool {name!r}: "arguments" is a string but not valid JSON ({_short(err)})'
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        return f'tool {name!r}: "arguments" must be a JSON object, got {type(args).__name__}'
+    cid = call_id if isinstance(call_id, str) and call_id else f"call_{index}"
+    return ToolCall(id=cid, name=name.strip(), arguments=args)
+
+
+def _add(result: ParseResult, obj: Any, where: str) -> None:
+    out = _call_from_obj(obj, len(result.calls))
+    if isinstance(out, ToolCall):
+        result.calls.append(out)
+    else:
+        result.errors.append(f"{where}: {out}")
+
+
+def _parse_hermes(text: str, result: ParseResult) -> None:
+    for n, m in enumerate(_BLOCK.finditer(text), start=1):
+        body = _FENCE.sub("", m.group(1).strip()).strip()
+        where = f"tool call {n}"
+        if not body:
+            result.errors.append(f"{where}: empty <tool_call> block. Write {_HERMES_EXAMPLE}")
+            continue
+        try:
+            obj = json.loads(body)
+        except (ValueError, RecursionError) as err:
+            result.errors.append(f"{where}: invalid JSON ({_short(err)}). Write {_HERMES_EXAMPLE}")
+            continue
+        items = obj if isinstance(obj, list) and obj else [obj]
+        for item in items:
+            _add(result, item, where)
+
+
+def _is_call_shaped(obj: Any) -> bool:
+    if not isinstance(obj, dict):
+        return False
+    if isinstance(obj.get("function"), dict):
+        return "name" in obj["function"]
+    return "name" in obj and ("arguments" in obj or "parameters" in obj)
+
+
+def _parse_bare_json(text: str, result: ParseResult) -> None:
+    decoder = json.JSONDecoder()
+    pos, attempts = 0, 0
+    while attempts < MAX_JSON_ATTEMPTS:
+        start = text.find("{", pos)
+        if start < 0:
+            return
+        attempts += 1
+        try:
+            obj, end = decoder.raw_decode(text, start)
+        except (ValueError, RecursionError) as err:
+            if _CALL_START.match(text, start):
+                result.errors.append(
+                    f"tool call at character {start}: invalid JSON ({_short(err)}). "
+                    f"Write {_JSON_EXAMPLE}"
+                )
+            pos = start + 1
+            continue
+        if _is_call_shaped(obj):
+            _add(result, obj, f"tool call at character {start}")
+            pos = end
+        else:
+            pos = start + 1  # a call may sit inside this object, e.g. {"tool_calls": [...]}
+
+
+def parse_tool_calls(text: Any, style: Literal["auto", "hermes", "json"] = "auto") -> ParseResult:
+    """Read the tool calls in ``text``; never raises.
+
+    Calls get ids ``call_0``, ``call_1``, ... unless the JSON carries an ``id``.
+    """
+    result = ParseResult()
+    if not isinstance(text, str):
+        result.errors.append(f"the action must be text, got {type(text).__name__}")
+        return result
+    text = text[:MAX_PARSE_CHARS]
+    try:
+        if style == "hermes" or (style == "auto" and "<tool_call>" in text):
+            _parse_hermes(text, result)
+        elif style in ("json", "auto"):
+            _parse_bare_json(text, result)
+        else:
+            result.errors.append(f"unknown tool-call style {style!r}; use 'hermes' or 'json'")
+    except RecursionError:  # deeply nested values inside an otherwise valid object
+        result.errors.append("a tool call is nested too deeply to read")
+    return result
+
+
+def render_tools_prompt(
+    specs: list[ToolSpec] | list[dict[str, Any]],
+    style: Style = "hermes",
+    final_answer_hint: str = "When you are done, reply with your final answer and no tool call.",
+) -> str:
+    """System-prompt text that lists the tools and says how to call them."""
+    dumped = [s.model_dump() if isinstance(s, ToolSpec) else dict(s) for s in specs]
+    lines = [json.dumps({"type": "function", "function": d}, ensure_ascii=False) for d in dumped]
+    if style == "hermes":
+        return (
+            "# Tools\n\n"
+            "You can call the tools listed between <tools> and </tools>, one JSON schema a line:\n"
+            "<tools>\n" + "\n".join(lines) + "\n</tools>\n\n"
+            "To call a tool, write a JSON object with the tool's name and its arguments "
+            "between <tool_call> and </tool_call>:\n"
+            '<tool_call>\n{"name": "<tool name>", "arguments": {<arguments as JSON>}}\n'
+            "</tool_call>\n"
+            "You may make several calls in one reply. Each result comes back between "
+            "<tool_response> and </tool_response>.\n" + final_answer_hint
+        )
+    if style == "json":
+        return (
+            "# Tools\n\nYou can call these tools (JSON schemas, one a line):\n"
+            + "\n".join(lines)
+            + "\n\nTo call a tool, reply with a JSON object: "
+            '{"name": "<tool name>", "arguments": {<arguments as JSON>}}. '
+            "Each result comes back as a JSON object with the call's name and content.\n"
+            + final_answer_hint
+        )
+    raise ValueError(f"unknown tool-call style {style!r}; use 'hermes' or 'json'")
+
+
+def render_tool_results(results: list[tuple[str, str, str]], style: Style = "hermes") -> str:
+    """Observation text for ``(call_id, tool_name, content)`` triples, in call order.
+
+    ``hermes`` puts each raw result between ``<tool_response>`` tags, as Qwen's
+    chat template does for tool messages; ``json`` writes one JSON object a line.
+    """
+    if style == "hermes":
+        return "\n".join(f"<tool_response>\n{c}\n</tool_response>" for _, _, c in results)
+    return "\n".join(
+        json.dumps({"id": i, "name": n, "content": c}, ensure_ascii=False) for i, n, c in results
+    )

@@ -1,0 +1,93 @@
+"""The ``python`` tool: run code in a persistent interpreter, state kept between calls.
+
+Each sandbox gets one interpreter (``agentrl.sandboxes.interpreter.PythonInterpreter``),
+started on the first call and closed by ``release`` when the episode ends. Calls
+into the same interpreter are serialized, so concurrent calls in one turn run in
+the order they were made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentrl.sandboxes.base import Sandbox
+
+from ._sandbox_errors import format_exec, require_sandbox
+from .base import Tool, ToolResult
+
+__all__ = ["PythonArgs", "PythonTool"]
+
+
+class PythonArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    code: str = Field(
+        description="Python code. Variables persist between calls; print() what you want to see."
+    )
+    timeout: float = Field(30.0, gt=0, le=300, description="Seconds before the snippet is killed.")
+
+
+def _default_interpreter(sandbox: Sandbox) -> Any:
+    from agentrl.sandboxes.interpreter import PythonInterpreter  # lazy: optional module
+
+    return PythonInterpreter(sandbox)
+
+
+@dataclass(slots=True)
+class _Session:
+    interpreter: Any
+    lock: asyncio.Lock
+    started: bool = False
+
+
+class PythonTool(Tool):
+    """Stateful Python through the sandbox's persistent interpreter."""
+
+    name: ClassVar[str] = "python"
+    description: ClassVar[str] = (
+        "Run Python code in a persistent session (like a notebook): variables, imports and "
+        "functions stay defined between calls. Returns what the code printed."
+    )
+    Args: ClassVar[type[BaseModel]] = PythonArgs
+    needs_sandbox: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        interpreter_factory: Callable[[Sandbox], Any] | None = None,
+        max_timeout: float = 120.0,
+    ):
+        self._factory = interpreter_factory or _default_interpreter
+        self.max_timeout = max_timeout
+        self._sessions: weakref.WeakKeyDictionary[Sandbox, _Session] = weakref.WeakKeyDictionary()
+
+    def _session(self, sandbox: Sandbox) -> _Session:
+        session = self._sessions.get(sandbox)
+        if session is None:
+            session = _Session(self._factory(sandbox), asyncio.Lock())
+            self._sessions[sandbox] = session
+        return session
+
+    async def __call__(self, args: PythonArgs, sandbox: Sandbox | None) -> ToolResult:
+        session = self._session(require_sandbox(sandbox, self.name))
+        timeout = min(args.timeout, self.max_timeout)
+        async with session.lock:
+            if not session.started:
+                await session.interpreter.start()
+                session.started = True
+            result = await session.interpreter.execute(args.code, timeout)
+        return ToolResult(
+            content=format_exec(result, timeout),
+            is_error=not result.ok,
+            metadata={"exit_code": result.exit_code, "timed_out": result.timed_out},
+        )
+
+    async def release(self, sandbox: Sandbox) -> None:
+        session = self._sessions.pop(sandbox, None)
+        if session is not None and session.started:
+            await session.interpreter.close()

@@ -1,0 +1,440 @@
+"""``ToolEnv``: a tool-calling ``TextEnv`` around another ``TextEnv`` or a ``Task``.
+
+Each action is read for tool calls (Hermes ``<tool_call>`` blocks or bare
+OpenAI-style JSON, see ``agentrl.tools.parse``):
+
+- **The action calls tools** (it holds a call, or a broken attempt at one): the
+  calls run concurrently in the episode's sandbox, and the observation is their
+  results, rendered as ``<tool_response>`` blocks (or JSON lines with
+  ``style="json"``). Reward 0; the episode goes on.
+- **The action calls no tool**: it is the final answer (for a ``Task``, scored by
+  ``task.score``, and the episode terminates) or the wrapped env's action (passed
+  to its ``step`` unchanged).
+
+Model mistakes never raise. Invalid JSON, an unknown tool, arguments that fail
+validation and calls over ``max_calls_per_turn`` each answer with an error
+message in the observation. Each call's output is capped at
+``max_output_chars``, and the whole observation at ``max_observation_chars``.
+The episode is truncated after ``max_turns`` steps.
+
+Failures outside the model's control end the episode: a dead sandbox, a tool
+that raised, or a crash of the wrapped env or the verifier. The step then
+returns ``truncated=True``, reward 0, and the reason in ``info["error"]``.
+
+The sandbox comes from ``sandbox=``: a ``Sandbox``, a factory or a pool (see
+``agentrl.tools.sandbox_source``). It is leased on the first call that needs one
+(or at reset when the task has files) and given back when the episode ends.
+
+``reset``/``step`` are sync (the gymnasium API) and run on one process-wide
+event-loop thread (``shared_loop``), so they also work inside a running loop, and
+envs that share a pool share its loop. ``areset``/``astep`` are the
+async versions. Use one kind per episode: asyncio objects, such as an
+interpreter's pipes, belong to the loop that made them.
+
+``info`` carries ``tools`` (spec dicts), ``turn``, and on tool turns
+``tool_calls`` and ``tool_messages`` (``Message`` dicts with ``role="tool"``),
+so a chat context can render the results with the model's own template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import difflib
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agentrl.env import TextEnv
+from agentrl.errors import ConfigError, EnvError
+from agentrl.sandboxes.base import Sandbox
+from agentrl.types import Message, ToolCall
+
+from ._loop import shared_loop
+from .base import Tool, ToolResult, truncate_middle
+from .parse import ParseResult, parse_tool_calls, render_tool_results, render_tools_prompt
+from .registry import get_tool
+from .sandbox_source import SandboxSource, as_sandbox_source
+from .task import Task
+
+__all__ = ["ToolEnv", "ToolEnvConfig", "strip_thinking"]
+
+_THINK = re.compile(r"<think>.*?(?:</think>|\Z)", re.DOTALL)
+
+TaskSource = Task | Sequence[Task] | Callable[[np.random.Generator], Task]
+
+
+class ToolEnvConfig(BaseModel):
+    """Limits and formats of a ``ToolEnv``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    style: Literal["hermes", "json"] = Field(
+        "hermes", description="Format of the tools prompt and of tool results (parsing reads both)."
+    )
+    max_calls_per_turn: int = Field(
+        4, ge=1, description="Calls run per turn; extra ones get an error."
+    )
+    max_output_chars: int = Field(4_000, ge=64, description="Cap on one call's output, in chars.")
+    max_observation_chars: int = Field(
+        16_000, ge=256, description="Cap on a whole tool observation, in chars."
+    )
+    max_turns: int = Field(16, ge=1, description="Steps before the episode is truncated.")
+    call_timeout_s: float = Field(
+        180.0, gt=0, description="Wall-clock limit of one call, on top of the tools' own timeouts."
+    )
+    tools_in_observation: bool = Field(
+        False,
+        description="Prepend the rendered tools prompt to the first observation, for models "
+        "whose chat template does not take tools.",
+    )
+
+
+def strip_thinking(text: str) -> str:
+    """``text`` without ``<think>...</think>`` blocks, stripped."""
+    return _THINK.sub("", text).strip()
+
+
+@dataclass(slots=True)
+class _Outcome:
+    observation: str
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    info: dict[str, Any] | None = None
+    error: str | None = None
+
+
+class ToolEnv(TextEnv):
+    """Wraps a ``TextEnv`` or a task source into a tool-calling ``TextEnv``.
+
+    ``source`` is a ``TextEnv``, a ``Task``, a sequence of tasks (one drawn per
+    reset) or a function ``rng -> Task``. ``tools`` are ``Tool`` instances or
+    built-in tool names. ``reset(options={"task": Task(...)})`` plays a given task.
+    """
+
+    def __init__(
+        self,
+        source: TextEnv | TaskSource,
+        tools: Sequence[Tool | str] = (),
+        sandbox: Any = None,
+        config: ToolEnvConfig | None = None,
+        render_mode: str | None = None,
+        **overrides: Any,
+    ):
+        super().__init__(render_mode=render_mode)
+        try:
+            base = (config or ToolEnvConfig()).model_dump()
+            self.config = ToolEnvConfig.model_validate({**base, **overrides})
+        except ValidationError as err:
+            bad = "; ".join(
+                f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors(include_url=False)
+            )
+            raise ConfigError(f"bad ToolEnv setting ({bad})") from err
+        self.inner = source if isinstance(source, TextEnv) else None
+        self._tasks = None if self.inner is not None else source
+        self.tools: dict[str, Tool] = {}
+        for t in tools:
+            t = get_tool(t) if isinstance(t, str) else t
+            if t.name in self.tools:
+                raise EnvError(f"two tools are named {t.name!r}; tool names must be unique")
+            self.tools[t.name] = t
+        self._source: SandboxSource | None = as_sandbox_source(sandbox)
+        needy = [t.name for t in self.tools.values() if t.needs_sandbox]
+        if needy and self._source is None:
+            raise ConfigError(
+                f"tools {needy} run in a sandbox; pass ToolEnv(sandbox=...) with a Sandbox, "
+                "a factory or a pool"
+            )
+        self._loop = shared_loop()
+        self.sandbox: Sandbox | None = None
+        self.task: Task | None = None
+        self._turn = 0
+        self._done = False
+        self._started = False
+        self._base_info: dict[str, Any] = {}
+        self._release_error: str | None = None
+        self._replay_log: dict[str, Any] = {"seed": None, "options": {}, "actions": []}
+
+    # -- public API --------------------------------------------------------------
+    def tool_specs(self) -> list[dict[str, Any]]:
+        """The spec dicts of this env's tools (``ToolSpec.model_dump()``)."""
+        return [t.spec().model_dump() for t in self.tools.values()]
+
+    def tools_prompt(self) -> str:
+        """The system-prompt text that lists the tools in this env's style."""
+        return render_tools_prompt(self.tool_specs(), style=self.config.style)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        return self._loop.run(self.areset(seed=seed, options=options))
+
+    def step(self, action: str):
+        return self._loop.run(self.astep(action))
+
+    async def areset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[str, dict[str, Any]]:
+        """Async ``reset``: end the previous episode, start a new one."""
+        TextEnv.reset(self, seed=seed)
+        await self._end_episode()
+        self._turn, self._done, self._started = 0, False, True
+        options = dict(options or {})
+        if self.inner is not None:
+            if seed is None:  # an explicit seed lets the episode be replayed
+                seed = int(self.np_random.integers(2**31 - 1))
+            obs, info = self.inner.reset(seed=seed, options=options or None)
+            info = dict(info)
+            self._replay_log = {"seed": seed, "options": options, "actions": []}
+        else:
+            self.task = options.get("task") or self._draw_task()
+            self._replay_log = {"seed": None, "options": {"task": self.task}, "actions": []}
+            obs = self.task.prompt
+            info = {"instruction": self.task.prompt, **self.task.info}
+        info["tools"] = list(info.get("tools") or []) + self.tool_specs()
+        self._base_info = dict(info)
+        if self._release_error:
+            info["release_error"], self._release_error = self._release_error, None
+        if self.task is not None and self.task.needs_sandbox and self.inner is None:
+            try:
+                await self.task.setup(await self._ensure_sandbox())
+            except Exception as err:  # the episode fails; the reason is recorded
+                self._done = True
+                info["error"] = f"task setup failed: {type(err).__name__}: {err}"
+                await self._end_episode()
+        if self.config.tools_in_observation and self.tools:
+            obs = self.tools_prompt() + "\n\n" + obs
+        self._last_obs = obs
+        return obs, info
+
+    async def astep(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """Async ``step``: run the tool calls in ``action`` or take it as the final answer."""
+        if not self._started:
+            raise EnvError("step() before reset(); call reset() first")
+        info = {k: v for k, v in self._base_info.items() if k != "error"}
+        if self._done:
+            info["error"] = "step() after the episode ended; call reset()"
+            return "The episode is over.", 0.0, False, True, info
+        self._turn += 1
+        self._replay_log["actions"].append(action)
+        parsed = parse_tool_calls(action)
+        if parsed.attempted:
+            out = await self._tool_turn(parsed)
+        else:
+            out = await self._final_turn(action if isinstance(action, str) else str(action))
+        if out.info:
+            info.update(out.info)
+        info["tools"] = self._base_info["tools"]
+        info["turn"] = self._turn
+        terminated = out.terminated and out.error is None
+        truncated = not terminated and (
+            out.truncated or out.error is not None or self._turn >= self.config.max_turns
+        )
+        if out.error is not None:
+            info["error"] = out.error
+        if terminated or truncated:
+            self._done = True
+            await self._end_episode()
+            if self._release_error:
+                info["release_error"], self._release_error = self._release_error, None
+        self._last_obs = out.observation
+        return out.observation, float(out.reward), terminated, truncated, info
+
+    def close(self) -> None:
+        try:
+            self._loop.run(self._end_episode())
+        finally:
+            if self.inner is not None:
+                self.inner.close()
+        super().close()
+
+    # -- branching ---------------------------------------------------------------
+    def snapshot(self) -> Any:
+        """A branch point: this env's state plus the sandbox's snapshot.
+
+        When a sandbox is in use and its backend cannot snapshot, the snapshot
+        is the episode's reset arguments and action log instead, and ``restore``
+        replays them in a reset sandbox (tools must then be deterministic).
+        Interpreter memory is never captured directly: after a sandbox restore
+        the ``python`` tool starts a fresh session; a replay rebuilds it.
+        """
+        box = None
+        if self.sandbox is not None:
+            try:
+                box = self._loop.run(self.sandbox.snapshot())
+            except NotImplementedError:
+                return {"replay": copy.deepcopy(self._replay_log)}
+        inner = self.inner.snapshot() if self.inner is not None else None
+        own = (
+            self.task, self._turn, self._done, self._started, self._base_info,
+            self._last_obs, self._replay_log,
+        )  # fmt: skip
+        return {"inner": inner, "own": copy.deepcopy(own), "sandbox": box}
+
+    def restore(self, snapshot: Any) -> None:
+        if "replay" in snapshot:
+            self._loop.run(self._replay(copy.deepcopy(snapshot["replay"])))
+            return
+        if snapshot["sandbox"] is not None:
+            self._loop.run(self._restore_sandbox(snapshot["sandbox"]))
+        elif self.sandbox is not None:  # the branch point had no sandbox state yet
+            self._loop.run(self._end_episode())
+        if self.inner is not None:
+            self.inner.restore(snapshot["inner"])
+        own = copy.deepcopy(snapshot["own"])
+        (
+            self.task, self._turn, self._done, self._started, self._base_info,
+            self._last_obs, self._replay_log,
+        ) = own  # fmt: skip
+
+    async def _restore_sandbox(self, snap: Any) -> None:
+        box = await self._ensure_sandbox()
+        for t in self.tools.values():
+            await t.release(box)
+        await box.restore(snap)
+
+    async def _replay(self, log: dict[str, Any]) -> None:
+        await self.areset(seed=log["seed"], options=log["options"])
+        for action in log["actions"]:
+            await self.astep(action)
+
+    # -- internals ---------------------------------------------------------------
+    def _draw_task(self) -> Task:
+        src = self._tasks
+        if isinstance(src, Task):
+            return src
+        if callable(src):
+            task = src(self.np_random)
+        elif isinstance(src, Sequence) and len(src) > 0:
+            task = src[int(self.np_random.integers(len(src)))]
+        else:
+            raise EnvError(
+                "ToolEnv needs a TextEnv, a Task, a non-empty list of tasks or a task function"
+            )
+        if not isinstance(task, Task):
+            raise EnvError(f"the task source returned {type(task).__name__}, not a Task")
+        return task
+
+    async def _ensure_sandbox(self) -> Sandbox:
+        if self.sandbox is None:
+            if self._source is None:
+                raise EnvError("this env's tools or task need a sandbox; pass ToolEnv(sandbox=...)")
+            self.sandbox = await self._source.acquire()
+        return self.sandbox
+
+    async def _end_episode(self) -> None:
+        """Drop the tools' per-sandbox state and give the sandbox back."""
+        box, self.sandbox = self.sandbox, None
+        if box is None or self._source is None:
+            return
+        problems = []
+        for t in self.tools.values():
+            try:
+                await t.release(box)
+            except Exception as err:  # recorded on the next info, not raised
+                problems.append(f"{t.name}: {type(err).__name__}: {err}")
+        try:
+            await self._source.release(box)
+        except Exception as err:
+            problems.append(f"sandbox release: {type(err).__name__}: {err}")
+        if problems:
+            self._release_error = "; ".join(problems)
+
+    async def _final_turn(self, action: str) -> _Outcome:
+        if self.inner is not None:
+            try:
+                obs, reward, term, trunc, info = self.inner.step(action)
+            except Exception as err:
+                return _Outcome(
+                    "The environment failed.", error=f"env step failed: {type(err).__name__}: {err}"
+                )
+            info = dict(info)
+            info.pop("tools", None)
+            return _Outcome(obs, float(reward), bool(term), bool(trunc), info)
+        assert self.task is not None
+        answer = strip_thinking(action)
+        try:
+            reward = await self.task.score(answer, self.sandbox)
+            extra = {"answer": answer, **(self.task.report(answer) if self.task.report else {})}
+        except Exception as err:
+            return _Outcome(
+                "Scoring failed.", error=f"verifier failed: {type(err).__name__}: {err}"
+            )
+        return _Outcome(f"Final answer received. Reward: {reward:g}", reward, True, info=extra)
+
+    async def _tool_turn(self, parsed: ParseResult) -> _Outcome:
+        limit = self.config.max_calls_per_turn
+        runnable = [(i, c) for i, c in enumerate(parsed.calls[:limit]) if c.name in self.tools]
+        replies: dict[int, tuple[ToolCall, ToolResult]] = {}
+        for i, call in enumerate(parsed.calls):
+            if i >= limit:
+                msg = (
+                    f"Error: at most {limit} tool calls are run per turn; this call "
+                    f"({call.name}) was not run. Make fewer calls per turn."
+                )
+                replies[i] = (call, ToolResult.error(msg))
+            elif call.name not in self.tools:
+                replies[i] = (call, ToolResult.error(self._unknown_tool_message(call.name)))
+        error = None
+        if runnable:
+            try:
+                if any(self.tools[c.name].needs_sandbox for _, c in runnable):
+                    await self._ensure_sandbox()
+                outcomes = await asyncio.gather(
+                    *(self._run_call(c) for _, c in runnable), return_exceptions=True
+                )
+            except Exception as err:  # the sandbox could not be leased
+                outcomes, error = [], f"sandbox unavailable: {type(err).__name__}: {err}"
+            for (i, call), res in zip(runnable, outcomes, strict=False):
+                if isinstance(res, BaseException):
+                    error = error or f"tool {call.name!r} failed: {type(res).__name__}: {res}"
+                    res = ToolResult.error(f"Error: the tool {call.name!r} failed.")
+                replies[i] = (call, res)
+        results = [replies[i] for i in sorted(replies)]
+        results += [
+            (ToolCall(id="", name="parse_error"), ToolResult.error(f"Error: {e}"))
+            for e in parsed.errors
+        ]
+        obs, messages = self._render(results)
+        extra = {
+            "tool_calls": [c.model_dump() for c in parsed.calls],
+            "tool_messages": [m.model_dump() for m in messages],
+            "parse_errors": list(parsed.errors),
+        }
+        return _Outcome(obs, info=extra, error=error)
+
+    async def _run_call(self, call: ToolCall) -> ToolResult:
+        tool = self.tools[call.name]
+        box = self.sandbox if tool.needs_sandbox else None
+        try:
+            return await asyncio.wait_for(
+                tool.invoke(call.arguments, box), self.config.call_timeout_s
+            )
+        except TimeoutError:
+            return ToolResult.error(
+                f"Error: the call took longer than {self.config.call_timeout_s:g} s and was stopped."
+            )
+
+    def _unknown_tool_message(self, name: str) -> str:
+        close = difflib.get_close_matches(name, list(self.tools), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        avail = ", ".join(self.tools) or "(none)"
+        return f"Error: unknown tool {name[:100]!r}.{hint} Available tools: {avail}."
+
+    def _render(self, results: list[tuple[ToolCall, ToolResult]]) -> tuple[str, list[Message]]:
+        per_call = min(
+            self.config.max_output_chars,
+            max(64, self.config.max_observation_chars // max(1, len(results))),
+        )
+        triples, messages = [], []
+        for call, res in results:
+            content = truncate_middle(res.content, per_call)
+            triples.append((call.id, call.name, content))
+            messages.append(
+                Message(role="tool", content=content, tool_call_id=call.id, name=call.name)
+            )
+        obs = render_tool_results(triples, style=self.config.style)
+        return truncate_middle(obs, self.config.max_observation_chars), messages
