@@ -28,7 +28,7 @@ from .types import Node, RolloutTree, write_trees
 
 __all__ = ["episode_success", "run_episodes", "summarize", "write_run"]
 
-_HEAVY_INFO = ("admissible_actions", "tools")
+_HEAVY_INFO = ("admissible_actions", "tools", "tools_prompt")
 
 
 @dataclass
@@ -67,8 +67,9 @@ def _start(env_id: str, seed: int, tokenizer: Any, cfg: Config) -> _Episode:
         return _Episode(env, tree, None, done=True)
     tree.meta["instruction"] = info.get("instruction", "")
     messages = []
-    if cfg.rollout.system_prompt is not None:
-        messages.append({"role": "system", "content": cfg.rollout.system_prompt})
+    system = [p for p in (cfg.rollout.system_prompt, info.get("tools_prompt")) if p]
+    if system:  # a tool env describes its tools for the system prompt
+        messages.append({"role": "system", "content": "\n\n".join(system)})
     messages += _observation_messages(obs, info, cfg)
     try:
         ctx = ChatContext(tokenizer, messages, max_tokens=cfg.rollout.max_context_tokens)

@@ -102,3 +102,18 @@ def test_run_is_written_atomically_and_reads_back(tokenizer, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["summary.json", "trajectories.jsonl"]
     assert json.loads((out / "summary.json").read_text())["episodes"] == 2
     assert [t.to_dict() for t in read_trees(out / "trajectories.jsonl")] == [t.to_dict() for t in trees]
+
+
+def test_tool_env_turns_render_tool_messages_and_tools_in_system_prompt(tokenizer):
+    cfg = load_config(overrides=["rollout.episodes=1", "rollout.max_turns=3"])
+    calls = ['<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>',
+             "Answer: 42"]
+    trees = run_episodes("agentrl/MathPython-v0", MockPolicy(tokenizer, calls), cfg)
+    ep = next(trees[0].episodes())
+    text = tokenizer.decode(ep.input_ids)
+    assert text.startswith("<|im_start|>system\n" + cfg.rollout.system_prompt)
+    assert '"name": "calculator"' in text.split("<|im_start|>user")[0]  # tools listed up front
+    assert "<|im_start|>tool\n42<|im_end|>" in text
+    first = ep.nodes[0]
+    assert first.info["tool_calls"][0]["name"] == "calculator" and not first.done
+    assert ep.nodes[-1].terminated

@@ -31,7 +31,8 @@ envs that share a pool share its loop. ``areset``/``astep`` are the
 async versions. Use one kind per episode: asyncio objects, such as an
 interpreter's pipes, belong to the loop that made them.
 
-``info`` carries ``tools`` (spec dicts), ``turn``, and on tool turns
+``info`` carries ``tools`` (spec dicts), ``tools_prompt`` (their rendering for a
+system prompt), ``turn``, and on tool turns
 ``tool_calls`` and ``tool_messages`` (``Message`` dicts with ``role="tool"``),
 so a chat context can render the results with the model's own template.
 """
@@ -195,6 +196,8 @@ class ToolEnv(TextEnv):
             obs = self.task.prompt
             info = {"instruction": self.task.prompt, **self.task.info}
         info["tools"] = list(info.get("tools") or []) + self.tool_specs()
+        if self.tools:  # runners put this in the system prompt (see agentrl.rollout)
+            info["tools_prompt"] = self.tools_prompt()
         self._base_info = dict(info)
         if self._release_error:
             info["release_error"], self._release_error = self._release_error, None
