@@ -1,0 +1,216 @@
+"""``agentrl/ALFWorld-v0``: ALFWorld-style household tasks as a ``TextEnv``.
+
+Each reset generates a room from ``(split, seed)`` (see ``scene``): numbered
+receptacles, typed objects, light sources and one task of the six ALFWorld
+families, stated the ALFWorld way ("Your task is to: put a clean mug in
+coffeemachine."). The agent acts with ALFWorld's commands (see ``world``);
+``info["admissible_actions"]`` lists the valid ones, sorted, every step.
+
+Reward: 1.0 on the step the goal first holds (``terminated=True``). With
+``dense_reward=True`` each subgoal reached for the first time in the episode
+also pays ``subgoal_reward`` (holding a task object; its state change, its
+first placement, or the lamp switched on). After ``max_steps`` steps (50, as in
+ALFWorld's evaluations) the episode is truncated by the env itself.
+
+Input is forgiving the way a model needs: exact admissible commands take the
+fast path; otherwise case, repeated spaces and a trailing period are ignored,
+and ``put O in/on R``, ``put O in R``, ``put O on R`` and ``move O to R`` all
+mean the same thing. Anything else, including junk or huge strings, is
+answered "Nothing happens." and uses up the step.
+
+``put_style="move"`` lists and answers puts as alfworld >= 0.4 does
+(``move O to R`` / "You move the O to the R.") instead of the ALFWorld paper's
+``put O in/on R``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from agentrl.env import TextEnv
+from agentrl.errors import EnvError
+
+from .expert import expert_command
+from .scene import SPLITS, Scene, generate_scene
+from .world import World
+
+__all__ = ["ALFWorldEnv", "expert_trajectory"]
+
+_INTRO = "-= Welcome to TextWorld, ALFRED! =-\n\n{look}\n\nYour task is to: {goal}"
+_NOTHING = "Nothing happens."
+_MAX_PARSE = 400
+_MOVE = re.compile(r"move (.+?) to (.+)")
+_PUT = re.compile(r"put (.+?) (?:in/on|into|onto|in|on|to) (.+)")
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    world: World
+    steps: int
+    done: bool
+    won: bool
+    achieved: int
+    last_obs: str
+
+
+def _canonical(text: str, style: str) -> str | None:
+    """``text`` with put/move aliases rewritten to the env's put style, else None."""
+    m = _MOVE.fullmatch(text) or _PUT.fullmatch(text)
+    if m is None:
+        return None
+    o, r = m.groups()
+    return f"move {o} to {r}" if style == "move" else f"put {o} in/on {r}"
+
+
+class ALFWorldEnv(TextEnv):
+    """ALFWorld-style household tasks; see the module docstring."""
+
+    def __init__(
+        self,
+        split: str = "train",
+        dense_reward: bool = False,
+        subgoal_reward: float = 0.1,
+        max_steps: int = 50,
+        put_style: str = "put",
+        render_mode: str | None = None,
+    ):
+        super().__init__(render_mode=render_mode)
+        if split not in SPLITS:
+            raise EnvError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+        if put_style not in ("put", "move"):
+            raise EnvError(f"put_style must be 'put' or 'move', not {put_style!r}")
+        if max_steps < 1:
+            raise EnvError("max_steps must be >= 1")
+        self.split = split
+        self.dense_reward = dense_reward
+        self.subgoal_reward = float(subgoal_reward)
+        self.max_steps = max_steps
+        self.put_style = put_style
+        self._world: World | None = None
+        self._steps = 0
+        self._done = False
+        self._won = False
+        self._achieved = 0
+
+    # -- properties --------------------------------------------------------------
+    @property
+    def scene(self) -> Scene:
+        """The current scene (after ``reset``)."""
+        return self._require().s.scene
+
+    @property
+    def world(self) -> World:
+        """The current mutable world state (after ``reset``)."""
+        return self._require()
+
+    @property
+    def instruction(self) -> str:
+        return self.scene.task.goal
+
+    def _require(self) -> World:
+        if self._world is None:
+            raise EnvError("call reset() before using the ALFWorld env")
+        return self._world
+
+    def _info(self) -> dict[str, Any]:
+        w = self._require()
+        task = w.s.scene.task
+        return {
+            "instruction": task.goal,
+            "admissible_actions": list(w.admissible()),
+            "tools": [],
+            "won": self._won,
+            "task_type": task.family,
+        }
+
+    # -- gymnasium API -----------------------------------------------------------
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        """Start the task of ``seed``; ``options={"split": ...}`` overrides the split."""
+        super().reset(seed=seed)
+        split = (options or {}).get("split", self.split)
+        if split not in SPLITS:
+            raise EnvError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+        task_seed = int(seed) if seed is not None else int(self.np_random.integers(0, 2**31 - 1))
+        self._world = World(generate_scene(task_seed, split), self.put_style)
+        self._steps, self._done, self._won = 0, False, False
+        self._achieved = self._world.subgoals() if self.dense_reward else 0
+        goal = self._world.s.scene.task.goal
+        self._last_obs = _INTRO.format(look=self._world.look(), goal=goal)
+        return self._last_obs, self._info()
+
+    def step(self, action: str):
+        w = self._require()
+        if self._done:
+            obs = "The episode is over. Call reset() to start a new one."
+            return obs, 0.0, self._won, not self._won, self._info()
+        self._steps += 1
+        op = self._parse(w, action)
+        obs = _NOTHING if op is None else w.apply(op)
+        reward = 0.0
+        if op is not None:
+            if self.dense_reward:
+                now = w.subgoals()
+                new = now & ~self._achieved
+                if new:
+                    self._achieved |= now
+                    reward += self.subgoal_reward * bin(new).count("1")
+            if w.goal_met():
+                self._won = self._done = True
+                reward += 1.0
+        truncated = not self._won and self._steps >= self.max_steps
+        if truncated:
+            self._done = True
+        self._last_obs = obs
+        return obs, reward, self._won, truncated, self._info()
+
+    def _parse(self, w: World, action: Any) -> tuple | None:
+        """The op an action string means, or None ("Nothing happens.")."""
+        if not isinstance(action, str):
+            if not isinstance(action, bytes | bytearray) or len(action) > _MAX_PARSE:
+                return None
+            action = bytes(action).decode("utf-8", "replace")
+        op = w.lookup(action)
+        if op is not None or len(action) > _MAX_PARSE:
+            return op
+        text = " ".join(action.lower().split()).strip("`'\"").rstrip(".!").strip()
+        op = w.lookup(text)
+        if op is None:
+            alias = _canonical(text, self.put_style)
+            op = w.lookup(alias) if alias else None
+        return op
+
+    # -- branching and expert ----------------------------------------------------
+    def snapshot(self) -> _Snapshot:
+        """The episode state (a copy of a few small lists; the scene is shared)."""
+        w = self._require()
+        return _Snapshot(
+            w.copy(), self._steps, self._done, self._won, self._achieved, self._last_obs
+        )
+
+    def restore(self, snapshot: _Snapshot) -> None:
+        """Return to ``snapshot``; it stays reusable."""
+        self._world = snapshot.world.copy()
+        self._steps, self._done, self._won = snapshot.steps, snapshot.done, snapshot.won
+        self._achieved, self._last_obs = snapshot.achieved, snapshot.last_obs
+
+    def expert_action(self) -> str:
+        """The hand-coded expert's next command (see ``expert``)."""
+        return expert_command(self._require())
+
+
+def expert_trajectory(
+    seed: int, split: str = "train", put_style: str = "put"
+) -> list[tuple[str, str]]:
+    """The expert's episode for ``(split, seed)`` as (observation, action) pairs, for SFT."""
+    env = ALFWorldEnv(split=split, put_style=put_style)
+    obs, _ = env.reset(seed=seed)
+    pairs = []
+    done = False
+    while not done:
+        action = env.expert_action()
+        pairs.append((obs, action))
+        obs, _, terminated, truncated, _ = env.step(action)
+        done = terminated or truncated
+    return pairs
