@@ -11,11 +11,44 @@ import abc
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["ExecResult", "Isolation", "Sandbox", "ISOLATION_ORDER"]
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "ExecResult",
+    "Isolation",
+    "Sandbox",
+    "ISOLATION_ORDER",
+    "SandboxLimits",
+    "SandboxProcess",
+    "isolation_at_least",
+]
 
 Isolation = Literal["none", "namespaces", "container", "gvisor", "remote"]
 # From weakest to strongest; "remote" is as strong as the far side, checked there.
 ISOLATION_ORDER: tuple[str, ...] = ("none", "namespaces", "container", "gvisor")
+
+
+def isolation_at_least(have: str, want: str) -> bool:
+    """True when isolation level ``have`` gives at least what ``want`` asks for."""
+    if want == "remote" or have == "remote":
+        return have == want or want == "none"
+    return ISOLATION_ORDER.index(have) >= ISOLATION_ORDER.index(want)
+
+
+class SandboxLimits(BaseModel):
+    """Resource limits every backend enforces (each in its own way)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cpu_s: int = Field(60, ge=1, description="CPU seconds per process (RLIMIT_CPU).")
+    memory_mb: int = Field(1024, ge=16, description="Memory per process or container, MiB.")
+    pids: int = Field(128, ge=4, description="Max processes/threads of the sandbox.")
+    nofile: int = Field(256, ge=16, description="Max open files per process.")
+    fsize_mb: int = Field(256, ge=1, description="Max size of one written file, MiB.")
+    output_bytes: int = Field(
+        1 << 20, ge=1024, description="stdout and stderr are each truncated to this many bytes."
+    )
+    workdir_mb: int = Field(512, ge=1, description="Size of the writable workdir where capped.")
 
 
 @dataclass(slots=True)
@@ -35,6 +68,29 @@ class ExecResult:
         return self.exit_code == 0 and not self.timed_out and not self.oom_killed
 
 
+class SandboxProcess(abc.ABC):
+    """A long-lived process inside a sandbox, spoken to through stdin/stdout lines.
+
+    Used by the persistent interpreter. stderr is discarded by backends.
+    """
+
+    @abc.abstractmethod
+    async def write(self, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    async def readline(self) -> bytes:
+        """One line including its newline; ``b""`` at end of stream."""
+
+    @abc.abstractmethod
+    async def kill(self) -> None:
+        """Kill the process (and what it spawned, where the backend can). Idempotent."""
+
+    async def exchange(self, data: bytes) -> bytes:
+        """Write ``data`` and read one line back (one round trip where remote)."""
+        await self.write(data)
+        return await self.readline()
+
+
 class Sandbox(abc.ABC):
     """An isolated place to run untrusted commands and code.
 
@@ -44,6 +100,8 @@ class Sandbox(abc.ABC):
     """
 
     ISOLATION: Isolation = "none"
+    # The interpreter used by run_python and the persistent interpreter.
+    python: str = "python3"
 
     @abc.abstractmethod
     async def run(
@@ -68,13 +126,36 @@ class Sandbox(abc.ABC):
     async def close(self) -> None:
         """Kill every process of the sandbox and free its resources. Idempotent."""
 
+    async def open_process(
+        self, argv: list[str], env: dict[str, str] | None = None
+    ) -> SandboxProcess:
+        """Start a long-lived process with piped stdin/stdout (the persistent interpreter)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot open long-lived processes")
+
+    async def run_python(
+        self, code: str, stdin: str | bytes | None = None, timeout: float = 30.0
+    ) -> ExecResult:
+        """Run a Python snippet in a fresh interpreter (no state kept between calls)."""
+        return await self.run([self.python, "-c", code], stdin=stdin, timeout=timeout)
+
+    async def healthy(self) -> bool:
+        """A cheap liveness probe used by pools: can the sandbox still run ``true``?"""
+        try:
+            return (await self.run(["true"], timeout=10.0)).exit_code == 0
+        except Exception:  # any failure means unhealthy; the pool replaces it
+            return False
+
     async def snapshot(self) -> Any:
         raise NotImplementedError(f"{type(self).__name__} cannot snapshot")
 
     async def restore(self, snapshot: Any) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot restore")
 
+    async def start(self) -> None:  # noqa: B027 -- optional hook, not abstract
+        """Create the sandbox's resources now (backends also start lazily on first use)."""
+
     async def __aenter__(self) -> Sandbox:
+        await self.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -1,0 +1,117 @@
+"""Safe file access under a sandbox workdir from the (privileged) host side.
+
+The sandbox owns its workdir and may plant symlinks there (``x -> /etc/passwd``).
+We walk the path one component at a time with ``O_NOFOLLOW`` relative to the
+directory fd, so no symlink or ``..`` can lead a root-owned write outside.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import tarfile
+
+from agentrl.errors import SandboxError
+
+__all__ = ["read_beneath", "relative_parts", "tar_dir", "untar_into", "write_beneath"]
+
+
+def relative_parts(path: str, workdir_alias: str | None = None) -> list[str]:
+    """Split ``path`` into components under the workdir; refuse escapes.
+
+    Absolute paths are allowed only when they start with ``workdir_alias`` (the
+    workdir's path as the sandbox sees it, e.g. ``/work``).
+    """
+    if os.path.isabs(path):
+        alias = (workdir_alias or "").rstrip("/")
+        if not alias or not (path == alias or path.startswith(alias + "/")):
+            raise SandboxError(f"path {path!r} is outside the sandbox workdir; use a relative path")
+        path = path[len(alias) :]
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if not parts or ".." in parts:
+        raise SandboxError(f"path {path!r} must name a file inside the workdir, without '..'")
+    return parts
+
+
+def _open_dir(root: str, parts: list[str], create: bool, owner: tuple[int, int] | None) -> int:
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts:
+            if create:
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                    if owner is not None:
+                        os.chown(part, *owner, dir_fd=fd, follow_symlinks=False)
+                except FileExistsError:
+                    pass
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def write_beneath(
+    root: str,
+    path: str,
+    data: bytes,
+    owner: tuple[int, int] | None = None,
+    workdir_alias: str | None = None,
+) -> None:
+    """Write ``data`` to ``root/path`` (parents created), never following a symlink."""
+    parts = relative_parts(path, workdir_alias)
+    try:
+        dfd = _open_dir(root, parts[:-1], create=True, owner=owner)
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+            fd = os.open(parts[-1], flags, 0o644, dir_fd=dfd)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                if owner is not None:
+                    os.fchown(f.fileno(), *owner)
+        finally:
+            os.close(dfd)
+    except OSError as e:
+        raise SandboxError(f"cannot write {path!r} in the sandbox: {e.strerror or e}") from e
+
+
+def read_beneath(root: str, path: str, limit: int, workdir_alias: str | None = None) -> bytes:
+    """Read up to ``limit`` bytes of ``root/path``, never following a symlink."""
+    parts = relative_parts(path, workdir_alias)
+    try:
+        dfd = _open_dir(root, parts[:-1], create=False, owner=None)
+        try:
+            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise SandboxError(f"{path!r} is not a regular file")
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise SandboxError(f"cannot read {path!r} in the sandbox: {e.strerror or e}") from e
+    if len(data) > limit:
+        raise SandboxError(f"{path!r} is larger than {limit} bytes; read it in parts with run()")
+    return data
+
+
+def tar_dir(root: str) -> bytes:
+    """The contents of ``root`` as an uncompressed tar (symlinks stored, not followed)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name in sorted(os.listdir(root)):
+            tar.add(os.path.join(root, name), arcname=name, recursive=True)
+    return buf.getvalue()
+
+
+def untar_into(root: str, data: bytes, owner: tuple[int, int] | None) -> None:
+    """Extract a ``tar_dir`` archive into ``root``; the "data" filter refuses escapes."""
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+        tar.extractall(root, filter="data")
+    if owner is not None:
+        for dirpath, dirnames, filenames in os.walk(root):
+            for name in (*dirnames, *filenames):
+                os.chown(os.path.join(dirpath, name), *owner, follow_symlinks=False)

@@ -1,0 +1,211 @@
+"""The persistent-interpreter worker that runs INSIDE a sandbox (stdlib only).
+
+It is shipped as source text (``python3 -I -c <this file>``), never imported by
+the host. Protocol: one JSON request per stdin line, one JSON reply per stdout line.
+
+Process layout and state semantics ("fork and promote"):
+
+    top (the started process; child subreaper, reaps zombies, never runs code)
+     └─ kernel K holds the namespace and reads requests
+         └─ child C: forked per snippet, runs it in its own process group
+
+If C finishes the snippet (also with an exception or ``sys.exit``), C *becomes*
+the kernel, keeping every change the snippet made, and K exits. If C dies
+(``os._exit``, a signal, a segfault) or passes its timeout (K kills C's whole
+process group), K stays the kernel: the state is exactly as before the snippet.
+"""
+
+import ast
+import builtins
+import ctypes
+import json
+import os
+import select
+import signal
+import sys
+import time
+import traceback
+
+__all__ = []  # a script, not a library
+
+PROTO_OUT = 9  # dup of the original stdout; fds 1/2 are reserved for snippet output
+_buf = [b""]
+
+
+def read_request():
+    while b"\n" not in _buf[0]:
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            return None
+        _buf[0] += chunk
+    line, _buf[0] = _buf[0].split(b"\n", 1)
+    return json.loads(line)
+
+
+def reply(obj):
+    data = (json.dumps(obj) + "\n").encode()
+    while data:
+        data = data[os.write(PROTO_OUT, data) :]
+
+
+def run_snippet(code, ns):
+    """Run like a REPL cell: the value of a final expression is printed. Returns exit code."""
+    try:
+        tree = ast.parse(code, "<cell>", "exec")
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        exec(compile(tree, "<cell>", "exec"), ns)
+        if last is not None:
+            value = eval(compile(last, "<cell>", "eval"), ns)
+            if value is not None:
+                print(repr(value))
+        return 0
+    except SystemExit as e:
+        code = e.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code
+        print(code, file=sys.stderr)
+        return 1
+    except BaseException:
+        etype, value, tb = sys.exc_info()
+        while tb is not None and tb.tb_frame.f_code.co_filename != "<cell>":
+            tb = tb.tb_next  # hide the kernel's own frames
+        traceback.print_exception(etype, value, tb)
+        return 1
+
+
+def child_runs(code, w_out, w_err, w_st, ns):
+    """In C: run the snippet, then become the kernel (return to the loop)."""
+    os.setpgid(0, 0)
+    os.dup2(w_out, 1)
+    os.dup2(w_err, 2)
+    os.close(w_out)
+    os.close(w_err)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.stdout = open(1, "w", encoding="utf-8", errors="replace", closefd=False)
+    sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False)
+    exit_code = run_snippet(code, ns)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    os.close(null)
+    os.write(w_st, json.dumps({"exit_code": exit_code}).encode())
+    os.close(w_st)
+
+
+def collect(pid, r_out, r_err, r_st, timeout, limit):
+    """In K: gather C's output (bounded) until it promotes, dies, or times out."""
+    bufs = {r_out: bytearray(), r_err: bytearray()}
+    truncated, status, timed_out = False, b"", False
+    open_fds = [r_out, r_err, r_st]
+    deadline = time.monotonic() + timeout
+    while r_st in open_fds:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            break
+        ready, _, _ = select.select(open_fds, [], [], left)
+        for fd in ready:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                open_fds.remove(fd)
+            elif fd == r_st:
+                status += chunk
+            else:
+                room = limit - len(bufs[fd])
+                bufs[fd] += chunk[: max(room, 0)]
+                truncated = truncated or len(chunk) > room
+    # C flushed before reporting; take what is already in the pipes, never wait for
+    # background processes that inherited them.
+    for fd in (r_out, r_err):
+        while fd in open_fds and select.select([fd], [], [], 0)[0]:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            room = limit - len(bufs[fd])
+            bufs[fd] += chunk[: max(room, 0)]
+            truncated = truncated or len(chunk) > room
+    for fd in (r_out, r_err, r_st):
+        os.close(fd)
+    out = bufs[r_out].decode("utf-8", "replace")
+    err = bufs[r_err].decode("utf-8", "replace")
+    return out, err, truncated, status, timed_out
+
+
+def kernel(ns):
+    while True:
+        req = read_request()
+        if req is None:
+            os._exit(0)
+        if req.get("op") == "ping":
+            reply({"pong": os.getpid()})
+            continue
+        started = time.monotonic()
+        r_out, w_out = os.pipe()
+        r_err, w_err = os.pipe()
+        r_st, w_st = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            for fd in (r_out, r_err, r_st):
+                os.close(fd)
+            child_runs(req["code"], w_out, w_err, w_st, ns)
+            continue  # C is now the kernel
+        for fd in (w_out, w_err, w_st):
+            os.close(fd)
+        out, err, truncated, status, timed_out = collect(
+            pid, r_out, r_err, r_st, float(req.get("timeout", 30)), int(req.get("limit", 1 << 20))
+        )
+        result = {"stdout": out, "stderr": err, "truncated": truncated, "timed_out": timed_out}
+        result["duration_s"] = time.monotonic() - started
+        if status and not timed_out:
+            result.update(json.loads(status), promoted=True)
+            reply(result)
+            os._exit(0)  # C carries on as the kernel
+        _, wstatus = os.waitpid(pid, 0)
+        sig = os.WTERMSIG(wstatus) if os.WIFSIGNALED(wstatus) else 0
+        result["exit_code"] = 128 + sig if sig else os.WEXITSTATUS(wstatus)
+        result["promoted"] = False
+        reply(result)
+
+
+def main():
+    os.dup2(1, PROTO_OUT)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    try:  # PR_SET_CHILD_SUBREAPER: orphaned kernels are reaped here, not left as zombies
+        ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)
+    except Exception:
+        pass
+    kid = os.fork()
+    if kid == 0:
+        ns = {"__name__": "__main__", "__builtins__": builtins}
+        reply({"ready": True, "python": sys.version.split()[0]})
+        kernel(ns)
+        os._exit(0)
+    os.close(0)
+    os.close(PROTO_OUT)
+    # Exit once the kernel chain is gone; orphans re-parent here and are reaped.
+    while True:
+        try:
+            os.wait()
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+
+
+if __name__ == "__main__":
+    main()

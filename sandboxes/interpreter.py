@@ -1,0 +1,141 @@
+"""``PythonInterpreter``: a persistent Python kernel inside any sandbox backend.
+
+Like a notebook kernel: variables, functions, classes and imports defined by one
+``execute`` are visible to the next. The value of a final expression is printed,
+as a REPL does.
+
+State semantics (see ``_kernel.py`` for the mechanism):
+- Each snippet runs in a forked child. When it finishes — normally, with an
+  exception or with ``sys.exit`` — its state becomes the kernel's state.
+- When it crashes (``os._exit``, a signal, a segfault) or hits the timeout, its
+  process group is killed and the state rolls back to just before the snippet.
+  The result says so in ``stderr``.
+- When the whole kernel dies (killed from outside, sandbox reset or closed), the
+  next ``execute`` raises ``SandboxDeadError``; the call after that starts a
+  fresh, empty kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import json
+import zlib
+from importlib import resources
+
+from agentrl.errors import SandboxDeadError, SandboxError
+
+from .base import ExecResult, Sandbox, SandboxProcess
+
+__all__ = ["PythonInterpreter"]
+
+_GRACE_S = 15.0  # on top of a snippet's timeout, for the kernel's own kill and reply
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_command() -> str:
+    """A short ``-c`` program carrying the kernel source compressed (keeps ``ps`` readable)."""
+    src = resources.files(__package__).joinpath("_kernel.py").read_bytes()
+    blob = base64.b64encode(zlib.compress(src, 9)).decode()
+    return f"import base64,zlib;exec(zlib.decompress(base64.b64decode('{blob}')))"
+
+
+class PythonInterpreter:
+    """A stateful Python worker living in ``sandbox``; one snippet at a time."""
+
+    def __init__(self, sandbox: Sandbox, output_bytes: int | None = None) -> None:
+        self.sandbox = sandbox
+        limits = getattr(sandbox, "limits", None)
+        self.output_bytes = output_bytes or (limits.output_bytes if limits else 1 << 20)
+        self._proc: SandboxProcess | None = None
+        self._lock = asyncio.Lock()
+        self.restarts = 0  # kernels started after the first (each one lost the state)
+        self._started_once = False
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None
+
+    async def start(self, timeout: float = 60.0) -> None:
+        """Start the kernel (done lazily by ``execute`` too)."""
+        if self._proc is not None:
+            return
+        argv = [self.sandbox.python, "-I", "-c", _kernel_command()]
+        proc = await self.sandbox.open_process(argv)
+        try:
+            hello = await asyncio.wait_for(proc.readline(), timeout)
+        except (TimeoutError, SandboxError) as e:
+            await proc.kill()
+            raise SandboxError(f"the Python kernel did not start within {timeout:.0f}s") from e
+        if not hello.startswith(b'{"ready"'):
+            await proc.kill()
+            raise SandboxError(
+                f"the Python kernel failed to start (is {self.sandbox.python} in the sandbox?): "
+                f"{hello[:300]!r}"
+            )
+        self._proc = proc
+
+    async def execute(self, code: str, timeout: float = 30.0) -> ExecResult:
+        """Run ``code`` in the kernel; stdout/stderr are the snippet's own output."""
+        async with self._lock:
+            if self._proc is None:
+                if self._started_once:
+                    self.restarts += 1
+                await self.start()
+            self._started_once = True
+            assert self._proc is not None
+            request = {"code": code, "timeout": timeout, "limit": self.output_bytes}
+            line = (json.dumps(request) + "\n").encode()
+            try:
+                raw = await asyncio.wait_for(self._proc.exchange(line), timeout + _GRACE_S)
+            except (TimeoutError, SandboxError) as e:
+                await self._drop()
+                raise SandboxDeadError(
+                    f"the Python kernel stopped answering ({type(e).__name__}); its state is "
+                    "lost, and the next execute() starts a fresh kernel"
+                ) from e
+            if not raw:
+                await self._drop()
+                raise SandboxDeadError(
+                    "the Python kernel died (killed from outside, or its sandbox was reset or "
+                    "closed); its state is lost, and the next execute() starts a fresh kernel"
+                )
+            return _result(json.loads(raw))
+
+    async def _drop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            await proc.kill()
+
+    async def close(self) -> None:
+        """Stop the kernel and everything it started. Idempotent."""
+        async with self._lock:
+            await self._drop()
+
+    async def __aenter__(self) -> PythonInterpreter:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _result(reply: dict) -> ExecResult:
+    stderr = reply.get("stderr", "")
+    if reply.get("timed_out"):
+        stderr += "\n[interpreter] timed out: the snippet was killed and the state rolled back\n"
+    elif not reply.get("promoted", True):
+        stderr += (
+            f"\n[interpreter] the snippet crashed (exit {reply.get('exit_code')}); "
+            "the state rolled back to before it\n"
+        )
+    return ExecResult(
+        stdout=reply.get("stdout", ""),
+        stderr=stderr,
+        exit_code=int(reply.get("exit_code", -1)),
+        timed_out=bool(reply.get("timed_out")),
+        oom_killed="MemoryError" in reply.get("stderr", "")[-2000:],
+        truncated=bool(reply.get("truncated")),
+        duration_s=float(reply.get("duration_s", 0.0)),
+    )

@@ -1,0 +1,162 @@
+"""``remote``: the ``RemoteSandbox`` client of ``agentrl sandbox serve`` (see ``server.py``).
+
+It implements the ``Sandbox`` protocol over HTTP with httpx: transport errors
+become ``SandboxError``, a vanished session ``SandboxDeadError``, a refused
+token ``SandboxUnavailableError``. Its isolation is ``remote``;
+``server_isolation`` says what the far side runs. Long-lived processes (the
+persistent interpreter) work through ``exchange`` round trips.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+
+import httpx
+
+from agentrl.errors import SandboxDeadError, SandboxError, SandboxUnavailableError
+
+from .base import ExecResult, Isolation, Sandbox, SandboxProcess, isolation_at_least
+
+__all__ = ["RemoteSandbox"]
+
+
+# -- client ------------------------------------------------------------------------------
+class RemoteSandbox(Sandbox):
+    """A sandbox living on an ``agentrl sandbox serve`` server."""
+
+    ISOLATION: Isolation = "remote"
+    NAME = "remote"
+    python = "python3"
+
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        timeout: float = 600.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        require_isolation: str | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.require_isolation = require_isolation
+        self._client = httpx.AsyncClient(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=httpx.Timeout(timeout, connect=30.0),
+            transport=transport,
+        )
+        self.session_id: str | None = None
+        self.server_isolation: str | None = None
+        self._closed = False
+        self._lock = asyncio.Lock()
+
+    async def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        try:
+            resp = await self._client.request(method, path, json=body)
+        except httpx.HTTPError as e:
+            raise SandboxError(f"sandbox server {self.url} unreachable: {e!r}") from e
+        if resp.status_code == 401:
+            raise SandboxUnavailableError(f"sandbox server {self.url} refused the token")
+        if resp.status_code in (404, 410):
+            raise SandboxDeadError(f"remote sandbox is gone: {_detail(resp)}")
+        if resp.status_code >= 400:
+            raise SandboxError(f"sandbox server error {resp.status_code}: {_detail(resp)}")
+        return resp.json()
+
+    async def start(self) -> None:
+        async with self._lock:
+            if self._closed:
+                raise SandboxDeadError("this sandbox was closed; create a new one")
+            if self.session_id is None:
+                reply = await self._call("POST", "/v1/sessions")
+                self.session_id, self.server_isolation = reply["session_id"], reply["isolation"]
+                want = self.require_isolation
+                if want and not isolation_at_least(self.server_isolation or "none", want):
+                    await self._call("DELETE", f"/v1/sessions/{self.session_id}")
+                    raise SandboxUnavailableError(
+                        f"sandbox server {self.url} runs isolation {self.server_isolation!r}, "
+                        f"less than the asked {want!r}; serve a stronger backend there"
+                    )
+
+    async def _session(self) -> str:
+        await self.start()
+        assert self.session_id is not None
+        return f"/v1/sessions/{self.session_id}"
+
+    async def run(
+        self,
+        command: str | list[str],
+        stdin: str | bytes | None = None,
+        timeout: float = 30.0,
+        env: dict[str, str] | None = None,
+    ) -> ExecResult:
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        body = {
+            "command": command,
+            "stdin_b64": base64.b64encode(data).decode() if data is not None else None,
+            "timeout": timeout,
+            "env": env,
+        }
+        return ExecResult(**await self._call("POST", f"{await self._session()}/run", body))
+
+    async def write_file(self, path: str, data: str | bytes) -> None:
+        payload = data.encode() if isinstance(data, str) else data
+        body = {"path": path, "data_b64": base64.b64encode(payload).decode()}
+        await self._call("POST", f"{await self._session()}/write_file", body)
+
+    async def read_file(self, path: str) -> bytes:
+        reply = await self._call("POST", f"{await self._session()}/read_file", {"path": path})
+        return base64.b64decode(reply["data_b64"])
+
+    async def reset(self) -> None:
+        await self._call("POST", f"{await self._session()}/reset")
+
+    async def open_process(
+        self, argv: list[str], env: dict[str, str] | None = None
+    ) -> SandboxProcess:
+        base = await self._session()
+        reply = await self._call("POST", f"{base}/procs", {"argv": argv, "env": env})
+        return _RemoteProcess(self, f"{base}/procs/{reply['proc_id']}")
+
+    async def close(self) -> None:
+        async with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if self.session_id is not None:
+                    with contextlib.suppress(SandboxError):
+                        await self._call("DELETE", f"/v1/sessions/{self.session_id}")
+            finally:
+                await self._client.aclose()
+
+
+class _RemoteProcess(SandboxProcess):
+    def __init__(self, box: RemoteSandbox, path: str) -> None:
+        self._box, self._path = box, path
+
+    async def write(self, data: bytes) -> None:
+        raise NotImplementedError("remote processes speak in exchange() round trips")
+
+    async def readline(self) -> bytes:
+        return await self.exchange(b"")
+
+    async def exchange(self, data: bytes) -> bytes:
+        body = {"data_b64": base64.b64encode(data).decode(), "timeout": 3600.0}
+        try:
+            reply = await self._box._call("POST", f"{self._path}/exchange", body)
+        except SandboxDeadError:
+            return b""  # the process is gone: end of stream
+        return base64.b64decode(reply["line_b64"])
+
+    async def kill(self) -> None:
+        if not self._box._closed:
+            with contextlib.suppress(SandboxError):
+                await self._box._call("DELETE", self._path)
+
+
+def _detail(resp: httpx.Response) -> str:
+    with contextlib.suppress(ValueError):
+        return str(resp.json().get("detail", resp.text))
+    return resp.text[:500]

@@ -1,0 +1,77 @@
+"""The persistent interpreter: notebook-like state, crash rollback, timeouts, on every backend."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentrl.errors import SandboxDeadError
+from agentrl.sandboxes import PythonInterpreter
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def interp(built):
+    it = PythonInterpreter(built.sandbox)
+    await it.start()
+    yield it
+    await it.close()
+
+
+async def test_state_persists_between_snippets(interp):
+    await interp.execute("import math\ncount = 41\ndef bump(n):\n    return n + 1\nclass K: v = 7")
+    r = await interp.execute("print(bump(count), math.floor(2.5), K.v)")
+    assert (r.stdout, r.exit_code) == ("42 2 7\n", 0)
+
+
+async def test_final_expression_is_echoed_like_a_repl(interp):
+    assert (await interp.execute("x = [1, 2]\nx + [3]")).stdout == "[1, 2, 3]\n"
+    assert (await interp.execute("None")).stdout == ""
+    assert (await interp.execute("print('a')\n'b'")).stdout == "a\n'b'\n"
+
+
+async def test_exception_reports_traceback_and_keeps_earlier_changes(interp):
+    r = await interp.execute("kept = 1\nraise ValueError('boom')")
+    assert r.exit_code == 1
+    assert "ValueError: boom" in r.stderr
+    assert "_kernel" not in r.stderr  # the kernel's own frames are hidden
+    assert (await interp.execute("kept")).stdout == "1\n"
+
+
+async def test_sys_exit_code_is_reported(interp):
+    assert (await interp.execute("import sys; sys.exit(4)")).exit_code == 4
+    assert (await interp.execute("1 + 1")).stdout == "2\n"
+
+
+async def test_hard_crash_rolls_state_back(interp):
+    await interp.execute("value = 'before'")
+    r = await interp.execute("import os\nvalue = 'during'\nos._exit(7)")
+    assert r.exit_code == 7
+    assert "rolled back" in r.stderr
+    assert (await interp.execute("value")).stdout == "'before'\n"
+
+
+async def test_timeout_kills_the_snippet_and_rolls_back(interp):
+    await interp.execute("n = 1")
+    r = await interp.execute("n = 2\nwhile True:\n    pass", timeout=1.5)
+    assert r.timed_out
+    assert (await interp.execute("n")).stdout == "1\n"
+
+
+async def test_output_is_truncated(built):
+    async with PythonInterpreter(built.sandbox, output_bytes=1000) as it:
+        r = await it.execute("print('x' * 100_000)")
+    assert r.truncated
+    assert len(r.stdout) == 1000
+
+
+async def test_dead_kernel_raises_then_restarts_fresh(interp):
+    await interp.execute("state = 5")
+    # The snippet kills the kernel holding the state, then itself: nobody is left to reply.
+    with pytest.raises(SandboxDeadError):
+        await interp.execute(
+            "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos._exit(0)"
+        )
+    r = await interp.execute("'state' in globals()")
+    assert r.stdout == "False\n"
+    assert interp.restarts == 1
