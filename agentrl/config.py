@@ -65,6 +65,9 @@ class RolloutConfig(_Strict):
     )
     show_admissible: bool = Field(False, description="List admissible actions in observations.")
     out_dir: str = Field("runs/rollout", description="Where trajectories and the summary go.")
+    keep_snapshots: bool = Field(
+        False, description="Snapshot the env after every turn (Node.snapshot) to branch from."
+    )
 
 
 class Config(_Strict):

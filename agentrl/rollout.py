@@ -109,6 +109,13 @@ def _step(ep: _Episode, result: Any, tokenizer: Any, cfg: Config) -> None:
             node.info["truncation_reason"] = f"context budget: {e}"
     ep.parent = ep.tree.add(node, ep.parent).id
     ep.done = node.done
+    if cfg.rollout.keep_snapshots and not node.done:
+        try:
+            node.snapshot = f"n{node.id}"
+            ep.tree.snapshots[node.snapshot] = ep.env.unwrapped.snapshot()
+        except Exception as e:  # an env that cannot snapshot still rolls out
+            node.snapshot = None
+            node.info["snapshot_error"] = f"{type(e).__name__}: {e}"
 
 
 def run_episodes(env_id: str, policy: Policy, cfg: Config,

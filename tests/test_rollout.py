@@ -117,3 +117,22 @@ def test_tool_env_turns_render_tool_messages_and_tools_in_system_prompt(tokenize
     first = ep.nodes[0]
     assert first.info["tool_calls"][0]["name"] == "calculator" and not first.done
     assert ep.nodes[-1].terminated
+
+
+def test_kept_snapshots_restore_the_env_at_that_turn(tokenizer):
+    from agentrl.env import make_env
+    from agentrl.types import RolloutTree
+
+    cfg = load_config(overrides=["rollout.episodes=1", "rollout.max_turns=4",
+                                 "rollout.keep_snapshots=true"])
+    tree = run_episodes("agentrl/GuessNumber-v0", MockPolicy(tokenizer, ["1", "2", "3", "4"]), cfg)[0]
+    nodes = list(tree.nodes.values())
+    assert len(nodes) == 4  # seed 0's secret is above 4: no early win
+    assert [n.snapshot for n in nodes] == ["n0", "n1", "n2", None]  # the last turn ended it
+    env = make_env("agentrl/GuessNumber-v0").unwrapped
+    env.restore(tree.snapshots["n1"])  # the state after the guesses "1" and "2"
+    assert env.turn == 2 and env.low_bound == 3
+    obs, *_ = env.step("3")
+    assert obs == nodes[2].observation  # it continues as the original did
+    back = RolloutTree.from_json(tree.to_json())  # handles serialize, live states do not
+    assert back.to_dict() == tree.to_dict() and back.snapshots == {}

@@ -7,7 +7,6 @@ import string
 from collections import Counter
 from typing import Any
 
-from agentrl.errors import ConfigError
 from agentrl.sandboxes.base import Sandbox
 
 __all__ = [
@@ -76,16 +75,7 @@ def owned_sandbox(spec: Any) -> tuple[Any, Sandbox | None]:
     """
     if not isinstance(spec, str):
         return spec, None
-    if spec == "local":
-        from agentrl.sandboxes.local import LocalSandbox
+    from agentrl.sandboxes import make_sandbox
 
-        box: Sandbox = LocalSandbox()
-    else:
-        try:
-            from agentrl.sandboxes import make_sandbox  # type: ignore[attr-defined]
-        except ImportError as err:
-            raise ConfigError(
-                f"sandbox={spec!r}: only 'local' or a Sandbox instance is supported here"
-            ) from err
-        box = make_sandbox(spec)
+    box = make_sandbox(spec)
     return box, box
