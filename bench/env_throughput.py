@@ -65,6 +65,15 @@ def _timed(fn, *args, **kwargs) -> tuple[Any, float]:
     return out, time.perf_counter() - start
 
 
+# Envs whose steps run a real engine or sandbox get fewer steps (divisor of --steps).
+_SLOW_ENVS = {
+    "agentrl/TextWorld-v0": 10,
+    "agentrl/MathPython-v0": 100,
+    "agentrl/SearchQA-v0": 100,
+    "agentrl/BashFix-v0": 1000,
+}
+
+
 def measure_env(env_id: str, steps: int, seed: int = 0) -> dict[str, Any]:
     """Reset/step/snapshot/restore timings of one env under a random-admissible policy."""
     from agentrl.env import make_env
@@ -260,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     extras: dict[str, Any] = {}
     notes: list[str] = []
     for env_id in env_ids:
-        n = steps if env_id != "agentrl/TextWorld-v0" else max(50, steps // 10)
+        n = max(20, steps // _SLOW_ENVS.get(env_id, 1))
         try:
             envs[env_id] = measure_env(env_id, n)
         except (EnvError, ImportError) as exc:
