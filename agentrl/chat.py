@@ -85,6 +85,7 @@ class ChatContext:
         self.logprobs: list[float] = []
         self.prefix_stable = True
         self.mismatches: list[int] = []
+        self._last_action: list[int] = []
         self._terminator, self._delta_base = self._template_probe()
         self._append(render_ids(tokenizer, self.messages, True, **template_kwargs))
 
@@ -139,7 +140,7 @@ class ChatContext:
         closing = self._terminator
         if self.messages and self.messages[-1]["role"] == "assistant":
             # Drop the part of the terminator the action already sampled (its EOS).
-            tail = self.tokenizer.decode(getattr(self, "_last_action", [])[-4:])
+            tail = self.tokenizer.decode(self._last_action[-4:])
             for k in range(min(len(tail), len(closing)), 0, -1):
                 if tail.endswith(closing[:k]):
                     closing = closing[k:]

@@ -175,17 +175,22 @@ def pids_of_session(sid: int) -> list[int]:
     return found
 
 
-def kill_session(sid: int, rounds: int = 20) -> bool:
-    """SIGKILL every process of session ``sid``; True when none is left."""
+def _kill_until_gone(find: Callable[[], list[int]], rounds: int) -> bool:
+    """SIGKILL whatever ``find`` lists, again until it lists nothing; True when none is left."""
     for _ in range(rounds):
-        pids = pids_of_session(sid)
+        pids = find()
         if not pids:
             return True
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.01)
-    return not pids_of_session(sid)
+    return not find()
+
+
+def kill_session(sid: int, rounds: int = 20) -> bool:
+    """SIGKILL every process of session ``sid``; True when none is left."""
+    return _kill_until_gone(lambda: pids_of_session(sid), rounds)
 
 
 def pids_marked(marker: str) -> list[int]:
@@ -206,15 +211,7 @@ def pids_marked(marker: str) -> list[int]:
 
 def kill_marked(marker: str, rounds: int = 20) -> bool:
     """SIGKILL every process whose environment holds ``marker``; True when none is left."""
-    for _ in range(rounds):
-        pids = pids_marked(marker)
-        if not pids:
-            return True
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.01)
-    return not pids_marked(marker)
+    return _kill_until_gone(lambda: pids_marked(marker), rounds)
 
 
 @dataclass(slots=True)
