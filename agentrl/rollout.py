@@ -127,14 +127,20 @@ def run_episodes(env_id: str, policy: Policy, cfg: Config,
     for ep in eps:
         if ep.done and on_episode_done:
             on_episode_done(ep.tree)
+    turn = 0
     while active := [ep for ep in eps if not ep.done]:
+        turn += 1
+        # One seed per turn (not per request) keeps a turn's requests in one batch
+        # and makes a run with the same config sample the same tokens.
+        seed = cfg.rollout.seed * 1_000_003 + turn
         requests = []
         for ep in active:
             assert ep.ctx is not None
             room = cfg.rollout.max_context_tokens - len(ep.ctx)
             requests.append(GenerateRequest(list(ep.ctx.ids), SamplingParams(
                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                max_new_tokens=max(1, min(s.max_new_tokens, room)), stop=tuple(s.stop))))
+                max_new_tokens=max(1, min(s.max_new_tokens, room)), stop=tuple(s.stop),
+                seed=seed)))
         results = policy.generate(requests)
         for ep, res in zip(active, results, strict=True):
             try:

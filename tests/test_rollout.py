@@ -136,3 +136,14 @@ def test_kept_snapshots_restore_the_env_at_that_turn(tokenizer):
     assert obs == nodes[2].observation  # it continues as the original did
     back = RolloutTree.from_json(tree.to_json())  # handles serialize, live states do not
     assert back.to_dict() == tree.to_dict() and back.snapshots == {}
+
+
+def test_same_config_samples_the_same_rollouts(tokenizer, tiny_model):
+    cfg = load_config(overrides=["rollout.episodes=3", "rollout.max_turns=2",
+                                 "sampling.max_new_tokens=4", "rollout.seed=5"])
+    first = run_episodes("agentrl/GuessNumber-v0", HFPolicy(tiny_model, tokenizer), cfg)
+    again = run_episodes("agentrl/GuessNumber-v0", HFPolicy(tiny_model, tokenizer), cfg)
+    assert [t.to_dict() for t in first] == [t.to_dict() for t in again]
+    cfg.rollout.seed = 6
+    other = run_episodes("agentrl/GuessNumber-v0", HFPolicy(tiny_model, tokenizer), cfg)
+    assert [t.to_dict() for t in other] != [t.to_dict() for t in first]
