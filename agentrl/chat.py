@@ -10,7 +10,10 @@ How a delta is rendered: the new messages are rendered after a fixed base
 conversation (system, user, assistant with placeholder text) and the base's own
 rendering is cut off the front. The text the template puts after an assistant
 message (``<|im_end|>\\n`` for ChatML) is closed first, minus whatever of it the
-action already sampled (usually the EOS token).
+action already sampled (usually the EOS token). What the action sampled is
+decided from token ids, never from decoded text: an action cut at
+``max_new_tokens`` whose text happens to end in ``<|`` sampled plain-text
+tokens, not the special end token, so the whole terminator is still appended.
 
 Templates that are not prefix-stable (say, ones that drop an earlier
 ``<think>`` block when later messages are rendered) make the appended context
@@ -87,6 +90,7 @@ class ChatContext:
         self.mismatches: list[int] = []
         self._last_action: list[int] = []
         self._terminator, self._delta_base = self._template_probe()
+        self._terminator_ids: list[int] = tokenizer.encode(self._terminator, add_special_tokens=False)
         self._append(render_ids(tokenizer, self.messages, True, **template_kwargs))
 
     # -- what the template puts around messages --------------------------------
@@ -137,21 +141,25 @@ class ChatContext:
     def observation_ids(self, messages: Sequence[Message | dict[str, Any]]) -> list[int]:
         """Token ids that ``append_observation(messages)`` would append."""
         new = _as_dicts(messages)
-        closing = self._terminator
+        closing = ""
         if self.messages and self.messages[-1]["role"] == "assistant":
-            # Drop the part of the terminator the action already sampled (its EOS).
-            tail = self.tokenizer.decode(self._last_action[-4:])
-            for k in range(min(len(tail), len(closing)), 0, -1):
-                if tail.endswith(closing[:k]):
-                    closing = closing[k:]
-                    break
-        else:
-            closing = ""
+            closing = self._unsampled_terminator()
         full = _render_text(self.tokenizer, _BASE + new, True, **self.template_kwargs)
         if not full.startswith(self._delta_base):
             raise ValueError("chat template re-renders the base conversation; cannot take a delta")
         text = closing + full[len(self._delta_base):]
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _unsampled_terminator(self) -> str:
+        """The terminator text minus the longest head of its tokens that ends the action."""
+        term, last = self._terminator_ids, self._last_action
+        for k in range(min(len(term), len(last)), 0, -1):
+            if last[-k:] == term[:k]:
+                sampled = self.tokenizer.decode(term[:k], skip_special_tokens=False)
+                if not self._terminator.startswith(sampled):
+                    raise ValueError(f"terminator tokens {term} do not decode to {self._terminator!r}")
+                return self._terminator[len(sampled):]
+        return self._terminator
 
     def append_observation(self, messages: Sequence[Message | dict[str, Any]]) -> list[int]:
         """Append the rendering of the new messages plus the generation prompt.

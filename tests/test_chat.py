@@ -46,6 +46,36 @@ def test_truncated_action_is_closed_before_the_observation(tokenizer):
     assert ctx.ids == render_ids(tokenizer, ctx.messages)
 
 
+@pytest.mark.parametrize("cut", range(len("<|im_end|>\n") + 1))
+def test_action_cut_inside_terminator_text_still_gets_the_special_end_token(tokenizer, cut):
+    # Plain-text tokens that spell a prefix of "<|im_end|>\n" are not the end token:
+    # the whole terminator, special token included, must still close the turn.
+    ctx = ChatContext(tokenizer, [{"role": "user", "content": "Write markup."}])
+    text = "a " + "<|im_end|>\n"[:cut]
+    action = [i for piece in ("a ", "<", "|", "im", "_end", "|", ">", "\n")[: 1 + cut]
+              for i in tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=True)]
+    assert tokenizer.eos_token_id not in action
+    ctx.append_action(action)
+    delta = ctx.append_observation([{"role": "user", "content": "Next."}])
+    assert delta[0] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert ctx.ids[len(ctx) - len(delta) - len(action):len(ctx) - len(delta)] == action
+    assert tokenizer.decode(ctx.ids) == tokenizer.apply_chat_template(ctx.messages, tokenize=False,
+                                                                      add_generation_prompt=True)
+    assert ctx.prefix_stable, text
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_sampled_terminator_tokens_are_not_appended_twice(tokenizer, k):
+    ctx = ChatContext(tokenizer, [{"role": "user", "content": "Hi"}])
+    term = tokenizer.encode("<|im_end|>\n", add_special_tokens=False)
+    assert len(term) == 2
+    action = tokenizer.encode("Hello", add_special_tokens=False) + term[:k]
+    ctx.append_action(action)
+    delta = ctx.append_observation([{"role": "user", "content": "Bye"}])
+    assert delta[: 2 - k] == term[k:]
+    assert tokenizer.decode(delta[2 - k:]).startswith("<|im_start|>user\nBye")
+
+
 def test_loss_mask_and_logprobs_cover_only_actions(tokenizer):
     ctx = ChatContext(tokenizer, [{"role": "user", "content": "Hi"}])
     n0 = len(ctx)
