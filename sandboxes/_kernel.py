@@ -2,6 +2,12 @@
 
 It is shipped as source text (``python3 -I -c <this file>``), never imported by
 the host. Protocol: one JSON request per stdin line, one JSON reply per stdout line.
+Every request carries an ``id`` that its reply echoes. The host sends nothing
+while a snippet runs except ``{"op": "cancel", "id": n}``, so any input that
+arrives then stops the snippet (killed, state rolled back, reply marked
+``cancelled``). A cancel is always acknowledged, after the snippet's reply, with
+``{"cancel_ack": n}``: the host reads up to that line and is in step again.
+Snippets get ``/dev/null`` as stdin; the protocol pipes are fds 8 and 9.
 
 Process layout and state semantics ("fork and promote"):
 
@@ -28,18 +34,23 @@ import traceback
 
 __all__ = []  # a script, not a library
 
+PROTO_IN = 8  # dup of the original stdin; fd 0 is /dev/null for snippets
 PROTO_OUT = 9  # dup of the original stdout; fds 1/2 are reserved for snippet output
 _buf = [b""]
 
 
 def read_request():
-    while b"\n" not in _buf[0]:
-        chunk = os.read(0, 1 << 16)
-        if not chunk:
-            return None
-        _buf[0] += chunk
-    line, _buf[0] = _buf[0].split(b"\n", 1)
-    return json.loads(line)
+    while True:
+        while b"\n" not in _buf[0]:
+            chunk = os.read(PROTO_IN, 1 << 16)
+            if not chunk:
+                return None
+            _buf[0] += chunk
+        line, _buf[0] = _buf[0].split(b"\n", 1)
+        try:
+            return json.loads(line)
+        except ValueError:  # not a request; the host times out waiting and restarts us
+            continue
 
 
 def reply(obj):
@@ -101,22 +112,34 @@ def child_runs(code, w_out, w_err, w_st, ns):
     os.close(w_st)
 
 
+def kill_group(pid):
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def collect(pid, r_out, r_err, r_st, timeout, limit):
-    """In K: gather C's output (bounded) until it promotes, dies, or times out."""
+    """In K: gather C's output (bounded) until it promotes, dies, times out or is cancelled."""
     bufs = {r_out: bytearray(), r_err: bytearray()}
-    truncated, status, timed_out = False, b"", False
+    truncated, status, timed_out, cancelled = False, b"", False, False
     open_fds = [r_out, r_err, r_st]
     deadline = time.monotonic() + timeout
     while r_st in open_fds:
         left = deadline - time.monotonic()
         if left <= 0:
             timed_out = True
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_group(pid)
             break
-        ready, _, _ = select.select(open_fds, [], [], left)
+        ready, _, _ = select.select([*open_fds, PROTO_IN], [], [], left)
+        if PROTO_IN in ready:  # only a cancel arrives mid-snippet; K stays the kernel
+            chunk = os.read(PROTO_IN, 1 << 16)
+            kill_group(pid)
+            if not chunk:  # the host is gone
+                os._exit(0)
+            _buf[0] += chunk
+            cancelled = True
+            break
         for fd in ready:
             chunk = os.read(fd, 1 << 16)
             if not chunk:
@@ -141,7 +164,7 @@ def collect(pid, r_out, r_err, r_st, timeout, limit):
         os.close(fd)
     out = bufs[r_out].decode("utf-8", "replace")
     err = bufs[r_err].decode("utf-8", "replace")
-    return out, err, truncated, status, timed_out
+    return out, err, truncated, status, timed_out, cancelled
 
 
 def kernel(ns):
@@ -150,9 +173,15 @@ def kernel(ns):
         if req is None:
             os._exit(0)
         if req.get("op") == "ping":
-            reply({"pong": os.getpid()})
+            reply({"pong": os.getpid(), "id": req.get("id")})
+            continue
+        if req.get("op") == "cancel":  # its snippet has replied (finished or killed)
+            reply({"cancel_ack": req.get("id")})
             continue
         started = time.monotonic()
+        if _buf[0]:  # its cancel came with it: never start the snippet
+            reply({"id": req.get("id"), "cancelled": True, "promoted": False, "exit_code": -1})
+            continue
         r_out, w_out = os.pipe()
         r_err, w_err = os.pipe()
         r_st, w_st = os.pipe()
@@ -164,12 +193,12 @@ def kernel(ns):
             continue  # C is now the kernel
         for fd in (w_out, w_err, w_st):
             os.close(fd)
-        out, err, truncated, status, timed_out = collect(
+        out, err, truncated, status, timed_out, cancelled = collect(
             pid, r_out, r_err, r_st, float(req.get("timeout", 30)), int(req.get("limit", 1 << 20))
         )
         result = {"stdout": out, "stderr": err, "truncated": truncated, "timed_out": timed_out}
-        result["duration_s"] = time.monotonic() - started
-        if status and not timed_out:
+        result.update(id=req.get("id"), cancelled=cancelled, duration_s=time.monotonic() - started)
+        if status and not (timed_out or cancelled):
             result.update(json.loads(status), promoted=True)
             reply(result)
             os._exit(0)  # C carries on as the kernel
@@ -181,10 +210,11 @@ def kernel(ns):
 
 
 def main():
-    os.dup2(1, PROTO_OUT)
+    os.dup2(0, PROTO_IN, inheritable=False)  # fork keeps them; commands a snippet runs do not
+    os.dup2(1, PROTO_OUT, inheritable=False)
     null = os.open(os.devnull, os.O_RDWR)
-    os.dup2(null, 1)
-    os.dup2(null, 2)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
     try:  # PR_SET_CHILD_SUBREAPER: orphaned kernels are reaped here, not left as zombies
         ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)
     except Exception:
@@ -195,7 +225,7 @@ def main():
         reply({"ready": True, "python": sys.version.split()[0]})
         kernel(ns)
         os._exit(0)
-    os.close(0)
+    os.close(PROTO_IN)
     os.close(PROTO_OUT)
     # Exit once the kernel chain is gone; orphans re-parent here and are reaped.
     while True:

@@ -52,6 +52,10 @@ class PythonInterpreter:
         self._lock = asyncio.Lock()
         self.restarts = 0  # kernels started after the first (each one lost the state)
         self._started_once = False
+        self._last_id = 0
+        # (code, timeout) of each snippet whose changes the kernel kept, oldest first:
+        # running them in order in a fresh kernel rebuilds the state (see ``replay``).
+        self.history: list[tuple[str, float]] = []
 
     @property
     def running(self) -> bool:
@@ -77,34 +81,75 @@ class PythonInterpreter:
         self._proc = proc
 
     async def execute(self, code: str, timeout: float = 30.0) -> ExecResult:
-        """Run ``code`` in the kernel; stdout/stderr are the snippet's own output."""
+        """Run ``code`` in the kernel; stdout/stderr are the snippet's own output.
+
+        Cancelling the call (``asyncio.wait_for`` around it, say) stops the snippet
+        and rolls the state back, as a timeout does, and the next call reads its
+        own reply: replies carry the request's id, and a cancel is acknowledged.
+        A kernel that cannot be brought back in step is dropped (state lost).
+        """
         async with self._lock:
             if self._proc is None:
                 if self._started_once:
                     self.restarts += 1
                 await self.start()
             self._started_once = True
-            assert self._proc is not None
-            request = {"code": code, "timeout": timeout, "limit": self.output_bytes}
-            line = (json.dumps(request) + "\n").encode()
+            self._last_id += 1
+            rid = self._last_id
+            request = {"id": rid, "code": code, "timeout": timeout, "limit": self.output_bytes}
             try:
-                raw = await asyncio.wait_for(self._proc.exchange(line), timeout + _GRACE_S)
+                reply = await asyncio.wait_for(self._ask(request, rid), timeout + _GRACE_S)
+            except asyncio.CancelledError:
+                await self._cancel(rid, code, timeout)
+                raise
             except (TimeoutError, SandboxError) as e:
                 await self._drop()
                 raise SandboxDeadError(
                     f"the Python kernel stopped answering ({type(e).__name__}); its state is "
                     "lost, and the next execute() starts a fresh kernel"
                 ) from e
-            if not raw:
+            if reply is None:
                 await self._drop()
                 raise SandboxDeadError(
                     "the Python kernel died (killed from outside, or its sandbox was reset or "
                     "closed); its state is lost, and the next execute() starts a fresh kernel"
                 )
-            return _result(json.loads(raw))
+            if reply.get("promoted"):
+                self.history.append((code, timeout))
+            return _result(reply)
+
+    async def _ask(self, request: dict, rid: int) -> dict | None:
+        """Send ``request``; its reply, skipping replies to earlier (cancelled) requests."""
+        assert self._proc is not None
+        raw = await self._proc.exchange((json.dumps(request) + "\n").encode())
+        while raw:
+            reply = _decode(raw)
+            if reply.get("id") == rid:
+                return reply
+            raw = await self._proc.readline()
+        return None
+
+    async def _cancel(self, rid: int, code: str, timeout: float) -> None:
+        """Stop request ``rid`` and read up to the kernel's ack; else drop the kernel."""
+        proc = self._proc
+        if proc is None:
+            return
+        try:
+            raw = await asyncio.wait_for(proc.exchange(_cancel_line(rid)), _GRACE_S)
+            while raw:
+                reply = _decode(raw)
+                if reply.get("cancel_ack") == rid:
+                    return
+                if reply.get("id") == rid and reply.get("promoted"):  # it finished first
+                    self.history.append((code, timeout))
+                raw = await asyncio.wait_for(proc.readline(), _GRACE_S)
+            raise SandboxError("the kernel died")
+        except (Exception, asyncio.CancelledError):  # cannot resync: a fresh kernel next time
+            await self._drop()
 
     async def _drop(self) -> None:
         proc, self._proc = self._proc, None
+        self.history = []
         if proc is not None:
             await proc.kill()
 
@@ -119,6 +164,20 @@ class PythonInterpreter:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _cancel_line(rid: int) -> bytes:
+    return (json.dumps({"op": "cancel", "id": rid}) + "\n").encode()
+
+
+def _decode(raw: bytes) -> dict:
+    try:
+        reply = json.loads(raw)
+    except ValueError as e:
+        raise SandboxError(f"the Python kernel sent a garbled line: {raw[:200]!r}") from e
+    if not isinstance(reply, dict):
+        raise SandboxError(f"the Python kernel sent a garbled line: {raw[:200]!r}")
+    return reply
 
 
 def _result(reply: dict) -> ExecResult:

@@ -1,166 +1,96 @@
-"""The ``calculator`` tool: safe arithmetic by walking Python's ``ast``; no ``eval``.
+"""The ``calculator`` tool: safe arithmetic (see ``_arith``) under a hard deadline.
 
-Only numbers, ``+ - * / // % **``, unary signs, the constants ``pi``, ``e`` and
-``tau``, and a short list of math functions are allowed. Sizes are bounded so an
-expression cannot eat the CPU or memory: the expression length, the nesting
-depth, the bit size of integer results, and exponents and factorials.
+``_arith.evaluate`` checks sizes as it walks the expression, but some allowed
+builtins compute a huge intermediate before any check can run, and a C-level
+computation never yields to the event loop, so ``call_timeout_s`` could not
+fire. The tool therefore evaluates in a worker process, and a call that passes
+``timeout_s`` kills the worker (a fresh one serves the next call). The event
+loop only waits on a thread; it never computes.
 """
 
 from __future__ import annotations
 
-import ast
-import math
-import operator
-from collections.abc import Callable
+import asyncio
+import json
+import select
+import subprocess
+import sys
+import threading
+import weakref
+from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ._arith import FUNCTION_NAMES, CalcError, evaluate, format_number
 from .base import Tool, ToolResult
 
-__all__ = ["CalculatorArgs", "CalculatorTool", "CalcError", "evaluate"]
+__all__ = ["CalculatorArgs", "CalculatorTool", "CalcError", "evaluate", "format_number"]
 
-MAX_EXPR_CHARS = 1_000
-MAX_DEPTH = 50
-MAX_INT_BITS = 4_096  # about 1,233 decimal digits
-MAX_FACTORIAL = 400
-
-_CONSTANTS = {"pi": math.pi, "e": math.e, "tau": math.tau}
-_BINOPS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-}
+_WORKER_SCRIPT = str(Path(__file__).with_name("_arith.py"))
 
 
-class CalcError(ValueError):
-    """The expression is not allowed or cannot be computed; the message says why."""
+def _stop(box: list[subprocess.Popen | None]) -> None:
+    proc, box[0] = box[0], None
+    if proc is not None:
+        proc.kill()
+        proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
 
 
-def _factorial(n: float) -> int:
-    if n != int(n) or n < 0:
-        raise CalcError("factorial needs a non-negative whole number")
-    if n > MAX_FACTORIAL:
-        raise CalcError(f"factorial is limited to n <= {MAX_FACTORIAL}")
-    return math.factorial(int(n))
+class _Worker:
+    """One ``_arith`` process, used by one call at a time; killed when a call is late.
 
+    Blocking: call ``evaluate`` from a thread. The process exits when its stdin
+    closes, so it never outlives the host.
+    """
 
-_FUNCTIONS: dict[str, Callable[..., Any]] = {
-    "abs": abs,
-    "round": round,
-    "min": min,
-    "max": max,
-    "sqrt": math.sqrt,
-    "exp": math.exp,
-    "log": math.log,
-    "log2": math.log2,
-    "log10": math.log10,
-    "sin": math.sin,
-    "cos": math.cos,
-    "tan": math.tan,
-    "asin": math.asin,
-    "acos": math.acos,
-    "atan": math.atan,
-    "floor": math.floor,
-    "ceil": math.ceil,
-    "factorial": _factorial,
-    "gcd": math.gcd,
-}
+    def __init__(self) -> None:
+        self._box: list[subprocess.Popen | None] = [None]
+        self._lock = threading.Lock()
+        weakref.finalize(self, _stop, self._box)
 
+    def _start(self) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", _WORKER_SCRIPT],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        self._box[0] = proc
+        return proc
 
-def _check_size(value: Any) -> Any:
-    if isinstance(value, complex):
-        raise CalcError("the result is not a real number")
-    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
-        raise CalcError(f"an intermediate result exceeds {MAX_INT_BITS} bits")
-    return value
+    def evaluate(self, expression: str, timeout: float) -> dict[str, str]:
+        """``{"value": text}`` or ``{"error": reason}``, within ``timeout`` seconds."""
+        with self._lock:
+            proc = self._box[0]
+            if proc is None or proc.poll() is not None:  # first use, or killed from outside
+                _stop(self._box)
+                proc = self._start()
+            assert proc.stdin is not None and proc.stdout is not None
+            try:
+                proc.stdin.write((json.dumps({"expression": expression}) + "\n").encode())
+                proc.stdin.flush()
+            except OSError:  # the worker died (killed from outside); a fresh one next time
+                _stop(self._box)
+                return {"error": "the calculator worker died; try again"}
+            if not select.select([proc.stdout], [], [], timeout)[0]:
+                _stop(self._box)
+                return {"error": f"the expression took longer than {timeout:g} s to compute"}
+            line = proc.stdout.readline()
+            if not line:
+                _stop(self._box)
+                return {"error": "the computation crashed the calculator (out of memory?)"}
+            return json.loads(line)
 
+    def close(self) -> None:
+        with self._lock:
+            _stop(self._box)
 
-def _power(base: Any, exp: Any) -> Any:
-    if isinstance(base, int) and isinstance(exp, int) and abs(base) > 1:
-        if abs(exp) > MAX_INT_BITS:
-            raise CalcError(f"the exponent {exp} is too large (limit {MAX_INT_BITS})")
-        if exp > 0 and exp * math.log2(abs(base)) > MAX_INT_BITS:
-            raise CalcError(f"{base}**{exp} would exceed {MAX_INT_BITS} bits")
-    elif isinstance(exp, int) and abs(exp) > 10**6:
-        raise CalcError("the exponent is too large")
-    return base**exp
-
-
-class _Evaluator:
-    def eval(self, node: ast.AST, depth: int = 0) -> Any:
-        if depth > MAX_DEPTH:
-            raise CalcError(f"the expression is nested more than {MAX_DEPTH} levels")
-        if isinstance(node, ast.Expression):
-            return self.eval(node.body, depth + 1)
-        if isinstance(node, ast.Constant):
-            if isinstance(node.value, bool) or not isinstance(node.value, int | float):
-                raise CalcError(f"only numbers are allowed, not {node.value!r}"[:120])
-            return _check_size(node.value)
-        if isinstance(node, ast.Name):
-            if node.id in _CONSTANTS:
-                return _CONSTANTS[node.id]
-            raise CalcError(f"unknown name {node.id!r}; known constants: pi, e, tau")
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.UAdd | ast.USub):
-            value = self.eval(node.operand, depth + 1)
-            return value if isinstance(node.op, ast.UAdd) else -value
-        if isinstance(node, ast.BinOp):
-            left = self.eval(node.left, depth + 1)
-            right = self.eval(node.right, depth + 1)
-            if isinstance(node.op, ast.Pow):
-                return _check_size(_power(left, right))
-            if isinstance(node.op, ast.BitXor):
-                raise CalcError("'^' is not a power here; write ** for powers (2**10)")
-            fn = _BINOPS.get(type(node.op))
-            if fn is None:
-                raise CalcError(f"operator {type(node.op).__name__} is not allowed")
-            return _check_size(fn(left, right))
-        if isinstance(node, ast.Call):
-            return self._call(node, depth)
-        raise CalcError(f"{type(node).__name__} is not allowed in a calculator expression")
-
-    def _call(self, node: ast.Call, depth: int) -> Any:
-        allowed = ", ".join(_FUNCTIONS)
-        if not isinstance(node.func, ast.Name):
-            raise CalcError(f"calling this is not allowed; allowed functions: {allowed}")
-        if node.func.id not in _FUNCTIONS:
-            raise CalcError(f"{node.func.id!r} is not an allowed function; allowed: {allowed}")
-        if node.keywords:
-            raise CalcError("keyword arguments are not allowed")
-        if len(node.args) > 16:
-            raise CalcError("too many function arguments")
-        args = [self.eval(a, depth + 1) for a in node.args]
-        return _check_size(_FUNCTIONS[node.func.id](*args))
-
-
-def evaluate(expression: str) -> int | float:
-    """The value of an arithmetic ``expression``; raises ``CalcError`` saying why not."""
-    if len(expression) > MAX_EXPR_CHARS:
-        raise CalcError(f"the expression is longer than {MAX_EXPR_CHARS} characters")
-    try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
-        raise CalcError(f"not a valid expression ({type(err).__name__})") from None
-    try:
-        return _Evaluator().eval(tree)
-    except CalcError:
-        raise
-    except ZeroDivisionError:
-        raise CalcError("division by zero") from None
-    except (OverflowError, ValueError, TypeError, ArithmeticError) as err:
-        raise CalcError(f"cannot compute: {err}") from None
-
-
-def format_number(value: int | float) -> str:
-    """Ints as they are; floats that are whole as ints; others with 15 significant digits."""
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
-        return str(int(value))
-    if isinstance(value, float):
-        return format(value, ".15g")
-    return str(value)
+    def __reduce__(self) -> tuple[Any, ...]:  # a copy or a pickle gets its own worker
+        return (_Worker, ())
 
 
 class CalculatorArgs(BaseModel):
@@ -172,17 +102,21 @@ class CalculatorArgs(BaseModel):
 
 
 class CalculatorTool(Tool):
-    """Evaluates arithmetic safely; no sandbox needed."""
+    """Evaluates arithmetic in a worker process, at most ``timeout_s`` per call; no sandbox."""
 
     name: ClassVar[str] = "calculator"
     description: ClassVar[str] = (
         "Evaluate an arithmetic expression: numbers, + - * / // % **, parentheses, "
-        "pi, e, tau and functions " + ", ".join(_FUNCTIONS) + "."
+        "pi, e, tau and functions " + ", ".join(FUNCTION_NAMES) + "."
     )
     Args: ClassVar[type[BaseModel]] = CalculatorArgs
 
+    def __init__(self, timeout_s: float = 2.0):
+        self.timeout_s = timeout_s
+        self._worker = _Worker()
+
     async def __call__(self, args: CalculatorArgs, sandbox: Any = None) -> ToolResult:
-        try:
-            return ToolResult(content=format_number(evaluate(args.expression)))
-        except CalcError as err:
-            return ToolResult.error(f"calculator error: {err}")
+        out = await asyncio.to_thread(self._worker.evaluate, args.expression, self.timeout_s)
+        if "error" in out:
+            return ToolResult.error(f"calculator error: {out['error']}")
+        return ToolResult(content=out["value"])

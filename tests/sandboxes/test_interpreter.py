@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import pytest
 
 from agentrl.errors import SandboxDeadError
@@ -75,3 +78,39 @@ async def test_dead_kernel_raises_then_restarts_fresh(interp):
     r = await interp.execute("'state' in globals()")
     assert r.stdout == "False\n"
     assert interp.restarts == 1
+
+
+async def test_cancelled_call_does_not_leak_its_output_into_the_next(interp):
+    await interp.execute("n = 1")
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(
+            interp.execute("import time\nn = 2\ntime.sleep(3)\nprint('slow')"), 0.5
+        )
+    r = await interp.execute("print('fast', n)")
+    assert r.stdout == "fast 1\n"  # its own output; the cancelled snippet rolled back
+    assert interp.restarts == 0  # resynchronised, not restarted
+    assert (await interp.execute("print('after')")).stdout == "after\n"
+
+
+async def test_cancel_right_after_sending_still_resynchronises(interp):
+    for _ in range(5):
+        task = asyncio.ensure_future(interp.execute("print('cancelled')"))
+        await asyncio.sleep(0)  # the request is on its way
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert (await interp.execute("print('mine')")).stdout == "mine\n"
+
+
+async def test_history_rebuilds_the_state_in_a_fresh_kernel(built):
+    async with PythonInterpreter(built.sandbox) as it:
+        await it.execute("x = 41\ndef f(v):\n    return v + 1")
+        await it.execute("raise ValueError('kept what ran before it')")
+        await it.execute("import os\nx = 0\nos._exit(3)")  # rolled back: not in history
+        history = list(it.history)
+    assert [code for code, _ in history][0].startswith("x = 41")
+    assert len(history) == 2
+    async with PythonInterpreter(built.sandbox) as fresh:
+        for code, timeout in history:
+            await fresh.execute(code, timeout)
+        assert (await fresh.execute("f(x)")).stdout == "42\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -88,3 +89,58 @@ def test_repeated_squaring_is_bounded():
 def test_calculator_never_raises_on_arbitrary_text(expr):
     res = calc(expr)
     assert isinstance(res.content, str)
+
+
+# Each passes the size checks but, evaluated in-process, holds the GIL for
+# seconds to minutes (round builds 10**(10**7) before it can round anything).
+HOSTILE = [
+    "round(1, -10**7)",
+    "round(7, -(10**8))",
+    "round(2**4000, -10**7) + 1",
+    "max(round(3, -10**7), 1)",
+]
+
+
+def test_no_expression_stalls_the_event_loop():
+    """A ticker task keeps ticking while hostile expressions run; each call ends by its deadline."""
+    tool = CalculatorTool(timeout_s=0.5)
+
+    async def scenario():
+        gaps, stop = [], asyncio.Event()
+
+        async def ticker():
+            last = time.monotonic()
+            while not stop.is_set():
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticking = asyncio.create_task(ticker())
+        took = []
+        for expr in HOSTILE:
+            start = time.monotonic()
+            res = await tool.invoke({"expression": expr}, None)
+            took.append(time.monotonic() - start)
+            assert res.is_error and "took longer than 0.5 s" in res.content, res.content
+        after = await tool.invoke({"expression": "6 * 7"}, None)  # a fresh worker serves it
+        stop.set()
+        await ticking
+        return gaps, took, after
+
+    gaps, took, after = asyncio.run(scenario())
+    assert after.content == "42"
+    assert max(took) < 3.0  # 0.5 s deadline, plus a worker start on a loaded machine
+    assert max(gaps) < 0.5  # the loop never waited on the computation
+
+
+def test_calculator_worker_is_replaced_after_it_is_killed():
+    tool = CalculatorTool()
+    assert calc_with(tool, "1 + 1").content == "2"
+    tool._worker._box[0].kill()
+    tool._worker._box[0].wait()
+    assert calc_with(tool, "2 + 2").content == "4"
+
+
+def calc_with(tool, expr: str):
+    return asyncio.run(tool.invoke({"expression": expr}, None))
