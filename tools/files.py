@@ -3,10 +3,20 @@
 Paths are relative to the sandbox's working directory; the sandbox decides what
 lies outside it. Mistakes the model can fix (a missing file, search text that is
 absent or occurs more than once) come back as error results.
+
+``edit_file`` works on bytes: only the matched bytes change, so a file that is
+not UTF-8 keeps every byte the edit did not touch. Calls that write a path
+(``write_file``, ``edit_file``) take a lock per sandbox and path, so concurrent
+calls in one turn apply one after another instead of losing an edit.
 """
 
 from __future__ import annotations
 
+import asyncio
+import posixpath
+import weakref
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -53,6 +63,27 @@ class EditFileArgs(BaseModel):
     replace_all: bool = Field(False, description="Replace every occurrence instead of one.")
 
 
+# sandbox -> path -> (lock, number of calls holding or waiting for it)
+_path_locks: weakref.WeakKeyDictionary[Sandbox, dict[str, list]] = weakref.WeakKeyDictionary()
+
+
+@asynccontextmanager
+async def _locked(sandbox: Sandbox, path: str) -> AsyncIterator[None]:
+    """Hold the lock of ``path`` in ``sandbox``; dropped when no call needs it (locks
+    belong to one event loop, and a sandbox may be used from several in turn)."""
+    key = posixpath.normpath(path)
+    locks = _path_locks.setdefault(sandbox, {})
+    entry = locks.setdefault(key, [asyncio.Lock(), 0])
+    entry[1] += 1
+    try:
+        async with entry[0]:
+            yield
+    finally:
+        entry[1] -= 1
+        if entry[1] == 0:
+            del locks[key]
+
+
 def _describe(err: BaseException, verb: str, path: str) -> str:
     # Sandbox errors already name the path and the reason.
     if isinstance(err, SandboxError):
@@ -60,8 +91,8 @@ def _describe(err: BaseException, verb: str, path: str) -> str:
     return f"cannot {verb} {path!r}: {type(err).__name__}: {err}"
 
 
-async def _read_text(sandbox: Sandbox, path: str) -> str | ToolResult:
-    """The file's text, or an error result the model can act on."""
+async def _read_bytes(sandbox: Sandbox, path: str) -> bytes | ToolResult:
+    """The file's bytes, or an error result the model can act on."""
     try:
         data = await sandbox.read_file(path)
     except Exception as err:
@@ -70,12 +101,12 @@ async def _read_text(sandbox: Sandbox, path: str) -> str | ToolResult:
         return ToolResult.error(_describe(err, "read", path))
     if len(data) > MAX_FILE_BYTES:
         return ToolResult.error(f"{path!r} is larger than {MAX_FILE_BYTES} bytes")
-    return data.decode("utf-8", errors="replace")
+    return data
 
 
-async def _write_text(sandbox: Sandbox, path: str, text: str) -> ToolResult | None:
+async def _write(sandbox: Sandbox, path: str, data: str | bytes) -> ToolResult | None:
     try:
-        await sandbox.write_file(path, text)
+        await sandbox.write_file(path, data)
     except Exception as err:
         if not is_model_fixable(err):
             raise
@@ -90,9 +121,10 @@ class ReadFileTool(Tool):
     needs_sandbox: ClassVar[bool] = True
 
     async def __call__(self, args: ReadFileArgs, sandbox: Sandbox | None) -> ToolResult:
-        text = await _read_text(require_sandbox(sandbox, self.name), args.path)
-        if isinstance(text, ToolResult):
-            return text
+        data = await _read_bytes(require_sandbox(sandbox, self.name), args.path)
+        if isinstance(data, ToolResult):
+            return data
+        text = data.decode("utf-8", errors="replace")  # for display; edit_file keeps the bytes
         if args.start_line == 1 and args.end_line is None:
             return ToolResult(content=text)
         lines = text.splitlines(keepends=True)
@@ -112,7 +144,9 @@ class WriteFileTool(Tool):
     needs_sandbox: ClassVar[bool] = True
 
     async def __call__(self, args: WriteFileArgs, sandbox: Sandbox | None) -> ToolResult:
-        failed = await _write_text(require_sandbox(sandbox, self.name), args.path, args.content)
+        box = require_sandbox(sandbox, self.name)
+        async with _locked(box, args.path):
+            failed = await _write(box, args.path, args.content)
         n = len(args.content.encode())
         return failed or ToolResult(content=f"wrote {n} bytes to {args.path}")
 
@@ -128,10 +162,20 @@ class EditFileTool(Tool):
 
     async def __call__(self, args: EditFileArgs, sandbox: Sandbox | None) -> ToolResult:
         box = require_sandbox(sandbox, self.name)
-        text = await _read_text(box, args.path)
-        if isinstance(text, ToolResult):
-            return text
-        count = text.count(args.search)
+        async with _locked(box, args.path):
+            return await self._edit(box, args)
+
+    async def _edit(self, box: Sandbox, args: EditFileArgs) -> ToolResult:
+        data = await _read_bytes(box, args.path)
+        if isinstance(data, ToolResult):
+            return data
+        search, replace = args.search.encode(), args.replace.encode()
+        count = data.count(search)
+        if count == 0 and "\ufffd" in args.search:
+            return ToolResult.error(
+                f"the search text holds U+FFFD, which read_file shows for bytes of {args.path!r} "
+                "that are not UTF-8; choose search text without those characters"
+            )
         if count == 0:
             return ToolResult.error(
                 f"the search text was not found in {args.path!r}; read the file and copy the "
@@ -142,8 +186,8 @@ class EditFileTool(Tool):
                 f"the search text occurs {count} times in {args.path!r}; include more "
                 "surrounding text to make it unique, or set replace_all to true"
             )
-        new = text.replace(args.search, args.replace, -1 if args.replace_all else 1)
-        failed = await _write_text(box, args.path, new)
+        new = data.replace(search, replace, -1 if args.replace_all else 1)
+        failed = await _write(box, args.path, new)
         return failed or ToolResult(
             content=f"replaced {count if args.replace_all else 1} occurrence(s) in {args.path}",
             metadata={"replacements": count if args.replace_all else 1},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import posixpath
 
 import pytest
 
@@ -140,3 +141,45 @@ def test_python_output_is_capped(local_sandbox):
 
     res = asyncio.run(flood())
     assert len(res.content) < 600 and "characters truncated" in res.content
+
+
+class SlowMemorySandbox(MemorySandbox):
+    """Yields to the loop inside every file operation, as a real sandbox does."""
+
+    async def read_file(self, path: str) -> bytes:
+        await asyncio.sleep(0.01)
+        return await super().read_file(posixpath.normpath(path))
+
+    async def write_file(self, path: str, data: str | bytes) -> None:
+        await asyncio.sleep(0.01)
+        await super().write_file(posixpath.normpath(path), data)
+
+
+def test_concurrent_edits_of_one_file_all_apply():
+    box = SlowMemorySandbox()
+    box.files["f.py"] = b"a = 1\nb = 1\nc = 1\nd = 1\n"
+    edit = get_tool("edit_file")
+
+    async def turn():
+        calls = [
+            edit.invoke({"path": p, "search": f"{v} = 1", "replace": f"{v} = 2"}, box)
+            for v, p in zip("abcd", ["f.py", "./f.py", "f.py", "sub/../f.py"], strict=True)
+        ]
+        return await asyncio.gather(*calls)
+
+    results = asyncio.run(turn())
+    assert not any(r.is_error for r in results), [r.content for r in results]
+    assert box.files["f.py"] == b"a = 2\nb = 2\nc = 2\nd = 2\n"
+
+
+def test_edit_file_keeps_bytes_that_are_not_utf8():
+    box = MemorySandbox()
+    box.files["latin.txt"] = b"caf\xe9 = 1\nx = 1\n\xff\xfe end\n"
+    res = call("edit_file", {"path": "latin.txt", "search": "x = 1", "replace": "x = 2"}, box)
+    assert not res.is_error, res.content
+    assert box.files["latin.txt"] == b"caf\xe9 = 1\nx = 2\n\xff\xfe end\n"
+    shown = call("read_file", {"path": "latin.txt"}, box).content  # U+FFFD for display only
+    copied = {"path": "latin.txt", "search": shown.splitlines()[0], "replace": "y"}
+    refused = call("edit_file", copied, box)
+    assert refused.is_error and "not UTF-8" in refused.content
+    assert box.files["latin.txt"] == b"caf\xe9 = 1\nx = 2\n\xff\xfe end\n"
