@@ -3,6 +3,8 @@
 The sandbox owns its workdir and may plant symlinks there (``x -> /etc/passwd``).
 We walk the path one component at a time with ``O_NOFOLLOW`` relative to the
 directory fd, so no symlink or ``..`` can lead a root-owned write outside.
+Every open is ``O_NONBLOCK`` and only regular files are read or written: a FIFO
+or device planted by the sandbox is refused, and never blocks a host thread.
 """
 
 from __future__ import annotations
@@ -34,8 +36,11 @@ def relative_parts(path: str, workdir_alias: str | None = None) -> list[str]:
     return parts
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
 def _open_dir(root: str, parts: list[str], create: bool, owner: tuple[int, int] | None) -> int:
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(root, _DIR_FLAGS)
     try:
         for part in parts:
             if create:
@@ -45,7 +50,7 @@ def _open_dir(root: str, parts: list[str], create: bool, owner: tuple[int, int] 
                         os.chown(part, *owner, dir_fd=fd, follow_symlinks=False)
                 except FileExistsError:
                     pass
-            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = nxt
         return fd
@@ -61,19 +66,25 @@ def write_beneath(
     owner: tuple[int, int] | None = None,
     workdir_alias: str | None = None,
 ) -> None:
-    """Write ``data`` to ``root/path`` (parents created), never following a symlink."""
+    """Write ``data`` to ``root/path`` (parents created), never following a symlink.
+
+    Truncates only once the open file is known to be regular (a FIFO with no
+    reader fails the open with ENXIO; one with a reader is refused by fstat).
+    """
     parts = relative_parts(path, workdir_alias)
     try:
         dfd = _open_dir(root, parts[:-1], create=True, owner=owner)
         try:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+            flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
             fd = os.open(parts[-1], flags, 0o644, dir_fd=dfd)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                if owner is not None:
-                    os.fchown(f.fileno(), *owner)
         finally:
             os.close(dfd)
+        with os.fdopen(fd, "wb") as f:
+            _require_regular(f.fileno(), path)
+            os.ftruncate(f.fileno(), 0)
+            f.write(data)
+            if owner is not None:
+                os.fchown(f.fileno(), *owner)
     except OSError as e:
         raise SandboxError(f"cannot write {path!r} in the sandbox: {e.strerror or e}") from e
 
@@ -88,14 +99,18 @@ def read_beneath(root: str, path: str, limit: int, workdir_alias: str | None = N
         finally:
             os.close(dfd)
         with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise SandboxError(f"{path!r} is not a regular file")
+            _require_regular(f.fileno(), path)
             data = f.read(limit + 1)
     except OSError as e:
         raise SandboxError(f"cannot read {path!r} in the sandbox: {e.strerror or e}") from e
     if len(data) > limit:
         raise SandboxError(f"{path!r} is larger than {limit} bytes; read it in parts with run()")
     return data
+
+
+def _require_regular(fd: int, path: str) -> None:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise SandboxError(f"{path!r} is not a regular file (a FIFO, device or socket); refused")
 
 
 def tar_dir(root: str) -> bytes:

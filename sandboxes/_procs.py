@@ -7,6 +7,14 @@
 - ``collect``: runs a started process to completion with bounded memory: stdout
   and stderr are kept up to a limit and the rest is read and dropped.
 - ``PipeProcess``: a ``SandboxProcess`` over an asyncio subprocess.
+- ``Cgroup``: a cgroup per sandbox (v1 memory+pids hierarchies, or v2), so memory
+  and process count are capped for the sandbox as a whole, not per process.
+- ``mount_tmpfs``: a size-capped tmpfs for a sandbox's writable directories.
+
+Host helpers (``sh`` entering the cgroup, ``prlimit``, ``setpriv``, ``bwrap``) run
+with ``HOST_ENV`` only. The caller's environment is applied by ``env -i`` as the
+last step before the sandboxed program, after privileges are dropped: a variable
+such as ``LD_PRELOAD`` can never steer a helper that still runs as root.
 """
 
 from __future__ import annotations
@@ -14,9 +22,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import os
 import random
+import re
 import signal
+import subprocess
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -27,21 +38,33 @@ from agentrl.errors import SandboxError
 from .base import ExecResult, SandboxLimits, SandboxProcess
 
 __all__ = [
+    "HOST_ENV",
+    "Cgroup",
     "PipeProcess",
     "UidLease",
+    "cgroup_unavailable",
+    "checked_env",
     "collect",
+    "env_argv",
     "kill_marked",
     "kill_session",
     "kill_uid",
+    "mount_tmpfs",
     "pids_of_uid",
     "prlimit_argv",
     "scrubbed_env",
     "spawn",
     "sandbox_python",
+    "unmount",
 ]
 
 SETPRIV = "/usr/bin/setpriv"
 PRLIMIT = "/usr/bin/prlimit"
+ENV = "/usr/bin/env"
+MOUNT, UMOUNT = "/usr/bin/mount", "/usr/bin/umount"
+# All the environment the host helpers get (markers are added; the caller's env never is).
+HOST_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 UID_BASE = 1_000_000  # far above any real account; inside no subuid range Debian hands out
 UID_COUNT = 50_000
 _LOCK_DIR = os.path.join(tempfile.gettempdir(), "agentrl-uids")
@@ -70,6 +93,25 @@ def scrubbed_env(home: str, tmpdir: str, extra: dict[str, str] | None = None) ->
     return env
 
 
+def checked_env(env: dict[str, str] | None) -> dict[str, str]:
+    """The caller's variables, refused unless each is ``NAME=value`` that ``env`` can set.
+
+    Any valid name may pass (``LD_PRELOAD`` too): it only reaches the sandboxed
+    program, which could set it itself.
+    """
+    for name, value in (env or {}).items():
+        if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+            raise SandboxError(f"env: {name!r} is not a valid variable name ([A-Za-z_][A-Za-z0-9_]*)")
+        if not isinstance(value, str) or "\0" in value:
+            raise SandboxError(f"env: the value of {name} must be a string without NUL bytes")
+    return dict(env or {})
+
+
+def env_argv(env: dict[str, str]) -> list[str]:
+    """``env -i`` setting exactly ``env`` for the program after it (run after the drop)."""
+    return [ENV, "-i", "--", *(f"{name}={value}" for name, value in env.items())]
+
+
 def prlimit_argv(limits: SandboxLimits, as_root_uid: bool) -> list[str]:
     """``prlimit`` options for one process tree; NPROC only counts for a non-root uid."""
     argv = [
@@ -89,23 +131,46 @@ class UidLease:
     """Claim a free uid in [UID_BASE, UID_BASE + UID_COUNT) for one sandbox's lifetime."""
 
     def __init__(self) -> None:
-        os.makedirs(_LOCK_DIR, mode=0o700, exist_ok=True)
-        for _ in range(200):
-            uid = UID_BASE + random.randrange(UID_COUNT)
-            fd = os.open(os.path.join(_LOCK_DIR, f"{uid}.lock"), os.O_CREAT | os.O_RDWR, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            self.uid, self._fd = uid, fd
-            return
+        dfd = _open_lock_dir(_LOCK_DIR)
+        try:
+            for _ in range(200):
+                uid = UID_BASE + random.randrange(UID_COUNT)
+                flags = os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK
+                fd = os.open(f"{uid}.lock", flags, 0o600, dir_fd=dfd)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                self.uid, self._fd = uid, fd
+                return
+        finally:
+            os.close(dfd)
         raise SandboxError(f"no free sandbox uid in {_LOCK_DIR}; remove stale lock files there")
 
     def release(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)  # closing drops the flock
             self._fd = -1
+
+
+def _open_lock_dir(path: str) -> int:
+    """The lock dir, opened as a private dir of ours: it sits in the world-writable /tmp,
+    where another user may have planted a symlink or a dir of their own by that name."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise SandboxError(f"uid lock dir {path} is not a plain directory ({e}); remove it") from e
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        os.close(fd)
+        raise SandboxError(
+            f"uid lock dir {path} belongs to uid {st.st_uid} with mode {st.st_mode & 0o777:o}; "
+            f"it must be uid {os.geteuid()}'s, mode 700: remove it"
+        )
+    return fd
 
 
 def pids_of_uid(uid: int, zombies: bool = False) -> list[int]:
@@ -351,3 +416,145 @@ class PipeProcess(SandboxProcess):
             self._proc.kill()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._proc.wait(), 10.0)
+
+
+_CGROUP_FS = "/sys/fs/cgroup"
+# Moves itself into each cgroup dir given before "--", then execs the rest (still root).
+_ENTER_CGROUPS = (
+    'while [ "$1" != -- ]; do echo 0 > "$1/cgroup.procs" || exit 125; shift; done; '
+    'shift; exec "$@"'
+)
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _own_cgroup_dirs() -> tuple[list[str], int]:
+    """Where our process sits: ([memory dir, pids dir], 1) or ([dir], 2); ([], 0) if neither."""
+    v1: dict[str, str] = {}
+    v2 = None
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, names, path = line.rstrip("\n").split(":", 2)
+            for name in names.split(",") if names else ():
+                v1[name] = os.path.join(_CGROUP_FS, names, path.lstrip("/"))
+            if not names:
+                v2 = os.path.join(_CGROUP_FS, path.lstrip("/"))
+    if "memory" in v1 and "pids" in v1:
+        return [v1["memory"], v1["pids"]], 1
+    if v2 and os.path.exists(os.path.join(_CGROUP_FS, "cgroup.controllers")):
+        return [v2], 2
+    return [], 0
+
+
+@dataclass(slots=True)
+class Cgroup:
+    """One cgroup per sandbox: memory and pids are capped for all its processes together.
+
+    v1 (memory and pids hierarchies, as Docker hosts often mount them) or v2 (the
+    parent must let us enable the memory and pids controllers). Nested under our
+    own cgroup, so the trainer's limits still hold over it.
+    """
+
+    dirs: list[str]
+    version: int
+
+    @classmethod
+    def create(cls, name: str, limits: SandboxLimits) -> Cgroup:
+        """Make the cgroup and set its limits; OSError when this machine does not let us."""
+        parents, version = _own_cgroup_dirs()
+        if not parents:
+            raise OSError("no memory and pids cgroup controllers are mounted")
+        cg = cls([os.path.join(p, name) for p in parents], version)
+        memory = str(limits.memory_mb << 20)
+        try:
+            if version == 2:
+                _write(os.path.join(parents[0], "cgroup.subtree_control"), "+memory +pids")
+            for d in cg.dirs:
+                os.mkdir(d, 0o755)
+            if version == 1:
+                _write(os.path.join(cg.dirs[0], "memory.limit_in_bytes"), memory)
+                swap = os.path.join(cg.dirs[0], "memory.memsw.limit_in_bytes")
+                if os.path.exists(swap):  # only where swap is accounted
+                    _write(swap, memory)
+                _write(os.path.join(cg.dirs[1], "pids.max"), str(limits.pids))
+            else:
+                _write(os.path.join(cg.dirs[0], "memory.max"), memory)
+                if os.path.exists(os.path.join(cg.dirs[0], "memory.swap.max")):
+                    _write(os.path.join(cg.dirs[0], "memory.swap.max"), "0")
+                _write(os.path.join(cg.dirs[0], "pids.max"), str(limits.pids))
+        except OSError:
+            cg.remove()
+            raise
+        return cg
+
+    def enter_argv(self) -> list[str]:
+        """A prefix that puts the command (and all it spawns) into this cgroup."""
+        return ["/bin/sh", "-c", _ENTER_CGROUPS, "sh", *self.dirs, "--"]
+
+    def pids(self) -> list[int]:
+        found: set[int] = set()
+        for d in self.dirs:
+            with contextlib.suppress(OSError), open(os.path.join(d, "cgroup.procs")) as f:
+                found.update(int(line) for line in f if line.strip())
+        return sorted(found)
+
+    def oom_kills(self) -> int:
+        """How many processes the kernel's OOM killer has ended in this cgroup so far."""
+        name = "memory.oom_control" if self.version == 1 else "memory.events"
+        with contextlib.suppress(OSError), open(os.path.join(self.dirs[0], name)) as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+        return 0
+
+    def kill(self) -> bool:
+        """SIGKILL every process in the cgroup; True when none is left."""
+        return _kill_until_gone(self.pids, rounds=50)
+
+    def remove(self) -> bool:
+        """Remove the cgroup dirs (they must be empty of processes); True when all are gone."""
+        for d in self.dirs:
+            for _ in range(50):  # a killed task leaves its cgroup a moment after SIGKILL
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.02)
+        return not any(os.path.exists(d) for d in self.dirs)
+
+
+@functools.lru_cache(maxsize=1)
+def cgroup_unavailable() -> str | None:
+    """None when sandboxes here get a cgroup each; otherwise why not (probed once)."""
+    try:
+        cg = Cgroup.create(f"agentrl-probe-{os.getpid()}", SandboxLimits())
+    except OSError as e:
+        return f"no writable cgroup for the memory and pids controllers ({e.strerror or e})"
+    cg.remove()
+    return None
+
+
+def mount_tmpfs(path: str, size_mb: int) -> None:
+    """Mount a root-owned tmpfs of ``size_mb`` MiB on ``path`` (needs root); OSError if refused.
+
+    Mode 0711: the sandbox may pass through to its own dirs inside, never rename them.
+    """
+    opts = f"size={size_mb}m,mode=0711,nosuid,nodev"
+    cmd = [MOUNT, "-t", "tmpfs", "-o", opts, "agentrl-sandbox", path]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=HOST_ENV)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise OSError(f"mount failed: {e}") from e
+    if done.returncode != 0:
+        raise OSError(f"mount failed: {done.stderr.strip()}")
+
+
+def unmount(path: str) -> None:
+    """Detach a tmpfs mounted by ``mount_tmpfs`` (lazily: a late process cannot block it)."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run([UMOUNT, "--lazy", path], capture_output=True, timeout=30, env=HOST_ENV)

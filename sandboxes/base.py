@@ -3,11 +3,14 @@
 A tool never knows which backend runs it. Each backend declares the isolation it
 gives (``ISOLATION``); asking for more than the machine can give raises
 ``SandboxUnavailableError`` naming what to install, never a silent downgrade.
+Where a backend runs with less than its docstring promises on this machine (no
+writable cgroup, not root), it says so once at runtime with an ``IsolationWarning``.
 """
 
 from __future__ import annotations
 
 import abc
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -18,9 +21,11 @@ __all__ = [
     "Isolation",
     "Sandbox",
     "ISOLATION_ORDER",
+    "IsolationWarning",
     "SandboxLimits",
     "SandboxProcess",
     "isolation_at_least",
+    "warn_once",
 ]
 
 Isolation = Literal["none", "namespaces", "container", "gvisor", "remote"]
@@ -35,20 +40,44 @@ def isolation_at_least(have: str, want: str) -> bool:
     return ISOLATION_ORDER.index(have) >= ISOLATION_ORDER.index(want)
 
 
+class IsolationWarning(RuntimeWarning):
+    """Model code runs with less isolation, or looser limits, than a sandbox suggests.
+
+    A ``RuntimeWarning``: it describes this machine, not a mistake in the caller's code.
+    """
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Emit ``message`` as an ``IsolationWarning`` once per process, whatever the filters."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, IsolationWarning, stacklevel=3)
+
+
 class SandboxLimits(BaseModel):
     """Resource limits every backend enforces (each in its own way)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     cpu_s: int = Field(60, ge=1, description="CPU seconds per process (RLIMIT_CPU).")
-    memory_mb: int = Field(1024, ge=16, description="Memory per process or container, MiB.")
+    memory_mb: int = Field(
+        1024,
+        ge=16,
+        description="Memory per process (RLIMIT_AS), and of the whole sandbox where a cgroup "
+        "or container caps it, MiB.",
+    )
     pids: int = Field(128, ge=4, description="Max processes/threads of the sandbox.")
     nofile: int = Field(256, ge=16, description="Max open files per process.")
     fsize_mb: int = Field(256, ge=1, description="Max size of one written file, MiB.")
     output_bytes: int = Field(
         1 << 20, ge=1024, description="stdout and stderr are each truncated to this many bytes."
     )
-    workdir_mb: int = Field(512, ge=1, description="Size of the writable workdir where capped.")
+    workdir_mb: int = Field(
+        512, ge=1, description="Size of the writable workdir (and bwrap's /tmp) where capped, MiB."
+    )
 
 
 @dataclass(slots=True)
@@ -144,6 +173,11 @@ class Sandbox(abc.ABC):
             return (await self.run(["true"], timeout=10.0)).exit_code == 0
         except Exception:  # any failure means unhealthy; the pool replaces it
             return False
+
+    @classmethod
+    def describe(cls) -> str:
+        """What this backend enforces on this machine, in one line (``agentrl sandbox backends``)."""
+        return f"isolation {cls.ISOLATION}"
 
     async def snapshot(self) -> Any:
         raise NotImplementedError(f"{type(self).__name__} cannot snapshot")

@@ -5,11 +5,20 @@ Every command runs in fresh user, pid, net, ipc, uts and cgroup namespaces:
   unprivileged uid (as real root it would keep full capabilities inside), under
   the same ``prlimit`` limits as ``local`` (NPROC counts the private uid, so it
   is a per-sandbox pids limit).
+- Where a cgroup can be made, all processes of the sandbox together are capped
+  at ``limits.memory_mb`` and ``limits.pids`` (see ``local``); without one,
+  memory is capped per process only.
 - Only ``/usr`` (+ the merged-usr links and a few ``/etc`` files) is bound,
   read-only. The workdir is bound read-write at ``/work``, and a per-sandbox
-  dir at ``/tmp``; both persist across runs until ``reset``.
+  dir at ``/tmp``; both persist across runs until ``reset``. As root they share
+  one tmpfs of ``limits.workdir_mb`` (not as root: host disk, uncapped).
+- ``/dev`` is read-only; ``/dev/shm`` is a per-run tmpfs of ``workdir_mb``.
+  Every tmpfs page the sandbox writes also counts toward its memory cgroup.
 - No network: the net namespace has only a down loopback. When python3-seccomp
-  is installed, a seccomp filter also denies ``socket(AF_INET/AF_INET6)``.
+  is installed, a seccomp filter also denies ``socket(AF_INET/AF_INET6)``;
+  ``describe()`` and a start-time ``IsolationWarning`` say when it is not.
+- The caller's ``env`` is set inside the namespaces by ``env -i``; ``prlimit``,
+  ``setpriv`` and ``bwrap`` never see it.
 - ``--die-with-parent`` and a pid namespace per run: killing the outer bwrap on
   timeout ends every process of that run.
 
@@ -26,9 +35,9 @@ import subprocess
 
 from agentrl.errors import SandboxUnavailableError
 
-from ._procs import SETPRIV, prlimit_argv
+from ._procs import SETPRIV, env_argv
 from .base import Isolation, SandboxLimits
-from .local import LocalSandbox, _empty_dir
+from .local import LocalSandbox, host_shortfalls
 
 __all__ = ["BwrapSandbox", "bwrap_path", "seccomp_available"]
 
@@ -70,6 +79,11 @@ class BwrapSandbox(LocalSandbox):
 
     ISOLATION: Isolation = "namespaces"
     NAME = "bwrap"
+    ENFORCES = (
+        "user/pid/net/ipc/uts/cgroup namespaces, private uid, read-only /usr, memory and pids "
+        "per sandbox (cgroup), /work and /tmp on a capped tmpfs, /dev read-only, capped "
+        "/dev/shm, seccomp denying inet sockets"
+    )
     workdir_alias = "/work"
 
     def __init__(
@@ -98,38 +112,31 @@ class BwrapSandbox(LocalSandbox):
             )
         self._seccomp = seccomp if seccomp is not None else seccomp_available()
 
+    @classmethod
+    def shortfalls(cls) -> list[str]:
+        gaps = host_shortfalls()
+        if not seccomp_available():
+            gaps.append(
+                "no seccomp filter (apt-get install python3-seccomp); the empty network "
+                "namespace still blocks the network"
+            )
+        return gaps
+
     def _inner_paths(self, workdir: str) -> tuple[str, str]:
         return "/work", "/tmp"
 
-    def _make_dirs(self) -> str:
-        base = super()._make_dirs()
-        for sub in ("work", "tmp"):
-            os.mkdir(os.path.join(base, sub), 0o700)
-            if self._lease:
-                os.chown(os.path.join(base, sub), self._lease.uid, self._lease.uid)
-        return os.path.join(base, "work")
+    def _writable_dirs(self) -> tuple[str, ...]:
+        return ("work", "tmp")
 
-    def _wipe_dirs(self, workdir: str) -> None:
-        _empty_dir(workdir)
-        _empty_dir(os.path.join(os.path.dirname(workdir), "tmp"))
-
-    def _remove_dirs(self, workdir: str) -> None:
-        shutil.rmtree(os.path.dirname(workdir), ignore_errors=True)
-
-    def _wrap(self, argv: list[str], pass_fds: list[int]) -> list[str]:
+    def _wrap(self, argv: list[str], env: dict[str, str], pass_fds: list[int]) -> list[str]:
         assert self.workdir is not None
         base = os.path.dirname(self.workdir)
-        cmd = prlimit_argv(self.limits, as_root_uid=self._lease is None and os.geteuid() == 0)
-        if self._lease:
-            uid = str(self._lease.uid)
-            cmd += [
-                SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-                "--no-new-privs", "--bounding-set=-all", "--",
-            ]  # fmt: skip
-        cmd += [
+        cmd = [
+            *self._host_prefix(),
             self._bwrap, "--unshare-all", "--die-with-parent", "--new-session",
             "--hostname", "sandbox", "--cap-drop", "ALL",
-            "--proc", "/proc", "--dev", "/dev",
+            "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
+            "--size", str(self.limits.workdir_mb << 20), "--tmpfs", "/dev/shm",
             "--bind", self.workdir, "/work", "--bind", os.path.join(base, "tmp"), "/tmp",
             "--chdir", "/work",
         ]  # fmt: skip
@@ -146,4 +153,4 @@ class BwrapSandbox(LocalSandbox):
             os.write(fd, _inet_deny_bpf() or b"")
             os.lseek(fd, 0, os.SEEK_SET)
             cmd += ["--seccomp", str(fd)]
-        return [*cmd, "--", *argv]
+        return [*cmd, "--", *env_argv(env), *argv]

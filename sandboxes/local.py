@@ -5,17 +5,26 @@ What it does:
   size, processes) and, when we are root, ``setpriv`` to a private unprivileged
   uid claimed for this sandbox (``UidLease``). RLIMIT_NPROC is ignored for root,
   and a private uid makes it a per-sandbox process limit. No ``preexec_fn``.
-- A private workdir (mode 0700, owned by the sandbox uid) and a scrubbed env.
+- Where a cgroup can be made (v1 memory+pids, or v2), the sandbox's processes
+  together are capped at ``limits.memory_mb`` and ``limits.pids``; without one,
+  memory is only capped per process (RLIMIT_AS), so N processes may use N times
+  as much. The kernel's OOM kills in the cgroup set ``oom_killed``; without a
+  cgroup it is guessed from allocation errors in stderr.
+- As root, the workdir lives on a private tmpfs of ``limits.workdir_mb``; not as
+  root it sits on host disk, uncapped.
+- A scrubbed env. The caller's ``env`` is checked and applied by ``env -i``
+  after the uid drop: host helpers running as root never see it.
 - A timeout kills the run's session and every process carrying the run's marker
   in its environment (that catches grandchildren that called ``setsid()``).
-  ``reset``/``close`` kill every process of the sandbox uid.
+  ``reset``/``close`` kill every process of the sandbox uid and cgroup.
 - stdout/stderr are truncated to ``limits.output_bytes`` with bounded memory.
-- ``oom_killed`` is set when the process died of an allocation failure under
-  RLIMIT_AS (MemoryError and friends in stderr); there is no cgroup here.
 
 What it does not do: the filesystem and the network are visible (the child can
-read world-readable files and write world-writable dirs such as /tmp). Use
-``bwrap`` or ``docker`` for untrusted code.
+read world-readable files and write world-writable dirs such as /tmp, uncapped).
+Not as root it runs model code as your own uid: no isolation at all, and
+cleanup relies on an environment marker that the code can remove. Whatever of
+this the machine lacks is said once at start with an ``IsolationWarning``
+(``describe()`` lists it too). Use ``bwrap`` or ``docker`` for untrusted code.
 """
 
 from __future__ import annotations
@@ -31,19 +40,26 @@ from agentrl.errors import SandboxDeadError, SandboxError
 
 from ._files import read_beneath, tar_dir, untar_into, write_beneath
 from ._procs import (
+    HOST_ENV,
     SETPRIV,
+    Cgroup,
     PipeProcess,
     UidLease,
+    cgroup_unavailable,
+    checked_env,
     collect,
+    env_argv,
     kill_marked,
     kill_session,
     kill_uid,
+    mount_tmpfs,
     prlimit_argv,
     sandbox_python,
     scrubbed_env,
     spawn,
+    unmount,
 )
-from .base import ExecResult, Isolation, Sandbox, SandboxLimits, SandboxProcess
+from .base import ExecResult, Isolation, Sandbox, SandboxLimits, SandboxProcess, warn_once
 
 __all__ = ["LocalSandbox"]
 
@@ -57,6 +73,10 @@ class LocalSandbox(Sandbox):
 
     ISOLATION: Isolation = "none"
     NAME = "local"
+    ENFORCES = (
+        "private uid, rlimits per process, memory and pids per sandbox (cgroup), "
+        "workdir on a capped tmpfs; host files and network visible"
+    )
 
     def __init__(
         self,
@@ -69,6 +89,8 @@ class LocalSandbox(Sandbox):
         self._root_dir = root_dir
         self._drop = os.geteuid() == 0 if drop_privileges is None else drop_privileges
         self._lease: UidLease | None = None
+        self._cgroup: Cgroup | None = None
+        self._tmpfs = False  # the workdir's parent is our tmpfs mount
         self.workdir: str | None = None
         self._closed = False
         self._marker = f"AGENTRL_SANDBOX={secrets.token_hex(8)}"
@@ -79,49 +101,110 @@ class LocalSandbox(Sandbox):
         """The uid sandboxed processes run as."""
         return self._lease.uid if self._lease else os.getuid()
 
+    @property
+    def cgroup(self) -> Cgroup | None:
+        """The cgroup capping the whole sandbox, or None where this machine gives none."""
+        return self._cgroup
+
+    @classmethod
+    def shortfalls(cls) -> list[str]:
+        """What of ``ENFORCES`` this machine cannot give (empty when it all holds)."""
+        gaps = host_shortfalls()
+        if os.geteuid() != 0:
+            gaps.insert(
+                0,
+                "not root: model code runs as your own uid, with no isolation from your files "
+                "and processes, and may escape cleanup; use bwrap",
+            )
+        return gaps
+
+    @classmethod
+    def describe(cls) -> str:
+        gaps = cls.shortfalls()
+        missing = f"; NOT here: {'; '.join(gaps)}" if gaps else ""
+        return f"isolation {cls.ISOLATION}: {cls.ENFORCES}{missing}"
+
     async def start(self) -> None:
         async with self._start_lock:
             if self._closed:
                 raise SandboxDeadError("this sandbox was closed; create a new one")
             if self.workdir is not None:
                 return
+            for gap in self.shortfalls():
+                warn_once(f"{self.NAME} sandbox: {gap}")
             if self._drop:
                 if os.geteuid() != 0:
                     raise SandboxError("drop_privileges=True needs root (it switches uid)")
                 self._lease = UidLease()
                 await kill_uid(self._lease.uid)  # leftovers of a crashed earlier owner
+            elif os.geteuid() == 0:
+                warn_once(f"{self.NAME} sandbox: drop_privileges=False runs model code as root")
+            if cgroup_unavailable() is None:
+                self._cgroup = await asyncio.to_thread(self._make_cgroup)
             self.workdir = await asyncio.to_thread(self._make_dirs)
 
+    def _make_cgroup(self) -> Cgroup:
+        try:
+            return Cgroup.create(f"agentrl-{self.NAME}-{secrets.token_hex(6)}", self.limits)
+        except OSError as e:
+            raise SandboxError(f"cannot create the {self.NAME} sandbox's cgroup: {e}") from e
+
     def _make_dirs(self) -> str:
-        """Create the private workdir, owned by the sandbox uid."""
-        workdir = tempfile.mkdtemp(prefix=f"agentrl-{self.NAME}-", dir=self._root_dir)
-        if self._lease:
-            os.chown(workdir, self._lease.uid, self._lease.uid)
-        return workdir
+        """A private base dir (a tmpfs of ``workdir_mb`` as root) holding ``work``, the workdir."""
+        base = tempfile.mkdtemp(prefix=f"agentrl-{self.NAME}-", dir=self._root_dir)
+        if os.geteuid() == 0:
+            try:
+                mount_tmpfs(base, self.limits.workdir_mb)
+                self._tmpfs = True
+            except OSError as e:
+                warn_once(f"{self.NAME} sandbox: the workdir is on host disk, uncapped: {e}")
+        os.chmod(base, 0o711)  # the sandbox uid passes through to its dirs, cannot rename them
+        for sub in self._writable_dirs():
+            os.mkdir(os.path.join(base, sub), 0o700)
+            if self._lease:
+                os.chown(os.path.join(base, sub), self._lease.uid, self._lease.uid)
+        return os.path.join(base, "work")
 
     # Hooks for backends that wrap the same process handling (bwrap).
     workdir_alias: str | None = None  # the workdir's path as sandboxed code sees it
+
+    def _writable_dirs(self) -> tuple[str, ...]:
+        """The dirs made under the base dir, all on its tmpfs; ``work`` is the workdir."""
+        return ("work",)
 
     def _inner_paths(self, workdir: str) -> tuple[str, str]:
         """(HOME, TMPDIR) as the sandboxed process sees them."""
         return workdir, workdir
 
     def _wipe_dirs(self, workdir: str) -> None:
-        _empty_dir(workdir)
+        base = os.path.dirname(workdir)
+        for sub in self._writable_dirs():
+            _empty_dir(os.path.join(base, sub))
 
     def _remove_dirs(self, workdir: str) -> None:
-        shutil.rmtree(workdir, ignore_errors=True)
+        base = os.path.dirname(workdir)
+        if self._tmpfs:
+            unmount(base)
+        shutil.rmtree(base, ignore_errors=True)
 
-    def _wrap(self, argv: list[str], pass_fds: list[int]) -> list[str]:
-        """The full command line; fds appended to ``pass_fds`` are inherited, then closed."""
-        prefix = prlimit_argv(self.limits, as_root_uid=not self._drop and os.geteuid() == 0)
+    def _host_prefix(self) -> list[str]:
+        """The host helpers in front of the sandboxed part: cgroup, rlimits, uid drop."""
+        cmd = self._cgroup.enter_argv() if self._cgroup else []
+        cmd += prlimit_argv(self.limits, as_root_uid=self._lease is None and os.geteuid() == 0)
         if self._lease:
             uid = str(self._lease.uid)
-            prefix += [
+            cmd += [
                 SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                 "--no-new-privs", "--bounding-set=-all", "--",
             ]  # fmt: skip
-        return prefix + argv
+        return cmd
+
+    def _wrap(self, argv: list[str], env: dict[str, str], pass_fds: list[int]) -> list[str]:
+        """The full command line; fds appended to ``pass_fds`` are inherited, then closed.
+
+        ``env`` is the sandboxed program's whole environment, set after the uid drop.
+        """
+        return [*self._host_prefix(), *env_argv(env), *argv]
 
     async def _live_workdir(self) -> str:
         await self.start()
@@ -136,20 +219,19 @@ class LocalSandbox(Sandbox):
         self, argv: list[str], env: dict[str, str] | None, marker: str, with_stdin: bool
     ) -> asyncio.subprocess.Process:
         workdir = await self._live_workdir()
+        markers = _env_entries(self._marker, marker)
+        inner_env = scrubbed_env(*self._inner_paths(workdir), {**checked_env(env), **markers})
         pipe = asyncio.subprocess.PIPE
         fds: list[int] = []
         try:
             return await spawn(
-                self._wrap(argv, fds),
+                self._wrap(argv, inner_env, fds),
                 16 * self.limits.output_bytes + (1 << 20),
                 stdin=pipe if with_stdin else asyncio.subprocess.DEVNULL,
                 stdout=pipe,
                 stderr=pipe,
                 cwd=workdir,
-                env=scrubbed_env(
-                    *self._inner_paths(workdir),
-                    {**(env or {}), **_env_entries(self._marker, marker)},
-                ),
+                env={**HOST_ENV, **markers},  # the helpers' env; the marker finds them too
                 start_new_session=True,
                 pass_fds=tuple(fds),
             )
@@ -170,13 +252,17 @@ class LocalSandbox(Sandbox):
         data = _as_bytes(stdin)
         marker = f"AGENTRL_RUN={secrets.token_hex(8)}"
         started = time.monotonic()
+        ooms = self._cgroup.oom_kills() if self._cgroup else 0
         proc = await self._spawn(argv, env, marker, with_stdin=data is not None)
 
         async def kill_tree() -> None:
             await asyncio.to_thread(kill_session, proc.pid)
             await asyncio.to_thread(kill_marked, marker)
 
-        return await collect(proc, data, timeout, self.limits, kill_tree, started)
+        result = await collect(proc, data, timeout, self.limits, kill_tree, started)
+        if self._cgroup and result.exit_code != 0 and not result.timed_out:
+            result.oom_killed |= self._cgroup.oom_kills() > ooms
+        return result
 
     async def open_process(
         self, argv: list[str], env: dict[str, str] | None = None
@@ -200,6 +286,8 @@ class LocalSandbox(Sandbox):
         return await asyncio.to_thread(read_beneath, workdir, path, limit, alias)
 
     async def _kill_all(self, wait_reaped: bool = False) -> None:
+        if self._cgroup and not await asyncio.to_thread(self._cgroup.kill):
+            raise SandboxError(f"processes in cgroup {self._cgroup.dirs[0]} survived SIGKILL")
         if self._lease:
             if not await kill_uid(self._lease.uid, wait_reaped=wait_reaped):
                 raise SandboxError(f"processes of sandbox uid {self._lease.uid} survived SIGKILL")
@@ -231,8 +319,20 @@ class LocalSandbox(Sandbox):
             finally:
                 if self.workdir:
                     await asyncio.to_thread(self._remove_dirs, self.workdir)
+                if self._cgroup:
+                    await asyncio.to_thread(self._cgroup.remove)
                 if self._lease:
                     self._lease.release()
+
+
+def host_shortfalls() -> list[str]:
+    """The whole-sandbox limits this machine cannot give host-process backends."""
+    gaps = []
+    if reason := cgroup_unavailable():
+        gaps.append(f"memory is capped per process only, pids per uid: {reason}")
+    if os.geteuid() != 0:
+        gaps.append("the writable dirs are on host disk, uncapped (mounting a tmpfs needs root)")
+    return gaps
 
 
 def _env_entries(*markers: str) -> dict[str, str]:
