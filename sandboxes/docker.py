@@ -7,10 +7,19 @@ It idles on ``sleep infinity``; every ``run`` is a ``docker exec``.
 
 Timeouts: the exec carries a marker in its environment; when dockerd runs on
 this host (we see its processes in /proc) every marked process is killed from
-the host, else ``kill -9 -1`` is exec'd inside. ``reset`` kills every process
-but init and empties /work and /tmp. ``oom_killed`` comes from the container's
-memory cgroup ``oom_kill`` counter where readable, else from exit code 137
-without a timeout.
+the host. Else a small killer is exec'd inside: it kills, as the sandbox user,
+the marked processes, the sessions they lead (docker starts every exec in its
+own session) and their descendants, and nothing else, so the persistent
+interpreter and concurrent runs live on. ``reset`` kills every process but
+init and empties /work, /tmp, /dev/shm, /dev/mqueue and SysV IPC.
+``oom_killed`` comes from the container's memory cgroup ``oom_kill`` counter
+where readable, else from exit code 137 without a timeout.
+
+Files: ``read_file``/``write_file`` run ``dd`` with ``nofollow,nonblock`` as the
+sandbox user and refuse symlinks, FIFOs and devices; ``snapshot`` and
+``restore`` fail loudly on a timeout, an unknown exit or a truncated archive,
+and ``restore`` unpacks into a staging dir before it replaces /work. Every wait
+on an exec is bounded.
 
 The default image is built offline: ``build_image()`` (``agentrl sandbox
 build-image``) runs ``debootstrap --variant=minbase --include=python3`` and
@@ -30,6 +39,7 @@ import struct
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from agentrl.errors import SandboxDeadError, SandboxError, SandboxUnavailableError
@@ -51,6 +61,79 @@ DEFAULT_IMAGE = "agentrl-sandbox:bookworm"
 USER = "65534:65534"  # every exec runs as nobody
 PRIVATE_SOCKET = "/run/agentrl-docker.sock"  # the private dockerd of .ci/sandbox-setup.sh
 _MEMORY_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"bad_alloc", b"out of memory")
+_FILE_OP_S = 60.0  # a file operation still running after this is killed and reported
+_STAGE = "/tmp/.agentrl-restore"  # restore unpacks here before it replaces /work
+_SCRATCH = ("/tmp", "/dev/shm", "/dev/mqueue")  # writable besides /work; reset empties them
+
+# Refuse a symlink, FIFO or device (a FIFO would block the call); dd's nofollow,nonblock
+# also covers a swap made between the test and the open.
+_NOT_REGULAR = (
+    '{ [ -L "$1" ] || { [ -e "$1" ] && [ ! -f "$1" ]; }; } && '
+    '{ echo "${1#/work/} is not a regular file" >&2; exit 3; }; '
+)
+_READ = _NOT_REGULAR + 'exec dd if="$1" iflag=nofollow,nonblock bs=64K status=none'
+_WRITE = (
+    _NOT_REGULAR + 'mkdir -p -- "$(dirname -- "$1")" && '
+    'exec dd of="$1" oflag=nofollow,nonblock bs=64K status=none'
+)
+
+# Exec'd as the sandbox user with a run's marker when we cannot kill from the host:
+# kills the marked processes, the sessions they lead (each docker exec starts its own)
+# and their descendants, until none is left. Nothing else, so other runs live on.
+_KILL_TREE = r"""
+import os, sys, time
+marker = sys.argv[1].encode()
+def targets():
+    parent, sid, marked = {}, {}, set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open("/proc/%s/stat" % name, "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if fields[0] in (b"Z", b"X"):
+                continue
+            pid = int(name)
+            parent[pid], sid[pid] = int(fields[1]), int(fields[3])
+            with open("/proc/%s/environ" % name, "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    marked.add(pid)
+        except (OSError, IndexError, ValueError):
+            continue
+    hit = marked | {p for p in sid if sid[p] in marked}
+    while True:
+        more = {p for p in parent if parent[p] in hit} - hit
+        if not more:
+            return hit
+        hit |= more
+for _ in range(50):
+    pids = targets()
+    if not pids:
+        sys.exit(0)
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+    time.sleep(0.01)
+sys.exit(1)
+"""
+
+
+def _wipe_script(dirs: tuple[str, ...]) -> str:
+    """Shell that empties ``dirs`` (every name, ``..x`` too) and fails naming leftovers."""
+    listed = " ".join(dirs)
+    globs = " ".join(f"{d}/* {d}/.[!.]* {d}/..?*" for d in dirs)
+    return (
+        f"chmod -R u+rwX {listed} 2>/dev/null; rm -rf {globs} 2>/dev/null; "
+        f"left=$(find {listed} -mindepth 1 2>/dev/null | head -n 3); "
+        '[ -z "$left" ] || { echo "left behind:" $left >&2; exit 1; }'
+    )
+
+
+def _tar_complete(data: bytes) -> bool:
+    """A tar archive ends with zero blocks; one cut off at a member boundary does not."""
+    return len(data) >= 1024 and len(data) % 512 == 0 and not data[-1024:].strip(b"\0")
 
 
 def docker_host() -> str | None:
@@ -188,16 +271,20 @@ class DockerSandbox(Sandbox):
             self._client.close()
 
     async def reset(self) -> None:
+        """Kill every sandboxed process; empty /work, /tmp, /dev/shm, /dev/mqueue and IPC."""
+        await self._ensure()
+        await self._kill_all_and_wipe(("/work", *_SCRATCH))
+
+    async def _kill_all_and_wipe(self, dirs: tuple[str, ...]) -> None:
         # kill(-1) as the sandbox user reaches every sandboxed process (the idle init and
         # `sleep` run as capability-less root, out of reach); a few passes catch forks.
-        await self._ensure()
         script = (
-            "for i in 1 2 3; do kill -9 -1 2>/dev/null; done; "
-            "rm -rf /work/* /work/.[!.]* /tmp/* /tmp/.[!.]* 2>/dev/null; true"
+            "for i in 1 2 3; do kill -9 -1 2>/dev/null; done; ipcrm --all 2>/dev/null; "
+            + _wipe_script(dirs)
         )
         for _ in range(5):  # right after a fork bomb the pids limit may still be exhausted
             r = await self.run(["/bin/sh", "-c", script], timeout=60)
-            if r.exit_code == 0:
+            if r.ok:
                 return
             await asyncio.sleep(0.2)
         raise SandboxError(f"reset failed: {r.stderr.strip() or r.exit_code}")
@@ -232,8 +319,13 @@ class DockerSandbox(Sandbox):
         return -1
 
     def _run_blocking(
-        self, argv: list[str], data: bytes | None, timeout: float, env: dict[str, str] | None
-    ) -> tuple[bytes, bytes, int, bool, bool, bool]:
+        self,
+        argv: list[str],
+        data: bytes | None,
+        timeout: float,
+        env: dict[str, str] | None,
+        limit: int | None = None,
+    ) -> _Exec:
         marker = f"AGENTRL_RUN={secrets.token_hex(8)}"
         full_env = {**(env or {}), marker.split("=")[0]: marker.split("=")[1]}
         oom_before = self._oom_count()
@@ -245,7 +337,7 @@ class DockerSandbox(Sandbox):
                 with contextlib.suppress(OSError):
                     raw.shutdown(socket.SHUT_WR)
             out, err, truncated, timed_out = _read_frames(
-                raw, time.monotonic() + timeout, self.limits.output_bytes
+                raw, time.monotonic() + timeout, limit or self.limits.output_bytes
             )
         finally:
             raw.close()
@@ -257,15 +349,16 @@ class DockerSandbox(Sandbox):
             # The whole container went down mid-run (gVisor answers OOM that way): report
             # this run as killed; the next call raises SandboxDeadError.
             state = self._state()
-            return out, err, 137, timed_out, bool(state.get("OOMKilled", True)), truncated
-        code = info.get("ExitCode")
-        code = 137 if code is None else int(code)
+            return _Exec(out, err, 137, timed_out, bool(state.get("OOMKilled", True)), truncated)
+        if info.get("Running"):  # the stream ended but the process did not: end it
+            self._kill_marked(marker)
+        code = None if info.get("Running") or info.get("ExitCode") is None else info["ExitCode"]
         oom_after = self._oom_count()
         oom = oom_after > oom_before >= 0 or (oom_before < 0 and code == 137 and not timed_out)
         oom = oom or (
             not timed_out and code != 0 and any(m in err[-4096:] for m in _MEMORY_MARKERS)
         )
-        return out, err, code, timed_out, oom, truncated
+        return _Exec(out, err, code, timed_out, oom, truncated)
 
     def _exec_info(self, exec_id: str, wait: bool) -> dict:
         # The stream can end a moment before dockerd records the exit code.
@@ -286,11 +379,12 @@ class DockerSandbox(Sandbox):
         return {}
 
     def _kill_marked(self, marker: str) -> None:
+        """Kill one run's process tree; other runs and the interpreter are left alone."""
         if self._host_pids:
             kill_marked(marker)
-        else:
-            with contextlib.suppress(Exception):
-                self.container.exec_run(["/bin/sh", "-c", "kill -9 -1"], user=USER)
+            return
+        with contextlib.suppress(Exception):  # a dead container has nothing left to kill
+            self.container.exec_run([self.python, "-I", "-S", "-c", _KILL_TREE, marker], user=USER)
 
     async def run(
         self,
@@ -303,75 +397,83 @@ class DockerSandbox(Sandbox):
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
         data = stdin.encode() if isinstance(stdin, str) else stdin
         started = time.monotonic()
-        out, err, code, timed_out, oom, truncated = await asyncio.to_thread(
-            self._run_blocking, argv, data, timeout, env
-        )
-        if code == 126 and b"container" in err and b"not running" in err:
+        r = await asyncio.to_thread(self._run_blocking, argv, data, timeout, env)
+        if r.code == 126 and b"container" in r.err and b"not running" in r.err:
             raise SandboxDeadError("the container is not running; create a new sandbox")
         return ExecResult(
-            stdout=out.decode("utf-8", "replace"),
-            stderr=err.decode("utf-8", "replace"),
-            exit_code=code,
-            timed_out=timed_out,
-            oom_killed=oom,
-            truncated=truncated,
+            stdout=r.out.decode("utf-8", "replace"),
+            stderr=r.err.decode("utf-8", "replace"),
+            exit_code=137 if r.code is None else int(r.code),
+            timed_out=r.timed_out,
+            oom_killed=r.oom,
+            truncated=r.truncated,
             duration_s=time.monotonic() - started,
         )
+
+    async def _checked(
+        self, what: str, argv: list[str], limit: int, data: bytes | None = None
+    ) -> bytes:
+        """stdout of an exec that must exit 0, in time, with its whole output; else raise."""
+        await self._ensure()
+        r = await asyncio.to_thread(self._run_blocking, argv, data, _FILE_OP_S, None, limit)
+        if r.timed_out:
+            raise SandboxError(f"{what}: timed out after {_FILE_OP_S:.0f}s and was killed")
+        if r.code != 0:
+            detail = r.err.decode(errors="replace").strip() or "no message"
+            status = "did not report an exit code" if r.code is None else f"exit {r.code}"
+            raise SandboxError(f"{what}: {detail} ({status})")
+        if r.truncated:
+            raise SandboxError(f"{what}: more than {limit} bytes; nothing was changed")
+        return r.out
 
     # -- files -------------------------------------------------------------------------
     def _inner_path(self, path: str) -> str:
         return "/work/" + "/".join(relative_parts(path, self.workdir_alias))
 
     async def write_file(self, path: str, data: str | bytes) -> None:
-        target = self._inner_path(path)
+        """Write a regular file as the sandbox user; symlinks, FIFOs and devices are refused."""
         payload = data.encode() if isinstance(data, str) else data
-        script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
-        r = await self.run(["/bin/sh", "-c", script, "sh", target], stdin=payload, timeout=60)
-        if r.exit_code != 0:
-            raise SandboxError(f"cannot write {path!r} in the sandbox: {r.stderr.strip()}")
+        argv = ["/bin/sh", "-c", _WRITE, "sh", self._inner_path(path)]
+        await self._checked(f"cannot write {path!r} in the sandbox", argv, 1 << 16, payload)
 
     async def read_file(self, path: str) -> bytes:
-        await self._ensure()
-        target = self._inner_path(path)
+        """Read a regular file up to ``fsize_mb``; symlinks, FIFOs and devices are refused."""
         limit = self.limits.fsize_mb << 20
-        out, err, code, _, _, truncated = await asyncio.to_thread(
-            self._run_blocking_limit, ["cat", "--", target], limit
-        )
-        if code != 0:
-            raise SandboxError(f"cannot read {path!r} in the sandbox: {err.decode().strip()}")
-        if truncated:
+        argv = ["/bin/sh", "-c", _READ, "sh", self._inner_path(path)]
+        try:
+            return await self._checked(f"cannot read {path!r} in the sandbox", argv, limit)
+        except SandboxError as e:
+            if "more than" not in str(e):
+                raise
             raise SandboxError(
                 f"{path!r} is larger than {limit} bytes; read it in parts with run()"
-            )
-        return out
-
-    def _run_blocking_limit(self, argv: list[str], limit: int) -> tuple:
-        exec_id, raw = self._exec_socket(argv, False, {})
-        try:
-            out, err, truncated, _ = _read_frames(raw, time.monotonic() + 60, limit)
-        finally:
-            raw.close()
-        code = self._exec_info(exec_id, wait=True).get("ExitCode") or 0
-        return out, err, int(code), False, False, truncated
+            ) from e
 
     async def snapshot(self) -> bytes:
-        """/work as a tar archive (files only: running processes are not captured)."""
-        await self._ensure()
-        out, err, code, _, _, truncated = await asyncio.to_thread(
-            self._run_blocking_limit,
-            ["tar", "-C", "/work", "-cf", "-", "."],
-            (self.limits.workdir_mb + 16) << 20,
-        )
-        if code != 0:
-            raise SandboxError(f"snapshot failed: {err.decode(errors='replace').strip()}")
-        return out
+        """/work as a tar archive (files only: running processes are not captured).
+
+        Raises ``SandboxError`` rather than return an archive that may be incomplete.
+        """
+        argv = ["tar", "-C", "/work", "-cf", "-", "."]
+        return await self._checked("snapshot", argv, (self.limits.workdir_mb + 16) << 20)
 
     async def restore(self, snapshot: bytes) -> None:
-        """Reset, then put back the /work saved by ``snapshot``."""
-        await self.reset()
-        r = await self.run(["tar", "-C", "/work", "-xf", "-"], stdin=snapshot, timeout=120)
-        if r.exit_code != 0:
-            raise SandboxError(f"restore failed: {r.stderr.strip()}")
+        """Reset, then put back the /work saved by ``snapshot``.
+
+        The archive is unpacked into a staging dir under /tmp first, and /work is
+        replaced only once that succeeded: a bad archive leaves /work as it was.
+        """
+        if not _tar_complete(snapshot):
+            raise SandboxError("restore: the snapshot is not a complete tar archive")
+        await self._ensure()
+        await self._kill_all_and_wipe(_SCRATCH)  # /work stays until the new one is ready
+        unpack = f"mkdir {_STAGE} && tar -C {_STAGE} -xf - || {{ rm -rf {_STAGE}; exit 1; }}"
+        await self._checked("restore (unpacking)", ["/bin/sh", "-c", unpack], 1 << 16, snapshot)
+        swap = (
+            _wipe_script(("/work",))
+            + f" && cp -a {_STAGE}/. /work/ && chmod -R u+rwX {_STAGE} && rm -rf {_STAGE}"
+        )
+        await self._checked("restore (replacing /work)", ["/bin/sh", "-c", swap], 1 << 16)
 
     # -- long-lived processes ----------------------------------------------------------
     async def open_process(
@@ -386,8 +488,24 @@ class DockerSandbox(Sandbox):
         return _DockerProcess(self, reader, writer, marker)
 
 
+@dataclass(slots=True)
+class _Exec:
+    """What one exec gave: ``code`` is None when docker never reported an exit."""
+
+    out: bytes
+    err: bytes
+    code: int | None
+    timed_out: bool
+    oom: bool
+    truncated: bool
+
+
 class _DockerProcess(SandboxProcess):
-    """An exec'd process over the hijacked socket; stdout frames are demultiplexed."""
+    """An exec'd process over the hijacked socket; stdout frames are demultiplexed.
+
+    A line longer than ``16 * output_bytes + 1 MiB`` raises ``SandboxError``, as the
+    pipe reader of the host-process backends does.
+    """
 
     def __init__(
         self,
@@ -398,6 +516,7 @@ class _DockerProcess(SandboxProcess):
     ) -> None:
         self._box, self._reader, self._writer, self._marker = box, reader, writer, marker
         self._buf = bytearray()
+        self._max_line = 16 * box.limits.output_bytes + (1 << 20)
 
     async def write(self, data: bytes) -> None:
         try:
@@ -408,9 +527,17 @@ class _DockerProcess(SandboxProcess):
 
     async def readline(self) -> bytes:
         while b"\n" not in self._buf:
+            if len(self._buf) > self._max_line:
+                self._buf = bytearray()
+                raise SandboxError(
+                    f"sandbox process wrote an over-long line: over {self._max_line} bytes"
+                )
             try:
                 header = await self._reader.readexactly(8)
-                payload = await self._reader.readexactly(struct.unpack(">xxxxI", header)[0])
+                size = struct.unpack(">xxxxI", header)[0]
+                if size > self._max_line:
+                    raise SandboxError(f"docker sent a {size}-byte frame; the stream is corrupt")
+                payload = await self._reader.readexactly(size)
             except (asyncio.IncompleteReadError, ConnectionError):
                 line, self._buf = bytes(self._buf), bytearray()
                 return line
