@@ -185,10 +185,14 @@ def kernel(ns):
         r_out, w_out = os.pipe()
         r_err, w_err = os.pipe()
         r_st, w_st = os.pipe()
+        rnd = sys.modules.get("random")
+        seeded = rnd.getstate() if rnd is not None else None
         pid = os.fork()
         if pid == 0:
             for fd in (r_out, r_err, r_st):
                 os.close(fd)
+            if seeded is not None:  # undo random's reseed after fork: cells share one stream
+                rnd.setstate(seeded)
             child_runs(req["code"], w_out, w_err, w_st, ns)
             continue  # C is now the kernel
         for fd in (w_out, w_err, w_st):

@@ -156,6 +156,14 @@ class Tool:
     async def release(self, sandbox: Sandbox) -> None:
         """Drop any state this tool keeps for ``sandbox`` (called when an episode ends)."""
 
+    async def snapshot_state(self, sandbox: Sandbox) -> Any:
+        """Plain data from which ``restore_state`` rebuilds what this tool keeps for
+        ``sandbox`` outside its files (a sandbox snapshot holds only files); None: nothing."""
+        return None
+
+    async def restore_state(self, sandbox: Sandbox, state: Any) -> None:
+        """Rebuild the state captured by ``snapshot_state``, after the sandbox was restored."""
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
 

@@ -4,6 +4,12 @@ Each sandbox gets one interpreter (``agentrl.sandboxes.interpreter.PythonInterpr
 started on the first call and closed by ``release`` when the episode ends. Calls
 into the same interpreter are serialized, so concurrent calls in one turn run in
 the order they were made.
+
+Branching: ``snapshot_state`` is the interpreter's ``history`` (the snippets whose
+changes it kept), and ``restore_state`` runs them again in a fresh interpreter.
+The rebuilt state is identical when those snippets are deterministic; one that
+reads the clock, draws unseeded random numbers or appends to a file does so
+again, against the restored files.
 """
 
 from __future__ import annotations
@@ -86,6 +92,24 @@ class PythonTool(Tool):
             is_error=not result.ok,
             metadata={"exit_code": result.exit_code, "timed_out": result.timed_out},
         )
+
+    async def snapshot_state(self, sandbox: Sandbox) -> list[tuple[str, float]] | None:
+        session = self._sessions.get(sandbox)
+        if session is None or not session.started:
+            return None
+        async with session.lock:  # between calls, never mid-snippet
+            return list(getattr(session.interpreter, "history", None) or []) or None
+
+    async def restore_state(self, sandbox: Sandbox, state: list[tuple[str, float]] | None) -> None:
+        await self.release(sandbox)
+        if not state:
+            return
+        session = self._session(sandbox)
+        async with session.lock:
+            await session.interpreter.start()
+            session.started = True
+            for code, timeout in state:
+                await session.interpreter.execute(code, timeout)
 
     async def release(self, sandbox: Sandbox) -> None:
         session = self._sessions.pop(sandbox, None)

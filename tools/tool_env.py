@@ -261,28 +261,31 @@ class ToolEnv(TextEnv):
         When a sandbox is in use and its backend cannot snapshot, the snapshot
         is the episode's reset arguments and action log instead, and ``restore``
         replays them in a reset sandbox (tools must then be deterministic).
-        Interpreter memory is never captured directly: after a sandbox restore
-        the ``python`` tool starts a fresh session; a replay rebuilds it.
+        State a tool keeps outside the sandbox's files (the ``python`` tool's
+        interpreter) is captured by ``Tool.snapshot_state`` and rebuilt by
+        ``Tool.restore_state`` after the files are restored.
         """
-        box = None
+        box, tools = None, {}
         if self.sandbox is not None:
             try:
                 box = self._loop.run(self.sandbox.snapshot())
             except NotImplementedError:
                 return {"replay": copy.deepcopy(self._replay_log)}
+            tools = self._loop.run(self._tool_states(self.sandbox))
         inner = self.inner.snapshot() if self.inner is not None else None
         own = (
             self.task, self._turn, self._done, self._started, self._base_info,
             self._last_obs, self._replay_log,
         )  # fmt: skip
-        return {"inner": inner, "own": copy.deepcopy(own), "sandbox": box}
+        return {"inner": inner, "own": copy.deepcopy(own), "sandbox": box, "tools": tools}
 
     def restore(self, snapshot: Any) -> None:
         if "replay" in snapshot:
             self._loop.run(self._replay(copy.deepcopy(snapshot["replay"])))
             return
         if snapshot["sandbox"] is not None:
-            self._loop.run(self._restore_sandbox(snapshot["sandbox"]))
+            tools = copy.deepcopy(snapshot.get("tools") or {})
+            self._loop.run(self._restore_sandbox(snapshot["sandbox"], tools))
         elif self.sandbox is not None:  # the branch point had no sandbox state yet
             self._loop.run(self._end_episode())
         if self.inner is not None:
@@ -293,11 +296,17 @@ class ToolEnv(TextEnv):
             self._last_obs, self._replay_log,
         ) = own  # fmt: skip
 
-    async def _restore_sandbox(self, snap: Any) -> None:
+    async def _tool_states(self, box: Sandbox) -> dict[str, Any]:
+        states = {name: await t.snapshot_state(box) for name, t in self.tools.items()}
+        return {name: state for name, state in states.items() if state is not None}
+
+    async def _restore_sandbox(self, snap: Any, tools: dict[str, Any]) -> None:
         box = await self._ensure_sandbox()
         for t in self.tools.values():
             await t.release(box)
         await box.restore(snap)
+        for name, state in tools.items():
+            await self.tools[name].restore_state(box, state)
 
     async def _replay(self, log: dict[str, Any]) -> None:
         await self.areset(seed=log["seed"], options=log["options"])

@@ -3,6 +3,8 @@ and snapshot/restore. Envs whose optional extras are missing are reported as ski
 
 from __future__ import annotations
 
+import json
+import math
 import random
 
 import pytest
@@ -70,7 +72,7 @@ def test_step_answers_any_text_with_an_observation(env_id):
         for a in actions:
             obs, reward, terminated, truncated, info = env.step(a)
             assert isinstance(obs, str)
-            assert isinstance(float(reward), float)
+            assert isinstance(reward, float) and math.isfinite(reward)
             assert isinstance(terminated, bool) and isinstance(truncated, bool)
             if terminated or truncated:
                 break
@@ -79,14 +81,56 @@ def test_step_answers_any_text_with_an_observation(env_id):
     env.close()
 
 
+def _call(name: str, **arguments) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+# Per tool: calls before the branch point, and calls after it whose results
+# depend on what the first ones left behind (interpreter variables, files).
+TOOL_SCRIPTS = {
+    "python": (
+        [_call("python", code="import random\nx = 41\nrandom.seed(x)")],
+        [_call("python", code="x += 1\nprint(x, random.random())"), _call("python", code="x")],
+    ),
+    "bash": (
+        [_call("bash", command="echo 41 > n.txt")],
+        [
+            _call("bash", command="echo $(( $(cat n.txt) + 1 )) >> n.txt; cat n.txt"),
+            _call("edit_file", path="n.txt", search="42", replace="43"),
+            _call("read_file", path="n.txt"),
+        ],
+    ),
+    "search": (
+        [_call("search", query="born in", k=2)],
+        [_call("search", query="company founded", k=3), _call("search", query="river", k=1)],
+    ),
+}
+
+
 def _trace(env, actions):
     out = []
     for a in actions:
         obs, r, term, trunc, info = env.step(a)
-        out.append((obs, r, term, trunc, sorted(info.get("admissible_actions") or [])))
+        assert "error" not in info, info["error"]
+        out.append(
+            (obs, r, term, trunc, sorted(info.get("admissible_actions") or []),
+             [c["name"] for c in info.get("tool_calls") or []])
+        )  # fmt: skip
         if term or trunc:
             break
     return out
+
+
+def _branch_script(env, info, rng):
+    """(actions before the branch point, actions after it) for this env."""
+    tools = [t["name"] for t in info.get("tools") or []]
+    script = next((TOOL_SCRIPTS[t] for t in tools if t in TOOL_SCRIPTS), None)
+    if script is not None:
+        before, after = script
+        return before, [*after, "Answer: 0"]
+    assert info.get("admissible_actions"), "an env without tools must list admissible actions"
+    before = [rng.choice(info["admissible_actions"]) for _ in range(3)]
+    return before, None
 
 
 @pytest.mark.parametrize("env_id", ENV_IDS)
@@ -94,17 +138,20 @@ def test_restored_env_continues_identically(env_id):
     env = _make(env_id).unwrapped
     _, info = env.reset(seed=7)
     rng = random.Random(0)
-    for _ in range(3):  # walk a little before branching
-        adm = info.get("admissible_actions") or ["look"]
-        _, _, term, trunc, info = env.step(rng.choice(adm))
+    before, after = _branch_script(env, info, rng)
+    for action in before:  # walk a little before branching
+        _, _, term, trunc, info = env.step(action)
+        assert "error" not in info, info["error"]
         if term or trunc:
             _, info = env.reset(seed=8)
     snap = env.snapshot()
-    adm = info.get("admissible_actions") or ["look"]
-    actions = [rng.choice(adm) for _ in range(5)]
-    first = _trace(env, actions)
+    if after is None:
+        after = [rng.choice(info["admissible_actions"]) for _ in range(5)]
+    first = _trace(env, after)
     env.restore(snap)
-    second = _trace(env, actions)
+    second = _trace(env, after)
     env.restore(snap)
-    assert first == second == _trace(env, actions)
+    assert first == second == _trace(env, after)
+    if env_id in ("agentrl/MathPython-v0", "agentrl/BashFix-v0", "agentrl/SearchQA-v0"):
+        assert all(calls for *_, calls in first[:-1])  # the tool calls really ran
     env.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 
 import pytest
 
@@ -114,3 +115,10 @@ async def test_history_rebuilds_the_state_in_a_fresh_kernel(built):
         for code, timeout in history:
             await fresh.execute(code, timeout)
         assert (await fresh.execute("f(x)")).stdout == "42\n"
+
+
+async def test_random_seed_carries_over_to_the_next_snippet(interp):
+    # Each snippet runs in a forked child, and random reseeds itself after a fork.
+    await interp.execute("import random\nrandom.seed(3)")
+    first = (await interp.execute("random.random()")).stdout
+    assert first == f"{random.Random(3).random()!r}\n"
