@@ -4,7 +4,11 @@ Each episode keeps a token-exact ``ChatContext``; every turn becomes a ``Node``
 of the episode's ``RolloutTree`` (linear here; allocators grow real trees).
 Failures are recorded, never raised: a crashed ``env.step`` (or an env that
 reports ``info["error"]``) ends only its episode with ``node.error`` set, and an observation that overflows the context
-budget ends the episode as truncated with ``info["truncation_reason"]``.
+budget, or fills it so no action fits, ends the episode as truncated with ``info["truncation_reason"]``.
+Envs are closed however the run ends.
+
+Every request draws from its own random stream, seeded from (run seed,
+episode, turn), so episodes sample independently and a run is reproducible.
 
 This runner is small on purpose; the async engine replaces it later.
 """
@@ -23,16 +27,19 @@ from .chat import ChatContext
 from .config import Config
 from .env import make_env
 from .errors import ContextOverflowError
-from .policy.base import GenerateRequest, Policy, SamplingParams
+from .policy.base import GenerateRequest, Policy, SamplingParams, action_text, request_seed
 from .types import Node, RolloutTree, write_trees
 
 __all__ = ["episode_success", "run_episodes", "summarize", "write_run"]
 
 _HEAVY_INFO = ("admissible_actions", "tools", "tools_prompt")
+# Per-tree counts: prompt tokens the policy prefilled or took from its prefix cache.
+_COUNTERS = ("generated_tokens", "prefilled_tokens", "reused_tokens", "env_steps")
 
 
 @dataclass
 class _Episode:
+    index: int
     env: Any
     tree: RolloutTree
     ctx: ChatContext | None
@@ -57,14 +64,14 @@ def _observation_messages(obs: str, info: dict[str, Any], cfg: Config) -> list[d
     return [{"role": "user", "content": text}]
 
 
-def _start(env_id: str, seed: int, tokenizer: Any, cfg: Config) -> _Episode:
-    env = make_env(env_id, **cfg.env.kwargs)
+def _start(env: Any, env_id: str, index: int, tokenizer: Any, cfg: Config) -> _Episode:
+    seed = cfg.rollout.seed + index
     tree = RolloutTree(meta={"env": env_id, "seed": seed})
     try:
         obs, info = env.reset(seed=seed)
     except Exception as e:  # a crashed env fails only its episode
         tree.meta["error"] = f"env.reset raised {type(e).__name__}: {e}"
-        return _Episode(env, tree, None, done=True)
+        return _Episode(index, env, tree, None, done=True)
     tree.meta["instruction"] = info.get("instruction", "")
     messages = []
     system = [p for p in (cfg.rollout.system_prompt, info.get("tools_prompt")) if p]
@@ -75,15 +82,23 @@ def _start(env_id: str, seed: int, tokenizer: Any, cfg: Config) -> _Episode:
         ctx = ChatContext(tokenizer, messages, max_tokens=cfg.rollout.max_context_tokens)
     except ContextOverflowError as e:
         tree.meta["error"] = f"opening prompt over budget: {e}"
-        return _Episode(env, tree, None, done=True)
-    return _Episode(env, tree, ctx, pending=list(ctx.ids))
+        return _Episode(index, env, tree, None, done=True)
+    if len(ctx) >= cfg.rollout.max_context_tokens:
+        tree.meta["error"] = f"opening prompt leaves no room for an action in {len(ctx)} tokens"
+        return _Episode(index, env, tree, None, done=True)
+    return _Episode(index, env, tree, ctx, pending=list(ctx.ids))
 
 
 def _step(ep: _Episode, result: Any, tokenizer: Any, cfg: Config) -> None:
     """Apply one sampled action to its episode and record the turn."""
     assert ep.ctx is not None
+    c = ep.tree.meta.setdefault("counters", dict.fromkeys(_COUNTERS, 0))
+    c["generated_tokens"] += len(result.token_ids)
+    c["prefilled_tokens"] += len(ep.ctx) - result.cached_tokens
+    c["reused_tokens"] += result.cached_tokens
+    c["env_steps"] += 1
     ep.ctx.append_action(result.token_ids, result.logprobs)
-    text = tokenizer.decode(result.token_ids, skip_special_tokens=True).strip()
+    text = action_text(tokenizer, result.token_ids, cfg.sampling.stop).strip()
     node = Node(context_ids=ep.pending, action_ids=list(result.token_ids),
                 logprobs=list(result.logprobs), entropies=list(result.entropies),
                 version=result.version, action_text=text, finish_reason=result.finish_reason)
@@ -107,6 +122,11 @@ def _step(ep: _Episode, result: Any, tokenizer: Any, cfg: Config) -> None:
         except ContextOverflowError as e:
             node.truncated = True
             node.info["truncation_reason"] = f"context budget: {e}"
+        else:
+            if len(ep.ctx) >= cfg.rollout.max_context_tokens:  # full: no action fits
+                node.truncated = True
+                node.info["truncation_reason"] = (
+                    f"context budget: {len(ep.ctx)} of {cfg.rollout.max_context_tokens} tokens used")
     ep.parent = ep.tree.add(node, ep.parent).id
     ep.done = node.done
     if cfg.rollout.keep_snapshots and not node.done:
@@ -121,26 +141,34 @@ def _step(ep: _Episode, result: Any, tokenizer: Any, cfg: Config) -> None:
 def run_episodes(env_id: str, policy: Policy, cfg: Config,
                  on_episode_done: Callable[[RolloutTree], None] | None = None) -> list[RolloutTree]:
     """Run ``cfg.rollout.episodes`` episodes (env seeds ``seed, seed+1, ...``) to the end."""
-    tok = policy.tokenizer
-    s = cfg.sampling
-    eps = [_start(env_id, cfg.rollout.seed + i, tok, cfg) for i in range(cfg.rollout.episodes)]
+    envs: list[Any] = []
+    try:
+        for _ in range(cfg.rollout.episodes):
+            envs.append(make_env(env_id, **cfg.env.kwargs))
+        return _run(env_id, envs, policy, cfg, on_episode_done)
+    finally:  # a raising generate or callback must not leak sandboxes or containers
+        for env in envs:
+            env.close()
+
+
+def _run(env_id: str, envs: list[Any], policy: Policy, cfg: Config,
+         on_episode_done: Callable[[RolloutTree], None] | None) -> list[RolloutTree]:
+    tok, s = policy.tokenizer, cfg.sampling
+    eps = [_start(env, env_id, i, tok, cfg) for i, env in enumerate(envs)]
     for ep in eps:
         if ep.done and on_episode_done:
             on_episode_done(ep.tree)
     turn = 0
     while active := [ep for ep in eps if not ep.done]:
         turn += 1
-        # One seed per turn (not per request) keeps a turn's requests in one batch
-        # and makes a run with the same config sample the same tokens.
-        seed = cfg.rollout.seed * 1_000_003 + turn
         requests = []
         for ep in active:
             assert ep.ctx is not None
             room = cfg.rollout.max_context_tokens - len(ep.ctx)
             requests.append(GenerateRequest(list(ep.ctx.ids), SamplingParams(
                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                max_new_tokens=max(1, min(s.max_new_tokens, room)), stop=tuple(s.stop),
-                seed=seed)))
+                max_new_tokens=min(s.max_new_tokens, room), stop=tuple(s.stop),
+                seed=request_seed(cfg.rollout.seed, ep.index, turn))))
         results = policy.generate(requests)
         for ep, res in zip(active, results, strict=True):
             try:
@@ -149,8 +177,6 @@ def run_episodes(env_id: str, policy: Policy, cfg: Config,
                 ep.tree.meta["error"], ep.done = f"context budget: {e}", True
             if ep.done and on_episode_done:
                 on_episode_done(ep.tree)
-    for ep in eps:
-        ep.env.close()
     return [ep.tree for ep in eps]
 
 
@@ -172,6 +198,8 @@ def summarize(trees: list[RolloutTree], wall_s: float) -> dict[str, Any]:
     action_tokens = sum(sum(ep.loss_mask) for ep in episodes)
     context_tokens = sum(len(ep.input_ids) - sum(ep.loss_mask) for ep in episodes)
     failed = [t for t in trees if t.meta.get("error") or any(n.error for n in t.nodes.values())]
+    nodes = [n for t in trees for n in t.nodes.values()]
+    counts = {k: sum(t.meta.get("counters", {}).get(k, 0) for t in trees) for k in _COUNTERS}
     return {
         "episodes": len(trees),
         "success_rate": sum(episode_success(t) for t in trees) / n,
@@ -179,7 +207,8 @@ def summarize(trees: list[RolloutTree], wall_s: float) -> dict[str, Any]:
         "mean_turns": sum(ep.num_turns for ep in episodes) / max(len(episodes), 1),
         "action_tokens": action_tokens,
         "context_tokens": context_tokens,
-        "truncated_turns": sum(n.finish_reason == "length" for t in trees for n in t.nodes.values()),
+        "truncated_turns": sum(n.finish_reason == "length" for n in nodes),
+        **counts,
         "failed_episodes": len(failed),
         "wall_s": round(wall_s, 3),
         "action_tokens_per_s": round(action_tokens / wall_s, 2) if wall_s > 0 else math.nan,

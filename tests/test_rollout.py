@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 import tests.fakes  # noqa: F401  (registers the misbehaving test envs)
 from agentrl.chat import ChatContext
 from agentrl.config import load_config
@@ -146,4 +148,84 @@ def test_same_config_samples_the_same_rollouts(tokenizer, tiny_model):
     assert [t.to_dict() for t in first] == [t.to_dict() for t in again]
     cfg.rollout.seed = 6
     other = run_episodes("agentrl/GuessNumber-v0", HFPolicy(tiny_model, tokenizer), cfg)
-    assert [t.to_dict() for t in other] != [t.to_dict() for t in first]
+    # Compare the sampled tokens only: the trees' metadata (env seeds) always differs.
+    assert _actions(other) != _actions(first)
+
+
+def _actions(trees):
+    return [[n.action_ids for n in t.nodes.values()] for t in trees]
+
+
+def test_episodes_of_one_turn_sample_independently(tokenizer, tiny_model):
+    # 32 episodes of one prompt: with one seed per turn, episode i and i+16 drew the same action.
+    cfg = load_config(overrides=["rollout.episodes=32", "rollout.max_turns=1",
+                                 "sampling.max_new_tokens=4"])
+    trees = run_episodes("agentrl/GuessNumber-v0", HFPolicy(tiny_model, tokenizer, max_batch_size=16), cfg)
+    firsts = [tuple(t.nodes[0].action_ids) for t in trees]
+    assert len(set(firsts)) == 32
+
+
+def test_envs_are_closed_when_generate_raises(tokenizer, monkeypatch):
+    closed = []
+    from agentrl.envs.guess_number import GuessNumberEnv
+    monkeypatch.setattr(GuessNumberEnv, "close", lambda self: closed.append(self))
+
+    class Broken(MockPolicy):
+        def generate(self, requests):
+            raise RuntimeError("backend died")
+
+    cfg = load_config(overrides=["rollout.episodes=3"])
+    with pytest.raises(RuntimeError, match="backend died"):
+        run_episodes("agentrl/GuessNumber-v0", Broken(tokenizer, ["1"]), cfg)
+    assert len(closed) == 3
+
+
+def test_context_filled_exactly_is_a_truncation_not_a_failure(tokenizer):
+    cfg = load_config(overrides=["rollout.episodes=1", "rollout.max_turns=50"])
+    probe = run_episodes("agentrl/GuessNumber-v0", MockPolicy(tokenizer, ["1"]), cfg)[0]
+    nodes = list(probe.nodes.values())
+    assert len(nodes) >= 2
+    # A budget that the context reaches exactly after the first observation.
+    filled = len(nodes[0].context_ids) + len(nodes[0].action_ids) + len(nodes[1].context_ids)
+    cfg.rollout.max_context_tokens = filled
+    tree = run_episodes("agentrl/GuessNumber-v0", MockPolicy(tokenizer, ["1"]), cfg)[0]
+    last = list(tree.nodes.values())[-1]
+    assert len(tree.nodes) == 1 and "error" not in tree.meta
+    assert last.truncated and last.done and last.error is None
+    assert last.info["truncation_reason"] == f"context budget: {filled} of {filled} tokens used"
+    assert summarize([tree], 1.0)["failed_episodes"] == 0
+
+
+def test_stop_strings_end_the_action_alike_in_hf_and_mock(tokenizer, tiny_model):
+    # The env sees the text up to and including the stop string; the tokens stay as sampled.
+    cfg = load_config(overrides=["rollout.episodes=1", "rollout.max_turns=1", "sampling.max_new_tokens=12"])
+    free = run_episodes("agentrl/GuessNumber-v0", HFPolicy(tiny_model, tokenizer), cfg)[0].nodes[0]
+    text = tokenizer.decode(free.action_ids, skip_special_tokens=True)
+    stop = tokenizer.decode(free.action_ids[4:5]).strip()[:3]
+    assert stop and stop not in tokenizer.decode(free.action_ids[:4]), "pick another seed"
+    cfg.sampling.stop = [stop]
+    hf = run_episodes("agentrl/GuessNumber-v0", HFPolicy(tiny_model, tokenizer), cfg)[0].nodes[0]
+    mock = run_episodes("agentrl/GuessNumber-v0", MockPolicy(tokenizer, [text]), cfg)[0].nodes[0]
+    want = text[:text.index(stop) + len(stop)].strip()
+    assert hf.action_ids == free.action_ids[:5]  # tokens as sampled, the stop's token included
+    for node in (hf, mock):
+        assert node.finish_reason == "stop_string"
+        assert node.action_text == want
+
+
+def test_counters_add_up_to_the_context(tokenizer, tiny_model):
+    cfg = load_config(overrides=["rollout.episodes=2", "rollout.max_turns=3", "sampling.max_new_tokens=4"])
+    policy = HFPolicy(tiny_model, tokenizer)
+    policy.eos_ids = {-1}
+    trees = run_episodes("agentrl/GuessNumber-v0", policy, cfg)
+    for t in trees:
+        c = t.meta["counters"]
+        nodes = list(t.nodes.values())
+        assert c["env_steps"] == len(nodes) == 3
+        assert c["generated_tokens"] == sum(len(n.action_ids) for n in nodes)
+        # Each turn prefills what is new since the cached prefix: the context tokens
+        # plus the previous action's last token, which was sampled but never fed back.
+        assert c["prefilled_tokens"] == sum(len(n.context_ids) for n in nodes) + len(nodes) - 1
+        assert c["reused_tokens"] > 0
+    summary = summarize(trees, 1.0)
+    assert summary["prefilled_tokens"] == sum(t.meta["counters"]["prefilled_tokens"] for t in trees)

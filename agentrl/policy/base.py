@@ -4,14 +4,28 @@ Every backend (``hf``, ``mock``, later ``vllm`` and ``openai``) implements
 ``generate(requests) -> results`` and ``update_weights(state_dict)``, and counts
 its weight ``version`` so each sampled token can be traced to the weights that
 sampled it.
+
+Stop strings, the same in every backend: generation ends at the token that
+completes the first stop string. ``token_ids`` keep every sampled token up to
+and including that one (token-exact: a token is never split). The env sees
+``action_text``: the action decoded without special tokens and cut right after
+the stop string, which stays in the text.
+
+Seeds: each request draws from its own random stream, seeded by
+``SamplingParams.seed``, so its sample does not depend on which other requests
+share its batch. ``request_seed`` derives independent seeds from a run seed and
+an episode's coordinates.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-__all__ = ["GenerateRequest", "GenerateResult", "Policy", "SamplingParams"]
+__all__ = ["GenerateRequest", "GenerateResult", "Policy", "SamplingParams", "action_text",
+           "request_seed", "stop_string_hit"]
 
 FinishReason = Literal["stop", "length", "stop_string"]
 
@@ -21,6 +35,7 @@ class SamplingParams:
     """How to sample. ``temperature=0`` is greedy. ``top_k=0`` and ``top_p=1`` disable them.
 
     ``logprobs`` is how many top-k alternatives to return per token (0: none).
+    ``seed`` seeds this request's own random stream (None: a fresh random seed).
     """
 
     temperature: float = 1.0
@@ -47,10 +62,15 @@ class GenerateResult:
 
     ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under the
     distribution it was sampled from (after temperature, top-k and top-p).
-    ``entropies[i]`` is the entropy of that distribution. ``top_logprobs[i]``
+    ``entropies[i]`` is the entropy of that distribution. Greedy decoding
+    (``temperature=0``) samples from a point mass, which has no useful
+    logprobs; there both are those of the model's unprocessed distribution
+    (temperature 1, no top-k or top-p), as vLLM reports by default. ``top_logprobs[i]``
     lists ``(token_id, logprob)`` of the most likely tokens when asked for.
     ``finish_reason`` is ``stop`` (EOS or a stop token), ``stop_string`` or
     ``length`` (hit ``max_new_tokens``: the turn is truncated).
+    ``cached_tokens`` counts the prompt tokens served from a prefix cache
+    instead of prefilled.
     """
 
     token_ids: list[int]
@@ -59,6 +79,7 @@ class GenerateResult:
     finish_reason: FinishReason
     version: int
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    cached_tokens: int = 0
 
 
 @runtime_checkable
@@ -71,3 +92,34 @@ class Policy(Protocol):
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]: ...
 
     def update_weights(self, state_dict: dict[str, Any]) -> None: ...
+
+
+def request_seed(*coords: int) -> int:
+    """A 63-bit seed from coordinates such as (run seed, episode, turn, branch).
+
+    Hashing keeps nearby coordinates' streams unrelated: seeds ``s + i`` would
+    make episode i's turn t+1 replay episode i+1's turn t.
+    """
+    digest = hashlib.blake2b(repr(tuple(int(c) for c in coords)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def stop_string_hit(tokenizer: Any, token_ids: Sequence[int], stop: Sequence[str]) -> bool:
+    """Whether the decoded tail of ``token_ids`` contains a stop string.
+
+    Called after every new token, so only a tail long enough to hold the
+    longest stop string is decoded (a token decodes to at least one character,
+    or a quarter of one for byte-fallback pieces).
+    """
+    if not stop:
+        return False
+    window = 4 * max(map(len, stop)) + 4
+    tail = tokenizer.decode(list(token_ids[-window:]), skip_special_tokens=False)
+    return any(s in tail for s in stop)
+
+
+def action_text(tokenizer: Any, token_ids: Sequence[int], stop: Sequence[str] = ()) -> str:
+    """The text an env sees for an action: decoded, cut right after the first stop string."""
+    text = tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    ends = [i + len(s) for s in stop if (i := text.find(s)) >= 0]
+    return text[:min(ends)] if ends else text

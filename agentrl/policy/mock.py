@@ -2,7 +2,8 @@
 
 A response is chosen by a callable from the decoded prompt (or cycled from a
 list), tokenized, and followed by EOS. Logprobs are a fixed value per token,
-so tests can hand-compute anything downstream.
+so tests can hand-compute anything downstream. Stop tokens and stop strings end
+the response where they would end a real backend's (see ``policy.base``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import GenerateRequest, GenerateResult
+from .base import GenerateRequest, GenerateResult, stop_string_hit
 
 __all__ = ["MockPolicy"]
 
@@ -42,14 +43,23 @@ class MockPolicy:
         for req in requests:
             text = self._respond(req.prompt_ids)
             self.calls += 1
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            ids.append(self.tokenizer.eos_token_id)
-            n = req.params.max_new_tokens
-            finish = "stop" if len(ids) <= n else "length"
-            ids = ids[:n]
-            out.append(GenerateResult(ids, [self.logprob] * len(ids), [0.0] * len(ids),
-                                      finish, self.version))  # type: ignore[arg-type]
+            ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+            out.append(self._cut(ids, req))
         return out
+
+    def _cut(self, ids: list[int], req: GenerateRequest) -> GenerateResult:
+        """End the response as a sampler would: at a stop token, stop string or the length."""
+        p, stop_ids = req.params, {self.tokenizer.eos_token_id, *req.params.stop_token_ids}
+        finish = "length"
+        for n in range(1, min(len(ids), p.max_new_tokens) + 1):
+            if ids[n - 1] in stop_ids:
+                finish = "stop"
+            elif stop_string_hit(self.tokenizer, ids[:n], p.stop):
+                finish = "stop_string"
+            if finish != "length":
+                break
+        ids = ids[:n]
+        return GenerateResult(ids, [self.logprob] * n, [0.0] * n, finish, self.version)  # type: ignore[arg-type]
 
     def update_weights(self, state_dict: dict[str, Any]) -> None:
         self.version += 1

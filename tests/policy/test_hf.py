@@ -3,38 +3,70 @@ batching with left padding changes nothing, and stops are honoured."""
 
 from __future__ import annotations
 
+import itertools
+import math
+
+import pytest
 import torch
 
 from agentrl.chat import render_ids
-from agentrl.policy import GenerateRequest, HFPolicy, SamplingParams, sampling_logprobs
+from agentrl.errors import PolicyError
+from agentrl.policy import GenerateRequest, HFPolicy, SamplingParams
+from agentrl.policy.base import request_seed
 
 
 def _prompt(tokenizer, text="Tell me a story."):
     return render_ids(tokenizer, [{"role": "user", "content": text}])
 
 
+def _reference_logprobs(logits_row: list[float], params: SamplingParams) -> list[float]:
+    """Sampling distribution written out by hand, one row, plain Python: a second opinion."""
+    if params.temperature == 0:
+        scaled = list(logits_row)
+    else:
+        scaled = [x / params.temperature for x in logits_row]
+    keep = set(range(len(scaled)))
+    order = sorted(keep, key=lambda i: -scaled[i])
+    if 0 < params.top_k < len(scaled) and params.temperature > 0:
+        keep = set(order[:params.top_k])
+    if params.top_p < 1.0 and params.temperature > 0:
+        kept = [i for i in order if i in keep]
+        z = sum(math.exp(scaled[i]) for i in kept)
+        mass, nucleus = 0.0, set()
+        for i in kept:
+            if mass >= params.top_p:
+                break
+            nucleus.add(i)
+            mass += math.exp(scaled[i]) / z
+        keep = nucleus
+    z = math.log(sum(math.exp(scaled[i]) for i in keep))
+    return [scaled[i] - z if i in keep else -math.inf for i in range(len(scaled))]
+
+
 def _recompute(model, prompt, tokens, params):
-    """Logprobs and entropies of ``tokens`` from one full forward pass."""
+    """Logprobs and entropies of ``tokens`` from one full forward pass and the hand reference."""
     ids = torch.tensor([prompt + tokens])
     with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1]
-    logp = sampling_logprobs(logits, params)
-    chosen = logp.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
-    p = logp.exp()
-    ent = -(p * logp.masked_fill(p == 0, 0)).sum(-1)
-    return chosen, ent
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].double()
+    chosen, ents = [], []
+    for row, t in zip(logits.tolist(), tokens, strict=True):
+        lp = _reference_logprobs(row, params)
+        chosen.append(lp[t])
+        ents.append(-sum(math.exp(x) * x for x in lp if x > -math.inf))
+    return torch.tensor(chosen, dtype=torch.float64), torch.tensor(ents, dtype=torch.float64)
 
 
 def test_logprobs_match_a_full_forward(tokenizer, tiny_model):
     policy = HFPolicy(tiny_model, tokenizer)
     prompt = _prompt(tokenizer)
     for params in [SamplingParams(max_new_tokens=12, seed=3),
-                   SamplingParams(max_new_tokens=12, seed=4, temperature=0.7, top_k=50, top_p=0.9)]:
+                   SamplingParams(max_new_tokens=12, seed=4, temperature=0.7, top_k=50, top_p=0.9),
+                   SamplingParams(max_new_tokens=12, temperature=0.0, top_k=5)]:
         res = policy.generate([GenerateRequest(prompt, params)])[0]
         assert len(res.token_ids) == len(res.logprobs) == len(res.entropies) == 12
         chosen, ent = _recompute(tiny_model, prompt, res.token_ids, params)
-        assert torch.allclose(torch.tensor(res.logprobs), chosen, atol=1e-4)
-        assert torch.allclose(torch.tensor(res.entropies), ent, atol=1e-3)
+        assert torch.allclose(torch.tensor(res.logprobs).double(), chosen, atol=1e-4)
+        assert torch.allclose(torch.tensor(res.entropies).double(), ent, atol=1e-3)
         assert res.finish_reason == "length" and res.version == 0
 
 
@@ -100,3 +132,63 @@ def test_top_logprobs_and_weight_updates(tokenizer, tiny_model):
     after = policy.generate([req])[0]
     assert policy.version == 1 and after.version == 1
     assert after.logprobs != before.logprobs
+
+
+def test_greedy_logprobs_are_the_unprocessed_distribution(tokenizer, tiny_model):
+    # top_k must not change greedy logprobs: they are log_softmax of the raw logits.
+    prompt = _prompt(tokenizer)
+    res = HFPolicy(tiny_model, tokenizer).generate(
+        [GenerateRequest(prompt, SamplingParams(max_new_tokens=4, temperature=0.0, top_k=3))])[0]
+    with torch.no_grad():
+        logits = tiny_model(input_ids=torch.tensor([prompt + res.token_ids])).logits[0, len(prompt) - 1:-1]
+    ref = torch.log_softmax(logits.double(), -1)
+    assert res.token_ids == ref.argmax(-1).tolist()
+    assert torch.allclose(torch.tensor(res.logprobs).double(),
+                          ref.gather(-1, torch.tensor(res.token_ids)[:, None]).squeeze(-1), atol=1e-4)
+    assert all(e > 1.0 for e in res.entropies)  # a near-uniform random model, not a point mass
+
+
+def _pairwise_distinct(samples):
+    return all(a != b for a, b in itertools.combinations(samples, 2))
+
+
+def test_identical_prompts_draw_independent_samples(tokenizer, tiny_model):
+    # Two chunks of 16: the old per-chunk seeding replayed chunk 1's noise in chunk 2.
+    policy = HFPolicy(tiny_model, tokenizer, max_batch_size=16)
+    prompt = _prompt(tokenizer)
+    seeded = [GenerateRequest(prompt, SamplingParams(max_new_tokens=4, seed=request_seed(0, ep, 1)))
+              for ep in range(32)]
+    assert _pairwise_distinct([tuple(r.token_ids) for r in policy.generate(seeded)])
+    unseeded = [GenerateRequest(prompt, SamplingParams(max_new_tokens=4)) for _ in range(32)]
+    assert _pairwise_distinct([tuple(r.token_ids) for r in policy.generate(unseeded)])
+
+
+def test_a_requests_sample_does_not_depend_on_its_batch(tokenizer, tiny_model):
+    policy = HFPolicy(tiny_model, tokenizer, prefix_cache_mb=0)
+    mine = GenerateRequest(_prompt(tokenizer, "Mine."), SamplingParams(max_new_tokens=8, seed=7))
+    others = [GenerateRequest(_prompt(tokenizer, f"Other prompt number {i}, longer."),
+                              SamplingParams(max_new_tokens=8, seed=100 + i)) for i in range(5)]
+    alone = policy.generate([mine])[0]
+    for batch in ([mine] + others, others[:2] + [mine] + others[2:]):
+        got = policy.generate(batch)[batch.index(mine)]
+        assert got.token_ids == alone.token_ids
+        assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(alone.logprobs), atol=1e-4)
+
+
+def test_partial_weight_update_fails_unless_asked_for(tokenizer, tiny_model):
+    model = type(tiny_model)(tiny_model.config)
+    model.load_state_dict(tiny_model.state_dict())
+    policy = HFPolicy(model, tokenizer)
+    policy.generate([GenerateRequest(_prompt(tokenizer), SamplingParams(max_new_tokens=2))])
+    assert len(policy.prefix_cache) == 1
+    full = model.state_dict()
+    part = {k: v for i, (k, v) in enumerate(full.items()) if i % 2}
+    with pytest.raises(PolicyError, match="missing"):
+        policy.update_weights(part)
+    assert policy.version == 0 and len(policy.prefix_cache) == 1
+    bad = dict(full, **{next(iter(full)): torch.zeros(3)})
+    with pytest.raises(PolicyError, match="failed"):
+        policy.update_weights(bad)
+    policy.update_weights(part, strict=False)
+    assert policy.version == 1
+    assert len(policy.prefix_cache) == 0  # keys and values of the old weights are stale

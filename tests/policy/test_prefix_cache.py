@@ -1,0 +1,134 @@
+"""Prefix reuse: the cache matches longest prefixes and evicts by bytes, and HFPolicy
+with reuse samples exactly what a full prefill samples."""
+
+from __future__ import annotations
+
+import torch
+
+from agentrl.chat import ChatContext
+from agentrl.policy import GenerateRequest, HFPolicy, SamplingParams
+from agentrl.policy.base import request_seed
+from agentrl.policy.prefix_cache import PrefixCache
+
+
+def _kv(n_tokens: int, layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # 1 head x n tokens x 4 dims of float32: 16 bytes a token per tensor
+    return [(torch.zeros(1, n_tokens, 4), torch.zeros(1, n_tokens, 4)) for _ in range(layers)]
+
+
+def test_match_takes_the_longest_common_prefix_and_leaves_the_last_token():
+    cache = PrefixCache(max_bytes=10**6)
+    cache.insert([1, 2, 3, 4], _kv(4))
+    cache.insert([1, 2, 9], _kv(3))
+    entry, n = cache.match([1, 2, 3, 4, 5, 6])
+    assert n == 4 and entry.ids.tolist() == [1, 2, 3, 4]
+    entry, n = cache.match([1, 2, 9, 7])  # diverges from both; the second shares 3
+    assert n == 3 and entry.ids.tolist() == [1, 2, 9]
+    entry, n = cache.match([1, 2, 3, 4])  # whole prompt cached: the last token is still run
+    assert n == 3
+    entry, n = cache.match([7, 1, 2])
+    assert entry is None and n == 0
+    s = cache.stats
+    assert (s.hits, s.misses, s.reused_tokens, s.prefilled_tokens) == (3, 1, 10, 2 + 1 + 1 + 3)
+
+
+def test_eviction_is_least_recently_used_under_the_byte_budget():
+    per_token = 2 * 2 * 16  # two layers, keys and values, 16 bytes each
+    cache = PrefixCache(max_bytes=10 * per_token)
+    cache.insert([1, 1, 1, 1], _kv(4))
+    cache.insert([2, 2, 2, 2], _kv(4))
+    cache.match([1, 1, 1, 1, 5])  # touches the first: the second is now least recent
+    cache.insert([3, 3, 3, 3], _kv(4))
+    assert cache.stats.evictions == 1 and len(cache) == 2
+    assert cache.match([2, 2, 2, 2, 5])[0] is None
+    assert cache.match([1, 1, 1, 1, 5])[1] == 4
+    assert cache.stats.bytes == 8 * per_token <= cache.max_bytes
+    cache.insert([9] * 11, _kv(11))  # larger than the whole budget: not stored, nothing evicted
+    assert len(cache) == 2
+
+
+def test_reinserting_the_same_ids_replaces_the_entry():
+    cache = PrefixCache(max_bytes=10**6)
+    cache.insert([1, 2, 3], _kv(3))
+    cache.insert([1, 2, 3], _kv(3))
+    assert len(cache) == 1 and cache.stats.bytes == 3 * 2 * 2 * 16
+
+
+def _conversations(tokenizer, n: int) -> list[ChatContext]:
+    return [ChatContext(tokenizer, [{"role": "system", "content": "You play a game."},
+                                    {"role": "user", "content": f"Room {i}: " + "a chair, " * (3 * i)}])
+            for i in range(n)]
+
+
+def _play(policy, tokenizer, turns: int, n: int = 3, temperature: float = 1.0):
+    """Multi-turn episodes in lockstep; observations of different lengths per episode."""
+    ctxs = _conversations(tokenizer, n)
+    log = []
+    for turn in range(turns):
+        reqs = [GenerateRequest(list(c.ids), SamplingParams(max_new_tokens=6, temperature=temperature,
+                                                            seed=request_seed(0, i, turn)))
+                for i, c in enumerate(ctxs)]
+        results = policy.generate(reqs)
+        log.append(results)
+        for i, (c, r) in enumerate(zip(ctxs, results, strict=True)):
+            c.append_action(r.token_ids, r.logprobs)
+            c.append_observation([{"role": "user", "content": "You see " + "a lamp, " * (i + turn)}])
+    return log, ctxs
+
+
+def test_prefix_reuse_samples_what_a_full_prefill_samples(tokenizer, tiny_model):
+    reuse = HFPolicy(tiny_model, tokenizer)
+    full = HFPolicy(tiny_model, tokenizer, prefix_cache_mb=0)
+    for temperature in (1.0, 0.0):
+        got, ctxs = _play(reuse, tokenizer, turns=4, temperature=temperature)
+        want, _ = _play(full, tokenizer, turns=4, temperature=temperature)
+        for g_turn, w_turn in zip(got, want, strict=True):
+            for g, w in zip(g_turn, w_turn, strict=True):
+                assert g.token_ids == w.token_ids
+                assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4)
+                assert torch.allclose(torch.tensor(g.entropies), torch.tensor(w.entropies), atol=1e-3)
+        assert all(r.cached_tokens == 0 for r in want[1])
+        reuse.prefix_cache.clear()
+
+
+def test_later_turns_prefill_only_their_new_tokens(tokenizer, tiny_model):
+    policy = HFPolicy(tiny_model, tokenizer)
+    prompt_lens, action_lens = [], []
+    ctxs = _conversations(tokenizer, 3)
+    for turn in range(3):
+        prompt_lens.append([len(c) for c in ctxs])
+        results = policy.generate([GenerateRequest(list(c.ids), SamplingParams(max_new_tokens=5, seed=turn))
+                                   for c in ctxs])
+        for i, (c, r) in enumerate(zip(ctxs, results, strict=True)):
+            if turn == 0:
+                assert r.cached_tokens == 0
+            else:
+                # The previous prompt and action are cached, except the action's last
+                # token, which was sampled but never fed to the model.
+                assert r.cached_tokens == prompt_lens[turn - 1][i] + action_lens[turn - 1][i] - 1
+            c.append_action(r.token_ids, r.logprobs)
+            c.append_observation([{"role": "user", "content": "You see " + "a lamp, " * (i + turn)}])
+        action_lens.append([len(r.token_ids) for r in results])
+    s = policy.prefix_cache.stats
+    assert (s.hits, s.misses) == (6, 3)
+    # Prefilled tokens are the sum of the context deltas, not of the contexts.
+    assert s.prefilled_tokens + s.reused_tokens == sum(map(sum, prompt_lens))
+    deltas = sum(prompt_lens[0]) + sum(
+        prompt_lens[t][i] - prompt_lens[t - 1][i] - action_lens[t - 1][i] + 1  # + the unfed last token
+        for t in (1, 2) for i in range(3))
+    assert s.prefilled_tokens == deltas
+
+
+def test_branches_share_their_common_prefix(tokenizer, tiny_model):
+    policy = HFPolicy(tiny_model, tokenizer)
+    ctx = _conversations(tokenizer, 1)[0]
+    first = policy.generate([GenerateRequest(list(ctx.ids), SamplingParams(max_new_tokens=4, seed=1))])[0]
+    assert first.cached_tokens == 0
+    # Two branches from the same node: same context, different seeds.
+    reqs = [GenerateRequest(list(ctx.ids), SamplingParams(max_new_tokens=4, seed=s)) for s in (2, 3)]
+    branches = policy.generate(reqs)
+    assert [b.cached_tokens for b in branches] == [len(ctx.ids) - 1] * 2
+    # A sibling continuing the first branch shares the context plus its own action.
+    child = list(ctx.ids) + branches[0].token_ids + [11, 12]
+    res = policy.generate([GenerateRequest(child, SamplingParams(max_new_tokens=2, seed=4))])[0]
+    assert res.cached_tokens == len(ctx.ids) + len(branches[0].token_ids) - 1
