@@ -5,7 +5,15 @@
 ``make_sandbox(backend, isolation=...)`` never downgrades: when the backend gives
 less isolation than asked, or cannot run here, it raises
 ``SandboxUnavailableError`` naming the missing piece and how to install it.
-``backend="auto"`` picks the cheapest available backend that gives ``isolation``.
+
+``backend="auto"`` walks ``AUTO_ORDER`` and takes the first available backend
+that gives ``isolation``: ``bwrap`` (namespaces, starts in milliseconds), else
+``local``; containers only when ``isolation`` asks for them, since they need a
+daemon and an image. When it falls back to ``local`` it says so once with an
+``IsolationWarning``: model code then runs unisolated.
+
+``describe_backends()`` says, per backend, what it enforces on this machine and
+what it cannot (no cgroup, no seccomp, not root).
 """
 
 from __future__ import annotations
@@ -18,21 +26,23 @@ from typing import Any
 
 from agentrl.errors import ConfigError, SandboxUnavailableError
 
-from .base import ISOLATION_ORDER, Sandbox, isolation_at_least
+from .base import ISOLATION_ORDER, Sandbox, isolation_at_least, warn_once
 from .bwrap import BwrapSandbox, bwrap_path
 from .docker import DEFAULT_IMAGE, DockerSandbox, GvisorSandbox, docker_client
 from .local import LocalSandbox
 from .remote import RemoteSandbox
 
 __all__ = [
+    "AUTO_ORDER",
     "BACKENDS",
     "available_backends",
     "check_backend",
+    "describe_backends",
     "make_sandbox",
     "unavailable_reasons",
 ]
 
-# Cheapest first: "auto" walks this order.
+# Weakest first.
 BACKENDS: dict[str, type[Sandbox]] = {
     "local": LocalSandbox,
     "bwrap": BwrapSandbox,
@@ -40,6 +50,8 @@ BACKENDS: dict[str, type[Sandbox]] = {
     "gvisor": GvisorSandbox,
     "remote": RemoteSandbox,
 }
+# What "auto" tries, in order: the strongest cheap backend first; containers last.
+AUTO_ORDER = ("bwrap", "local", "docker", "gvisor")
 
 
 def _check_local() -> None:
@@ -138,6 +150,37 @@ def available_backends() -> list[str]:
     return [name for name in BACKENDS if name not in down]
 
 
+def describe_backends() -> dict[str, str]:
+    """For each backend: what it enforces here, or why it cannot run."""
+    down = unavailable_reasons()
+    return {
+        name: "client of a sandbox server" if name == "remote" else down.get(name, cls.describe())
+        for name, cls in BACKENDS.items()
+    }
+
+
+def _auto(want: str, kwargs: dict[str, Any]) -> Sandbox:
+    """The first backend of ``AUTO_ORDER`` that runs here and gives ``want``."""
+    skipped = {}
+    for name in AUTO_ORDER:
+        cls = BACKENDS[name]
+        if not isolation_at_least(cls.ISOLATION, want):
+            continue
+        try:
+            check_backend(name)
+        except SandboxUnavailableError as e:
+            skipped[name] = str(e)
+            continue
+        if cls.ISOLATION == "none":
+            why = "; ".join(skipped.values()) or "nothing stronger was tried"
+            warn_once(
+                f"make_sandbox('auto') picked {name!r}: model code runs unisolated "
+                f"(host files and network visible): {why}"
+            )
+        return cls(**kwargs)
+    raise SandboxUnavailableError(f"no backend gives isolation {want!r} on this machine: {skipped}")
+
+
 def make_sandbox(backend: str, isolation: str | None = None, **kwargs: Any) -> Sandbox:
     """Build a sandbox of ``backend``, refusing when it gives less than ``isolation``."""
     if isolation is not None and isolation not in (*ISOLATION_ORDER, "remote"):
@@ -145,17 +188,7 @@ def make_sandbox(backend: str, isolation: str | None = None, **kwargs: Any) -> S
             f"sandbox.isolation: unknown level {isolation!r}; use one of {list(ISOLATION_ORDER)}"
         )
     if backend == "auto":
-        want = isolation or "none"
-        for name, cls in BACKENDS.items():
-            if name != "remote" and isolation_at_least(cls.ISOLATION, want):
-                try:
-                    check_backend(name)
-                except SandboxUnavailableError:
-                    continue
-                return cls(**kwargs)
-        raise SandboxUnavailableError(
-            f"no backend gives isolation {want!r} on this machine: {unavailable_reasons()}"
-        )
+        return _auto(isolation or "none", kwargs)
     check_backend(backend)
     cls = BACKENDS[backend]
     if backend == "remote":

@@ -1,0 +1,314 @@
+"""Hardening of the host-process backends (local, bwrap): whole-sandbox limits, the
+caller's env kept from host helpers, host file access that never blocks, the
+uid-lock dir, and saying at runtime what this machine cannot enforce.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import agentrl.sandboxes.base as base
+import agentrl.sandboxes.local as local
+from agentrl.errors import SandboxError
+from agentrl.sandboxes import BwrapSandbox, LocalSandbox, SandboxLimits, _procs
+from agentrl.sandboxes.base import IsolationWarning
+
+pytestmark = pytest.mark.anyio
+
+HOST_BACKENDS = ["local", "bwrap"]
+LIMITS = SandboxLimits(memory_mb=256, pids=64, workdir_mb=16)
+
+
+@pytest.fixture(params=HOST_BACKENDS)
+def host_backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _needs_cgroup(sandbox: LocalSandbox) -> None:
+    if sandbox.cgroup is None:
+        reason = f"{sandbox.NAME}: no cgroup here ({_procs.cgroup_unavailable()})"
+        print(f"SKIPPED: {reason}")
+        pytest.skip(reason)
+
+
+def _needs_root(name: str) -> None:
+    if os.geteuid() != 0:
+        print(f"SKIPPED: {name}: the tmpfs workdir needs root")
+        pytest.skip(f"{name}: the tmpfs workdir needs root")
+
+
+# -- 1. whole-sandbox limits ------------------------------------------------------
+
+# 20 children each hold 40 MiB (well under the 256 MiB per-process RLIMIT_AS), 800 MiB
+# together. The parent exits 1 when any child was killed.
+MANY_PROCESS_BOMB = """
+import os, sys, time
+kids = []
+for _ in range(20):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            held = bytearray(b"x") * (40 << 20)
+        except MemoryError:
+            os._exit(3)
+        time.sleep(4)
+        os._exit(0)
+    kids.append(pid)
+codes = [os.waitpid(pid, 0)[1] for pid in kids]
+killed = sum(os.WIFSIGNALED(c) for c in codes)
+held = sum(os.WIFEXITED(c) and os.WEXITSTATUS(c) == 0 for c in codes)
+print("HELD", held, "KILLED", killed)
+sys.exit(1 if killed else 0)
+"""
+
+
+def _peak_bytes(sandbox: LocalSandbox) -> int:
+    cg = sandbox.cgroup
+    assert cg is not None
+    name = "memory.max_usage_in_bytes" if cg.version == 1 else "memory.peak"
+    with open(os.path.join(cg.dirs[0], name)) as f:
+        return int(f.read())
+
+
+async def test_many_processes_together_cannot_exceed_the_sandbox_memory(builder, host_backend):
+    async with builder(host_backend, LIMITS) as b:
+        _needs_cgroup(b.inner)
+        r = await b.sandbox.run_python(MANY_PROCESS_BOMB, timeout=120)
+        peak = _peak_bytes(b.inner)
+        print(f"MEASURED {host_backend}: {r.stdout.strip()}, cgroup peak {peak >> 20} MiB")
+        assert "KILLED 0" not in r.stdout, r
+        assert r.oom_killed, r
+        assert peak <= LIMITS.memory_mb << 20
+        await b.sandbox.reset()
+        assert (await b.sandbox.run("echo alive")).stdout == "alive\n"
+
+
+async def test_sandbox_process_count_is_capped_by_its_cgroup(builder, host_backend):
+    async with builder(host_backend, LIMITS) as b:
+        _needs_cgroup(b.inner)
+        with open(os.path.join(b.inner.cgroup.dirs[-1], "pids.max")) as f:
+            assert int(f.read()) == LIMITS.pids
+
+
+async def test_disk_fill_stops_at_workdir_mb(builder, host_backend):
+    _needs_root(host_backend)
+    fill = "for i in $(seq 40); do head -c 1048576 /dev/zero > f$i || exit 7; done"
+    async with builder(host_backend, LIMITS) as b:
+        r = await b.sandbox.run(fill, timeout=60)
+        used = sum(e.stat().st_size for e in os.scandir(b.inner.workdir))
+        print(f"MEASURED {host_backend}: disk fill stopped at {used >> 20} MiB")
+        assert r.exit_code == 7, r
+        assert "No space left" in r.stderr
+        assert used <= LIMITS.workdir_mb << 20
+        await b.sandbox.reset()
+        assert (await b.sandbox.run("echo 1 > f && cat f")).stdout == "1\n"
+
+
+async def test_bwrap_tmp_and_dev_are_capped(builder):
+    _needs_root("bwrap")
+    async with builder("bwrap", LIMITS) as b:
+        r = await b.sandbox.run("head -c 40000000 /dev/zero > /tmp/big", timeout=60)
+        assert r.exit_code != 0 and "No space left" in r.stderr, r
+        r = await b.sandbox.run("head -c 40000000 /dev/zero > /dev/shm/big", timeout=60)
+        assert r.exit_code != 0 and "No space left" in r.stderr, r
+        r = await b.sandbox.run("touch /dev/planted", timeout=60)
+        assert r.exit_code != 0 and "Read-only" in r.stderr, r
+
+
+async def test_missing_cgroup_is_said_at_start_and_in_describe(monkeypatch):
+    monkeypatch.setattr(base, "_warned", set())
+    monkeypatch.setattr(local, "cgroup_unavailable", lambda: "no cgroup (test)")
+    assert "memory is capped per process only" in LocalSandbox.describe()
+    assert "NOT here" in BwrapSandbox.describe()
+    with pytest.warns(IsolationWarning, match="per process only"):
+        async with LocalSandbox(limits=LIMITS) as sb:
+            assert sb.cgroup is None
+            assert (await sb.run("echo ok")).stdout == "ok\n"
+
+
+def test_seccomp_state_is_reported(monkeypatch):
+    import agentrl.sandboxes.bwrap as bw
+
+    monkeypatch.setattr(bw, "seccomp_available", lambda: False)
+    assert "no seccomp filter" in bw.BwrapSandbox.describe()
+    monkeypatch.setattr(bw, "seccomp_available", lambda: True)
+    assert "seccomp" not in " ".join(bw.BwrapSandbox.shortfalls())
+
+
+# -- 2. the caller's env reaches only the sandboxed program -----------------------
+
+PRELOAD_ERROR = "cannot be preloaded"
+
+
+async def test_caller_env_never_reaches_host_helpers(builder, host_backend):
+    # ld.so complains once per program that starts with this LD_PRELOAD: before the fix
+    # prlimit, setpriv (and bwrap) complained as well as the sandboxed printenv.
+    async with builder(host_backend, LIMITS) as b:
+        r = await b.sandbox.run(
+            ["/usr/bin/printenv", "LD_PRELOAD"], env={"LD_PRELOAD": "/nonexistent-agentrl.so"}
+        )
+        assert r.stdout == "/nonexistent-agentrl.so\n", r
+        assert r.stderr.count(PRELOAD_ERROR) == 1, r.stderr
+
+
+async def test_open_process_gets_the_caller_env(builder, host_backend):
+    async with builder(host_backend, LIMITS) as b:
+        proc = await b.sandbox.open_process(
+            ["/bin/sh", "-c", 'echo "$GREETING"; read x'], env={"GREETING": "hello"}
+        )
+        try:
+            assert await asyncio.wait_for(proc.readline(), 30) == b"hello\n"
+        finally:
+            await proc.kill()
+
+
+@pytest.mark.parametrize("env", [{"BAD-NAME": "x"}, {"": "x"}, {"A": "nul\0byte"}, {"1A": "x"}])
+async def test_invalid_env_is_refused(builder, host_backend, env):
+    async with builder(host_backend, LIMITS) as b:
+        with pytest.raises(SandboxError, match="env"):
+            await b.sandbox.run(["true"], env=env)
+        with pytest.raises(SandboxError, match="env"):
+            await b.sandbox.open_process(["true"], env=env)
+
+
+# -- 3. host-side file access never blocks ----------------------------------------
+
+
+async def _bounded(coro, unblock_path: str):
+    """Await ``coro`` for 10 s; on a hang, open the FIFO's other end so the thread ends."""
+    try:
+        return await asyncio.wait_for(coro, 10)
+    except TimeoutError:
+        fd = os.open(unblock_path, os.O_RDWR | os.O_NONBLOCK)
+        os.close(fd)
+        pytest.fail("a host-side file operation blocked on a FIFO planted by the sandbox")
+
+
+@pytest.mark.timeout(60)
+async def test_planted_fifo_and_links_are_refused_without_blocking(builder, host_backend):
+    async with builder(host_backend, LIMITS) as b:
+        r = await b.sandbox.run("mkfifo pipe && ln -s pipe pipe-link && ln -s /dev/zero zero")
+        assert r.exit_code == 0, r
+        fifo = os.path.join(b.inner.workdir, "pipe")
+        for name in ("pipe", "pipe-link", "zero"):
+            with pytest.raises(SandboxError):
+                await _bounded(b.sandbox.write_file(name, "x"), fifo)
+            with pytest.raises(SandboxError):
+                await _bounded(b.sandbox.read_file(name), fifo)
+        assert os.path.exists(fifo)
+
+
+@pytest.mark.timeout(60)
+async def test_fifo_with_a_reader_is_refused_as_not_regular(builder, host_backend):
+    async with builder(host_backend, LIMITS) as b:
+        reader = await b.sandbox.open_process(
+            ["/bin/sh", "-c", "mkfifo rpipe && exec 3<>rpipe && echo ready && cat <&3 >/dev/null"]
+        )
+        try:
+            assert await asyncio.wait_for(reader.readline(), 30) == b"ready\n"
+            fifo = os.path.join(b.inner.workdir, "rpipe")
+            with pytest.raises(SandboxError, match="not a regular file"):
+                await _bounded(b.sandbox.write_file("rpipe", "x"), fifo)
+        finally:
+            await reader.kill()
+
+
+# -- 4. local without root says it gives no isolation -----------------------------
+
+NON_ROOT_SCRIPT = """
+import asyncio, warnings
+from agentrl.sandboxes import LocalSandbox, make_sandbox
+from agentrl.sandboxes.base import IsolationWarning
+
+async def main():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        async with LocalSandbox() as sb:
+            r = await sb.run("id -u")
+        auto = make_sandbox("auto")
+    print("UID", r.stdout.strip(), sb.uid)
+    print("AUTO", auto.NAME)
+    for w in caught:
+        if issubclass(w.category, IsolationWarning):
+            print("WARNING", w.message)
+
+asyncio.run(main())
+"""
+UNPRIVILEGED_UID = 61999
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root")
+def test_local_as_non_root_warns_that_it_gives_no_isolation():
+    done = subprocess.run(
+        [
+            _procs.SETPRIV, f"--reuid={UNPRIVILEGED_UID}", f"--regid={UNPRIVILEGED_UID}",
+            "--clear-groups", "--", sys.executable, "-c", NON_ROOT_SCRIPT,
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"},
+    )
+    out = done.stdout
+    assert done.returncode == 0, done.stderr
+    assert f"UID {UNPRIVILEGED_UID} {UNPRIVILEGED_UID}" in out
+    assert "not root: model code runs as your own uid" in out
+    assert "memory is capped per process only" in out
+    assert "uncapped" in out
+    assert "AUTO bwrap" in out or "picked 'local'" in out
+
+
+def test_warn_once_warns_once(monkeypatch):
+    monkeypatch.setattr(base, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        base.warn_once("x")
+        base.warn_once("x")
+    assert [w.category for w in caught] == [IsolationWarning]
+
+
+# -- 5. the uid-lock dir ----------------------------------------------------------
+
+
+def test_uid_lock_dir_refuses_a_planted_symlink(monkeypatch, tmp_path):
+    real = tmp_path / "elsewhere"
+    real.mkdir(mode=0o700)
+    (tmp_path / "uids").symlink_to(real)
+    monkeypatch.setattr(_procs, "_LOCK_DIR", str(tmp_path / "uids"))
+    with pytest.raises(SandboxError, match="not a plain directory"):
+        _procs.UidLease()
+    assert list(real.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_uid_lock_dir_refuses_a_foreign_owner(monkeypatch, tmp_path):
+    planted = tmp_path / "uids"
+    planted.mkdir(mode=0o700)
+    os.chown(planted, 12345, 12345)
+    monkeypatch.setattr(_procs, "_LOCK_DIR", str(planted))
+    with pytest.raises(SandboxError, match="belongs to uid 12345"):
+        _procs.UidLease()
+
+
+def test_uid_lock_dir_refuses_a_loose_mode_and_makes_a_private_one(monkeypatch, tmp_path):
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o777)
+    monkeypatch.setattr(_procs, "_LOCK_DIR", str(loose))
+    with pytest.raises(SandboxError, match="mode 777"):
+        _procs.UidLease()
+    fresh = tmp_path / "fresh"
+    monkeypatch.setattr(_procs, "_LOCK_DIR", str(fresh))
+    lease = _procs.UidLease()
+    try:
+        st = fresh.stat()
+        assert (st.st_uid, st.st_mode & 0o777) == (os.geteuid(), 0o700)
+    finally:
+        lease.release()
