@@ -152,6 +152,8 @@ async def test_memory_bomb_is_killed_and_reported(built):
     try:
         r = await built.sandbox.run_python(code, timeout=120)
     except SandboxDeadError as e:  # gVisor takes the whole sandbox down: clear, not a hang
+        if built.name != "gvisor":
+            raise
         assert "died" in str(e) or "not running" in str(e)
         return
     assert r.exit_code != 0
@@ -194,7 +196,11 @@ async def test_huge_stdout_is_truncated_with_bounded_parent_memory(built):
 
 async def test_no_process_left_after_close(builder, backend, leftovers):
     async with builder(backend) as b:
-        await b.sandbox.run("setsid sleep 300 > /dev/null 2>&1 & nohup sleep 300 >/dev/null 2>&1 &")
+        # The last one also drops the env marker that run-level cleanup looks for.
+        await b.sandbox.run(
+            "setsid sleep 300 > /dev/null 2>&1 & nohup sleep 300 >/dev/null 2>&1 & "
+            "setsid env -i sleep 300 > /dev/null 2>&1 &"
+        )
         if b.inner.NAME == "local":  # the detached sleeps really ran (bwrap ends them per run)
             assert leftovers(b)
         await b.sandbox.close()
