@@ -70,7 +70,7 @@ def answer_f1(prediction: str, reference: str) -> float:
 def owned_sandbox(spec: Any) -> tuple[Any, Sandbox | None]:
     """(what to give ``ToolEnv(sandbox=...)``, the sandbox we created and must close).
 
-    ``spec`` is a backend name ("local", or any name ``make_sandbox`` knows), a
+    ``spec`` is a backend name ("auto", or any name ``make_sandbox`` knows), a
     ``Sandbox``, a factory or a pool; only a name makes a sandbox we own.
     """
     if not isinstance(spec, str):

@@ -335,10 +335,11 @@ class BashFixEnv(ToolTaskEnv):
     """Fix a generated repository with ``bash`` and the file tools.
 
     ``sandbox`` is where the repository lives: a backend name (default
-    ``"local"``, which gives no isolation), a ``Sandbox``, a factory or a pool.
+    ``"auto"``: the strongest backend this machine has, see ``make_sandbox``),
+    a ``Sandbox``, a factory or a pool.
     """
 
-    def __init__(self, sandbox: Any = "local", **config: Any):
+    def __init__(self, sandbox: Any = "auto", **config: Any):
         config.setdefault("max_turns", 20)
         tools = ["bash", "read_file", "write_file", "edit_file"]
         super().__init__(self._task, tools, sandbox, **config)

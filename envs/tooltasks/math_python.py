@@ -130,11 +130,12 @@ def make_math_task(rng: np.random.Generator, kinds: tuple[str, ...] = tuple(TEMP
 class MathPythonEnv(ToolTaskEnv):
     """Numeric problems solved with the ``python`` and ``calculator`` tools.
 
-    ``sandbox`` is where ``python`` runs: a backend name (default ``"local"``,
-    which gives no isolation), a ``Sandbox``, a factory or a pool.
+    ``sandbox`` is where ``python`` runs: a backend name (default ``"auto"``:
+    the strongest backend this machine has, see ``make_sandbox``), a
+    ``Sandbox``, a factory or a pool.
     """
 
-    def __init__(self, sandbox: Any = "local", kinds: tuple[str, ...] | None = None, **config: Any):
+    def __init__(self, sandbox: Any = "auto", kinds: tuple[str, ...] | None = None, **config: Any):
         kinds = tuple(kinds or TEMPLATES)
         unknown = set(kinds) - set(TEMPLATES)
         if unknown:

@@ -31,6 +31,19 @@ def test_envs_are_registered_and_made_by_id():
         env.close()
 
 
+@pytest.mark.parametrize("cls", [MathPythonEnv, BashFixEnv])
+def test_sandboxed_tool_tasks_ask_for_the_auto_backend_by_default(cls, monkeypatch):
+    import agentrl.sandboxes
+    from tests.tools.sandbox_fakes import MemorySandbox
+
+    asked = []
+    monkeypatch.setattr(
+        agentrl.sandboxes, "make_sandbox", lambda backend: asked.append(backend) or MemorySandbox()
+    )
+    cls().close()
+    assert asked == ["auto"]
+
+
 def test_answer_helpers():
     assert extract_answer("work...\nAnswer: 42\n") == "42"
     assert extract_answer("Answer: 1\nAnswer: **7**") == "7"

@@ -393,3 +393,48 @@ def test_envs_share_a_real_sandbox_pool():
         for env in envs:
             env.close()
         shared_loop().run(pool.close())
+
+
+def test_python_call_stopped_by_the_call_timeout_does_not_answer_the_next_call(local_sandbox):
+    env = ToolEnv(mult_task, tools=["python"], sandbox=local_sandbox, call_timeout_s=0.5)
+    env.reset(seed=0)
+    env.step(hermes("python", code="n = 1"))
+    slow = "import time\nn = 2\ntime.sleep(3)\nprint('slow')"
+    obs, _, _, _, info = env.step(hermes("python", code=slow))
+    assert "longer than 0.5 s" in obs and "error" not in info
+    obs, *_ = env.step(hermes("python", code="print('fast', n)"))
+    assert obs == "<tool_response>\nfast 1\n</tool_response>"
+    env.close()
+
+
+def test_restore_rebuilds_the_python_session(local_sandbox):
+    env = ToolEnv(mult_task, tools=["python"], sandbox=local_sandbox)
+    env.reset(seed=0)
+    env.step(hermes("python", code="x = 41"))
+    snap = env.snapshot()
+    after = [hermes("python", code="x += 1\nprint(x)")] * 2
+    first = [env.step(a)[0] for a in after]
+    env.restore(snap)
+    assert (
+        [env.step(a)[0] for a in after]
+        == first
+        == [
+            "<tool_response>\n42\n</tool_response>",
+            "<tool_response>\n43\n</tool_response>",
+        ]
+    )
+    env.close()
+
+
+def test_concurrent_edits_in_one_turn_all_land(local_sandbox):
+    env = ToolEnv(mult_task, tools=["write_file", "edit_file", "read_file"], sandbox=local_sandbox)
+    env.reset(seed=0)
+    env.step(hermes("write_file", path="f.txt", content="a\nb\nc\n"))
+    edits = "".join(hermes("edit_file", path="f.txt", search=v, replace=v.upper()) for v in "abc")
+    obs, _, _, _, info = env.step(edits)
+    assert obs.count("replaced 1 occurrence") == 3, obs
+    assert (
+        env.step(hermes("read_file", path="f.txt"))[0]
+        == "<tool_response>\nA\nB\nC\n\n</tool_response>"
+    )
+    env.close()
