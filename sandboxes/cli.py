@@ -6,6 +6,7 @@ Mounted by the main CLI with ``app.add_typer(sandboxes.cli.app, name="sandbox")`
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import typer
 
@@ -48,21 +49,22 @@ def build_image_cmd(
 def serve_cmd(
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
     port: int = typer.Option(8765, help="TCP port."),
-    token: str = typer.Option(
-        os.environ.get("AGENTRL_SANDBOX_TOKEN", ""),
-        help="Bearer token clients must send (default: $AGENTRL_SANDBOX_TOKEN).",
+    token_file: Path | None = typer.Option(
+        None,
+        help="File holding the bearer token clients must send; else $AGENTRL_SANDBOX_TOKEN. "
+        "There is no --token: a command line is readable by every user in /proc.",
+        show_default=False,
     ),
     backend: str = typer.Option("bwrap", help="Backend each session runs: local, bwrap, docker."),
     max_request_mb: int = typer.Option(32, help="Largest request body accepted, MiB."),
     max_sessions: int = typer.Option(64, help="Most sessions alive at once."),
+    max_concurrent: int = typer.Option(256, help="Most requests in flight; more get 503."),
 ) -> None:
     """Serve sandboxes of BACKEND over HTTP for RemoteSandbox clients."""
     from .registry import BACKENDS, check_backend
     from .server import serve
 
-    if not token:
-        typer.echo("error: --token (or $AGENTRL_SANDBOX_TOKEN) is required", err=True)
-        raise typer.Exit(2)
+    token = _read_token(token_file)
     if backend == "remote":
         typer.echo("error: serving 'remote' would only proxy; pick a local backend", err=True)
         raise typer.Exit(2)
@@ -71,8 +73,30 @@ def serve_cmd(
     except AgentRLError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from e
-    limits = {"max_request_bytes": max_request_mb << 20, "max_sessions": max_sessions}
+    limits = {
+        "max_request_bytes": max_request_mb << 20,
+        "max_sessions": max_sessions,
+        "max_concurrent": max_concurrent,
+    }
     serve(BACKENDS[backend], host, port, token, **limits)
+
+
+def _read_token(token_file: Path | None) -> str:
+    """The token from ``token_file``, else $AGENTRL_SANDBOX_TOKEN; exit 2 when empty."""
+    if token_file is None:
+        token = os.environ.get("AGENTRL_SANDBOX_TOKEN", "").strip()
+    else:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as e:
+            typer.echo(f"error: cannot read --token-file {token_file}: {e.strerror}", err=True)
+            raise typer.Exit(2) from e
+    if not token:
+        typer.echo(
+            "error: a token is required: --token-file PATH or $AGENTRL_SANDBOX_TOKEN", err=True
+        )
+        raise typer.Exit(2)
+    return token
 
 
 @app.command("backends")

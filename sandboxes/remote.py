@@ -2,9 +2,12 @@
 
 It implements the ``Sandbox`` protocol over HTTP with httpx: transport errors
 become ``SandboxError``, a vanished session ``SandboxDeadError``, a refused
-token ``SandboxUnavailableError``. Its isolation is ``remote``;
+token ``SandboxUnavailableError``, a busy server (503) or any other error
+``SandboxError`` with the server's reason. Its isolation is ``remote``;
 ``server_isolation`` says what the far side runs. Long-lived processes (the
-persistent interpreter) work through ``exchange`` round trips.
+persistent interpreter) work through ``exchange`` round trips. ``snapshot`` and
+``restore`` move the far sandbox's tar archive as raw bytes; a far backend that
+cannot snapshot raises ``NotImplementedError`` here, as it would locally.
 """
 
 from __future__ import annotations
@@ -52,17 +55,22 @@ class RemoteSandbox(Sandbox):
         self._lock = asyncio.Lock()
 
     async def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        return (await self._request(method, path, json=body)).json()
+
+    async def _request(self, method: str, path: str, **kwargs: object) -> httpx.Response:
         try:
-            resp = await self._client.request(method, path, json=body)
+            resp = await self._client.request(method, path, **kwargs)  # type: ignore[arg-type]
         except httpx.HTTPError as e:
             raise SandboxError(f"sandbox server {self.url} unreachable: {e!r}") from e
         if resp.status_code == 401:
             raise SandboxUnavailableError(f"sandbox server {self.url} refused the token")
         if resp.status_code in (404, 410):
             raise SandboxDeadError(f"remote sandbox is gone: {_detail(resp)}")
+        if resp.status_code == 501:
+            raise NotImplementedError(f"sandbox server {self.url}: {_detail(resp)}")
         if resp.status_code >= 400:
             raise SandboxError(f"sandbox server error {resp.status_code}: {_detail(resp)}")
-        return resp.json()
+        return resp
 
     async def start(self) -> None:
         async with self._lock:
@@ -111,6 +119,16 @@ class RemoteSandbox(Sandbox):
 
     async def reset(self) -> None:
         await self._call("POST", f"{await self._session()}/reset")
+
+    async def snapshot(self) -> bytes:
+        """The far sandbox's workdir as the tar archive its backend makes."""
+        return (await self._request("POST", f"{await self._session()}/snapshot")).content
+
+    async def restore(self, snapshot: bytes) -> None:
+        """Reset the far sandbox, then put back the workdir saved by ``snapshot``."""
+        headers = {"content-type": "application/x-tar"}
+        path = f"{await self._session()}/restore"
+        await self._request("POST", path, content=snapshot, headers=headers)
 
     async def open_process(
         self, argv: list[str], env: dict[str, str] | None = None

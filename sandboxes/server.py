@@ -1,13 +1,21 @@
 """The sandbox server behind ``agentrl sandbox serve``: any backend over HTTP.
 
-Server (``create_app`` / ``serve``; FastAPI on uvicorn):
-- Every request needs ``Authorization: Bearer <token>`` (compared in constant time).
-- Request bodies over ``max_request_bytes`` are refused with 413 before they are read whole.
-- Each session is its own sandbox from the backend factory; the session id is a
-  random 128-bit token. Idle sessions are closed after ``session_idle_s``, and at
-  most ``max_sessions`` live at once.
-- Long-lived processes (the persistent interpreter) are exposed as
-  ``exchange`` calls: write bytes, read one stdout line, in one round trip.
+Server (``create_app`` / ``serve``; FastAPI on uvicorn). An ASGI gate in front
+of the app checks, in this order, before any body is read:
+- ``Authorization: Bearer <token>`` (compared in constant time), else 401;
+- at most ``max_concurrent`` requests in flight, else 503 at once;
+- request bodies over ``max_request_bytes``, refused with 413 while streaming.
+There are no ``/docs`` or ``/openapi.json`` pages.
+
+Sessions: each is its own sandbox from the backend factory; the session id is a
+random 128-bit token. Idle sessions are closed after ``session_idle_s``. At most
+``max_sessions`` live at once: a slot is claimed before the sandbox starts, so
+concurrent creations cannot overshoot. Every call into a backend is bounded
+(``op_timeout_s``, or a run's own timeout plus a grace), else 504.
+
+Long-lived processes (the persistent interpreter) are exposed as ``exchange``
+calls: write bytes, read one stdout line, in one round trip. Snapshots travel as
+raw tar bytes (``application/x-tar``); a backend that cannot snapshot answers 501.
 
 The client is ``RemoteSandbox`` (remote.py).
 
@@ -16,6 +24,8 @@ The client is ``RemoteSandbox`` (remote.py).
     POST   /v1/sessions/{sid}/write_file        {path, data_b64}
     POST   /v1/sessions/{sid}/read_file         {path} -> {data_b64}
     POST   /v1/sessions/{sid}/reset
+    POST   /v1/sessions/{sid}/snapshot          -> tar bytes
+    POST   /v1/sessions/{sid}/restore           tar bytes
     DELETE /v1/sessions/{sid}
     POST   /v1/sessions/{sid}/procs             {argv, env} -> {proc_id}
     POST   /v1/sessions/{sid}/procs/{pid}/exchange  {data_b64, timeout} -> {line_b64}
@@ -27,14 +37,15 @@ import asyncio
 import base64
 import contextlib
 import hmac
+import json
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request, Response
 from pydantic import BaseModel, Field
 
 from agentrl.errors import ConfigError, SandboxDeadError, SandboxError
@@ -42,6 +53,9 @@ from agentrl.errors import ConfigError, SandboxDeadError, SandboxError
 from .base import Sandbox, SandboxProcess
 
 __all__ = ["bind_socket", "create_app", "serve"]
+
+_RUN_GRACE_S = 60.0  # on top of a run's own timeout, for the backend's kill and reply
+_CLOSE_S = 60.0  # closing a session waits at most this long per step
 
 
 # -- wire schemas ------------------------------------------------------------------------
@@ -79,40 +93,57 @@ class _Session:
     procs: dict[str, SandboxProcess] = field(default_factory=dict)
 
 
-class _BodyLimit:
-    """ASGI middleware: 413 for bodies over ``limit`` bytes, checked while streaming."""
+class _Gate:
+    """ASGI middleware run before the app parses anything: token, concurrency, body size."""
 
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: Any, token: str, max_bytes: int, max_concurrent: int) -> None:
+        self.app, self.max_bytes, self.max_concurrent = app, max_bytes, max_concurrent
+        self._expected = f"Bearer {token}".encode()
+        self.in_flight = 0
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and int(declared) > self.limit:
-            return await _plain(send, 413, b"request body too large")
+        headers = dict(scope.get("headers") or [])
+        if not hmac.compare_digest(headers.get(b"authorization", b""), self._expected):
+            return await _reply(send, 401, "missing or wrong bearer token")
+        if self.in_flight >= self.max_concurrent:
+            return await _reply(
+                send, 503, f"server busy: {self.max_concurrent} requests in flight; retry later"
+            )
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            return await _reply(send, 413, f"request body over {self.max_bytes} bytes")
+        self.in_flight += 1
+        try:
+            await self.app(scope, self._limited(receive), send)
+        except _TooLarge:
+            await _reply(send, 413, f"request body over {self.max_bytes} bytes")
+        finally:
+            self.in_flight -= 1
+
+    def _limited(self, receive: Callable) -> Callable:
         seen = 0
 
         async def limited() -> dict:
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
-            if seen > self.limit:
+            if seen > self.max_bytes:
                 raise _TooLarge
             return message
 
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await _plain(send, 413, b"request body too large")
+        return limited
 
 
 class _TooLarge(Exception):
     pass
 
 
-async def _plain(send: Callable, status: int, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": []})
+async def _reply(send: Callable, status: int, detail: str) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -122,6 +153,13 @@ class _Store:
     def __init__(self, factory: Callable[[], Sandbox], max_sessions: int, idle_s: float) -> None:
         self.factory, self.max_sessions, self.idle_s = factory, max_sessions, idle_s
         self.sessions: dict[str, _Session] = {}
+        self.starting = 0  # slots claimed by sessions whose sandbox is still starting
+
+    def claim_slot(self) -> None:
+        """Count a new session against ``max_sessions``; no await between check and claim."""
+        if len(self.sessions) + self.starting >= self.max_sessions:
+            raise HTTPException(429, f"at most {self.max_sessions} sessions; close some first")
+        self.starting += 1
 
     def get(self, sid: str) -> _Session:
         session = self.sessions.get(sid)
@@ -133,11 +171,9 @@ class _Store:
     async def close(self, sid: str) -> None:
         session = self.sessions.pop(sid, None)
         if session is not None:
-            for proc in session.procs.values():
-                with contextlib.suppress(Exception):
-                    await proc.kill()
+            await _kill_procs(session, _CLOSE_S)
             with contextlib.suppress(Exception):
-                await session.sandbox.close()
+                await asyncio.wait_for(session.sandbox.close(), _CLOSE_S)
 
     async def reap_idle_forever(self) -> None:
         while True:
@@ -151,16 +187,32 @@ def _http_error(e: SandboxError) -> HTTPException:
     return HTTPException(410 if isinstance(e, SandboxDeadError) else 500, str(e))
 
 
+async def _bounded(what: str, call: Awaitable[Any], seconds: float) -> Any:
+    """Await a backend call; its errors and a wait over ``seconds`` become HTTP errors."""
+    try:
+        return await asyncio.wait_for(call, seconds)
+    except TimeoutError as e:
+        raise HTTPException(504, f"{what} took over {seconds:.0f}s and was abandoned") from e
+    except SandboxError as e:
+        raise _http_error(e) from e
+    except NotImplementedError as e:
+        raise HTTPException(501, f"{what}: {e}") from e
+
+
 def create_app(
     factory: Callable[[], Sandbox],
     token: str,
     max_request_bytes: int = 32 << 20,
     max_sessions: int = 64,
     session_idle_s: float = 3600.0,
+    max_concurrent: int = 256,
+    op_timeout_s: float = 300.0,
 ) -> Any:
     """The ASGI app serving sandboxes from ``factory`` to holders of ``token``."""
     if not token:
-        raise ConfigError("sandbox serve: a non-empty --token is required")
+        raise ConfigError(
+            "sandbox serve: a non-empty token is required (--token-file or $AGENTRL_SANDBOX_TOKEN)"
+        )
     store = _Store(factory, max_sessions, session_idle_s)
 
     @contextlib.asynccontextmanager
@@ -171,94 +223,112 @@ def create_app(
         for sid in list(store.sessions):
             await store.close(sid)
 
-    def auth(request: Request) -> None:
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            raise HTTPException(401, "missing or wrong bearer token")
-
-    app = FastAPI(title="agentrl sandbox server", lifespan=lifespan)
+    app = FastAPI(
+        title="agentrl sandbox server",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.sessions = store.sessions
-    deps = [Depends(auth)]
-    _session_routes(app, store, deps, getattr(factory, "ISOLATION", None) or "unknown")
-    _process_routes(app, store, deps)
-    return _BodyLimit(app, max_request_bytes)
+    isolation = getattr(factory, "ISOLATION", None) or "unknown"
+    _session_routes(app, store, isolation, op_timeout_s)
+    _file_routes(app, store, op_timeout_s)
+    _process_routes(app, store, op_timeout_s)
+    return _Gate(app, token, max_request_bytes, max_concurrent)
 
 
-def _session_routes(app: FastAPI, store: _Store, deps: list, isolation: str) -> None:
-    @app.get("/v1/health", dependencies=deps)
+def _session_routes(app: FastAPI, store: _Store, isolation: str, op_s: float) -> None:
+    @app.get("/v1/health")
     async def health() -> dict:
         return {"ok": True, "isolation": isolation, "sessions": len(store.sessions)}
 
-    @app.post("/v1/sessions", dependencies=deps)
+    @app.post("/v1/sessions")
     async def new_session() -> dict:
-        if len(store.sessions) >= store.max_sessions:
-            raise HTTPException(429, f"at most {store.max_sessions} sessions; close some first")
-        sandbox = store.factory()
+        store.claim_slot()
         try:
-            await sandbox.start()
-        except SandboxError as e:
-            raise _http_error(e) from e
-        sid = secrets.token_urlsafe(16)
-        store.sessions[sid] = _Session(sandbox)
+            sandbox = store.factory()
+            try:
+                await _bounded("starting the sandbox", sandbox.start(), op_s)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(sandbox.close(), op_s)
+                raise
+            sid = secrets.token_urlsafe(16)
+            store.sessions[sid] = _Session(sandbox)
+        finally:
+            store.starting -= 1
         return {"session_id": sid, "isolation": sandbox.ISOLATION}
 
-    @app.post("/v1/sessions/{sid}/run", dependencies=deps)
+    @app.post("/v1/sessions/{sid}/run")
     async def run(sid: str, req: RunRequest) -> dict:
         session = store.get(sid)
         stdin = base64.b64decode(req.stdin_b64) if req.stdin_b64 is not None else None
-        try:
-            result = await session.sandbox.run(req.command, stdin, req.timeout, req.env)
-        except SandboxError as e:
-            raise _http_error(e) from e
-        return asdict(result)
+        call = session.sandbox.run(req.command, stdin, req.timeout, req.env)
+        return asdict(await _bounded("the run", call, req.timeout + _RUN_GRACE_S))
 
-    @app.post("/v1/sessions/{sid}/write_file", dependencies=deps)
-    async def write_file(sid: str, req: WriteRequest) -> dict:
-        try:
-            await store.get(sid).sandbox.write_file(req.path, base64.b64decode(req.data_b64))
-        except SandboxError as e:
-            raise _http_error(e) from e
-        return {"ok": True}
-
-    @app.post("/v1/sessions/{sid}/read_file", dependencies=deps)
-    async def read_file(sid: str, req: ReadRequest) -> dict:
-        try:
-            data = await store.get(sid).sandbox.read_file(req.path)
-        except SandboxError as e:
-            raise _http_error(e) from e
-        return {"data_b64": base64.b64encode(data).decode()}
-
-    @app.post("/v1/sessions/{sid}/reset", dependencies=deps)
+    @app.post("/v1/sessions/{sid}/reset")
     async def reset(sid: str) -> dict:
         session = store.get(sid)
-        for proc in session.procs.values():
-            await proc.kill()
-        session.procs.clear()
-        try:
-            await session.sandbox.reset()
-        except SandboxError as e:
-            raise _http_error(e) from e
+        await _kill_procs(session, op_s)
+        await _bounded("reset", session.sandbox.reset(), op_s)
         return {"ok": True}
 
-    @app.delete("/v1/sessions/{sid}", dependencies=deps)
+    @app.delete("/v1/sessions/{sid}")
     async def delete(sid: str) -> dict:
         await store.close(sid)
         return {"ok": True}
 
 
-def _process_routes(app: FastAPI, store: _Store, deps: list) -> None:
-    @app.post("/v1/sessions/{sid}/procs", dependencies=deps)
+def _file_routes(app: FastAPI, store: _Store, op_s: float) -> None:
+    @app.post("/v1/sessions/{sid}/write_file")
+    async def write_file(sid: str, req: WriteRequest) -> dict:
+        call = store.get(sid).sandbox.write_file(req.path, base64.b64decode(req.data_b64))
+        await _bounded(f"writing {req.path!r}", call, op_s)
+        return {"ok": True}
+
+    @app.post("/v1/sessions/{sid}/read_file")
+    async def read_file(sid: str, req: ReadRequest) -> dict:
+        data = await _bounded(
+            f"reading {req.path!r}", store.get(sid).sandbox.read_file(req.path), op_s
+        )
+        return {"data_b64": base64.b64encode(data).decode()}
+
+    @app.post("/v1/sessions/{sid}/snapshot")
+    async def snapshot(sid: str) -> Response:
+        data = await _bounded("snapshot", store.get(sid).sandbox.snapshot(), op_s)
+        if not isinstance(data, bytes):
+            raise HTTPException(501, f"snapshot: the backend gave {type(data).__name__}, not bytes")
+        return Response(content=data, media_type="application/x-tar")
+
+    @app.post("/v1/sessions/{sid}/restore")
+    async def restore(sid: str, request: Request) -> dict:
+        session = store.get(sid)
+        data = await request.body()
+        await _kill_procs(session, op_s)  # restore resets: the processes die anyway
+        await _bounded("restore", session.sandbox.restore(data), op_s)
+        return {"ok": True}
+
+
+async def _kill_procs(session: _Session, op_s: float) -> None:
+    procs, session.procs = list(session.procs.values()), {}
+    for proc in procs:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(proc.kill(), op_s)
+
+
+def _process_routes(app: FastAPI, store: _Store, op_s: float) -> None:
+    @app.post("/v1/sessions/{sid}/procs")
     async def open_proc(sid: str, req: ProcRequest) -> dict:
         session = store.get(sid)
-        try:
-            proc = await session.sandbox.open_process(req.argv, req.env)
-        except SandboxError as e:
-            raise _http_error(e) from e
+        proc = await _bounded(
+            "starting the process", session.sandbox.open_process(req.argv, req.env), op_s
+        )
         pid = secrets.token_urlsafe(8)
         session.procs[pid] = proc
         return {"proc_id": pid}
 
-    @app.post("/v1/sessions/{sid}/procs/{pid}/exchange", dependencies=deps)
+    @app.post("/v1/sessions/{sid}/procs/{pid}/exchange")
     async def exchange(sid: str, pid: str, req: ExchangeRequest) -> dict:
         proc = store.get(sid).procs.get(pid)
         if proc is None:
@@ -272,11 +342,11 @@ def _process_routes(app: FastAPI, store: _Store, deps: list) -> None:
             raise HTTPException(410, f"process stopped answering: {e}") from e
         return {"line_b64": base64.b64encode(line).decode()}
 
-    @app.delete("/v1/sessions/{sid}/procs/{pid}", dependencies=deps)
+    @app.delete("/v1/sessions/{sid}/procs/{pid}")
     async def kill_proc(sid: str, pid: str) -> dict:
         proc = store.get(sid).procs.pop(pid, None)
         if proc is not None:
-            await proc.kill()
+            await _bounded("killing the process", proc.kill(), op_s)
         return {"ok": True}
 
 

@@ -39,6 +39,7 @@ async def test_timeout_kills_only_that_run(box):
         assert done.ok and done.stdout == "survived\n", done
         assert (await it.execute("kept + 1")).stdout == "42\n"
     left = await box.run("cat /proc/[0-9]*/cmdline | tr '\\0' ' '")
+    assert "sleep infinity" in left.stdout  # the listing works: it shows the idle init
     assert "sleep 1000" not in left.stdout
 
 
@@ -47,6 +48,7 @@ async def test_timeout_kills_children_that_left_the_session(box):
     assert (await box.run(escape, timeout=1.5)).timed_out
     await asyncio.sleep(0.3)
     left = await box.run("cat /proc/[0-9]*/cmdline | tr '\\0' ' '")
+    assert "sleep infinity" in left.stdout
     assert "time.sleep(1000)" not in left.stdout and "sleep 1000" not in left.stdout
 
 

@@ -96,15 +96,47 @@ async def test_real_server_over_tcp_runs_the_interpreter():
         sock.close()
 
 
-def test_cli_lists_backends_and_requires_a_token():
+def test_cli_lists_backends():
+    from typer.testing import CliRunner
+
+    from agentrl.sandboxes.cli import app
+
+    listed = CliRunner().invoke(app, ["backends"])
+    assert listed.exit_code == 0
+    assert "local" in listed.output and "none" in listed.output
+
+
+def test_cli_serve_requires_a_token_from_a_file_or_the_environment(monkeypatch, tmp_path):
     from typer.testing import CliRunner
 
     from agentrl.sandboxes.cli import app
 
     runner = CliRunner()
-    listed = runner.invoke(app, ["backends"])
-    assert listed.exit_code == 0
-    assert "local" in listed.output and "none" in listed.output
-    refused = runner.invoke(app, ["serve", "--token", ""])
+    monkeypatch.delenv("AGENTRL_SANDBOX_TOKEN", raising=False)
+    refused = runner.invoke(app, ["serve"])
     assert refused.exit_code == 2
-    assert "--token" in refused.output
+    assert "--token-file" in refused.output
+    on_cmdline = runner.invoke(app, ["serve", "--token", "visible-in-proc"])
+    assert on_cmdline.exit_code == 2 and "No such option" in on_cmdline.output
+    # A token is accepted from a file and from the environment: both reach the next check.
+    (tmp_path / "token").write_text("from-a-file\n")
+    from_file = runner.invoke(app, ["serve", "--token-file", str(tmp_path / "token"),
+                                    "--backend", "remote"])  # fmt: skip
+    assert from_file.exit_code == 2 and "only proxy" in from_file.output
+    monkeypatch.setenv("AGENTRL_SANDBOX_TOKEN", "from-the-env")
+    from_env = runner.invoke(app, ["serve", "--backend", "remote"])
+    assert from_env.exit_code == 2 and "only proxy" in from_env.output
+
+
+def test_cli_help_never_shows_the_token(monkeypatch):
+    import importlib
+
+    from typer.testing import CliRunner
+
+    import agentrl.sandboxes.cli as cli
+
+    monkeypatch.setenv("AGENTRL_SANDBOX_TOKEN", "hunter2-secret")
+    importlib.reload(cli)  # a default read from the environment at import would show here
+    shown = CliRunner().invoke(cli.app, ["serve", "--help"])
+    assert shown.exit_code == 0 and "token-file" in shown.output
+    assert "hunter2-secret" not in shown.output
