@@ -114,18 +114,70 @@ def _require_regular(fd: int, path: str) -> None:
 
 
 def tar_dir(root: str) -> bytes:
-    """The contents of ``root`` as an uncompressed tar (symlinks stored, not followed)."""
+    """The contents of ``root`` as an uncompressed tar: regular files, dirs and symlinks
+    (stored, not followed). FIFOs, sockets and devices are left out.
+
+    Walked by dir fd like ``write_beneath``: a path the sandbox swaps for a symlink
+    or a FIFO while we walk can neither lead outside nor block the host.
+    """
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name in sorted(os.listdir(root)):
-            tar.add(os.path.join(root, name), arcname=name, recursive=True)
+    try:
+        fd = os.open(root, _DIR_FLAGS)
+        try:
+            with tarfile.open(fileobj=buf, mode="w") as tar:
+                _tar_tree(tar, fd, "")
+        finally:
+            os.close(fd)
+    except OSError as e:  # tarfile's own errors (a file shrank mid-read) are OSErrors too
+        raise SandboxError(f"cannot snapshot the sandbox workdir: {e}") from e
     return buf.getvalue()
 
 
+def _tar_info(name: str, st: os.stat_result, kind: bytes) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.mode, info.mtime = kind, stat.S_IMODE(st.st_mode), int(st.st_mtime)
+    return info
+
+
+def _tar_tree(tar: tarfile.TarFile, dfd: int, prefix: str) -> None:
+    for name in sorted(os.listdir(dfd)):
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            info = _tar_info(prefix + name, st, tarfile.SYMTYPE)
+            info.linkname = os.readlink(name, dir_fd=dfd)
+            tar.addfile(info)
+        elif stat.S_ISDIR(st.st_mode):
+            sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+            try:
+                tar.addfile(_tar_info(prefix + name, os.fstat(sub), tarfile.DIRTYPE))
+                _tar_tree(tar, sub, f"{prefix}{name}/")
+            finally:
+                os.close(sub)
+        elif stat.S_ISREG(st.st_mode):
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode):  # else swapped since the listing: left out
+                    info = _tar_info(prefix + name, st, tarfile.REGTYPE)
+                    info.size = st.st_size
+                    tar.addfile(info, f)
+
+
+def _restore_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
+    """tarfile's "tar" filter (nothing lands outside ``dest``, even through a symlink),
+    keeping only what ``tar_dir`` stores: files, dirs and symlinks, which may point
+    anywhere (``py -> /usr/bin/python3``) as they would in the sandbox."""
+    kept = tarfile.tar_filter(member, dest)
+    return kept if kept.isreg() or kept.isdir() or kept.issym() else None
+
+
 def untar_into(root: str, data: bytes, owner: tuple[int, int] | None) -> None:
-    """Extract a ``tar_dir`` archive into ``root``; the "data" filter refuses escapes."""
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
-        tar.extractall(root, filter="data")
+    """Extract a ``tar_dir`` archive into ``root``; refuses escapes, leaves out hard links."""
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+            tar.extractall(root, filter=_restore_filter)
+    except (OSError, tarfile.TarError) as e:
+        raise SandboxError(f"cannot restore the snapshot: {e}") from e
     if owner is not None:
         for dirpath, dirnames, filenames in os.walk(root):
             for name in (*dirnames, *filenames):

@@ -101,7 +101,9 @@ def checked_env(env: dict[str, str] | None) -> dict[str, str]:
     """
     for name, value in (env or {}).items():
         if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
-            raise SandboxError(f"env: {name!r} is not a valid variable name ([A-Za-z_][A-Za-z0-9_]*)")
+            raise SandboxError(
+                f"env: {name!r} is not a valid variable name ([A-Za-z_][A-Za-z0-9_]*)"
+            )
         if not isinstance(value, str) or "\0" in value:
             raise SandboxError(f"env: the value of {name} must be a string without NUL bytes")
     return dict(env or {})
@@ -421,8 +423,7 @@ class PipeProcess(SandboxProcess):
 _CGROUP_FS = "/sys/fs/cgroup"
 # Moves itself into each cgroup dir given before "--", then execs the rest (still root).
 _ENTER_CGROUPS = (
-    'while [ "$1" != -- ]; do echo 0 > "$1/cgroup.procs" || exit 125; shift; done; '
-    'shift; exec "$@"'
+    'while [ "$1" != -- ]; do echo 0 > "$1/cgroup.procs" || exit 125; shift; done; shift; exec "$@"'
 )
 
 

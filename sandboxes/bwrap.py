@@ -74,6 +74,16 @@ def seccomp_available() -> bool:
     return _inet_deny_bpf() is not None
 
 
+@functools.lru_cache(maxsize=4)
+def _has_size_option(bwrap: str) -> bool:
+    """Whether this bwrap can cap a tmpfs (``--size``, bubblewrap 0.6+)."""
+    try:
+        out = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "--size" in out.stdout + out.stderr
+
+
 class BwrapSandbox(LocalSandbox):
     """Run commands inside bubblewrap namespaces (see the module docstring)."""
 
@@ -115,6 +125,9 @@ class BwrapSandbox(LocalSandbox):
     @classmethod
     def shortfalls(cls) -> list[str]:
         gaps = host_shortfalls()
+        bwrap = bwrap_path()
+        if bwrap and not _has_size_option(bwrap):
+            gaps.append("/dev/shm is not size-capped: this bwrap has no --size (0.6+ has)")
         if not seccomp_available():
             gaps.append(
                 "no seccomp filter (apt-get install python3-seccomp); the empty network "
@@ -128,6 +141,11 @@ class BwrapSandbox(LocalSandbox):
     def _writable_dirs(self) -> tuple[str, ...]:
         return ("work", "tmp")
 
+    def _shm_size(self) -> list[str]:
+        return (
+            ["--size", str(self.limits.workdir_mb << 20)] if _has_size_option(self._bwrap) else []
+        )
+
     def _wrap(self, argv: list[str], env: dict[str, str], pass_fds: list[int]) -> list[str]:
         assert self.workdir is not None
         base = os.path.dirname(self.workdir)
@@ -136,7 +154,7 @@ class BwrapSandbox(LocalSandbox):
             self._bwrap, "--unshare-all", "--die-with-parent", "--new-session",
             "--hostname", "sandbox", "--cap-drop", "ALL",
             "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
-            "--size", str(self.limits.workdir_mb << 20), "--tmpfs", "/dev/shm",
+            *self._shm_size(), "--tmpfs", "/dev/shm",
             "--bind", self.workdir, "/work", "--bind", os.path.join(base, "tmp"), "/tmp",
             "--chdir", "/work",
         ]  # fmt: skip

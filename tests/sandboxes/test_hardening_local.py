@@ -6,9 +6,11 @@ uid-lock dir, and saying at runtime what this machine cannot enforce.
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import subprocess
 import sys
+import tarfile
 import warnings
 
 import pytest
@@ -17,6 +19,7 @@ import agentrl.sandboxes.base as base
 import agentrl.sandboxes.local as local
 from agentrl.errors import SandboxError
 from agentrl.sandboxes import BwrapSandbox, LocalSandbox, SandboxLimits, _procs
+from agentrl.sandboxes._files import untar_into
 from agentrl.sandboxes.base import IsolationWarning
 
 pytestmark = pytest.mark.anyio
@@ -247,9 +250,15 @@ UNPRIVILEGED_UID = 61999
 def test_local_as_non_root_warns_that_it_gives_no_isolation():
     done = subprocess.run(
         [
-            _procs.SETPRIV, f"--reuid={UNPRIVILEGED_UID}", f"--regid={UNPRIVILEGED_UID}",
-            "--clear-groups", "--", sys.executable, "-c", NON_ROOT_SCRIPT,
-        ],  # fmt: skip
+            _procs.SETPRIV,
+            f"--reuid={UNPRIVILEGED_UID}",
+            f"--regid={UNPRIVILEGED_UID}",
+            "--clear-groups",
+            "--",
+            sys.executable,
+            "-c",
+            NON_ROOT_SCRIPT,
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -312,3 +321,69 @@ def test_uid_lock_dir_refuses_a_loose_mode_and_makes_a_private_one(monkeypatch, 
         assert (st.st_uid, st.st_mode & 0o777) == (os.geteuid(), 0o700)
     finally:
         lease.release()
+
+
+async def test_snapshot_leaves_out_fifos_and_keeps_symlinks_as_links(builder, host_backend):
+    async with builder(host_backend, LIMITS) as b:
+        script = "mkfifo pipe && mkdir d && echo v1 > d/f && ln -s /etc/hostname host-link"
+        assert (await b.sandbox.run(script)).exit_code == 0
+        snap = await asyncio.wait_for(b.sandbox.snapshot(), 30)
+        await b.sandbox.write_file("d/f", "v2")
+        await b.sandbox.restore(snap)  # before: the FIFO made the "data" filter refuse it
+        assert await b.sandbox.read_file("d/f") == b"v1\n"
+        r = await b.sandbox.run("ls -A; readlink host-link")
+        assert r.stdout == "d\nhost-link\n/etc/hostname\n", r
+
+
+def test_cgroup_v2_branch_writes_its_limits(monkeypatch, tmp_path):
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    monkeypatch.setattr(_procs, "_own_cgroup_dirs", lambda: ([str(parent)], 2))
+    cg = _procs.Cgroup.create("agentrl-x", LIMITS)
+    assert (parent / "cgroup.subtree_control").read_text() == "+memory +pids"
+    assert (parent / "agentrl-x" / "memory.max").read_text() == str(256 << 20)
+    assert (parent / "agentrl-x" / "pids.max").read_text() == "64"
+    assert cg.enter_argv()[-2:] == [str(parent / "agentrl-x"), "--"]
+
+
+def _tar(*members: tuple[str, bytes, str]) -> bytes:
+    """An archive of (name, tar type, data or link target) members."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, kind, payload in members:
+            info = tarfile.TarInfo(name)
+            info.type = kind
+            if kind == tarfile.REGTYPE:
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload.encode()))
+            else:
+                info.linkname = payload
+                tar.addfile(info)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    "members",
+    [
+        [("../escape", tarfile.REGTYPE, "x")],
+        [("link", tarfile.SYMTYPE, "{outside}"), ("link/pwned", tarfile.REGTYPE, "x")],
+    ],
+    ids=["dotdot", "through-symlink"],
+)
+def test_restore_refuses_to_write_outside(tmp_path, members):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    data = _tar(*((name, kind, p.format(outside=outside)) for name, kind, p in members))
+    with pytest.raises(SandboxError):
+        untar_into(str(root), data, None)
+    assert list(outside.iterdir()) == []
+    assert not (tmp_path / "escape").exists()
+
+
+def test_restore_leaves_out_hard_links(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("s")
+    (tmp_path / "root").mkdir()
+    untar_into(str(tmp_path / "root"), _tar(("h", tarfile.LNKTYPE, str(secret))), None)
+    assert list((tmp_path / "root").iterdir()) == []
