@@ -1,12 +1,20 @@
 """Env throughput: how fast each registered env resets, steps, snapshots and restores.
 
 For every env in ``agentrl.env.list_envs()`` (envs whose optional extras are
-missing are skipped with a note) it measures, on one pinned core, with a
-random-admissible policy (a uniform pick from ``info["admissible_actions"]``):
+missing are skipped with a note) it measures, on one pinned core:
 
 - ``reset`` time (p50, ms);
 - ``step`` time (p50, us) and steps/s (steps divided by the time spent in ``step``);
 - ``snapshot`` and ``restore`` time (p50, us), taken mid-episode.
+
+Envs with admissible actions are walked by a random-admissible policy (a
+uniform pick from ``info["admissible_actions"]``). Tool envs are walked by
+scripted, valid tool calls (``_TOOL_CALLS``: ``TOOL_CALLS_PER_EPISODE`` calls,
+then a final answer), so their steps really run the sandbox, the interpreter
+and the search index; their rows count the calls made (``tool_calls``) and give
+the p50 latency of a step holding one call, per tool (``tool_ms_p50``).
+Sandboxed tool envs are measured again on each backend that can run here
+(``local``, ``bwrap``): ``tool_call_latency[env][backend]``.
 
 Then, where they can run:
 
@@ -14,14 +22,12 @@ Then, where they can run:
   10,000-product catalog (target: >= 2,000/s);
 - real TextWorld (``textworld.start`` stepped directly) against our
   ``agentrl/TextWorld-v0`` wrapper on the same games, with the ratio;
-- the real ALFWorld PDDL engine, through
-  ``agentrl.envs.alfworld.real_engine`` when that module is importable,
-  against our ``agentrl/ALFWorld-v0``, with the ratio.
+- the real ALFWorld PDDL engine
+  (``agentrl.envs.alfworld.real_engine.time_real_engine``) against our
+  ``agentrl/ALFWorld-v0``, with the ratio.
 
-The ALFWorld timer is looked up in ``real_engine`` under one of the names in
-``_ALFWORLD_TIMERS`` and called as ``fn(steps=N)`` (or ``fn()``). It returns
-a dict; a key containing ``per_s`` (steps/s), or else a key ending in
-``_ms`` that names a step time, is read as the real engine's speed.
+Step counts are keyword-only everywhere, so a renamed parameter fails loudly
+instead of being dropped.
 
 Prints a table and writes JSON next to this script (``--out`` to change).
 ``--quick`` is a smoke run of a few hundred steps.
@@ -37,8 +43,6 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMB
     os.environ.setdefault(_var, "1")  # one core: keep numpy/BLAS single-threaded
 
 import argparse  # noqa: E402
-import importlib  # noqa: E402
-import inspect  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import random  # noqa: E402
@@ -47,7 +51,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-__all__ = ["main", "measure_env"]
+__all__ = ["main", "measure_env", "tool_call_latency"]
 
 HERE = Path(__file__).resolve().parent
 # Few distinct seeds for envs whose tasks are expensive to build (TextWorld
@@ -74,20 +78,51 @@ _SLOW_ENVS = {
 }
 
 
-def measure_env(env_id: str, steps: int, seed: int = 0) -> dict[str, Any]:
-    """Reset/step/snapshot/restore timings of one env under a random-admissible policy."""
+def _call(name: str, **arguments: Any) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+# Valid, cheap calls per tool; a tool env's turn makes one of its tools' calls.
+_TOOL_CALLS: dict[str, list[dict[str, Any]]] = {
+    "python": [
+        {"code": "total = sum(i * i for i in range(1000))"},
+        {"code": "print(total % 97)"},
+    ],
+    "calculator": [{"expression": "(123 * 456 - 789) % 97"}],
+    "search": [{"query": "born in river country", "k": 3}, {"query": "company founded", "k": 3}],
+    "bash": [{"command": "python3 -m unittest discover tests 2>&1 | tail -1"}],
+    "read_file": [{"path": "README.md"}],
+    "write_file": [{"path": "notes.txt", "content": "checked the tests\n"}],
+    "edit_file": [{"path": "notes.txt", "search": "checked", "replace": "ran"}],
+}
+TOOL_CALLS_PER_EPISODE = 4
+
+
+def _tool_action(tools: list[str], turn: int) -> str:
+    """The scripted action of ``turn`` (0-based) in a tool env's episode."""
+    usable = [t for t in tools if t in _TOOL_CALLS]
+    if turn >= TOOL_CALLS_PER_EPISODE or not usable:
+        return "Answer: 0"
+    # Walk the tools in order, so that write_file comes before edit_file.
+    calls = [(t, args) for t in usable for args in _TOOL_CALLS[t]]
+    name, args = calls[turn % len(calls)]
+    return _call(name, **args)
+
+
+def measure_env(env_id: str, *, n_steps: int, seed: int = 0, **env_kwargs: Any) -> dict[str, Any]:
+    """Reset/step/snapshot/restore timings of one env; see the module docstring for the policy."""
     from agentrl.env import make_env
 
-    env = make_env(env_id)
+    env = make_env(env_id, **env_kwargs)
     base = env.unwrapped
     rng = random.Random(seed)
     pool = _SEED_POOL.get(env_id)
-    episode = 0
+    episode, turn = 0, 0
 
     def reset() -> dict[str, Any]:
-        nonlocal episode
+        nonlocal episode, turn
         task_seed = episode % pool if pool else episode
-        episode += 1
+        episode, turn = episode + 1, 0
         (_, info), took = _timed(env.reset, seed=task_seed)
         reset_times.append(took)
         return info
@@ -96,11 +131,17 @@ def measure_env(env_id: str, steps: int, seed: int = 0) -> dict[str, Any]:
     step_times: list[float] = []
     snap_times: list[float] = []
     restore_times: list[float] = []
+    call_times: dict[str, list[float]] = {}
+    failures = 0
     can_branch = callable(getattr(base, "snapshot", None))
     info = reset()
-    for i in range(steps):
+    tools = [t["name"] for t in info.get("tools") or []]
+    for i in range(n_steps):
         actions = info.get("admissible_actions") or []
-        action = rng.choice(actions) if actions else env.action_space.sample()
+        if tools:
+            action = _tool_action(tools, turn)
+        else:
+            action = rng.choice(actions) if actions else env.action_space.sample()
         if can_branch and i % 5 == 2:
             snap, took = _timed(base.snapshot)
             snap_times.append(took)
@@ -108,10 +149,14 @@ def measure_env(env_id: str, steps: int, seed: int = 0) -> dict[str, Any]:
             restore_times.append(took)
         (_, _, terminated, truncated, info), took = _timed(env.step, action)
         step_times.append(took)
+        turn += 1
+        for call in info.get("tool_calls") or []:
+            call_times.setdefault(call["name"], []).append(took)
+        failures += "error" in info
         if terminated or truncated:
             info = reset()
     env.close()
-    return {
+    row = {
         "episodes": len(reset_times),
         "steps": len(step_times),
         "reset_ms_p50": 1e3 * _p50(reset_times),
@@ -119,10 +164,20 @@ def measure_env(env_id: str, steps: int, seed: int = 0) -> dict[str, Any]:
         "steps_per_s": len(step_times) / sum(step_times),
         "snapshot_us_p50": 1e6 * _p50(snap_times),
         "restore_us_p50": 1e6 * _p50(restore_times),
+        "failed_steps": failures,
     }
+    if tools:
+        row["tool_calls"] = sum(len(v) for v in call_times.values())
+        row["tool_ms_p50"] = {name: 1e3 * _p50(v) for name, v in sorted(call_times.items())}
+    return row
 
 
-def webshop_search(queries: int) -> dict[str, Any]:
+def tool_call_latency(env_id: str, backend: str, *, n_steps: int) -> dict[str, Any]:
+    """``measure_env`` for a sandboxed tool env on one sandbox backend."""
+    return measure_env(env_id, n_steps=n_steps, sandbox=backend)
+
+
+def webshop_search(*, queries: int) -> dict[str, Any]:
     """BM25 queries/s over goal-derived queries on the default catalog."""
     from agentrl.envs.webshop import build_catalog, get_catalog, make_goal
 
@@ -139,11 +194,11 @@ def webshop_search(queries: int) -> dict[str, Any]:
     }
 
 
-def _random_walk(step, reset, admissible, steps: int, rng: random.Random) -> float:
+def _random_walk(step, reset, admissible, *, n_steps: int, rng: random.Random) -> float:
     """Steps/s of ``step`` under a random-admissible policy (time inside ``step`` only)."""
     total, done_steps = 0.0, 0
     state = reset()
-    while done_steps < steps:
+    while done_steps < n_steps:
         action = rng.choice(admissible(state))
         (state, done), took = _timed(step, action)
         total += took
@@ -153,7 +208,7 @@ def _random_walk(step, reset, admissible, steps: int, rng: random.Random) -> flo
     return done_steps / total
 
 
-def textworld_side_by_side(steps: int) -> dict[str, Any]:
+def textworld_side_by_side(*, n_steps: int) -> dict[str, Any]:
     """Real TextWorld stepped directly vs our wrapper, on the same generated games."""
     import textworld
 
@@ -169,7 +224,11 @@ def textworld_side_by_side(steps: int) -> dict[str, Any]:
         return state, done
 
     real_sps = _random_walk(
-        real_step, real.reset, lambda s: s["admissible_commands"], steps, random.Random(0)
+        real_step,
+        real.reset,
+        lambda s: s["admissible_commands"],
+        n_steps=n_steps,
+        rng=random.Random(0),
     )
     real.close()
     ours = TextWorldEnv()
@@ -182,37 +241,54 @@ def textworld_side_by_side(steps: int) -> dict[str, Any]:
         return ours.reset(options={"game_file": paths[0]})[1]
 
     our_sps = _random_walk(
-        our_step, our_reset, lambda i: i["admissible_actions"], steps, random.Random(0)
+        our_step,
+        our_reset,
+        lambda i: i["admissible_actions"],
+        n_steps=n_steps,
+        rng=random.Random(0),
     )
     ours.close()
     return {"real_steps_per_s": real_sps, "ours_steps_per_s": our_sps, "ratio": our_sps / real_sps}
 
 
-_ALFWORLD_TIMERS = ("time_real_engine", "benchmark_real_engine", "real_engine_timing", "benchmark")
+def alfworld_side_by_side(*, n_steps: int, ours: dict[str, Any] | None) -> dict[str, Any]:
+    """The real ALFWorld engine's steps/s (``time_real_engine``) beside our env's."""
+    from agentrl.envs.alfworld import real_engine
 
-
-def alfworld_side_by_side(steps: int, ours: dict[str, Any] | None) -> dict[str, Any]:
-    """Call the ALFWorld helper's real-engine timer and set it beside our env's steps/s."""
-    module = importlib.import_module("agentrl.envs.alfworld.real_engine")
-    timer = next((getattr(module, n) for n in _ALFWORLD_TIMERS if hasattr(module, n)), None)
-    if timer is None:
-        raise RuntimeError(f"real_engine has none of {_ALFWORLD_TIMERS}")
-    params = inspect.signature(timer).parameters
-    result = timer(steps=steps) if "steps" in params else timer()
-    result = dict(result) if isinstance(result, dict) else {"value": result}
-    real_sps = next((float(v) for k, v in result.items() if "per_s" in k), None)
-    if real_sps is None:
-        ms = next((float(v) for k, v in result.items() if k.endswith("_ms") and "step" in k), None)
-        real_sps = 1e3 / ms if ms else None
+    result = dict(real_engine.time_real_engine(n_steps=n_steps))
+    real_sps = float(result["steps_per_s"])
     out: dict[str, Any] = {"real": result, "real_steps_per_s": real_sps}
-    if ours and real_sps:
+    if ours:
         out["ours_steps_per_s"] = ours["steps_per_s"]
         out["ratio"] = ours["steps_per_s"] / real_sps
     return out
 
 
-def _print_table(envs: dict[str, dict[str, Any]], extras: dict[str, Any], notes: list[str]) -> None:
-    headers = ["env", "reset ms", "step us p50", "steps/s", "snapshot us", "restore us"]
+def _table(title: str, headers: list[str], rows: list[list[str]]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=title)
+        for h in headers:
+            table.add_column(h, justify="left" if h in ("env", "backend") else "right")
+        for row in rows:
+            table.add_row(*row)
+        Console(width=120).print(table)
+    except ImportError:
+        print(title)
+        print(" | ".join(headers))
+        for row in rows:
+            print(" | ".join(row))
+
+
+def _tool_ms(row: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in row.get("tool_ms_p50", {}).items()) or "-"
+
+
+def _print_tables(result: dict[str, Any]) -> None:
+    envs, latency = result["envs"], result.get("tool_call_latency", {})
+    headers = ["env", "reset ms", "step us p50", "steps/s", "snapshot us", "restore us", "calls"]
     rows = [
         [
             env_id,
@@ -221,26 +297,24 @@ def _print_table(envs: dict[str, dict[str, Any]], extras: dict[str, Any], notes:
             f"{r['steps_per_s']:,.0f}",
             f"{r['snapshot_us_p50']:.1f}",
             f"{r['restore_us_p50']:.1f}",
+            str(r.get("tool_calls", "-")),
         ]
         for env_id, r in envs.items()
     ]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title="env throughput (one core, random-admissible policy)")
-        for h in headers:
-            table.add_column(h, justify="left" if h == "env" else "right")
-        for row in rows:
-            table.add_row(*row)
-        Console(width=110).print(table)
-    except ImportError:
-        print(" | ".join(headers))
-        for row in rows:
-            print(" | ".join(row))
-    for name, value in extras.items():
-        print(f"{name}: {json.dumps(value, default=float)}")
-    for note in notes:
+    _table("env throughput (one core; random-admissible or scripted tool calls)", headers, rows)
+    rows = [
+        [env_id, backend, str(r["tool_calls"]), _tool_ms(r), f"{r['restore_us_p50'] / 1e3:.1f}"]
+        for env_id, per in latency.items()
+        for backend, r in per.items()
+    ]
+    if rows:
+        headers = ["env", "backend", "calls", "ms per call p50, by tool", "restore ms"]
+        _table("tool-call latency per sandbox backend", headers, rows)
+    skip = {"quick", "machine", "envs", "tool_call_latency", "notes"}
+    for name, value in result.items():
+        if name not in skip:
+            print(f"{name}: {json.dumps(value, default=float)}")
+    for note in result["notes"]:
         print(f"note: {note}")
 
 
@@ -251,6 +325,30 @@ def _pin_one_core() -> str:
         return f"pinned to cpu {cpu}"
     except (AttributeError, OSError) as exc:
         return f"not pinned ({exc})"
+
+
+_SANDBOXED = ("agentrl/MathPython-v0", "agentrl/BashFix-v0")
+_BACKENDS = ("local", "bwrap")
+
+
+def _latency_per_backend(
+    env_ids: list[str], steps: int, notes: list[str]
+) -> dict[str, dict[str, Any]]:
+    """``tool_call_latency`` of each sandboxed tool env on each backend that runs here."""
+    from agentrl.errors import SandboxUnavailableError
+    from agentrl.sandboxes import check_backend
+
+    out: dict[str, dict[str, Any]] = {}
+    for backend in _BACKENDS:
+        try:
+            check_backend(backend)
+        except SandboxUnavailableError as exc:
+            notes.append(f"tool-call latency on {backend} skipped: {exc}")
+            continue
+        for env_id in env_ids:
+            n = max(20, steps // _SLOW_ENVS[env_id])
+            out.setdefault(env_id, {})[backend] = tool_call_latency(env_id, backend, n_steps=n)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -271,29 +369,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for env_id in env_ids:
         n = max(20, steps // _SLOW_ENVS.get(env_id, 1))
         try:
-            envs[env_id] = measure_env(env_id, n)
+            envs[env_id] = measure_env(env_id, n_steps=n)
         except (EnvError, ImportError) as exc:
             notes.append(f"{env_id} skipped: {exc}")
+    latency = _latency_per_backend([e for e in envs if e in _SANDBOXED], steps, notes)
     if not args.envs or "agentrl/WebShop-v0" in args.envs:
-        extras["webshop_search"] = webshop_search(200 if args.quick else 5_000)
+        extras["webshop_search"] = webshop_search(queries=200 if args.quick else 5_000)
     if "agentrl/TextWorld-v0" in envs:
-        extras["textworld_real_vs_ours"] = textworld_side_by_side(max(50, steps // 10))
+        extras["textworld_real_vs_ours"] = textworld_side_by_side(n_steps=max(50, steps // 10))
     elif not args.envs or "agentrl/TextWorld-v0" in args.envs:
         notes.append("real TextWorld comparison skipped: textworld is not installed")
     if not args.envs or "agentrl/ALFWorld-v0" in args.envs:
         try:
-            ours = envs.get("agentrl/ALFWorld-v0")
-            extras["alfworld_real_vs_ours"] = alfworld_side_by_side(max(20, steps // 100), ours)
-        except Exception as exc:  # a missing extra or helper: a note, not a crash
-            notes.append(f"real ALFWorld comparison skipped: {type(exc).__name__}: {exc}")
+            extras["alfworld_real_vs_ours"] = alfworld_side_by_side(
+                n_steps=max(20, steps // 100), ours=envs.get("agentrl/ALFWorld-v0")
+            )
+        except ImportError as exc:  # a missing extra: a note, not a crash
+            notes.append(f"real ALFWorld comparison skipped: {exc}")
     result = {
         "quick": args.quick,
         "machine": {"python": platform.python_version(), "cpu": platform.processor(), "cores": pin},
         "envs": envs,
+        "tool_call_latency": latency,
         **extras,
         "notes": notes,
     }
-    _print_table(envs, extras, notes)
+    _print_tables(result)
     args.out.write_text(json.dumps(result, indent=2, default=float) + "\n")
     print(f"wrote {args.out}")
     return result

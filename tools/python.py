@@ -6,7 +6,8 @@ into the same interpreter are serialized, so concurrent calls in one turn run in
 the order they were made.
 
 Branching: ``snapshot_state`` is the interpreter's ``history`` (the snippets whose
-changes it kept), and ``restore_state`` runs them again in a fresh interpreter.
+changes it kept), and after ``restore_state`` the next call first runs them again
+in a fresh interpreter (a branch that never calls ``python`` pays nothing).
 The rebuilt state is identical when those snippets are deterministic; one that
 reads the clock, draws unseeded random numbers or appends to a file does so
 again, against the restored files.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -50,6 +51,7 @@ class _Session:
     interpreter: Any
     lock: asyncio.Lock
     started: bool = False
+    replay: list[tuple[str, float]] = field(default_factory=list)  # run before the next call
 
 
 class PythonTool(Tool):
@@ -83,9 +85,7 @@ class PythonTool(Tool):
         session = self._session(require_sandbox(sandbox, self.name))
         timeout = min(args.timeout, self.max_timeout)
         async with session.lock:
-            if not session.started:
-                await session.interpreter.start()
-                session.started = True
+            await self._ready(session)
             result = await session.interpreter.execute(args.code, timeout)
         return ToolResult(
             content=format_exec(result, timeout),
@@ -93,23 +93,30 @@ class PythonTool(Tool):
             metadata={"exit_code": result.exit_code, "timed_out": result.timed_out},
         )
 
+    @staticmethod
+    async def _ready(session: _Session) -> None:
+        """Start the interpreter, rebuilding a restored state first."""
+        if session.started:
+            return
+        await session.interpreter.start()
+        session.started = True
+        replay, session.replay = session.replay, []
+        for code, timeout in replay:
+            await session.interpreter.execute(code, timeout)
+
     async def snapshot_state(self, sandbox: Sandbox) -> list[tuple[str, float]] | None:
         session = self._sessions.get(sandbox)
-        if session is None or not session.started:
+        if session is None:
             return None
         async with session.lock:  # between calls, never mid-snippet
+            if not session.started:
+                return list(session.replay) or None
             return list(getattr(session.interpreter, "history", None) or []) or None
 
     async def restore_state(self, sandbox: Sandbox, state: list[tuple[str, float]] | None) -> None:
         await self.release(sandbox)
-        if not state:
-            return
-        session = self._session(sandbox)
-        async with session.lock:
-            await session.interpreter.start()
-            session.started = True
-            for code, timeout in state:
-                await session.interpreter.execute(code, timeout)
+        if state:
+            self._session(sandbox).replay = list(state)
 
     async def release(self, sandbox: Sandbox) -> None:
         session = self._sessions.pop(sandbox, None)
