@@ -76,7 +76,7 @@ def seccomp_available() -> bool:
 
 @functools.lru_cache(maxsize=4)
 def _has_size_option(bwrap: str) -> bool:
-    """Whether this bwrap can cap a tmpfs (``--size``, bubblewrap 0.6+)."""
+    """Whether this bwrap can cap a tmpfs (``--size``; older releases lack it)."""
     try:
         out = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
@@ -127,7 +127,7 @@ class BwrapSandbox(LocalSandbox):
         gaps = host_shortfalls()
         bwrap = bwrap_path()
         if bwrap and not _has_size_option(bwrap):
-            gaps.append("/dev/shm is not size-capped: this bwrap has no --size (0.6+ has)")
+            gaps.append("/dev/shm is not size-capped: this bwrap lacks --size; upgrade bubblewrap")
         if not seccomp_available():
             gaps.append(
                 "no seccomp filter (apt-get install python3-seccomp); the empty network "
@@ -142,9 +142,10 @@ class BwrapSandbox(LocalSandbox):
         return ("work", "tmp")
 
     def _shm_size(self) -> list[str]:
-        return (
-            ["--size", str(self.limits.workdir_mb << 20)] if _has_size_option(self._bwrap) else []
-        )
+        """``--size`` for the /dev/shm tmpfs, where this bwrap knows it."""
+        if not _has_size_option(self._bwrap):
+            return []
+        return ["--size", str(self.limits.workdir_mb << 20)]
 
     def _wrap(self, argv: list[str], env: dict[str, str], pass_fds: list[int]) -> list[str]:
         assert self.workdir is not None

@@ -119,3 +119,14 @@ def test_missing_docker_engine_says_how_to_start_one(monkeypatch):
     monkeypatch.setenv("AGENTRL_DOCKER_HOST", "unix:///nonexistent/docker.sock")
     with pytest.raises(SandboxUnavailableError, match="sandbox-setup.sh"):
         dk.docker_client()
+
+
+@pytest.mark.anyio
+async def test_auto_without_bwrap_runs_in_a_real_local_sandbox(monkeypatch):
+    monkeypatch.setattr(registry, "_check_bwrap_cached", lambda: "bubblewrap is missing (test)")
+    monkeypatch.setattr(base, "_warned", set())
+    with pytest.warns(IsolationWarning, match="bubblewrap is missing"):
+        box = make_sandbox("auto")
+    async with box:
+        assert box.NAME == "local"
+        assert (await box.run("echo ok")).stdout == "ok\n"
