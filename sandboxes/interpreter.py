@@ -10,9 +10,18 @@ State semantics (see ``_kernel.py`` for the mechanism):
 - When it crashes (``os._exit``, a signal, a segfault) or hits the timeout, its
   process group is killed and the state rolls back to just before the snippet.
   The result says so in ``stderr``.
+- When the ``execute`` call itself is cancelled (``asyncio.wait_for`` around
+  it), the kernel is told to stop the snippet, which rolls back as on a
+  timeout. Every reply echoes its request's id and stale ones are skipped, so
+  the next call reads its own output; a kernel that does not acknowledge the
+  cancel is dropped.
 - When the whole kernel dies (killed from outside, sandbox reset or closed), the
   next ``execute`` raises ``SandboxDeadError``; the call after that starts a
   fresh, empty kernel.
+
+``history`` lists the snippets whose changes the kernel kept, so that a fresh
+kernel can rebuild the state by running them again (the ``python`` tool does
+this when an env is restored).
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ model's control: ``SandboxError`` (the sandbox died) or ``ToolError``; the
 it validates them against ``Args`` (a readable error result on failure), runs the
 tool and caps the output size.
 
+A tool that keeps state outside the sandbox's files (the ``python`` tool's
+interpreter) implements ``snapshot_state``/``restore_state``, so that a
+restored ``ToolEnv`` continues as the original did.
+
 The ``@tool`` decorator makes a tool from an async function whose first
 parameter is annotated with a pydantic model::
 
