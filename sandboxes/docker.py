@@ -329,15 +329,18 @@ class DockerSandbox(Sandbox):
         marker = f"AGENTRL_RUN={secrets.token_hex(8)}"
         full_env = {**(env or {}), marker.split("=")[0]: marker.split("=")[1]}
         oom_before = self._oom_count()
+        deadline = time.monotonic() + timeout
         exec_id, raw = self._exec_socket(argv, data is not None, full_env)
         try:
             if data is not None:
-                with contextlib.suppress(OSError):
+                # A process that never reads its stdin must not hold us past the deadline.
+                raw.settimeout(max(0.1, deadline - time.monotonic()))
+                with contextlib.suppress(OSError):  # socket.timeout too: _read_frames ends it
                     raw.sendall(data)
                 with contextlib.suppress(OSError):
                     raw.shutdown(socket.SHUT_WR)
             out, err, truncated, timed_out = _read_frames(
-                raw, time.monotonic() + timeout, limit or self.limits.output_bytes
+                raw, deadline, limit or self.limits.output_bytes
             )
         finally:
             raw.close()

@@ -133,11 +133,19 @@ async def test_reset_leaves_no_state_behind(box):
     plant = (
         "echo a > ..x && echo b > .h && mkdir -p d/e && echo c > d/e/f && chmod 500 d/e d && "
         "echo s > /dev/shm/state && echo t > /tmp/..y && ipcmk -M 4096 >/dev/null && "
-        "python3 -c \"import os; open('/dev/mqueue/q','w')\" 2>/dev/null; true"
+        "python3 -c \"open('/dev/mqueue/q', 'w')\""
     )
     assert (await box.run(plant)).ok
+    listing = "ls -A /work /tmp /dev/shm /dev/mqueue | grep -v '^/\\|^$'; ipcs -m | grep -c 0x"
+    before = await box.run(listing)
+    assert sorted(before.stdout.split()) == ["..x", "..y", ".h", "1", "d", "q", "state"], before
     await box.reset()
-    r = await box.run(
-        "ls -A /work /tmp /dev/shm /dev/mqueue | grep -v '^/\\|^$'; ipcs -m | grep -c 0x"
-    )
-    assert r.stdout == "0\n", r
+    after = await box.run(listing)
+    assert after.stdout == "0\n", after
+
+
+async def test_stdin_to_a_process_that_never_reads_it_still_times_out(box):
+    started = time.monotonic()
+    r = await box.run("sleep 1000", stdin=b"x" * (8 << 20), timeout=2)
+    assert r.timed_out
+    assert time.monotonic() - started < 15
