@@ -470,13 +470,13 @@ class DockerSandbox(Sandbox):
             raise SandboxError("restore: the snapshot is not a complete tar archive")
         await self._ensure()
         await self._kill_all_and_wipe(_SCRATCH)  # /work stays until the new one is ready
-        unpack = f"mkdir {_STAGE} && tar -C {_STAGE} -xf - || {{ rm -rf {_STAGE}; exit 1; }}"
-        await self._checked("restore (unpacking)", ["/bin/sh", "-c", unpack], 1 << 16, snapshot)
-        swap = (
-            _wipe_script(("/work",))
+        # One exec: /work is wiped only after tar unpacked the whole archive.
+        script = (
+            f"mkdir {_STAGE} && tar -C {_STAGE} -xf - || {{ rm -rf {_STAGE}; exit 1; }}; "
+            + _wipe_script(("/work",))
             + f" && cp -a {_STAGE}/. /work/ && chmod -R u+rwX {_STAGE} && rm -rf {_STAGE}"
         )
-        await self._checked("restore (replacing /work)", ["/bin/sh", "-c", swap], 1 << 16)
+        await self._checked("restore", ["/bin/sh", "-c", script], 1 << 16, snapshot)
 
     # -- long-lived processes ----------------------------------------------------------
     async def open_process(
