@@ -353,7 +353,7 @@ class DockerSandbox(Sandbox):
             # this run as killed; the next call raises SandboxDeadError.
             state = self._state()
             return _Exec(out, err, 137, timed_out, bool(state.get("OOMKilled", True)), truncated)
-        if info.get("Running"):  # the stream ended but the process did not: end it
+        if info.get("Running") and not timed_out:  # the stream ended, the process did not
             self._kill_marked(marker)
         code = None if info.get("Running") or info.get("ExitCode") is None else info["ExitCode"]
         oom_after = self._oom_count()
@@ -414,7 +414,7 @@ class DockerSandbox(Sandbox):
         )
 
     async def _checked(
-        self, what: str, argv: list[str], limit: int, data: bytes | None = None
+        self, what: str, argv: list[str], limit: int, data: bytes | None = None, too_big: str = ""
     ) -> bytes:
         """stdout of an exec that must exit 0, in time, with its whole output; else raise."""
         await self._ensure()
@@ -426,7 +426,7 @@ class DockerSandbox(Sandbox):
             status = "did not report an exit code" if r.code is None else f"exit {r.code}"
             raise SandboxError(f"{what}: {detail} ({status})")
         if r.truncated:
-            raise SandboxError(f"{what}: more than {limit} bytes; nothing was changed")
+            raise SandboxError(too_big or f"{what}: more than {limit} bytes")
         return r.out
 
     # -- files -------------------------------------------------------------------------
@@ -443,14 +443,10 @@ class DockerSandbox(Sandbox):
         """Read a regular file up to ``fsize_mb``; symlinks, FIFOs and devices are refused."""
         limit = self.limits.fsize_mb << 20
         argv = ["/bin/sh", "-c", _READ, "sh", self._inner_path(path)]
-        try:
-            return await self._checked(f"cannot read {path!r} in the sandbox", argv, limit)
-        except SandboxError as e:
-            if "more than" not in str(e):
-                raise
-            raise SandboxError(
-                f"{path!r} is larger than {limit} bytes; read it in parts with run()"
-            ) from e
+        too_big = f"{path!r} is larger than {limit} bytes; read it in parts with run()"
+        return await self._checked(
+            f"cannot read {path!r} in the sandbox", argv, limit, too_big=too_big
+        )
 
     async def snapshot(self) -> bytes:
         """/work as a tar archive (files only: running processes are not captured).
