@@ -109,8 +109,14 @@ def _tool_action(tools: list[str], turn: int) -> str:
     return _call(name, **args)
 
 
-def measure_env(env_id: str, *, n_steps: int, seed: int = 0, **env_kwargs: Any) -> dict[str, Any]:
-    """Reset/step/snapshot/restore timings of one env; see the module docstring for the policy."""
+def measure_env(
+    env_id: str, *, n_steps: int, seed: int = 0, branch: bool = True, **env_kwargs: Any
+) -> dict[str, Any]:
+    """Reset/step/snapshot/restore timings of one env; see the module docstring for the policy.
+
+    With ``branch`` the env is snapshotted and restored every fifth step; a restore
+    restarts the ``python`` interpreter, so ``tool_call_latency`` turns it off.
+    """
     from agentrl.env import make_env
 
     env = make_env(env_id, **env_kwargs)
@@ -133,7 +139,7 @@ def measure_env(env_id: str, *, n_steps: int, seed: int = 0, **env_kwargs: Any) 
     restore_times: list[float] = []
     call_times: dict[str, list[float]] = {}
     failures = 0
-    can_branch = callable(getattr(base, "snapshot", None))
+    can_branch = branch and callable(getattr(base, "snapshot", None))
     info = reset()
     tools = [t["name"] for t in info.get("tools") or []]
     for i in range(n_steps):
@@ -162,10 +168,11 @@ def measure_env(env_id: str, *, n_steps: int, seed: int = 0, **env_kwargs: Any) 
         "reset_ms_p50": 1e3 * _p50(reset_times),
         "step_us_p50": 1e6 * _p50(step_times),
         "steps_per_s": len(step_times) / sum(step_times),
-        "snapshot_us_p50": 1e6 * _p50(snap_times),
-        "restore_us_p50": 1e6 * _p50(restore_times),
         "failed_steps": failures,
     }
+    if can_branch:
+        row["snapshot_us_p50"] = 1e6 * _p50(snap_times)
+        row["restore_us_p50"] = 1e6 * _p50(restore_times)
     if tools:
         row["tool_calls"] = sum(len(v) for v in call_times.values())
         row["tool_ms_p50"] = {name: 1e3 * _p50(v) for name, v in sorted(call_times.items())}
@@ -173,8 +180,9 @@ def measure_env(env_id: str, *, n_steps: int, seed: int = 0, **env_kwargs: Any) 
 
 
 def tool_call_latency(env_id: str, backend: str, *, n_steps: int) -> dict[str, Any]:
-    """``measure_env`` for a sandboxed tool env on one sandbox backend."""
-    return measure_env(env_id, n_steps=n_steps, sandbox=backend)
+    """``measure_env`` for a sandboxed tool env on one sandbox backend, without branching:
+    the first ``python`` call of an episode starts the interpreter, later ones reuse it."""
+    return measure_env(env_id, n_steps=n_steps, branch=False, sandbox=backend)
 
 
 def webshop_search(*, queries: int) -> dict[str, Any]:
@@ -303,12 +311,12 @@ def _print_tables(result: dict[str, Any]) -> None:
     ]
     _table("env throughput (one core; random-admissible or scripted tool calls)", headers, rows)
     rows = [
-        [env_id, backend, str(r["tool_calls"]), _tool_ms(r), f"{r['restore_us_p50'] / 1e3:.1f}"]
+        [env_id, backend, str(r["tool_calls"]), _tool_ms(r), f"{r['reset_ms_p50']:.1f}"]
         for env_id, per in latency.items()
         for backend, r in per.items()
     ]
     if rows:
-        headers = ["env", "backend", "calls", "ms per call p50, by tool", "restore ms"]
+        headers = ["env", "backend", "calls", "ms per call p50, by tool", "reset ms"]
         _table("tool-call latency per sandbox backend", headers, rows)
     skip = {"quick", "machine", "envs", "tool_call_latency", "notes"}
     for name, value in result.items():
