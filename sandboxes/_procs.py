@@ -26,6 +26,7 @@ import functools
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -49,12 +50,15 @@ __all__ = [
     "kill_marked",
     "kill_session",
     "kill_uid",
+    "kill_uid_now",
     "mount_tmpfs",
     "pids_of_uid",
     "prlimit_argv",
+    "sandbox_name",
     "scrubbed_env",
     "spawn",
     "sandbox_python",
+    "sweep_stale",
     "unmount",
 ]
 
@@ -224,6 +228,11 @@ async def kill_uid(uid: int, rounds: int = 20, wait_reaped: bool = False) -> boo
             break
         await asyncio.sleep(0.02)
     return not alive
+
+
+def kill_uid_now(uid: int) -> bool:
+    """``kill_uid`` for sync callers (finalizers): scan /proc and SIGKILL until none is left."""
+    return _kill_until_gone(lambda: pids_of_uid(uid), rounds=50)
 
 
 def pids_of_session(sid: int) -> list[int]:
@@ -533,7 +542,7 @@ class Cgroup:
 def cgroup_unavailable() -> str | None:
     """None when sandboxes here get a cgroup each; otherwise why not (probed once)."""
     try:
-        cg = Cgroup.create(f"agentrl-probe-{os.getpid()}", SandboxLimits())
+        cg = Cgroup.create(sandbox_name("probe") + "0", SandboxLimits())
     except OSError as e:
         return f"no writable cgroup for the memory and pids controllers ({e.strerror or e})"
     cg.remove()
@@ -559,3 +568,35 @@ def unmount(path: str) -> None:
     """Detach a tmpfs mounted by ``mount_tmpfs`` (lazily: a late process cannot block it)."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         subprocess.run([UMOUNT, "--lazy", path], capture_output=True, timeout=30, env=HOST_ENV)
+
+
+def sandbox_name(backend: str) -> str:
+    """``agentrl-<backend>-<our pid>-``: names our cgroups and base dirs start with, so
+    ``sweep_stale`` can tell those of a process that has exited."""
+    return f"agentrl-{backend}-{os.getpid()}-"
+
+
+def _maker_exited(name: str) -> bool:
+    parts = name.split("-")
+    return len(parts) == 4 and parts[2].isdigit() and not os.path.exists(f"/proc/{parts[2]}")
+
+
+@functools.cache
+def sweep_stale() -> None:
+    """Once per process: free what sandboxes of exited processes (a killed trainer) left:
+    their cgroups, with any process still in them, and their tmpfs mounts."""
+    parents, version = _own_cgroup_dirs()
+    for parent in parents:
+        with contextlib.suppress(OSError):
+            for name in os.listdir(parent):
+                if name.startswith("agentrl-") and _maker_exited(name):
+                    stale = Cgroup([os.path.join(parent, name)], version)
+                    stale.kill()
+                    stale.remove()
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split() for line in f]
+    for fields in mounts:
+        target, source = fields[4], fields[-2]
+        if source == "agentrl-sandbox" and _maker_exited(os.path.basename(target)):
+            unmount(target)
+            shutil.rmtree(target, ignore_errors=True)

@@ -35,6 +35,8 @@ import secrets
 import shutil
 import tempfile
 import time
+import weakref
+from dataclasses import dataclass
 
 from agentrl.errors import SandboxDeadError, SandboxError
 
@@ -52,11 +54,14 @@ from ._procs import (
     kill_marked,
     kill_session,
     kill_uid,
+    kill_uid_now,
     mount_tmpfs,
     prlimit_argv,
+    sandbox_name,
     sandbox_python,
     scrubbed_env,
     spawn,
+    sweep_stale,
     unmount,
 )
 from .base import ExecResult, Isolation, Sandbox, SandboxLimits, SandboxProcess, warn_once
@@ -88,9 +93,9 @@ class LocalSandbox(Sandbox):
         self.python = sandbox_python()
         self._root_dir = root_dir
         self._drop = os.geteuid() == 0 if drop_privileges is None else drop_privileges
-        self._lease: UidLease | None = None
-        self._cgroup: Cgroup | None = None
-        self._tmpfs = False  # the workdir's parent is our tmpfs mount
+        # What we hold on the host; freed by close, or at GC or exit if never closed.
+        self._held = _Held()
+        self._free = weakref.finalize(self, self._held.free)
         self.workdir: str | None = None
         self._closed = False
         self._marker = f"AGENTRL_SANDBOX={secrets.token_hex(8)}"
@@ -99,12 +104,12 @@ class LocalSandbox(Sandbox):
     @property
     def uid(self) -> int:
         """The uid sandboxed processes run as."""
-        return self._lease.uid if self._lease else os.getuid()
+        return self._held.lease.uid if self._held.lease else os.getuid()
 
     @property
     def cgroup(self) -> Cgroup | None:
         """The cgroup capping the whole sandbox, or None where this machine gives none."""
-        return self._cgroup
+        return self._held.cgroup
 
     @classmethod
     def shortfalls(cls) -> list[str]:
@@ -135,34 +140,36 @@ class LocalSandbox(Sandbox):
             if self._drop:
                 if os.geteuid() != 0:
                     raise SandboxError("drop_privileges=True needs root (it switches uid)")
-                self._lease = UidLease()
-                await kill_uid(self._lease.uid)  # leftovers of a crashed earlier owner
+                self._held.lease = UidLease()
+                await kill_uid(self._held.lease.uid)  # leftovers of a crashed earlier owner
             elif os.geteuid() == 0:
                 warn_once(f"{self.NAME} sandbox: drop_privileges=False runs model code as root")
+            await asyncio.to_thread(sweep_stale)  # leftovers of killed trainers, once
             if cgroup_unavailable() is None:
-                self._cgroup = await asyncio.to_thread(self._make_cgroup)
+                self._held.cgroup = await asyncio.to_thread(self._make_cgroup)
             self.workdir = await asyncio.to_thread(self._make_dirs)
 
     def _make_cgroup(self) -> Cgroup:
         try:
-            return Cgroup.create(f"agentrl-{self.NAME}-{secrets.token_hex(6)}", self.limits)
+            return Cgroup.create(sandbox_name(self.NAME) + secrets.token_hex(6), self.limits)
         except OSError as e:
             raise SandboxError(f"cannot create the {self.NAME} sandbox's cgroup: {e}") from e
 
     def _make_dirs(self) -> str:
         """A private base dir (a tmpfs of ``workdir_mb`` as root) holding ``work``, the workdir."""
-        base = tempfile.mkdtemp(prefix=f"agentrl-{self.NAME}-", dir=self._root_dir)
+        prefix = sandbox_name(self.NAME)
+        base = self._held.base = tempfile.mkdtemp(prefix=prefix, dir=self._root_dir)
         if os.geteuid() == 0:
             try:
                 mount_tmpfs(base, self.limits.workdir_mb)
-                self._tmpfs = True
+                self._held.tmpfs = True
             except OSError as e:
                 warn_once(f"{self.NAME} sandbox: the workdir is on host disk, uncapped: {e}")
         os.chmod(base, 0o711)  # the sandbox uid passes through to its dirs, cannot rename them
         for sub in self._writable_dirs():
             os.mkdir(os.path.join(base, sub), 0o700)
-            if self._lease:
-                os.chown(os.path.join(base, sub), self._lease.uid, self._lease.uid)
+            if self._held.lease:
+                os.chown(os.path.join(base, sub), self._held.lease.uid, self._held.lease.uid)
         return os.path.join(base, "work")
 
     # Hooks for backends that wrap the same process handling (bwrap).
@@ -181,18 +188,12 @@ class LocalSandbox(Sandbox):
         for sub in self._writable_dirs():
             _empty_dir(os.path.join(base, sub))
 
-    def _remove_dirs(self, workdir: str) -> None:
-        base = os.path.dirname(workdir)
-        if self._tmpfs:
-            unmount(base)
-        shutil.rmtree(base, ignore_errors=True)
-
     def _host_prefix(self) -> list[str]:
         """The host helpers in front of the sandboxed part: cgroup, rlimits, uid drop."""
-        cmd = self._cgroup.enter_argv() if self._cgroup else []
-        cmd += prlimit_argv(self.limits, as_root_uid=self._lease is None and os.geteuid() == 0)
-        if self._lease:
-            uid = str(self._lease.uid)
+        cmd = self._held.cgroup.enter_argv() if self._held.cgroup else []
+        cmd += prlimit_argv(self.limits, as_root_uid=self._held.lease is None and os.geteuid() == 0)
+        if self._held.lease:
+            uid = str(self._held.lease.uid)
             cmd += [
                 SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                 "--no-new-privs", "--bounding-set=-all", "--",
@@ -252,7 +253,7 @@ class LocalSandbox(Sandbox):
         data = _as_bytes(stdin)
         marker = f"AGENTRL_RUN={secrets.token_hex(8)}"
         started = time.monotonic()
-        ooms = self._cgroup.oom_kills() if self._cgroup else 0
+        ooms = self._held.cgroup.oom_kills() if self._held.cgroup else 0
         proc = await self._spawn(argv, env, marker, with_stdin=data is not None)
 
         async def kill_tree() -> None:
@@ -260,8 +261,8 @@ class LocalSandbox(Sandbox):
             await asyncio.to_thread(kill_marked, marker)
 
         result = await collect(proc, data, timeout, self.limits, kill_tree, started)
-        if self._cgroup and result.exit_code != 0 and not result.timed_out:
-            result.oom_killed |= self._cgroup.oom_kills() > ooms
+        if self._held.cgroup and result.exit_code != 0 and not result.timed_out:
+            result.oom_killed |= self._held.cgroup.oom_kills() > ooms
         return result
 
     async def open_process(
@@ -274,7 +275,7 @@ class LocalSandbox(Sandbox):
 
     async def write_file(self, path: str, data: str | bytes) -> None:
         workdir = await self._live_workdir()
-        owner = (self._lease.uid, self._lease.uid) if self._lease else None
+        owner = (self._held.lease.uid, self._held.lease.uid) if self._held.lease else None
         alias = self.workdir_alias or workdir
         payload = _as_bytes(data) or b""
         await asyncio.to_thread(write_beneath, workdir, path, payload, owner, alias)
@@ -286,11 +287,13 @@ class LocalSandbox(Sandbox):
         return await asyncio.to_thread(read_beneath, workdir, path, limit, alias)
 
     async def _kill_all(self, wait_reaped: bool = False) -> None:
-        if self._cgroup and not await asyncio.to_thread(self._cgroup.kill):
-            raise SandboxError(f"processes in cgroup {self._cgroup.dirs[0]} survived SIGKILL")
-        if self._lease:
-            if not await kill_uid(self._lease.uid, wait_reaped=wait_reaped):
-                raise SandboxError(f"processes of sandbox uid {self._lease.uid} survived SIGKILL")
+        if self._held.cgroup and not await asyncio.to_thread(self._held.cgroup.kill):
+            raise SandboxError(f"processes in cgroup {self._held.cgroup.dirs[0]} survived SIGKILL")
+        if self._held.lease:
+            if not await kill_uid(self._held.lease.uid, wait_reaped=wait_reaped):
+                raise SandboxError(
+                    f"processes of sandbox uid {self._held.lease.uid} survived SIGKILL"
+                )
         elif not await asyncio.to_thread(kill_marked, self._marker):
             raise SandboxError("processes of the sandbox survived SIGKILL")
 
@@ -306,7 +309,7 @@ class LocalSandbox(Sandbox):
     async def restore(self, snapshot: bytes) -> None:
         """Reset, then put back the workdir saved by ``snapshot``."""
         await self.reset()
-        owner = (self._lease.uid, self._lease.uid) if self._lease else None
+        owner = (self._held.lease.uid, self._held.lease.uid) if self._held.lease else None
         await asyncio.to_thread(untar_into, await self._live_workdir(), snapshot, owner)
 
     async def close(self) -> None:
@@ -317,12 +320,32 @@ class LocalSandbox(Sandbox):
             try:
                 await self._kill_all()
             finally:
-                if self.workdir:
-                    await asyncio.to_thread(self._remove_dirs, self.workdir)
-                if self._cgroup:
-                    await asyncio.to_thread(self._cgroup.remove)
-                if self._lease:
-                    self._lease.release()
+                await asyncio.to_thread(self._free)
+
+
+@dataclass(slots=True)
+class _Held:
+    """What a sandbox holds on the host. ``free`` runs once: at close, or when a sandbox
+    that was never closed is collected or the interpreter exits."""
+
+    lease: UidLease | None = None
+    cgroup: Cgroup | None = None
+    base: str | None = None  # holds the workdir
+    tmpfs: bool = False  # base is our tmpfs mount
+
+    def free(self) -> None:
+        if self.cgroup:
+            self.cgroup.kill()
+        if self.lease:
+            kill_uid_now(self.lease.uid)
+        if self.base:
+            if self.tmpfs:
+                unmount(self.base)
+            shutil.rmtree(self.base, ignore_errors=True)
+        if self.cgroup:
+            self.cgroup.remove()
+        if self.lease:
+            self.lease.release()
 
 
 def host_shortfalls() -> list[str]:

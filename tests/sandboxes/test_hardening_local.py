@@ -387,3 +387,55 @@ def test_restore_leaves_out_hard_links(tmp_path):
     (tmp_path / "root").mkdir()
     untar_into(str(tmp_path / "root"), _tar(("h", tarfile.LNKTYPE, str(secret))), None)
     assert list((tmp_path / "root").iterdir()) == []
+
+
+async def test_a_sandbox_never_closed_frees_its_host_resources_when_collected(host_backend):
+    import gc
+
+    box = (LocalSandbox if host_backend == "local" else BwrapSandbox)(limits=LIMITS)
+    await box.start()
+    base = os.path.dirname(box.workdir)
+    cgroup_dirs = box.cgroup.dirs if box.cgroup else []
+    del box
+    for _ in range(100):  # an executor thread may hold the last reference a moment longer
+        gc.collect()
+        if not os.path.exists(base):
+            break
+        await asyncio.sleep(0.02)
+    assert not os.path.exists(base)
+    assert not any(os.path.exists(d) for d in cgroup_dirs)
+    with open("/proc/self/mountinfo") as f:
+        assert f" {base} " not in f.read()
+
+
+KILLED_TRAINER_SCRIPT = """
+import asyncio, os, signal
+from agentrl.sandboxes import {cls}
+
+async def main():
+    box = {cls}()
+    await box.start()
+    await box.run("sleep 300 > /dev/null 2>&1 &")
+    print(os.path.dirname(box.workdir), *(box.cgroup.dirs if box.cgroup else []), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no close, no finalizer: a trainer killed outright
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="tmpfs mounts and cgroups need root here")
+async def test_leftovers_of_a_killed_trainer_are_swept(host_backend):
+    cls = "LocalSandbox" if host_backend == "local" else "BwrapSandbox"
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_TRAINER_SCRIPT.format(cls=cls)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    base, *cgroup_dirs = done.stdout.split()
+    assert os.path.exists(base)  # left behind by the killed process
+    _procs.sweep_stale.__wrapped__()
+    assert not os.path.exists(base)
+    assert not any(os.path.exists(d) for d in cgroup_dirs)
+    with open("/proc/self/mountinfo") as f:
+        assert f" {base} " not in f.read()
