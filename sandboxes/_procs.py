@@ -10,6 +10,8 @@
 - ``Cgroup``: a cgroup per sandbox (v1 memory+pids hierarchies, or v2), so memory
   and process count are capped for the sandbox as a whole, not per process.
 - ``mount_tmpfs``: a size-capped tmpfs for a sandbox's writable directories.
+- ``sweep_stale``: frees the cgroups and mounts of sandboxes whose process was
+  killed before it could close them (their names carry its pid).
 
 Host helpers (``sh`` entering the cgroup, ``prlimit``, ``setpriv``, ``bwrap``) run
 with ``HOST_ENV`` only. The caller's environment is applied by ``env -i`` as the

@@ -106,6 +106,11 @@ class LocalSandbox(Sandbox):
         """The uid sandboxed processes run as."""
         return self._held.lease.uid if self._held.lease else os.getuid()
 
+    def _owner(self) -> tuple[int, int] | None:
+        """(uid, gid) that host-side writes hand files to: the private uid, when dropping."""
+        lease = self._held.lease
+        return (lease.uid, lease.uid) if lease else None
+
     @property
     def cgroup(self) -> Cgroup | None:
         """The cgroup capping the whole sandbox, or None where this machine gives none."""
@@ -168,8 +173,8 @@ class LocalSandbox(Sandbox):
         os.chmod(base, 0o711)  # the sandbox uid passes through to its dirs, cannot rename them
         for sub in self._writable_dirs():
             os.mkdir(os.path.join(base, sub), 0o700)
-            if self._held.lease:
-                os.chown(os.path.join(base, sub), self._held.lease.uid, self._held.lease.uid)
+            if owner := self._owner():
+                os.chown(os.path.join(base, sub), *owner)
         return os.path.join(base, "work")
 
     # Hooks for backends that wrap the same process handling (bwrap).
@@ -275,7 +280,7 @@ class LocalSandbox(Sandbox):
 
     async def write_file(self, path: str, data: str | bytes) -> None:
         workdir = await self._live_workdir()
-        owner = (self._held.lease.uid, self._held.lease.uid) if self._held.lease else None
+        owner = self._owner()
         alias = self.workdir_alias or workdir
         payload = _as_bytes(data) or b""
         await asyncio.to_thread(write_beneath, workdir, path, payload, owner, alias)
@@ -309,7 +314,7 @@ class LocalSandbox(Sandbox):
     async def restore(self, snapshot: bytes) -> None:
         """Reset, then put back the workdir saved by ``snapshot``."""
         await self.reset()
-        owner = (self._held.lease.uid, self._held.lease.uid) if self._held.lease else None
+        owner = self._owner()
         await asyncio.to_thread(untar_into, await self._live_workdir(), snapshot, owner)
 
     async def close(self) -> None:
