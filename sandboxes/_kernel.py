@@ -42,7 +42,11 @@ _buf = [b""]
 def read_request():
     while True:
         while b"\n" not in _buf[0]:
-            chunk = os.read(PROTO_IN, 1 << 16)
+            select.select([PROTO_IN], [], [])
+            try:
+                chunk = os.read(PROTO_IN, 1 << 16)
+            except BlockingIOError:  # another process of the chain read it first
+                continue
             if not chunk:
                 return None
             _buf[0] += chunk
@@ -133,13 +137,17 @@ def collect(pid, r_out, r_err, r_st, timeout, limit):
             break
         ready, _, _ = select.select([*open_fds, PROTO_IN], [], [], left)
         if PROTO_IN in ready:  # only a cancel arrives mid-snippet; K stays the kernel
-            chunk = os.read(PROTO_IN, 1 << 16)
-            kill_group(pid)
-            if not chunk:  # the host is gone
-                os._exit(0)
-            _buf[0] += chunk
-            cancelled = True
-            break
+            try:
+                chunk = os.read(PROTO_IN, 1 << 16)
+            except BlockingIOError:  # C promoted and read it first; C acknowledges it
+                chunk = None
+            if chunk is not None:
+                kill_group(pid)
+                if not chunk:  # the host is gone
+                    os._exit(0)
+                _buf[0] += chunk
+                cancelled = True
+                break
         for fd in ready:
             chunk = os.read(fd, 1 << 16)
             if not chunk:
@@ -216,6 +224,7 @@ def kernel(ns):
 def main():
     os.dup2(0, PROTO_IN, inheritable=False)  # fork keeps them; commands a snippet runs do not
     os.dup2(1, PROTO_OUT, inheritable=False)
+    os.set_blocking(PROTO_IN, False)  # K and a just-promoted C may race for one line
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)

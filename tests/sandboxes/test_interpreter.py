@@ -122,3 +122,19 @@ async def test_random_seed_carries_over_to_the_next_snippet(interp):
     await interp.execute("import random\nrandom.seed(3)")
     first = (await interp.execute("random.random()")).stdout
     assert first == f"{random.Random(3).random()!r}\n"
+
+
+async def test_cancels_at_any_moment_keep_replies_and_history_in_step(built, interp):
+    rng = random.Random(0)
+    await interp.execute("n = 0")
+    for i in range(20):  # cancelled before, during or after the snippet
+        with contextlib.suppress(TimeoutError):
+            snippet = f"import time\ntime.sleep(0.01)\nn += 1\nprint('s{i}')"
+            await asyncio.wait_for(interp.execute(snippet), rng.uniform(0, 0.03))
+        assert (await interp.execute(f"print('own{i}')")).stdout == f"own{i}\n"
+    n = (await interp.execute("n")).stdout
+    assert interp.restarts == 0
+    async with PythonInterpreter(built.sandbox) as fresh:  # the history rebuilds the same n
+        for code, timeout in interp.history:
+            await fresh.execute(code, timeout)
+        assert (await fresh.execute("n")).stdout == n
