@@ -6,7 +6,9 @@ Every request carries an ``id`` that its reply echoes. The host sends nothing
 while a snippet runs except ``{"op": "cancel", "id": n}``, so any input that
 arrives then stops the snippet (killed, state rolled back, reply marked
 ``cancelled``). A cancel is always acknowledged, after the snippet's reply, with
-``{"cancel_ack": n}``: the host reads up to that line and is in step again.
+``{"cancel_ack": n, "promoted": ...}`` (whether the snippet finished first and
+its changes were kept, which the host may not learn from a lost reply): the
+host reads up to that line and is in step again.
 Snippets get ``/dev/null`` as stdin; the protocol pipes are fds 8 and 9.
 
 Process layout and state semantics ("fork and promote"):
@@ -37,6 +39,7 @@ __all__ = []  # a script, not a library
 PROTO_IN = 8  # dup of the original stdin; fd 0 is /dev/null for snippets
 PROTO_OUT = 9  # dup of the original stdout; fds 1/2 are reserved for snippet output
 _buf = [b""]
+_last = [None, False]  # the id of the last request run, and whether its changes were kept
 
 
 def read_request():
@@ -184,9 +187,11 @@ def kernel(ns):
             reply({"pong": os.getpid(), "id": req.get("id")})
             continue
         if req.get("op") == "cancel":  # its snippet has replied (finished or killed)
-            reply({"cancel_ack": req.get("id")})
+            rid = req.get("id")
+            reply({"cancel_ack": rid, "promoted": _last[0] == rid and _last[1]})
             continue
         started = time.monotonic()
+        _last[:] = [req.get("id"), False]
         if _buf[0]:  # its cancel came with it: never start the snippet
             reply({"id": req.get("id"), "cancelled": True, "promoted": False, "exit_code": -1})
             continue
@@ -202,6 +207,7 @@ def kernel(ns):
             if seeded is not None:  # undo random's reseed after fork: cells share one stream
                 rnd.setstate(seeded)
             child_runs(req["code"], w_out, w_err, w_st, ns)
+            _last[1] = True
             continue  # C is now the kernel
         for fd in (w_out, w_err, w_st):
             os.close(fd)

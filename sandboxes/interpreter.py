@@ -148,9 +148,9 @@ class PythonInterpreter:
             while raw:
                 reply = _decode(raw)
                 if reply.get("cancel_ack") == rid:
+                    if reply.get("promoted"):  # it finished before the cancel arrived
+                        self.history.append((code, timeout))
                     return
-                if reply.get("id") == rid and reply.get("promoted"):  # it finished first
-                    self.history.append((code, timeout))
                 raw = await asyncio.wait_for(proc.readline(), _GRACE_S)
             raise SandboxError("the kernel died")
         except (Exception, asyncio.CancelledError):  # cannot resync: a fresh kernel next time
