@@ -5,7 +5,9 @@ builtins compute a huge intermediate before any check can run, and a C-level
 computation never yields to the event loop, so ``call_timeout_s`` could not
 fire. The tool therefore evaluates in a worker process, and a call that passes
 ``timeout_s`` kills the worker (a fresh one serves the next call). The event
-loop only waits on a thread; it never computes.
+loop only waits on a thread; it never computes. Expressions that are too big or
+too slow are model mistakes (error results); a worker killed from outside while
+a call writes to it raises ``ToolError``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from agentrl.errors import ToolError
 
 from ._arith import FUNCTION_NAMES, CalcError, evaluate, format_number
 from .base import Tool, ToolResult
@@ -73,9 +77,9 @@ class _Worker:
             try:
                 proc.stdin.write((json.dumps({"expression": expression}) + "\n").encode())
                 proc.stdin.flush()
-            except OSError:  # the worker died (killed from outside); a fresh one next time
+            except OSError as err:  # killed from outside: not the model's doing
                 _stop(self._box)
-                return {"error": "the calculator worker died; try again"}
+                raise ToolError(f"the calculator worker died: {err}") from err
             if not select.select([proc.stdout], [], [], timeout)[0]:
                 _stop(self._box)
                 return {"error": f"the expression took longer than {timeout:g} s to compute"}
