@@ -8,10 +8,13 @@ and does not report the sampling distribution's entropy.
 
 Across turns, each sequence's keys and values stay in a ``PrefixCache``: a
 prompt that extends (or shares a prefix with) an earlier sequence prefills only
-its new tokens. Rows whose cached prefixes and new tokens differ in length share
-one batch: the cached part is left-padded to the longest one, the new tokens are
-left-padded after it, the attention mask hides both pads, and explicit position
-ids keep every row's positions those of its own unpadded sequence.
+its new tokens. A batch's keys and values live in a ``KVSlab``, every row's
+tokens right-aligned and contiguous, so a finished row is cached as a view
+without a copy. Rows are sorted by how many new tokens they bring and
+prefilled in groups: a row whose new part is shorter than its group's longest
+re-runs a few of its cached tokens instead of padding (the same work padding
+would cost, but it keeps the row contiguous). Explicit position ids keep every
+row's positions those of its own unpadded sequence.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from ..errors import PolicyError
 from .base import GenerateRequest, GenerateResult, SamplingParams, stop_string_hit
+from .kv_slab import KVSlab
 from .prefix_cache import PrefixCache, PrefixEntry
 
 __all__ = ["HFPolicy", "sampling_logprobs"]
@@ -54,6 +58,22 @@ def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return torch.log_softmax(logits, dim=-1)
 
 
+def prefill_groups(new_tokens: list[int], pad_tokens: int) -> list[tuple[int, int]]:
+    """Split rows, sorted by new tokens (longest first), into ``[start, end)`` prefill groups.
+
+    A row joins the current group when it would re-run at most ``pad_tokens``
+    extra tokens there (the group's longest new part minus its own); else it
+    starts a group, and so one more forward pass, which costs a read of every
+    weight however few tokens it carries.
+    """
+    groups, start = [], 0
+    for i in range(1, len(new_tokens) + 1):
+        if i == len(new_tokens) or new_tokens[start] - new_tokens[i] > pad_tokens:
+            groups.append((start, i))
+            start = i
+    return groups
+
+
 def _entropy(logp: torch.Tensor) -> torch.Tensor:
     p = logp.exp()
     return -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)
@@ -69,8 +89,9 @@ class HFPolicy:
     """
 
     def __init__(self, model: Any, tokenizer: Any, max_batch_size: int = 16,
-                 prefix_cache_mb: int = 4096):
+                 prefix_cache_mb: int = 4096, prefill_pad_tokens: int = 32):
         self.model = model.eval()
+        self.prefill_pad_tokens = prefill_pad_tokens
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.version = 0
@@ -131,62 +152,75 @@ class HFPolicy:
             return None, 0
         return self.prefix_cache.match(prompt)
 
-    def _past(self, matches: list[tuple[PrefixEntry | None, int]], width: int) -> Any:
-        """A transformers cache holding each row's reused prefix, left-padded to ``width``."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        rows = [(b, e, n) for b, (e, n) in enumerate(matches) if e is not None]
-        for layer in range(len(rows[0][1].kv)):
-            k0 = rows[0][1].kv[layer][0]
-            keys = k0.new_zeros((len(matches), k0.shape[0], width, k0.shape[2]))
-            values = torch.zeros_like(keys)
-            for b, e, n in rows:
-                keys[b, :, width - n:] = e.kv[layer][0][:, :n]
-                values[b, :, width - n:] = e.kv[layer][1][:, :n]
-            cache.update(keys, values, layer)
-        return cache
-
-    def _store(self, cache: Any, columns: list[torch.Tensor], seqs: list[list[int]]) -> None:
-        """Keep each row's keys and values (its real columns only) for later prompts."""
-        if self.prefix_cache is None:
-            return
-        layers = [(layer.keys, layer.values) for layer in cache.layers]
-        for b, (cols, ids) in enumerate(zip(columns, seqs, strict=True)):
-            kv = [(k[b].index_select(1, cols), v[b].index_select(1, cols)) for k, v in layers]
-            self.prefix_cache.insert(ids, kv)
+    def _prefill(self, slab: KVSlab, prompts: list[list[int]], rows: tuple[int, int],
+                 window: int) -> torch.Tensor:
+        """Run the last ``window`` tokens of rows ``[start, end)`` into the slab; their last logits."""
+        start, end = rows
+        width, dev = slab.width, self.device
+        input_ids = torch.full((end - start, window), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((end - start, width), dtype=torch.long)
+        for r, p in enumerate(prompts[start:end]):
+            tail = p[-window:]
+            input_ids[r, window - len(tail):] = torch.tensor(tail)
+            attn[r, width - len(p):] = 1
+        pos = (torch.arange(window) - window)[None, :] + torch.tensor([len(p) for p in prompts[start:end]])[:, None]
+        out = self.model(input_ids=input_ids.to(dev), attention_mask=attn.to(dev),
+                         position_ids=pos.clamp(min=0).to(dev), use_cache=True, logits_to_keep=1,
+                         **{self._cache_kw: slab.cache(slice(start, end), width - window)})
+        return out.logits[:, -1, :]
 
     @torch.inference_mode()
     def _generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-        params, dev, B = requests[0].params, self.device, len(requests)
-        prompts = [r.prompt_ids for r in requests]
-        matches = [self._match(p) for p in prompts]
-        cached = [n for _, n in matches]
-        news = [p[n:] for p, n in zip(prompts, cached, strict=True)]
-        wc, wn = max(cached), max(map(len, news))
-        input_ids = torch.full((B, wn), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((B, wc + wn), dtype=torch.long)
-        pos = torch.zeros((B, wn), dtype=torch.long)
-        for b, (n, new) in enumerate(zip(cached, news, strict=True)):
-            input_ids[b, wn - len(new):] = torch.tensor(new)
-            attn[b, wc - n:wc] = 1
-            attn[b, wc + wn - len(new):] = 1
-            pos[b] = torch.arange(n - wn + len(new), n + len(new)).clamp(min=n)
-        input_ids, attn, pos = input_ids.to(dev), attn.to(dev), pos.to(dev)
-        gens = [torch.Generator(device=dev).manual_seed(
-            r.params.seed if r.params.seed is not None else random.getrandbits(62)) for r in requests]
-        stop_ids = self.eos_ids | set(params.stop_token_ids)
+        params, dev = requests[0].params, self.device
+        matches = [self._match(r.prompt_ids) for r in requests]
+        # Rows with the most new tokens first, so prefill groups are contiguous row ranges.
+        order = sorted(range(len(requests)), key=lambda i: matches[i][1] - len(requests[i].prompt_ids))
+        prompts = [requests[i].prompt_ids for i in order]
+        B, width, plen = len(order), max(map(len, prompts)), [len(p) for p in prompts]
+        news = [plen[b] - matches[i][1] for b, i in enumerate(order)]
+        slab = KVSlab(self.model.config, B, width, params.max_new_tokens, self.model.dtype, dev)
+        logits, cached = [], [0] * B
+        for start, end in prefill_groups(news, self.prefill_pad_tokens):
+            window = news[start]
+            for b in range(start, end):
+                entry, _ = matches[order[b]]
+                cached[b] = max(0, plen[b] - window)  # tokens before the window come from the cache
+                slab.place(b, plen[b], entry.kv if entry else None, cached[b])
+            logits.append(self._prefill(slab, prompts, (start, end), window))
+        if self.prefix_cache is not None:
+            self.prefix_cache.count(reused=sum(cached), prefilled=sum(plen) - sum(cached))
+        toks, lps, ents, tops, finish = self._decode(slab, torch.cat(logits), plen,
+                                                      [requests[i].params.seed for i in order], params)
+        if self.prefix_cache is not None:  # each row's tokens, as views of the slab: no copy
+            for b in range(B):
+                self.prefix_cache.insert(prompts[b] + toks[b][:-1],
+                                         slab.row(b, width - plen[b], width + len(toks[b]) - 1))
+        results: list[GenerateResult | None] = [None] * B
+        for b, i in enumerate(order):
+            results[i] = GenerateResult(toks[b], lps[b], ents[b], finish[b] or "length",  # type: ignore[arg-type]
+                                        self.version, tops[b] if params.logprobs else None,
+                                        cached_tokens=cached[b])
+        return results  # type: ignore[return-value]
 
+    def _decode(self, slab: KVSlab, logits: torch.Tensor, plen: list[int], seeds: list[int | None],
+                params: SamplingParams) -> tuple:
+        """Sample up to ``max_new_tokens`` per row, feeding each token back through the slab."""
+        B, dev, width = len(plen), self.device, slab.width
+        gens = [torch.Generator(device=dev).manual_seed(s if s is not None else random.getrandbits(62))
+                for s in seeds]
+        stop_ids = self.eos_ids | set(params.stop_token_ids)
+        attn = torch.zeros((B, width + params.max_new_tokens), dtype=torch.long, device=dev)
+        for b, n in enumerate(plen):
+            attn[b, width - n:width] = 1
+        pos = torch.tensor(plen, device=dev)[:, None]
+        cache = slab.cache(slice(None), width)
         toks: list[list[int]] = [[] for _ in range(B)]
         lps: list[list[float]] = [[] for _ in range(B)]
         ents: list[list[float]] = [[] for _ in range(B)]
         tops: list[list[list[tuple[int, float]]]] = [[] for _ in range(B)]
         finish: list[str | None] = [None] * B
-        past = {self._cache_kw: self._past(matches, wc)} if wc else {}
-        out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos, use_cache=True,
-                         logits_to_keep=1, **past)
         for step in range(params.max_new_tokens):
-            logp = sampling_logprobs(out.logits[:, -1, :], params)
+            logp = sampling_logprobs(logits, params)
             if params.temperature == 0:
                 nxt = logp.argmax(-1)
             else:  # one stream per request: its sample does not depend on the batch
@@ -212,20 +246,9 @@ class HFPolicy:
             if all(f is not None for f in finish) or step == params.max_new_tokens - 1:
                 break
             live = torch.tensor([f is None for f in finish], device=dev)
-            nxt = torch.where(live, nxt, self.pad_id)
-            attn = torch.cat([attn, live[:, None].to(attn.dtype)], dim=1)
-            pos = pos[:, -1:] + 1
-            out = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos,
-                             use_cache=True, **{self._cache_kw: getattr(out, self._cache_kw)})
-        # Real columns of each row: its reused prefix, its new tokens, and the
-        # sampled tokens that were fed back (all but the last one).
-        columns = [torch.cat([torch.arange(wc - n, wc), torch.arange(wc + wn - len(new), wc + wn),
-                              torch.arange(wc + wn, wc + wn + len(toks[b]) - 1)]).to(dev)
-                   for b, (n, new) in enumerate(zip(cached, news, strict=True))]
-        self._store(getattr(out, self._cache_kw), columns,
-                    [p + t[:-1] for p, t in zip(prompts, toks, strict=True)])
-        return [
-            GenerateResult(toks[b], lps[b], ents[b], finish[b] or "length", self.version,  # type: ignore[arg-type]
-                           tops[b] if params.logprobs else None, cached_tokens=cached[b])
-            for b in range(B)
-        ]
+            attn[:, width + step] = live.to(attn.dtype)
+            out = self.model(input_ids=torch.where(live, nxt, self.pad_id)[:, None],
+                             attention_mask=attn[:, :width + step + 1], position_ids=pos + step,
+                             use_cache=True, **{self._cache_kw: cache})
+            logits = out.logits[:, -1, :]
+        return toks, lps, ents, tops, finish

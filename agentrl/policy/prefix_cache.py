@@ -72,7 +72,7 @@ class PrefixCache:
 
         At most ``len(prompt) - 1`` tokens are reused: the last prompt token is
         always run, since its logits give the first new token. Counts the hit or
-        miss and the reused and prefilled tokens.
+        miss; the caller counts what it really reused (``count``).
         """
         ids = np.asarray(prompt, dtype=np.int64)
         best, n = None, 0
@@ -83,16 +83,21 @@ class PrefixCache:
         n = min(n, len(ids) - 1)
         if best is None or n <= 0:
             self.stats.misses += 1
-            self.stats.prefilled_tokens += len(ids)
             return None, 0
         self._entries.move_to_end(id(best))
         self.stats.hits += 1
-        self.stats.reused_tokens += n
-        self.stats.prefilled_tokens += len(ids) - n
         return best, n
 
+    def count(self, reused: int, prefilled: int) -> None:
+        """Add prompt tokens taken from the cache and prompt tokens run through the model."""
+        self.stats.reused_tokens += reused
+        self.stats.prefilled_tokens += prefilled
+
     def insert(self, ids: Sequence[int], kv: KV) -> None:
-        """Store ``kv`` for ``ids`` (most recently used), then evict down to the budget."""
+        """Store ``kv`` for ``ids`` (most recently used), then evict down to the budget.
+
+        ``kv`` may be views of a larger buffer; the budget counts the views' bytes.
+        """
         key = np.asarray(ids, dtype=np.int64)
         nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
         if nbytes > self.max_bytes:

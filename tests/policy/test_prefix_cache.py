@@ -8,6 +8,7 @@ import torch
 from agentrl.chat import ChatContext
 from agentrl.policy import GenerateRequest, HFPolicy, SamplingParams
 from agentrl.policy.base import request_seed
+from agentrl.policy.hf import prefill_groups
 from agentrl.policy.prefix_cache import PrefixCache
 
 
@@ -28,8 +29,7 @@ def test_match_takes_the_longest_common_prefix_and_leaves_the_last_token():
     assert n == 3
     entry, n = cache.match([7, 1, 2])
     assert entry is None and n == 0
-    s = cache.stats
-    assert (s.hits, s.misses, s.reused_tokens, s.prefilled_tokens) == (3, 1, 10, 2 + 1 + 1 + 3)
+    assert (cache.stats.hits, cache.stats.misses) == (3, 1)
 
 
 def test_eviction_is_least_recently_used_under_the_byte_budget():
@@ -92,7 +92,7 @@ def test_prefix_reuse_samples_what_a_full_prefill_samples(tokenizer, tiny_model)
 
 
 def test_later_turns_prefill_only_their_new_tokens(tokenizer, tiny_model):
-    policy = HFPolicy(tiny_model, tokenizer)
+    policy = HFPolicy(tiny_model, tokenizer, prefill_pad_tokens=0)  # no re-run tokens: exact counts
     prompt_lens, action_lens = [], []
     ctxs = _conversations(tokenizer, 3)
     for turn in range(3):
@@ -132,3 +132,23 @@ def test_branches_share_their_common_prefix(tokenizer, tiny_model):
     child = list(ctx.ids) + branches[0].token_ids + [11, 12]
     res = policy.generate([GenerateRequest(child, SamplingParams(max_new_tokens=2, seed=4))])[0]
     assert res.cached_tokens == len(ctx.ids) + len(branches[0].token_ids) - 1
+
+
+def test_prefill_groups_split_where_padding_would_cost_more_than_a_forward():
+    assert prefill_groups([100, 90, 70, 10, 5], pad_tokens=30) == [(0, 3), (3, 5)]
+    assert prefill_groups([100, 90, 70, 10, 5], pad_tokens=0) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+    assert prefill_groups([100, 90, 70, 10, 5], pad_tokens=1000) == [(0, 5)]
+    assert prefill_groups([7], pad_tokens=0) == [(0, 1)]
+    assert prefill_groups([4, 4, 4], pad_tokens=0) == [(0, 3)]
+
+
+def test_grouped_rows_rerun_cached_tokens_but_sample_the_same(tokenizer, tiny_model):
+    grouped = HFPolicy(tiny_model, tokenizer, prefill_pad_tokens=1000)  # one forward per turn
+    exact = HFPolicy(tiny_model, tokenizer, prefill_pad_tokens=0)
+    got, _ = _play(grouped, tokenizer, turns=3)
+    want, _ = _play(exact, tokenizer, turns=3)
+    for g_turn, w_turn in zip(got, want, strict=True):
+        assert [g.token_ids for g in g_turn] == [w.token_ids for w in w_turn]
+    g, w = grouped.prefix_cache.stats, exact.prefix_cache.stats
+    assert g.reused_tokens + g.prefilled_tokens == w.reused_tokens + w.prefilled_tokens
+    assert g.prefilled_tokens > w.prefilled_tokens  # the shorter rows re-ran some cached tokens

@@ -1,0 +1,138 @@
+"""Multi-turn generation cost: does a turn's cost grow with the episode?
+
+Runs the same ALFWorld-v0 rollout (default: 8 episodes x 20 turns, admissible
+actions listed, 16 new tokens a turn, 4,096-token contexts, SmolLM2-135M, fixed
+seed) once per configuration:
+
+- ``hf+reuse``: the ``hf`` backend keeps each episode's keys and values across
+  turns (``PrefixCache``) and prefills only the new tokens;
+- ``hf``: the same backend with the prefix cache off, re-prefilling every
+  context every turn. It grows with the square of the turns, so it gets
+  ``--no-reuse-turns`` turns (default 20; less to keep the bench short).
+
+For each it reports wall time, prefilled and generated tokens, the wall time of
+turn 2 and of the last turn, and the prefilled tokens against the sum of the
+context deltas (what a perfect prefix cache prefills) and against the sum of
+the contexts (what no cache prefills). With the same seed, both configurations
+sample the same tokens; the bench checks that and reports the first turn where
+they differ, if any. Prints a table and writes ``multiturn_cost.json``.
+
+    python bench/multiturn_cost.py [--episodes 8] [--turns 20] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from agentrl.config import load_config
+from agentrl.models import load_model
+from agentrl.policy import HFPolicy
+from agentrl.rollout import run_episodes
+
+
+class TimedPolicy(HFPolicy):
+    """HFPolicy that times each ``generate`` call: one call is one lockstep turn."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.turn_s: list[float] = []
+        self.context_tokens = 0
+
+    def generate(self, requests):
+        self.context_tokens += sum(len(r.prompt_ids) for r in requests)
+        t0 = time.perf_counter()
+        out = super().generate(requests)
+        self.turn_s.append(time.perf_counter() - t0)
+        return out
+
+
+def run(model, tok, args, reuse: bool, turns: int) -> tuple[dict, list]:
+    cfg = load_config(overrides=[
+        "env.id=agentrl/ALFWorld-v0", f"rollout.episodes={args.episodes}", f"rollout.max_turns={turns}",
+        "rollout.show_admissible=true", f"sampling.max_new_tokens={args.max_new_tokens}",
+        f"rollout.max_context_tokens={args.max_context_tokens}", "rollout.seed=0"])
+    policy = TimedPolicy(model, tok, prefix_cache_mb=args.cache_mb if reuse else 0)
+    t0 = time.perf_counter()
+    trees = run_episodes(cfg.env.id, policy, cfg)
+    wall = time.perf_counter() - t0
+    counts = {k: sum(t.meta.get("counters", {}).get(k, 0) for t in trees)
+              for k in ("prefilled_tokens", "reused_tokens", "generated_tokens")}
+    # A perfect prefix cache prefills each turn's new context, plus the previous
+    # action's last token (sampled, never fed back).
+    deltas = sum(len(n.context_ids) + (1 if n.parent is not None else 0)
+                 for t in trees for n in t.nodes.values())
+    row = {
+        "config": "hf+reuse" if reuse else "hf", "turns": turns, "wall_s": round(wall, 2),
+        "prefilled_tokens": counts["prefilled_tokens"], "reused_tokens": counts["reused_tokens"],
+        "generated_tokens": counts["generated_tokens"], "sum_of_deltas": deltas,
+        "sum_of_contexts": policy.context_tokens,
+        "turn2_s": round(policy.turn_s[1], 3) if len(policy.turn_s) > 1 else None,
+        "last_turn_s": round(policy.turn_s[-1], 3), "last_turn": len(policy.turn_s),
+        "turn_s": [round(x, 3) for x in policy.turn_s],
+    }
+    if policy.prefix_cache is not None:
+        s = policy.prefix_cache.stats
+        row["cache"] = {"hits": s.hits, "misses": s.misses, "evictions": s.evictions,
+                        "hit_rate": round(s.hits / max(1, s.hits + s.misses), 3), "bytes": s.bytes}
+    actions = [[n.action_ids for n in t.nodes.values()] for t in trees]
+    return row, actions
+
+
+def first_difference(a: list, b: list) -> int | None:
+    """First turn at which two runs' sampled actions differ (None: same up to the shorter)."""
+    for turn in range(max(len(x) for x in a + b)):
+        for ea, eb in zip(a, b, strict=True):
+            if turn < min(len(ea), len(eb)) and ea[turn] != eb[turn]:
+                return turn + 1
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--episodes", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--no-reuse-turns", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--max-context-tokens", type=int, default=4096)
+    ap.add_argument("--cache-mb", type=int, default=4096)
+    ap.add_argument("--quick", action="store_true", help="tiny-random model, 2 episodes, 4 turns")
+    ap.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
+    args = ap.parse_args()
+    if args.quick:
+        args.model, args.episodes, args.turns, args.no_reuse_turns = "tiny-random", 2, 4, 4
+    model, tok = load_model(args.model)
+    rows, runs = [], {}
+    for reuse, turns in ((True, args.turns), (False, args.no_reuse_turns)):
+        row, actions = run(model, tok, args, reuse, turns)
+        rows.append(row)
+        runs[row["config"]] = actions
+    diff = first_difference(runs["hf+reuse"], runs["hf"])
+    result = {"model": args.model, "episodes": args.episodes, "max_new_tokens": args.max_new_tokens,
+              "max_context_tokens": args.max_context_tokens, "rows": rows,
+              "first_turn_where_samples_differ": diff,
+              "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}"}
+    head = (f"{'config':<10}{'turns':>6}{'wall s':>9}{'prefilled':>11}{'deltas':>9}{'contexts':>10}"
+            f"{'generated':>11}{'turn 2 s':>10}{'last s':>9}{'last/2':>8}")
+    print(head)
+    for r in rows:
+        ratio = r["last_turn_s"] / r["turn2_s"] if r["turn2_s"] else float("nan")
+        print(f"{r['config']:<10}{r['turns']:>6}{r['wall_s']:>9.1f}{r['prefilled_tokens']:>11}"
+              f"{r['sum_of_deltas']:>9}{r['sum_of_contexts']:>10}{r['generated_tokens']:>11}"
+              f"{r['turn2_s'] or 0:>10.2f}{r['last_turn_s']:>9.2f}{ratio:>8.2f}")
+    if "cache" in rows[0]:
+        print(f"prefix cache: {rows[0]['cache']}")
+    print("samples identical with and without reuse" if diff is None
+          else f"samples first differ at turn {diff} (float noise in a near-tie)")
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
