@@ -14,6 +14,7 @@ from .base import (
     ISOLATION_ORDER,
     ExecResult,
     Isolation,
+    IsolationWarning,
     Sandbox,
     SandboxLimits,
     SandboxProcess,
@@ -24,10 +25,19 @@ from .docker import DockerSandbox, GvisorSandbox, build_image
 from .interpreter import PythonInterpreter
 from .local import LocalSandbox
 from .pool import PoolStats, SandboxPool
-from .registry import BACKENDS, available_backends, check_backend, make_sandbox, unavailable_reasons
+from .registry import (
+    AUTO_ORDER,
+    BACKENDS,
+    available_backends,
+    check_backend,
+    describe_backends,
+    make_sandbox,
+    unavailable_reasons,
+)
 from .remote import RemoteSandbox
 
 __all__ = [
+    "AUTO_ORDER",
     "BACKENDS",
     "ISOLATION_ORDER",
     "BwrapSandbox",
@@ -35,6 +45,7 @@ __all__ = [
     "ExecResult",
     "GvisorSandbox",
     "Isolation",
+    "IsolationWarning",
     "LocalSandbox",
     "PoolStats",
     "PythonInterpreter",
@@ -46,6 +57,7 @@ __all__ = [
     "available_backends",
     "build_image",
     "check_backend",
+    "describe_backends",
     "isolation_at_least",
     "make_sandbox",
     "unavailable_reasons",

@@ -101,10 +101,8 @@ def _read_token(token_file: Path | None) -> str:
 
 @app.command("backends")
 def backends_cmd() -> None:
-    """List the backends, their isolation, and why any cannot run here."""
-    from .registry import BACKENDS, unavailable_reasons
+    """List the backends, their isolation, and what each enforces here or why it cannot run."""
+    from .registry import BACKENDS, describe_backends
 
-    down = unavailable_reasons()
-    for name, cls in BACKENDS.items():
-        status = "client" if name == "remote" else down.get(name, "ok")
-        typer.echo(f"{name:8} {cls.ISOLATION:11} {status}")
+    for name, what in describe_backends().items():
+        typer.echo(f"{name:8} {BACKENDS[name].ISOLATION:11} {what}")

@@ -114,8 +114,6 @@ async def test_local_runs_as_private_unprivileged_uid():
 
 
 async def test_snapshot_restore_brings_the_workdir_back(built):
-    if built.name == "remote":
-        pytest.skip("remote: snapshot/restore are not served over HTTP yet")
     await built.sandbox.write_file("a/b.txt", "v1")
     snap = await built.sandbox.snapshot()
     await built.sandbox.write_file("a/b.txt", "v2")

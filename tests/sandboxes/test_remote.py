@@ -101,9 +101,13 @@ def test_cli_lists_backends():
 
     from agentrl.sandboxes.cli import app
 
+    from agentrl.sandboxes import describe_backends
+
     listed = CliRunner().invoke(app, ["backends"])
     assert listed.exit_code == 0
-    assert "local" in listed.output and "none" in listed.output
+    lines = {line.split()[0]: line for line in listed.output.splitlines() if line.strip()}
+    for name, what in describe_backends().items():
+        assert what.split("\n")[0][:40] in lines[name]
 
 
 def test_cli_serve_requires_a_token_from_a_file_or_the_environment(monkeypatch, tmp_path):
