@@ -44,6 +44,9 @@ class PolicyConfig(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
     device: str = Field("cpu", description="torch device.")
     max_batch_size: int = Field(16, ge=1, description="Prompts per forward pass.")
+    prefix_cache_mb: int = Field(
+        4096, ge=0, description="hf: MiB of keys and values kept across turns for prefix reuse; 0 turns it off."
+    )
     mock_responses: list[str] = Field(
         default_factory=lambda: ["1"], description="Scripted answers for backend=mock."
     )

@@ -17,7 +17,7 @@ __all__ = ["BACKENDS", "make_policy"]
 
 def _hf(cfg: PolicyConfig) -> Policy:
     model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
-    return HFPolicy(model, tokenizer, max_batch_size=cfg.max_batch_size)
+    return HFPolicy(model, tokenizer, max_batch_size=cfg.max_batch_size, prefix_cache_mb=cfg.prefix_cache_mb)
 
 
 def _mock(cfg: PolicyConfig) -> Policy:
