@@ -52,3 +52,30 @@ def test_rollout_cli_on_default_model(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["model"] == "smollm2-135m" and summary["episodes"] == 2
     assert summary["action_tokens"] > 0 and summary["failed_episodes"] == 0
+
+
+def test_default_model_prefix_reuse_equals_full_prefill(smollm):
+    # Three ALFWorld-style turns with observations of different lengths per episode.
+    from agentrl.policy.base import request_seed
+
+    model, tok = smollm
+    runs = []
+    for cache_mb in (4096, 0):
+        policy = HFPolicy(model, tok, prefix_cache_mb=cache_mb)
+        ctxs = [ChatContext(tok, [{"role": "user", "content": f"You are in room {i}. Find the mug."}])
+                for i in range(3)]
+        out = []
+        for turn in range(3):
+            results = policy.generate([GenerateRequest(list(c.ids), SamplingParams(
+                max_new_tokens=8, temperature=0.8, seed=request_seed(1, i, turn))) for i, c in enumerate(ctxs)])
+            out.append(results)
+            for i, (c, r) in enumerate(zip(ctxs, results, strict=True)):
+                c.append_action(r.token_ids, r.logprobs)
+                c.append_observation([{"role": "user", "content": "Nothing happens. " * (1 + i * turn)}])
+        runs.append(out)
+    reuse, full = runs
+    assert sum(r.cached_tokens for r in reuse[2]) > 0
+    for rt, ft in zip(reuse, full, strict=True):
+        for r, f in zip(rt, ft, strict=True):
+            assert r.token_ids == f.token_ids
+            assert torch.allclose(torch.tensor(r.logprobs), torch.tensor(f.logprobs), atol=2e-3)
