@@ -18,6 +18,7 @@ sample the same tokens; the bench checks that and reports the first turn where
 they differ, if any. Prints a table and writes ``multiturn_cost.json``.
 
     python bench/multiturn_cost.py [--episodes 8] [--turns 20] [--quick]
+    python bench/multiturn_cost.py --model DIR --random-init --device cuda   # cost only, no weights
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 from agentrl.config import load_config
-from agentrl.models import load_model
+from agentrl.models import load_model, load_tokenizer
 from agentrl.policy import HFPolicy
 from agentrl.rollout import run_episodes
 
@@ -102,12 +103,24 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--max-context-tokens", type=int, default=4096)
     ap.add_argument("--cache-mb", type=int, default=4096)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--random-init", action="store_true",
+                    help="build --model (a folder) from its config with random weights: cost, not quality")
     ap.add_argument("--quick", action="store_true", help="tiny-random model, 2 episodes, 4 turns")
     ap.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
     args = ap.parse_args()
     if args.quick:
         args.model, args.episodes, args.turns, args.no_reuse_turns = "tiny-random", 2, 4, 4
-    model, tok = load_model(args.model)
+    if args.random_init:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
+        model = model.to(dtype=getattr(torch, args.dtype), device=args.device)
+        tok = load_tokenizer(args.model)
+    else:
+        model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     rows, runs = [], {}
     for reuse, turns in ((True, args.turns), (False, args.no_reuse_turns)):
         row, actions = run(model, tok, args, reuse, turns)
@@ -117,7 +130,9 @@ def main() -> None:
     result = {"model": args.model, "episodes": args.episodes, "max_new_tokens": args.max_new_tokens,
               "max_context_tokens": args.max_context_tokens, "rows": rows,
               "first_turn_where_samples_differ": diff,
-              "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}"}
+              "device": args.device, "dtype": args.dtype, "random_init": args.random_init,
+              "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}"
+              + (f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else "")}
     head = (f"{'config':<10}{'turns':>6}{'wall s':>9}{'prefilled':>11}{'deltas':>9}{'contexts':>10}"
             f"{'generated':>11}{'turn 2 s':>10}{'last s':>9}{'last/2':>8}")
     print(head)

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from ..errors import PolicyError
+
 __all__ = ["GenerateRequest", "GenerateResult", "Policy", "SamplingParams", "action_text",
            "request_seed", "stop_string_hit"]
 
@@ -46,6 +48,17 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int = 0
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        bad = [f"{name}={getattr(self, name)!r} ({rule})" for name, ok, rule in (
+            ("temperature", self.temperature >= 0, ">= 0"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k >= 0, ">= 0"),
+            ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+            ("logprobs", self.logprobs >= 0, ">= 0"),
+        ) if not ok]
+        if bad:
+            raise PolicyError("invalid sampling parameters: " + ", ".join(bad))
 
 
 @dataclass(slots=True)

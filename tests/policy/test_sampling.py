@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+
+from agentrl.errors import PolicyError
 
 from agentrl.policy import SamplingParams, sampling_logprobs
 
@@ -43,3 +46,10 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
 def test_greedy_returns_the_unscaled_distribution():
     lp = _lp([0.0, math.log(3.0)], temperature=0.0)
     assert torch.allclose(lp.exp(), torch.tensor([0.25, 0.75]))
+
+
+@pytest.mark.parametrize("bad", [{"max_new_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0},
+                                 {"top_k": -1}, {"logprobs": -2}])
+def test_invalid_sampling_parameters_fail_naming_the_field(bad):
+    with pytest.raises(PolicyError, match=next(iter(bad))):
+        SamplingParams(**bad)
