@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from agentrl.errors import PolicyError
-
 from agentrl.policy import SamplingParams, sampling_logprobs
 
 

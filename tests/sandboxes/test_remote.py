@@ -99,9 +99,8 @@ async def test_real_server_over_tcp_runs_the_interpreter():
 def test_cli_lists_backends():
     from typer.testing import CliRunner
 
-    from agentrl.sandboxes.cli import app
-
     from agentrl.sandboxes import describe_backends
+    from agentrl.sandboxes.cli import app
 
     listed = CliRunner().invoke(app, ["backends"])
     assert listed.exit_code == 0
