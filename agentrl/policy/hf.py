@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import PolicyError
+from .attention import use_gqa_sdpa
 from .base import GenerateRequest, GenerateResult, SamplingParams, stop_string_hit
 from .kv_slab import KVSlab
 from .prefix_cache import PrefixCache, PrefixEntry
@@ -74,6 +75,20 @@ def prefill_groups(new_tokens: list[int], pad_tokens: int) -> list[tuple[int, in
     return groups
 
 
+def _inverse_cdf_sample(logp: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
+    """One token per row: one uniform draw from the row's own stream, through the row's CDF.
+
+    A stream per request keeps a request's sample independent of its batch. One
+    uniform per token is cheaper than ``torch.multinomial``, which draws one
+    random number per vocabulary entry. ``right=True`` never picks a token of
+    probability 0, and scaling by the last CDF value absorbs rounding.
+    """
+    cdf = logp.exp().cumsum(-1)
+    u = torch.cat([torch.rand(1, generator=g, device=logp.device) for g in gens])
+    nxt = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    return nxt.clamp(max=logp.shape[-1] - 1)
+
+
 def _entropy(logp: torch.Tensor) -> torch.Tensor:
     p = logp.exp()
     return -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)
@@ -105,6 +120,7 @@ class HFPolicy:
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        use_gqa_sdpa(model)  # CPU: read grouped keys and values in place (see policy/attention.py)
 
     @property
     def device(self) -> torch.device:
@@ -223,9 +239,8 @@ class HFPolicy:
             logp = sampling_logprobs(logits, params)
             if params.temperature == 0:
                 nxt = logp.argmax(-1)
-            else:  # one stream per request: its sample does not depend on the batch
-                probs = logp.exp()
-                nxt = torch.cat([torch.multinomial(probs[b], 1, generator=gens[b]) for b in range(B)])
+            else:
+                nxt = _inverse_cdf_sample(logp, gens)
             chosen = logp.gather(-1, nxt[:, None]).squeeze(-1)
             ent = _entropy(logp)
             top = torch.topk(logp, params.logprobs, dim=-1) if params.logprobs else None
