@@ -73,8 +73,12 @@ def run(model, tok, args, reuse: bool, turns: int) -> tuple[dict, list]:
         "prefilled_tokens": counts["prefilled_tokens"], "reused_tokens": counts["reused_tokens"],
         "generated_tokens": counts["generated_tokens"], "sum_of_deltas": deltas,
         "sum_of_contexts": policy.context_tokens,
+        # Tokens prefilled beyond the deltas: cached tokens re-run so that rows of a
+        # prefill group line up (HFPolicy.prefill_pad_tokens bounds them per row).
+        "rerun_tokens": counts["prefilled_tokens"] - deltas if reuse else 0,
         "turn2_s": round(policy.turn_s[1], 3) if len(policy.turn_s) > 1 else None,
         "last_turn_s": round(policy.turn_s[-1], 3), "last_turn": len(policy.turn_s),
+        "max_turn_s": round(max(policy.turn_s), 3),
         "turn_s": [round(x, 3) for x in policy.turn_s],
     }
     if policy.prefix_cache is not None:
@@ -100,6 +104,7 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=8)
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--no-reuse-turns", type=int, default=20)
+    ap.add_argument("--configs", default="hf+reuse,hf", help="comma-separated: hf+reuse, hf")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--max-context-tokens", type=int, default=4096)
     ap.add_argument("--cache-mb", type=int, default=4096)
@@ -122,14 +127,18 @@ def main() -> None:
     else:
         model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     rows, runs = [], {}
+    wanted = args.configs.split(",")
     for reuse, turns in ((True, args.turns), (False, args.no_reuse_turns)):
+        if ("hf+reuse" if reuse else "hf") not in wanted:
+            continue
         row, actions = run(model, tok, args, reuse, turns)
         rows.append(row)
         runs[row["config"]] = actions
-    diff = first_difference(runs["hf+reuse"], runs["hf"])
+        print(json.dumps({k: v for k, v in row.items() if k != "turn_s"}), flush=True)
+    diff = first_difference(runs["hf+reuse"], runs["hf"]) if len(runs) == 2 else None
     result = {"model": args.model, "episodes": args.episodes, "max_new_tokens": args.max_new_tokens,
               "max_context_tokens": args.max_context_tokens, "rows": rows,
-              "first_turn_where_samples_differ": diff,
+              "first_turn_where_samples_differ": diff, "compared": len(runs) == 2,
               "device": args.device, "dtype": args.dtype, "random_init": args.random_init,
               "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}"
               + (f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else "")}
@@ -141,10 +150,12 @@ def main() -> None:
         print(f"{r['config']:<10}{r['turns']:>6}{r['wall_s']:>9.1f}{r['prefilled_tokens']:>11}"
               f"{r['sum_of_deltas']:>9}{r['sum_of_contexts']:>10}{r['generated_tokens']:>11}"
               f"{r['turn2_s'] or 0:>10.2f}{r['last_turn_s']:>9.2f}{ratio:>8.2f}")
-    if "cache" in rows[0]:
-        print(f"prefix cache: {rows[0]['cache']}")
-    print("samples identical with and without reuse" if diff is None
-          else f"samples first differ at turn {diff} (float noise in a near-tie)")
+    for r in rows:
+        if "cache" in r:
+            print(f"prefix cache: {r['cache']}")
+    if len(runs) == 2:
+        print("samples identical with and without reuse" if diff is None
+              else f"samples first differ at turn {diff} (float noise in a near-tie)")
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 
