@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,8 +148,16 @@ def run_episodes(env_id: str, policy: Policy, cfg: Config,
             envs.append(make_env(env_id, **cfg.env.kwargs))
         return _run(env_id, envs, policy, cfg, on_episode_done)
     finally:  # a raising generate or callback must not leak sandboxes or containers
-        for env in envs:
+        _close_all(envs)
+
+
+def _close_all(envs: list[Any]) -> None:
+    """Close every env even when some ``close`` raises; warn about those, never mask the run's error."""
+    for env in envs:
+        try:
             env.close()
+        except Exception as e:
+            warnings.warn(f"env.close raised {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
 
 
 def _run(env_id: str, envs: list[Any], policy: Policy, cfg: Config,

@@ -179,6 +179,16 @@ def test_envs_are_closed_when_generate_raises(tokenizer, monkeypatch):
         run_episodes("agentrl/GuessNumber-v0", Broken(tokenizer, ["1"]), cfg)
     assert len(closed) == 3
 
+    def close_or_raise(self):  # the first close fails: the others still run, the run's error wins
+        closed.append(self)
+        if len(closed) == 4:
+            raise OSError("sandbox gone")
+
+    monkeypatch.setattr(GuessNumberEnv, "close", close_or_raise)
+    with pytest.raises(RuntimeError, match="backend died"), pytest.warns(RuntimeWarning, match="sandbox gone"):
+        run_episodes("agentrl/GuessNumber-v0", Broken(tokenizer, ["1"]), cfg)
+    assert len(closed) == 6
+
 
 def test_context_filled_exactly_is_a_truncation_not_a_failure(tokenizer):
     cfg = load_config(overrides=["rollout.episodes=1", "rollout.max_turns=50"])

@@ -28,7 +28,7 @@ import torch
 from ..errors import PolicyError
 from .attention import use_gqa_sdpa
 from .base import GenerateRequest, GenerateResult, SamplingParams, stop_string_hit
-from .kv_slab import KVSlab
+from .kv_slab import KVSlab, kv_shape
 from .prefix_cache import PrefixCache, PrefixEntry
 
 __all__ = ["HFPolicy", "sampling_logprobs"]
@@ -120,6 +120,10 @@ class HFPolicy:
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        try:
+            kv_shape(model.config)
+        except ValueError as e:  # sliding-window or hybrid attention: not supported by the slab yet
+            raise PolicyError(f"{e}; use a full-attention model with the hf backend") from e
         use_gqa_sdpa(model)  # CPU: read grouped keys and values in place (see policy/attention.py)
 
     @property
@@ -129,18 +133,25 @@ class HFPolicy:
     def update_weights(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         """Load new weights in place, bump ``version`` and drop the now stale prefix cache.
 
-        Every weight must be given unless ``strict=False``; a failed update
-        leaves the version as it was.
+        Names and shapes are checked before anything is copied, so a rejected
+        update changes nothing. Every weight must be given unless
+        ``strict=False``; a weight tied to a given one (a tied LM head) counts
+        as given.
         """
-        try:
-            missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
-        except RuntimeError as e:  # shape mismatches
-            raise PolicyError(f"weight update failed: {e}") from e
+        own = self.model.state_dict()
+        unexpected = sorted(set(state_dict) - set(own))
         if unexpected:
-            raise PolicyError(f"unexpected weight names: {sorted(unexpected)[:5]}")
+            raise PolicyError(f"unexpected weight names: {unexpected[:5]}")
+        wrong = [f"{k}: {tuple(v.shape)} for {tuple(own[k].shape)}" for k, v in state_dict.items()
+                 if tuple(v.shape) != tuple(own[k].shape)]
+        if wrong:
+            raise PolicyError(f"weight update has wrong shapes: {wrong[:5]}")
+        given = {own[k].data_ptr() for k in state_dict}
+        missing = sorted(k for k in set(own) - set(state_dict) if own[k].data_ptr() not in given)
         if missing and strict:
-            raise PolicyError(f"{len(missing)} weights missing from the update, e.g. {sorted(missing)[:5]}; "
+            raise PolicyError(f"{len(missing)} weights missing from the update, e.g. {missing[:5]}; "
                               "pass strict=False for a partial update")
+        self.model.load_state_dict(state_dict, strict=False)
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         self.version += 1
@@ -152,8 +163,8 @@ class HFPolicy:
             if not req.prompt_ids:
                 raise PolicyError(f"request {i} has an empty prompt")
             p = req.params
-            key = (p.temperature, p.top_p, p.top_k, p.max_new_tokens, p.stop,
-                   p.stop_token_ids, p.logprobs)
+            # max_new_tokens and seed are per row: near a context budget, rows differ in room.
+            key = (p.temperature, p.top_p, p.top_k, p.stop, p.stop_token_ids, p.logprobs)
             groups.setdefault(key, []).append(i)
         for idx in groups.values():
             for s in range(0, len(idx), self.max_batch_size):
@@ -194,7 +205,8 @@ class HFPolicy:
         prompts = [requests[i].prompt_ids for i in order]
         B, width, plen = len(order), max(map(len, prompts)), [len(p) for p in prompts]
         news = [plen[b] - matches[i][1] for b, i in enumerate(order)]
-        slab = KVSlab(self.model.config, B, width, params.max_new_tokens, self.model.dtype, dev)
+        limits = [requests[i].params.max_new_tokens for i in order]
+        slab = KVSlab(self.model.config, B, width, max(limits), self.model.dtype, dev)
         logits, cached = [], [0] * B
         for start, end in prefill_groups(news, self.prefill_pad_tokens):
             window = news[start]
@@ -204,13 +216,14 @@ class HFPolicy:
                 slab.place(b, plen[b], entry.kv if entry else None, cached[b])
             logits.append(self._prefill(slab, prompts, (start, end), window))
         if self.prefix_cache is not None:
-            self.prefix_cache.count(reused=sum(cached), prefilled=sum(plen) - sum(cached))
-        toks, lps, ents, tops, finish = self._decode(slab, torch.cat(logits), plen,
+            self.prefix_cache.record(cached, plen)
+        toks, lps, ents, tops, finish = self._decode(slab, torch.cat(logits), plen, limits,
                                                       [requests[i].params.seed for i in order], params)
         if self.prefix_cache is not None:  # each row's tokens, as views of the slab: no copy
             for b in range(B):
                 self.prefix_cache.insert(prompts[b] + toks[b][:-1],
-                                         slab.row(b, width - plen[b], width + len(toks[b]) - 1))
+                                         slab.row(b, width - plen[b], width + len(toks[b]) - 1),
+                                         storage=slab, storage_bytes=slab.nbytes)
         results: list[GenerateResult | None] = [None] * B
         for b, i in enumerate(order):
             results[i] = GenerateResult(toks[b], lps[b], ents[b], finish[b] or "length",  # type: ignore[arg-type]
@@ -218,14 +231,14 @@ class HFPolicy:
                                         cached_tokens=cached[b])
         return results  # type: ignore[return-value]
 
-    def _decode(self, slab: KVSlab, logits: torch.Tensor, plen: list[int], seeds: list[int | None],
-                params: SamplingParams) -> tuple:
-        """Sample up to ``max_new_tokens`` per row, feeding each token back through the slab."""
+    def _decode(self, slab: KVSlab, logits: torch.Tensor, plen: list[int], limits: list[int],
+                seeds: list[int | None], params: SamplingParams) -> tuple:
+        """Sample up to ``limits[b]`` tokens for row b, feeding each token back through the slab."""
         B, dev, width = len(plen), self.device, slab.width
         gens = [torch.Generator(device=dev).manual_seed(s if s is not None else random.getrandbits(62))
                 for s in seeds]
         stop_ids = self.eos_ids | set(params.stop_token_ids)
-        attn = torch.zeros((B, width + params.max_new_tokens), dtype=torch.long, device=dev)
+        attn = torch.zeros((B, width + max(limits)), dtype=torch.long, device=dev)
         for b, n in enumerate(plen):
             attn[b, width - n:width] = 1
         pos = torch.tensor(plen, device=dev)[:, None]
@@ -235,30 +248,30 @@ class HFPolicy:
         ents: list[list[float]] = [[] for _ in range(B)]
         tops: list[list[list[tuple[int, float]]]] = [[] for _ in range(B)]
         finish: list[str | None] = [None] * B
-        for step in range(params.max_new_tokens):
+        for step in range(max(limits)):
             logp = sampling_logprobs(logits, params)
-            if params.temperature == 0:
-                nxt = logp.argmax(-1)
-            else:
-                nxt = _inverse_cdf_sample(logp, gens)
-            chosen = logp.gather(-1, nxt[:, None]).squeeze(-1)
-            ent = _entropy(logp)
+            nxt = logp.argmax(-1) if params.temperature == 0 else _inverse_cdf_sample(logp, gens)
+            # One device-to-host copy per tensor and step, not one per row and value.
+            chosen = logp.gather(-1, nxt[:, None]).squeeze(-1).tolist()
+            ent, ids = _entropy(logp).tolist(), nxt.tolist()
             top = torch.topk(logp, params.logprobs, dim=-1) if params.logprobs else None
+            top_ids, top_lps = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
             for b in range(B):
                 if finish[b] is not None:
                     continue
-                t = int(nxt[b])
+                t = ids[b]
                 toks[b].append(t)
-                lps[b].append(float(chosen[b]))
-                ents[b].append(float(ent[b]))
+                lps[b].append(chosen[b])
+                ents[b].append(ent[b])
                 if top is not None:
-                    tops[b].append([(int(i), float(v)) for i, v in
-                                    zip(top.indices[b], top.values[b], strict=True)])
+                    tops[b].append(list(zip(top_ids[b], top_lps[b], strict=True)))
                 if t in stop_ids:
                     finish[b] = "stop"
                 elif stop_string_hit(self.tokenizer, toks[b], params.stop):
                     finish[b] = "stop_string"
-            if all(f is not None for f in finish) or step == params.max_new_tokens - 1:
+                elif len(toks[b]) == limits[b]:
+                    finish[b] = "length"
+            if all(f is not None for f in finish):
                 break
             live = torch.tensor([f is None for f in finish], device=dev)
             attn[:, width + step] = live.to(attn.dtype)

@@ -79,6 +79,7 @@ class KVSlab:
         self.width = width
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.nbytes = 2 * layers * self.keys[0].nbytes
 
     def place(self, row: int, length: int, kv: list[tuple[torch.Tensor, torch.Tensor]] | None,
               copy: int) -> None:

@@ -5,8 +5,11 @@ for turn t's context are exactly the first part of turn t+1's. After each
 ``generate`` the backend stores, per sequence, every layer's keys and values
 together with the token ids they cover. A new prompt takes the entry that shares
 its longest common prefix, so the branches of a tree share their common context
-too, and prefills only the rest. Entries are evicted least recently used once
-their bytes pass a budget.
+too, and prefills only the rest. An entry that a newer one extends is dropped:
+the newer one serves every prompt the older could. Entries are evicted least
+recently used once their bytes pass a budget. Entries may be views of a
+larger buffer (a batch's ``KVSlab``); the budget charges that whole buffer,
+once, for as long as any entry keeps it alive.
 
 Why our own: transformers' cache classes hold the batch of one forward loop; they
 neither outlive it per sequence nor match prefixes across calls. vLLM's automatic
@@ -29,7 +32,8 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values as [head
 
 @dataclass(slots=True)
 class CacheStats:
-    """Counts since the cache was made. ``hits`` and ``misses`` count requests."""
+    """Counts since the cache was made. ``hits`` and ``misses`` count requests that did or
+    did not reuse a token; ``bytes`` is what the live entries keep allocated."""
 
     hits: int = 0
     misses: int = 0
@@ -42,11 +46,11 @@ class CacheStats:
 
 @dataclass(slots=True, eq=False)
 class PrefixEntry:
-    """The keys and values of every layer for the token ids ``ids``."""
+    """The keys and values of every layer for the token ids ``ids``, held in ``storage``."""
 
     ids: np.ndarray
     kv: KV
-    nbytes: int
+    storage: object
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -61,6 +65,7 @@ class PrefixCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()
+        self._storage: dict[int, list[int]] = {}  # id(storage) -> [bytes, entries holding it]
         self._bytes = 0
         self.stats = CacheStats()
 
@@ -68,11 +73,11 @@ class PrefixCache:
         return len(self._entries)
 
     def match(self, prompt: Sequence[int]) -> tuple[PrefixEntry | None, int]:
-        """The entry to reuse for ``prompt`` and how many of its tokens to reuse.
+        """The entry to reuse for ``prompt`` and how many of its tokens it can serve.
 
-        At most ``len(prompt) - 1`` tokens are reused: the last prompt token is
-        always run, since its logits give the first new token. Counts the hit or
-        miss; the caller counts what it really reused (``count``).
+        At most ``len(prompt) - 1`` tokens: the last prompt token is always run,
+        since its logits give the first new token. The caller says what it
+        really reused with ``record``.
         """
         ids = np.asarray(prompt, dtype=np.int64)
         best, n = None, 0
@@ -82,43 +87,58 @@ class PrefixCache:
                 best, n = entry, k
         n = min(n, len(ids) - 1)
         if best is None or n <= 0:
-            self.stats.misses += 1
             return None, 0
         self._entries.move_to_end(id(best))
-        self.stats.hits += 1
         return best, n
 
-    def count(self, reused: int, prefilled: int) -> None:
-        """Add prompt tokens taken from the cache and prompt tokens run through the model."""
-        self.stats.reused_tokens += reused
-        self.stats.prefilled_tokens += prefilled
+    def record(self, reused: Sequence[int], prompt_lens: Sequence[int]) -> None:
+        """Count one batch: per request, prompt tokens taken from the cache and prompt length."""
+        self.stats.hits += sum(r > 0 for r in reused)
+        self.stats.misses += sum(r == 0 for r in reused)
+        self.stats.reused_tokens += sum(reused)
+        self.stats.prefilled_tokens += sum(prompt_lens) - sum(reused)
 
-    def insert(self, ids: Sequence[int], kv: KV) -> None:
+    def insert(self, ids: Sequence[int], kv: KV, storage: object | None = None,
+               storage_bytes: int = 0) -> None:
         """Store ``kv`` for ``ids`` (most recently used), then evict down to the budget.
 
-        ``kv`` may be views of a larger buffer; the budget counts the views' bytes.
+        ``kv`` may be views of ``storage`` (``storage_bytes`` in all), which is
+        charged in full while any entry holds it; without it the entry owns ``kv``.
         """
         key = np.asarray(ids, dtype=np.int64)
-        nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
-        if nbytes > self.max_bytes:
+        if storage is None:
+            storage, storage_bytes = kv, sum(k.nbytes + v.nbytes for k, v in kv)
+        if storage_bytes > self.max_bytes:
             return
-        for old in [e for e in self._entries.values() if np.array_equal(e.ids, key)]:
-            self._drop(old)
-        entry = PrefixEntry(key, kv, nbytes)
+        for old in [e for e in self._entries.values()
+                    if len(e.ids) <= len(key) and _common_prefix(e.ids, key) == len(e.ids)]:
+            self._drop(old)  # the new entry extends it: it serves whatever the old one could
+        entry = PrefixEntry(key, kv, storage)
         self._entries[id(entry)] = entry
-        self._bytes += nbytes
+        held = self._storage.setdefault(id(storage), [storage_bytes, 0])
+        if held[1] == 0:
+            self._bytes += storage_bytes
+        held[1] += 1
         while self._bytes > self.max_bytes:
             self._drop(next(iter(self._entries.values())))
             self.stats.evictions += 1
-        self.stats.entries, self.stats.bytes = len(self._entries), self._bytes
+        self._sync()
 
     def _drop(self, entry: PrefixEntry) -> None:
         del self._entries[id(entry)]
-        self._bytes -= entry.nbytes
+        held = self._storage[id(entry.storage)]
+        held[1] -= 1
+        if held[1] == 0:
+            self._bytes -= held[0]
+            del self._storage[id(entry.storage)]
+        self._sync()
+
+    def _sync(self) -> None:
         self.stats.entries, self.stats.bytes = len(self._entries), self._bytes
 
     def clear(self) -> None:
         """Forget every entry (new weights make every cached key and value stale)."""
         self._entries.clear()
+        self._storage.clear()
         self._bytes = 0
-        self.stats.entries = self.stats.bytes = 0
+        self._sync()

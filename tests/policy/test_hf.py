@@ -175,20 +175,47 @@ def test_a_requests_sample_does_not_depend_on_its_batch(tokenizer, tiny_model):
         assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(alone.logprobs), atol=1e-4)
 
 
-def test_partial_weight_update_fails_unless_asked_for(tokenizer, tiny_model):
+def test_rejected_weight_updates_change_nothing(tokenizer, tiny_model):
     model = type(tiny_model)(tiny_model.config)
     model.load_state_dict(tiny_model.state_dict())
     policy = HFPolicy(model, tokenizer)
     policy.generate([GenerateRequest(_prompt(tokenizer), SamplingParams(max_new_tokens=2))])
     assert len(policy.prefix_cache) == 1
-    full = model.state_dict()
-    part = {k: v for i, (k, v) in enumerate(full.items()) if i % 2}
-    with pytest.raises(PolicyError, match="missing"):
-        policy.update_weights(part)
-    assert policy.version == 0 and len(policy.prefix_cache) == 1
-    bad = dict(full, **{next(iter(full)): torch.zeros(3)})
-    with pytest.raises(PolicyError, match="failed"):
-        policy.update_weights(bad)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    new = {k: v + 1.0 for k, v in before.items()}
+    part = dict(list(new.items())[::2])
+    for bad, match in [(part, "missing"), (dict(new, bogus=torch.zeros(1)), "unexpected"),
+                       (dict(new, **{next(iter(new)): torch.zeros(3)}), "shapes")]:
+        with pytest.raises(PolicyError, match=match):
+            policy.update_weights(bad)
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())  # nothing copied
+        assert policy.version == 0 and len(policy.prefix_cache) == 1
     policy.update_weights(part, strict=False)
     assert policy.version == 1
     assert len(policy.prefix_cache) == 0  # keys and values of the old weights are stale
+    assert torch.equal(model.state_dict()[next(iter(part))], next(iter(part.values())))
+
+
+def test_a_checkpoint_without_the_tied_head_is_complete(tokenizer, tiny_model):
+    model = type(tiny_model)(tiny_model.config)
+    model.load_state_dict(tiny_model.state_dict())
+    assert model.config.tie_word_embeddings
+    policy = HFPolicy(model, tokenizer)
+    saved = {k: v + 1.0 for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    policy.update_weights(saved)  # what save_pretrained writes for a tied model
+    assert policy.version == 1
+    assert torch.equal(model.lm_head.weight, saved["model.embed_tokens.weight"])
+
+
+def test_rows_with_different_token_limits_share_a_batch(tokenizer, tiny_model):
+    policy = HFPolicy(tiny_model, tokenizer)
+    policy.eos_ids = {-1}
+    calls = []
+    original = policy._generate_batch
+    policy._generate_batch = lambda reqs: calls.append(len(reqs)) or original(reqs)
+    limits = [5, 2, 9, 1]
+    results = policy.generate([GenerateRequest(_prompt(tokenizer, f"Q{i}"), SamplingParams(max_new_tokens=n))
+                               for i, n in enumerate(limits)])
+    assert calls == [4]
+    assert [len(r.token_ids) for r in results] == limits
+    assert all(r.finish_reason == "length" for r in results)

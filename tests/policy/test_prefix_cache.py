@@ -29,7 +29,20 @@ def test_match_takes_the_longest_common_prefix_and_leaves_the_last_token():
     assert n == 3
     entry, n = cache.match([7, 1, 2])
     assert entry is None and n == 0
-    assert (cache.stats.hits, cache.stats.misses) == (3, 1)
+    cache.record([4, 3, 0], [6, 4, 3])
+    s = cache.stats
+    assert (s.hits, s.misses, s.reused_tokens, s.prefilled_tokens) == (2, 1, 7, 6)
+
+
+def test_an_entry_that_a_new_one_extends_is_dropped():
+    cache = PrefixCache(max_bytes=10**6)
+    cache.insert([1, 2, 3], _kv(3))
+    cache.insert([1, 2, 3, 4, 5], _kv(5))  # the same episode one turn later
+    assert len(cache) == 1
+    entry, n = cache.match([1, 2, 3, 9])  # a branch from the earlier turn is still served
+    assert n == 3 and entry.ids.tolist() == [1, 2, 3, 4, 5]
+    cache.insert([1, 2, 7], _kv(3))  # a sibling extends only part: both stay
+    assert len(cache) == 2
 
 
 def test_eviction_is_least_recently_used_under_the_byte_budget():
@@ -47,11 +60,31 @@ def test_eviction_is_least_recently_used_under_the_byte_budget():
     assert len(cache) == 2
 
 
-def test_reinserting_the_same_ids_replaces_the_entry():
-    cache = PrefixCache(max_bytes=10**6)
-    cache.insert([1, 2, 3], _kv(3))
-    cache.insert([1, 2, 3], _kv(3))
-    assert len(cache) == 1 and cache.stats.bytes == 3 * 2 * 2 * 16
+def test_views_are_charged_for_their_whole_buffer_once():
+    buffer = torch.zeros(2, 1, 100, 4)  # a batch of 2 rows, 100 columns: 3,200 bytes
+    cache = PrefixCache(max_bytes=5000)
+    for row, ids in enumerate(([1, 2, 3], [4, 5, 6])):
+        cache.insert(ids, [(buffer[row, :, :3], buffer[row, :, :3])], storage=buffer, storage_bytes=3200)
+    assert cache.stats.bytes == 3200  # two small views, one buffer
+    other = torch.zeros(2, 1, 100, 4)
+    cache.insert([7, 8], [(other[0, :, :2], other[0, :, :2])], storage=other, storage_bytes=3200)
+    # The new buffer pushed the total over the budget: the old buffer's entries go, all of them.
+    assert cache.stats.bytes == 3200 and len(cache) == 1 and cache.stats.evictions == 2
+
+
+def test_hf_cache_bytes_count_the_slabs_it_keeps(tokenizer, tiny_model):
+    policy = HFPolicy(tiny_model, tokenizer)
+    prompts = [list(c.ids) for c in _conversations(tokenizer, 4)]
+    first = policy.generate([GenerateRequest(p, SamplingParams(max_new_tokens=50)) for p in prompts])
+    slab_bytes = policy.prefix_cache.stats.bytes
+    k = tiny_model.config
+    per_column = 2 * k.num_hidden_layers * k.num_key_value_heads * (k.hidden_size // k.num_attention_heads) * 4
+    assert slab_bytes == 4 * (max(map(len, prompts)) + 50) * per_column
+    # The next turn extends every row: the first slab is released, only the second is held.
+    second = [p + r.token_ids + [11, 12] for p, r in zip(prompts, first, strict=True)]
+    policy.generate([GenerateRequest(p, SamplingParams(max_new_tokens=3)) for p in second])
+    assert len(policy.prefix_cache) == 4
+    assert policy.prefix_cache.stats.bytes == 4 * (max(map(len, second)) + 3) * per_column
 
 
 def _conversations(tokenizer, n: int) -> list[ChatContext]:
