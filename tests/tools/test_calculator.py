@@ -133,8 +133,9 @@ def test_no_expression_stalls_the_event_loop():
 
     gaps, took, after = asyncio.run(scenario())
     assert after.content == "42"
-    assert max(took) < 3.0  # 0.5 s deadline, plus a worker start on a loaded machine
-    assert max(gaps) < 0.5  # the loop never waited on the computation
+    # Margins for a loaded 2-core CI machine; the bug this guards against blocked the loop ~10 s.
+    assert max(took) < 5.0  # 0.5 s deadline, plus a worker start
+    assert max(gaps) < 1.0  # the loop never waited on the computation
 
 
 def test_calculator_worker_is_replaced_after_it_is_killed():
