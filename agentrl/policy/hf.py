@@ -75,18 +75,20 @@ def prefill_groups(new_tokens: list[int], pad_tokens: int) -> list[tuple[int, in
     return groups
 
 
-def _inverse_cdf_sample(logp: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
-    """One token per row: one uniform draw from the row's own stream, through the row's CDF.
+def _gumbel_max_sample(logp: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
+    """One token per row: ``argmax(logp + Gumbel noise)``, the noise from the row's own stream.
 
-    A stream per request keeps a request's sample independent of its batch. One
-    uniform per token is cheaper than ``torch.multinomial``, which draws one
-    random number per vocabulary entry. ``right=True`` never picks a token of
-    probability 0, and scaling by the last CDF value absorbs rounding.
+    The Gumbel-max trick (Gumbel 1954; Maddison et al. 2014, Sec. 2) samples
+    exactly from ``softmax(logp)``. A stream per request keeps a request's
+    sample independent of its batch. Why not inverse-CDF sampling with one
+    uniform: a CDF summed over 49,152 tokens moves by more than the width of a
+    tail token's interval when the logits move by float noise, so a prefix-cached
+    and a fully prefilled run would pick different tail tokens; the argmax only
+    flips when two perturbed scores are within that noise.
     """
-    cdf = logp.exp().cumsum(-1)
-    u = torch.cat([torch.rand(1, generator=g, device=logp.device) for g in gens])
-    nxt = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
-    return nxt.clamp(max=logp.shape[-1] - 1)
+    u = torch.stack([torch.rand(logp.shape[-1], generator=g, device=logp.device) for g in gens])
+    gumbel = -torch.log(-torch.log(u.clamp(min=1e-20)))
+    return (logp + gumbel).argmax(-1)
 
 
 def _entropy(logp: torch.Tensor) -> torch.Tensor:
@@ -250,7 +252,7 @@ class HFPolicy:
         finish: list[str | None] = [None] * B
         for step in range(max(limits)):
             logp = sampling_logprobs(logits, params)
-            nxt = logp.argmax(-1) if params.temperature == 0 else _inverse_cdf_sample(logp, gens)
+            nxt = logp.argmax(-1) if params.temperature == 0 else _gumbel_max_sample(logp, gens)
             # One device-to-host copy per tensor and step, not one per row and value.
             chosen = logp.gather(-1, nxt[:, None]).squeeze(-1).tolist()
             ent, ids = _entropy(logp).tolist(), nxt.tolist()

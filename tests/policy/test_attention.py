@@ -10,7 +10,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from agentrl.models import load_model
 from agentrl.policy.attention import GQA_SDPA, gqa_sdpa_attention, use_gqa_sdpa
-from agentrl.policy.hf import _inverse_cdf_sample
+from agentrl.policy.hf import _gumbel_max_sample
 
 
 class _Module:
@@ -52,10 +52,10 @@ def test_switched_model_gives_the_logits_of_eager_attention(tokenizer):
     assert torch.allclose(got[1, 2:], want[1, 2:], atol=1e-4)
 
 
-def test_inverse_cdf_sampling_follows_the_probabilities():
+def test_gumbel_max_sampling_follows_the_probabilities():
     logp = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]])).expand(4000, 4)
     gens = [torch.Generator().manual_seed(i) for i in range(4000)]
-    draws = _inverse_cdf_sample(logp, gens)
+    draws = _gumbel_max_sample(logp, gens)
     freq = torch.bincount(draws, minlength=4).float() / 4000
     assert freq[3] == 0  # a token of probability 0 is never drawn
     assert torch.allclose(freq[:3], torch.tensor([0.5, 0.3, 0.2]), atol=0.03)
