@@ -1,18 +1,32 @@
 """Policy backends behind one protocol: ``generate(requests) -> results``."""
 
-from .base import GenerateRequest, GenerateResult, Policy, SamplingParams
+from .base import (
+    GenerateRequest,
+    GenerateResult,
+    Policy,
+    SamplingParams,
+    action_text,
+    request_seed,
+    stop_string_hit,
+)
 from .hf import HFPolicy, sampling_logprobs
 from .mock import MockPolicy
+from .prefix_cache import CacheStats, PrefixCache
 from .registry import BACKENDS, make_policy
 
 __all__ = [
     "BACKENDS",
+    "CacheStats",
     "make_policy",
     "GenerateRequest",
     "GenerateResult",
     "HFPolicy",
     "MockPolicy",
     "Policy",
+    "PrefixCache",
     "SamplingParams",
+    "action_text",
+    "request_seed",
     "sampling_logprobs",
+    "stop_string_hit",
 ]
