@@ -1,0 +1,264 @@
+"""Credit assignment: from rollout trees to per-token advantages.
+
+One file per family, each a set of small pure functions:
+
+- ``group``: one advantage per episode from the group's outcomes (GRPO,
+  Dr. GRPO, RLOO, MC-GRPO);
+- ``gigpo``: episode plus anchor-state step advantages (GiGPO);
+- ``tree``: node values from the leaves below (TreeRL, contrastive siblings);
+- ``returns``: discounted returns, GAE over turns, normalisation levels;
+- ``gdpo``: several rewards, normalised apart, then combined (GDPO).
+
+A *group* is the episodes (root-to-leaf paths) of one ``RolloutTree``, i.e. of
+one task. ``assign`` is the trainer's single entry point: it runs one
+``ESTIMATORS`` method on every tree and spreads each turn's advantage over
+that turn's action tokens with ``to_token_advantages``.
+
+Failed episodes (``episode.error`` set: the env, sandbox or context budget
+ended them, not the model) never enter any baseline or statistic. With
+``failed="exclude"`` they are left out of the result; with ``"zero"`` they
+are returned with all-zero advantages (their tokens still count in a
+token-mean loss). Either way ``assign_report`` lists them, and ``assign``
+logs how many there were.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentrl.types import Episode, RolloutTree
+
+from .gdpo import gdpo
+from .gigpo import anchor_groups, episode_state_keys, gigpo_advantages, gigpo_episode_advantages
+from .group import dr_grpo, grpo, mc_grpo, mc_grpo_pivot, rloo
+from .returns import discounted_returns, gae, normalize
+from .tree import leaf_outcome, node_values, tree_advantages, turn_advantages
+
+__all__ = [
+    "ESTIMATORS",
+    "CreditReport",
+    "anchor_groups",
+    "assign",
+    "assign_report",
+    "discounted_returns",
+    "dr_grpo",
+    "episode_state_keys",
+    "gae",
+    "gdpo",
+    "gigpo_advantages",
+    "gigpo_episode_advantages",
+    "grpo",
+    "leaf_outcome",
+    "mc_grpo",
+    "mc_grpo_pivot",
+    "node_values",
+    "normalize",
+    "rloo",
+    "to_token_advantages",
+    "tree_advantages",
+]
+
+log = logging.getLogger(__name__)
+
+# Every advantage estimator, by the name a config uses. ``assign`` accepts these names.
+ESTIMATORS: dict[str, Callable[..., Any]] = {
+    "grpo": grpo,
+    "dr_grpo": dr_grpo,
+    "rloo": rloo,
+    "mc_grpo": mc_grpo,
+    "gigpo": gigpo_advantages,
+    "tree": tree_advantages,
+    "gdpo": gdpo,
+    "returns": discounted_returns,
+    "gae": gae,
+}
+_SCALAR = ("grpo", "dr_grpo", "rloo", "mc_grpo")  # one advantage per episode
+
+
+def to_token_advantages(episode: Episode, turn_advantages: float | Sequence[float]) -> list[float]:
+    """Per-token advantages aligned with ``episode.input_ids``.
+
+    Context tokens get 0; turn ``k``'s action tokens (``episode.turn_spans[k]``,
+    including the tokens of a segment fork's partial node) get
+    ``turn_advantages[k]``. A single number is the advantage of every turn.
+    """
+    spans = episode.turn_spans
+    if isinstance(turn_advantages, int | float):
+        per_turn = [float(turn_advantages)] * len(spans)
+    else:
+        per_turn = [float(a) for a in turn_advantages]
+        if len(per_turn) != len(spans):
+            raise ValueError(
+                f"turn_advantages has {len(per_turn)} entries but the episode has {len(spans)} turns"
+            )
+    out = [0.0] * len(episode.input_ids)
+    for (start, end), a in zip(spans, per_turn, strict=True):
+        out[start:end] = [a] * (end - start)
+    return out
+
+
+@dataclass(slots=True)
+class CreditReport:
+    """What ``assign`` computed and what it left out.
+
+    ``items`` pairs each episode with its per-token advantages. ``failed``
+    names each failed episode as ``(tree index, leaf node id, error)``.
+    ``pivots`` counts MC-GRPO pivot episodes left out of the loss.
+    """
+
+    items: list[tuple[Episode, list[float]]] = field(default_factory=list)
+    failed: list[tuple[int, int, str]] = field(default_factory=list)
+    pivots: int = 0
+
+
+def _outcome(episode: Episode, outcome: str | Callable[[Episode], float]) -> float:
+    if callable(outcome):
+        return float(outcome(episode))
+    if outcome == "return":
+        return episode.total_reward
+    if outcome == "success":
+        last = episode.nodes[-1]
+        if "success" in last.info:
+            return float(bool(last.info["success"]))
+        return float(last.terminated and last.reward > 0)
+    raise ValueError(f"outcome must be 'return', 'success' or a callable, not {outcome!r}")
+
+
+def _tree_turns(
+    method: str,
+    tree: RolloutTree,
+    episodes: list[Episode],
+    failed_leaves: set[int],
+    outcome: str | Callable[[Episode], float],
+    options: dict[str, Any],
+) -> list[list[float]]:
+    """Per-turn advantages of the kept ``episodes`` of one tree (one group)."""
+    if method in _SCALAR:
+        scores = ESTIMATORS[method]([_outcome(e, outcome) for e in episodes], **options)
+        return [[a] * e.num_turns for e, a in zip(episodes, scores, strict=True)]
+    if method == "gigpo":
+        return gigpo_episode_advantages(episodes, tree, **options)
+    if method == "tree":
+        advs = tree_advantages(tree, outcome, exclude=failed_leaves, **options)
+        return [turn_advantages(e, advs) for e in episodes]
+    raise AssertionError(method)  # batch-level methods are handled by assign_report
+
+
+def _batch_turns(
+    method: str, kept: list[list[Episode]], options: dict[str, Any]
+) -> list[list[list[float]]]:
+    """Per-turn advantages for methods whose statistics span the whole batch."""
+    flat = [e for eps in kept for e in eps]
+    group_of = [g for g, eps in enumerate(kept) for _ in eps]
+    if method == "gdpo":
+        reward_fn = options.pop("reward_fn", None)
+        if reward_fn is None:
+            raise ValueError("method='gdpo' needs reward_fn: Episode -> {reward name: value}")
+        scores = gdpo([dict(reward_fn(e)) for e in flat], groups=group_of, **options) if flat else []
+        per_turn = [[a] * e.num_turns for e, a in zip(flat, scores, strict=True)]
+    else:  # "returns" or "gae"
+        gamma = options.pop("gamma", 1.0)
+        level = options.pop("level", "group")
+        value_fn = options.pop("value_fn", None)
+        lam = options.pop("lam", 1.0)
+        if options:
+            raise TypeError(f"unknown options for method={method!r}: {sorted(options)}")
+        if method == "gae":
+            per_turn = [gae(e.rewards, value_fn(e) if value_fn else None, gamma, lam) for e in flat]
+        else:
+            per_turn = [discounted_returns(e.rewards, gamma) for e in flat]
+        if level is not None:
+            per_turn = normalize(per_turn, level, group_of)
+    out, i = [], 0
+    for eps in kept:
+        out.append(per_turn[i : i + len(eps)])
+        i += len(eps)
+    return out
+
+
+def assign_report(
+    trees: Sequence[RolloutTree],
+    method: str,
+    failed: str = "exclude",
+    outcome: str | Callable[[Episode], float] = "return",
+    **options: Any,
+) -> CreditReport:
+    """Per-token advantages for every root-to-leaf episode of every tree.
+
+    ``method`` is a key of ``ESTIMATORS``; ``options`` go to it. ``outcome``
+    is an episode's scalar result for the group methods and the tree method:
+    ``"return"`` (sum of rewards), ``"success"`` or a callable. The group of
+    an episode is its tree. Extra per-method options:
+    ``gdpo`` needs ``reward_fn`` (Episode -> {name: value}) and takes
+    ``weights``, ``batch_norm``, ``eps``; ``returns`` and ``gae`` take
+    ``gamma``, ``lam``, ``value_fn`` (Episode -> per-turn values) and
+    ``level`` (a ``normalize`` level, default ``"group"``, or None).
+    """
+    if method not in ESTIMATORS:
+        raise ValueError(f"unknown credit method {method!r}; choose one of {sorted(ESTIMATORS)}")
+    if failed not in ("exclude", "zero"):
+        raise ValueError(f"failed must be 'exclude' or 'zero', not {failed!r}")
+    report = CreditReport()
+    kept: list[list[Episode]] = []
+    bad: list[list[Episode]] = []
+    bad_leaves: list[set[int]] = []
+    for t, tree in enumerate(trees):
+        good, fails, leaves = [], [], set()
+        for leaf in tree.leaves():
+            episode = Episode.from_path(tree.path(leaf.id))
+            if episode.error:
+                fails.append(episode)
+                leaves.add(leaf.id)
+                report.failed.append((t, leaf.id, episode.error))
+            else:
+                good.append(episode)
+        kept.append(good)
+        bad.append(fails)
+        bad_leaves.append(leaves)
+
+    if method in ("gdpo", "returns", "gae"):
+        turns = _batch_turns(method, kept, dict(options))
+    else:
+        turns = [
+            _tree_turns(method, tree, eps, leaves, outcome, dict(options)) if eps else []
+            for tree, eps, leaves in zip(trees, kept, bad_leaves, strict=True)
+        ]
+
+    for tree_idx, (eps, per_turn) in enumerate(zip(kept, turns, strict=True)):
+        drop = None
+        if method == "mc_grpo":
+            drop = mc_grpo_pivot([_outcome(e, outcome) for e in eps]) if len(eps) > 1 else None
+        for j, (episode, adv) in enumerate(zip(eps, per_turn, strict=True)):
+            if j == drop:
+                report.pivots += 1  # MC-GRPO: the pivot carries no gradient
+                continue
+            report.items.append((episode, to_token_advantages(episode, adv)))
+        if failed == "zero":
+            for episode in bad[tree_idx]:
+                report.items.append((episode, [0.0] * len(episode.input_ids)))
+    return report
+
+
+def assign(
+    trees: Sequence[RolloutTree],
+    method: str,
+    failed: str = "exclude",
+    outcome: str | Callable[[Episode], float] = "return",
+    **options: Any,
+) -> list[tuple[Episode, list[float]]]:
+    """``assign_report(...).items``, logging how many failed episodes were left out or zeroed."""
+    report = assign_report(trees, method, failed, outcome, **options)
+    if report.failed:
+        reasons = Counter(err for _, _, err in report.failed)
+        log.warning(
+            "credit: %d failed episode(s) %s (%s)",
+            len(report.failed),
+            "left out" if failed == "exclude" else "given 0 advantage",
+            "; ".join(f"{n}x {r}" for r, n in reasons.items()),
+        )
+    return report.items
+
