@@ -4,7 +4,8 @@ Each reset generates a room from ``(split, seed)`` (see ``scene``): numbered
 receptacles, typed objects, light sources and one task of the six ALFWorld
 families, stated the ALFWorld way ("Your task is to: put a clean mug in
 coffeemachine."). The agent acts with ALFWorld's commands (see ``world``);
-``info["admissible_actions"]`` lists the valid ones, sorted, every step.
+``info["admissible_actions"]`` lists the valid ones, sorted, every step;
+``info["state_key"]`` is a short hash of the true world state (GiGPO's anchor).
 
 Reward: 1.0 on the step the goal first holds (``terminated=True``). With
 ``dense_reward=True`` each subgoal reached for the first time in the episode
@@ -25,6 +26,7 @@ answered "Nothing happens." and uses up the step.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +55,15 @@ class _Snapshot:
     won: bool
     achieved: int
     last_obs: str
+
+
+def _state_key(w: World) -> str:
+    """A short hash of the true world state (scene, agent location and inventory,
+    open receptacles, object places and states): equal keys mean the same state,
+    whatever path led there. GiGPO groups steps by it (``agentrl.credit.gigpo``)."""
+    scene = w.s.scene
+    state = (scene.split, scene.seed, w.loc, w.held, w.opened, w.where, w.flags)
+    return hashlib.blake2b(repr(state).encode(), digest_size=8).hexdigest()
 
 
 def _canonical(text: str, style: str) -> str | None:
@@ -123,6 +134,7 @@ class ALFWorldEnv(TextEnv):
             "tools": [],
             "won": self._won,
             "task_type": task.family,
+            "state_key": _state_key(w),
         }
 
     # -- gymnasium API -----------------------------------------------------------

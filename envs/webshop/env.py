@@ -23,7 +23,8 @@ one of the clickables now shown (case-insensitive). Anything else gets an
 Reward: 0 until ``click[buy now]``, which ends the episode with the WebShop
 score of the bought item (formula in ``goal``'s docstring); ``info["success"]``
 is True when the score is 1. The episode is truncated after ``max_steps``
-steps (15 by default).
+steps (15 by default). ``info["state_key"]`` is a short hash of the true shop
+state (GiGPO's anchor).
 
 The expert (``expert_action``) is privileged: it reads the goal and the
 catalog to pick a matching product from the results. It is there to make
@@ -32,6 +33,7 @@ demonstrations and to check that every goal can be solved, not as a baseline.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 from dataclasses import dataclass, replace
@@ -167,7 +169,18 @@ class WebShopEnv(TextEnv):
             "admissible_actions": actions,
             "tools": [],
             "page": state.page,
+            "state_key": self._state_key(),
         }
+
+    def _state_key(self) -> str:
+        """A short hash of the true shop state (goal, page, query, results page,
+        item, selected options), blind to the step count and to an invalid
+        action's message: equal keys mean the same state. GiGPO groups steps by it."""
+        s = self._state
+        goal = self.goal.instruction if self.goal else ""
+        query = "" if s.page == "search" else s.query  # the search page forgets its last query
+        state = (goal, s.page, query, s.page_no, s.item, s.selected, s.done)
+        return hashlib.blake2b(repr(state).encode(), digest_size=8).hexdigest()
 
     def _render(self, state: _State) -> str:
         assert self.goal is not None
