@@ -39,7 +39,7 @@ class SamplingConfig(_Strict):
 
 
 class PolicyConfig(_Strict):
-    backend: Literal["hf", "mock"] = Field("hf", description="Generation backend.")
+    backend: Literal["hf", "vllm", "openai", "mock"] = Field("hf", description="Generation backend.")
     model: str = Field("smollm2-135m", description="Registered model name or local folder.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
     device: str = Field("cpu", description="torch device.")
@@ -47,6 +47,8 @@ class PolicyConfig(_Strict):
     prefix_cache_mb: int = Field(
         4096, ge=0, description="hf: MiB of keys and values kept across turns for prefix reuse; 0 turns it off."
     )
+    base_url: str | None = Field(None, description="backend=openai: the server's base URL (ending in /v1).")
+    api_key: str | None = Field(None, description="backend=openai: bearer token, if the server wants one.")
     mock_responses: list[str] = Field(
         default_factory=lambda: ["1"], description="Scripted answers for backend=mock."
     )
@@ -58,7 +60,20 @@ class EnvConfig(_Strict):
 
 
 class RolloutConfig(_Strict):
-    episodes: int = Field(8, ge=1, description="Episodes to run.")
+    episodes: int = Field(8, ge=1, description="Tasks to run: env seeds seed, seed+1, ...")
+    group_size: int = Field(1, ge=1, description="Episodes per task for the independent allocator (a GRPO group).")
+    allocator: str = Field("independent", description="Branch allocator (agentrl.rollout.allocation).")
+    allocator_options: dict[str, Any] = Field(default_factory=dict, description="Keyword options of the allocator.")
+    budget: int | None = Field(None, ge=1, description="Budget per batch; null is episodes * group_size leaves.")
+    budget_unit: Literal["leaves", "turns", "tokens"] = Field("leaves", description="What the budget counts.")
+    concurrency: int = Field(64, ge=1, description="Episodes in flight at once.")
+    episode_timeout_s: float | None = Field(
+        None, gt=0, description="Wall-clock seconds per episode (path); over it the episode fails.")
+    env_executor: Literal["thread", "process"] = Field(
+        "thread", description="Where env steps run off the event loop; process suits CPU-heavy envs.")
+    env_workers: int | None = Field(None, ge=1, description="Env step workers; null is concurrency.")
+    failed_episodes: Literal["exclude", "count"] = Field(
+        "exclude", description="Failed episodes: left out of training, or kept with their reward.")
     max_turns: int = Field(16, ge=1, description="Turns per episode before truncation.")
     max_context_tokens: int = Field(2048, ge=16, description="Context budget per episode.")
     seed: int = Field(0, description="Episode i uses env seed seed + i.")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import difflib
 import importlib
+import threading
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -118,17 +119,25 @@ def register_env(env_id: str, entry_point: Any, **kwargs: Any) -> None:
 
 
 _loaded = False
+_load_lock = threading.RLock()
 
 
 def _load_env_plugins() -> None:
-    """Import the built-in envs and any ``agentrl.envs`` entry points, once."""
+    """Import the built-in envs and any ``agentrl.envs`` entry points, once.
+
+    Locked, and marked loaded only after the imports: the rollout engine makes
+    envs from several threads at once.
+    """
     global _loaded
     if _loaded:
         return
-    _loaded = True
-    importlib.import_module("agentrl.envs")
-    for ep in entry_points(group="agentrl.envs"):
-        ep.load()
+    with _load_lock:
+        if _loaded:
+            return
+        importlib.import_module("agentrl.envs")
+        for ep in entry_points(group="agentrl.envs"):
+            ep.load()
+        _loaded = True
 
 
 def list_envs() -> list[str]:

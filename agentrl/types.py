@@ -95,6 +95,11 @@ class Node:
     ``observation`` is the env's text answer to the action. ``snapshot`` is a
     handle into ``RolloutTree.snapshots`` (live env states are process-local and
     not serialized). ``error`` records why an episode failed at this turn.
+
+    A ``partial`` node holds the first tokens of an action that its children
+    continue (a segment-level fork inside a turn): it has no env step, and an
+    ``Episode`` joins it with its child into one turn. A child's
+    ``context_ids`` is empty then.
     """
 
     id: int = -1
@@ -114,6 +119,7 @@ class Node:
     info: dict[str, Any] = field(default_factory=dict)
     snapshot: str | None = None
     error: str | None = None
+    partial: bool = False
 
     @property
     def done(self) -> bool:
@@ -138,6 +144,8 @@ class Episode:
     ``loss_mask`` is 1 on action tokens, 0 on context tokens. ``logprobs`` and
     ``versions`` are aligned with ``input_ids`` (0.0 and -1 on context tokens).
     ``turn_spans[k]`` is the half-open ``(start, end)`` of turn k's action tokens.
+    ``nodes[k]`` is the node that ended turn k (its env step); partial nodes of
+    a segment fork are joined into the turn they start.
     """
 
     nodes: list[Node]
@@ -154,18 +162,24 @@ class Episode:
         lps: list[float] = []
         vers: list[int] = []
         spans: list[tuple[int, int]] = []
+        turns: list[Node] = []
+        start: int | None = None
         for node in nodes:
             ids += node.context_ids
             mask += [0] * len(node.context_ids)
             lps += [0.0] * len(node.context_ids)
             vers += [-1] * len(node.context_ids)
-            start = len(ids)
+            if start is None:
+                start = len(ids)
             ids += node.action_ids
             mask += [1] * len(node.action_ids)
             lps += node.logprobs
             vers += [node.version] * len(node.action_ids)
-            spans.append((start, len(ids)))
-        return cls(nodes, ids, mask, lps, vers, spans)
+            if not node.partial:
+                spans.append((start, len(ids)))
+                turns.append(node)
+                start = None
+        return cls(turns, ids, mask, lps, vers, spans)
 
     @property
     def rewards(self) -> list[float]:
@@ -226,15 +240,26 @@ class RolloutTree:
             yield Episode.from_path(self.path(leaf.id))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "meta": self.meta,
-            "roots": self.roots,
-            "nodes": [n.to_dict() for n in self.nodes.values()],
-        }
+        """Plain data. A context shared by siblings (branches) is written once:
+        later siblings carry ``context_from`` (the first sibling's id) instead."""
+        out = []
+        for n in self.nodes.values():
+            d = n.to_dict()
+            siblings = self.roots if n.parent is None else self.nodes[n.parent].children
+            first = next((s for s in siblings if self.nodes[s].context_ids == n.context_ids), n.id)
+            if first != n.id and n.context_ids:
+                d["context_ids"], d["context_from"] = None, first
+            out.append(d)
+        return {"meta": self.meta, "roots": self.roots, "nodes": out}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RolloutTree:
-        nodes = {d["id"]: Node.from_dict(d) for d in data["nodes"]}
+        refs = {d["id"]: d.get("context_from") for d in data["nodes"]}
+        nodes = {d["id"]: Node.from_dict({k: v for k, v in d.items() if k != "context_from"})
+                 for d in data["nodes"]}
+        for i, src in refs.items():
+            if src is not None:  # shared, not copied, as the engine holds it
+                nodes[i].context_ids = nodes[src].context_ids
         return cls(meta=data.get("meta", {}), nodes=nodes, roots=list(data["roots"]))
 
     def to_json(self) -> str:

@@ -132,7 +132,7 @@ def test_kept_snapshots_restore_the_env_at_that_turn(tokenizer):
     assert len(nodes) == 4  # seed 0's secret is above 4: no early win
     assert [n.snapshot for n in nodes] == ["n0", "n1", "n2", None]  # the last turn ended it
     env = make_env("agentrl/GuessNumber-v0").unwrapped
-    env.restore(tree.snapshots["n1"])  # the state after the guesses "1" and "2"
+    env.restore(tree.snapshots["n1"].env)  # the state after the guesses "1" and "2"
     assert env.turn == 2 and env.low_bound == 3
     obs, *_ = env.step("3")
     assert obs == nodes[2].observation  # it continues as the original did
@@ -165,7 +165,7 @@ def test_episodes_of_one_turn_sample_independently(tokenizer, tiny_model):
     assert len(set(firsts)) == 32
 
 
-def test_envs_are_closed_when_generate_raises(tokenizer, monkeypatch):
+def test_a_failed_generation_fails_its_episodes_and_envs_are_closed(tokenizer, monkeypatch):
     closed = []
     from agentrl.envs.guess_number import GuessNumberEnv
     monkeypatch.setattr(GuessNumberEnv, "close", lambda self: closed.append(self))
@@ -175,17 +175,19 @@ def test_envs_are_closed_when_generate_raises(tokenizer, monkeypatch):
             raise RuntimeError("backend died")
 
     cfg = load_config(overrides=["rollout.episodes=3"])
-    with pytest.raises(RuntimeError, match="backend died"):
-        run_episodes("agentrl/GuessNumber-v0", Broken(tokenizer, ["1"]), cfg)
+    trees = run_episodes("agentrl/GuessNumber-v0", Broken(tokenizer, ["1"]), cfg)
+    errors = [ep.error for t in trees for ep in t.episodes()]
+    assert errors == ["generation failed: RuntimeError: backend died"] * 3
+    assert summarize(trees, 1.0)["failure_reasons"] == {"generation failed": 3}
     assert len(closed) == 3
 
-    def close_or_raise(self):  # the first close fails: the others still run, the run's error wins
+    def close_or_raise(self):  # the first close fails: the others still run, with a warning
         closed.append(self)
         if len(closed) == 4:
             raise OSError("sandbox gone")
 
     monkeypatch.setattr(GuessNumberEnv, "close", close_or_raise)
-    with pytest.raises(RuntimeError, match="backend died"), pytest.warns(RuntimeWarning, match="sandbox gone"):
+    with pytest.warns(RuntimeWarning, match="sandbox gone"):
         run_episodes("agentrl/GuessNumber-v0", Broken(tokenizer, ["1"]), cfg)
     assert len(closed) == 6
 

@@ -9,6 +9,7 @@ from .base import (
     request_seed,
     stop_string_hit,
 )
+from .batching import MicroBatcher
 from .hf import HFPolicy, sampling_logprobs
 from .mock import MockPolicy
 from .prefix_cache import CacheStats, PrefixCache
@@ -21,6 +22,7 @@ __all__ = [
     "GenerateRequest",
     "GenerateResult",
     "HFPolicy",
+    "MicroBatcher",
     "MockPolicy",
     "Policy",
     "PrefixCache",

@@ -1,7 +1,9 @@
 """The policy protocol: token ids in; token ids, logprobs and entropies out.
 
-Every backend (``hf``, ``mock``, later ``vllm`` and ``openai``) implements
-``generate(requests) -> results`` and ``update_weights(state_dict)``, and counts
+Every backend (``hf``, ``mock``, ``vllm``, ``openai``) implements
+``generate(requests) -> results`` (sync, a batch), ``await agenerate(request)``
+(one request; the backend batches concurrent calls: a micro-batcher for ``hf``,
+continuous batching for ``vllm``) and ``update_weights(state_dict)``, and counts
 its weight ``version`` so each sampled token can be traced to the weights that
 sampled it.
 
@@ -103,6 +105,10 @@ class Policy(Protocol):
     tokenizer: Any
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]: ...
+
+    async def agenerate(self, request: GenerateRequest) -> GenerateResult:
+        """One request, awaited; the backend batches concurrent calls itself."""
+        ...
 
     def update_weights(self, state_dict: dict[str, Any]) -> None: ...
 

@@ -28,6 +28,7 @@ import torch
 from ..errors import PolicyError
 from .attention import use_gqa_sdpa
 from .base import GenerateRequest, GenerateResult, SamplingParams, stop_string_hit
+from .batching import MicroBatcher
 from .kv_slab import KVSlab, kv_shape
 from .prefix_cache import PrefixCache, PrefixEntry
 
@@ -127,6 +128,7 @@ class HFPolicy:
         except ValueError as e:  # sliding-window or hybrid attention: not supported by the slab yet
             raise PolicyError(f"{e}; use a full-attention model with the hf backend") from e
         use_gqa_sdpa(model)  # CPU: read grouped keys and values in place (see policy/attention.py)
+        self.batcher = MicroBatcher(self.generate, name="agentrl-hf")
 
     @property
     def device(self) -> torch.device:
@@ -175,6 +177,10 @@ class HFPolicy:
                 for i, out in zip(chunk, outs, strict=True):
                     results[i] = out
         return results  # type: ignore[return-value]
+
+    async def agenerate(self, request: GenerateRequest) -> GenerateResult:
+        """One request; concurrent calls are gathered into one ``generate`` batch."""
+        return await self.batcher.submit(request)
 
     def _match(self, prompt: list[int]) -> tuple[PrefixEntry | None, int]:
         if self.prefix_cache is None:

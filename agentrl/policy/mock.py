@@ -47,6 +47,10 @@ class MockPolicy:
             out.append(self._cut(ids, req))
         return out
 
+    async def agenerate(self, request: GenerateRequest) -> GenerateResult:
+        """Instant, so no batching: answered on the caller's loop."""
+        return self.generate([request])[0]
+
     def _cut(self, ids: list[int], req: GenerateRequest) -> GenerateResult:
         """End the response as a sampler would: at a stop token, stop string or the length."""
         p, stop_ids = req.params, {self.tokenizer.eos_token_id, *req.params.stop_token_ids}

@@ -1,0 +1,29 @@
+"""Rollouts: the async engine, tree branching, branch allocators, and summaries.
+
+``collect(env_id, policy, cfg, seeds)`` grows one ``RolloutTree`` per task
+seed; ``run_episodes`` is the same for ``cfg.rollout.episodes`` tasks.
+"""
+
+from .allocation import Allocator, AllocState, Branch, Budget, Fresh
+from .engine import COUNTERS, Engine, collect, run_episodes
+from .summary import episode_success, leaf_success, summarize, write_run
+from .tree import BranchPoint, format_tree, split_node
+
+__all__ = [
+    "COUNTERS",
+    "AllocState",
+    "Allocator",
+    "Branch",
+    "BranchPoint",
+    "Budget",
+    "Engine",
+    "Fresh",
+    "collect",
+    "episode_success",
+    "format_tree",
+    "leaf_success",
+    "run_episodes",
+    "split_node",
+    "summarize",
+    "write_run",
+]

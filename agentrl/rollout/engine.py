@@ -1,0 +1,569 @@
+"""The rollout engine: many episodes at once against one policy, grown into trees.
+
+An asyncio orchestrator. Each episode is a coroutine that alternates
+``await policy.agenerate(request)`` and an env step run off the loop (a thread
+pool, or a sandboxed tool env's own loop, awaited directly). No episode waits
+for another: when its env step returns, its next request goes straight to the
+backend, which batches whatever is pending (``hf``'s micro-batcher, vLLM's
+continuous batching).
+
+Work comes from an allocator (``agentrl.rollout.allocation``) in rounds:
+``Fresh`` episodes become roots of their task's tree, ``Branch``es grow it from
+a node (``agentrl.rollout.tree``). The engine charges every request to the
+budget and never overspends it.
+
+Limits end an episode as truncated, with the limit named in
+``node.info["truncation_reason"]``: per-turn tokens (``finish_reason=length``),
+context tokens, turns, and the budget. A failure (env step, reset, sandbox,
+generation, or ``episode_timeout_s``) fails only its episode: the reason goes
+into ``Node.error`` of the path's last node (an empty error node when no turn
+was recorded), and the rest of the batch goes on.
+
+Every turn carries the policy version that sampled it, so an episode that
+spans a weight update keeps per-token versions (``Episode.versions``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ..chat import ChatContext
+from ..config import Config
+from ..env import make_env
+from ..errors import ContextOverflowError
+from ..policy.base import GenerateRequest, Policy, SamplingParams, action_text, request_seed
+from ..types import Node, RolloutTree
+from .allocation import Allocator, AllocState, Branch, Budget, Fresh, leaf_cost
+from .tree import BranchPoint, split_node
+
+__all__ = ["COUNTERS", "Engine", "collect", "run_episodes"]
+
+_HEAVY_INFO = ("admissible_actions", "tools", "tools_prompt")
+# Per-tree counts, exact: tokens sampled, prompt tokens prefilled or served
+# from the backend's prefix cache, context tokens a branch inherited instead of
+# replaying, env steps played and replayed to rebuild a branch point.
+COUNTERS = ("generated_tokens", "prefilled_tokens", "reused_tokens", "shared_tokens",
+            "env_steps", "env_steps_replayed")
+
+
+class EpisodeFailed(Exception):
+    """Ends one episode with a reason; never escapes the engine."""
+
+
+def _jsonable(info: dict[str, Any]) -> dict[str, Any]:
+    """Info minus per-step lists, made JSON-safe so trees serialize."""
+    kept = {k: v for k, v in info.items() if k not in _HEAVY_INFO}
+    return json.loads(json.dumps(kept, default=str))
+
+
+def _counters(tree: RolloutTree) -> dict[str, int]:
+    return tree.meta.setdefault("counters", dict.fromkeys(COUNTERS, 0))
+
+
+@dataclass
+class _Path:
+    """A live episode: its env, context and where it hangs in the tree."""
+
+    task: int
+    tree: RolloutTree
+    env: Any
+    ctx: ChatContext
+    pending: list[int]
+    parent: int | None
+    turns: int
+    stream: int  # seeds this path's requests apart from its siblings'
+    added: int = 0  # nodes this path added; before its first, ``parent`` belongs to others
+
+
+class Engine:
+    """Runs allocator plans: episodes and branches, concurrently, into trees.
+
+    ``env_id`` and ``cfg.env.kwargs`` make the envs; one tree per task seed.
+    Use ``await engine.run(seeds, allocator)``, or the sync ``collect``.
+    """
+
+    def __init__(self, policy: Policy, cfg: Config, env_id: str | None = None,
+                 on_episode_done: Callable[[RolloutTree], None] | None = None):
+        self.policy, self.cfg = policy, cfg
+        self.env_id = env_id or cfg.env.id
+        self.on_episode_done = on_episode_done
+        self.tokenizer = policy.tokenizer
+        workers = cfg.rollout.env_workers or cfg.rollout.concurrency
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="agentrl-env")
+        self._idle: list[Any] = []
+        self._all: list[Any] = []
+        self._snapshots = False
+        self._top_logprobs = 0
+        self._budget: Budget | None = None
+        self._spent = 0
+
+    # -- envs --------------------------------------------------------------------
+    async def _call(self, env: Any, method: str, *args: Any) -> Any:
+        """Run an env method off the loop; a sandboxed tool env's coroutine is awaited directly."""
+        inner = env.unwrapped
+        coro = getattr(inner, f"a{method}", None) if method in ("step", "reset") else None
+        loop_thread = getattr(inner, "_loop", None)
+        if coro is not None and loop_thread is not None and hasattr(loop_thread, "_ensure"):
+            kwargs = {"seed": args[0]} if method == "reset" else {}
+            call = coro(**kwargs) if method == "reset" else coro(*args)
+            fut = asyncio.run_coroutine_threadsafe(call, loop_thread._ensure())
+            return await asyncio.wrap_future(fut)
+        fn = getattr(inner if method in ("snapshot", "restore") else env, method)
+        if method == "reset":
+            return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(seed=args[0]))
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _acquire(self) -> Any:
+        if self._idle:
+            return self._idle.pop()
+        env = await asyncio.get_running_loop().run_in_executor(
+            self._pool, lambda: make_env(self.env_id, **self.cfg.env.kwargs))
+        self._all.append(env)
+        return env
+
+    def _release(self, env: Any, healthy: bool) -> None:
+        if healthy:
+            self._idle.append(env)
+        else:  # a timed-out or crashed env may be mid-step in a thread: never reuse it
+            self._all.remove(env)
+            self._pool.submit(_close_quietly, env)
+
+    def close(self) -> None:
+        """Close every env (each in its own try) and the step pool."""
+        envs, self._all, self._idle = self._all, [], []
+        for env in envs:
+            _close_quietly(env)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- messages ------------------------------------------------------------------
+    def _observation_messages(self, obs: str, info: dict[str, Any]) -> list[dict[str, Any]]:
+        if info.get("tool_messages"):  # tool envs answer with role=tool messages
+            return [{k: v for k, v in m.items() if v is not None} for m in info["tool_messages"]]
+        text = obs
+        if self.cfg.rollout.show_admissible and info.get("admissible_actions"):
+            text += "\nValid actions: " + ", ".join(map(str, info["admissible_actions"]))
+        return [{"role": "user", "content": text}]
+
+    def _opening(self, obs: str, info: dict[str, Any]) -> ChatContext:
+        messages = []
+        system = [p for p in (self.cfg.rollout.system_prompt, info.get("tools_prompt")) if p]
+        if system:  # a tool env describes its tools for the system prompt
+            messages.append({"role": "system", "content": "\n\n".join(system)})
+        messages += self._observation_messages(obs, info)
+        limit = self.cfg.rollout.max_context_tokens
+        try:
+            ctx = ChatContext(self.tokenizer, messages, max_tokens=limit)
+        except ContextOverflowError as e:
+            raise EpisodeFailed(f"opening prompt over budget: {e}") from None
+        if len(ctx) >= limit:
+            raise EpisodeFailed(f"opening prompt leaves no room for an action in {len(ctx)} tokens")
+        return ctx
+
+    # -- budget --------------------------------------------------------------------
+    def _reserve(self, tokens: int) -> int:
+        """Charge one turn of up to ``tokens`` tokens; returns the tokens allowed (0: spent)."""
+        b = self._budget
+        if b is None or b.unit == "leaves":
+            return tokens
+        left = b.total - self._spent
+        if left <= 0:
+            return 0
+        if b.unit == "turns":
+            self._spent += 1
+            return tokens
+        self._spent += min(tokens, left)
+        return min(tokens, left)
+
+    def _refund(self, reserved: int, used: int) -> None:
+        if self._budget is not None and self._budget.unit == "tokens":
+            self._spent -= reserved - used
+
+    # -- one episode ---------------------------------------------------------------
+    async def _start(self, tree: RolloutTree, task: int) -> _Path:
+        env = await self._acquire()
+        seed = tree.meta["seed"]
+        try:
+            obs, info = await self._call(env, "reset", seed)
+        except Exception as e:
+            self._release(env, healthy=False)
+            raise EpisodeFailed(f"env.reset raised {type(e).__name__}: {e}") from None
+        tree.meta.setdefault("instruction", info.get("instruction", ""))
+        try:
+            ctx = self._opening(obs, info)
+        except EpisodeFailed:
+            self._release(env, healthy=True)
+            raise
+        stream = tree.meta.setdefault("_streams", 0)
+        tree.meta["_streams"] = stream + 1
+        if "root" not in tree.snapshots and self._snapshots:
+            tree.snapshots["root"] = BranchPoint(await self._snapshot(env), _fork(ctx), list(ctx.ids), 0)
+        return _Path(task, tree, env, ctx, list(ctx.ids), None, 0, stream)
+
+    async def _snapshot(self, env: Any) -> Any:
+        try:
+            return await self._call(env, "snapshot")
+        except Exception:  # cannot snapshot: branches replay the action prefix instead
+            return None
+
+    async def _play(self, path: _Path, max_turns: int | None = None,
+                    prefix: tuple[list[int], list[float], list[float]] | None = None) -> None:
+        """Play turns until done, a limit, or ``max_turns`` (then the leaf stays open)."""
+        r, s = self.cfg.rollout, self.cfg.sampling
+        played = 0
+        while True:
+            head, head_lps, head_ents = prefix or ([], [], [])
+            prefix = None
+            room = r.max_context_tokens - len(path.ctx) - len(head)
+            want = min(s.max_new_tokens - len(head), room)
+            if want <= 0:
+                raise EpisodeFailed("context budget: no room to continue the forked action")
+            allowed = self._reserve(want)
+            if allowed == 0:
+                self._truncate_last(path, f"budget: {self._budget.total} {self._budget.unit} spent")
+                return
+            params = SamplingParams(
+                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=allowed,
+                stop=tuple(s.stop), logprobs=self._top_logprobs,
+                seed=request_seed(r.seed, path.tree.meta["seed"], path.task, path.stream, path.turns))
+            try:
+                res = await self.policy.agenerate(GenerateRequest(list(path.ctx.ids) + head, params))
+            except Exception as e:
+                self._refund(allowed, 0)
+                raise EpisodeFailed(f"generation failed: {type(e).__name__}: {e}") from None
+            self._refund(allowed, len(res.token_ids))
+            c = _counters(path.tree)
+            c["generated_tokens"] += len(res.token_ids)
+            c["prefilled_tokens"] += len(path.ctx) + len(head) - res.cached_tokens
+            c["reused_tokens"] += res.cached_tokens
+            ids = head + list(res.token_ids)
+            try:
+                path.ctx.append_action(ids, head_lps + list(res.logprobs))
+            except ContextOverflowError as e:
+                raise EpisodeFailed(f"context budget: {e}") from None
+            text = action_text(self.tokenizer, ids, s.stop).strip()
+            node = Node(context_ids=path.pending, action_ids=list(res.token_ids),
+                        logprobs=list(res.logprobs), entropies=list(res.entropies),
+                        version=res.version, action_text=text, finish_reason=res.finish_reason)
+            if res.top_logprobs:
+                node.info["top1"] = [round(_top1(t), 6) for t in res.top_logprobs]
+            if head:  # a segment fork: this node continues a partial one
+                node.context_ids = []
+            path.turns += 1
+            played += 1
+            try:
+                obs, reward, terminated, truncated, info = await self._call(path.env, "step", text)
+            except Exception as e:
+                node.error = f"env.step raised {type(e).__name__}: {e}"
+                node.truncated = True
+                path.parent = path.tree.add(node, path.parent).id
+                path.added += 1
+                raise EpisodeFailed(node.error) from None
+            c["env_steps"] += 1
+            node.observation, node.reward = obs, float(reward)
+            node.terminated, node.truncated = bool(terminated), bool(truncated)
+            node.info.update(_jsonable(info))
+            if info.get("error"):  # the env failed the episode itself and said why
+                node.error = str(info["error"])
+            if not node.done and path.turns >= r.max_turns:
+                node.truncated = True
+                node.info["truncation_reason"] = f"max_turns={r.max_turns}"
+            if not node.done:
+                try:
+                    path.pending = path.ctx.append_observation(self._observation_messages(obs, info))
+                except ContextOverflowError as e:
+                    node.truncated = True
+                    node.info["truncation_reason"] = f"context budget: {e}"
+                else:
+                    if len(path.ctx) >= r.max_context_tokens:  # full: no action fits
+                        node.truncated = True
+                        node.info["truncation_reason"] = (
+                            f"context budget: {len(path.ctx)} of {r.max_context_tokens} tokens used")
+            if res.finish_reason == "length" and "truncation_reason" not in node.info:
+                node.info["turn_truncated"] = f"max_new_tokens={params.max_new_tokens}"
+            path.parent = path.tree.add(node, path.parent).id
+            path.added += 1
+            if node.error:
+                raise EpisodeFailed(node.error)
+            if node.done:
+                return
+            paused = max_turns is not None and played >= max_turns
+            if paused:
+                node.info["open"] = True
+            if paused or self._snapshots or self.cfg.rollout.keep_snapshots:
+                node.snapshot = f"n{node.id}"
+                path.tree.snapshots[node.snapshot] = BranchPoint(
+                    await self._snapshot(path.env), _fork(path.ctx), list(path.pending), path.turns)
+            if paused:
+                return
+
+    def _truncate_last(self, path: _Path, reason: str) -> None:
+        """End the path as truncated: its last own node, or a new empty one."""
+        node = self._last_own(path)
+        node.truncated = True
+        node.info.pop("open", None)
+        node.info["truncation_reason"] = reason
+
+    def _last_own(self, path: _Path) -> Node:
+        if path.added:
+            return path.tree.nodes[path.parent]  # type: ignore[index]
+        node = path.tree.add(Node(context_ids=path.pending, truncated=True), path.parent)
+        path.parent, path.added = node.id, 1
+        return node
+
+    def _fail(self, tree: RolloutTree, path: _Path | None, reason: str) -> None:
+        """Record why the path failed on its last own node (an empty one if it has none)."""
+        if path is None:  # failed before its first context existed: an empty root
+            path = _Path(-1, tree, None, None, [], None, 0, -1)  # type: ignore[arg-type]
+        node = self._last_own(path)
+        node.truncated = True
+        node.info.pop("open", None)
+        node.error = node.error or reason
+
+    async def _episode(self, start: Callable[[], Any], tree: RolloutTree, max_turns: int | None,
+                       prefix: Any = None) -> None:
+        """One path to its end, under the per-episode timeout; failures stay inside."""
+        box: list[_Path] = []
+        healthy = True
+        t0 = time.monotonic()
+
+        async def go() -> None:
+            box.append(await start())
+            await self._play(box[0], max_turns, prefix)
+
+        try:
+            await asyncio.wait_for(go(), self.cfg.rollout.episode_timeout_s)
+        except EpisodeFailed as e:
+            self._fail(tree, box[0] if box else None, str(e))
+        except TimeoutError:
+            healthy = False
+            self._fail(tree, box[0] if box else None,
+                       f"episode timed out after {time.monotonic() - t0:.1f} s "
+                       f"(rollout.episode_timeout_s={self.cfg.rollout.episode_timeout_s})")
+        except Exception as e:  # an engine bug must not take the batch down
+            healthy = False
+            self._fail(tree, box[0] if box else None, f"engine error {type(e).__name__}: {e}")
+        finally:
+            if box:
+                self._release(box[0].env, healthy)
+        if self.on_episode_done:
+            self.on_episode_done(tree)
+
+    # -- requests ------------------------------------------------------------------
+    def _fresh_jobs(self, trees: list[RolloutTree], req: Fresh) -> list[Any]:
+        tree = trees[req.task]
+        return [self._episode(lambda: self._start(tree, req.task), tree, req.max_turns) for _ in range(req.n)]
+
+    def _branch_jobs(self, trees: list[RolloutTree], req: Branch) -> list[Any]:
+        tree = trees[req.task]
+        if req.node not in tree.nodes:
+            raise ValueError(f"branch from unknown node {req.node} of task {req.task}")
+        node = tree.nodes[req.node]
+        if req.at_token is None:
+            if node.done:
+                raise ValueError(f"branch from node {req.node}: the episode ended there")
+            point_key, parent, prefix = node.snapshot, node.id, None
+            node.info.pop("open", None)
+        else:
+            m = req.at_token
+            if not 0 < m < len(node.action_ids) or node.partial:
+                raise ValueError(f"segment fork at token {m} of node {req.node} with "
+                                 f"{len(node.action_ids)} action tokens")
+            before = tree.nodes[node.parent].snapshot if node.parent is not None else "root"
+            point_key = before
+            part = split_node(tree, node.id, m)
+            parent = part.id
+            prefix = (list(part.action_ids), list(part.logprobs), list(part.entropies))
+        return [self._episode(lambda: self._resume(tree, req.task, point_key, parent, prefix), tree,
+                              req.max_turns, prefix) for _ in range(req.k)]
+
+    async def _resume(self, tree: RolloutTree, task: int, key: str | None, parent: int,
+                      prefix: Any) -> _Path:
+        """A new path from a branch point: restore the env (or replay), fork the context."""
+        point = tree.snapshots.get(key) if key else None
+        env = await self._acquire()
+        stream = tree.meta.get("_streams", 0)
+        tree.meta["_streams"] = stream + 1
+        c = _counters(tree)
+        try:
+            if point is not None and point.env is not None:
+                await self._call(env, "restore", point.env)
+            else:
+                point = await self._replay(env, tree, parent if prefix is None else tree.nodes[parent].parent)
+        except EpisodeFailed:
+            self._release(env, healthy=False)
+            raise
+        except Exception as e:
+            self._release(env, healthy=False)
+            raise EpisodeFailed(f"restore for a branch raised {type(e).__name__}: {e}") from None
+        ctx = _fork(point.ctx)
+        c["shared_tokens"] += len(ctx) + (len(prefix[0]) if prefix else 0)
+        path = _Path(task, tree, env, ctx, list(point.pending), parent, point.turns, stream)
+        if prefix is not None:
+            path.pending = []
+        return path
+
+    async def _replay(self, env: Any, tree: RolloutTree, upto: int | None) -> BranchPoint:
+        """Rebuild a branch point by reset + replaying the actions on the path to ``upto``."""
+        obs, info = await self._call(env, "reset", tree.meta["seed"])
+        ctx = self._opening(obs, info)
+        pending, turns = list(ctx.ids), 0
+        for node in (tree.path(upto) if upto is not None else []):
+            if node.partial:
+                continue
+            ids = _turn_ids(tree, node)
+            ctx.append_action(ids)
+            obs, _, _, _, info = await self._call(env, "step", node.action_text)
+            _counters(tree)["env_steps_replayed"] += 1
+            if obs != node.observation:
+                raise EpisodeFailed(f"replay diverged at node {node.id}: the env is not deterministic "
+                                    "and cannot snapshot, so it cannot be branched")
+            pending = ctx.append_observation(self._observation_messages(obs, info))
+            turns += 1
+        return BranchPoint(None, ctx, pending, turns)
+
+    # -- the driver ----------------------------------------------------------------
+    async def run(self, seeds: list[int], allocator: Allocator | None = None,
+                  budget: Budget | None = None) -> list[RolloutTree]:
+        """Grow one tree per task seed as the allocator plans, within the budget."""
+        if allocator is None:
+            from .allocation import Independent
+
+            allocator = Independent(n=self.cfg.rollout.group_size)
+        budget = budget or Budget(len(seeds) * self.cfg.rollout.group_size)
+        self._budget, self._spent = budget, 0
+        self._snapshots = bool(getattr(allocator, "needs_snapshots", False))
+        self._top_logprobs = int(getattr(allocator, "top_logprobs", 0))
+        trees = [RolloutTree(meta={"env": self.env_id, "seed": s, "task": i}) for i, s in enumerate(seeds)]
+        state = AllocState(trees, budget)
+        sem = asyncio.Semaphore(self.cfg.rollout.concurrency)
+
+        async def bounded(job: Any) -> None:
+            async with sem:
+                await job
+
+        try:
+            while True:
+                state.spent = self._spent
+                requests = allocator.plan(state)
+                if not requests:
+                    break
+                jobs = []
+                for req in requests:
+                    if budget.unit == "leaves":
+                        req = _clip(trees[req.task], req, budget.total - self._spent, state.report)
+                        if req is None:
+                            continue
+                        self._spent += leaf_cost(trees[req.task], req)
+                    elif self._spent >= budget.total:
+                        continue
+                    make = self._fresh_jobs if isinstance(req, Fresh) else self._branch_jobs
+                    jobs += make(trees, req)
+                if not jobs:
+                    break
+                await asyncio.gather(*(bounded(j) for j in jobs))
+                state.round += 1
+        finally:
+            for tree in trees:
+                tree.meta.pop("_streams", None)
+                tree.meta["allocator"] = getattr(allocator, "name", type(allocator).__name__)
+                if not self.cfg.rollout.keep_snapshots:
+                    tree.snapshots.clear()
+        state.spent = self._spent
+        for tree in trees:
+            tree.meta["budget"] = {"unit": budget.unit, "total": budget.total, "spent": self._spent}
+        if state.report:
+            trees[0].meta["allocation_report"] = json.loads(json.dumps(state.report, default=str))
+        return trees
+
+
+def _clip(tree: RolloutTree, req: Fresh | Branch, left: int, report: dict[str, Any]) -> Fresh | Branch | None:
+    """Shrink a request to the leaves left (never overspend); None when nothing fits."""
+    over = leaf_cost(tree, req) - left
+    if over <= 0:
+        return req
+    report["clipped_leaves"] = report.get("clipped_leaves", 0) + over
+    if isinstance(req, Fresh):
+        return Fresh(req.task, req.n - over, req.max_turns, req.reason) if req.n > over else None
+    k = req.k - over
+    return Branch(req.task, req.node, k, req.at_token, req.max_turns, req.reason) if k >= 1 else None
+
+
+def _close_quietly(env: Any) -> None:
+    try:
+        env.close()
+    except Exception as e:
+        warnings.warn(f"env.close raised {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+
+
+def _fork(ctx: ChatContext) -> ChatContext:
+    """An independent copy of a context, for a branch (lists copied, tokenizer shared)."""
+    new = copy.copy(ctx)
+    new.ids, new.mask, new.logprobs = list(ctx.ids), list(ctx.mask), list(ctx.logprobs)
+    new.messages = [dict(m) for m in ctx.messages]
+    new.mismatches = list(ctx.mismatches)
+    new._last_action = list(ctx._last_action)
+    return new
+
+
+def _turn_ids(tree: RolloutTree, node: Node) -> list[int]:
+    """All action tokens of a turn: those of the partial nodes above it, then its own."""
+    ids = list(node.action_ids)
+    cur = node.parent
+    while cur is not None and tree.nodes[cur].partial:
+        ids = tree.nodes[cur].action_ids + ids
+        cur = tree.nodes[cur].parent
+    return ids
+
+
+def _top1(alternatives: list[tuple[int, float]]) -> float:
+    import math
+
+    return math.exp(max(lp for _, lp in alternatives)) if alternatives else 0.0
+
+
+def _run_sync(coro: Any) -> Any:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    coro.close()
+    raise RuntimeError("an event loop is running here: await Engine(...).run(...) instead")
+
+
+def collect(env_id: str, policy: Policy, cfg: Config, seeds: list[int],
+            allocator: Allocator | str | None = None, budget: Budget | None = None,
+            on_episode_done: Callable[[RolloutTree], None] | None = None) -> list[RolloutTree]:
+    """Sync entry point: one tree per task seed, grown by ``allocator`` (default
+    ``cfg.rollout.allocator``) within ``budget`` (default from the config)."""
+    from .allocation import make_allocator
+
+    r = cfg.rollout
+    if allocator is None or isinstance(allocator, str):
+        name = allocator or r.allocator
+        options = dict(r.allocator_options)
+        if name == "independent":
+            options.setdefault("n", r.group_size)
+        allocator = make_allocator(name, **options)
+    if budget is None:
+        budget = Budget(r.budget or len(seeds) * r.group_size, r.budget_unit)
+    engine = Engine(policy, cfg, env_id, on_episode_done)
+    try:
+        return _run_sync(engine.run(seeds, allocator, budget))
+    finally:
+        engine.close()
+
+
+def run_episodes(env_id: str, policy: Policy, cfg: Config,
+                 on_episode_done: Callable[[RolloutTree], None] | None = None) -> list[RolloutTree]:
+    """``cfg.rollout.episodes`` tasks (env seeds ``seed, seed+1, ...``), each grown by the
+    configured allocator; with the defaults, one linear episode per task."""
+    seeds = [cfg.rollout.seed + i for i in range(cfg.rollout.episodes)]
+    return collect(env_id, policy, cfg, seeds, on_episode_done=on_episode_done)

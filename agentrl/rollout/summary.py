@@ -1,0 +1,91 @@
+"""What a batch of rollout trees amounts to: success, rewards, tokens, failures; and writing it out."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from ..types import Episode, Node, RolloutTree, write_trees
+from .engine import COUNTERS
+
+__all__ = ["episode_success", "leaf_success", "summarize", "write_run"]
+
+
+def leaf_success(node: Node) -> bool:
+    """``info["success"]`` of an episode's last turn if the env sets it, else terminated with reward > 0."""
+    if "success" in node.info:
+        return bool(node.info["success"])
+    return node.terminated and node.reward > 0
+
+
+def episode_success(tree_or_episode: RolloutTree | Episode) -> bool:
+    """Success of an ``Episode``, or of a tree's last leaf (a linear tree's one episode)."""
+    if isinstance(tree_or_episode, Episode):
+        return bool(tree_or_episode.nodes) and leaf_success(tree_or_episode.nodes[-1])
+    leaves = tree_or_episode.leaves()
+    return bool(leaves) and leaf_success(leaves[-1])
+
+
+def _reason(error: str) -> str:
+    """A failure reason without its details, to count alike failures together."""
+    return error.split(":")[0].split(" after ")[0][:80]
+
+
+def summarize(trees: list[RolloutTree], wall_s: float) -> dict[str, Any]:
+    """Success rate, mean reward, turns, tokens, exact counters and failures of a batch.
+
+    Rates are over episodes (root-to-leaf paths). Failed episodes are counted
+    with their reasons; ``success_rate`` and ``mean_reward`` cover the rest.
+    """
+    episodes = [ep for t in trees for ep in t.episodes()]
+    failed = [ep for ep in episodes if ep.error]
+    ok = [ep for ep in episodes if not ep.error]
+    action_tokens = sum(sum(ep.loss_mask) for ep in episodes)
+    nodes = [n for t in trees for n in t.nodes.values()]
+    counts = {k: sum(t.meta.get("counters", {}).get(k, 0) for t in trees) for k in COUNTERS}
+    stored = sum(len(n.context_ids) + len(n.action_ids) for t in trees for n in _unique_nodes(t))
+    return {
+        "tasks": len(trees),
+        "episodes": len(episodes),
+        "success_rate": sum(episode_success(ep) for ep in ok) / max(len(ok), 1),
+        "mean_reward": sum(ep.total_reward for ep in ok) / max(len(ok), 1),
+        "mean_turns": sum(ep.num_turns for ep in episodes) / max(len(episodes), 1),
+        "action_tokens": action_tokens,
+        "tree_tokens": stored,
+        "truncated_turns": sum(n.finish_reason == "length" for n in nodes),
+        **counts,
+        "failed_episodes": len(failed),
+        "failure_reasons": dict(Counter(_reason(ep.error or "") for ep in failed)),
+        "wall_s": round(wall_s, 3),
+        "generated_tokens_per_s": round(counts["generated_tokens"] / wall_s, 2) if wall_s > 0 else math.nan,
+    }
+
+
+def _unique_nodes(tree: RolloutTree) -> list[Node]:
+    """Nodes, with a context list shared by siblings counted once."""
+    seen: set[int] = set()
+    out = []
+    for n in tree.nodes.values():
+        if id(n.context_ids) in seen:
+            out.append(Node(action_ids=n.action_ids))
+        else:
+            seen.add(id(n.context_ids))
+            out.append(n)
+    return out
+
+
+def write_run(out_dir: str | Path, trees: list[RolloutTree], summary: dict[str, Any]) -> Path:
+    """Write ``trajectories.jsonl`` and ``summary.json`` into ``out_dir``, each atomically."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / ".trajectories.jsonl.tmp"
+    write_trees(tmp, trees)
+    os.replace(tmp, out / "trajectories.jsonl")
+    tmp = out / ".summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, out / "summary.json")
+    return out

@@ -1,0 +1,102 @@
+"""Tree-side operations for branching: branch points, segment splits, printing.
+
+A branch point is what a new path needs to start from a node: the env's
+snapshot (None when the env cannot snapshot; the engine then replays the
+action prefix from a reset), the token context as it stood, ready for the next
+action, and the context delta the next node will carry. The engine
+(``agentrl.rollout.engine``) keeps one per node in ``RolloutTree.snapshots``
+when its allocator branches, and does the I/O (restore, replay); this module
+only changes and reads trees.
+
+Siblings share their context list: a branch stores the tokens up to its
+branch point once (``RolloutTree.to_dict`` writes them once too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..chat import ChatContext
+from ..types import Node, RolloutTree
+
+__all__ = ["BranchPoint", "format_tree", "split_node"]
+
+
+@dataclass(slots=True)
+class BranchPoint:
+    """Where a branch starts: env snapshot (or None: replay), context, next delta, turns so far."""
+
+    env: Any
+    ctx: ChatContext
+    pending: list[int]
+    turns: int
+
+
+def split_node(tree: RolloutTree, node_id: int, at: int) -> Node:
+    """Split a node's action after ``at`` tokens, for a segment fork.
+
+    A new partial node takes the node's place: its context and first ``at``
+    action tokens. The node keeps the rest of the action, the env step and its
+    children, and hangs under the partial node, with an empty context. Ids of
+    existing nodes do not change. Returns the partial node.
+    """
+    node = tree.nodes[node_id]
+    if node.partial or not 0 < at < len(node.action_ids):
+        raise ValueError(f"cannot split node {node_id} ({len(node.action_ids)} action tokens) at {at}")
+    part = Node(context_ids=node.context_ids, action_ids=node.action_ids[:at],
+                logprobs=node.logprobs[:at], entropies=node.entropies[:at],
+                version=node.version, partial=True, info={"segment_fork": at})
+    part.id, part.parent = len(tree.nodes), node.parent
+    tree.nodes[part.id] = part
+    siblings = tree.roots if node.parent is None else tree.nodes[node.parent].children
+    siblings[siblings.index(node_id)] = part.id
+    node.parent = part.id
+    part.children.append(node_id)
+    node.context_ids = []
+    node.action_ids, node.logprobs = node.action_ids[at:], node.logprobs[at:]
+    node.entropies = node.entropies[at:]
+    if "top1" in node.info:
+        part.info["top1"], node.info["top1"] = node.info["top1"][:at], node.info["top1"][at:]
+    return part
+
+
+def _short(text: str, width: int) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def format_tree(tree: RolloutTree, width: int = 60) -> str:
+    """One line per turn, indented by depth: action, reward, done, branch point, errors; counters last."""
+    lines = [f"task seed={tree.meta.get('seed')} env={tree.meta.get('env')} "
+             f"allocator={tree.meta.get('allocator', '-')} "
+             f"nodes={len(tree.nodes)} leaves={len(tree.leaves())}"]
+
+    def walk(nid: int, depth: int) -> None:
+        n = tree.nodes[nid]
+        marks = []
+        if len(n.children) > 1:
+            marks.append(f"branch x{len(n.children)}")
+        if n.partial:
+            marks.append(f"segment fork after {len(n.action_ids)} tokens")
+        if n.terminated:
+            marks.append("terminated")
+        elif n.truncated:
+            marks.append("truncated" + (f" ({n.info['truncation_reason']})"
+                                        if "truncation_reason" in n.info else ""))
+        if n.info.get("open"):
+            marks.append("open")
+        if n.error:
+            marks.append(f"ERROR {_short(n.error, width)}")
+        action = "…" + _short(n.action_text, width) if n.partial else _short(n.action_text, width)
+        lines.append(f"{'  ' * depth}[{nid}] v{n.version} r={n.reward:g} "
+                     f"tok={len(n.action_ids)} {action!r}" + (f"  <{'; '.join(marks)}>" if marks else ""))
+        for c in n.children:
+            walk(c, depth + 1)
+
+    for r in tree.roots:
+        walk(r, 1)
+    counters = tree.meta.get("counters")
+    if counters:
+        lines.append("counters: " + ", ".join(f"{k}={v}" for k, v in counters.items()))
+    return "\n".join(lines)
