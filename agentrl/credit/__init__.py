@@ -25,6 +25,7 @@ logs how many there were.
 from __future__ import annotations
 
 import logging
+import numbers
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -87,7 +88,7 @@ def to_token_advantages(episode: Episode, turn_advantages: float | Sequence[floa
     ``turn_advantages[k]``. A single number is the advantage of every turn.
     """
     spans = episode.turn_spans
-    if isinstance(turn_advantages, int | float):
+    if isinstance(turn_advantages, numbers.Real):  # numpy scalars too
         per_turn = [float(turn_advantages)] * len(spans)
     else:
         per_turn = [float(a) for a in turn_advantages]

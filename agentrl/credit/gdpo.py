@@ -1,7 +1,7 @@
 """GDPO: normalise each reward within its group first, then combine.
 
 Liu, Dong, Lu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy
-Optimization for Multi-reward RL Optimization" (arXiv 2601.05242), Sec. 3.
+Optimization for Multi-reward RL Optimization" (arXiv 2601.05242).
 With several rewards per episode, GRPO on their sum maps different reward
 combinations onto the same advantage. GDPO instead:
 

@@ -91,7 +91,7 @@ def dr_grpo(rewards: Sequence[float]) -> Any:
     """Dr. GRPO advantage: ``A_i = r_i - mean(r)``, with no division by the std.
 
     Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
-    Perspective", Sec. 3.2 (the Dr. GRPO objective). Dr. GRPO removes two
+    Perspective" (the Dr. GRPO objective). Dr. GRPO removes two
     biases of GRPO: the std division here (question-difficulty bias) and the
     per-response ``1/|o_i|`` length normalisation. The second one is a loss
     aggregation matter, not an advantage one: pair this estimator with a loss
@@ -107,8 +107,8 @@ def rloo(rewards: Sequence[float]) -> Any:
     """REINFORCE leave-one-out: ``A_i = r_i - (1/(k-1)) * sum_{j != i} r_j``.
 
     Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!";
-    used for LLMs by Ahmadian et al. 2024, "Back to Basics", Sec. 3.2 (the
-    RLOO estimator). Each episode's baseline is the mean of the *other*
+    used for LLMs by Ahmadian et al. 2024, "Back to Basics: Revisiting
+    REINFORCE Style Optimization for Learning from Human Feedback in LLMs". Each episode's baseline is the mean of the *other*
     episodes, so it does not depend on the episode itself (unbiased).
     Equivalently ``k/(k-1) * (r_i - mean(r))``. A group of one gets 0.
     """
@@ -134,7 +134,7 @@ def mc_grpo(rewards: Sequence[float], scale: str = "std", eps: float = 1e-6) -> 
     """MC-GRPO: the median replaces the mean as the baseline; the pivot gets 0.
 
     Kim 2026, "MC-GRPO: Median-Centered Group Relative Policy Optimization for
-    Small-Rollout Reinforcement Learning" (arXiv 2601.22582), Sec. 3: sample
+    Small-Rollout Reinforcement Learning" (arXiv 2601.22582): sample
     ``G+1`` rollouts (an odd group), take ``A_i = (r_i - median(r)) / F``, and
     leave the median rollout (the *pivot*, whose advantage is exactly 0) out of
     backpropagation, so ``G`` rollouts carry gradient.

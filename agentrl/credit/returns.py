@@ -50,7 +50,7 @@ def gae(
     """Generalised advantage estimation over turns.
 
     Schulman et al. 2016, "High-Dimensional Continuous Control Using
-    Generalized Advantage Estimation", eqs. 11-16:
+    Generalized Advantage Estimation", eq. 16:
     ``delta_t = r_t + gamma * V(s_{t+1}) - V(s_t)`` and
     ``A_t = sum_l (gamma * lam)**l * delta_{t+l}``, computed backwards as
     ``A_t = delta_t + gamma * lam * A_{t+1}``.

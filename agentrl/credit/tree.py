@@ -1,8 +1,8 @@
 """Tree advantages: a node's value is the mean outcome of the leaves below it.
 
 TreeRL (Hou, Hu, Li, Lu, Tang & Dong 2025, "TreeRL: LLM Reinforcement
-Learning with On-Policy Tree Search", arXiv 2506.11902, Sec. 3.2, process
-supervision from the tree):
+Learning with On-Policy Tree Search", arXiv 2506.11902, process supervision
+from the tree):
 
 - ``V(n) = mean of outcome(l) over the leaves l under n``;
 - global advantage ``G(n) = V(n) - V(root)``: how much better than the task's
@@ -15,8 +15,8 @@ supervision from the tree):
 
 We expose the weights: ``A(n) = (w_g * G(n) + w_l * L(n)) / norm(n)`` with
 ``global_weight=w_g=1``, ``local_weight=w_l=1`` and ``leaf_norm="sqrt"`` (the
-TreeRL values) or ``"none"``. TreePO (Li et al. 2025, arXiv 2508.17445,
-Sec. 3.3) also mixes a global and a subtree-local baseline; setting the
+TreeRL values) or ``"none"``. TreePO (Li et al. 2025, arXiv 2508.17445)
+also mixes a global and a subtree-local baseline; setting the
 weights covers its unnormalised form.
 
 Contrastive branch scaling (``contrastive=True``). Our reading of the "CBPO"
