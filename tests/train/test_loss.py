@@ -1,0 +1,246 @@
+"""Losses on hand-computed cases: PPO-clip (clip-higher, dual-clip), aggregations, KL, TIS, staleness, M2PO."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from agentrl.train.loss import (
+    PolicyLossConfig,
+    aggregate,
+    entropy_bonus,
+    kl_penalty,
+    m2po_mask,
+    mismatch_stats,
+    policy_loss,
+    ppo_clip_loss,
+    ppo_clip_token_loss,
+    staleness_mask,
+    tis_weights,
+)
+
+
+def _lp(*ratios):
+    """Logprobs (with grad) whose ratio to old logprobs of 0 are ``ratios``."""
+    return torch.tensor([[math.log(r) for r in ratios]], requires_grad=True)
+
+
+# --------------------------------------------------------------------------- PPO-clip
+
+
+def test_ppo_clip_hand_case_with_clip_higher():
+    lp = _lp(1.5, 0.5, 1.0, 1.1)
+    old = torch.zeros(1, 4)
+    adv = torch.tensor([[1.0, -1.0, 2.0, -1.0]])
+    mask = torch.ones(1, 4)
+    loss, stats = ppo_clip_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    # per token: max(-1.5, -1.28) = -1.28 | max(0.5, 0.8) = 0.8 | -2.0 | max(1.1, 1.1) = 1.1
+    assert loss.item() == pytest.approx((-1.28 + 0.8 - 2.0 + 1.1) / 4)
+    loss.backward()
+    # clipped tokens get no gradient; d(-A r)/d logp = -A r for the others
+    assert lp.grad[0].tolist() == pytest.approx([0.0, 0.0, -2.0 / 4, 1.1 / 4])
+    assert stats["clip_frac_high"] == pytest.approx(0.25)
+    assert stats["clip_frac_low"] == pytest.approx(0.25)
+    assert stats["clip_frac_dual"] == 0.0
+    assert stats["ratio_mean"] == pytest.approx((1.5 + 0.5 + 1.0 + 1.1) / 4)
+    k3 = [r - 1 - math.log(r) for r in (1.5, 0.5, 1.0, 1.1)]
+    assert stats["approx_kl"] == pytest.approx(sum(k3) / 4, rel=1e-5)
+
+
+def test_symmetric_clip_would_clip_a_ratio_that_clip_higher_keeps():
+    lp, old, adv, mask = _lp(1.25), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1)
+    higher, _ = ppo_clip_token_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    symmetric, _ = ppo_clip_token_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    assert higher.item() == pytest.approx(-1.25)
+    assert symmetric.item() == pytest.approx(-1.2)
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages():
+    lp = _lp(5.0, 5.0)
+    adv = torch.tensor([[-1.0, 1.0]])
+    per_token, stats = ppo_clip_token_loss(lp, torch.zeros(1, 2), adv, torch.ones(1, 2), dual_clip=3.0)
+    # A < 0, r = 5: max(5, 0.8) = 5, capped at -c A = 3; A > 0 is untouched: -1.28
+    assert per_token[0].tolist() == pytest.approx([3.0, -1.28])
+    assert stats["clip_frac_dual"] == pytest.approx(0.5)
+    per_token.sum().backward()
+    assert lp.grad[0].tolist() == pytest.approx([0.0, 0.0])
+    with pytest.raises(ValueError, match="dual_clip"):
+        ppo_clip_token_loss(lp, torch.zeros(1, 2), adv, torch.ones(1, 2), dual_clip=0.9)
+
+
+def test_masked_tokens_do_not_count():
+    lp = _lp(1.0, 1.0)
+    loss, stats = ppo_clip_loss(lp, torch.zeros(1, 2), torch.tensor([[1.0, 100.0]]), torch.tensor([[1, 0]]))
+    assert loss.item() == pytest.approx(-1.0)
+    assert stats["ratio_mean"] == pytest.approx(1.0)
+
+
+# --------------------------------------------------------------------------- aggregation
+
+
+VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+MASK = torch.tensor([[1, 1, 1], [1, 0, 0]])
+
+
+@pytest.mark.parametrize(("agg", "norm_len", "expected"), [
+    ("token-mean", None, 10 / 4),
+    ("seq-mean-token-mean", None, (6 / 3 + 4 / 1) / 2),
+    ("seq-mean-token-sum-norm", 4, (6 / 4 + 4 / 4) / 2),
+])
+def test_aggregations_hand_case(agg, norm_len, expected):
+    assert aggregate(VALUES, MASK, agg, norm_len=norm_len).item() == pytest.approx(expected)
+
+
+def test_seq_ids_group_packed_tokens_like_rows():
+    packed = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    seq_ids = torch.tensor([[7, 7, 7, 3]])
+    got = aggregate(packed, torch.ones(1, 4), "seq-mean-token-mean", seq_ids=seq_ids)
+    assert got.item() == pytest.approx(3.0)
+
+
+def test_a_sequence_with_no_action_token_is_left_out():
+    mask = torch.tensor([[1, 1, 1], [0, 0, 0]])
+    assert aggregate(VALUES, mask, "seq-mean-token-mean").item() == pytest.approx(2.0)
+
+
+def test_aggregate_rejects_bad_options():
+    with pytest.raises(ValueError, match="agg"):
+        aggregate(VALUES, MASK, "mean")
+    with pytest.raises(ValueError, match="norm_len"):
+        aggregate(VALUES, MASK, "seq-mean-token-sum-norm")
+
+
+# --------------------------------------------------------------------------- KL, entropy
+
+
+@pytest.mark.parametrize(("estimator", "expected"), [
+    ("k1", math.log(2)),                     # log pi - log ref = log 0.5 - log 0.25
+    ("k2", 0.5 * math.log(2) ** 2),
+    ("k3", 0.5 - 1 + math.log(2)),           # r - 1 - log r with r = 0.25 / 0.5
+])
+def test_kl_estimators_hand_case(estimator, expected):
+    lp = torch.full((1, 2), math.log(0.5))
+    ref = torch.full((1, 2), math.log(0.25))
+    assert kl_penalty(lp, ref, torch.ones(1, 2), estimator).item() == pytest.approx(expected)
+
+
+def test_kl_unknown_estimator():
+    with pytest.raises(ValueError, match="estimator"):
+        kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), "k4")
+
+
+def test_entropy_bonus_is_the_masked_mean():
+    assert entropy_bonus(torch.tensor([[1.0, 3.0, 100.0]]), torch.tensor([[1, 1, 0]])).item() == 2.0
+
+
+# --------------------------------------------------------------------------- off-policy corrections
+
+
+def test_tis_weights_truncate_and_are_detached():
+    trainer = torch.tensor([[0.0, math.log(3.0), math.log(0.5)]], requires_grad=True)
+    w = tis_weights(trainer, torch.zeros(1, 3), cap=2.0)
+    assert w[0].tolist() == pytest.approx([1.0, 2.0, 0.5])
+    assert not w.requires_grad
+
+
+def test_staleness_mask_hand_case():
+    versions = torch.tensor([[3, 2, 0, -1]])
+    assert staleness_mask(versions, current_version=3, max_staleness=1)[0].tolist() == [
+        True, True, False, False]
+    with pytest.raises(ValueError, match="current_version"):
+        staleness_mask(versions, current_version=2, max_staleness=1)
+
+
+def test_m2po_drops_the_largest_squared_log_ratio_hand_case():
+    logratio = torch.tensor([[0.1, -0.3, 0.5, 0.05, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    # s = .01, .09, .25, .0025; running means of the ascending sort: .0025, .00625, .0342, .0881
+    keep = m2po_mask(logratio, mask, tau=0.04)
+    assert keep[0].tolist() == [True, True, False, True, False]
+
+
+def _m2po_reference(s: list[float], tau: float) -> set[int]:
+    """The rule as written: while the mean of s over kept tokens exceeds tau, drop the largest."""
+    kept = set(range(len(s)))
+    while kept and sum(s[i] for i in kept) / len(kept) > tau:
+        kept.remove(max(kept, key=lambda i: s[i]))
+    return kept
+
+
+def test_m2po_matches_the_iterative_rule_on_random_batches():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        logratio = torch.randn(3, 7, generator=g) * 0.3
+        mask = torch.rand(3, 7, generator=g) < 0.7
+        keep = m2po_mask(logratio, mask, tau=0.04)
+        s = (logratio[mask] ** 2).tolist()
+        assert set(keep[mask].nonzero().flatten().tolist()) == _m2po_reference(s, 0.04)
+        assert not (keep & ~mask).any()
+
+
+def test_mismatch_stats_hand_case():
+    stats = mismatch_stats(torch.tensor([[0.0, math.log(2.0), 5.0]]), torch.zeros(1, 3),
+                           torch.tensor([[1, 1, 0]]))
+    assert stats["mismatch_kl"] == pytest.approx((0.0 + 2.0 - 1.0 - math.log(2.0)) / 2)
+    assert stats["max_abs_dlogprob"] == pytest.approx(math.log(2.0))
+
+
+# --------------------------------------------------------------------------- the composed loss
+
+
+def test_policy_loss_on_policy_is_the_plain_policy_gradient():
+    lp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    adv = torch.tensor([[1.0, -2.0, 0.5]])
+    loss, stats = policy_loss(lp, adv, torch.ones(1, 3))
+    assert loss.item() == pytest.approx(-(1.0 - 2.0 + 0.5) / 3)
+    loss.backward()
+    assert lp.grad[0].tolist() == pytest.approx([-1.0 / 3, 2.0 / 3, -0.5 / 3])
+    assert stats["tis/on"] == 0.0 and stats["mask/kept_frac"] == 1.0
+
+
+def test_policy_loss_composes_tis_staleness_kl_and_entropy():
+    lp = torch.zeros(1, 4, requires_grad=True)  # ratio 1 everywhere
+    adv = torch.tensor([[1.0, 1.0, -1.0, 5.0]])
+    behaviour = torch.tensor([[0.0, math.log(0.5), math.log(4.0), 0.0]])  # TIS: 1, 2, 0.25, 1
+    versions = torch.tensor([[4, 4, 4, 1]])  # the last token is too stale
+    ref = torch.tensor([[math.log(0.5)] * 4])
+    ent = torch.tensor([[2.0, 4.0, 6.0, 100.0]])
+    cfg = PolicyLossConfig(tis_cap=2.0, max_staleness=2, kl_coef=0.1, kl_estimator="k1",
+                           entropy_coef=0.01)
+    loss, stats = policy_loss(lp, adv, torch.ones(1, 4), cfg, behaviour_logprobs=behaviour,
+                              versions=versions, current_version=4, ref_logprobs=ref, entropies=ent)
+    pg = (-1.0 * 1 - 1.0 * 2 + 1.0 * 0.25) / 3
+    kl = math.log(2.0)  # k1: 0 - log 0.5
+    entropy = (2.0 + 4.0 + 6.0) / 3
+    assert loss.item() == pytest.approx(pg + 0.1 * kl - 0.01 * entropy)
+    assert stats["mask/kept_frac"] == pytest.approx(0.75)
+    assert stats["tis/capped_frac"] == pytest.approx(1 / 3)
+    assert stats["loss/pg"] == pytest.approx(pg)
+
+
+def test_policy_loss_m2po_masks_the_off_policy_token():
+    lp = torch.zeros(1, 3, requires_grad=True)
+    behaviour = torch.tensor([[0.0, 0.1, -2.0]])  # log ratios 0, -0.1, 2: M2 = 1.34 > 0.04
+    loss, stats = policy_loss(lp, torch.ones(1, 3), torch.ones(1, 3),
+                              PolicyLossConfig(m2po_tau=0.04, tis_cap=None),
+                              behaviour_logprobs=behaviour)
+    assert stats["mask/kept_frac"] == pytest.approx(2 / 3)
+    assert loss.item() == pytest.approx(-1.0)
+    assert stats["mismatch/max_abs_dlogprob"] == pytest.approx(2.0)
+
+
+def test_policy_loss_options_without_their_inputs_fail_loudly():
+    lp, adv, mask = torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2)
+    for cfg, word in ((PolicyLossConfig(max_staleness=1), "versions"),
+                      (PolicyLossConfig(m2po_tau=0.1), "behaviour_logprobs"),
+                      (PolicyLossConfig(kl_coef=0.1), "ref_logprobs"),
+                      (PolicyLossConfig(entropy_coef=0.1), "entropies")):
+        with pytest.raises(ValueError, match=word):
+            policy_loss(lp, adv, mask, cfg)
+
+
+def test_policy_loss_config_rejects_unknown_keys():
+    with pytest.raises(ValueError, match="clip_hihg"):
+        PolicyLossConfig(clip_hihg=0.3)
