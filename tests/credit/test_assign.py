@@ -128,6 +128,17 @@ def test_assign_returns_without_normalisation(star):
     assert items[0][1] == [0, 0, 0, 0.5, 0.5, 0, 1.0, 1.0]
 
 
+def test_assign_gae_with_a_value_function(star):
+    # rewards [0, 1], V = 0.5 on both turns, gamma 1, lam 0.5:
+    # delta1 = 1 - 0.5 = 0.5 ; delta0 = 0 + 0.5 - 0.5 = 0 ; A1 = 0.5 ; A0 = 0 + 0.5 * 0.5 = 0.25
+    items = assign(
+        [star([1])], "gae", gamma=1.0, lam=0.5, value_fn=lambda ep: [0.5] * ep.num_turns, level=None
+    )
+    assert items[0][1] == [0, 0, 0, 0.25, 0.25, 0, 0.5, 0.5]
+    with pytest.raises(TypeError, match="unknown options"):
+        assign([star([1])], "gae", omega=1.0)
+
+
 def test_assign_rejects_unknown_names():
     with pytest.raises(ValueError, match="unknown credit method 'ppo'; choose one of"):
         assign([], "ppo")
