@@ -51,7 +51,6 @@ from typing import Any, Literal
 import httpx
 
 from ..errors import ContextOverflowError, PolicyError
-from ..tools._loop import LoopThread
 from .base import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 
 __all__ = ["OpenAIPolicy", "completion_body", "completion_result", "retry_delay"]
@@ -59,7 +58,7 @@ __all__ = ["OpenAIPolicy", "completion_body", "completion_result", "retry_delay"
 TokenIdsMode = Literal["auto", "return_token_ids", "return_tokens_as_token_ids"]
 _MODES = ("auto", "return_token_ids", "return_tokens_as_token_ids")
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
-# Errors where the request most likely never reached the model: safe and useful to resend.
+# Connection failures. Resending a completion is safe: it changes nothing on the server.
 _RETRY_ERRORS = (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
 _ID_PREFIX = "token_id:"
 VERSION_HEADER = "X-Policy-Version"
@@ -262,7 +261,17 @@ class OpenAIPolicy:
         # so each loop (ours, or a caller's) gets its own client.
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
         self._clients_lock = threading.Lock()
-        self._loop = LoopThread("agentrl-openai")
+        self._loop_thread: Any = None  # the private loop of the sync API, made on first use
+
+    def _loop(self) -> Any:
+        # LoopThread lives in agentrl.tools for now; imported here, not at the top, so
+        # that importing the core does not import every tool and sandbox.
+        from ..tools._loop import LoopThread
+
+        with self._clients_lock:
+            if self._loop_thread is None:
+                self._loop_thread = LoopThread("agentrl-openai")
+            return self._loop_thread
 
     def _client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
@@ -347,7 +356,7 @@ class OpenAIPolicy:
         """Run all requests concurrently; results in the order of ``requests``."""
         if not requests:
             return []
-        return self._loop.run(self._agenerate_all(requests))
+        return self._loop().run(self._agenerate_all(requests))
 
     def update_weights(self, state_dict: dict[str, Any]) -> None:
         """Refuse: the server owns the weights (no standard endpoint loads new ones)."""
@@ -371,5 +380,6 @@ class OpenAIPolicy:
 
     def close(self) -> None:
         """Close the private loop's connections and stop its thread."""
-        self._loop.run(self.aclose())
-        self._loop.close()
+        if self._loop_thread is not None:
+            self._loop_thread.run(self.aclose())
+            self._loop_thread.close()

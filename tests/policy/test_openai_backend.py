@@ -460,11 +460,14 @@ def test_reads_vllms_openai_server(tokenizer, tiny_model, tmp_path):
         res = policy.generate([GenerateRequest(prompt, SamplingParams(
             max_new_tokens=8, temperature=0, stop_token_ids=(stop_tok,)))])[0]
         assert res.finish_reason == "stop" and res.token_ids[-1] == stop_tok
-        j, word = _plain_word_at(tokenizer, greedy.token_ids)
+        # Sampled, not greedy: a random model's greedy text may hold no plain word to stop on.
+        free = policy.generate([GenerateRequest(prompt, SamplingParams(max_new_tokens=16, seed=3))])[0]
+        j, word = _plain_word_at(tokenizer, free.token_ids)
         res = policy.generate([GenerateRequest(prompt, SamplingParams(
-            max_new_tokens=8, temperature=0, stop=(word,)))])[0]
+            max_new_tokens=16, seed=3, stop=(word,)))])[0]
         assert res.finish_reason == "stop_string" and len(res.token_ids) <= j + 1
-        assert res.token_ids == greedy.token_ids[:len(res.token_ids)]
+        assert res.token_ids == free.token_ids[:len(res.token_ids)]
+        assert action_text(tokenizer, res.token_ids, (word,)).endswith(word)
         policy.close()
     finally:
         proc.terminate()
