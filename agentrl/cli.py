@@ -126,6 +126,7 @@ def models_prepare(
 
 def _mount_plugins() -> None:
     """Sub-commands that live in the plugin packages (``agentrl sandbox``)."""
+    import_module("agentrl.proxy.cli").mount(app)  # agentrl proxy ..., agentrl env serve
     try:
         sandbox_cli = import_module("agentrl.sandboxes.cli")
     except ImportError:

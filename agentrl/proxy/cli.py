@@ -1,0 +1,101 @@
+"""``agentrl proxy serve`` and ``agentrl env serve``.
+
+Mounted by the main CLI with ``mount(app)``. Tokens come from a file or an
+environment variable, never from the command line (``/proc`` shows argv to
+every user).
+
+    agentrl proxy serve --backend hf --model smollm2-135m --port 8000 --out runs/proxy/trees.jsonl
+    agentrl env serve --port 8766 --token-file token.txt
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from agentrl.errors import AgentRLError
+
+__all__ = ["env_app", "mount", "proxy_app"]
+
+proxy_app = typer.Typer(help="The OpenAI-compatible proxy that records session trees.",
+                        no_args_is_help=True)
+env_app = typer.Typer(help="Registered envs over HTTP, for harnesses.", no_args_is_help=True)
+
+
+def mount(app: typer.Typer) -> None:
+    """Add ``proxy`` and ``env`` to the main CLI."""
+    app.add_typer(proxy_app, name="proxy")
+    app.add_typer(env_app, name="env")
+
+
+def _token(token_file: Path | None, var: str, required: bool) -> str | None:
+    if token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as e:
+            typer.echo(f"error: cannot read --token-file {token_file}: {e.strerror}", err=True)
+            raise typer.Exit(2) from e
+    else:
+        token = os.environ.get(var, "").strip()
+    if required and not token:
+        typer.echo(f"error: a token is required: --token-file PATH or ${var}", err=True)
+        raise typer.Exit(2)
+    return token or None
+
+
+@proxy_app.command("serve")
+def proxy_serve(
+    config: Annotated[Path | None, typer.Option(help="YAML config; its policy section is used.")] = None,
+    backend: Annotated[str | None, typer.Option(help="Policy backend (policy.backend).")] = None,
+    model: Annotated[str | None, typer.Option(help="Model name or folder (policy.model).")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="key.path=value override.")] = None,
+    host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    token_file: Annotated[Path | None, typer.Option(
+        help="File with the admin token; else $AGENTRL_PROXY_TOKEN; none: no token needed.")] = None,
+    served_model_name: Annotated[str, typer.Option(help="Name in /v1/models.")] = "agentrl",
+    max_context_tokens: Annotated[int, typer.Option(help="Prompt plus max_tokens budget.")] = 4096,
+    out: Annotated[str | None, typer.Option(help="JSONL file closed sessions' trees are appended to.")] = None,
+    auto_create_sessions: Annotated[bool, typer.Option(help="Unknown /sessions/{id} creates it.")] = False,
+) -> None:
+    """Serve a policy over the OpenAI API and record each session as a RolloutTree."""
+    from agentrl.config import load_config
+    from agentrl.policy import make_policy
+
+    from .app import serve
+    from .schemas import ProxyConfig
+
+    token = _token(token_file, "AGENTRL_PROXY_TOKEN", required=False)
+    if host not in ("127.0.0.1", "localhost", "::1") and token is None:
+        typer.echo(f"warning: serving on {host} without a token: anyone who reaches it may sample",
+                   err=True)
+    flags = {"policy.backend": backend, "policy.model": model}
+    overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(set_ or [])
+    try:
+        cfg = load_config(config, overrides)
+        policy = make_policy(cfg.policy)
+    except AgentRLError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    proxy_cfg = ProxyConfig(served_model_name=served_model_name, token=token, out=out,
+                            max_context_tokens=max_context_tokens,
+                            auto_create_sessions=auto_create_sessions)
+    serve(policy, proxy_cfg, host, port)
+
+
+@env_app.command("serve")
+def env_serve(
+    host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8766,
+    token_file: Annotated[Path | None, typer.Option(
+        help="File with the bearer token; else $AGENTRL_ENV_TOKEN (required).")] = None,
+    max_envs: Annotated[int, typer.Option(help="Envs alive at once.")] = 256,
+) -> None:
+    """Serve every registered env over HTTP (POST /envs, /envs/{id}/step, /envs/{id}/close)."""
+    from .envserver import EnvServerConfig, serve_envs
+
+    token = _token(token_file, "AGENTRL_ENV_TOKEN", required=True)
+    serve_envs(EnvServerConfig(token=token or "", max_envs=max_envs), host, port)

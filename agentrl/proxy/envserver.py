@@ -1,0 +1,246 @@
+"""``agentrl env serve``: any registered env over a small HTTP API, for harnesses.
+
+A harness that knows nothing of agentrl plays an env through these routes
+(every one needs ``Authorization: Bearer <token>``, compared in constant time)::
+
+    POST /envs                 {env_id, seed?, options?, kwargs?} -> {id, observation, info}
+    GET  /envs/{id}            -> {observation, info, reward, terminated, truncated, steps}
+    POST /envs/{id}/step       {action} -> {observation, reward, terminated, truncated, info}
+    POST /envs/{id}/close      -> the final state
+    GET  /registry             -> registered env ids
+    GET  /health
+
+Outcomes sort as in ``ToolEnv``: a request the server cannot read (bad JSON, a
+missing or mistyped field) is a 400 that names the field; an unknown env id a
+400 with the closest registered id; an unknown instance a 404. An env that
+raises inside ``step`` ends its episode: the reply is an error observation with
+``truncated=True`` and the reason in ``info["error"]``, and the server goes on.
+Env calls run on a worker thread, one at a time per env, so a slow env does
+not stall the others. Envs are sandboxed as they are when made in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from agentrl.errors import ConfigError, EnvError
+
+from .app import HTTPError, _parse, _TooLarge, listen_socket
+
+__all__ = ["EnvServerConfig", "create_env_app", "serve_envs"]
+
+
+class EnvServerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    token: str = Field(min_length=1, description="Bearer token every request must carry.")
+    max_envs: int = Field(256, ge=1, description="Envs alive at once; more get 429.")
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="Larger bodies get 413.")
+    step_timeout_s: float = Field(300.0, gt=0, description="A reset or step over this ends the episode.")
+    idle_s: float = Field(3600.0, gt=0, description="Envs untouched this long are closed.")
+
+
+class MakeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    env_id: str = Field(min_length=1, description="Registered env id, e.g. agentrl/GuessNumber-v0.")
+    seed: int | None = Field(None, description="reset(seed=...).")
+    options: dict[str, Any] | None = Field(None, description="reset(options=...).")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the env.")
+
+
+class StepRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    action: str = Field(max_length=1_000_000, description="The action text.")
+
+
+@dataclass(slots=True)
+class _Live:
+    env: Any
+    env_id: str
+    observation: str
+    info: dict[str, Any]
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    steps: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+
+    def state(self, env_instance: str) -> dict[str, Any]:
+        return {"id": env_instance, "env_id": self.env_id, "observation": self.observation,
+                "info": self.info, "reward": self.reward, "terminated": self.terminated,
+                "truncated": self.truncated, "steps": self.steps}
+
+
+def _plain(info: Any) -> dict[str, Any]:
+    """``info`` as JSON-safe data (numpy values and objects become strings)."""
+    return json.loads(json.dumps(info if isinstance(info, dict) else {"info": info}, default=str))
+
+
+def create_env_app(config: EnvServerConfig) -> Any:
+    """The env server's ASGI app."""
+    envs: dict[str, _Live] = {}
+    expected = config.token.encode()
+    limit = config.max_request_bytes
+
+    def check(request: Request) -> None:
+        value = request.headers.get("authorization", "")
+        given = value[7:].strip().encode() if value[:7].lower() == "bearer " else b""
+        if not hmac.compare_digest(given, expected):
+            raise HTTPError(401, "missing or wrong bearer token")
+
+    def live(request: Request) -> tuple[str, _Live]:
+        check(request)
+        eid = request.path_params["eid"]
+        if eid not in envs:
+            raise HTTPError(404, f"no env {eid!r} (closed, expired or never made)")
+        envs[eid].last_used = time.monotonic()
+        return eid, envs[eid]
+
+    async def bounded(fn: Any, *args: Any) -> Any:
+        return await asyncio.wait_for(asyncio.to_thread(fn, *args), config.step_timeout_s)
+
+    async def make(request: Request) -> Response:
+        check(request)
+        body: MakeRequest = await _parse(request, MakeRequest, limit)
+        _reap(envs, config.idle_s)
+        if len(envs) >= config.max_envs:
+            raise HTTPError(429, f"at most {config.max_envs} envs alive; close some first")
+        from agentrl.env import make_env
+
+        try:
+            env = await bounded(lambda: make_env(body.env_id, **body.kwargs))
+        except EnvError as e:
+            raise HTTPError(400, f"env_id: {e}", param="env_id") from None
+        except TypeError as e:
+            raise HTTPError(400, f"kwargs: {e}", param="kwargs") from None
+        try:
+            obs, info = await bounded(lambda: env.reset(seed=body.seed, options=body.options))
+        except Exception as e:
+            await asyncio.to_thread(_close_quietly, env)
+            raise HTTPError(400, f"reset failed: {type(e).__name__}: {e}") from None
+        eid = secrets.token_urlsafe(12)
+        envs[eid] = _Live(env, body.env_id, str(obs), _plain(info))
+        return JSONResponse({"id": eid, "observation": str(obs), "info": envs[eid].info})
+
+    async def show(request: Request) -> Response:
+        eid, state = live(request)
+        return JSONResponse(state.state(eid))
+
+    async def step(request: Request) -> Response:
+        eid, state = live(request)
+        body: StepRequest = await _parse(request, StepRequest, limit)
+        async with state.lock:
+            if state.terminated or state.truncated:
+                raise HTTPError(409, "the episode is over; make a new env")
+            try:
+                obs, reward, terminated, truncated, info = await bounded(state.env.step, body.action)
+                obs, info = str(obs), _plain(info)
+            except Exception as e:  # outside the model's control: the episode ends, recorded
+                reason = "step timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+                obs, reward, terminated, truncated = f"error: the env failed ({reason})", 0.0, False, True
+                info = {"error": reason}
+            state.steps += 1
+            state.observation, state.info = obs, info
+            state.reward += float(reward)
+            state.terminated, state.truncated = bool(terminated), bool(truncated)
+        return JSONResponse({"observation": obs, "reward": float(reward), "terminated": bool(terminated),
+                             "truncated": bool(truncated), "info": info})
+
+    async def close(request: Request) -> Response:
+        eid, state = live(request)
+        envs.pop(eid, None)
+        await asyncio.to_thread(_close_quietly, state.env)
+        return JSONResponse(state.state(eid))
+
+    async def registry(request: Request) -> Response:
+        check(request)
+        from agentrl.env import list_envs
+
+        return JSONResponse({"envs": list_envs()})
+
+    async def health(request: Request) -> Response:
+        check(request)
+        return JSONResponse({"ok": True, "envs": len(envs)})
+
+    def guarded(fn: Any) -> Any:
+        async def run(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except HTTPError as e:
+                return e.response()
+        return run
+
+    routes = [Route("/envs", guarded(make), methods=["POST"]),
+              Route("/envs/{eid}", guarded(show), methods=["GET"]),
+              Route("/envs/{eid}/step", guarded(step), methods=["POST"]),
+              Route("/envs/{eid}/close", guarded(close), methods=["POST"]),
+              Route("/registry", guarded(registry), methods=["GET"]),
+              Route("/health", guarded(health), methods=["GET"])]
+    app = Starlette(routes=routes)
+    app.state.envs = envs
+    return _SizeGate(app, limit)
+
+
+class _SizeGate:
+    """Refuse bodies over the limit (413): a declared length before reading, else while reading."""
+
+    def __init__(self, app: Any, limit: int):
+        self.app, self.limit = app, limit
+        self.state = app.state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            declared = dict(scope.get("headers") or []).get(b"content-length")
+            if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+                return await HTTPError(413, f"request body over {self.limit} bytes").response()(
+                    scope, receive, send)
+        seen = 0
+
+        async def limited() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _close_quietly(env: Any) -> None:
+    try:
+        env.close()
+    except Exception:  # closing is best effort; the env is dropped either way
+        pass
+
+
+def _reap(envs: dict[str, _Live], idle_s: float) -> None:
+    now = time.monotonic()
+    for eid in [k for k, v in envs.items() if now - v.last_used > idle_s and not v.lock.locked()]:
+        _close_quietly(envs.pop(eid).env)
+
+
+def serve_envs(config: EnvServerConfig, host: str = "127.0.0.1", port: int = 8766) -> None:
+    """Run the env server in the foreground (``agentrl env serve``)."""
+    import uvicorn
+
+    if not config.token:
+        raise ConfigError("env serve: a non-empty token is required")
+    server = uvicorn.Server(uvicorn.Config(create_env_app(config), log_level="info", access_log=False))
+    print(f"agentrl env server on http://{host}:{port}", flush=True)
+    server.run(sockets=[listen_socket(host, port)])

@@ -1,0 +1,209 @@
+"""Run an unmodified agent harness as one episode: its proxy session becomes the tree.
+
+``run_harness_episode`` makes the env on the env server (when one is given),
+starts the harness command with these environment variables::
+
+    OPENAI_BASE_URL      the session's /v1 URL on the proxy
+    OPENAI_API_KEY       the session's own key (opens only this session)
+    AGENTRL_SESSION_ID   the session id
+    AGENTRL_ENV_URL      the env server, and its bearer token in AGENTRL_ENV_TOKEN
+    AGENTRL_ENV_INSTANCE the env made for this episode (GET /envs/{id} shows it)
+    AGENTRL_ENV_ID       its registered id
+
+then waits for it, reads the reward and closes the session into a
+``RolloutTree``. Outcomes sort in two columns:
+
+- the harness finished (exit code 0): the reward is the env's summed reward
+  (or the ``verifier``'s, given the tree), put on the session's last call, and
+  the last node is ``terminated`` if the env says so, else ``truncated``;
+- the episode failed, outside what training should score: the harness
+  crashed (non-zero exit), hung past ``timeout`` (its process group is
+  killed), or the env could not be made. The tree comes back with
+  ``meta["error"]`` (and the last node's ``error``) holding the reason, and the
+  output tails in ``meta["harness"]``. Nothing is raised, so the run goes on.
+
+Only a proxy that cannot be reached raises (``ProxyError``): then there is no
+tree to return.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shlex
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from agentrl.errors import ProxyError
+from agentrl.types import RolloutTree
+
+__all__ = ["EnvServer", "SessionHandle", "open_session", "run_harness_episode"]
+
+_TAIL = 4000  # characters of stdout/stderr kept for the record
+
+
+@dataclass(slots=True)
+class SessionHandle:
+    """A proxy session a harness runs in."""
+
+    proxy_url: str
+    session_id: str
+    api_key: str
+    token: str | None = None  # the proxy's admin token, if it has one
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.proxy_url}/sessions/{self.session_id}/v1"
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token or self.api_key}"}
+
+
+@dataclass(slots=True)
+class EnvServer:
+    """Where the episode's env is made: the env server, its token, the env and its seed."""
+
+    url: str
+    token: str
+    env_id: str
+    seed: int | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+async def open_session(proxy_url: str, token: str | None = None, meta: dict[str, Any] | None = None,
+                       session_id: str | None = None) -> SessionHandle:
+    """Create a session on the proxy at ``proxy_url``."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    body: dict[str, Any] = {"meta": meta or {}}
+    if session_id:
+        body["session_id"] = session_id
+    data = await _call("POST", f"{proxy_url}/sessions", headers, body)
+    return SessionHandle(proxy_url, data["session_id"], data["api_key"], token)
+
+
+async def _call(method: str, url: str, headers: dict[str, str], body: Any = None) -> Any:
+    try:
+        async with httpx.AsyncClient(timeout=60.0) as client:
+            r = await client.request(method, url, headers=headers, json=body)
+    except httpx.HTTPError as e:
+        raise ProxyError(f"{method} {url}: {type(e).__name__}: {e}") from e
+    if r.status_code >= 400:
+        raise ProxyError(f"{method} {url}: HTTP {r.status_code}: {r.text[:500]}")
+    return r.json()
+
+
+async def _tail(stream: asyncio.StreamReader | None, out: list[str]) -> None:
+    if stream is None:
+        return
+    kept = ""
+    while chunk := await stream.read(65536):
+        kept = (kept + chunk.decode(errors="replace"))[-_TAIL:]
+        out[0] = kept
+
+
+def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def _run(argv: list[str], env: dict[str, str], timeout: float, cwd: str | None) -> dict[str, Any]:
+    """Run the harness; its exit code (None on timeout), output tails and wall time."""
+    t0 = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        *argv, env=env, cwd=cwd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, start_new_session=True)
+    out, err = [""], [""]
+    readers = asyncio.gather(_tail(proc.stdout, out), _tail(proc.stderr, err))
+    code: int | None
+    try:
+        code = await asyncio.wait_for(proc.wait(), timeout)
+    except TimeoutError:
+        code = None
+    finally:  # a timeout or our own cancellation: the harness and its children go
+        _kill_group(proc)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), 10)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(readers, 5)
+    return {"cmd": argv, "returncode": code, "wall_s": time.monotonic() - t0,
+            "stdout_tail": out[0], "stderr_tail": err[0]}
+
+
+async def run_harness_episode(
+    cmd: str | Sequence[str],
+    session: SessionHandle,
+    env_server: EnvServer | None = None,
+    timeout: float = 600.0,
+    verifier: Callable[[RolloutTree], float] | None = None,
+    extra_env: dict[str, str] | None = None,
+    cwd: str | None = None,
+) -> RolloutTree:
+    """One episode of the harness ``cmd`` in ``session``; see the module docstring."""
+    argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+    env = {**os.environ, **(extra_env or {}), "OPENAI_BASE_URL": session.base_url,
+           "OPENAI_API_KEY": session.api_key, "AGENTRL_SESSION_ID": session.session_id}
+    error: str | None = None
+    instance: str | None = None
+    env_headers: dict[str, str] = {}
+    if env_server is not None:
+        env_headers = {"Authorization": f"Bearer {env_server.token}"}
+        try:
+            made = await _call("POST", f"{env_server.url}/envs", env_headers,
+                               {"env_id": env_server.env_id, "seed": env_server.seed,
+                                "kwargs": env_server.kwargs})
+            instance = made["id"]
+            env.update(AGENTRL_ENV_URL=env_server.url, AGENTRL_ENV_TOKEN=env_server.token,
+                       AGENTRL_ENV_INSTANCE=instance, AGENTRL_ENV_ID=env_server.env_id)
+        except ProxyError as e:
+            error = f"env could not be made: {e}"
+    run: dict[str, Any] = {"cmd": argv, "returncode": None}
+    if error is None:
+        run = await _run(argv, env, timeout, cwd)
+        if run["returncode"] is None:
+            error = f"harness timed out after {timeout:g}s"
+        elif run["returncode"] != 0:
+            error = f"harness exited with code {run['returncode']}: {run['stderr_tail'][-500:].strip()}"
+    state = None
+    if instance is not None and env_server is not None:
+        with contextlib.suppress(ProxyError):  # a dead env server only loses the env's reward
+            state = await _call("POST", f"{env_server.url}/envs/{instance}/close", env_headers)
+    sess_url = f"{session.proxy_url}/sessions/{session.session_id}"
+    headers = session.headers()
+    if error is None:
+        error = await _reward(sess_url, headers, state, verifier)
+    tree = RolloutTree.from_dict(await _call("POST", f"{sess_url}/close", headers))
+    tree.meta["harness"] = run
+    if state is not None:
+        tree.meta["env"] = {k: state[k] for k in ("env_id", "reward", "terminated", "truncated", "steps")}
+    if error is not None:
+        tree.meta["error"] = error
+        if tree.nodes:
+            last = tree.nodes[max(tree.nodes)]
+            last.error, last.truncated = error, not last.terminated
+    return tree
+
+
+async def _reward(sess_url: str, headers: dict[str, str], state: dict[str, Any] | None,
+                  verifier: Callable[[RolloutTree], float] | None) -> str | None:
+    """Post the episode's reward to the session; a failure reason, or None."""
+    summary = await _call("GET", sess_url, headers)
+    if not summary["calls"]:
+        return "the harness made no model call"
+    if verifier is not None:
+        try:
+            reward = float(verifier(RolloutTree.from_dict(await _call("GET", f"{sess_url}/tree", headers))))
+        except Exception as e:  # the verifier's crash fails this episode, not the run
+            return f"verifier failed: {type(e).__name__}: {e}"
+        terminated = True
+    elif state is not None:
+        reward, terminated = float(state["reward"]), bool(state["terminated"])
+    else:
+        return None
+    await _call("POST", f"{sess_url}/reward", headers, {"reward": reward, "terminated": terminated})
+    return None

@@ -1,0 +1,158 @@
+"""OpenAI chat messages to and from what the policy's chat template sees.
+
+Three jobs, all on plain dicts:
+
+- ``canonical_key``: a message as a comparable string. The proxy matches a
+  call's history against what it recorded by these keys, so fields a harness
+  may add or drop without changing the conversation (``refusal: null``, call
+  ids it re-generates, ``content: null`` versus ``""``, text parts versus a
+  string) do not break prefix reuse.
+- ``template_messages``: the dicts handed to ``ChatContext``. A template that
+  knows tools gets ``tools=`` and ``tool_calls`` as they are; any other one
+  gets the tools described in the system message (``render_tools_prompt``,
+  as native tool envs do) and past calls written back as text.
+- ``response_message``: the assistant message returned for sampled text,
+  with ``tool_calls`` parsed by ``agentrl.tools.parse``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from agentrl.tools.parse import parse_tool_calls, render_tools_prompt
+
+from .schemas import ChatMessage, ChatRequest, ToolIn
+
+__all__ = ["PromptSpec", "canonical_key", "chain_keys", "cut_at_stop", "prompt_spec",
+           "response_message"]
+
+_BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|\Z)", re.DOTALL)
+
+
+def _args(arguments: str | dict[str, Any]) -> Any:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        return json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return arguments  # kept as text: compared and rendered verbatim
+
+
+def canonical(msg: ChatMessage | dict[str, Any]) -> dict[str, Any]:
+    """The parts of a message that change the conversation."""
+    m = msg if isinstance(msg, ChatMessage) else ChatMessage.model_validate(msg)
+    role = "system" if m.role == "developer" else m.role
+    out: dict[str, Any] = {"role": role, "content": m.text()}
+    if m.tool_calls:
+        out["tool_calls"] = [{"name": c.function.name, "arguments": _args(c.function.arguments)}
+                             for c in m.tool_calls]
+    if role == "tool" and m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if role != "assistant" and m.name:
+        out["name"] = m.name
+    return out
+
+
+def canonical_key(msg: ChatMessage | dict[str, Any]) -> str:
+    return json.dumps(canonical(msg), sort_keys=True, ensure_ascii=False)
+
+
+def chain_keys(prefix_key: str, keys: list[str]) -> list[str]:
+    """Hash chain: entry k names the conversation ``keys[:k+1]`` under ``prefix_key``."""
+    out, h = [], prefix_key
+    for k in keys:
+        h = hashlib.blake2b((h + "\x00" + k).encode(), digest_size=16).hexdigest()
+        out.append(h)
+    return out
+
+
+@dataclass(slots=True)
+class PromptSpec:
+    """How a chat request is rendered: template messages, template kwargs, and a key
+    that differs whenever the same messages would render differently (tools)."""
+
+    keys: list[str]
+    template: list[dict[str, Any]]
+    template_kwargs: dict[str, Any]
+    render_key: str
+    parse_tools: bool
+
+
+def _tool_choice_hint(choice: Any) -> str:
+    if choice == "required":
+        return "\nYou must call at least one tool in this reply."
+    if choice is not None and not isinstance(choice, str):
+        return f"\nYou must call the tool {choice.function.get('name', '')!r} in this reply."
+    return ""
+
+
+def _calls_as_text(calls: list[dict[str, Any]], style: str) -> str:
+    blobs = [json.dumps({"name": c["name"], "arguments": c["arguments"]}, ensure_ascii=False)
+             for c in calls]
+    if style == "hermes":
+        return "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in blobs)
+    return "\n".join(blobs)
+
+
+def _to_template(c: dict[str, Any], native_tools: bool, style: str) -> dict[str, Any]:
+    out = {"role": c["role"], "content": c["content"]}
+    if "tool_calls" in c:
+        if native_tools:
+            out["tool_calls"] = [{"type": "function", "function": dict(t)} for t in c["tool_calls"]]
+        else:
+            text = _calls_as_text(c["tool_calls"], style)
+            out["content"] = f"{c['content']}\n{text}" if c["content"] else text
+    for k in ("tool_call_id", "name"):
+        if k in c:
+            out[k] = c[k]
+    return out
+
+
+def prompt_spec(req: ChatRequest, tokenizer: Any, style: str) -> PromptSpec:
+    """Canonical keys and template rendering of a chat request's messages."""
+    canon = [canonical(m) for m in req.messages]
+    keys = [json.dumps(c, sort_keys=True, ensure_ascii=False) for c in canon]
+    template_src = getattr(tokenizer, "chat_template", None) or ""
+    native_tools = "tools" in template_src
+    tools = [t.function.model_dump() for t in (req.tools or [])]
+    parse_tools = bool(tools) and req.tool_choice != "none"
+    kwargs: dict[str, Any] = {}
+    msgs = [_to_template(c, native_tools, style) for c in canon]
+    if tools and native_tools:
+        kwargs["tools"] = [ToolIn(function=t).model_dump() for t in tools]  # type: ignore[arg-type]
+    elif tools:
+        prompt = render_tools_prompt(tools, style=style) + _tool_choice_hint(req.tool_choice)  # type: ignore[arg-type]
+        if msgs[0]["role"] == "system":
+            msgs[0] = {**msgs[0], "content": f"{msgs[0]['content']}\n\n{prompt}"}
+        else:
+            msgs.insert(0, {"role": "system", "content": prompt})
+    render = json.dumps({"tools": tools, "choice": _tool_choice_hint(req.tool_choice),
+                         "style": style}, sort_keys=True)
+    return PromptSpec(keys, msgs, kwargs, render, parse_tools)
+
+
+def cut_at_stop(text: str, stops: tuple[str, ...], keep: bool) -> str:
+    """OpenAI semantics: the text ends before the first stop string (or after it, with ``keep``)."""
+    hits = [(i, len(s)) for s in stops if (i := text.find(s)) >= 0]
+    if not hits:
+        return text
+    i, n = min(hits)
+    return text[:i + n] if keep else text[:i]
+
+
+def response_message(text: str, parse_tools: bool) -> tuple[dict[str, Any], bool]:
+    """The assistant message for sampled ``text``, and whether it calls tools."""
+    if parse_tools:
+        parsed = parse_tool_calls(text)
+        if parsed.calls:
+            calls = [{"id": f"call_{secrets.token_hex(8)}", "type": "function",
+                      "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+                     for c in parsed.calls]
+            content = _BLOCK.sub("", text).strip() if "<tool_call>" in text else ""
+            return {"role": "assistant", "content": content or None, "tool_calls": calls}, True
+    return {"role": "assistant", "content": text}, False

@@ -1,0 +1,230 @@
+"""Wire schemas of the proxy: the server config and the OpenAI request bodies (pydantic).
+
+Requests ignore fields they do not know (harnesses send ``user``, ``metadata``,
+``parallel_tool_calls`` ...), but a known field whose value would change what
+is sampled and that the proxy cannot honour (penalties, ``logit_bias``,
+a JSON ``response_format``, ``echo``) is refused with a 400 that names it,
+never silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "ChatMessage",
+    "ChatRequest",
+    "CompletionRequest",
+    "ContentPart",
+    "FunctionCallIn",
+    "ProxyConfig",
+    "RewardRequest",
+    "SessionRequest",
+    "ToolCallIn",
+    "ToolIn",
+]
+
+
+class ProxyConfig(BaseModel):
+    """Limits and defaults of one proxy server."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    served_model_name: str = Field("agentrl", description="Name listed by /v1/models and echoed in replies.")
+    token: str | None = Field(None, description="Admin bearer token; None: no token needed (bind 127.0.0.1).")
+    max_request_bytes: int = Field(8 << 20, ge=1024, description="Larger request bodies get 413.")
+    max_context_tokens: int = Field(4096, ge=16, description="Prompt plus max_tokens must fit this budget.")
+    default_max_tokens: int = Field(512, ge=1, description="max_tokens when a request gives none.")
+    max_n: int = Field(16, ge=1, description="Largest n (choices per request).")
+    max_concurrent: int = Field(1024, ge=1, description="Requests in flight; more get 503 with Retry-After.")
+    max_sessions: int = Field(4096, ge=1, description="Sessions kept; the oldest closed one is dropped first.")
+    tool_call_style: Literal["hermes", "json"] = Field(
+        "hermes", description="How tools are described to a model whose template has no tools support.")
+    check_prefix: bool = Field(True, description="Re-render each session turn to detect unstable templates.")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with a 503.")
+    generate_timeout_s: float = Field(600.0, gt=0, description="A generation over this gets 504.")
+    auto_create_sessions: bool = Field(
+        False, description="A call to an unknown /sessions/{id} creates it instead of a 404.")
+    out: str | None = Field(None, description="JSONL file each closed session's tree is appended to.")
+
+
+# -- chat ------------------------------------------------------------------------------
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"] = Field(description="Only text parts are supported.")
+    text: str = Field(description="The text.")
+
+
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, description="Tool name.")
+    arguments: str | dict[str, Any] = Field("{}", description="JSON arguments (string or object).")
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = Field(None, description="Call id.")
+    type: Literal["function"] = Field("function", description="Always 'function'.")
+    function: FunctionCallIn = Field(description="What is called.")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(description="Speaker.")
+    content: str | list[ContentPart] | None = Field(None, description="Text or text parts.")
+    name: str | None = Field(None, description="Speaker or tool name.")
+    tool_calls: list[ToolCallIn] | None = Field(None, description="Calls an assistant made.")
+    tool_call_id: str | None = Field(None, description="role=tool: the call answered.")
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class FunctionSpecIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, description="Tool name.")
+    description: str = Field("", description="What the tool does.")
+    parameters: dict[str, Any] = Field(
+        default_factory=lambda: {"type": "object", "properties": {}}, description="JSON schema.")
+
+
+class ToolIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"] = Field("function", description="Always 'function'.")
+    function: FunctionSpecIn = Field(description="The tool.")
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"] = "function"
+    function: dict[str, str] = Field(description='{"name": TOOL}.')
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share. OpenAI's ranges; top_k and the token-id
+    fields are the vLLM extensions that token-exact clients use."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field("", description="Any name is accepted; replies carry the served name.")
+    n: int = Field(1, ge=1, description="Choices to sample.")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; default 1.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus mass.")
+    top_k: int | None = Field(None, ge=-1, description="vLLM extension; 0 or -1 disables.")
+    max_tokens: int | None = Field(None, ge=1, description="Tokens to sample at most.")
+    stop: str | list[str] | None = Field(None, description="Strings that end the choice.")
+    stop_token_ids: list[int] | None = Field(None, description="Token ids that end the choice.")
+    seed: int | None = Field(None, description="Seed of the request's random stream.")
+    stream: bool = Field(False, description="Answer as server-sent events.")
+    stream_options: dict[str, Any] | None = Field(None, description="{include_usage: bool}.")
+    include_stop_str_in_output: bool = Field(False, description="Keep the stop string in the text.")
+    return_token_ids: bool = Field(False, description="Add prompt_token_ids and token_ids per choice.")
+    presence_penalty: float = Field(0.0, description="Not supported unless 0.")
+    frequency_penalty: float = Field(0.0, description="Not supported unless 0.")
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported unless empty.")
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 16 or any(not s for s in stops):
+            raise ValueError("at most 16 non-empty stop strings")
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> _Sampling:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name}: only 0 is supported (the sampled distribution must be the policy's)")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported (the sampled distribution must be the policy's)")
+        return self
+
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class ChatRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
+    tools: list[ToolIn] | None = Field(None, description="Tools the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="auto (default with tools), none, required or a named tool.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens.")
+    logprobs: bool = Field(False, description="Return the sampled tokens' logprobs.")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="Alternatives per token.")
+    response_format: dict[str, Any] | None = Field(None, description="Only {type: text}.")
+
+    @model_validator(mode="after")
+    def _chat_checks(self) -> ChatRequest:
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format: only type 'text' is supported (no constrained decoding)")
+        if self.max_tokens is None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: text or token-id prompts."""
+
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(description="One prompt or a batch.")
+    max_tokens: int | None = Field(16, ge=1, description="Tokens to sample at most (OpenAI default 16).")
+    logprobs: int | None = Field(None, ge=0, le=20, description="Token logprobs plus this many alternatives.")
+    return_tokens_as_token_ids: bool = Field(False, description='Tokens as "token_id:N".')
+    echo: bool = Field(False, description="Not supported.")
+    suffix: str | None = Field(None, description="Not supported.")
+
+    @model_validator(mode="after")
+    def _completion_checks(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo: not supported")
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        p = self.prompt
+        if isinstance(p, list) and (not p or any(isinstance(x, list) and not x for x in p)):
+            raise ValueError("prompt: must not be empty")
+        if isinstance(p, str) and not p:
+            raise ValueError("prompt: must not be empty")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+# -- sessions --------------------------------------------------------------------------
+class SessionRequest(BaseModel):
+    """``POST /sessions``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    session_id: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]{1,128}$", description="Chosen id; default a random one.")
+    meta: dict[str, Any] = Field(default_factory=dict, description="Copied into the tree's meta.")
+
+
+class RewardRequest(BaseModel):
+    """``POST /sessions/{id}/reward``: for the session's last call, or a named call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reward: float = Field(description="The reward.")
+    call_id: str | None = Field(None, description="A call's id (the response id); None: the session.")
+    choice: int | None = Field(None, ge=0, description="One choice of that call; None: all of them.")
+    terminated: bool = Field(True, description="Session rewards: the episode ended (not truncated).")

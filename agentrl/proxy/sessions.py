@@ -1,0 +1,302 @@
+"""Sessions: what a harness's calls sampled, kept token-exact as a ``RolloutTree``.
+
+Every call of a session becomes nodes of one tree, one node per choice. A
+node's ``context_ids`` are the tokens added after its parent's action (all of
+them for a root), its ``action_ids`` and ``logprobs`` are exactly what the
+policy sampled. The prompt of a call is therefore always the parent's path
+plus the node's context: nothing already recorded is ever tokenized again.
+
+Where a call hangs (``plan_chat``, ``plan_tokens``):
+
+- chat: the deepest recorded choice whose conversation (its call's messages
+  plus the assistant message returned for it) the new messages extend, compared
+  by ``messages.canonical_key``. The prompt is that choice's tokens plus the
+  template rendering of the new messages only (``ChatContext.append_observation``).
+  A call whose messages equal an earlier call's reuses that call's prompt. No
+  match: a new root, rendered whole.
+- completions: the deepest node whose path tokens start the token prompt.
+
+A call whose parent already has children starts a branch (``branch_info``):
+
+- ``retry``: the same prompt as a sibling (siblings then share one context);
+- ``edit``: a message of the history was replaced and what follows it kept;
+- ``compaction``: the history got shorter (dropped or summarized messages);
+- ``tools_changed``: the same messages under different tools;
+- ``divergence``: anything else, e.g. a sub-agent with its own system prompt,
+  or a token prompt that leaves the recorded path.
+
+The branch point (the parent node, the message index and the token offset
+where the histories part) is kept on the branch's first node
+(``info["branch"]``) and in ``Session.branches``. The reasons other than
+``retry`` are read from message shapes, so they are a best guess.
+
+Assembly (``Session.tree``): leaves other than the last call's choices end
+paths the harness left (a retried call, an unpicked choice): they are marked
+``truncated`` with ``info["abandoned"] = True``. A session reward goes to the
+last call's choices.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentrl.chat import ChatContext
+from agentrl.policy.base import GenerateResult
+from agentrl.types import Node, RolloutTree
+
+from .messages import PromptSpec, chain_keys
+
+__all__ = ["Call", "Plan", "Session", "fork_context"]
+
+
+def fork_context(ctx: ChatContext) -> ChatContext:
+    """An independent copy of a context (its lists copied, the tokenizer shared)."""
+    new = copy.copy(ctx)
+    new.ids, new.mask, new.logprobs = list(ctx.ids), list(ctx.mask), list(ctx.logprobs)
+    new.messages = [dict(m) for m in ctx.messages]
+    new.mismatches = list(ctx.mismatches)
+    new._last_action = list(ctx._last_action)
+    return new
+
+
+@dataclass(slots=True)
+class Plan:
+    """Where a call goes and what its prompt is, decided before it is sampled."""
+
+    kind: str
+    prompt_ids: list[int]
+    parent: int | None
+    context_ids: list[int]
+    ctx: ChatContext | None = None
+    keys: list[str] = field(default_factory=list)
+    chain: list[str] = field(default_factory=list)
+    render_key: str = ""
+    new_messages: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Call:
+    """One recorded call: its prompt, its choices' nodes, version and timing."""
+
+    call_id: str
+    kind: str
+    prompt_ids: list[int]
+    parent: int | None
+    context_ids: list[int]
+    node_ids: list[int]
+    version: int
+    timing: dict[str, float]
+    branch: dict[str, Any] | None
+    keys: list[str]
+    render_key: str
+    reply_keys: list[str]
+    ctx: ChatContext | None
+
+    def summary(self) -> dict[str, Any]:
+        return {"call_id": self.call_id, "kind": self.kind, "prompt_tokens": len(self.prompt_ids),
+                "reused_tokens": len(self.prompt_ids) - len(self.context_ids),
+                "nodes": self.node_ids, "version": self.version, "timing": self.timing,
+                "branch": self.branch}
+
+
+class Session:
+    """The calls of one harness episode and the tree they make."""
+
+    def __init__(self, session_id: str, api_key: str | None = None, meta: dict[str, Any] | None = None,
+                 check_prefix: bool = True):
+        self.session_id = session_id
+        self.api_key = api_key or secrets.token_urlsafe(24)
+        self.meta = dict(meta or {})
+        self.check_prefix = check_prefix
+        self.tree = RolloutTree(meta={"session_id": session_id, **self.meta})
+        self.calls: list[Call] = []
+        self.by_id: dict[str, Call] = {}
+        self.branches: list[dict[str, Any]] = []
+        self.cancelled: list[dict[str, Any]] = []
+        self.closed = False
+        self.created = time.time()
+        self.reward: float | None = None
+        self._by_prompt: dict[str, Call] = {}  # chain key of a call's messages
+        self._by_conv: dict[str, tuple[Call, int]] = {}  # chain key of messages + reply -> choice
+
+    # -- planning ------------------------------------------------------------------------
+    def plan_chat(self, spec: PromptSpec, tokenizer: Any) -> Plan:
+        chain = chain_keys(spec.render_key, spec.keys)
+        plan = Plan("chat", [], None, [], keys=spec.keys, chain=chain, render_key=spec.render_key)
+        same = self._by_prompt.get(chain[-1])
+        if same is not None:  # a retry: reuse the recorded prompt as it is
+            plan.prompt_ids, plan.parent, plan.context_ids = same.prompt_ids, same.parent, same.context_ids
+            plan.ctx = same.ctx
+            return plan
+        offset = len(spec.template) - len(spec.keys)  # a system message added for tools
+        for k in range(len(chain) - 1, 0, -1):
+            hit = self._by_conv.get(chain[k - 1])
+            if hit is None:
+                continue
+            call, choice = hit
+            node = self.tree.nodes[call.node_ids[choice]]
+            assert call.ctx is not None
+            ctx = fork_context(call.ctx)
+            ctx.append_action(node.action_ids, node.logprobs)
+            plan.new_messages = spec.template[k + offset:]
+            plan.context_ids = ctx.append_observation(plan.new_messages)
+            plan.parent, plan.ctx, plan.prompt_ids = node.id, ctx, ctx.ids
+            return plan
+        ctx = ChatContext(tokenizer, spec.template, check_prefix=self.check_prefix, **spec.template_kwargs)
+        plan.ctx, plan.prompt_ids, plan.context_ids = ctx, ctx.ids, list(ctx.ids)
+        return plan
+
+    def plan_tokens(self, prompt_ids: list[int]) -> Plan:
+        parent, pos = self._deepest_prefix(prompt_ids)
+        return Plan("completion", list(prompt_ids), parent, list(prompt_ids[pos:]))
+
+    def _deepest_prefix(self, prompt: list[int]) -> tuple[int | None, int]:
+        """The deepest node whose path tokens start ``prompt``, and that path's length."""
+        parent: int | None = None
+        pos, kids = 0, self.tree.roots
+        while True:
+            found = None
+            for k in reversed(kids):  # the latest branch first
+                n = self.tree.nodes[k]
+                mid, end = pos + len(n.context_ids), pos + len(n.context_ids) + len(n.action_ids)
+                if pos < end <= len(prompt) and prompt[pos:mid] == n.context_ids \
+                        and prompt[mid:end] == n.action_ids:
+                    found = (k, end)
+                    break
+            if found is None:
+                return parent, pos
+            parent, pos = found
+            kids = self.tree.nodes[parent].children
+
+    # -- recording -----------------------------------------------------------------------
+    def record(self, plan: Plan, call_id: str, results: list[GenerateResult], texts: list[str],
+               reply_keys: list[str], timing: dict[str, float]) -> Call:
+        """Add one node per choice under the plan's parent; returns the call."""
+        siblings = self.tree.roots if plan.parent is None else self.tree.nodes[plan.parent].children
+        branch = self.branch_info(plan, siblings) if siblings else None
+        context = next((self.tree.nodes[s].context_ids for s in siblings
+                        if self.tree.nodes[s].context_ids == plan.context_ids), plan.context_ids)
+        if plan.parent is not None and plan.new_messages:
+            parent = self.tree.nodes[plan.parent]
+            parent.observation = parent.observation or "\n".join(
+                str(m.get("content", "")) for m in plan.new_messages)
+        ids = []
+        for i, (res, text) in enumerate(zip(results, texts, strict=True)):
+            info: dict[str, Any] = {"call_id": call_id, "choice": i, "timing": timing,
+                                    "cached_tokens": res.cached_tokens}
+            if branch is not None and i == 0:
+                info["branch"] = branch
+            node = Node(context_ids=context, action_ids=list(res.token_ids), logprobs=list(res.logprobs),
+                        entropies=list(res.entropies), version=res.version, action_text=text,
+                        finish_reason=res.finish_reason, info=info)
+            ids.append(self.tree.add(node, plan.parent).id)
+        call = Call(call_id, plan.kind, plan.prompt_ids, plan.parent, context, ids,
+                    min(r.version for r in results), timing, branch, plan.keys, plan.render_key,
+                    reply_keys, plan.ctx)
+        self.calls.append(call)
+        self.by_id[call_id] = call
+        if branch is not None:
+            self.branches.append({"call_id": call_id, **branch})
+        if plan.kind == "chat":
+            self._by_prompt.setdefault(plan.chain[-1], call)
+            for i, key in enumerate(reply_keys):
+                self._by_conv[chain_keys(plan.chain[-1], [key])[0]] = (call, i)
+        return call
+
+    def branch_info(self, plan: Plan, siblings: list[int]) -> dict[str, Any]:
+        """Why a call that starts a new branch under ``plan.parent`` does so, and where."""
+        at_token = len(plan.prompt_ids) - len(plan.context_ids)
+        info: dict[str, Any] = {"parent_node": plan.parent, "at_token": at_token}
+        same = next((s for s in siblings if self.tree.nodes[s].context_ids == plan.context_ids), None)
+        if same is not None:
+            return {"reason": "retry", **info, "from_call": self.tree.nodes[same].info.get("call_id")}
+        chats = [c for c in self.calls if c.kind == "chat"]
+        if plan.kind != "chat" or not chats:
+            return {"reason": "divergence", **info}
+        history = lambda c: c.keys + c.reply_keys[:1]  # noqa: E731
+        ref = max(reversed(chats), key=lambda c: _common(history(c), plan.keys))
+        h, m = history(ref), plan.keys
+        j = _common(h, m)
+        info.update(at_message=j, from_call=ref.call_id)
+        if j > 0 and ref.render_key != plan.render_key:
+            return {"reason": "tools_changed", **info}
+        if 0 < j < len(h) and j < len(m) and _role(h[j]) == _role(m[j]) \
+                and m[j + 1:] == h[j + 1:j + 1 + len(m[j + 1:])]:
+            return {"reason": "edit", **info}
+        if 0 < j and len(m) < len(h):
+            return {"reason": "compaction", **info}
+        return {"reason": "divergence", **info}
+
+    def record_cancelled(self, call_id: str, why: str) -> None:
+        """A call that ended before anything was sampled; kept in the log, no node."""
+        self.cancelled.append({"call_id": call_id, "reason": why, "time": time.time()})
+
+    # -- rewards and assembly ------------------------------------------------------------
+    def set_reward(self, reward: float, call_id: str | None = None, choice: int | None = None,
+                   terminated: bool = True) -> list[int]:
+        """Put a reward on a call's nodes (default: the last call, as the session's reward).
+
+        Raises ``KeyError``/``IndexError`` with a message naming the bad field.
+        """
+        if call_id is None:
+            if not self.calls:
+                raise KeyError("call_id: the session has no calls to reward yet")
+            call = self.calls[-1]
+            self.reward = reward
+        elif call_id in self.by_id:
+            call = self.by_id[call_id]
+        else:
+            raise KeyError(f"call_id: no call {call_id!r} in session {self.session_id!r}")
+        if choice is not None and choice >= len(call.node_ids):
+            raise IndexError(f"choice: call {call.call_id!r} has {len(call.node_ids)} choices")
+        nodes = call.node_ids if choice is None else [call.node_ids[choice]]
+        for nid in nodes:
+            node = self.tree.nodes[nid]
+            node.reward = reward
+            if call_id is None:
+                node.terminated, node.truncated = terminated, not terminated
+        return nodes
+
+    def assemble(self) -> RolloutTree:
+        """The session's tree, with abandoned leaves marked (see the module docstring)."""
+        last = set(self.calls[-1].node_ids) if self.calls else set()
+        for leaf in self.tree.leaves():
+            if leaf.id not in last and not leaf.done:
+                leaf.truncated = True
+                leaf.info["abandoned"] = True
+        self.tree.meta.update(
+            session_id=self.session_id, calls=len(self.calls), branches=self.branches,
+            reward=self.reward, cancelled_calls=len(self.cancelled),
+            template_mismatches=sum(len(c.ctx.mismatches) for c in self.calls if c.ctx is not None),
+        )
+        return self.tree
+
+    def close(self) -> RolloutTree:
+        tree = self.assemble()
+        self.closed = True
+        for call in self.calls:  # contexts are only needed to extend the session
+            call.ctx = None
+        return tree
+
+    def summary(self) -> dict[str, Any]:
+        return {"session_id": self.session_id, "closed": self.closed, "reward": self.reward,
+                "meta": self.meta, "calls": [c.summary() for c in self.calls],
+                "branches": self.branches, "cancelled": self.cancelled}
+
+
+def _common(a: list[str], b: list[str]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _role(key: str) -> str:
+    return json.loads(key)["role"]
