@@ -235,7 +235,8 @@ def pilot_commit_split(
     saturated = [q is not None and q in (0.0, 1.0) for q in p]
     floor = fill_evenly([0] * n, total, [min_per_task if s else 0 for s in saturated])
     rest = total - sum(floor)
-    weights = [0.0 if s else (0.25 if q is None else q * (1.0 - q)) for q, s in zip(p, saturated, strict=True)]
+    weights = [0.0 if s else 0.25 if q is None else q * (1.0 - q)
+               for q, s in zip(p, saturated, strict=True)]
     extra = largest_remainder(weights, rest) if sum(weights) > 0 else fill_evenly(floor, rest)
     alloc = [a + b for a, b in zip(floor, extra, strict=True)]
     even = fill_evenly([0] * n, total)
@@ -296,7 +297,9 @@ def _turn_parent(tree: RolloutTree, node: Node) -> int | None:
     return cur
 
 
-def _turn_values(tree: RolloutTree, node: Node, values: Callable[[Node], list[float]]) -> list[float]:
+def _turn_values(
+    tree: RolloutTree, node: Node, values: Callable[[Node], list[float]]
+) -> list[float]:
     """Per-token ``values`` of ``node``'s whole turn: partial nodes right above
     it hold the turn's first tokens (a segment fork inside the action)."""
     chunks = [values(node)]
@@ -329,8 +332,9 @@ def _leaf_counts(state: AllocState) -> list[int]:
 
 
 def _pass_rate(tree: RolloutTree) -> float | None:
-    """Fraction of finished episodes that succeeded; None without any."""
-    ends = [leaf for leaf in tree.leaves() if not is_open(leaf)]
+    """Fraction of finished episodes that succeeded; None without any. An
+    episode that failed outside the policy (``error`` set) is not counted."""
+    ends = [leaf for leaf in tree.leaves() if not is_open(leaf) and leaf.error is None]
     return sum(map(_leaf_success, ends)) / len(ends) if ends else None
 
 
@@ -369,7 +373,9 @@ def entropy_branch_scores(
     return scores
 
 
-def key_states(tree: RolloutTree, first_tokens: int = 4, top1_threshold: float = 0.5) -> list[tuple[float, int]]:
+def key_states(
+    tree: RolloutTree, first_tokens: int = 4, top1_threshold: float = 0.5
+) -> list[tuple[float, int]]:
     """Decision turns: (mean top-1 probability, node id), lowest first.
 
     A turn is a key state when the mean top-1 probability of its first
@@ -384,25 +390,36 @@ def key_states(tree: RolloutTree, first_tokens: int = 4, top1_threshold: float =
     return sorted(out)
 
 
-def _depths(tree: RolloutTree) -> dict[int, int]:
-    depth: dict[int, int] = {}
-    for node in tree.nodes.values():  # ids grow downwards: parents come first
-        depth[node.id] = 0 if node.parent is None else depth[node.parent] + 1
-    return depth
+def _top_down(tree: RolloutTree) -> list[Node]:
+    """Every node after its parent. Ids do not promise that: a segment fork
+    puts a new partial node above older ones."""
+    order = [tree.nodes[r] for r in tree.roots]
+    for node in order:  # grows while it is read: breadth first
+        order += [tree.nodes[c] for c in node.children]
+    return order
+
+
+def _turn_index(tree: RolloutTree) -> dict[int, int]:
+    """{node id: turns before it}; a partial node shares its turn's index."""
+    index: dict[int, int] = {}
+    for node in _top_down(tree):
+        parent = None if node.parent is None else tree.nodes[node.parent]
+        index[node.id] = 0 if parent is None else index[parent.id] + (not parent.partial)
+    return index
 
 
 def _branch_weights(
     tree: RolloutTree, picked: set[int], path_decay: float, node_decay: float
 ) -> dict[int, tuple[float, int]]:
     """{candidate id: (weight, depth)} for one tree; see ``contrastive_branch_points``."""
-    depth = _depths(tree)
+    depth = _turn_index(tree)
 
     def is_point(n: Node) -> bool:
         return len(n.children) >= 2 or n.id in picked
 
     on_path: dict[int, int] = {}
     per_depth: dict[int, int] = {}
-    for node in tree.nodes.values():
+    for node in _top_down(tree):
         above = 0 if node.parent is None else on_path[node.parent]
         on_path[node.id] = above + is_point(node)
         per_depth[depth[node.id]] = per_depth.get(depth[node.id], 0) + is_point(node)
@@ -426,10 +443,11 @@ def contrastive_branch_points(
 
     with b_path(v) the branch points on the path from the root to v (v
     included): how often that trajectory was already split, and b_depth(v) the
-    branch points at v's depth in its tree. Each pick counts as a branch point
+    branch points at v's depth (its turn index) in its tree. Each pick counts as a branch point
     for the next ones, so picks move to other trajectories and other depths.
     Greedy and deterministic: the highest weight, then the lowest (depth,
-    task, node id), so equal weights spread over tasks too. Lazily yields until every candidate was picked.
+    task, node id), so equal weights spread over tasks too. Yields lazily,
+    until every candidate was picked.
     """
     picked: list[set[int]] = [set() for _ in trees]
 
@@ -478,12 +496,33 @@ def prefix_groups(tree: RolloutTree) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- shared plan steps
 
 
-def _require(ok: bool, owner: str, key: str, why: str) -> None:
-    if not ok:
-        raise ConfigError(f"allocator {owner}: option {key!r} {why}")
+_RULES: dict[str, Callable[[Any], bool]] = {
+    ">= 0": lambda v: v >= 0,
+    ">= 1": lambda v: v >= 1,
+    "None or >= 1": lambda v: v is None or v >= 1,
+    "None or > 0": lambda v: v is None or v > 0,
+    "in [0, 1]": lambda v: 0 <= v <= 1,
+    "in (0, 1]": lambda v: 0 < v <= 1,
+}
 
 
-def _fresh_spread(state: AllocState, leaves: int, reason: str, counts: list[int] | None = None) -> list[Request]:
+def _check(alloc: Any, **rules: str) -> None:
+    """Raise ``ConfigError`` naming the first option of ``alloc`` that breaks its rule."""
+    for key, rule in rules.items():
+        value = getattr(alloc, key)
+        try:
+            ok = _RULES[rule](value)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ConfigError(
+                f"allocator {alloc.name}: option {key!r} must be {rule}, got {value!r}"
+            )
+
+
+def _fresh_spread(
+    state: AllocState, leaves: int, reason: str, counts: list[int] | None = None
+) -> list[Request]:
     """``leaves`` fresh episodes, each to the task with the fewest leaves."""
     got = fill_evenly(_leaf_counts(state) if counts is None else counts, leaves)
     return [Fresh(task, n, reason=reason) for task, n in enumerate(got) if n > 0]
@@ -522,7 +561,8 @@ def _branch_before(
             continue
         seen.add((task, before))
         n = min(k, leaves)
-        req: Request = Fresh(task, n, reason=reason) if before is None else Branch(task, before, n, reason=reason)
+        req: Request = (Fresh(task, n, reason=reason) if before is None
+                        else Branch(task, before, n, reason=reason))
         leaves -= leaf_cost(tree, req)
         out.append(req)
     return out, leaves
@@ -546,7 +586,7 @@ class Independent:
     top_logprobs: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
-        _require(self.n is None or self.n >= 1, self.name, "n", f"must be >= 1 or None, got {self.n!r}")
+        _check(self, n="None or >= 1", est_leaf_cost="None or > 0")
 
     def plan(self, state: AllocState) -> list[Request]:
         if state.round >= 1 + TOP_UP_ROUNDS or (state.round > 0 and state.budget.unit == "leaves"):
@@ -575,8 +615,7 @@ class PilotCommit:
     top_logprobs: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
-        _require(self.pilots >= 1, self.name, "pilots", f"must be >= 1, got {self.pilots!r}")
-        _require(self.min_per_task >= 0, self.name, "min_per_task", f"must be >= 0, got {self.min_per_task!r}")
+        _check(self, pilots=">= 1", min_per_task=">= 0", est_leaf_cost="None or > 0")
 
     def plan(self, state: AllocState) -> list[Request]:
         leaves = affordable_leaves(state, self.est_leaf_cost)
@@ -613,10 +652,8 @@ class EntropyBranch:
     top_logprobs: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
-        _check_fraction(self.name, self.fresh_fraction)
-        _require(self.first_tokens >= 1, self.name, "first_tokens", f"must be >= 1, got {self.first_tokens!r}")
-        _require(0.0 <= self.penalty <= 1.0, self.name, "penalty", f"must be in [0, 1], got {self.penalty!r}")
-        _require(self.k >= 1, self.name, "k", f"must be >= 1, got {self.k!r}")
+        _check(self, fresh_fraction="in (0, 1]", first_tokens=">= 1", penalty="in [0, 1]",
+               k=">= 1", est_leaf_cost="None or > 0")
 
     def plan(self, state: AllocState) -> list[Request]:
         leaves = affordable_leaves(state, self.est_leaf_cost)
@@ -630,7 +667,8 @@ class EntropyBranch:
             ranked += [(-s, task, node_id) for node_id, s in scores.items()]
         picks = [(task, node_id) for _, task, node_id in sorted(ranked)]
         out, left = _branch_before(state, picks, self.k, leaves, "entropy rise")
-        state.report[self.name] = {"eligible": len(picks), "branches": len(out), "fresh_leftover": left}
+        state.report[self.name] = {"eligible": len(picks), "branches": len(out),
+                                   "fresh_leftover": left}
         return out + _fresh_spread(state, left, "no high-entropy turn left")
 
 
@@ -666,9 +704,8 @@ class SegmentTree:
     top_logprobs: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
-        _require(self.depth >= 1, self.name, "depth", f"must be >= 1, got {self.depth!r}")
-        _require(self.width >= 1, self.name, "width", f"must be >= 1, got {self.width!r}")
-        _require(self.segment_turns >= 1, self.name, "segment_turns", f"must be >= 1, got {self.segment_turns!r}")
+        _check(self, depth=">= 1", width=">= 1", segment_turns=">= 1",
+               est_leaf_cost="None or > 0")
 
     def plan(self, state: AllocState) -> list[Request]:
         leaves = affordable_leaves(state, self.est_leaf_cost)
@@ -734,11 +771,8 @@ class KeyState:
     top_logprobs: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
-        _check_fraction(self.name, self.fresh_fraction)
-        _require(self.k >= 1, self.name, "k", f"must be >= 1, got {self.k!r}")
-        _require(self.first_tokens >= 1, self.name, "first_tokens", f"must be >= 1, got {self.first_tokens!r}")
-        _require(0.0 < self.top1_threshold <= 1.0, self.name, "top1_threshold",
-                 f"must be in (0, 1], got {self.top1_threshold!r}")
+        _check(self, k=">= 1", top1_threshold="in (0, 1]", first_tokens=">= 1",
+               fresh_fraction="in (0, 1]", est_leaf_cost="None or > 0")
 
     def plan(self, state: AllocState) -> list[Request]:
         leaves = affordable_leaves(state, self.est_leaf_cost)
@@ -748,7 +782,8 @@ class KeyState:
             return _top_up(state, leaves, 2)
         ranked = []
         for task, tree in enumerate(state.trees):
-            ranked += [(p, task, node_id) for p, node_id in key_states(tree, self.first_tokens, self.top1_threshold)]
+            found = key_states(tree, self.first_tokens, self.top1_threshold)
+            ranked += [(p, task, node_id) for p, node_id in found]
         picks = [(task, node_id) for _, task, node_id in sorted(ranked)]
         out, left = _branch_before(state, picks, self.k, leaves, "key state")
         has_top1 = any(_top1(n) for t in state.trees for n in t.nodes.values())
@@ -777,11 +812,8 @@ class Contrastive:
     top_logprobs: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
-        _check_fraction(self.name, self.fresh_fraction)
-        _require(self.k >= 1, self.name, "k", f"must be >= 1, got {self.k!r}")
-        for key in ("path_decay", "node_decay"):
-            value = getattr(self, key)
-            _require(0.0 < value <= 1.0, self.name, key, f"must be in (0, 1], got {value!r}")
+        _check(self, k=">= 1", path_decay="in (0, 1]", node_decay="in (0, 1]",
+               fresh_fraction="in (0, 1]", est_leaf_cost="None or > 0")
 
     def plan(self, state: AllocState) -> list[Request]:
         leaves = affordable_leaves(state, self.est_leaf_cost)
@@ -800,7 +832,8 @@ class Contrastive:
 
     def _branch(self, state: AllocState, leaves: int) -> tuple[list[Request], int]:
         out: list[Request] = []
-        for task, node_id in contrastive_branch_points(state.trees, self.path_decay, self.node_decay):
+        points = contrastive_branch_points(state.trees, self.path_decay, self.node_decay)
+        for task, node_id in points:
             if leaves <= 0:
                 break
             tree = state.trees[task]
@@ -809,10 +842,6 @@ class Contrastive:
             out.append(req)
         state.report[self.name] = {"branch_points": [(r.task, r.node) for r in out]}
         return out, leaves
-
-
-def _check_fraction(owner: str, fraction: float) -> None:
-    _require(0.0 < fraction <= 1.0, owner, "fresh_fraction", f"must be in (0, 1], got {fraction!r}")
 
 
 # --------------------------------------------------------------------------- registry

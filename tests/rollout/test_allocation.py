@@ -31,6 +31,7 @@ from agentrl.rollout.allocation import (
     prefix_groups,
     segment_children,
 )
+from agentrl.rollout.tree import split_node
 from agentrl.types import Node, RolloutTree
 
 # --------------------------------------------------------------------------- a fake engine
@@ -436,3 +437,25 @@ def test_make_allocator_names_unknown_allocators_and_options():
         make_allocator("entropy_branch", fresh_fraction=0.0)
     with pytest.raises(ConfigError, match="'k' must be >= 1"):
         Contrastive(k=0)
+
+
+# --------------------------------------------------------------------------- segment forks
+
+
+def test_allocators_read_turns_across_a_segment_fork():
+    # split_node puts a partial node (id 3) above an older node (id 1): the
+    # turn a1 is partial 3 plus node 1, and node 4 is a sibling segment of it
+    tree = RolloutTree()
+    a = linear(tree, [{"entropies": [0.2] * 4, "action_ids": [1] * 4},
+                      {"entropies": [1.0] * 4, "action_ids": [1] * 4}, {"terminated": True}])
+    part = split_node(tree, a[1], 2)
+    q = tree.add(Node(entropies=[1.0, 1.0], terminated=True), part.id)
+    assert (part.id, q.id) == (3, 4)
+    assert entropy_branch_scores(tree, first_tokens=2) == pytest.approx({a[1]: 0.8, q.id: 0.8})
+    state = AllocState([tree], Budget(10), spent=2, round=1)
+    reqs = EntropyBranch(first_tokens=2, k=2).plan(state)
+    assert reqs[0] == Branch(0, a[0], 2, reason="entropy rise")  # both turns start after a0: once
+    assert all(not (isinstance(r, Branch) and r.node == a[0]) for r in reqs[1:])
+    # the fork counts as a branch point at turn 1: a1 weighs 0.5 (path) * 0.5 (depth)
+    assert list(contrastive_branch_points([tree])) == [(0, a[0]), (0, a[1])]
+    assert prefix_groups(tree) == [{"node": part.id, "leaves": [a[2], q.id]}]
