@@ -1,0 +1,173 @@
+"""Checkpoints: write a training state atomically, find the newest, load it back.
+
+A checkpoint is a folder ``checkpoints/step-000012`` holding:
+
+- ``trainable.safetensors``: the parameters training changes (all of them for
+  full fine-tuning, the top layers, or the LoRA adapters). The frozen rest is
+  the base model the config names, so a resume rebuilds that and loads these.
+- ``optimizer.pt``: the optimizer's and the LR scheduler's state dicts.
+- ``rng.pt``: the python, numpy and torch (and CUDA) random states.
+- ``state.json``: the step (which is the data position: step k trains on the
+  task seeds of step k), the policy version, and the run config.
+- ``hf/`` (optional): the whole model in Hugging Face format
+  (``save_pretrained``, LoRA merged), loadable with
+  ``AutoModelForCausalLM.from_pretrained``.
+
+Atomicity: everything is written into a hidden temp folder beside the target,
+which is then renamed into place; a kill at any moment leaves either the
+complete old checkpoints or the complete new one, and stray temp folders are
+swept on the next start. Only the newest ``keep`` checkpoints stay.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+__all__ = [
+    "Checkpoint",
+    "capture_rng",
+    "checkpoint_dirs",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_trainable",
+    "restore_rng",
+    "save_checkpoint",
+    "trainable_state",
+]
+
+_NAME = re.compile(r"step-(\d+)")
+
+
+@dataclass
+class Checkpoint:
+    """What ``load_checkpoint`` returns; ``path`` is the folder it came from."""
+
+    path: Path
+    step: int
+    trainable: dict[str, torch.Tensor]
+    optimizer: dict[str, Any] | None
+    scheduler: dict[str, Any] | None
+    rng: dict[str, Any] | None
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters that require grad, detached and contiguous (tied ones appear once)."""
+    return {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def capture_rng() -> dict[str, Any]:
+    out: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                           "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def restore_rng(rng: dict[str, Any]) -> None:
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def checkpoint_dirs(out_dir: str | Path) -> list[Path]:
+    """Complete checkpoints under ``out_dir/checkpoints``, oldest first."""
+    root = Path(out_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if p.is_dir() and (m := _NAME.fullmatch(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    dirs = checkpoint_dirs(out_dir)
+    return dirs[-1] if dirs else None
+
+
+def _sweep_temp(root: Path) -> None:
+    """Remove temp folders that a killed save left behind."""
+    for p in root.glob(".tmp-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _export_hf(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
+    """``save_pretrained`` of the whole model; a peft model is merged in a copy first."""
+    export = model
+    if hasattr(model, "merge_and_unload"):
+        import copy
+
+        export = copy.deepcopy(model).merge_and_unload()
+    export.save_pretrained(str(path), safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+
+
+def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
+                    state: dict[str, Any] | None = None, *, export_hf: bool = False,
+                    tokenizer: Any = None, keep: int = 2) -> Path:
+    """Write checkpoint ``step`` atomically under ``out_dir/checkpoints``; return its folder."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    root = Path(out_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    _sweep_temp(root)
+    target = root / f"step-{step:06d}"
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{target.name}-"))
+    try:
+        save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
+        torch.save({"optimizer": optimizer.state_dict() if optimizer is not None else None,
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None},
+                   tmp / "optimizer.pt")
+        torch.save(capture_rng(), tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step, **(state or {})}, indent=2,
+                                                   default=str))
+        if export_hf:
+            _export_hf(model, tokenizer, tmp / "hf")
+        if target.exists():  # a re-run of the same step: replace it whole
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in checkpoint_dirs(out_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Read a checkpoint folder written by ``save_checkpoint``."""
+    p = Path(path)
+    if not (p / "state.json").exists():
+        raise FileNotFoundError(f"{p} is not a checkpoint (no state.json)")
+    state = json.loads((p / "state.json").read_text())
+    opt = torch.load(p / "optimizer.pt", weights_only=False)
+    rng = torch.load(p / "rng.pt", weights_only=False)
+    return Checkpoint(p, int(state["step"]), load_file(str(p / "trainable.safetensors")),
+                      opt["optimizer"], opt["scheduler"], rng, state)
+
+
+def load_trainable(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy checkpointed parameters into ``model``; every trainable one must be there."""
+    params = dict(model.named_parameters())
+    unknown = sorted(set(tensors) - set(params))
+    missing = sorted(n for n, p in params.items() if p.requires_grad and n not in tensors)
+    if unknown or missing:
+        raise ValueError(f"checkpoint does not fit the model: unknown {unknown[:3]}, "
+                         f"missing {missing[:3]} (same trainable setting and base model?)")
+    with torch.no_grad():
+        for n, t in tensors.items():
+            params[n].copy_(t.to(params[n].device, params[n].dtype))

@@ -1,0 +1,122 @@
+"""``agentrl train`` and ``agentrl sft``: the command-line front of the trainer.
+
+    agentrl train --config examples/train_guess_number.yaml [--resume] [--set train.lr=1e-5]
+    agentrl sft   --config examples/train_alfworld_easy.yaml [--set sft.episodes=64]
+
+``register(app)`` adds both commands to the main ``agentrl`` app; this module's
+own ``app`` runs them standalone (``python -m agentrl.train.cli train ...``).
+Heavy imports (torch, transformers) happen inside the commands.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..errors import AgentRLError
+
+__all__ = ["app", "register", "sft", "train"]
+
+console = Console()
+app = typer.Typer(help="Train an agent: RL with `train`, behaviour cloning with `sft`.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+
+ConfigOpt = Annotated[Path | None, typer.Option(help="YAML config file.")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="key.path=value override.")]
+ProgressOpt = Annotated[bool, typer.Option(help="Show progress bars.")]
+
+
+def _load(config: Path | None, set_: list[str] | None, extra: list[str]) -> Any:
+    from ..env import resolve_env_id
+    from .config import load_train_config
+
+    cfg = load_train_config(config, extra + list(set_ or []))
+    cfg.env.id = resolve_env_id(cfg.env.id)
+    return cfg
+
+
+def _report(summary: dict[str, Any], wall: float) -> None:
+    table = Table(title="held-out success rate")
+    table.add_column("phase")
+    table.add_column("success", justify="right")
+    for phase, rate in summary["phases"].items():
+        table.add_row(phase, f"{rate:.3f}")
+    console.print(table)
+    console.print(json.dumps({**summary, "wall_s": round(wall, 1)}))
+
+
+@app.command()
+def train(
+    config: ConfigOpt = None,
+    resume: Annotated[bool, typer.Option(help="Continue from the newest checkpoint.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Start over in an out_dir with checkpoints.")] = False,
+    steps: Annotated[int | None, typer.Option(help="Updates to run (train.steps).")] = None,
+    out: Annotated[str | None, typer.Option(help="Output folder (train.out_dir).")] = None,
+    set_: SetOpt = None,
+    progress: ProgressOpt = True,
+) -> None:
+    """RL training: rollouts, credit, loss, optimizer step, weight sync, eval, checkpoints.
+
+    With an ``sft`` section (``sft.episodes > 0``) an SFT warm start runs first.
+    Prints the held-out success rate at the start, after SFT and at the end.
+    """
+    from .trainer import train as run_train
+
+    flags = {"train.steps": steps, "train.out_dir": out}
+    extra = [f"{k}={v}" for k, v in flags.items() if v is not None]
+    t0 = time.perf_counter()
+    try:
+        cfg = _load(config, set_, extra)
+        summary = run_train(cfg, resume=resume, overwrite=overwrite, progress=progress, console=console)
+    except AgentRLError as e:
+        console.print(f"[bold red]error:[/] {e}", highlight=False)
+        raise typer.Exit(code=2) from None
+    _report(summary, time.perf_counter() - t0)
+
+
+@app.command()
+def sft(
+    config: ConfigOpt = None,
+    episodes: Annotated[int | None, typer.Option(help="Expert episodes (sft.episodes).")] = None,
+    out: Annotated[str | None, typer.Option(help="Output folder (train.out_dir).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Start over in an out_dir with checkpoints.")] = False,
+    set_: SetOpt = None,
+    progress: ProgressOpt = True,
+) -> None:
+    """Behaviour cloning on an env's expert trajectories, then a checkpoint (and HF export).
+
+    Uses the same token-exact contexts and loss masks as RL; evaluates on
+    held-out seeds before and after.
+    """
+    from .trainer import train as run_train
+
+    flags = {"sft.episodes": episodes, "train.out_dir": out}
+    extra = [f"{k}={v}" for k, v in flags.items() if v is not None] + ["train.steps=0"]
+    t0 = time.perf_counter()
+    try:
+        cfg = _load(config, set_, extra)
+        if cfg.sft.episodes == 0 and not cfg.sft.task_seeds:
+            raise typer.BadParameter("set sft.episodes (or --episodes) above 0")
+        summary = run_train(cfg, overwrite=overwrite, progress=progress, console=console)
+    except AgentRLError as e:
+        console.print(f"[bold red]error:[/] {e}", highlight=False)
+        raise typer.Exit(code=2) from None
+    _report(summary, time.perf_counter() - t0)
+
+
+def register(main_app: typer.Typer) -> None:
+    """Add ``train`` and ``sft`` to the main ``agentrl`` command."""
+    main_app.command("train")(train)
+    main_app.command("sft")(sft)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    app()

@@ -1,0 +1,154 @@
+"""Training configuration: the pydantic models of ``agentrl train`` and ``agentrl sft``.
+
+``TrainConfig`` (the ``train:`` section) says how to learn from rollouts:
+which credit assignment, which loss and off-policy corrections, how the
+optimizer steps, what is trainable, when to evaluate and checkpoint.
+``SFTConfig`` (the ``sft:`` section) says how to learn from an env's expert.
+``TrainRunConfig`` is the run ``Config`` (policy, sampling, env, rollout) plus
+those two sections; ``load_train_config`` reads it from YAML and ``--set``
+overrides, and names the key path of any bad value.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ..config import Config, apply_overrides
+from ..errors import ConfigError
+from .loss import PolicyLossConfig
+
+__all__ = ["LoraConfig", "SFTConfig", "TrainConfig", "TrainRunConfig", "load_train_config"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(_Strict):
+    """Low-rank adapters (Hu et al. 2021) through ``peft``, for ``trainable: lora``."""
+
+    r: int = Field(16, ge=1, description="Rank of each adapter.")
+    alpha: float = Field(32.0, gt=0, description="Scale numerator: the update is alpha / r * B A.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                 "gate_proj", "up_proj", "down_proj"],
+        description="Names of the linear layers that get adapters.")
+
+
+class TrainConfig(_Strict):
+    """The RL loop: rollouts, credit, loss, optimizer step, weight sync, eval, checkpoint."""
+
+    # -- data ----------------------------------------------------------------------
+    steps: int = Field(20, ge=0, description="Updates (rollout batches) to run in all.")
+    tasks_per_step: int = Field(4, ge=1, description="Task seeds per rollout batch; each gets "
+                                "rollout.group_size episodes (its group).")
+    task_seed_start: int = Field(0, description="Step k trains on task seeds "
+                                 "start + k * tasks_per_step, ... (the data position).")
+    task_seeds: list[int] | None = Field(
+        None, description="A fixed pool of training task seeds, cycled in order; "
+        "overrides task_seed_start (e.g. seeds of one task family).")
+    seed: int = Field(0, description="Seeds sampling streams, minibatch order and torch init.")
+    # -- credit --------------------------------------------------------------------
+    credit: str = Field("grpo", description="Credit assignment method of agentrl.credit.assign.")
+    credit_options: dict[str, Any] = Field(default_factory=dict,
+                                           description="Keyword options of that method.")
+    loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig,
+                                   description="PPO-clip, TIS, staleness, M2PO, KL and entropy "
+                                   "(agentrl.train.loss.PolicyLossConfig).")
+    skip_zero_advantage: bool = Field(True, description="Leave out episodes whose advantages are "
+                                      "all zero (a group with equal rewards): no policy gradient, "
+                                      "so their forward and backward are saved. Kept when the KL "
+                                      "or entropy term is on.")
+    # -- optimizer ---------------------------------------------------------------------
+    lr: float = Field(1e-5, ge=0.0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warm-up.")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="Decay after warm-up, to 0 at the last optimizer step.")
+    epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    minibatch_size: int = Field(16, ge=1, description="Episodes per optimizer step.")
+    micro_batch_tokens: int = Field(4096, ge=16, description="Tokens per forward pass: episodes "
+                                    "are packed up to this; a minibatch accumulates gradients "
+                                    "over its micro-batches.")
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="Gradient clipping; null: none.")
+    # -- what trains -----------------------------------------------------------------
+    trainable: Literal["full", "top_k", "lora"] = Field(
+        "full", description="full fine-tuning, only the top k decoder layers, or LoRA adapters.")
+    top_k_layers: int = Field(4, ge=1, description="For trainable=top_k: how many top layers.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="For trainable=lora.")
+    # -- eval, checkpoints, logs ------------------------------------------------------------
+    eval_every: int = Field(0, ge=0, description="Evaluate every this many steps (0: only at "
+                            "start and end).")
+    eval_episodes: int = Field(16, ge=0, description="Held-out episodes per evaluation.")
+    eval_seed_start: int = Field(1_000_000, description="First held-out task seed.")
+    eval_temperature: float | None = Field(None, ge=0.0, description="Sampling temperature of "
+                                           "evaluation; null: sampling.temperature.")
+    eval_env_kwargs: dict[str, Any] = Field(default_factory=dict, description="Env kwargs "
+                                            "overridden for evaluation (e.g. another split).")
+    checkpoint_every: int = Field(0, ge=0, description="Checkpoint every this many steps "
+                                  "(0: only at the end).")
+    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept on disk.")
+    export_hf: bool = Field(True, description="Also export the final model with save_pretrained.")
+    out_dir: str = Field("runs/train", description="Metrics, checkpoints and the learning curve.")
+    tensorboard: bool = Field(True, description="Also write TensorBoard logs, when installed.")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.task_seeds is not None and not self.task_seeds:
+            raise ValueError("task_seeds: give at least one seed, or null")
+        return self
+
+
+class SFTConfig(_Strict):
+    """Supervised fine-tuning on an env's expert trajectories (``expert_action()``)."""
+
+    episodes: int = Field(0, ge=0, description="Expert episodes; 0 skips SFT in `agentrl train`.")
+    seed_start: int = Field(0, description="Expert episodes use task seeds seed_start, +1, ...")
+    task_seeds: list[int] | None = Field(None, description="Explicit expert task seeds; "
+                                         "overrides seed_start and episodes.")
+    epochs: int = Field(2, ge=1, description="Passes over the expert data.")
+    lr: float = Field(1e-4, ge=0.0, description="AdamW learning rate.")
+    minibatch_size: int = Field(8, ge=1, description="Episodes per optimizer step.")
+    max_turns: int | None = Field(None, ge=1, description="Expert turns per episode; "
+                                  "null: rollout.max_turns.")
+
+
+class TrainRunConfig(Config):
+    """A run config with a ``train`` and an ``sft`` section."""
+
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+
+
+def _format(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        reason = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"{path}: {reason}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def load_train_config(path: str | Path | None = None,
+                      overrides: list[str] | None = None) -> TrainRunConfig:
+    """Read YAML (if given), apply ``key.path=value`` overrides, validate. Raises ``ConfigError``."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read config {path}: {e}") from e
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
+        data = loaded or {}
+    apply_overrides(data, overrides or [])
+    try:
+        return TrainRunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format(e)) from None

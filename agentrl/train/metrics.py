@@ -1,0 +1,122 @@
+"""Training metrics: one JSON line per step, TensorBoard scalars, a learning-curve PNG.
+
+Names are namespaced the CleanRL way (``rollout/success``, ``loss/clipfrac``,
+``time/rollout_s``). ``metrics.jsonl`` is the record of truth; TensorBoard
+(when the ``tensorboard`` package is installed) and the PNG are views of it.
+A resumed run first drops the lines of steps after its checkpoint, which the
+resumed run is about to redo, so the file never holds a step twice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsLogger", "plot_learning_curve", "read_metrics"]
+
+
+def _scalar(v: Any) -> float | None:
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, int | float) and math.isfinite(v):
+        return float(v)
+    return None
+
+
+class MetricsLogger:
+    """Append ``{"step": k, ...}`` lines to ``out_dir/metrics.jsonl`` and mirror them to TensorBoard."""
+
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_step: int | None = None):
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.path = self.out / "metrics.jsonl"
+        if resume_step is not None:
+            self._truncate_after(resume_step)
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # optional: metrics.jsonl still holds everything
+                self.writer = None
+            else:
+                self.writer = SummaryWriter(str(self.out / "tensorboard"))
+
+    def _truncate_after(self, step: int) -> None:
+        """Keep only lines of steps <= ``step`` (written atomically)."""
+        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **metrics}
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row, default=float) + "\n")
+        if self.writer is not None:
+            for k, v in metrics.items():
+                if (x := _scalar(v)) is not None:
+                    self.writer.add_scalar(k, x, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` (a torn last line, from a kill mid-write, is skipped)."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    rows = []
+    for line in p.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+_PANELS = (
+    ("success rate", ("rollout/success", "eval/success")),
+    ("reward", ("rollout/reward", "eval/reward")),
+    ("policy loss", ("loss/policy",)),
+    ("entropy and mismatch", ("loss/entropy", "mismatch/kl")),
+)
+
+
+def plot_learning_curve(metrics_path: str | Path, png_path: str | Path, title: str = "") -> Path | None:
+    """Draw success, reward, loss and entropy against step; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = read_metrics(metrics_path)
+    fig, axes = plt.subplots(1, len(_PANELS), figsize=(4 * len(_PANELS), 3.2))
+    for ax, (name, keys) in zip(axes, _PANELS, strict=True):
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in rows if _scalar(r.get(key)) is not None]
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, marker="o" if key.startswith("eval/") else None,
+                        markersize=3, label=key)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(png_path)
+    tmp = out.with_name(f".{out.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out

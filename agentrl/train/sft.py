@@ -1,0 +1,182 @@
+"""Supervised fine-tuning on an env's scripted expert, with RL's exact token layout.
+
+Expert trajectories are built as ``RolloutTree``s, the very objects rollouts
+produce: the opening prompt and every observation are rendered by
+``ChatContext`` exactly as the rollout engine renders them (same system
+prompt, same observation messages), and each expert action becomes the
+action tokens a policy would have sampled: the action text's tokens followed
+by the end-of-turn token (EOS). So an SFT episode and an RL episode of the same
+actions have identical ``input_ids`` and loss masks, and SFT trains with the
+same packing and micro-batching as RL.
+
+The loss is the negative log-likelihood of the action tokens, averaged over
+tokens (``token-mean``): behaviour cloning on the expert's turns only, never
+on the observations.
+
+Envs with ``expert_action()``: ALFWorld-v0, WebShop-v0, TextWorld-v0 and
+GuessNumber-v0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+import torch
+
+from ..chat import ChatContext
+from ..config import Config
+from ..env import make_env
+from ..errors import ConfigError, ContextOverflowError
+from ..policy.base import request_seed
+from ..types import Node, RolloutTree
+from .loss import aggregate
+
+__all__ = ["expert_tree", "expert_trees", "sft_loss", "sft_phase", "sft_seeds"]
+
+_HEAVY_INFO = ("admissible_actions", "tools", "tools_prompt")
+
+
+def _observation_messages(obs: str, info: dict[str, Any], cfg: Config) -> list[dict[str, Any]]:
+    """What the rollout engine appends for an observation (kept identical to it; a test checks)."""
+    if info.get("tool_messages"):
+        return [{k: v for k, v in m.items() if v is not None} for m in info["tool_messages"]]
+    text = obs
+    if cfg.rollout.show_admissible and info.get("admissible_actions"):
+        text += "\nValid actions: " + ", ".join(map(str, info["admissible_actions"]))
+    return [{"role": "user", "content": text}]
+
+
+def _opening_messages(obs: str, info: dict[str, Any], cfg: Config) -> list[dict[str, Any]]:
+    messages = []
+    system = [p for p in (cfg.rollout.system_prompt, info.get("tools_prompt")) if p]
+    if system:
+        messages.append({"role": "system", "content": "\n\n".join(system)})
+    return messages + _observation_messages(obs, info, cfg)
+
+
+def _expert(env: Any) -> str:
+    try:
+        return env.unwrapped.expert_action()
+    except NotImplementedError as e:
+        raise ConfigError(f"env {env.spec.id if env.spec else env!r} has no expert_action(); "
+                          "SFT needs an env with a scripted expert") from e
+
+
+def expert_tree(env_id: str, tokenizer: Any, cfg: Config, seed: int,
+                max_turns: int | None = None) -> RolloutTree:
+    """One expert episode on task ``seed`` as a linear tree, token-exact as a rollout.
+
+    The episode ends when the env ends it, after ``max_turns`` (default
+    ``rollout.max_turns``) or when the context budget is full; the tree's
+    ``meta["expert_success"]`` says whether the expert won.
+    """
+    max_turns = max_turns or cfg.rollout.max_turns
+    eos = tokenizer.eos_token_id
+    env = make_env(env_id, **cfg.env.kwargs)
+    try:
+        obs, info = env.reset(seed=seed)
+        tree = RolloutTree(meta={"env": env_id, "seed": seed, "expert": True,
+                                 "instruction": info.get("instruction", "")})
+        ctx = ChatContext(tokenizer, _opening_messages(obs, info, cfg),
+                          max_tokens=cfg.rollout.max_context_tokens)
+        pending, parent = list(ctx.ids), None
+        for turn in range(max_turns):
+            action = _expert(env)
+            ids = tokenizer.encode(action, add_special_tokens=False) + [eos]
+            try:
+                ctx.append_action(ids)
+            except ContextOverflowError:
+                break  # the expert's next action no longer fits: keep what did
+            obs, reward, terminated, truncated, info = env.step(action)
+            node = Node(context_ids=pending, action_ids=ids, logprobs=[0.0] * len(ids),
+                        entropies=[0.0] * len(ids), version=0, action_text=action,
+                        finish_reason="stop", observation=obs, reward=float(reward),
+                        terminated=bool(terminated), truncated=bool(truncated),
+                        info=json.loads(json.dumps({k: v for k, v in info.items()
+                                                    if k not in _HEAVY_INFO}, default=str)))
+            if not node.done and turn + 1 >= max_turns:
+                node.truncated = True
+            parent = tree.add(node, parent).id
+            if node.done:
+                break
+            try:
+                pending = ctx.append_observation(_observation_messages(obs, info, cfg))
+            except ContextOverflowError:
+                node.truncated = True
+                break
+        last = tree.nodes[parent] if parent is not None else None
+        tree.meta["expert_success"] = bool(last and last.terminated and last.reward > 0)
+        return tree
+    finally:
+        env.close()
+
+
+def sft_seeds(cfg: Any) -> list[int]:
+    """The expert task seeds of ``cfg.sft``: its list, or ``episodes`` seeds from ``seed_start``."""
+    s = cfg.sft
+    return list(s.task_seeds) if s.task_seeds else [s.seed_start + i for i in range(s.episodes)]
+
+
+def expert_trees(env_id: str, tokenizer: Any, cfg: Any, seeds: list[int],
+                 only_successful: bool = True) -> list[RolloutTree]:
+    """Expert trees for ``seeds``; episodes the expert did not win are left out by default."""
+    trees = [expert_tree(env_id, tokenizer, cfg, s, cfg.sft.max_turns) for s in seeds]
+    return [t for t in trees if t.meta["expert_success"] or not only_successful]
+
+
+def sft_loss(logprobs: torch.Tensor, entropies: torch.Tensor, row: Any) -> tuple[torch.Tensor, dict]:
+    """Negative log-likelihood of the action tokens, token-mean."""
+    nll = aggregate(-logprobs, row.mask, "token-mean")
+    return nll, {"sft/nll": float(nll.detach())}
+
+
+def sft_phase(trainer: Any) -> dict[str, Any]:
+    """SFT of ``trainer``'s model on the expert trees of ``cfg.sft``, with its own AdamW.
+
+    Returns stats (``sft/*``, ``time/sft_s``); the policy gets the new weights.
+    """
+    from .trainer import (
+        make_optimizer,
+        make_scheduler,
+        samples_from_credit,
+        sync_policy,
+        train_on_samples,
+    )
+
+    cfg, s = trainer.cfg, trainer.cfg.sft
+    t0 = time.perf_counter()
+    seeds = sft_seeds(cfg)
+    trees = expert_trees(cfg.env.id, trainer.policy.tokenizer, cfg, seeds)
+    if not trees:
+        raise ConfigError(f"sft: the expert won none of the {len(seeds)} tasks; nothing to imitate")
+    # An episode's advantages are its loss mask, so SFT samples are RL samples with A = 1.
+    items = [(ep, [float(m) for m in ep.loss_mask]) for tree in trees for ep in tree.episodes()]
+    samples = samples_from_credit(items)
+    build_s = time.perf_counter() - t0
+    optimizer = make_optimizer(trainer.model, s.lr, cfg.train)
+    n_steps = s.epochs * math.ceil(len(samples) / s.minibatch_size)
+    scheduler = make_scheduler(optimizer, cfg.train, n_steps)
+    advance = trainer_bar(trainer, n_steps)
+    t1 = time.perf_counter()
+    st = train_on_samples(trainer.model, optimizer, scheduler, samples, sft_loss, fields=(),
+                          epochs=s.epochs, minibatch_size=s.minibatch_size,
+                          max_tokens=cfg.train.micro_batch_tokens,
+                          max_grad_norm=cfg.train.max_grad_norm, per_token=True,
+                          pad_id=trainer.pad_id, temperature=1.0,
+                          generator=torch.Generator().manual_seed(request_seed(cfg.train.seed, -1)),
+                          on_minibatch=advance)
+    wall = time.perf_counter() - t1
+    sync_policy(trainer.policy, trainer.model)
+    return {"sft/episodes": len(samples), "sft/tasks": len(seeds),
+            "sft/action_tokens": sum(x.n_action for x in samples),
+            "sft/nll": st.get("sft/nll", float("nan")), "sft/optimizer_steps": st["train/optimizer_steps"],
+            "sft/tokens_per_s": st["train/tokens"] / max(wall, 1e-9),
+            "time/sft_build_s": build_s, "time/sft_s": wall}
+
+
+def trainer_bar(trainer: Any, total: int) -> Any:
+    bars = getattr(trainer, "bars", None)
+    return bars.start("sft", total) if bars is not None else None

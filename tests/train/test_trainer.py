@@ -1,0 +1,223 @@
+"""The RL loop: it learns (against lr=0), and each piece of the update does what it says."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentrl.env import TextEnv, register_env
+from agentrl.errors import ConfigError
+from agentrl.models import load_model
+from agentrl.policy import GenerateRequest, HFPolicy, SamplingParams
+from agentrl.train.config import TrainConfig, TrainRunConfig, load_train_config
+from agentrl.train.loss import PolicyLossConfig
+from agentrl.train.trainer import (
+    Sample,
+    make_scheduler,
+    make_trainable,
+    samples_from_credit,
+    step_task_seeds,
+    sync_policy,
+    train,
+    train_on_samples,
+)
+from agentrl.types import Episode, Node
+
+
+class LetterEnv(TextEnv):
+    """One turn; success when the reply contains the letter "e".
+
+    A 2-layer random model sampled at temperature 0.1 puts about 30% of its
+    first-token mass on a newline and spreads the rest, so about half of its
+    2-token replies hold an "e": a bandit that RL can improve quickly.
+    ``AGENTRL_TEST_STALL_SEED`` makes ``reset`` of that task seed touch the file
+    ``AGENTRL_TEST_STALL_MARK`` and hang, so a test can kill a run at a known point.
+    """
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        if seed is not None and str(seed) == os.environ.get("AGENTRL_TEST_STALL_SEED"):
+            Path(os.environ["AGENTRL_TEST_STALL_MARK"]).touch()
+            time.sleep(600)
+        text = f"Task {seed}: reply with a word that has the letter e."
+        return text, {"instruction": text, "tools": []}
+
+    def step(self, action):
+        ok = "e" in action.lower()
+        return ("Yes." if ok else "No."), float(ok), True, False, {"success": ok}
+
+
+register_env("agentrl/TestLetter-v0", entry_point=LetterEnv)
+
+TOY = [
+    "policy.model=tiny-random", "env.id=agentrl/TestLetter-v0", "rollout.max_turns=1",
+    "rollout.group_size=8", "rollout.max_context_tokens=128", "sampling.max_new_tokens=2",
+    "sampling.temperature=0.1", "train.tasks_per_step=4", "train.minibatch_size=16",
+    "train.micro_batch_tokens=1024", "train.eval_episodes=32", "train.tensorboard=false",
+    "train.export_hf=false", "train.lr=1e-2",
+]
+
+
+def toy_config(out_dir: Path, *overrides: str) -> TrainRunConfig:
+    return load_train_config(None, TOY + [f"train.out_dir={out_dir}", *overrides])
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# --------------------------------------------------------------------------- it learns
+
+
+def test_grpo_raises_held_out_success_where_lr_zero_does_not(tmp_path):
+    torch.set_num_threads(1)
+    trained = train(toy_config(tmp_path / "lr", "train.steps=4"), progress=False)
+    frozen = train(toy_config(tmp_path / "lr0", "train.steps=4", "train.lr=0"), progress=False)
+    before = trained["phases"]["start"]
+    assert frozen["phases"]["start"] == before  # same model, same held-out seeds and streams
+    assert 0.2 <= before <= 0.8  # the task is neither solved nor hopeless at the start
+    assert frozen["phases"]["end"] == before  # lr=0: the same weights sample the same replies
+    assert trained["phases"]["end"] >= 0.9 and trained["phases"]["end"] >= before + 0.2
+    rows = _rows(tmp_path / "lr" / "metrics.jsonl")
+    rl = [r for r in rows if r.get("phase") == "rl"]
+    assert [r["step"] for r in rl] == [1, 2, 3, 4]
+    assert [r["data/first_task_seed"] for r in rl] == [0, 4, 8, 12]
+    assert rl[-1]["rollout/success"] > rl[0]["rollout/success"]
+    # The trainer's logprobs of the sampled tokens match the sampler's (same weights, fp32).
+    assert all(r["mismatch/max_abs_dlogprob"] < 1e-3 for r in rl if "mismatch/kl" in r)
+    assert all(r["policy/version"] == r["step"] for r in rl)
+    assert (tmp_path / "lr" / "learning_curve.png").stat().st_size > 1000
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def test_step_task_seeds_is_the_data_position():
+    cfg = TrainConfig(tasks_per_step=3, task_seed_start=10)
+    assert step_task_seeds(cfg, 0) == [10, 11, 12]
+    assert step_task_seeds(cfg, 2) == [16, 17, 18]
+    pool = TrainConfig(tasks_per_step=2, task_seeds=[5, 7, 9])
+    assert [step_task_seeds(pool, k) for k in range(3)] == [[5, 7], [9, 5], [7, 9]]
+
+
+def _episode(ids: list[int], action: list[int]) -> Episode:
+    return Episode.from_path([Node(context_ids=ids, action_ids=action, logprobs=[-1.0] * len(action))])
+
+
+def test_samples_skip_zero_advantage_episodes_only_when_asked():
+    a, b = _episode([1, 2], [3, 4]), _episode([1, 2], [5])
+    items = [(a, [0.0, 0.0, 0.5, 0.5]), (b, [0.0, 0.0, 0.0])]
+    assert len(samples_from_credit(items)) == 2
+    kept = samples_from_credit(items, skip_zero_advantage=True)
+    assert [s.input_ids for s in kept] == [[1, 2, 3, 4]]
+    assert kept[0].mask == [0, 0, 1, 1] and kept[0].behaviour == [0.0, 0.0, -1.0, -1.0]
+    with pytest.raises(ValueError, match="not aligned"):
+        samples_from_credit([(a, [0.0])])
+
+
+def test_scheduler_warms_up_then_decays_to_zero():
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p], lr=1.0)
+    sched = make_scheduler(opt, TrainConfig(warmup_steps=2, lr_schedule="linear"), total_steps=6)
+    lrs = []
+    for _ in range(6):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([0.5, 1.0, 1.0, 0.75, 0.5, 0.25])
+
+
+def test_top_k_trains_only_the_top_layers_and_final_norm():
+    model, _ = load_model("tiny-random")
+    make_trainable(model, TrainConfig(trainable="top_k", top_k_layers=1))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith(("model.layers.1.", "model.norm.")) for n in trainable)
+    assert "model.norm.weight" in trainable
+    with pytest.raises(ConfigError, match="top_k_layers=5"):
+        make_trainable(model, TrainConfig(trainable="top_k", top_k_layers=5))
+
+
+def test_lora_adapters_are_injected_into_the_shared_model(tokenizer):
+    pytest.importorskip("peft", reason="trainable=lora needs peft (pip install peft)")
+    model, _ = load_model("tiny-random")
+    policy = HFPolicy(model, tokenizer, prefix_cache_mb=0)
+    wrapped = make_trainable(model, TrainConfig(trainable="lora", lora={"r": 2}))
+    names = [n for n, p in wrapped.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names)
+    # The policy's own model object now runs the adapters: it samples what is trained.
+    assert any("lora_A" in n for n, _ in policy.model.named_parameters())
+
+
+def test_sync_shares_the_hf_model_and_copies_into_others(tokenizer):
+    model, _ = load_model("tiny-random")
+    policy = HFPolicy(model, tokenizer, prefix_cache_mb=16)
+    policy.generate([GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=2, seed=0))])
+    assert len(policy.prefix_cache) == 1
+    sync_policy(policy, model)  # the same object: no copy, a new version, stale keys dropped
+    assert policy.version == 1 and len(policy.prefix_cache) == 0
+
+    class Remote:
+        version = 0
+
+        def update_weights(self, state_dict):
+            self.got = state_dict
+            self.version += 1
+
+    remote = Remote()
+    sync_policy(remote, model)
+    assert remote.version == 1 and set(remote.got) == set(model.state_dict())
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_micro_batches_accumulate_the_same_gradient_as_one_forward():
+    """token-mean over a minibatch split into rows of at most 16 tokens == one row holding it all."""
+    loss_cfg = PolicyLossConfig(tis_cap=None)
+    samples = [Sample([5, 6, 7, 8, 9, 10], [0, 0, 0, 1, 1, 1], [-2.0] * 6, [0, 0, 0, 1.0, 1.0, 1.0],
+                      [0] * 6, old=[-11.0] * 6),
+               Sample([5, 6, 11, 12, 13, 14, 15, 16, 17, 18], [0, 0, 1, 1, 1, 1, 1, 1, 1, 1],
+                      [-2.0] * 10, [0, 0] + [-0.5] * 8, [0] * 10, old=[-11.0] * 10),
+               Sample([7, 8, 9, 20], [0, 0, 0, 1], [-2.0] * 4, [0, 0, 0, 2.0], [0] * 4, old=[-11.0] * 4)]
+
+    def loss_fn(lp, ent, row):
+        from agentrl.train.loss import policy_loss
+        return policy_loss(lp, row.values["advantages"], row.mask, loss_cfg,
+                           old_logprobs=row.values["old"])
+
+    grads = []
+    for max_tokens in (64, 12):
+        model, _ = load_model("tiny-random")
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        gen = torch.Generator().manual_seed(0)
+
+        def keep(model=model):
+            grads.append(_grads(model))
+
+        opt.zero_grad = lambda set_to_none=True: None  # keep .grad for the comparison
+        train_on_samples(model, opt, None, samples, loss_fn, fields=("advantages", "old"), epochs=1,
+                         minibatch_size=3, max_tokens=max_tokens, max_grad_norm=None, per_token=True,
+                         pad_id=0, temperature=1.0, generator=gen, on_minibatch=keep)
+    one, split = grads
+    assert set(one) == set(split)
+    for n in one:
+        torch.testing.assert_close(split[n], one[n], rtol=1e-4, atol=1e-6)
+
+
+def test_episode_longer_than_a_micro_batch_is_a_config_error(tmp_path):
+    cfg = toy_config(tmp_path, "rollout.max_context_tokens=2048", "train.micro_batch_tokens=1024")
+    with pytest.raises(ConfigError, match="micro_batch_tokens"):
+        train(cfg, progress=False)
+
+
+def test_bad_train_key_names_its_path():
+    with pytest.raises(ConfigError, match="train.lr"):
+        load_train_config(None, ["train.lr=-1"])
+    with pytest.raises(ConfigError, match="train.nope: unknown key"):
+        load_train_config(None, ["train.nope=1"])
