@@ -574,9 +574,10 @@ def _branch_before(
 @dataclass
 class Independent:
     """GRPO's sampling (Shao et al. 2024, arXiv:2402.03300): ``n`` independent
-    episodes per task in one round. ``n=None`` spreads the whole budget evenly
-    over the tasks; a budget smaller than ``n`` per task is spread evenly too,
-    the remainder to the first tasks."""
+    episodes per task in one round (turns or tokens budgets: plus top-up
+    rounds, never past ``n`` per task). ``n=None`` spreads the whole budget
+    evenly over the tasks; a budget smaller than ``n`` per task is spread
+    evenly too, the remainder to the first tasks."""
 
     n: int | None = None
     est_leaf_cost: float | None = None
