@@ -9,8 +9,8 @@ the model allows. Three layouts of the same tokens go through the same function:
   again at position 0 (``pack_sequences``). A block-diagonal causal mask
   (``block_causal_mask``) keeps them apart. transformers only infers that mask
   from ``position_ids`` on some versions and attention kernels, so we build it
-  ourselves and pass it as a 4D mask, which every kernel (``eager``, ``sdpa``)
-  takes as it is;
+  ourselves and pass it as a 4D mask, which the ``eager`` and ``sdpa``
+  kernels take as it is (flash-attention takes none: a clear error);
 - **prefix trees**: the episodes of a ``RolloutTree`` share their prefixes. A
   trie of their tokens (``prefix_tree``) goes through the model once: each
   token attends to its ancestors only (``tree_attention_mask``) and sits at
@@ -68,8 +68,8 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     ``attention_mask``: ``None``; a 2D ``[B, T]`` padding mask (1 = real token;
     positions then count real tokens, so left padding is fine); or a boolean 4D
     ``[B, 1, T, T]`` mask from ``block_causal_mask`` / ``tree_attention_mask``
-    (True = may attend), turned here into the additive float mask that both
-    ``eager`` and ``sdpa`` accept. ``temperature`` divides the logits, as the
+    (True = may attend), given to ``sdpa`` as it is and to ``eager`` as an
+    additive float mask. ``temperature`` divides the logits, as the
     sampler did (``sampling_logprobs`` in ``agentrl.policy.hf``); top-k/top-p are
     not applied: the trainer scores the untruncated distribution.
     """
@@ -148,12 +148,29 @@ def _model_inputs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
         if position_ids is None:
             raise ValueError("a 4D attention_mask needs position_ids (packed rows and trees "
                              "restart or branch their positions)")
-        dtype = next(model.parameters()).dtype
-        model_mask = torch.zeros(attention_mask.shape, dtype=dtype, device=device)
-        model_mask = model_mask.masked_fill(~attention_mask.to(device), torch.finfo(dtype).min)
+        model_mask = _kernel_mask(model, attention_mask.to(device))
     else:
         raise ValueError(f"attention_mask must be 2D or 4D, got shape {tuple(attention_mask.shape)}")
     return model_mask, position_ids.to(device), valid
+
+
+def _kernel_mask(model: Any, allowed: torch.Tensor) -> torch.Tensor:
+    """A boolean 4D mask in the form the model's attention kernel takes as it is.
+
+    ``sdpa`` (and kernels built on it) get booleans, the form transformers'
+    own sdpa masks take, whatever dtype autocast gives the queries; ``eager``
+    adds the mask to its scores, so it gets 0 / the dtype's minimum.
+    flash-attention and flex-attention take no dense 4D mask at all.
+    """
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if impl.startswith(("flash", "flex")):
+        raise ValueError(f"a 4D attention_mask (packed rows, trees) needs attn_implementation "
+                         f"'sdpa' or 'eager', the model uses {impl!r}")
+    if impl != "eager":
+        return allowed
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min)
 
 
 def _source_positions(batch: int, length: int, device: torch.device, valid: torch.Tensor,

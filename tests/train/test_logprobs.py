@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -147,7 +149,18 @@ def test_block_causal_mask_hand_case():
     assert torch.equal(mask[0, 0], expected)
 
 
-def test_packed_forward_equals_separate_forwards(tiny_model):
+@pytest.fixture(params=["sdpa", "eager"])
+def model_with_attention(request, tiny_model):
+    """The tiny model with each attention kernel that takes a 4D mask (a copy for eager)."""
+    if request.param == "sdpa":
+        return tiny_model
+    model = copy.deepcopy(tiny_model)
+    model.set_attn_implementation("eager")
+    return model
+
+
+def test_packed_forward_equals_separate_forwards(model_with_attention):
+    tiny_model = model_with_attention
     seqs = _seqs([7, 5, 9, 4], seed=1)
     rows = pack_sequences(seqs, max_len=16)
     assert len(rows) == 2  # 9+7 and 5+4 (+ padding)
@@ -194,7 +207,8 @@ def test_prefix_tree_and_savings_hand_case():
     assert tree_token_savings([prompt + [100] * 40, prompt + [200] * 40]) == 60
 
 
-def test_tree_forward_equals_separate_forwards(tiny_model):
+def test_tree_forward_equals_separate_forwards(model_with_attention):
+    tiny_model = model_with_attention
     trunk, tail_a, tail_b, tail_c = _seqs([8, 3, 4, 3], seed=2)
     seqs = [trunk + tail_a, trunk + tail_b, trunk[:3] + tail_c]
     tree = prefix_tree(seqs)
@@ -211,3 +225,28 @@ def test_tree_forward_equals_separate_forwards(tiny_model):
         ref, _ = _reference(tiny_model, s)
         assert torch.allclose(lp[0, index], ref, atol=1e-5)
     assert not torch.allclose(wrong[0, tree.index[2]], _reference(tiny_model, seqs[2])[0], atol=1e-3)
+
+
+def test_packed_rows_run_under_bf16_autocast(tiny_model):
+    """Under bf16 autocast (the trainer's GPU setting) packed rows still run; logprobs come back in float32."""
+    seqs = _seqs([5, 4], seed=3)
+    ids, pos, mask = collate_packed(pack_sequences(seqs, max_len=9), pad_id=2)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, _ = token_logprobs(tiny_model, ids, mask, position_ids=pos)
+    assert lp.dtype == torch.float32
+    assert torch.allclose(lp[0, :5], _reference(tiny_model, seqs[0])[0], atol=0.1)
+
+
+def test_flash_attention_refuses_a_dense_mask(tiny_model):
+    class _Config:
+        _attn_implementation = "flash_attention_2"
+
+    class _Flash:
+        config = _Config()
+
+        def parameters(self):
+            return tiny_model.parameters()
+
+    with pytest.raises(ValueError, match="sdpa"):
+        token_logprobs(_Flash(), torch.tensor([[5, 6]]), torch.ones(1, 1, 2, 2, dtype=torch.bool),
+                       position_ids=torch.tensor([[0, 1]]))
