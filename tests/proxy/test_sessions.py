@@ -1,0 +1,194 @@
+"""Sessions: token-exact recording, prefix reuse, branches with their reasons, rewards, export."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from agentrl.types import RolloutTree, read_trees
+
+openai = pytest.importorskip("openai", reason="the session tests drive the proxy with the openai client")
+
+
+def _session(url: str, **body) -> tuple[str, openai.OpenAI]:
+    data = httpx.post(f"{url}/sessions", json=body).raise_for_status().json()
+    client = openai.OpenAI(base_url=data["base_url"], api_key=data["api_key"], max_retries=0)
+    return data["session_id"], client
+
+
+def _tree(url: str, sid: str) -> RolloutTree:
+    return RolloutTree.from_dict(httpx.get(f"{url}/sessions/{sid}/tree").raise_for_status().json())
+
+
+def _reply(out) -> dict:
+    return out.choices[0].message.model_dump(exclude_none=True)
+
+
+def test_recorded_tokens_are_the_sampled_tokens_over_turns(hf_server, tiny_model, tokenizer):
+    sid, client = _session(hf_server.url)
+    msgs = [{"role": "system", "content": "Count."}, {"role": "user", "content": "one"}]
+    outs = []
+    for turn in range(3):
+        out = client.chat.completions.create(model="m", messages=msgs, max_tokens=6, seed=turn,
+                                             extra_body={"return_token_ids": True}).model_dump()
+        outs.append(out)
+        msgs += [{"role": "assistant", "content": out["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": f"turn {turn + 2}"}]
+    tree = _tree(hf_server.url, sid)
+    [episode] = list(tree.episodes())
+    assert len(episode.nodes) == 3
+    for node, out in zip(episode.nodes, outs, strict=True):
+        assert node.action_ids == out["choices"][0]["token_ids"]
+    last = outs[-1]
+    assert episode.input_ids == last["prompt_token_ids"] + last["choices"][0]["token_ids"]
+    # each later prompt extends the earlier one: nothing recorded was re-tokenized
+    for a, b in zip(outs, outs[1:], strict=False):
+        seen = a["prompt_token_ids"] + a["choices"][0]["token_ids"]
+        assert b["prompt_token_ids"][:len(seen)] == seen
+    summary = httpx.get(f"{hf_server.url}/sessions/{sid}").json()
+    assert [c["reused_tokens"] for c in summary["calls"]][1:] == [
+        len(o["prompt_token_ids"]) + len(o["choices"][0]["token_ids"]) for o in outs[:-1]]
+    # behaviour logprobs (temperature 1) match a recomputation by a plain forward pass
+    ids = torch.tensor([episode.input_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(tiny_model(ids).logits[0].float(), -1)
+    for start, end in episode.turn_spans:
+        recomputed = [logp[t - 1, episode.input_ids[t]].item() for t in range(start, end)]
+        assert recomputed == pytest.approx(episode.logprobs[start:end], abs=2e-3)
+
+
+def _three_turns(url: str, client) -> list[dict]:
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"}]
+    for k in (2, 3):
+        out = client.chat.completions.create(model="m", messages=msgs)
+        msgs += [_reply(out), {"role": "user", "content": f"u{k}"}]
+    client.chat.completions.create(model="m", messages=msgs)
+    return msgs
+
+
+def test_delta_is_the_template_rendering_of_the_new_messages(mock_policy, serve, tokenizer):
+    server = serve(mock_policy(["first", "second", "third"]))
+    sid, client = _session(server.url)
+    msgs = _three_turns(server.url, client)
+    tree = _tree(server.url, sid)
+    [episode] = list(tree.episodes())
+    full = msgs + [{"role": "assistant", "content": "third"}]
+    assert tokenizer.decode(episode.input_ids) == tokenizer.apply_chat_template(full, tokenize=False)[:-1]
+    assert [n.action_text for n in episode.nodes] == ["first", "second", "third"]
+    assert tree.meta["branches"] == [] and tree.meta["template_mismatches"] == 0
+
+
+def test_retry_makes_siblings_that_share_the_context(mock_policy, serve):
+    server = serve(mock_policy(["a", "b", "c"]))
+    sid, client = _session(server.url)
+    msgs = [{"role": "user", "content": "hi"}]
+    first = client.chat.completions.create(model="m", messages=msgs)
+    msgs += [_reply(first), {"role": "user", "content": "again"}]
+    client.chat.completions.create(model="m", messages=msgs)
+    client.chat.completions.create(model="m", messages=msgs)  # the harness retries the call
+    tree = _tree(server.url, sid)
+    root = tree.nodes[tree.roots[0]]
+    assert len(root.children) == 2
+    b, c = (tree.nodes[i] for i in root.children)
+    assert b.context_ids == c.context_ids and [b.action_text, c.action_text] == ["b", "c"]
+    branch = c.info["branch"]
+    assert branch["reason"] == "retry" and branch["parent_node"] == root.id
+    assert branch["at_token"] == len(root.context_ids) + len(root.action_ids)
+    assert tree.to_dict()["nodes"][c.id]["context_from"] == b.id  # written once
+    tree = RolloutTree.from_dict(httpx.post(f"{server.url}/sessions/{sid}/close").json())
+    assert tree.nodes[b.id].info.get("abandoned") and not tree.nodes[c.id].info.get("abandoned")
+
+
+def test_edit_of_the_last_message_branches_at_it(mock_policy, serve):
+    server = serve(mock_policy(["r1", "r2", "r3"]))
+    sid, client = _session(server.url)
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"}]
+    out = client.chat.completions.create(model="m", messages=msgs)
+    msgs += [_reply(out), {"role": "user", "content": "u2"}]
+    client.chat.completions.create(model="m", messages=msgs)
+    msgs[-1] = {"role": "user", "content": "u2, said better"}
+    client.chat.completions.create(model="m", messages=msgs)
+    tree = _tree(server.url, sid)
+    [branch] = tree.meta["branches"]
+    assert branch["reason"] == "edit" and branch["at_message"] == 3 and branch["parent_node"] == 0
+    assert sorted(len(e.nodes) for e in tree.episodes()) == [2, 2]
+
+
+def test_edit_of_an_early_message_and_compaction_start_new_roots(mock_policy, serve):
+    server = serve(mock_policy(["x"]))
+    sid, client = _session(server.url)
+    msgs = _three_turns(server.url, client)
+    edited = [msgs[0], {"role": "user", "content": "u1 edited"}] + msgs[2:]
+    client.chat.completions.create(model="m", messages=edited)
+    compacted = [msgs[0], {"role": "user", "content": "Summary: u1, u2 done."}, msgs[-1]]
+    client.chat.completions.create(model="m", messages=compacted)
+    client.chat.completions.create(model="m", messages=[{"role": "system", "content": "Sub-agent."},
+                                                        {"role": "user", "content": "help"}])
+    tree = _tree(server.url, sid)
+    reasons = [(b["reason"], b["at_message"], b["parent_node"]) for b in tree.meta["branches"]]
+    assert reasons == [("edit", 1, None), ("compaction", 1, None), ("divergence", 0, None)]
+    assert len(tree.roots) == 4
+
+
+def test_n_choices_are_siblings_and_the_picked_one_is_extended(mock_policy, serve):
+    server = serve(mock_policy(["c0", "c1"]))
+    sid, client = _session(server.url)
+    msgs = [{"role": "user", "content": "pick"}]
+    out = client.chat.completions.create(model="m", messages=msgs, n=2)
+    picked = out.choices[1].message.model_dump(exclude_none=True)
+    client.chat.completions.create(model="m", messages=msgs + [picked, {"role": "user", "content": "go"}])
+    tree = _tree(server.url, sid)
+    assert tree.roots == [0, 1] and tree.nodes[0].context_ids == tree.nodes[1].context_ids
+    assert tree.nodes[2].parent == 1 and not tree.meta["branches"]
+
+
+def test_token_prompts_hang_under_the_path_they_extend(mock_policy, serve, tokenizer):
+    server = serve(mock_policy(["alpha", "beta"]))
+    sid, client = _session(server.url)
+    prompt = tokenizer.encode("start")
+    first = client.completions.create(model="m", prompt=prompt, max_tokens=8,
+                                      extra_body={"return_token_ids": True}).model_dump()
+    extra = tokenizer.encode(" more")
+    follow = prompt + first["choices"][0]["token_ids"] + extra
+    client.completions.create(model="m", prompt=follow, max_tokens=8)
+    client.completions.create(model="m", prompt=prompt + extra, max_tokens=8)  # leaves the path
+    tree = _tree(server.url, sid)
+    assert tree.nodes[1].parent == 0 and tree.nodes[1].context_ids == extra
+    assert tree.nodes[2].parent is None and tree.meta["branches"][0]["reason"] == "divergence"
+
+
+def test_rewards_close_and_export(mock_policy, serve, tmp_path):
+    out_file = tmp_path / "trees.jsonl"
+    server = serve(mock_policy(["a", "b"]), out=str(out_file))
+    sid, client = _session(server.url, meta={"task": 7})
+    msgs = [{"role": "user", "content": "q"}]
+    first = client.chat.completions.create(model="m", messages=msgs)
+    client.chat.completions.create(model="m", messages=msgs + [_reply(first), {"role": "user", "content": "r"}])
+    url = f"{server.url}/sessions/{sid}"
+    assert httpx.post(f"{url}/reward", json={"reward": 0.25, "call_id": first.id}).json()["nodes"] == [0]
+    assert httpx.post(f"{url}/reward", json={"reward": 1.0}).json()["nodes"] == [1]
+    bad = httpx.post(f"{url}/reward", json={"reward": 1.0, "call_id": "nope"})
+    assert bad.status_code == 404 and "call_id" in bad.json()["error"]["message"]
+    closed = RolloutTree.from_dict(httpx.post(f"{url}/close").json())
+    [episode] = list(closed.episodes())
+    assert episode.rewards == [0.25, 1.0] and episode.nodes[-1].terminated
+    assert closed.meta["task"] == 7 and closed.meta["reward"] == 1.0
+    [saved] = read_trees(out_file)
+    assert saved.to_dict() == closed.to_dict()
+    again = httpx.post(f"{server.url}/sessions/{sid}/v1/chat/completions",
+                       json={"model": "m", "messages": msgs})
+    assert again.status_code == 409
+
+
+def test_session_named_by_header_or_by_its_key(mock_policy, serve):
+    server = serve(mock_policy(["a"]))
+    sid, _ = _session(server.url)
+    body = {"model": "m", "messages": [{"role": "user", "content": "q"}]}
+    httpx.post(f"{server.url}/v1/chat/completions", json=body, headers={"X-Session-Id": sid}).raise_for_status()
+    key = httpx.post(f"{server.url}/sessions", json={}).json()
+    httpx.post(f"{server.url}/v1/chat/completions", json=body,
+               headers={"Authorization": f"Bearer {key['api_key']}"}).raise_for_status()
+    httpx.post(f"{server.url}/v1/chat/completions", json=body).raise_for_status()  # no session: not recorded
+    assert len(_tree(server.url, sid).nodes) == 1
+    assert len(_tree(server.url, key["session_id"]).nodes) == 1
