@@ -22,7 +22,8 @@ before it in a row, its parent in a tree, none for the first token of a
 sequence (whose logprob is 0). Only source positions whose next token is wanted
 (``positions_to_keep``, usually the loss mask) go through the vocabulary head:
 the model is called with ``logits_to_keep`` as a 1D index tensor (transformers
->= 4.50 slices the hidden states with it before ``lm_head``). With SmolLM2's
+slices the hidden states with it before ``lm_head``; tensors are accepted since
+early 2025, huggingface/transformers#35757, before our floor of 4.56). With SmolLM2's
 49,152-token head this was measured to cut forward+backward on 2k tokens from
 18.3 s to 10.6 s. Log-softmax, gather and entropy then run in chunks of
 positions under activation checkpointing, so only one chunk's
@@ -72,6 +73,13 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     additive float mask. ``temperature`` divides the logits, as the
     sampler did (``sampling_logprobs`` in ``agentrl.policy.hf``); top-k/top-p are
     not applied: the trainer scores the untruncated distribution.
+
+    The vocabulary head runs on one set of positions for the whole batch (a
+    1D ``logits_to_keep``; per-row 2D index tensors only exist in newer
+    transformers releases): with several rows it is
+    the union of their source positions, so pack one long row when the
+    saving matters. Its ``[B, n, V]`` logits are materialised once; the
+    log-softmax over them runs ``chunk_size`` tokens at a time.
     """
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -179,7 +187,10 @@ def _source_positions(batch: int, length: int, device: torch.device, valid: torc
     if parents is not None:
         if parents.shape != (batch, length):
             raise ValueError(f"parents must be [B, T] = {(batch, length)}, got {tuple(parents.shape)}")
-        return parents.to(device=device, dtype=torch.long)
+        parents = parents.to(device=device, dtype=torch.long)
+        if ((parents < -1) | (parents >= length)).any():
+            raise ValueError(f"parents must hold -1 or a position in [0, {length})")
+        return parents
     src = (torch.arange(length, device=device) - 1).expand(batch, length).clone()
     src[position_ids == 0] = -1  # the first token of every (packed) sequence
     src[~valid] = -1

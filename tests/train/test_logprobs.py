@@ -119,6 +119,8 @@ def test_bad_inputs_name_the_parameter(tiny_model):
         token_logprobs(tiny_model, ids, torch.ones(1, 1, 3, 3), position_ids=torch.arange(3)[None])
     with pytest.raises(ValueError, match="position_ids"):
         token_logprobs(tiny_model, ids, torch.ones(1, 1, 3, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="parents"):
+        token_logprobs(tiny_model, ids, parents=torch.tensor([[-1, 0, 3]]))
 
 
 # --------------------------------------------------------------------------- packing
