@@ -45,8 +45,12 @@ def rollout(
     config: Annotated[Path | None, typer.Option(help="YAML config file.")] = None,
     env: Annotated[str | None, typer.Option(help="Env id (env.id).")] = None,
     model: Annotated[str | None, typer.Option(help="Model name or folder (policy.model).")] = None,
-    backend: Annotated[str | None, typer.Option(help="hf or mock (policy.backend).")] = None,
-    episodes: Annotated[int | None, typer.Option(help="Episodes (rollout.episodes).")] = None,
+    backend: Annotated[str | None, typer.Option(help="hf, vllm, openai or mock (policy.backend).")] = None,
+    episodes: Annotated[int | None, typer.Option(help="Tasks: env seeds (rollout.episodes).")] = None,
+    allocator: Annotated[str | None, typer.Option(help="Branch allocator (rollout.allocator).")] = None,
+    allocator_option: Annotated[list[str] | None, typer.Option(
+        "--allocator-option", help="Allocator option key=value (rollout.allocator_options).")] = None,
+    concurrency: Annotated[int | None, typer.Option(help="Episodes in flight (rollout.concurrency).")] = None,
     out: Annotated[str | None, typer.Option(help="Output folder (rollout.out_dir).")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="key.path=value override.")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
@@ -60,24 +64,29 @@ def rollout(
     from .rollout import run_episodes, summarize, write_run
 
     flags = {"env.id": env, "policy.model": model, "policy.backend": backend,
-             "rollout.episodes": episodes, "rollout.out_dir": out}
-    overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(set_ or [])
+             "rollout.episodes": episodes, "rollout.allocator": allocator,
+             "rollout.concurrency": concurrency, "rollout.out_dir": out}
+    overrides = [f"{k}={v}" for k, v in flags.items() if v is not None]
+    overrides += [f"rollout.allocator_options.{kv}" for kv in allocator_option or []]
+    overrides += list(set_ or [])
     try:
         cfg = load_config(config, overrides)
         cfg.env.id = resolve_env_id(cfg.env.id)
-        console.print(f"loading model [bold]{cfg.policy.model}[/] ({cfg.policy.backend})")
+        console.print(f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{cfg.policy.backend}[/]")
         policy = make_policy(cfg.policy)
+        r = cfg.rollout
+        total = r.budget if r.budget and r.budget_unit == "leaves" else None
         with Progress("[progress.description]{task.description}", BarColumn(),
                       MofNCompleteColumn(), TimeElapsedColumn(), console=console,
                       disable=not progress) as bar:
-            task = bar.add_task(f"{cfg.env.id}", total=cfg.rollout.episodes)
+            task = bar.add_task(f"{cfg.env.id} episodes", total=total or r.episodes * r.group_size)
             t0 = time.perf_counter()
-            trees = run_episodes(cfg.env.id, policy, cfg,
-                                 on_episode_done=lambda _t: bar.advance(task))
+            trees = run_episodes(cfg.env.id, policy, cfg, on_episode_done=lambda _t: bar.advance(task))
             wall = time.perf_counter() - t0
     except AgentRLError as e:
         raise _fail(e) from None
-    summary = {"env": cfg.env.id, "model": cfg.policy.model, **summarize(trees, wall)}
+    summary = {"env": cfg.env.id, "model": cfg.policy.model, "backend": cfg.policy.backend,
+               "allocator": r.allocator, **summarize(trees, wall)}
     path = write_run(cfg.rollout.out_dir, trees, summary)
     table = Table(title=f"rollout summary ({path})")
     table.add_column("metric")
@@ -85,6 +94,28 @@ def rollout(
     for k, v in summary.items():
         table.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
     console.print(table)
+
+
+@app.command()
+def tree(
+    path: Annotated[Path, typer.Argument(help="A trajectories.jsonl file, or the run folder holding one.")],
+    index: Annotated[int, typer.Option(help="Which tree (task) of the file.")] = 0,
+    width: Annotated[int, typer.Option(help="Characters of each action shown.")] = 60,
+) -> None:
+    """Print one rollout tree: each turn's action, reward, branch points and the counters."""
+    from .rollout import format_tree
+    from .types import read_trees
+
+    file = path / "trajectories.jsonl" if path.is_dir() else path
+    try:
+        trees = read_trees(file)
+    except (OSError, ValueError) as e:
+        typer.echo(f"error: cannot read trees from {file}: {e}", err=True)
+        raise typer.Exit(code=2) from None
+    if not -len(trees) <= index < len(trees):
+        typer.echo(f"error: --index {index} out of range: {file} holds {len(trees)} trees", err=True)
+        raise typer.Exit(code=2)
+    typer.echo(format_tree(trees[index], width=width))
 
 
 @envs_app.command("list")

@@ -59,3 +59,21 @@ def test_bad_input_is_a_clear_error_with_exit_code_2(tmp_path):
     assert "smollm2-135m" in res.output
     res = runner.invoke(app, ["rollout", "--set", "sampling.temperature=-1"])
     assert res.exit_code == 2 and "sampling.temperature" in res.output
+
+
+def test_rollout_with_an_allocator_then_tree_prints_the_branches(tmp_path):
+    out = tmp_path / "run"
+    res = runner.invoke(app, [
+        "rollout", "--backend", "mock", "--episodes", "2", "--out", str(out), "--no-progress",
+        "--allocator", "segment_tree", "--allocator-option", "depth=2", "--allocator-option", "width=2",
+        "--concurrency", "4", "--set", "rollout.budget=8", "--set", "rollout.max_turns=4",
+        "--set", "env.kwargs={high: 1000, max_turns: 4}", "--set", "policy.mock_responses=['1', '2']"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["allocator"] == "segment_tree" and summary["episodes"] == 8
+    res = runner.invoke(app, ["tree", str(out), "--index", "1"])
+    assert res.exit_code == 0, res.output
+    assert "allocator=segment_tree" in res.output and "branch x2" in res.output
+    assert "counters: generated_tokens=" in res.output
+    res = runner.invoke(app, ["tree", str(out), "--index", "5"])
+    assert res.exit_code == 2 and "holds 2 trees" in res.output

@@ -20,11 +20,29 @@ def _hf(cfg: PolicyConfig) -> Policy:
     return HFPolicy(model, tokenizer, max_batch_size=cfg.max_batch_size, prefix_cache_mb=cfg.prefix_cache_mb)
 
 
+def _vllm(cfg: PolicyConfig) -> Policy:
+    try:
+        from .vllm import VLLMPolicy
+    except ImportError as e:
+        raise PolicyError(f"backend vllm needs the vllm extra (`pip install agentrl[vllm]`): {e}") from None
+    from ..models import prepare_model
+
+    return VLLMPolicy(str(prepare_model(cfg.model)), dtype=cfg.dtype)
+
+
+def _openai(cfg: PolicyConfig) -> Policy:
+    from .openai import OpenAIPolicy
+
+    if not cfg.base_url:
+        raise PolicyError("backend openai needs policy.base_url (the server's URL, ending in /v1)")
+    return OpenAIPolicy(cfg.base_url, cfg.model, load_tokenizer(cfg.model), api_key=cfg.api_key)
+
+
 def _mock(cfg: PolicyConfig) -> Policy:
     return MockPolicy(load_tokenizer(cfg.model), cfg.mock_responses)
 
 
-BACKENDS: dict[str, Callable[[PolicyConfig], Any]] = {"hf": _hf, "mock": _mock}
+BACKENDS: dict[str, Callable[[PolicyConfig], Any]] = {"hf": _hf, "vllm": _vllm, "openai": _openai, "mock": _mock}
 
 
 def make_policy(cfg: PolicyConfig) -> Policy:

@@ -10,6 +10,7 @@ from .summary import episode_success, leaf_success, summarize, write_run
 from .tree import BranchPoint, format_tree, split_node
 
 __all__ = [
+    "ALLOCATORS",
     "COUNTERS",
     "AllocState",
     "Allocator",
@@ -22,6 +23,8 @@ __all__ = [
     "episode_success",
     "format_tree",
     "leaf_success",
+    "make_allocator",
+    "prefix_groups",
     "run_episodes",
     "split_node",
     "summarize",

@@ -107,19 +107,23 @@ class Engine:
 
     # -- envs --------------------------------------------------------------------
     async def _call(self, env: Any, method: str, *args: Any) -> Any:
-        """Run an env method off the loop; a sandboxed tool env's coroutine is awaited directly."""
+        """Run an env method off the loop; a sandboxed tool env's coroutine is awaited directly.
+
+        Methods are called on ``env.unwrapped``: a branch restores the inner env,
+        which ``gymnasium.make``'s order-enforcing wrapper would not know about.
+        """
         inner = env.unwrapped
-        coro = getattr(inner, f"a{method}", None) if method in ("step", "reset") else None
         loop_thread = getattr(inner, "_loop", None)
-        if coro is not None and loop_thread is not None and hasattr(loop_thread, "_ensure"):
-            kwargs = {"seed": args[0]} if method == "reset" else {}
-            call = coro(**kwargs) if method == "reset" else coro(*args)
-            fut = asyncio.run_coroutine_threadsafe(call, loop_thread._ensure())
+        native = getattr(inner, f"a{method}", None) if method in ("step", "reset") else None
+        if native is not None and hasattr(loop_thread, "_ensure"):
+            call = native(seed=args[0]) if method == "reset" else native(*args)
+            fut = asyncio.run_coroutine_threadsafe(call, loop_thread._ensure())  # type: ignore[union-attr]
             return await asyncio.wrap_future(fut)
-        fn = getattr(inner if method in ("snapshot", "restore") else env, method)
+        fn = getattr(inner, method)
+        loop = asyncio.get_running_loop()
         if method == "reset":
-            return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(seed=args[0]))
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+            return await loop.run_in_executor(self._pool, lambda: fn(seed=args[0]))
+        return await loop.run_in_executor(self._pool, fn, *args)
 
     async def _acquire(self) -> Any:
         if self._idle:
@@ -196,6 +200,8 @@ class Engine:
             self._release(env, healthy=False)
             raise EpisodeFailed(f"env.reset raised {type(e).__name__}: {e}") from None
         tree.meta.setdefault("instruction", info.get("instruction", ""))
+        if info.get("state_key") is not None:  # the opening state, for GiGPO's anchor groups
+            tree.meta.setdefault("state_key", info["state_key"])
         try:
             ctx = self._opening(obs, info)
         except EpisodeFailed:
@@ -205,6 +211,7 @@ class Engine:
         tree.meta["_streams"] = stream + 1
         if "root" not in tree.snapshots and self._snapshots:
             tree.snapshots["root"] = BranchPoint(await self._snapshot(env), _fork(ctx), list(ctx.ids), 0)
+            # (fresh roots render their own opening; a fork at a root reuses this one)
         return _Path(task, tree, env, ctx, list(ctx.ids), None, 0, stream)
 
     async def _snapshot(self, env: Any) -> Any:
@@ -300,7 +307,7 @@ class Engine:
             if paused or self._snapshots or self.cfg.rollout.keep_snapshots:
                 node.snapshot = f"n{node.id}"
                 path.tree.snapshots[node.snapshot] = BranchPoint(
-                    await self._snapshot(path.env), _fork(path.ctx), list(path.pending), path.turns)
+                    await self._snapshot(path.env), _fork(path.ctx), path.pending, path.turns)
             if paused:
                 return
 
@@ -405,7 +412,7 @@ class Engine:
             raise EpisodeFailed(f"restore for a branch raised {type(e).__name__}: {e}") from None
         ctx = _fork(point.ctx)
         c["shared_tokens"] += len(ctx) + (len(prefix[0]) if prefix else 0)
-        path = _Path(task, tree, env, ctx, list(point.pending), parent, point.turns, stream)
+        path = _Path(task, tree, env, ctx, point.pending, parent, point.turns, stream)  # shared
         if prefix is not None:
             path.pending = []
         return path
@@ -533,9 +540,13 @@ def _run_sync(coro: Any) -> Any:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coro)
-    coro.close()
-    raise RuntimeError("an event loop is running here: await Engine(...).run(...) instead")
+        running = False
+    else:
+        running = True
+    if running:
+        coro.close()
+        raise RuntimeError("an event loop is running here: await Engine(...).run(...) instead")
+    return asyncio.run(coro)
 
 
 def collect(env_id: str, policy: Policy, cfg: Config, seeds: list[int],

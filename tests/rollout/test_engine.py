@@ -1,0 +1,361 @@
+"""The async rollout engine: concurrency with failures and hangs, token-exact
+branching on every backend, replay, budgets, limits and versions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any
+
+import pytest
+
+from agentrl.config import load_config
+from agentrl.env import TextEnv, list_envs, register_env
+from agentrl.errors import SandboxUnavailableError
+from agentrl.policy import HFPolicy, MockPolicy
+from agentrl.rollout import (
+    COUNTERS,
+    Branch,
+    Budget,
+    Engine,
+    Fresh,
+    collect,
+    format_tree,
+    summarize,
+)
+from agentrl.rollout.allocation import Independent
+from agentrl.types import RolloutTree
+
+RELEASE = threading.Event()  # hung env steps wait on it; set when a test ends
+
+
+class MixedEnv(TextEnv):
+    """Seed % 4: 0 and 3 win on turn 3; 1 raises on turn 2; 2 hangs on turn 2."""
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.kind, self.turn = (seed or 0) % 4, 0
+        return f"Task {seed}: say three things.", {"instruction": "say three things"}
+
+    def step(self, action: str):
+        self.turn += 1
+        if self.turn == 2 and self.kind == 1:
+            raise RuntimeError("simulated env crash")
+        if self.turn == 2 and self.kind == 2:
+            RELEASE.wait(60)
+        done = self.turn == 3
+        return f"heard {len(action)} chars", float(done), done, False, {"success": done}
+
+
+class NoSnapshotEnv(TextEnv):
+    """Deterministic, but cannot snapshot: branches must replay the action prefix."""
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.said: list[str] = []
+        return "Count with me.", {"instruction": "count"}
+
+    def step(self, action: str):
+        self.said.append(action)
+        done = len(self.said) == 3
+        return f"{len(self.said)}: {action}", 0.0, done, False, {}
+
+    def snapshot(self) -> Any:
+        raise NotImplementedError("no snapshots here")
+
+
+register_env("agentrl/TestMixed-v0", entry_point=MixedEnv)
+register_env("agentrl/TestNoSnapshot-v0", entry_point=NoSnapshotEnv)
+
+
+class Recording:
+    """Wraps a policy; remembers every (prompt, sampled tokens) pair it served."""
+
+    def __init__(self, policy: Any):
+        self.policy, self.calls = policy, set()
+        self.tokenizer = policy.tokenizer
+
+    @property
+    def version(self) -> int:
+        return self.policy.version
+
+    def generate(self, requests):
+        out = self.policy.generate(requests)
+        for r, o in zip(requests, out, strict=True):
+            self.calls.add((tuple(r.prompt_ids), tuple(o.token_ids)))
+        return out
+
+    async def agenerate(self, request):
+        out = await self.policy.agenerate(request)
+        self.calls.add((tuple(request.prompt_ids), tuple(out.token_ids)))
+        return out
+
+    def update_weights(self, sd):
+        self.policy.update_weights(sd)
+
+
+def assert_token_exact(trees: list[RolloutTree], rec: Recording) -> int:
+    """Every sampled node's action follows exactly the tokens its policy call was given."""
+    checked = 0
+    for tree in trees:
+        for leaf in tree.leaves():
+            ids: list[int] = []
+            turn_start = 0
+            for node in tree.path(leaf.id):
+                ids += node.context_ids
+                if node.context_ids or not node.partial and tree.nodes.get(node.parent or -1, node).partial is False:
+                    turn_start = len(ids)
+                if node.action_ids and not node.partial:
+                    # a fork's continuation was sampled after the shared head; the node
+                    # that was split was sampled whole, from the turn's start
+                    whole = (tuple(ids[:turn_start]), tuple(ids[turn_start:]) + tuple(node.action_ids))
+                    assert (tuple(ids), tuple(node.action_ids)) in rec.calls or whole in rec.calls, node.id
+                    checked += 1
+                ids += node.action_ids
+        for ep in tree.episodes():  # the flattened episode is that same sequence
+            assert sum(ep.loss_mask) == sum(len(n.action_ids) for n in tree.path(ep.nodes[-1].id))
+    return checked
+
+
+@pytest.fixture(params=["mock", "hf"])
+def policy(request, tokenizer, tiny_model):
+    if request.param == "mock":
+        return Recording(MockPolicy(tokenizer, lambda p: f"word{len(p) % 7}"))
+    return Recording(HFPolicy(tiny_model, tokenizer, max_batch_size=64))
+
+
+@pytest.fixture(autouse=True)
+def _release_hung_steps():
+    RELEASE.clear()
+    yield
+    RELEASE.set()
+
+
+def test_64_concurrent_episodes_only_failing_and_hanging_ones_are_marked(policy):
+    cfg = load_config(overrides=[
+        "rollout.episodes=64", "rollout.max_turns=5", "rollout.concurrency=64",
+        "rollout.episode_timeout_s=6", "sampling.max_new_tokens=6", "rollout.system_prompt=null"])
+    trees = collect("agentrl/TestMixed-v0", policy, cfg, list(range(64)))
+    assert len(trees) == 64
+    for seed, tree in enumerate(trees):
+        (ep,) = list(tree.episodes())
+        kind = seed % 4
+        if kind == 1:
+            assert ep.error == "env.step raised RuntimeError: simulated env crash", seed
+            assert ep.num_turns == 2
+        elif kind == 2:
+            assert ep.error and ep.error.startswith("episode timed out after"), (seed, ep.error)
+            assert "episode_timeout_s=6" in ep.error
+        else:  # untouched by the others' failures: every turn, every token
+            assert ep.error is None and ep.num_turns == 3 and ep.nodes[-1].info["success"]
+    assert assert_token_exact(trees, policy) == 16 * 2 + 32 * 3 + 16 * 1
+    s = summarize(trees, 1.0)
+    assert s["failed_episodes"] == 32
+    assert s["failure_reasons"] == {"env.step raised RuntimeError": 16, "episode timed out": 16}
+    assert s["success_rate"] == 1.0  # over the episodes that did not fail
+
+
+class Plan:
+    """A fixed two-round plan: fresh episodes, then turn and segment branches of task 0."""
+
+    name, needs_snapshots, top_logprobs = "plan", True, 1
+
+    def __init__(self, tasks: int):
+        self.tasks = tasks
+
+    def plan(self, state):
+        if state.round == 0:
+            return [Fresh(t, 2) for t in range(self.tasks)]
+        if state.round == 1:
+            tree = state.trees[0]
+            first = tree.nodes[tree.roots[0]]
+            second = tree.nodes[first.children[0]]
+            return [Branch(0, first.id, 2), Branch(0, second.id, 2, at_token=1)]
+        return []
+
+
+def test_branches_are_token_exact_and_share_their_context(policy):
+    cfg = load_config(overrides=[
+        "rollout.max_turns=4", "sampling.max_new_tokens=5", "sampling.temperature=1.0",
+        "env.kwargs={high: 1000, max_turns: 4}"])
+    engine = Engine(policy, cfg, "agentrl/GuessNumber-v0")
+    try:
+        trees = asyncio.run(engine.run([0, 1], Plan(2), Budget(8)))
+    finally:
+        engine.close()
+    tree = trees[0]
+    assert len(tree.leaves()) == 6 and len(trees[1].leaves()) == 2
+    assert tree.meta["budget"] == {"unit": "leaves", "total": 8, "spent": 8}
+    first = tree.nodes[tree.roots[0]]
+    assert len(first.children) == 3  # the original second turn and two branches
+    kids = [tree.nodes[c] for c in first.children]
+    assert kids[1].context_ids is kids[2].context_ids  # stored once
+    assert kids[1].context_ids == kids[0].context_ids or kids[0].partial
+    part = next(n for n in tree.nodes.values() if n.partial)
+    assert len(part.action_ids) == 1 and len(part.children) == 3
+    for c in part.children:  # each continuation's env step saw the whole turn's text
+        node = tree.nodes[c]
+        assert node.context_ids == []
+        full = policy.tokenizer.decode(part.action_ids + node.action_ids, skip_special_tokens=True).strip()
+        assert node.action_text == full
+    assert assert_token_exact(trees, policy) > 0
+    c = tree.meta["counters"]
+    assert set(c) == set(COUNTERS)
+    assert c["shared_tokens"] > 0 and c["env_steps_replayed"] == 0
+    assert c["generated_tokens"] == sum(len(n.action_ids) for n in tree.nodes.values())
+    # The serialized tree writes a shared context once and reads back the same episodes.
+    data = tree.to_dict()
+    assert sum(d.get("context_from") is not None for d in data["nodes"]) >= 1
+    back = RolloutTree.from_json(json.dumps(data))
+    assert [e.input_ids for e in back.episodes()] == [e.input_ids for e in tree.episodes()]
+    assert "segment fork after 1 tokens" in format_tree(tree)
+
+
+def test_branches_replay_the_action_prefix_when_the_env_cannot_snapshot(tokenizer):
+    rec = Recording(MockPolicy(tokenizer, lambda p: f"w{len(p) % 5}"))
+    cfg = load_config(overrides=["rollout.max_turns=5"])
+
+    class DeepBranch(Plan):
+        def plan(self, state):
+            if state.round == 0:
+                return [Fresh(0, 1)]
+            if state.round == 1:
+                tree = state.trees[0]
+                second = tree.nodes[tree.nodes[tree.roots[0]].children[0]]
+                return [Branch(0, second.id, 2)]
+            return []
+
+    trees = collect("agentrl/TestNoSnapshot-v0", rec, cfg, [0], DeepBranch(1), Budget(3))
+    tree = trees[0]
+    assert tree.meta["counters"]["env_steps_replayed"] == 2 * 2  # two turns, for each branch
+    for ep in tree.episodes():
+        assert ep.error is None and ep.num_turns == 3
+        assert [n.observation.split(":")[0] for n in ep.nodes] == ["1", "2", "3"]
+    assert assert_token_exact(trees, rec) == 3 * 3  # nodes on each root-to-leaf path
+
+
+@pytest.mark.parametrize("unit,total", [("turns", 7), ("tokens", 40)])
+def test_turn_and_token_budgets_are_never_overspent(tokenizer, unit, total):
+    cfg = load_config(overrides=["rollout.max_turns=8", "sampling.max_new_tokens=6",
+                                 "rollout.group_size=3", "env.kwargs={high: 1000, max_turns: 8}"])
+    policy = MockPolicy(tokenizer, lambda p: "one two three four five six seven")
+    plan = Independent(n=3, est_leaf_cost=1.0)  # plans 6 episodes, more than the budget buys
+    trees = collect("agentrl/GuessNumber-v0", policy, cfg, [0, 1], plan, Budget(total, unit))
+    nodes = [n for t in trees for n in t.nodes.values() if n.action_ids]
+    used = len(nodes) if unit == "turns" else sum(len(n.action_ids) for n in nodes)
+    assert used == total  # spent exactly, never more
+    reasons = [n.info.get("truncation_reason", "") for t in trees for n in t.leaves()]
+    assert any(r.startswith(f"budget: {total} {unit} spent") for r in reasons)
+
+
+def test_each_turn_carries_the_version_that_sampled_it(tokenizer):
+    class Updating(MockPolicy):
+        async def agenerate(self, request):
+            out = await super().agenerate(request)
+            if self.calls % 2 == 0:
+                self.update_weights({})
+            return out
+
+    cfg = load_config(overrides=["rollout.max_turns=6", "env.kwargs={high: 1000, max_turns: 6}"])
+    trees = collect("agentrl/GuessNumber-v0", Updating(tokenizer, ["1"]), cfg, [0])
+    (ep,) = list(trees[0].episodes())
+    assert [n.version for n in ep.nodes] == [0, 0, 1, 1, 2, 2]
+    first, last = ep.turn_spans[0], ep.turn_spans[-1]
+    assert set(ep.versions[first[0]:first[1]]) == {0} and set(ep.versions[last[0]:last[1]]) == {2}
+    assert ep.versions[0] == -1  # context tokens have no sampling version
+
+
+def test_hf_micro_batcher_gathers_concurrent_requests(tokenizer, tiny_model):
+    policy = HFPolicy(tiny_model, tokenizer, max_batch_size=64)
+    cfg = load_config(overrides=["rollout.max_turns=3", "sampling.max_new_tokens=4",
+                                 "env.kwargs={high: 1000, max_turns: 3}"])
+    collect("agentrl/GuessNumber-v0", policy, cfg, list(range(16)))
+    # 16 episodes x 3 turns: far fewer forward batches than requests.
+    assert policy.batcher.batched_requests == 48
+    assert policy.batcher.mean_batch >= 4
+
+
+def _tool_env_kwargs(backend: str) -> dict[str, Any]:
+    from agentrl.sandboxes import check_backend
+
+    if backend == "remote":
+        import httpx
+
+        from agentrl.sandboxes import LocalSandbox, RemoteSandbox
+        from agentrl.sandboxes.server import create_app
+
+        app = create_app(lambda: LocalSandbox(), "t0ken", max_request_bytes=4 << 20)
+        return {"sandbox": lambda: RemoteSandbox("http://sandbox.test", "t0ken",
+                                                 transport=httpx.ASGITransport(app=app))}
+    try:
+        check_backend(backend)
+    except SandboxUnavailableError as e:
+        pytest.skip(f"sandbox backend {backend!r} unavailable here: {e}")
+    return {"sandbox": backend}
+
+
+@pytest.mark.parametrize("backend", ["local", "bwrap", "docker", "remote"])
+def test_tool_env_branches_restore_the_sandbox(tokenizer, backend):
+    """Three branches after one file write each see exactly one earlier write."""
+    code = "open('c.txt','a').write('x'); print('count', len(open('c.txt').read()))"
+    call = "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": code}}) + "</tool_call>"
+    cfg = load_config(overrides=["rollout.max_turns=3", "sampling.max_new_tokens=200"])
+    cfg.env.kwargs = _tool_env_kwargs(backend)
+
+    class OneThenThree(Plan):
+        def plan(self, state):
+            if state.round == 0:
+                return [Fresh(0, 1, max_turns=1)]
+            if state.round == 1:
+                return [Branch(0, state.trees[0].roots[0], 3, max_turns=1)]
+            return []
+
+    trees = collect("agentrl/MathPython-v0", MockPolicy(tokenizer, [call]), cfg, [0],
+                    OneThenThree(1), Budget(3))
+    tree = trees[0]
+    root = tree.nodes[tree.roots[0]]
+    assert root.error is None and "count 1" in root.observation, root.observation
+    kids = [tree.nodes[c] for c in root.children]
+    assert len(kids) == 3
+    for kid in kids:
+        assert kid.error is None, kid.error
+        assert "count 2" in kid.observation, kid.observation
+
+
+@pytest.mark.parametrize("env_id", [e for e in list_envs() if "/Test" not in e])
+def test_every_registered_env_branches_from_a_snapshot_or_a_replay(tokenizer, env_id):
+    if env_id.endswith(("BashFix-v0", "MathPython-v0")):
+        pytest.skip("sandboxed tool envs are covered per backend by test_tool_env_branches_restore_the_sandbox")
+    cfg = load_config(overrides=["rollout.max_turns=3", "sampling.max_new_tokens=16"])
+    say = ["look", "inventory", "go north"]
+    if env_id.endswith("SearchQA-v0"):  # a plain answer would end the episode
+        say = ["<tool_call>" + json.dumps({"name": "search", "arguments": {"query": q}}) + "</tool_call>"
+               for q in ("river", "city", "year")]
+    policy = Recording(MockPolicy(tokenizer, lambda p: say[len(p) % 3]))
+
+    class Twice(Plan):
+        def plan(self, state):
+            if state.round == 0:
+                return [Fresh(0, 1, max_turns=1)]
+            if state.round == 1:
+                return [Branch(0, state.trees[0].roots[0], 2, max_turns=1)]
+            return []
+
+    try:
+        trees = collect(env_id, policy, cfg, [0], Twice(1), Budget(2))
+    except Exception as e:  # an env whose optional engine is missing here
+        if "not installed" in str(e) or isinstance(e, ImportError):
+            pytest.skip(f"{env_id} unavailable here: {e}")
+        raise
+    tree = trees[0]
+    errors = [n.error for n in tree.nodes.values() if n.error]
+    if errors and all("not installed" in e or "No module" in e for e in errors):
+        pytest.skip(f"{env_id} unavailable here: {errors[0]}")
+    assert not errors
+    root = tree.nodes[tree.roots[0]]
+    kids = [tree.nodes[c] for c in root.children]
+    assert len(kids) == 2
+    # Same state and same prompt: the same action gives the same observation.
+    assert kids[0].action_text == kids[1].action_text and kids[0].observation == kids[1].observation
+    assert assert_token_exact(trees, policy) == 2 * 2
