@@ -6,11 +6,14 @@ into the same interpreter are serialized, so concurrent calls in one turn run in
 the order they were made.
 
 Branching: ``snapshot_state`` is the interpreter's ``history`` (the snippets whose
-changes it kept), and after ``restore_state`` the next call first runs them again
-in a fresh interpreter (a branch that never calls ``python`` pays nothing).
-The rebuilt state is identical when those snippets are deterministic; one that
-reads the clock, draws unseeded random numbers or appends to a file does so
-again, against the restored files.
+changes it kept), and ``restore_state`` runs them again, at once, in a fresh
+interpreter. That replay has its side effects again: it runs against the
+sandbox's current files and may change them. ``ToolEnv`` therefore calls
+``restore_state`` only right before the python tool is next used, and then puts
+the files back as they were (see ``ToolEnv.restore``). The rebuilt variables are
+identical when the snippets are deterministic; one that reads the clock, draws
+unseeded random numbers or reads a file that later snippets changed sees
+something else the second time.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -51,7 +54,6 @@ class _Session:
     interpreter: Any
     lock: asyncio.Lock
     started: bool = False
-    replay: list[tuple[str, float]] = field(default_factory=list)  # run before the next call
 
 
 class PythonTool(Tool):
@@ -85,7 +87,7 @@ class PythonTool(Tool):
         session = self._session(require_sandbox(sandbox, self.name))
         timeout = min(args.timeout, self.max_timeout)
         async with session.lock:
-            await self._ready(session)
+            await self._start(session)
             result = await session.interpreter.execute(args.code, timeout)
         return ToolResult(
             content=format_exec(result, timeout),
@@ -94,29 +96,28 @@ class PythonTool(Tool):
         )
 
     @staticmethod
-    async def _ready(session: _Session) -> None:
-        """Start the interpreter, rebuilding a restored state first."""
-        if session.started:
-            return
-        await session.interpreter.start()
-        session.started = True
-        replay, session.replay = session.replay, []
-        for code, timeout in replay:
-            await session.interpreter.execute(code, timeout)
+    async def _start(session: _Session) -> None:
+        if not session.started:
+            await session.interpreter.start()
+            session.started = True
 
     async def snapshot_state(self, sandbox: Sandbox) -> list[tuple[str, float]] | None:
         session = self._sessions.get(sandbox)
         if session is None:
             return None
         async with session.lock:  # between calls, never mid-snippet
-            if not session.started:
-                return list(session.replay) or None
             return list(getattr(session.interpreter, "history", None) or []) or None
 
     async def restore_state(self, sandbox: Sandbox, state: list[tuple[str, float]] | None) -> None:
+        """Run the snippets of ``state`` now, in a fresh interpreter, side effects and all."""
         await self.release(sandbox)
-        if state:
-            self._session(sandbox).replay = list(state)
+        if not state:
+            return
+        session = self._session(sandbox)
+        async with session.lock:
+            await self._start(session)
+            for code, timeout in state:
+                await session.interpreter.execute(code, timeout)
 
     async def release(self, sandbox: Sandbox) -> None:
         session = self._sessions.pop(sandbox, None)

@@ -51,7 +51,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentrl.env import TextEnv
-from agentrl.errors import ConfigError, EnvError
+from agentrl.errors import ConfigError, EnvError, SandboxError
 from agentrl.sandboxes.base import Sandbox
 from agentrl.types import Message, ToolCall
 
@@ -67,6 +67,67 @@ __all__ = ["ToolEnv", "ToolEnvConfig", "strip_thinking"]
 _THINK = re.compile(r"<think>.*?(?:</think>|\Z)", re.DOTALL)
 
 TaskSource = Task | Sequence[Task] | Callable[[np.random.Generator], Task]
+
+# Run inside the sandbox, in its workdir, with a tar archive of the workdir on stdin:
+# make the workdir exactly the archive's files without killing any process (so the
+# python tool's rebuilt interpreter lives on). Entries the archive lacks, or holds
+# as another kind, are removed; regular files are rewritten in place, so a file the
+# interpreter holds open stays the file others see. Dirs and files are made
+# writable first, as a snippet's chmod must not block the sweep; the archive then
+# sets every mode back. The filter is the one ``LocalSandbox.restore`` uses.
+_PUT_BACK = r"""
+import io, os, stat, sys, tarfile
+tar = tarfile.open(fileobj=io.BytesIO(sys.stdin.buffer.read()))
+members = tar.getmembers()
+kind = lambda m: "d" if m.isdir() else "l" if m.issym() else "f" if m.isreg() else "?"
+want = {os.path.normpath(m.name): kind(m) for m in members}
+for top, _, files in os.walk("."):
+    os.chmod(top, os.lstat(top).st_mode & 0o7777 | 0o700)
+    for f in files:
+        st = os.lstat(os.path.join(top, f))
+        if stat.S_ISREG(st.st_mode):
+            os.chmod(os.path.join(top, f), st.st_mode & 0o7777 | 0o600)
+for top, dirs, files in os.walk(".", topdown=False):
+    for name in dirs + files:
+        p = os.path.normpath(os.path.join(top, name))
+        mode = os.lstat(p).st_mode
+        if stat.S_ISDIR(mode):
+            if want.get(p) != "d":
+                os.rmdir(p)
+        elif not (stat.S_ISREG(mode) and want.get(p) == "f"):
+            os.unlink(p)
+base = getattr(tarfile, "tar_filter", None)
+def keep(m, dest):
+    m = base(m, dest) if base else m
+    return m if m.isreg() or m.isdir() or m.issym() else None
+if base:
+    tar.extractall(".", members, filter=keep)
+else:
+    tar.extractall(".", [m for m in members if keep(m, ".")])
+"""
+
+
+async def _put_back_files(box: Sandbox, archive: Any, timeout: float) -> None:
+    """Make ``box``'s workdir exactly the tar ``archive`` (a ``box.snapshot()``), leaving
+    its processes running (``box.restore`` would kill them).
+
+    Every backend here snapshots as a tar archive; for one that does not, the
+    files are left as they are.
+    """
+    if not isinstance(archive, bytes | bytearray):
+        return
+    res = await box.run([box.python, "-I", "-c", _PUT_BACK], stdin=bytes(archive), timeout=timeout)
+    if not res.ok:
+        why = "timed out" if res.timed_out else f"exit {res.exit_code}: {res.stderr[-600:]}"
+        raise SandboxError(f"could not put the snapshot's files back ({why})")
+
+
+@dataclass(slots=True)
+class _Pending:
+    """Tool state that a restore set aside, rebuilt just before one of those tools runs."""
+
+    states: dict[str, Any]  # tool name -> its ``snapshot_state``
+    files: Any = None  # the sandbox's files, while no call has changed them since the restore
 
 
 class ToolEnvConfig(BaseModel):
@@ -160,6 +221,7 @@ class ToolEnv(TextEnv):
         self._base_info: dict[str, Any] = {}
         self._release_error: str | None = None
         self._replay_log: dict[str, Any] = {"seed": None, "options": {}, "actions": []}
+        self._pending: _Pending | None = None  # see ``restore``
 
     # -- public API --------------------------------------------------------------
     def tool_specs(self) -> list[dict[str, Any]]:
@@ -262,8 +324,7 @@ class ToolEnv(TextEnv):
         is the episode's reset arguments and action log instead, and ``restore``
         replays them in a reset sandbox (tools must then be deterministic).
         State a tool keeps outside the sandbox's files (the ``python`` tool's
-        interpreter) is captured by ``Tool.snapshot_state`` and rebuilt by
-        ``Tool.restore_state`` after the files are restored.
+        interpreter) is captured by ``Tool.snapshot_state``; see ``restore``.
         """
         box, tools = None, {}
         if self.sandbox is not None:
@@ -271,7 +332,8 @@ class ToolEnv(TextEnv):
                 box = self._loop.run(self.sandbox.snapshot())
             except NotImplementedError:
                 return {"replay": copy.deepcopy(self._replay_log)}
-            tools = self._loop.run(self._tool_states(self.sandbox))
+            pending = self._pending.states if self._pending else {}
+            tools = {**self._loop.run(self._tool_states(self.sandbox)), **pending}
         inner = self.inner.snapshot() if self.inner is not None else None
         own = (
             self.task, self._turn, self._done, self._started, self._base_info,
@@ -280,12 +342,27 @@ class ToolEnv(TextEnv):
         return {"inner": inner, "own": copy.deepcopy(own), "sandbox": box, "tools": tools}
 
     def restore(self, snapshot: Any) -> None:
+        """Go back to ``snapshot``: the sandbox's files, the tools' state, this env's state.
+
+        Right after ``restore`` the sandbox holds exactly the snapshot's files. A
+        tool's state is rebuilt only when the tool is next called (a branch that
+        never calls ``python`` pays nothing): ``Tool.restore_state`` runs first
+        (the ``python`` tool re-runs its snippets, which may write files again),
+        then the files are put back as they were just before that call, without
+        killing the rebuilt interpreter. So the workdir never shows a replay's
+        side effects. Side effects outside the workdir are replayed: network
+        calls, files under /tmp (bwrap's /tmp is wiped by the restore, then
+        refilled by the replay), processes the snippets started. Variables that a
+        snippet computed from files see the files as they are at the rebuild,
+        not as they were when the snippet first ran.
+        """
         if "replay" in snapshot:
             self._loop.run(self._replay(copy.deepcopy(snapshot["replay"])))
             return
         if snapshot["sandbox"] is not None:
+            self._loop.run(self._restore_sandbox(snapshot["sandbox"]))
             tools = copy.deepcopy(snapshot.get("tools") or {})
-            self._loop.run(self._restore_sandbox(snapshot["sandbox"], tools))
+            self._pending = _Pending(tools, snapshot["sandbox"]) if tools else None
         elif self.sandbox is not None:  # the branch point had no sandbox state yet
             self._loop.run(self._end_episode())
         if self.inner is not None:
@@ -300,13 +377,27 @@ class ToolEnv(TextEnv):
         states = {name: await t.snapshot_state(box) for name, t in self.tools.items()}
         return {name: state for name, state in states.items() if state is not None}
 
-    async def _restore_sandbox(self, snap: Any, tools: dict[str, Any]) -> None:
+    async def _restore_sandbox(self, snap: Any) -> None:
         box = await self._ensure_sandbox()
+        self._pending = None
         for t in self.tools.values():
             await t.release(box)
         await box.restore(snap)
-        for name, state in tools.items():
+
+    async def _rebuild_tools(self, box: Sandbox, called: set[str]) -> None:
+        """Before a turn's calls run: rebuild the state a restore set aside, if the
+        turn calls one of those tools, then put the files back as they were."""
+        pending = self._pending
+        if pending is None:
+            return
+        if not called & pending.states.keys():
+            pending.files = None  # this turn's calls may change the files
+            return
+        self._pending = None
+        files = pending.files if pending.files is not None else await box.snapshot()
+        for name, state in pending.states.items():
             await self.tools[name].restore_state(box, state)
+        await _put_back_files(box, files, self.config.call_timeout_s)
 
     async def _replay(self, log: dict[str, Any]) -> None:
         await self.areset(seed=log["seed"], options=log["options"])
@@ -340,6 +431,7 @@ class ToolEnv(TextEnv):
     async def _end_episode(self) -> None:
         """Drop the tools' per-sandbox state and give the sandbox back."""
         box, self.sandbox = self.sandbox, None
+        self._pending = None
         if box is None or self._source is None:
             return
         problems = []
@@ -392,14 +484,7 @@ class ToolEnv(TextEnv):
                 replies[i] = (call, ToolResult.error(self._unknown_tool_message(call.name)))
         error = None
         if runnable:
-            try:
-                if any(self.tools[c.name].needs_sandbox for _, c in runnable):
-                    await self._ensure_sandbox()
-                outcomes = await asyncio.gather(
-                    *(self._run_call(c) for _, c in runnable), return_exceptions=True
-                )
-            except Exception as err:  # the sandbox could not be leased
-                outcomes, error = [], f"sandbox unavailable: {type(err).__name__}: {err}"
+            outcomes, error = await self._run_calls([c for _, c in runnable])
             for (i, call), res in zip(runnable, outcomes, strict=False):
                 if isinstance(res, BaseException):
                     error = error or f"tool {call.name!r} failed: {type(res).__name__}: {res}"
@@ -417,6 +502,20 @@ class ToolEnv(TextEnv):
             "parse_errors": list(parsed.errors),
         }
         return _Outcome(obs, info=extra, error=error)
+
+    async def _run_calls(self, calls: list[ToolCall]) -> tuple[list[Any], str | None]:
+        """Run ``calls`` concurrently: (results or exceptions, an episode-ending error)."""
+        if any(self.tools[c.name].needs_sandbox for c in calls):
+            try:
+                box = await self._ensure_sandbox()
+            except Exception as err:
+                return [], f"sandbox unavailable: {type(err).__name__}: {err}"
+            try:  # before any call runs, so that none sees the rebuild's side effects
+                await self._rebuild_tools(box, {c.name for c in calls})
+            except Exception as err:
+                return [], f"restoring the tools' state failed: {type(err).__name__}: {err}"
+        outcomes = await asyncio.gather(*(self._run_call(c) for c in calls), return_exceptions=True)
+        return list(outcomes), None
 
     async def _run_call(self, call: ToolCall) -> ToolResult:
         tool = self.tools[call.name]
