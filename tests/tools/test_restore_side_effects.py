@@ -112,3 +112,44 @@ def test_a_branch_that_never_calls_python_keeps_its_history_for_the_next_snapsho
     env.restore(again)
     assert out(env.step(call("python", code=APPEND))[0]) == "count 4"
     env.close()
+
+
+def test_a_file_the_rebuilt_interpreter_holds_open_is_the_file_others_see(local_sandbox):
+    task = Task(prompt="p", verify=lambda _: 0.0)
+    env = ToolEnv(task, tools=["python"], sandbox=local_sandbox)
+    env.reset()
+    env.step(call("python", code="log = open('log.txt', 'a', buffering=1); log.write('a\\n')"))
+    snap = env.snapshot()
+    env.restore(snap)
+    # the replay wrote a second 'a'; the put-back rewrote log.txt in place, so the
+    # replayed handle (O_APPEND) still writes to the file that is read back
+    obs = env.step(call("python", code="log.write('b\\n'); print(repr(open('log.txt').read()))"))
+    assert out(obs[0]) == "'a\\nb\\n'"
+    env.close()
+
+
+def test_put_back_reads_the_archives_docker_makes(local_sandbox, tmp_path):
+    """Docker snapshots with ``tar -cf - .``: names start with ``./`` and ``.`` is a member."""
+    import asyncio
+    import shutil
+    import subprocess
+
+    from agentrl.tools.tool_env import _put_back_files
+
+    if shutil.which("tar") is None:
+        pytest.skip("no tar binary to make a docker-style archive with")
+    (tmp_path / "keep").mkdir()
+    (tmp_path / "keep" / "a.txt").write_text("snap")
+    archive = subprocess.run(
+        ["tar", "-C", str(tmp_path), "-cf", "-", "."], check=True, capture_output=True
+    ).stdout
+    assert b"./keep/a.txt" in archive
+
+    async def go() -> str:
+        await local_sandbox.write_file("keep/a.txt", "later, longer")
+        await local_sandbox.write_file("extra/b.txt", "not in the snapshot")
+        await _put_back_files(local_sandbox, archive, timeout=30)
+        found = await local_sandbox.run("find . | sort; cat keep/a.txt")
+        return found.stdout
+
+    assert asyncio.run(go()) == ".\n./keep\n./keep/a.txt\nsnap"
