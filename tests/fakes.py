@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from agentrl.env import TextEnv, register_env
@@ -44,3 +45,45 @@ class FloodEnv(TextEnv):
 
 register_env("agentrl/TestCrashing-v0", entry_point=CrashingEnv)
 register_env("agentrl/TestFlood-v0", entry_point=FloodEnv)
+
+
+RELEASE = threading.Event()  # hung env steps wait on it; set when a test ends
+
+
+class MixedEnv(TextEnv):
+    """Seed % 4: 0 and 3 win on turn 3; 1 raises on turn 2; 2 hangs on turn 2."""
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.kind, self.turn = (seed or 0) % 4, 0
+        return f"Task {seed}: say three things.", {"instruction": "say three things"}
+
+    def step(self, action: str):
+        self.turn += 1
+        if self.turn == 2 and self.kind == 1:
+            raise RuntimeError("simulated env crash")
+        if self.turn == 2 and self.kind == 2:
+            RELEASE.wait(60)
+        done = self.turn == 3
+        return f"heard {len(action)} chars", float(done), done, False, {"success": done}
+
+
+class NoSnapshotEnv(TextEnv):
+    """Deterministic, but cannot snapshot: branches must replay the action prefix."""
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.said: list[str] = []
+        return "Count with me.", {"instruction": "count"}
+
+    def step(self, action: str):
+        self.said.append(action)
+        done = len(self.said) == 3
+        return f"{len(self.said)}: {action}", 0.0, done, False, {}
+
+    def snapshot(self) -> Any:
+        raise NotImplementedError("no snapshots here")
+
+
+register_env("agentrl/TestMixed-v0", entry_point=MixedEnv)
+register_env("agentrl/TestNoSnapshot-v0", entry_point=NoSnapshotEnv)

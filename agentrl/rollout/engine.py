@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -100,6 +101,7 @@ class Engine:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="agentrl-env")
         self._idle: list[Any] = []
         self._all: list[Any] = []
+        self._closers: list[threading.Thread] = []
         self._snapshots = False
         self._top_logprobs = 0
         self._budget: Budget | None = None
@@ -125,26 +127,38 @@ class Engine:
             return await loop.run_in_executor(self._pool, lambda: fn(seed=args[0]))
         return await loop.run_in_executor(self._pool, fn, *args)
 
+    def _make_env(self) -> Any:
+        if self.cfg.rollout.env_executor == "process":
+            from ..env_process import ProcessEnv
+
+            return ProcessEnv(self.env_id, **self.cfg.env.kwargs)
+        return make_env(self.env_id, **self.cfg.env.kwargs)
+
     async def _acquire(self) -> Any:
         if self._idle:
             return self._idle.pop()
-        env = await asyncio.get_running_loop().run_in_executor(
-            self._pool, lambda: make_env(self.env_id, **self.cfg.env.kwargs))
+        env = await asyncio.get_running_loop().run_in_executor(self._pool, self._make_env)
         self._all.append(env)
         return env
 
     def _release(self, env: Any, healthy: bool) -> None:
         if healthy:
             self._idle.append(env)
-        else:  # a timed-out or crashed env may be mid-step in a thread: never reuse it
-            self._all.remove(env)
-            self._pool.submit(_close_quietly, env)
+            return
+        # A timed-out or crashed env may still be mid-step in a thread: never
+        # reuse it; close it on a thread of its own (a process env is killed).
+        self._all.remove(env)
+        t = threading.Thread(target=_close_quietly, args=(env,), daemon=True, name="agentrl-env-close")
+        t.start()
+        self._closers.append(t)
 
     def close(self) -> None:
         """Close every env (each in its own try) and the step pool."""
         envs, self._all, self._idle = self._all, [], []
         for env in envs:
             _close_quietly(env)
+        for t in self._closers:
+            t.join(timeout=10)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- messages ------------------------------------------------------------------

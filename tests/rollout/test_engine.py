@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from typing import Any
 
 import pytest
 
 from agentrl.config import load_config
-from agentrl.env import TextEnv, list_envs, register_env
+from agentrl.env import list_envs
 from agentrl.errors import SandboxUnavailableError
 from agentrl.policy import HFPolicy, MockPolicy
 from agentrl.rollout import (
@@ -26,47 +25,7 @@ from agentrl.rollout import (
 )
 from agentrl.rollout.allocation import Independent
 from agentrl.types import RolloutTree
-
-RELEASE = threading.Event()  # hung env steps wait on it; set when a test ends
-
-
-class MixedEnv(TextEnv):
-    """Seed % 4: 0 and 3 win on turn 3; 1 raises on turn 2; 2 hangs on turn 2."""
-
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
-        super().reset(seed=seed)
-        self.kind, self.turn = (seed or 0) % 4, 0
-        return f"Task {seed}: say three things.", {"instruction": "say three things"}
-
-    def step(self, action: str):
-        self.turn += 1
-        if self.turn == 2 and self.kind == 1:
-            raise RuntimeError("simulated env crash")
-        if self.turn == 2 and self.kind == 2:
-            RELEASE.wait(60)
-        done = self.turn == 3
-        return f"heard {len(action)} chars", float(done), done, False, {"success": done}
-
-
-class NoSnapshotEnv(TextEnv):
-    """Deterministic, but cannot snapshot: branches must replay the action prefix."""
-
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
-        super().reset(seed=seed)
-        self.said: list[str] = []
-        return "Count with me.", {"instruction": "count"}
-
-    def step(self, action: str):
-        self.said.append(action)
-        done = len(self.said) == 3
-        return f"{len(self.said)}: {action}", 0.0, done, False, {}
-
-    def snapshot(self) -> Any:
-        raise NotImplementedError("no snapshots here")
-
-
-register_env("agentrl/TestMixed-v0", entry_point=MixedEnv)
-register_env("agentrl/TestNoSnapshot-v0", entry_point=NoSnapshotEnv)
+from tests.fakes import RELEASE  # registers TestMixed-v0 and TestNoSnapshot-v0
 
 
 class Recording:
@@ -359,3 +318,26 @@ def test_every_registered_env_branches_from_a_snapshot_or_a_replay(tokenizer, en
     # Same state and same prompt: the same action gives the same observation.
     assert kids[0].action_text == kids[1].action_text and kids[0].observation == kids[1].observation
     assert assert_token_exact(trees, policy) == 2 * 2
+
+
+def test_process_env_executor_isolates_crashes_and_kills_hung_envs(tokenizer):
+    cfg = load_config(overrides=[
+        "rollout.max_turns=5", "rollout.env_executor=process", "rollout.episode_timeout_s=20",
+        "rollout.system_prompt=null"])
+    rec = Recording(MockPolicy(tokenizer, ["a", "b", "c"]))
+    trees = collect("agentrl/TestMixed-v0", rec, cfg, [0, 1, 3])
+    errors = [next(t.episodes()).error for t in trees]
+    assert errors[0] is None and errors[2] is None
+    assert errors[1] == "env.step raised RuntimeError: simulated env crash"
+    assert assert_token_exact(trees, rec) == 3 + 2 + 3
+
+
+def test_a_hung_process_env_is_killed(tokenizer):
+    import multiprocessing
+
+    cfg = load_config(overrides=[
+        "rollout.max_turns=5", "rollout.env_executor=process", "rollout.episode_timeout_s=8",
+        "rollout.system_prompt=null"])
+    trees = collect("agentrl/TestMixed-v0", MockPolicy(tokenizer, ["a"]), cfg, [2])
+    assert next(trees[0].episodes()).error.startswith("episode timed out")
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("agentrl-env")]

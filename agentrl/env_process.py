@@ -1,0 +1,142 @@
+"""Envs in their own processes, for CPU-heavy env steps (``rollout.env_executor: process``).
+
+A thread pool keeps the event loop free, but Python threads share one
+interpreter lock, so envs whose ``step`` computes in Python (a PDDL planner, a
+game engine) still run one at a time. ``ProcessEnv`` hosts one env in a child
+process and forwards ``reset``/``step``/``snapshot``/``restore``/``close`` over a
+pipe; the engine calls it from its thread pool like any env.
+
+A hung or crashed child fails only its episode: ``close`` kills a child that
+does not answer. Snapshots and ``info`` travel by pickle, so they must be
+picklable (the built-in envs' are).
+
+Hand-written rather than ``concurrent.futures.ProcessPoolExecutor``: a pool
+worker keeps no per-env state between calls, and an env's state is the point.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+import gymnasium as gym
+
+from .env import resolve_env_id
+
+__all__ = ["ProcessEnv"]
+
+_METHODS = ("reset", "step", "snapshot", "restore", "close")
+
+
+def _load(entry: Any) -> Any:
+    if isinstance(entry, str):
+        module, _, name = entry.partition(":")
+        return getattr(importlib.import_module(module), name)
+    return entry
+
+
+def _serve(conn: Connection, entry: Any, kwargs: dict[str, Any]) -> None:
+    """The child: build the env, then answer calls until ``close`` or a closed pipe."""
+    try:
+        env = _load(entry)(**kwargs)
+        conn.send((True, None))
+    except BaseException as e:  # report, then exit: the parent raises it
+        conn.send((False, e))
+        return
+    while True:
+        try:
+            method, args, kw = conn.recv()
+        except (EOFError, OSError):
+            break
+        try:
+            conn.send((True, getattr(env, method)(*args, **kw)))
+        except BaseException as e:
+            try:
+                conn.send((False, e))
+            except Exception:  # an unpicklable exception: send its text
+                conn.send((False, RuntimeError(f"{type(e).__name__}: {e}")))
+        if method == "close":
+            break
+
+
+class ProcessEnv:
+    """A registered env hosted in a child process; the same methods as the env."""
+
+    def __init__(self, env_id: str, start_method: str = "spawn", **kwargs: Any):
+        spec = gym.spec(resolve_env_id(env_id))
+        self.env_id = spec.id
+        ctx = mp.get_context(start_method)
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, spec.entry_point, {**spec.kwargs, **kwargs}),
+                                 daemon=True, name=f"agentrl-env {spec.id}")
+        self._proc.start()
+        child.close()
+        self._lock = threading.Lock()
+        self._closed = False
+        ok, err = self._recv()
+        if not ok:
+            self._kill()
+            raise err
+
+    @property
+    def unwrapped(self) -> ProcessEnv:
+        return self
+
+    def _recv(self) -> tuple[bool, Any]:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            code = self._proc.exitcode
+            return False, RuntimeError(f"env process {self.env_id} died (exit code {code})")
+
+    def _ask(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"env process {self.env_id} is closed")
+            try:
+                self._conn.send((method, args, kwargs))
+            except (BrokenPipeError, OSError) as e:
+                raise RuntimeError(f"env process {self.env_id} is gone: {e}") from None
+            ok, value = self._recv()
+        if not ok:
+            raise value
+        return value
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        return self._ask("reset", seed=seed, options=options)
+
+    def step(self, action: str) -> Any:
+        return self._ask("step", action)
+
+    def snapshot(self) -> Any:
+        return self._ask("snapshot")
+
+    def restore(self, snapshot: Any) -> None:
+        self._ask("restore", snapshot)
+
+    def close(self) -> None:
+        """Close the env in its process; a child busy or hung for 5 s is killed."""
+        if self._closed:
+            return
+        if self._lock.acquire(timeout=5):
+            try:
+                self._conn.send(("close", (), {}))
+                if self._conn.poll(5):
+                    self._conn.recv()
+            except (EOFError, OSError):
+                pass
+            finally:
+                self._closed = True
+                self._lock.release()
+        self._closed = True
+        self._kill()
+
+    def _kill(self) -> None:
+        self._proc.join(timeout=1)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout=5)
+        self._conn.close()
