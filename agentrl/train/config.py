@@ -97,6 +97,7 @@ class TrainConfig(_Strict):
     export_hf: bool = Field(True, description="Also export the final model with save_pretrained.")
     out_dir: str = Field("runs/train", description="Metrics, checkpoints and the learning curve.")
     tensorboard: bool = Field(True, description="Also write TensorBoard logs, when installed.")
+    plot: bool = Field(True, description="Draw learning_curve.png (matplotlib) at the end.")
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

@@ -99,13 +99,15 @@ def expert_tree(env_id: str, tokenizer: Any, cfg: Config, seed: int,
                                                     if k not in _HEAVY_INFO}, default=str)))
             if not node.done and turn + 1 >= max_turns:
                 node.truncated = True
+                node.info["truncation_reason"] = f"max_turns={max_turns}"
             parent = tree.add(node, parent).id
             if node.done:
                 break
             try:
                 pending = ctx.append_observation(_observation_messages(obs, info, cfg))
-            except ContextOverflowError:
+            except ContextOverflowError as e:
                 node.truncated = True
+                node.info["truncation_reason"] = f"context budget: {e}"
                 break
         last = tree.nodes[parent] if parent is not None else None
         tree.meta["expert_success"] = bool(last and last.terminated and last.reward > 0)
@@ -159,7 +161,8 @@ def sft_phase(trainer: Any) -> dict[str, Any]:
     optimizer = make_optimizer(trainer.model, s.lr, cfg.train)
     n_steps = s.epochs * math.ceil(len(samples) / s.minibatch_size)
     scheduler = make_scheduler(optimizer, cfg.train, n_steps)
-    advance = trainer_bar(trainer, n_steps)
+    advance = _bar(trainer, n_steps)
+    nll_before = _mean_nll(trainer, samples)
     t1 = time.perf_counter()
     st = train_on_samples(trainer.model, optimizer, scheduler, samples, sft_loss, fields=(),
                           epochs=s.epochs, minibatch_size=s.minibatch_size,
@@ -172,11 +175,21 @@ def sft_phase(trainer: Any) -> dict[str, Any]:
     sync_policy(trainer.policy, trainer.model)
     return {"sft/episodes": len(samples), "sft/tasks": len(seeds),
             "sft/action_tokens": sum(x.n_action for x in samples),
-            "sft/nll": st.get("sft/nll", float("nan")), "sft/optimizer_steps": st["train/optimizer_steps"],
+            "sft/nll_before": nll_before, "sft/nll_after": _mean_nll(trainer, samples),
+            "sft/optimizer_steps": st["train/optimizer_steps"],
             "sft/tokens_per_s": st["train/tokens"] / max(wall, 1e-9),
             "time/sft_build_s": build_s, "time/sft_s": wall}
 
 
-def trainer_bar(trainer: Any, total: int) -> Any:
+def _mean_nll(trainer: Any, samples: list) -> float:
+    """Token-mean NLL of the expert's action tokens under the current weights."""
+    from .trainer import score_samples
+
+    score_samples(trainer.net, samples, "old", trainer.cfg.train.micro_batch_tokens, trainer.pad_id, 1.0)
+    lps = [lp for s in samples for lp, m in zip(s.old, s.mask, strict=True) if m]
+    return -sum(lps) / max(len(lps), 1)
+
+
+def _bar(trainer: Any, total: int) -> Any:
     bars = getattr(trainer, "bars", None)
     return bars.start("sft", total) if bars is not None else None

@@ -578,16 +578,22 @@ class Trainer:
                 while self.step < t.steps:
                     log.log(self.step + 1, {"phase": "rl", **self._one_step(bars)})
                     overall()
-                ev = self._eval("end", bars) if ran or "end" not in self.phases else {}
-                self._phase("end", ev)
+                ev = {}
+                if not ran and "after_sft" in self.phases:  # nothing changed since that eval
+                    self.phases.setdefault("end", self.phases["after_sft"])
+                elif ran or "end" not in self.phases:
+                    ev = self._eval("end", bars)
+                    self._phase("end", ev)
             t0 = time.perf_counter()
             final = self.save(export_hf=t.export_hf)
             log.log(self.step, {"phase": "end", **ev, "time/checkpoint_s": time.perf_counter() - t0})
         finally:
             self.bars = None
             log.close()
-        png = plot_learning_curve(log.path, self.out / "learning_curve.png",
-                                  title=f"{self.cfg.env.id} / {self.cfg.policy.model}")
+        png = None
+        if t.plot:
+            png = plot_learning_curve(log.path, self.out / "learning_curve.png",
+                                      title=f"{self.cfg.env.id} / {self.cfg.policy.model}")
         return {"phases": dict(self.phases), "checkpoint": str(final),
                 "learning_curve": str(png) if png else None, "metrics": str(log.path)}
 

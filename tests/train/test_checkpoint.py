@@ -1,0 +1,169 @@
+"""Checkpoints: atomic writes, rotation, RNG and state round trips, SIGKILL then --resume, HF export."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from agentrl.models import load_model
+from agentrl.train import checkpoint as ck
+from agentrl.train.trainer import train
+from tests.train.test_trainer import TOY, toy_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _model() -> torch.nn.Module:
+    return load_model("tiny-random")[0]
+
+
+def test_save_then_load_round_trips_weights_optimizer_and_state(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    opt.step()
+    path = ck.save_checkpoint(tmp_path, 7, model, opt, state={"version": 3})
+    assert path.name == "step-000007" and ck.latest_checkpoint(tmp_path) == path
+    got = ck.load_checkpoint(path)
+    assert got.step == 7 and got.state["version"] == 3
+    fresh = _model()
+    ck.load_trainable(fresh, got.trainable)
+    for (n, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    opt2.load_state_dict(got.optimizer)
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    model = _model()
+    first = ck.save_checkpoint(tmp_path, 1, model)
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ck, "_export_hf", boom)
+    with pytest.raises(OSError, match="disk full"):
+        ck.save_checkpoint(tmp_path, 2, model, export_hf=True)
+    assert ck.checkpoint_dirs(tmp_path) == [first]
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    # A temp folder left by a SIGKILL (no cleanup ran) is ignored, then swept by the next save.
+    (tmp_path / "checkpoints" / ".tmp-step-000003-x").mkdir()
+    assert ck.latest_checkpoint(tmp_path) == first
+    monkeypatch.undo()
+    ck.save_checkpoint(tmp_path, 3, model)
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    model = _model()
+    for step in (1, 2, 3, 10):
+        ck.save_checkpoint(tmp_path, step, model, keep=2)
+    assert [p.name for p in ck.checkpoint_dirs(tmp_path)] == ["step-000003", "step-000010"]
+
+
+def test_rng_states_restore_every_generator():
+    state = ck.capture_rng()
+    want = (random.random(), np.random.rand(), torch.rand(1).item())
+    ck.restore_rng(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == want
+
+
+def test_loading_into_a_model_with_other_trainable_params_fails_clearly(tmp_path):
+    model = _model()
+    model.requires_grad_(False)
+    model.model.norm.requires_grad_(True)
+    got = ck.load_checkpoint(ck.save_checkpoint(tmp_path, 1, model))
+    assert list(got.trainable) == ["model.norm.weight"]
+    with pytest.raises(ValueError, match="missing"):
+        ck.load_trainable(_model(), got.trainable)  # all of it trains there
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended (rc={proc.returncode}) before {path.name}: "
+                                 f"{proc.stderr.read().decode()[-2000:]}")
+        if time.monotonic() > end:
+            proc.kill()
+            raise AssertionError(f"{path.name} did not appear in {timeout} s")
+        time.sleep(0.1)
+
+
+def _by_step(out: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if r.get("phase") == "rl"}
+
+
+RUN = ["train.steps=4", "train.checkpoint_every=1", "train.eval_episodes=4", "train.lr=1e-3"]
+
+
+def test_sigkill_mid_run_then_resume_repeats_the_uninterrupted_steps(tmp_path):
+    """A real ``agentrl train`` process is SIGKILLed in step 3; ``--resume`` continues from the
+    step-2 checkpoint, and steps 3 and 4 see the same data and loss as a run never interrupted."""
+    torch.set_num_threads(1)
+    straight = tmp_path / "straight"
+    train(toy_config(straight, *RUN, "train.export_hf=true"), progress=False)
+
+    killed = tmp_path / "killed"
+    mark = tmp_path / "stalled"
+    cmd = [sys.executable, "-c", "import tests.train.test_trainer; from agentrl.train.cli import app; app()",
+           "train", "--no-progress"]
+    for item in TOY + RUN + [f"train.out_dir={killed}"]:
+        cmd += ["--set", item]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    stall = {"AGENTRL_TEST_STALL_SEED": "8", "AGENTRL_TEST_STALL_MARK": str(mark)}  # step 3's first task
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, **stall}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        _wait_for(mark, proc, timeout=240)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert ck.latest_checkpoint(killed).name == "step-000002"
+    assert sorted(_by_step(killed)) == [1, 2]
+
+    done = subprocess.run(cmd + ["--resume"], cwd=ROOT, env=env, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert b"resumed from step 2" in done.stdout
+    a, b = _by_step(straight), _by_step(killed)
+    assert sorted(b) == [1, 2, 3, 4]  # the file never holds a step twice
+    for step in (3, 4):
+        assert b[step]["data/first_task_seed"] == a[step]["data/first_task_seed"] == 4 * (step - 1)
+        assert b[step]["rollout/reward"] == a[step]["rollout/reward"]
+        assert b[step]["train/episodes"] == a[step]["train/episodes"]
+        assert b[step]["loss/total"] == pytest.approx(a[step]["loss/total"], abs=1e-5)
+        assert b[step]["loss/total"] != 0.0
+        assert b[step]["policy/version"] == step
+
+
+def test_exported_checkpoint_loads_with_from_pretrained(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    train(toy_config(out, "train.steps=1", "train.eval_episodes=0", "train.export_hf=true"),
+          progress=False)
+    last = ck.latest_checkpoint(out)
+    hf = AutoModelForCausalLM.from_pretrained(str(last / "hf"))
+    trained = _model()
+    ck.load_trainable(trained, ck.load_checkpoint(last).trainable)
+    base = _model()
+    ids = torch.tensor([[1, 400, 500, 600]])
+    with torch.no_grad():
+        got, want, before = (m(input_ids=ids).logits for m in (hf, trained, base))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(want, before)  # the export holds the trained weights
+    assert (last / "hf" / "tokenizer.json").exists()
+
