@@ -60,7 +60,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentrl.chat import ChatContext
+from agentrl.chat import render_ids
 from agentrl.errors import ContextOverflowError, PolicyError
 from agentrl.policy.base import (
     GenerateRequest,
@@ -318,7 +318,7 @@ def _chat(proxy: Proxy) -> Callable[[Request], Awaitable[Response]]:
             raise HTTPError(409, f"session {session.session_id!r} is closed")
         spec = prompt_spec(req, proxy.tokenizer, proxy.cfg.tool_call_style)
         plan = _render(lambda: session.plan_chat(spec, proxy.tokenizer) if session else Plan(
-            "chat", ChatContext(proxy.tokenizer, spec.template, **spec.template_kwargs).ids, None, []))
+            "chat", render_ids(proxy.tokenizer, spec.template, True, **spec.template_kwargs), None, []))
         max_new = proxy.max_new_tokens(len(plan.prompt_ids), req.max_tokens, "messages")
         top = (req.top_logprobs or 0) if req.logprobs else 0
         reqs = proxy.requests(plan.prompt_ids, req, max_new, top)

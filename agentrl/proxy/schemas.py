@@ -142,14 +142,19 @@ class _Sampling(BaseModel):
             raise ValueError("at most 16 non-empty stop strings")
         return v
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> _Sampling:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ValueError(f"{name}: only 0 is supported (the sampled distribution must be the policy's)")
-        if self.logit_bias:
-            raise ValueError("logit_bias: not supported (the sampled distribution must be the policy's)")
-        return self
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float) -> float:
+        if v:
+            raise ValueError("only 0 is supported (the sampled distribution must be the policy's)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            raise ValueError("not supported (the sampled distribution must be the policy's)")
+        return v
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -167,10 +172,15 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20, description="Alternatives per token.")
     response_format: dict[str, Any] | None = Field(None, description="Only {type: text}.")
 
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v and v.get("type", "text") != "text":
+            raise ValueError("only type 'text' is supported (no constrained decoding)")
+        return v
+
     @model_validator(mode="after")
-    def _chat_checks(self) -> ChatRequest:
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format: only type 'text' is supported (no constrained decoding)")
+    def _alias(self) -> ChatRequest:
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
         return self
@@ -186,18 +196,19 @@ class CompletionRequest(_Sampling):
     echo: bool = Field(False, description="Not supported.")
     suffix: str | None = Field(None, description="Not supported.")
 
-    @model_validator(mode="after")
-    def _completion_checks(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo: not supported")
-        if self.suffix:
-            raise ValueError("suffix: not supported")
-        p = self.prompt
-        if isinstance(p, list) and (not p or any(isinstance(x, list) and not x for x in p)):
-            raise ValueError("prompt: must not be empty")
-        if isinstance(p, str) and not p:
-            raise ValueError("prompt: must not be empty")
-        return self
+    @field_validator("echo", "suffix")
+    @classmethod
+    def _unsupported(cls, v: Any) -> Any:
+        if v:
+            raise ValueError("not supported")
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, p: Any) -> Any:
+        if not p or (isinstance(p, list) and any(isinstance(x, list | str) and not x for x in p)):
+            raise ValueError("must not be empty")
+        return p
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,6 +16,10 @@ from agentrl.proxy import ProxyConfig, RunningServer, create_app
 def serve() -> Iterator[Callable[..., RunningServer]]:
     """``serve(policy, **config)`` starts a proxy; every one started is stopped after the test."""
     started: list[RunningServer] = []
+    # Server thread and clients share one interpreter: switch the GIL often, or each
+    # hand-over waits out the default 5 ms interval.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0002)
 
     def start(policy: Any, **config: Any) -> RunningServer:
         server = RunningServer(create_app(policy, ProxyConfig(**config)))
@@ -24,6 +29,7 @@ def serve() -> Iterator[Callable[..., RunningServer]]:
     yield start
     for server in started:
         server.stop()
+    sys.setswitchinterval(interval)
 
 
 @pytest.fixture
