@@ -15,11 +15,20 @@ decided from token ids, never from decoded text: an action cut at
 ``max_new_tokens`` whose text happens to end in ``<|`` sampled plain-text
 tokens, not the special end token, so the whole terminator is still appended.
 
+The template is rendered once per role to learn the text it puts around a
+single message's content; a one-message delta (the usual observation) is then
+built by string concatenation, not a template render. This is exact for
+templates that insert content verbatim, which the probe checks; others, and
+content with leading or trailing whitespace (which templates may trim), take
+the full render.
+
 Templates that are not prefix-stable (say, ones that drop an earlier
 ``<think>`` block when later messages are rendered) make the appended context
 differ from a full re-render. ``ChatContext`` keeps what the policy saw, and
 reports the mismatch: ``prefix_stable`` turns False, ``mismatches`` records the
-turn, and a ``TemplateMismatchWarning`` is issued once per context.
+turn, and a ``TemplateMismatchWarning`` is issued once per context. The full
+re-render costs time that grows with the episode, so ``check_prefix=N`` checks
+the first two observations and then every N-th.
 """
 
 from __future__ import annotations
@@ -75,7 +84,7 @@ class ChatContext:
         tokenizer: Any,
         messages: Sequence[Message | dict[str, Any]],
         max_tokens: int | None = None,
-        check_prefix: bool = True,
+        check_prefix: bool | int = True,
         **template_kwargs: Any,
     ):
         self.tokenizer = tokenizer
@@ -89,6 +98,8 @@ class ChatContext:
         self.prefix_stable = True
         self.mismatches: list[int] = []
         self._last_action: list[int] = []
+        self._observations = 0
+        self._frames: dict[str, tuple[str, str] | None] = {}
         self._terminator, self._delta_base = self._template_probe()
         self._terminator_ids: list[int] = tokenizer.encode(self._terminator, add_special_tokens=False)
         self._append(render_ids(tokenizer, self.messages, True, **template_kwargs))
@@ -138,17 +149,34 @@ class ChatContext:
         self.messages.append({"role": "assistant", "content": text})
         self._last_action = ids
 
+    def _frame(self, role: str) -> tuple[str, str] | None:
+        """The delta text before and after one ``role`` message's content, if the template is verbatim."""
+        if role not in self._frames:
+            probes = ["Q7xz", "k Z\n3{{"]
+            deltas = [self._render_delta([{"role": role, "content": p}]) for p in probes]
+            head, sep, tail = deltas[0].partition(probes[0])
+            ok = sep and deltas[1] == head + probes[1] + tail and probes[0] not in head + tail
+            self._frames[role] = (head, tail) if ok else None
+        return self._frames[role]
+
+    def _render_delta(self, new: list[dict[str, Any]]) -> str:
+        full = _render_text(self.tokenizer, _BASE + new, True, **self.template_kwargs)
+        if not full.startswith(self._delta_base):
+            raise ValueError("chat template re-renders the base conversation; cannot take a delta")
+        return full[len(self._delta_base):]
+
     def observation_ids(self, messages: Sequence[Message | dict[str, Any]]) -> list[int]:
         """Token ids that ``append_observation(messages)`` would append."""
         new = _as_dicts(messages)
         closing = ""
         if self.messages and self.messages[-1]["role"] == "assistant":
             closing = self._unsampled_terminator()
-        full = _render_text(self.tokenizer, _BASE + new, True, **self.template_kwargs)
-        if not full.startswith(self._delta_base):
-            raise ValueError("chat template re-renders the base conversation; cannot take a delta")
-        text = closing + full[len(self._delta_base):]
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        frame = None
+        if len(new) == 1 and set(new[0]) == {"role", "content"} and isinstance(new[0]["content"], str) \
+                and new[0]["content"] == new[0]["content"].strip():
+            frame = self._frame(new[0]["role"])
+        delta = frame[0] + new[0]["content"] + frame[1] if frame else self._render_delta(new)
+        return self.tokenizer.encode(closing + delta, add_special_tokens=False)
 
     def _unsampled_terminator(self) -> str:
         """The terminator text minus the longest head of its tokens that ends the action."""
@@ -169,7 +197,9 @@ class ChatContext:
         ids = self.observation_ids(messages)
         self._append(ids)
         self.messages += _as_dicts(messages)
-        if self.check_prefix:
+        self._observations += 1
+        every = self.check_prefix
+        if every is True or (every and (self._observations <= 2 or self._observations % every == 0)):
             self._check_prefix()
         return ids
 

@@ -69,8 +69,9 @@ class RolloutConfig(_Strict):
     concurrency: int = Field(64, ge=1, description="Episodes in flight at once.")
     episode_timeout_s: float | None = Field(
         None, gt=0, description="Wall-clock seconds per episode (path); over it the episode fails.")
-    env_executor: Literal["thread", "process"] = Field(
-        "thread", description="Where env steps run off the event loop; process suits CPU-heavy envs.")
+    env_executor: Literal["thread", "process", "inline"] = Field(
+        "thread", description="Where env steps run: a thread pool; processes for CPU-heavy envs; "
+        "inline on the event loop for envs whose steps take microseconds.")
     env_workers: int | None = Field(None, ge=1, description="Env step workers; null is concurrency.")
     failed_episodes: Literal["exclude", "count"] = Field(
         "exclude", description="Failed episodes: left out of training, or kept with their reward.")
@@ -83,6 +84,9 @@ class RolloutConfig(_Strict):
     )
     show_admissible: bool = Field(False, description="List admissible actions in observations.")
     out_dir: str = Field("runs/rollout", description="Where trajectories and the summary go.")
+    template_check_every: int = Field(
+        8, ge=0, description="Compare the context with a full template re-render on the first two "
+        "observations and every N-th after (1: every turn; 0: never); the check grows with the episode.")
     keep_snapshots: bool = Field(
         False, description="Snapshot the env after every turn (Node.snapshot) to branch from."
     )

@@ -133,3 +133,23 @@ def test_logprob_length_mismatch_is_an_error(tokenizer):
     ctx = ChatContext(tokenizer, [{"role": "user", "content": "Hi"}])
     with pytest.raises(ValueError, match="2 logprobs for 3"):
         ctx.append_action([10, 11, 12], logprobs=[-1.0, -1.0])
+
+
+def test_one_message_delta_by_concatenation_equals_the_template_render(tokenizer):
+    """The fast path (template frame + content) gives the same ids as a full template render."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    ctx = ChatContext(tokenizer, [{"role": "user", "content": "hi"}])
+    ctx.append_action(tokenizer.encode("ok", add_special_tokens=False) + [tokenizer.eos_token_id])
+    assert ctx._frame("user") is not None and ctx._frame("tool") is not None
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.text(min_size=1, max_size=80), st.sampled_from(["user", "tool"]))
+    def check(text, role):
+        msg = [{"role": role, "content": text}]
+        fast = ctx.observation_ids(msg)
+        slow = tokenizer.encode(ctx._unsampled_terminator() + ctx._render_delta(msg), add_special_tokens=False)
+        assert fast == slow
+
+    check()

@@ -122,6 +122,8 @@ class Engine:
             fut = asyncio.run_coroutine_threadsafe(call, loop_thread._ensure())  # type: ignore[union-attr]
             return await asyncio.wrap_future(fut)
         fn = getattr(inner, method)
+        if self.cfg.rollout.env_executor == "inline":  # microsecond steps: a thread hop costs more
+            return fn(seed=args[0]) if method == "reset" else fn(*args)
         loop = asyncio.get_running_loop()
         if method == "reset":
             return await loop.run_in_executor(self._pool, lambda: fn(seed=args[0]))
@@ -178,7 +180,8 @@ class Engine:
         messages += self._observation_messages(obs, info)
         limit = self.cfg.rollout.max_context_tokens
         try:
-            ctx = ChatContext(self.tokenizer, messages, max_tokens=limit)
+            ctx = ChatContext(self.tokenizer, messages, max_tokens=limit,
+                              check_prefix=self.cfg.rollout.template_check_every or False)
         except ContextOverflowError as e:
             raise EpisodeFailed(f"opening prompt over budget: {e}") from None
         if len(ctx) >= limit:
