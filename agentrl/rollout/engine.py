@@ -371,8 +371,10 @@ class Engine:
             self._fail(tree, box[0] if box else None,
                        f"episode timed out after {time.monotonic() - t0:.1f} s "
                        f"(rollout.episode_timeout_s={self.cfg.rollout.episode_timeout_s})")
-        except Exception as e:  # an engine bug must not take the batch down
+        except Exception as e:  # an engine bug must not take the batch down, nor go unseen
             healthy = False
+            warnings.warn(f"rollout engine error in task {tree.meta.get('task')}: {type(e).__name__}: {e}",
+                          RuntimeWarning, stacklevel=2)
             self._fail(tree, box[0] if box else None, f"engine error {type(e).__name__}: {e}")
         finally:
             if box:
