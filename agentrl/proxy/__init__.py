@@ -1,16 +1,31 @@
-"""The OpenAI-compatible harness proxy: serve a policy, record token-exact session trees."""
+"""The OpenAI-compatible harness proxy: serve a policy, record token-exact session trees.
+
+``create_app`` / ``serve`` run the proxy (``app.py``); ``Session`` records one
+harness episode as a ``RolloutTree`` (``sessions.py``); ``run_harness_episode``
+runs an agent program in a session (``harness.py``); ``create_env_app`` serves
+registered envs to such programs (``envserver.py``).
+"""
 
 from .app import HTTPError, Proxy, RunningServer, create_app, serve, serve_in_thread
+from .envserver import EnvServerConfig, create_env_app, serve_envs
+from .harness import EnvServer, SessionHandle, open_session, run_harness_episode
 from .schemas import ProxyConfig
 from .sessions import Session
 
 __all__ = [
+    "EnvServer",
+    "EnvServerConfig",
     "HTTPError",
     "Proxy",
     "ProxyConfig",
     "RunningServer",
     "Session",
+    "SessionHandle",
     "create_app",
+    "create_env_app",
+    "open_session",
+    "run_harness_episode",
     "serve",
+    "serve_envs",
     "serve_in_thread",
 ]
