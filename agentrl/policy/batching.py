@@ -19,8 +19,10 @@ generation fails alone and the others still get their results.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from .base import GenerateRequest, GenerateResult
@@ -30,12 +32,21 @@ __all__ = ["MicroBatcher"]
 GenerateFn = Callable[[list[GenerateRequest]], list[GenerateResult]]
 
 
+@dataclass
+class _Queue:
+    """One event loop's pending requests and the task that drains them."""
+
+    pending: list[tuple[GenerateRequest, asyncio.Future[GenerateResult]]] = field(default_factory=list)
+    worker: asyncio.Task[None] | None = None
+
+
 class MicroBatcher:
     """Turns concurrent ``submit(request)`` awaits into batched ``generate`` calls.
 
     ``max_batch`` caps the requests per ``generate`` call (the backend may
-    split further). The batcher follows the running loop: a new loop (a fresh
-    ``asyncio.run``) gets fresh queue state.
+    split further). Each event loop that submits gets its own queue (an engine
+    and an in-process proxy may run on two loops); their batches take turns on
+    the one generate thread.
     """
 
     def __init__(self, generate: GenerateFn, max_batch: int = 256, name: str = "agentrl-generate",
@@ -44,9 +55,7 @@ class MicroBatcher:
         self.max_batch = max_batch
         self.max_wait_s, self.quiet_s = max_wait_s, quiet_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._pending: list[tuple[GenerateRequest, asyncio.Future[GenerateResult]]] = []
-        self._worker: asyncio.Task[None] | None = None
+        self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Queue] = weakref.WeakKeyDictionary()
         self.batches = 0
         self.batched_requests = 0
 
@@ -57,19 +66,20 @@ class MicroBatcher:
 
     async def submit(self, request: GenerateRequest) -> GenerateResult:
         loop = asyncio.get_running_loop()
-        if loop is not self._loop:
-            self._loop, self._pending, self._worker = loop, [], None
+        q = self._queues.get(loop)
+        if q is None:
+            q = self._queues[loop] = _Queue()
         fut: asyncio.Future[GenerateResult] = loop.create_future()
-        self._pending.append((request, fut))
-        if self._worker is None or self._worker.done():
-            self._worker = loop.create_task(self._drain())
+        q.pending.append((request, fut))
+        if q.worker is None or q.worker.done():
+            q.worker = loop.create_task(self._drain(q))
         return await fut
 
-    async def _drain(self) -> None:
+    async def _drain(self, q: _Queue) -> None:
         loop = asyncio.get_running_loop()
-        while self._pending:
-            await self._linger(loop)
-            batch, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
+        while q.pending:
+            await self._linger(loop, q)
+            batch, q.pending = q.pending[:self.max_batch], q.pending[self.max_batch:]
             batch = [(r, f) for r, f in batch if not f.cancelled()]
             if not batch:
                 continue
@@ -84,15 +94,15 @@ class MicroBatcher:
                 else:
                     fut.set_result(res)
 
-    async def _linger(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def _linger(self, loop: asyncio.AbstractEventLoop, q: _Queue) -> None:
         """Wait while requests keep arriving: until ``quiet_s`` passes with none, or ``max_wait_s``."""
         await asyncio.sleep(0)  # callers woken in this loop tick join at once
         start = seen = loop.time()
-        count = len(self._pending)
-        while len(self._pending) < self.max_batch and loop.time() - start < self.max_wait_s:
+        count = len(q.pending)
+        while len(q.pending) < self.max_batch and loop.time() - start < self.max_wait_s:
             await asyncio.sleep(self.quiet_s / 2)
-            if len(self._pending) > count:
-                count, seen = len(self._pending), loop.time()
+            if len(q.pending) > count:
+                count, seen = len(q.pending), loop.time()
             elif loop.time() - seen >= self.quiet_s:
                 break
 

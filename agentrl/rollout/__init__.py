@@ -4,7 +4,16 @@
 seed; ``run_episodes`` is the same for ``cfg.rollout.episodes`` tasks.
 """
 
-from .allocation import Allocator, AllocState, Branch, Budget, Fresh
+from .allocation import (
+    ALLOCATORS,
+    Allocator,
+    AllocState,
+    Branch,
+    Budget,
+    Fresh,
+    make_allocator,
+    prefix_groups,
+)
 from .engine import COUNTERS, Engine, collect, run_episodes
 from .summary import episode_success, leaf_success, summarize, write_run
 from .tree import BranchPoint, format_tree, split_node
