@@ -33,6 +33,7 @@ the first two observations and then every N-th.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +42,9 @@ from .errors import ContextOverflowError
 from .types import Message
 
 __all__ = ["ChatContext", "TemplateMismatchWarning", "render_ids"]
+
+# (tokenizer id, template, kwargs) -> ((terminator, base rendering), per-role frames)
+_PROBES: dict[tuple[Any, ...], tuple[tuple[str, str], dict[str, tuple[str, str] | None]]] = {}
 
 _BASE: list[dict[str, Any]] = [
     {"role": "system", "content": "S"},
@@ -99,13 +103,32 @@ class ChatContext:
         self.mismatches: list[int] = []
         self._last_action: list[int] = []
         self._observations = 0
-        self._frames: dict[str, tuple[str, str] | None] = {}
+        self._frames: dict[str, tuple[str, str] | None] = {}  # shared per template (see _PROBES)
         self._terminator, self._delta_base = self._template_probe()
         self._terminator_ids: list[int] = tokenizer.encode(self._terminator, add_special_tokens=False)
         self._append(render_ids(tokenizer, self.messages, True, **template_kwargs))
 
+    def fork(self) -> ChatContext:
+        """An independent copy, for a branch: token lists and messages copied, tokenizer shared."""
+        new = copy.copy(self)
+        new.ids, new.mask, new.logprobs = list(self.ids), list(self.mask), list(self.logprobs)
+        new.messages = [dict(m) for m in self.messages]
+        new.mismatches = list(self.mismatches)
+        new._last_action = list(self._last_action)
+        return new
+
     # -- what the template puts around messages --------------------------------
     def _template_probe(self) -> tuple[str, str]:
+        """The terminator and the base rendering; rendered once per tokenizer, template and kwargs."""
+        key = (id(self.tokenizer), getattr(self.tokenizer, "name_or_path", ""),
+               getattr(self.tokenizer, "chat_template", None), repr(sorted(
+            self.template_kwargs.items())))
+        if key not in _PROBES:
+            _PROBES[key] = (self._probe_uncached(), {})
+        probe, self._frames = _PROBES[key]
+        return probe
+
+    def _probe_uncached(self) -> tuple[str, str]:
         tok, kw = self.tokenizer, self.template_kwargs
         before = _render_text(tok, _BASE[:2], True, **kw)
         full = _render_text(tok, _BASE, False, **kw)

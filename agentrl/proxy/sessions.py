@@ -38,7 +38,6 @@ last call's choices.
 
 from __future__ import annotations
 
-import copy
 import json
 import secrets
 import time
@@ -51,17 +50,7 @@ from agentrl.types import Node, RolloutTree
 
 from .messages import PromptSpec, chain_keys
 
-__all__ = ["Call", "Plan", "Session", "fork_context"]
-
-
-def fork_context(ctx: ChatContext) -> ChatContext:
-    """An independent copy of a context (its lists copied, the tokenizer shared)."""
-    new = copy.copy(ctx)
-    new.ids, new.mask, new.logprobs = list(ctx.ids), list(ctx.mask), list(ctx.logprobs)
-    new.messages = [dict(m) for m in ctx.messages]
-    new.mismatches = list(ctx.mismatches)
-    new._last_action = list(ctx._last_action)
-    return new
+__all__ = ["Call", "Plan", "Session"]
 
 
 @dataclass(slots=True)
@@ -141,7 +130,7 @@ class Session:
             call, choice = hit
             node = self.tree.nodes[call.node_ids[choice]]
             assert call.ctx is not None
-            ctx = fork_context(call.ctx)
+            ctx = call.ctx.fork()
             ctx.append_action(node.action_ids, node.logprobs)
             plan.new_messages = spec.template[k + offset:]
             plan.context_ids = ctx.append_observation(plan.new_messages)

@@ -26,7 +26,6 @@ spans a weight update keeps per-token versions (``Episode.versions``).
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import threading
 import time
@@ -227,7 +226,7 @@ class Engine:
         stream = tree.meta.setdefault("_streams", 0)
         tree.meta["_streams"] = stream + 1
         if "root" not in tree.snapshots and self._snapshots:
-            tree.snapshots["root"] = BranchPoint(await self._snapshot(env), _fork(ctx), list(ctx.ids), 0)
+            tree.snapshots["root"] = BranchPoint(await self._snapshot(env), ctx.fork(), list(ctx.ids), 0)
             # (fresh roots render their own opening; a fork at a root reuses this one)
         return _Path(task, tree, env, ctx, list(ctx.ids), None, 0, stream)
 
@@ -324,7 +323,7 @@ class Engine:
             if paused or self._snapshots or self.cfg.rollout.keep_snapshots:
                 node.snapshot = f"n{node.id}"
                 path.tree.snapshots[node.snapshot] = BranchPoint(
-                    await self._snapshot(path.env), _fork(path.ctx), path.pending, path.turns)
+                    await self._snapshot(path.env), path.ctx.fork(), path.pending, path.turns)
             if paused:
                 return
 
@@ -429,7 +428,7 @@ class Engine:
         except Exception as e:
             self._release(env, healthy=False)
             raise EpisodeFailed(f"restore for a branch raised {type(e).__name__}: {e}") from None
-        ctx = _fork(point.ctx)
+        ctx = point.ctx.fork()
         c["shared_tokens"] += len(ctx) + (len(prefix[0]) if prefix else 0)
         path = _Path(task, tree, env, ctx, point.pending, parent, point.turns, stream)  # shared
         if prefix is not None:
@@ -527,16 +526,6 @@ def _close_quietly(env: Any) -> None:
         env.close()
     except Exception as e:
         warnings.warn(f"env.close raised {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
-
-
-def _fork(ctx: ChatContext) -> ChatContext:
-    """An independent copy of a context, for a branch (lists copied, tokenizer shared)."""
-    new = copy.copy(ctx)
-    new.ids, new.mask, new.logprobs = list(ctx.ids), list(ctx.mask), list(ctx.logprobs)
-    new.messages = [dict(m) for m in ctx.messages]
-    new.mismatches = list(ctx.mismatches)
-    new._last_action = list(ctx._last_action)
-    return new
 
 
 def _turn_ids(tree: RolloutTree, node: Node) -> list[int]:
