@@ -156,7 +156,8 @@ def models_prepare(
 
 
 def _mount_plugins() -> None:
-    """Sub-commands that live in the plugin packages (``agentrl sandbox``)."""
+    """Sub-commands that live in other packages: train, sft, proxy, env serve, sandbox."""
+    import_module("agentrl.train.cli").register(app)  # agentrl train, agentrl sft
     import_module("agentrl.proxy.cli").mount(app)  # agentrl proxy ..., agentrl env serve
     try:
         sandbox_cli = import_module("agentrl.sandboxes.cli")
