@@ -5,7 +5,7 @@ Runs with the real SmolLM2-135M, in float32 on CPU, one backend at a time:
 - ``decode``: one batch of 8 chat prompts x 32 new tokens, seeded sampling.
   Each backend first warms up on a different batch, so that its prefix cache
   cannot serve the timed prompts.
-- ``multiturn``: 8 prompts that share a long system prompt (about 560 tokens),
+- ``multiturn``: 8 prompts that share a long system prompt (about 580 tokens),
   then the 8 extended prompts of a second turn: each first-turn prompt, its
   sampled action, and a new observation. The hit rate is the share of prompt
   tokens served from the prefix cache (``cached_tokens / prompt tokens``).
