@@ -61,6 +61,7 @@ def rollout(
     from .config import load_config
     from .env import resolve_env_id
     from .policy import make_policy
+    from .policy.registry import resolve_backend
     from .rollout import run_episodes, summarize, write_run
 
     flags = {"env.id": env, "policy.model": model, "policy.backend": backend,
@@ -72,7 +73,9 @@ def rollout(
     try:
         cfg = load_config(config, overrides)
         cfg.env.id = resolve_env_id(cfg.env.id)
-        console.print(f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{cfg.policy.backend}[/]")
+        picked, why = resolve_backend(cfg.policy.backend)
+        cfg.policy.backend = picked
+        console.print(f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{picked}[/] ({why})")
         policy = make_policy(cfg.policy)
         r = cfg.rollout
         total = r.budget if r.budget and r.budget_unit == "leaves" else None

@@ -39,7 +39,8 @@ class SamplingConfig(_Strict):
 
 
 class PolicyConfig(_Strict):
-    backend: Literal["hf", "vllm", "openai", "mock"] = Field("hf", description="Generation backend.")
+    backend: Literal["auto", "hf", "vllm", "openai", "mock"] = Field(
+        "auto", description="Generation backend; auto is vllm where installed (faster), else hf.")
     model: str = Field("smollm2-135m", description="Registered model name or local folder.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
     device: str = Field("cpu", description="torch device.")

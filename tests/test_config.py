@@ -34,7 +34,7 @@ def test_unknown_key_names_its_path(tmp_path):
 def test_bad_value_names_path_and_reason():
     with pytest.raises(ConfigError, match=r"sampling\.top_p: Input should be less than or equal to 1"):
         load_config(overrides=["sampling.top_p=1.5"])
-    with pytest.raises(ConfigError, match=r"policy\.backend: Input should be 'hf' or 'mock'"):
+    with pytest.raises(ConfigError, match=r"policy\.backend: Input should be 'auto', 'hf', 'vllm', 'openai' or 'mock'"):
         load_config(overrides=["policy.backend=tpu"])
     with pytest.raises(ConfigError, match=r"rollout\.episodes: Input should be a valid integer"):
         load_config(overrides=["rollout.episodes=many"])
@@ -57,3 +57,17 @@ def test_malformed_override_and_file(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_auto_backend_picks_vllm_only_where_it_is_installed(monkeypatch):
+    import importlib.util
+
+    from agentrl.policy.registry import resolve_backend
+
+    assert load_config().policy.backend == "auto"
+    assert resolve_backend("mock") == ("mock", "configured")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert resolve_backend("auto")[0] == "hf"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    picked, why = resolve_backend("auto")
+    assert picked == "vllm" and "faster" in why

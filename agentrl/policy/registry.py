@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +13,7 @@ from .base import Policy
 from .hf import HFPolicy
 from .mock import MockPolicy
 
-__all__ = ["BACKENDS", "make_policy"]
+__all__ = ["BACKENDS", "make_policy", "resolve_backend"]
 
 
 def _hf(cfg: PolicyConfig) -> Policy:
@@ -21,13 +22,9 @@ def _hf(cfg: PolicyConfig) -> Policy:
 
 
 def _vllm(cfg: PolicyConfig) -> Policy:
-    try:
-        from .vllm import VLLMPolicy
-    except ImportError as e:
-        raise PolicyError(f"backend vllm needs the vllm extra (`pip install agentrl[vllm]`): {e}") from None
-    from ..models import prepare_model
+    from .vllm import VLLMPolicy  # imports vLLM lazily; its constructor says how to install it
 
-    return VLLMPolicy(str(prepare_model(cfg.model)), dtype=cfg.dtype)
+    return VLLMPolicy(cfg.model, dtype=cfg.dtype)
 
 
 def _openai(cfg: PolicyConfig) -> Policy:
@@ -45,7 +42,19 @@ def _mock(cfg: PolicyConfig) -> Policy:
 BACKENDS: dict[str, Callable[[PolicyConfig], Any]] = {"hf": _hf, "vllm": _vllm, "openai": _openai, "mock": _mock}
 
 
+def resolve_backend(name: str) -> tuple[str, str]:
+    """The backend ``auto`` stands for, and why: vLLM where it is installed (it was the
+    faster one on the same batch: ``bench/backend_compare.json``), else ``hf``."""
+    if name != "auto":
+        return name, "configured"
+    if importlib.util.find_spec("vllm") is not None:
+        return "vllm", "auto: vllm is installed, and was faster than hf on the same batch"
+    return "hf", "auto: vllm is not installed here (make vllm builds .venv-vllm)"
+
+
 def make_policy(cfg: PolicyConfig) -> Policy:
+    if cfg.backend == "auto":
+        cfg = cfg.model_copy(update={"backend": resolve_backend("auto")[0]})
     if cfg.backend not in BACKENDS:
         raise PolicyError(f"unknown policy backend {cfg.backend!r}; known: {sorted(BACKENDS)}")
     return BACKENDS[cfg.backend](cfg)
