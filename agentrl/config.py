@@ -50,6 +50,9 @@ class PolicyConfig(_Strict):
     )
     base_url: str | None = Field(None, description="backend=openai: the server's base URL (ending in /v1).")
     api_key: str | None = Field(None, description="backend=openai: bearer token, if the server wants one.")
+    served_model: str | None = Field(
+        None, description="backend=openai: the model name the server knows; null is policy.model "
+        "(policy.model still names the local tokenizer).")
     mock_responses: list[str] = Field(
         default_factory=lambda: ["1"], description="Scripted answers for backend=mock."
     )

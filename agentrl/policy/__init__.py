@@ -12,6 +12,7 @@ from .base import (
 from .batching import MicroBatcher
 from .hf import HFPolicy, sampling_logprobs
 from .mock import MockPolicy
+from .openai import OpenAIPolicy
 from .prefix_cache import CacheStats, PrefixCache
 from .registry import BACKENDS, make_policy
 
@@ -24,6 +25,7 @@ __all__ = [
     "HFPolicy",
     "MicroBatcher",
     "MockPolicy",
+    "OpenAIPolicy",
     "Policy",
     "PrefixCache",
     "SamplingParams",

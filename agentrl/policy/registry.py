@@ -32,7 +32,8 @@ def _openai(cfg: PolicyConfig) -> Policy:
 
     if not cfg.base_url:
         raise PolicyError("backend openai needs policy.base_url (the server's URL, ending in /v1)")
-    return OpenAIPolicy(cfg.base_url, cfg.model, load_tokenizer(cfg.model), api_key=cfg.api_key)
+    return OpenAIPolicy(cfg.base_url, cfg.served_model or cfg.model, load_tokenizer(cfg.model),
+                        api_key=cfg.api_key)
 
 
 def _mock(cfg: PolicyConfig) -> Policy:
