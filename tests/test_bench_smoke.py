@@ -32,3 +32,23 @@ def test_multiturn_cost_reuse_prefills_less_and_samples_the_same(tmp_path):
     assert reuse["prefilled_tokens"] + reuse["reused_tokens"] == reuse["sum_of_contexts"]
     assert reuse["cache"]["hits"] > 0
     assert result["first_turn_where_samples_differ"] is None
+
+
+def test_tree_savings_segment_tree_shares_its_first_segments_at_equal_leaves(tmp_path):
+    result = _run("tree_savings.py", tmp_path / "t.json")
+    rows = {r["allocator"]: r for r in result["rows"]}
+    assert list(rows) == ["independent", "segment_tree", "entropy_branch"]
+    for r in rows.values():  # 2 tasks x 8 leaves each, every episode to max_turns=8
+        assert r["leaves"] == 16 and r["open_leaves"] == 0 and r["failed_episodes"] == 0
+        assert r["episode_turns"] == {"8": 16} and r["path_turns"] == 16 * 8
+    ind, seg = rows["independent"], rows["segment_tree"]
+    assert ind["leaves_per_task"] == [8, 8] and ind["branch_nodes"] == 0
+    assert ind["turns_sampled"] == 128 and ind["generated_tokens"] == ind["path_action_tokens"]
+    # Depth 4, width 2, 8 leaves a task, 2-turn segments: 1 + 2 + 4 segments of 2
+    # turns, then 8 runs of the last 2 turns: 30 turns a task instead of 64.
+    assert seg["turns_sampled"] == 2 * 30 and seg["env_steps"] == 60
+    assert seg["branch_nodes"] == 2 * (1 + 2 + 4) and seg["shared_tokens"] > 0
+    assert seg["generated_tokens"] < seg["path_action_tokens"]
+    assert result["expected_turn_saving_pct_if_all_episodes_run_max_turns"] == round(100 * (1 - 30 / 64), 1)
+    assert seg["fewer_generated_pct"] == round(100 * (1 - seg["generated_tokens"] / ind["generated_tokens"]), 1)
+    assert result["target_met"] == (seg["fewer_generated_pct"] >= 40.0)
