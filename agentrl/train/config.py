@@ -87,6 +87,8 @@ class TrainConfig(_Strict):
                             "start and end).")
     eval_episodes: int = Field(16, ge=0, description="Held-out episodes per evaluation.")
     eval_seed_start: int = Field(1_000_000, description="First held-out task seed.")
+    eval_task_seeds: list[int] | None = Field(None, description="Explicit held-out task seeds; "
+                                              "overrides eval_seed_start and eval_episodes.")
     eval_temperature: float | None = Field(None, ge=0.0, description="Sampling temperature of "
                                            "evaluation; null: sampling.temperature.")
     eval_env_kwargs: dict[str, Any] = Field(default_factory=dict, description="Env kwargs "

@@ -61,6 +61,7 @@ from .metrics import MetricsLogger, plot_learning_curve
 __all__ = [
     "Sample",
     "Trainer",
+    "eval_seeds",
     "evaluate",
     "make_optimizer",
     "make_scheduler",
@@ -341,6 +342,13 @@ def train_on_samples(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
 # --------------------------------------------------------------------------- eval
 
 
+def eval_seeds(cfg: TrainConfig) -> list[int]:
+    """Held-out task seeds: the explicit list, else ``eval_episodes`` from ``eval_seed_start``."""
+    if cfg.eval_task_seeds:
+        return list(cfg.eval_task_seeds)
+    return [cfg.eval_seed_start + i for i in range(cfg.eval_episodes)]
+
+
 def evaluate(policy: Any, cfg: TrainRunConfig, on_episode_done: Callable | None = None
              ) -> dict[str, Any]:
     """Success and reward on ``eval_episodes`` held-out task seeds, one episode each."""
@@ -353,7 +361,7 @@ def evaluate(policy: Any, cfg: TrainRunConfig, on_episode_done: Callable | None 
     if t.eval_temperature is not None:
         ev.sampling.temperature = t.eval_temperature
     ev.env.kwargs = {**ev.env.kwargs, **t.eval_env_kwargs}
-    seeds = [t.eval_seed_start + i for i in range(t.eval_episodes)]
+    seeds = eval_seeds(t)
     t0 = time.perf_counter()
     trees = collect(ev.env.id, policy, ev, seeds, on_episode_done=on_episode_done)
     s = summarize(trees, time.perf_counter() - t0)
@@ -539,16 +547,17 @@ class Trainer:
 
     # -- the run -------------------------------------------------------------------------------
     def _eval(self, label: str, bars: _Bars) -> dict[str, Any]:
-        if self.cfg.train.eval_episodes == 0:
+        n = len(eval_seeds(self.cfg.train))
+        if n == 0:
             return {}
-        advance = bars.start("eval", self.cfg.train.eval_episodes, label)
+        advance = bars.start("eval", n, label)
         return evaluate(self.policy, self.cfg, on_episode_done=advance)
 
     def _phase(self, name: str, ev: dict[str, Any]) -> None:
         if "eval/success" in ev:
             self.phases[name] = ev["eval/success"]
             self.console.print(f"[bold]{name}[/]: held-out success {ev['eval/success']:.3f} "
-                               f"({self.cfg.train.eval_episodes} episodes), "
+                               f"({len(eval_seeds(self.cfg.train))} episodes), "
                                f"reward {ev['eval/reward']:.3f}")
 
     def run(self, sft: Callable[[Trainer], dict[str, Any]] | None = None) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from agentrl.train.config import TrainConfig, TrainRunConfig, load_train_config
 from agentrl.train.loss import PolicyLossConfig
 from agentrl.train.trainer import (
     Sample,
+    eval_seeds,
     make_scheduler,
     make_trainable,
     samples_from_credit,
@@ -103,6 +104,8 @@ def test_step_task_seeds_is_the_data_position():
     assert step_task_seeds(cfg, 2) == [16, 17, 18]
     pool = TrainConfig(tasks_per_step=2, task_seeds=[5, 7, 9])
     assert [step_task_seeds(pool, k) for k in range(3)] == [[5, 7], [9, 5], [7, 9]]
+    assert eval_seeds(TrainConfig(eval_episodes=2, eval_seed_start=100)) == [100, 101]
+    assert eval_seeds(TrainConfig(eval_task_seeds=[3, 5])) == [3, 5]
 
 
 def _episode(ids: list[int], action: list[int]) -> Episode:
@@ -221,3 +224,12 @@ def test_bad_train_key_names_its_path():
         load_train_config(None, ["train.lr=-1"])
     with pytest.raises(ConfigError, match="train.nope: unknown key"):
         load_train_config(None, ["train.nope=1"])
+
+
+@pytest.mark.parametrize("path", sorted(Path(__file__).resolve().parents[2].glob("examples/train_*.yaml")),
+                         ids=lambda p: p.name)
+def test_example_configs_validate(path):
+    cfg = load_train_config(path)
+    assert cfg.train.micro_batch_tokens >= cfg.rollout.max_context_tokens
+    if cfg.train.task_seeds and cfg.sft.task_seeds:  # SFT and RL train on different tasks
+        assert not set(cfg.train.task_seeds) & set(cfg.sft.task_seeds)
