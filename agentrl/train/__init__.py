@@ -86,3 +86,24 @@ __all__ = [
     "tree_token_savings",
     "turn_balance_weights",
 ]
+
+# The loop, its config and checkpoints (trainer.py, config.py, checkpoint.py, sft.py).
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from .config import SFTConfig, TrainConfig, TrainRunConfig, load_train_config  # noqa: E402
+from .sft import expert_tree, expert_trees  # noqa: E402
+from .trainer import Trainer, evaluate, train  # noqa: E402
+
+__all__ += [
+    "SFTConfig",
+    "TrainConfig",
+    "TrainRunConfig",
+    "Trainer",
+    "evaluate",
+    "expert_tree",
+    "expert_trees",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_train_config",
+    "save_checkpoint",
+    "train",
+]
