@@ -3,6 +3,14 @@
 The public API is re-exported here; see DESIGN.md for the map.
 """
 
+import os as _os
+
+# torch's OpenMP threads spin while they wait; on a small shared CPU that made
+# generation 3-5x slower here. It must be set before torch loads, so it is set
+# on import (a value the user set wins).
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 from .chat import ChatContext, TemplateMismatchWarning
 from .config import Config, load_config
 from .env import TextEnv, TextSpace, list_envs, make_env, register_env

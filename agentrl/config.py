@@ -72,11 +72,11 @@ class RolloutConfig(_Strict):
     budget_unit: Literal["leaves", "turns", "tokens"] = Field("leaves", description="What the budget counts.")
     concurrency: int = Field(64, ge=1, description="Episodes in flight at once.")
     episode_timeout_s: float | None = Field(
-        None, gt=0, description="Wall-clock seconds per episode (path); over it the episode fails.")
+        1800.0, gt=0, description="Wall-clock seconds per episode (path), waits for the backend "
+        "included; over it the episode fails. null: no limit (one hung env then hangs the batch).")
     env_executor: Literal["thread", "process", "inline"] = Field(
         "thread", description="Where env steps run: a thread pool; processes for CPU-heavy envs; "
         "inline on the event loop for envs whose steps take microseconds.")
-    env_workers: int | None = Field(None, ge=1, description="Env step workers; null is concurrency.")
     failed_episodes: Literal["exclude", "count"] = Field(
         "exclude", description="Failed episodes: left out of training, or kept with their reward.")
     max_turns: int = Field(16, ge=1, description="Turns per episode before truncation.")

@@ -65,7 +65,8 @@ def _serve(conn: Connection, entry: Any, kwargs: dict[str, Any]) -> None:
 class ProcessEnv:
     """A registered env hosted in a child process; the same methods as the env."""
 
-    def __init__(self, env_id: str, start_method: str = "spawn", **kwargs: Any):
+    def __init__(self, env_id: str, start_method: str = "spawn", start_timeout_s: float = 300.0,
+                 **kwargs: Any):
         spec = gym.spec(resolve_env_id(env_id))
         self.env_id = spec.id
         ctx = mp.get_context(start_method)
@@ -76,6 +77,9 @@ class ProcessEnv:
         child.close()
         self._lock = threading.Lock()
         self._closed = False
+        if not self._conn.poll(start_timeout_s):
+            self._kill()
+            raise RuntimeError(f"env process {spec.id} did not start within {start_timeout_s:.0f} s")
         ok, err = self._recv()
         if not ok:
             self._kill()
@@ -89,6 +93,7 @@ class ProcessEnv:
         try:
             return self._conn.recv()
         except (EOFError, OSError):
+            self._proc.join(timeout=1)  # reap it, so the exit code is known
             code = self._proc.exitcode
             return False, RuntimeError(f"env process {self.env_id} died (exit code {code})")
 

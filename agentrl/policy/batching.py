@@ -86,6 +86,9 @@ class MicroBatcher:
             self.batches += 1
             self.batched_requests += len(batch)
             results = await self._run(loop, [r for r, _ in batch])
+            if len(results) != len(batch):  # a backend bug: fail the batch, not the batcher
+                err = RuntimeError(f"generate returned {len(results)} results for {len(batch)} requests")
+                results = [err] * len(batch)
             for (_, fut), res in zip(batch, results, strict=True):
                 if fut.done():  # its episode timed out meanwhile
                     continue

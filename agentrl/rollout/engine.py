@@ -26,12 +26,14 @@ spans a weight update keeps per-token versions (``Episode.versions``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import queue
 import threading
 import time
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +46,7 @@ from ..types import Node, RolloutTree
 from .allocation import Allocator, AllocState, Branch, Budget, Fresh, leaf_cost
 from .tree import BranchPoint, split_node
 
-__all__ = ["COUNTERS", "Engine", "collect", "run_episodes"]
+__all__ = ["COUNTERS", "Engine", "collect", "observation_messages", "opening_messages", "run_episodes"]
 
 _HEAVY_INFO = ("admissible_actions", "tools", "tools_prompt")
 # Per-tree counts, exact: tokens sampled, prompt tokens prefilled or served
@@ -55,7 +57,95 @@ COUNTERS = ("generated_tokens", "prefilled_tokens", "reused_tokens", "shared_tok
 
 
 class EpisodeFailed(Exception):
-    """Ends one episode with a reason; never escapes the engine."""
+    """Ends one episode with a reason; never escapes the engine.
+
+    ``env_broken``: the env raised, so it is not handed to another episode.
+    """
+
+    def __init__(self, reason: str, env_broken: bool = False):
+        super().__init__(reason)
+        self.env_broken = env_broken
+
+
+class _BudgetSpent(Exception):
+    """A path that would start after the budget is spent: nothing is recorded."""
+
+
+class _DaemonPool(Executor):
+    """Threads for env steps that never block exit or starve the rest.
+
+    ``ThreadPoolExecutor`` joins its threads at interpreter exit and has a
+    fixed size, so one env step that hangs forever would hold a worker for
+    good and keep the process alive. Here workers are daemon threads, and a
+    new one starts whenever every worker is busy (a hung step costs a thread,
+    nothing more); idle workers exit after ``idle_s``.
+    """
+
+    def __init__(self, name: str = "agentrl-env", idle_s: float = 30.0):
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = \
+            queue.SimpleQueue()
+        self._name, self._idle_s = name, idle_s
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._threads = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._queue.put((fut, lambda: fn(*args, **kwargs), ()))
+        with self._lock:
+            if self._idle == 0:
+                self._threads += 1
+                threading.Thread(target=self._work, daemon=True,
+                                 name=f"{self._name}-{self._threads}").start()
+            else:
+                self._idle -= 1
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=self._idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle > 0:  # no submit counted on this worker: it may leave
+                        self._idle -= 1
+                        return
+                continue
+            if item is None:
+                return
+            fut, call, _ = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(call())
+                except BaseException as e:
+                    fut.set_exception(e)
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            for _ in range(self._idle):
+                self._queue.put(None)
+
+
+def observation_messages(obs: str, info: dict[str, Any], cfg: Config) -> list[dict[str, Any]]:
+    """The chat messages an env answer becomes: tool messages, or one user message
+    (with the admissible actions listed when ``rollout.show_admissible``)."""
+    if info.get("tool_messages"):  # tool envs answer with role=tool messages
+        return [{k: v for k, v in m.items() if v is not None} for m in info["tool_messages"]]
+    text = obs
+    if cfg.rollout.show_admissible and info.get("admissible_actions"):
+        text += "\nValid actions: " + ", ".join(map(str, info["admissible_actions"]))
+    return [{"role": "user", "content": text}]
+
+
+def opening_messages(obs: str, info: dict[str, Any], cfg: Config) -> list[dict[str, Any]]:
+    """The opening conversation: the system prompt plus a tool env's tool list, then the first observation."""
+    messages = []
+    system = [p for p in (cfg.rollout.system_prompt, info.get("tools_prompt")) if p]
+    if system:
+        messages.append({"role": "system", "content": "\n\n".join(system)})
+    return messages + observation_messages(obs, info, cfg)
 
 
 def _jsonable(info: dict[str, Any]) -> dict[str, Any]:
@@ -96,8 +186,7 @@ class Engine:
         self.env_id = env_id or cfg.env.id
         self.on_episode_done = on_episode_done
         self.tokenizer = policy.tokenizer
-        workers = cfg.rollout.env_workers or cfg.rollout.concurrency
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="agentrl-env")
+        self._pool = _DaemonPool()
         self._idle: list[Any] = []
         self._all: list[Any] = []
         self._closers: list[threading.Thread] = []
@@ -105,6 +194,7 @@ class Engine:
         self._top_logprobs = 0
         self._budget: Budget | None = None
         self._spent = 0
+        self._running = False
 
     # -- envs --------------------------------------------------------------------
     async def _call(self, env: Any, method: str, *args: Any) -> Any:
@@ -162,24 +252,10 @@ class Engine:
             t.join(timeout=10)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    # -- messages ------------------------------------------------------------------
-    def _observation_messages(self, obs: str, info: dict[str, Any]) -> list[dict[str, Any]]:
-        if info.get("tool_messages"):  # tool envs answer with role=tool messages
-            return [{k: v for k, v in m.items() if v is not None} for m in info["tool_messages"]]
-        text = obs
-        if self.cfg.rollout.show_admissible and info.get("admissible_actions"):
-            text += "\nValid actions: " + ", ".join(map(str, info["admissible_actions"]))
-        return [{"role": "user", "content": text}]
-
     def _opening(self, obs: str, info: dict[str, Any]) -> ChatContext:
-        messages = []
-        system = [p for p in (self.cfg.rollout.system_prompt, info.get("tools_prompt")) if p]
-        if system:  # a tool env describes its tools for the system prompt
-            messages.append({"role": "system", "content": "\n\n".join(system)})
-        messages += self._observation_messages(obs, info)
         limit = self.cfg.rollout.max_context_tokens
         try:
-            ctx = ChatContext(self.tokenizer, messages, max_tokens=limit,
+            ctx = ChatContext(self.tokenizer, opening_messages(obs, info, self.cfg), max_tokens=limit,
                               check_prefix=self.cfg.rollout.template_check_every or False)
         except ContextOverflowError as e:
             raise EpisodeFailed(f"opening prompt over budget: {e}") from None
@@ -207,11 +283,19 @@ class Engine:
             self._spent -= reserved - used
 
     # -- one episode ---------------------------------------------------------------
-    async def _start(self, tree: RolloutTree, task: int) -> _Path:
-        env = await self._acquire()
-        seed = tree.meta["seed"]
+    def _spent_all(self) -> bool:
+        b = self._budget
+        return b is not None and b.unit != "leaves" and self._spent >= b.total
+
+    async def _start(self, tree: RolloutTree, task: int, stream: int) -> _Path:
+        if self._spent_all():  # do not reset an env for a path that cannot take a turn
+            raise _BudgetSpent
         try:
-            obs, info = await self._call(env, "reset", seed)
+            env = await self._acquire()
+        except Exception as e:
+            raise EpisodeFailed(f"making the env raised {type(e).__name__}: {e}") from None
+        try:
+            obs, info = await self._call(env, "reset", tree.meta["seed"])
         except Exception as e:
             self._release(env, healthy=False)
             raise EpisodeFailed(f"env.reset raised {type(e).__name__}: {e}") from None
@@ -223,11 +307,9 @@ class Engine:
         except EpisodeFailed:
             self._release(env, healthy=True)
             raise
-        stream = tree.meta.setdefault("_streams", 0)
-        tree.meta["_streams"] = stream + 1
         if "root" not in tree.snapshots and self._snapshots:
+            # a segment fork of a first turn starts here (each fresh root renders its own opening)
             tree.snapshots["root"] = BranchPoint(await self._snapshot(env), ctx.fork(), list(ctx.ids), 0)
-            # (fresh roots render their own opening; a fork at a root reuses this one)
         return _Path(task, tree, env, ctx, list(ctx.ids), None, 0, stream)
 
     async def _snapshot(self, env: Any) -> Any:
@@ -258,8 +340,10 @@ class Engine:
                 seed=request_seed(r.seed, path.tree.meta["seed"], path.task, path.stream, path.turns))
             try:
                 res = await self.policy.agenerate(GenerateRequest(list(path.ctx.ids) + head, params))
-            except Exception as e:
+            except BaseException as e:  # a timeout cancels us here: refund, then go on failing
                 self._refund(allowed, 0)
+                if not isinstance(e, Exception):
+                    raise
                 raise EpisodeFailed(f"generation failed: {type(e).__name__}: {e}") from None
             self._refund(allowed, len(res.token_ids))
             c = _counters(path.tree)
@@ -288,7 +372,7 @@ class Engine:
                 node.truncated = True
                 path.parent = path.tree.add(node, path.parent).id
                 path.added += 1
-                raise EpisodeFailed(node.error) from None
+                raise EpisodeFailed(node.error, env_broken=True) from None
             c["env_steps"] += 1
             node.observation, node.reward = obs, float(reward)
             node.terminated, node.truncated = bool(terminated), bool(truncated)
@@ -300,7 +384,7 @@ class Engine:
                 node.info["truncation_reason"] = f"max_turns={r.max_turns}"
             if not node.done:
                 try:
-                    path.pending = path.ctx.append_observation(self._observation_messages(obs, info))
+                    path.pending = path.ctx.append_observation(observation_messages(obs, info, self.cfg))
                 except ContextOverflowError as e:
                     node.truncated = True
                     node.info["truncation_reason"] = f"context budget: {e}"
@@ -341,18 +425,23 @@ class Engine:
         path.parent, path.added = node.id, 1
         return node
 
-    def _fail(self, tree: RolloutTree, path: _Path | None, reason: str) -> None:
-        """Record why the path failed on its last own node (an empty one if it has none)."""
-        if path is None:  # failed before its first context existed: an empty root
-            path = _Path(-1, tree, None, None, [], None, 0, -1)  # type: ignore[arg-type]
+    def _fail(self, tree: RolloutTree, path: _Path | None, reason: str, anchor: int | None) -> None:
+        """Record why the path failed on its last own node, or on an empty node under
+        ``anchor`` (its branch point; None: a new root) when it has none."""
+        if path is None:  # failed before its context existed
+            path = _Path(-1, tree, None, None, [], anchor, 0, -1)  # type: ignore[arg-type]
         node = self._last_own(path)
         node.truncated = True
         node.info.pop("open", None)
         node.error = node.error or reason
 
     async def _episode(self, start: Callable[[], Any], tree: RolloutTree, max_turns: int | None,
-                       prefix: Any = None) -> None:
-        """One path to its end, under the per-episode timeout; failures stay inside."""
+                       prefix: Any = None, anchor: int | None = None) -> None:
+        """One path to its end, under the per-episode timeout; failures stay inside.
+
+        ``anchor`` is the node the path starts under (None: a new root), where a
+        failure before its first turn is recorded.
+        """
         box: list[_Path] = []
         healthy = True
         t0 = time.monotonic()
@@ -361,20 +450,28 @@ class Engine:
             box.append(await start())
             await self._play(box[0], max_turns, prefix)
 
+        def fail(reason: str) -> None:
+            self._fail(tree, box[0] if box else None, reason, anchor)
+
         try:
             await asyncio.wait_for(go(), self.cfg.rollout.episode_timeout_s)
+        except _BudgetSpent:
+            return
         except EpisodeFailed as e:
-            self._fail(tree, box[0] if box else None, str(e))
+            healthy = not e.env_broken
+            fail(str(e))
         except TimeoutError:
             healthy = False
-            self._fail(tree, box[0] if box else None,
-                       f"episode timed out after {time.monotonic() - t0:.1f} s "
-                       f"(rollout.episode_timeout_s={self.cfg.rollout.episode_timeout_s})")
+            fail(f"episode timed out after {time.monotonic() - t0:.1f} s "
+                 f"(rollout.episode_timeout_s={self.cfg.rollout.episode_timeout_s})")
+        except asyncio.CancelledError:
+            healthy = False  # a step may still run in its thread
+            raise
         except Exception as e:  # an engine bug must not take the batch down, nor go unseen
             healthy = False
             warnings.warn(f"rollout engine error in task {tree.meta.get('task')}: {type(e).__name__}: {e}",
                           RuntimeWarning, stacklevel=2)
-            self._fail(tree, box[0] if box else None, f"engine error {type(e).__name__}: {e}")
+            fail(f"engine error {type(e).__name__}: {e}")
         finally:
             if box:
                 self._release(box[0].env, healthy)
@@ -382,9 +479,20 @@ class Engine:
             self.on_episode_done(tree)
 
     # -- requests ------------------------------------------------------------------
+    @staticmethod
+    def _stream(tree: RolloutTree) -> int:
+        """The next path's seed stream, taken when its job is made, so runs repeat exactly."""
+        stream = tree.meta.get("_streams", 0)
+        tree.meta["_streams"] = stream + 1
+        return stream
+
     def _fresh_jobs(self, trees: list[RolloutTree], req: Fresh) -> list[Any]:
         tree = trees[req.task]
-        return [self._episode(lambda: self._start(tree, req.task), tree, req.max_turns) for _ in range(req.n)]
+        jobs = []
+        for _ in range(req.n):
+            start = functools.partial(self._start, tree, req.task, self._stream(tree))
+            jobs.append(self._episode(start, tree, req.max_turns))
+        return jobs
 
     def _branch_jobs(self, trees: list[RolloutTree], req: Branch) -> list[Any]:
         tree = trees[req.task]
@@ -392,45 +500,55 @@ class Engine:
             raise ValueError(f"branch from unknown node {req.node} of task {req.task}")
         node = tree.nodes[req.node]
         if req.at_token is None:
-            if node.done:
-                raise ValueError(f"branch from node {req.node}: the episode ended there")
-            point_key, parent, prefix = node.snapshot, node.id, None
-            node.info.pop("open", None)
+            if node.done or node.partial:
+                raise ValueError(f"branch from node {req.node}: the episode ended there or the turn "
+                                 "is not finished (partial); fork a turn with at_token")
+            point, parent, prefix = node.id, node.id, None
         else:
             m = req.at_token
             if not 0 < m < len(node.action_ids) or node.partial:
                 raise ValueError(f"segment fork at token {m} of node {req.node} with "
                                  f"{len(node.action_ids)} action tokens")
-            before = tree.nodes[node.parent].snapshot if node.parent is not None else "root"
-            point_key = before
             part = split_node(tree, node.id, m)
             parent = part.id
-            prefix = (list(part.action_ids), list(part.logprobs), list(part.entropies))
-        return [self._episode(lambda: self._resume(tree, req.task, point_key, parent, prefix), tree,
-                              req.max_turns, prefix) for _ in range(req.k)]
+            point = _turn_start(tree, part)  # the state before the turn: above any earlier forks
+            head = _turn_nodes(tree, part)
+            prefix = ([t for n in head for t in n.action_ids], [x for n in head for x in n.logprobs],
+                      [x for n in head for x in n.entropies])
+        jobs = []
+        for _ in range(req.k):
+            start = functools.partial(self._resume, tree, req.task, point, parent, prefix, self._stream(tree))
+            jobs.append(self._episode(start, tree, req.max_turns, prefix, anchor=parent))
+        return jobs
 
-    async def _resume(self, tree: RolloutTree, task: int, key: str | None, parent: int,
-                      prefix: Any) -> _Path:
-        """A new path from a branch point: restore the env (or replay), fork the context."""
+    async def _resume(self, tree: RolloutTree, task: int, point_node: int | None, parent: int,
+                      prefix: Any, stream: int) -> _Path:
+        """A new path from the state after ``point_node`` (None: the reset): restore the
+        env from its snapshot or replay the actions, and fork the context."""
+        if self._spent_all():
+            raise _BudgetSpent
+        tree.nodes[parent].info.pop("open", None)  # continued: no longer a paused leaf
+        key = "root" if point_node is None else tree.nodes[point_node].snapshot
         point = tree.snapshots.get(key) if key else None
-        env = await self._acquire()
-        stream = tree.meta.get("_streams", 0)
-        tree.meta["_streams"] = stream + 1
+        try:
+            env = await self._acquire()
+        except Exception as e:
+            raise EpisodeFailed(f"making the env raised {type(e).__name__}: {e}") from None
         c = _counters(tree)
         try:
             if point is not None and point.env is not None:
                 await self._call(env, "restore", point.env)
             else:
-                point = await self._replay(env, tree, parent if prefix is None else tree.nodes[parent].parent)
-        except EpisodeFailed:
+                point = await self._replay(env, tree, point_node)
+        except EpisodeFailed as e:
             self._release(env, healthy=False)
-            raise
+            raise EpisodeFailed(str(e), env_broken=True) from None
         except Exception as e:
             self._release(env, healthy=False)
-            raise EpisodeFailed(f"restore for a branch raised {type(e).__name__}: {e}") from None
+            raise EpisodeFailed(f"restore for a branch raised {type(e).__name__}: {e}", env_broken=True) from None
         ctx = point.ctx.fork()
         c["shared_tokens"] += len(ctx) + (len(prefix[0]) if prefix else 0)
-        path = _Path(task, tree, env, ctx, point.pending, parent, point.turns, stream)  # shared
+        path = _Path(task, tree, env, ctx, point.pending, parent, point.turns, stream)  # shared list
         if prefix is not None:
             path.pending = []
         return path
@@ -450,14 +568,38 @@ class Engine:
             if obs != node.observation:
                 raise EpisodeFailed(f"replay diverged at node {node.id}: the env is not deterministic "
                                     "and cannot snapshot, so it cannot be branched")
-            pending = ctx.append_observation(self._observation_messages(obs, info))
+            pending = ctx.append_observation(observation_messages(obs, info, self.cfg))
             turns += 1
+        # The replayed context must be the stored one, token for token (the reset text,
+        # listed actions and tool messages count too), or the branch would train on
+        # tokens its policy never saw.
+        path = tree.path(upto) if upto is not None else []
+        stored = [t for n in path for t in n.context_ids + n.action_ids]
+        first = tree.nodes[tree.roots[0]].context_ids if not path and tree.roots else None
+        nxt = [tree.nodes[c].context_ids for c in (path[-1].children if path else []) if tree.nodes[c].context_ids]
+        if ctx.ids[:len(stored)] != stored or (first is not None and pending != first) \
+                or (nxt and pending != nxt[0]):
+            raise EpisodeFailed(f"replay diverged from the stored tokens up to node {upto}: the env "
+                                "is not deterministic and cannot snapshot, so it cannot be branched")
         return BranchPoint(None, ctx, pending, turns)
 
     # -- the driver ----------------------------------------------------------------
     async def run(self, seeds: list[int], allocator: Allocator | None = None,
                   budget: Budget | None = None) -> list[RolloutTree]:
-        """Grow one tree per task seed as the allocator plans, within the budget."""
+        """Grow one tree per task seed as the allocator plans, within the budget.
+
+        One run at a time per engine: the budget and branching settings are per run.
+        """
+        if self._running:
+            raise RuntimeError("this Engine is already running a batch; make another Engine")
+        self._running = True
+        try:
+            return await self._run(seeds, allocator, budget)
+        finally:
+            self._running = False
+
+    async def _run(self, seeds: list[int], allocator: Allocator | None,
+                   budget: Budget | None) -> list[RolloutTree]:
         if allocator is None:
             from .allocation import Independent
 
@@ -497,6 +639,8 @@ class Engine:
                 state.round += 1
         finally:
             for tree in trees:
+                _close_open_leaves(tree, f"budget: {budget.total} {budget.unit} spent" if self._spent_all()
+                                   else "paused, and not continued by the allocator")
                 tree.meta.pop("_streams", None)
                 tree.meta["allocator"] = getattr(allocator, "name", type(allocator).__name__)
                 if not self.cfg.rollout.keep_snapshots:
@@ -507,6 +651,14 @@ class Engine:
         if state.report:
             trees[0].meta["allocation_report"] = json.loads(json.dumps(state.report, default=str))
         return trees
+
+
+def _close_open_leaves(tree: RolloutTree, reason: str) -> None:
+    """Leaves still paused when the run ends are truncated, with the reason."""
+    for leaf in tree.leaves():
+        if leaf.info.pop("open", None):
+            leaf.truncated = True
+            leaf.info["truncation_reason"] = reason
 
 
 def _clip(tree: RolloutTree, req: Fresh | Branch, left: int, report: dict[str, Any]) -> Fresh | Branch | None:
@@ -526,6 +678,19 @@ def _close_quietly(env: Any) -> None:
         env.close()
     except Exception as e:
         warnings.warn(f"env.close raised {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+
+
+def _turn_nodes(tree: RolloutTree, node: Node) -> list[Node]:
+    """The partial nodes that start ``node``'s turn, top first, then ``node``."""
+    out = [node]
+    while out[0].parent is not None and tree.nodes[out[0].parent].partial:
+        out.insert(0, tree.nodes[out[0].parent])
+    return out
+
+
+def _turn_start(tree: RolloutTree, node: Node) -> int | None:
+    """The node whose state ``node``'s turn starts from (None: the reset)."""
+    return _turn_nodes(tree, node)[0].parent
 
 
 def _turn_ids(tree: RolloutTree, node: Node) -> list[int]:

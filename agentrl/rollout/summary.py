@@ -66,15 +66,12 @@ def summarize(trees: list[RolloutTree], wall_s: float) -> dict[str, Any]:
 
 
 def _unique_nodes(tree: RolloutTree) -> list[Node]:
-    """Nodes, with a context list shared by siblings counted once."""
-    seen: set[int] = set()
+    """Nodes, with a context that equals an earlier sibling's counted once (as ``to_dict`` stores it)."""
     out = []
     for n in tree.nodes.values():
-        if id(n.context_ids) in seen:
-            out.append(Node(action_ids=n.action_ids))
-        else:
-            seen.add(id(n.context_ids))
-            out.append(n)
+        siblings = tree.roots if n.parent is None else tree.nodes[n.parent].children
+        first = next(s for s in siblings if tree.nodes[s].context_ids == n.context_ids)
+        out.append(n if first == n.id else Node(action_ids=n.action_ids))
     return out
 
 
