@@ -43,7 +43,7 @@ import httpx
 from agentrl.errors import ProxyError
 from agentrl.types import RolloutTree
 
-__all__ = ["EnvServer", "SessionHandle", "open_session", "run_harness_episode"]
+__all__ = ["EnvServer", "SessionHandle", "drop_session", "open_session", "run_harness_episode"]
 
 _TAIL = 4000  # characters of stdout/stderr kept for the record
 
@@ -87,6 +87,11 @@ async def open_session(proxy_url: str, token: str | None = None, meta: dict[str,
     return SessionHandle(proxy_url, data["session_id"], data["api_key"], token)
 
 
+async def drop_session(session: SessionHandle) -> None:
+    """Delete a (closed) session on the proxy, so a long run does not keep every tree twice."""
+    await _call("DELETE", f"{session.proxy_url}/sessions/{session.session_id}", session.headers())
+
+
 async def _call(method: str, url: str, headers: dict[str, str], body: Any = None) -> Any:
     try:
         async with httpx.AsyncClient(timeout=60.0) as client:
@@ -112,7 +117,7 @@ def _kill_group(proc: asyncio.subprocess.Process) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-async def _run(argv: list[str], env: dict[str, str], timeout: float, cwd: str | None) -> dict[str, Any]:
+async def _run(argv: list[str], env: dict[str, str], timeout: float | None, cwd: str | None) -> dict[str, Any]:
     """Run the harness; its exit code (None on timeout), output tails and wall time."""
     t0 = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
@@ -139,12 +144,15 @@ async def run_harness_episode(
     cmd: str | Sequence[str],
     session: SessionHandle,
     env_server: EnvServer | None = None,
-    timeout: float = 600.0,
+    timeout: float | None = 600.0,
     verifier: Callable[[RolloutTree], float] | None = None,
     extra_env: dict[str, str] | None = None,
     cwd: str | None = None,
 ) -> RolloutTree:
-    """One episode of the harness ``cmd`` in ``session``; see the module docstring."""
+    """One episode of the harness ``cmd`` in ``session``; see the module docstring.
+
+    ``timeout`` is in seconds (None: no limit).
+    """
     argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
     env = {**os.environ, **(extra_env or {}), "OPENAI_BASE_URL": session.base_url,
            "OPENAI_API_KEY": session.api_key, "AGENTRL_SESSION_ID": session.session_id}

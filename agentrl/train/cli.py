@@ -1,6 +1,7 @@
 """``agentrl train`` and ``agentrl sft``: the command-line front of the trainer.
 
     agentrl train --config examples/train_guess_number.yaml [--resume] [--set train.lr=1e-5]
+    agentrl train --harness "python examples/harness/react_agent.py" --env agentrl/GuessNumber-v0
     agentrl sft   --config examples/train_alfworld_easy.yaml [--set sft.episodes=64]
 
 ``register(app)`` adds both commands to the main ``agentrl`` app; this module's
@@ -59,17 +60,25 @@ def train(
     overwrite: Annotated[bool, typer.Option(help="Start over in an out_dir with checkpoints.")] = False,
     steps: Annotated[int | None, typer.Option(help="Updates to run (train.steps).")] = None,
     out: Annotated[str | None, typer.Option(help="Output folder (train.out_dir).")] = None,
+    env: Annotated[str | None, typer.Option(help="Env id (env.id).")] = None,
+    harness: Annotated[str | None, typer.Option(
+        help="Command of an agent program that plays one episode through the proxy "
+        "(train.harness).")] = None,
     set_: SetOpt = None,
     progress: ProgressOpt = True,
 ) -> None:
     """RL training: rollouts, credit, loss, optimizer step, weight sync, eval, checkpoints.
 
     With an ``sft`` section (``sft.episodes > 0``) an SFT warm start runs first.
+    With ``--harness`` an unmodified agent program plays the episodes through
+    the OpenAI-compatible proxy (see ``agentrl.train.harness``).
     Prints the held-out success rate at the start, after SFT and at the end.
     """
     from .trainer import train as run_train
 
-    flags = {"train.steps": steps, "train.out_dir": out}
+    # A command line is no YAML value: quoted as JSON (valid YAML), it arrives as written.
+    flags = {"train.steps": steps, "train.out_dir": out, "env.id": env,
+             "train.harness": None if harness is None else json.dumps(harness)}
     extra = [f"{k}={v}" for k, v in flags.items() if v is not None]
     t0 = time.perf_counter()
     try:

@@ -82,6 +82,12 @@ class TrainConfig(_Strict):
         "full", description="full fine-tuning, only the top k decoder layers, or LoRA adapters.")
     top_k_layers: int = Field(4, ge=1, description="For trainable=top_k: how many top layers.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="For trainable=lora.")
+    # -- harness -------------------------------------------------------------------------
+    harness: str | None = Field(None, description="Train an agent program instead of the native "
+                                "engine: the command that plays one episode through the proxy "
+                                "and the env server (agentrl.train.harness); null: native rollouts.")
+    harness_env: dict[str, str | int | float | bool] = Field(
+        default_factory=dict, description="Extra environment variables for the harness command.")
     # -- eval, checkpoints, logs ------------------------------------------------------------
     eval_every: int = Field(0, ge=0, description="Evaluate every this many steps (0: only at "
                             "start and end).")
@@ -105,6 +111,8 @@ class TrainConfig(_Strict):
     def _check(self) -> TrainConfig:
         if self.task_seeds is not None and not self.task_seeds:
             raise ValueError("task_seeds: give at least one seed, or null")
+        if self.harness is not None and not self.harness.strip():
+            raise ValueError("harness: give the command that runs one episode, or null")
         return self
 
 

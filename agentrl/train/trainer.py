@@ -349,9 +349,12 @@ def eval_seeds(cfg: TrainConfig) -> list[int]:
     return [cfg.eval_seed_start + i for i in range(cfg.eval_episodes)]
 
 
-def evaluate(policy: Any, cfg: TrainRunConfig, on_episode_done: Callable | None = None
-             ) -> dict[str, Any]:
-    """Success and reward on ``eval_episodes`` held-out task seeds, one episode each."""
+def evaluate(policy: Any, cfg: TrainRunConfig, on_episode_done: Callable | None = None,
+             collect_fn: Callable[..., list[RolloutTree]] | None = None) -> dict[str, Any]:
+    """Success and reward on ``eval_episodes`` held-out task seeds, one episode each.
+
+    ``collect_fn`` replaces ``agentrl.rollout.collect`` (a harness's rollouts).
+    """
     from ..rollout import collect, summarize
 
     t = cfg.train
@@ -363,7 +366,7 @@ def evaluate(policy: Any, cfg: TrainRunConfig, on_episode_done: Callable | None 
     ev.env.kwargs = {**ev.env.kwargs, **t.eval_env_kwargs}
     seeds = eval_seeds(t)
     t0 = time.perf_counter()
-    trees = collect(ev.env.id, policy, ev, seeds, on_episode_done=on_episode_done)
+    trees = (collect_fn or collect)(ev.env.id, policy, ev, seeds, on_episode_done=on_episode_done)
     s = summarize(trees, time.perf_counter() - t0)
     return {"eval/success": s["success_rate"], "eval/reward": s["mean_reward"],
             "eval/turns": s["mean_turns"], "eval/failed": s["failed_episodes"],
@@ -427,6 +430,11 @@ class Trainer:
         tok = self.policy.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.ref = self._reference()
+        self.harness = None  # rollouts by an agent program instead of the engine (harness.py)
+        if t.harness is not None:
+            from .harness import HarnessRollouts
+
+            self.harness = HarnessRollouts(t.harness, self.policy, cfg, t.harness_env)
         self.optimizer = make_optimizer(self.model, t.lr, t)
         minibatches = math.ceil(t.tasks_per_step * cfg.rollout.group_size / t.minibatch_size)
         self.scheduler = make_scheduler(self.optimizer, t, t.steps * t.epochs * minibatches)
@@ -487,9 +495,11 @@ class Trainer:
         seeds = step_task_seeds(self.cfg.train, step)
         advance = bars.start("rollout", len(seeds) * cfg.rollout.group_size, f"step {step + 1}")
         t0 = time.perf_counter()
-        trees = collect(cfg.env.id, self.policy, cfg, seeds, on_episode_done=advance)
+        trees = (self.harness.collect if self.harness else collect)(
+            cfg.env.id, self.policy, cfg, seeds, on_episode_done=advance)
         s = summarize(trees, time.perf_counter() - t0)
-        return trees, {"rollout/success": s["success_rate"], "rollout/reward": s["mean_reward"],
+        extra = self.harness.stats if self.harness else {}
+        return trees, {**extra, "rollout/success": s["success_rate"], "rollout/reward": s["mean_reward"],
                        "rollout/turns": s["mean_turns"], "rollout/episodes": s["episodes"],
                        "rollout/failed": s["failed_episodes"],
                        "rollout/action_tokens": s["action_tokens"], "time/rollout_s": s["wall_s"],
@@ -551,7 +561,8 @@ class Trainer:
         if n == 0:
             return {}
         advance = bars.start("eval", n, label)
-        return evaluate(self.policy, self.cfg, on_episode_done=advance)
+        return evaluate(self.policy, self.cfg, on_episode_done=advance,
+                        collect_fn=self.harness.collect if self.harness else None)
 
     def _phase(self, name: str, ev: dict[str, Any]) -> None:
         if "eval/success" in ev:
@@ -598,6 +609,8 @@ class Trainer:
             log.log(self.step, {"phase": "end", **ev, "time/checkpoint_s": time.perf_counter() - t0})
         finally:
             self.bars = None
+            if self.harness is not None:
+                self.harness.close()
             log.close()
         png = None
         if t.plot:
