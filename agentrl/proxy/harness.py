@@ -18,7 +18,7 @@ then waits for it, reads the reward and closes the session into a
   the last node is ``terminated`` if the env says so, else ``truncated``;
 - the episode failed, outside what training should score: the harness
   crashed (non-zero exit), hung past ``timeout`` (its process group is
-  killed), or the env could not be made. The tree comes back with
+  killed), the env could not be made, or its reward could not be read. The tree comes back with
   ``meta["error"]`` (and the last node's ``error``) holding the reason, and the
   output tails in ``meta["harness"]``. Nothing is raised, so the run goes on.
 
@@ -179,8 +179,11 @@ async def run_harness_episode(
             error = f"harness exited with code {run['returncode']}: {run['stderr_tail'][-500:].strip()}"
     state = None
     if instance is not None and env_server is not None:
-        with contextlib.suppress(ProxyError):  # a dead env server only loses the env's reward
+        try:
             state = await _call("POST", f"{env_server.url}/envs/{instance}/close", env_headers)
+        except ProxyError as e:  # no reward to read: a failure, never a silent 0
+            if error is None and verifier is None:
+                error = f"the env's reward could not be read: {e}"
     sess_url = f"{session.proxy_url}/sessions/{session.session_id}"
     headers = session.headers()
     if error is None:

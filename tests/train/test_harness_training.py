@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shlex
 import sys
@@ -60,6 +61,29 @@ def test_merged_sessions_are_one_group_and_failed_sessions_stay_out_of_credit():
     assert adv["b"] == pytest.approx([0, 0, -0.70710, -0.70710], abs=1e-4)
     assert sorted(err for _, _, err in report.failed) == [
         "harness exited with code 3: ", "harness exited with code 4: boom"]
+
+
+def test_a_reward_that_cannot_be_read_fails_the_episode_instead_of_scoring_zero(tokenizer):
+    from agentrl.policy import MockPolicy
+    from agentrl.proxy import RunningServer, create_app
+    from agentrl.proxy.envserver import EnvServerConfig, create_env_app
+    from agentrl.proxy.harness import EnvServer, open_session, run_harness_episode
+
+    # The harness closes its own env, so the runner finds no env to read the reward from.
+    closes_env = ("import httpx, os; e = os.environ; httpx.post(f\"{e['AGENTRL_ENV_URL']}/envs/"
+                  "{e['AGENTRL_ENV_INSTANCE']}/close\", headers={'Authorization': "
+                  "'Bearer ' + e['AGENTRL_ENV_TOKEN']}).raise_for_status()")
+    with RunningServer(create_app(MockPolicy(tokenizer, ["1"]))) as proxy, \
+            RunningServer(create_env_app(EnvServerConfig(token="t"))) as envs:
+        async def run():
+            session = await open_session(proxy.url)
+            return await run_harness_episode([sys.executable, "-c", closes_env], session,
+                                             EnvServer(envs.url, "t", "agentrl/GuessNumber-v0", 0),
+                                             timeout=60)
+
+        tree = asyncio.run(run())
+    assert tree.meta["harness"]["returncode"] == 0
+    assert tree.meta["error"].startswith("the env's reward could not be read")
 
 
 # --------------------------------------------------------------------------- end to end
