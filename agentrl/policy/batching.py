@@ -124,5 +124,10 @@ class MicroBatcher:
                 out.append(e)
         return out
 
+    def wait_idle(self, timeout: float | None = None) -> None:
+        """Block until every ``generate`` call queued so far has finished (they run in order
+        on one thread); raises ``TimeoutError`` after ``timeout`` seconds."""
+        self._pool.submit(lambda: None).result(timeout)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

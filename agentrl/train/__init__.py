@@ -90,10 +90,12 @@ __all__ = [
 # The loop, its config and checkpoints (trainer.py, config.py, checkpoint.py, sft.py).
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from .config import SFTConfig, TrainConfig, TrainRunConfig, load_train_config  # noqa: E402
+from .harness import HarnessRollouts, merge_sessions  # noqa: E402
 from .sft import expert_tree, expert_trees  # noqa: E402
 from .trainer import Trainer, evaluate, train  # noqa: E402
 
 __all__ += [
+    "HarnessRollouts",
     "SFTConfig",
     "TrainConfig",
     "TrainRunConfig",
@@ -104,6 +106,7 @@ __all__ += [
     "latest_checkpoint",
     "load_checkpoint",
     "load_train_config",
+    "merge_sessions",
     "save_checkpoint",
     "train",
 ]

@@ -259,10 +259,10 @@ class HarnessRollouts:
             time.sleep(0.01)
         # The batcher runs generate calls one at a time on one thread: a no-op queued
         # behind them returns once the last has finished.
-        pool = getattr(getattr(self.policy, "batcher", None), "_pool", None)
-        if pool is not None:
+        batcher = getattr(self.policy, "batcher", None)
+        if batcher is not None:
             try:
-                pool.submit(lambda: None).result(max(deadline - time.monotonic(), 1.0))
+                batcher.wait_idle(max(deadline - time.monotonic(), 1.0))
             except RuntimeError:  # the pool was shut down: nothing runs on it
                 pass
             except TimeoutError:
