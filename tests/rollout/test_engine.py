@@ -81,12 +81,20 @@ def assert_token_exact(trees: list[RolloutTree], rec: Recording) -> int:
     return checked
 
 
-@pytest.fixture(params=["mock", "hf"])
+@pytest.fixture(params=["mock", "hf", "openai"])
 def policy(request, tokenizer, tiny_model):
+    """Each backend this machine runs in-process tests with (vLLM's: tests/policy/test_vllm.py)."""
     if request.param == "mock":  # every call answers differently: a (prompt, action) pair names its call
         calls = itertools.count()
-        return Recording(MockPolicy(tokenizer, lambda p: f"word{next(calls)}"))
-    return Recording(HFPolicy(tiny_model, tokenizer, max_batch_size=64))
+        yield Recording(MockPolicy(tokenizer, lambda p: f"word{next(calls)}"))
+    elif request.param == "hf":
+        yield Recording(HFPolicy(tiny_model, tokenizer, max_batch_size=64))
+    else:  # over HTTP, token ids in and out, against a small OpenAI-compatible server over hf
+        from agentrl.policy import OpenAIPolicy
+        from tests.policy.oai_test_server import OAITestServer
+
+        with OAITestServer(HFPolicy(tiny_model, tokenizer)) as server:
+            yield Recording(OpenAIPolicy(server.url, "tiny", tokenizer))
 
 
 @pytest.fixture(autouse=True)
@@ -96,6 +104,7 @@ def _release_hung_steps():
     RELEASE.set()
 
 
+@pytest.mark.parametrize("policy", ["mock", "hf"], indirect=True)  # HTTP adds nothing to what fails here
 def test_64_concurrent_episodes_only_failing_and_hanging_ones_are_marked(policy):
     cfg = load_config(overrides=[
         "rollout.episodes=64", "rollout.max_turns=5", "rollout.concurrency=64",
