@@ -69,7 +69,7 @@ def test_vllm_suite_in_its_venv():
     assert proc.returncode == 0, tail
     # There, only this delegating test skips; every engine test runs.
     summary = proc.stdout.strip().splitlines()[-1]
-    assert re.search(r"\b1 skipped", summary) and int(re.search(r"(\d+) passed", summary)[1]) >= 11, tail
+    assert re.search(r"\b1 skipped", summary) and int(re.search(r"(\d+) passed", summary)[1]) >= 12, tail
 
 
 # --- the engine ---------------------------------------------------------------------------
@@ -293,3 +293,26 @@ def test_update_weights_reloads_in_place_and_matches_hf_on_the_new_weights(polic
     policy.update_weights(hf_model.state_dict())
     assert policy.version == 2
     assert [r.token_ids for r in policy.generate(reqs)] == [b.token_ids for b in before]
+
+
+def test_engine_branches_on_vllm_are_token_exact(policy, tokenizer):
+    """Turn and segment branches sampled by vLLM through the rollout engine: every
+    node's action follows exactly the tokens vLLM was given."""
+    import asyncio
+
+    from agentrl.config import load_config
+    from agentrl.rollout import Budget, Engine
+    from tests.rollout.test_engine import Plan, Recording, assert_token_exact
+
+    rec = Recording(policy)
+    cfg = load_config(overrides=["rollout.max_turns=3", "sampling.max_new_tokens=5",
+                                 "rollout.max_context_tokens=1000", "env.kwargs={high: 1000, max_turns: 3}"])
+    engine = Engine(rec, cfg, "agentrl/GuessNumber-v0")
+    try:
+        trees = asyncio.run(engine.run([0, 1], Plan(2), Budget(8)))
+    finally:
+        engine.close()
+    assert not [n.error for t in trees for n in t.nodes.values() if n.error]
+    assert len(trees[0].leaves()) == 6
+    assert any(n.partial for n in trees[0].nodes.values())
+    assert assert_token_exact(trees, rec) > 0
