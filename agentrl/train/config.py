@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ..config import Config, apply_overrides
 from ..errors import ConfigError
 from .loss import PolicyLossConfig
+from .opd import DistillConfig
 
 __all__ = ["LoraConfig", "SFTConfig", "TrainConfig", "TrainRunConfig", "load_train_config"]
 
@@ -54,7 +55,8 @@ class TrainConfig(_Strict):
         "overrides task_seed_start (e.g. seeds of one task family).")
     seed: int = Field(0, description="Seeds sampling streams, minibatch order and torch init.")
     # -- credit --------------------------------------------------------------------
-    credit: str = Field("grpo", description="Credit assignment method of agentrl.credit.assign.")
+    credit: str = Field("grpo", description="Credit assignment method of agentrl.credit.assign; "
+                        "none: no RL advantage (distillation only, needs distill).")
     credit_options: dict[str, Any] = Field(default_factory=dict,
                                            description="Keyword options of that method.")
     loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig,
@@ -64,6 +66,9 @@ class TrainConfig(_Strict):
                                       "all zero (a group with equal rewards): no policy gradient, "
                                       "so their forward and backward are saved. Kept when the KL "
                                       "or entropy term is on.")
+    distill: DistillConfig | None = Field(None, description="Step-wise on-policy distillation "
+                                          "(agentrl.train.opd): a teacher's per-token advantages "
+                                          "added to the RL ones; null: off.")
     # -- optimizer ---------------------------------------------------------------------
     lr: float = Field(1e-5, ge=0.0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
@@ -113,6 +118,9 @@ class TrainConfig(_Strict):
             raise ValueError("task_seeds: give at least one seed, or null")
         if self.harness is not None and not self.harness.strip():
             raise ValueError("harness: give the command that runs one episode, or null")
+        if self.credit == "none" and self.distill is None:
+            raise ValueError("credit: 'none' leaves nothing to learn from; set distill, or a "
+                             "credit method")
         return self
 
 

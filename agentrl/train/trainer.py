@@ -88,6 +88,7 @@ class Sample:
     versions: list[int]
     old: list[float] | None = None
     ref: list[float] | None = None
+    teacher: list[float] | None = None
 
     @property
     def n_action(self) -> int:
@@ -430,6 +431,10 @@ class Trainer:
         tok = self.policy.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.ref = self._reference()
+        self.distiller = None
+        if t.distill is not None:
+            from .opd import Distiller
+            self.distiller = Distiller(t.distill, tok, self.device, t.steps)
         self.harness = None  # rollouts by an agent program instead of the engine (harness.py)
         if t.harness is not None:
             from .harness import HarnessRollouts
@@ -519,8 +524,13 @@ class Trainer:
         t = self.cfg.train
         stats: dict[str, Any] = {}
         t0 = time.perf_counter()
-        items = assign(trees, t.credit, **t.credit_options)
-        skip = t.skip_zero_advantage and t.loss.kl_coef == 0 and t.loss.entropy_coef == 0
+        if t.credit == "none":
+            from .opd import no_credit
+            items = no_credit(trees)
+        else:
+            items = assign(trees, t.credit, **t.credit_options)
+        skip = (t.skip_zero_advantage and t.loss.kl_coef == 0 and t.loss.entropy_coef == 0
+                and self.distiller is None)
         samples = samples_from_credit(items, skip_zero_advantage=skip)
         stats["train/episodes"] = len(samples)
         stats["time/credit_s"] = time.perf_counter() - t0
@@ -535,6 +545,10 @@ class Trainer:
                 tokens += score_samples(ref, samples, "ref", t.micro_batch_tokens, self.pad_id,
                                         self.temperature)
             fields += ("ref",)
+        if self.distiller is not None:  # the teacher scores the same tokens; A += w * A_distill
+            stats.update(self.distiller.apply(samples, step, lambda net, attr, temp: score_samples(
+                net, samples, attr, t.micro_batch_tokens, self.pad_id, temp)))
+            tokens += stats["distill/teacher_tokens"]
         stats["time/old_logprobs_s"] = time.perf_counter() - t0
         flat = lambda attr: torch.tensor([x for s in samples for x in getattr(s, attr)])  # noqa: E731
         mm = mismatch_stats(flat("old"), flat("behaviour"), flat("mask").bool())

@@ -1,0 +1,131 @@
+"""Step-wise on-policy distillation in the RL loop: a frozen teacher scores the student's own turns.
+
+One job: wire the per-token signals of ``agentrl.train.distill`` into a
+rollout batch. Each step the student samples (the rollout engine), the
+trainer recomputes the student's logprobs (``Sample.old``), a frozen teacher
+scores the *same* token ids at the student's action positions only
+(``Sample.teacher``), and every action token's advantage becomes
+
+    A_t = A_rl_t + w(step) * (log pi_teacher(y_t) - log pi_student(y_t))
+
+(``reverse_kl_advantage``, Lu and Thinking Machines 2025, "On-Policy
+Distillation": the per-token negative reverse KL as a reward with discount
+0; mixing it into the RL advantage with a schedule is dGRPO-style, see
+``combine_rl_and_distill``). With ``train.credit: none`` there is no RL term:
+plain OPD (Agarwal et al. 2024, GKD, on-policy with the reverse KL).
+
+The teacher must share the student's tokenizer, because it scores the
+student's token ids as they were sampled (never re-tokenized). Each step logs
+the batch's teacher-student reverse KL, estimated on the sampled tokens
+(``distill/reverse_kl``: the mean of log pi_s - log pi_t, Schulman's k1
+estimator of KL(pi_s || pi_t)).
+
+Not here yet: ``teacher: self`` (the student's initial weights given
+privileged context), and the distribution-level signals (top-K, forward KL,
+JSD), which need the teacher's logits at more than the sampled token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import ConfigError
+from ..types import Episode, RolloutTree
+from .distill import linear_schedule, reverse_kl_advantage
+
+__all__ = ["DistillConfig", "Distiller", "add_distill_advantages", "distill_weight", "load_teacher",
+           "no_credit"]
+
+
+class DistillConfig(BaseModel):
+    """The ``train.distill`` section: who teaches, with which signal, how strongly."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    teacher: str = Field(description="A registered model name or a local transformers folder "
+                         "(e.g. an SFT checkpoint's hf/), loaded frozen; same tokenizer as the student.")
+    signal: Literal["reverse_kl"] = Field(
+        "reverse_kl", description="Per-token signal: the sampled-token reverse-KL advantage "
+        "log pi_teacher - log pi_student.")
+    weight: float = Field(1.0, ge=0.0, description="Distillation weight w at step 0.")
+    weight_end: float | None = Field(None, ge=0.0, description="w at the end of the schedule "
+                                     "(linear from weight); null: constant.")
+    weight_steps: int | None = Field(None, ge=1, description="Steps over which w moves to "
+                                     "weight_end; null: train.steps.")
+    teacher_temperature: float = Field(1.0, gt=0.0, description="Temperature the teacher's "
+                                       "logits are divided by when it scores.")
+
+
+def distill_weight(cfg: DistillConfig, step: int, total_steps: int) -> float:
+    """The distillation weight of step ``step`` (0-based): constant, or linear from weight to weight_end."""
+    if cfg.weight_end is None:
+        return cfg.weight
+    return linear_schedule(step, cfg.weight, cfg.weight_end, cfg.weight_steps or max(total_steps, 1))
+
+
+def load_teacher(name: str, student_tokenizer: Any, device: torch.device) -> torch.nn.Module:
+    """The frozen teacher model; refuses one whose tokenizer differs from the student's."""
+    from ..models import load_model
+
+    try:
+        model, tokenizer = load_model(name, device=str(device))
+    except Exception as e:  # an unknown name or a folder transformers cannot read
+        raise ConfigError(f"train.distill.teacher={name!r}: cannot load it ({e})") from e
+    if tokenizer.get_vocab() != student_tokenizer.get_vocab():
+        raise ConfigError(f"train.distill.teacher={name!r} has another tokenizer than the student; "
+                          "the teacher scores the student's token ids, so they must share one")
+    return model.requires_grad_(False).eval()
+
+
+def no_credit(trees: Sequence[RolloutTree]) -> list[tuple[Episode, list[float]]]:
+    """``train.credit: none``: every kept episode with all-zero RL advantages (failed ones left out)."""
+    return [(ep, [0.0] * len(ep.input_ids)) for tree in trees for ep in tree.episodes()
+            if not ep.error]
+
+
+ScoreFn = Callable[[torch.nn.Module, str, float], int]  # (model, Sample attribute, temperature) -> tokens
+
+
+class Distiller:
+    """Holds the frozen teacher; ``apply`` adds the distillation advantages to a scored batch."""
+
+    def __init__(self, cfg: DistillConfig, student_tokenizer: Any, device: torch.device,
+                 total_steps: int):
+        self.cfg = cfg
+        self.total_steps = total_steps
+        self.teacher = load_teacher(cfg.teacher, student_tokenizer, device)
+
+    def apply(self, samples: list[Any], step: int, score: ScoreFn) -> dict[str, float]:
+        """Teacher-score ``samples`` (their ``old`` must be filled), then add the weighted signal.
+
+        ``score(model, attr, temperature)`` fills ``sample.<attr>`` for every
+        sample and returns the tokens it ran. Returns ``distill/*`` stats.
+        """
+        tokens = score(self.teacher, "teacher", self.cfg.teacher_temperature)
+        w = distill_weight(self.cfg, step, self.total_steps)
+        kl = add_distill_advantages(samples, w)
+        return {"distill/reverse_kl": kl, "distill/weight": w, "distill/teacher_tokens": tokens}
+
+
+def add_distill_advantages(samples: list[Any], weight: float) -> float:
+    """``A += weight * (log pi_t - log pi_s)`` on every action token, in place; returns the batch's KL estimate.
+
+    ``sample.old`` holds the student's logprobs and ``sample.teacher`` the
+    teacher's, aligned with ``input_ids``; context tokens keep their advantage.
+    The returned value is the mean of ``log pi_s - log pi_t`` over all action
+    tokens of the batch (k1 estimate of KL(pi_s || pi_t) on the sampled tokens).
+    """
+    gap_sum, n = 0.0, 0
+    for s in samples:
+        if s.old is None or s.teacher is None:
+            raise ValueError("add_distill_advantages needs sample.old and sample.teacher filled")
+        mask = torch.tensor(s.mask, dtype=torch.bool)
+        a_distill = reverse_kl_advantage(torch.tensor(s.old), torch.tensor(s.teacher)) * mask
+        s.advantages = (torch.tensor(s.advantages) + weight * a_distill).tolist()
+        gap_sum -= float(a_distill.sum())
+        n += int(mask.sum())
+    return gap_sum / max(n, 1)

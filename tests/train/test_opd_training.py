@@ -1,0 +1,109 @@
+"""Step-wise on-policy distillation in the loop: the teacher scores the student's turns, KL falls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentrl.errors import ConfigError
+from agentrl.rollout import collect
+from agentrl.train.config import TrainConfig, load_train_config
+from agentrl.train.opd import DistillConfig, add_distill_advantages, distill_weight, load_teacher
+from agentrl.train.sft import sft_phase
+from agentrl.train.trainer import Sample, Trainer, _Bars, sync_policy
+
+GUESS = ["policy.model=tiny-random", "env.id=agentrl/GuessNumber-v0",
+         "env.kwargs={high: 4, max_turns: 3}", "rollout.max_turns=3", "rollout.max_context_tokens=256",
+         "sampling.max_new_tokens=3", "train.micro_batch_tokens=2048", "train.eval_episodes=0",
+         "train.tensorboard=false", "train.plot=false", "train.export_hf=false"]
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def test_distill_advantages_add_the_weighted_log_ratio_on_action_tokens_only():
+    s = Sample(input_ids=[1, 2, 3, 4], mask=[0, 1, 1, 0], behaviour=[0.0] * 4,
+               advantages=[0.0, 0.5, 0.5, 0.0], versions=[-1, 0, 0, -1],
+               old=[0.0, -1.0, -2.0, 0.0], teacher=[-9.0, -0.5, -3.0, -9.0])
+    kl = add_distill_advantages([s], weight=2.0)
+    # A_distill = log pi_t - log pi_s = [_, 0.5, -1.0, _]; A = A_rl + 2 * A_distill.
+    assert s.advantages == pytest.approx([0.0, 1.5, -1.5, 0.0])
+    assert kl == pytest.approx((-0.5 + 1.0) / 2)  # mean of log pi_s - log pi_t
+
+
+def test_distill_weight_follows_its_linear_schedule():
+    cfg = DistillConfig(teacher="x", weight=1.0, weight_end=0.0)
+    assert [distill_weight(cfg, k, 4) for k in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+    assert distill_weight(DistillConfig(teacher="x", weight=0.3), 7, 4) == 0.3
+    steps2 = DistillConfig(teacher="x", weight=1.0, weight_end=0.5, weight_steps=2)
+    assert distill_weight(steps2, 1, 100) == pytest.approx(0.75)
+
+
+def test_credit_none_needs_a_teacher_and_a_teacher_must_load(tokenizer):
+    with pytest.raises(ValueError, match="credit: 'none'"):
+        TrainConfig(credit="none")
+    assert TrainConfig(credit="none", distill={"teacher": "tiny-random"}).distill.weight == 1.0
+    with pytest.raises(ConfigError, match="train.distill.teacher='no-such-model'"):
+        load_teacher("no-such-model", tokenizer, torch.device("cpu"))
+
+
+# --------------------------------------------------------------------------- it distills
+
+
+@pytest.fixture(scope="module")
+def sft_teacher(tmp_path_factory):
+    """The tiny student's own initial weights after 8 SFT steps on GuessNumber's expert, saved as a folder."""
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("teacher")
+    cfg = load_train_config(None, GUESS + ["sft.episodes=32", "sft.epochs=2", "sft.lr=1e-2",
+                                           "sft.minibatch_size=8", f"train.out_dir={out / 'run'}"])
+    trainer = Trainer(cfg, progress=False)
+    st = sft_phase(trainer)
+    assert st["sft/nll_after"] < st["sft/nll_before"] - 5  # the teacher really differs from the student
+    trainer.net.save_pretrained(out / "hf")
+    trainer.policy.tokenizer.save_pretrained(out / "hf")
+    return str(out / "hf")
+
+
+def held_out_reverse_kl(trainer: Trainer, teacher: torch.nn.Module, seeds: list[int]) -> float:
+    """Exact KL(pi_s || pi_t) over the vocabulary, averaged over the action tokens of fresh student rollouts."""
+    trees = collect(trainer.cfg.env.id, trainer.policy, trainer.cfg, seeds)
+    kls = []
+    with torch.no_grad():
+        for tree in trees:
+            for ep in tree.episodes():
+                ids = torch.tensor([ep.input_ids])
+                action = torch.tensor(ep.loss_mask[1:], dtype=torch.bool)  # predicted from t - 1
+                s = torch.log_softmax(trainer.net(ids).logits[0, :-1] / trainer.temperature, -1)
+                t = torch.log_softmax(teacher(ids).logits[0, :-1], -1)
+                kls.append((s.exp() * (s - t)).sum(-1)[action])
+    return float(torch.cat(kls).mean())
+
+
+def opd_run(tmp_path, teacher: str, lr: float, steps: int = 4) -> tuple[float, float, list[dict]]:
+    cfg = load_train_config(None, GUESS + [
+        "sampling.temperature=0.1", "rollout.group_size=4", "train.tasks_per_step=4",
+        "train.credit=none", f"train.distill={{teacher: {teacher}}}", f"train.lr={lr}",
+        f"train.steps={steps}", "train.minibatch_size=16", f"train.out_dir={tmp_path}"])
+    tr = Trainer(cfg, progress=False)
+    held_out = list(range(1000, 1008))
+    before = held_out_reverse_kl(tr, tr.distiller.teacher, held_out)
+    bars, log = _Bars(tr.console, False), []
+    for k in range(steps):
+        trees, _ = tr.rollout(k, bars)
+        log.append(tr.learn(trees, k, bars))
+        sync_policy(tr.policy, tr.model)
+    return before, held_out_reverse_kl(tr, tr.distiller.teacher, held_out), log
+
+
+def test_opd_lowers_teacher_student_kl_on_held_out_rollouts_where_lr_zero_does_not(tmp_path, sft_teacher):
+    torch.set_num_threads(1)
+    before, after, log = opd_run(tmp_path / "opd", sft_teacher, lr=1e-2, steps=3)
+    assert before > 1.0  # the student at temperature 0.1 is far from the SFT'd teacher
+    print(f"held-out KL(student || teacher): {before:.3f} -> {after:.3f}")
+    assert after < 0.7 * before, (before, after)
+    assert all(r["distill/weight"] == 1.0 and r["distill/teacher_tokens"] > 0 for r in log)
+    assert log[-1]["distill/reverse_kl"] < log[0]["distill/reverse_kl"]
+    frozen_before, frozen_after, _ = opd_run(tmp_path / "lr0", sft_teacher, lr=0.0, steps=1)
+    assert frozen_before == pytest.approx(before)  # same student, same held-out streams
+    assert frozen_after == pytest.approx(frozen_before)
