@@ -66,6 +66,9 @@ class TrainConfig(_Strict):
                                       "all zero (a group with equal rewards): no policy gradient, "
                                       "so their forward and backward are saved. Kept when the KL "
                                       "or entropy term is on.")
+    tree_packing: bool = Field(False, description="Run each minibatch's episodes as prefix trees "
+                               "(agentrl.train.tree_pack): tokens shared by a tree's episodes go "
+                               "through the model once. Needs loss.agg=token-mean, no KL or entropy term.")
     distill: DistillConfig | None = Field(None, description="Step-wise on-policy distillation "
                                           "(agentrl.train.opd): a teacher's per-token advantages "
                                           "added to the RL ones; null: off.")

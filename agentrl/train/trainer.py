@@ -309,7 +309,9 @@ def train_on_samples(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
                      samples: list[Sample], loss_fn: LossFn, *, fields: tuple[str, ...],
                      epochs: int, minibatch_size: int, max_tokens: int, max_grad_norm: float | None,
                      per_token: bool, pad_id: int, temperature: float, generator: torch.Generator,
-                     on_minibatch: Callable[[], None] | None = None) -> dict[str, float]:
+                     on_minibatch: Callable[[], None] | None = None,
+                     minibatch: Callable[..., tuple[dict[str, float], int]] | None = None
+                     ) -> dict[str, float]:
     """``epochs`` shuffled passes of minibatches, one optimizer step each; mean stats."""
     net = _base(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -320,8 +322,8 @@ def train_on_samples(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
         for _ in range(epochs):
             order = torch.randperm(len(samples), generator=generator).tolist()
             for s in range(0, len(order), minibatch_size):
-                st, n = _minibatch(net, samples, order[s:s + minibatch_size], loss_fn, fields,
-                                   per_token, max_tokens, pad_id, temperature)
+                st, n = (minibatch or _minibatch)(net, samples, order[s:s + minibatch_size], loss_fn,
+                                                  fields, per_token, max_tokens, pad_id, temperature)
                 if max_grad_norm is not None:
                     st["grad/norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
                 optimizer.step()
@@ -431,6 +433,11 @@ class Trainer:
         tok = self.policy.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.ref = self._reference()
+        self.score, self.minibatch = score_samples, _minibatch  # episode packing
+        if t.tree_packing:  # each tree's shared tokens once (tree_pack.py)
+            from .tree_pack import check_tree_packing, score_samples_tree, tree_minibatch
+            check_tree_packing(t.loss)
+            self.score, self.minibatch = score_samples_tree, tree_minibatch
         self.distiller = None
         if t.distill is not None:
             from .opd import Distiller
@@ -537,8 +544,8 @@ class Trainer:
         if not samples:
             return stats
         t0 = time.perf_counter()
-        tokens = score_samples(self.net, samples, "old", t.micro_batch_tokens, self.pad_id,
-                               self.temperature)
+        tokens = self.score(self.net, samples, "old", t.micro_batch_tokens, self.pad_id,
+                            self.temperature)
         fields: tuple[str, ...] = ("advantages", "old", "behaviour", "versions")
         if t.loss.kl_coef > 0:
             with self._ref_net() as ref:
@@ -546,7 +553,7 @@ class Trainer:
                                         self.temperature)
             fields += ("ref",)
         if self.distiller is not None:  # the teacher scores the same tokens; A += w * A_distill
-            stats.update(self.distiller.apply(samples, step, lambda net, attr, temp: score_samples(
+            stats.update(self.distiller.apply(samples, step, lambda net, attr, temp: self.score(
                 net, samples, attr, t.micro_batch_tokens, self.pad_id, temp)))
             tokens += stats["distill/teacher_tokens"]
         stats["time/old_logprobs_s"] = time.perf_counter() - t0
@@ -561,7 +568,8 @@ class Trainer:
                               fields=fields, epochs=t.epochs, minibatch_size=t.minibatch_size,
                               max_tokens=t.micro_batch_tokens, max_grad_norm=t.max_grad_norm,
                               per_token=t.loss.agg == "token-mean", pad_id=self.pad_id,
-                              temperature=self.temperature, generator=gen, on_minibatch=advance)
+                              temperature=self.temperature, generator=gen, on_minibatch=advance,
+                              minibatch=self.minibatch)
         wall = time.perf_counter() - t0
         stats.update(st)
         stats["time/train_s"] = wall

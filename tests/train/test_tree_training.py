@@ -103,3 +103,122 @@ def test_segment_forks_inside_a_turn_train(tmp_path):
     assert torch.isfinite(torch.tensor(stats["loss/total"]))
     assert stats["train/episodes"] > 0  # fixed seeds: the branches' returns differ
     assert any(not torch.equal(v, before[k]) for k, v in tr.net.state_dict().items())
+
+
+# --------------------------------------------------------------------------- tree packing
+
+
+def _grads(net) -> dict[str, torch.Tensor]:
+    out = {k: p.grad.clone() for k, p in net.named_parameters() if p.grad is not None}
+    net.zero_grad(set_to_none=True)
+    return out
+
+
+def _both_layouts(tr: Trainer, samples, fields=("advantages", "old", "behaviour", "versions")):
+    """Loss stats, gradients and tokens run of one minibatch in episode rows, then in tree rows."""
+    from agentrl.train.trainer import _minibatch
+    from agentrl.train.tree_pack import tree_minibatch
+
+    args = (tr.net, samples, list(range(len(samples))), tr._rl_loss, fields, True,
+            tr.cfg.train.micro_batch_tokens, tr.pad_id, tr.temperature)
+    tr.net.zero_grad(set_to_none=True)
+    ep_stats, ep_tokens = _minibatch(*args)
+    ep_grads = _grads(tr.net)
+    tree_stats, tree_tokens = tree_minibatch(*args)
+    return ep_stats, ep_grads, ep_tokens, tree_stats, _grads(tr.net), tree_tokens
+
+
+def _assert_same_update(ep_stats, ep_grads, tree_stats, tree_grads):
+    assert tree_stats["loss/total"] == pytest.approx(ep_stats["loss/total"], rel=1e-4, abs=1e-6)
+    assert ep_grads.keys() == tree_grads.keys() and ep_grads
+    for k, g in ep_grads.items():
+        torch.testing.assert_close(tree_grads[k], g, rtol=1e-3, atol=1e-6, msg=k)
+
+
+def test_tree_packing_gives_the_episode_packed_loss_and_gradients(tmp_path):
+    """Turn-level branches: shared prompt and shared first turns, each run once, same update."""
+    import copy
+    import math
+
+    from agentrl.train.trainer import samples_from_credit, score_samples
+    from agentrl.train.tree_pack import score_samples_tree
+
+    torch.set_num_threads(1)
+    tr = tree_trainer(tmp_path, "rollout.allocator=segment_tree",
+                      "rollout.allocator_options={depth: 2, width: 2}")
+    trees, _ = tr.rollout(0, _Bars(tr.console, False))
+    samples = samples_from_credit(assign(trees, "tree"))
+    assert len(samples) == 8
+    tree_scored = copy.deepcopy(samples)
+    ep_tokens = score_samples(tr.net, samples, "old", 2048, tr.pad_id, tr.temperature)
+    tree_tokens = score_samples_tree(tr.net, tree_scored, "old", 2048, tr.pad_id, tr.temperature)
+    for a, b in zip(samples, tree_scored, strict=True):
+        assert b.old == pytest.approx(a.old, abs=1e-5)
+    assert tree_tokens < 0.6 * ep_tokens  # the two trees' prompts and first turns ran once
+    # Old logprobs off the current ones (a function of the prefix, so equal on shared tokens):
+    # ratios leave the clip range and the clipped branch of PPO is compared too.
+    for s in samples:
+        s.old = [o + (0.4 * math.sin(sum(s.input_ids[:t + 1]) + t) if m else 0.0)
+                 for t, (o, m) in enumerate(zip(s.old, s.mask, strict=True))]
+    ep_stats, ep_grads, ep_run, tree_stats, tree_grads, tree_run = _both_layouts(tr, samples)
+    assert ep_stats["ppo/clip_frac_low"] + ep_stats["ppo/clip_frac_high"] > 0
+    _assert_same_update(ep_stats, ep_grads, tree_stats, tree_grads)
+    assert tree_run < 0.6 * ep_run
+
+
+def test_tree_packing_sums_advantages_on_a_forked_turns_shared_tokens(tmp_path):
+    """A fork inside a turn: its first token belongs to three episodes with different advantages.
+
+    At ratio 1 (the first pass) the PPO loss is linear in A, so one token with
+    the summed advantage gives the same loss and gradient as its three copies.
+    """
+    from agentrl.rollout import Budget, collect
+    from agentrl.train.trainer import samples_from_credit, score_samples
+
+    torch.set_num_threads(1)
+    tr = tree_trainer(tmp_path)
+    trees = collect(tr.cfg.env.id, tr.policy, tr.cfg, [0, 1], ForkInsideFirstTurn(), Budget(6))
+    samples = samples_from_credit(assign(trees, "tree"))
+    assert len(samples) == 6
+    # Episode-level advantages of both signs (tree credit's would sum to about 0 over the
+    # fork's three continuations, which could hide a mean-instead-of-sum mistake).
+    for j, s in enumerate(samples):
+        s.advantages = [(0.5, -1.0, 2.0)[j % 3] * m for m in s.mask]
+    score_samples(tr.net, samples, "old", 2048, tr.pad_id, tr.temperature)
+    ep_stats, ep_grads, _, tree_stats, tree_grads, _ = _both_layouts(tr, samples)
+    _assert_same_update(ep_stats, ep_grads, tree_stats, tree_grads)
+
+
+def test_tree_groups_split_at_the_token_limit_and_keep_shared_prefixes_together():
+    from agentrl.train.tree_pack import tree_groups
+
+    seqs = [[1, 2, 3, 4], [9, 9], [1, 2, 3, 5], [1, 2, 7]]
+    # Sorted: [1,2,3,4] (4 nodes), [1,2,3,5] (+1), [1,2,7] (+1) -> 6 nodes; [9,9] (+2) -> 8.
+    assert tree_groups(seqs, 8) == [[0, 2, 3, 1]]
+    assert tree_groups(seqs, 6) == [[0, 2, 3], [1]]
+    # At 5: [1,2,3,4] + [1,2,3,5] = 5 nodes; [1,2,7] alone would add 1 more, so it opens a group.
+    assert tree_groups(seqs, 5) == [[0, 2], [3, 1]]
+    with pytest.raises(ValueError, match="max_tokens=3"):
+        tree_groups(seqs, 3)
+
+
+def test_tree_packing_refuses_losses_it_cannot_weight(tmp_path):
+    from agentrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="token-mean"):
+        tree_trainer(tmp_path, "train.tree_packing=true", "train.loss={agg: seq-mean-token-mean}")
+    with pytest.raises(ConfigError, match="kl_coef=0"):
+        tree_trainer(tmp_path, "train.tree_packing=true", "train.loss={kl_coef: 0.1}")
+
+
+def test_a_tree_packed_step_runs_through_the_trainer(tmp_path):
+    torch.set_num_threads(1)
+    tr = tree_trainer(tmp_path, "rollout.allocator=segment_tree",
+                      "rollout.allocator_options={depth: 2, width: 2}", "train.tree_packing=true")
+    before = {k: v.clone() for k, v in tr.net.state_dict().items()}
+    bars = _Bars(tr.console, False)
+    trees, _ = tr.rollout(0, bars)
+    stats = tr.learn(trees, 0, bars)
+    assert stats["mismatch/max_abs_dlogprob"] < 1e-3  # tree-scored old logprobs match the sampler's
+    assert torch.isfinite(torch.tensor(stats["loss/total"]))
+    assert any(not torch.equal(v, before[k]) for k, v in tr.net.state_dict().items())

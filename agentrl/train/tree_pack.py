@@ -1,0 +1,219 @@
+"""Tree packing: a minibatch's episodes go through the model as prefix trees, each shared token once.
+
+One job: the ``train.tree_packing`` layout of the trainer's two forward
+passes (the no-grad scoring of old, reference or teacher logprobs, and the
+loss forward). The episodes of one ``RolloutTree`` share their opening prompt
+and every turn above a branch point; episode packing (``pack_sequences``) runs
+those tokens once per episode, a prefix tree (``prefix_tree``) runs them once.
+Each tree row is one ``[1, N]`` row: token i attends to its ancestors
+(``tree_attention_mask``), sits at position = its depth, and its logprob comes
+from its parent's logits, so every token sees exactly the context it had in
+its own episode and gets the same logprob as in episode packing.
+
+Mapping per-token values onto tree tokens. A trie node is shared by the
+member episodes whose prefixes agree up to it:
+
+- a shared *context* token (the prompt, an observation) is in no loss;
+- a shared *action* token (a turn above a branch point, the partial node of a
+  segment fork) is one node with ``k`` member episodes that sampled it. It
+  carries the **sum** of their advantages; old, behaviour and reference
+  logprobs are the members' mean (they are equal: the same token in the same
+  context), and its version is the oldest.
+
+Why the sum: PPO-clip (and its dual clip) is positively homogeneous in the
+advantage, ``loss(r, A1) + loss(r, A2) = loss(r, A1 + A2)`` when A1 and A2
+have the same sign, and at any sign inside the clip range, where the loss is
+linear in A. So a shared token's loss equals the sum of its ``k`` copies in
+episode packing, and the minibatch's token-mean over episode tokens is kept by
+weighting each row with ``(its distinct action tokens) / (the minibatch's
+episode action tokens)``. With tree credit at turn level every member of a
+shared action token has the same advantage, so the loss and its gradient equal
+episode packing's exactly (up to float rounding). They differ only where a
+segment fork's members have advantages of opposite signs *and* the ratio is
+outside the clip range (the copies would be clipped differently).
+
+Limits (checked by ``check_tree_packing``): ``loss.agg`` must be
+``token-mean`` (the sequence means need per-episode sums, which a shared token
+does not split into), and the KL and entropy terms must be off (they have no
+advantage to carry the multiplicity; ``policy_loss`` would count each distinct
+token once). The saving needs a tree's episodes in the same minibatch: with
+``minibatch_size`` at least the batch's episodes, every tree is one row (when
+it fits ``micro_batch_tokens``). The 4D mask is dense, ``N^2`` booleans a row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from .logprobs import PrefixTree, prefix_tree, token_logprobs, tree_attention_mask
+
+__all__ = [
+    "TreeRow",
+    "check_tree_packing",
+    "score_samples_tree",
+    "tree_groups",
+    "tree_minibatch",
+    "tree_row",
+]
+
+
+def check_tree_packing(loss_cfg: Any) -> None:
+    """Refuse loss options that tree packing cannot weight like episode packing."""
+    if loss_cfg.agg != "token-mean":
+        raise ConfigError(f"train.tree_packing needs train.loss.agg='token-mean', got {loss_cfg.agg!r}: "
+                          "a shared token cannot be split between per-episode means")
+    if loss_cfg.kl_coef > 0 or loss_cfg.entropy_coef > 0:
+        raise ConfigError("train.tree_packing needs train.loss.kl_coef=0 and entropy_coef=0: those "
+                          "terms would count each shared token once instead of once per episode")
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def tree_groups(seqs: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Indices of ``seqs`` grouped so that each group's prefix tree has at most ``max_tokens`` nodes.
+
+    Sequences are taken in lexicographic order, so the ones that share a
+    prefix are neighbours; in that order the nodes a sequence adds to the trie
+    are its length minus its common prefix with the previous one (the longest
+    common prefix with any earlier sequence is with the previous one). A group
+    closes when the next sequence would not fit.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    groups: list[list[int]] = []
+    size, prev = 0, None
+    for i in sorted(range(len(seqs)), key=lambda i: seqs[i]):
+        s = seqs[i]
+        if not s or len(s) > max_tokens:
+            raise ValueError(f"seqs[{i}] has {len(s)} tokens; it must have 1 to max_tokens={max_tokens}")
+        new = len(s) - (_common_prefix(prev, s) if prev is not None else 0)
+        if not groups or size + new > max_tokens:
+            groups.append([])
+            size, new = 0, len(s)
+        groups[-1].append(i)
+        size, prev = size + new, s
+    return groups
+
+
+@dataclass(slots=True)
+class TreeRow:
+    """One prefix tree's tensors, ``[1, N]`` each (``attn`` ``[1, 1, N, N]``), as the loss sees a row.
+
+    ``members[j]`` is a sample index and ``trie.index[j]`` the node of each of its tokens.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attn: torch.Tensor
+    parents: torch.Tensor
+    mask: torch.Tensor
+    seq_ids: torch.Tensor
+    values: dict[str, torch.Tensor]
+    members: list[int]
+    trie: PrefixTree
+
+
+def _node_values(samples: list[Any], members: list[int], trie: PrefixTree, field: str,
+                 counts: torch.Tensor) -> torch.Tensor:
+    """Per-node ``field`` over the members that sampled the node (see the module docstring)."""
+    n = len(trie.input_ids)
+    if field == "versions":
+        out = torch.full((n,), torch.iinfo(torch.long).max, dtype=torch.long)
+        for i, nodes in zip(members, trie.index, strict=True):
+            s = samples[i]
+            idx = torch.tensor(nodes)[torch.tensor(s.mask, dtype=torch.bool)]
+            v = torch.tensor(s.versions, dtype=torch.long)[torch.tensor(s.mask, dtype=torch.bool)]
+            out.scatter_reduce_(0, idx, v, "amin")
+        return torch.where(counts > 0, out, torch.full_like(out, -1))
+    total = torch.zeros(n)
+    for i, nodes in zip(members, trie.index, strict=True):
+        s = samples[i]
+        total.index_add_(0, torch.tensor(nodes), torch.tensor(getattr(s, field)) * torch.tensor(s.mask))
+    if field == "advantages":
+        return total  # the sum: PPO-clip is homogeneous in A
+    return total / counts.clamp(min=1)
+
+
+def tree_row(samples: list[Any], members: list[int], device: torch.device,
+             fields: tuple[str, ...]) -> TreeRow:
+    """The prefix tree of ``samples[members]`` with per-node mask counts and ``fields`` mapped on."""
+    trie = prefix_tree([samples[i].input_ids for i in members])
+    n = len(trie.input_ids)
+    counts = torch.zeros(n)
+    for i, nodes in zip(members, trie.index, strict=True):
+        counts.index_add_(0, torch.tensor(nodes), torch.tensor(samples[i].mask, dtype=torch.float32))
+    attn, depth = tree_attention_mask(trie.parents)
+    values = {f: _node_values(samples, members, trie, f, counts).to(device)[None] for f in fields}
+    return TreeRow(torch.tensor([trie.input_ids], device=device), depth[None].to(device),
+                   attn[None, None].to(device), torch.tensor([trie.parents], device=device),
+                   (counts > 0)[None].to(device), torch.zeros(1, n, dtype=torch.long, device=device),
+                   values, members, trie)
+
+
+def _forward(net: torch.nn.Module, row: TreeRow, temperature: float
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if row.input_ids.device.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
+    with autocast:
+        return token_logprobs(net, row.input_ids, row.attn, row.mask, temperature,
+                              position_ids=row.position_ids, parents=row.parents)
+
+
+@torch.no_grad()
+def score_samples_tree(net: torch.nn.Module, samples: list[Any], attr: str, max_tokens: int,
+                       pad_id: int, temperature: float) -> int:
+    """``score_samples`` in tree rows: fills ``sample.<attr>`` (0 off the sample's action tokens); tokens run."""
+    del pad_id  # a tree row has no padding
+    dev = next(net.parameters()).device
+    tokens = 0
+    for group in tree_groups([s.input_ids for s in samples], max_tokens):
+        row = tree_row(samples, group, dev, ())
+        lp, _ = _forward(net, row, temperature)
+        flat = lp[0].detach().float().cpu()
+        for i, nodes in zip(row.members, row.trie.index, strict=True):
+            mask = torch.tensor(samples[i].mask, dtype=torch.float32)
+            setattr(samples[i], attr, (flat[torch.tensor(nodes)] * mask).tolist())
+        tokens += row.input_ids.shape[1]
+    return tokens
+
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, dict[str, float]]]
+
+
+def tree_minibatch(net: torch.nn.Module, samples: list[Any], idx: list[int], loss_fn: LossFn,
+                   fields: tuple[str, ...], per_token: bool, max_tokens: int, pad_id: int,
+                   temperature: float) -> tuple[dict[str, float], int]:
+    """The trainer's ``_minibatch`` in tree rows: accumulate one minibatch's gradient; weighted stats, tokens run."""
+    if not per_token:
+        raise ConfigError("train.tree_packing needs train.loss.agg='token-mean'")
+    del pad_id
+    dev = next(net.parameters()).device
+    total = sum(samples[i].n_action for i in idx)
+    groups = tree_groups([samples[i].input_ids for i in idx], max_tokens)
+    rows = [tree_row(samples, [idx[j] for j in g], dev, fields) for g in groups]
+    distinct = sum(int(r.mask.sum()) for r in rows)
+    stats: dict[str, float] = {}
+    tokens = 0
+    for row in rows:
+        lp, ent = _forward(net, row, temperature)
+        loss, st = loss_fn(lp, ent, row)
+        share = int(row.mask.sum()) / max(total, 1)  # distinct action tokens; A carries the rest
+        (loss * share).backward()
+        st["loss/entropy_mean"] = float((ent.detach() * row.mask).sum() / row.mask.sum().clamp(min=1))
+        for k, v in st.items():  # losses add up as in episode packing; rates are per distinct token
+            w = share if k.startswith("loss/") and k != "loss/entropy_mean" else int(row.mask.sum()) / max(distinct, 1)
+            stats[k] = stats.get(k, 0.0) + w * v
+        tokens += row.input_ids.shape[1]
+    return stats, tokens
