@@ -43,13 +43,46 @@ def _load(config: Path | None, set_: list[str] | None, extra: list[str]) -> Any:
     return cfg
 
 
+_PHASE_ROWS = {"start": ("start (base model)", ("start",)),
+               "after_sft": ("after SFT", ("sft",)),
+               "end": ("after RL", ("rl", "end"))}
+
+
+def phase_seconds(metrics_path: str | Path) -> dict[str, float]:
+    """Wall seconds of each phase row from ``metrics.jsonl``: the sum of its ``time/*`` entries.
+
+    ``start`` is the first evaluation; ``after_sft`` the SFT phase and its
+    evaluation; ``end`` the RL steps (rollouts, update, evals, checkpoints) and
+    the final evaluation.
+    """
+    from .metrics import read_metrics
+
+    out: dict[str, float] = {}
+    for row, (_, logged) in _PHASE_ROWS.items():
+        out[row] = sum(v for m in read_metrics(metrics_path) if m.get("phase") in logged
+                       for k, v in m.items() if k.startswith("time/") and isinstance(v, int | float))
+    return out
+
+
 def _report(summary: dict[str, Any], wall: float) -> None:
+    """The per-phase table: held-out success, change from the previous phase, seconds."""
+    seconds = phase_seconds(summary["metrics"]) if summary.get("metrics") else {}
     table = Table(title="held-out success rate")
     table.add_column("phase")
     table.add_column("success", justify="right")
+    table.add_column("change", justify="right")
+    table.add_column("seconds", justify="right")
+    prev = None
     for phase, rate in summary["phases"].items():
-        table.add_row(phase, f"{rate:.3f}")
+        label = _PHASE_ROWS.get(phase, (phase,))[0]
+        change = "" if prev is None else f"{rate - prev:+.3f}"
+        table.add_row(label, f"{rate:.3f}", change, f"{seconds.get(phase, 0.0):.0f}")
+        prev = rate
     console.print(table)
+    rates = list(summary["phases"].values())
+    if len(rates) > 1:
+        console.print(f"trained policy vs starting policy on the same held-out seeds: "
+                      f"{rates[-1]:.3f} vs {rates[0]:.3f} ({rates[-1] - rates[0]:+.3f})")
     console.print(json.dumps({**summary, "wall_s": round(wall, 1)}))
 
 
