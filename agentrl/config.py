@@ -77,8 +77,10 @@ class RolloutConfig(_Strict):
     env_executor: Literal["thread", "process", "inline"] = Field(
         "thread", description="Where env steps run: a thread pool; processes for CPU-heavy envs; "
         "inline on the event loop for envs whose steps take microseconds.")
-    failed_episodes: Literal["exclude", "count"] = Field(
-        "exclude", description="Failed episodes: left out of training, or kept with their reward.")
+    failed_episodes: Literal["exclude", "zero"] = Field(
+        "exclude", description="Failed episodes in training: left out (exclude), or kept in the "
+        "batch with zero advantage (zero). Either way they never enter a baseline, and the summary "
+        "counts them by reason.")
     max_turns: int = Field(16, ge=1, description="Turns per episode before truncation.")
     max_context_tokens: int = Field(2048, ge=16, description="Context budget per episode.")
     seed: int = Field(0, description="Episode i uses env seed seed + i.")

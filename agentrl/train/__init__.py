@@ -91,10 +91,14 @@ __all__ = [
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from .config import SFTConfig, TrainConfig, TrainRunConfig, load_train_config  # noqa: E402
 from .harness import HarnessRollouts, merge_sessions  # noqa: E402
+from .opd import DistillConfig, Distiller, add_distill_advantages  # noqa: E402
 from .sft import expert_tree, expert_trees  # noqa: E402
 from .trainer import Trainer, evaluate, train  # noqa: E402
+from .tree_pack import score_samples_tree, tree_minibatch  # noqa: E402
 
 __all__ += [
+    "DistillConfig",
+    "Distiller",
     "HarnessRollouts",
     "SFTConfig",
     "TrainConfig",
@@ -106,7 +110,10 @@ __all__ += [
     "latest_checkpoint",
     "load_checkpoint",
     "load_train_config",
+    "add_distill_advantages",
     "merge_sessions",
     "save_checkpoint",
+    "score_samples_tree",
     "train",
+    "tree_minibatch",
 ]

@@ -535,7 +535,8 @@ class Trainer:
             from .opd import no_credit
             items = no_credit(trees)
         else:
-            items = assign(trees, t.credit, **t.credit_options)
+            options = {"failed": self.cfg.rollout.failed_episodes, **t.credit_options}
+            items = assign(trees, t.credit, **options)
         skip = (t.skip_zero_advantage and t.loss.kl_coef == 0 and t.loss.entropy_coef == 0
                 and self.distiller is None)
         samples = samples_from_credit(items, skip_zero_advantage=skip)
