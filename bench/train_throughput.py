@@ -1,0 +1,283 @@
+"""Trainer throughput on CPU: agentrl's GRPO step against TRL's ``GRPOTrainer`` on the same batch.
+
+One step = ``--prompts`` prompts x ``--group`` completions of exactly
+``--completion-tokens`` tokens (EOS is ignored on both sides so the lengths
+match), random 0/1 rewards, GRPO advantages, one AdamW step on all weights.
+
+agentrl's step is timed in its three parts, through the trainer's own
+functions:
+
+- ``gen_s``: ``HFPolicy.generate`` of the whole batch;
+- ``score_s``: ``score_samples``, the no-grad old-logprob pass (PPO's anchor);
+- ``update_s``: ``train_on_samples`` with ``policy_loss`` (one minibatch:
+  packed forward, backward, AdamW step).
+
+TRL's step (``GRPOTrainer``, ``num_iterations=1``, ``beta=0``, fp32, and
+gradient checkpointing off like agentrl's trainer, though TRL turns it on by
+default: ``--trl-gradient-checkpointing`` restores that) is timed whole,
+from ``on_step_begin`` to ``on_step_end``: it includes generation, so the
+comparison is agentrl's ``gen + score + update`` against it. TRL with one
+iteration skips the old-logprob pass (ratio 1 by construction); agentrl always
+runs it because it also feeds the mismatch and TIS terms.
+
+Each (framework, model) runs in its own subprocess so ``peak_rss_mb``
+(``getrusage`` max RSS) is that framework's alone. Seconds are medians over the
+steps after the first (warm-up). The machine is shared: the JSON records
+``os.getloadavg()`` before and after.
+
+    python bench/train_throughput.py                 # tiny-random and smollm2-135m, agentrl and TRL
+    python bench/train_throughput.py --quick         # tiny-random only, small batch
+    python bench/train_throughput.py --no-trl        # agentrl only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve a shared CPU
+
+PROMPTS = [
+    "Write a long story about a robot who learns to cook.",
+    "List every prime number you know, one per line, and explain each.",
+    "Describe, step by step, how to plan a week-long hiking trip.",
+    "Explain in detail how a steam engine works.",
+]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def grpo_advantages(rewards: list[float], group: int) -> list[float]:
+    """GRPO (Shao et al. 2024, eq. 3 outcome supervision): (r - group mean) / (group std + eps)."""
+    out = []
+    for g in range(0, len(rewards), group):
+        r = rewards[g:g + group]
+        mu, sd = statistics.fmean(r), statistics.pstdev(r)
+        out += [(x - mu) / (sd + 1e-4) for x in r]
+    return out
+
+
+def random_rewards(n: int, seed: int) -> list[float]:
+    import random
+
+    rng = random.Random(seed)
+    return [float(rng.random() < 0.5) for _ in range(n)]
+
+
+# --------------------------------------------------------------------------- agentrl
+
+
+def run_agentrl(args: argparse.Namespace) -> dict:
+    import torch
+
+    from agentrl.models import load_model
+    from agentrl.policy.base import GenerateRequest, SamplingParams
+    from agentrl.policy.hf import HFPolicy
+    from agentrl.train.loss import PolicyLossConfig, policy_loss
+    from agentrl.train.trainer import Sample, score_samples, train_on_samples
+
+    torch.manual_seed(0)
+    model, tok = load_model(args.model)
+    policy = HFPolicy(model, tok, max_batch_size=args.prompts * args.group)
+    policy.eos_ids = set()  # fixed completion length, as TRL's min_new_tokens does on its side
+    pad_id = policy.pad_id
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS[:args.prompts]]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    cfg = PolicyLossConfig()
+
+    def loss_fn(lp, ent, t):
+        v = t.values
+        return policy_loss(lp, v["advantages"], t.mask, cfg, old_logprobs=v["old"],
+                           behaviour_logprobs=v["behaviour"], entropies=ent, seq_ids=t.seq_ids)
+
+    steps = []
+    for step in range(args.steps):
+        reqs = [GenerateRequest(p, SamplingParams(temperature=1.0, max_new_tokens=args.completion_tokens,
+                                                  seed=step * 1000 + i))
+                for p in prompts for i in range(args.group)]
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            results = policy.generate(reqs)
+        gen_s = time.perf_counter() - t0
+        adv = grpo_advantages(random_rewards(len(reqs), step), args.group)
+        samples = []
+        for req, res, a in zip(reqs, results, adv, strict=True):
+            n_p, n_c = len(req.prompt_ids), len(res.token_ids)
+            samples.append(Sample(req.prompt_ids + list(res.token_ids), [0] * n_p + [1] * n_c,
+                                  [0.0] * n_p + list(res.logprobs), [0.0] * n_p + [a] * n_c,
+                                  [0] * (n_p + n_c)))
+        t0 = time.perf_counter()
+        score_tokens = score_samples(model, samples, "old", args.micro_batch_tokens, pad_id, 1.0)
+        score_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        st = train_on_samples(model, opt, None, samples, loss_fn,
+                              fields=("advantages", "old", "behaviour", "versions"), epochs=1,
+                              minibatch_size=len(samples), max_tokens=args.micro_batch_tokens,
+                              max_grad_norm=1.0, per_token=True, pad_id=pad_id, temperature=1.0,
+                              generator=torch.Generator().manual_seed(step))
+        update_s = time.perf_counter() - t0
+        policy.version += 1
+        if policy.prefix_cache is not None:
+            policy.prefix_cache.clear()
+        steps.append({"gen_s": gen_s, "score_s": score_s, "update_s": update_s,
+                      "completion_tokens": sum(len(r.token_ids) for r in results),
+                      "train_tokens": int(st["train/tokens"]), "score_tokens": score_tokens})
+    return {"steps": steps, "peak_rss_mb": peak_rss_mb()}
+
+
+# --------------------------------------------------------------------------- TRL
+
+
+def run_trl(args: argparse.Namespace) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from agentrl.models import load_model
+
+    torch.manual_seed(0)
+    model, tok = load_model(args.model)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    n = args.prompts * args.group
+    times: list[float] = []
+    lengths: list[int] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.t0)
+
+    step_rewards = iter(range(10 ** 6))
+
+    def reward(completions, completion_ids, **kw):  # same random 0/1 rewards as agentrl's batch
+        lengths.append(sum(len(c) for c in completion_ids))
+        return random_rewards(len(completions), next(step_rewards))
+
+    cfg = GRPOConfig(
+        output_dir="/tmp/agentrl-bench-trl", per_device_train_batch_size=n, gradient_accumulation_steps=1,
+        num_generations=args.group, max_completion_length=args.completion_tokens, max_steps=args.steps,
+        learning_rate=1e-6, beta=0.0, temperature=1.0, use_cpu=True, bf16=False, report_to="none",
+        save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True,
+        gradient_checkpointing=args.trl_gradient_checkpointing,
+        generation_kwargs={"min_new_tokens": args.completion_tokens},
+    )
+    ds = Dataset.from_dict({"prompt": [PROMPTS[i % args.prompts] for i in range(n * args.steps)]})
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds,
+                          processing_class=tok, callbacks=[Clock()])
+    trainer.train()
+    return {"steps": [{"step_s": t} for t in times], "completion_tokens_seen": lengths,
+            "peak_rss_mb": peak_rss_mb(), "trl_version": __import__("trl").__version__}
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def child(framework: str, model: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--child", framework, "--models", model,
+           "--prompts", str(args.prompts), "--group", str(args.group),
+           "--completion-tokens", str(args.completion_tokens), "--steps", str(args.steps),
+           "--micro-batch-tokens", str(args.micro_batch_tokens)]
+    if args.trl_gradient_checkpointing:
+        cmd.append("--trl-gradient-checkpointing")
+    p = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    if p.returncode != 0:
+        return {"error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"rc {p.returncode}",
+                "stderr_tail": p.stderr[-2000:]}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def med(steps: list[dict], key: str) -> float:
+    xs = [s[key] for s in (steps[1:] if len(steps) > 1 else steps)]  # drop the warm-up step
+    return statistics.median(xs)
+
+
+def summarize(a: dict, t: dict | None) -> dict:
+    out: dict = {}
+    if "steps" in a:
+        gen, score, upd = med(a["steps"], "gen_s"), med(a["steps"], "score_s"), med(a["steps"], "update_s")
+        s = a["steps"][-1]
+        out["agentrl"] = {"gen_s": gen, "score_s": score, "update_s": upd, "step_s": gen + score + upd,
+                          "update_tokens_per_s": (s["train_tokens"] + s["score_tokens"]) / (score + upd),
+                          "completion_tokens": s["completion_tokens"], "train_tokens": s["train_tokens"],
+                          "peak_rss_mb": a["peak_rss_mb"]}
+    if t and "steps" in t and t["steps"]:
+        out["trl"] = {"step_s": med(t["steps"], "step_s"), "peak_rss_mb": t["peak_rss_mb"],
+                      "completion_tokens": t["completion_tokens_seen"][-1] if t["completion_tokens_seen"] else None,
+                      "version": t["trl_version"]}
+        if "agentrl" in out:
+            out["trl_over_agentrl_step"] = out["trl"]["step_s"] / out["agentrl"]["step_s"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="tiny-random,smollm2-135m")
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--group", type=int, default=8, help="completions per prompt (GRPO G)")
+    ap.add_argument("--completion-tokens", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=3, help="steps per run; the first is warm-up")
+    ap.add_argument("--micro-batch-tokens", type=int, default=4096)
+    ap.add_argument("--no-trl", action="store_true")
+    ap.add_argument("--trl-gradient-checkpointing", action="store_true",
+                    help="TRL's own default; off here because agentrl does not recompute activations")
+    ap.add_argument("--quick", action="store_true", help="tiny model, 2x4x16, 2 steps")
+    ap.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
+    ap.add_argument("--child", choices=["agentrl", "trl"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.quick:
+        args.models, args.group, args.completion_tokens, args.steps = "tiny-random", 4, 16, 2
+    if args.child:
+        fn = run_agentrl if args.child == "agentrl" else run_trl
+        print(json.dumps(fn(argparse.Namespace(**{**vars(args), "model": args.models}))))
+        return
+
+    load_before = os.getloadavg()
+    results = {}
+    for model in args.models.split(","):
+        a = child("agentrl", model, args)
+        t = None if args.no_trl else child("trl", model, args)
+        results[model] = {"summary": summarize(a, t), "agentrl_raw": a, "trl_raw": t}
+    report = {"config": {k: v for k, v in vars(args).items() if k not in ("child", "out")},
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+              "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+              "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+              "cpu_count": os.cpu_count(), "platform": platform.platform(), "results": results}
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+    print(f"{'model':<14}{'framework':<10}{'gen s':>8}{'score s':>9}{'update s':>10}{'step s':>9}"
+          f"{'upd tok/s':>11}{'peak MB':>9}")
+    for model, r in results.items():
+        s = r["summary"]
+        if "agentrl" in s:
+            x = s["agentrl"]
+            print(f"{model:<14}{'agentrl':<10}{x['gen_s']:>8.2f}{x['score_s']:>9.2f}{x['update_s']:>10.2f}"
+                  f"{x['step_s']:>9.2f}{x['update_tokens_per_s']:>11.0f}{x['peak_rss_mb']:>9.0f}")
+        else:
+            print(f"{model:<14}{'agentrl':<10} failed: {r['agentrl_raw'].get('error')}")
+        if "trl" in s:
+            x = s["trl"]
+            print(f"{model:<14}{'trl':<10}{'':>8}{'':>9}{'':>10}{x['step_s']:>9.2f}{'':>11}"
+                  f"{x['peak_rss_mb']:>9.0f}")
+            if "trl_over_agentrl_step" in s:
+                print(f"{'':<14}TRL step / agentrl step = {s['trl_over_agentrl_step']:.2f}x")
+        elif r["trl_raw"] is not None:
+            print(f"{model:<14}{'trl':<10} failed: {r['trl_raw'].get('error')}")
+    print(f"load average before {load_before}, after {report['loadavg_after']}; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
