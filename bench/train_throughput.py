@@ -16,7 +16,9 @@ TRL's step (``GRPOTrainer``, ``num_iterations=1``, ``beta=0``, fp32, and
 gradient checkpointing off like agentrl's trainer, though TRL turns it on by
 default: ``--trl-gradient-checkpointing`` restores that) is timed whole,
 from ``on_step_begin`` to ``on_step_end``: it includes generation, so the
-comparison is agentrl's ``gen + score + update`` against it. TRL with one
+comparison is agentrl's ``gen + score + update`` against it. TRL's
+``gen_s`` is its ``_generate_and_score_completions`` (generation and rewards),
+timed by wrapping that private method; its ``update_s`` is the rest of the step. TRL with one
 iteration skips the old-logprob pass (ratio 1 by construction); agentrl always
 runs it because it also feeds the mismatch and TIS terms.
 
@@ -178,8 +180,18 @@ def run_trl(args: argparse.Namespace) -> dict:
     ds = Dataset.from_dict({"prompt": [PROMPTS[i % args.prompts] for i in range(n * args.steps)]})
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds,
                           processing_class=tok, callbacks=[Clock()])
+    gen_times: list[float] = []
+    inner = trainer._generate_and_score_completions  # TRL's generation (+ rewards) part of a step
+
+    def timed_generation(*a, **k):
+        t0 = time.perf_counter()
+        out = inner(*a, **k)
+        gen_times.append(time.perf_counter() - t0)
+        return out
+
+    trainer._generate_and_score_completions = timed_generation
     trainer.train()
-    return {"steps": [{"step_s": t} for t in times], "completion_tokens_seen": lengths,
+    return {"steps": [{"step_s": t, "gen_s": g} for t, g in zip(times, gen_times, strict=False)], "completion_tokens_seen": lengths,
             "peak_rss_mb": peak_rss_mb(), "trl_version": __import__("trl").__version__}
 
 
@@ -215,7 +227,9 @@ def summarize(a: dict, t: dict | None) -> dict:
                           "completion_tokens": s["completion_tokens"], "train_tokens": s["train_tokens"],
                           "peak_rss_mb": a["peak_rss_mb"]}
     if t and "steps" in t and t["steps"]:
-        out["trl"] = {"step_s": med(t["steps"], "step_s"), "peak_rss_mb": t["peak_rss_mb"],
+        trl_gen = med(t["steps"], "gen_s") if "gen_s" in t["steps"][0] else float("nan")
+        out["trl"] = {"step_s": med(t["steps"], "step_s"), "gen_s": trl_gen,
+                      "update_s": med(t["steps"], "step_s") - trl_gen, "peak_rss_mb": t["peak_rss_mb"],
                       "completion_tokens": t["completion_tokens_seen"][-1] if t["completion_tokens_seen"] else None,
                       "version": t["trl_version"]}
         if "agentrl" in out:
@@ -270,7 +284,7 @@ def main() -> None:
             print(f"{model:<14}{'agentrl':<10} failed: {r['agentrl_raw'].get('error')}")
         if "trl" in s:
             x = s["trl"]
-            print(f"{model:<14}{'trl':<10}{'':>8}{'':>9}{'':>10}{x['step_s']:>9.2f}{'':>11}"
+            print(f"{model:<14}{'trl':<10}{x['gen_s']:>8.2f}{'':>9}{x['update_s']:>10.2f}{x['step_s']:>9.2f}{'':>11}"
                   f"{x['peak_rss_mb']:>9.0f}")
             if "trl_over_agentrl_step" in s:
                 print(f"{'':<14}TRL step / agentrl step = {s['trl_over_agentrl_step']:.2f}x")
