@@ -54,7 +54,7 @@ vllm:
 
 # The main job: train SmolLM2-135M on GuessNumber (1..16, 4 guesses) on CPU, an
 # SFT warm start on the bisection expert then GRPO, and print held-out success
-# at the start, after SFT and after RL (bench/make_run.json: about 11 min on 2
+# at the start, after SFT and after RL (bench/make_run.json: 557 s on 2 shared
 # cores). Easy ALFWorld tasks did not fit 15 min here; examples/alfworld.yaml
 # trains ALFWorld-v0 through the same command.
 run: install
