@@ -226,7 +226,8 @@ def test_bad_train_key_names_its_path():
         load_train_config(None, ["train.nope=1"])
 
 
-@pytest.mark.parametrize("path", sorted(Path(__file__).resolve().parents[2].glob("examples/train_*.yaml")),
+@pytest.mark.parametrize("path", sorted([*Path(__file__).resolve().parents[2].glob("examples/train_*.yaml"),
+                                         Path(__file__).resolve().parents[2] / "examples" / "alfworld.yaml"]),
                          ids=lambda p: p.name)
 def test_example_configs_validate(path):
     cfg = load_train_config(path)
