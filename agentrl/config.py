@@ -8,7 +8,7 @@ key path (``policy.temperature``) and the reason.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -105,6 +105,9 @@ class Config(_Strict):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
 
 
+C = TypeVar("C", bound="Config")
+
+
 def _format(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -139,8 +142,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read YAML (if given), apply overrides, validate. Raises ``ConfigError``."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                schema: type[C] = Config) -> C:  # type: ignore[assignment]
+    """Read YAML (if given), apply overrides, validate against ``schema`` (a ``Config``
+    subclass adds sections, as the trainer's does). Raises ``ConfigError``."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -152,6 +157,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = loaded or {}
     apply_overrides(data, overrides or [])
     try:
-        return Config.model_validate(data)
+        return schema.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format(e)) from None

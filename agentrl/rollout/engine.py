@@ -46,7 +46,7 @@ from ..types import Node, RolloutTree
 from .allocation import Allocator, AllocState, Branch, Budget, Fresh, leaf_cost
 from .tree import BranchPoint, split_node
 
-__all__ = ["COUNTERS", "Engine", "collect", "observation_messages", "opening_messages", "run_episodes"]
+__all__ = ["COUNTERS", "Engine", "collect", "jsonable_info", "observation_messages", "opening_messages", "run_episodes"]
 
 _HEAVY_INFO = ("admissible_actions", "tools", "tools_prompt")
 # Per-tree counts, exact: tokens sampled, prompt tokens prefilled or served
@@ -148,7 +148,7 @@ def opening_messages(obs: str, info: dict[str, Any], cfg: Config) -> list[dict[s
     return messages + observation_messages(obs, info, cfg)
 
 
-def _jsonable(info: dict[str, Any]) -> dict[str, Any]:
+def jsonable_info(info: dict[str, Any]) -> dict[str, Any]:
     """Info minus per-step lists, made JSON-safe so trees serialize."""
     kept = {k: v for k, v in info.items() if k not in _HEAVY_INFO}
     return json.loads(json.dumps(kept, default=str))
@@ -376,7 +376,7 @@ class Engine:
             c["env_steps"] += 1
             node.observation, node.reward = obs, float(reward)
             node.terminated, node.truncated = bool(terminated), bool(truncated)
-            node.info.update(_jsonable(info))
+            node.info.update(jsonable_info(info))
             if info.get("error"):  # the env failed the episode itself and said why
                 node.error = str(info["error"])
             if not node.done and path.turns >= r.max_turns:

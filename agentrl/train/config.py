@@ -14,11 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..config import Config, apply_overrides
-from ..errors import ConfigError
+from ..config import Config, load_config
 from .loss import PolicyLossConfig
 from .opd import DistillConfig
 
@@ -148,29 +146,7 @@ class TrainRunConfig(Config):
     sft: SFTConfig = Field(default_factory=SFTConfig)
 
 
-def _format(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "<root>"
-        reason = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
-        lines.append(f"{path}: {reason}")
-    return "invalid config: " + "; ".join(lines)
-
-
 def load_train_config(path: str | Path | None = None,
                       overrides: list[str] | None = None) -> TrainRunConfig:
-    """Read YAML (if given), apply ``key.path=value`` overrides, validate. Raises ``ConfigError``."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"cannot read config {path}: {e}") from e
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
-        data = loaded or {}
-    apply_overrides(data, overrides or [])
-    try:
-        return TrainRunConfig.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(_format(e)) from None
+    """``load_config`` with the ``train`` and ``sft`` sections. Raises ``ConfigError``."""
+    return load_config(path, overrides, TrainRunConfig)

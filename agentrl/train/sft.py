@@ -19,7 +19,6 @@ GuessNumber-v0.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from typing import Any
@@ -31,31 +30,11 @@ from ..config import Config
 from ..env import make_env
 from ..errors import ConfigError, ContextOverflowError
 from ..policy.base import request_seed
+from ..rollout.engine import jsonable_info, observation_messages, opening_messages
 from ..types import Node, RolloutTree
 from .loss import aggregate
 
 __all__ = ["expert_tree", "expert_trees", "sft_loss", "sft_phase", "sft_seeds"]
-
-_HEAVY_INFO = ("admissible_actions", "tools", "tools_prompt")
-
-
-def _observation_messages(obs: str, info: dict[str, Any], cfg: Config) -> list[dict[str, Any]]:
-    """What the rollout engine appends for an observation (kept identical to it; a test checks)."""
-    if info.get("tool_messages"):
-        return [{k: v for k, v in m.items() if v is not None} for m in info["tool_messages"]]
-    text = obs
-    if cfg.rollout.show_admissible and info.get("admissible_actions"):
-        text += "\nValid actions: " + ", ".join(map(str, info["admissible_actions"]))
-    return [{"role": "user", "content": text}]
-
-
-def _opening_messages(obs: str, info: dict[str, Any], cfg: Config) -> list[dict[str, Any]]:
-    messages = []
-    system = [p for p in (cfg.rollout.system_prompt, info.get("tools_prompt")) if p]
-    if system:
-        messages.append({"role": "system", "content": "\n\n".join(system)})
-    return messages + _observation_messages(obs, info, cfg)
-
 
 def _expert(env: Any) -> str:
     try:
@@ -80,7 +59,7 @@ def expert_tree(env_id: str, tokenizer: Any, cfg: Config, seed: int,
         obs, info = env.reset(seed=seed)
         tree = RolloutTree(meta={"env": env_id, "seed": seed, "expert": True,
                                  "instruction": info.get("instruction", "")})
-        ctx = ChatContext(tokenizer, _opening_messages(obs, info, cfg),
+        ctx = ChatContext(tokenizer, opening_messages(obs, info, cfg),
                           max_tokens=cfg.rollout.max_context_tokens)
         pending, parent = list(ctx.ids), None
         for turn in range(max_turns):
@@ -95,8 +74,7 @@ def expert_tree(env_id: str, tokenizer: Any, cfg: Config, seed: int,
                         entropies=[0.0] * len(ids), version=0, action_text=action,
                         finish_reason="stop", observation=obs, reward=float(reward),
                         terminated=bool(terminated), truncated=bool(truncated),
-                        info=json.loads(json.dumps({k: v for k, v in info.items()
-                                                    if k not in _HEAVY_INFO}, default=str)))
+                        info=jsonable_info(info))
             if not node.done and turn + 1 >= max_turns:
                 node.truncated = True
                 node.info["truncation_reason"] = f"max_turns={max_turns}"
@@ -104,7 +82,7 @@ def expert_tree(env_id: str, tokenizer: Any, cfg: Config, seed: int,
             if node.done:
                 break
             try:
-                pending = ctx.append_observation(_observation_messages(obs, info, cfg))
+                pending = ctx.append_observation(observation_messages(obs, info, cfg))
             except ContextOverflowError as e:
                 node.truncated = True
                 node.info["truncation_reason"] = f"context budget: {e}"
