@@ -478,19 +478,30 @@ def test_replay_refuses_an_env_whose_tokens_do_not_repeat(tokenizer):
     assert all(k.error and k.error.startswith("replay diverged from the stored tokens") for k in kids)
 
 
-def test_a_run_repeats_exactly(tokenizer, tiny_model):
-    def run():
-        policy = HFPolicy(tiny_model, tokenizer)
-        cfg = load_config(overrides=["rollout.max_turns=4", "sampling.max_new_tokens=5",
-                                     "env.kwargs={high: 1000, max_turns: 4}"])
-        engine = Engine(policy, cfg, "agentrl/GuessNumber-v0")
-        try:
-            trees = asyncio.run(engine.run([0, 1], Plan(2), Budget(8)))
-        finally:
-            engine.close()
-        return [[ep.input_ids for ep in t.episodes()] for t in trees]
+class SeedEcho(MockPolicy):
+    """Answers with its request's seed: what it samples depends on the seed alone, not on
+    timing or batching (an ``hf`` model's near-ties can flip with the batch it lands in)."""
 
-    assert run() == run()
+    def generate(self, requests):
+        out = []
+        for r in requests:
+            ids = self.tokenizer.encode(f"s{r.params.seed % 997}", add_special_tokens=False)
+            out.append(self._cut(ids + [self.tokenizer.eos_token_id], r))
+        return out
+
+
+def test_a_run_repeats_exactly(tokenizer):
+    """Every path samples its own stream, and a rerun samples the same episodes. (Node ids
+    follow completion order, so episodes are compared as sets per task.)"""
+    def run():
+        cfg = load_config(overrides=["rollout.max_turns=4", "env.kwargs={high: 1000, max_turns: 4}",
+                                     "rollout.group_size=4"])
+        trees = collect("agentrl/GuessNumber-v0", SeedEcho(tokenizer, ["unused"]), cfg, [0, 1])
+        return [sorted(tuple(ep.input_ids) for ep in t.episodes()) for t in trees]
+
+    first = run()
+    assert len({ids for tree in first for ids in tree}) == 8
+    assert run() == first
 
 
 def test_hung_env_steps_neither_starve_the_others_nor_block_exit(tmp_path):
