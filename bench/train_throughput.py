@@ -8,9 +8,13 @@ agentrl's step is timed in its three parts, through the trainer's own
 functions:
 
 - ``gen_s``: ``HFPolicy.generate`` of the whole batch;
-- ``score_s``: ``score_samples``, the no-grad old-logprob pass (PPO's anchor);
+- ``score_s``: ``score_samples``, the no-grad old-logprob pass (PPO's anchor).
+  The trainer skips it when a batch gets one optimizer step (one epoch, one
+  minibatch: ``Trainer.needs_scoring_pass``), as here, so it is 0 unless
+  ``--score-pass`` forces it;
 - ``update_s``: ``train_on_samples`` with ``policy_loss`` (one minibatch:
-  packed forward, backward, AdamW step).
+  forward, backward, AdamW step; padded or packed rows, whichever
+  ``padding_is_cheaper`` picks, as in the trainer).
 
 TRL's step (``GRPOTrainer``, ``num_iterations=1``, ``beta=0``, fp32, and
 gradient checkpointing off like agentrl's trainer, though TRL turns it on by
@@ -19,8 +23,8 @@ from ``on_step_begin`` to ``on_step_end``: it includes generation, so the
 comparison is agentrl's ``gen + score + update`` against it. TRL's
 ``gen_s`` is its ``_generate_and_score_completions`` (generation and rewards),
 timed by wrapping that private method; its ``update_s`` is the rest of the step. TRL with one
-iteration skips the old-logprob pass (ratio 1 by construction); agentrl always
-runs it because it also feeds the mismatch and TIS terms.
+iteration skips the old-logprob pass (ratio 1 by construction), and so does
+agentrl's trainer.
 
 Each (framework, model) runs in its own subprocess so ``peak_rss_mb``
 (``getrusage`` max RSS) is that framework's alone. Seconds are medians over the
@@ -99,7 +103,7 @@ def run_agentrl(args: argparse.Namespace) -> dict:
 
     def loss_fn(lp, ent, t):
         v = t.values
-        return policy_loss(lp, v["advantages"], t.mask, cfg, old_logprobs=v["old"],
+        return policy_loss(lp, v["advantages"], t.mask, cfg, old_logprobs=v.get("old"),
                            behaviour_logprobs=v["behaviour"], entropies=ent, seq_ids=t.seq_ids)
 
     steps = []
@@ -119,11 +123,13 @@ def run_agentrl(args: argparse.Namespace) -> dict:
                                   [0.0] * n_p + list(res.logprobs), [0.0] * n_p + [a] * n_c,
                                   [0] * (n_p + n_c)))
         t0 = time.perf_counter()
-        score_tokens = score_samples(model, samples, "old", args.micro_batch_tokens, pad_id, 1.0)
+        score_tokens, fields = 0, ("advantages", "behaviour", "versions")
+        if args.score_pass:
+            score_tokens = score_samples(model, samples, "old", args.micro_batch_tokens, pad_id, 1.0)
+            fields += ("old",)
         score_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        st = train_on_samples(model, opt, None, samples, loss_fn,
-                              fields=("advantages", "old", "behaviour", "versions"), epochs=1,
+        st = train_on_samples(model, opt, None, samples, loss_fn, fields=fields, epochs=1,
                               minibatch_size=len(samples), max_tokens=args.micro_batch_tokens,
                               max_grad_norm=1.0, per_token=True, pad_id=pad_id, temperature=1.0,
                               generator=torch.Generator().manual_seed(step))
@@ -205,6 +211,8 @@ def child(framework: str, model: str, args: argparse.Namespace) -> dict:
            "--micro-batch-tokens", str(args.micro_batch_tokens)]
     if args.trl_gradient_checkpointing:
         cmd.append("--trl-gradient-checkpointing")
+    if args.score_pass:
+        cmd.append("--score-pass")
     p = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     if p.returncode != 0:
         return {"error": p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"rc {p.returncode}",
@@ -246,6 +254,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="steps per run; the first is warm-up")
     ap.add_argument("--micro-batch-tokens", type=int, default=4096)
     ap.add_argument("--no-trl", action="store_true")
+    ap.add_argument("--score-pass", action="store_true",
+                    help="run the old-logprob scoring pass although one optimizer step does not need it")
     ap.add_argument("--trl-gradient-checkpointing", action="store_true",
                     help="TRL's own default; off here because agentrl does not recompute activations")
     ap.add_argument("--quick", action="store_true", help="tiny model, 2x4x16, 2 steps")

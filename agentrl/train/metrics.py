@@ -15,7 +15,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLogger", "plot_learning_curve", "read_metrics"]
+__all__ = ["MetricsLogger", "merge_stat", "plot_learning_curve", "read_metrics"]
+
+
+def merge_stat(stats: dict[str, float], key: str, value: float, weight: float) -> None:
+    """Add ``weight * value`` to ``stats[key]``; a ``/max_`` statistic keeps the largest instead."""
+    if "/max_" in key:
+        stats[key] = max(stats.get(key, value), value)
+    else:
+        stats[key] = stats.get(key, 0.0) + weight * value
 
 
 def _scalar(v: Any) -> float | None:

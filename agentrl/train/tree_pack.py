@@ -51,6 +51,7 @@ import torch
 
 from ..errors import ConfigError
 from .logprobs import PrefixTree, prefix_tree, token_logprobs, tree_attention_mask
+from .metrics import merge_stat
 
 __all__ = [
     "TreeRow",
@@ -214,6 +215,6 @@ def tree_minibatch(net: torch.nn.Module, samples: list[Any], idx: list[int], los
         st["loss/entropy_mean"] = float((ent.detach() * row.mask).sum() / row.mask.sum().clamp(min=1))
         for k, v in st.items():  # losses add up as in episode packing; rates are per distinct token
             w = share if k.startswith("loss/") and k != "loss/entropy_mean" else int(row.mask.sum()) / max(distinct, 1)
-            stats[k] = stats.get(k, 0.0) + w * v
+            merge_stat(stats, k, v, w)
         tokens += row.input_ids.shape[1]
     return stats, tokens

@@ -234,3 +234,81 @@ def test_example_configs_validate(path):
     assert cfg.train.micro_batch_tokens >= cfg.rollout.max_context_tokens
     if cfg.train.task_seeds and cfg.sft.task_seeds:  # SFT and RL train on different tasks
         assert not set(cfg.train.task_seeds) & set(cfg.sft.task_seeds)
+
+
+def test_one_update_per_batch_skips_the_scoring_pass_and_trains_the_same(tmp_path, monkeypatch):
+    """One optimizer step per batch: the update's own logprobs, detached, are PPO's old ones.
+
+    The same step with the no-grad scoring pass forced gives the same loss, the
+    same mismatch statistics and the same weights.
+    """
+    from agentrl.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    args = ("train.steps=1", "train.minibatch_size=64", "train.eval_every=0", "train.eval_episodes=0",
+            "train.skip_zero_advantage=false")
+    policies = [HFPolicy(*load_model("tiny-random")) for _ in range(2)]
+    fast = train(toy_config(tmp_path / "fast", *args), policy=policies[0], progress=False)
+    monkeypatch.setattr(Trainer, "needs_scoring_pass", lambda self, n: True)
+    scored = train(toy_config(tmp_path / "scored", *args), policy=policies[1], progress=False)
+    f, s = ([r for r in _rows(tmp_path / d / "metrics.jsonl") if r.get("phase") == "rl"][-1]
+            for d in ("fast", "scored"))
+    assert f["train/scoring_pass"] == 0 and s["train/scoring_pass"] == 1
+    assert f["train/optimizer_steps"] == s["train/optimizer_steps"] == 1
+    assert f["train/episodes"] == s["train/episodes"] == 32
+    assert f["grad/norm"] == pytest.approx(s["grad/norm"], rel=1e-4) and f["grad/norm"] > 1.0
+    assert f["loss/pg"] == pytest.approx(s["loss/pg"], abs=1e-6)
+    for r in (f, s):  # both compare the trainer's logprobs with the sampler's: float noise only
+        assert 0 < r["mismatch/max_abs_dlogprob"] < 1e-4 and abs(r["mismatch/kl"]) < 1e-8
+    assert fast["phases"].keys() == scored["phases"].keys()
+    weights = [dict(p.model.named_parameters()) for p in policies]
+    moved = 0
+    for name, w in weights[0].items():
+        # Adam moves each weight by about lr (1e-2); float noise in a near-zero gradient, by ~1e-6
+        torch.testing.assert_close(w, weights[1][name], rtol=1e-4, atol=1e-5)
+        moved += int(not torch.equal(w, load_model("tiny-random")[0].state_dict()[name]))
+    assert moved > 0  # the step changed the weights, identically in both runs
+
+
+def test_padding_is_chosen_only_where_it_costs_fewer_flops():
+    from types import SimpleNamespace
+
+    from agentrl.train.trainer import padding_is_cheaper
+
+    smol = SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                           intermediate_size=1536)
+    # 16 x 78: packed runs 1248**2 query-key pairs, padded 16 * 78**2 and no extra tokens.
+    assert padding_is_cheaper([78] * 16, smol)
+    # One long episode and short ones: padding would run 3 x 1000 tokens for 1020.
+    assert not padding_is_cheaper([1000, 10, 10], smol)
+    # Per token 2*576*(1152 + 384 + 4608) = 7,077,888 FLOPs, per pair 2,304:
+    # packed 2*300 tokens: 600*7077888 + 600**2*2304 = 5.08e9; padded: same tokens, 2*300**2 pairs.
+    assert padding_is_cheaper([300, 300], smol)
+    assert padding_is_cheaper([5], smol)
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_padded_and_packed_layouts_score_the_same_logprobs(monkeypatch, padded):
+    import agentrl.train.trainer as trainer_mod
+
+    model, _ = load_model("tiny-random")
+    seqs = [[5, 6, 7, 8, 9, 10], [5, 6, 11, 12, 13, 14, 15, 16, 17, 18], [7, 8, 9, 20]]
+    masks = [[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 1]]
+
+    def scored(layout: bool) -> list[list[float]]:
+        monkeypatch.setattr(trainer_mod, "padding_is_cheaper", lambda lengths, config: layout)
+        samples = [Sample(s, m, [0.0] * len(s), [0.0] * len(s), [0] * len(s)) for s, m in zip(seqs, masks)]
+        trainer_mod.score_samples(model, samples, "old", 64, 0, 1.0)
+        return [s.old for s in samples]
+
+    got, alone = scored(padded), []
+    for s, m in zip(seqs, masks):  # each sample in a row of its own, no padding, no packing
+        from agentrl.train.logprobs import token_logprobs
+        with torch.no_grad():
+            lp, _ = token_logprobs(model, torch.tensor([s]), None, torch.tensor([m]))
+        alone.append(lp[0].tolist())
+    for g, a, m in zip(got, alone, masks):
+        assert len(g) == len(a)
+        assert any(x != 0 for x in g)  # action tokens were scored
+        torch.testing.assert_close(torch.tensor(g), torch.tensor(a) * torch.tensor(m, dtype=torch.float32),
+                                   rtol=1e-4, atol=1e-5)
