@@ -3,6 +3,11 @@
 The smallest built-in env: it runs everything end to end in milliseconds and has
 a scripted expert (bisection) that always wins within ceil(log2(high)) + 1 turns.
 
+``info["state_key"]`` names the state a guess is made in (guesses used, the
+interval still possible) for GiGPO's anchor-state groups: two episodes of
+one task whose guesses left the same interval after the same number of turns
+are in the same state, whatever the guesses were.
+
 Reward: 1.0 on the turn the number is found, else 0.0. The episode is truncated
 after ``max_turns`` turns. An action that holds no integer in range is answered
 with an error observation and uses up the turn.
@@ -36,6 +41,8 @@ class GuessNumberEnv(TextEnv):
             "instruction": self.instruction,
             "admissible_actions": [str(i) for i in range(self.low_bound, self.high_bound + 1)],
             "tools": [],
+            # What the next guess can depend on: the interval left and the guesses used.
+            "state_key": f"turn {self.turn}: {self.low_bound}..{self.high_bound}",
         }
 
     @property

@@ -52,3 +52,22 @@ def test_tree_savings_segment_tree_shares_its_first_segments_at_equal_leaves(tmp
     assert result["expected_turn_saving_pct_if_all_episodes_run_max_turns"] == round(100 * (1 - 30 / 64), 1)
     assert seg["fewer_generated_pct"] == round(100 * (1 - seg["generated_tokens"] / ind["generated_tokens"]), 1)
     assert result["target_met"] == (seg["fewer_generated_pct"] >= 40.0)
+
+
+def test_learning_runs_every_method_on_the_same_budget_from_one_warm_start(tmp_path):
+    out = tmp_path / "l.json"
+    subprocess.run([sys.executable, str(BENCH / "learning.py"), "--quick", "--out", str(out),
+                    "--work-dir", str(tmp_path / "runs")], check=True, capture_output=True, timeout=600)
+    result = json.loads(out.read_text())
+    assert result["methods"] == ["grpo", "gigpo", "tree", "grpo_opd"]
+    runs = result["results"]
+    for r in runs.values():
+        # Step 0 is the warm start's own evaluation, then one evaluation after each of 2 steps.
+        assert [p["step"] for p in r["curve"]] == [0, 1, 2]
+        assert r["curve"][0]["success"] == result["warm_start"]["success"]
+        assert r["episodes"] == 2 * 3 * 8  # equal leaves: steps x tasks x group size
+        assert 0 < r["env_steps"] and r["curve"][-1]["env_steps"] == r["env_steps"]
+    # Trees share their first turns, so the same leaves play fewer env steps (GuessNumber
+    # episodes of a random model run all 4 turns).
+    assert runs["tree"]["env_steps"] < runs["grpo"]["env_steps"]
+    assert "teacher" in result and (tmp_path / "runs" / "teacher").is_dir()

@@ -561,6 +561,8 @@ class Trainer:
                        "rollout/turns": s["mean_turns"], "rollout/episodes": s["episodes"],
                        "rollout/failed": s["failed_episodes"],
                        "rollout/action_tokens": s["action_tokens"], "time/rollout_s": s["wall_s"],
+                       "rollout/env_steps": s["env_steps"],
+                       "rollout/generated_tokens": s["generated_tokens"],
                        "data/first_task_seed": seeds[0]}
 
     def _rl_loss(self, lp: torch.Tensor, ent: torch.Tensor, t: _Row) -> tuple[torch.Tensor, dict]:

@@ -60,3 +60,23 @@ def test_unknown_env_suggests_the_closest_id():
         from agentrl.env import register_env
 
         register_env("GuessNumber-v1", entry_point=GuessNumberEnv)
+
+
+def test_state_key_names_the_interval_left_and_the_guesses_used():
+    """GiGPO's anchor state: different histories that leave the same interval meet in one state."""
+    seed = next(s for s in range(100) if _secret(s) >= 8)
+    secret = _secret(seed)
+    envs = [GuessNumberEnv(high=16, max_turns=4) for _ in range(4)]
+    keys = [e.reset(seed=seed)[1]["state_key"] for e in envs]
+    assert keys == ["turn 0: 1..16"] * 4
+    keys = [e.step(a)[4]["state_key"] for e, a in zip(envs, ["1", "3", str(secret - 1), "one"], strict=True)]
+    assert keys == ["turn 1: 2..16", "turn 1: 4..16", f"turn 1: {secret}..16", "turn 1: 1..16"]
+    # Two different histories, the same interval after the same number of guesses: one state.
+    assert envs[0].step("3")[4]["state_key"] == envs[3].step("3")[4]["state_key"] == "turn 2: 4..16"
+    assert envs[1].step("banana")[4]["state_key"] == "turn 2: 4..16"
+
+
+def _secret(seed: int) -> int:
+    env = GuessNumberEnv(high=16)
+    env.reset(seed=seed)
+    return env.secret

@@ -1,0 +1,245 @@
+"""Learning curves: held-out success against env steps, four credit methods at one sample budget.
+
+Every method starts from the same warm start, trains on the same task seeds
+(``train.tasks_per_step`` tasks a step, ``rollout.group_size`` leaves a task),
+with the same learning rate, sampling seeds and held-out evaluation:
+
+- ``grpo``: independent episodes, trajectory-level GRPO advantages;
+- ``gigpo``: independent episodes, GiGPO (episode advantage plus the
+  step-level advantage of anchor-state groups, from the env's ``state_key``);
+- ``tree``: TreePO-style segment trees (``segment_tree``: depth 3, width 2,
+  one-turn segments, so 8 leaves a task) with TreeRL tree advantages (a
+  turn's value against the root's and against its parent's);
+- ``grpo_opd``: GRPO plus step-wise on-policy distillation: a teacher scores
+  the student's own turns and ``weight * (log p_teacher - log p_student)`` is
+  added to each action token's advantage. The teacher is a stronger SFT
+  checkpoint (more expert episodes, more epochs) of the same model.
+
+The budget is equal in leaves (episodes). Trees share their first turns, so
+they play fewer env steps for the same leaves; the x axis is cumulative env
+steps actually played, so the plot shows both effects. Held-out success is
+greedy on seeds disjoint from SFT and RL seeds, every ``--eval-every`` steps.
+
+Presets (``--env``):
+
+- ``guess_number`` (default): GuessNumber 1..16 with 4 guesses, SmolLM2-135M,
+  the setting of ``make run`` (``examples/train_guess_number.yaml``) with a
+  weaker warm start (``--sft-episodes`` expert episodes, one epoch) so RL has
+  room to show a difference. It fits on 2 CPU cores.
+- ``alfworld_easy``: ``examples/train_alfworld_easy.yaml`` (pick-and-place in
+  rooms where the object is in plain sight). On 2 CPU cores one evaluation
+  alone takes minutes; run it on a bigger machine.
+
+    python bench/learning.py                       # GuessNumber, 4 methods (about 25 min on 2 cores)
+    python bench/learning.py --methods grpo,gigpo --steps 4
+    python bench/learning.py --env alfworld_easy   # slow on CPU
+    python bench/learning.py --quick               # tiny random model, 2 steps: a smoke test
+
+Writes ``bench/learning.json`` and ``bench/learning.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve a shared CPU
+
+import yaml  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESETS = {
+    "guess_number": ROOT / "examples" / "train_guess_number.yaml",
+    "alfworld_easy": ROOT / "examples" / "train_alfworld_easy.yaml",
+}
+METHODS = ("grpo", "gigpo", "tree", "grpo_opd")
+
+
+def method_overrides(method: str, teacher: str | None, opd_weight: float) -> dict[str, Any]:
+    """What a method changes in the shared config (nested keys)."""
+    if method == "grpo":
+        return {"train": {"credit": "grpo"}}
+    if method == "gigpo":
+        return {"train": {"credit": "gigpo"}}
+    if method == "tree":
+        return {"train": {"credit": "tree"},
+                "rollout": {"allocator": "segment_tree",
+                            "allocator_options": {"depth": 3, "width": 2, "segment_turns": 1}}}
+    if method == "grpo_opd":
+        if teacher is None:
+            raise ValueError("grpo_opd needs a teacher checkpoint")
+        return {"train": {"credit": "grpo", "distill": {"teacher": teacher, "weight": opd_weight}}}
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = merge(out.get(k) or {}, v) if isinstance(v, dict) and isinstance(out.get(k), dict | None) else v
+    return out
+
+
+def run_config(data: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """Train one config (in this process) and return ``train``'s summary."""
+    from agentrl.train.config import TrainRunConfig
+    from agentrl.train.trainer import train
+
+    cfg = TrainRunConfig.model_validate(merge(data, {"train": {"out_dir": str(out_dir)}}))
+    return train(cfg, overwrite=True, progress=sys.stderr.isatty())
+
+
+def warm_start(base: dict[str, Any], out_dir: Path, sft: dict[str, Any],
+               eval_cfg: dict[str, Any]) -> tuple[str, dict[str, float]]:
+    """SFT only (``train.steps=0``); the exported model folder and held-out success before and after."""
+    data = merge(base, {"sft": sft, "train": {"steps": 0, "export_hf": True, "tensorboard": False,
+                                              "plot": False, **eval_cfg}})
+    summary = run_config(data, out_dir)
+    hf = Path(summary["checkpoint"]) / "hf"
+    if not (hf / "config.json").exists():
+        raise RuntimeError(f"the warm start exported no model at {hf}")
+    return str(hf), summary["phases"]
+
+
+def curve(metrics: Path, start_success: float) -> list[dict[str, float]]:
+    """``[{step, env_steps, episodes, success}]``: held-out success at step 0 and at every evaluation."""
+    points = [{"step": 0, "env_steps": 0, "episodes": 0, "success": start_success}]
+    env_steps = episodes = 0
+    for line in metrics.read_text().splitlines():
+        row = json.loads(line)
+        if row.get("phase") == "rl":
+            env_steps += row.get("rollout/env_steps", 0)
+            episodes += row.get("rollout/episodes", 0)
+        if "eval/success" in row and row.get("phase") in ("rl", "end"):
+            if points[-1]["step"] == row["step"]:
+                continue
+            points.append({"step": row["step"], "env_steps": env_steps, "episodes": episodes,
+                           "success": row["eval/success"]})
+    return points
+
+
+def step_stats(metrics: Path) -> dict[str, float]:
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    rl = [r for r in rows if r.get("phase") == "rl"]
+    mean = lambda k: sum(r.get(k, 0.0) for r in rl) / max(len(rl), 1)  # noqa: E731
+    return {"rollout_success_mean": mean("rollout/success"), "env_steps": sum(r.get("rollout/env_steps", 0) for r in rl),
+            "generated_tokens": sum(r.get("rollout/generated_tokens", 0) for r in rl),
+            "episodes": sum(r.get("rollout/episodes", 0) for r in rl),
+            "rollout_s": sum(r.get("time/rollout_s", 0.0) for r in rl),
+            "train_s": sum(r.get("time/train_s", 0.0) + r.get("time/old_logprobs_s", 0.0) for r in rl)}
+
+
+def plot(results: dict[str, Any], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for method, r in results.items():
+        pts = r["curve"]
+        ax.plot([p["env_steps"] for p in pts], [p["success"] for p in pts], marker="o", label=method)
+    ax.set_xlabel("env steps played (cumulative)")
+    ax.set_ylabel("held-out success (greedy)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--env", choices=sorted(PRESETS), default="guess_number")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--steps", type=int, default=8, help="RL steps per method")
+    ap.add_argument("--eval-every", type=int, default=2)
+    ap.add_argument("--eval-episodes", type=int, default=48)
+    ap.add_argument("--sft-episodes", type=int, default=12, help="expert episodes of the warm start")
+    ap.add_argument("--teacher-sft-episodes", type=int, default=64, help="expert episodes of the OPD teacher")
+    ap.add_argument("--opd-weight", type=float, default=1.0)
+    ap.add_argument("--quick", action="store_true", help="tiny random model, 2 steps, 8 eval episodes")
+    ap.add_argument("--work-dir", default="runs/bench_learning")
+    ap.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
+    args = ap.parse_args()
+    methods = [m for m in args.methods.split(",") if m]
+    for m in methods:
+        method_overrides(m, "x", 1.0)  # unknown names fail before any training
+    base = yaml.safe_load(PRESETS[args.env].read_text())
+    base["train"].pop("out_dir", None)
+    eval_cfg = {"eval_every": args.eval_every, "eval_episodes": args.eval_episodes}
+    if args.quick:
+        base = merge(base, {"policy": {"model": "tiny-random"}})
+        args.steps, eval_cfg = 2, {"eval_every": 1, "eval_episodes": 8}
+        args.sft_episodes, args.teacher_sft_episodes = 4, 8
+    base = merge(base, {"train": {"steps": args.steps, "tensorboard": False, "export_hf": False, **eval_cfg}})
+    work = Path(args.work_dir)
+    if work.exists():
+        shutil.rmtree(work)
+    t_all = time.perf_counter()
+
+    sft_base = dict(base.get("sft") or {})
+    if args.env == "guess_number":  # the weak warm start; the teacher gets the make-run SFT
+        warm_sft = {**sft_base, "episodes": args.sft_episodes, "seed_start": 0, "epochs": 1}
+        teacher_sft = {**sft_base, "episodes": args.teacher_sft_episodes, "seed_start": 0, "epochs": 2}
+    else:
+        warm_sft = sft_base
+        teacher_sft = {**sft_base, "epochs": 2 * int(sft_base.get("epochs", 2))}
+    t0 = time.perf_counter()
+    warm, phases = warm_start(base, work / "warm_start", warm_sft, eval_cfg)
+    warm_success = phases["after_sft"]
+    report: dict[str, Any] = {"base_model_success": phases["start"],
+                              "warm_start": {"sft": warm_sft, "success": warm_success,
+                                             "seconds": round(time.perf_counter() - t0, 1)}}
+    teacher = None
+    if "grpo_opd" in methods:
+        t0 = time.perf_counter()
+        teacher, phases = warm_start(base, work / "teacher", teacher_sft, eval_cfg)
+        report["teacher"] = {"sft": teacher_sft, "success": phases["after_sft"],
+                             "seconds": round(time.perf_counter() - t0, 1)}
+
+    start = merge(base, {"policy": {"model": warm}, "sft": {"episodes": 0, "task_seeds": None}})
+    results: dict[str, Any] = {}
+    for m in methods:
+        t0 = time.perf_counter()
+        summary = run_config(merge(start, method_overrides(m, teacher, args.opd_weight)), work / m)
+        metrics = Path(summary["metrics"])
+        results[m] = {"curve": curve(metrics, summary["phases"].get("start", warm_success)),
+                      "final_success": summary["phases"].get("end"), **step_stats(metrics),
+                      "wall_s": round(time.perf_counter() - t0, 1)}
+        print(f"{m}: held-out success {results[m]['curve'][0]['success']:.3f} -> "
+              f"{results[m]['final_success']:.3f} in {results[m]['wall_s']:.0f} s", flush=True)
+
+    print(f"\n{'method':<10}{'start':>7}{'final':>7}{'best':>7}{'env steps':>11}{'episodes':>10}"
+          f"{'gen tokens':>12}{'rollout s':>11}{'train s':>9}")
+    for m, r in results.items():
+        best = max(p["success"] for p in r["curve"])
+        print(f"{m:<10}{r['curve'][0]['success']:>7.3f}{r['final_success']:>7.3f}{best:>7.3f}"
+              f"{r['env_steps']:>11}{r['episodes']:>10}{r['generated_tokens']:>12}"
+              f"{r['rollout_s']:>11.0f}{r['train_s']:>9.0f}")
+    cfg_used = merge(start, {"policy": {"model": "<warm start>"}})
+    out = Path(args.out)
+    png = out.with_suffix(".png")
+    title = (f"{args.env}: {base['policy']['model']}, {args.steps} steps x {base['train']['tasks_per_step']} "
+             f"tasks x {base['rollout']['group_size']} leaves, eval {eval_cfg['eval_episodes']} greedy")
+    report.update({"env": args.env, "methods": methods, "steps": args.steps, "config": cfg_used,
+                   "results": results, "wall_s": round(time.perf_counter() - t_all, 1),
+                   "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+                               "loadavg_end": os.getloadavg()}})
+    if not args.quick:
+        plot(results, png, title)
+        report["plot"] = png.name
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}" + ("" if args.quick else f" and {png}"))
+
+
+if __name__ == "__main__":
+    main()
