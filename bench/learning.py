@@ -177,7 +177,7 @@ def main() -> None:
     base["train"].pop("out_dir", None)
     eval_cfg = {"eval_every": args.eval_every, "eval_episodes": args.eval_episodes}
     if args.quick:
-        base = merge(base, {"policy": {"model": "tiny-random"}})
+        base = merge(base, {"policy": {"model": "tiny-random"}, "train": {"top_k_layers": 1}})
         args.steps, eval_cfg = 2, {"eval_every": 1, "eval_episodes": 8}
         args.sft_episodes, args.teacher_sft_episodes = 4, 8
     base = merge(base, {"train": {"steps": args.steps, "tensorboard": False, "export_hf": False, **eval_cfg}})
