@@ -163,7 +163,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="RL steps per method")
     ap.add_argument("--eval-every", type=int, default=2)
     ap.add_argument("--eval-episodes", type=int, default=48)
-    ap.add_argument("--sft-episodes", type=int, default=12, help="expert episodes of the warm start")
+    ap.add_argument("--sft-episodes", type=int, default=24, help="expert episodes of the warm start")
+    ap.add_argument("--sft-epochs", type=int, default=2, help="epochs of the warm start")
     ap.add_argument("--teacher-sft-episodes", type=int, default=64, help="expert episodes of the OPD teacher")
     ap.add_argument("--opd-weight", type=float, default=1.0)
     ap.add_argument("--quick", action="store_true", help="tiny random model, 2 steps, 8 eval episodes")
@@ -188,7 +189,7 @@ def main() -> None:
 
     sft_base = dict(base.get("sft") or {})
     if args.env == "guess_number":  # the weak warm start; the teacher gets the make-run SFT
-        warm_sft = {**sft_base, "episodes": args.sft_episodes, "seed_start": 0, "epochs": 1}
+        warm_sft = {**sft_base, "episodes": args.sft_episodes, "seed_start": 0, "epochs": args.sft_epochs}
         teacher_sft = {**sft_base, "episodes": args.teacher_sft_episodes, "seed_start": 0, "epochs": 2}
     else:
         warm_sft = sft_base

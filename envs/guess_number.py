@@ -8,6 +8,9 @@ interval still possible) for GiGPO's anchor-state groups: two episodes of
 one task whose guesses left the same interval after the same number of turns
 are in the same state, whatever the guesses were.
 
+The reset info's ``privileged`` text names the secret, for a teacher that
+may know it (``train.distill.privileged``); the agent never sees it.
+
 Reward: 1.0 on the turn the number is found, else 0.0. The episode is truncated
 after ``max_turns`` turns. An action that holds no integer in range is answered
 with an error observation and uses up the turn.
@@ -58,7 +61,8 @@ class GuessNumberEnv(TextEnv):
         self.low_bound, self.high_bound = 1, self.high
         self.turn = 0
         self._last_obs = self.instruction
-        return self._last_obs, self._info()
+        # For a distillation teacher only (train.distill.privileged); never shown to the agent.
+        return self._last_obs, {**self._info(), "privileged": f"The secret number is {self.secret}."}
 
     def step(self, action: str):
         self.turn += 1

@@ -87,8 +87,13 @@ class _Live:
 
 
 def _plain(info: Any) -> dict[str, Any]:
-    """``info`` as JSON-safe data (numpy values and objects become strings)."""
-    return json.loads(json.dumps(info if isinstance(info, dict) else {"info": info}, default=str))
+    """``info`` as JSON-safe data (numpy values and objects become strings).
+
+    ``privileged`` (a hidden goal or expert plan, for distillation teachers) is
+    dropped: the server talks to the agent, which must not see it.
+    """
+    info = info if isinstance(info, dict) else {"info": info}
+    return json.loads(json.dumps({k: v for k, v in info.items() if k != "privileged"}, default=str))
 
 
 def create_env_app(config: EnvServerConfig) -> Any:

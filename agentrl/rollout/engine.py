@@ -302,6 +302,8 @@ class Engine:
         tree.meta.setdefault("instruction", info.get("instruction", ""))
         if info.get("state_key") is not None:  # the opening state, for GiGPO's anchor groups
             tree.meta.setdefault("state_key", info["state_key"])
+        if info.get("privileged") is not None:  # for a distillation teacher; never in a prompt
+            tree.meta.setdefault("privileged", str(info["privileged"]))
         try:
             ctx = self._opening(obs, info)
         except EpisodeFailed:

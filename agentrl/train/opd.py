@@ -20,25 +20,36 @@ the batch's teacher-student reverse KL, estimated on the sampled tokens
 (``distill/reverse_kl``: the mean of log pi_s - log pi_t, Schulman's k1
 estimator of KL(pi_s || pi_t)).
 
-Not here yet: ``teacher: self`` (the student's initial weights given
-privileged context), and the distribution-level signals (top-K, forward KL,
-JSD), which need the teacher's logits at more than the sampled token.
+**Privileged context** (``privileged: true``; OPSD, on-policy self-distillation,
+and SD-Search's privileged teacher). The env's reset info may carry
+``info["privileged"]``: text the agent must not see, such as the hidden goal
+(GuessNumber's secret) or the expert's plan (ALFWorld's). The teacher then
+reads that text as a system message *in front of* the student's own token ids,
+``teacher_ids = render(privileged) + student_ids``, and scores the student's
+action tokens there. The student's tokens are not re-tokenized; only the
+teacher's extra prefix is rendered. ``teacher: self`` makes the teacher the
+student's current weights (no copy): the same model, told the answer, grades
+each of its own turns.
+
+Not here yet: the distribution-level signals (top-K, forward KL, JSD), which
+need the teacher's logits at more than the sampled token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import ConfigError
 from ..types import Episode, RolloutTree
 from .distill import linear_schedule, reverse_kl_advantage
 
 __all__ = ["DistillConfig", "Distiller", "add_distill_advantages", "distill_weight", "load_teacher",
-           "no_credit"]
+           "no_credit", "privileged_prefix"]
 
 
 class DistillConfig(BaseModel):
@@ -47,7 +58,10 @@ class DistillConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     teacher: str = Field(description="A registered model name or a local transformers folder "
-                         "(e.g. an SFT checkpoint's hf/), loaded frozen; same tokenizer as the student.")
+                         "(e.g. an SFT checkpoint's hf/), loaded frozen; same tokenizer as the student. "
+                         "'self': the student's current weights (needs privileged: true).")
+    privileged: bool = Field(False, description="Give the teacher the env's privileged text "
+                             "(reset info['privileged']) as a system message before the student's tokens.")
     signal: Literal["reverse_kl"] = Field(
         "reverse_kl", description="Per-token signal: the sampled-token reverse-KL advantage "
         "log pi_teacher - log pi_student.")
@@ -58,6 +72,14 @@ class DistillConfig(BaseModel):
                                      "weight_end; null: train.steps.")
     teacher_temperature: float = Field(1.0, gt=0.0, description="Temperature the teacher's "
                                        "logits are divided by when it scores.")
+
+
+    @model_validator(mode="after")
+    def _self_needs_privileged(self) -> DistillConfig:
+        if self.teacher == "self" and not self.privileged:
+            raise ValueError("train.distill.teacher='self' needs train.distill.privileged=true: "
+                             "without privileged context the teacher is the student and teaches nothing")
+        return self
 
 
 def distill_weight(cfg: DistillConfig, step: int, total_steps: int) -> float:
@@ -87,25 +109,65 @@ def no_credit(trees: Sequence[RolloutTree]) -> list[tuple[Episode, list[float]]]
             if not ep.error]
 
 
-ScoreFn = Callable[[torch.nn.Module, str, float], int]  # (model, Sample attribute, temperature) -> tokens
+ScoreFn = Callable[[torch.nn.Module, list[Any], str, float], int]  # (model, samples, attribute, temperature) -> tokens
+
+
+def privileged_prefix(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` as a system message, rendered with the chat template.
+
+    A template that cannot render a lone system message gets ``text`` and a
+    blank line as plain tokens instead.
+    """
+    msg = [{"role": "system", "content": f"Privileged information (the agent cannot see it): {text}"}]
+    try:
+        ids = tokenizer.apply_chat_template(msg, tokenize=True, add_generation_prompt=False)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        return list(ids)
+    except Exception:  # a template that refuses a lone system message
+        return tokenizer(msg[0]["content"] + "\n\n", add_special_tokens=False)["input_ids"]
 
 
 class Distiller:
-    """Holds the frozen teacher; ``apply`` adds the distillation advantages to a scored batch."""
+    """Holds the teacher; ``apply`` adds the distillation advantages to a scored batch."""
 
     def __init__(self, cfg: DistillConfig, student_tokenizer: Any, device: torch.device,
-                 total_steps: int):
+                 total_steps: int, student: torch.nn.Module | None = None):
         self.cfg = cfg
         self.total_steps = total_steps
-        self.teacher = load_teacher(cfg.teacher, student_tokenizer, device)
+        self.tokenizer = student_tokenizer
+        if cfg.teacher == "self":
+            if student is None:
+                raise ConfigError("train.distill.teacher='self' needs the student model")
+            self.teacher = student
+        else:
+            self.teacher = load_teacher(cfg.teacher, student_tokenizer, device)
+        self._prefixes: dict[str, list[int]] = {}
 
-    def apply(self, samples: list[Any], step: int, score: ScoreFn) -> dict[str, float]:
+    def apply(self, samples: list[Any], step: int, score: ScoreFn,
+              privileged: Sequence[str | None] | None = None) -> dict[str, float]:
         """Teacher-score ``samples`` (their ``old`` must be filled), then add the weighted signal.
 
-        ``score(model, attr, temperature)`` fills ``sample.<attr>`` for every
-        sample and returns the tokens it ran. Returns ``distill/*`` stats.
+        ``score(model, samples, attr, temperature)`` fills ``sample.<attr>`` for
+        every sample and returns the tokens it ran. With ``privileged: true``,
+        ``privileged[i]`` is sample i's privileged text (the env's reset
+        ``info["privileged"]``); a missing one is an error naming the env key.
+        Returns ``distill/*`` stats.
         """
-        tokens = score(self.teacher, "teacher", self.cfg.teacher_temperature)
+        scored = samples
+        if self.cfg.privileged:
+            if privileged is None or len(privileged) != len(samples) or any(p is None for p in privileged):
+                raise ConfigError("train.distill.privileged=true but the env gave no info['privileged'] "
+                                  "at reset for some episodes")
+            scored = []
+            for s, text in zip(samples, privileged, strict=True):
+                prefix = self._prefixes.setdefault(text, privileged_prefix(self.tokenizer, text))
+                scored.append(replace(s, input_ids=prefix + s.input_ids, mask=[0] * len(prefix) + s.mask,
+                                      behaviour=[], advantages=[], versions=[], old=None, ref=None, teacher=None))
+        with torch.no_grad():
+            tokens = score(self.teacher, scored, "teacher", self.cfg.teacher_temperature)
+        if scored is not samples:
+            for s, t in zip(samples, scored, strict=True):
+                s.teacher = t.teacher[len(t.input_ids) - len(s.input_ids):]
         w = distill_weight(self.cfg, step, self.total_steps)
         kl = add_distill_advantages(samples, w)
         return {"distill/reverse_kl": kl, "distill/weight": w, "distill/teacher_tokens": tokens}

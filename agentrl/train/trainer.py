@@ -89,6 +89,7 @@ class Sample:
     old: list[float] | None = None
     ref: list[float] | None = None
     teacher: list[float] | None = None
+    privileged: str | None = None  # the env's privileged text, for a distillation teacher
 
     @property
     def n_action(self) -> int:
@@ -487,7 +488,7 @@ class Trainer:
         self.distiller = None
         if t.distill is not None:
             from .opd import Distiller
-            self.distiller = Distiller(t.distill, tok, self.device, t.steps)
+            self.distiller = Distiller(t.distill, tok, self.device, t.steps, student=self.net)
         self.harness = None  # rollouts by an agent program instead of the engine (harness.py)
         if t.harness is not None:
             from .harness import HarnessRollouts
@@ -601,6 +602,11 @@ class Trainer:
         skip = (t.skip_zero_advantage and t.loss.kl_coef == 0 and t.loss.entropy_coef == 0
                 and self.distiller is None)
         samples = samples_from_credit(items, skip_zero_advantage=skip)
+        if self.distiller is not None and self.distiller.cfg.privileged:
+            tree_of = {id(n): tree for tree in trees for n in tree.nodes.values()}
+            kept = [ep for ep, _ in items if any(ep.loss_mask)]
+            for s, ep in zip(samples, kept, strict=True):
+                s.privileged = tree_of[id(ep.nodes[0])].meta.get("privileged") if ep.nodes else None
         stats["train/episodes"] = len(samples)
         stats["time/credit_s"] = time.perf_counter() - t0
         if not samples:
@@ -619,8 +625,8 @@ class Trainer:
                                         self.temperature)
             fields += ("ref",)
         if self.distiller is not None:  # the teacher scores the same tokens; A += w * A_distill
-            stats.update(self.distiller.apply(samples, step, lambda net, attr, temp: self.score(
-                net, samples, attr, t.micro_batch_tokens, self.pad_id, temp)))
+            stats.update(self.distiller.apply(samples, step, lambda net, ss, attr, temp: self.score(
+                net, ss, attr, t.micro_batch_tokens, self.pad_id, temp), [s.privileged for s in samples]))
             tokens += stats["distill/teacher_tokens"]
         stats["time/old_logprobs_s"] = time.perf_counter() - t0
         stats["train/scoring_pass"] = int(not one_step)

@@ -150,7 +150,24 @@ class ALFWorldEnv(TextEnv):
         self._achieved = self._world.subgoals() if self.dense_reward else 0
         goal = self._world.s.scene.task.goal
         self._last_obs = _INTRO.format(look=self._world.look(), goal=goal)
-        return self._last_obs, self._info()
+        info = self._info()
+        if self._plan_in_info:  # for a distillation teacher only (train.distill.privileged)
+            info["privileged"] = "The expert's plan: " + "; ".join(self._expert_plan(task_seed, split))
+        return self._last_obs, info
+
+    _plan_in_info = True
+
+    def _expert_plan(self, seed: int, split: str) -> list[str]:
+        """The expert's commands from the start of task ``seed``, played on a separate env."""
+        env = ALFWorldEnv(split=split, put_style=self.put_style, max_steps=self.max_steps)
+        env._plan_in_info = False
+        env.reset(seed=seed)
+        plan, done = [], False
+        while not done:
+            plan.append(env.expert_action())
+            _, _, terminated, truncated, _ = env.step(plan[-1])
+            done = terminated or truncated
+        return plan
 
     def step(self, action: str):
         w = self._require()

@@ -106,7 +106,12 @@ class WebShopEnv(TextEnv):
         obs = self._render(self._state)
         self._state = replace(self._state, obs=obs)
         self._last_obs = obs
-        return obs, self._info()
+        g = self.goal
+        options = ", ".join(f"{k}: {v}" for k, v in g.options)
+        # For a distillation teacher only (train.distill.privileged); never shown to the agent.
+        privileged = (f"The product to buy is {g.asin}, '{g.title}'" + (f", with {options}" if options else "")
+                      + f"; search for: {g.query}.")
+        return obs, {**self._info(), "privileged": privileged}
 
     def step(self, action: str):
         if self.goal is None:

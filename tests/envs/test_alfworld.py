@@ -354,3 +354,21 @@ def test_public_names_are_importable():
 
     assert all(getattr(pkg, name, None) is not None for name in pkg.__all__)
     assert "agentrl/ALFWorld-v0" in list_envs()
+
+
+def test_privileged_plan_is_the_experts_and_wins():
+    """Reset info's ``privileged`` text (for a distillation teacher) is a plan that solves the task."""
+    from agentrl.envs.alfworld import ALFWorldEnv
+
+    for seed in (0, 7, 42):
+        env = ALFWorldEnv()
+        _, info = env.reset(seed=seed)
+        plan = info["privileged"].removeprefix("The expert's plan: ").split("; ")
+        played = 0
+        for action in plan:
+            _, _, terminated, _, step_info = env.step(action)
+            played += 1
+            assert "privileged" not in step_info
+            if terminated:
+                break
+        assert terminated and step_info["won"] and played == len(plan)

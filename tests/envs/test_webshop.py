@@ -182,3 +182,12 @@ def test_registered_and_made_through_make_env():
     assert info["tools"] == [] and info["instruction"] in obs
     with pytest.raises(EnvError):
         WebShopEnv(num_products=SMALL).step("click[x]")
+
+
+def test_privileged_text_names_the_goal_product():
+    from agentrl.envs.webshop import WebShopEnv
+
+    env = WebShopEnv()
+    _, info = env.reset(seed=5)
+    assert env.goal.asin in info["privileged"] and env.goal.query in info["privileged"]
+    assert "privileged" not in env.step(f"search[{env.goal.query}]")[4]

@@ -23,6 +23,9 @@ def test_make_step_close_plays_the_env(env_url):
     made = httpx.post(f"{env_url}/envs", json={"env_id": "agentrl/GuessNumber-v0", "seed": 0,
                                                "kwargs": {"high": 4}}, headers=AUTH).json()
     assert "between 1 and 4" in made["observation"]
+    # The reset info's privileged text (the secret) is for a distillation teacher, not the agent.
+    assert "privileged" not in made["info"] and made["info"]["state_key"] == "turn 0: 1..4"
+    assert "privileged" not in httpx.get(f"{env_url}/envs/{made['id']}", headers=AUTH).json()["info"]
     eid, total, steps = made["id"], 0.0, 0
     for guess in range(1, 5):  # one of 1..4 is the secret
         step = httpx.post(f"{env_url}/envs/{eid}/step", json={"action": str(guess)}, headers=AUTH).json()

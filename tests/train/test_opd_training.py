@@ -107,3 +107,98 @@ def test_opd_lowers_teacher_student_kl_on_held_out_rollouts_where_lr_zero_does_n
     frozen_before, frozen_after, _ = opd_run(tmp_path / "lr0", sft_teacher, lr=0.0, steps=1)
     assert frozen_before == pytest.approx(before)  # same student, same held-out streams
     assert frozen_after == pytest.approx(frozen_before)
+
+
+# --------------------------------------------------------------------------- privileged context
+
+
+def test_teacher_self_needs_privileged_context():
+    with pytest.raises(ValueError, match="train.distill.privileged=true"):
+        DistillConfig(teacher="self")
+    assert DistillConfig(teacher="self", privileged=True).privileged
+
+
+def test_privileged_teacher_scores_the_student_tokens_after_its_own_prefix(tokenizer):
+    """The teacher reads ``prefix + student ids``; the student's ids are not re-tokenized."""
+    from agentrl.train.opd import Distiller, privileged_prefix
+    from agentrl.train.trainer import score_samples
+
+    model, _ = load_model_tiny()
+    cfg = DistillConfig(teacher="self", privileged=True, weight=1.0)
+    distiller = Distiller(cfg, tokenizer, torch.device("cpu"), total_steps=1, student=model)
+    ids = tokenizer("Guess a number.\n7\n", add_special_tokens=False)["input_ids"]
+    mask = [0] * (len(ids) - 2) + [1, 1]
+    sample = Sample(list(ids), mask, [0.0] * len(ids), [0.0] * len(ids), [0] * len(ids))
+    score_samples(model, [sample], "old", 512, 0, 1.0)
+    stats = distiller.apply([sample], 0, lambda net, ss, attr, temp: score_samples(net, ss, attr, 512, 0, temp),
+                            ["The secret number is 7."])
+    assert sample.input_ids == ids and len(sample.teacher) == len(ids)
+    prefix = privileged_prefix(tokenizer, "The secret number is 7.")
+    assert "The secret number is 7." in tokenizer.decode(prefix) and prefix[0] == tokenizer.encode("<|im_start|>")[0]
+    with torch.no_grad():  # the same model on prefix + ids, by hand
+        logp = torch.log_softmax(model(torch.tensor([prefix + ids])).logits[0, :-1], -1)
+    full = prefix + ids
+    want = [float(logp[len(prefix) + t - 1, full[len(prefix) + t]]) if m else 0.0 for t, m in enumerate(mask)]
+    assert sample.teacher == pytest.approx(want, abs=1e-4)
+    assert sample.teacher != pytest.approx(sample.old, abs=1e-3)  # the prefix changed the scores
+    assert stats["distill/teacher_tokens"] == len(prefix) + len(ids)
+    with pytest.raises(ConfigError, match="info\\['privileged'\\]"):
+        distiller.apply([sample], 0, lambda *a: 0, [None])
+
+
+def load_model_tiny():
+    from agentrl.models import load_model
+
+    return load_model("tiny-random")
+
+
+def test_a_privileged_self_teacher_prefers_the_secret(tokenizer):
+    """SmolLM2-135M told the secret scores the secret guess above a wrong one: its advantage is higher."""
+    from agentrl.models import load_model
+    from agentrl.train.opd import Distiller
+    from agentrl.train.trainer import score_samples
+
+    torch.set_num_threads(2)
+    model, tok = load_model("smollm2-135m")
+    distiller = Distiller(DistillConfig(teacher="self", privileged=True), tok, torch.device("cpu"), 1,
+                          student=model)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "I am thinking of a whole number between "
+                                       "1 and 16. Guess it: answer with one number only."}],
+                                     tokenize=True, add_generation_prompt=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    gaps = {}
+    for secret in (5, 11, 13):
+        for guess in (secret, 16 - secret + 1 if 16 - secret + 1 != secret else 2):
+            action = tok(str(guess), add_special_tokens=False)["input_ids"]
+            s = Sample(prompt + action, [0] * len(prompt) + [1] * len(action), [0.0] * (len(prompt) + len(action)),
+                       [0.0] * (len(prompt) + len(action)), [0] * (len(prompt) + len(action)))
+            score_samples(model, [s], "old", 1024, 0, 1.0)
+            distiller.apply([s], 0, lambda net, ss, attr, temp: score_samples(net, ss, attr, 1024, 0, temp),
+                            [f"The secret number is {secret}."])
+            gaps[(secret, guess == secret)] = sum(s.advantages)
+    # log p_teacher - log p_student of the guess: telling the 135M model the secret raises the
+    # secret's logprob more than a wrong guess's, by 0.18 to 0.38 nats here. A small model uses
+    # the hint weakly, so the margin is small but deterministic (no sampling).
+    diffs = [gaps[(secret, True)] - gaps[(secret, False)] for secret in (5, 11, 13)]
+    assert all(d > 0.1 for d in diffs), gaps
+
+
+def test_a_training_step_with_a_privileged_self_teacher(tmp_path):
+    """The engine keeps the env's privileged text out of every prompt and hands it to the teacher."""
+    torch.set_num_threads(1)
+    cfg = load_train_config(None, GUESS + [
+        "rollout.group_size=4", "train.tasks_per_step=2", "train.steps=1", "train.minibatch_size=8",
+        "train.distill={teacher: self, privileged: true, weight: 0.5}", f"train.out_dir={tmp_path}"])
+    tr = Trainer(cfg, progress=False)
+    assert tr.distiller.teacher is tr.net  # the student's own weights, not a copy
+    bars = _Bars(tr.console, False)
+    trees, _ = tr.rollout(0, bars)
+    tok = tr.policy.tokenizer
+    for tree in trees:
+        assert tree.meta["privileged"].startswith("The secret number is ")
+        for node in tree.nodes.values():
+            assert "secret number" not in tok.decode(node.context_ids + node.action_ids)
+    stats = tr.learn(trees, 0, bars)
+    episode_tokens = sum(len(ep.input_ids) for t in trees for ep in t.episodes())
+    assert stats["distill/teacher_tokens"] > episode_tokens  # each episode behind its prefix
+    assert stats["distill/weight"] == 0.5 and stats["train/optimizer_steps"] == 1

@@ -297,17 +297,17 @@ def test_padded_and_packed_layouts_score_the_same_logprobs(monkeypatch, padded):
 
     def scored(layout: bool) -> list[list[float]]:
         monkeypatch.setattr(trainer_mod, "padding_is_cheaper", lambda lengths, config: layout)
-        samples = [Sample(s, m, [0.0] * len(s), [0.0] * len(s), [0] * len(s)) for s, m in zip(seqs, masks)]
+        samples = [Sample(s, m, [0.0] * len(s), [0.0] * len(s), [0] * len(s)) for s, m in zip(seqs, masks, strict=True)]
         trainer_mod.score_samples(model, samples, "old", 64, 0, 1.0)
         return [s.old for s in samples]
 
     got, alone = scored(padded), []
-    for s, m in zip(seqs, masks):  # each sample in a row of its own, no padding, no packing
+    for s, m in zip(seqs, masks, strict=True):  # each sample in a row of its own, no padding, no packing
         from agentrl.train.logprobs import token_logprobs
         with torch.no_grad():
             lp, _ = token_logprobs(model, torch.tensor([s]), None, torch.tensor([m]))
         alone.append(lp[0].tolist())
-    for g, a, m in zip(got, alone, masks):
+    for g, a, m in zip(got, alone, masks, strict=True):
         assert len(g) == len(a)
         assert any(x != 0 for x in g)  # action tokens were scored
         torch.testing.assert_close(torch.tensor(g), torch.tensor(a) * torch.tensor(m, dtype=torch.float32),
