@@ -1,4 +1,4 @@
-"""Learning curves: held-out success against env steps, four credit methods at one sample budget.
+"""Learning curves: held-out success against env steps, five methods at one sample budget.
 
 Every method starts from the same warm start, trains on the same task seeds
 (``train.tasks_per_step`` tasks a step, ``rollout.group_size`` leaves a task),
@@ -13,7 +13,10 @@ with the same learning rate, sampling seeds and held-out evaluation:
 - ``grpo_opd``: GRPO plus step-wise on-policy distillation: a teacher scores
   the student's own turns and ``weight * (log p_teacher - log p_student)`` is
   added to each action token's advantage. The teacher is a stronger SFT
-  checkpoint (more expert episodes, more epochs) of the same model.
+  checkpoint (more expert episodes, more epochs) of the same model;
+- ``grpo_opsd`` (a fifth, beyond the four asked for): GRPO plus privileged
+  self-distillation: the teacher is the student's own current weights, given
+  the env's privileged text (GuessNumber's secret) as a system message.
 
 The budget is equal in leaves (episodes). Trees share their first turns, so
 they play fewer env steps for the same leaves; the x axis is cumulative env
@@ -30,7 +33,7 @@ Presets (``--env``):
   rooms where the object is in plain sight). On 2 CPU cores one evaluation
   alone takes minutes; run it on a bigger machine.
 
-    python bench/learning.py                       # GuessNumber, 4 methods (about 25 min on 2 cores)
+    python bench/learning.py                       # GuessNumber, 5 methods (about 30 min on 2 cores)
     python bench/learning.py --methods grpo,gigpo --steps 4
     python bench/learning.py --env alfworld_easy   # slow on CPU
     python bench/learning.py --quick               # tiny random model, 2 steps: a smoke test
@@ -59,7 +62,7 @@ PRESETS = {
     "guess_number": ROOT / "examples" / "train_guess_number.yaml",
     "alfworld_easy": ROOT / "examples" / "train_alfworld_easy.yaml",
 }
-METHODS = ("grpo", "gigpo", "tree", "grpo_opd")
+METHODS = ("grpo", "gigpo", "tree", "grpo_opd", "grpo_opsd")
 
 
 def method_overrides(method: str, teacher: str | None, opd_weight: float) -> dict[str, Any]:
@@ -76,6 +79,9 @@ def method_overrides(method: str, teacher: str | None, opd_weight: float) -> dic
         if teacher is None:
             raise ValueError("grpo_opd needs a teacher checkpoint")
         return {"train": {"credit": "grpo", "distill": {"teacher": teacher, "weight": opd_weight}}}
+    if method == "grpo_opsd":
+        return {"train": {"credit": "grpo", "distill": {"teacher": "self", "privileged": True,
+                                                         "weight": opd_weight}}}
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 

@@ -59,7 +59,7 @@ def test_learning_runs_every_method_on_the_same_budget_from_one_warm_start(tmp_p
     subprocess.run([sys.executable, str(BENCH / "learning.py"), "--quick", "--out", str(out),
                     "--work-dir", str(tmp_path / "runs")], check=True, capture_output=True, timeout=600)
     result = json.loads(out.read_text())
-    assert result["methods"] == ["grpo", "gigpo", "tree", "grpo_opd"]
+    assert result["methods"] == ["grpo", "gigpo", "tree", "grpo_opd", "grpo_opsd"]
     runs = result["results"]
     for r in runs.values():
         # Step 0 is the warm start's own evaluation, then one evaluation after each of 2 steps.

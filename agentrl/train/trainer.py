@@ -125,8 +125,8 @@ def step_task_seeds(cfg: TrainConfig, step: int) -> list[int]:
 class _Row:
     """One forward pass's tensors, ``[n, T]`` each: one packed row, or one padded row a sample.
 
-    ``where[k] = (r, start, end)`` places sample ``samples_idx[k]`` at row r, columns
-    ``[start, end)``.
+    ``where[k] = (r, start, end)``: the packed row's k-th sequence sits in tensor row r,
+    columns ``[start, end)``.
     """
 
     input_ids: torch.Tensor
