@@ -103,7 +103,6 @@ def policy(hf_model, tokenizer, tmp_path_factory):
         print(f"skipping: {reason}")
         pytest.skip(reason)
     from agentrl.policy.vllm import VLLMPolicy
-
     from agentrl.train.checkpoint import save_checkpoint
 
     # The engine loads a trainer checkpoint's Hugging Face export, so every test here also
