@@ -173,6 +173,8 @@ def main() -> None:
     ap.add_argument("--sft-epochs", type=int, default=2, help="epochs of the warm start")
     ap.add_argument("--teacher-sft-episodes", type=int, default=64, help="expert episodes of the OPD teacher")
     ap.add_argument("--opd-weight", type=float, default=1.0)
+    ap.add_argument("--lr", type=float, default=2e-4, help="RL learning rate (make run's 5e-5 left "
+                    "greedy success flat over 8 steps)")
     ap.add_argument("--quick", action="store_true", help="tiny random model, 2 steps, 8 eval episodes")
     ap.add_argument("--work-dir", default="runs/bench_learning")
     ap.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
@@ -187,7 +189,8 @@ def main() -> None:
         base = merge(base, {"policy": {"model": "tiny-random"}, "train": {"top_k_layers": 1}})
         args.steps, eval_cfg = 2, {"eval_every": 1, "eval_episodes": 8}
         args.sft_episodes, args.teacher_sft_episodes = 4, 8
-    base = merge(base, {"train": {"steps": args.steps, "tensorboard": False, "export_hf": False, **eval_cfg}})
+    base = merge(base, {"train": {"steps": args.steps, "lr": args.lr, "tensorboard": False, "export_hf": False,
+                                  **eval_cfg}})
     work = Path(args.work_dir)
     if work.exists():
         shutil.rmtree(work)
