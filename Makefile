@@ -53,8 +53,8 @@ vllm:
 	@bash .ci/vllm-setup.sh || echo "WARNING: the vllm extra failed to install; the vllm tests skip with the reason"
 
 # The main job: train SmolLM2-135M on GuessNumber (1..16, 4 guesses) on CPU, an
-# SFT warm start on the bisection expert then GRPO, and print held-out success
-# at the start, after SFT and after RL (bench/make_run.json: 557 s on 2 shared
+# SFT warm start on the bisection expert then GiGPO, and print held-out success
+# at the start, after SFT and after RL (bench/make_run.json: 247 s on 2
 # cores). Easy ALFWorld tasks did not fit 15 min here; examples/alfworld.yaml
 # trains ALFWorld-v0 through the same command.
 run: install

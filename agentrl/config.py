@@ -96,6 +96,9 @@ class RolloutConfig(_Strict):
     keep_snapshots: bool = Field(
         False, description="Snapshot the env after every turn (Node.snapshot) to branch from."
     )
+    record_expert_actions: bool = Field(
+        False, description="Before each step, ask the env's scripted expert (env.expert_action()) "
+        "what it would do and keep it in the turn's info['expert_action'] (for an expert teacher).")
 
 
 class Config(_Strict):

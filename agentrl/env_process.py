@@ -28,7 +28,7 @@ from .env import resolve_env_id
 
 __all__ = ["ProcessEnv"]
 
-_METHODS = ("reset", "step", "snapshot", "restore", "close")
+_METHODS = ("reset", "step", "snapshot", "restore", "close", "expert_action")
 
 
 def _load(entry: Any) -> Any:
@@ -118,6 +118,10 @@ class ProcessEnv:
 
     def snapshot(self) -> Any:
         return self._ask("snapshot")
+
+    def expert_action(self) -> str:
+        """The hosted env's scripted expert's next action (AttributeError if it has none)."""
+        return self._ask("expert_action")
 
     def restore(self, snapshot: Any) -> None:
         self._ask("restore", snapshot)

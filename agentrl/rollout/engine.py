@@ -367,6 +367,11 @@ class Engine:
                 node.context_ids = []
             path.turns += 1
             played += 1
+            if r.record_expert_actions:  # what the expert would do in the state this turn acted in
+                try:
+                    node.info["expert_action"] = str(await self._call(path.env, "expert_action"))
+                except Exception as e:  # no expert, or it failed: the teacher skips this turn
+                    node.info["expert_action_error"] = f"{type(e).__name__}: {e}"
             try:
                 obs, reward, terminated, truncated, info = await self._call(path.env, "step", text)
             except Exception as e:

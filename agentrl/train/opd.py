@@ -31,6 +31,19 @@ teacher's extra prefix is rendered. ``teacher: self`` makes the teacher the
 student's current weights (no copy): the same model, told the answer, grades
 each of its own turns.
 
+**Scripted experts as teachers** (``teacher: expert``; ALFWorld-v0, WebShop-v0,
+TextWorld-v0, GuessNumber-v0). The engine asks the env's expert what it would do
+in each state the student acted in (``rollout.record_expert_actions``, switched
+on by the trainer), and ``expert_one_hot_teacher`` turns that action into a
+one-hot teacher over the student's tokens: log-prob 0 where the student's tokens
+spell the expert's action (tokenized alone, plus the student's own end token
+when it stopped there), ``expert_floor`` from the first differing token on.
+Its docstring lists what the approximation gets wrong (another tokenization of
+the same text is a mismatch). Being on-policy, the signal lands only on tokens
+the student sampled: matching ones are pushed up, the rest down. A student that
+never samples the expert's action is only pushed off its own; the expert's
+tokens themselves are not trained on (that would be SFT, ``agentrl sft``).
+
 Not here yet: the distribution-level signals (top-K, forward KL, JSD), which
 need the teacher's logits at more than the sampled token.
 """
@@ -46,10 +59,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import ConfigError
 from ..types import Episode, RolloutTree
-from .distill import linear_schedule, reverse_kl_advantage
+from .distill import expert_one_hot_teacher, linear_schedule, reverse_kl_advantage
 
 __all__ = ["DistillConfig", "Distiller", "add_distill_advantages", "distill_weight", "load_teacher",
-           "no_credit", "privileged_prefix"]
+           "expert_teacher_logprobs", "no_credit", "privileged_prefix"]
 
 
 class DistillConfig(BaseModel):
@@ -59,7 +72,12 @@ class DistillConfig(BaseModel):
 
     teacher: str = Field(description="A registered model name or a local transformers folder "
                          "(e.g. an SFT checkpoint's hf/), loaded frozen; same tokenizer as the student. "
-                         "'self': the student's current weights (needs privileged: true).")
+                         "'self': the student's current weights (needs privileged: true). "
+                         "'expert': the env's scripted expert as a one-hot teacher.")
+    expert_floor: float = Field(-20.0, lt=0.0, description="teacher: expert: the log-prob standing "
+                                "for 0 on tokens that leave the expert's action. Keep it below the "
+                                "student's own log-probs (about -10.8 for a uniform 49k vocabulary), or "
+                                "a mismatching token gets a positive advantage.")
     privileged: bool = Field(False, description="Give the teacher the env's privileged text "
                              "(reset info['privileged']) as a system message before the student's tokens.")
     signal: Literal["reverse_kl"] = Field(
@@ -79,6 +97,9 @@ class DistillConfig(BaseModel):
         if self.teacher == "self" and not self.privileged:
             raise ValueError("train.distill.teacher='self' needs train.distill.privileged=true: "
                              "without privileged context the teacher is the student and teaches nothing")
+        if self.teacher == "expert" and self.privileged:
+            raise ValueError("train.distill.teacher='expert' reads no context: set "
+                             "train.distill.privileged=false")
         return self
 
 
@@ -135,13 +156,26 @@ class Distiller:
         self.cfg = cfg
         self.total_steps = total_steps
         self.tokenizer = student_tokenizer
+        self.teacher: torch.nn.Module | None
         if cfg.teacher == "self":
             if student is None:
                 raise ConfigError("train.distill.teacher='self' needs the student model")
             self.teacher = student
+        elif cfg.teacher == "expert":
+            self.teacher = None
         else:
             self.teacher = load_teacher(cfg.teacher, student_tokenizer, device)
         self._prefixes: dict[str, list[int]] = {}
+
+    def _expert_teacher(self, samples: list[Any]) -> dict[str, float]:
+        turns = matched = 0
+        for s in samples:
+            s.teacher, t, m = expert_teacher_logprobs(s, self.tokenizer, self.cfg.expert_floor)
+            turns, matched = turns + t, matched + m
+        if turns == 0 and any(s.expert_turns for s in samples):
+            raise ConfigError("train.distill.teacher='expert' but no turn has an expert action: the env "
+                              "has no expert_action(), or it failed (see the nodes' info['expert_action_error'])")
+        return {"distill/expert_turns": turns, "distill/expert_match_frac": matched / max(turns, 1)}
 
     def apply(self, samples: list[Any], step: int, score: ScoreFn,
               privileged: Sequence[str | None] | None = None) -> dict[str, float]:
@@ -153,6 +187,12 @@ class Distiller:
         ``info["privileged"]``); a missing one is an error naming the env key.
         Returns ``distill/*`` stats.
         """
+        if self.teacher is None:
+            stats = self._expert_teacher(samples)
+            w = distill_weight(self.cfg, step, self.total_steps)
+            stats.update({"distill/reverse_kl": add_distill_advantages(samples, w), "distill/weight": w,
+                          "distill/teacher_tokens": 0})
+            return stats
         scored = samples
         if self.cfg.privileged:
             if privileged is None or len(privileged) != len(samples) or any(p is None for p in privileged):
@@ -171,6 +211,33 @@ class Distiller:
         w = distill_weight(self.cfg, step, self.total_steps)
         kl = add_distill_advantages(samples, w)
         return {"distill/reverse_kl": kl, "distill/weight": w, "distill/teacher_tokens": tokens}
+
+
+def expert_teacher_logprobs(sample: Any, tokenizer: Any, floor: float) -> tuple[list[float], int, int]:
+    """``sample.teacher`` for a scripted expert, from ``sample.expert_turns``; (logprobs, turns, matched turns).
+
+    ``expert_turns`` holds ``(start, end, expert_action, stopped)`` per turn: the
+    turn's action tokens are ``input_ids[start:end]``. A turn without an expert
+    action gets the student's own logprobs (no signal). The expert's action is
+    tokenized alone; when the student's turn ended on a stop token, that token
+    is appended, so stopping right after the expert's text counts as a match.
+    """
+    if sample.old is None:
+        raise ValueError("the expert teacher needs sample.old (the student's logprobs) filled")
+    teacher = list(sample.old)
+    turns = matched = 0
+    for start, end, expert, stopped in sample.expert_turns or []:
+        if expert is None or end <= start:
+            continue
+        action = sample.input_ids[start:end]
+        want = tokenizer(expert, add_special_tokens=False)["input_ids"]
+        if stopped:
+            want = want + action[-1:]
+        lp = expert_one_hot_teacher(action, want, floor=floor).tolist()
+        teacher[start:end] = lp
+        turns += 1
+        matched += int(all(x == 0.0 for x in lp))
+    return teacher, turns, matched
 
 
 def add_distill_advantages(samples: list[Any], weight: float) -> float:

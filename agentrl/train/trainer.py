@@ -90,6 +90,7 @@ class Sample:
     ref: list[float] | None = None
     teacher: list[float] | None = None
     privileged: str | None = None  # the env's privileged text, for a distillation teacher
+    expert_turns: list[tuple[int, int, str | None, bool]] | None = None  # for teacher: expert
 
     @property
     def n_action(self) -> int:
@@ -464,6 +465,9 @@ class Trainer:
             raise ConfigError(f"train.micro_batch_tokens={t.micro_batch_tokens} is below "
                               f"rollout.max_context_tokens={cfg.rollout.max_context_tokens}: "
                               "an episode must fit one forward pass")
+        if t.distill is not None and t.distill.teacher == "expert":  # the engine records what the expert would do
+            cfg = cfg.model_copy(deep=True)
+            cfg.rollout.record_expert_actions = True
         self.cfg = cfg
         self.console = console or Console()
         self.progress = progress
@@ -607,6 +611,11 @@ class Trainer:
             kept = [ep for ep, _ in items if any(ep.loss_mask)]
             for s, ep in zip(samples, kept, strict=True):
                 s.privileged = tree_of[id(ep.nodes[0])].meta.get("privileged") if ep.nodes else None
+        if self.distiller is not None and self.distiller.cfg.teacher == "expert":
+            kept = [ep for ep, _ in items if any(ep.loss_mask)]
+            for s, ep in zip(samples, kept, strict=True):
+                s.expert_turns = [(a, b, n.info.get("expert_action"), n.finish_reason in ("stop", "stop_string"))
+                                  for (a, b), n in zip(ep.turn_spans, ep.nodes, strict=True)]
         stats["train/episodes"] = len(samples)
         stats["time/credit_s"] = time.perf_counter() - t0
         if not samples:

@@ -202,3 +202,88 @@ def test_a_training_step_with_a_privileged_self_teacher(tmp_path):
     episode_tokens = sum(len(ep.input_ids) for t in trees for ep in t.episodes())
     assert stats["distill/teacher_tokens"] > episode_tokens  # each episode behind its prefix
     assert stats["distill/weight"] == 0.5 and stats["train/optimizer_steps"] == 1
+
+
+# --------------------------------------------------------------------------- scripted experts as teachers
+
+
+def test_expert_teacher_logprobs_match_the_experts_tokens_then_floor(tokenizer):
+    from agentrl.train.opd import expert_teacher_logprobs
+
+    right = tokenizer("go to shelf 1", add_special_tokens=False)["input_ids"]
+    wrong = tokenizer("go to desk 2", add_special_tokens=False)["input_ids"]
+    nl = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    ctx = [1, 2, 3]
+    ids = ctx + right + nl + [4, 5] + wrong + nl
+    a0, a1 = (3, 3 + len(right) + 1), (3 + len(right) + 1 + 2, len(ids))
+    s = Sample(ids, [0] * len(ids), [0.0] * len(ids), [0.0] * len(ids), [0] * len(ids),
+               old=[-0.5] * len(ids))
+    s.expert_turns = [(a0[0], a0[1], "go to shelf 1", True), (a1[0], a1[1], "go to shelf 1", True)]
+    teacher, turns, matched = expert_teacher_logprobs(s, tokenizer, floor=-10.0)
+    assert (turns, matched) == (2, 1)
+    assert teacher[:3] == [-0.5] * 3  # context: the student's own logprobs, so no signal
+    assert teacher[a0[0]:a0[1]] == [0.0] * (a0[1] - a0[0])  # the expert's text, then the student's stop
+    first_diff = next(i for i, (x, y) in enumerate(zip(right, wrong, strict=False)) if x != y)
+    second = teacher[a1[0]:a1[1]]
+    assert second[:first_diff] == [0.0] * first_diff and set(second[first_diff:]) == {-10.0}
+    s.expert_turns = [(a0[0], a0[1], None, True)]  # no expert here: the student's logprobs
+    assert expert_teacher_logprobs(s, tokenizer, -10.0) == ([-0.5] * len(ids), 0, 0)
+
+
+def test_engine_records_the_experts_action_in_the_state_each_turn_acted_in(tokenizer):
+    from agentrl.policy.mock import MockPolicy
+
+    cfg = load_train_config(None, GUESS + ["env.kwargs={high: 16, max_turns: 3}",
+                                           "rollout.record_expert_actions=true"])
+    trees = collect(cfg.env.id, MockPolicy(tokenizer, ["3"]), cfg, [0, 1])
+    for tree in trees:
+        for ep in tree.episodes():
+            experts = [n.info["expert_action"] for n in ep.nodes]
+            assert experts[0] == "8"  # bisection of 1..16, before any guess
+            if len(experts) > 1:  # after "3": too low (secret > 3) -> 4..16 -> 10; or the secret was 3
+                assert experts[1] == "10"
+
+
+def test_an_expert_teacher_pushes_the_student_off_actions_the_expert_would_not_take(tmp_path):
+    """OPD with GuessNumber's bisection expert as a one-hot teacher, on a tiny random student.
+
+    Such a student never samples the expert's opening "8", so the signal it gets is on its
+    own mismatching tokens: the log-prob of the first action it sampled most falls; with
+    lr=0 nothing moves.
+    """
+    from collections import Counter
+
+    torch.set_num_threads(1)
+
+    def run(lr: float) -> tuple[float, float, dict]:
+        cfg = load_train_config(None, GUESS + [
+            "env.kwargs={high: 16, max_turns: 3}", "sampling.temperature=0.1", "rollout.group_size=4",
+            "train.tasks_per_step=4", "train.credit=none", "train.distill={teacher: expert, weight: 0.1}",
+            f"train.lr={lr}", "train.steps=3", "train.minibatch_size=16", f"train.out_dir={tmp_path / str(lr)}"])
+        tr = Trainer(cfg, progress=False)
+        assert tr.cfg.rollout.record_expert_actions and not cfg.rollout.record_expert_actions
+        trees = collect(cfg.env.id, tr.policy, tr.cfg, list(range(500, 504)))
+        root = trees[0].nodes[trees[0].roots[0]]
+        opening = root.context_ids
+        firsts = Counter(tuple(t.nodes[r].action_ids) for t in trees for r in t.roots)
+        action = list(firsts.most_common(1)[0][0])
+        assert all(t.nodes[r].info["expert_action"] == "8" for t in trees for r in t.roots)
+
+        def logp() -> float:
+            with torch.no_grad():
+                lp = torch.log_softmax(tr.net(torch.tensor([opening + action])).logits[0] / 0.1, -1)
+            return float(sum(lp[len(opening) - 1 + i, t] for i, t in enumerate(action)))
+
+        before, bars, last = logp(), _Bars(tr.console, False), {}
+        for k in range(3):
+            trees, _ = tr.rollout(k, bars)
+            last = tr.learn(trees, k, bars)
+            sync_policy(tr.policy, tr.model)
+        return before, logp(), last
+
+    before, after, stats = run(1e-2)
+    assert stats["distill/expert_turns"] > 0 and stats["distill/teacher_tokens"] == 0
+    assert stats["distill/expert_match_frac"] == 0.0  # the random student never guessed "8"
+    assert after < before - 1.0, (before, after)
+    frozen_before, frozen_after, _ = run(0.0)
+    assert frozen_after == pytest.approx(frozen_before, abs=1e-5)
