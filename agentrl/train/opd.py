@@ -44,8 +44,12 @@ the student sampled: matching ones are pushed up, the rest down. A student that
 never samples the expert's action is only pushed off its own; the expert's
 tokens themselves are not trained on (that would be SFT, ``agentrl sft``).
 
-Not here yet: the distribution-level signals (top-K, forward KL, JSD), which
-need the teacher's logits at more than the sampled token.
+Per-turn weights (``turn_balance``: TurnOPD; ``sod_alpha``: SOD) scale the
+signal turn by turn (``add_distill_advantages``).
+
+Not here yet: the distribution-level signals (top-K, forward KL, JSD), ESR's
+overlap stop and TIP's token selection, which need the teacher's and the
+student's logits at more than the sampled token.
 """
 
 from __future__ import annotations
@@ -59,7 +63,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import ConfigError
 from ..types import Episode, RolloutTree
-from .distill import expert_one_hot_teacher, linear_schedule, reverse_kl_advantage
+from .distill import (
+    expert_one_hot_teacher,
+    linear_schedule,
+    reverse_kl_advantage,
+    spread_turn_values,
+    step_divergence_weights,
+    turn_balance_weights,
+)
 
 __all__ = ["DistillConfig", "Distiller", "add_distill_advantages", "distill_weight", "load_teacher",
            "expert_teacher_logprobs", "no_credit", "privileged_prefix"]
@@ -74,6 +85,11 @@ class DistillConfig(BaseModel):
                          "(e.g. an SFT checkpoint's hf/), loaded frozen; same tokenizer as the student. "
                          "'self': the student's current weights (needs privileged: true). "
                          "'expert': the env's scripted expert as a one-hot teacher.")
+    turn_balance: bool = Field(False, description="TurnOPD: move the distillation weights from "
+                               "token-balanced (step 0) to turn-balanced (last step), so every turn "
+                               "counts the same however many tokens it took.")
+    sod_alpha: float | None = Field(None, ge=0.0, description="SOD: scale each turn's distillation "
+                                    "signal by exp(-alpha * d), d its mean |log p_s - log p_t|; null: off.")
     expert_floor: float = Field(-20.0, lt=0.0, description="teacher: expert: the log-prob standing "
                                 "for 0 on tokens that leave the expert's action. Keep it below the "
                                 "student's own log-probs (about -10.8 for a uniform 49k vocabulary), or "
@@ -167,6 +183,10 @@ class Distiller:
             self.teacher = load_teacher(cfg.teacher, student_tokenizer, device)
         self._prefixes: dict[str, list[int]] = {}
 
+    def _weights(self, step: int) -> dict[str, float | None]:
+        progress = min(step / max(self.total_steps - 1, 1), 1.0)
+        return {"turn_balance": progress if self.cfg.turn_balance else None, "sod_alpha": self.cfg.sod_alpha}
+
     def _expert_teacher(self, samples: list[Any]) -> dict[str, float]:
         turns = matched = 0
         for s in samples:
@@ -190,7 +210,8 @@ class Distiller:
         if self.teacher is None:
             stats = self._expert_teacher(samples)
             w = distill_weight(self.cfg, step, self.total_steps)
-            stats.update({"distill/reverse_kl": add_distill_advantages(samples, w), "distill/weight": w,
+            stats.update({"distill/reverse_kl": add_distill_advantages(samples, w, **self._weights(step)),
+                          "distill/weight": w,
                           "distill/teacher_tokens": 0})
             return stats
         scored = samples
@@ -209,7 +230,7 @@ class Distiller:
             for s, t in zip(samples, scored, strict=True):
                 s.teacher = t.teacher[len(t.input_ids) - len(s.input_ids):]
         w = distill_weight(self.cfg, step, self.total_steps)
-        kl = add_distill_advantages(samples, w)
+        kl = add_distill_advantages(samples, w, **self._weights(step))
         return {"distill/reverse_kl": kl, "distill/weight": w, "distill/teacher_tokens": tokens}
 
 
@@ -240,11 +261,19 @@ def expert_teacher_logprobs(sample: Any, tokenizer: Any, floor: float) -> tuple[
     return teacher, turns, matched
 
 
-def add_distill_advantages(samples: list[Any], weight: float) -> float:
-    """``A += weight * (log pi_t - log pi_s)`` on every action token, in place; returns the batch's KL estimate.
+def add_distill_advantages(samples: list[Any], weight: float, *, turn_balance: float | None = None,
+                           sod_alpha: float | None = None) -> float:
+    """``A += weight * w_t * (log pi_t - log pi_s)`` on every action token, in place; returns the batch's KL estimate.
 
     ``sample.old`` holds the student's logprobs and ``sample.teacher`` the
     teacher's, aligned with ``input_ids``; context tokens keep their advantage.
+    ``w_t`` is 1, times, when asked (both need ``sample.turn_spans``):
+
+    - ``turn_balance`` = progress in [0, 1]: TurnOPD's move from token- to
+      turn-balanced weights (``turn_balance_weights``);
+    - ``sod_alpha``: SOD's per-turn ``exp(-alpha * d_k)``, ``d_k`` the mean
+      ``|log pi_s - log pi_t|`` over turn k's action tokens (``step_divergence_weights``).
+
     The returned value is the mean of ``log pi_s - log pi_t`` over all action
     tokens of the batch (k1 estimate of KL(pi_s || pi_t) on the sampled tokens).
     """
@@ -254,7 +283,18 @@ def add_distill_advantages(samples: list[Any], weight: float) -> float:
             raise ValueError("add_distill_advantages needs sample.old and sample.teacher filled")
         mask = torch.tensor(s.mask, dtype=torch.bool)
         a_distill = reverse_kl_advantage(torch.tensor(s.old), torch.tensor(s.teacher)) * mask
-        s.advantages = (torch.tensor(s.advantages) + weight * a_distill).tolist()
         gap_sum -= float(a_distill.sum())
         n += int(mask.sum())
+        w = torch.ones(len(s.input_ids))
+        if turn_balance is not None or sod_alpha is not None:
+            spans = getattr(s, "turn_spans", None)
+            if spans is None:
+                raise ValueError("turn_balance and sod_alpha need sample.turn_spans")
+            if turn_balance is not None:
+                w = w * turn_balance_weights(spans, turn_balance, len(s.input_ids))
+            if sod_alpha is not None:
+                gap = a_distill.abs()
+                d = [float(gap[a:b].mean()) if b > a else 0.0 for a, b in spans]
+                w = w * spread_turn_values(spans, step_divergence_weights(d, sod_alpha), len(s.input_ids))
+        s.advantages = (torch.tensor(s.advantages) + weight * w * a_distill).tolist()
     return gap_sum / max(n, 1)

@@ -91,6 +91,7 @@ class Sample:
     teacher: list[float] | None = None
     privileged: str | None = None  # the env's privileged text, for a distillation teacher
     expert_turns: list[tuple[int, int, str | None, bool]] | None = None  # for teacher: expert
+    turn_spans: list[tuple[int, int]] | None = None  # the episode's, for per-turn distillation weights
 
     @property
     def n_action(self) -> int:
@@ -606,14 +607,12 @@ class Trainer:
         skip = (t.skip_zero_advantage and t.loss.kl_coef == 0 and t.loss.entropy_coef == 0
                 and self.distiller is None)
         samples = samples_from_credit(items, skip_zero_advantage=skip)
-        if self.distiller is not None and self.distiller.cfg.privileged:
+        if self.distiller is not None:  # what the teacher needs of each sample's episode
             tree_of = {id(n): tree for tree in trees for n in tree.nodes.values()}
-            kept = [ep for ep, _ in items if any(ep.loss_mask)]
+            kept = [ep for ep, _ in items if any(ep.loss_mask)]  # samples_from_credit's order (no skip)
             for s, ep in zip(samples, kept, strict=True):
+                s.turn_spans = list(ep.turn_spans)
                 s.privileged = tree_of[id(ep.nodes[0])].meta.get("privileged") if ep.nodes else None
-        if self.distiller is not None and self.distiller.cfg.teacher == "expert":
-            kept = [ep for ep, _ in items if any(ep.loss_mask)]
-            for s, ep in zip(samples, kept, strict=True):
                 s.expert_turns = [(a, b, n.info.get("expert_action"), n.finish_reason in ("stop", "stop_string"))
                                   for (a, b), n in zip(ep.turn_spans, ep.nodes, strict=True)]
         stats["train/episodes"] = len(samples)

@@ -287,3 +287,48 @@ def test_an_expert_teacher_pushes_the_student_off_actions_the_expert_would_not_t
     assert after < before - 1.0, (before, after)
     frozen_before, frozen_after, _ = run(0.0)
     assert frozen_after == pytest.approx(frozen_before, abs=1e-5)
+
+
+def test_turn_balance_and_sod_weights_scale_the_signal_per_turn():
+    """Hand-computed: a 2-token turn and a 1-token turn, teacher gaps +1, +1 and -2."""
+    import math
+
+    def sample():
+        s = Sample(input_ids=[1, 2, 3, 4, 5], mask=[0, 1, 1, 0, 1], behaviour=[0.0] * 5,
+                   advantages=[0.0] * 5, versions=[0] * 5,
+                   old=[0.0, -2.0, -2.0, 0.0, -1.0], teacher=[0.0, -1.0, -1.0, 0.0, -3.0])
+        s.turn_spans = [(1, 3), (4, 5)]
+        return s
+
+    plain = sample()
+    add_distill_advantages([plain], 1.0)
+    assert plain.advantages == pytest.approx([0.0, 1.0, 1.0, 0.0, -2.0])
+    # TurnOPD at progress 1: each turn sums to 1 -> the 2-token turn's tokens weigh 1/2.
+    turned = sample()
+    add_distill_advantages([turned], 1.0, turn_balance=1.0)
+    assert turned.advantages == pytest.approx([0.0, 0.5, 0.5, 0.0, -2.0])
+    half = sample()
+    add_distill_advantages([half], 1.0, turn_balance=0.5)  # w = 0.5 + 0.5 / n_k
+    assert half.advantages == pytest.approx([0.0, 0.75, 0.75, 0.0, -2.0])
+    # SOD, alpha 0.5: turn divergences 1 and 2 -> weights e^-0.5 and e^-1.
+    sod = sample()
+    add_distill_advantages([sod], 1.0, sod_alpha=0.5)
+    assert sod.advantages == pytest.approx([0.0, math.exp(-0.5), math.exp(-0.5), 0.0, -2 * math.exp(-1.0)])
+    with pytest.raises(ValueError, match="turn_spans"):
+        s = sample()
+        s.turn_spans = None
+        add_distill_advantages([s], 1.0, sod_alpha=0.5)
+
+
+def test_distill_options_reach_the_loop(tmp_path):
+    torch.set_num_threads(1)
+    cfg = load_train_config(None, GUESS + [
+        "rollout.group_size=4", "train.tasks_per_step=2", "train.steps=2", "train.minibatch_size=8",
+        "train.distill={teacher: tiny-random, turn_balance: true, sod_alpha: 1.0}", f"train.out_dir={tmp_path}"])
+    tr = Trainer(cfg, progress=False)
+    assert tr.distiller._weights(0) == {"turn_balance": 0.0, "sod_alpha": 1.0}
+    assert tr.distiller._weights(1) == {"turn_balance": 1.0, "sod_alpha": 1.0}
+    bars = _Bars(tr.console, False)
+    trees, _ = tr.rollout(0, bars)
+    stats = tr.learn(trees, 0, bars)
+    assert stats["distill/teacher_tokens"] > 0 and stats["train/optimizer_steps"] == 1
