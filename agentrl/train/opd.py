@@ -219,16 +219,20 @@ class Distiller:
             if privileged is None or len(privileged) != len(samples) or any(p is None for p in privileged):
                 raise ConfigError("train.distill.privileged=true but the env gave no info['privileged'] "
                                   "at reset for some episodes")
-            scored = []
+            scored, offsets, bos = [], [], self.tokenizer.bos_token_id
             for s, text in zip(samples, privileged, strict=True):
                 prefix = self._prefixes.setdefault(text, privileged_prefix(self.tokenizer, text))
-                scored.append(replace(s, input_ids=prefix + s.input_ids, mask=[0] * len(prefix) + s.mask,
-                                      behaviour=[], advantages=[], versions=[], old=None, ref=None, teacher=None))
+                # A prefix that opens with BOS replaces the student's own leading BOS (one BOS a sequence).
+                cut = int(bos is not None and prefix[:1] == [bos] and s.input_ids[:1] == [bos])
+                offsets.append((len(prefix), cut))
+                scored.append(replace(s, input_ids=prefix + s.input_ids[cut:],
+                                      mask=[0] * len(prefix) + s.mask[cut:], behaviour=[], advantages=[],
+                                      versions=[], old=None, ref=None, teacher=None))
         with torch.no_grad():
             tokens = score(self.teacher, scored, "teacher", self.cfg.teacher_temperature)
         if scored is not samples:
-            for s, t in zip(samples, scored, strict=True):
-                s.teacher = t.teacher[len(t.input_ids) - len(s.input_ids):]
+            for s, t, (n_prefix, cut) in zip(samples, scored, offsets, strict=True):
+                s.teacher = [0.0] * cut + t.teacher[n_prefix:]  # a dropped BOS is context: logprob 0
         w = distill_weight(self.cfg, step, self.total_steps)
         kl = add_distill_advantages(samples, w, **self._weights(step))
         return {"distill/reverse_kl": kl, "distill/weight": w, "distill/teacher_tokens": tokens}
@@ -240,8 +244,8 @@ def expert_teacher_logprobs(sample: Any, tokenizer: Any, floor: float) -> tuple[
     ``expert_turns`` holds ``(start, end, expert_action, stopped)`` per turn: the
     turn's action tokens are ``input_ids[start:end]``. A turn without an expert
     action gets the student's own logprobs (no signal). The expert's action is
-    tokenized alone; when the student's turn ended on a stop token, that token
-    is appended, so stopping right after the expert's text counts as a match.
+    tokenized alone; when the student's turn stopped (a stop token or string)
+    right after the expert's text, its stop tokens count as matching too.
     """
     if sample.old is None:
         raise ValueError("the expert teacher needs sample.old (the student's logprobs) filled")
@@ -250,10 +254,10 @@ def expert_teacher_logprobs(sample: Any, tokenizer: Any, floor: float) -> tuple[
     for start, end, expert, stopped in sample.expert_turns or []:
         if expert is None or end <= start:
             continue
-        action = sample.input_ids[start:end]
+        action = list(sample.input_ids[start:end])
         want = tokenizer(expert, add_special_tokens=False)["input_ids"]
-        if stopped:
-            want = want + action[-1:]
+        if stopped and action[:len(want)] == want:  # the expert's text, then the student's stop tokens
+            want = action
         lp = expert_one_hot_teacher(action, want, floor=floor).tolist()
         teacher[start:end] = lp
         turns += 1

@@ -140,7 +140,7 @@ class _Row:
     where: list[tuple[int, int, int]] = field(default_factory=list)
 
 
-def padding_is_cheaper(lengths: list[int], config: Any) -> bool:
+def padding_is_cheaper(lengths: list[int], config: Any, head_positions: list[set[int]] | None = None) -> bool:
     """Whether ``len(lengths)`` padded rows cost fewer FLOPs than one packed row of the same tokens.
 
     A packed row needs a dense block-causal mask, and attention kernels run
@@ -148,8 +148,11 @@ def padding_is_cheaper(lengths: list[int], config: Any) -> bool:
     masked. Padded rows run ``n * T**2`` pairs but ``n * T`` tokens through
     the linear layers, ``T`` the longest. Estimate per layer: ``2 * d * (2d +
     2 kv + 3 ffn)`` FLOPs a token for the projections and MLP, ``4 * d`` a
-    query-key pair. Measured on SmolLM2-135M, 16 episodes of 78 tokens:
-    forward+backward 9.8 s padded, 14.0 s packed.
+    query-key pair. The vocabulary head (``2 * d * V`` a position) runs on one
+    set of positions for all rows (``token_logprobs``): packed, each sample's
+    own ``head_positions``; padded, their union in every row. Measured on
+    SmolLM2-135M, 16 episodes of 78 tokens: forward+backward 9.8 s padded,
+    14.0 s packed.
     """
     d = int(getattr(config, "hidden_size", 0) or 0)
     if d == 0 or len(lengths) == 1:
@@ -157,10 +160,15 @@ def padding_is_cheaper(lengths: list[int], config: Any) -> bool:
     heads = int(getattr(config, "num_attention_heads", 1) or 1)
     kv = d // heads * int(getattr(config, "num_key_value_heads", heads) or heads)
     ffn = int(getattr(config, "intermediate_size", 4 * d) or 4 * d)
-    per_token, per_pair = 2 * d * (2 * d + 2 * kv + 3 * ffn), 4 * d
+    layers = int(getattr(config, "num_hidden_layers", 1) or 1)
+    per_token, per_pair = layers * 2 * d * (2 * d + 2 * kv + 3 * ffn), layers * 4 * d
+    per_head = 2 * d * int(getattr(config, "vocab_size", 0) or 0)
     total, n, width = sum(lengths), len(lengths), max(lengths)
     packed = total * per_token + total**2 * per_pair
     padded = n * width * per_token + n * width**2 * per_pair
+    if head_positions is not None:
+        packed += per_head * sum(len(p) for p in head_positions)
+        padded += per_head * n * len(set().union(*head_positions))
     return padded < packed
 
 
@@ -205,8 +213,9 @@ def _rows(samples: list[Sample], idx: list[int], max_tokens: int) -> list[Packed
     return rows
 
 
-def _padded(net: torch.nn.Module, row: PackedRow) -> bool:
-    return padding_is_cheaper([end - start for start, end in row.spans], net.config)
+def _padded(net: torch.nn.Module, row: PackedRow, samples: list[Sample]) -> bool:
+    heads = [{t - 1 for t, m in enumerate(samples[i].mask) if m and t > 0} for i in row.seq_index]
+    return padding_is_cheaper([end - start for start, end in row.spans], net.config, heads)
 
 
 def _autocast(device: torch.device) -> contextlib.AbstractContextManager:
@@ -322,7 +331,7 @@ def score_samples(net: torch.nn.Module, samples: list[Sample], attr: str, max_to
     dev = next(net.parameters()).device
     tokens = 0
     for row in _rows(samples, list(range(len(samples))), max_tokens):
-        t = _row(samples, row, pad_id, dev, (), _padded(net, row))
+        t = _row(samples, row, pad_id, dev, (), _padded(net, row, samples))
         with _autocast(dev):
             lp, _ = token_logprobs(net, t.input_ids, t.attn, t.mask, temperature,
                                    position_ids=t.position_ids)
@@ -340,7 +349,7 @@ def _minibatch(net: torch.nn.Module, samples: list[Sample], idx: list[int], loss
     stats: dict[str, float] = {}
     tokens = 0
     for row in _rows(samples, idx, max_tokens):
-        t = _row(samples, row, pad_id, dev, fields, _padded(net, row))
+        t = _row(samples, row, pad_id, dev, fields, _padded(net, row, samples))
         with _autocast(dev):
             lp, ent = token_logprobs(net, t.input_ids, t.attn, t.mask, temperature,
                                      position_ids=t.position_ids)
@@ -466,6 +475,10 @@ class Trainer:
             raise ConfigError(f"train.micro_batch_tokens={t.micro_batch_tokens} is below "
                               f"rollout.max_context_tokens={cfg.rollout.max_context_tokens}: "
                               "an episode must fit one forward pass")
+        if t.harness is not None and t.distill is not None and (t.distill.privileged or t.distill.teacher == "expert"):
+            raise ConfigError("train.harness runs episodes through the env server, which keeps the privileged "
+                              "text and expert actions from agents: train.distill.privileged and "
+                              "train.distill.teacher='expert' need the native engine (no train.harness)")
         if t.distill is not None and t.distill.teacher == "expert":  # the engine records what the expert would do
             cfg = cfg.model_copy(deep=True)
             cfg.rollout.record_expert_actions = True
@@ -633,8 +646,10 @@ class Trainer:
                                         self.temperature)
             fields += ("ref",)
         if self.distiller is not None:  # the teacher scores the same tokens; A += w * A_distill
+            # A privileged prefix lengthens the teacher's sequences past what one forward pass was sized for.
             stats.update(self.distiller.apply(samples, step, lambda net, ss, attr, temp: self.score(
-                net, ss, attr, t.micro_batch_tokens, self.pad_id, temp), [s.privileged for s in samples]))
+                net, ss, attr, max(t.micro_batch_tokens, max(len(x.input_ids) for x in ss)), self.pad_id,
+                temp), [s.privileged for s in samples]))
             tokens += stats["distill/teacher_tokens"]
         stats["time/old_logprobs_s"] = time.perf_counter() - t0
         stats["train/scoring_pass"] = int(not one_step)

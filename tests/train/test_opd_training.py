@@ -332,3 +332,40 @@ def test_distill_options_reach_the_loop(tmp_path):
     trees, _ = tr.rollout(0, bars)
     stats = tr.learn(trees, 0, bars)
     assert stats["distill/teacher_tokens"] > 0 and stats["train/optimizer_steps"] == 1
+
+
+def test_expert_stop_strings_of_several_tokens_count_as_matching(tokenizer):
+    from agentrl.train.opd import expert_teacher_logprobs
+
+    action = tokenizer("go to shelf 1</action>", add_special_tokens=False)["input_ids"]
+    ids = [1, 2] + action
+    s = Sample(ids, [0] * len(ids), [0.0] * len(ids), [0.0] * len(ids), [0] * len(ids), old=[-1.0] * len(ids))
+    s.expert_turns = [(2, len(ids), "go to shelf 1", True)]
+    teacher, turns, matched = expert_teacher_logprobs(s, tokenizer, -20.0)
+    assert (turns, matched) == (1, 1) and teacher[2:] == [0.0] * len(action)
+
+
+def test_a_privileged_prefix_longer_than_the_micro_batch_still_scores(tmp_path):
+    """Episodes fill rollout.max_context_tokens == train.micro_batch_tokens; the teacher's prefix
+    makes its sequences longer than that, and the step must still run."""
+    torch.set_num_threads(1)
+    cfg = load_train_config(None, [
+        "policy.model=tiny-random", "env.id=agentrl/GuessNumber-v0", "env.kwargs={high: 4, max_turns: 8}",
+        "rollout.max_turns=8", "rollout.max_context_tokens=96", "sampling.max_new_tokens=3",
+        "train.micro_batch_tokens=96", "train.eval_episodes=0", "train.tensorboard=false", "train.plot=false",
+        "train.export_hf=false", "rollout.group_size=2", "train.tasks_per_step=2", "train.steps=1",
+        "train.distill={teacher: self, privileged: true}", f"train.out_dir={tmp_path}"])
+    tr = Trainer(cfg, progress=False)
+    bars = _Bars(tr.console, False)
+    trees, _ = tr.rollout(0, bars)
+    assert max(len(ep.input_ids) for t in trees for ep in t.episodes()) > 80  # near the 96 cap
+    stats = tr.learn(trees, 0, bars)
+    assert stats["distill/teacher_tokens"] > sum(len(ep.input_ids) for t in trees for ep in t.episodes())
+
+
+def test_harness_training_refuses_privileged_and_expert_teachers(tmp_path):
+    for distill in ("{teacher: self, privileged: true}", "{teacher: expert}"):
+        cfg = load_train_config(None, GUESS + [f"train.distill={distill}", "train.harness=python agent.py",
+                                               f"train.out_dir={tmp_path}"])
+        with pytest.raises(ConfigError, match="need the native engine"):
+            Trainer(cfg, progress=False)

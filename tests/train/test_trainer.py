@@ -285,6 +285,12 @@ def test_padding_is_chosen_only_where_it_costs_fewer_flops():
     # packed 2*300 tokens: 600*7077888 + 600**2*2304 = 5.08e9; padded: same tokens, 2*300**2 pairs.
     assert padding_is_cheaper([300, 300], smol)
     assert padding_is_cheaper([5], smol)
+    # The vocabulary head runs on the union of the rows' positions when padded: two episodes
+    # whose action tokens sit at different places pay for both sets in both rows.
+    smol30 = SimpleNamespace(**vars(smol), num_hidden_layers=30, vocab_size=49152)
+    same, apart = [set(range(150)), set(range(150))], [set(range(150)), set(range(150, 300))]
+    assert padding_is_cheaper([300, 300], smol30, same)
+    assert not padding_is_cheaper([300, 300], smol30, apart)
 
 
 @pytest.mark.parametrize("padded", [True, False])
@@ -296,7 +302,7 @@ def test_padded_and_packed_layouts_score_the_same_logprobs(monkeypatch, padded):
     masks = [[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 1]]
 
     def scored(layout: bool) -> list[list[float]]:
-        monkeypatch.setattr(trainer_mod, "padding_is_cheaper", lambda lengths, config: layout)
+        monkeypatch.setattr(trainer_mod, "padding_is_cheaper", lambda lengths, config, heads=None: layout)
         samples = [Sample(s, m, [0.0] * len(s), [0.0] * len(s), [0] * len(s)) for s, m in zip(seqs, masks, strict=True)]
         trainer_mod.score_samples(model, samples, "old", 64, 0, 1.0)
         return [s.old for s in samples]
