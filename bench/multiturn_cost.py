@@ -67,11 +67,21 @@ class TimedVLLM:
         self.turn_s: list[float] = []
         self.context_tokens = 0
 
-    def generate(self, requests):
-        self.context_tokens += sum(len(r.prompt_ids) for r in requests)
-        t0 = time.perf_counter()
-        out = self.inner.generate(requests)
-        self.turn_s.append(time.perf_counter() - t0)
+        self._spans: dict[int, list[float]] = {}  # turn -> [first submit, last completion]
+        self._turn_of: dict[tuple, int] = {}
+
+    async def agenerate(self, request):
+        """vLLM batches continuously, so a turn has no call of its own: turn k's time runs from
+        the first turn-k request to the last turn-k completion. An episode is told apart by the
+        first 300 prompt tokens (the system prompt and the task's own room description)."""
+        key = tuple(request.prompt_ids[:300])
+        turn = self._turn_of.get(key, -1) + 1
+        self._turn_of[key] = turn
+        self.context_tokens += len(request.prompt_ids)
+        span = self._spans.setdefault(turn, [time.perf_counter(), 0.0])
+        out = await self.inner.agenerate(request)
+        span[1] = max(span[1], time.perf_counter())
+        self.turn_s = [e - b for _, (b, e) in sorted(self._spans.items())]
         return out
 
     def close(self) -> None:
