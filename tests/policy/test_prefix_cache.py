@@ -185,3 +185,20 @@ def test_grouped_rows_rerun_cached_tokens_but_sample_the_same(tokenizer, tiny_mo
     g, w = grouped.prefix_cache.stats, exact.prefix_cache.stats
     assert g.reused_tokens + g.prefilled_tokens == w.reused_tokens + w.prefilled_tokens
     assert g.prefilled_tokens > w.prefilled_tokens  # the shorter rows re-ran some cached tokens
+
+
+def test_prefix_reuse_samples_what_a_full_prefill_samples_on_the_135m_model(tokenizer):
+    """The same check on SmolLM2-135M: 3 conversations x 3 turns, sampled at temperature 1."""
+    from agentrl.models import load_model
+
+    torch.set_num_threads(2)
+    model, _ = load_model("smollm2-135m")
+    reuse = HFPolicy(model, tokenizer)
+    full = HFPolicy(model, tokenizer, prefix_cache_mb=0)
+    got, _ = _play(reuse, tokenizer, turns=3, temperature=1.0)
+    want, _ = _play(full, tokenizer, turns=3, temperature=1.0)
+    assert sum(r.cached_tokens for r in got[-1]) > 0  # the later turns really came from the cache
+    for g_turn, w_turn in zip(got, want, strict=True):
+        for g, w in zip(g_turn, w_turn, strict=True):
+            assert g.token_ids == w.token_ids
+            assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4)
