@@ -47,9 +47,13 @@ tokens themselves are not trained on (that would be SFT, ``agentrl sft``).
 Per-turn weights (``turn_balance``: TurnOPD; ``sod_alpha``: SOD) scale the
 signal turn by turn (``add_distill_advantages``).
 
-Not here yet: the distribution-level signals (top-K, forward KL, JSD), ESR's
-overlap stop and TIP's token selection, which need the teacher's and the
-student's logits at more than the sampled token.
+TIP (``tip: true``) keeps only informative action tokens in the loss, from the
+student's entropies (free from its scoring pass) and the sampled-token gap
+``|log p_s - log p_t|`` standing in for the divergence.
+
+Not here yet: the distribution-level signals (top-K, forward KL, JSD) and
+ESR's overlap stop, which need the teacher's and the student's top-k at every
+action token, more than the sampled token.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from ..errors import ConfigError
 from ..types import Episode, RolloutTree
 from .distill import (
     expert_one_hot_teacher,
+    informative_token_mask,
     linear_schedule,
     reverse_kl_advantage,
     spread_turn_values,
@@ -90,6 +95,9 @@ class DistillConfig(BaseModel):
                                "counts the same however many tokens it took.")
     sod_alpha: float | None = Field(None, ge=0.0, description="SOD: scale each turn's distillation "
                                     "signal by exp(-alpha * d), d its mean |log p_s - log p_t|; null: off.")
+    tip: bool = Field(False, description="TIP: train only on informative action tokens (high student "
+                      "entropy, or low entropy with a large teacher-student gap); the rest leave the loss, "
+                      "RL term included.")
     expert_floor: float = Field(-20.0, lt=0.0, description="teacher: expert: the log-prob standing "
                                 "for 0 on tokens that leave the expert's action. Keep it below the "
                                 "student's own log-probs (about -10.8 for a uniform 49k vocabulary), or "
@@ -113,6 +121,9 @@ class DistillConfig(BaseModel):
         if self.teacher == "self" and not self.privileged:
             raise ValueError("train.distill.teacher='self' needs train.distill.privileged=true: "
                              "without privileged context the teacher is the student and teaches nothing")
+        if self.teacher == "expert" and self.tip:
+            raise ValueError("train.distill.tip needs a model teacher: a one-hot expert gives no "
+                             "teacher-student gap to select tokens by")
         if self.teacher == "expert" and self.privileged:
             raise ValueError("train.distill.teacher='expert' reads no context: set "
                              "train.distill.privileged=false")
@@ -233,9 +244,32 @@ class Distiller:
         if scored is not samples:
             for s, t, (n_prefix, cut) in zip(samples, scored, offsets, strict=True):
                 s.teacher = [0.0] * cut + t.teacher[n_prefix:]  # a dropped BOS is context: logprob 0
+        stats = self._informative_tokens(samples) if self.cfg.tip else {}
         w = distill_weight(self.cfg, step, self.total_steps)
         kl = add_distill_advantages(samples, w, **self._weights(step))
-        return {"distill/reverse_kl": kl, "distill/weight": w, "distill/teacher_tokens": tokens}
+        return {**stats, "distill/reverse_kl": kl, "distill/weight": w, "distill/teacher_tokens": tokens}
+
+    def _informative_tokens(self, samples: list[Any]) -> dict[str, float]:
+        """TIP: drop uninformative action tokens from every sample's loss mask, in place.
+
+        Quantiles are over the batch's action tokens. A dropped token needs no
+        vocabulary head in the update: its logits and their gradient (fp32,
+        ``2 * 4 * V`` bytes a token) are the memory reported as saved.
+        """
+        if any(s.old_entropy is None for s in samples):
+            raise ValueError("train.distill.tip needs the student's entropies (Sample.old_entropy)")
+        ent = torch.tensor([x for s in samples for x in s.old_entropy])
+        gap = torch.tensor([abs(a - b) for s in samples for a, b in zip(s.old, s.teacher, strict=True)])
+        mask = torch.tensor([m for s in samples for m in s.mask], dtype=torch.bool)
+        keep, frac = informative_token_mask(ent, gap, mask)
+        start = 0
+        for s in samples:
+            n = len(s.mask)
+            s.mask = [int(k) for k in keep[start:start + n].tolist()]
+            start += n
+        dropped = int(mask.sum() - keep.sum())
+        return {"distill/tip_kept_frac": frac, "distill/tip_dropped_tokens": dropped,
+                "distill/tip_logits_mb_saved": dropped * 2 * 4 * len(self.tokenizer) / 2**20}
 
 
 def expert_teacher_logprobs(sample: Any, tokenizer: Any, floor: float) -> tuple[list[float], int, int]:

@@ -92,6 +92,7 @@ class Sample:
     privileged: str | None = None  # the env's privileged text, for a distillation teacher
     expert_turns: list[tuple[int, int, str | None, bool]] | None = None  # for teacher: expert
     turn_spans: list[tuple[int, int]] | None = None  # the episode's, for per-turn distillation weights
+    old_entropy: list[float] | None = None  # the student's entropies, filled with ``old``
 
     @property
     def n_action(self) -> int:
@@ -333,9 +334,11 @@ def score_samples(net: torch.nn.Module, samples: list[Sample], attr: str, max_to
     for row in _rows(samples, list(range(len(samples))), max_tokens):
         t = _row(samples, row, pad_id, dev, (), _padded(net, row, samples))
         with _autocast(dev):
-            lp, _ = token_logprobs(net, t.input_ids, t.attn, t.mask, temperature,
-                                   position_ids=t.position_ids)
+            lp, ent = token_logprobs(net, t.input_ids, t.attn, t.mask, temperature,
+                                     position_ids=t.position_ids)
         _unpack(lp, t, samples, row.seq_index, attr)
+        if attr == "old":  # the student's own pass: its entropies come free (TIP reads them)
+            _unpack(ent, t, samples, row.seq_index, "old_entropy")
         tokens += len(row.input_ids)
     return tokens
 

@@ -181,11 +181,13 @@ def score_samples_tree(net: torch.nn.Module, samples: list[Any], attr: str, max_
     tokens = 0
     for group in tree_groups([s.input_ids for s in samples], max_tokens):
         row = tree_row(samples, group, dev, ())
-        lp, _ = _forward(net, row, temperature)
-        flat = lp[0].detach().float().cpu()
+        lp, ent = _forward(net, row, temperature)
+        flat, flat_ent = lp[0].detach().float().cpu(), ent[0].detach().float().cpu()
         for i, nodes in zip(row.members, row.trie.index, strict=True):
             mask = torch.tensor(samples[i].mask, dtype=torch.float32)
             setattr(samples[i], attr, (flat[torch.tensor(nodes)] * mask).tolist())
+            if attr == "old":  # the student's own pass: its entropies come free (TIP reads them)
+                samples[i].old_entropy = (flat_ent[torch.tensor(nodes)] * mask).tolist()
         tokens += row.input_ids.shape[1]
     return tokens
 

@@ -369,3 +369,37 @@ def test_harness_training_refuses_privileged_and_expert_teachers(tmp_path):
                                                f"train.out_dir={tmp_path}"])
         with pytest.raises(ConfigError, match="need the native engine"):
             Trainer(cfg, progress=False)
+
+
+def test_tip_keeps_high_entropy_and_confidently_wrong_tokens(tokenizer):
+    """Hand-computed: entropies 0.0..0.9 and gaps that put the one low-entropy token with a large
+    gap above the 80% quantile. Kept: H >= median (0.45) -> 5 tokens, plus token 0."""
+    from agentrl.train.opd import Distiller
+
+    model, _ = load_model_tiny()
+    d = Distiller(DistillConfig(teacher="self", privileged=True, tip=True), tokenizer, torch.device("cpu"),
+                  1, student=model)
+    n = 10
+    gaps = [0.9, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.0]
+    s = Sample([7] * (n + 2), [0, 0] + [1] * n, [0.0] * (n + 2), [0.0] * (n + 2), [0] * (n + 2),
+               old=[0.0, 0.0] + [-1.0] * n, teacher=[0.0, 0.0] + [-1.0 - g for g in gaps])
+    s.old_entropy = [0.0, 0.0] + [i / 10 for i in range(n)]
+    stats = d._informative_tokens([s])
+    assert s.mask == [0, 0, 1, 0, 0, 0, 0, 1, 1, 1, 1, 1]
+    assert stats["distill/tip_kept_frac"] == pytest.approx(0.6) and stats["distill/tip_dropped_tokens"] == 4
+    assert stats["distill/tip_logits_mb_saved"] == pytest.approx(4 * 8 * len(tokenizer) / 2**20)
+    with pytest.raises(ValueError, match="tip needs a model teacher"):
+        DistillConfig(teacher="expert", tip=True)
+
+
+def test_tip_in_the_loop_drops_tokens_from_the_update(tmp_path):
+    torch.set_num_threads(1)
+    cfg = load_train_config(None, GUESS + [
+        "rollout.group_size=4", "train.tasks_per_step=2", "train.steps=1", "train.minibatch_size=8",
+        "train.distill={teacher: tiny-random, tip: true}", f"train.out_dir={tmp_path}"])
+    tr = Trainer(cfg, progress=False)
+    bars = _Bars(tr.console, False)
+    trees, _ = tr.rollout(0, bars)
+    stats = tr.learn(trees, 0, bars)
+    assert 0 < stats["distill/tip_kept_frac"] < 1 and stats["distill/tip_dropped_tokens"] > 0
+    assert stats["train/optimizer_steps"] == 1
