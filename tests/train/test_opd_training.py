@@ -18,6 +18,21 @@ GUESS = ["policy.model=tiny-random", "env.id=agentrl/GuessNumber-v0",
          "train.tensorboard=false", "train.plot=false", "train.export_hf=false"]
 
 
+def distill_trainer(tmp_path, distill: str, steps: int = 1) -> Trainer:
+    """A GuessNumber trainer (2 tasks x 4 episodes a step, one minibatch) with ``train.distill=distill``."""
+    torch.set_num_threads(1)
+    return Trainer(load_train_config(None, GUESS + [
+        "rollout.group_size=4", "train.tasks_per_step=2", f"train.steps={steps}", "train.minibatch_size=8",
+        f"train.distill={distill}", f"train.out_dir={tmp_path}"]), progress=False)
+
+
+def first_step(tr: Trainer) -> tuple[list, dict]:
+    """Step 0's rollout trees and the stats of learning on them."""
+    bars = _Bars(tr.console, False)
+    trees, _ = tr.rollout(0, bars)
+    return trees, tr.learn(trees, 0, bars)
+
+
 # --------------------------------------------------------------------------- pieces
 
 
@@ -185,20 +200,14 @@ def test_a_privileged_self_teacher_prefers_the_secret(tokenizer):
 
 def test_a_training_step_with_a_privileged_self_teacher(tmp_path):
     """The engine keeps the env's privileged text out of every prompt and hands it to the teacher."""
-    torch.set_num_threads(1)
-    cfg = load_train_config(None, GUESS + [
-        "rollout.group_size=4", "train.tasks_per_step=2", "train.steps=1", "train.minibatch_size=8",
-        "train.distill={teacher: self, privileged: true, weight: 0.5}", f"train.out_dir={tmp_path}"])
-    tr = Trainer(cfg, progress=False)
+    tr = distill_trainer(tmp_path, "{teacher: self, privileged: true, weight: 0.5}")
     assert tr.distiller.teacher is tr.net  # the student's own weights, not a copy
-    bars = _Bars(tr.console, False)
-    trees, _ = tr.rollout(0, bars)
+    trees, stats = first_step(tr)
     tok = tr.policy.tokenizer
     for tree in trees:
         assert tree.meta["privileged"].startswith("The secret number is ")
         for node in tree.nodes.values():
             assert "secret number" not in tok.decode(node.context_ids + node.action_ids)
-    stats = tr.learn(trees, 0, bars)
     episode_tokens = sum(len(ep.input_ids) for t in trees for ep in t.episodes())
     assert stats["distill/teacher_tokens"] > episode_tokens  # each episode behind its prefix
     assert stats["distill/weight"] == 0.5 and stats["train/optimizer_steps"] == 1
@@ -321,16 +330,10 @@ def test_turn_balance_and_sod_weights_scale_the_signal_per_turn():
 
 
 def test_distill_options_reach_the_loop(tmp_path):
-    torch.set_num_threads(1)
-    cfg = load_train_config(None, GUESS + [
-        "rollout.group_size=4", "train.tasks_per_step=2", "train.steps=2", "train.minibatch_size=8",
-        "train.distill={teacher: tiny-random, turn_balance: true, sod_alpha: 1.0}", f"train.out_dir={tmp_path}"])
-    tr = Trainer(cfg, progress=False)
+    tr = distill_trainer(tmp_path, "{teacher: tiny-random, turn_balance: true, sod_alpha: 1.0}", steps=2)
     assert tr.distiller._weights(0) == {"turn_balance": 0.0, "sod_alpha": 1.0}
     assert tr.distiller._weights(1) == {"turn_balance": 1.0, "sod_alpha": 1.0}
-    bars = _Bars(tr.console, False)
-    trees, _ = tr.rollout(0, bars)
-    stats = tr.learn(trees, 0, bars)
+    _, stats = first_step(tr)
     assert stats["distill/teacher_tokens"] > 0 and stats["train/optimizer_steps"] == 1
 
 
@@ -393,13 +396,6 @@ def test_tip_keeps_high_entropy_and_confidently_wrong_tokens(tokenizer):
 
 
 def test_tip_in_the_loop_drops_tokens_from_the_update(tmp_path):
-    torch.set_num_threads(1)
-    cfg = load_train_config(None, GUESS + [
-        "rollout.group_size=4", "train.tasks_per_step=2", "train.steps=1", "train.minibatch_size=8",
-        "train.distill={teacher: tiny-random, tip: true}", f"train.out_dir={tmp_path}"])
-    tr = Trainer(cfg, progress=False)
-    bars = _Bars(tr.console, False)
-    trees, _ = tr.rollout(0, bars)
-    stats = tr.learn(trees, 0, bars)
+    _, stats = first_step(distill_trainer(tmp_path, "{teacher: tiny-random, tip: true}"))
     assert 0 < stats["distill/tip_kept_frac"] < 1 and stats["distill/tip_dropped_tokens"] > 0
     assert stats["train/optimizer_steps"] == 1
