@@ -23,6 +23,7 @@ import inspect
 import random
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import PolicyError
@@ -30,7 +31,7 @@ from .attention import use_gqa_sdpa
 from .base import GenerateRequest, GenerateResult, SamplingParams, stop_string_hit
 from .batching import MicroBatcher
 from .kv_slab import KVSlab, kv_shape
-from .prefix_cache import PrefixCache, PrefixEntry
+from .prefix_cache import PrefixCache, PrefixEntry, _common_prefix
 
 __all__ = ["HFPolicy", "sampling_logprobs"]
 
@@ -204,10 +205,56 @@ class HFPolicy:
                          **{self._cache_kw: slab.cache(slice(start, end), width - window)})
         return out.logits[:, -1, :]
 
+    def _share_prefixes(self, prompts: list[list[int]], matches: list[tuple[PrefixEntry | None, int]]
+                        ) -> dict[int, int]:
+        """Prefill once what two or more rows share beyond the cache; who prefilled how much of it.
+
+        The branches of a tree node, or a group's episodes of one task, arrive in
+        one batch with the same context: each would otherwise prefill it again.
+        The shared prefix runs as a one-row batch into the prefix cache, and every
+        row then matches it. It is done only when the rows it saves outnumber
+        ``prefill_pad_tokens`` (the price of one more forward pass). The returned
+        count: {row: prefix tokens it prefilled}, so the shared tokens count once.
+        """
+        owners: dict[int, int] = {}
+        if self.prefix_cache is None or len(prompts) < 2:
+            return owners
+        ids = [np.asarray(p, dtype=np.int64) for p in prompts]
+        while True:
+            best: tuple[int, list[int], int] | None = None  # (tokens saved, rows, prefix length)
+            for i, a in enumerate(ids):
+                for j in range(i + 1, len(ids)):
+                    n = min(_common_prefix(a, ids[j]), len(a) - 1, len(ids[j]) - 1)
+                    if n <= max(matches[i][1], matches[j][1]):
+                        continue
+                    rows = [r for r, b in enumerate(ids)
+                            if len(b) > n and matches[r][1] < n and _common_prefix(a[:n], b) == n]
+                    saved = sum(n - matches[r][1] for r in rows) - (n - min(matches[r][1] for r in rows))
+                    if saved > self.prefill_pad_tokens and (best is None or saved > best[0]):
+                        best = (saved, rows, n)
+            if best is None:
+                return owners
+            _, rows, n = best
+            owner = min(rows, key=lambda r: matches[r][1])
+            owners[owner] = owners.get(owner, 0) + n - matches[owner][1]
+            self._prefill_into_cache(prompts[owner][:n], matches[owner])
+            for r in rows:
+                matches[r] = self._match(prompts[r])
+
+    def _prefill_into_cache(self, prefix: list[int], match: tuple[PrefixEntry | None, int]) -> None:
+        """Run ``prefix`` (its cached part copied in) and keep its keys and values in the cache."""
+        entry, cached = match
+        slab = KVSlab(self.model.config, 1, len(prefix), 0, self.model.dtype, self.device)
+        slab.place(0, len(prefix), entry.kv if entry else None, cached)
+        self._prefill(slab, [prefix], (0, 1), len(prefix) - cached)
+        assert self.prefix_cache is not None
+        self.prefix_cache.insert(prefix, slab.row(0, 0, len(prefix)), storage=slab, storage_bytes=slab.nbytes)
+
     @torch.inference_mode()
     def _generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         params, dev = requests[0].params, self.device
         matches = [self._match(r.prompt_ids) for r in requests]
+        owners = self._share_prefixes([r.prompt_ids for r in requests], matches)
         # Rows with the most new tokens first, so prefill groups are contiguous row ranges.
         order = sorted(range(len(requests)), key=lambda i: matches[i][1] - len(requests[i].prompt_ids))
         prompts = [requests[i].prompt_ids for i in order]
@@ -224,6 +271,8 @@ class HFPolicy:
                 slab.place(b, plen[b], entry.kv if entry else None, cached[b])
             logits.append(self._prefill(slab, prompts, (start, end), window))
         if self.prefix_cache is not None:
+            for b, i in enumerate(order):  # a row that prefilled a shared prefix counts it as its own
+                cached[b] = max(0, cached[b] - owners.get(i, 0))
             self.prefix_cache.record(cached, plen)
         toks, lps, ents, tops, finish = self._decode(slab, torch.cat(logits), plen, limits,
                                                       [requests[i].params.seed for i in order], params)

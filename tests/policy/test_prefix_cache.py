@@ -93,6 +93,13 @@ def _conversations(tokenizer, n: int) -> list[ChatContext]:
             for i in range(n)]
 
 
+def _common_start(prompts: list[list[int]]) -> int:
+    n = 0
+    while all(len(p) > n and p[n] == prompts[0][n] for p in prompts):
+        n += 1
+    return n
+
+
 def _play(policy, tokenizer, turns: int, n: int = 3, temperature: float = 1.0):
     """Multi-turn episodes in lockstep; observations of different lengths per episode."""
     ctxs = _conversations(tokenizer, n)
@@ -128,13 +135,14 @@ def test_later_turns_prefill_only_their_new_tokens(tokenizer, tiny_model):
     policy = HFPolicy(tiny_model, tokenizer, prefill_pad_tokens=0)  # no re-run tokens: exact counts
     prompt_lens, action_lens = [], []
     ctxs = _conversations(tokenizer, 3)
+    common = _common_start([list(c.ids) for c in ctxs])  # their system prompt: prefilled once
     for turn in range(3):
         prompt_lens.append([len(c) for c in ctxs])
         results = policy.generate([GenerateRequest(list(c.ids), SamplingParams(max_new_tokens=5, seed=turn))
                                    for c in ctxs])
         for i, (c, r) in enumerate(zip(ctxs, results, strict=True)):
             if turn == 0:
-                assert r.cached_tokens == 0
+                assert r.cached_tokens == (0 if i == 0 else common)
             else:
                 # The previous prompt and action are cached, except the action's last
                 # token, which was sampled but never fed to the model.
@@ -143,13 +151,13 @@ def test_later_turns_prefill_only_their_new_tokens(tokenizer, tiny_model):
             c.append_observation([{"role": "user", "content": "You see " + "a lamp, " * (i + turn)}])
         action_lens.append([len(r.token_ids) for r in results])
     s = policy.prefix_cache.stats
-    assert (s.hits, s.misses) == (6, 3)
+    assert (s.hits, s.misses) == (8, 1)
     # Prefilled tokens are the sum of the context deltas, not of the contexts.
     assert s.prefilled_tokens + s.reused_tokens == sum(map(sum, prompt_lens))
     deltas = sum(prompt_lens[0]) + sum(
         prompt_lens[t][i] - prompt_lens[t - 1][i] - action_lens[t - 1][i] + 1  # + the unfed last token
         for t in (1, 2) for i in range(3))
-    assert s.prefilled_tokens == deltas
+    assert s.prefilled_tokens == deltas - 2 * common
 
 
 def test_branches_share_their_common_prefix(tokenizer, tiny_model):
@@ -202,3 +210,33 @@ def test_prefix_reuse_samples_what_a_full_prefill_samples_on_the_135m_model(toke
         for g, w in zip(g_turn, w_turn, strict=True):
             assert g.token_ids == w.token_ids
             assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4)
+
+
+def test_rows_of_one_batch_prefill_their_shared_context_once(tokenizer, tiny_model):
+    """Four branches of one node arrive together: the node's context runs once, not four times,
+    and they sample what a policy without any prefix reuse samples."""
+    ctx = list(_conversations(tokenizer, 1)[0].ids)
+    reqs = [GenerateRequest(ctx, SamplingParams(max_new_tokens=5, seed=s)) for s in range(4)]
+    shared = HFPolicy(tiny_model, tokenizer)
+    got = shared.generate(reqs)
+    want = HFPolicy(tiny_model, tokenizer, prefix_cache_mb=0).generate(reqs)
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4)
+    # One row prefilled the context; the other three ran only their last token.
+    assert sorted(r.cached_tokens for r in got) == [0] + [len(ctx) - 1] * 3
+    assert shared.prefix_cache.stats.prefilled_tokens == len(ctx) + 3
+
+
+def test_a_group_of_tasks_with_a_common_system_prompt_prefills_it_once(tokenizer, tiny_model):
+    ctxs = [list(c.ids) for c in _conversations(tokenizer, 3)]
+    common = _common_start(ctxs)
+    assert common > 5  # the system prompt and the start of the user turn
+    policy = HFPolicy(tiny_model, tokenizer, prefill_pad_tokens=0)
+    got = policy.generate([GenerateRequest(c, SamplingParams(max_new_tokens=3, seed=1)) for c in ctxs])
+    assert policy.prefix_cache.stats.prefilled_tokens == sum(map(len, ctxs)) - 2 * common
+    assert sorted(r.cached_tokens for r in got) == [0, common, common]
+    # Turned off below its price: a forward pass costs more than the tokens it would save.
+    dear = HFPolicy(tiny_model, tokenizer, prefill_pad_tokens=10_000)
+    dear.generate([GenerateRequest(c, SamplingParams(max_new_tokens=3, seed=1)) for c in ctxs])
+    assert dear.prefix_cache.stats.prefilled_tokens == sum(map(len, ctxs))
