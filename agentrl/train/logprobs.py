@@ -41,11 +41,13 @@ from torch.utils.checkpoint import checkpoint
 __all__ = [
     "PackedRow",
     "PrefixTree",
+    "TokenScores",
     "block_causal_mask",
     "collate_packed",
     "pack_sequences",
     "prefix_tree",
     "token_logprobs",
+    "token_scores",
     "tree_attention_mask",
     "tree_token_savings",
 ]
@@ -54,11 +56,38 @@ __all__ = [
 # --------------------------------------------------------------------------- forward
 
 
+@dataclass(slots=True)
+class TokenScores:
+    """What ``token_scores`` returns; 0 (ids: -1) wherever a token is not kept.
+
+    ``candidates``: ``[B, T, C]`` log-probs of the ids asked for per token (None
+    if none were asked); ``top_ids`` / ``top_logprobs``: ``[B, T, K]``, the K
+    most likely next tokens, most likely first (None for ``top_k=0``).
+    """
+
+    logprobs: torch.Tensor
+    entropies: torch.Tensor
+    candidates: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
 def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    positions_to_keep: torch.Tensor | None = None, temperature: float = 1.0, *,
                    position_ids: torch.Tensor | None = None, parents: torch.Tensor | None = None,
                    chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logprobs, entropies)``, both ``[B, T]``: token t's log-prob and the entropy it was drawn from.
+    """``(logprobs, entropies)``, both ``[B, T]``: ``token_scores`` without candidates or top-k."""
+    out = token_scores(model, input_ids, attention_mask, positions_to_keep, temperature,
+                       position_ids=position_ids, parents=parents, chunk_size=chunk_size)
+    return out.logprobs, out.entropies
+
+
+def token_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 positions_to_keep: torch.Tensor | None = None, temperature: float = 1.0, *,
+                 position_ids: torch.Tensor | None = None, parents: torch.Tensor | None = None,
+                 chunk_size: int = 1024, candidates: torch.Tensor | None = None,
+                 top_k: int = 0) -> TokenScores:
+    """Token t's log-prob and the entropy it was drawn from, both ``[B, T]``; optionally more of its distribution.
 
     ``logprobs[b, t] = log p(input_ids[b, t] | context)`` where the context is
     what token t attends to; the logits come from t's source position (``t - 1``
@@ -80,6 +109,11 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     the union of their source positions, so pack one long row when the
     saving matters. Its ``[B, n, V]`` logits are materialised once; the
     log-softmax over them runs ``chunk_size`` tokens at a time.
+
+    Distribution-level distillation needs more than the sampled token: with
+    ``candidates`` (``[B, T, C]`` token ids, -1 for none) each kept token also
+    gets the log-probs of its C candidate next tokens, and with ``top_k`` the
+    ids and log-probs of its K most likely ones, from the same log-softmax.
     """
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -92,13 +126,20 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     model_mask, position_ids, valid = _model_inputs(model, input_ids, attention_mask, position_ids)
     src = _source_positions(batch, length, device, valid, position_ids, parents)
 
+    if candidates is not None and candidates.shape[:2] != (batch, length):
+        raise ValueError(f"candidates must be [B, T, C] with [B, T] = {(batch, length)}, "
+                         f"got {tuple(candidates.shape)}")
     keep = src >= 0
     if positions_to_keep is not None:
         keep &= positions_to_keep.to(device=device, dtype=torch.bool)
-    logprobs = torch.zeros(batch, length, device=device)
-    entropies = torch.zeros(batch, length, device=device)
+    out = TokenScores(torch.zeros(batch, length, device=device), torch.zeros(batch, length, device=device))
+    if candidates is not None:
+        out.candidates = torch.zeros(batch, length, candidates.shape[2], device=device)
+    if top_k:
+        out.top_ids = torch.full((batch, length, top_k), -1, dtype=torch.long, device=device)
+        out.top_logprobs = torch.zeros(batch, length, top_k, device=device)
     if not keep.any():
-        return logprobs, entropies
+        return out
 
     # Only the source positions some kept token needs go through the vocabulary head.
     rows, cols = keep.nonzero(as_tuple=True)
@@ -109,28 +150,40 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     column = torch.searchsorted(head_positions, sources)  # where each kept token's source went
     targets = input_ids[rows, cols]
 
-    lps, ents = [], []
+    # A target's own id leads its candidate list, so one gather serves both.
+    wanted = targets[:, None]
+    if candidates is not None:
+        wanted = torch.cat([wanted, candidates.to(device)[rows, cols].clamp(min=0)], dim=1)
+    parts: list[tuple[torch.Tensor, ...]] = []
     for start in range(0, rows.numel(), chunk_size):
         part = slice(start, start + chunk_size)
-        args = (logits, rows[part], column[part], targets[part], temperature)
+        args = (logits, rows[part], column[part], wanted[part], temperature, top_k)
         if torch.is_grad_enabled() and logits.requires_grad:
-            lp, ent = checkpoint(_gather_logprobs, *args, use_reentrant=False)
+            parts.append(checkpoint(_gather_logprobs, *args, use_reentrant=False))
         else:
-            lp, ent = _gather_logprobs(*args)
-        lps.append(lp)
-        ents.append(ent)
-    logprobs = logprobs.index_put((rows, cols), torch.cat(lps).float())
-    entropies = entropies.index_put((rows, cols), torch.cat(ents).float())
-    return logprobs, entropies
+            parts.append(_gather_logprobs(*args))
+    gathered, entropy = torch.cat([p[0] for p in parts]).float(), torch.cat([p[1] for p in parts]).float()
+    out.logprobs = out.logprobs.index_put((rows, cols), gathered[:, 0])
+    out.entropies = out.entropies.index_put((rows, cols), entropy)
+    if out.candidates is not None:
+        out.candidates = out.candidates.index_put((rows, cols), gathered[:, 1:])
+    if top_k:
+        out.top_logprobs = out.top_logprobs.index_put((rows, cols), torch.cat([p[2] for p in parts]).float())
+        out.top_ids = out.top_ids.index_put((rows, cols), torch.cat([p[3] for p in parts]))
+    return out
 
 
 def _gather_logprobs(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
-                     targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of each target and the entropy of its distribution, for one chunk of tokens."""
+                     wanted: torch.Tensor, temperature: float, top_k: int = 0) -> tuple[torch.Tensor, ...]:
+    """For one chunk of tokens: the log-probs of the ``wanted`` ids ``[n, C]``, the entropy,
+    and (``top_k``) the top-k log-probs and ids."""
     logp = torch.log_softmax(logits[rows, cols].float() / temperature, dim=-1)
     p = logp.exp()
     entropy = -(p * logp).sum(-1)  # p == 0 gives 0 * -inf only for -inf logits, not here
-    return logp.gather(-1, targets[:, None]).squeeze(-1), entropy
+    if not top_k:
+        return logp.gather(-1, wanted), entropy
+    top = torch.topk(logp.detach(), top_k, dim=-1)
+    return logp.gather(-1, wanted), entropy, top.values, top.indices
 
 
 def _model_inputs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,

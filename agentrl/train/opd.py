@@ -51,9 +51,29 @@ TIP (``tip: true``) keeps only informative action tokens in the loss, from the
 student's entropies (free from its scoring pass) and the sampled-token gap
 ``|log p_s - log p_t|`` standing in for the divergence.
 
-Not here yet: the distribution-level signals (top-K, forward KL, JSD) and
-ESR's overlap stop, which need the teacher's and the student's top-k at every
-action token, more than the sampled token.
+**Distribution-level signals** (``signal``: ``topk_reverse_kl``, ``lsm``,
+``forward_kl``, ``jsd``) compare more of the two next-token distributions than
+the sampled token, on a support of ``top_k`` ids per action token: the
+student's top-K from its scoring pass (reverse KL, LSM), plus the teacher's
+top-K (forward KL, JSD: the mass the student misses lives there). The teacher
+pass gathers its log-probs at those ids; the update gathers the student's, with
+gradients, from the same log-softmax as the sampled token's (``token_scores``).
+Special tokens leave the support (``mask_special``). The signal is a loss term,
+
+    L = PPO(A_rl) + mean_t w(step) * w_t * D_t(student || teacher on the support),
+
+not an advantage: its gradient reaches every candidate, not just the sampled
+token. Truncation: the support is fixed before the update (the student's
+top-K under the weights that sampled), and mass outside it is dropped
+(``topk_reverse_kl``, ``forward_kl``) or renormalised away (``lsm``).
+
+**Overlap stop** (``overlap_threshold``: Prune-OPD, ESR's adaptive form). Once
+an episode's teacher-student top-k overlap at an action token falls below the
+threshold, the distillation signal on every later action token is multiplied
+by ``overlap_after_weight`` (``overlap_stop``). The rollout itself is not cut
+short: the engine does not score turns with the teacher while it samples, so
+the tokens counted (``distill/overlap_tokens_after_stop``) are those whose
+teacher signal a stopped rollout would not have had, not time saved.
 """
 
 from __future__ import annotations
@@ -69,16 +89,21 @@ from ..errors import ConfigError
 from ..types import Episode, RolloutTree
 from .distill import (
     expert_one_hot_teacher,
+    forward_kl,
     informative_token_mask,
+    jsd,
     linear_schedule,
+    local_support_matching,
+    overlap_stop,
     reverse_kl_advantage,
     spread_turn_values,
     step_divergence_weights,
+    topk_reverse_kl,
     turn_balance_weights,
 )
 
-__all__ = ["DistillConfig", "Distiller", "add_distill_advantages", "distill_weight", "load_teacher",
-           "expert_teacher_logprobs", "no_credit", "privileged_prefix"]
+__all__ = ["DistillConfig", "Distiller", "add_distill_advantages", "build_support", "distill_weight",
+           "distribution_loss", "overlap_weights", "load_teacher", "expert_teacher_logprobs", "no_credit", "privileged_prefix"]
 
 
 class DistillConfig(BaseModel):
@@ -104,9 +129,22 @@ class DistillConfig(BaseModel):
                                 "a mismatching token gets a positive advantage.")
     privileged: bool = Field(False, description="Give the teacher the env's privileged text "
                              "(reset info['privileged']) as a system message before the student's tokens.")
-    signal: Literal["reverse_kl"] = Field(
-        "reverse_kl", description="Per-token signal: the sampled-token reverse-KL advantage "
-        "log pi_teacher - log pi_student.")
+    signal: Literal["reverse_kl", "topk_reverse_kl", "lsm", "forward_kl", "jsd"] = Field(
+        "reverse_kl", description="Per-token signal. reverse_kl: the sampled-token advantage "
+        "log pi_teacher - log pi_student. On top_k candidate ids a token (a loss term): topk_reverse_kl "
+        "(truncated sum over the student's top-K), lsm (local support matching: both renormalised on "
+        "it), forward_kl and jsd (over the student's and the teacher's top-K).")
+    top_k: int = Field(16, ge=1, le=256, description="Candidate ids per model and action token for the "
+                       "distribution-level signals and the overlap stop.")
+    mask_special: bool = Field(True, description="Leave special tokens (end of turn, tool tags) out "
+                               "of the distribution-level support.")
+    jsd_beta: float = Field(0.5, gt=0.0, lt=1.0, description="signal: jsd: the teacher's share of the mixture.")
+    overlap_threshold: float | None = Field(None, ge=0.0, le=1.0, description="Prune-OPD/ESR: once the "
+                                            "teacher-student top-k overlap at an action token falls "
+                                            "below this, down-weight the rest of the episode's signal; "
+                                            "null: off.")
+    overlap_after_weight: float = Field(0.0, ge=0.0, le=1.0, description="The weight of the "
+                                        "distillation signal after the overlap stop.")
     weight: float = Field(1.0, ge=0.0, description="Distillation weight w at step 0.")
     weight_end: float | None = Field(None, ge=0.0, description="w at the end of the schedule "
                                      "(linear from weight); null: constant.")
@@ -124,6 +162,10 @@ class DistillConfig(BaseModel):
         if self.teacher == "expert" and self.tip:
             raise ValueError("train.distill.tip needs a model teacher: a one-hot expert gives no "
                              "teacher-student gap to select tokens by")
+        if self.teacher == "expert" and (self.signal != "reverse_kl" or self.overlap_threshold is not None):
+            raise ValueError("train.distill.teacher='expert' is a one-hot target on the student's own "
+                             "tokens: it has no top-k distribution; use signal='reverse_kl' and no "
+                             "overlap_threshold")
         if self.teacher == "expert" and self.privileged:
             raise ValueError("train.distill.teacher='expert' reads no context: set "
                              "train.distill.privileged=false")
@@ -193,6 +235,11 @@ class Distiller:
         else:
             self.teacher = load_teacher(cfg.teacher, student_tokenizer, device)
         self._prefixes: dict[str, list[int]] = {}
+        self.distribution = cfg.signal != "reverse_kl"  # a loss term on a top-k support, not an advantage
+        # Candidate ids a token both models report: the support, and the overlap stop's top-k.
+        self.top_k = cfg.top_k if self.distribution or cfg.overlap_threshold is not None else 0
+        special = sorted(set(student_tokenizer.all_special_ids)) if cfg.mask_special else []
+        self._special = torch.tensor(special, dtype=torch.long) if special else None
 
     def _weights(self, step: int) -> dict[str, float | None]:
         progress = min(step / max(self.total_steps - 1, 1), 1.0)
@@ -225,6 +272,10 @@ class Distiller:
                           "distill/weight": w,
                           "distill/teacher_tokens": 0})
             return stats
+        k = self.top_k
+        if k and any(s.old_top is None for s in samples):
+            raise ValueError(f"train.distill.signal={self.cfg.signal!r} / overlap_threshold need the "
+                             "student's top-k ids (Sample.old_top) from its scoring pass")
         scored = samples
         if self.cfg.privileged:
             if privileged is None or len(privileged) != len(samples) or any(p is None for p in privileged):
@@ -238,16 +289,37 @@ class Distiller:
                 offsets.append((len(prefix), cut))
                 scored.append(replace(s, input_ids=prefix + s.input_ids[cut:],
                                       mask=[0] * len(prefix) + s.mask[cut:], behaviour=[], advantages=[],
-                                      versions=[], old=None, ref=None, teacher=None))
+                                      versions=[], old=None, ref=None, teacher=None,
+                                      old_top=[[-1] * k] * len(prefix) + s.old_top[cut:] if k else None))
         with torch.no_grad():
-            tokens = score(self.teacher, scored, "teacher", self.cfg.teacher_temperature)
+            tokens = score(self.teacher, scored, "teacher", self.cfg.teacher_temperature,
+                           **({"top_k": k, "candidates": "old_top"} if k else {}))
         if scored is not samples:
             for s, t, (n_prefix, cut) in zip(samples, scored, offsets, strict=True):
                 s.teacher = [0.0] * cut + t.teacher[n_prefix:]  # a dropped BOS is context: logprob 0
+                if k:  # context positions: no candidates
+                    s.teacher_top = [[-1] * k] * cut + t.teacher_top[n_prefix:]
+                    s.teacher_top_lp = [[0.0] * k] * cut + t.teacher_top_lp[n_prefix:]
+                    s.teacher_cand = [[0.0] * k] * cut + t.teacher_cand[n_prefix:]
         stats = self._informative_tokens(samples) if self.cfg.tip else {}
+        token_w = self._overlap_stop(samples, stats) if self.cfg.overlap_threshold is not None else None
+        if self.distribution:
+            both = self.cfg.signal in ("forward_kl", "jsd")  # the teacher's mass outside the student's top-K
+            for s in samples:
+                ids, lp = build_support(torch.tensor(s.old_top), torch.tensor(s.teacher_cand),
+                                        torch.tensor(s.teacher_top), torch.tensor(s.teacher_top_lp),
+                                        both=both, special=self._special)
+                s.cand_ids, s.cand_teacher = ids.tolist(), lp.tolist()
         w = distill_weight(self.cfg, step, self.total_steps)
-        kl = add_distill_advantages(samples, w, **self._weights(step))
+        kl = add_distill_advantages(samples, w, **self._weights(step), loss_weights=self.distribution,
+                                    token_weights=token_w)
         return {**stats, "distill/reverse_kl": kl, "distill/weight": w, "distill/teacher_tokens": tokens}
+
+    def _overlap_stop(self, samples: list[Any], stats: dict[str, float]) -> list[torch.Tensor]:
+        assert self.cfg.overlap_threshold is not None
+        weights, st = overlap_weights(samples, self.cfg.overlap_threshold, self.cfg.overlap_after_weight)
+        stats.update(st)
+        return weights
 
     def _informative_tokens(self, samples: list[Any]) -> dict[str, float]:
         """TIP: drop uninformative action tokens from every sample's loss mask, in place.
@@ -299,8 +371,82 @@ def expert_teacher_logprobs(sample: Any, tokenizer: Any, floor: float) -> tuple[
     return teacher, turns, matched
 
 
+def overlap_weights(samples: list[Any], threshold: float, after_weight: float
+                    ) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """Per sample, 1 up to its first action token whose top-k overlap < ``threshold``, ``after_weight`` after.
+
+    Reads ``sample.old_top`` and ``sample.teacher_top`` (``[T, K]`` ids); see
+    ``overlap_stop``. Stats: the mean overlap over action tokens, the share of
+    samples that stopped, and the action tokens after a stop.
+    """
+    weights, overlap, n_action, stopped, after = [], 0.0, 0, 0, 0
+    for s in samples:
+        mask = torch.tensor(s.mask, dtype=torch.bool)
+        r = overlap_stop(torch.tensor(s.old_top), torch.tensor(s.teacher_top), threshold, mask, after_weight)
+        weights.append(r.weights)
+        overlap += float(r.overlap[mask].sum())
+        n_action += int(mask.sum())
+        stopped += int(r.index < len(s.mask))
+        after += r.tokens_saved
+    return weights, {"distill/overlap_mean": overlap / max(n_action, 1),
+                     "distill/overlap_stopped_frac": stopped / max(len(samples), 1),
+                     "distill/overlap_tokens_after_stop": after}
+
+
+def build_support(student_top: torch.Tensor, teacher_at_student: torch.Tensor, teacher_top: torch.Tensor,
+                  teacher_top_lp: torch.Tensor, *, both: bool, special: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidate ids ``[T, C]`` a distribution-level signal compares on, and the teacher's log-probs there.
+
+    The student's top-K ids (``student_top``, with ``teacher_at_student`` the
+    teacher's log-probs of them); with ``both``, then the teacher's own top-K
+    (``teacher_top`` / ``teacher_top_lp``), an id the student already listed
+    left out. Left-out ids and ``special`` ones are -1.
+    """
+    ids, lp = student_top.clone(), teacher_at_student.clone()
+    if both:
+        dup = (teacher_top[..., :, None] == student_top[..., None, :]).any(-1)
+        ids = torch.cat([ids, teacher_top.masked_fill(dup, -1)], dim=-1)
+        lp = torch.cat([lp, teacher_top_lp], dim=-1)
+    if special is not None:
+        ids = ids.masked_fill(torch.isin(ids, special), -1)
+    return ids, lp
+
+
+_LEFT_OUT = -1e4  # a log-prob whose probability is exactly 0 in float32, and finite: no NaN gradients
+
+
+def distribution_loss(student_lp: torch.Tensor, teacher_lp: torch.Tensor, keep: torch.Tensor,
+                      weights: torch.Tensor, mask: torch.Tensor, cfg: DistillConfig
+                      ) -> tuple[torch.Tensor, dict[str, float]]:
+    """``mean_t w_t D_t`` over action tokens, ``D`` the ``cfg.signal`` divergence on each token's support.
+
+    ``student_lp`` / ``teacher_lp`` / ``keep`` are ``[B, T, C]`` (``build_support``'s
+    ids gathered from both models, ``keep`` = id >= 0); ``weights`` and ``mask``
+    ``[B, T]``. Left-out candidates become probability 0 on both sides. Returns
+    the loss and ``loss/distill_<signal>``, the unweighted mean divergence.
+    """
+    s_lp = torch.where(keep, student_lp, _LEFT_OUT)
+    t_lp = torch.where(keep, teacher_lp.to(student_lp.dtype), _LEFT_OUT)
+    if cfg.signal == "topk_reverse_kl":
+        per = topk_reverse_kl(s_lp, t_lp)
+    elif cfg.signal == "lsm":
+        per = local_support_matching(s_lp, t_lp)
+    elif cfg.signal == "forward_kl":
+        per = forward_kl(s_lp, t_lp)
+    elif cfg.signal == "jsd":
+        per = jsd(s_lp, t_lp, cfg.jsd_beta)
+    else:
+        raise ValueError(f"distribution_loss: {cfg.signal!r} is not a distribution-level signal")
+    m = mask.to(per.dtype)
+    n = m.sum().clamp(min=1)
+    loss = (per * weights * m).sum() / n
+    return loss, {f"loss/distill_{cfg.signal}": float((per.detach() * m).sum() / n)}
+
+
 def add_distill_advantages(samples: list[Any], weight: float, *, turn_balance: float | None = None,
-                           sod_alpha: float | None = None) -> float:
+                           sod_alpha: float | None = None, loss_weights: bool = False,
+                           token_weights: Sequence[torch.Tensor] | None = None) -> float:
     """``A += weight * w_t * (log pi_t - log pi_s)`` on every action token, in place; returns the batch's KL estimate.
 
     ``sample.old`` holds the student's logprobs and ``sample.teacher`` the
@@ -312,11 +458,15 @@ def add_distill_advantages(samples: list[Any], weight: float, *, turn_balance: f
     - ``sod_alpha``: SOD's per-turn ``exp(-alpha * d_k)``, ``d_k`` the mean
       ``|log pi_s - log pi_t|`` over turn k's action tokens (``step_divergence_weights``).
 
+    ``token_weights[i]`` multiplies sample i's ``w_t`` too (the overlap stop).
+    With ``loss_weights`` the advantages are left alone and ``weight * w_t``
+    goes to ``sample.distill_w``: the weights of a distribution-level loss term.
+
     The returned value is the mean of ``log pi_s - log pi_t`` over all action
     tokens of the batch (k1 estimate of KL(pi_s || pi_t) on the sampled tokens).
     """
     gap_sum, n = 0.0, 0
-    for s in samples:
+    for i, s in enumerate(samples):
         if s.old is None or s.teacher is None:
             raise ValueError("add_distill_advantages needs sample.old and sample.teacher filled")
         mask = torch.tensor(s.mask, dtype=torch.bool)
@@ -334,5 +484,10 @@ def add_distill_advantages(samples: list[Any], weight: float, *, turn_balance: f
                 gap = a_distill.abs()
                 d = [float(gap[a:b].mean()) if b > a else 0.0 for a, b in spans]
                 w = w * spread_turn_values(spans, step_divergence_weights(d, sod_alpha), len(s.input_ids))
-        s.advantages = (torch.tensor(s.advantages) + weight * w * a_distill).tolist()
+        if token_weights is not None:
+            w = w * token_weights[i]
+        if loss_weights:
+            s.distill_w = (weight * w * mask).tolist()
+        else:
+            s.advantages = (torch.tensor(s.advantages) + weight * w * a_distill).tolist()
     return gap_sum / max(n, 1)

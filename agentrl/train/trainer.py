@@ -54,7 +54,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import TrainConfig, TrainRunConfig
-from .logprobs import PackedRow, collate_packed, pack_sequences, token_logprobs
+from .logprobs import PackedRow, collate_packed, pack_sequences, token_scores
 from .loss import mismatch_stats, policy_loss
 from .metrics import MetricsLogger, merge_stat, plot_learning_curve
 
@@ -93,6 +93,14 @@ class Sample:
     expert_turns: list[tuple[int, int, str | None, bool]] | None = None  # for teacher: expert
     turn_spans: list[tuple[int, int]] | None = None  # the episode's, for per-turn distillation weights
     old_entropy: list[float] | None = None  # the student's entropies, filled with ``old``
+    # Distribution-level distillation (opd.py): per token, K or C ids / log-probs.
+    old_top: list[list[int]] | None = None  # the student's top-K ids, from its scoring pass
+    teacher_top: list[list[int]] | None = None  # the teacher's top-K ids ...
+    teacher_top_lp: list[list[float]] | None = None  # ... and their log-probs
+    teacher_cand: list[list[float]] | None = None  # the teacher's log-probs of old_top
+    cand_ids: list[list[int]] | None = None  # the support the loss compares on (-1: left out)
+    cand_teacher: list[list[float]] | None = None  # the teacher's log-probs there
+    distill_w: list[float] | None = None  # per-token weight of the distillation loss term
 
     @property
     def n_action(self) -> int:
@@ -192,18 +200,23 @@ def _row(samples: list[Sample], row: PackedRow, pad_id: int, device: torch.devic
         where = [(0, start, end) for start, end in row.spans]
 
     def lay(get: Callable[[Sample], list[Any]], fill: float, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.full((n_rows, width), fill, dtype=dtype)
+        first = get(samples[row.seq_index[0]])
+        extra = (len(first[0]),) if first and isinstance(first[0], list) else ()  # [T, K] per sample
+        out = torch.full((n_rows, width, *extra), fill, dtype=dtype)
         for (r, start, end), i in zip(where, row.seq_index, strict=True):
             out[r, start:end] = torch.tensor(get(samples[i]), dtype=dtype)
         return out.to(device)
 
-    values = {f: lay(lambda s, f=f: getattr(s, f), -1 if f == "versions" else 0.0,
-                     torch.long if f == "versions" else torch.float32) for f in fields}
+    values = {f: lay(lambda s, f=f: getattr(s, f), -1 if f in _ID_FIELDS else 0.0,
+                     torch.long if f in _ID_FIELDS else torch.float32) for f in fields}
     seq = torch.full((n_rows, width), -1, dtype=torch.long)
     for (r, start, end), i in zip(where, row.seq_index, strict=True):
         seq[r, start:end] = i
     return _Row(ids.to(device), pos.to(device), attn.to(device),
                 lay(lambda s: s.mask, 0, torch.bool), seq.to(device), values, where)
+
+
+_ID_FIELDS = ("versions", "old_top", "cand_ids")  # laid as integers, -1 where a sample has none
 
 
 def _rows(samples: list[Sample], idx: list[int], max_tokens: int) -> list[PackedRow]:
@@ -226,7 +239,8 @@ def _autocast(device: torch.device) -> contextlib.AbstractContextManager:
 
 
 def _unpack(values: torch.Tensor, row: _Row, samples: list[Sample], seq_index: list[int], attr: str) -> None:
-    flat = values.detach().float().cpu().tolist()
+    values = values.detach().cpu()
+    flat = (values if values.dtype == torch.long else values.float()).tolist()
     for (r, start, end), i in zip(row.where, seq_index, strict=True):
         setattr(samples[i], attr, flat[r][start:end])
 
@@ -327,18 +341,31 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, _Row], tuple[torch.Tensor, dict[s
 
 @torch.no_grad()
 def score_samples(net: torch.nn.Module, samples: list[Sample], attr: str, max_tokens: int,
-                  pad_id: int, temperature: float) -> int:
-    """Fill ``sample.<attr>`` with each token's logprob under ``net`` (no gradient); returns tokens run."""
+                  pad_id: int, temperature: float, top_k: int = 0, candidates: str | None = None) -> int:
+    """Fill ``sample.<attr>`` with each token's logprob under ``net`` (no gradient); returns tokens run.
+
+    For distribution-level distillation: ``top_k`` also fills ``<attr>_top``
+    (the K most likely ids; for the teacher, ``teacher_top_lp`` too), and
+    ``candidates`` (``"old_top"``) fills ``<attr>_cand`` with the log-probs of
+    those ids.
+    """
     dev = next(net.parameters()).device
     tokens = 0
+    fields = (candidates,) if candidates else ()
     for row in _rows(samples, list(range(len(samples))), max_tokens):
-        t = _row(samples, row, pad_id, dev, (), _padded(net, row, samples))
+        t = _row(samples, row, pad_id, dev, fields, _padded(net, row, samples))
         with _autocast(dev):
-            lp, ent = token_logprobs(net, t.input_ids, t.attn, t.mask, temperature,
-                                     position_ids=t.position_ids)
-        _unpack(lp, t, samples, row.seq_index, attr)
+            out = token_scores(net, t.input_ids, t.attn, t.mask, temperature, position_ids=t.position_ids,
+                               candidates=t.values[candidates] if candidates else None, top_k=top_k)
+        _unpack(out.logprobs, t, samples, row.seq_index, attr)
         if attr == "old":  # the student's own pass: its entropies come free (TIP reads them)
-            _unpack(ent, t, samples, row.seq_index, "old_entropy")
+            _unpack(out.entropies, t, samples, row.seq_index, "old_entropy")
+        if top_k:
+            _unpack(out.top_ids, t, samples, row.seq_index, f"{attr}_top")
+            if attr == "teacher":
+                _unpack(out.top_logprobs, t, samples, row.seq_index, "teacher_top_lp")
+        if candidates:
+            _unpack(out.candidates, t, samples, row.seq_index, f"{attr}_cand")
         tokens += len(row.input_ids)
     return tokens
 
@@ -354,8 +381,11 @@ def _minibatch(net: torch.nn.Module, samples: list[Sample], idx: list[int], loss
     for row in _rows(samples, idx, max_tokens):
         t = _row(samples, row, pad_id, dev, fields, _padded(net, row, samples))
         with _autocast(dev):
-            lp, ent = token_logprobs(net, t.input_ids, t.attn, t.mask, temperature,
-                                     position_ids=t.position_ids)
+            out = token_scores(net, t.input_ids, t.attn, t.mask, temperature, position_ids=t.position_ids,
+                               candidates=t.values.get("cand_ids"))
+        lp, ent = out.logprobs, out.entropies
+        if out.candidates is not None:  # the student's log-probs on the distillation support
+            t.values["cand_student"] = out.candidates
         loss, st = loss_fn(lp, ent, t)
         share = (int(t.mask.sum()) if per_token else len(row.spans)) / max(total, 1)
         (loss * share).backward()
@@ -510,6 +540,10 @@ class Trainer:
         if t.distill is not None:
             from .opd import Distiller
             self.distiller = Distiller(t.distill, tok, self.device, t.steps, student=self.net)
+            if t.tree_packing and self.distiller.top_k:
+                raise ConfigError("train.tree_packing does not carry top-k distributions yet: use "
+                                  "train.distill.signal='reverse_kl' without overlap_threshold, "
+                                  "or train.tree_packing=false")
         self.harness = None  # rollouts by an agent program instead of the engine (harness.py)
         if t.harness is not None:
             from .harness import HarnessRollouts
@@ -589,10 +623,18 @@ class Trainer:
 
     def _rl_loss(self, lp: torch.Tensor, ent: torch.Tensor, t: _Row) -> tuple[torch.Tensor, dict]:
         v = t.values
-        return policy_loss(lp, v["advantages"], t.mask, self.cfg.train.loss, old_logprobs=v.get("old"),
-                           behaviour_logprobs=v["behaviour"], versions=v["versions"],
-                           current_version=self.policy.version, ref_logprobs=v.get("ref"),
-                           entropies=ent, seq_ids=t.seq_ids)
+        loss, stats = policy_loss(lp, v["advantages"], t.mask, self.cfg.train.loss, old_logprobs=v.get("old"),
+                                  behaviour_logprobs=v["behaviour"], versions=v["versions"],
+                                  current_version=self.policy.version, ref_logprobs=v.get("ref"),
+                                  entropies=ent, seq_ids=t.seq_ids)
+        if "cand_student" in v:  # distribution-level distillation: its own loss term (opd.py)
+            from .opd import distribution_loss
+            assert self.distiller is not None
+            d, d_stats = distribution_loss(v["cand_student"], v["cand_teacher"], v["cand_ids"] >= 0,
+                                           v["distill_w"], t.mask, self.distiller.cfg)
+            loss = loss + d
+            stats.update(d_stats)
+        return loss, stats
 
     def needs_scoring_pass(self, n_samples: int) -> bool:
         """Whether old logprobs need their own no-grad pass before the update.
@@ -640,8 +682,9 @@ class Trainer:
         tokens = 0
         fields: tuple[str, ...] = ("advantages", "behaviour", "versions")
         if not one_step:
+            top_k = {"top_k": self.distiller.top_k} if self.distiller is not None and self.distiller.top_k else {}
             tokens = self.score(self.net, samples, "old", t.micro_batch_tokens, self.pad_id,
-                                self.temperature)
+                                self.temperature, **top_k)
             fields += ("old",)
         if t.loss.kl_coef > 0:
             with self._ref_net() as ref:
@@ -650,10 +693,12 @@ class Trainer:
             fields += ("ref",)
         if self.distiller is not None:  # the teacher scores the same tokens; A += w * A_distill
             # A privileged prefix lengthens the teacher's sequences past what one forward pass was sized for.
-            stats.update(self.distiller.apply(samples, step, lambda net, ss, attr, temp: self.score(
+            stats.update(self.distiller.apply(samples, step, lambda net, ss, attr, temp, **kw: self.score(
                 net, ss, attr, max(t.micro_batch_tokens, max(len(x.input_ids) for x in ss)), self.pad_id,
-                temp), [s.privileged for s in samples]))
+                temp, **kw), [s.privileged for s in samples]))
             tokens += stats["distill/teacher_tokens"]
+            if self.distiller.distribution:
+                fields += ("cand_ids", "cand_teacher", "distill_w")
         stats["time/old_logprobs_s"] = time.perf_counter() - t0
         stats["train/scoring_pass"] = int(not one_step)
         n_mb = t.epochs * math.ceil(len(samples) / t.minibatch_size)

@@ -1,0 +1,110 @@
+"""Distribution-level distillation pieces: top-k scores, the support, the loss term, the overlap stop."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from agentrl.errors import ConfigError
+from agentrl.train.config import load_train_config
+from agentrl.train.logprobs import token_scores
+from agentrl.train.opd import (
+    DistillConfig,
+    add_distill_advantages,
+    build_support,
+    distribution_loss,
+    overlap_weights,
+)
+from agentrl.train.trainer import Sample, Trainer
+from tests.train.test_opd_training import GUESS, distill_trainer, first_step
+
+
+def test_token_scores_gather_candidates_and_top_k_from_the_full_distribution(tiny_model):
+    torch.manual_seed(0)
+    ids = torch.randint(5, 1000, (2, 7))
+    cand = torch.randint(0, 1000, (2, 7, 3))
+    cand[0, 2, 1] = -1  # no candidate there: its value is not read
+    with torch.no_grad():
+        out = token_scores(tiny_model, ids, temperature=0.7, candidates=cand, top_k=4)
+    with torch.no_grad():
+        full = torch.log_softmax(tiny_model(ids).logits.float() / 0.7, -1)  # [B, T, V], predicts t + 1
+    for b in range(2):
+        for t in range(1, 7):
+            assert out.logprobs[b, t] == pytest.approx(float(full[b, t - 1, ids[b, t]]), abs=1e-5)
+            want = full[b, t - 1, cand[b, t].clamp(min=0)]
+            assert torch.allclose(out.candidates[b, t], want, atol=1e-5)
+            top = torch.topk(full[b, t - 1], 4)
+            assert out.top_ids[b, t].tolist() == top.indices.tolist()
+            assert torch.allclose(out.top_logprobs[b, t], top.values, atol=1e-5)
+    assert out.top_ids[:, 0].eq(-1).all() and out.candidates[:, 0].eq(0).all()  # no source position
+
+
+def test_the_support_takes_both_top_ks_once_and_leaves_special_tokens_out():
+    ids, lp = build_support(torch.tensor([[5, 3]]), torch.tensor([[-1.0, -2.0]]),
+                            torch.tensor([[3, 7]]), torch.tensor([[-0.5, -0.75]]),
+                            both=True, special=torch.tensor([7]))
+    assert ids.tolist() == [[5, 3, -1, -1]]  # 3 is the student's already; 7 is special
+    assert lp.tolist() == [[-1.0, -2.0, -0.5, -0.75]]
+    ids, lp = build_support(torch.tensor([[5, 3]]), torch.tensor([[-1.0, -2.0]]),
+                            torch.tensor([[3, 7]]), torch.tensor([[-0.5, -0.75]]), both=False)
+    assert ids.tolist() == [[5, 3]] and lp.tolist() == [[-1.0, -2.0]]
+
+
+def test_the_loss_term_by_hand_with_a_left_out_candidate_and_a_masked_token():
+    ps, pt = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.25, 0.5, 0.25])
+    student = ps.log().repeat(1, 2, 1).requires_grad_(True)  # [B=1, T=2, C=3]
+    teacher = pt.log().repeat(1, 2, 1)
+    keep = torch.tensor([[[True, True, False]] * 2])
+    weights, mask = torch.tensor([[2.0, 5.0]]), torch.tensor([[True, False]])
+    loss, stats = distribution_loss(student, teacher, keep, weights, mask, DistillConfig(
+        teacher="x", signal="topk_reverse_kl"))
+    want = 0.5 * math.log(0.5 / 0.25) + 0.3 * math.log(0.3 / 0.5)  # the third candidate is left out
+    assert stats["loss/distill_topk_reverse_kl"] == pytest.approx(want, abs=1e-6)
+    assert float(loss.detach()) == pytest.approx(2.0 * want, abs=1e-6)  # token 2 is masked, token 1 weighs 2
+    loss.backward()
+    assert torch.isfinite(student.grad).all() and student.grad[0, 1].eq(0).all()
+    assert student.grad[0, 0, 2] == 0  # no gradient to a left-out candidate
+    for signal in ("lsm", "forward_kl", "jsd"):
+        s = ps.log().repeat(1, 2, 1).requires_grad_(True)
+        loss, _ = distribution_loss(s, teacher, keep, weights, mask, DistillConfig(teacher="x", signal=signal))
+        loss.backward()
+        assert float(loss.detach()) > 0 and torch.isfinite(s.grad).all() and s.grad[0, 0, 2] == 0
+    # LSM: both renormalised on the two kept ids: KL([5/8, 3/8] || [1/3, 2/3]).
+    _, stats = distribution_loss(student.detach(), teacher, keep, weights, mask,
+                                 DistillConfig(teacher="x", signal="lsm"))
+    q_s, q_t = torch.tensor([5 / 8, 3 / 8]), torch.tensor([1 / 3, 2 / 3])
+    assert stats["loss/distill_lsm"] == pytest.approx(float((q_s * (q_s / q_t).log()).sum()), abs=1e-6)
+
+
+def test_the_overlap_stop_down_weights_what_follows_the_first_drift():
+    s = Sample(input_ids=[1] * 5, mask=[0, 1, 1, 1, 1], behaviour=[0.0] * 5, advantages=[0.0] * 5,
+               versions=[0] * 5,
+               old_top=[[-1, -1], [4, 5], [6, 7], [8, 9], [1, 2]],
+               teacher_top=[[-1, -1], [5, 4], [6, 1], [3, 0], [1, 2]])  # overlap 1, 0.5, 0, 1
+    [w], stats = overlap_weights([s], threshold=0.5, after_weight=0.25)
+    assert w.tolist() == [1.0, 1.0, 1.0, 1.0, 0.25]  # drift at position 3, so only position 4 is after it
+    assert stats["distill/overlap_mean"] == pytest.approx((1 + 0.5 + 0 + 1) / 4)
+    assert stats["distill/overlap_stopped_frac"] == 1 and stats["distill/overlap_tokens_after_stop"] == 1
+    # The weights reach the sampled-token signal: after the stop it counts a quarter.
+    s.old, s.teacher = [0.0, -1.0, -1.0, -1.0, -1.0], [0.0, -0.5, -0.5, -0.5, -0.5]
+    add_distill_advantages([s], weight=1.0, token_weights=[w])
+    assert s.advantages == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.125])
+
+
+def test_distribution_signals_refuse_what_cannot_carry_them(tmp_path):
+    with pytest.raises(ValueError, match="one-hot"):
+        DistillConfig(teacher="expert", signal="forward_kl")
+    with pytest.raises(ConfigError, match="tree_packing"):
+        Trainer(load_train_config(None, GUESS + [
+            "train.distill={teacher: tiny-random, signal: lsm}", "train.tree_packing=true",
+            f"train.out_dir={tmp_path}"]), progress=False)
+
+
+def test_a_privileged_self_teacher_with_a_top_k_signal_and_the_overlap_stop(tmp_path):
+    tr = distill_trainer(tmp_path, "{teacher: self, privileged: true, signal: jsd, top_k: 4, "
+                                   "overlap_threshold: 0.5}")
+    _, stats = first_step(tr)
+    assert stats["loss/distill_jsd"] > 0  # the secret changes the teacher's distribution
+    assert 0 < stats["distill/overlap_mean"] <= 1 and stats["train/optimizer_steps"] == 1
