@@ -205,41 +205,75 @@ class HFPolicy:
                          **{self._cache_kw: slab.cache(slice(start, end), width - window)})
         return out.logits[:, -1, :]
 
+    def _prefill_cost(self, news: list[int]) -> int:
+        """Tokens the prefill groups of rows with ``news`` new tokens run, plus ``prefill_pad_tokens`` a forward."""
+        news = sorted(news, reverse=True)
+        groups = prefill_groups(news, self.prefill_pad_tokens)
+        return sum((end - start) * news[start] for start, end in groups) + len(groups) * self.prefill_pad_tokens
+
     def _share_prefixes(self, prompts: list[list[int]], matches: list[tuple[PrefixEntry | None, int]]
-                        ) -> dict[int, int]:
-        """Prefill once what two or more rows share beyond the cache; who prefilled how much of it.
+                        ) -> list[tuple[list[int], int]]:
+        """Prefill once what two or more rows share beyond the cache; ``[(rows, tokens it ran)]``.
 
         The branches of a tree node, or a group's episodes of one task, arrive in
         one batch with the same context: each would otherwise prefill it again.
         The shared prefix runs as a one-row batch into the prefix cache, and every
-        row then matches it. It is done only when the rows it saves outnumber
-        ``prefill_pad_tokens`` (the price of one more forward pass). The returned
-        count: {row: prefix tokens it prefilled}, so the shared tokens count once.
+        row then matches it. It is done only when that runs fewer tokens in all
+        than the prefill groups would without it, counting ``prefill_pad_tokens``
+        for each forward pass (``_prefill_cost``), and only for a prefix whose
+        keys and values fit the cache's budget. The caller charges the tokens it
+        ran to the rows that share it, so they count once.
         """
-        owners: dict[int, int] = {}
+        shared: list[tuple[list[int], int]] = []
         if self.prefix_cache is None or len(prompts) < 2:
-            return owners
+            return shared
         ids = [np.asarray(p, dtype=np.int64) for p in prompts]
+        rows_all = range(len(ids))
+        # lcp[i][r]: tokens prompts i and r share, short of either's last token (always run).
+        lcp = [[min(_common_prefix(a, b), len(a) - 1, len(b) - 1) for b in ids] for a in ids]
+        layers, heads, head_dim = kv_shape(self.model.config)
+        token_bytes = 2 * layers * heads * head_dim * self.model.dtype.itemsize
         while True:
-            best: tuple[int, list[int], int] | None = None  # (tokens saved, rows, prefix length)
-            for i, a in enumerate(ids):
-                for j in range(i + 1, len(ids)):
-                    n = min(_common_prefix(a, ids[j]), len(a) - 1, len(ids[j]) - 1)
-                    if n <= max(matches[i][1], matches[j][1]):
+            now = [len(p) - m for p, (_, m) in zip(prompts, matches, strict=True)]
+            base, tried = self._prefill_cost(now), set()
+            best: tuple[int, list[int], int] | None = None  # (tokens run, rows, prefix length)
+            for i in rows_all:
+                for n in {lcp[i][j] for j in rows_all if j != i}:
+                    rows = [r for r in rows_all if lcp[i][r] >= n and matches[r][1] < n]
+                    if len(rows) < 2 or (rows[0], n) in tried or n * token_bytes > self.prefix_cache.max_bytes:
                         continue
-                    rows = [r for r, b in enumerate(ids)
-                            if len(b) > n and matches[r][1] < n and _common_prefix(a[:n], b) == n]
-                    saved = sum(n - matches[r][1] for r in rows) - (n - min(matches[r][1] for r in rows))
-                    if saved > self.prefill_pad_tokens and (best is None or saved > best[0]):
-                        best = (saved, rows, n)
+                    tried.add((rows[0], n))
+                    after = [len(prompts[r]) - n if r in rows else now[r] for r in rows_all]
+                    cost = n - min(matches[r][1] for r in rows) + self.prefill_pad_tokens + self._prefill_cost(after)
+                    if cost < base and (best is None or cost < best[0]):
+                        best = (cost, rows, n)
             if best is None:
-                return owners
+                return shared
             _, rows, n = best
-            owner = min(rows, key=lambda r: matches[r][1])
-            owners[owner] = owners.get(owner, 0) + n - matches[owner][1]
-            self._prefill_into_cache(prompts[owner][:n], matches[owner])
+            first = min(rows, key=lambda r: matches[r][1])
+            self._prefill_into_cache(prompts[first][:n], matches[first])
+            shared.append((rows, n - matches[first][1]))
+            matches[:] = [self._match(p) for p in prompts]
+            if any(matches[r][1] < n for r in rows):  # not kept (evicted at once): stop, or loop forever
+                return shared
+
+    @staticmethod
+    def _charge_shared(shared: list[tuple[list[int], int]], cached: list[int], order: list[int]) -> int:
+        """Count a shared prefix's tokens as prefilled by the rows sharing it, in place; those left over.
+
+        Each row's ``cached`` (sorted order) shrinks by what it can give, down to
+        0, until the prefix's tokens are charged; what no row can take (they
+        re-ran their cached tokens anyway) is returned for the cache's stats.
+        """
+        where = {i: b for b, i in enumerate(order)}
+        left = 0
+        for rows, tokens in shared:
             for r in rows:
-                matches[r] = self._match(prompts[r])
+                take = min(tokens, cached[where[r]])
+                cached[where[r]] -= take
+                tokens -= take
+            left += tokens
+        return left
 
     def _prefill_into_cache(self, prefix: list[int], match: tuple[PrefixEntry | None, int]) -> None:
         """Run ``prefix`` (its cached part copied in) and keep its keys and values in the cache."""
@@ -254,7 +288,7 @@ class HFPolicy:
     def _generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         params, dev = requests[0].params, self.device
         matches = [self._match(r.prompt_ids) for r in requests]
-        owners = self._share_prefixes([r.prompt_ids for r in requests], matches)
+        shared = self._share_prefixes([r.prompt_ids for r in requests], matches)
         # Rows with the most new tokens first, so prefill groups are contiguous row ranges.
         order = sorted(range(len(requests)), key=lambda i: matches[i][1] - len(requests[i].prompt_ids))
         prompts = [requests[i].prompt_ids for i in order]
@@ -271,9 +305,8 @@ class HFPolicy:
                 slab.place(b, plen[b], entry.kv if entry else None, cached[b])
             logits.append(self._prefill(slab, prompts, (start, end), window))
         if self.prefix_cache is not None:
-            for b, i in enumerate(order):  # a row that prefilled a shared prefix counts it as its own
-                cached[b] = max(0, cached[b] - owners.get(i, 0))
-            self.prefix_cache.record(cached, plen)
+            unreported = self._charge_shared(shared, cached, order)
+            self.prefix_cache.record(cached, plen, extra_prefilled=unreported)
         toks, lps, ents, tops, finish = self._decode(slab, torch.cat(logits), plen, limits,
                                                       [requests[i].params.seed for i in order], params)
         if self.prefix_cache is not None:  # each row's tokens, as views of the slab: no copy

@@ -91,12 +91,15 @@ class PrefixCache:
         self._entries.move_to_end(id(best))
         return best, n
 
-    def record(self, reused: Sequence[int], prompt_lens: Sequence[int]) -> None:
-        """Count one batch: per request, prompt tokens taken from the cache and prompt length."""
+    def record(self, reused: Sequence[int], prompt_lens: Sequence[int], extra_prefilled: int = 0) -> None:
+        """Count one batch: per request, prompt tokens taken from the cache and prompt length.
+
+        ``extra_prefilled``: tokens run beyond the prompts' own (a shared prefix
+        whose rows re-ran their cached tokens anyway)."""
         self.stats.hits += sum(r > 0 for r in reused)
         self.stats.misses += sum(r == 0 for r in reused)
         self.stats.reused_tokens += sum(reused)
-        self.stats.prefilled_tokens += sum(prompt_lens) - sum(reused)
+        self.stats.prefilled_tokens += sum(prompt_lens) - sum(reused) + extra_prefilled
 
     def insert(self, ids: Sequence[int], kv: KV, storage: object | None = None,
                storage_bytes: int = 0) -> None:

@@ -304,8 +304,8 @@ def policy_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Te
                 cfg: PolicyLossConfig | None = None, *, old_logprobs: torch.Tensor | None = None,
                 behaviour_logprobs: torch.Tensor | None = None, versions: torch.Tensor | None = None,
                 current_version: int | None = None, ref_logprobs: torch.Tensor | None = None,
-                entropies: torch.Tensor | None = None, seq_ids: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, dict[str, float]]:
+                entropies: torch.Tensor | None = None, seq_ids: torch.Tensor | None = None,
+                extra_per_token: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The training loss: PPO-clip times TIS weights over the kept tokens, plus KL, minus entropy.
 
     ``old_logprobs`` defaults to ``logprobs.detach()`` (one update per batch:
@@ -315,7 +315,9 @@ def policy_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Te
     switched on without their inputs: ``max_staleness`` needs ``versions`` and
     ``current_version``, ``m2po_tau`` needs ``behaviour_logprobs``, ``kl_coef``
     needs ``ref_logprobs``, ``entropy_coef`` needs ``entropies``. Tokens that
-    staleness or M2PO drop leave the denominator of the mean too. Stats keys are
+    staleness or M2PO drop leave the denominator of the mean too.
+    ``extra_per_token`` (``[B, T]``, e.g. a distillation divergence) is added to
+    the loss, aggregated like the policy term over the same kept tokens. Stats keys are
     namespaced: ``ppo/``, ``tis/``, ``mask/``, ``mismatch/``, ``loss/``.
     """
     cfg = cfg or PolicyLossConfig()
@@ -362,5 +364,9 @@ def policy_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Te
         ent = entropy_bonus(entropies, keep, **reduce)
         loss = loss - cfg.entropy_coef * ent
         stats["loss/entropy"] = float(ent.detach())
+    if extra_per_token is not None:
+        extra = aggregate(extra_per_token, keep, **reduce)
+        loss = loss + extra
+        stats["loss/extra"] = float(extra.detach())
     stats["loss/total"] = float(loss.detach())
     return loss, stats

@@ -103,7 +103,8 @@ from .distill import (
 )
 
 __all__ = ["DistillConfig", "Distiller", "add_distill_advantages", "build_support", "distill_weight",
-           "distribution_loss", "overlap_weights", "load_teacher", "expert_teacher_logprobs", "no_credit", "privileged_prefix"]
+           "distribution_loss", "document_bos", "expert_teacher_logprobs", "load_teacher", "no_credit",
+           "overlap_weights", "privileged_prefix"]
 
 
 class DistillConfig(BaseModel):
@@ -134,8 +135,9 @@ class DistillConfig(BaseModel):
         "log pi_teacher - log pi_student. On top_k candidate ids a token (a loss term): topk_reverse_kl "
         "(truncated sum over the student's top-K), lsm (local support matching: both renormalised on "
         "it), forward_kl and jsd (over the student's and the teacher's top-K).")
-    top_k: int = Field(16, ge=1, le=256, description="Candidate ids per model and action token for the "
-                       "distribution-level signals and the overlap stop.")
+    top_k: int = Field(16, ge=1, le=64, description="Candidate ids per model and action token for the "
+                       "distribution-level signals and the overlap stop (each sample holds them per token "
+                       "as lists, so keep it small).")
     mask_special: bool = Field(True, description="Leave special tokens (end of turn, tool tags) out "
                                "of the distribution-level support.")
     jsd_beta: float = Field(0.5, gt=0.0, lt=1.0, description="signal: jsd: the teacher's share of the mixture.")
@@ -162,6 +164,16 @@ class DistillConfig(BaseModel):
         if self.teacher == "expert" and self.tip:
             raise ValueError("train.distill.tip needs a model teacher: a one-hot expert gives no "
                              "teacher-student gap to select tokens by")
+        top_k_used = self.signal != "reverse_kl" or self.overlap_threshold is not None
+        unused = [k for k, ok in (("top_k", top_k_used), ("mask_special", self.signal != "reverse_kl"),
+                                  ("jsd_beta", self.signal == "jsd"),
+                                  ("overlap_after_weight", self.overlap_threshold is not None))
+                  if k in self.model_fields_set and not ok]
+        if unused:
+            raise ValueError(f"train.distill.{unused[0]} does nothing with signal={self.signal!r} and "
+                             f"overlap_threshold={self.overlap_threshold}")
+        if self.signal == "lsm" and self.top_k < 2:
+            raise ValueError("train.distill.signal='lsm' with top_k=1 compares one renormalised token: always 0")
         if self.teacher == "expert" and (self.signal != "reverse_kl" or self.overlap_threshold is not None):
             raise ValueError("train.distill.teacher='expert' is a one-hot target on the student's own "
                              "tokens: it has no top-k distribution; use signal='reverse_kl' and no "
@@ -217,6 +229,25 @@ def privileged_prefix(tokenizer: Any, text: str) -> list[int]:
         return tokenizer(msg[0]["content"] + "\n\n", add_special_tokens=False)["input_ids"]
 
 
+def document_bos(tokenizer: Any) -> int | None:
+    """The BOS id if the chat template writes it once, at a conversation's start; else None.
+
+    Some tokenizers name a turn marker their BOS (SmolLM2's is ``<|im_start|>``,
+    which opens every message): dropping that from the student's ids would leave
+    its first turn without its opening tag.
+    """
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return None
+    try:
+        ids = tokenizer.apply_chat_template([{"role": "system", "content": "a"}, {"role": "user", "content": "b"}],
+                                            tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    except Exception:  # no usable template: keep every token
+        return None
+    return bos if list(ids).count(bos) == 1 and list(ids)[:1] == [bos] else None
+
+
 class Distiller:
     """Holds the teacher; ``apply`` adds the distillation advantages to a scored batch."""
 
@@ -238,6 +269,8 @@ class Distiller:
         self.distribution = cfg.signal != "reverse_kl"  # a loss term on a top-k support, not an advantage
         # Candidate ids a token both models report: the support, and the overlap stop's top-k.
         self.top_k = cfg.top_k if self.distribution or cfg.overlap_threshold is not None else 0
+        self._bos = document_bos(student_tokenizer)
+        self._vocab = len(student_tokenizer)  # a bigger teacher head may rank padding ids past it
         special = sorted(set(student_tokenizer.all_special_ids)) if cfg.mask_special else []
         self._special = torch.tensor(special, dtype=torch.long) if special else None
 
@@ -281,10 +314,10 @@ class Distiller:
             if privileged is None or len(privileged) != len(samples) or any(p is None for p in privileged):
                 raise ConfigError("train.distill.privileged=true but the env gave no info['privileged'] "
                                   "at reset for some episodes")
-            scored, offsets, bos = [], [], self.tokenizer.bos_token_id
+            scored, offsets, bos = [], [], self._bos
             for s, text in zip(samples, privileged, strict=True):
                 prefix = self._prefixes.setdefault(text, privileged_prefix(self.tokenizer, text))
-                # A prefix that opens with BOS replaces the student's own leading BOS (one BOS a sequence).
+                # A prefix that opens with a document BOS replaces the student's own (one BOS a sequence).
                 cut = int(bos is not None and prefix[:1] == [bos] and s.input_ids[:1] == [bos])
                 offsets.append((len(prefix), cut))
                 scored.append(replace(s, input_ids=prefix + s.input_ids[cut:],
@@ -301,14 +334,17 @@ class Distiller:
                     s.teacher_top = [[-1] * k] * cut + t.teacher_top[n_prefix:]
                     s.teacher_top_lp = [[0.0] * k] * cut + t.teacher_top_lp[n_prefix:]
                     s.teacher_cand = [[0.0] * k] * cut + t.teacher_cand[n_prefix:]
-        stats = self._informative_tokens(samples) if self.cfg.tip else {}
+        stats: dict[str, float] = {}
+        # The overlap stop reads every action token, before TIP drops some from the mask.
         token_w = self._overlap_stop(samples, stats) if self.cfg.overlap_threshold is not None else None
+        if self.cfg.tip:
+            stats.update(self._informative_tokens(samples))
         if self.distribution:
             both = self.cfg.signal in ("forward_kl", "jsd")  # the teacher's mass outside the student's top-K
             for s in samples:
                 ids, lp = build_support(torch.tensor(s.old_top), torch.tensor(s.teacher_cand),
                                         torch.tensor(s.teacher_top), torch.tensor(s.teacher_top_lp),
-                                        both=both, special=self._special)
+                                        both=both, special=self._special, vocab=self._vocab)
                 s.cand_ids, s.cand_teacher = ids.tolist(), lp.tolist()
         w = distill_weight(self.cfg, step, self.total_steps)
         kl = add_distill_advantages(samples, w, **self._weights(step), loss_weights=self.distribution,
@@ -394,14 +430,14 @@ def overlap_weights(samples: list[Any], threshold: float, after_weight: float
 
 
 def build_support(student_top: torch.Tensor, teacher_at_student: torch.Tensor, teacher_top: torch.Tensor,
-                  teacher_top_lp: torch.Tensor, *, both: bool, special: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  teacher_top_lp: torch.Tensor, *, both: bool, special: torch.Tensor | None = None,
+                  vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The candidate ids ``[T, C]`` a distribution-level signal compares on, and the teacher's log-probs there.
 
     The student's top-K ids (``student_top``, with ``teacher_at_student`` the
     teacher's log-probs of them); with ``both``, then the teacher's own top-K
     (``teacher_top`` / ``teacher_top_lp``), an id the student already listed
-    left out. Left-out ids and ``special`` ones are -1.
+    left out. Left-out ids, ``special`` ones and ids ``>= vocab`` are -1.
     """
     ids, lp = student_top.clone(), teacher_at_student.clone()
     if both:
@@ -410,6 +446,8 @@ def build_support(student_top: torch.Tensor, teacher_at_student: torch.Tensor, t
         lp = torch.cat([lp, teacher_top_lp], dim=-1)
     if special is not None:
         ids = ids.masked_fill(torch.isin(ids, special), -1)
+    if vocab is not None:
+        ids = ids.masked_fill(ids >= vocab, -1)
     return ids, lp
 
 
@@ -419,12 +457,13 @@ _LEFT_OUT = -1e4  # a log-prob whose probability is exactly 0 in float32, and fi
 def distribution_loss(student_lp: torch.Tensor, teacher_lp: torch.Tensor, keep: torch.Tensor,
                       weights: torch.Tensor, mask: torch.Tensor, cfg: DistillConfig
                       ) -> tuple[torch.Tensor, dict[str, float]]:
-    """``mean_t w_t D_t`` over action tokens, ``D`` the ``cfg.signal`` divergence on each token's support.
+    """Per action token ``w_t D_t``, ``D`` the ``cfg.signal`` divergence on the token's support: ``[B, T]``.
 
     ``student_lp`` / ``teacher_lp`` / ``keep`` are ``[B, T, C]`` (``build_support``'s
     ids gathered from both models, ``keep`` = id >= 0); ``weights`` and ``mask``
-    ``[B, T]``. Left-out candidates become probability 0 on both sides. Returns
-    the loss and ``loss/distill_<signal>``, the unweighted mean divergence.
+    ``[B, T]``. Left-out candidates become probability 0 on both sides. The
+    policy loss aggregates the result like its own term (``extra_per_token``).
+    Also returns ``loss/distill_<signal>``, the unweighted mean divergence.
     """
     s_lp = torch.where(keep, student_lp, _LEFT_OUT)
     t_lp = torch.where(keep, teacher_lp.to(student_lp.dtype), _LEFT_OUT)
@@ -439,9 +478,8 @@ def distribution_loss(student_lp: torch.Tensor, teacher_lp: torch.Tensor, keep: 
     else:
         raise ValueError(f"distribution_loss: {cfg.signal!r} is not a distribution-level signal")
     m = mask.to(per.dtype)
-    n = m.sum().clamp(min=1)
-    loss = (per * weights * m).sum() / n
-    return loss, {f"loss/distill_{cfg.signal}": float((per.detach() * m).sum() / n)}
+    mean = float((per.detach() * m).sum() / m.sum().clamp(min=1))
+    return per * weights * m, {f"loss/distill_{cfg.signal}": mean}
 
 
 def add_distill_advantages(samples: list[Any], weight: float, *, turn_balance: float | None = None,

@@ -623,18 +623,17 @@ class Trainer:
 
     def _rl_loss(self, lp: torch.Tensor, ent: torch.Tensor, t: _Row) -> tuple[torch.Tensor, dict]:
         v = t.values
+        extra, d_stats = None, {}
+        if "cand_student" in v:  # distribution-level distillation: a per-token loss term (opd.py)
+            from .opd import distribution_loss
+            assert self.distiller is not None
+            extra, d_stats = distribution_loss(v["cand_student"], v["cand_teacher"], v["cand_ids"] >= 0,
+                                               v["distill_w"], t.mask, self.distiller.cfg)
         loss, stats = policy_loss(lp, v["advantages"], t.mask, self.cfg.train.loss, old_logprobs=v.get("old"),
                                   behaviour_logprobs=v["behaviour"], versions=v["versions"],
                                   current_version=self.policy.version, ref_logprobs=v.get("ref"),
-                                  entropies=ent, seq_ids=t.seq_ids)
-        if "cand_student" in v:  # distribution-level distillation: its own loss term (opd.py)
-            from .opd import distribution_loss
-            assert self.distiller is not None
-            d, d_stats = distribution_loss(v["cand_student"], v["cand_teacher"], v["cand_ids"] >= 0,
-                                           v["distill_w"], t.mask, self.distiller.cfg)
-            loss = loss + d
-            stats.update(d_stats)
-        return loss, stats
+                                  entropies=ent, seq_ids=t.seq_ids, extra_per_token=extra)
+        return loss, {**stats, **d_stats}
 
     def needs_scoring_pass(self, n_samples: int) -> bool:
         """Whether old logprobs need their own no-grad pass before the update.

@@ -240,3 +240,46 @@ def test_a_group_of_tasks_with_a_common_system_prompt_prefills_it_once(tokenizer
     dear = HFPolicy(tiny_model, tokenizer, prefill_pad_tokens=10_000)
     dear.generate([GenerateRequest(c, SamplingParams(max_new_tokens=3, seed=1)) for c in ctxs])
     assert dear.prefix_cache.stats.prefilled_tokens == sum(map(len, ctxs))
+
+
+def _count_prefill(policy: HFPolicy) -> list[int]:
+    """[tokens run, forward passes] through ``policy._prefill`` from now on."""
+    ran, orig = [0, 0], policy._prefill
+
+    def spy(slab, prompts, rows, window):
+        ran[0] += (rows[1] - rows[0]) * window
+        ran[1] += 1
+        return orig(slab, prompts, rows, window)
+
+    policy._prefill = spy
+    return ran
+
+
+def test_a_shared_prefix_the_cache_cannot_hold_is_prefilled_once_and_not_again(tokenizer, tiny_model):
+    from agentrl.policy.kv_slab import kv_shape
+
+    layers, heads, dim = kv_shape(tiny_model.config)
+    policy = HFPolicy(tiny_model, tokenizer, prefill_pad_tokens=0)
+    policy.prefix_cache.max_bytes = 30 * 2 * layers * heads * dim * 4  # 30 tokens; the shared part is 60
+    ran = _count_prefill(policy)
+    reqs = [GenerateRequest(list(range(100, 160)) + [i], SamplingParams(max_new_tokens=2, seed=i)) for i in range(3)]
+    got = policy.generate(reqs)  # once hung: an insert the budget refused was retried forever
+    want = HFPolicy(tiny_model, tokenizer, prefix_cache_mb=0).generate(reqs)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert ran[0] == 3 * 61  # nothing was shared: each row ran its own prompt
+    assert policy.prefix_cache.stats.prefilled_tokens == ran[0]
+
+
+def test_sharing_is_skipped_when_the_prefill_groups_rerun_the_prefix_anyway(tokenizer, tiny_model):
+    """Two rows share 40 tokens; a third, unrelated row of 30 puts all three in one 41-token-wide
+    group. Prefilling the 40 first would run more tokens in all, so it is not done, and the
+    counted prefill equals what really ran."""
+    stem = list(range(100, 140))
+    reqs = [GenerateRequest(stem + [7], SamplingParams(max_new_tokens=1, seed=0)),
+            GenerateRequest(stem + [8], SamplingParams(max_new_tokens=1, seed=1)),
+            GenerateRequest(list(range(500, 530)), SamplingParams(max_new_tokens=1, seed=2))]
+    policy = HFPolicy(tiny_model, tokenizer)  # prefill_pad_tokens=32
+    ran = _count_prefill(policy)
+    policy.generate(reqs)
+    assert ran == [3 * 41, 1]
+    assert policy.prefix_cache.stats.prefilled_tokens == 41 + 41 + 30  # the third row's pad is not a token

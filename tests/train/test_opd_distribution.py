@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -15,6 +13,7 @@ from agentrl.train.opd import (
     add_distill_advantages,
     build_support,
     distribution_loss,
+    document_bos,
     overlap_weights,
 )
 from agentrl.train.trainer import Sample, Trainer
@@ -54,28 +53,60 @@ def test_the_support_takes_both_top_ks_once_and_leaves_special_tokens_out():
 
 def test_the_loss_term_by_hand_with_a_left_out_candidate_and_a_masked_token():
     ps, pt = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.25, 0.5, 0.25])
-    student = ps.log().repeat(1, 2, 1).requires_grad_(True)  # [B=1, T=2, C=3]
-    teacher = pt.log().repeat(1, 2, 1)
-    keep = torch.tensor([[[True, True, False]] * 2])
+    teacher = pt.log().repeat(1, 2, 1)  # [B=1, T=2, C=3]
+    keep = torch.tensor([[[True, True, False]] * 2])  # the third candidate is left out
     weights, mask = torch.tensor([[2.0, 5.0]]), torch.tensor([[True, False]])
-    loss, stats = distribution_loss(student, teacher, keep, weights, mask, DistillConfig(
-        teacher="x", signal="topk_reverse_kl"))
-    want = 0.5 * math.log(0.5 / 0.25) + 0.3 * math.log(0.3 / 0.5)  # the third candidate is left out
-    assert stats["loss/distill_topk_reverse_kl"] == pytest.approx(want, abs=1e-6)
-    assert float(loss.detach()) == pytest.approx(2.0 * want, abs=1e-6)  # token 2 is masked, token 1 weighs 2
-    loss.backward()
-    assert torch.isfinite(student.grad).all() and student.grad[0, 1].eq(0).all()
-    assert student.grad[0, 0, 2] == 0  # no gradient to a left-out candidate
-    for signal in ("lsm", "forward_kl", "jsd"):
-        s = ps.log().repeat(1, 2, 1).requires_grad_(True)
-        loss, _ = distribution_loss(s, teacher, keep, weights, mask, DistillConfig(teacher="x", signal=signal))
-        loss.backward()
-        assert float(loss.detach()) > 0 and torch.isfinite(s.grad).all() and s.grad[0, 0, 2] == 0
-    # LSM: both renormalised on the two kept ids: KL([5/8, 3/8] || [1/3, 2/3]).
-    _, stats = distribution_loss(student.detach(), teacher, keep, weights, mask,
-                                 DistillConfig(teacher="x", signal="lsm"))
-    q_s, q_t = torch.tensor([5 / 8, 3 / 8]), torch.tensor([1 / 3, 2 / 3])
-    assert stats["loss/distill_lsm"] == pytest.approx(float((q_s * (q_s / q_t).log()).sum()), abs=1e-6)
+    kept_s, kept_t = ps[:2], pt[:2]
+    m = 0.5 * kept_s + 0.5 * kept_t
+    want = {
+        "topk_reverse_kl": float((kept_s * (kept_s / kept_t).log()).sum()),
+        "forward_kl": float((kept_t * (kept_t / kept_s).log()).sum()),
+        "jsd": float(0.5 * (kept_t * (kept_t / m).log()).sum() + 0.5 * (kept_s * (kept_s / m).log()).sum()),
+        # both renormalised on the two kept ids: KL([5/8, 3/8] || [1/3, 2/3])
+        "lsm": float((torch.tensor([5 / 8, 3 / 8]) * (torch.tensor([5 / 8, 3 / 8]) / torch.tensor([1 / 3, 2 / 3])).log()).sum()),
+    }
+    for signal, value in want.items():
+        student = ps.log().repeat(1, 2, 1).requires_grad_(True)
+        per, stats = distribution_loss(student, teacher, keep, weights, mask,
+                                       DistillConfig(teacher="x", signal=signal))
+        assert stats[f"loss/distill_{signal}"] == pytest.approx(value, abs=1e-6), signal
+        assert per.detach()[0].tolist() == pytest.approx([2.0 * value, 0.0], abs=1e-6)  # token 2 is masked
+        per.sum().backward()
+        assert torch.isfinite(student.grad).all() and student.grad[0, 1].eq(0).all()
+        assert student.grad[0, 0, 2] == 0, signal  # no gradient to a left-out candidate
+
+
+def test_the_policy_loss_aggregates_an_extra_term_over_its_kept_tokens():
+    from agentrl.train.loss import PolicyLossConfig, policy_loss
+
+    lp = torch.zeros(1, 3)
+    extra = torch.tensor([[1.0, 2.0, 3.0]])
+    versions = torch.tensor([[5, 5, 1]])  # the last token is 4 versions stale
+    loss, stats = policy_loss(lp, torch.zeros(1, 3), torch.ones(1, 3, dtype=torch.bool),
+                              PolicyLossConfig(max_staleness=2), versions=versions, current_version=5,
+                              extra_per_token=extra)
+    assert stats["loss/extra"] == pytest.approx(1.5) and float(loss) == pytest.approx(1.5)
+
+
+def test_a_bos_is_cut_only_where_it_opens_the_document_once(tokenizer):
+    assert document_bos(tokenizer) is None  # SmolLM2's "BOS" is <|im_start|>, which opens every turn
+
+    class RealBos:
+        bos_token_id = 9
+
+        def apply_chat_template(self, messages, tokenize=True):
+            return [9] + [t for i, _ in enumerate(messages) for t in (5, 6 + i)]
+
+    assert document_bos(RealBos()) == 9
+
+
+def test_options_that_would_do_nothing_are_refused():
+    for bad in ({"jsd_beta": 0.3}, {"top_k": 4}, {"overlap_after_weight": 0.5},
+                {"signal": "lsm", "top_k": 1}, {"signal": "jsd", "mask_special": False, "overlap_after_weight": 0.1}):
+        with pytest.raises(ValueError, match="train.distill"):
+            DistillConfig(teacher="x", **bad)
+    assert DistillConfig(teacher="x", signal="jsd", jsd_beta=0.3, top_k=4).top_k == 4
+    assert DistillConfig(teacher="x", overlap_threshold=0.5, overlap_after_weight=0.5, top_k=4).top_k == 4
 
 
 def test_the_overlap_stop_down_weights_what_follows_the_first_drift():
