@@ -31,6 +31,12 @@ teacher's extra prefix is rendered. ``teacher: self`` makes the teacher the
 student's current weights (no copy): the same model, told the answer, grades
 each of its own turns.
 
+With ``privileged_source: hindsight`` the text is written after the group has
+run instead: the actions of the group's best episode on the same task, with its
+return (``hindsight_summary``). The teacher then grades every episode of the
+group, the best one included, knowing what worked (SD-Search's and OPSD's
+hindsight context; no env support needed).
+
 **Scripted experts as teachers** (``teacher: expert``; ALFWorld-v0, WebShop-v0,
 TextWorld-v0, GuessNumber-v0). The engine asks the env's expert what it would do
 in each state the student acted in (``rollout.record_expert_actions``, switched
@@ -103,7 +109,8 @@ from .distill import (
 )
 
 __all__ = ["DistillConfig", "Distiller", "add_distill_advantages", "build_support", "distill_weight",
-           "distribution_loss", "document_bos", "expert_teacher_logprobs", "load_teacher", "no_credit",
+           "distribution_loss", "document_bos", "expert_teacher_logprobs", "hindsight_summary",
+           "load_teacher", "no_credit",
            "overlap_weights", "privileged_prefix"]
 
 
@@ -128,8 +135,12 @@ class DistillConfig(BaseModel):
                                 "for 0 on tokens that leave the expert's action. Keep it below the "
                                 "student's own log-probs (about -10.8 for a uniform 49k vocabulary), or "
                                 "a mismatching token gets a positive advantage.")
-    privileged: bool = Field(False, description="Give the teacher the env's privileged text "
-                             "(reset info['privileged']) as a system message before the student's tokens.")
+    privileged: bool = Field(False, description="Give the teacher privileged text as a system message "
+                             "before the student's tokens (privileged_source says which).")
+    privileged_source: Literal["env", "hindsight"] = Field(
+        "env", description="env: the env's reset info['privileged'] (a hidden goal, an expert plan). "
+        "hindsight: a summary of the group's rollouts of the same task (the actions of its best "
+        "episode and their return), written after the group has run.")
     signal: Literal["reverse_kl", "topk_reverse_kl", "lsm", "forward_kl", "jsd"] = Field(
         "reverse_kl", description="Per-token signal. reverse_kl: the sampled-token advantage "
         "log pi_teacher - log pi_student. On top_k candidate ids a token (a loss term): topk_reverse_kl "
@@ -158,6 +169,8 @@ class DistillConfig(BaseModel):
 
     @model_validator(mode="after")
     def _self_needs_privileged(self) -> DistillConfig:
+        if "privileged_source" in self.model_fields_set and not self.privileged:
+            raise ValueError("train.distill.privileged_source needs train.distill.privileged=true")
         if self.teacher == "self" and not self.privileged:
             raise ValueError("train.distill.teacher='self' needs train.distill.privileged=true: "
                              "without privileged context the teacher is the student and teaches nothing")
@@ -227,6 +240,23 @@ def privileged_prefix(tokenizer: Any, text: str) -> list[int]:
         return list(ids)
     except Exception:  # a template that refuses a lone system message
         return tokenizer(msg[0]["content"] + "\n\n", add_special_tokens=False)["input_ids"]
+
+
+def hindsight_summary(tree: RolloutTree, tokenizer: Any) -> str:
+    """Privileged text from a group's own rollouts of one task (SD-Search / OPSD-style hindsight).
+
+    The group's best episode (highest return; the first on ties) as its
+    decoded actions, with its return and how many attempts it was picked from.
+    Written after the group ran, so the teacher knows what worked on *this* task
+    and scores each of the group's turns in that light.
+    """
+    episodes = [ep for ep in tree.episodes() if not ep.error and ep.nodes]
+    if not episodes:
+        return "Hindsight: no attempt at this task ran without an error."
+    best = max(episodes, key=lambda ep: ep.total_reward)
+    actions = [tokenizer.decode(n.action_ids, skip_special_tokens=True).strip() for n in best.nodes]
+    return (f"Hindsight from {len(episodes)} attempts at this task. The best one (return "
+            f"{best.total_reward:g}) took these actions: " + "; ".join(actions))
 
 
 def document_bos(tokenizer: Any) -> int | None:

@@ -666,10 +666,20 @@ class Trainer:
         samples = samples_from_credit(items, skip_zero_advantage=skip)
         if self.distiller is not None:  # what the teacher needs of each sample's episode
             tree_of = {id(n): tree for tree in trees for n in tree.nodes.values()}
+            from .opd import hindsight_summary
             kept = [ep for ep, _ in items if any(ep.loss_mask)]  # samples_from_credit's order (no skip)
+            hindsight: dict[int, str] = {}  # one summary per tree (a task's group)
             for s, ep in zip(samples, kept, strict=True):
                 s.turn_spans = list(ep.turn_spans)
-                s.privileged = tree_of[id(ep.nodes[0])].meta.get("privileged") if ep.nodes else None
+                tree = tree_of[id(ep.nodes[0])] if ep.nodes else None
+                if tree is None:
+                    s.privileged = None
+                elif t.distill is not None and t.distill.privileged_source == "hindsight":
+                    if id(tree) not in hindsight:
+                        hindsight[id(tree)] = hindsight_summary(tree, self.policy.tokenizer)
+                    s.privileged = hindsight[id(tree)]
+                else:
+                    s.privileged = tree.meta.get("privileged")
                 s.expert_turns = [(a, b, n.info.get("expert_action"), n.finish_reason in ("stop", "stop_string"))
                                   for (a, b), n in zip(ep.turn_spans, ep.nodes, strict=True)]
         stats["train/episodes"] = len(samples)

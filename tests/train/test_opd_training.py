@@ -417,3 +417,42 @@ def test_tip_in_the_loop_drops_tokens_from_the_update(tmp_path):
     _, stats = first_step(distill_trainer(tmp_path, "{teacher: tiny-random, tip: true}"))
     assert 0 < stats["distill/tip_kept_frac"] < 1 and stats["distill/tip_dropped_tokens"] > 0
     assert stats["train/optimizer_steps"] == 1
+
+
+# --------------------------------------------------------------------------- hindsight context
+
+
+def test_hindsight_summary_names_the_groups_best_episode(tokenizer):
+    from agentrl.train.opd import hindsight_summary
+    from agentrl.types import Node, RolloutTree
+
+    tree = RolloutTree()
+    enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    root = tree.add(Node(action_ids=enc("guess 2")))
+    tree.add(Node(action_ids=enc("guess 3"), reward=0.0, terminated=True), root.id)
+    tree.add(Node(action_ids=enc("guess 1"), reward=1.0, terminated=True), root.id)
+    text = hindsight_summary(tree, tokenizer)
+    assert text == ("Hindsight from 2 attempts at this task. The best one (return 1) took these "
+                    "actions: guess 2; guess 1")
+    broken = RolloutTree()
+    broken.add(Node(action_ids=enc("guess 2"), error="env crashed"))
+    assert "no attempt" in hindsight_summary(broken, tokenizer)
+    with pytest.raises(ValueError, match="privileged_source needs"):
+        DistillConfig(teacher="x", privileged_source="hindsight")
+
+
+def test_a_self_teacher_reads_the_groups_hindsight(tmp_path):
+    tr = distill_trainer(tmp_path, "{teacher: self, privileged: true, privileged_source: hindsight}")
+    seen: list[str | None] = []
+    apply = tr.distiller.apply
+
+    def spy(samples, step, score, privileged=None):
+        seen.extend(privileged)
+        return apply(samples, step, score, privileged)
+
+    tr.distiller.apply = spy
+    trees, stats = first_step(tr)
+    assert len(seen) == sum(1 for t in trees for _ in t.episodes())
+    assert all(p.startswith("Hindsight from 4 attempts at this task.") for p in seen)
+    assert len(set(seen)) <= len(trees)  # one summary per task's group
+    assert stats["distill/teacher_tokens"] > sum(len(ep.input_ids) for t in trees for ep in t.episodes())
