@@ -93,6 +93,7 @@ class _Job:
     request: GenerateRequest
     logprobs: int  # how many top logprobs vLLM returns for this request
     future: Future
+    score: bool = False  # score the prompt's own tokens (a teacher), sample nothing
 
 
 @dataclass(slots=True)
@@ -174,6 +175,19 @@ class VLLMPolicy:
         (job,) = self._submit([request])
         return await asyncio.wrap_future(job.future)
 
+    def score(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Each token's log-prob given the tokens before it, per prompt; the first token gets 0.
+
+        vLLM's prompt logprobs of the raw distribution (temperature 1): how a
+        vLLM-served teacher scores the student's token ids, never re-tokenized.
+        """
+        for i, p in enumerate(prompts):
+            if len(p) < 2:
+                raise PolicyError(f"prompt {i}: scoring needs at least 2 tokens, got {len(p)}")
+        jobs = self._submit([GenerateRequest(p, SamplingParams(temperature=0, max_new_tokens=1)) for p in prompts],
+                            score=True)
+        return [job.future.result() for job in jobs]
+
     def update_weights(self, state_dict: dict[str, Any]) -> None:
         """Reload every weight in place, reset the prefix cache, and bump ``version``.
 
@@ -196,7 +210,7 @@ class VLLMPolicy:
 
     # --- submitting -------------------------------------------------------------------------
 
-    def _submit(self, requests: list[GenerateRequest]) -> list[_Job]:
+    def _submit(self, requests: list[GenerateRequest], score: bool = False) -> list[_Job]:
         jobs = []
         for i, req in enumerate(requests):
             n = len(req.prompt_ids)
@@ -209,7 +223,7 @@ class VLLMPolicy:
             if k > self.max_logprobs:
                 raise PolicyError(f"request {i}: logprobs={req.params.logprobs} exceeds "
                                   f"max_logprobs={self.max_logprobs} of this policy")
-            jobs.append(_Job(str(next(self._ids)), req, k, Future()))
+            jobs.append(_Job(str(next(self._ids)), req, k, Future(), score))
         self._put(jobs)
         return jobs
 
@@ -292,8 +306,11 @@ class VLLMPolicy:
         if job.future.cancelled():
             return
         try:
+            params = _vllm_params(job.request.params, job.logprobs)
+            if job.score:
+                params.prompt_logprobs, params.logprobs = 0, None
             self._engine.add_request(job.request_id, TokensPrompt(prompt_token_ids=job.request.prompt_ids),
-                                     _vllm_params(job.request.params, job.logprobs))
+                                     params)
         except Exception as e:  # a bad request (e.g. a token id outside the vocabulary) fails alone
             err = PolicyError(f"vLLM rejected the request: {e}")
             err.__cause__ = e
@@ -314,7 +331,7 @@ class VLLMPolicy:
             if job.future.cancelled():
                 continue
             try:
-                job.future.set_result(self._result(out, job))
+                job.future.set_result(self._scores(out, job) if job.score else self._result(out, job))
             except Exception as e:
                 job.future.set_exception(e)
 
@@ -332,6 +349,13 @@ class VLLMPolicy:
         upd.future.set_result(None)
 
     # --- outputs ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _scores(out: Any, job: _Job) -> list[float]:
+        prompt, entries = job.request.prompt_ids, out.prompt_logprobs
+        if entries is None or len(entries) != len(prompt):
+            raise PolicyError(f"vLLM returned no prompt logprobs for request {out.request_id}")
+        return [0.0] + [entry[tok].logprob for tok, entry in zip(prompt[1:], entries[1:], strict=True)]
 
     def _result(self, out: Any, job: _Job) -> GenerateResult:
         params = job.request.params

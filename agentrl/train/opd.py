@@ -110,7 +110,7 @@ from .distill import (
 
 __all__ = ["DistillConfig", "Distiller", "add_distill_advantages", "build_support", "distill_weight",
            "distribution_loss", "document_bos", "expert_teacher_logprobs", "hindsight_summary",
-           "load_teacher", "no_credit",
+           "load_teacher", "load_vllm_teacher", "no_credit",
            "overlap_weights", "privileged_prefix"]
 
 
@@ -121,6 +121,8 @@ class DistillConfig(BaseModel):
 
     teacher: str = Field(description="A registered model name or a local transformers folder "
                          "(e.g. an SFT checkpoint's hf/), loaded frozen; same tokenizer as the student. "
+                         "'vllm:NAME': the same, served by an in-process vLLM engine (prompt logprobs; "
+                         "sampled-token reverse KL only). "
                          "'self': the student's current weights (needs privileged: true). "
                          "'expert': the env's scripted expert as a one-hot teacher.")
     turn_balance: bool = Field(False, description="TurnOPD: move the distillation weights from "
@@ -187,6 +189,10 @@ class DistillConfig(BaseModel):
                              f"overlap_threshold={self.overlap_threshold}")
         if self.signal == "lsm" and self.top_k < 2:
             raise ValueError("train.distill.signal='lsm' with top_k=1 compares one renormalised token: always 0")
+        if self.teacher.startswith("vllm:") and (top_k_used or self.teacher_temperature != 1.0):
+            raise ValueError("train.distill.teacher='vllm:...' scores the sampled tokens at temperature 1 "
+                             "(vLLM's prompt logprobs): use signal='reverse_kl', no overlap_threshold "
+                             "and teacher_temperature=1")
         if self.teacher == "expert" and (self.signal != "reverse_kl" or self.overlap_threshold is not None):
             raise ValueError("train.distill.teacher='expert' is a one-hot target on the student's own "
                              "tokens: it has no top-k distribution; use signal='reverse_kl' and no "
@@ -216,6 +222,20 @@ def load_teacher(name: str, student_tokenizer: Any, device: torch.device) -> tor
         raise ConfigError(f"train.distill.teacher={name!r} has another tokenizer than the student; "
                           "the teacher scores the student's token ids, so they must share one")
     return model.requires_grad_(False).eval()
+
+
+def load_vllm_teacher(name: str, student_tokenizer: Any, max_len: int) -> Any:
+    """A vLLM engine in this process that scores as the teacher (``teacher: vllm:NAME``)."""
+    from ..policy.vllm import VLLMPolicy
+
+    try:
+        teacher = VLLMPolicy(name, max_model_len=max_len)
+    except Exception as e:
+        raise ConfigError(f"train.distill.teacher='vllm:{name}': cannot start it ({e})") from e
+    if teacher.tokenizer.get_vocab() != student_tokenizer.get_vocab():
+        teacher.close()
+        raise ConfigError(f"train.distill.teacher='vllm:{name}' has another tokenizer than the student")
+    return teacher
 
 
 def no_credit(trees: Sequence[RolloutTree]) -> list[tuple[Episode, list[float]]]:
@@ -282,12 +302,17 @@ class Distiller:
     """Holds the teacher; ``apply`` adds the distillation advantages to a scored batch."""
 
     def __init__(self, cfg: DistillConfig, student_tokenizer: Any, device: torch.device,
-                 total_steps: int, student: torch.nn.Module | None = None):
+                 total_steps: int, student: torch.nn.Module | None = None, max_len: int = 4096,
+                 vllm_teacher: Any = None):
         self.cfg = cfg
         self.total_steps = total_steps
         self.tokenizer = student_tokenizer
         self.teacher: torch.nn.Module | None
-        if cfg.teacher == "self":
+        self.vllm_teacher = None  # a VLLMPolicy that scores through prompt logprobs
+        if cfg.teacher.startswith("vllm:"):
+            self.teacher = None
+            self.vllm_teacher = vllm_teacher or load_vllm_teacher(cfg.teacher[5:], student_tokenizer, max_len)
+        elif cfg.teacher == "self":
             if student is None:
                 raise ConfigError("train.distill.teacher='self' needs the student model")
             self.teacher = student
@@ -328,7 +353,7 @@ class Distiller:
         ``info["privileged"]``); a missing one is an error naming the env key.
         Returns ``distill/*`` stats.
         """
-        if self.teacher is None:
+        if self.teacher is None and self.vllm_teacher is None:
             stats = self._expert_teacher(samples)
             w = distill_weight(self.cfg, step, self.total_steps)
             stats.update({"distill/reverse_kl": add_distill_advantages(samples, w, **self._weights(step)),
@@ -354,9 +379,14 @@ class Distiller:
                                       mask=[0] * len(prefix) + s.mask[cut:], behaviour=[], advantages=[],
                                       versions=[], old=None, ref=None, teacher=None,
                                       old_top=[[-1] * k] * len(prefix) + s.old_top[cut:] if k else None))
-        with torch.no_grad():
-            tokens = score(self.teacher, scored, "teacher", self.cfg.teacher_temperature,
-                           **({"top_k": k, "candidates": "old_top"} if k else {}))
+        if self.vllm_teacher is not None:
+            for t, lps in zip(scored, self.vllm_teacher.score([t.input_ids for t in scored]), strict=True):
+                t.teacher = [lp if m else 0.0 for lp, m in zip(lps, t.mask, strict=True)]
+            tokens = sum(len(t.input_ids) for t in scored)
+        else:
+            with torch.no_grad():
+                tokens = score(self.teacher, scored, "teacher", self.cfg.teacher_temperature,
+                               **({"top_k": k, "candidates": "old_top"} if k else {}))
         if scored is not samples:
             for s, t, (n_prefix, cut) in zip(samples, scored, offsets, strict=True):
                 s.teacher = [0.0] * cut + t.teacher[n_prefix:]  # a dropped BOS is context: logprob 0

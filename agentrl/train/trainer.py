@@ -539,7 +539,8 @@ class Trainer:
         self.distiller = None
         if t.distill is not None:
             from .opd import Distiller
-            self.distiller = Distiller(t.distill, tok, self.device, t.steps, student=self.net)
+            self.distiller = Distiller(t.distill, tok, self.device, t.steps, student=self.net,
+                                       max_len=cfg.rollout.max_context_tokens + 2048)  # + a privileged prefix
             if t.tree_packing and self.distiller.top_k:
                 raise ConfigError("train.tree_packing does not carry top-k distributions yet: use "
                                   "train.distill.signal='reverse_kl' without overlap_threshold, "

@@ -64,7 +64,7 @@ def test_vllm_suite_in_its_venv():
     env.pop("VIRTUAL_ENV", None)
     proc = subprocess.run([str(VLLM_PYTHON), "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider",
                            str(Path(__file__))], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=280)
+                          text=True, timeout=420)
     tail = (proc.stdout + proc.stderr)[-6000:]
     print(tail)
     assert proc.returncode == 0, tail
@@ -319,3 +319,34 @@ def test_engine_branches_on_vllm_are_token_exact(policy, tokenizer):
     assert len(trees[0].leaves()) == 6
     assert any(n.partial for n in trees[0].nodes.values())
     assert assert_token_exact(trees, rec) > 0
+
+
+def test_score_gives_each_prompt_token_its_logprob_as_the_trainer_does(policy, hf_model, prompts):
+    from agentrl.train.logprobs import token_logprobs
+
+    for p, got in zip(prompts, policy.score(prompts), strict=True):
+        with torch.no_grad():
+            want, _ = token_logprobs(hf_model, torch.tensor([p]))
+        assert len(got) == len(p) and got[0] == 0.0
+        assert torch.allclose(torch.tensor(got), want[0], atol=ATOL)
+    with pytest.raises(PolicyError, match="at least 2 tokens"):
+        policy.score([[5]])
+
+
+def test_a_vllm_teacher_scores_the_students_action_tokens(policy, hf_model, tokenizer, prompts):
+    from agentrl.train.logprobs import token_logprobs
+    from agentrl.train.opd import DistillConfig, Distiller
+    from agentrl.train.trainer import Sample
+
+    ids = prompts[2]
+    mask = [0] * (len(ids) - 4) + [1] * 4
+    old = [-3.0 if m else 0.0 for m in mask]
+    sample = Sample(list(ids), mask, [0.0] * len(ids), [0.0] * len(ids), [0] * len(ids), old=old)
+    distiller = Distiller(DistillConfig(teacher="vllm:served-by-the-fixture"), tokenizer, torch.device("cpu"), 1,
+                          vllm_teacher=policy)
+    stats = distiller.apply([sample], 0, score=None)
+    with torch.no_grad():
+        want = token_logprobs(hf_model, torch.tensor([ids]))[0][0] * torch.tensor(mask)
+    assert torch.allclose(torch.tensor(sample.teacher), want, atol=ATOL)
+    assert torch.allclose(torch.tensor(sample.advantages), (want + 3.0) * torch.tensor(mask), atol=ATOL)
+    assert stats["distill/teacher_tokens"] == len(ids)

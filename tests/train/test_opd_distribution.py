@@ -139,3 +139,10 @@ def test_a_privileged_self_teacher_with_a_top_k_signal_and_the_overlap_stop(tmp_
     _, stats = first_step(tr)
     assert stats["loss/distill_jsd"] > 0  # the secret changes the teacher's distribution
     assert 0 < stats["distill/overlap_mean"] <= 1 and stats["train/optimizer_steps"] == 1
+
+
+def test_a_vllm_teacher_takes_only_the_sampled_token_signal():
+    assert DistillConfig(teacher="vllm:smollm2-135m").teacher == "vllm:smollm2-135m"
+    for bad in ({"signal": "lsm"}, {"overlap_threshold": 0.5}, {"teacher_temperature": 0.5}):
+        with pytest.raises(ValueError, match="vllm"):
+            DistillConfig(teacher="vllm:smollm2-135m", **bad)
