@@ -27,6 +27,7 @@ leading shape of their inputs.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ import torch
 __all__ = [
     "OverlapStop",
     "combine_rl_and_distill",
+    "depth_budget",
     "expert_one_hot_teacher",
     "forward_kl",
     "informative_token_mask",
@@ -236,6 +238,28 @@ def overlap_stop(student_topk_ids: torch.Tensor, teacher_topk_ids: torch.Tensor,
     if squeeze:
         return OverlapStop(index[0], weights[0], overlap[0], saved)
     return OverlapStop(index, weights, overlap, saved)
+
+
+def depth_budget(turn_mass: Sequence[float], coverage: float, min_turns: int = 1) -> int:
+    """TurnOPD's rollout-depth budget: the fewest turns whose divergence holds ``coverage`` of the total.
+
+    ``turn_mass[k]`` is the teacher-student divergence summed over turn k+1's
+    action tokens across the batch (so it shrinks both where the student already
+    agrees with the teacher and where few episodes get that deep). Turns past
+    the budget teach little per token generated, so the next rollouts stop
+    there. At least ``min_turns``; all turns when there is no mass at all.
+    """
+    if not 0.0 < coverage <= 1.0:
+        raise ValueError(f"coverage must be in (0, 1], got {coverage}")
+    total = float(sum(turn_mass))
+    if total <= 0.0:
+        return max(len(turn_mass), min_turns)
+    running = 0.0
+    for k, mass in enumerate(turn_mass, start=1):
+        running += float(mass)
+        if running >= coverage * total - 1e-12:
+            return max(k, min_turns)
+    return max(len(turn_mass), min_turns)
 
 
 def step_divergence_weights(per_turn_divergence: torch.Tensor | list[float], alpha: float = 1.0

@@ -94,6 +94,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..errors import ConfigError
 from ..types import Episode, RolloutTree
 from .distill import (
+    depth_budget,
     expert_one_hot_teacher,
     forward_kl,
     informative_token_mask,
@@ -128,6 +129,11 @@ class DistillConfig(BaseModel):
     turn_balance: bool = Field(False, description="TurnOPD: move the distillation weights from "
                                "token-balanced (step 0) to turn-balanced (last step), so every turn "
                                "counts the same however many tokens it took.")
+    depth_coverage: float | None = Field(None, gt=0.0, le=1.0, description="TurnOPD's depth budget: "
+                                         "each step's rollout.max_turns becomes the fewest turns that hold "
+                                         "this share of the per-turn teacher-student divergence (summed "
+                                         "over the batch, exponentially averaged over steps); null: off.")
+    depth_min_turns: int = Field(1, ge=1, description="The depth budget never goes below this.")
     sod_alpha: float | None = Field(None, ge=0.0, description="SOD: scale each turn's distillation "
                                     "signal by exp(-alpha * d), d its mean |log p_s - log p_t|; null: off.")
     tip: bool = Field(False, description="TIP: train only on informative action tokens (high student "
@@ -321,6 +327,8 @@ class Distiller:
         else:
             self.teacher = load_teacher(cfg.teacher, student_tokenizer, device)
         self._prefixes: dict[str, list[int]] = {}
+        self.turn_mass: list[float] = []  # per turn depth: divergence mass, averaged over steps (TurnOPD)
+        self.depth_budget: int | None = None  # the next rollouts' max_turns, once there is a statistic
         self.distribution = cfg.signal != "reverse_kl"  # a loss term on a top-k support, not an advantage
         # Candidate ids a token both models report: the support, and the overlap stop's top-k.
         self.top_k = cfg.top_k if self.distribution or cfg.overlap_threshold is not None else 0
@@ -345,6 +353,30 @@ class Distiller:
 
     def apply(self, samples: list[Any], step: int, score: ScoreFn,
               privileged: Sequence[str | None] | None = None) -> dict[str, float]:
+        """Teacher-score ``samples``, add the signal (``_apply``), then update the depth budget."""
+        stats = self._apply(samples, step, score, privileged)
+        if self.cfg.depth_coverage is not None:
+            stats.update(self._update_depth(samples))
+        return stats
+
+    def _update_depth(self, samples: list[Any]) -> dict[str, float]:
+        """Fold this batch's per-turn divergence into ``turn_mass`` (half old, half new) and re-budget."""
+        mass: list[float] = []
+        for s in samples:
+            for k, (a, b) in enumerate(s.turn_spans or []):
+                gap = sum(abs(x - y) * m for x, y, m in zip(s.old[a:b], s.teacher[a:b], s.mask[a:b], strict=True))
+                mass += [0.0] * (k + 1 - len(mass))
+                mass[k] += gap
+        n = len(self.turn_mass)
+        self.turn_mass += [0.0] * (len(mass) - n)
+        for k, m in enumerate(mass):  # an exponential average over the steps that reached turn k+1
+            self.turn_mass[k] = 0.5 * (self.turn_mass[k] + m) if k < n else m
+        assert self.cfg.depth_coverage is not None
+        self.depth_budget = depth_budget(self.turn_mass, self.cfg.depth_coverage, self.cfg.depth_min_turns)
+        return {"distill/depth_budget": self.depth_budget}
+
+    def _apply(self, samples: list[Any], step: int, score: ScoreFn,
+               privileged: Sequence[str | None] | None = None) -> dict[str, float]:
         """Teacher-score ``samples`` (their ``old`` must be filled), then add the weighted signal.
 
         ``score(model, samples, attr, temperature)`` fills ``sample.<attr>`` for

@@ -16,7 +16,7 @@ from agentrl.train.opd import (
     document_bos,
     overlap_weights,
 )
-from agentrl.train.trainer import Sample, Trainer
+from agentrl.train.trainer import Sample, Trainer, _Bars
 from tests.train.test_opd_training import GUESS, distill_trainer, first_step
 
 
@@ -146,3 +146,26 @@ def test_a_vllm_teacher_takes_only_the_sampled_token_signal():
     for bad in ({"signal": "lsm"}, {"overlap_threshold": 0.5}, {"teacher_temperature": 0.5}):
         with pytest.raises(ValueError, match="vllm"):
             DistillConfig(teacher="vllm:smollm2-135m", **bad)
+
+
+def test_the_depth_budget_keeps_the_turns_that_hold_the_divergence():
+    from agentrl.train.distill import depth_budget
+
+    assert depth_budget([5.0, 3.0, 1.0, 1.0], coverage=0.8) == 2  # 5 + 3 = 8 of 10
+    assert depth_budget([5.0, 3.0, 1.0, 1.0], coverage=0.81) == 3
+    assert depth_budget([5.0, 3.0, 1.0, 1.0], coverage=1.0) == 4
+    assert depth_budget([5.0, 3.0], coverage=0.1, min_turns=2) == 2
+    assert depth_budget([0.0, 0.0, 0.0], coverage=0.5) == 3  # nothing measured yet: no cut
+    with pytest.raises(ValueError, match="coverage"):
+        depth_budget([1.0], coverage=0.0)
+
+
+def test_the_depth_budget_caps_the_next_steps_rollouts(tmp_path):
+    tr = distill_trainer(tmp_path, "{teacher: tiny-random, depth_coverage: 0.3}", steps=2)
+    tr.net.model.layers[0].mlp.down_proj.weight.data.mul_(3.0)  # the student drifts from its own copy
+    _, stats = first_step(tr)
+    budget = stats["distill/depth_budget"]
+    assert budget == tr.distiller.depth_budget and 1 <= budget < 3
+    assert len(tr.distiller.turn_mass) >= 2 and tr.distiller.turn_mass[0] > 0
+    trees, _ = tr.rollout(1, _Bars(tr.console, False))
+    assert max(len(ep.nodes) for t in trees for ep in t.episodes()) <= budget
