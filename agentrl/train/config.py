@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..config import Config, load_config
 from .loss import PolicyLossConfig
 from .opd import DistillConfig
+from .value import ValueHeadConfig
 
 __all__ = ["LoraConfig", "SFTConfig", "TrainConfig", "TrainRunConfig", "load_train_config"]
 
@@ -57,6 +58,8 @@ class TrainConfig(_Strict):
                         "none: no RL advantage (distillation only, needs distill).")
     credit_options: dict[str, Any] = Field(default_factory=dict,
                                            description="Keyword options of that method.")
+    value_head: ValueHeadConfig | None = Field(None, description="credit: gae: a turn-level value "
+                                               "head V(s) for GAE (agentrl.train.value); null: V = 0.")
     loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig,
                                    description="PPO-clip, TIS, staleness, M2PO, KL and entropy "
                                    "(agentrl.train.loss.PolicyLossConfig).")
@@ -119,6 +122,10 @@ class TrainConfig(_Strict):
             raise ValueError("task_seeds: give at least one seed, or null")
         if self.harness is not None and not self.harness.strip():
             raise ValueError("harness: give the command that runs one episode, or null")
+        if self.value_head is not None and self.credit != "gae":
+            raise ValueError(f"value_head is read by credit: 'gae' only, not {self.credit!r}")
+        if "value_fn" in self.credit_options:
+            raise ValueError("credit_options.value_fn cannot come from a config: set value_head")
         if self.credit == "none" and self.distill is None:
             raise ValueError("credit: 'none' leaves nothing to learn from; set distill, or a "
                              "credit method")

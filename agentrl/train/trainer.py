@@ -536,6 +536,11 @@ class Trainer:
             from .tree_pack import check_tree_packing, score_samples_tree, tree_minibatch
             check_tree_packing(t.loss)
             self.score, self.minibatch = score_samples_tree, tree_minibatch
+        self.value_head = None  # credit: gae's V(s), a probe on the policy's features (value.py)
+        if t.value_head is not None:
+            from .value import ValueHead
+            text = self.net.config.get_text_config() if hasattr(self.net.config, "get_text_config") else self.net.config
+            self.value_head = ValueHead(text.hidden_size, t.value_head)
         self.distiller = None
         if t.distill is not None:
             from .opd import Distiller
@@ -577,6 +582,8 @@ class Trainer:
     def save(self, export_hf: bool = False) -> Path:
         state = {"version": self.policy.version, "sft_done": self.sft_done, "phases": self.phases,
                  "config": self.cfg.model_dump(mode="json")}
+        if self.value_head is not None:
+            state["value_head"] = self.value_head.state()
         return save_checkpoint(self.out, self.step, self.model, self.optimizer, self.scheduler, state,
                                export_hf=export_hf, tokenizer=self.policy.tokenizer,
                                keep=self.cfg.train.keep_checkpoints)
@@ -597,6 +604,8 @@ class Trainer:
         self.step = ck.step
         self.sft_done = bool(ck.state.get("sft_done", False))
         self.phases = dict(ck.state.get("phases", {}))
+        if self.value_head is not None and "value_head" in ck.state:
+            self.value_head.load(ck.state["value_head"])
         sync_policy(self.policy, self.model)  # drop keys and values of the weights before loading
         self.policy.version = int(ck.state.get("version", self.policy.version))
         return True
@@ -663,7 +672,21 @@ class Trainer:
             items = no_credit(trees)
         else:
             options = {"failed": self.cfg.rollout.failed_episodes, **t.credit_options}
+            feats: dict[tuple[int, ...], tuple[torch.Tensor, Episode]] = {}
+            if self.value_head is not None:
+                from .value import turn_features
+
+                def value_fn(ep: Episode) -> list[float]:
+                    key = tuple(id(n) for n in ep.nodes)
+                    if key not in feats:
+                        feats[key] = (turn_features(self.net, ep), ep)
+                    return self.value_head(feats[key][0]).tolist()
+
+                options["value_fn"] = value_fn
             items = assign(trees, t.credit, **options)
+            if self.value_head is not None and feats:  # refit V on this batch, after it was used
+                stats.update(self.value_head.fit([f for f, _ in feats.values()], [e for _, e in feats.values()],
+                                                 t.credit_options.get("gamma", 1.0), t.credit_options.get("lam", 1.0)))
         skip = (t.skip_zero_advantage and t.loss.kl_coef == 0 and t.loss.entropy_coef == 0
                 and self.distiller is None)
         samples = samples_from_credit(items, skip_zero_advantage=skip)

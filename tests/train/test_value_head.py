@@ -1,0 +1,64 @@
+"""The turn-level value head for GAE: ridge fits by hand, and the loop uses, refits and checkpoints it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentrl.train.config import TrainConfig, load_train_config
+from agentrl.train.trainer import Trainer, _Bars
+from agentrl.train.value import ValueHead, ValueHeadConfig, ridge_fit
+from agentrl.types import Episode, Node
+from tests.train.test_opd_training import GUESS
+
+
+def test_ridge_fit_solves_least_squares_with_an_unpenalised_bias():
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    w = ridge_fit(x, torch.tensor([1.0, 2.0, 3.0]), l2=0.0)
+    assert w.tolist() == pytest.approx([1.0, 2.0, 0.0], abs=1e-5)
+    # A huge penalty shrinks the weights to 0; the bias becomes the mean target.
+    w = ridge_fit(x, torch.tensor([1.0, 2.0, 3.0]), l2=1e9)
+    assert w[:2].abs().max() < 1e-6 and float(w[2]) == pytest.approx(2.0, abs=1e-5)
+
+
+def test_the_head_fits_lambda_returns_by_hand():
+    ep = Episode.from_path([Node(context_ids=[1, 2], action_ids=[3], reward=0.0),
+                            Node(context_ids=[4], action_ids=[5], reward=1.0, terminated=True)])
+    head = ValueHead(1, ValueHeadConfig(l2=0.0, mix=1.0))
+    features = [torch.tensor([[1.0], [0.0]])]  # turn 1's state, turn 2's state
+    stats = head.fit(features, [ep], gamma=0.5, lam=1.0)
+    # V = 0 before: targets are the returns [0.5, 1]; w . [h, 1]: -0.5 * 1 + 1 = 0.5, 0 + 1 = 1.
+    assert head.w.tolist() == pytest.approx([-0.5, 1.0], abs=1e-5)
+    assert stats["value/mse_before"] == pytest.approx((0.25 + 1.0) / 2)
+    assert stats["value/mse_after"] == pytest.approx(0.0, abs=1e-9) and stats["value/explained_var"] == pytest.approx(1.0)
+    half = ValueHead(1, ValueHeadConfig(l2=0.0, mix=0.5))
+    half.fit(features, [ep], gamma=0.5, lam=1.0)
+    assert half.w.tolist() == pytest.approx([-0.25, 0.5], abs=1e-5)  # half way from 0
+
+
+def test_value_head_needs_gae():
+    with pytest.raises(ValueError, match="value_head is read by credit: 'gae' only"):
+        TrainConfig(credit="grpo", value_head={})
+    assert TrainConfig(credit="gae", value_head={"mix": 0.3}).value_head.mix == 0.3
+
+
+def test_gae_with_the_head_trains_refits_and_resumes(tmp_path):
+    torch.set_num_threads(1)
+    cfg = load_train_config(None, GUESS + [
+        "rollout.group_size=4", "train.tasks_per_step=2", "train.steps=2", "train.minibatch_size=8",
+        "train.credit=gae", "train.credit_options={gamma: 0.9, lam: 0.95}", "train.value_head={mix: 1.0}",
+        f"train.out_dir={tmp_path}"])
+    tr = Trainer(cfg, progress=False)
+    bars = _Bars(tr.console, False)
+    trees, _ = tr.rollout(0, bars)
+    for ep in trees[0].episodes():  # the untrained model wins nothing: give one group some reward
+        ep.nodes[-1].reward = 1.0
+        break
+    stats = tr.learn(trees, 0, bars)
+    turns = sum(ep.num_turns for t in trees for ep in t.episodes())
+    assert stats["value/turns"] == turns and tr.value_head.w.abs().sum() > 0
+    assert stats["value/mse_after"] <= stats["value/mse_before"]  # a least-squares fit of the same targets
+    tr.step = 1
+    tr.save()
+    again = Trainer(cfg, progress=False)
+    assert again.resume() and torch.equal(again.value_head.w, tr.value_head.w)
