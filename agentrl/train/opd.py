@@ -359,6 +359,12 @@ class Distiller:
             stats.update(self._update_depth(samples))
         return stats
 
+    def restore_depth(self, turn_mass: list[float]) -> None:
+        """The per-turn statistics of a checkpoint, and the budget they give."""
+        self.turn_mass = [float(x) for x in turn_mass]
+        if self.cfg.depth_coverage is not None:
+            self.depth_budget = depth_budget(self.turn_mass, self.cfg.depth_coverage, self.cfg.depth_min_turns)
+
     def _update_depth(self, samples: list[Any]) -> dict[str, float]:
         """Fold this batch's per-turn divergence into ``turn_mass`` (half old, half new) and re-budget."""
         mass: list[float] = []

@@ -584,6 +584,8 @@ class Trainer:
                  "config": self.cfg.model_dump(mode="json")}
         if self.value_head is not None:
             state["value_head"] = self.value_head.state()
+        if self.distiller is not None and self.distiller.turn_mass:  # TurnOPD's depth statistics
+            state["distill_turn_mass"] = self.distiller.turn_mass
         return save_checkpoint(self.out, self.step, self.model, self.optimizer, self.scheduler, state,
                                export_hf=export_hf, tokenizer=self.policy.tokenizer,
                                keep=self.cfg.train.keep_checkpoints)
@@ -606,6 +608,8 @@ class Trainer:
         self.phases = dict(ck.state.get("phases", {}))
         if self.value_head is not None and "value_head" in ck.state:
             self.value_head.load(ck.state["value_head"])
+        if self.distiller is not None and ck.state.get("distill_turn_mass"):
+            self.distiller.restore_depth(ck.state["distill_turn_mass"])
         sync_policy(self.policy, self.model)  # drop keys and values of the weights before loading
         self.policy.version = int(ck.state.get("version", self.policy.version))
         return True

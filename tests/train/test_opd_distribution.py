@@ -169,3 +169,8 @@ def test_the_depth_budget_caps_the_next_steps_rollouts(tmp_path):
     assert len(tr.distiller.turn_mass) >= 2 and tr.distiller.turn_mass[0] > 0
     trees, _ = tr.rollout(1, _Bars(tr.console, False))
     assert max(len(ep.nodes) for t in trees for ep in t.episodes()) <= budget
+    tr.step = 1
+    tr.save()
+    again = distill_trainer(tmp_path, "{teacher: tiny-random, depth_coverage: 0.3}", steps=2)
+    assert again.resume() and again.distiller.depth_budget == budget  # the statistics are checkpointed
+    assert again.distiller.turn_mass == pytest.approx(tr.distiller.turn_mass)
