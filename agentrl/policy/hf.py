@@ -233,6 +233,8 @@ class HFPolicy:
         lcp = [[min(_common_prefix(a, b), len(a) - 1, len(b) - 1) for b in ids] for a in ids]
         layers, heads, head_dim = kv_shape(self.model.config)
         token_bytes = 2 * layers * heads * head_dim * self.model.dtype.itemsize
+        room = self.prefix_cache.max_bytes  # every prefix shared in this batch must fit at once
+        done: set[tuple[int, int]] = set()  # (first row, length): each prefix is prefilled once
         while True:
             now = [len(p) - m for p, (_, m) in zip(prompts, matches, strict=True)]
             base, tried = self._prefill_cost(now), set()
@@ -240,7 +242,7 @@ class HFPolicy:
             for i in rows_all:
                 for n in {lcp[i][j] for j in rows_all if j != i}:
                     rows = [r for r in rows_all if lcp[i][r] >= n and matches[r][1] < n]
-                    if len(rows) < 2 or (rows[0], n) in tried or n * token_bytes > self.prefix_cache.max_bytes:
+                    if len(rows) < 2 or (rows[0], n) in tried or (rows[0], n) in done or n * token_bytes > room:
                         continue
                     tried.add((rows[0], n))
                     after = [len(prompts[r]) - n if r in rows else now[r] for r in rows_all]
@@ -250,6 +252,8 @@ class HFPolicy:
             if best is None:
                 return shared
             _, rows, n = best
+            done.add((rows[0], n))
+            room -= n * token_bytes  # else a second prefix could evict the first, which would come back
             first = min(rows, key=lambda r: matches[r][1])
             self._prefill_into_cache(prompts[first][:n], matches[first])
             shared.append((rows, n - matches[first][1]))

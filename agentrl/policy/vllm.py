@@ -306,9 +306,10 @@ class VLLMPolicy:
         if job.future.cancelled():
             return
         try:
-            params = _vllm_params(job.request.params, job.logprobs)
-            if job.score:
-                params.prompt_logprobs, params.logprobs = 0, None
+            # A scoring request must say so when its params are built: vLLM decides there
+            # whether it may read the prefix cache, which prompt logprobs cannot.
+            params = _vllm_params(job.request.params, None if job.score else job.logprobs,
+                                  prompt_logprobs=0 if job.score else None)
             self._engine.add_request(job.request_id, TokensPrompt(prompt_token_ids=job.request.prompt_ids),
                                      params)
         except Exception as e:  # a bad request (e.g. a token id outside the vocabulary) fails alone
@@ -383,7 +384,7 @@ class VLLMPolicy:
                               cached_tokens=out.num_cached_tokens or 0)
 
 
-def _vllm_params(p: SamplingParams, logprobs: int) -> Any:
+def _vllm_params(p: SamplingParams, logprobs: int | None, prompt_logprobs: int | None = None) -> Any:
     """vLLM ``SamplingParams`` for ours: top_k 0 means off in both; final output only."""
     from vllm.sampling_params import RequestOutputKind
     from vllm.sampling_params import SamplingParams as VSamplingParams
@@ -391,7 +392,8 @@ def _vllm_params(p: SamplingParams, logprobs: int) -> Any:
     return VSamplingParams(
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_new_tokens,
         stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None, seed=p.seed,
-        logprobs=logprobs, skip_special_tokens=False,  # stop strings see special tokens, as in hf
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=False,  # stop strings see special tokens, as in hf
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
 

@@ -177,7 +177,7 @@ class DistillConfig(BaseModel):
 
     @model_validator(mode="after")
     def _self_needs_privileged(self) -> DistillConfig:
-        if "privileged_source" in self.model_fields_set and not self.privileged:
+        if self.privileged_source != "env" and not self.privileged:
             raise ValueError("train.distill.privileged_source needs train.distill.privileged=true")
         if self.teacher == "self" and not self.privileged:
             raise ValueError("train.distill.teacher='self' needs train.distill.privileged=true: "
@@ -189,7 +189,8 @@ class DistillConfig(BaseModel):
         unused = [k for k, ok in (("top_k", top_k_used), ("mask_special", self.signal != "reverse_kl"),
                                   ("jsd_beta", self.signal == "jsd"),
                                   ("overlap_after_weight", self.overlap_threshold is not None))
-                  if k in self.model_fields_set and not ok]
+                  if getattr(self, k) != type(self).model_fields[k].default and not ok]  # a saved config's
+                  # defaults, written out, still load
         if unused:
             raise ValueError(f"train.distill.{unused[0]} does nothing with signal={self.signal!r} and "
                              f"overlap_threshold={self.overlap_threshold}")
@@ -268,21 +269,35 @@ def privileged_prefix(tokenizer: Any, text: str) -> list[int]:
         return tokenizer(msg[0]["content"] + "\n\n", add_special_tokens=False)["input_ids"]
 
 
-def hindsight_summary(tree: RolloutTree, tokenizer: Any) -> str:
+def hindsight_summary(tree: RolloutTree, tokenizer: Any, max_tokens: int = 1024) -> str:
     """Privileged text from a group's own rollouts of one task (SD-Search / OPSD-style hindsight).
 
     The group's best episode (highest return; the first on ties) as its
-    decoded actions, with its return and how many attempts it was picked from.
-    Written after the group ran, so the teacher knows what worked on *this* task
-    and scores each of the group's turns in that light.
+    decoded actions (cut after about ``max_tokens``), with its return and how
+    many attempts it was picked from. Written after the group ran, so the
+    teacher knows what worked on *this* task and scores each of the group's
+    turns in that light. When every attempt got the same return there is no
+    best one to point at, and the text says only that.
     """
     episodes = [ep for ep in tree.episodes() if not ep.error and ep.nodes]
     if not episodes:
         return "Hindsight: no attempt at this task ran without an error."
+    returns = [ep.total_reward for ep in episodes]
+    if len(episodes) < 2 or max(returns) == min(returns):  # no better attempt to point at
+        return (f"Hindsight from {len(episodes)} attempt(s) at this task: all got return {returns[0]:g}; "
+                "none did better.")
     best = max(episodes, key=lambda ep: ep.total_reward)
-    actions = [tokenizer.decode(n.action_ids, skip_special_tokens=True).strip() for n in best.nodes]
-    return (f"Hindsight from {len(episodes)} attempts at this task. The best one (return "
-            f"{best.total_reward:g}) took these actions: " + "; ".join(actions))
+    head = (f"Hindsight from {len(episodes)} attempts at this task. The best one (return "
+            f"{best.total_reward:g}) took these actions: ")
+    actions, used = [], len(tokenizer(head, add_special_tokens=False)["input_ids"])
+    for n in best.nodes:  # at most max_tokens: the teacher's context has room for so much
+        text = tokenizer.decode(n.action_ids, skip_special_tokens=True).strip()
+        used += len(n.action_ids) + 1
+        if used > max_tokens:
+            actions.append("...")
+            break
+        actions.append(text)
+    return head + "; ".join(actions)
 
 
 def document_bos(tokenizer: Any) -> int | None:
@@ -409,7 +424,11 @@ class Distiller:
                                   "at reset for some episodes")
             scored, offsets, bos = [], [], self._bos
             for s, text in zip(samples, privileged, strict=True):
-                prefix = self._prefixes.setdefault(text, privileged_prefix(self.tokenizer, text))
+                if text not in self._prefixes:
+                    if len(self._prefixes) >= 4096:  # hindsight texts are new each step: keep the memo bounded
+                        self._prefixes.clear()
+                    self._prefixes[text] = privileged_prefix(self.tokenizer, text)
+                prefix = self._prefixes[text]
                 # A prefix that opens with a document BOS replaces the student's own (one BOS a sequence).
                 cut = int(bos is not None and prefix[:1] == [bos] and s.input_ids[:1] == [bos])
                 offsets.append((len(prefix), cut))

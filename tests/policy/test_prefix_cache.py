@@ -283,3 +283,21 @@ def test_sharing_is_skipped_when_the_prefill_groups_rerun_the_prefix_anyway(toke
     policy.generate(reqs)
     assert ran == [3 * 41, 1]
     assert policy.prefix_cache.stats.prefilled_tokens == 41 + 41 + 30  # the third row's pad is not a token
+
+
+def test_two_shared_prefixes_that_do_not_fit_together_are_not_swapped_forever(tokenizer, tiny_model):
+    """Each 40-token stem fits the 45-token budget, both do not: once hung, each evicting the other."""
+    from agentrl.policy.kv_slab import kv_shape
+
+    layers, heads, dim = kv_shape(tiny_model.config)
+    policy = HFPolicy(tiny_model, tokenizer, prefill_pad_tokens=0)
+    policy.prefix_cache.max_bytes = 45 * 2 * layers * heads * dim * 4
+    ran = _count_prefill(policy)
+    a, b = list(range(100, 140)), list(range(300, 340))
+    reqs = [GenerateRequest(stem + [i], SamplingParams(max_new_tokens=1, seed=i))
+            for i, stem in enumerate([a, a, b, b])]
+    got = policy.generate(reqs)
+    want = HFPolicy(tiny_model, tokenizer, prefix_cache_mb=0).generate(reqs)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert ran[0] == (40 + 1 + 1) + (41 + 41)  # one stem shared, then its rows' last tokens; the other not
+    assert policy.prefix_cache.stats.prefilled_tokens == ran[0]

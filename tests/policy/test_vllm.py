@@ -331,6 +331,15 @@ def test_score_gives_each_prompt_token_its_logprob_as_the_trainer_does(policy, h
         assert torch.allclose(torch.tensor(got), want[0], atol=ATOL)
     with pytest.raises(PolicyError, match="at least 2 tokens"):
         policy.score([[5]])
+    # Prompts longer than a cache block that share a prefix, twice: scoring must not read
+    # the prefix cache (vLLM's prompt logprobs cannot), or the engine dies.
+    stem = list(range(100, 400))
+    long = [stem + [500 + i, 600 + i] for i in range(4)]
+    first, again = policy.score(long), policy.score(long)
+    with torch.no_grad():
+        want, _ = token_logprobs(hf_model, torch.tensor(long))
+    assert torch.allclose(torch.tensor(first), want, atol=ATOL)
+    assert torch.allclose(torch.tensor(again), want, atol=ATOL)
 
 
 def test_a_vllm_teacher_scores_the_students_action_tokens(policy, hf_model, tokenizer, prompts):

@@ -106,6 +106,11 @@ def test_options_that_would_do_nothing_are_refused():
         with pytest.raises(ValueError, match="train.distill"):
             DistillConfig(teacher="x", **bad)
     assert DistillConfig(teacher="x", signal="jsd", jsd_beta=0.3, top_k=4).top_k == 4
+    # A saved config writes every default out; it must load back.
+    for cfg in (DistillConfig(teacher="x"), DistillConfig(teacher="x", signal="jsd", jsd_beta=0.3)):
+        assert DistillConfig(**cfg.model_dump()) == cfg
+    full = load_train_config(None, GUESS + ["train.distill={teacher: tiny-random, signal: lsm}"])
+    assert type(full).model_validate(full.model_dump(mode="json")) == full
     assert DistillConfig(teacher="x", overlap_threshold=0.5, overlap_after_weight=0.5, top_k=4).top_k == 4
 
 

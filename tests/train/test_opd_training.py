@@ -434,6 +434,12 @@ def test_hindsight_summary_names_the_groups_best_episode(tokenizer):
     text = hindsight_summary(tree, tokenizer)
     assert text == ("Hindsight from 2 attempts at this task. The best one (return 1) took these "
                     "actions: guess 2; guess 1")
+    head = len(enc(text[:text.index("guess 2")]))
+    room = head + len(enc("guess 2")) + 1  # the first action fits, the second does not
+    assert hindsight_summary(tree, tokenizer, max_tokens=room).endswith("actions: guess 2; ...")
+    tree.nodes[2].reward = 0.0  # both attempts got 0: nothing better to point at
+    assert hindsight_summary(tree, tokenizer) == ("Hindsight from 2 attempt(s) at this task: all got "
+                                                  "return 0; none did better.")
     broken = RolloutTree()
     broken.add(Node(action_ids=enc("guess 2"), error="env crashed"))
     assert "no attempt" in hindsight_summary(broken, tokenizer)
@@ -453,6 +459,6 @@ def test_a_self_teacher_reads_the_groups_hindsight(tmp_path):
     tr.distiller.apply = spy
     trees, stats = first_step(tr)
     assert len(seen) == sum(1 for t in trees for _ in t.episodes())
-    assert all(p.startswith("Hindsight from 4 attempts at this task.") for p in seen)
+    assert all(p.startswith("Hindsight from 4 attempt") for p in seen)
     assert len(set(seen)) <= len(trees)  # one summary per task's group
     assert stats["distill/teacher_tokens"] > sum(len(ep.input_ids) for t in trees for ep in t.episodes())
