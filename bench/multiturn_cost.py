@@ -111,8 +111,9 @@ def run(model, tok, args, reuse: bool, turns: int, vllm: bool = False) -> tuple[
         "prefilled_tokens": counts["prefilled_tokens"], "reused_tokens": counts["reused_tokens"],
         "generated_tokens": counts["generated_tokens"], "sum_of_deltas": deltas,
         "sum_of_contexts": policy.context_tokens,
-        # Tokens prefilled beyond the deltas: cached tokens re-run so that rows of a
-        # prefill group line up (HFPolicy.prefill_pad_tokens bounds them per row).
+        # Tokens prefilled beyond the deltas, net: cached tokens re-run so that rows of a
+        # prefill group line up (HFPolicy.prefill_pad_tokens bounds them per row), less
+        # the openings that rows of one batch share and prefill once.
         "rerun_tokens": counts["prefilled_tokens"] - deltas if reuse and not vllm else 0,
         "turn2_s": round(policy.turn_s[1], 3) if len(policy.turn_s) > 1 else None,
         "last_turn_s": round(policy.turn_s[-1], 3), "last_turn": len(policy.turn_s),

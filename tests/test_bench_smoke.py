@@ -28,7 +28,8 @@ def test_multiturn_cost_reuse_prefills_less_and_samples_the_same(tmp_path):
     reuse, full = result["rows"]
     assert (reuse["config"], full["config"]) == ("hf+reuse", "hf")
     assert full["prefilled_tokens"] == full["sum_of_contexts"] and full["reused_tokens"] == 0
-    assert reuse["sum_of_deltas"] <= reuse["prefilled_tokens"] < full["prefilled_tokens"]
+    # Below the sum of the deltas when rows of a batch share an opening (prefilled once).
+    assert reuse["prefilled_tokens"] < full["prefilled_tokens"]
     assert reuse["prefilled_tokens"] + reuse["reused_tokens"] == reuse["sum_of_contexts"]
     assert reuse["cache"]["hits"] > 0
     assert result["first_turn_where_samples_differ"] is None

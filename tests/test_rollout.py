@@ -230,6 +230,7 @@ def test_counters_add_up_to_the_context(tokenizer, tiny_model):
     policy = HFPolicy(tiny_model, tokenizer)
     policy.eos_ids = {-1}
     trees = run_episodes("agentrl/GuessNumber-v0", policy, cfg)
+    deltas = 0
     for t in trees:
         c = t.meta["counters"]
         nodes = list(t.nodes.values())
@@ -237,7 +238,14 @@ def test_counters_add_up_to_the_context(tokenizer, tiny_model):
         assert c["generated_tokens"] == sum(len(n.action_ids) for n in nodes)
         # Each turn prefills what is new since the cached prefix: the context tokens
         # plus the previous action's last token, which was sampled but never fed back.
-        assert c["prefilled_tokens"] == sum(len(n.context_ids) for n in nodes) + len(nodes) - 1
+        deltas += sum(len(n.context_ids) for n in nodes) + len(nodes) - 1
         assert c["reused_tokens"] > 0
+    # ... except the opening both episodes share, prefilled once in turn 1's batch (short of its
+    # last token, which each row runs for its own logits).
+    a, b = (t.nodes[t.roots[0]].context_ids for t in trees)
+    shared = min(next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a)),
+                 len(a) - 1, len(b) - 1)
+    assert shared > 10
+    assert sum(t.meta["counters"]["prefilled_tokens"] for t in trees) == deltas - shared
     summary = summarize(trees, 1.0)
     assert summary["prefilled_tokens"] == sum(t.meta["counters"]["prefilled_tokens"] for t in trees)
