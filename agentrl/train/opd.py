@@ -173,6 +173,9 @@ class DistillConfig(BaseModel):
                                      "weight_end; null: train.steps.")
     teacher_temperature: float = Field(1.0, gt=0.0, description="Temperature the teacher's "
                                        "logits are divided by when it scores.")
+    teacher_engine: dict[str, Any] = Field(default_factory=dict, description="teacher: vllm:NAME: keyword "
+                                           "options of its engine (VLLMPolicy, then vllm.LLM), e.g. "
+                                           "{gpu_memory_utilization: 0.3} to leave a GPU room for the student.")
 
 
     @model_validator(mode="after")
@@ -185,6 +188,8 @@ class DistillConfig(BaseModel):
         if self.teacher == "expert" and self.tip:
             raise ValueError("train.distill.tip needs a model teacher: a one-hot expert gives no "
                              "teacher-student gap to select tokens by")
+        if self.teacher_engine and not self.teacher.startswith("vllm:"):
+            raise ValueError("train.distill.teacher_engine configures a 'vllm:...' teacher's engine only")
         top_k_used = self.signal != "reverse_kl" or self.overlap_threshold is not None
         unused = [k for k, ok in (("top_k", top_k_used), ("mask_special", self.signal != "reverse_kl"),
                                   ("jsd_beta", self.signal == "jsd"),
@@ -231,12 +236,12 @@ def load_teacher(name: str, student_tokenizer: Any, device: torch.device) -> tor
     return model.requires_grad_(False).eval()
 
 
-def load_vllm_teacher(name: str, student_tokenizer: Any, max_len: int) -> Any:
+def load_vllm_teacher(name: str, student_tokenizer: Any, max_len: int, **engine: Any) -> Any:
     """A vLLM engine in this process that scores as the teacher (``teacher: vllm:NAME``)."""
     from ..policy.vllm import VLLMPolicy
 
     try:
-        teacher = VLLMPolicy(name, max_model_len=max_len)
+        teacher = VLLMPolicy(name, **{"max_model_len": max_len, **engine})
     except Exception as e:
         raise ConfigError(f"train.distill.teacher='vllm:{name}': cannot start it ({e})") from e
     if teacher.tokenizer.get_vocab() != student_tokenizer.get_vocab():
@@ -332,7 +337,8 @@ class Distiller:
         self.vllm_teacher = None  # a VLLMPolicy that scores through prompt logprobs
         if cfg.teacher.startswith("vllm:"):
             self.teacher = None
-            self.vllm_teacher = vllm_teacher or load_vllm_teacher(cfg.teacher[5:], student_tokenizer, max_len)
+            self.vllm_teacher = vllm_teacher or load_vllm_teacher(cfg.teacher[5:], student_tokenizer, max_len,
+                                                                  **cfg.teacher_engine)
         elif cfg.teacher == "self":
             if student is None:
                 raise ConfigError("train.distill.teacher='self' needs the student model")

@@ -148,6 +148,10 @@ def test_a_privileged_self_teacher_with_a_top_k_signal_and_the_overlap_stop(tmp_
 
 def test_a_vllm_teacher_takes_only_the_sampled_token_signal():
     assert DistillConfig(teacher="vllm:smollm2-135m").teacher == "vllm:smollm2-135m"
+    engine = {"gpu_memory_utilization": 0.3}
+    assert DistillConfig(teacher="vllm:smollm2-135m", teacher_engine=engine).teacher_engine == engine
+    with pytest.raises(ValueError, match="teacher_engine"):
+        DistillConfig(teacher="tiny-random", teacher_engine=engine)
     for bad in ({"signal": "lsm"}, {"overlap_threshold": 0.5}, {"teacher_temperature": 0.5}):
         with pytest.raises(ValueError, match="vllm"):
             DistillConfig(teacher="vllm:smollm2-135m", **bad)
