@@ -49,6 +49,9 @@ def test_the_support_takes_both_top_ks_once_and_leaves_special_tokens_out():
     ids, lp = build_support(torch.tensor([[5, 3]]), torch.tensor([[-1.0, -2.0]]),
                             torch.tensor([[3, 7]]), torch.tensor([[-0.5, -0.75]]), both=False)
     assert ids.tolist() == [[5, 3]] and lp.tolist() == [[-1.0, -2.0]]
+    ids, _ = build_support(torch.tensor([[5, 3]]), torch.tensor([[-1.0, -2.0]]),
+                           torch.tensor([[3, 7]]), torch.tensor([[-0.5, -0.75]]), both=True, vocab=6)
+    assert ids.tolist() == [[5, 3, -1, -1]]  # 7 is past the student's vocabulary (a bigger teacher head)
 
 
 def test_the_loss_term_by_hand_with_a_left_out_candidate_and_a_masked_token():
