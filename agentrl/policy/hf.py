@@ -234,7 +234,7 @@ class HFPolicy:
         layers, heads, head_dim = kv_shape(self.model.config)
         token_bytes = 2 * layers * heads * head_dim * self.model.dtype.itemsize
         room = self.prefix_cache.max_bytes  # every prefix shared in this batch must fit at once
-        done: set[tuple[int, int]] = set()  # (first row, length): each prefix is prefilled once
+        done: set[tuple[int, int]] = set()  # (first row, length): each prefix runs once, so the loop ends
         while True:
             now = [len(p) - m for p, (_, m) in zip(prompts, matches, strict=True)]
             base, tried = self._prefill_cost(now), set()
@@ -258,8 +258,6 @@ class HFPolicy:
             self._prefill_into_cache(prompts[first][:n], matches[first])
             shared.append((rows, n - matches[first][1]))
             matches[:] = [self._match(p) for p in prompts]
-            if any(matches[r][1] < n for r in rows):  # not kept (evicted at once): stop, or loop forever
-                return shared
 
     @staticmethod
     def _charge_shared(shared: list[tuple[list[int], int]], cached: list[int], order: list[int]) -> int:

@@ -190,6 +190,9 @@ class DistillConfig(BaseModel):
                              "teacher-student gap to select tokens by")
         if self.teacher_engine and not self.teacher.startswith("vllm:"):
             raise ValueError("train.distill.teacher_engine configures a 'vllm:...' teacher's engine only")
+        if "max_model_len" in self.teacher_engine:
+            raise ValueError("train.distill.teacher_engine.max_model_len is set from rollout.max_context_tokens "
+                             "(plus room for a privileged prefix); a shorter one would refuse long episodes")
         top_k_used = self.signal != "reverse_kl" or self.overlap_threshold is not None
         unused = [k for k, ok in (("top_k", top_k_used), ("mask_special", self.signal != "reverse_kl"),
                                   ("jsd_beta", self.signal == "jsd"),
@@ -380,8 +383,8 @@ class Distiller:
             stats.update(self._update_depth(samples))
         return stats
 
-    def restore_depth(self, turn_mass: list[float]) -> None:
-        """The per-turn statistics of a checkpoint, and the budget they give."""
+    def set_turn_mass(self, turn_mass: list[float]) -> None:
+        """Per-turn divergence statistics (from ``_update_depth`` or a checkpoint), and the budget they give."""
         self.turn_mass = [float(x) for x in turn_mass]
         if self.cfg.depth_coverage is not None:
             self.depth_budget = depth_budget(self.turn_mass, self.cfg.depth_coverage, self.cfg.depth_min_turns)
@@ -394,12 +397,10 @@ class Distiller:
                 gap = sum(abs(x - y) * m for x, y, m in zip(s.old[a:b], s.teacher[a:b], s.mask[a:b], strict=True))
                 mass += [0.0] * (k + 1 - len(mass))
                 mass[k] += gap
-        n = len(self.turn_mass)
-        self.turn_mass += [0.0] * (len(mass) - n)
-        for k, m in enumerate(mass):  # an exponential average over the steps that reached turn k+1
-            self.turn_mass[k] = 0.5 * (self.turn_mass[k] + m) if k < n else m
-        assert self.cfg.depth_coverage is not None
-        self.depth_budget = depth_budget(self.turn_mass, self.cfg.depth_coverage, self.cfg.depth_min_turns)
+        old = self.turn_mass
+        # An exponential average over the steps that reached turn k+1.
+        self.set_turn_mass([0.5 * (old[k] + m) if k < len(old) else m for k, m in enumerate(mass)]
+                           + old[len(mass):])
         return {"distill/depth_budget": self.depth_budget}
 
     def _apply(self, samples: list[Any], step: int, score: ScoreFn,
@@ -459,7 +460,11 @@ class Distiller:
                     s.teacher_cand = [[0.0] * k] * cut + t.teacher_cand[n_prefix:]
         stats: dict[str, float] = {}
         # The overlap stop reads every action token, before TIP drops some from the mask.
-        token_w = self._overlap_stop(samples, stats) if self.cfg.overlap_threshold is not None else None
+        token_w = None
+        if self.cfg.overlap_threshold is not None:
+            token_w, overlap_stats = overlap_weights(samples, self.cfg.overlap_threshold,
+                                                     self.cfg.overlap_after_weight)
+            stats.update(overlap_stats)
         if self.cfg.tip:
             stats.update(self._informative_tokens(samples))
         if self.distribution:
@@ -473,12 +478,6 @@ class Distiller:
         kl = add_distill_advantages(samples, w, **self._weights(step), loss_weights=self.distribution,
                                     token_weights=token_w)
         return {**stats, "distill/reverse_kl": kl, "distill/weight": w, "distill/teacher_tokens": tokens}
-
-    def _overlap_stop(self, samples: list[Any], stats: dict[str, float]) -> list[torch.Tensor]:
-        assert self.cfg.overlap_threshold is not None
-        weights, st = overlap_weights(samples, self.cfg.overlap_threshold, self.cfg.overlap_after_weight)
-        stats.update(st)
-        return weights
 
     def _informative_tokens(self, samples: list[Any]) -> dict[str, float]:
         """TIP: drop uninformative action tokens from every sample's loss mask, in place.

@@ -609,7 +609,7 @@ class Trainer:
         if self.value_head is not None and "value_head" in ck.state:
             self.value_head.load(ck.state["value_head"])
         if self.distiller is not None and ck.state.get("distill_turn_mass"):
-            self.distiller.restore_depth(ck.state["distill_turn_mass"])
+            self.distiller.set_turn_mass(ck.state["distill_turn_mass"])
         sync_policy(self.policy, self.model)  # drop keys and values of the weights before loading
         self.policy.version = int(ck.state.get("version", self.policy.version))
         return True
@@ -695,21 +695,16 @@ class Trainer:
                 and self.distiller is None)
         samples = samples_from_credit(items, skip_zero_advantage=skip)
         if self.distiller is not None:  # what the teacher needs of each sample's episode
-            tree_of = {id(n): tree for tree in trees for n in tree.nodes.values()}
             from .opd import hindsight_summary
+            tree_of = {id(n): tree for tree in trees for n in tree.nodes.values()}
             kept = [ep for ep, _ in items if any(ep.loss_mask)]  # samples_from_credit's order (no skip)
-            hindsight: dict[int, str] = {}  # one summary per tree (a task's group)
+            if self.distiller.cfg.privileged_source == "hindsight":  # one text per task's group
+                text = {id(tree): hindsight_summary(tree, self.policy.tokenizer) for tree in trees}
+            else:
+                text = {id(tree): tree.meta.get("privileged") for tree in trees}
             for s, ep in zip(samples, kept, strict=True):
                 s.turn_spans = list(ep.turn_spans)
-                tree = tree_of[id(ep.nodes[0])] if ep.nodes else None
-                if tree is None:
-                    s.privileged = None
-                elif t.distill is not None and t.distill.privileged_source == "hindsight":
-                    if id(tree) not in hindsight:
-                        hindsight[id(tree)] = hindsight_summary(tree, self.policy.tokenizer)
-                    s.privileged = hindsight[id(tree)]
-                else:
-                    s.privileged = tree.meta.get("privileged")
+                s.privileged = text[id(tree_of[id(ep.nodes[0])])] if ep.nodes else None
                 s.expert_turns = [(a, b, n.info.get("expert_action"), n.finish_reason in ("stop", "stop_string"))
                                   for (a, b), n in zip(ep.turn_spans, ep.nodes, strict=True)]
         stats["train/episodes"] = len(samples)

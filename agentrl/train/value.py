@@ -11,7 +11,8 @@ Why a probe refit by ridge regression rather than a critic trained with SGD
 on a shared trunk (PPO's usual head): it needs no optimizer state, so a
 checkpoint holds it as H + 1 numbers and a resumed run continues exactly; it
 adds no backward pass; and with the trunk frozen for it, the value loss cannot
-pull the policy's features. Each step refits ``w`` on the batch's (features,
+pull the policy's features. Its cost is one no-grad forward per episode a
+step: credit comes before the old-logprob pass, so that pass cannot serve it. Each step refits ``w`` on the batch's (features,
 lambda-return) pairs (Hoerl and Kennard 1970, ridge) and moves the weights a
 share ``mix`` of the way there, which averages the fits over recent batches.
 """
@@ -54,9 +55,12 @@ def turn_features(model: Any, episode: Episode) -> torch.Tensor:
     """``[turns, H]``: the final hidden state at the token before each turn's action."""
     positions = [max(start - 1, 0) for start, _ in episode.turn_spans]
     device = next(model.parameters()).device
-    out = model(input_ids=torch.tensor([episode.input_ids], device=device), output_hidden_states=True,
-                logits_to_keep=1, use_cache=False)
-    return out.hidden_states[-1][0, positions].float().cpu()
+    ids = torch.tensor([episode.input_ids], device=device)
+    if hasattr(model, "get_decoder"):  # the decoder alone: no vocabulary head, no per-layer states kept
+        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+    else:
+        hidden = model(input_ids=ids, output_hidden_states=True, logits_to_keep=1, use_cache=False).hidden_states[-1]
+    return hidden[0, positions].float().cpu()
 
 
 class ValueHead:
@@ -71,7 +75,10 @@ class ValueHead:
 
     def fit(self, features: Sequence[torch.Tensor], episodes: Sequence[Episode], gamma: float,
             lam: float) -> dict[str, float]:
-        """Move ``w`` toward the ridge fit of this batch's lambda-returns; stats before and after."""
+        """Move ``w`` toward the ridge fit of this batch's lambda-returns; stats before and after.
+
+        ``value/mse_before`` is the old fit on new data; ``mse_after`` and
+        ``explained_var`` are in-sample (the batch just fitted), so optimistic."""
         x = torch.cat(list(features))
         values = [self(f) for f in features]
         targets = torch.cat([torch.tensor(gae(ep.rewards, v.tolist(), gamma, lam)) + v

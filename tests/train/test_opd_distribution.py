@@ -155,6 +155,8 @@ def test_a_vllm_teacher_takes_only_the_sampled_token_signal():
     assert DistillConfig(teacher="vllm:smollm2-135m", teacher_engine=engine).teacher_engine == engine
     with pytest.raises(ValueError, match="teacher_engine"):
         DistillConfig(teacher="tiny-random", teacher_engine=engine)
+    with pytest.raises(ValueError, match="max_model_len"):
+        DistillConfig(teacher="vllm:smollm2-135m", teacher_engine={"max_model_len": 512})
     for bad in ({"signal": "lsm"}, {"overlap_threshold": 0.5}, {"teacher_temperature": 0.5}):
         with pytest.raises(ValueError, match="vllm"):
             DistillConfig(teacher="vllm:smollm2-135m", **bad)
