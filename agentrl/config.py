@@ -99,6 +99,10 @@ class RolloutConfig(_Strict):
     record_expert_actions: bool = Field(
         False, description="Before each step, ask the env's scripted expert (env.expert_action()) "
         "what it would do and keep it in the turn's info['expert_action'] (for an expert teacher).")
+    record_next_context: bool = Field(
+        False, description="When max_turns cuts an episode that the env did not end, keep the token "
+        "ids the next turn would have read in the last turn's info['next_context_ids'] (a value "
+        "head bootstraps GAE from that state).")
 
 
 class Config(_Strict):

@@ -149,6 +149,19 @@ def _tree_turns(
     raise AssertionError(method)  # batch-level methods are handled by assign_report
 
 
+def _gae(e: Episode, value_fn: Callable[[Episode], Sequence[float]] | None, gamma: float, lam: float) -> Any:
+    """GAE for one episode; ``value_fn`` may give one value more than turns: the bootstrap
+    ``V`` of the state after the last turn, for an episode cut short."""
+    if value_fn is None:
+        return gae(e.rewards, None, gamma, lam)
+    v = list(value_fn(e))
+    if len(v) not in (e.num_turns, e.num_turns + 1):
+        raise ValueError(f"value_fn gave {len(v)} values for an episode of {e.num_turns} turns "
+                         "(one a turn, plus an optional bootstrap)")
+    last = v[e.num_turns] if len(v) > e.num_turns else 0.0
+    return gae(e.rewards, v[:e.num_turns], gamma, lam, last)
+
+
 def _batch_turns(
     method: str, kept: list[list[Episode]], options: dict[str, Any]
 ) -> list[list[list[float]]]:
@@ -169,7 +182,7 @@ def _batch_turns(
         if options:
             raise TypeError(f"unknown options for method={method!r}: {sorted(options)}")
         if method == "gae":
-            per_turn = [gae(e.rewards, value_fn(e) if value_fn else None, gamma, lam) for e in flat]
+            per_turn = [_gae(e, value_fn, gamma, lam) for e in flat]
         else:
             per_turn = [discounted_returns(e.rewards, gamma) for e in flat]
         if level is not None:
@@ -196,7 +209,8 @@ def assign_report(
     an episode is its tree. Extra per-method options:
     ``gdpo`` needs ``reward_fn`` (Episode -> {name: value}) and takes
     ``weights``, ``batch_norm``, ``eps``; ``returns`` and ``gae`` take
-    ``gamma``, ``lam``, ``value_fn`` (Episode -> per-turn values) and
+    ``gamma``, ``lam``, ``value_fn`` (Episode -> per-turn values, plus optionally
+    ``V`` of the state after the last turn for an episode cut short) and
     ``level`` (a ``normalize`` level, default ``"group"``, or None).
     """
     if method not in ESTIMATORS:

@@ -389,6 +389,8 @@ class Engine:
             if not node.done and path.turns >= r.max_turns:
                 node.truncated = True
                 node.info["truncation_reason"] = f"max_turns={r.max_turns}"
+                if r.record_next_context:  # the state a value head bootstraps from (GAE)
+                    node.info["next_context_ids"] = path.ctx.observation_ids(observation_messages(obs, info, self.cfg))
             if not node.done:
                 try:
                     path.pending = path.ctx.append_observation(observation_messages(obs, info, self.cfg))

@@ -515,6 +515,9 @@ class Trainer:
         if t.distill is not None and t.distill.teacher == "expert":  # the engine records what the expert would do
             cfg = cfg.model_copy(deep=True)
             cfg.rollout.record_expert_actions = True
+        if t.value_head is not None:  # episodes cut at max_turns keep the next state, to bootstrap V from
+            cfg = cfg.model_copy(deep=True)
+            cfg.rollout.record_next_context = True
         self.cfg = cfg
         self.console = console or Console()
         self.progress = progress

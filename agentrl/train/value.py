@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..credit import gae
 from ..types import Episode
 
-__all__ = ["ValueHead", "ValueHeadConfig", "ridge_fit", "turn_features"]
+__all__ = ["ValueHead", "ValueHeadConfig", "next_context", "ridge_fit", "turn_features"]
 
 
 class ValueHeadConfig(BaseModel):
@@ -50,12 +50,27 @@ def ridge_fit(x: torch.Tensor, y: torch.Tensor, l2: float) -> torch.Tensor:
     return torch.linalg.lstsq(gram, a.T @ y.double()).solution.float()
 
 
+def next_context(episode: Episode) -> list[int]:
+    """The ids the turn after the last would have read, when ``max_turns`` cut the episode
+    (``rollout.record_next_context``); ``[]`` when the episode ended or none were kept."""
+    last = episode.nodes[-1] if episode.nodes else None
+    if last is None or last.terminated or last.error:
+        return []
+    return list(last.info.get("next_context_ids") or [])
+
+
 @torch.no_grad()
 def turn_features(model: Any, episode: Episode) -> torch.Tensor:
-    """``[turns, H]``: the final hidden state at the token before each turn's action."""
+    """``[turns (+1), H]``: the final hidden state at the token before each turn's action.
+
+    An episode that ``max_turns`` cut gets one more row: the state after its last
+    turn, read at the end of ``next_context(episode)`` (GAE's bootstrap)."""
     positions = [max(start - 1, 0) for start, _ in episode.turn_spans]
+    tail = next_context(episode)
+    if tail:
+        positions.append(len(episode.input_ids) + len(tail) - 1)
     device = next(model.parameters()).device
-    ids = torch.tensor([episode.input_ids], device=device)
+    ids = torch.tensor([episode.input_ids + tail], device=device)
     if hasattr(model, "get_decoder"):  # the decoder alone: no vocabulary head, no per-layer states kept
         hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
     else:
@@ -79,10 +94,14 @@ class ValueHead:
 
         ``value/mse_before`` is the old fit on new data; ``mse_after`` and
         ``explained_var`` are in-sample (the batch just fitted), so optimistic."""
-        x = torch.cat(list(features))
         values = [self(f) for f in features]
-        targets = torch.cat([torch.tensor(gae(ep.rewards, v.tolist(), gamma, lam)) + v
-                             for ep, v in zip(episodes, values, strict=True)])
+        rows, targets = [], []
+        for f, ep, v in zip(features, episodes, values, strict=True):
+            turns = ep.num_turns  # a further row is the bootstrap state: a target of its own it has not
+            last = float(v[turns]) if len(v) > turns else 0.0
+            rows.append(f[:turns])
+            targets.append(torch.tensor(gae(ep.rewards, v[:turns].tolist(), gamma, lam, last)) + v[:turns])
+        x, targets = torch.cat(rows), torch.cat(targets)
         before = float(((self(x) - targets) ** 2).mean())
         self.w = (1 - self.cfg.mix) * self.w + self.cfg.mix * ridge_fit(x, targets, self.cfg.l2)
         after = float(((self(x) - targets) ** 2).mean())

@@ -7,7 +7,7 @@ import torch
 
 from agentrl.train.config import TrainConfig, load_train_config
 from agentrl.train.trainer import Trainer, _Bars
-from agentrl.train.value import ValueHead, ValueHeadConfig, ridge_fit
+from agentrl.train.value import ValueHead, ValueHeadConfig, next_context, ridge_fit, turn_features
 from agentrl.types import Episode, Node
 from tests.train.test_opd_training import GUESS
 
@@ -34,6 +34,46 @@ def test_the_head_fits_lambda_returns_by_hand():
     half = ValueHead(1, ValueHeadConfig(l2=0.0, mix=0.5))
     half.fit(features, [ep], gamma=0.5, lam=1.0)
     assert half.w.tolist() == pytest.approx([-0.25, 0.5], abs=1e-5)  # half way from 0
+
+
+def test_the_bootstrap_row_moves_the_targets_but_is_not_fitted():
+    cut = Node(context_ids=[4], action_ids=[5], reward=0.0, truncated=True, info={"next_context_ids": [6]})
+    ep = Episode.from_path([Node(context_ids=[1, 2], action_ids=[3], reward=0.0), cut])
+    assert next_context(ep) == [6]
+    head = ValueHead(1, ValueHeadConfig(l2=0.0, mix=1.0))
+    head.w = torch.tensor([1.0, 0.0])  # V(h) = h
+    features = [torch.tensor([[1.0], [0.0], [2.0]])]  # two turns' states, then the state after the cut
+    stats = head.fit(features, [ep], gamma=0.5, lam=1.0)
+    # V = [1, 0], bootstrap 2: delta1 = 0 + 0.5 * 2 - 0 = 1, delta0 = 0 + 0.5 * 0 - 1 = -1,
+    # A = [-1 + 0.5 * 1, 1] = [-0.5, 1]; targets A + V = [0.5, 1]; fit on the two turns: -0.5 h + 1.
+    assert stats["value/turns"] == 2
+    assert head.w.tolist() == pytest.approx([-0.5, 1.0], abs=1e-5)
+    ended = Episode.from_path([Node(context_ids=[1], action_ids=[3], terminated=True, info={"next_context_ids": [6]})])
+    assert next_context(ended) == []  # an episode the env ended has no state after it
+
+
+def test_a_cut_episode_keeps_the_context_its_next_turn_would_have_read(tmp_path):
+    torch.set_num_threads(1)
+    cfg = load_train_config(None, GUESS + [
+        "env.kwargs={high: 16, max_turns: 6}", "rollout.max_turns=2", "rollout.group_size=2",
+        "train.tasks_per_step=2", "train.credit=gae", "train.value_head={}", f"train.out_dir={tmp_path}"])
+    tr = Trainer(cfg, progress=False)
+    assert tr.cfg.rollout.record_next_context  # the trainer asks the engine for it
+    bars = _Bars(tr.console, False)
+    short, _ = tr.rollout(0, bars)
+    tr.cfg.rollout.max_turns = 3  # the same step again, one turn further: the same first two turns
+    longer, _ = tr.rollout(0, bars)
+    cut = 0
+    for s_tree, l_tree in zip(short, longer, strict=True):
+        for s, lg in zip(s_tree.episodes(), l_tree.episodes(), strict=True):
+            if s.nodes[-1].info.get("truncation_reason") != "max_turns=2" or lg.num_turns < 3:
+                continue
+            cut += 1
+            assert next_context(s) == lg.nodes[2].context_ids  # token-exact: what turn 3 read
+            f_short, f_long = turn_features(tr.net, s), turn_features(tr.net, lg)
+            assert f_short.shape[0] == 3  # two turns, then the bootstrap state
+            torch.testing.assert_close(f_short, f_long[:3], atol=1e-5, rtol=1e-4)
+    assert cut > 0
 
 
 def test_value_head_needs_gae():
