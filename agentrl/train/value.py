@@ -97,7 +97,7 @@ class ValueHead:
         values = [self(f) for f in features]
         rows, targets = [], []
         for f, ep, v in zip(features, episodes, values, strict=True):
-            turns = ep.num_turns  # a further row is the bootstrap state: a target of its own it has not
+            turns = ep.num_turns  # a further row is the bootstrap state, which has no target of its own
             last = float(v[turns]) if len(v) > turns else 0.0
             rows.append(f[:turns])
             targets.append(torch.tensor(gae(ep.rewards, v[:turns].tolist(), gamma, lam, last)) + v[:turns])
