@@ -16,7 +16,9 @@ seed) once per configuration:
 For each it reports wall time, prefilled and generated tokens, the wall time of
 turn 2 and of the last turn, and the prefilled tokens against the sum of the
 context deltas (what a perfect prefix cache prefills) and against the sum of
-the contexts (what no cache prefills). With the same seed, both configurations
+the contexts (what no cache prefills). It also counts the lockstep decode passes,
+and the passes that exact prompt-lookup speculation would need for the same
+samples (``speculation_estimate``). With the same seed, both configurations
 sample the same tokens; the bench checks that and reports the first turn where
 they differ, if any. Prints a table and writes ``multiturn_cost.json``.
 
@@ -119,6 +121,8 @@ def run(model, tok, args, reuse: bool, turns: int, vllm: bool = False) -> tuple[
         "last_turn_s": round(policy.turn_s[-1], 3), "last_turn": len(policy.turn_s),
         "max_turn_s": round(max(policy.turn_s), 3),
         "turn_s": [round(x, 3) for x in policy.turn_s],
+        # Would exact speculation cut the decode passes? Counted from the samples (see prompt_lookup_steps).
+        "speculation": speculation_estimate(trees),
     }
     if vllm:  # vLLM's own prefix cache, counted from each request's num_cached_tokens
         hits = counts["reused_tokens"]
@@ -131,6 +135,46 @@ def run(model, tok, args, reuse: bool, turns: int, vllm: bool = False) -> tuple[
                         "hit_rate": round(s.hits / max(1, s.hits + s.misses), 3), "bytes": s.bytes}
     actions = [[n.action_ids for n in t.nodes.values()] for t in trees]
     return row, actions
+
+
+def prompt_lookup_steps(context: list[int], action: list[int], k: int = 4, n: int = 3) -> int:
+    """Forward passes that exact prompt-lookup speculation would need to decode ``action``.
+
+    Each pass feeds up to ``k`` drafted tokens: what followed the latest earlier
+    occurrence of the last ``n`` (then ``n-1``, ..., 1) tokens (Saxena 2023,
+    prompt lookup decoding). With per-position Gumbel noise (``HFPolicy``'s
+    sampler) a draft token is kept iff it is the token sampled there, so the
+    samples are unchanged and this count follows from the sampled tokens alone.
+    """
+    seq, pos, steps = list(context), 0, 0
+    while pos < len(action):
+        draft: list[int] = []
+        for m in range(min(n, len(seq) - 1), 0, -1):
+            tail = seq[-m:]
+            at = next((i for i in range(len(seq) - m - 1, -1, -1) if seq[i:i + m] == tail), None)
+            if at is not None:
+                draft = seq[at + m:at + m + k]
+                break
+        kept = 0
+        while kept < len(draft) and pos + kept < len(action) and draft[kept] == action[pos + kept]:
+            kept += 1
+        emitted = min(kept + 1, len(action) - pos)  # the sampled token, then the kept drafts after it
+        seq += action[pos:pos + emitted]
+        pos += emitted
+        steps += 1
+    return steps
+
+
+def speculation_estimate(trees: list, k: int = 4, n: int = 3) -> dict[str, int]:
+    """Lockstep decode passes (each turn costs its slowest row's) without and with prompt lookup."""
+    episodes = [ep for t in trees for ep in t.episodes()]
+    plain = lookup = 0
+    for turn in range(max((ep.num_turns for ep in episodes), default=0)):
+        rows = [(ep.input_ids[:ep.turn_spans[turn][0]], ep.input_ids[slice(*ep.turn_spans[turn])])
+                for ep in episodes if turn < ep.num_turns]
+        plain += max(len(a) for _, a in rows)
+        lookup += max(prompt_lookup_steps(c, a, k, n) for c, a in rows)
+    return {"decode_passes": plain, "decode_passes_prompt_lookup": lookup, "draft_tokens": k, "ngram": n}
 
 
 def first_difference(a: list, b: list) -> int | None:
@@ -204,6 +248,8 @@ def main() -> None:
     for r in rows:
         if "cache" in r:
             print(f"prefix cache: {r['cache']}")
+        print(f"{r['config']}: lockstep decode passes {r['speculation']['decode_passes']}, with exact "
+              f"prompt-lookup speculation {r['speculation']['decode_passes_prompt_lookup']}")
     if len(runs) == 2:
         print("samples identical with and without reuse" if diff is None
               else f"samples first differ at turn {diff} (float noise in a near-tie)")

@@ -33,6 +33,26 @@ def test_multiturn_cost_reuse_prefills_less_and_samples_the_same(tmp_path):
     assert reuse["prefilled_tokens"] + reuse["reused_tokens"] == reuse["sum_of_contexts"]
     assert reuse["cache"]["hits"] > 0
     assert result["first_turn_where_samples_differ"] is None
+    for r in (reuse, full):  # same samples, so the same passes; speculation can only save passes
+        spec = r["speculation"]
+        assert spec == reuse["speculation"] and 0 < spec["decode_passes_prompt_lookup"] <= spec["decode_passes"]
+
+
+def test_prompt_lookup_steps_by_hand():
+    sys.path.insert(0, str(BENCH))
+    from multiturn_cost import prompt_lookup_steps
+
+    # The context ends "1 2", which occurred before followed by "3 4 1 2": drafts [3, 4, 1, 2].
+    # Sampled 3, 4, 9: 3 and 4 are kept, 9 is sampled where the draft said 1. One pass, not three.
+    assert prompt_lookup_steps([1, 2, 3, 4, 1, 2], [3, 4, 9]) == 1
+    # Nothing to look up (no earlier occurrence): one token a pass.
+    assert prompt_lookup_steps([5, 6, 7], [8, 9]) == 2
+    # At most k drafts a pass. k=2: drafts [3, 4] both kept, 5 sampled; then "3 4 5" drafts
+    # [6, 1]: 6 kept, 7 sampled; then nothing to look up for the 8. Three passes, not six.
+    ctx, action = [1, 2, 3, 4, 5, 6, 1, 2], [3, 4, 5, 6, 7, 8]
+    assert prompt_lookup_steps(ctx, action, k=2) == 3
+    # k=4: drafts [3, 4, 5, 6] all kept and 7 sampled in one pass; the 8 in a second.
+    assert prompt_lookup_steps(ctx, action, k=4) == 2
 
 
 def test_tree_savings_segment_tree_shares_its_first_segments_at_equal_leaves(tmp_path):

@@ -1,7 +1,7 @@
 """Cross-check of the ALFWorld-style env against the real alfworld PDDL engine.
 
 Needs the optional extra ``alfworld``; without it every test here is skipped
-with the reason. The test covers 48 seeds (16 per split) to stay within about a
+with the reason. The test covers 24 seeds (8 per split) to stay within about half a
 minute; ``python -m agentrl.envs.alfworld.real_engine --seeds 300`` runs the
 full check over 900 episodes.
 """
@@ -35,12 +35,12 @@ def _describe(report) -> str:
 @pytest.mark.parametrize("split", SPLITS)
 def test_expert_plan_wins_in_real_engine_with_matching_admissible_commands(split):
     families = set()
-    for seed in range(16):
+    for seed in range(8):  # seeds 0-7 hold 5 or 6 of the 6 families in every split
         report = cross_check(seed, split, random_prefix=3)
         assert report.won_ours and report.won_real, _describe(report)
         assert report.agrees, _describe(report)
         families.add(report.family)
-    assert len(families) >= 4
+    assert len(families) >= 5
 
 
 def test_long_random_walk_agrees_with_real_engine():
