@@ -34,6 +34,7 @@ Presets (``--env``):
   alone takes minutes; run it on a bigger machine.
 
     python bench/learning.py                       # GuessNumber, 5 methods (about 30 min on 2 cores)
+    python bench/learning.py --seeds 0,1,2         # each method from 3 sampling seeds: mean +- se
     python bench/learning.py --methods grpo,gigpo --steps 4
     python bench/learning.py --env alfworld_easy   # slow on CPU
     python bench/learning.py --quick               # tiny random model, 2 steps: a smoke test
@@ -141,6 +142,31 @@ def step_stats(metrics: Path) -> dict[str, float]:
             "train_s": sum(r.get("time/train_s", 0.0) + r.get("time/old_logprobs_s", 0.0) for r in rl)}
 
 
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One method's runs (one a seed): the mean curve with its standard error, mean stats, and the runs."""
+    n = len(runs)
+
+    def mean(xs: list[float]) -> float:
+        return round(sum(xs) / n, 4)
+
+    def se(xs: list[float]) -> float:  # standard error of the mean across seeds (0 for one seed)
+        if n < 2:
+            return 0.0
+        m = sum(xs) / n
+        return round((sum((x - m) ** 2 for x in xs) / (n - 1) / n) ** 0.5, 4)
+
+    points = []
+    for k, p in enumerate(runs[0]["curve"]):
+        succ = [r["curve"][k]["success"] for r in runs]
+        points.append({"step": p["step"], "env_steps": mean([r["curve"][k]["env_steps"] for r in runs]),
+                       "episodes": p["episodes"], "success": mean(succ), "success_se": se(succ)})
+    finals = [r["final_success"] for r in runs]
+    stats = {k: mean([r[k] for r in runs]) for k in ("rollout_success_mean", "env_steps", "generated_tokens",
+                                                      "episodes", "rollout_s", "train_s")}
+    return {"curve": points, "final_success": mean(finals), "final_success_se": se(finals), **stats,
+            "wall_s": round(sum(r["wall_s"] for r in runs), 1), "seeds": [r["seed"] for r in runs], "runs": runs}
+
+
 def plot(results: dict[str, Any], path: Path, title: str) -> None:
     import matplotlib
 
@@ -150,7 +176,12 @@ def plot(results: dict[str, Any], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for method, r in results.items():
         pts = r["curve"]
-        ax.plot([p["env_steps"] for p in pts], [p["success"] for p in pts], marker="o", label=method)
+        x, y = [p["env_steps"] for p in pts], [p["success"] for p in pts]
+        (line,) = ax.plot(x, y, marker="o", label=method)
+        if len(r.get("seeds", [])) > 1:  # the mean over seeds, +- its standard error
+            ax.fill_between(x, [v - p["success_se"] for v, p in zip(y, pts, strict=True)],
+                            [v + p["success_se"] for v, p in zip(y, pts, strict=True)],
+                            color=line.get_color(), alpha=0.15)
     ax.set_xlabel("env steps played (cumulative)")
     ax.set_ylabel("held-out success (greedy)")
     ax.set_ylim(-0.02, 1.02)
@@ -175,6 +206,8 @@ def main() -> None:
     ap.add_argument("--opd-weight", type=float, default=1.0)
     ap.add_argument("--lr", type=float, default=2e-4, help="RL learning rate (make run's 5e-5 left "
                     "greedy success flat over 8 steps)")
+    ap.add_argument("--seeds", default="0", help="comma-separated train.seed values: every method runs "
+                    "once a seed (its sampling streams and update order); the curves are their mean")
     ap.add_argument("--quick", action="store_true", help="tiny random model, 2 steps, 8 eval episodes")
     ap.add_argument("--work-dir", default="runs/bench_learning")
     ap.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
@@ -218,29 +251,35 @@ def main() -> None:
 
     start = merge(base, {"policy": {"model": warm}, "sft": {"episodes": 0, "task_seeds": None}})
     results: dict[str, Any] = {}
+    seeds = [int(x) for x in args.seeds.split(",") if x]
     for m in methods:
-        t0 = time.perf_counter()
-        summary = run_config(merge(start, method_overrides(m, teacher, args.opd_weight)), work / m)
-        metrics = Path(summary["metrics"])
-        results[m] = {"curve": curve(metrics, summary["phases"].get("start", warm_success)),
-                      "final_success": summary["phases"].get("end"), **step_stats(metrics),
-                      "wall_s": round(time.perf_counter() - t0, 1)}
-        print(f"{m}: held-out success {results[m]['curve'][0]['success']:.3f} -> "
-              f"{results[m]['final_success']:.3f} in {results[m]['wall_s']:.0f} s", flush=True)
+        runs = []
+        for seed in seeds:
+            t0 = time.perf_counter()
+            cfg = merge(start, merge(method_overrides(m, teacher, args.opd_weight), {"train": {"seed": seed}}))
+            summary = run_config(cfg, work / m / f"seed{seed}")
+            metrics = Path(summary["metrics"])
+            runs.append({"seed": seed, "curve": curve(metrics, summary["phases"].get("start", warm_success)),
+                         "final_success": summary["phases"].get("end"), **step_stats(metrics),
+                         "wall_s": round(time.perf_counter() - t0, 1)})
+            print(f"{m} seed {seed}: held-out success {runs[-1]['curve'][0]['success']:.3f} -> "
+                  f"{runs[-1]['final_success']:.3f} in {runs[-1]['wall_s']:.0f} s", flush=True)
+        results[m] = aggregate(runs)
 
-    print(f"\n{'method':<10}{'start':>7}{'final':>7}{'best':>7}{'env steps':>11}{'episodes':>10}"
+    print(f"\nmean over seeds {seeds}")
+    print(f"{'method':<10}{'start':>7}{'final':>7}{'+-se':>7}{'best':>7}{'env steps':>11}{'episodes':>10}"
           f"{'gen tokens':>12}{'rollout s':>11}{'train s':>9}")
     for m, r in results.items():
         best = max(p["success"] for p in r["curve"])
-        print(f"{m:<10}{r['curve'][0]['success']:>7.3f}{r['final_success']:>7.3f}{best:>7.3f}"
-              f"{r['env_steps']:>11}{r['episodes']:>10}{r['generated_tokens']:>12}"
+        print(f"{m:<10}{r['curve'][0]['success']:>7.3f}{r['final_success']:>7.3f}{r['final_success_se']:>7.3f}"
+              f"{best:>7.3f}{r['env_steps']:>11.0f}{r['episodes']:>10.0f}{r['generated_tokens']:>12.0f}"
               f"{r['rollout_s']:>11.0f}{r['train_s']:>9.0f}")
     cfg_used = merge(start, {"policy": {"model": "<warm start>"}})
     out = Path(args.out)
     png = out.with_suffix(".png")
-    title = (f"{args.env}: {base['policy']['model']}, {args.steps} steps x {base['train']['tasks_per_step']} "
+    title = (f"{args.env}: {base['policy']['model']}, {len(seeds)} seed(s), {args.steps} steps x {base['train']['tasks_per_step']} "
              f"tasks x {base['rollout']['group_size']} leaves, eval {eval_cfg['eval_episodes']} greedy")
-    report.update({"env": args.env, "methods": methods, "steps": args.steps, "config": cfg_used,
+    report.update({"env": args.env, "methods": methods, "steps": args.steps, "seeds": seeds, "config": cfg_used,
                    "results": results, "wall_s": round(time.perf_counter() - t_all, 1),
                    "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                                "loadavg_end": os.getloadavg()}})

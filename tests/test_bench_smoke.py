@@ -55,6 +55,25 @@ def test_prompt_lookup_steps_by_hand():
     assert prompt_lookup_steps(ctx, action, k=4) == 2
 
 
+def test_learning_aggregates_seeds_into_a_mean_curve_with_its_standard_error():
+    sys.path.insert(0, str(BENCH))
+    from learning import aggregate
+
+    def run(seed, succ, env_steps):
+        curve = [{"step": 0, "env_steps": 0, "episodes": 0, "success": 0.5},
+                 {"step": 2, "env_steps": env_steps, "episodes": 48, "success": succ}]
+        return {"seed": seed, "curve": curve, "final_success": succ, "rollout_success_mean": 0.1,
+                "env_steps": env_steps, "generated_tokens": 10, "episodes": 48, "rollout_s": 1.0,
+                "train_s": 2.0, "wall_s": 3.0}
+
+    r = aggregate([run(0, 0.5, 100), run(1, 1.0, 120)])
+    # mean 0.75; sample std 0.3536, over sqrt(2): 0.25
+    assert r["final_success"] == 0.75 and r["final_success_se"] == 0.25
+    assert r["curve"][1] == {"step": 2, "env_steps": 110.0, "episodes": 48, "success": 0.75, "success_se": 0.25}
+    assert r["curve"][0]["success_se"] == 0.0 and r["env_steps"] == 110.0 and r["wall_s"] == 6.0
+    assert r["seeds"] == [0, 1] and aggregate([run(0, 0.5, 100)])["final_success_se"] == 0.0
+
+
 def test_tree_savings_segment_tree_shares_its_first_segments_at_equal_leaves(tmp_path):
     result = _run("tree_savings.py", tmp_path / "t.json")
     rows = {r["allocator"]: r for r in result["rows"]}
