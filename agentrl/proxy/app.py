@@ -6,7 +6,7 @@ runs it on uvicorn, bound to 127.0.0.1 by default)::
     POST /v1/chat/completions        tools, n, temperature, top_p, max_tokens, stop, seed, stream
     POST /v1/completions             text or token-id prompts, logprobs, return_token_ids, ...
     GET  /v1/models
-    POST /sessions                   {session_id?, meta?} -> {session_id, api_key, base_url}
+    POST /sessions                   {session_id?, meta?, seed?} -> {session_id, api_key, base_url}
     GET  /sessions                   every session (admin)
     GET  /sessions/{id}              its calls, branches, timing
     GET  /sessions/{id}/tree         the assembled RolloutTree (JSON)
@@ -146,7 +146,8 @@ class Proxy:
         self.in_flight = 0
 
     # -- sessions, for in-process callers too ------------------------------------------
-    def create_session(self, session_id: str | None = None, meta: dict[str, Any] | None = None) -> Session:
+    def create_session(self, session_id: str | None = None, meta: dict[str, Any] | None = None,
+                       seed: int | None = None) -> Session:
         sid = session_id or secrets.token_urlsafe(12)
         if sid in self.sessions:
             raise HTTPError(409, f"session {sid!r} exists", param="session_id")
@@ -155,7 +156,7 @@ class Proxy:
             if not closed:
                 raise HTTPError(429, f"at most {self.cfg.max_sessions} open sessions; close some first")
             self.drop_session(min(closed, key=lambda s: s.created).session_id)
-        session = Session(sid, meta=meta, check_prefix=self.cfg.check_prefix)
+        session = Session(sid, meta=meta, check_prefix=self.cfg.check_prefix, seed=seed)
         self.sessions[sid] = session
         self._keys[_digest(session.api_key)] = sid
         return session
@@ -243,12 +244,13 @@ class Proxy:
         return asked
 
     def requests(self, prompt: list[int], req: ChatRequest | CompletionRequest, max_new: int,
-                 logprobs: int) -> list[GenerateRequest]:
+                 logprobs: int, session: Session | None = None) -> list[GenerateRequest]:
         if req.n > self.cfg.max_n:
             raise HTTPError(400, f"n: at most {self.cfg.max_n}", param="n")
+        base = req.seed if req.seed is not None else session.next_seed() if session is not None else None
         out = []
         for i in range(req.n):
-            seed = None if req.seed is None else (req.seed if i == 0 else request_seed(req.seed, i))
+            seed = None if base is None else (base if i == 0 else request_seed(base, i))
             try:
                 params = SamplingParams(
                     temperature=1.0 if req.temperature is None else req.temperature,
@@ -321,7 +323,7 @@ def _chat(proxy: Proxy) -> Callable[[Request], Awaitable[Response]]:
             "chat", render_ids(proxy.tokenizer, spec.template, True, **spec.template_kwargs), None, []))
         max_new = proxy.max_new_tokens(len(plan.prompt_ids), req.max_tokens, "messages")
         top = (req.top_logprobs or 0) if req.logprobs else 0
-        reqs = proxy.requests(plan.prompt_ids, req, max_new, top)
+        reqs = proxy.requests(plan.prompt_ids, req, max_new, top, session)
         call_id = f"chatcmpl-{secrets.token_hex(12)}"
         t1 = time.perf_counter()
         stops = req.stops()
@@ -368,7 +370,7 @@ def _completions(proxy: Proxy) -> Callable[[Request], Awaitable[Response]]:
         reqs = []
         for plan in plans:
             max_new = proxy.max_new_tokens(len(plan.prompt_ids), req.max_tokens, "prompt")
-            reqs += proxy.requests(plan.prompt_ids, req, max_new, req.logprobs or 0)
+            reqs += proxy.requests(plan.prompt_ids, req, max_new, req.logprobs or 0, session)
         call_id = f"cmpl-{secrets.token_hex(12)}"
         t1 = time.perf_counter()
         stops = req.stops()
@@ -430,7 +432,7 @@ def _session_routes(proxy: Proxy) -> list[Route]:
     async def create(request: Request) -> Response:
         proxy.resolve(request, admin=True)
         body: SessionRequest = await _parse(request, SessionRequest, limit, optional=True)
-        s = proxy.create_session(body.session_id, body.meta)
+        s = proxy.create_session(body.session_id, body.meta, body.seed)
         base = str(request.base_url).rstrip("/")
         return JSONResponse({"session_id": s.session_id, "api_key": s.api_key,
                              "base_url": f"{base}/sessions/{s.session_id}/v1"})

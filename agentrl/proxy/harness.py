@@ -77,12 +77,14 @@ class EnvServer:
 
 
 async def open_session(proxy_url: str, token: str | None = None, meta: dict[str, Any] | None = None,
-                       session_id: str | None = None) -> SessionHandle:
-    """Create a session on the proxy at ``proxy_url``."""
+                       session_id: str | None = None, seed: int | None = None) -> SessionHandle:
+    """Create a session on the proxy at ``proxy_url``; ``seed`` seeds the calls that carry none."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     body: dict[str, Any] = {"meta": meta or {}}
     if session_id:
         body["session_id"] = session_id
+    if seed is not None:
+        body["seed"] = seed
     data = await _call("POST", f"{proxy_url}/sessions", headers, body)
     return SessionHandle(proxy_url, data["session_id"], data["api_key"], token)
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.chat import ChatContext
-from agentrl.policy.base import GenerateResult
+from agentrl.policy.base import GenerateResult, request_seed
 from agentrl.types import Node, RolloutTree
 
 from .messages import PromptSpec, chain_keys
@@ -97,7 +97,7 @@ class Session:
     """The calls of one harness episode and the tree they make."""
 
     def __init__(self, session_id: str, api_key: str | None = None, meta: dict[str, Any] | None = None,
-                 check_prefix: bool = True):
+                 check_prefix: bool = True, seed: int | None = None):
         self.session_id = session_id
         self.api_key = api_key or secrets.token_urlsafe(24)
         self.meta = dict(meta or {})
@@ -112,6 +112,15 @@ class Session:
         self.reward: float | None = None
         self._by_prompt: dict[str, Call] = {}  # chain key of a call's messages
         self._by_conv: dict[str, tuple[Call, int]] = {}  # chain key of messages + reply -> choice
+        self.seed = seed
+        self._seeds_drawn = 0
+
+    def next_seed(self) -> int | None:
+        """The seed of the session's next unseeded request: one stream per request, repeatable."""
+        if self.seed is None:
+            return None
+        self._seeds_drawn += 1
+        return request_seed(self.seed, self._seeds_drawn)
 
     # -- planning ------------------------------------------------------------------------
     def plan_chat(self, spec: PromptSpec, tokenizer: Any) -> Plan:

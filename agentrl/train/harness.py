@@ -64,7 +64,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, ProxyError
-from ..policy.base import GenerateRequest, GenerateResult, SamplingParams
+from ..policy.base import GenerateRequest, GenerateResult, SamplingParams, request_seed
 from ..types import Node, RolloutTree
 
 if TYPE_CHECKING:
@@ -236,7 +236,9 @@ class HarnessRollouts:
         extra = {**self.env_vars, "AGENTRL_TASK_SEED": str(seed), "AGENTRL_EPISODE": str(episode)}
         env = EnvServer(self.envs.url, self.env_token, env_id, seed, dict(cfg.env.kwargs))
         try:
-            session = await open_session(self.proxy.url, self.proxy_token, meta=meta)
+            # Calls the harness sends without a seed sample from this episode's own streams.
+            session = await open_session(self.proxy.url, self.proxy_token, meta=meta,
+                                         seed=request_seed(cfg.rollout.seed, seed, episode))
             tree = await run_harness_episode(self.argv, session, env, cfg.rollout.episode_timeout_s,
                                              self.verifier, extra, self.cwd)
             with contextlib.suppress(ProxyError):  # the tree is ours now: the proxy need not keep it

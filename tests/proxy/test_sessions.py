@@ -192,3 +192,21 @@ def test_session_named_by_header_or_by_its_key(mock_policy, serve):
     httpx.post(f"{server.url}/v1/chat/completions", json=body).raise_for_status()  # no session: not recorded
     assert len(_tree(server.url, sid).nodes) == 1
     assert len(_tree(server.url, key["session_id"]).nodes) == 1
+
+
+def test_a_seeded_session_repeats_calls_that_carry_no_seed(hf_server):
+    """A harness that sends no seed still repeats: each call samples from the session's next stream."""
+    msgs = [{"role": "user", "content": "Say something."}]
+
+    def run(**body) -> list[list[int]]:
+        _, client = _session(hf_server.url, **body)
+        return [client.chat.completions.create(model="m", messages=msgs, max_tokens=10, temperature=1.0,
+                                               extra_body={"return_token_ids": True}
+                                               ).model_dump()["choices"][0]["token_ids"] for _ in range(2)]
+
+    first, again, other = run(seed=7), run(seed=7), run(seed=8)
+    assert first == again  # same session seed: the same two calls
+    assert first[0] != first[1]  # the same prompt twice in one session: two streams
+    assert other != first
+    with pytest.raises(httpx.HTTPStatusError):  # the seed is an integer
+        _session(hf_server.url, seed="x")
