@@ -143,8 +143,16 @@ def step_stats(metrics: Path) -> dict[str, float]:
 
 
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One method's runs (one a seed): the mean curve with its standard error, mean stats, and the runs."""
+    """One method's runs (one a seed): the mean curve with its standard error, mean stats, and the runs.
+
+    The standard error is over the RL seeds only: every seed starts from the same
+    warm start and is evaluated on the same held-out tasks, so step 0's is 0."""
     n = len(runs)
+    steps = [p["step"] for p in runs[0]["curve"]]
+    for r in runs:
+        if [p["step"] for p in r["curve"]] != steps:
+            raise ValueError(f"seed {r['seed']} was evaluated at steps {[p['step'] for p in r['curve']]}, "
+                             f"seed {runs[0]['seed']} at {steps}")
 
     def mean(xs: list[float]) -> float:
         return round(sum(xs) / n, 4)
@@ -159,12 +167,20 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for k, p in enumerate(runs[0]["curve"]):
         succ = [r["curve"][k]["success"] for r in runs]
         points.append({"step": p["step"], "env_steps": mean([r["curve"][k]["env_steps"] for r in runs]),
-                       "episodes": p["episodes"], "success": mean(succ), "success_se": se(succ)})
+                       "episodes": mean([r["curve"][k]["episodes"] for r in runs]), "success": mean(succ),
+                       "success_se": se(succ)})
     finals = [r["final_success"] for r in runs]
+    if None in finals:  # a run without a final evaluation (train.eval_episodes=0)
+        finals = []
     stats = {k: mean([r[k] for r in runs]) for k in ("rollout_success_mean", "env_steps", "generated_tokens",
                                                       "episodes", "rollout_s", "train_s")}
-    return {"curve": points, "final_success": mean(finals), "final_success_se": se(finals), **stats,
+    return {"curve": points, "final_success": mean(finals) if finals else None,
+            "final_success_se": se(finals) if finals else None, **stats,
             "wall_s": round(sum(r["wall_s"] for r in runs), 1), "seeds": [r["seed"] for r in runs], "runs": runs}
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def plot(results: dict[str, Any], path: Path, title: str) -> None:
@@ -252,6 +268,8 @@ def main() -> None:
     start = merge(base, {"policy": {"model": warm}, "sft": {"episodes": 0, "task_seeds": None}})
     results: dict[str, Any] = {}
     seeds = [int(x) for x in args.seeds.split(",") if x]
+    if not seeds or len(set(seeds)) != len(seeds):
+        ap.error(f"--seeds needs distinct seeds, got {args.seeds!r}")
     for m in methods:
         runs = []
         for seed in seeds:
@@ -263,7 +281,7 @@ def main() -> None:
                          "final_success": summary["phases"].get("end"), **step_stats(metrics),
                          "wall_s": round(time.perf_counter() - t0, 1)})
             print(f"{m} seed {seed}: held-out success {runs[-1]['curve'][0]['success']:.3f} -> "
-                  f"{runs[-1]['final_success']:.3f} in {runs[-1]['wall_s']:.0f} s", flush=True)
+                  f"{_num(runs[-1]['final_success'])} in {runs[-1]['wall_s']:.0f} s", flush=True)
         results[m] = aggregate(runs)
 
     print(f"\nmean over seeds {seeds}")
@@ -271,7 +289,7 @@ def main() -> None:
           f"{'gen tokens':>12}{'rollout s':>11}{'train s':>9}")
     for m, r in results.items():
         best = max(p["success"] for p in r["curve"])
-        print(f"{m:<10}{r['curve'][0]['success']:>7.3f}{r['final_success']:>7.3f}{r['final_success_se']:>7.3f}"
+        print(f"{m:<10}{r['curve'][0]['success']:>7.3f}{_num(r['final_success']):>7}{_num(r['final_success_se']):>7}"
               f"{best:>7.3f}{r['env_steps']:>11.0f}{r['episodes']:>10.0f}{r['generated_tokens']:>12.0f}"
               f"{r['rollout_s']:>11.0f}{r['train_s']:>9.0f}")
     cfg_used = merge(start, {"policy": {"model": "<warm start>"}})

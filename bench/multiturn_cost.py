@@ -16,9 +16,9 @@ seed) once per configuration:
 For each it reports wall time, prefilled and generated tokens, the wall time of
 turn 2 and of the last turn, and the prefilled tokens against the sum of the
 context deltas (what a perfect prefix cache prefills) and against the sum of
-the contexts (what no cache prefills). It also counts the lockstep decode passes,
-and the passes that exact prompt-lookup speculation would need for the same
-samples (``speculation_estimate``). With the same seed, both configurations
+the contexts (what no cache prefills). For ``hf`` it also counts the lockstep
+sampling passes, and the passes that exact prompt-lookup speculation would need
+for the same samples (``speculation_estimate``). With the same seed, both configurations
 sample the same tokens; the bench checks that and reports the first turn where
 they differ, if any. Prints a table and writes ``multiturn_cost.json``.
 
@@ -121,9 +121,9 @@ def run(model, tok, args, reuse: bool, turns: int, vllm: bool = False) -> tuple[
         "last_turn_s": round(policy.turn_s[-1], 3), "last_turn": len(policy.turn_s),
         "max_turn_s": round(max(policy.turn_s), 3),
         "turn_s": [round(x, 3) for x in policy.turn_s],
-        # Would exact speculation cut the decode passes? Counted from the samples (see prompt_lookup_steps).
-        "speculation": speculation_estimate(trees),
     }
+    if not vllm:  # would exact speculation cut HFPolicy's passes? Counted from the samples (prompt_lookup_steps)
+        row["speculation"] = speculation_estimate(trees)
     if vllm:  # vLLM's own prefix cache, counted from each request's num_cached_tokens
         hits = counts["reused_tokens"]
         row["cache"] = {"cached_tokens": hits, "prompt_tokens": policy.context_tokens,
@@ -166,7 +166,13 @@ def prompt_lookup_steps(context: list[int], action: list[int], k: int = 4, n: in
 
 
 def speculation_estimate(trees: list, k: int = 4, n: int = 3) -> dict[str, int]:
-    """Lockstep decode passes (each turn costs its slowest row's) without and with prompt lookup."""
+    """Sampling passes (each turn costs its slowest row's) without and with prompt lookup.
+
+    A sampling pass is a forward pass whose logits sample tokens: a turn's prefill
+    samples its first token, then one decode step a token. HFPolicy decodes all rows
+    in lockstep until the last row finishes, so a turn costs its slowest row's passes.
+    A pass that checks k drafts counts as one, though it runs k + 1 positions a row:
+    an upper bound on what speculation saves."""
     episodes = [ep for t in trees for ep in t.episodes()]
     plain = lookup = 0
     for turn in range(max((ep.num_turns for ep in episodes), default=0)):
@@ -174,7 +180,7 @@ def speculation_estimate(trees: list, k: int = 4, n: int = 3) -> dict[str, int]:
                 for ep in episodes if turn < ep.num_turns]
         plain += max(len(a) for _, a in rows)
         lookup += max(prompt_lookup_steps(c, a, k, n) for c, a in rows)
-    return {"decode_passes": plain, "decode_passes_prompt_lookup": lookup, "draft_tokens": k, "ngram": n}
+    return {"sampling_passes": plain, "sampling_passes_prompt_lookup": lookup, "draft_tokens": k, "ngram": n}
 
 
 def first_difference(a: list, b: list) -> int | None:
@@ -248,8 +254,9 @@ def main() -> None:
     for r in rows:
         if "cache" in r:
             print(f"prefix cache: {r['cache']}")
-        print(f"{r['config']}: lockstep decode passes {r['speculation']['decode_passes']}, with exact "
-              f"prompt-lookup speculation {r['speculation']['decode_passes_prompt_lookup']}")
+        if "speculation" in r:
+            print(f"{r['config']}: lockstep sampling passes {r['speculation']['sampling_passes']}, with exact "
+                  f"prompt-lookup speculation {r['speculation']['sampling_passes_prompt_lookup']}")
     if len(runs) == 2:
         print("samples identical with and without reuse" if diff is None
               else f"samples first differ at turn {diff} (float noise in a near-tie)")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -33,9 +35,8 @@ def test_multiturn_cost_reuse_prefills_less_and_samples_the_same(tmp_path):
     assert reuse["prefilled_tokens"] + reuse["reused_tokens"] == reuse["sum_of_contexts"]
     assert reuse["cache"]["hits"] > 0
     assert result["first_turn_where_samples_differ"] is None
-    for r in (reuse, full):  # same samples, so the same passes; speculation can only save passes
-        spec = r["speculation"]
-        assert spec == reuse["speculation"] and 0 < spec["decode_passes_prompt_lookup"] <= spec["decode_passes"]
+    # The same samples need the same passes (counted from the tokens, not the run).
+    assert full["speculation"] == reuse["speculation"]
 
 
 def test_prompt_lookup_steps_by_hand():
@@ -72,6 +73,13 @@ def test_learning_aggregates_seeds_into_a_mean_curve_with_its_standard_error():
     assert r["curve"][1] == {"step": 2, "env_steps": 110.0, "episodes": 48, "success": 0.75, "success_se": 0.25}
     assert r["curve"][0]["success_se"] == 0.0 and r["env_steps"] == 110.0 and r["wall_s"] == 6.0
     assert r["seeds"] == [0, 1] and aggregate([run(0, 0.5, 100)])["final_success_se"] == 0.0
+    no_final = run(2, 0.5, 100)
+    no_final["final_success"] = None  # a run without a final evaluation
+    assert aggregate([run(0, 0.5, 100), no_final])["final_success"] is None
+    other = run(3, 0.5, 100)
+    other["curve"][1]["step"] = 4
+    with pytest.raises(ValueError, match="evaluated at steps"):
+        aggregate([run(0, 0.5, 100), other])
 
 
 def test_tree_savings_segment_tree_shares_its_first_segments_at_equal_leaves(tmp_path):

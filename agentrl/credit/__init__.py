@@ -151,15 +151,16 @@ def _tree_turns(
 
 def _gae(e: Episode, value_fn: Callable[[Episode], Sequence[float]] | None, gamma: float, lam: float) -> Any:
     """GAE for one episode; ``value_fn`` may give one value more than turns: the bootstrap
-    ``V`` of the state after the last turn, for an episode cut short."""
+    ``V`` of the state after the last turn, for an episode cut short. An episode the env
+    terminated bootstraps with 0 whatever ``value_fn`` says."""
     if value_fn is None:
         return gae(e.rewards, None, gamma, lam)
     v = list(value_fn(e))
     if len(v) not in (e.num_turns, e.num_turns + 1):
         raise ValueError(f"value_fn gave {len(v)} values for an episode of {e.num_turns} turns "
                          "(one a turn, plus an optional bootstrap)")
-    last = v[e.num_turns] if len(v) > e.num_turns else 0.0
-    return gae(e.rewards, v[:e.num_turns], gamma, lam, last)
+    cut = len(v) > e.num_turns and not (e.nodes and e.nodes[-1].terminated)
+    return gae(e.rewards, v[:e.num_turns], gamma, lam, v[e.num_turns] if cut else 0.0)
 
 
 def _batch_turns(

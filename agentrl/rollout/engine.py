@@ -389,8 +389,8 @@ class Engine:
             if not node.done and path.turns >= r.max_turns:
                 node.truncated = True
                 node.info["truncation_reason"] = f"max_turns={r.max_turns}"
-                if r.record_next_context:  # the state a value head bootstraps from (GAE)
-                    node.info["next_context_ids"] = path.ctx.observation_ids(observation_messages(obs, info, self.cfg))
+                if r.record_next_context:
+                    self._record_next_context(node, path, observation_messages(obs, info, self.cfg))
             if not node.done:
                 try:
                     path.pending = path.ctx.append_observation(observation_messages(obs, info, self.cfg))
@@ -419,6 +419,17 @@ class Engine:
                     await self._snapshot(path.env), path.ctx.fork(), path.pending, path.turns)
             if paused:
                 return
+
+    def _record_next_context(self, node: Node, path: _Path, messages: list) -> None:
+        """Keep the ids the next turn would have read, the state a value head bootstraps GAE
+        from, if that turn could have run: it fits the context budget and renders."""
+        try:
+            ids = path.ctx.observation_ids(messages)
+        except Exception as e:  # the cut turn is kept either way; it only bootstraps with 0
+            node.info["next_context_error"] = f"{type(e).__name__}: {e}"
+            return
+        if len(path.ctx) + len(ids) < self.cfg.rollout.max_context_tokens:
+            node.info["next_context_ids"] = ids
 
     def _truncate_last(self, path: _Path, reason: str) -> None:
         """End the path as truncated: its last own node, or a new empty one."""

@@ -143,9 +143,16 @@ def test_assign_gae_bootstraps_from_a_value_after_the_last_turn(star):
     # A value function may give one value more: V of the state after the last turn, for an
     # episode cut short. rewards [0, 1], V = [0.5, 0.5], bootstrap 2, gamma 1, lam 0.5:
     # delta1 = 1 + 2 - 0.5 = 2.5 ; delta0 = 0 + 0.5 - 0.5 = 0 ; A1 = 2.5 ; A0 = 0 + 0.5 * 2.5 = 1.25
-    items = assign([star([1])], "gae", gamma=1.0, lam=0.5, level=None,
-                   value_fn=lambda ep: [0.5] * ep.num_turns + [2.0])
+    cut = star([1])
+    leaf = next(n for n in cut.nodes.values() if not n.children)
+    leaf.terminated, leaf.truncated = False, True
+    value_fn = lambda ep: [0.5] * ep.num_turns + [2.0]  # noqa: E731
+    items = assign([cut], "gae", gamma=1.0, lam=0.5, level=None, value_fn=value_fn)
     assert items[0][1] == [0, 0, 0, 1.25, 1.25, 0, 2.5, 2.5]
+    # The env ended star's episodes: no state after the last turn, so the bootstrap is 0 and
+    # the result is the one without it (test_assign_gae_with_a_value_function).
+    items = assign([star([1])], "gae", gamma=1.0, lam=0.5, level=None, value_fn=value_fn)
+    assert items[0][1] == [0, 0, 0, 0.25, 0.25, 0, 0.5, 0.5]
     with pytest.raises(ValueError, match="value_fn gave 4 values for an episode of 2 turns"):
         assign([star([1])], "gae", value_fn=lambda ep: [0.0] * 4)
 

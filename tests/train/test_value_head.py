@@ -68,6 +68,9 @@ def test_a_cut_episode_keeps_the_context_its_next_turn_would_have_read(tmp_path)
         for s, lg in zip(s_tree.episodes(), l_tree.episodes(), strict=True):
             if s.nodes[-1].info.get("truncation_reason") != "max_turns=2" or lg.num_turns < 3:
                 continue
+            # Batches form by timing, so float noise can flip a near-tie between the two runs.
+            if [n.action_ids for n in s.nodes] != [n.action_ids for n in lg.nodes[:2]]:
+                continue
             cut += 1
             assert next_context(s) == lg.nodes[2].context_ids  # token-exact: what turn 3 read
             f_short, f_long = turn_features(tr.net, s), turn_features(tr.net, lg)
@@ -102,3 +105,32 @@ def test_gae_with_the_head_trains_refits_and_resumes(tmp_path):
     tr.save()
     again = Trainer(cfg, progress=False)
     assert again.resume() and torch.equal(again.value_head.w, tr.value_head.w)
+
+
+def test_the_next_context_is_kept_only_when_that_turn_could_have_run():
+    from types import SimpleNamespace
+
+    from agentrl.config import load_config
+    from agentrl.rollout.engine import Engine
+
+    class Ctx:
+        def __init__(self, length, error=None):
+            self.length, self.error = length, error
+
+        def __len__(self):
+            return self.length
+
+        def observation_ids(self, messages):
+            if self.error:
+                raise self.error
+            return [7, 8, 9]
+
+    engine = Engine.__new__(Engine)  # only the config is read
+    engine.cfg = load_config(overrides=["rollout.max_context_tokens=16"])
+    kept, full, broken = Node(), Node(), Node()
+    engine._record_next_context(kept, SimpleNamespace(ctx=Ctx(12)), [])  # 12 + 3 < 16: turn 3 fits
+    engine._record_next_context(full, SimpleNamespace(ctx=Ctx(13)), [])  # 13 + 3 = 16: no room to act
+    engine._record_next_context(broken, SimpleNamespace(ctx=Ctx(1, ValueError("bad template"))), [])
+    assert kept.info == {"next_context_ids": [7, 8, 9]}
+    assert full.info == {}
+    assert broken.info == {"next_context_error": "ValueError: bad template"}
