@@ -68,7 +68,7 @@ lint: install
 	$(BIN)/ruff check .
 
 test: install extras vllm sandbox-deps lint
-	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python bench/rollout_overhead.py
