@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 from typer.testing import CliRunner
@@ -64,3 +65,26 @@ def test_sft_command_clones_the_expert(tmp_path):
     assert start["eval/success"] == 0.0 and sft["eval/success"] >= 0.1
     assert "after_sft" in res.output
     assert (tmp_path / "checkpoints" / "step-000000" / "hf" / "config.json").exists()
+
+
+def test_the_alfworld_example_trains_alfworld_through_the_train_command(tmp_path):
+    """``agentrl train --config examples/alfworld.yaml`` runs as written, shrunk to the tiny model:
+    SFT on the ALFWorld expert, one RL step on ALFWorld-v0 with LoRA, an evaluation."""
+    torch.set_num_threads(1)
+    config = Path(__file__).resolve().parents[2] / "examples" / "alfworld.yaml"
+    args = ["train", "--config", str(config), "--no-progress", "--out", str(tmp_path), "--steps", "1"]
+    for item in ["policy.model=tiny-random", "sft.episodes=2", "sft.epochs=1", "rollout.group_size=2",
+                 "sampling.max_new_tokens=2",
+                 "train.tasks_per_step=1", "train.eval_episodes=1", "train.eval_every=1",
+                 "train.tensorboard=false", "train.plot=false", "train.export_hf=false",
+                 "train.skip_zero_advantage=false"]:
+        args += ["--set", item]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, (res.output, res.exception)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    sft = next(r for r in rows if r["phase"] == "sft")
+    [step] = [r for r in rows if r["phase"] == "rl"]
+    assert sft["sft/episodes"] == 2 and sft["sft/nll_after"] < sft["sft/nll_before"]
+    assert step["rollout/episodes"] == 2 and step["rollout/failed"] == 0 and step["rollout/env_steps"] > 0
+    assert step["policy/version"] == 2  # the SFT'd weights, then one RL update
+    assert any("eval/success" in r for r in rows if r["phase"] in ("rl", "end"))
