@@ -52,13 +52,16 @@ extras: $(EXTRAS_STAMP)
 vllm:
 	@bash .ci/vllm-setup.sh || echo "WARNING: the vllm extra failed to install; the vllm tests skip with the reason"
 
-# The main job: train SmolLM2-135M on GuessNumber (1..16, 4 guesses) on CPU, an
-# SFT warm start on the bisection expert then GiGPO, and print held-out success
-# at the start, after SFT and after RL (bench/make_run.json: 247 s on 2
-# cores). Easy ALFWorld tasks did not fit 15 min here; examples/alfworld.yaml
-# trains ALFWorld-v0 through the same command.
+# The main job: train SmolLM2-135M on GuessNumber (1..16, 4 guesses) on CPU. A
+# teacher first (SFT on 64 expert episodes), then the student: an SFT warm start
+# on 24, then GRPO plus on-policy distillation from that teacher; it prints
+# held-out success at the start, after SFT and after RL (bench/make_run.json).
+# Easy ALFWorld tasks did not fit 15 min here; examples/alfworld.yaml trains
+# ALFWorld-v0 through the same command.
 run: install
 	$(BIN)/agentrl models prepare
+	$(BIN)/agentrl sft --config examples/train_guess_number.yaml --episodes 64 \
+	  --out runs/guess_number_teacher --set train.distill=null --overwrite
 	$(BIN)/agentrl train --config examples/train_guess_number.yaml --overwrite
 
 sandbox-deps:

@@ -150,6 +150,8 @@ def sft(
     except AgentRLError as e:
         console.print(f"[bold red]error:[/] {e}", highlight=False)
         raise typer.Exit(code=2) from None
+    # No RL steps ran: the "end" evaluation is the SFT'd policy again, not an "after RL" row.
+    summary = {**summary, "phases": {k: v for k, v in summary["phases"].items() if k != "end"}}
     _report(summary, time.perf_counter() - t0)
 
 

@@ -63,7 +63,7 @@ def test_sft_command_clones_the_expert(tmp_path):
     assert sft["sft/episodes"] == 32 and sft["sft/optimizer_steps"] == 6 * 4
     assert sft["sft/nll_before"] > 8.0 and sft["sft/nll_after"] < 1.0
     assert start["eval/success"] == 0.0 and sft["eval/success"] >= 0.1
-    assert "after_sft" in res.output
+    assert "after_sft" in res.output and "after RL" not in res.output  # SFT only: no RL row
     assert (tmp_path / "checkpoints" / "step-000000" / "hf" / "config.json").exists()
 
 
