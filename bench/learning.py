@@ -13,7 +13,8 @@ with the same learning rate, sampling seeds and held-out evaluation:
 - ``grpo_opd``: GRPO plus step-wise on-policy distillation: a teacher scores
   the student's own turns and ``weight * (log p_teacher - log p_student)`` is
   added to each action token's advantage. The teacher is a stronger SFT
-  checkpoint (more expert episodes, more epochs) of the same model;
+  checkpoint of the same model (more expert episodes: 64 for GuessNumber;
+  twice the epochs for ALFWorld);
 - ``grpo_opsd`` (a fifth, beyond the four asked for): GRPO plus privileged
   self-distillation: the teacher is the student's own current weights, given
   the env's privileged text (GuessNumber's secret) as a system message.
@@ -220,8 +221,8 @@ def main() -> None:
     ap.add_argument("--sft-epochs", type=int, default=2, help="epochs of the warm start")
     ap.add_argument("--teacher-sft-episodes", type=int, default=64, help="expert episodes of the OPD teacher")
     ap.add_argument("--opd-weight", type=float, default=1.0)
-    ap.add_argument("--lr", type=float, default=2e-4, help="RL learning rate (make run's 5e-5 left "
-                    "greedy success flat over 8 steps)")
+    ap.add_argument("--lr", type=float, default=2e-4, help="RL learning rate (make run's too; an "
+                    "older make run's 5e-5 left greedy success flat over 8 steps)")
     ap.add_argument("--seeds", default="0", help="comma-separated train.seed values: every method runs "
                     "once a seed (its sampling streams and update order); the curves are their mean")
     ap.add_argument("--quick", action="store_true", help="tiny random model, 2 steps, 8 eval episodes")

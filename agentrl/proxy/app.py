@@ -244,10 +244,10 @@ class Proxy:
         return asked
 
     def requests(self, prompt: list[int], req: ChatRequest | CompletionRequest, max_new: int,
-                 logprobs: int, session: Session | None = None) -> list[GenerateRequest]:
+                 logprobs: int, session: Session | None = None, pending: int = 0) -> list[GenerateRequest]:
         if req.n > self.cfg.max_n:
             raise HTTPError(400, f"n: at most {self.cfg.max_n}", param="n")
-        base = req.seed if req.seed is not None else session.next_seed() if session is not None else None
+        base = req.seed if session is None else session.call_seed(prompt, req.seed, pending)
         out = []
         for i in range(req.n):
             seed = None if base is None else (base if i == 0 else request_seed(base, i))
@@ -368,9 +368,10 @@ def _completions(proxy: Proxy) -> Callable[[Request], Awaitable[Response]]:
             prompts.append(ids)
         plans = [session.plan_tokens(p) if session else Plan("completion", p, None, p) for p in prompts]
         reqs = []
-        for plan in plans:
+        for j, plan in enumerate(plans):
             max_new = proxy.max_new_tokens(len(plan.prompt_ids), req.max_tokens, "prompt")
-            reqs += proxy.requests(plan.prompt_ids, req, max_new, req.logprobs or 0, session)
+            same = sum(p.prompt_ids == plan.prompt_ids for p in plans[:j])  # repeats in this request
+            reqs += proxy.requests(plan.prompt_ids, req, max_new, req.logprobs or 0, session, same)
         call_id = f"cmpl-{secrets.token_hex(12)}"
         t1 = time.perf_counter()
         stops = req.stops()

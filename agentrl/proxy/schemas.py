@@ -228,9 +228,10 @@ class SessionRequest(BaseModel):
     session_id: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_.-]{1,128}$", description="Chosen id; default a random one.")
     meta: dict[str, Any] = Field(default_factory=dict, description="Copied into the tree's meta.")
-    seed: int | None = Field(None, description="Base of the session's sampling streams: a call without a "
-                             "seed of its own samples from a stream derived from this seed and the call's "
-                             "index in the session, so a harness that sends no seeds still repeats.")
+    seed: int | None = Field(None, description="Base of the session's sampling streams: each call samples "
+                             "from a stream derived from this seed, its prompt, how many calls with that "
+                             "prompt were recorded before, and its own seed if it sends one; so a harness "
+                             "that sends no seeds, or always the same one, still repeats.")
 
 
 class RewardRequest(BaseModel):

@@ -93,6 +93,10 @@ class Call:
                 "branch": self.branch}
 
 
+def _prompt_digest(ids: list[int]) -> int:
+    return request_seed(*ids) if ids else 0
+
+
 class Session:
     """The calls of one harness episode and the tree they make."""
 
@@ -113,14 +117,21 @@ class Session:
         self._by_prompt: dict[str, Call] = {}  # chain key of a call's messages
         self._by_conv: dict[str, tuple[Call, int]] = {}  # chain key of messages + reply -> choice
         self.seed = seed
-        self._seeds_drawn = 0
+        if seed is not None:
+            self.tree.meta["session_seed"] = seed
+        self._recorded: dict[int, int] = {}  # prompt digest -> calls recorded with that prompt
 
-    def next_seed(self) -> int | None:
-        """The seed of the session's next unseeded request: one stream per request, repeatable."""
+    def call_seed(self, prompt_ids: list[int], own: int | None, pending: int = 0) -> int | None:
+        """A seeded session's stream for a call: from the session seed, the prompt, how many
+        calls with this prompt were recorded before (plus ``pending`` earlier ones in the same
+        request) and the call's own seed. A retry of a call that failed, or was cancelled,
+        gets its stream again; concurrent calls with different prompts do not depend on
+        arrival order; a harness that hard-codes a seed still gets new streams per episode.
+        Unseeded session: the call's own seed, as it is."""
         if self.seed is None:
-            return None
-        self._seeds_drawn += 1
-        return request_seed(self.seed, self._seeds_drawn)
+            return own
+        key = _prompt_digest(prompt_ids)
+        return request_seed(self.seed, key, self._recorded.get(key, 0) + pending, -1 if own is None else own)
 
     # -- planning ------------------------------------------------------------------------
     def plan_chat(self, spec: PromptSpec, tokenizer: Any) -> Plan:
@@ -175,6 +186,8 @@ class Session:
     def record(self, plan: Plan, call_id: str, results: list[GenerateResult], texts: list[str],
                reply_keys: list[str], timing: dict[str, float]) -> Call:
         """Add one node per choice under the plan's parent; returns the call."""
+        key = _prompt_digest(plan.prompt_ids)
+        self._recorded[key] = self._recorded.get(key, 0) + 1
         siblings = self.tree.roots if plan.parent is None else self.tree.nodes[plan.parent].children
         branch = self.branch_info(plan, siblings) if siblings else None
         context = next((self.tree.nodes[s].context_ids for s in siblings

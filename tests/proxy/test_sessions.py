@@ -210,3 +210,18 @@ def test_a_seeded_session_repeats_calls_that_carry_no_seed(hf_server):
     assert other != first
     with pytest.raises(httpx.HTTPStatusError):  # the seed is an integer
         _session(hf_server.url, seed="x")
+
+
+def test_session_streams_follow_the_prompt_and_what_was_recorded():
+    from agentrl.proxy.sessions import Session
+
+    s = Session("a", seed=5)
+    assert s.tree.meta["session_seed"] == 5
+    first = s.call_seed([1, 2, 3], None)
+    assert s.call_seed([1, 2, 3], None) == first  # nothing recorded yet: a retry gets the same stream
+    assert s.call_seed([1, 2, 3], None, pending=1) != first  # a repeat inside one request does not
+    assert s.call_seed([1, 2, 4], None) != first  # another prompt, another stream
+    assert s.call_seed([1, 2, 3], 0) != first != Session("b", seed=6).call_seed([1, 2, 3], None)
+    # A hard-coded seed is mixed with the session's: episodes still differ.
+    assert Session("c", seed=6).call_seed([1, 2, 3], 0) != s.call_seed([1, 2, 3], 0)
+    assert Session("d").call_seed([1, 2, 3], 7) == 7 and Session("e").call_seed([1], None) is None
