@@ -18,9 +18,9 @@ turn 2 and of the last turn, and the prefilled tokens against the sum of the
 context deltas (what a perfect prefix cache prefills) and against the sum of
 the contexts (what no cache prefills). For ``hf`` it also counts the lockstep
 sampling passes, and the passes that exact prompt-lookup speculation would need
-for the same samples (``speculation_estimate``). With the same seed, both configurations
-sample the same tokens; the bench checks that and reports the first turn where
-they differ, if any. Prints a table and writes ``multiturn_cost.json``.
+for the same samples (``speculation_estimate``). With the same seed, both
+configurations sample the same tokens; the bench checks that and reports the
+first turn where they differ, if any. Prints a table and writes ``multiturn_cost.json``.
 
     python bench/multiturn_cost.py [--episodes 8] [--turns 20] [--quick]
     python bench/multiturn_cost.py --model DIR --random-init --device cuda   # cost only, no weights

@@ -47,6 +47,7 @@ __all__ = [
     "assign_report",
     "discounted_returns",
     "dr_grpo",
+    "episode_gae",
     "episode_state_keys",
     "gae",
     "gdpo",
@@ -149,7 +150,8 @@ def _tree_turns(
     raise AssertionError(method)  # batch-level methods are handled by assign_report
 
 
-def _gae(e: Episode, value_fn: Callable[[Episode], Sequence[float]] | None, gamma: float, lam: float) -> Any:
+def episode_gae(e: Episode, value_fn: Callable[[Episode], Sequence[float]] | None, gamma: float,
+                lam: float) -> Any:
     """GAE for one episode; ``value_fn`` may give one value more than turns: the bootstrap
     ``V`` of the state after the last turn, for an episode cut short. An episode the env
     terminated bootstraps with 0 whatever ``value_fn`` says."""
@@ -183,7 +185,7 @@ def _batch_turns(
         if options:
             raise TypeError(f"unknown options for method={method!r}: {sorted(options)}")
         if method == "gae":
-            per_turn = [_gae(e, value_fn, gamma, lam) for e in flat]
+            per_turn = [episode_gae(e, value_fn, gamma, lam) for e in flat]
         else:
             per_turn = [discounted_returns(e.rewards, gamma) for e in flat]
         if level is not None:

@@ -186,8 +186,9 @@ class Session:
     def record(self, plan: Plan, call_id: str, results: list[GenerateResult], texts: list[str],
                reply_keys: list[str], timing: dict[str, float]) -> Call:
         """Add one node per choice under the plan's parent; returns the call."""
-        key = _prompt_digest(plan.prompt_ids)
-        self._recorded[key] = self._recorded.get(key, 0) + 1
+        if self.seed is not None:  # call_seed's count; unseeded sessions need none
+            key = _prompt_digest(plan.prompt_ids)
+            self._recorded[key] = self._recorded.get(key, 0) + 1
         siblings = self.tree.roots if plan.parent is None else self.tree.nodes[plan.parent].children
         branch = self.branch_info(plan, siblings) if siblings else None
         context = next((self.tree.nodes[s].context_ids for s in siblings

@@ -12,9 +12,10 @@ on a shared trunk (PPO's usual head): it needs no optimizer state, so a
 checkpoint holds it as H + 1 numbers and a resumed run continues exactly; it
 adds no backward pass; and with the trunk frozen for it, the value loss cannot
 pull the policy's features. Its cost is one no-grad forward per episode a
-step: credit comes before the old-logprob pass, so that pass cannot serve it. Each step refits ``w`` on the batch's (features,
-lambda-return) pairs (Hoerl and Kennard 1970, ridge) and moves the weights a
-share ``mix`` of the way there, which averages the fits over recent batches.
+step: credit comes before the old-logprob pass, so that pass cannot serve it.
+Each step refits ``w`` on the batch's (features, lambda-return) pairs (Hoerl
+and Kennard 1970, ridge) and moves the weights a share ``mix`` of the way
+there, which averages the fits over recent batches.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..credit import gae
+from ..credit import episode_gae
 from ..types import Episode
 
 __all__ = ["ValueHead", "ValueHeadConfig", "next_context", "ridge_fit", "turn_features"]
@@ -98,9 +99,9 @@ class ValueHead:
         rows, targets = [], []
         for f, ep, v in zip(features, episodes, values, strict=True):
             turns = ep.num_turns  # a further row is the bootstrap state, which has no target of its own
-            last = float(v[turns]) if len(v) > turns else 0.0
             rows.append(f[:turns])
-            targets.append(torch.tensor(gae(ep.rewards, v[:turns].tolist(), gamma, lam, last)) + v[:turns])
+            adv = episode_gae(ep, lambda _, v=v: v.tolist(), gamma, lam)  # the bootstrap as credit reads it
+            targets.append(torch.tensor(adv) + v[:turns])
         x, targets = torch.cat(rows), torch.cat(targets)
         before = float(((self(x) - targets) ** 2).mean())
         self.w = (1 - self.cfg.mix) * self.w + self.cfg.mix * ridge_fit(x, targets, self.cfg.l2)
