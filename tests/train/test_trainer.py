@@ -324,14 +324,16 @@ def test_lora_training_raises_held_out_success(tmp_path):
     """The same toy task as the GRPO test, trained through peft adapters only."""
     pytest.importorskip("peft", reason="trainable=lora needs peft (pip install peft)")
     torch.set_num_threads(1)
-    lora = ("train.trainable=lora", "train.lora={r: 8, alpha: 16}", "train.steps=6", "train.lr=5e-2",
-            "train.export_hf=true")
+    lora = ("train.trainable=lora", "train.lora={r: 8, alpha: 16}", "train.steps=8", "train.lr=1e-1",
+            "train.eval_episodes=128", "train.export_hf=true")
     trained = train(toy_config(tmp_path / "lora", *lora), progress=False)
     start, end = trained["phases"]["start"], trained["phases"]["end"]
     print(f"lora: held-out success {start:.3f} -> {end:.3f}")
     # Slower than full fine-tuning (which reaches >= 0.9 in 4 steps): the adapters cannot touch
-    # the tied embedding/LM head, where this 2-layer model keeps most of what it says.
-    assert end >= start + 0.15, trained["phases"]
+    # the tied embedding/LM head, where this 2-layer model keeps most of what it says. Over
+    # train.seed 0-4 this gained +0.19 to +0.32 on 128 held-out episodes. The old 6 steps at lr 5e-2,
+    # judged on 32 episodes, gained 0 to +0.31 and failed on another CPU's float rounding.
+    assert end >= start + 0.1, trained["phases"]
     # The export merges the adapters: a plain transformers model with the trained behaviour.
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(Path(trained["checkpoint"]) / "hf"))
