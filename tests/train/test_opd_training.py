@@ -80,27 +80,59 @@ def sft_teacher(tmp_path_factory):
     return str(out / "hf")
 
 
+def _action_logprobs(model: torch.nn.Module, ids: torch.Tensor, action: torch.Tensor, temperature: float = 1.0):
+    """Log-probs over the vocabulary at the positions that predict action tokens: ``[n_action, V]``."""
+    return torch.log_softmax(model(ids).logits[0, :-1][action] / temperature, -1)
+
+
+def _held_out_episodes(trainer: Trainer, seeds: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(input_ids [1, L], action mask [L - 1])`` of fresh student rollouts; the mask marks the
+    positions that predict an action token."""
+    trees = collect(trainer.cfg.env.id, trainer.policy, trainer.cfg, seeds)
+    return [(torch.tensor([ep.input_ids]), torch.tensor(ep.loss_mask[1:], dtype=torch.bool))
+            for tree in trees for ep in tree.episodes()]
+
+
 def held_out_reverse_kl(trainer: Trainer, teacher: torch.nn.Module, seeds: list[int]) -> float:
     """Exact KL(pi_s || pi_t) over the vocabulary, averaged over the action tokens of fresh student rollouts."""
-    trees = collect(trainer.cfg.env.id, trainer.policy, trainer.cfg, seeds)
     kls = []
     with torch.no_grad():
-        for tree in trees:
-            for ep in tree.episodes():
-                ids = torch.tensor([ep.input_ids])
-                action = torch.tensor(ep.loss_mask[1:], dtype=torch.bool)  # predicted from t - 1
-                s = torch.log_softmax(trainer.net(ids).logits[0, :-1] / trainer.temperature, -1)
-                t = torch.log_softmax(teacher(ids).logits[0, :-1], -1)
-                kls.append((s.exp() * (s - t)).sum(-1)[action])
+        for ids, action in _held_out_episodes(trainer, seeds):
+            s = _action_logprobs(trainer.net, ids, action, trainer.temperature)
+            t = _action_logprobs(teacher, ids, action)
+            kls.append((s.exp() * (s - t)).sum(-1))
     return float(torch.cat(kls).mean())
 
 
-def opd_run(tmp_path, teacher: str, lr: float, steps: int = 4, options: str = "") -> tuple[float, float, list[dict]]:
-    cfg = load_train_config(None, GUESS + [
+def fixed_support_lsm(trainer: Trainer, teacher: torch.nn.Module,
+                      episodes: list[tuple[torch.Tensor, torch.Tensor]], k: int):
+    """A function giving the mean LSM over ``episodes``' action tokens on a fixed support: the
+    student's top-k when this is called. Only the weights change between calls."""
+    from agentrl.train.distill import local_support_matching
+
+    with torch.no_grad():
+        support = [_action_logprobs(trainer.net, ids, a).topk(k).indices for ids, a in episodes]
+
+    def measure() -> float:
+        with torch.no_grad():
+            return float(torch.cat([local_support_matching(
+                _action_logprobs(trainer.net, ids, a, trainer.temperature).gather(-1, ids_k),
+                _action_logprobs(teacher, ids, a).gather(-1, ids_k))
+                for (ids, a), ids_k in zip(episodes, support, strict=True)]).mean())
+    return measure
+
+
+def opd_trainer(tmp_path, teacher: str, lr: float, steps: int, options: str = "") -> Trainer:
+    """GuessNumber at temperature 0.1, 4 tasks x 4 episodes a step, distillation the only signal."""
+    return Trainer(load_train_config(None, GUESS + [
         "sampling.temperature=0.1", "rollout.group_size=4", "train.tasks_per_step=4",
         "train.credit=none", f"train.distill={{teacher: {teacher}{options}}}", f"train.lr={lr}",
-        f"train.steps={steps}", "train.minibatch_size=16", f"train.out_dir={tmp_path}"])
-    tr = Trainer(cfg, progress=False)
+        f"train.steps={steps}", "train.minibatch_size=16", f"train.out_dir={tmp_path}"]), progress=False)
+
+
+def opd_run(tmp_path, teacher: str, lr: float, steps: int = 4, options: str = "") -> tuple[float, float, list[dict]]:
+    """Held-out exact reverse KL before and after ``steps`` of distillation, and each step's stats."""
+    tr = opd_trainer(tmp_path, teacher, lr, steps, options)
     held_out = list(range(1000, 1008))
     before = held_out_reverse_kl(tr, tr.distiller.teacher, held_out)
     bars, log = _Bars(tr.console, False), []
@@ -124,25 +156,38 @@ def test_opd_lowers_teacher_student_kl_on_held_out_rollouts_where_lr_zero_does_n
     assert frozen_after == pytest.approx(frozen_before)
 
 
-@pytest.mark.parametrize("signal", ["topk_reverse_kl", "lsm", "forward_kl", "jsd"])
+@pytest.mark.parametrize("signal", ["topk_reverse_kl", "forward_kl", "jsd"])
 def test_distribution_level_signals_lower_the_exact_kl_on_held_out_rollouts(tmp_path, sft_teacher, signal):
-    """Each top-k signal, as the only training signal, pulls the student toward the teacher.
-
-    LSM compares the two only in relative terms on the student's top-K, blind to
-    the mass outside it, so for LSM the outcome is its own divergence falling;
-    the full-vocabulary KL is what the other three must lower.
-    """
+    """Each top-k signal, as the only training signal, pulls the student toward the teacher."""
     torch.set_num_threads(1)
     before, after, log = opd_run(tmp_path, sft_teacher, lr=1e-2, steps=3, options=f", signal: {signal}, top_k: 8")
     key = f"loss/distill_{signal}"
     print(f"{signal}: held-out KL(student || teacher) {before:.3f} -> {after:.3f}; "
           f"{key} by step {[round(r[key], 3) for r in log]}")
-    assert all(key in r for r in log) and log[-1][key] < 0.7 * log[0][key]
-    if signal != "lsm":
-        assert after < 0.7 * before, (before, after)
+    assert all(key in r for r in log)
+    assert after < 0.7 * before, (before, after)
 
 
-# --------------------------------------------------------------------------- privileged context
+def test_lsm_lowers_itself_on_the_batch_and_support_it_trained_on(tmp_path, sft_teacher):
+    """LSM matches the teacher's relative preferences on the student's top-K, blind to the mass
+    outside it, so it promises no fall of the full KL, nor of LSM on later batches: the student's
+    top-K moves (3 steps at lr 1e-2 raised held-out LSM on 2 of 5 train.seed values). What one
+    update must do is lower LSM on the contexts and support it was computed on. At lr 1e-3 it
+    did so by 33-48% over train.seed 0-4; at lr 1e-2 the step overshoots (the student's
+    logits are divided by the temperature 0.1) and LSM rose on all five."""
+    torch.set_num_threads(1)
+    tr = opd_trainer(tmp_path, sft_teacher, lr=1e-3, steps=1, options=", signal: lsm, top_k: 8")
+    bars = _Bars(tr.console, False)
+    trees, _ = tr.rollout(0, bars)
+    episodes = [(torch.tensor([ep.input_ids]), torch.tensor(ep.loss_mask[1:], dtype=torch.bool))
+                for tree in trees for ep in tree.episodes()]
+    lsm = fixed_support_lsm(tr, tr.distiller.teacher, episodes, k=8)
+    before = lsm()
+    stats = tr.learn(trees, 0, bars)
+    after = lsm()
+    print(f"lsm on the trained batch: {before:.3f} -> {after:.3f}; logged {stats['loss/distill_lsm']:.3f}")
+    assert stats["loss/distill_lsm"] == pytest.approx(before, rel=0.1)  # what the update saw
+    assert after < 0.8 * before, (before, after)
 
 
 def test_teacher_self_needs_privileged_context():

@@ -53,16 +53,20 @@ def test_sft_command_clones_the_expert(tmp_path):
     args = ["sft", "--no-progress", "--out", str(tmp_path), "--episodes", "32"]
     for item in GUESS + ["policy.model=tiny-random", "sampling.temperature=0", "train.eval_episodes=16",
                          "train.micro_batch_tokens=2048", "train.tensorboard=false", "train.plot=false",
-                         "sft.epochs=6", "sft.lr=1e-2", "sft.minibatch_size=8"]:
+                         "sft.epochs=8", "sft.lr=5e-3", "sft.minibatch_size=8"]:
         args += ["--set", item]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     start = next(r for r in rows if r["phase"] == "start")
     sft = next(r for r in rows if r["phase"] == "sft")
-    assert sft["sft/episodes"] == 32 and sft["sft/optimizer_steps"] == 6 * 4
+    assert sft["sft/episodes"] == 32 and sft["sft/optimizer_steps"] == 8 * 4
+    print(f"sft: expert NLL {sft['sft/nll_before']:.2f} -> {sft['sft/nll_after']:.2f}, "
+          f"greedy held-out success {start['eval/success']:.3f} -> {sft['eval/success']:.3f}")
+    # Over train.seed 0-4: NLL 0.36-0.53 after, success 0.625 each. At lr 1e-2 for 6 epochs one
+    # seed of five did not converge (NLL 1.54, success 0).
     assert sft["sft/nll_before"] > 8.0 and sft["sft/nll_after"] < 1.0
-    assert start["eval/success"] == 0.0 and sft["eval/success"] >= 0.1
+    assert start["eval/success"] == 0.0 and sft["eval/success"] >= 0.3
     assert "after_sft" in res.output and "after RL" not in res.output  # SFT only: no RL row
     assert (tmp_path / "checkpoints" / "step-000000" / "hf" / "config.json").exists()
 

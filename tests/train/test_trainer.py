@@ -346,7 +346,7 @@ def test_kl_to_the_reference_holds_the_policy_near_its_start(tmp_path, trainable
 
     The reference is a frozen copy of the starting weights (full) or the model with its
     adapters switched off (LoRA). Closeness is the exact KL(pi || pi_start) of the first
-    reply token's distribution on held-out task prompts, after 3 steps with and without
+    reply token's distribution on held-out task prompts, after training with and without
     the penalty.
     """
     if trainable == "lora":
@@ -365,23 +365,27 @@ def test_kl_to_the_reference_holds_the_policy_near_its_start(tmp_path, trainable
             return torch.log_softmax(model(prompts).logits[:, -1] / 0.1, -1)  # the toy samples at 0.1
 
     p0 = first_token_logp(load_model("tiny-random")[0])
+    # Over train.seed 0-4 the ratio KL(with) / KL(without) was 0.19-0.49 for full (6 steps, coef
+    # 20) and 0.57-0.82 for LoRA (8 steps, coef 5). Three steps at coef 5, judged at 0.95, failed
+    # on 4 of those 10 runs: Adam moves each weight by about lr per step whatever the loss scale,
+    # so the penalty needs steps to pull back, and this KL at temperature 0.1 is noisy.
+    steps, penalty, lr = (8, 5.0, 3e-2) if trainable == "lora" else (6, 20.0, 1e-2)
     kls, logged = {}, {}
-    for coef in (0.0, 5.0):
+    for coef in (0.0, penalty):
         policy = HFPolicy(*load_model("tiny-random"))
-        args = ("train.steps=3", f"train.trainable={trainable}", f"train.loss={{kl_coef: {coef}}}",
-                "train.eval_episodes=0", "train.minibatch_size=64",
-                "train.lr=3e-2" if trainable == "lora" else "train.lr=1e-2")
+        args = (f"train.steps={steps}", f"train.trainable={trainable}", f"train.loss={{kl_coef: {coef}}}",
+                "train.eval_episodes=0", "train.minibatch_size=64", f"train.lr={lr}")
         train(toy_config(tmp_path / f"kl{coef}", *args), policy=policy, progress=False)
         p = first_token_logp(policy.model)
         kls[coef] = float((p.exp() * (p - p0)).sum(-1).mean())
         rl = [r for r in _rows(tmp_path / f"kl{coef}" / "metrics.jsonl") if r.get("phase") == "rl"]
         logged[coef] = [r.get("loss/kl") for r in rl]
-    print(f"{trainable}: KL(pi || pi_start) without penalty {kls[0.0]:.4f}, with {kls[5.0]:.4f}")
+    print(f"{trainable}: KL(pi || pi_start) without penalty {kls[0.0]:.4f}, with {kls[penalty]:.4f}")
     assert kls[0.0] > 1e-2  # training moved the policy
-    # Measured: full 9.9 -> 7.2, LoRA 3.0 -> 2.7. Modest: the first step moves by about lr
+    # Seed 0 measured full 9.9 -> 4.9, LoRA 3.2 -> 2.1. Modest: the first step moves by about lr
     # whatever the penalty (its gradient is 0 at the reference), and k3 on sampled tokens
     # only pushes back tokens the policy actually sampled.
-    assert kls[5.0] < 0.95 * kls[0.0], kls
-    assert logged[0.0] == [None] * 3  # no KL term, no KL statistic
-    assert logged[5.0][0] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference
-    assert logged[5.0][-1] > 0
+    assert kls[penalty] < (0.9 if trainable == "lora" else 0.7) * kls[0.0], kls
+    assert logged[0.0] == [None] * steps  # no KL term, no KL statistic
+    assert logged[penalty][0] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference
+    assert logged[penalty][-1] > 0
