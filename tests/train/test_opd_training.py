@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -60,6 +62,38 @@ def test_credit_none_needs_a_teacher_and_a_teacher_must_load(tokenizer):
     assert TrainConfig(credit="none", distill={"teacher": "tiny-random"}).distill.weight == 1.0
     with pytest.raises(ConfigError, match="train.distill.teacher='no-such-model'"):
         load_teacher("no-such-model", tokenizer, torch.device("cpu"))
+
+
+def test_a_vllm_teacher_gets_the_context_length_and_must_share_the_students_tokenizer(monkeypatch, tokenizer):
+    import agentrl.policy.vllm as vllm_mod
+    from agentrl.train.opd import load_vllm_teacher
+
+    started, closed = [], []
+
+    class Engine:  # stands in for VLLMPolicy: the real one needs .venv-vllm
+        def __init__(self, name, **kwargs):
+            started.append((name, kwargs))
+            self.tokenizer = tokenizer if name == "same" else SimpleNamespace(get_vocab=lambda: {"a": 0})
+
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setattr(vllm_mod, "VLLMPolicy", Engine)
+    teacher = load_vllm_teacher("same", tokenizer, 512, gpu_memory_utilization=0.3)
+    assert isinstance(teacher, Engine) and not closed
+    assert started == [("same", {"max_model_len": 512, "gpu_memory_utilization": 0.3})]
+    load_vllm_teacher("same", tokenizer, 512, max_model_len=128)  # the config refuses this; so does the loader
+    assert started[-1][1]["max_model_len"] == 512
+    with pytest.raises(ConfigError, match="'vllm:other' has another tokenizer"):
+        load_vllm_teacher("other", tokenizer, 512)
+    assert closed == [True]  # the engine it started is not left running
+
+    def cannot_start(name, **kwargs):
+        raise RuntimeError("no memory for the KV cache")
+
+    monkeypatch.setattr(vllm_mod, "VLLMPolicy", cannot_start)
+    with pytest.raises(ConfigError, match=r"teacher='vllm:big': cannot start it \(no memory for the KV cache\)"):
+        load_vllm_teacher("big", tokenizer, 512)
 
 
 # --------------------------------------------------------------------------- it distills
