@@ -244,7 +244,7 @@ def load_vllm_teacher(name: str, student_tokenizer: Any, max_len: int, **engine:
     from ..policy.vllm import VLLMPolicy
 
     try:
-        teacher = VLLMPolicy(name, **{**engine, "max_model_len": max_len})  # never shorter than the rollouts
+        teacher = VLLMPolicy(name, **{**engine, "max_model_len": max_len})  # the rollouts set it
     except Exception as e:
         raise ConfigError(f"train.distill.teacher='vllm:{name}': cannot start it ({e})") from e
     if teacher.tokenizer.get_vocab() != student_tokenizer.get_vocab():

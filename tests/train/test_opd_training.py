@@ -82,7 +82,7 @@ def test_a_vllm_teacher_gets_the_context_length_and_must_share_the_students_toke
     teacher = load_vllm_teacher("same", tokenizer, 512, gpu_memory_utilization=0.3)
     assert isinstance(teacher, Engine) and not closed
     assert started == [("same", {"max_model_len": 512, "gpu_memory_utilization": 0.3})]
-    load_vllm_teacher("same", tokenizer, 512, max_model_len=128)  # the config refuses this; so does the loader
+    load_vllm_teacher("same", tokenizer, 512, max_model_len=128)  # the config refuses this key; the loader overrides it
     assert started[-1][1]["max_model_len"] == 512
     with pytest.raises(ConfigError, match="'vllm:other' has another tokenizer"):
         load_vllm_teacher("other", tokenizer, 512)
@@ -119,12 +119,16 @@ def _action_logprobs(model: torch.nn.Module, ids: torch.Tensor, action: torch.Te
     return torch.log_softmax(model(ids).logits[0, :-1][action] / temperature, -1)
 
 
-def _held_out_episodes(trainer: Trainer, seeds: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(input_ids [1, L], action mask [L - 1])`` of fresh student rollouts; the mask marks the
-    positions that predict an action token."""
-    trees = collect(trainer.cfg.env.id, trainer.policy, trainer.cfg, seeds)
+def _episode_tensors(trees) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(input_ids [1, L], action mask [L - 1])`` per episode; the mask marks the positions
+    that predict an action token."""
     return [(torch.tensor([ep.input_ids]), torch.tensor(ep.loss_mask[1:], dtype=torch.bool))
             for tree in trees for ep in tree.episodes()]
+
+
+def _held_out_episodes(trainer: Trainer, seeds: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fresh student rollouts of ``seeds``, as ``_episode_tensors``."""
+    return _episode_tensors(collect(trainer.cfg.env.id, trainer.policy, trainer.cfg, seeds))
 
 
 def held_out_reverse_kl(trainer: Trainer, teacher: torch.nn.Module, seeds: list[int]) -> float:
@@ -138,21 +142,32 @@ def held_out_reverse_kl(trainer: Trainer, teacher: torch.nn.Module, seeds: list[
     return float(torch.cat(kls).mean())
 
 
-def fixed_support_lsm(trainer: Trainer, teacher: torch.nn.Module,
-                      episodes: list[tuple[torch.Tensor, torch.Tensor]], k: int):
-    """A function giving the mean LSM over ``episodes``' action tokens on a fixed support: the
-    student's top-k when this is called. Only the weights change between calls."""
-    from agentrl.train.distill import local_support_matching
+def fixed_support_lsm(trainer: Trainer, episodes: list[tuple[torch.Tensor, torch.Tensor]], k: int):
+    """A function giving the trainer's LSM over ``episodes``' action tokens on a fixed support: the
+    student's top-k when this is called, without special ids, as the distiller builds it. Only the
+    weights change between calls."""
+    from agentrl.train.opd import distribution_loss
 
+    d = trainer.distiller
     with torch.no_grad():
-        support = [_action_logprobs(trainer.net, ids, a).topk(k).indices for ids, a in episodes]
+        support = []
+        for ids, a in episodes:
+            top = _action_logprobs(trainer.net, ids, a).topk(k).indices
+            keep = top < d._vocab
+            if d._special is not None:
+                keep &= ~torch.isin(top, d._special)
+            support.append((top, keep))
 
     def measure() -> float:
+        total, n = 0.0, 0
         with torch.no_grad():
-            return float(torch.cat([local_support_matching(
-                _action_logprobs(trainer.net, ids, a, trainer.temperature).gather(-1, ids_k),
-                _action_logprobs(teacher, ids, a).gather(-1, ids_k))
-                for (ids, a), ids_k in zip(episodes, support, strict=True)]).mean())
+            for (ids, a), (top, keep) in zip(episodes, support, strict=True):
+                s = _action_logprobs(trainer.net, ids, a, trainer.temperature).gather(-1, top)
+                t = _action_logprobs(d.teacher, ids, a, d.cfg.teacher_temperature).gather(-1, top)
+                ones = torch.ones(1, len(top))
+                _, stats = distribution_loss(s[None], t[None], keep[None], ones, ones, d.cfg)
+                total, n = total + stats["loss/distill_lsm"] * len(top), n + len(top)
+        return total / n
     return measure
 
 
@@ -198,29 +213,28 @@ def test_distribution_level_signals_lower_the_exact_kl_on_held_out_rollouts(tmp_
     key = f"loss/distill_{signal}"
     print(f"{signal}: held-out KL(student || teacher) {before:.3f} -> {after:.3f}; "
           f"{key} by step {[round(r[key], 3) for r in log]}")
-    assert all(key in r for r in log)
+    assert all(key in r for r in log) and log[-1][key] < 0.7 * log[0][key]
     assert after < 0.7 * before, (before, after)
 
 
 def test_lsm_lowers_itself_on_the_batch_and_support_it_trained_on(tmp_path, sft_teacher):
     """LSM matches the teacher's relative preferences on the student's top-K, blind to the mass
     outside it, so it promises no fall of the full KL, nor of LSM on later batches: the student's
-    top-K moves (3 steps at lr 1e-2 raised held-out LSM on 2 of 5 train.seed values). What one
-    update must do is lower LSM on the contexts and support it was computed on. At lr 1e-3 it
-    did so by 33-48% over train.seed 0-4; at lr 1e-2 the step overshoots (the student's
-    logits are divided by the temperature 0.1) and LSM rose on all five."""
+    top-K moves. What one update must do is lower LSM on the contexts and support it was computed
+    on. Measured once over train.seed 0-4 (not parametrized here): at lr 1e-3 it fell by 33-48%;
+    at lr 1e-2 the step overshoots (the student's logits are divided by the temperature 0.1) and
+    LSM rose on all five, and 3 such steps raised held-out LSM on 2 of the five."""
     torch.set_num_threads(1)
     tr = opd_trainer(tmp_path, sft_teacher, lr=1e-3, steps=1, options=", signal: lsm, top_k: 8")
     bars = _Bars(tr.console, False)
     trees, _ = tr.rollout(0, bars)
-    episodes = [(torch.tensor([ep.input_ids]), torch.tensor(ep.loss_mask[1:], dtype=torch.bool))
-                for tree in trees for ep in tree.episodes()]
-    lsm = fixed_support_lsm(tr, tr.distiller.teacher, episodes, k=8)
+    lsm = fixed_support_lsm(tr, _episode_tensors(trees), k=8)
     before = lsm()
     stats = tr.learn(trees, 0, bars)
     after = lsm()
     print(f"lsm on the trained batch: {before:.3f} -> {after:.3f}; logged {stats['loss/distill_lsm']:.3f}")
-    assert stats["loss/distill_lsm"] == pytest.approx(before, rel=0.1)  # what the update saw
+    assert stats["train/optimizer_steps"] == 1
+    assert stats["loss/distill_lsm"] == pytest.approx(before, rel=1e-3)  # the same quantity the update saw
     assert after < 0.8 * before, (before, after)
 
 

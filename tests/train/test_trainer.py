@@ -365,11 +365,11 @@ def test_kl_to_the_reference_holds_the_policy_near_its_start(tmp_path, trainable
             return torch.log_softmax(model(prompts).logits[:, -1] / 0.1, -1)  # the toy samples at 0.1
 
     p0 = first_token_logp(load_model("tiny-random")[0])
-    # Over train.seed 0-4 the ratio KL(with) / KL(without) was 0.19-0.49 for full (6 steps, coef
-    # 20) and 0.57-0.82 for LoRA (8 steps, coef 5). Three steps at coef 5, judged at 0.95, failed
-    # on 4 of those 10 runs: Adam moves each weight by about lr per step whatever the loss scale,
-    # so the penalty needs steps to pull back, and this KL at temperature 0.1 is noisy.
-    steps, penalty, lr = (8, 5.0, 3e-2) if trainable == "lora" else (6, 20.0, 1e-2)
+    # Measured once over train.seed 0-4: the ratio KL(with) / KL(without) was 0.19-0.49 for full
+    # (6 steps, coef 20) and 0.44-0.70 for LoRA (8 steps, coef 10). Three steps at coef 5, judged
+    # at 0.95, failed on 4 of those 10 runs: Adam moves each weight by about lr per step whatever
+    # the loss scale, so the penalty needs steps to pull back, and this KL at temperature 0.1 is noisy.
+    steps, penalty, lr = (8, 10.0, 3e-2) if trainable == "lora" else (6, 20.0, 1e-2)
     kls, logged = {}, {}
     for coef in (0.0, penalty):
         policy = HFPolicy(*load_model("tiny-random"))
@@ -382,10 +382,10 @@ def test_kl_to_the_reference_holds_the_policy_near_its_start(tmp_path, trainable
         logged[coef] = [r.get("loss/kl") for r in rl]
     print(f"{trainable}: KL(pi || pi_start) without penalty {kls[0.0]:.4f}, with {kls[penalty]:.4f}")
     assert kls[0.0] > 1e-2  # training moved the policy
-    # Seed 0 measured full 9.9 -> 4.9, LoRA 3.2 -> 2.1. Modest: the first step moves by about lr
+    # Seed 0 measured full 9.9 -> 4.9, LoRA 3.2 -> 2.2. Modest: the first step moves by about lr
     # whatever the penalty (its gradient is 0 at the reference), and k3 on sampled tokens
     # only pushes back tokens the policy actually sampled.
-    assert kls[penalty] < (0.9 if trainable == "lora" else 0.7) * kls[0.0], kls
+    assert kls[penalty] < (0.85 if trainable == "lora" else 0.7) * kls[0.0], kls
     assert logged[0.0] == [None] * steps  # no KL term, no KL statistic
     assert logged[penalty][0] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference
     assert logged[penalty][-1] > 0
