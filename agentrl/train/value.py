@@ -14,7 +14,7 @@ adds no backward pass; and with the trunk frozen for it, the value loss cannot
 pull the policy's features. Its cost is one no-grad forward per episode a
 step: credit comes before the old-logprob pass, so that pass cannot serve it.
 Each step refits ``w`` on the batch's (features, lambda-return) pairs (Hoerl
-and Kennard 1970, ridge, on standardised features) and moves the weights a share ``mix`` of the way
+and Kennard 1970, ridge) and moves the weights a share ``mix`` of the way
 there, which averages the fits over recent batches.
 """
 
@@ -37,31 +37,18 @@ class ValueHeadConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    l2: float = Field(1.0, ge=0.0, description="Ridge penalty on the weights of the standardised "
-                      "features (not the bias).")
+    l2: float = Field(1.0, ge=0.0, description="Ridge penalty on the weights (not the bias).")
     mix: float = Field(0.5, gt=0.0, le=1.0, description="Share of the way from the old weights to "
                        "each step's fit (1: use the newest fit alone).")
 
 
 def ridge_fit(x: torch.Tensor, y: torch.Tensor, l2: float) -> torch.Tensor:
-    """Ridge regression of ``y`` on ``x`` with an unpenalised bias: the weights in ``x``'s own units, bias last.
-
-    The penalty ``l2 |w|^2`` applies to the weights of the standardised features
-    (each column scaled to mean 0 and standard deviation 1 over ``x``), so it
-    shrinks every feature alike whatever its scale: a hidden state's few
-    large-magnitude dimensions would otherwise go almost unpenalised. Without
-    a penalty this is least squares, which scaling does not change. Float64
-    normal equations.
-    """
-    x, y = x.double(), y.double()
-    mean, sd = x.mean(0), x.std(0, unbiased=False)
-    sd = torch.where(sd > 0, sd, torch.ones_like(sd))  # a constant column: the bias carries it
-    a = torch.cat([(x - mean) / sd, torch.ones(len(x), 1, dtype=torch.float64)], dim=1)
+    """``argmin_w |[x, 1] w - y|^2 + l2 |w[:-1]|^2``: the weights, bias last (float64 normal equations)."""
+    a = torch.cat([x.double(), torch.ones(len(x), 1, dtype=torch.float64)], dim=1)
     penalty = torch.full((a.shape[1],), float(l2), dtype=torch.float64)
     penalty[-1] = 0.0  # the bias is not shrunk
-    solution = torch.linalg.lstsq(a.T @ a + torch.diag(penalty), a.T @ y).solution
-    w = solution[:-1] / sd
-    return torch.cat([w, solution[-1:] - (w * mean).sum()]).float()
+    gram = a.T @ a + torch.diag(penalty)
+    return torch.linalg.lstsq(gram, a.T @ y.double()).solution.float()
 
 
 def next_context(episode: Episode) -> list[int]:

@@ -21,22 +21,6 @@ def test_ridge_fit_solves_least_squares_with_an_unpenalised_bias():
     assert w[:2].abs().max() < 1e-6 and float(w[2]) == pytest.approx(2.0, abs=1e-5)
 
 
-def test_ridge_penalises_standardised_features_so_units_do_not_matter():
-    y = torch.tensor([0.0, 2.0])
-    # x = [0, 2]: mean 1, sd 1, z = [-1, 1]. Bias = mean y = 1; w_z = sum z (y - 1) / (sum z^2 + l2)
-    # = 2 / (2 + 2) = 0.5; in x's units w = 0.5 / 1 and bias 1 - 0.5 * 1: predictions 0.5, 1.5.
-    w = ridge_fit(torch.tensor([[0.0], [2.0]]), y, l2=2.0)
-    assert w.tolist() == pytest.approx([0.5, 0.5], abs=1e-6)
-    # The same feature in units 1000 times smaller: the same shrinkage, the same predictions.
-    # (A penalty on raw weights would leave it almost unshrunk: predictions 0 and 2.)
-    big = torch.tensor([[0.0], [2000.0]])
-    w_big = ridge_fit(big, y, l2=2.0)
-    assert w_big.tolist() == pytest.approx([0.0005, 0.5], abs=1e-6)
-    # A constant column carries nothing; the bias does.
-    w_const = ridge_fit(torch.tensor([[0.0, 7.0], [2.0, 7.0]]), y, l2=2.0)
-    assert (torch.tensor([[0.0, 7.0, 1.0], [2.0, 7.0, 1.0]]) @ w_const).tolist() == pytest.approx([0.5, 1.5], abs=1e-5)
-
-
 def test_the_head_fits_lambda_returns_by_hand():
     ep = Episode.from_path([Node(context_ids=[1, 2], action_ids=[3], reward=0.0),
                             Node(context_ids=[4], action_ids=[5], reward=1.0, terminated=True)])
