@@ -146,17 +146,16 @@ def fixed_support_lsm(trainer: Trainer, episodes: list[tuple[torch.Tensor, torch
     """A function giving the trainer's LSM over ``episodes``' action tokens on a fixed support: the
     student's top-k when this is called, without special ids, as the distiller builds it. Only the
     weights change between calls."""
-    from agentrl.train.opd import distribution_loss
+    from agentrl.train.opd import build_support, distribution_loss
 
     d = trainer.distiller
     with torch.no_grad():
         support = []
         for ids, a in episodes:
             top = _action_logprobs(trainer.net, ids, a).topk(k).indices
-            keep = top < d._vocab
-            if d._special is not None:
-                keep &= ~torch.isin(top, d._special)
-            support.append((top, keep))
+            kept, _ = build_support(top, torch.zeros(top.shape), top, torch.zeros(top.shape), both=False,
+                                    special=d._special, vocab=d._vocab)  # LSM: the student's top-k alone
+            support.append((top, kept >= 0))
 
     def measure() -> float:
         total, n = 0.0, 0
