@@ -244,10 +244,10 @@ class Proxy:
         return asked
 
     def requests(self, prompt: list[int], req: ChatRequest | CompletionRequest, max_new: int,
-                 logprobs: int, session: Session | None = None, pending: int = 0) -> list[GenerateRequest]:
+                 logprobs: int, session: Session | None = None, call_id: str = "") -> list[GenerateRequest]:
         if req.n > self.cfg.max_n:
             raise HTTPError(400, f"n: at most {self.cfg.max_n}", param="n")
-        base = req.seed if session is None else session.call_seed(prompt, req.seed, pending)
+        base = req.seed if session is None else session.call_seed(prompt, req.seed, call_id)
         out = []
         for i in range(req.n):
             seed = None if base is None else (base if i == 0 else request_seed(base, i))
@@ -274,11 +274,18 @@ class _Reply(Response):
 
     def __init__(self, proxy: Proxy, reqs: list[GenerateRequest],
                  finish: Callable[[list[GenerateResult]], tuple[Any, int]], stream: bool,
-                 on_cancel: Callable[[], None]):
+                 on_cancel: Callable[[], None], on_end: Callable[[], None] = lambda: None):
         self.proxy, self.reqs, self.finish, self.stream, self.on_cancel = proxy, reqs, finish, stream, on_cancel
+        self.on_end = on_end  # always, last: frees what a call that was not recorded held
         self.background = None
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        try:
+            await self._reply(scope, receive, send)
+        finally:
+            self.on_end()
+
+    async def _reply(self, scope: dict, receive: Callable, send: Callable) -> None:
         gen = asyncio.ensure_future(self.proxy.generate(self.reqs))
         watch = asyncio.ensure_future(_disconnected(receive))
         try:
@@ -323,8 +330,13 @@ def _chat(proxy: Proxy) -> Callable[[Request], Awaitable[Response]]:
             "chat", render_ids(proxy.tokenizer, spec.template, True, **spec.template_kwargs), None, []))
         max_new = proxy.max_new_tokens(len(plan.prompt_ids), req.max_tokens, "messages")
         top = (req.top_logprobs or 0) if req.logprobs else 0
-        reqs = proxy.requests(plan.prompt_ids, req, max_new, top, session)
         call_id = f"chatcmpl-{secrets.token_hex(12)}"
+        release = _release(session, call_id)
+        try:
+            reqs = proxy.requests(plan.prompt_ids, req, max_new, top, session, call_id)
+        except BaseException:  # a bad request holds no streams
+            release()
+            raise
         t1 = time.perf_counter()
         stops = req.stops()
 
@@ -341,13 +353,14 @@ def _chat(proxy: Proxy) -> Callable[[Request], Awaitable[Response]]:
                 timing = {"render_s": t1 - t0, "generate_s": time.perf_counter() - t1, "time": time.time()}
                 session.record(plan, call_id, results, [c.text for c in choices],
                                [canonical_key(c.message) for c in choices], timing)  # type: ignore[arg-type]
+                session.keep_streams(call_id)
             opts = req.model_dump(include={"logprobs", "top_logprobs", "return_token_ids", "stream_options"})
             build = replies.chat_chunks if req.stream else replies.chat_body
             body = build(call_id, proxy.cfg.served_model_name, choices, plan.prompt_ids, reused, opts,
                          proxy.tokenizer)
             return body, min(r.version for r in results)
 
-        return _Reply(proxy, reqs, finish, req.stream, _cancelled(session, call_id))
+        return _Reply(proxy, reqs, finish, req.stream, _cancelled(session, call_id), release)
 
     return chat
 
@@ -367,12 +380,16 @@ def _completions(proxy: Proxy) -> Callable[[Request], Awaitable[Response]]:
                 raise HTTPError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
             prompts.append(ids)
         plans = [session.plan_tokens(p) if session else Plan("completion", p, None, p) for p in prompts]
-        reqs = []
-        for j, plan in enumerate(plans):
-            max_new = proxy.max_new_tokens(len(plan.prompt_ids), req.max_tokens, "prompt")
-            same = sum(p.prompt_ids == plan.prompt_ids for p in plans[:j])  # repeats in this request
-            reqs += proxy.requests(plan.prompt_ids, req, max_new, req.logprobs or 0, session, same)
         call_id = f"cmpl-{secrets.token_hex(12)}"
+        release = _release(session, call_id)
+        reqs = []
+        try:
+            for plan in plans:
+                max_new = proxy.max_new_tokens(len(plan.prompt_ids), req.max_tokens, "prompt")
+                reqs += proxy.requests(plan.prompt_ids, req, max_new, req.logprobs or 0, session, call_id)
+        except BaseException:  # a bad request holds no streams
+            release()
+            raise
         t1 = time.perf_counter()
         stops = req.stops()
 
@@ -389,6 +406,7 @@ def _completions(proxy: Proxy) -> Callable[[Request], Awaitable[Response]]:
                     part = choices[k * req.n:(k + 1) * req.n]
                     cid = call_id if len(plans) == 1 else f"{call_id}-{k}"
                     session.record(plan, cid, [c.result for c in part], [c.text for c in part], [], timing)
+                session.keep_streams(call_id)
             reused = sum(len(p.prompt_ids) - len(p.context_ids) for p in plans) if session else 0
             opts = req.model_dump(include={"logprobs", "return_tokens_as_token_ids", "return_token_ids",
                                            "stream_options"})
@@ -396,7 +414,7 @@ def _completions(proxy: Proxy) -> Callable[[Request], Awaitable[Response]]:
             body = build(call_id, proxy.cfg.served_model_name, choices, prompts, reused, opts, proxy.tokenizer)
             return body, min(r.version for r in results)
 
-        return _Reply(proxy, reqs, finish, req.stream, _cancelled(session, call_id))
+        return _Reply(proxy, reqs, finish, req.stream, _cancelled(session, call_id), release)
 
     return completions
 
@@ -409,6 +427,14 @@ def _render(plan: Callable[[], Plan]) -> Plan:
         return plan()
     except TemplateError as e:
         raise HTTPError(400, f"messages: the chat template cannot render them: {e}", param="messages") from e
+
+
+def _release(session: Session | None, call_id: str) -> Callable[[], None]:
+    """Frees a seeded session's streams held for a call that ends unrecorded (see ``Session.call_seed``)."""
+    def release() -> None:
+        if session is not None:
+            session.release_streams(call_id)
+    return release
 
 
 def _cancelled(session: Session | None, call_id: str) -> Callable[[], None]:

@@ -229,8 +229,8 @@ class SessionRequest(BaseModel):
         None, pattern=r"^[A-Za-z0-9_.-]{1,128}$", description="Chosen id; default a random one.")
     meta: dict[str, Any] = Field(default_factory=dict, description="Copied into the tree's meta.")
     seed: int | None = Field(None, description="Base of the session's sampling streams: each call samples "
-                             "from a stream derived from this seed, its prompt, how many calls with that "
-                             "prompt were recorded before, and its own seed if it sends one; so a harness "
+                             "from a stream derived from this seed, its prompt, the lowest index of that prompt's "
+                             "streams no recorded or in-flight call holds, and its own seed if it sends one; so a harness "
                              "that sends no seeds, or always the same one, still repeats.")
 
 

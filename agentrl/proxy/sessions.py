@@ -38,6 +38,7 @@ last call's choices.
 
 from __future__ import annotations
 
+import itertools
 import json
 import secrets
 import time
@@ -119,19 +120,34 @@ class Session:
         self.seed = seed
         if seed is not None:
             self.tree.meta["session_seed"] = seed
-        self._recorded: dict[int, int] = {}  # prompt digest -> calls recorded with that prompt
+        self._streams: dict[int, set[int]] = {}  # prompt digest -> stream indices recorded or in flight
+        self._held: dict[str, list[tuple[int, int]]] = {}  # call id -> its (digest, index), until recorded
 
-    def call_seed(self, prompt_ids: list[int], own: int | None, pending: int = 0) -> int | None:
-        """A seeded session's stream for a call: from the session seed, the prompt, how many
-        calls with this prompt were recorded before (plus ``pending`` earlier ones in the same
-        request) and the call's own seed. A retry of a call that failed, or was cancelled,
-        gets its stream again; concurrent calls with different prompts do not depend on
-        arrival order; a harness that hard-codes a seed still gets new streams per episode.
-        Unseeded session: the call's own seed, as it is."""
+    def call_seed(self, prompt_ids: list[int], own: int | None, call_id: str) -> int | None:
+        """A seeded session's stream for a call, held for ``call_id``: from the session seed,
+        the prompt, the lowest stream index of that prompt that no recorded or in-flight call
+        holds, and the call's own seed. So concurrent calls with one prompt get different
+        streams, a retry of a call that failed or was cancelled (``release_streams``) gets its
+        stream again, and a harness that hard-codes a seed still gets new streams per episode.
+        Unseeded session: the call's own seed, as it is, and nothing held."""
         if self.seed is None:
             return own
         key = _prompt_digest(prompt_ids)
-        return request_seed(self.seed, key, self._recorded.get(key, 0) + pending, -1 if own is None else own)
+        taken = self._streams.setdefault(key, set())
+        index = next(i for i in itertools.count() if i not in taken)
+        taken.add(index)
+        self._held.setdefault(call_id, []).append((key, index))
+        return request_seed(self.seed, key, index, -1 if own is None else own)
+
+    def keep_streams(self, call_id: str) -> None:
+        """The call was recorded: its streams stay taken."""
+        self._held.pop(call_id, None)
+
+    def release_streams(self, call_id: str) -> None:
+        """The call ended unrecorded (an error, a cancel): its streams are free again. After
+        ``keep_streams`` this does nothing."""
+        for key, index in self._held.pop(call_id, []):
+            self._streams[key].discard(index)
 
     # -- planning ------------------------------------------------------------------------
     def plan_chat(self, spec: PromptSpec, tokenizer: Any) -> Plan:
@@ -186,9 +202,6 @@ class Session:
     def record(self, plan: Plan, call_id: str, results: list[GenerateResult], texts: list[str],
                reply_keys: list[str], timing: dict[str, float]) -> Call:
         """Add one node per choice under the plan's parent; returns the call."""
-        if self.seed is not None:  # call_seed's count; unseeded sessions need none
-            key = _prompt_digest(plan.prompt_ids)
-            self._recorded[key] = self._recorded.get(key, 0) + 1
         siblings = self.tree.roots if plan.parent is None else self.tree.nodes[plan.parent].children
         branch = self.branch_info(plan, siblings) if siblings else None
         context = next((self.tree.nodes[s].context_ids for s in siblings

@@ -208,6 +208,18 @@ def test_a_seeded_session_repeats_calls_that_carry_no_seed(hf_server):
     assert first == again  # same session seed: the same two calls
     assert first[0] != first[1]  # the same prompt twice in one session: two streams
     assert other != first
+    # At once, the two calls still take the two streams (in either order), not one stream twice;
+    # a refused request before them holds none.
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, client = _session(hf_server.url, seed=7)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=msgs, max_tokens=10, n=10_000)
+    with ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda _: client.chat.completions.create(
+            model="m", messages=msgs, max_tokens=10, temperature=1.0, extra_body={"return_token_ids": True}
+        ).model_dump()["choices"][0]["token_ids"], range(2)))
+    assert sorted(both) == sorted(first)
     with pytest.raises(httpx.HTTPStatusError):  # the seed is an integer
         _session(hf_server.url, seed="x")
 
@@ -217,11 +229,20 @@ def test_session_streams_follow_the_prompt_and_what_was_recorded():
 
     s = Session("a", seed=5)
     assert s.tree.meta["session_seed"] == 5
-    first = s.call_seed([1, 2, 3], None)
-    assert s.call_seed([1, 2, 3], None) == first  # nothing recorded yet: a retry gets the same stream
-    assert s.call_seed([1, 2, 3], None, pending=1) != first  # a repeat inside one request does not
-    assert s.call_seed([1, 2, 4], None) != first  # another prompt, another stream
-    assert s.call_seed([1, 2, 3], 0) != first != Session("b", seed=6).call_seed([1, 2, 3], None)
+    first = s.call_seed([1, 2, 3], None, "c1")
+    s.release_streams("c1")  # c1 failed: nothing recorded
+    assert s.call_seed([1, 2, 3], None, "c2") == first  # its retry gets the same stream
+    second = s.call_seed([1, 2, 3], None, "c3")
+    assert second != first  # while c2 is in flight, the same prompt takes the next stream
+    assert s.call_seed([1, 2, 3], None, "c3") not in (first, second)  # a repeat inside one request too
+    s.keep_streams("c2")  # c2 was recorded: its stream stays taken
+    s.release_streams("c2")  # does nothing after keep
+    s.release_streams("c3")
+    assert s.call_seed([1, 2, 3], None, "c4") == second  # the lowest free stream
+    assert s.call_seed([1, 2, 4], None, "c5") != first  # another prompt, another stream
+    assert s.call_seed([1, 2, 3], 0, "c6") != first != Session("b", seed=6).call_seed([1, 2, 3], None, "c")
     # A hard-coded seed is mixed with the session's: episodes still differ.
-    assert Session("c", seed=6).call_seed([1, 2, 3], 0) != s.call_seed([1, 2, 3], 0)
-    assert Session("d").call_seed([1, 2, 3], 7) == 7 and Session("e").call_seed([1], None) is None
+    assert Session("c", seed=6).call_seed([1, 2, 3], 0, "c") != Session("a2", seed=5).call_seed([1, 2, 3], 0, "c")
+    unseeded = Session("d")
+    assert unseeded.call_seed([1, 2, 3], 7, "c") == 7 and Session("e").call_seed([1], None, "c") is None
+    assert not unseeded._held  # nothing held without a session seed
