@@ -288,14 +288,16 @@ class _Reply(Response):
     async def _reply(self, scope: dict, receive: Callable, send: Callable) -> None:
         gen = asyncio.ensure_future(self.proxy.generate(self.reqs))
         watch = asyncio.ensure_future(_disconnected(receive))
+        left = False
         try:
             await asyncio.wait({gen, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watch.cancel()
             if not gen.done():
-                gen.cancel()
+                gen.cancel()  # cancelled() turns true only once the loop runs it: test our own flag
+                left = True
                 self.on_cancel()
-        if gen.cancelled():
+        if left:
             return
         try:
             body, version = self.finish(gen.result())
@@ -351,9 +353,11 @@ def _chat(proxy: Proxy) -> Callable[[Request], Awaitable[Response]]:
             reused = len(plan.prompt_ids) - len(plan.context_ids) if session else 0
             if session is not None:
                 timing = {"render_s": t1 - t0, "generate_s": time.perf_counter() - t1, "time": time.time()}
-                session.record(plan, call_id, results, [c.text for c in choices],
-                               [canonical_key(c.message) for c in choices], timing)  # type: ignore[arg-type]
-                session.keep_streams(call_id)
+                try:
+                    session.record(plan, call_id, results, [c.text for c in choices],
+                                   [canonical_key(c.message) for c in choices], timing)  # type: ignore[arg-type]
+                finally:  # once recording began, freeing the stream could sample a recorded one again
+                    session.keep_streams(call_id)
             opts = req.model_dump(include={"logprobs", "top_logprobs", "return_token_ids", "stream_options"})
             build = replies.chat_chunks if req.stream else replies.chat_body
             body = build(call_id, proxy.cfg.served_model_name, choices, plan.prompt_ids, reused, opts,
@@ -402,11 +406,13 @@ def _completions(proxy: Proxy) -> Callable[[Request], Awaitable[Response]]:
                 choices.append(replies.Choice(i, res, plan.prompt_ids, text, None, replies.finish_reason(res)))
             if session is not None:
                 timing = {"render_s": t1 - t0, "generate_s": time.perf_counter() - t1, "time": time.time()}
-                for k, plan in enumerate(plans):
-                    part = choices[k * req.n:(k + 1) * req.n]
-                    cid = call_id if len(plans) == 1 else f"{call_id}-{k}"
-                    session.record(plan, cid, [c.result for c in part], [c.text for c in part], [], timing)
-                session.keep_streams(call_id)
+                try:
+                    for k, plan in enumerate(plans):
+                        part = choices[k * req.n:(k + 1) * req.n]
+                        cid = call_id if len(plans) == 1 else f"{call_id}-{k}"
+                        session.record(plan, cid, [c.result for c in part], [c.text for c in part], [], timing)
+                finally:  # once recording began, freeing the streams could sample a recorded one again
+                    session.keep_streams(call_id)
             reused = sum(len(p.prompt_ids) - len(p.context_ids) for p in plans) if session else 0
             opts = req.model_dump(include={"logprobs", "return_tokens_as_token_ids", "return_token_ids",
                                            "stream_options"})

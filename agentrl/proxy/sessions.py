@@ -127,8 +127,10 @@ class Session:
         """A seeded session's stream for a call, held for ``call_id``: from the session seed,
         the prompt, the lowest stream index of that prompt that no recorded or in-flight call
         holds, and the call's own seed. So concurrent calls with one prompt get different
-        streams, a retry of a call that failed or was cancelled (``release_streams``) gets its
-        stream again, and a harness that hard-codes a seed still gets new streams per episode.
+        streams (in the order their ``call_seed`` runs), a retry of a call that ended before
+        it was recorded (``release_streams``: refused, failed or cancelled) gets its stream
+        again unless another call took it first, and a harness that hard-codes a seed still
+        gets new streams per episode.
         Unseeded session: the call's own seed, as it is, and nothing held."""
         if self.seed is None:
             return own

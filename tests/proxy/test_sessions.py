@@ -208,13 +208,10 @@ def test_a_seeded_session_repeats_calls_that_carry_no_seed(hf_server):
     assert first == again  # same session seed: the same two calls
     assert first[0] != first[1]  # the same prompt twice in one session: two streams
     assert other != first
-    # At once, the two calls still take the two streams (in either order), not one stream twice;
-    # a refused request before them holds none.
+    # At once, the two calls still take the two streams (in either order).
     from concurrent.futures import ThreadPoolExecutor
 
     _, client = _session(hf_server.url, seed=7)
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="m", messages=msgs, max_tokens=10, n=10_000)
     with ThreadPoolExecutor(2) as pool:
         both = list(pool.map(lambda _: client.chat.completions.create(
             model="m", messages=msgs, max_tokens=10, temperature=1.0, extra_body={"return_token_ids": True}
@@ -222,6 +219,79 @@ def test_a_seeded_session_repeats_calls_that_carry_no_seed(hf_server):
     assert sorted(both) == sorted(first)
     with pytest.raises(httpx.HTTPStatusError):  # the seed is an integer
         _session(hf_server.url, seed="x")
+
+
+class _SeedLog:
+    """A mock policy that logs each request's seed, holds every call until ``together`` have
+    arrived (so they overlap for sure), and fails the calls numbered in ``fail`` (from 1)."""
+
+    def __init__(self, tokenizer, together: int = 1, fail: tuple[int, ...] = ()):
+        from agentrl.policy import MockPolicy
+
+        self.inner, self.together, self.fail, self.seeds = MockPolicy(tokenizer, ["ok"]), together, fail, []
+        self.tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def agenerate(self, request):
+        import asyncio
+
+        from agentrl.errors import PolicyError
+
+        self.seeds.append(request.params.seed)
+        k = len(self.seeds)
+        for _ in range(500):  # at most 5 s: past that the test fails on its assert, it does not hang
+            if len(self.seeds) >= self.together:
+                break
+            await asyncio.sleep(0.01)
+        if k in self.fail:
+            raise PolicyError("the backend fell over")
+        return await self.inner.agenerate(request)
+
+
+def test_a_seeded_session_holds_a_stream_for_each_call_until_it_is_recorded_or_ends(serve, tokenizer):
+    msgs = [{"role": "user", "content": "q"}]
+    body = {"model": "m", "messages": msgs, "max_tokens": 4}
+
+    def post(url: str, key: str, path: str = "chat/completions", **extra) -> httpx.Response:
+        return httpx.post(f"{url}/v1/{path}", json={**body, **extra}, headers={"Authorization": f"Bearer {key}"},
+                          timeout=30)
+
+    def key(url: str) -> str:
+        return httpx.post(f"{url}/sessions", json={"seed": 3}).raise_for_status().json()["api_key"]
+
+    # Two calls in flight together with one prompt: two streams, not one twice.
+    together = _SeedLog(tokenizer, together=2)
+    server = serve(together)
+    k = key(server.url)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        codes = [r.status_code for r in pool.map(lambda _: post(server.url, k), range(2))]
+    assert codes == [200, 200] and len(set(together.seeds)) == 2
+    # A call the backend failed (503) frees its stream: the retry samples the same one, and the
+    # call after that takes the next, as in a session where nothing failed.
+    flaky = _SeedLog(tokenizer, fail=(1,))
+    server = serve(flaky)
+    k = key(server.url)
+    assert [post(server.url, k).status_code for _ in range(3)] == [503, 200, 200]
+    assert flaky.seeds[0] == flaky.seeds[1] and sorted(flaky.seeds[1:]) == sorted(together.seeds)
+    # A request refused after its first prompt took a stream (the second prompt is over the
+    # context budget) frees it too.
+    plain = _SeedLog(tokenizer)
+    server = serve(plain, max_context_tokens=64)
+    k = key(server.url)
+    refused = post(server.url, k, "completions", prompt=[[5, 6, 7], [5] * 100])
+    assert refused.status_code == 400
+    post(server.url, k, "completions", prompt=[[5, 6, 7]]).raise_for_status()
+    post(server.url, k, "completions", prompt=[[5, 6, 7]]).raise_for_status()
+    fresh = _SeedLog(tokenizer)
+    server = serve(fresh)
+    k = key(server.url)
+    for _ in range(2):
+        post(server.url, k, "completions", prompt=[[5, 6, 7]]).raise_for_status()
+    assert plain.seeds == fresh.seeds and len(set(fresh.seeds)) == 2
 
 
 def test_session_streams_follow_the_prompt_and_what_was_recorded():
