@@ -96,9 +96,11 @@ class RolloutConfig(_Strict):
     keep_snapshots: bool = Field(
         False, description="Snapshot the env after every turn (Node.snapshot) to branch from."
     )
-    record_expert_actions: bool = Field(
-        False, description="Before each step, ask the env's scripted expert (env.expert_action()) "
-        "what it would do and keep it in the turn's info['expert_action'] (for an expert teacher).")
+    record_expert_actions: bool | Literal["expert", "oracle"] = Field(
+        False, description="Before each step, ask the env what its scripted expert would do and keep "
+        "it in the turn's info['expert_action'] (for an expert teacher): true or 'expert' asks "
+        "env.expert_action() (acts on what was observed); 'oracle' asks env.oracle_action() "
+        "(privileged: reads hidden state).")
     record_next_context: bool = Field(
         False, description="When max_turns cuts an episode that the env did not end, keep the token "
         "ids the next turn would have read in the last turn's info['next_context_ids'] (a value "

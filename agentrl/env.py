@@ -10,7 +10,10 @@ first, as gymnasium asks) and returns ``info`` with:
 
 Envs that can be branched implement ``snapshot()`` / ``restore()``. The default
 deep-copies the instance's state, which is right for pure-Python envs.
-Envs with a scripted solver implement ``expert_action()``.
+Envs with a scripted expert implement ``expert_action()``: it acts only on what
+the agent has observed, so SFT on it teaches a learnable policy. A privileged
+solver that reads hidden state is ``oracle_action()``: an oracle and a
+distillation teacher, never SFT data by default (DESIGN.md, principle 11).
 
 Envs are registered with ``register_env("agentrl/<Name>-v0", entry_point)``,
 which is ``gymnasium.register`` plus a check of the id's namespace.
@@ -100,8 +103,14 @@ class TextEnv(gym.Env[str, str]):
 
     # -- optional hooks --------------------------------------------------------
     def expert_action(self) -> str:
-        """The scripted expert's next action. Envs with a solver override this."""
-        raise NotImplementedError(f"{type(self).__name__} has no scripted expert")
+        """The scripted expert's next action, a function of what the agent has observed
+        so far (so a policy can imitate it). Envs with such an expert override this."""
+        raise NotImplementedError(f"{type(self).__name__} has no observation-consistent expert")
+
+    def oracle_action(self) -> str:
+        """A privileged solver's next action: it may read hidden state. An oracle and a
+        distillation teacher, not SFT data by default. Envs with one override this."""
+        raise NotImplementedError(f"{type(self).__name__} has no privileged oracle")
 
     def render(self) -> str | None:
         if self.render_mode == "ansi":

@@ -28,7 +28,7 @@ from .env import resolve_env_id
 
 __all__ = ["ProcessEnv"]
 
-_METHODS = ("reset", "step", "snapshot", "restore", "close", "expert_action")
+_METHODS = ("reset", "step", "snapshot", "restore", "close", "expert_action", "oracle_action")
 
 
 def _load(entry: Any) -> Any:
@@ -122,6 +122,10 @@ class ProcessEnv:
     def expert_action(self) -> str:
         """The hosted env's scripted expert's next action (AttributeError if it has none)."""
         return self._ask("expert_action")
+
+    def oracle_action(self) -> str:
+        """The hosted env's privileged oracle's next action (AttributeError if it has none)."""
+        return self._ask("oracle_action")
 
     def restore(self, snapshot: Any) -> None:
         self._ask("restore", snapshot)

@@ -30,17 +30,24 @@ Presets (``--env``):
   the setting of ``make run`` (``examples/train_guess_number.yaml``, less its
   distillation teacher), the same warm start (``--sft-episodes`` expert
   episodes). It fits on 2 CPU cores.
-- ``alfworld_easy``: ``examples/train_alfworld_easy.yaml`` (pick-and-place in
-  rooms where the object is in plain sight). On 2 CPU cores one evaluation
-  alone takes minutes; run it on a bigger machine.
+- ``alfworld_easy``: ``examples/train_alfworld_easy.yaml``, the setting of
+  ``make run``: pick-and-place in rooms of six receptacles, where the object
+  must be searched for; the warm start is SFT on the observation-consistent
+  expert, the OPD teacher the same SFT with twice the episodes.
+- ``webshop_easy``: ``examples/train_webshop_easy.yaml``: a 1,000-product
+  shop, five results a page, the instruction on the search page only.
 
     python bench/learning.py                       # GuessNumber, 5 methods (about 30 min on 2 cores)
     python bench/learning.py --seeds 0,1,2         # each method from 3 sampling seeds: mean +- se
     python bench/learning.py --methods grpo,gigpo --steps 4
-    python bench/learning.py --env alfworld_easy   # slow on CPU
+    python bench/learning.py --env alfworld_easy --seeds 0,1,2   # grpo, gigpo, tree, grpo_opd
     python bench/learning.py --quick               # tiny random model, 2 steps: a smoke test
 
-Writes ``bench/learning.json`` and ``bench/learning.png``.
+Writes ``bench/learning.json`` and ``bench/learning.png`` (GuessNumber), or
+``bench/learning_<env>.json`` and ``.png``. GiGPO's runs also report how many
+steps fell into anchor-state groups of two or more (``anchor``): the first
+turn of a group always shares its opening state, so the later turns are the
+ones that count.
 """
 
 from __future__ import annotations
@@ -63,8 +70,12 @@ ROOT = Path(__file__).resolve().parent.parent
 PRESETS = {
     "guess_number": ROOT / "examples" / "train_guess_number.yaml",
     "alfworld_easy": ROOT / "examples" / "train_alfworld_easy.yaml",
+    "webshop_easy": ROOT / "examples" / "train_webshop_easy.yaml",
 }
 METHODS = ("grpo", "gigpo", "tree", "grpo_opd", "grpo_opsd")
+DEFAULT_METHODS = {"guess_number": METHODS}  # elsewhere: the four without privileged self-distillation
+ANCHOR_KEYS = ("anchor/steps", "anchor/steps_in_groups_of_2plus", "anchor/later_steps",
+               "anchor/later_steps_in_groups_of_2plus")
 
 
 def method_overrides(method: str, teacher: str | None, opd_weight: float) -> dict[str, Any]:
@@ -132,11 +143,13 @@ def curve(metrics: Path, start_success: float) -> list[dict[str, float]]:
     return points
 
 
-def step_stats(metrics: Path) -> dict[str, float]:
+def step_stats(metrics: Path) -> dict[str, Any]:
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     rl = [r for r in rows if r.get("phase") == "rl"]
     mean = lambda k: sum(r.get(k, 0.0) for r in rl) / max(len(rl), 1)  # noqa: E731
-    return {"rollout_success_mean": mean("rollout/success"), "env_steps": sum(r.get("rollout/env_steps", 0) for r in rl),
+    anchor = {k.split("/", 1)[1]: sum(r.get(k, 0) for r in rl) for k in ANCHOR_KEYS if any(k in r for r in rl)}
+    return {"anchor": anchor, "rollout_success_mean": mean("rollout/success"),
+            "env_steps": sum(r.get("rollout/env_steps", 0) for r in rl),
             "generated_tokens": sum(r.get("rollout/generated_tokens", 0) for r in rl),
             "episodes": sum(r.get("rollout/episodes", 0) for r in rl),
             "rollout_s": sum(r.get("time/rollout_s", 0.0) for r in rl),
@@ -175,7 +188,11 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
         finals = []
     stats = {k: mean([r[k] for r in runs]) for k in ("rollout_success_mean", "env_steps", "generated_tokens",
                                                       "episodes", "rollout_s", "train_s")}
-    return {"curve": points, "final_success": mean(finals) if finals else None,
+    anchor = {k: sum(r["anchor"].get(k, 0) for r in runs) for k in runs[0]["anchor"]}
+    if anchor.get("later_steps"):
+        anchor["later_frac_in_groups_of_2plus"] = round(anchor["later_steps_in_groups_of_2plus"]
+                                                        / anchor["later_steps"], 4)
+    return {"curve": points, "anchor": anchor, "final_success": mean(finals) if finals else None,
             "final_success_se": se(finals) if finals else None, **stats,
             "wall_s": round(sum(r["wall_s"] for r in runs), 1), "seeds": [r["seed"] for r in runs], "runs": runs}
 
@@ -213,7 +230,8 @@ def plot(results: dict[str, Any], path: Path, title: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--env", choices=sorted(PRESETS), default="guess_number")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=None, help="comma-separated; default: all five on "
+                    "guess_number, grpo,gigpo,tree,grpo_opd elsewhere")
     ap.add_argument("--steps", type=int, default=8, help="RL steps per method")
     ap.add_argument("--eval-every", type=int, default=2)
     ap.add_argument("--eval-episodes", type=int, default=48)
@@ -227,8 +245,14 @@ def main() -> None:
                     "once a seed (its sampling streams and update order); the curves are their mean")
     ap.add_argument("--quick", action="store_true", help="tiny random model, 2 steps, 8 eval episodes")
     ap.add_argument("--work-dir", default="runs/bench_learning")
-    ap.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
+    ap.add_argument("--out", default=None, help="default: bench/learning.json for guess_number, "
+                    "bench/learning_<env>.json otherwise")
     args = ap.parse_args()
+    if args.methods is None:
+        args.methods = ",".join(DEFAULT_METHODS.get(args.env, METHODS[:4]))
+    if args.out is None:
+        name = "learning" if args.env == "guess_number" else f"learning_{args.env}"
+        args.out = str(Path(__file__).with_name(name + ".json"))
     methods = [m for m in args.methods.split(",") if m]
     for m in methods:
         method_overrides(m, "x", 1.0)  # unknown names fail before any training
@@ -251,9 +275,9 @@ def main() -> None:
     if args.env == "guess_number":  # the weak warm start; the teacher gets the make-run SFT
         warm_sft = {**sft_base, "episodes": args.sft_episodes, "seed_start": 0, "epochs": args.sft_epochs}
         teacher_sft = {**sft_base, "episodes": args.teacher_sft_episodes, "seed_start": 0, "epochs": 2}
-    else:
+    else:  # the preset's warm start; the teacher sees twice the expert episodes
         warm_sft = sft_base
-        teacher_sft = {**sft_base, "epochs": 2 * int(sft_base.get("epochs", 2))}
+        teacher_sft = {**sft_base, "episodes": 2 * int(sft_base.get("episodes", 0) or 0)}
     t0 = time.perf_counter()
     warm, phases = warm_start(base, work / "warm_start", warm_sft, eval_cfg)
     warm_success = phases["after_sft"]
@@ -294,6 +318,12 @@ def main() -> None:
         print(f"{m:<10}{r['curve'][0]['success']:>7.3f}{_num(r['final_success']):>7}{_num(r['final_success_se']):>7}"
               f"{best:>7.3f}{r['env_steps']:>11.0f}{r['episodes']:>10.0f}{r['generated_tokens']:>12.0f}"
               f"{r['rollout_s']:>11.0f}{r['train_s']:>9.0f}")
+    for m, r in results.items():
+        a = r["anchor"]
+        if a.get("later_steps"):
+            print(f"{m}: {a['later_steps_in_groups_of_2plus']} of {a['later_steps']} steps after the first "
+                  f"turn fell into anchor-state groups of 2 or more ({a['later_frac_in_groups_of_2plus']:.1%}); "
+                  f"{a['steps_in_groups_of_2plus']} of {a['steps']} counting the first turns")
     cfg_used = merge(start, {"policy": {"model": "<warm start>"}})
     out = Path(args.out)
     png = out.with_suffix(".png")

@@ -119,3 +119,7 @@ def test_learning_runs_every_method_on_the_same_budget_from_one_warm_start(tmp_p
     # episodes of a random model run all 4 turns).
     assert runs["tree"]["env_steps"] < runs["grpo"]["env_steps"]
     assert "teacher" in result and (tmp_path / "runs" / "teacher").is_dir()
+    # GiGPO's runs count the steps that fell into anchor-state groups; the others log none.
+    anchor = runs["gigpo"]["anchor"]
+    assert anchor["steps"] == runs["gigpo"]["env_steps"] and anchor["steps_in_groups_of_2plus"] >= 2 * 3 * 8
+    assert runs["grpo"]["anchor"] == {}

@@ -34,7 +34,13 @@ from typing import Any
 from agentrl.types import Episode, RolloutTree
 
 from .gdpo import gdpo
-from .gigpo import anchor_groups, episode_state_keys, gigpo_advantages, gigpo_episode_advantages
+from .gigpo import (
+    anchor_group_stats,
+    anchor_groups,
+    episode_state_keys,
+    gigpo_advantages,
+    gigpo_episode_advantages,
+)
 from .group import dr_grpo, grpo, mc_grpo, mc_grpo_pivot, rloo
 from .returns import discounted_returns, gae, normalize
 from .tree import leaf_outcome, node_values, tree_advantages, turn_advantages
@@ -42,6 +48,7 @@ from .tree import leaf_outcome, node_values, tree_advantages, turn_advantages
 __all__ = [
     "ESTIMATORS",
     "CreditReport",
+    "anchor_group_stats",
     "anchor_groups",
     "assign",
     "assign_report",

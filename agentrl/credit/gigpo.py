@@ -47,6 +47,7 @@ from .group import _array, _center_scale
 from .returns import discounted_returns
 
 __all__ = [
+    "anchor_group_stats",
     "anchor_groups",
     "episode_state_keys",
     "gigpo_advantages",
@@ -185,3 +186,32 @@ def gigpo_episode_advantages(
     return gigpo_advantages(
         [e.rewards for e in episodes], keys, gamma, omega, scale, eps, similarity
     )
+
+
+def anchor_group_stats(trees: Sequence[RolloutTree], similarity: float | None = None) -> dict[str, float]:
+    """How many steps of a batch fell into anchor groups of two or more (GiGPO's step level).
+
+    Every episode of a group acts first in the same opening state, so the first
+    steps always share one; ``anchor/later_*`` counts the rest, the revisited
+    states that give GiGPO's step-level advantage something to compare.
+    Failed episodes (with an error) are left out, as ``assign`` leaves them out.
+    """
+    steps = shared = later = later_shared = 0
+    largest = 0
+    for tree in trees:
+        episodes = [e for e in (Episode.from_path(tree.path(leaf.id)) for leaf in tree.leaves())
+                    if not e.error and e.num_turns]
+        if not episodes:
+            continue
+        keys = [episode_state_keys(e, tree, hashed=similarity is None) for e in episodes]
+        for members in anchor_groups([e.rewards for e in episodes], keys, similarity).values():
+            size = len(members)
+            largest = max(largest, size)
+            late = sum(1 for _, t in members if t > 0)
+            steps, later = steps + size, later + late
+            if size >= 2:
+                shared, later_shared = shared + size, later_shared + late
+    return {"anchor/steps": steps, "anchor/steps_in_groups_of_2plus": shared,
+            "anchor/later_steps": later, "anchor/later_steps_in_groups_of_2plus": later_shared,
+            "anchor/later_frac_in_groups_of_2plus": later_shared / later if later else 0.0,
+            "anchor/largest_group": largest}

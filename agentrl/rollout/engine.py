@@ -369,7 +369,8 @@ class Engine:
             played += 1
             if r.record_expert_actions:  # what the expert would do in the state this turn acted in
                 try:
-                    node.info["expert_action"] = str(await self._call(path.env, "expert_action"))
+                    which = "oracle_action" if r.record_expert_actions == "oracle" else "expert_action"
+                    node.info["expert_action"] = str(await self._call(path.env, which))
                 except Exception as e:  # no expert, or it failed: the teacher skips this turn
                     node.info["expert_action_error"] = f"{type(e).__name__}: {e}"
             try:

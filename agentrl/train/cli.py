@@ -64,26 +64,43 @@ def phase_seconds(metrics_path: str | Path) -> dict[str, float]:
     return out
 
 
+def phase_peak_memory(metrics_path: str | Path) -> dict[str, float]:
+    """Peak resident memory (MB) of each phase row from ``metrics.jsonl`` (``memory/peak_rss_mb``)."""
+    from .metrics import read_metrics
+
+    out: dict[str, float] = {}
+    for row, (_, logged) in _PHASE_ROWS.items():
+        peaks = [m["memory/peak_rss_mb"] for m in read_metrics(metrics_path)
+                 if m.get("phase") in logged and "memory/peak_rss_mb" in m]
+        if peaks:
+            out[row] = max(peaks)
+    return out
+
+
 def _report(summary: dict[str, Any], wall: float) -> None:
-    """The per-phase table: held-out success, change from the previous phase, seconds."""
+    """The per-phase table: held-out success, change from the previous phase, seconds, peak memory."""
     seconds = phase_seconds(summary["metrics"]) if summary.get("metrics") else {}
+    peaks = phase_peak_memory(summary["metrics"]) if summary.get("metrics") else {}
     table = Table(title="held-out success rate")
     table.add_column("phase")
     table.add_column("success", justify="right")
     table.add_column("change", justify="right")
     table.add_column("seconds", justify="right")
+    table.add_column("peak MB", justify="right")
     prev = None
     for phase, rate in summary["phases"].items():
         label = _PHASE_ROWS.get(phase, (phase,))[0]
         change = "" if prev is None else f"{rate - prev:+.3f}"
-        table.add_row(label, f"{rate:.3f}", change, f"{seconds.get(phase, 0.0):.0f}")
+        peak = f"{peaks[phase]:.0f}" if phase in peaks else ""
+        table.add_row(label, f"{rate:.3f}", change, f"{seconds.get(phase, 0.0):.0f}", peak)
         prev = rate
     console.print(table)
     rates = list(summary["phases"].values())
     if len(rates) > 1:
         console.print(f"trained policy vs starting policy on the same held-out seeds: "
                       f"{rates[-1]:.3f} vs {rates[0]:.3f} ({rates[-1] - rates[0]:+.3f})")
-    console.print(json.dumps({**summary, "wall_s": round(wall, 1)}))
+    console.print(json.dumps({**summary, "phase_seconds": {k: round(v, 1) for k, v in seconds.items()},
+                              "phase_peak_rss_mb": peaks, "wall_s": round(wall, 1)}))
 
 
 @app.command()

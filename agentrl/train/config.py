@@ -144,6 +144,11 @@ class SFTConfig(_Strict):
     minibatch_size: int = Field(8, ge=1, description="Episodes per optimizer step.")
     max_turns: int | None = Field(None, ge=1, description="Expert turns per episode; "
                                   "null: rollout.max_turns.")
+    expert: Literal["observable", "oracle"] = Field(
+        "observable", description="Which scripted expert to clone: observable, the env's "
+        "expert_action(), which acts only on what the agent has seen; oracle, its "
+        "oracle_action(), which reads hidden state (a policy of the observations cannot "
+        "follow it, so cloning it teaches behaviour the student cannot reproduce).")
 
 
 class TrainRunConfig(Config):

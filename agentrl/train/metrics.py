@@ -15,7 +15,49 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLogger", "merge_stat", "plot_learning_curve", "read_metrics"]
+__all__ = ["MetricsLogger", "PeakMemory", "merge_stat", "plot_learning_curve", "read_metrics"]
+
+
+class PeakMemory:
+    """The process's peak resident memory over a phase (``memory/peak_rss_mb``), and on a GPU
+    the peak allocated by torch (``memory/peak_cuda_mb``).
+
+    Linux resets the kernel's high-water mark (``VmHWM``) when 5 is written to
+    ``/proc/self/clear_refs``, so each phase reports its own peak. Where that
+    file cannot be written, the peak since the process started is reported
+    (``resource.getrusage``), which only grows.
+    """
+
+    def start(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+    def read(self) -> dict[str, float]:
+        out = {"memory/peak_rss_mb": round(self._rss_mb(), 1)}
+        import torch
+
+        if torch.cuda.is_available():
+            out["memory/peak_cuda_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        return out
+
+    @staticmethod
+    def _rss_mb() -> float:
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def merge_stat(stats: dict[str, float], key: str, value: float, weight: float) -> None:

@@ -125,7 +125,9 @@ class DistillConfig(BaseModel):
                          "'vllm:NAME': the same, served by an in-process vLLM engine (prompt logprobs; "
                          "sampled-token reverse KL only). "
                          "'self': the student's current weights (needs privileged: true). "
-                         "'expert': the env's scripted expert as a one-hot teacher.")
+                         "'expert': the env's scripted expert (env.expert_action(), which acts on "
+                         "what was observed) as a one-hot teacher. 'oracle': the same with the "
+                         "env's privileged oracle (env.oracle_action(), which reads hidden state).")
     turn_balance: bool = Field(False, description="TurnOPD: move the distillation weights from "
                                "token-balanced (step 0) to turn-balanced (last step), so every turn "
                                "counts the same however many tokens it took.")
@@ -185,7 +187,7 @@ class DistillConfig(BaseModel):
         if self.teacher == "self" and not self.privileged:
             raise ValueError("train.distill.teacher='self' needs train.distill.privileged=true: "
                              "without privileged context the teacher is the student and teaches nothing")
-        if self.teacher == "expert" and self.tip:
+        if self.teacher in ("expert", "oracle") and self.tip:
             raise ValueError("train.distill.tip needs a model teacher: a one-hot expert gives no "
                              "teacher-student gap to select tokens by")
         if self.teacher_engine and not self.teacher.startswith("vllm:"):
@@ -208,11 +210,12 @@ class DistillConfig(BaseModel):
             raise ValueError("train.distill.teacher='vllm:...' scores the sampled tokens at temperature 1 "
                              "(vLLM's prompt logprobs): use signal='reverse_kl', no overlap_threshold "
                              "and teacher_temperature=1")
-        if self.teacher == "expert" and (self.signal != "reverse_kl" or self.overlap_threshold is not None):
+        if self.teacher in ("expert", "oracle") and (self.signal != "reverse_kl"
+                                                     or self.overlap_threshold is not None):
             raise ValueError("train.distill.teacher='expert' is a one-hot target on the student's own "
                              "tokens: it has no top-k distribution; use signal='reverse_kl' and no "
                              "overlap_threshold")
-        if self.teacher == "expert" and self.privileged:
+        if self.teacher in ("expert", "oracle") and self.privileged:
             raise ValueError("train.distill.teacher='expert' reads no context: set "
                              "train.distill.privileged=false")
         return self
@@ -346,7 +349,7 @@ class Distiller:
             if student is None:
                 raise ConfigError("train.distill.teacher='self' needs the student model")
             self.teacher = student
-        elif cfg.teacher == "expert":
+        elif cfg.teacher in ("expert", "oracle"):
             self.teacher = None
         else:
             self.teacher = load_teacher(cfg.teacher, student_tokenizer, device)

@@ -36,16 +36,30 @@ from .loss import aggregate
 
 __all__ = ["expert_tree", "expert_trees", "sft_loss", "sft_phase", "sft_seeds"]
 
-def _expert(env: Any) -> str:
+def _expert(env: Any, which: str = "observable") -> str:
+    """The env's expert action: ``expert_action()``, which acts on what was observed, or
+    ``oracle_action()``, which reads hidden state, when ``which == "oracle"``."""
+    name = "oracle_action" if which == "oracle" else "expert_action"
     try:
-        return env.unwrapped.expert_action()
+        return getattr(env.unwrapped, name)()
     except NotImplementedError as e:
-        raise ConfigError(f"env {env.spec.id if env.spec else env!r} has no expert_action(); "
-                          "SFT needs an env with a scripted expert") from e
+        env_id = env.spec.id if env.spec else type(env.unwrapped).__name__
+        hint = ""
+        if name == "expert_action" and _overrides(env, "oracle_action"):
+            hint = "; its only expert is privileged: set sft.expert=oracle to clone it anyway"
+        raise ConfigError(f"env {env_id} has no {name}(){hint}. SFT needs an env with a "
+                          "scripted expert") from e
+
+
+def _overrides(env: Any, name: str) -> bool:
+    """Whether the env's class implements ``name`` (not only ``TextEnv``'s stub)."""
+    from ..env import TextEnv
+
+    return getattr(type(env.unwrapped), name, None) is not getattr(TextEnv, name)
 
 
 def expert_tree(env_id: str, tokenizer: Any, cfg: Config, seed: int,
-                max_turns: int | None = None) -> RolloutTree:
+                max_turns: int | None = None, expert: str = "observable") -> RolloutTree:
     """One expert episode on task ``seed`` as a linear tree, token-exact as a rollout.
 
     The episode ends when the env ends it, after ``max_turns`` (default
@@ -57,13 +71,13 @@ def expert_tree(env_id: str, tokenizer: Any, cfg: Config, seed: int,
     env = make_env(env_id, **cfg.env.kwargs)
     try:
         obs, info = env.reset(seed=seed)
-        tree = RolloutTree(meta={"env": env_id, "seed": seed, "expert": True,
+        tree = RolloutTree(meta={"env": env_id, "seed": seed, "expert": expert,
                                  "instruction": info.get("instruction", "")})
         ctx = ChatContext(tokenizer, opening_messages(obs, info, cfg),
                           max_tokens=cfg.rollout.max_context_tokens)
         pending, parent = list(ctx.ids), None
         for turn in range(max_turns):
-            action = _expert(env)
+            action = _expert(env, expert)
             ids = tokenizer.encode(action, add_special_tokens=False) + [eos]
             try:
                 ctx.append_action(ids)
@@ -103,7 +117,7 @@ def sft_seeds(cfg: Any) -> list[int]:
 def expert_trees(env_id: str, tokenizer: Any, cfg: Any, seeds: list[int],
                  only_successful: bool = True) -> list[RolloutTree]:
     """Expert trees for ``seeds``; episodes the expert did not win are left out by default."""
-    trees = [expert_tree(env_id, tokenizer, cfg, s, cfg.sft.max_turns) for s in seeds]
+    trees = [expert_tree(env_id, tokenizer, cfg, s, cfg.sft.max_turns, cfg.sft.expert) for s in seeds]
     return [t for t in trees if t.meta["expert_success"] or not only_successful]
 
 

@@ -56,7 +56,7 @@ from .checkpoint import (
 from .config import TrainConfig, TrainRunConfig
 from .logprobs import PackedRow, collate_packed, pack_sequences, token_scores
 from .loss import mismatch_stats, policy_loss
-from .metrics import MetricsLogger, merge_stat, plot_learning_curve
+from .metrics import MetricsLogger, PeakMemory, merge_stat, plot_learning_curve
 
 __all__ = [
     "Sample",
@@ -508,13 +508,14 @@ class Trainer:
             raise ConfigError(f"train.micro_batch_tokens={t.micro_batch_tokens} is below "
                               f"rollout.max_context_tokens={cfg.rollout.max_context_tokens}: "
                               "an episode must fit one forward pass")
-        if t.harness is not None and t.distill is not None and (t.distill.privileged or t.distill.teacher == "expert"):
+        if t.harness is not None and t.distill is not None and (
+                t.distill.privileged or t.distill.teacher in ("expert", "oracle")):
             raise ConfigError("train.harness runs episodes through the env server, which keeps the privileged "
                               "text and expert actions from agents: train.distill.privileged and "
                               "train.distill.teacher='expert' need the native engine (no train.harness)")
-        if t.distill is not None and t.distill.teacher == "expert":  # the engine records what the expert would do
+        if t.distill is not None and t.distill.teacher in ("expert", "oracle"):  # the engine records its actions
             cfg = cfg.model_copy(deep=True)
-            cfg.rollout.record_expert_actions = True
+            cfg.rollout.record_expert_actions = t.distill.teacher
         if t.value_head is not None:  # episodes cut at max_turns keep the next state, to bootstrap V from
             cfg = cfg.model_copy(deep=True)
             cfg.rollout.record_next_context = True
@@ -691,6 +692,9 @@ class Trainer:
 
                 options["value_fn"] = value_fn
             items = assign(trees, t.credit, **options)
+            if t.credit == "gigpo":  # how often states recur: GiGPO's step level needs them
+                from ..credit import anchor_group_stats
+                stats.update(anchor_group_stats(trees, t.credit_options.get("similarity")))
             if self.value_head is not None and feats:  # refit V on this batch, after it was used
                 stats.update(self.value_head.fit([f for f, _ in feats.values()], [e for _, e in feats.values()],
                                                  t.credit_options.get("gamma", 1.0), t.credit_options.get("lam", 1.0)))
@@ -783,28 +787,34 @@ class Trainer:
         resumed = bool(self.step or self.phases)
         log = MetricsLogger(self.out, tensorboard=t.tensorboard,
                             resume_step=self.step if resumed else -1)
+        mem = PeakMemory()  # each logged row carries its phase's (or step's) peak memory
         try:
             with _Bars(self.console, self.progress) as bars:
                 self.bars = bars
                 if "start" not in self.phases:
+                    mem.start()
                     ev = self._eval("start", bars)
                     self._phase("start", ev)
-                    log.log(0, {"phase": "start", **ev})
+                    log.log(0, {"phase": "start", **ev, **mem.read()})
                 if sft is not None and not self.sft_done:
+                    mem.start()
                     st = sft(self)
                     self.sft_done = True
                     ev = self._eval("after SFT", bars)
                     self._phase("after_sft", ev)
-                    log.log(0, {"phase": "sft", **st, **ev})
+                    log.log(0, {"phase": "sft", **st, **ev, **mem.read()})
                     self.save()
                 overall = bars.start("steps", t.steps)
                 for _ in range(self.step):
                     overall()
                 ran = self.step < t.steps
                 while self.step < t.steps:
-                    log.log(self.step + 1, {"phase": "rl", **self._one_step(bars)})
+                    mem.start()
+                    row = self._one_step(bars)
+                    log.log(self.step, {"phase": "rl", **row, **mem.read()})
                     overall()
                 ev = {}
+                mem.start()
                 if not ran and "after_sft" in self.phases:  # nothing changed since that eval
                     self.phases.setdefault("end", self.phases["after_sft"])
                 elif ran or "end" not in self.phases:
@@ -812,7 +822,8 @@ class Trainer:
                     self._phase("end", ev)
             t0 = time.perf_counter()
             final = self.save(export_hf=t.export_hf)
-            log.log(self.step, {"phase": "end", **ev, "time/checkpoint_s": time.perf_counter() - t0})
+            log.log(self.step, {"phase": "end", **ev, "time/checkpoint_s": time.perf_counter() - t0,
+                                **mem.read()})
         finally:
             self.bars = None
             if self.harness is not None:

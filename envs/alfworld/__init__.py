@@ -3,13 +3,15 @@
 - ``env``: the ``TextEnv`` (``ALFWorldEnv``).
 - ``scene``: procedural rooms and tasks from ``(split, seed)``.
 - ``world``: the rules, admissible commands and feedback text.
-- ``expert``: the hand-coded expert.
+- ``expert``: the observation-consistent expert (acts on what was seen; SFT's default).
+- ``oracle``: the privileged planner (reads the hidden state; an oracle and a teacher).
 - ``pddl_export``: our scenes as ALFWorld PDDL problems.
 - ``real_engine``: plays them in the real alfworld PDDL engine (optional extra).
 """
 
 from .env import ALFWorldEnv, expert_trajectory
-from .expert import expert_command
+from .expert import Notes, expert_from_history, location_prior, next_command, parse_goal
+from .oracle import oracle_command
 from .scene import SPLITS, Scene, Task, generate_scene
 from .world import World
 
@@ -18,8 +20,13 @@ __all__ = [
     "ALFWorldEnv",
     "Scene",
     "Task",
+    "Notes",
     "World",
-    "expert_command",
+    "expert_from_history",
     "expert_trajectory",
     "generate_scene",
+    "location_prior",
+    "next_command",
+    "oracle_command",
+    "parse_goal",
 ]

@@ -26,6 +26,7 @@ answered "Nothing happens." and uses up the step.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import re
 from dataclasses import dataclass
@@ -34,7 +35,8 @@ from typing import Any
 from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
-from .expert import expert_command
+from .expert import Notes, next_command
+from .oracle import oracle_command
 from .scene import SPLITS, Scene, generate_scene
 from .world import World
 
@@ -55,6 +57,7 @@ class _Snapshot:
     won: bool
     achieved: int
     last_obs: str
+    notes: Notes
 
 
 def _state_key(w: World) -> str:
@@ -85,6 +88,9 @@ class ALFWorldEnv(TextEnv):
         subgoal_reward: float = 0.1,
         max_steps: int = 50,
         put_style: str = "put",
+        families: list[str] | tuple[str, ...] | None = None,
+        max_receptacles: int | None = None,
+        expert_search: str = "listed",
         render_mode: str | None = None,
     ):
         super().__init__(render_mode=render_mode)
@@ -99,7 +105,14 @@ class ALFWorldEnv(TextEnv):
         self.subgoal_reward = float(subgoal_reward)
         self.max_steps = max_steps
         self.put_style = put_style
+        self.families = tuple(families) if families is not None else None
+        self.max_receptacles = max_receptacles
+        if expert_search not in ("listed", "prior"):
+            raise EnvError(f"expert_search must be 'listed' or 'prior', not {expert_search!r}")
+        self.expert_search = expert_search
+        generate_scene(0, split, self.families, max_receptacles)  # a bad option fails here, not at reset
         self._world: World | None = None
+        self._notes = Notes(put_style=put_style, search=expert_search)
         self._steps = 0
         self._done = False
         self._won = False
@@ -139,32 +152,41 @@ class ALFWorldEnv(TextEnv):
 
     # -- gymnasium API -----------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
-        """Start the task of ``seed``; ``options={"split": ...}`` overrides the split."""
+        """Start the task of ``seed``; ``options={"split": ...}`` overrides the split, and
+        ``options={"scene": Scene}`` plays that scene instead of a generated one."""
         super().reset(seed=seed)
         split = (options or {}).get("split", self.split)
         if split not in SPLITS:
             raise EnvError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
         task_seed = int(seed) if seed is not None else int(self.np_random.integers(0, 2**31 - 1))
-        self._world = World(generate_scene(task_seed, split), self.put_style)
+        scene = (options or {}).get("scene")
+        if scene is not None and not isinstance(scene, Scene):
+            raise EnvError(f"options['scene'] must be a Scene, not {type(scene).__name__}")
+        if scene is None:
+            scene = generate_scene(task_seed, split, self.families, self.max_receptacles)
+        task_seed, split = scene.seed, scene.split
+        self._world = World(scene, self.put_style)
         self._steps, self._done, self._won = 0, False, False
         self._achieved = self._world.subgoals() if self.dense_reward else 0
         goal = self._world.s.scene.task.goal
         self._last_obs = _INTRO.format(look=self._world.look(), goal=goal)
+        self._notes = Notes(put_style=self.put_style, search=self.expert_search)
+        self._notes.read(None, self._last_obs)
         info = self._info()
         if self._plan_in_info:  # for a distillation teacher only (train.distill.privileged)
-            info["privileged"] = "The expert's plan: " + "; ".join(self._expert_plan(task_seed, split))
+            info["privileged"] = "The expert's plan: " + "; ".join(self._oracle_plan(scene))
         return self._last_obs, info
 
     _plan_in_info = True
 
-    def _expert_plan(self, seed: int, split: str) -> list[str]:
-        """The expert's commands from the start of task ``seed``, played on a separate env."""
-        env = ALFWorldEnv(split=split, put_style=self.put_style, max_steps=self.max_steps)
+    def _oracle_plan(self, scene: Scene) -> list[str]:
+        """The oracle's commands from the start of ``scene``, played on a separate env."""
+        env = ALFWorldEnv(split=scene.split, put_style=self.put_style, max_steps=self.max_steps)
         env._plan_in_info = False
-        env.reset(seed=seed)
+        env.reset(options={"scene": scene})
         plan, done = [], False
         while not done:
-            plan.append(env.expert_action())
+            plan.append(env.oracle_action())
             _, _, terminated, truncated, _ = env.step(plan[-1])
             done = terminated or truncated
         return plan
@@ -192,6 +214,7 @@ class ALFWorldEnv(TextEnv):
         if truncated:
             self._done = True
         self._last_obs = obs
+        self._notes.read(action if isinstance(action, str) else None, obs)
         return obs, reward, self._won, truncated, self._info()
 
     def _parse(self, w: World, action: Any) -> tuple | None:
@@ -215,7 +238,8 @@ class ALFWorldEnv(TextEnv):
         """The episode state (a copy of a few small lists; the scene is shared)."""
         w = self._require()
         return _Snapshot(
-            w.copy(), self._steps, self._done, self._won, self._achieved, self._last_obs
+            w.copy(), self._steps, self._done, self._won, self._achieved, self._last_obs,
+            copy.deepcopy(self._notes),
         )
 
     def restore(self, snapshot: _Snapshot) -> None:
@@ -223,10 +247,16 @@ class ALFWorldEnv(TextEnv):
         self._world = snapshot.world.copy()
         self._steps, self._done, self._won = snapshot.steps, snapshot.done, snapshot.won
         self._achieved, self._last_obs = snapshot.achieved, snapshot.last_obs
+        self._notes = copy.deepcopy(snapshot.notes)
 
     def expert_action(self) -> str:
-        """The hand-coded expert's next command (see ``expert``)."""
-        return expert_command(self._require())
+        """The observation-consistent expert's next command: it acts on what was seen (see ``expert``)."""
+        self._require()
+        return next_command(self._notes)
+
+    def oracle_action(self) -> str:
+        """The privileged oracle's next command: it reads the hidden state (see ``oracle``)."""
+        return oracle_command(self._require())
 
 
 def expert_trajectory(

@@ -36,6 +36,7 @@ from .catalog import (
 )
 
 __all__ = [
+    "GOAL_TEMPLATES",
     "SPLITS",
     "Scene",
     "Task",
@@ -56,7 +57,8 @@ _PROPERTY = {
     "pick_heat_then_place_in_recep": HEATABLE,
     "pick_cool_then_place_in_recep": COOLABLE,
 }
-_TEMPLATES = {
+GOAL_TEMPLATES: dict[str, tuple[str, str]] = {  # the goal sentences, ALFWorld's wording
+
     "pick_and_place_simple": ("put a {o} in {r}.", "put some {o} on {r}."),
     "look_at_obj_in_light": ("look at {o} under the {r}.", "examine the {o} with the {r}."),
     "pick_clean_then_place_in_recep": (
@@ -152,6 +154,15 @@ def _furnish(rng: random.Random, room: str, must: set[str]) -> list[str]:
     return types
 
 
+def _trim(rng: random.Random, types: list[str], must: set[str], cap: int) -> list[str]:
+    """``types`` with random receptacles removed down to ``cap``, keeping one of each ``must`` type."""
+    keep = {types.index(t) for t in must}
+    spare = [i for i in range(len(types)) if i not in keep]
+    rng.shuffle(spare)
+    kept = keep | set(spare[: max(0, cap - len(keep))])
+    return [t for i, t in enumerate(types) if i in kept]
+
+
 def _number(types: list[str]) -> list[str]:
     counts: dict[str, int] = {}
     names = []
@@ -161,12 +172,24 @@ def _number(types: list[str]) -> list[str]:
     return names
 
 
-def generate_scene(seed: int, split: str = "train") -> Scene:
-    """The scene and task of ``seed`` in ``split``; the same inputs give the same scene."""
+def generate_scene(seed: int, split: str = "train", families: tuple[str, ...] | None = None,
+                   max_receptacles: int | None = None) -> Scene:
+    """The scene and task of ``seed`` in ``split``; the same inputs give the same scene.
+
+    Easier levels for a curriculum: ``families`` draws the task from those
+    families only; ``max_receptacles`` furnishes the room with at most that
+    many receptacles (never fewer than the task needs). With both left at
+    None, scenes are those of the full task.
+    """
     if split not in SPLITS:
         raise EnvError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    pool = FAMILIES if families is None else tuple(families)
+    if not pool or any(f not in FAMILIES for f in pool):
+        raise EnvError(f"families must be a non-empty subset of {', '.join(FAMILIES)}; got {families!r}")
+    if max_receptacles is not None and max_receptacles < 2:
+        raise EnvError(f"max_receptacles must be >= 2, got {max_receptacles}")
     rng = random.Random(f"alfworld|{split}|{int(seed)}")
-    family = FAMILIES[rng.randrange(len(FAMILIES))]
+    family = pool[rng.randrange(len(pool))]
     room, obj_type, target = rng.choice(task_combinations(family, split == "valid_unseen"))
     spec = ROOMS[room]
     look = family == "look_at_obj_in_light"
@@ -180,6 +203,8 @@ def generate_scene(seed: int, split: str = "train") -> Scene:
         raise EnvError(f"catalog: {obj_type!r} has no start place in a {room} besides {target!r}")
     must.add(rng.choice(starts))
     types = _furnish(rng, room, must)
+    if max_receptacles is not None:
+        types = _trim(random.Random(f"alfworld-trim|{split}|{int(seed)}"), types, must, max_receptacles)
     rng.shuffle(types)  # the order in which "look" lists receptacles
     names = _number(types)
 
@@ -202,7 +227,7 @@ def generate_scene(seed: int, split: str = "train") -> Scene:
             placed.append((lamp, rng.choice(lamp_hosts)))
     rng.shuffle(placed)
     obj_types = [o for o, _ in placed]
-    goal = rng.choice(_TEMPLATES[family]).format(o=obj_type, r=target)
+    goal = rng.choice(GOAL_TEMPLATES[family]).format(o=obj_type, r=target)
     task = Task(family, obj_type, target, goal)
     return Scene(
         seed=int(seed),

@@ -69,7 +69,7 @@ def clean_command(action: str) -> str:
 
 
 class TextWorldEnv(TextEnv):
-    """Play generated TextWorld games; admissible commands and an expert included."""
+    """Play generated TextWorld games; admissible commands and a privileged oracle included."""
 
     def __init__(
         self,
@@ -150,11 +150,16 @@ class TextWorldEnv(TextEnv):
         for command in snapshot.actions:
             self.step(command)
 
-    # -- expert ----------------------------------------------------------------
-    def expert_action(self) -> str:
-        """The next command of TextWorld's winning policy from here."""
+    # -- oracle ----------------------------------------------------------------
+    def oracle_action(self) -> str:
+        """The next command of TextWorld's winning policy from here.
+
+        Privileged: TextWorld's solver knows the whole game (what lies in rooms
+        and containers not yet seen), so it is an oracle and a teacher, and SFT
+        clones it only with ``sft.expert: oracle``.
+        """
         if self._state is None:
-            raise EnvError("call reset() before expert_action()")
+            raise EnvError("call reset() before oracle_action()")
         policy = self._state.get("policy_commands") or []
         if policy:
             return policy[0]

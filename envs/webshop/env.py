@@ -9,14 +9,16 @@ of 12 count, and price lower than 30.00 dollars".
 Pages and their clickable elements:
 
 - ``search``: only here ``search[query]`` is valid.
-- ``results``: 10 products per page from the top 50 hits, each clickable by
-  its ASIN, with ``back to search``, ``next >`` and ``< prev``.
+- ``results``: ``page_size`` products per page (10, as in WebShop) from the
+  top 50 hits, each clickable by its ASIN, with ``back to search``, ``next >`` and ``< prev``.
 - ``item``: title, price, rating, option values (click one to select it),
   ``description``, ``features``, ``buy now``, ``< prev`` and
   ``back to search``.
 - ``description`` / ``features``: the product text, with ``< prev``.
 
-Actions are ``search[query]`` and ``click[element]``, where the element is
+Every page repeats the instruction on its first line, as WebShop does;
+``repeat_instruction=False`` states it on the search page only (fewer tokens a
+turn). Actions are ``search[query]`` and ``click[element]``, where the element is
 one of the clickables now shown (case-insensitive). Anything else gets an
 "Invalid action!" observation, and the page stays as it was.
 
@@ -26,23 +28,27 @@ is True when the score is 1. The episode is truncated after ``max_steps``
 steps (15 by default). ``info["state_key"]`` is a short hash of the true shop
 state (GiGPO's anchor).
 
-The expert (``expert_action``) is privileged: it reads the goal and the
-catalog to pick a matching product from the results. It is there to make
-demonstrations and to check that every goal can be solved, not as a baseline.
+Two scripted shoppers. ``expert_action`` acts only on the pages seen so far
+(``expert``): SFT clones it by default. ``oracle_action`` is privileged: it
+reads the goal product to pick a match from the results. It checks that every
+goal can be solved and can teach as a privileged teacher, never as SFT data by
+default.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import random
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
 from .catalog import Catalog, Product, get_catalog
+from .expert import ShopNotes, next_action
 from .goal import Goal, make_goal, satisfies, score_purchase
 
 __all__ = ["WebShopEnv", "WebShopSnapshot"]
@@ -75,6 +81,7 @@ class WebShopSnapshot:
     catalog_key: tuple[int, int]
     goal: Goal
     state: _State
+    notes: ShopNotes = field(default_factory=ShopNotes)  # what the agent saw (the expert reads it)
 
 
 class WebShopEnv(TextEnv):
@@ -85,27 +92,40 @@ class WebShopEnv(TextEnv):
         num_products: int = 10_000,
         catalog_seed: int = 0,
         max_steps: int = 15,
+        page_size: int = PAGE_SIZE,
+        repeat_instruction: bool = True,
         render_mode: str | None = None,
     ):
         super().__init__(render_mode=render_mode)
         if max_steps < 1:
             raise ValueError("max_steps must be >= 1")
+        if page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        self.page_size = page_size
+        self.repeat_instruction = repeat_instruction
         self.num_products = num_products
         self.catalog_seed = catalog_seed
         self.max_steps = max_steps
         self.catalog: Catalog = get_catalog(catalog_seed, num_products)
         self.goal: Goal | None = None
         self._state = _State()
+        self._notes = ShopNotes()
 
     # -- gymnasium API ---------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        """A new goal from ``seed``; ``options={"goal": Goal}`` plays that goal instead."""
         super().reset(seed=seed)
         rng = random.Random(int(self.np_random.integers(2**63)))
-        self.goal = make_goal(self.catalog, rng)
+        goal = (options or {}).get("goal")
+        if goal is not None and not isinstance(goal, Goal):
+            raise EnvError(f"options['goal'] must be a Goal, not {type(goal).__name__}")
+        self.goal = goal if goal is not None else make_goal(self.catalog, rng)
         self._state = _State()
         obs = self._render(self._state)
         self._state = replace(self._state, obs=obs)
         self._last_obs = obs
+        self._notes = ShopNotes()
+        self._notes.read(None, obs)
         g = self.goal
         options = ", ".join(f"{k}: {v}" for k, v in g.options)
         # For a distillation teacher only (train.distill.privileged); never shown to the agent.
@@ -136,6 +156,7 @@ class WebShopEnv(TextEnv):
         keep_obs = new_state.obs if new_state is state else obs
         self._state = replace(new_state, steps=steps, obs=keep_obs, done=terminated or truncated)
         self._last_obs = obs
+        self._notes.read(action if isinstance(action, str) else None, obs)
         info = self._info()
         if terminated:
             info["success"] = reward >= 1.0
@@ -146,7 +167,8 @@ class WebShopEnv(TextEnv):
     def snapshot(self) -> WebShopSnapshot:
         if self.goal is None:
             raise EnvError("call reset() before snapshot()")
-        return WebShopSnapshot((self.catalog_seed, self.num_products), self.goal, self._state)
+        return WebShopSnapshot((self.catalog_seed, self.num_products), self.goal, self._state,
+                               copy.deepcopy(self._notes))
 
     def restore(self, snapshot: WebShopSnapshot) -> None:
         if snapshot.catalog_key != (self.catalog_seed, self.num_products):
@@ -155,11 +177,12 @@ class WebShopEnv(TextEnv):
         self.goal = snapshot.goal
         self._state = snapshot.state
         self._last_obs = snapshot.state.obs
+        self._notes = copy.deepcopy(snapshot.notes)
 
     # -- pages -----------------------------------------------------------------
     def clickables(self) -> list[str]:
         """The elements ``click[...]`` accepts on the current page."""
-        return _clickables(self.catalog, self._state)
+        return _clickables(self.catalog, self._state, self.page_size)
 
     def _info(self) -> dict[str, Any]:
         state = self._state
@@ -168,7 +191,7 @@ class WebShopEnv(TextEnv):
         elif state.page == "search":
             actions = [f"search[{self.goal.query}]"] if self.goal else []
         else:
-            actions = [f"click[{c}]" for c in _clickables(self.catalog, state)]
+            actions = [f"click[{c}]" for c in _clickables(self.catalog, state, self.page_size)]
         return {
             "instruction": self.goal.instruction if self.goal else "",
             "admissible_actions": actions,
@@ -190,10 +213,12 @@ class WebShopEnv(TextEnv):
     def _render(self, state: _State) -> str:
         assert self.goal is not None
         head = f"Instruction: {self.goal.instruction}\n"
+        if not self.repeat_instruction and state.page != "search":
+            head = ""  # compact: the search page alone states the instruction
         if state.page == "search":
             return head + "[search] Type search[your query] to look for products."
         if state.page == "results":
-            return head + _render_results(self.catalog, state)
+            return head + _render_results(self.catalog, state, self.page_size)
         product = self.catalog.products[state.item]
         if state.page == "item":
             return head + _render_item(product, dict(state.selected))
@@ -216,7 +241,7 @@ class WebShopEnv(TextEnv):
                 state, page="results", query=query, results=self.catalog.search(query), page_no=0
             ), ""
         element = arg.lower()
-        if element not in _clickables(self.catalog, state):
+        if element not in _clickables(self.catalog, state, self.page_size):
             return None, f"{arg[:80]!r} is not a clickable element on this page."
         return self._click(state, element), ""
 
@@ -256,10 +281,17 @@ class WebShopEnv(TextEnv):
             f"(${product.price:.2f}; options: {chosen}). Your score: {result.reward:.2f}"
         ), result.reward
 
-    # -- expert ----------------------------------------------------------------
+    # -- experts ---------------------------------------------------------------
     def expert_action(self) -> str:
+        """The observation-consistent shopper's next action (see ``expert``)."""
+        if self.goal is None:
+            raise EnvError("call reset() before expert_action()")
+        return next_action(self._notes)
+
+    def oracle_action(self) -> str:
         """A privileged scripted shopper: search the goal, open a match, pick options, buy."""
-        assert self.goal is not None, "call reset() before expert_action()"
+        if self.goal is None:
+            raise EnvError("call reset() before oracle_action()")
         goal, state, products = self.goal, self._state, self.catalog.products
         if state.page == "search":
             return f"search[{goal.title if state.query == goal.query else goal.query}]"
@@ -267,7 +299,7 @@ class WebShopEnv(TextEnv):
             hits = [i for i, r in enumerate(state.results) if satisfies(goal, products[r])]
             if not hits:
                 return f"click[{BACK}]"
-            target = hits[0] // PAGE_SIZE
+            target = hits[0] // self.page_size
             if target > state.page_no:
                 return f"click[{NEXT}]"
             if target < state.page_no:
@@ -285,17 +317,17 @@ class WebShopEnv(TextEnv):
         return f"click[{PREV}]"
 
 
-def _clickables(catalog: Catalog, state: _State) -> list[str]:
+def _clickables(catalog: Catalog, state: _State, page_size: int) -> list[str]:
     if state.done or state.page == "search":
         return []
     if state.page == "results":
         out = [BACK]
         if state.page_no > 0:
             out.append(PREV)
-        if (state.page_no + 1) * PAGE_SIZE < len(state.results):
+        if (state.page_no + 1) * page_size < len(state.results):
             out.append(NEXT)
-        start = state.page_no * PAGE_SIZE
-        out += [catalog.products[i].asin.lower() for i in state.results[start : start + PAGE_SIZE]]
+        start = state.page_no * page_size
+        out += [catalog.products[i].asin.lower() for i in state.results[start : start + page_size]]
         return out
     if state.page == "item":
         product = catalog.products[state.item]
@@ -304,20 +336,20 @@ def _clickables(catalog: Catalog, state: _State) -> list[str]:
     return [BACK, PREV]
 
 
-def _render_results(catalog: Catalog, state: _State) -> str:
+def _render_results(catalog: Catalog, state: _State, page_size: int) -> str:
     total = len(state.results)
     if total == 0:
         return f"[{BACK}]\nNo products match {state.query!r}."
-    start = state.page_no * PAGE_SIZE
+    start = state.page_no * page_size
     lines = [f"[{BACK}]", f"Page {state.page_no + 1} (total results: {total})"]
     nav = []
     if state.page_no > 0:
         nav.append(f"[{PREV}]")
-    if start + PAGE_SIZE < total:
+    if start + page_size < total:
         nav.append(f"[{NEXT}]")
     if nav:
         lines.append(" ".join(nav))
-    for i in state.results[start : start + PAGE_SIZE]:
+    for i in state.results[start : start + page_size]:
         p = catalog.products[i]
         lines.append(f"[{p.asin.lower()}] {p.title} | ${p.price:.2f}")
     return "\n".join(lines)

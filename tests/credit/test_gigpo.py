@@ -128,3 +128,24 @@ def test_gigpo_on_episodes_of_a_tree(make_tree):
     # totals [1, 0] -> A_E = [0.5, -0.5]. Turn 0 is one shared node: returns [0.5, 0] -> +-0.25.
     # Turn 1 (state k0): returns [1, 0] -> +-0.5.
     assert out == [pytest.approx([0.75, 1.0]), pytest.approx([-0.75, -1.0])]
+
+
+def test_anchor_group_stats_count_recurring_states(make_tree):
+    """Three episodes: all open in one state; two reach state "a" at turn 1 and one "b";
+    an errored one counts nowhere. By hand: 3 first steps in one group of 3; later
+    steps "a", "a" (a group of 2) and "b" (alone); so 5 of 6 steps, 2 of 3 later ones."""
+    from agentrl.credit import anchor_group_stats
+
+    tree = make_tree([
+        (None, 0.0, {"info": {"state_key": "a"}}),  # 0: turn 0 of episodes 1 and 2
+        (0, 1.0, {"terminated": True}),  # 1: episode 1 acts in "a"
+        (0, 0.0, {"truncated": True}),  # 2: episode 2 acts in "a"
+        (None, 0.0, {"info": {"state_key": "b"}}),  # 3: turn 0 of episode 3
+        (3, 0.0, {"truncated": True}),  # 4: episode 3 acts in "b"
+        (None, 0.0, {"error": "env crashed", "truncated": True}),  # 5: a failed episode
+    ])
+    stats = anchor_group_stats([tree])
+    assert stats["anchor/steps"] == 6 and stats["anchor/steps_in_groups_of_2plus"] == 5
+    assert stats["anchor/later_steps"] == 3 and stats["anchor/later_steps_in_groups_of_2plus"] == 2
+    assert stats["anchor/later_frac_in_groups_of_2plus"] == pytest.approx(2 / 3)
+    assert stats["anchor/largest_group"] == 3

@@ -56,7 +56,7 @@ def test_clean_command_strips_junk_and_bounds_length():
 
 
 @needs_textworld
-def test_expert_wins_generated_games(env, tw_cache):
+def test_oracle_wins_generated_games(env, tw_cache):
     home = os.environ.get("HOME")
     for seed in (1, 2):
         obs, info = env.reset(seed=seed)
@@ -64,7 +64,7 @@ def test_expert_wins_generated_games(env, tw_cache):
         assert info["tools"] == []
         total, terminated, truncated, steps = 0.0, False, False, 0
         while not (terminated or truncated):
-            action = env.expert_action()
+            action = env.oracle_action()
             assert action in info["admissible_actions"]
             _, reward, terminated, truncated, info = env.step(action)
             total += reward
@@ -96,7 +96,7 @@ def test_restored_env_continues_identically(env):
     env.step("look")
     env.step("inventory")
     snap = env.snapshot()
-    actions = ["look", env.expert_action(), "take nothing", "inventory"]
+    actions = ["look", env.oracle_action(), "take nothing", "inventory"]
     first = [env.step(a) for a in actions]
     env.reset(seed=1)
     env.restore(snap)

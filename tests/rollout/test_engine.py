@@ -523,3 +523,22 @@ def test_hung_env_steps_neither_starve_the_others_nor_block_exit(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     # the four hung episodes fail; the four healthy ones finish although every first worker hung
     assert out.stdout.strip().splitlines()[-1] == str([True] * 4 + [False] * 4)
+
+
+def test_a_groups_shared_opening_prompt_is_prefilled_once_and_counted_so(tokenizer, tiny_model):
+    """A GRPO group's episodes open with the same prompt. In one batch on ``hf`` it runs once;
+    the tree counters say so (the other rows reuse it), and every episode samples what it
+    samples with no prefix reuse at all."""
+    cfg = load_config(overrides=["env.id=agentrl/ALFWorld-v0", "rollout.group_size=4", "rollout.max_turns=1",
+                                 "sampling.max_new_tokens=4", "sampling.temperature=1.0"])
+    shared = HFPolicy(tiny_model, tokenizer, max_batch_size=8, prefill_pad_tokens=0)
+    [tree] = collect(cfg.env.id, shared, cfg, [3])
+    [plain] = collect(cfg.env.id, HFPolicy(tiny_model, tokenizer, max_batch_size=8, prefix_cache_mb=0),
+                      cfg, [3])
+    # Node ids follow completion order, so compare the episodes as a set.
+    assert sorted(e.input_ids for e in tree.episodes()) == sorted(e.input_ids for e in plain.episodes())
+    prompt = len(next(tree.episodes()).nodes[0].context_ids)
+    c = tree.meta["counters"]
+    assert c["prefilled_tokens"] + c["reused_tokens"] == 4 * prompt
+    assert c["prefilled_tokens"] == prompt + 3  # one row ran the prompt; three ran their last token
+    assert plain.meta["counters"]["prefilled_tokens"] == 4 * prompt

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -47,17 +48,28 @@ def test_alfworld_expert_trees_mask_only_the_expert_commands(tokenizer):
         assert ep.nodes[-1].terminated and ep.nodes[-1].reward == 1.0
 
 
-def test_sft_command_clones_the_expert(tmp_path):
-    """``agentrl sft`` on GuessNumber(1..4): expert NLL falls, greedy held-out wins go up from 0."""
+SFT_RUN = GUESS + ["policy.model=tiny-random", "sampling.temperature=0", "train.eval_episodes=16",
+                   "train.micro_batch_tokens=2048", "train.tensorboard=false", "train.plot=false",
+                   "sft.epochs=8", "sft.lr=5e-3", "sft.minibatch_size=8"]
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    """``agentrl sft`` on GuessNumber(1..4) with the tiny model, once for this module."""
     torch.set_num_threads(1)
-    args = ["sft", "--no-progress", "--out", str(tmp_path), "--episodes", "32"]
-    for item in GUESS + ["policy.model=tiny-random", "sampling.temperature=0", "train.eval_episodes=16",
-                         "train.micro_batch_tokens=2048", "train.tensorboard=false", "train.plot=false",
-                         "sft.epochs=8", "sft.lr=5e-3", "sft.minibatch_size=8"]:
+    out = tmp_path_factory.mktemp("sft_run")
+    args = ["sft", "--no-progress", "--out", str(out), "--episodes", "32"]
+    for item in SFT_RUN:
         args += ["--set", item]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return out, res.output
+
+
+def test_sft_command_clones_the_expert(sft_run):
+    """``agentrl sft`` on GuessNumber(1..4): expert NLL falls, greedy held-out wins go up from 0."""
+    out, output = sft_run
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     start = next(r for r in rows if r["phase"] == "start")
     sft = next(r for r in rows if r["phase"] == "sft")
     assert sft["sft/episodes"] == 32 and sft["sft/optimizer_steps"] == 8 * 4
@@ -67,8 +79,53 @@ def test_sft_command_clones_the_expert(tmp_path):
     # seed of five did not converge (NLL 1.54, success 0).
     assert sft["sft/nll_before"] > 8.0 and sft["sft/nll_after"] < 1.0
     assert start["eval/success"] == 0.0 and sft["eval/success"] >= 0.3
-    assert "after_sft" in res.output and "after RL" not in res.output  # SFT only: no RL row
-    assert (tmp_path / "checkpoints" / "step-000000" / "hf" / "config.json").exists()
+    assert "after_sft" in output and "after RL" not in output  # SFT only: no RL row
+    assert (out / "checkpoints" / "step-000000" / "hf" / "config.json").exists()
+
+
+def test_the_exported_model_wins_the_same_held_out_seeds_in_plain_transformers(sft_run):
+    """The ``save_pretrained`` export, loaded with ``AutoModelForCausalLM`` and played with the
+    chat template and ``generate`` (no agentrl in the loop but the env), wins exactly the
+    held-out seeds that agentrl's own evaluation counted."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentrl.env import make_env
+    from agentrl.train.trainer import eval_seeds
+
+    out, _ = sft_run
+    cfg = load_train_config(None, SFT_RUN)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    reported = next(r for r in rows if r["phase"] == "sft")["eval/success"]
+    hf = out / "checkpoints" / "step-000000" / "hf"
+    model = AutoModelForCausalLM.from_pretrained(hf).eval()
+    tok = AutoTokenizer.from_pretrained(hf)
+    wins = []
+    for seed in eval_seeds(cfg.train):
+        env = make_env(cfg.env.id, **cfg.env.kwargs)
+        obs, _ = env.reset(seed=seed)
+        messages = [{"role": "system", "content": cfg.rollout.system_prompt}, {"role": "user", "content": obs}]
+        won = False
+        for _ in range(cfg.rollout.max_turns):
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                          return_dict=True)
+            with torch.no_grad():
+                gen = model.generate(**ids, max_new_tokens=cfg.sampling.max_new_tokens, do_sample=False)
+            action = tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).split("\n")[0].strip()
+            obs, reward, terminated, truncated, _ = env.step(action)
+            messages += [{"role": "assistant", "content": action}, {"role": "user", "content": obs}]
+            if terminated or truncated:
+                won = terminated and reward > 0
+                break
+        wins.append(won)
+    # agentrl's evaluation of the same export, seed by seed.
+    from agentrl.policy import make_policy
+
+    ev = load_train_config(None, SFT_RUN + [f"policy.model={hf}", "rollout.group_size=1"])
+    trees = collect(ev.env.id, make_policy(ev.policy), ev, eval_seeds(ev.train))
+    ours = [any(n.terminated and n.reward > 0 for n in t.nodes.values()) for t in trees]
+    assert wins == ours
+    assert sum(wins) / len(wins) == pytest.approx(reported)
+    assert sum(wins) >= 4  # it learned something to carry over
 
 
 def test_the_alfworld_example_trains_alfworld_through_the_train_command(tmp_path):
@@ -92,3 +149,60 @@ def test_the_alfworld_example_trains_alfworld_through_the_train_command(tmp_path
     assert step["rollout/episodes"] == 2 and step["rollout/failed"] == 0 and step["rollout/env_steps"] > 0
     assert step["policy/version"] == 2  # the SFT'd weights, then one RL update
     assert any("eval/success" in r for r in rows if r["phase"] in ("rl", "end"))
+
+
+def test_sft_clones_the_observable_expert_by_default_and_the_oracle_only_when_asked(tokenizer):
+    """ALFWorld-v0: the default expert searches (it cannot know where the object is); the
+    oracle walks straight to it. ``sft.expert`` picks which one the trees hold."""
+    from agentrl.envs.alfworld import ALFWorldEnv
+
+    base = ["env.id=agentrl/ALFWorld-v0", "rollout.max_turns=50", "rollout.max_context_tokens=8192"]
+    seed = next(s for s in range(100) if _oracle_is_shorter(ALFWorldEnv(), s))
+    default = expert_tree("agentrl/ALFWorld-v0", tokenizer, load_train_config(None, base), seed)
+    oracle = expert_tree("agentrl/ALFWorld-v0", tokenizer,
+                         load_train_config(None, base + ["sft.expert=oracle"]), seed, expert="oracle")
+    env = ALFWorldEnv()
+    for tree, policy, name in ((default, "expert_action", "observable"), (oracle, "oracle_action", "oracle")):
+        env.reset(seed=seed)
+        played = []
+        for _ in next(tree.episodes()).nodes:
+            played.append(getattr(env, policy)())
+            env.step(played[-1])
+        assert [n.action_text for n in next(tree.episodes()).nodes] == played
+        assert tree.meta["expert"] == name
+    assert len(oracle.nodes) < len(default.nodes)
+
+
+def _oracle_is_shorter(env, seed: int) -> bool:
+    lengths = []
+    for policy in ("expert_action", "oracle_action"):
+        env.reset(seed=seed)
+        done, n = False, 0
+        while not done:
+            _, _, terminated, truncated, _ = env.step(getattr(env, policy)())
+            done, n = terminated or truncated, n + 1
+        lengths.append(n)
+    return lengths[1] < lengths[0]
+
+
+def test_sft_refuses_an_env_whose_only_expert_is_privileged(tokenizer):
+    from agentrl.env import TextEnv, register_env
+    from agentrl.errors import ConfigError
+
+    class OracleOnly(TextEnv):
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            return "guess the hidden word", {"instruction": "guess", "admissible_actions": [], "tools": []}
+
+        def step(self, action):
+            return "right", 1.0, True, False, {"instruction": "guess", "admissible_actions": [], "tools": []}
+
+        def oracle_action(self):
+            return "secret"
+
+    register_env("agentrl/OracleOnlyTest-v0", OracleOnly)
+    cfg = load_train_config(None, ["env.id=agentrl/OracleOnlyTest-v0", "rollout.max_turns=2"])
+    with pytest.raises(ConfigError, match="sft.expert=oracle"):
+        expert_tree(cfg.env.id, tokenizer, cfg, seed=0)
+    tree = expert_tree(cfg.env.id, tokenizer, cfg, seed=0, expert="oracle")
+    assert [n.action_text for n in tree.nodes.values()] == ["secret"] and tree.meta["expert_success"]
