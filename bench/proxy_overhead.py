@@ -15,6 +15,18 @@ time per request during that run (what a free core would give, whatever the load
 p50 <= 2 ms, >= 500 requests/s on 2 cores. The client shares the machine
 with the server, so both numbers include the client's own CPU time.
 
+Two more workloads:
+
+- ``growing sessions``: 64 clients, each holding a session whose conversation
+  grows over 20 turns (a long system prompt, tool-sized observations). All
+  clients send turn k together; per turn, the p50 latency minus the direct p50
+  and the server's CPU per request (in steps of 10 ms / 64). Target: turn 20
+  within 1.5x of turn 1 (the proxy renders and tokenizes only a session's new
+  messages), compared as the median of turns 18-20 over that of turns 1-3.
+- ``time to first token``: streamed chat on a mock backend paced at one token
+  every ``--token-ms`` that reports tokens as it samples them (as ``hf`` and
+  ``vllm`` do), the first content chunk against the whole reply.
+
     python bench/proxy_overhead.py [--requests 300] [--seconds 5] [--out bench/proxy_overhead.json]
 """
 
@@ -22,9 +34,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -32,12 +46,36 @@ from pathlib import Path
 
 import httpx
 
-TARGET_P50_MS, TARGET_RPS = 2.0, 500.0
+TARGET_P50_MS, TARGET_RPS, TARGET_GROWTH = 2.0, 500.0, 1.5
 RESPONSE = "The answer is 42."
+PACED = "Let me work through this one step at a time, checking each step before the next. " * 2
+SYSTEM = "You are an agent that solves tasks with tools. Think briefly, then act. " * 8
+OBSERVATION = "The tool returned: status ok, 3 files changed, 12 tests passed, no warnings. " * 3
 
 
-def _serve(port: int) -> None:
-    """Child process: the proxy over the mock backend."""
+class _Paced:
+    """The mock backend at one token every ``step_s``, reporting each as it is sampled."""
+
+    version = 0
+
+    def __init__(self, tokenizer, step_s: float):
+        self.tokenizer, self.step_s = tokenizer, step_s
+        self.ids = tokenizer.encode(PACED) + [tokenizer.eos_token_id]
+
+    async def agenerate(self, request):
+        from agentrl.policy import GenerateResult
+
+        control = getattr(request, "control", None)
+        ids = self.ids[:request.params.max_new_tokens]
+        for t in ids:
+            await asyncio.sleep(self.step_s)
+            if control is not None and control.on_token is not None:
+                control.on_token(t)
+        return GenerateResult(list(ids), [-1.0] * len(ids), [1.0] * len(ids), "stop", self.version)
+
+
+def _serve(port: int, token_ms: float | None) -> None:
+    """Child process: the proxy over the mock backend (paced, with ``token_ms``)."""
     import uvicorn
 
     from agentrl.models import load_tokenizer
@@ -45,7 +83,11 @@ def _serve(port: int) -> None:
     from agentrl.proxy import ProxyConfig, create_app
     from agentrl.proxy.app import listen_socket
 
-    app = create_app(MockPolicy(load_tokenizer(), [RESPONSE]), ProxyConfig())
+    tok = load_tokenizer()
+    policy = _Paced(tok, token_ms / 1e3) if token_ms else MockPolicy(tok, [RESPONSE])
+    app = create_app(policy, ProxyConfig(max_context_tokens=16384))
+    gc.collect()
+    gc.freeze()  # as ``agentrl.proxy.serve`` does
     uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(
         sockets=[listen_socket("127.0.0.1", port)])
 
@@ -74,6 +116,24 @@ class _Conn:
         if status != 200:
             raise RuntimeError(f"{path}: HTTP {status}: {reply}")
         return reply
+
+    async def stream(self, path: str, body: dict) -> tuple[float, float]:
+        """POST a streamed chat call: seconds to the first content chunk and to the end."""
+        t0 = time.perf_counter()
+        data = json.dumps(body).encode()
+        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        if int(head.split(b" ", 2)[1]) != 200 or b"chunked" not in head.lower():
+            raise RuntimeError(f"{path}: not a stream: {head!r}")
+        first = None
+        while True:  # chunked transfer encoding: size line, data, CRLF; size 0 ends it
+            size = int((await self.reader.readuntil(b"\r\n")).strip(), 16)
+            chunk = await self.reader.readexactly(size + 2)
+            if first is None and re.search(rb'"delta": \{"content": "[^"]', chunk):
+                first = time.perf_counter() - t0
+            if size == 0:
+                return first if first is not None else float("nan"), time.perf_counter() - t0
 
     def close(self) -> None:
         self.writer.close()
@@ -126,6 +186,47 @@ async def _session_chat(conn: _Conn, n: int) -> list[float]:
     return out[:n]
 
 
+async def _growing_sessions(base: str, clients: int, turns: int, pid: int, direct_p50: float) -> dict:
+    """``clients`` sessions in step: every client sends turn k, then all go on to turn k+1."""
+    conns = [await _Conn.open(base) for _ in range(clients)]
+    sids = [(await c.post("/sessions", {}))["session_id"] for c in conns]
+    msgs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Task {i}: fix the bug."}]
+            for i in range(clients)]
+    rows = []
+    for turn in range(turns):
+        async def call(i: int, turn: int) -> float:
+            t = time.perf_counter()
+            r = await conns[i].post(f"/sessions/{sids[i]}/v1/chat/completions", {"model": "m", "messages": msgs[i]})
+            msgs[i] += [r["choices"][0]["message"], {"role": "user", "content": f"{OBSERVATION} (step {turn})"}]
+            return time.perf_counter() - t
+
+        cpu0 = _cpu_s(pid)
+        lat = await asyncio.gather(*(call(i, turn) for i in range(clients)))
+        rows.append({"turn": turn + 1, "added_p50_ms": 1e3 * (_pct(lat, 0.5) - direct_p50),
+                     "server_cpu_ms_per_request": 1e3 * (_cpu_s(pid) - cpu0) / clients,
+                     "prompt_chars": sum(len(m["content"] or "") for m in msgs[0])})
+    for c in conns:
+        c.close()
+    def ends(key: str) -> float:  # the median of the last three turns over that of the first three
+        return _pct([r[key] for r in rows[-3:]], 0.5) / _pct([r[key] for r in rows[:3]], 0.5)
+
+    return {"clients": clients, "turns": rows, "added_p50_growth": ends("added_p50_ms"),
+            "cpu_growth": ends("server_cpu_ms_per_request")}
+
+
+async def _ttft(base: str, n: int) -> dict:
+    conn = await _Conn.open(base)
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "Explain."}]}
+    await conn.stream("/v1/chat/completions", body)  # warm up
+    firsts, totals = [], []
+    for _ in range(n):
+        first, total = await conn.stream("/v1/chat/completions", body)
+        firsts.append(first)
+        totals.append(total)
+    conn.close()
+    return {"ttft_p50_ms": 1e3 * _pct(firsts, 0.5), "total_p50_ms": 1e3 * _pct(totals, 0.5), "n": n}
+
+
 async def _throughput(base: str, body: dict, clients: int, seconds: float) -> float:
     conns = [await _Conn.open(base) for _ in range(clients)]
     done = 0
@@ -167,8 +268,22 @@ async def _bench(base: str, n: int, seconds: float, clients: int, pid: int) -> d
     cpu0, t0 = _cpu_s(pid), time.perf_counter()
     rps = await _throughput(base, comp, clients, seconds)
     cpu_ms = 1e3 * (_cpu_s(pid) - cpu0) / (rps * (time.perf_counter() - t0))
+    growing = await _growing_sessions(base, clients, 20, pid, base_p50)
     return {"latency": table, "throughput_rps": rps, "clients": clients,
-            "server_cpu_ms_per_request": cpu_ms, "server_capacity_rps_per_free_core": 1e3 / cpu_ms}
+            "server_cpu_ms_per_request": cpu_ms, "server_capacity_rps_per_free_core": 1e3 / cpu_ms,
+            "growing_sessions": growing}
+
+
+def _start(port: int, token_ms: float | None = None) -> subprocess.Popen:
+    argv = [sys.executable, __file__, "--serve", str(port)] + (["--token-ms", str(token_ms)] if token_ms else [])
+    server = subprocess.Popen(argv, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for _ in range(600):
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).raise_for_status()
+            return server
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise RuntimeError("the proxy did not start")
 
 
 def main() -> None:
@@ -178,27 +293,29 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--port", type=int, default=18123)
     ap.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
+    ap.add_argument("--token-ms", type=float, default=2.0, help="the paced backend's time per token")
     ap.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve is not None:
-        return _serve(args.serve)
+        return _serve(args.serve, args.token_ms if "--token-ms" in sys.argv else None)
     load_before = os.getloadavg()
-    server = subprocess.Popen([sys.executable, __file__, "--serve", str(args.port)],
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-    base = f"http://127.0.0.1:{args.port}"
+    server = _start(args.port)
     try:
-        for _ in range(600):
-            try:
-                httpx.get(f"{base}/health", timeout=1).raise_for_status()
-                break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        result = asyncio.run(_bench(base, args.requests, args.seconds, args.clients, server.pid))
+        result = asyncio.run(_bench(f"http://127.0.0.1:{args.port}", args.requests, args.seconds, args.clients,
+                                    server.pid))
+    finally:
+        server.terminate()
+        server.wait(10)
+    server = _start(args.port + 1, args.token_ms)
+    try:
+        result["time_to_first_token"] = {"token_ms": args.token_ms, **asyncio.run(
+            _ttft(f"http://127.0.0.1:{args.port + 1}", 30))}
     finally:
         server.terminate()
         server.wait(10)
     result.update(
-        targets={"added_p50_ms": TARGET_P50_MS, "throughput_rps": TARGET_RPS},
+        targets={"added_p50_ms": TARGET_P50_MS, "throughput_rps": TARGET_RPS,
+                 "growing_sessions_turn20_over_turn1": TARGET_GROWTH},
         machine={"cpus": os.cpu_count(), "python": platform.python_version(),
                  "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         note="shared machine: other engineers' jobs ran at the same time (see loadavg); "
@@ -211,6 +328,16 @@ def main() -> None:
           f"(target {TARGET_RPS:.0f}); server CPU {result['server_cpu_ms_per_request']:.2f} ms/request "
           f"= {result['server_capacity_rps_per_free_core']:.0f} req/s per free core; "
           f"load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
+    g = result["growing_sessions"]
+    print(f"growing sessions ({g['clients']} clients in step): turn  added p50 ms  server CPU ms/request")
+    for row in g["turns"]:
+        if row["turn"] in (1, 2, 5, 10, 15, 20):
+            print(f"{row['turn']:>42} {row['added_p50_ms']:13.2f} {row['server_cpu_ms_per_request']:21.2f}")
+    print(f"turns 18-20 / turns 1-3: latency {g['added_p50_growth']:.2f}x, CPU {g['cpu_growth']:.2f}x "
+          f"(target <= {TARGET_GROWTH}x)")
+    t = result["time_to_first_token"]
+    print(f"streamed chat, backend at {t['token_ms']:g} ms/token: first content chunk {t['ttft_p50_ms']:.1f} ms, "
+          f"whole reply {t['total_p50_ms']:.1f} ms (p50 of {t['n']})")
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 

@@ -35,6 +35,7 @@ from .registry import (
     unavailable_reasons,
 )
 from .remote import RemoteSandbox
+from .tar_filter import restore_filter
 
 __all__ = [
     "AUTO_ORDER",
@@ -60,5 +61,6 @@ __all__ = [
     "describe_backends",
     "isolation_at_least",
     "make_sandbox",
+    "restore_filter",
     "unavailable_reasons",
 ]

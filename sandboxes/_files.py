@@ -16,6 +16,8 @@ import tarfile
 
 from agentrl.errors import SandboxError
 
+from .tar_filter import restore_filter
+
 __all__ = ["read_beneath", "relative_parts", "tar_dir", "untar_into", "write_beneath"]
 
 
@@ -163,19 +165,11 @@ def _tar_tree(tar: tarfile.TarFile, dfd: int, prefix: str) -> None:
                     tar.addfile(info, f)
 
 
-def _restore_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
-    """tarfile's "tar" filter (nothing lands outside ``dest``, even through a symlink),
-    keeping only what ``tar_dir`` stores: files, dirs and symlinks, which may point
-    anywhere (``py -> /usr/bin/python3``) as they would in the sandbox."""
-    kept = tarfile.tar_filter(member, dest)
-    return kept if kept.isreg() or kept.isdir() or kept.issym() else None
-
-
 def untar_into(root: str, data: bytes, owner: tuple[int, int] | None) -> None:
     """Extract a ``tar_dir`` archive into ``root``; refuses escapes, leaves out hard links."""
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
-            tar.extractall(root, filter=_restore_filter)
+            tar.extractall(root, filter=restore_filter)
     except (OSError, tarfile.TarError) as e:
         raise SandboxError(f"cannot restore the snapshot: {e}") from e
     if owner is not None:

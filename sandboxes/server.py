@@ -39,7 +39,6 @@ import contextlib
 import hmac
 import json
 import secrets
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -49,6 +48,7 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from pydantic import BaseModel, Field
 
 from agentrl.errors import ConfigError, SandboxDeadError, SandboxError
+from agentrl.httputil import call_with_body_limit, declared_too_large, listen_socket
 
 from .base import Sandbox, SandboxProcess
 
@@ -111,33 +111,14 @@ class _Gate:
             return await _reply(
                 send, 503, f"server busy: {self.max_concurrent} requests in flight; retry later"
             )
-        declared = headers.get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+        if declared_too_large(scope, self.max_bytes):
             return await _reply(send, 413, f"request body over {self.max_bytes} bytes")
         self.in_flight += 1
         try:
-            await self.app(scope, self._limited(receive), send)
-        except _TooLarge:
-            await _reply(send, 413, f"request body over {self.max_bytes} bytes")
+            if await call_with_body_limit(self.app, scope, receive, send, self.max_bytes):
+                await _reply(send, 413, f"request body over {self.max_bytes} bytes")
         finally:
             self.in_flight -= 1
-
-    def _limited(self, receive: Callable) -> Callable:
-        seen = 0
-
-        async def limited() -> dict:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise _TooLarge
-            return message
-
-        return limited
-
-
-class _TooLarge(Exception):
-    pass
 
 
 async def _reply(send: Callable, status: int, detail: str) -> None:
@@ -350,18 +331,7 @@ def _process_routes(app: FastAPI, store: _Store, op_s: float) -> None:
         return {"ok": True}
 
 
-def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    """A listening TCP socket with TCP_NODELAY (inherited by accepted connections).
-
-    Without it, uvicorn's split header/body writes meet the client's delayed ACK and
-    every request costs about 40 ms on Linux.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    return sock
+bind_socket = listen_socket  # the name this module exported before ``agentrl.httputil``
 
 
 def serve(

@@ -5,9 +5,10 @@ Only numbers, ``+ - * / // % **``, unary signs, the constants ``pi``, ``e`` and
 the walk goes (the expression length, the nesting depth, the bit size of
 integer results, exponents and factorials), which gives good error messages.
 These checks cannot bound every builtin (``round(1, -10**7)`` builds a
-ten-million-digit power of ten), so the ``calculator`` tool runs ``evaluate``
-in a worker process under a deadline: this file is also that worker's script
-(one JSON request per stdin line, one JSON reply per stdout line).
+ten-million-digit power of ten), so ``agentrl.tools.calculator`` runs
+``evaluate`` in a worker process under a deadline: this file is also that
+worker's script (one JSON request per stdin line, one JSON reply per stdout
+line). Call ``agentrl.tools.calculator.evaluate``, not this one.
 """
 
 import ast
@@ -140,8 +141,8 @@ class _Evaluator:
 def evaluate(expression: str) -> int | float:
     """The value of an arithmetic ``expression``; raises ``CalcError`` saying why not.
 
-    No time bound: for untrusted text use the ``calculator`` tool, which runs this
-    in a worker process under a deadline.
+    No time bound: ``agentrl.tools.calculator.evaluate`` runs this in a worker
+    process under a deadline.
     """
     if len(expression) > MAX_EXPR_CHARS:
         raise CalcError(f"the expression is longer than {MAX_EXPR_CHARS} characters")
@@ -169,7 +170,11 @@ def format_number(value: int | float) -> str:
 
 
 def serve(memory_bytes: int = 1 << 30) -> None:
-    """The worker's loop: ``{"expression": ...}`` in, ``{"value": ...}`` or ``{"error": ...}`` out."""
+    """The worker's loop: ``{"expression": ...}`` in, ``{"value": number}`` or ``{"error": ...}`` out.
+
+    JSON keeps every value exactly: ints of any size here, floats by their
+    shortest round-trip text, and ``inf``/``nan`` as ``Infinity``/``NaN``.
+    """
     try:  # a runaway intermediate fails with MemoryError instead of swapping the host
         import resource
 
@@ -178,7 +183,7 @@ def serve(memory_bytes: int = 1 << 30) -> None:
         pass
     for line in sys.stdin:
         try:
-            out = {"value": format_number(evaluate(json.loads(line)["expression"]))}
+            out = {"value": evaluate(json.loads(line)["expression"])}
         except CalcError as err:
             out = {"error": str(err)}
         except MemoryError:

@@ -1,13 +1,15 @@
-"""The ``calculator`` tool: safe arithmetic (see ``_arith``) under a hard deadline.
+"""The ``calculator`` tool and ``evaluate``: safe arithmetic (see ``_arith``) under a hard deadline.
 
 ``_arith.evaluate`` checks sizes as it walks the expression, but some allowed
-builtins compute a huge intermediate before any check can run, and a C-level
-computation never yields to the event loop, so ``call_timeout_s`` could not
-fire. The tool therefore evaluates in a worker process, and a call that passes
-``timeout_s`` kills the worker (a fresh one serves the next call). The event
-loop only waits on a thread; it never computes. Expressions that are too big or
-too slow are model mistakes (error results); a worker killed from outside while
-a call writes to it raises ``ToolError``.
+builtins compute a huge intermediate before any check can run
+(``round(7, -3*10**8)`` builds a power of ten with 300 million digits), and a
+C-level computation never yields to the event loop, so ``call_timeout_s``
+could not fire. Both the tool and this module's ``evaluate`` therefore compute
+in a worker process, and a call that passes its deadline kills the worker (a
+fresh one serves the next call). The event loop only waits on a thread; it
+never computes. Expressions that are too big or too slow are model mistakes
+(error results, or ``CalcError`` from ``evaluate``); a worker killed from
+outside while a call writes to it raises ``ToolError``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.errors import ToolError
 
-from ._arith import FUNCTION_NAMES, CalcError, evaluate, format_number
+from ._arith import FUNCTION_NAMES, CalcError, format_number
 from .base import Tool, ToolResult
 
 __all__ = ["CalculatorArgs", "CalculatorTool", "CalcError", "evaluate", "format_number"]
@@ -66,8 +68,8 @@ class _Worker:
         self._box[0] = proc
         return proc
 
-    def evaluate(self, expression: str, timeout: float) -> dict[str, str]:
-        """``{"value": text}`` or ``{"error": reason}``, within ``timeout`` seconds."""
+    def evaluate(self, expression: str, timeout: float) -> dict[str, Any]:
+        """``{"value": number}`` or ``{"error": reason}``, within ``timeout`` seconds."""
         with self._lock:
             proc = self._box[0]
             if proc is None or proc.poll() is not None:  # first use, or killed from outside
@@ -97,6 +99,28 @@ class _Worker:
         return (_Worker, ())
 
 
+_shared: _Worker | None = None
+_shared_lock = threading.Lock()
+
+
+def evaluate(expression: str, timeout_s: float = 2.0) -> int | float:
+    """The value of an arithmetic ``expression``, computed as the ``calculator`` tool computes it:
+    in a worker process, killed after ``timeout_s`` seconds.
+
+    Raises ``CalcError`` saying why not, also when the computation is too slow.
+    Blocking; calls share one worker per process and run one at a time.
+    """
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = _Worker()
+        worker = _shared
+    out = worker.evaluate(expression, timeout_s)
+    if "error" in out:
+        raise CalcError(out["error"])
+    return out["value"]
+
+
 class CalculatorArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -123,4 +147,4 @@ class CalculatorTool(Tool):
         out = await asyncio.to_thread(self._worker.evaluate, args.expression, self.timeout_s)
         if "error" in out:
             return ToolResult.error(f"calculator error: {out['error']}")
-        return ToolResult(content=out["value"])
+        return ToolResult(content=format_number(out["value"]))

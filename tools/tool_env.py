@@ -29,7 +29,9 @@ The sandbox comes from ``sandbox=``: a ``Sandbox``, a factory or a pool (see
 event-loop thread (``shared_loop``), so they also work inside a running loop, and
 envs that share a pool share its loop. ``areset``/``astep`` are the
 async versions. Use one kind per episode: asyncio objects, such as an
-interpreter's pipes, belong to the loop that made them.
+interpreter's pipes, belong to the loop that made them. Code on another loop
+(the rollout engine) awaits ``env.run_coroutine(env.astep(action))``, which
+runs the call on the env's loop.
 
 ``info`` carries ``tools`` (spec dicts), ``tools_prompt`` (their rendering for a
 system prompt), ``turn``, and on tool turns
@@ -42,20 +44,23 @@ from __future__ import annotations
 import asyncio
 import copy
 import difflib
+import functools
+import inspect
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentrl.env import TextEnv
 from agentrl.errors import ConfigError, EnvError, SandboxError
+from agentrl.loopthread import shared_loop
 from agentrl.sandboxes.base import Sandbox
+from agentrl.sandboxes.tar_filter import restore_filter
 from agentrl.types import Message, ToolCall
 
-from ._loop import shared_loop
 from .base import Tool, ToolResult, truncate_middle
 from .parse import ParseResult, parse_tool_calls, render_tool_results, render_tools_prompt
 from .registry import get_tool
@@ -67,6 +72,7 @@ __all__ = ["ToolEnv", "ToolEnvConfig", "strip_thinking"]
 _THINK = re.compile(r"<think>.*?(?:</think>|\Z)", re.DOTALL)
 
 TaskSource = Task | Sequence[Task] | Callable[[np.random.Generator], Task]
+T = TypeVar("T")
 
 # Run inside the sandbox, in its workdir, with a tar archive of the workdir on stdin:
 # make the workdir exactly the archive's files without killing any process (so the
@@ -74,8 +80,10 @@ TaskSource = Task | Sequence[Task] | Callable[[np.random.Generator], Task]
 # as another kind, are removed; regular files are rewritten in place, so a file the
 # interpreter holds open stays the file others see. Dirs and files are made
 # writable first, as a snippet's chmod must not block the sweep; the archive then
-# sets every mode back. The filter is the one ``LocalSandbox.restore`` uses.
-_PUT_BACK = r"""
+# sets every mode back. The filter is the one ``LocalSandbox.restore`` uses: its
+# source, as the sandbox's Python cannot import agentrl. A Python before 3.11.4
+# there has no extraction filters: the filter then only picks the kinds kept.
+_PUT_BACK_SWEEP = r"""from __future__ import annotations
 import io, os, stat, sys, tarfile
 tar = tarfile.open(fileobj=io.BytesIO(sys.stdin.buffer.read()))
 members = tar.getmembers()
@@ -96,15 +104,22 @@ for top, dirs, files in os.walk(".", topdown=False):
                 os.rmdir(p)
         elif not (stat.S_ISREG(mode) and want.get(p) == "f"):
             os.unlink(p)
-base = getattr(tarfile, "tar_filter", None)
-def keep(m, dest):
-    m = base(m, dest) if base else m
-    return m if m.isreg() or m.isdir() or m.issym() else None
-if base:
-    tar.extractall(".", members, filter=keep)
-else:
-    tar.extractall(".", [m for m in members if keep(m, ".")])
+filters = hasattr(tarfile, "tar_filter")
+if not filters:
+    tarfile.tar_filter = lambda member, dest: member
 """
+_PUT_BACK_EXTRACT = r"""
+if filters:
+    tar.extractall(".", members, filter=restore_filter)
+else:
+    tar.extractall(".", [m for m in members if restore_filter(m, ".")])
+"""
+
+
+@functools.cache
+def _put_back_script() -> str:
+    """The sweep, ``restore_filter``'s source, the extraction (read on first use, not at import)."""
+    return _PUT_BACK_SWEEP + inspect.getsource(restore_filter) + _PUT_BACK_EXTRACT
 
 
 async def _put_back_files(box: Sandbox, archive: Any, timeout: float) -> None:
@@ -116,7 +131,7 @@ async def _put_back_files(box: Sandbox, archive: Any, timeout: float) -> None:
     """
     if not isinstance(archive, bytes | bytearray):
         return
-    res = await box.run([box.python, "-I", "-c", _PUT_BACK], stdin=bytes(archive), timeout=timeout)
+    res = await box.run([box.python, "-I", "-c", _put_back_script()], stdin=bytes(archive), timeout=timeout)
     if not res.ok:
         why = "timed out" if res.timed_out else f"exit {res.exit_code}: {res.stderr[-600:]}"
         raise SandboxError(f"could not put the snapshot's files back ({why})")
@@ -231,6 +246,12 @@ class ToolEnv(TextEnv):
     def tools_prompt(self) -> str:
         """The system-prompt text that lists the tools in this env's style."""
         return render_tools_prompt(self.tool_specs(), style=self.config.style)
+
+    async def run_coroutine(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` (an ``areset``/``astep`` call of this env) on this env's event loop,
+        from any running loop: the loop its sync API uses, where its sandbox's asyncio
+        objects live. Cancelling the awaiting task cancels the call."""
+        return await self._loop.arun(coro)
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         return self._loop.run(self.areset(seed=seed, options=options))

@@ -17,21 +17,25 @@ Seeds: each request draws from its own random stream, seeded by
 ``SamplingParams.seed``, so its sample does not depend on which other requests
 share its batch. ``request_seed`` derives independent seeds from a run seed and
 an episode's coordinates.
+
+Live requests: a request may carry a ``RequestControl``, through which its
+caller cancels it while it runs, and sees its tokens as they are sampled (to
+stream them). A backend honours what it can (see ``RequestControl``).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from ..errors import PolicyError
 
-__all__ = ["GenerateRequest", "GenerateResult", "Policy", "SamplingParams", "action_text",
+__all__ = ["GenerateRequest", "GenerateResult", "Policy", "RequestControl", "SamplingParams", "action_text",
            "request_seed", "stop_string_hit"]
 
-FinishReason = Literal["stop", "length", "stop_string"]
+FinishReason = Literal["stop", "length", "stop_string", "cancelled"]
 
 
 @dataclass(slots=True)
@@ -63,12 +67,38 @@ class SamplingParams:
             raise PolicyError("invalid sampling parameters: " + ", ".join(bad))
 
 
+class RequestControl:
+    """A caller's live handle on one request while a backend works on it.
+
+    - ``cancel()``: the caller will not read the result (its client left).
+      ``hf`` drops the row from its running batch at the next decode step
+      (finish reason ``cancelled``, with the tokens sampled so far), so an
+      abandoned long reply stops holding up the requests batched after it;
+      ``vllm`` aborts the request in the engine. ``MicroBatcher`` cancels the
+      request of an awaiting task that is cancelled.
+    - ``on_token``: called with each token id as it is sampled, on the
+      backend's thread, so that a server can stream a reply while it is
+      decoded (``hf``, ``vllm``; other backends never call it). It must be quick
+      and must not raise.
+    """
+
+    __slots__ = ("cancelled", "on_token")
+
+    def __init__(self, on_token: Callable[[int], None] | None = None):
+        self.cancelled = False
+        self.on_token = on_token
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
 @dataclass(slots=True)
 class GenerateRequest:
-    """One prompt, as token ids, and how to continue it."""
+    """One prompt, as token ids, and how to continue it; ``control`` is the caller's live handle."""
 
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    control: RequestControl | None = None
 
 
 @dataclass(slots=True)
@@ -82,8 +112,9 @@ class GenerateResult:
     logprobs; there both are those of the model's unprocessed distribution
     (temperature 1, no top-k or top-p), as vLLM reports by default. ``top_logprobs[i]``
     lists ``(token_id, logprob)`` of the most likely tokens when asked for.
-    ``finish_reason`` is ``stop`` (EOS or a stop token), ``stop_string`` or
-    ``length`` (hit ``max_new_tokens``: the turn is truncated).
+    ``finish_reason`` is ``stop`` (EOS or a stop token), ``stop_string``,
+    ``length`` (hit ``max_new_tokens``: the turn is truncated) or ``cancelled``
+    (its ``RequestControl`` was cancelled; a result nobody reads).
     ``cached_tokens`` counts the prompt tokens served from a prefix cache
     instead of prefilled.
     """

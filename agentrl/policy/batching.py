@@ -14,6 +14,11 @@ batch.
 
 A failed batch is retried one request at a time, so a request that breaks
 generation fails alone and the others still get their results.
+
+A cancelled ``submit`` leaves no work behind: a request still pending is
+dropped, and one already in the running batch has its ``RequestControl``
+cancelled (one is attached if the caller gave none), which ``hf`` honours at
+its next decode step.
 """
 
 from __future__ import annotations
@@ -22,10 +27,10 @@ import asyncio
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .base import GenerateRequest, GenerateResult
+from .base import GenerateRequest, GenerateResult, RequestControl
 
 __all__ = ["MicroBatcher"]
 
@@ -69,11 +74,18 @@ class MicroBatcher:
         q = self._queues.get(loop)
         if q is None:
             q = self._queues[loop] = _Queue()
+        control = request.control or RequestControl()
+        if request.control is None:
+            request = replace(request, control=control)
         fut: asyncio.Future[GenerateResult] = loop.create_future()
         q.pending.append((request, fut))
         if q.worker is None or q.worker.done():
             q.worker = loop.create_task(self._drain(q))
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            control.cancel()  # in the running batch: the backend drops the row
+            raise
 
     async def _drain(self, q: _Queue) -> None:
         loop = asyncio.get_running_loop()

@@ -15,6 +15,11 @@ prefilled in groups: a row whose new part is shorter than its group's longest
 re-runs a few of its cached tokens instead of padding (the same work padding
 would cost, but it keeps the row contiguous). Explicit position ids keep every
 row's positions those of its own unpadded sequence.
+
+Live requests (``RequestControl``): each sampled token is handed to the row's
+``on_token`` as soon as its decode step ends, so a server streams while the
+batch decodes; and a cancelled row finishes at the next decode step (reason
+``cancelled``), so a reply nobody waits for stops costing the batch its steps.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 
 from ..errors import PolicyError
 from .attention import use_gqa_sdpa
-from .base import GenerateRequest, GenerateResult, SamplingParams, stop_string_hit
+from .base import GenerateRequest, GenerateResult, RequestControl, SamplingParams, stop_string_hit
 from .batching import MicroBatcher
 from .kv_slab import KVSlab, kv_shape
 from .prefix_cache import PrefixCache, PrefixEntry, _common_prefix
@@ -310,7 +315,8 @@ class HFPolicy:
             unreported = self._charge_shared(shared, cached, order)
             self.prefix_cache.record(cached, plen, extra_prefilled=unreported)
         toks, lps, ents, tops, finish = self._decode(slab, torch.cat(logits), plen, limits,
-                                                      [requests[i].params.seed for i in order], params)
+                                                      [requests[i].params.seed for i in order], params,
+                                                      [requests[i].control for i in order])
         if self.prefix_cache is not None:  # each row's tokens, as views of the slab: no copy
             for b in range(B):
                 self.prefix_cache.insert(prompts[b] + toks[b][:-1],
@@ -324,8 +330,10 @@ class HFPolicy:
         return results  # type: ignore[return-value]
 
     def _decode(self, slab: KVSlab, logits: torch.Tensor, plen: list[int], limits: list[int],
-                seeds: list[int | None], params: SamplingParams) -> tuple:
-        """Sample up to ``limits[b]`` tokens for row b, feeding each token back through the slab."""
+                seeds: list[int | None], params: SamplingParams,
+                controls: list[RequestControl | None]) -> tuple:
+        """Sample up to ``limits[b]`` tokens for row b, feeding each token back through the slab;
+        row b's ``controls[b]`` sees each token, and ends the row when cancelled."""
         B, dev, width = len(plen), self.device, slab.width
         gens = [torch.Generator(device=dev).manual_seed(s if s is not None else random.getrandbits(62))
                 for s in seeds]
@@ -357,12 +365,17 @@ class HFPolicy:
                 ents[b].append(ent[b])
                 if top is not None:
                     tops[b].append(list(zip(top_ids[b], top_lps[b], strict=True)))
+                ctl = controls[b]
+                if ctl is not None and ctl.on_token is not None:
+                    ctl.on_token(t)
                 if t in stop_ids:
                     finish[b] = "stop"
                 elif stop_string_hit(self.tokenizer, toks[b], params.stop):
                     finish[b] = "stop_string"
                 elif len(toks[b]) == limits[b]:
                     finish[b] = "length"
+                elif ctl is not None and ctl.cancelled:
+                    finish[b] = "cancelled"
             if all(f is not None for f in finish):
                 break
             live = torch.tensor([f is None for f in finish], device=dev)

@@ -51,6 +51,7 @@ from typing import Any, Literal
 import httpx
 
 from ..errors import ContextOverflowError, PolicyError
+from ..loopthread import LoopThread
 from .base import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 
 __all__ = ["OpenAIPolicy", "completion_body", "completion_result", "retry_delay"]
@@ -261,13 +262,9 @@ class OpenAIPolicy:
         # so each loop (ours, or a caller's) gets its own client.
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
         self._clients_lock = threading.Lock()
-        self._loop_thread: Any = None  # the private loop of the sync API, made on first use
+        self._loop_thread: LoopThread | None = None  # the private loop of the sync API, made on first use
 
-    def _loop(self) -> Any:
-        # LoopThread lives in agentrl.tools for now; imported here, not at the top, so
-        # that importing the core does not import every tool and sandbox.
-        from ..tools._loop import LoopThread
-
+    def _loop(self) -> LoopThread:
         with self._clients_lock:
             if self._loop_thread is None:
                 self._loop_thread = LoopThread("agentrl-openai")

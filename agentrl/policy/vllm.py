@@ -34,6 +34,12 @@ The semantics are the same as ``hf`` (see ``policy/base.py``):
   vLLM's ``reload_weights``, which re-runs the CPU weight repacking. Last, it
   resets the prefix cache and bumps ``version``. Every result therefore comes
   from a single weights version.
+- Live requests (``RequestControl``). A cancelled control, like a cancelled
+  future, aborts the request in the engine at the next step. A request with an
+  ``on_token`` hook asks vLLM for cumulative outputs (``RequestOutputKind.
+  CUMULATIVE``) instead of the final one only, and the driver hands each step's
+  new tokens to the hook. (Coded against vLLM's documented API; the test
+  suite's vLLM runs do not exercise streaming.)
 """
 
 from __future__ import annotations
@@ -94,6 +100,15 @@ class _Job:
     logprobs: int  # how many top logprobs vLLM returns for this request
     future: Future
     score: bool = False  # score the prompt's own tokens (a teacher), sample nothing
+    streamed: int = 0  # tokens handed to the control's on_token so far
+
+    def cancelled(self) -> bool:
+        control = self.request.control
+        return self.future.cancelled() or (control is not None and control.cancelled)
+
+    def on_token(self) -> Any:
+        control = self.request.control
+        return None if control is None or self.score else control.on_token
 
 
 @dataclass(slots=True)
@@ -303,13 +318,15 @@ class VLLMPolicy:
     def _add(self, job: _Job, running: dict[str, _Job]) -> None:
         from vllm.inputs import TokensPrompt
 
-        if job.future.cancelled():
+        if job.cancelled():
+            job.future.cancel()
             return
         try:
             # A scoring request must say so when its params are built: vLLM decides there
             # whether it may read the prefix cache, which prompt logprobs cannot.
             params = _vllm_params(job.request.params, None if job.score else job.logprobs,
-                                  prompt_logprobs=0 if job.score else None)
+                                  prompt_logprobs=0 if job.score else None,
+                                  stream=job.on_token() is not None)
             self._engine.add_request(job.request_id, TokensPrompt(prompt_token_ids=job.request.prompt_ids),
                                      params)
         except Exception as e:  # a bad request (e.g. a token id outside the vocabulary) fails alone
@@ -320,13 +337,21 @@ class VLLMPolicy:
         running[job.request_id] = job
 
     def _step(self, running: dict[str, _Job]) -> None:
-        cancelled = [rid for rid, job in running.items() if job.future.cancelled()]
+        cancelled = [rid for rid, job in running.items() if job.cancelled()]
         if cancelled:
             self._engine.abort_request(cancelled)
             for rid in cancelled:
-                del running[rid]
+                running.pop(rid).future.cancel()  # nobody reads it; a no-op if already cancelled
         for out in self._engine.step():
-            if not out.finished or out.request_id not in running:
+            if out.request_id not in running:
+                continue
+            on_token = running[out.request_id].on_token()
+            if on_token is not None:  # cumulative outputs: hand over the tokens not yet seen
+                job, ids = running[out.request_id], out.outputs[0].token_ids
+                for t in ids[job.streamed:]:
+                    on_token(t)
+                job.streamed = len(ids)
+            if not out.finished:
                 continue
             job = running.pop(out.request_id)
             if job.future.cancelled():
@@ -384,8 +409,10 @@ class VLLMPolicy:
                               cached_tokens=out.num_cached_tokens or 0)
 
 
-def _vllm_params(p: SamplingParams, logprobs: int | None, prompt_logprobs: int | None = None) -> Any:
-    """vLLM ``SamplingParams`` for ours: top_k 0 means off in both; final output only."""
+def _vllm_params(p: SamplingParams, logprobs: int | None, prompt_logprobs: int | None = None,
+                 stream: bool = False) -> Any:
+    """vLLM ``SamplingParams`` for ours: top_k 0 means off in both; the final output only, or
+    with ``stream`` every step's cumulative output (whose last is the same final output)."""
     from vllm.sampling_params import RequestOutputKind
     from vllm.sampling_params import SamplingParams as VSamplingParams
 
@@ -394,7 +421,7 @@ def _vllm_params(p: SamplingParams, logprobs: int | None, prompt_logprobs: int |
         stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None, seed=p.seed,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         skip_special_tokens=False,  # stop strings see special tokens, as in hf
-        output_kind=RequestOutputKind.FINAL_ONLY,
+        output_kind=RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY,
     )
 
 

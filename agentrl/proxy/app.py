@@ -25,36 +25,47 @@ session and never the admin routes. Without a token anyone on the bound
 interface may call, but a session key still cannot name another session.
 
 Errors use OpenAI's ``{"error": {message, type, param, code}}`` body: 400 for
-invalid JSON or schema (``param`` names the field) and for a prompt over the
+invalid JSON or schema (``param`` names the field; see ``agentrl.httputil``
+for JSON nested too deeply and lone surrogates) and for a prompt over the
 context budget, 401/403 for credentials, 404 for an unknown session, 409 for
-a closed one, 413 for a body over ``max_request_bytes``, 503 with
-``Retry-After`` when the backend fails or too many requests are in flight,
-504 for a generation over ``generate_timeout_s``. Every response carries
-``X-Policy-Version``.
+a closed one, 413 for a body over ``max_request_bytes``, 500 for a close
+whose tree could not be written to ``out`` (the session stays open; close it
+again), 503 with ``Retry-After`` when the backend fails or too many requests
+are in flight, 504 for a generation over ``generate_timeout_s``. Every
+response carries ``X-Policy-Version``.
 
 Generation goes through ``await policy.agenerate(request)`` (one call a
 choice, batched by the backend); a policy without it is called with
-``generate([...])`` on a thread, one call at a time. A client that leaves
-before its choices are sampled cancels them; what was sampled is recorded
-before the first byte of the reply is sent, so a disconnect loses nothing.
+``generate([...])`` on a thread, one call at a time. Each request carries a
+``RequestControl``. A client that leaves before its choices are sampled
+cancels them: the backend drops them, even from a running batch (``hf``: at
+the next decode step). Otherwise what was sampled is recorded before the bytes
+that report it are sent, so a disconnect loses nothing.
+
+Streaming (``stream: true``) is live where the backend reports tokens as it
+samples them (``hf``, ``vllm``): chunks leave as tokens are decoded, never
+more text than the finished reply holds (``replies.TextStream``), and the
+rest (finish reason, logprobs, usage) follows once the call is recorded. A
+client that leaves mid-stream cancels the generation; the call is then
+logged as cancelled and records no node, as one that left before the first
+token. A chat call with ``tools`` is parsed whole before it is streamed,
+since its text may turn out to be a tool call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import hmac
-import json
 import logging
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -62,9 +73,17 @@ from starlette.routing import Route
 
 from agentrl.chat import render_ids
 from agentrl.errors import ContextOverflowError, PolicyError
+from agentrl.httputil import (
+    HTTPError,
+    call_with_body_limit,
+    declared_too_large,
+    listen_socket,
+    read_json,
+)
 from agentrl.policy.base import (
     GenerateRequest,
     GenerateResult,
+    RequestControl,
     SamplingParams,
     action_text,
     request_seed,
@@ -80,48 +99,6 @@ __all__ = ["HTTPError", "Proxy", "RunningServer", "create_app", "listen_socket",
            "serve_in_thread"]
 
 log = logging.getLogger("agentrl.proxy")
-
-
-class HTTPError(Exception):
-    """An error answered to the client in OpenAI's error shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
-
-    def response(self) -> JSONResponse:
-        kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
-                503: "service_unavailable", 504: "timeout"}.get(self.status, "server_error")
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, self.status, headers=self.headers)
-
-
-class _TooLarge(Exception):
-    pass
-
-
-async def _parse(request: Request, model: type[BaseModel], limit: int, optional: bool = False) -> Any:
-    """The body validated as ``model``; errors become a 400 that names the field."""
-    try:
-        raw = await request.body()
-    except _TooLarge:
-        raise HTTPError(413, f"request body over {limit} bytes") from None
-    if optional and not raw.strip():
-        raw = b"{}"
-    try:
-        data = json.loads(raw)
-    except ValueError as e:
-        raise HTTPError(400, f"invalid JSON body: {e}") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        reason = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
-        raise HTTPError(400, f"{field or 'body'}: {reason}", param=field or None) from None
 
 
 def _bearer(request: Request) -> str | None:
@@ -167,12 +144,23 @@ class Proxy:
             self._keys.pop(_digest(session.api_key), None)
 
     def close_session(self, sid: str) -> Any:
+        """The session's tree; the first close appends it to ``cfg.out`` and then marks the session closed.
+
+        Written before anything is marked: a write that fails (a full disk, a
+        folder that is gone) leaves the session open and recording, and the
+        next close writes it again. So nothing recorded is lost.
+        """
         session = self.sessions[sid]
-        first = not session.closed
-        tree = session.close()
-        if first and self.cfg.out:
-            write_trees(self.cfg.out, [tree], append=True)
-        return tree
+        if session.closed:
+            return session.assemble()
+        tree = session.assemble()
+        if self.cfg.out:
+            try:
+                write_trees(self.cfg.out, [tree], append=True)
+            except (OSError, ValueError) as e:  # ValueError: text UTF-8 cannot encode
+                raise HTTPError(500, f"could not write session {sid!r} to {self.cfg.out}: {e}; it stays "
+                                "open: fix the cause and close it again") from e
+        return session.close()
 
     # -- access --------------------------------------------------------------------------
     def resolve(self, request: Request, admin: bool = False) -> Session | None:
@@ -221,7 +209,13 @@ class Proxy:
             if self._lock is None:
                 self._lock = asyncio.Lock()
             async with self._lock:
-                return list(await asyncio.to_thread(self.policy.generate, reqs))
+                try:
+                    return list(await asyncio.to_thread(self.policy.generate, reqs))
+                except asyncio.CancelledError:  # the thread runs on: tell the backend to stop
+                    for r in reqs:
+                        if r.control is not None:
+                            r.control.cancel()
+                    raise
         tasks = [asyncio.ensure_future(agenerate(r)) for r in reqs]
         try:
             return list(await asyncio.gather(*tasks))
@@ -259,24 +253,91 @@ class Proxy:
                     stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=logprobs, seed=seed)
             except PolicyError as e:
                 raise HTTPError(400, str(e)) from None
-            out.append(GenerateRequest(list(prompt), params))
+            out.append(GenerateRequest(list(prompt), params, RequestControl()))
         return out
 
 
-# -- the reply: generate (cancellable), record, then send ---------------------------------
+# -- the reply: generate (cancellable), stream, record, then send the rest -----------------
 async def _disconnected(receive: Callable[[], Awaitable[dict]]) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
 
 
-class _Reply(Response):
-    """Samples when called; cancels the sampling if the client leaves first."""
+# (results, the text each choice streamed live or None) -> (the body or the remaining events, version)
+Finish = Callable[[list[GenerateResult], "list[str | None] | None"], tuple[Any, int]]
 
-    def __init__(self, proxy: Proxy, reqs: list[GenerateRequest],
-                 finish: Callable[[list[GenerateResult]], tuple[Any, int]], stream: bool,
-                 on_cancel: Callable[[], None], on_end: Callable[[], None] = lambda: None):
+
+class _Live:
+    """The tokens a backend samples for a streamed call, from its thread to the reply's events.
+
+    ``hook(i)`` is choice i's ``RequestControl.on_token``: it appends on the
+    backend's thread and wakes the loop once per batch of tokens. ``events()``,
+    on the loop, turns what arrived into chunks through each choice's
+    ``TextStream``; ``chunk(i, text, first)`` writes them in the endpoint's shape.
+    """
+
+    def __init__(self, n: int, tokenizer: Any, stops: tuple[str, ...], keep_stop: bool,
+                 chunk: Callable[[int, str, bool], list[bytes]]):
+        self.loop = asyncio.get_running_loop()
+        self.ready = asyncio.Event()
+        self.texts = [replies.TextStream(tokenizer, stops, keep_stop) for _ in range(n)]
+        self.ids: list[list[int]] = [[] for _ in range(n)]
+        self.read = [0] * n
+        self.chunk = chunk
+        self.begun = [False] * n  # choice i's first chunk went out
+        self._wake_pending = False
+
+    def hook(self, i: int) -> Callable[[int], None]:
+        ids = self.ids[i]
+
+        def on_token(token_id: int) -> None:
+            ids.append(token_id)
+            if not self._wake_pending:
+                self._wake_pending = True
+                with contextlib.suppress(RuntimeError):  # the loop is closed: the server stopped
+                    self.loop.call_soon_threadsafe(self._wake)
+        return on_token
+
+    def _wake(self) -> None:
+        self._wake_pending = False
+        self.ready.set()
+
+    def events(self) -> list[bytes]:
+        out = []
+        for i, text in enumerate(self.texts):
+            end = len(self.ids[i])
+            new = text.push(self.ids[i][self.read[i]:end])
+            self.read[i] = end
+            if new:
+                out += self.chunk(i, new, not self.begun[i])
+                self.begun[i] = True
+        return out
+
+    def sent(self) -> list[str | None]:
+        """Per choice, the text already streamed; None where not even its first chunk went out."""
+        return [t.sent if b else None for t, b in zip(self.texts, self.begun, strict=True)]
+
+
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+class _Reply(Response):
+    """Samples when called and answers; cancels the sampling if the client leaves first.
+
+    Streamed with ``live``: chunks go out as tokens are sampled, and a client
+    that leaves mid-stream cancels the generation (nothing is recorded for the
+    call, as when it leaves before the first token). Otherwise, and for what
+    remains after a live stream, the choices are recorded before the bytes that
+    report them are sent, so a disconnect then loses nothing. Each batch of
+    events is one write, and no write follows a disconnect the loop has seen.
+    """
+
+    def __init__(self, proxy: Proxy, reqs: list[GenerateRequest], finish: Finish, stream: bool,
+                 on_cancel: Callable[[], None], on_end: Callable[[], None] = lambda: None,
+                 live: _Live | None = None):
         self.proxy, self.reqs, self.finish, self.stream, self.on_cancel = proxy, reqs, finish, stream, on_cancel
         self.on_end = on_end  # always, last: frees what a call that was not recorded held
+        self.live = live
         self.background = None
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
@@ -288,9 +349,12 @@ class _Reply(Response):
     async def _reply(self, scope: dict, receive: Callable, send: Callable) -> None:
         gen = asyncio.ensure_future(self.proxy.generate(self.reqs))
         watch = asyncio.ensure_future(_disconnected(receive))
-        left = False
+        started, left = False, False
         try:
-            await asyncio.wait({gen, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if self.live is not None:
+                started = await self._stream_live(gen, watch, send)
+            else:
+                await asyncio.wait({gen, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watch.cancel()
             if not gen.done():
@@ -300,23 +364,50 @@ class _Reply(Response):
         if left:
             return
         try:
-            body, version = self.finish(gen.result())
-        except HTTPError as e:
-            return await e.response()(scope, receive, send)
-        except Exception as e:  # a backend or reply bug: answered, never a dead server
-            log.exception("proxy generation failed")
-            err = HTTPError(500, f"internal error: {type(e).__name__}: {e}")
-            return await err.response()(scope, receive, send)
+            sent = self.live.sent() if self.live is not None and started else None
+            body, version = self.finish(gen.result(), sent)
+        except Exception as e:  # an HTTPError, or a backend or reply bug: answered, never a dead server
+            err = e if isinstance(e, HTTPError) else HTTPError(500, f"internal error: {type(e).__name__}: {e}")
+            if not isinstance(e, HTTPError):
+                log.exception("proxy generation failed")
+            if not started:
+                return await err.response()(scope, receive, send)
+            event = replies.sse({"error": {"message": err.message, "code": err.code}}) + replies.sse("[DONE]")
+            return await send({"type": "http.response.body", "body": event, "more_body": False})
         headers = {"x-policy-version": str(version)}
         if not self.stream:
             return await JSONResponse(body, headers=headers)(scope, receive, send)
         with contextlib.suppress(OSError):  # the client left: everything is recorded already
-            await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-                (b"x-policy-version", str(version).encode())]})
-            for event in body:
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if not started:
+                await send({"type": "http.response.start", "status": 200, "headers": [
+                    *_SSE_HEADERS, (b"x-policy-version", str(version).encode())]})
+            await send({"type": "http.response.body", "body": b"".join(body), "more_body": False})
+
+    async def _stream_live(self, gen: asyncio.Future, watch: asyncio.Future, send: Callable) -> bool:
+        """Send chunks as tokens arrive, until the generation ends or the client leaves;
+        whether the response started."""
+        live, started = self.live, False
+        assert live is not None
+        while True:
+            ready = asyncio.ensure_future(live.ready.wait())
+            try:
+                await asyncio.wait({gen, watch, ready}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                ready.cancel()
+            if gen.done() or watch.done():
+                return started
+            live.ready.clear()
+            events = live.events()
+            if not events:
+                continue
+            try:
+                if not started:
+                    await send({"type": "http.response.start", "status": 200, "headers": [
+                        *_SSE_HEADERS, (b"x-policy-version", str(self.proxy.policy.version).encode())]})
+                    started = True
+                await send({"type": "http.response.body", "body": b"".join(events), "more_body": True})
+            except OSError:  # the client left: the caller cancels the generation
+                return started
 
 
 # -- handlers -----------------------------------------------------------------------------
@@ -324,7 +415,7 @@ def _chat(proxy: Proxy) -> Callable[[Request], Awaitable[Response]]:
     async def chat(request: Request) -> Response:
         t0 = time.perf_counter()
         session = proxy.resolve(request)
-        req: ChatRequest = await _parse(request, ChatRequest, proxy.cfg.max_request_bytes)
+        req: ChatRequest = await read_json(request, ChatRequest, proxy.cfg.max_request_bytes)
         if session is not None and session.closed:
             raise HTTPError(409, f"session {session.session_id!r} is closed")
         spec = prompt_spec(req, proxy.tokenizer, proxy.cfg.tool_call_style)
@@ -340,9 +431,9 @@ def _chat(proxy: Proxy) -> Callable[[Request], Awaitable[Response]]:
             release()
             raise
         t1 = time.perf_counter()
-        stops = req.stops()
+        stops, created = req.stops(), int(time.time())
 
-        def finish(results: list[GenerateResult]) -> tuple[Any, int]:
+        def finish(results: list[GenerateResult], sent: list[str | None] | None) -> tuple[Any, int]:
             choices = []
             for i, res in enumerate(results):
                 text = cut_at_stop(action_text(proxy.tokenizer, res.token_ids, stops), stops,
@@ -359,12 +450,20 @@ def _chat(proxy: Proxy) -> Callable[[Request], Awaitable[Response]]:
                 finally:  # once recording began, freeing the stream could sample a recorded one again
                     session.keep_streams(call_id)
             opts = req.model_dump(include={"logprobs", "top_logprobs", "return_token_ids", "stream_options"})
-            build = replies.chat_chunks if req.stream else replies.chat_body
-            body = build(call_id, proxy.cfg.served_model_name, choices, plan.prompt_ids, reused, opts,
-                         proxy.tokenizer)
+            args = (call_id, proxy.cfg.served_model_name, choices, plan.prompt_ids, reused, opts, proxy.tokenizer)
+            body = replies.chat_chunks(*args, sent, created) if req.stream else replies.chat_body(*args)
             return body, min(r.version for r in results)
 
-        return _Reply(proxy, reqs, finish, req.stream, _cancelled(session, call_id), release)
+        live = None
+        if req.stream and not spec.parse_tools:  # a reply that may hold tool calls is parsed whole first
+            def chunk(i: int, text: str, first: bool) -> list[bytes]:
+                delta = replies.chat_chunk(call_id, proxy.cfg.served_model_name, created, i, {"content": text})
+                head = replies.chat_chunk(call_id, proxy.cfg.served_model_name, created, i,
+                                          {"role": "assistant", "content": ""})
+                return [head, delta] if first else [delta]
+
+            live = _live(reqs, proxy.tokenizer, stops, req.include_stop_str_in_output, chunk)
+        return _Reply(proxy, reqs, finish, req.stream, _cancelled(session, call_id), release, live)
 
     return chat
 
@@ -373,7 +472,7 @@ def _completions(proxy: Proxy) -> Callable[[Request], Awaitable[Response]]:
     async def completions(request: Request) -> Response:
         t0 = time.perf_counter()
         session = proxy.resolve(request)
-        req: CompletionRequest = await _parse(request, CompletionRequest, proxy.cfg.max_request_bytes)
+        req: CompletionRequest = await read_json(request, CompletionRequest, proxy.cfg.max_request_bytes)
         if session is not None and session.closed:
             raise HTTPError(409, f"session {session.session_id!r} is closed")
         vocab = len(proxy.tokenizer)
@@ -395,9 +494,9 @@ def _completions(proxy: Proxy) -> Callable[[Request], Awaitable[Response]]:
             release()
             raise
         t1 = time.perf_counter()
-        stops = req.stops()
+        stops, created = req.stops(), int(time.time())
 
-        def finish(results: list[GenerateResult]) -> tuple[Any, int]:
+        def finish(results: list[GenerateResult], sent: list[str | None] | None) -> tuple[Any, int]:
             choices = []
             for i, res in enumerate(results):
                 plan = plans[i // req.n]
@@ -416,13 +515,29 @@ def _completions(proxy: Proxy) -> Callable[[Request], Awaitable[Response]]:
             reused = sum(len(p.prompt_ids) - len(p.context_ids) for p in plans) if session else 0
             opts = req.model_dump(include={"logprobs", "return_tokens_as_token_ids", "return_token_ids",
                                            "stream_options"})
-            build = replies.completion_chunks if req.stream else replies.completion_body
-            body = build(call_id, proxy.cfg.served_model_name, choices, prompts, reused, opts, proxy.tokenizer)
+            args = (call_id, proxy.cfg.served_model_name, choices, prompts, reused, opts, proxy.tokenizer)
+            body = replies.completion_chunks(*args, sent, created) if req.stream else replies.completion_body(*args)
             return body, min(r.version for r in results)
 
-        return _Reply(proxy, reqs, finish, req.stream, _cancelled(session, call_id), release)
+        live = None
+        if req.stream:
+            def chunk(i: int, text: str, first: bool) -> list[bytes]:
+                return [replies.completion_chunk(call_id, proxy.cfg.served_model_name, created, i, text)]
+
+            live = _live(reqs, proxy.tokenizer, stops, req.include_stop_str_in_output, chunk)
+        return _Reply(proxy, reqs, finish, req.stream, _cancelled(session, call_id), release, live)
 
     return completions
+
+
+def _live(reqs: list[GenerateRequest], tokenizer: Any, stops: tuple[str, ...], keep_stop: bool,
+          chunk: Callable[[int, str, bool], list[bytes]]) -> _Live:
+    """A ``_Live`` whose hooks are the requests' ``on_token`` (choice i is request i)."""
+    live = _Live(len(reqs), tokenizer, stops, keep_stop, chunk)
+    for i, r in enumerate(reqs):
+        assert r.control is not None  # ``Proxy.requests`` gives each one
+        r.control.on_token = live.hook(i)
+    return live
 
 
 def _render(plan: Callable[[], Plan]) -> Plan:
@@ -464,7 +579,7 @@ def _session_routes(proxy: Proxy) -> list[Route]:
 
     async def create(request: Request) -> Response:
         proxy.resolve(request, admin=True)
-        body: SessionRequest = await _parse(request, SessionRequest, limit, optional=True)
+        body: SessionRequest = await read_json(request, SessionRequest, limit, optional=True)
         s = proxy.create_session(body.session_id, body.meta, body.seed)
         base = str(request.base_url).rstrip("/")
         return JSONResponse({"session_id": s.session_id, "api_key": s.api_key,
@@ -483,7 +598,7 @@ def _session_routes(proxy: Proxy) -> list[Route]:
 
     async def reward(request: Request) -> Response:
         session = _own(proxy, request)
-        body: RewardRequest = await _parse(request, RewardRequest, limit)
+        body: RewardRequest = await read_json(request, RewardRequest, limit)
         try:
             nodes = session.set_reward(body.reward, body.call_id, body.choice, body.terminated)
         except (KeyError, IndexError) as e:
@@ -547,27 +662,18 @@ class _Gate:
                 message = {**message, "headers": headers}
             await send(message)
 
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > cfg.max_request_bytes):
+        if declared_too_large(scope, cfg.max_request_bytes):
             return await HTTPError(413, f"request body over {cfg.max_request_bytes} bytes").response()(
                 scope, receive, send_versioned)
         if proxy.in_flight >= cfg.max_concurrent:
             return await HTTPError(503, f"{cfg.max_concurrent} requests in flight; retry later",
                                    headers={"Retry-After": str(cfg.retry_after_s)}).response()(
                 scope, receive, send_versioned)
-        seen = 0
-
-        async def limited() -> dict:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > cfg.max_request_bytes:
-                raise _TooLarge
-            return message
-
         proxy.in_flight += 1
         try:
-            await self.app(scope, limited, send_versioned)
+            if await call_with_body_limit(self.app, scope, receive, send_versioned, cfg.max_request_bytes):
+                await HTTPError(413, f"request body over {cfg.max_request_bytes} bytes").response()(
+                    scope, receive, send_versioned)
         finally:
             proxy.in_flight -= 1
 
@@ -589,21 +695,15 @@ def create_app(policy: Any, config: ProxyConfig | None = None) -> Any:
 
 
 # -- running it -------------------------------------------------------------------------------
-def listen_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    """A listening TCP socket with TCP_NODELAY, so small replies are not held ~40 ms."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    return sock
-
-
 def serve(policy: Any, config: ProxyConfig | None = None, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Run the proxy in the foreground (``agentrl proxy serve``)."""
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(create_app(policy, config), log_level="info", access_log=False))
+    # The model, tokenizer and modules loaded so far live as long as the server: keep them out of
+    # the collector's full passes, which otherwise stall every request in flight (~100 ms here).
+    gc.collect()
+    gc.freeze()
     print(f"agentrl proxy on http://{host}:{port}/v1", flush=True)
     server.run(sockets=[listen_socket(host, port)])
 

@@ -36,8 +36,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentrl.errors import ConfigError, EnvError
-
-from .app import HTTPError, _parse, _TooLarge, listen_socket
+from agentrl.httputil import (
+    HTTPError,
+    call_with_body_limit,
+    declared_too_large,
+    listen_socket,
+    read_json,
+)
 
 __all__ = ["EnvServerConfig", "create_env_app", "serve_envs"]
 
@@ -121,7 +126,7 @@ def create_env_app(config: EnvServerConfig) -> Any:
 
     async def make(request: Request) -> Response:
         check(request)
-        body: MakeRequest = await _parse(request, MakeRequest, limit)
+        body: MakeRequest = await read_json(request, MakeRequest, limit)
         _reap(envs, config.idle_s)
         if len(envs) >= config.max_envs:
             raise HTTPError(429, f"at most {config.max_envs} envs alive; close some first")
@@ -148,7 +153,7 @@ def create_env_app(config: EnvServerConfig) -> Any:
 
     async def step(request: Request) -> Response:
         eid, state = live(request)
-        body: StepRequest = await _parse(request, StepRequest, limit)
+        body: StepRequest = await read_json(request, StepRequest, limit)
         async with state.lock:
             if state.terminated or state.truncated:
                 raise HTTPError(409, "the episode is over; make a new env")
@@ -209,22 +214,12 @@ class _SizeGate:
         self.state = app.state
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            declared = dict(scope.get("headers") or []).get(b"content-length")
-            if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-                return await HTTPError(413, f"request body over {self.limit} bytes").response()(
-                    scope, receive, send)
-        seen = 0
-
-        async def limited() -> dict:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise _TooLarge
-            return message
-
-        await self.app(scope, limited, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = HTTPError(413, f"request body over {self.limit} bytes").response()
+        if declared_too_large(scope, self.limit) or await call_with_body_limit(
+                self.app, scope, receive, send, self.limit):
+            await too_large(scope, receive, send)
 
 
 def _close_quietly(env: Any) -> None:

@@ -32,6 +32,9 @@ __all__ = ["PromptSpec", "canonical_key", "chain_keys", "cut_at_stop", "prompt_s
            "response_message"]
 
 _BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|\Z)", re.DOTALL)
+# One encoder for every key: ``json.dumps`` with options builds a new one per call, and a
+# call encodes every message of its history.
+_KEYS = json.JSONEncoder(sort_keys=True, ensure_ascii=False)
 
 
 def _args(arguments: str | dict[str, Any]) -> Any:
@@ -39,7 +42,7 @@ def _args(arguments: str | dict[str, Any]) -> Any:
         return arguments
     try:
         return json.loads(arguments) if arguments.strip() else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's limit
         return arguments  # kept as text: compared and rendered verbatim
 
 
@@ -59,7 +62,7 @@ def canonical(msg: ChatMessage | dict[str, Any]) -> dict[str, Any]:
 
 
 def canonical_key(msg: ChatMessage | dict[str, Any]) -> str:
-    return json.dumps(canonical(msg), sort_keys=True, ensure_ascii=False)
+    return _KEYS.encode(canonical(msg))
 
 
 def chain_keys(prefix_key: str, keys: list[str]) -> list[str]:
@@ -116,7 +119,7 @@ def _to_template(c: dict[str, Any], native_tools: bool, style: str) -> dict[str,
 def prompt_spec(req: ChatRequest, tokenizer: Any, style: str) -> PromptSpec:
     """Canonical keys and template rendering of a chat request's messages."""
     canon = [canonical(m) for m in req.messages]
-    keys = [json.dumps(c, sort_keys=True, ensure_ascii=False) for c in canon]
+    keys = [_KEYS.encode(c) for c in canon]
     template_src = getattr(tokenizer, "chat_template", None) or ""
     native_tools = "tools" in template_src
     tools = [t.function.model_dump() for t in (req.tools or [])]

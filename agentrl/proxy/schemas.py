@@ -42,7 +42,10 @@ class ProxyConfig(BaseModel):
     max_sessions: int = Field(4096, ge=1, description="Sessions kept; the oldest closed one is dropped first.")
     tool_call_style: Literal["hermes", "json"] = Field(
         "hermes", description="How tools are described to a model whose template has no tools support.")
-    check_prefix: bool = Field(True, description="Re-render each session turn to detect unstable templates.")
+    check_prefix: int = Field(
+        8, ge=0, description="Compare a session's context with a full template re-render on its first two "
+        "observations and every N-th after, to detect unstable templates (1 or true: every turn; 0 or "
+        "false: never); the check grows with the conversation, as rollout.template_check_every.")
     retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with a 503.")
     generate_timeout_s: float = Field(600.0, gt=0, description="A generation over this gets 504.")
     auto_create_sessions: bool = Field(

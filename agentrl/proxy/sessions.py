@@ -19,8 +19,10 @@ Where a call hangs (``plan_chat``, ``plan_tokens``):
 A call whose parent already has children starts a branch (``branch_info``):
 
 - ``retry``: the same prompt as a sibling (siblings then share one context);
-- ``edit``: a message of the history was replaced and what follows it kept;
-- ``compaction``: the history got shorter (dropped or summarized messages);
+- ``edit``: a message of the history was replaced and every message the
+  earlier call sent after it kept;
+- ``compaction``: the history got shorter (dropped or summarized messages),
+  e.g. ``[system, summary]`` after some turns;
 - ``tools_changed``: the same messages under different tools;
 - ``divergence``: anything else, e.g. a sub-agent with its own system prompt,
   or a token prompt that leaves the recorded path.
@@ -30,10 +32,23 @@ where the histories part) is kept on the branch's first node
 (``info["branch"]``) and in ``Session.branches``. The reasons other than
 ``retry`` are read from message shapes, so they are a best guess.
 
-Assembly (``Session.tree``): leaves other than the last call's choices end
-paths the harness left (a retried call, an unpicked choice): they are marked
-``truncated`` with ``info["abandoned"] = True``. A session reward goes to the
-last call's choices.
+Assembly (``Session.assemble``): leaves other than the last call's choices end
+paths the harness left (a retried call, an unpicked choice, an edited
+history): they are marked ``truncated`` with ``info["abandoned"] = True``, and
+keep reward 0 unless a reward is set on their call.
+
+A compaction is different: the harness did not leave the path it compacted,
+it went on from the state that path produced, in fewer tokens. So the
+compacted path's leaf (the choices of the call the compaction branched from,
+``branch["continues"]``) is not abandoned. It carries ``info["continued_by"]``
+(the compacting call's id), and the session's reward (``set_reward`` without a
+``call_id``) goes to it as well as to the last call's choices, with the same
+``terminated``/``truncated``, transitively over repeated compactions. Credit
+then treats every path that led to the final one as an episode with the
+session's outcome: in harness training, the turns before a compaction are
+trained toward the reward they earned instead of toward 0. A compacting
+session thus adds one episode per compaction to its group, each with the
+same return.
 """
 
 from __future__ import annotations
@@ -102,7 +117,7 @@ class Session:
     """The calls of one harness episode and the tree they make."""
 
     def __init__(self, session_id: str, api_key: str | None = None, meta: dict[str, Any] | None = None,
-                 check_prefix: bool = True, seed: int | None = None):
+                 check_prefix: bool | int = 8, seed: int | None = None):
         self.session_id = session_id
         self.api_key = api_key or secrets.token_urlsafe(24)
         self.meta = dict(meta or {})
@@ -252,11 +267,14 @@ class Session:
         info.update(at_message=j, from_call=ref.call_id)
         if j > 0 and ref.render_key != plan.render_key:
             return {"reason": "tools_changed", **info}
-        if 0 < j < len(h) and j < len(m) and _role(h[j]) == _role(m[j]) \
+        # An edit keeps every message the earlier call sent after the replaced one; a history
+        # that ends at the replaced message but is shorter than that call's is a compaction.
+        if 0 < j < len(h) and j < len(m) and _role(h[j]) == _role(m[j]) and len(m) >= len(ref.keys) \
                 and m[j + 1:] == h[j + 1:j + 1 + len(m[j + 1:])]:
             return {"reason": "edit", **info}
         if 0 < j and len(m) < len(h):
-            return {"reason": "compaction", **info}
+            left = [n for n in ref.node_ids if not self.tree.nodes[n].children]
+            return {"reason": "compaction", **info, "continues": left}
         return {"reason": "divergence", **info}
 
     def record_cancelled(self, call_id: str, why: str) -> None:
@@ -282,6 +300,8 @@ class Session:
         if choice is not None and choice >= len(call.node_ids):
             raise IndexError(f"choice: call {call.call_id!r} has {len(call.node_ids)} choices")
         nodes = call.node_ids if choice is None else [call.node_ids[choice]]
+        if call_id is None:  # the session's reward: also on the paths the final one continues
+            nodes = nodes + list(self.continued(nodes))
         for nid in nodes:
             node = self.tree.nodes[nid]
             node.reward = reward
@@ -289,9 +309,28 @@ class Session:
                 node.terminated, node.truncated = terminated, not terminated
         return nodes
 
+    def continued(self, node_ids: list[int]) -> dict[int, str]:
+        """The leaves of the paths that the paths to ``node_ids`` continue after a compaction,
+        transitively, each with the id of the call that compacted it."""
+        out: dict[int, str] = {}
+        todo = list(node_ids)
+        while todo:
+            for node in self.tree.path(todo.pop()):
+                call = self.by_id.get(node.info.get("call_id", ""))
+                if call is None or call.branch is None or call.branch["reason"] != "compaction":
+                    continue
+                for leaf in call.branch["continues"]:
+                    if leaf not in out and not self.tree.nodes[leaf].children:  # else the path went on
+                        out[leaf] = call.call_id
+                        todo.append(leaf)
+        return out
+
     def assemble(self) -> RolloutTree:
         """The session's tree, with abandoned leaves marked (see the module docstring)."""
         last = set(self.calls[-1].node_ids) if self.calls else set()
+        for leaf, call_id in self.continued(sorted(last)).items():
+            self.tree.nodes[leaf].info["continued_by"] = call_id
+            last.add(leaf)
         for leaf in self.tree.leaves():
             if leaf.id not in last and not leaf.done:
                 leaf.truncated = True

@@ -204,12 +204,10 @@ class Engine:
         which ``gymnasium.make``'s order-enforcing wrapper would not know about.
         """
         inner = env.unwrapped
-        loop_thread = getattr(inner, "_loop", None)
+        on_env_loop = getattr(inner, "run_coroutine", None)  # ToolEnv: awaits a call on the env's loop
         native = getattr(inner, f"a{method}", None) if method in ("step", "reset") else None
-        if native is not None and hasattr(loop_thread, "_ensure"):
-            call = native(seed=args[0]) if method == "reset" else native(*args)
-            fut = asyncio.run_coroutine_threadsafe(call, loop_thread._ensure())  # type: ignore[union-attr]
-            return await asyncio.wrap_future(fut)
+        if native is not None and on_env_loop is not None:
+            return await on_env_loop(native(seed=args[0]) if method == "reset" else native(*args))
         fn = getattr(inner, method)
         if self.cfg.rollout.env_executor == "inline":  # microsecond steps: a thread hop costs more
             return fn(seed=args[0]) if method == "reset" else fn(*args)

@@ -133,7 +133,7 @@ class _Pinned:
         return pinned
 
     async def agenerate(self, request: GenerateRequest) -> GenerateResult:
-        return await self.policy.agenerate(GenerateRequest(request.prompt_ids, self.pin(request.params)))
+        return await self.policy.agenerate(replace(request, params=self.pin(request.params)))  # keeps its control
 
 
 class HarnessRollouts:

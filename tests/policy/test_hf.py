@@ -11,7 +11,7 @@ import torch
 
 from agentrl.chat import render_ids
 from agentrl.errors import PolicyError
-from agentrl.policy import GenerateRequest, HFPolicy, SamplingParams
+from agentrl.policy import GenerateRequest, GenerateResult, HFPolicy, SamplingParams
 from agentrl.policy.base import request_seed
 
 
@@ -219,3 +219,44 @@ def test_rows_with_different_token_limits_share_a_batch(tokenizer, tiny_model):
     assert calls == [4]
     assert [len(r.token_ids) for r in results] == limits
     assert all(r.finish_reason == "length" for r in results)
+
+
+def test_a_cancelled_request_leaves_the_running_batch_at_the_next_decode_step(tiny_model, tokenizer):
+    """A client that leaves mid-reply: its row stops, and the request queued behind the batch runs."""
+    import asyncio
+    import threading
+    import time
+
+    from agentrl.policy.base import RequestControl
+
+    policy = HFPolicy(tiny_model, tokenizer, prefix_cache_mb=0)
+    seen: list[int] = []
+    started = threading.Event()
+
+    def on_token(t: int) -> None:
+        seen.append(t)
+        if len(seen) == 5:
+            started.set()
+
+    long = GenerateRequest(_prompt(tokenizer), SamplingParams(max_new_tokens=3000, seed=0),
+                           RequestControl(on_token))
+    policy.eos_ids = set()  # nothing ends the long reply early but its cancellation
+
+    async def scenario() -> tuple[int, GenerateResult, float]:
+        task = asyncio.ensure_future(policy.agenerate(long))
+        assert await asyncio.to_thread(started.wait, 60)
+        task.cancel()
+        while not long.control.cancelled:
+            await asyncio.sleep(0)
+        at_cancel = len(seen)
+        t0 = time.monotonic()
+        short = await policy.agenerate(GenerateRequest(_prompt(tokenizer), SamplingParams(max_new_tokens=4, seed=1)))
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return at_cancel, short, time.monotonic() - t0
+
+    at_cancel, short, waited = asyncio.run(scenario())
+    policy.batcher.wait_idle(60)
+    assert len(seen) <= at_cancel + 1  # at most the step that was running
+    assert len(short.token_ids) == 4
+    assert len(seen) < 3000 and waited < 30

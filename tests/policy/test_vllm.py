@@ -52,6 +52,52 @@ def test_topk_entropy_bounds_a_hand_computed_distribution():
     assert topk_entropy([0.0, -math.inf], support=10) == (0.0, 0.0)
 
 
+# --- the driver's step, on a scripted engine (no vLLM needed) --------------------------------
+
+class _ScriptedEngine:
+    """vLLM's ``LLMEngine.step``/``abort_request`` as the driver calls them: request "s" streams
+    two steps of cumulative outputs (2 tokens, then 3, finished); request "c" runs until aborted."""
+
+    def __init__(self):
+        from types import SimpleNamespace as NS
+
+        def out(rid, ids, finished):
+            lps = [{t: NS(logprob=-0.1)} for t in ids]
+            comp = NS(token_ids=list(ids), logprobs=lps, finish_reason="stop" if finished else None,
+                      stop_reason=None)
+            return NS(request_id=rid, finished=finished, outputs=[comp], num_cached_tokens=0)
+
+        self.script = [[out("s", [5, 6], False), out("c", [9], False)],
+                       [out("s", [5, 6, 7], True), out("c", [9, 9], False)]]
+        self.aborted: list[str] = []
+
+    def step(self):
+        return self.script.pop(0) if self.script else []
+
+    def abort_request(self, ids):
+        self.aborted += ids
+
+
+def test_the_driver_streams_cumulative_outputs_and_aborts_cancelled_controls():
+    from concurrent.futures import Future
+
+    from agentrl.policy.base import RequestControl
+    from agentrl.policy.vllm import VLLMPolicy, _Job
+
+    policy = object.__new__(VLLMPolicy)  # the driver's step only: no engine to start
+    policy._engine, policy.vocab_size, policy.entropy_topk, policy.version = _ScriptedEngine(), 100, 1, 4
+    seen: list[int] = []
+    streamed = _Job("s", GenerateRequest([1], SamplingParams(), RequestControl(seen.append)), 1, Future())
+    doomed = _Job("c", GenerateRequest([1], SamplingParams(), RequestControl()), 1, Future())
+    running = {"s": streamed, "c": doomed}
+    policy._step(running)
+    assert seen == [5, 6] and not streamed.future.done()
+    doomed.request.control.cancel()
+    policy._step(running)
+    assert seen == [5, 6, 7] and streamed.future.result().token_ids == [5, 6, 7]
+    assert policy._engine.aborted == ["c"] and doomed.future.cancelled() and running == {}
+
+
 # --- run from a venv without vLLM -----------------------------------------------------------
 
 @pytest.mark.skipif(HAVE_VLLM, reason="vllm is importable here: the engine tests below run directly")

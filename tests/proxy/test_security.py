@@ -165,3 +165,59 @@ def test_client_leaving_mid_stream_loses_nothing(mock_policy, serve, tokenizer):
     tree = httpx.get(f"{server.url}/sessions/{sid}/tree").json()
     [node] = tree["nodes"]
     assert node["action_ids"] == tokenizer.encode(text) + [tokenizer.eos_token_id]
+
+
+def test_json_nested_past_the_parser_limit_is_400_not_500(mock_policy, serve):
+    server = serve(mock_policy())
+    deep = b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=deep)
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+    # tool-call arguments are JSON inside a string: past the limit they are kept as text
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 2000}}]
+    msgs = [{"role": "user", "content": "go"}, {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "m", "messages": msgs})
+    assert r.status_code == 200, r.text
+
+
+_LONE = '"a\\ud800b"'  # JSON text: a high surrogate with no low one after it
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": %s}]}', "messages.0.content"),
+    ("/v1/completions", '{"model": "m", "prompt": %s}', "prompt"),
+    ("/sessions", '{"meta": {"k": %s}}', "meta.k"),
+])
+def test_a_lone_surrogate_is_400_naming_the_field(mock_policy, serve, path, body, field):
+    server = serve(mock_policy())
+    sid = httpx.post(f"{server.url}/sessions", json={}).json()["session_id"]
+    paths = [path] if path == "/sessions" else [path, f"/sessions/{sid}{path}"]
+    for p in paths:
+        r = httpx.post(server.url + p, content=(body % _LONE).encode())
+        assert r.status_code == 400, (p, r.text)
+        assert r.json()["error"]["param"] == field and "surrogate" in r.json()["error"]["message"]
+    # a surrogate pair is one valid character: accepted
+    pair = body % '"a\\ud83d\\ude00b"'
+    assert httpx.post(server.url + path, content=pair.encode()).status_code == 200
+    assert httpx.get(f"{server.url}/sessions/{sid}/tree").status_code == 200
+
+
+def test_a_close_that_cannot_write_keeps_the_session_open_and_the_next_close_writes(mock_policy, serve,
+                                                                                      tmp_path):
+    out = tmp_path / "later" / "trees.jsonl"  # the folder does not exist yet: the write fails
+    server = serve(mock_policy(["a", "b"]), out=str(out))
+    sid = httpx.post(f"{server.url}/sessions", json={"meta": {"task": 1}}).json()["session_id"]
+    url = f"{server.url}/sessions/{sid}"
+    assert httpx.post(f"{url}/v1/chat/completions", json=CHAT).status_code == 200
+    r = httpx.post(f"{url}/close")
+    assert r.status_code == 500 and "close it again" in r.json()["error"]["message"]
+    assert httpx.get(url).json()["closed"] is False  # nothing was marked: it still records
+    assert httpx.post(f"{url}/v1/chat/completions", json=CHAT).status_code == 200
+    out.parent.mkdir()
+    closed = httpx.post(f"{url}/close")
+    assert closed.status_code == 200 and len(closed.json()["nodes"]) == 2
+    assert httpx.post(f"{url}/close").status_code == 200  # a second close does not write again
+    from agentrl.types import read_trees
+
+    [saved] = read_trees(out)
+    assert saved.to_dict() == closed.json() and saved.meta["task"] == 1

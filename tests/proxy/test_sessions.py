@@ -316,3 +316,57 @@ def test_session_streams_follow_the_prompt_and_what_was_recorded():
     unseeded = Session("d")
     assert unseeded.call_seed([1, 2, 3], 7, "c") == 7 and Session("e").call_seed([1], None, "c") is None
     assert not unseeded._held  # nothing held without a session seed
+
+
+def test_compaction_to_system_and_summary_is_a_compaction_and_the_session_reward_reaches_the_compacted_path(
+        mock_policy, serve):
+    server = serve(mock_policy(["r1", "r2", "r3", "r4"]))
+    sid, client = _session(server.url)
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"}]
+    out = client.chat.completions.create(model="m", messages=msgs)
+    msgs += [_reply(out), {"role": "user", "content": "u2"}]
+    client.chat.completions.create(model="m", messages=msgs)
+    client.chat.completions.create(model="m", messages=msgs)  # a retry: its sibling is abandoned
+    compacted = [msgs[0], {"role": "user", "content": "Summary: u1 and u2 answered."}]
+    last = client.chat.completions.create(model="m", messages=compacted)
+    tree = _tree(server.url, sid)
+    [retry, branch] = tree.meta["branches"]
+    assert retry["reason"] == "retry"
+    assert branch["reason"] == "compaction" and branch["at_message"] == 1 and branch["continues"] == [2]
+    url = f"{server.url}/sessions/{sid}"
+    assert httpx.post(f"{url}/reward", json={"reward": 1.0}).json()["nodes"] == [3, 2]
+    closed = RolloutTree.from_dict(httpx.post(f"{url}/close").json())
+    compacted_leaf, retried, final = closed.nodes[2], closed.nodes[1], closed.nodes[3]
+    assert final.info["call_id"] == last.id and final.reward == 1.0 and final.terminated
+    assert compacted_leaf.reward == 1.0 and compacted_leaf.terminated
+    assert compacted_leaf.info["continued_by"] == last.id and not compacted_leaf.info.get("abandoned")
+    assert retried.reward == 0.0 and retried.info["abandoned"] and retried.truncated
+    returns = sorted(sum(e.rewards) for e in closed.episodes())
+    assert returns == [0.0, 1.0, 1.0]  # the abandoned retry, the compacted path, the final path
+
+
+@pytest.mark.parametrize(("check_prefix", "checked"), [(None, [1, 2, 8]), (3, [1, 2, 3, 6, 9]),
+                                                       (True, list(range(1, 12))), (0, [])])
+def test_a_session_renders_only_new_messages_and_checks_the_whole_template_every_nth_turn(
+        mock_policy, serve, tokenizer, monkeypatch, check_prefix, checked):
+    """Work per call must not grow with the conversation: each call renders its new messages
+    only, and the full re-render that checks the template runs on the first two observations
+    and every N-th (as the rollout engine's ``template_check_every``)."""
+    full_renders: list[int] = []
+    render = tokenizer.apply_chat_template
+
+    def counting(messages, *args, **kwargs):
+        turns = sum(m["role"] == "assistant" for m in messages)
+        if messages[0]["content"] == "The system prompt." and turns:  # a delta renders after a stand-in
+            full_renders.append(turns)
+        return render(messages, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", counting)
+    server = serve(mock_policy(["ok"]), **({} if check_prefix is None else {"check_prefix": check_prefix}))
+    sid, client = _session(server.url)
+    msgs = [{"role": "system", "content": "The system prompt."}, {"role": "user", "content": "u0"}]
+    for turn in range(12):
+        out = client.chat.completions.create(model="m", messages=msgs)
+        msgs += [_reply(out), {"role": "user", "content": f"u{turn + 1}"}]
+    assert full_renders == checked  # by the number of assistant turns in the checked context
+    assert _tree(server.url, sid).meta["template_mismatches"] == 0

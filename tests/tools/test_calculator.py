@@ -148,3 +148,16 @@ def test_calculator_worker_is_replaced_after_it_is_killed():
 
 def calc_with(tool, expr: str):
     return asyncio.run(tool.invoke({"expression": expr}, None))
+
+
+def test_exported_evaluate_has_the_tools_deadline():
+    """``agentrl.tools.evaluate`` promises the tool's safe arithmetic: a hostile expression
+    ends in a CalcError by its deadline instead of computing for minutes in this process."""
+    from agentrl.tools import evaluate as exported
+
+    start = time.monotonic()
+    with pytest.raises(CalcError, match="took longer than 0.5 s"):
+        exported("round(7, -3*10**8)", timeout_s=0.5)
+    assert time.monotonic() - start < 5.0
+    assert exported("6 * 7") == 42 and exported("7 / 2") == 3.5  # numbers, not text
+    assert exported("exp(700)") == pytest.approx(1.0142320547350045e304)

@@ -376,9 +376,9 @@ def test_wrapped_env_truncation_passes_through():
 
 
 def test_envs_share_a_real_sandbox_pool():
+    from agentrl.loopthread import shared_loop
     from agentrl.sandboxes.local import LocalSandbox
     from agentrl.sandboxes.pool import SandboxPool
-    from agentrl.tools._loop import shared_loop
 
     pool = SandboxPool(LocalSandbox, size=1, warm=0)
     envs = [ToolEnv(mult_task, tools=["bash"], sandbox=pool) for _ in range(2)]

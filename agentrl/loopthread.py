@@ -2,7 +2,13 @@
 when the caller already runs an event loop (a notebook, an async test).
 
 The same loop serves every sync call of its owner, which matters because asyncio
-subprocesses and locks belong to the loop that made them.
+subprocesses and locks belong to the loop that made them. Async code on another
+loop reaches them with ``await LoopThread.arun(coro)``, which runs the
+coroutine there and awaits its result without blocking the caller's loop.
+
+Users: ``ToolEnv``'s sync ``reset``/``step`` (the process-wide ``shared_loop``,
+so envs that share a sandbox pool share its loop) and the ``openai`` policy's
+sync ``generate`` (a loop of its own).
 """
 
 from __future__ import annotations
@@ -54,6 +60,17 @@ class LoopThread:
             raise RuntimeError("a sync API was called from its own loop; await the async API")
         loop = self._ensure()
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    async def arun(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the background loop and await its result from the running loop.
+
+        Cancelling the awaiting task cancels ``coro`` too. Called from the
+        background loop itself, it simply awaits ``coro``.
+        """
+        loop = self._ensure()
+        if asyncio.get_running_loop() is loop:
+            return await coro
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
 
     def close(self) -> None:
         """Stop the loop and its thread; a later ``run`` starts a fresh one."""
