@@ -1,6 +1,6 @@
 """agentrl: reinforcement learning for multi-turn, tool-using LLM agents.
 
-The public API is re-exported here; see DESIGN.md for the map.
+The public API is re-exported here; docs/architecture.md is the map of the code.
 """
 
 import os as _os

@@ -22,6 +22,10 @@ templates that insert content verbatim, which the probe checks; others, and
 content with leading or trailing whitespace (which templates may trim), take
 the full render.
 
+The context holds token ids only. The loss mask and behaviour logprobs of a
+training sequence come from the tree's nodes (``Episode.from_path``), which
+keep the logprobs each action was sampled with.
+
 Templates that are not prefix-stable (say, ones that drop an earlier
 ``<think>`` block when later messages are rendered) make the appended context
 differ from a full re-render. ``ChatContext`` keeps what the policy saw, and
@@ -34,17 +38,39 @@ the first two observations and then every N-th.
 from __future__ import annotations
 
 import copy
+import functools
+import sys
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ContextOverflowError
 from .types import Message
 
-__all__ = ["ChatContext", "TemplateMismatchWarning", "render_ids"]
+__all__ = ["ChatContext", "TemplateMismatchWarning", "decode_ids", "render_ids"]
 
-# (tokenizer id, template, kwargs) -> ((terminator, base rendering), per-role frames)
-_PROBES: dict[tuple[Any, ...], tuple[tuple[str, str], dict[str, tuple[str, str] | None]]] = {}
+
+@dataclass(slots=True)
+class _Probe:
+    """What one tokenizer's template puts around messages, learnt once (see ``_PROBES``).
+
+    ``unsampled[k]``: the terminator text left to append after an action whose
+    last k tokens are the terminator's first k (None: those tokens do not
+    decode to a head of the terminator text). ``frames``: per role, the text
+    before and after a single message's content, or None when the template
+    does not insert content verbatim.
+    """
+
+    terminator: str
+    base: str
+    terminator_ids: list[int]
+    unsampled: dict[int, str | None]
+    frames: dict[str, tuple[str, str] | None] = field(default_factory=dict)
+
+
+# (tokenizer id, template, kwargs) -> its probe, shared by every context on that template
+_PROBES: dict[tuple[Any, ...], _Probe] = {}
 
 _BASE: list[dict[str, Any]] = [
     {"role": "system", "content": "S"},
@@ -67,6 +93,27 @@ def _render_text(tokenizer: Any, messages: list[dict[str, Any]], gen_prompt: boo
     )
 
 
+def decode_ids(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    """``tokenizer.decode(ids)``, minus transformers' scan of every id.
+
+    ``PreTrainedTokenizerBase.decode`` first walks the ids to convert tensors
+    and arrays (``to_py_obj``), which on a long context costs more than the
+    decode itself, then calls the tokenizer's ``_decode``. A tokenizer whose
+    ``decode`` is transformers' own is sent straight to ``_decode`` (which
+    takes any sequence of ints); any other is asked as usual.
+    """
+    if _decode_is_transformers(type(tokenizer)):
+        return tokenizer._decode(ids, skip_special_tokens=skip_special_tokens)
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@functools.cache
+def _decode_is_transformers(cls: type) -> bool:
+    base = sys.modules.get("transformers.tokenization_utils_base")  # loaded if cls comes from it
+    return (base is not None and hasattr(cls, "_decode")
+            and getattr(cls, "decode", None) is base.PreTrainedTokenizerBase.decode)
+
+
 def render_ids(tokenizer: Any, messages: Sequence[Message | dict[str, Any]],
                add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
     """Token ids of a full template rendering (used for the opening and for checks)."""
@@ -75,12 +122,12 @@ def render_ids(tokenizer: Any, messages: Sequence[Message | dict[str, Any]],
 
 
 class ChatContext:
-    """The growing token sequence of one episode, with a loss mask and logprobs.
+    """The growing token sequence of one episode.
 
-    ``ids`` are all tokens so far; ``mask`` is 1 on sampled action tokens;
-    ``logprobs`` holds behaviour logprobs on action tokens (0.0 elsewhere).
-    ``max_tokens`` is the context budget: an append that crosses it raises
-    ``ContextOverflowError`` and leaves the context unchanged.
+    ``ids`` are all tokens so far; ``messages`` the conversation they render
+    (for the prefix check). ``max_tokens`` is the context budget: an append
+    that crosses it raises ``ContextOverflowError`` and leaves the context
+    unchanged.
     """
 
     def __init__(
@@ -97,96 +144,99 @@ class ChatContext:
         self.template_kwargs = template_kwargs
         self.messages: list[dict[str, Any]] = _as_dicts(messages)
         self.ids: list[int] = []
-        self.mask: list[int] = []
-        self.logprobs: list[float] = []
         self.prefix_stable = True
         self.mismatches: list[int] = []
         self._last_action: list[int] = []
         self._observations = 0
-        self._frames: dict[str, tuple[str, str] | None] = {}  # shared per template (see _PROBES)
-        self._terminator, self._delta_base = self._template_probe()
-        self._terminator_ids: list[int] = tokenizer.encode(self._terminator, add_special_tokens=False)
+        self._probe = self._template_probe()
         self._append(render_ids(tokenizer, self.messages, True, **template_kwargs))
 
     def fork(self) -> ChatContext:
-        """An independent copy, for a branch: token lists and messages copied, tokenizer shared."""
+        """An independent copy, for a branch: token list and messages copied, tokenizer shared."""
         new = copy.copy(self)
-        new.ids, new.mask, new.logprobs = list(self.ids), list(self.mask), list(self.logprobs)
+        new.ids = list(self.ids)
         new.messages = [dict(m) for m in self.messages]
         new.mismatches = list(self.mismatches)
         new._last_action = list(self._last_action)
         return new
 
     # -- what the template puts around messages --------------------------------
-    def _template_probe(self) -> tuple[str, str]:
-        """The terminator and the base rendering; rendered once per tokenizer, template and kwargs."""
+    def _template_probe(self) -> _Probe:
+        """What the template puts around messages; learnt once per tokenizer, template and kwargs."""
         key = (id(self.tokenizer), getattr(self.tokenizer, "name_or_path", ""),
                getattr(self.tokenizer, "chat_template", None), repr(sorted(
             self.template_kwargs.items())))
         if key not in _PROBES:
-            _PROBES[key] = (self._probe_uncached(), {})
-        probe, self._frames = _PROBES[key]
-        return probe
+            _PROBES[key] = self._probe_uncached()
+        return _PROBES[key]
 
-    def _probe_uncached(self) -> tuple[str, str]:
+    def _probe_uncached(self) -> _Probe:
         tok, kw = self.tokenizer, self.template_kwargs
         before = _render_text(tok, _BASE[:2], True, **kw)
         full = _render_text(tok, _BASE, False, **kw)
         if not full.startswith(before + "A"):
             raise ValueError("chat template does not render assistant content verbatim")
-        return full[len(before) + 1:], full
+        terminator = full[len(before) + 1:]
+        term_ids = tok.encode(terminator, add_special_tokens=False)
+        unsampled: dict[int, str | None] = {}
+        for k in range(1, len(term_ids) + 1):
+            sampled = decode_ids(tok, term_ids[:k])
+            unsampled[k] = terminator[len(sampled):] if terminator.startswith(sampled) else None
+        return _Probe(terminator, full, term_ids, unsampled)
 
     @property
     def terminator(self) -> str:
         """Text the template closes an assistant message with (e.g. ``<|im_end|>\\n``)."""
-        return self._terminator
+        return self._probe.terminator
 
     def __len__(self) -> int:
         return len(self.ids)
 
-    def _append(self, ids: list[int], mask: int = 0, logprobs: Sequence[float] | None = None) -> None:
+    def _append(self, ids: list[int]) -> None:
         if self.max_tokens is not None and len(self.ids) + len(ids) > self.max_tokens:
             raise ContextOverflowError(
                 f"context would grow to {len(self.ids) + len(ids)} tokens, "
                 f"over the budget of {self.max_tokens}"
             )
         self.ids += ids
-        self.mask += [mask] * len(ids)
-        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
 
     # -- appends ---------------------------------------------------------------
     def append_action(self, ids: Sequence[int], logprobs: Sequence[float] | None = None,
                       text: str | None = None) -> None:
         """Append sampled action tokens exactly as sampled.
 
-        ``text`` is the assistant message recorded in ``messages`` (default: the
-        ids decoded without special tokens). It is only used for consistency
-        checks, never to produce tokens.
+        ``logprobs``, when given, must have one entry per token: a check that
+        the caller's tokens and logprobs line up (the node keeps them; the
+        context does not). ``text`` is the assistant message recorded in
+        ``messages`` (default: the ids decoded without special tokens). It is
+        only used for consistency checks, never to produce tokens.
         """
         ids = list(ids)
         if logprobs is not None and len(logprobs) != len(ids):
             raise ValueError(f"{len(logprobs)} logprobs for {len(ids)} action tokens")
-        self._append(ids, 1, logprobs if logprobs is not None else [0.0] * len(ids))
+        self._append(ids)
         if text is None:
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            text = decode_ids(self.tokenizer, ids, skip_special_tokens=True)
         self.messages.append({"role": "assistant", "content": text})
         self._last_action = ids
 
     def _frame(self, role: str) -> tuple[str, str] | None:
         """The delta text before and after one ``role`` message's content, if the template is verbatim."""
-        if role not in self._frames:
+        frames = self._probe.frames
+        if role not in frames:
             probes = ["Q7xz", "k Z\n3{{"]
             deltas = [self._render_delta([{"role": role, "content": p}]) for p in probes]
             head, sep, tail = deltas[0].partition(probes[0])
             ok = sep and deltas[1] == head + probes[1] + tail and probes[0] not in head + tail
-            self._frames[role] = (head, tail) if ok else None
-        return self._frames[role]
+            frames[role] = (head, tail) if ok else None
+        return frames[role]
 
     def _render_delta(self, new: list[dict[str, Any]]) -> str:
         full = _render_text(self.tokenizer, _BASE + new, True, **self.template_kwargs)
-        if not full.startswith(self._delta_base):
+        base = self._probe.base
+        if not full.startswith(base):
             raise ValueError("chat template re-renders the base conversation; cannot take a delta")
-        return full[len(self._delta_base):]
+        return full[len(base):]
 
     def observation_ids(self, messages: Sequence[Message | dict[str, Any]]) -> list[int]:
         """Token ids that ``append_observation(messages)`` would append."""
@@ -203,14 +253,15 @@ class ChatContext:
 
     def _unsampled_terminator(self) -> str:
         """The terminator text minus the longest head of its tokens that ends the action."""
-        term, last = self._terminator_ids, self._last_action
+        probe, last = self._probe, self._last_action
+        term = probe.terminator_ids
         for k in range(min(len(term), len(last)), 0, -1):
             if last[-k:] == term[:k]:
-                sampled = self.tokenizer.decode(term[:k], skip_special_tokens=False)
-                if not self._terminator.startswith(sampled):
-                    raise ValueError(f"terminator tokens {term} do not decode to {self._terminator!r}")
-                return self._terminator[len(sampled):]
-        return self._terminator
+                rest = probe.unsampled[k]
+                if rest is None:
+                    raise ValueError(f"terminator tokens {term} do not decode to {probe.terminator!r}")
+                return rest
+        return probe.terminator
 
     def append_observation(self, messages: Sequence[Message | dict[str, Any]]) -> list[int]:
         """Append the rendering of the new messages plus the generation prompt.
@@ -229,7 +280,7 @@ class ChatContext:
     def _check_prefix(self) -> None:
         """Compare the context with a full re-render; record and warn on a mismatch."""
         full = _render_text(self.tokenizer, self.messages, True, **self.template_kwargs)
-        seen = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+        seen = decode_ids(self.tokenizer, self.ids)
         if full != seen:
             turn = sum(1 for m in self.messages if m["role"] == "assistant")
             self.mismatches.append(turn)

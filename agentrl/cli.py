@@ -158,9 +158,16 @@ def models_prepare(
     typer.echo(json.dumps({"model": name, "path": str(path)}))
 
 
+def _harness_rollouts(policy: object, cfg: object) -> object:
+    from .proxy.rollouts import harness_rollouts
+
+    return harness_rollouts(policy, cfg)
+
+
 def _mount_plugins() -> None:
     """Sub-commands that live in other packages: train, sft, proxy, env serve, sandbox."""
-    import_module("agentrl.train.cli").register(app)  # agentrl train, agentrl sft
+    # agentrl train, agentrl sft; --harness rolls out through the proxy, handed in here
+    import_module("agentrl.train.cli").register(app, harness_rollouts=_harness_rollouts)
     import_module("agentrl.proxy.cli").mount(app)  # agentrl proxy ..., agentrl env serve
     try:
         sandbox_cli = import_module("agentrl.sandboxes.cli")

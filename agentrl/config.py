@@ -121,7 +121,7 @@ def _format(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"]) or "<root>"
-        reason = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        reason = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
         lines.append(f"{path}: {reason}")
     return "invalid config: " + "; ".join(lines)
 

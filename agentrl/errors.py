@@ -14,6 +14,10 @@
 
 Third-party errors (docker, httpx, vLLM, Ray) are mapped to these at the module
 that calls the library, with ``raise ... from``.
+
+``RolloutError`` is raised inside the rollout engine and caught there: the
+engine records its message once, in ``Node.error`` of the episode's last node,
+and the batch goes on. It reaches a caller only through that record.
 """
 
 from __future__ import annotations
@@ -74,4 +78,12 @@ class ProxyError(AgentRLError):
 
 
 class RolloutError(AgentRLError):
-    """An episode failed. The reason is recorded once, on the node where it happened."""
+    """An episode failed. The reason is recorded once, on the node where it happened.
+
+    ``env_broken``: the env raised or may still be running a step, so the engine
+    closes it instead of handing it to the next episode.
+    """
+
+    def __init__(self, reason: str, env_broken: bool = False):
+        super().__init__(reason)
+        self.env_broken = env_broken

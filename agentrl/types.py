@@ -100,6 +100,14 @@ class Node:
     continue (a segment-level fork inside a turn): it has no env step, and an
     ``Episode`` joins it with its child into one turn. A child's
     ``context_ids`` is empty then.
+
+    ``info`` is what the env returned for this step, and only that. What the
+    engine records about a turn has a field of its own, so that no env can
+    overwrite it: ``top1`` (the top-1 probability of each action token, when
+    the allocator asked for top logprobs), ``expert_action`` (what the env's
+    expert would have done in the state this turn acted in, or
+    ``expert_action_error`` saying why there is none), and ``open`` (a leaf
+    paused by ``max_turns``, that an allocator may continue).
     """
 
     id: int = -1
@@ -120,20 +128,44 @@ class Node:
     snapshot: str | None = None
     error: str | None = None
     partial: bool = False
+    top1: list[float] = field(default_factory=list)
+    expert_action: str | None = None
+    expert_action_error: str | None = None
+    open: bool = False
 
     @property
     def done(self) -> bool:
         return self.terminated or self.truncated
+
+    @property
+    def success(self) -> bool:
+        """Whether the episode that ends at this node succeeded: ``info["success"]``
+        when the env reports it, else terminated with a positive reward.
+
+        A truncated episode did not succeed, whatever its reward: the env never
+        said the task was done.
+        """
+        if "success" in self.info:
+            return bool(self.info["success"])
+        return self.terminated and self.reward > 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Node:
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
+        """A node from ``to_dict``'s output. Files written before the engine's
+        annotations had fields of their own keep them in ``info``; they move to
+        their fields (only when the field itself is absent, so that an env's own
+        ``info`` key of the same name stays in ``info``)."""
+        unknown = set(data) - _NODE_FIELDS
         if unknown:
             raise ValueError(f"unknown Node fields: {sorted(unknown)}")
+        moved = [k for k in _ENGINE_ANNOTATIONS if k not in data and k in data.get("info", {})]
+        if moved:
+            info = dict(data["info"])  # the caller's dict is not changed
+            annotations = {k: info.pop(k) for k in moved}
+            data = {**data, **annotations, "info": info}
         return cls(**data)
 
 
@@ -197,6 +229,11 @@ class Episode:
     def error(self) -> str | None:
         return next((n.error for n in self.nodes if n.error), None)
 
+    @property
+    def success(self) -> bool:
+        """``Node.success`` of the last turn; an empty episode did not succeed."""
+        return bool(self.nodes) and self.nodes[-1].success
+
 
 @dataclass(slots=True)
 class RolloutTree:
@@ -230,6 +267,19 @@ class RolloutTree:
             out.append(self.nodes[cur])
             cur = self.nodes[cur].parent
         return out[::-1]
+
+    def turn_nodes(self, node_id: int) -> list[Node]:
+        """The nodes that hold the action of the turn ending at ``node_id``: the
+        partial nodes of segment forks above it, top first, then the node."""
+        out = [self.nodes[node_id]]
+        while out[0].parent is not None and self.nodes[out[0].parent].partial:
+            out.insert(0, self.nodes[out[0].parent])
+        return out
+
+    def turn_parent(self, node_id: int) -> int | None:
+        """The node that ended the turn before ``node_id``'s turn (partial nodes
+        walked through), whose state that turn acted in; None for a first turn."""
+        return self.turn_nodes(node_id)[0].parent
 
     def leaves(self) -> list[Node]:
         return [n for n in self.nodes.values() if not n.children]
@@ -268,6 +318,11 @@ class RolloutTree:
     @classmethod
     def from_json(cls, line: str) -> RolloutTree:
         return cls.from_dict(json.loads(line))
+
+
+_NODE_FIELDS = frozenset(f.name for f in fields(Node))
+# Written into ``info`` by older versions of the engine; fields of ``Node`` now.
+_ENGINE_ANNOTATIONS = ("top1", "expert_action", "expert_action_error", "open")
 
 
 def write_trees(path: str | Path, trees: Iterable[RolloutTree], append: bool = False) -> int:

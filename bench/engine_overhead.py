@@ -10,9 +10,12 @@
    ``generate`` per turn over every episode still running, as the old runner
    did; re-implemented here, about 30 lines, so the comparison stays runnable).
 
-Prints a table and writes ``engine_overhead.json``.
+Prints a table and writes ``engine_overhead.json``. ``--backends mock`` runs
+only the mock rows (seconds, where the ``hf`` rows take minutes on CPU); the
+``hf`` rows of the file it rewrites are then kept, marked
+``"from_previous_run": true``.
 
-    python bench/engine_overhead.py [--tasks 16] [--turns 8] [--quick] [--out PATH]
+    python bench/engine_overhead.py [--tasks 16] [--turns 8] [--backends mock,hf] [--quick] [--out PATH]
 """
 
 from __future__ import annotations
@@ -141,6 +144,14 @@ def hf_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _previous_rows(path: Path, backends: set[str]) -> list[dict[str, Any]]:
+    """The rows of ``backends`` in an earlier result at ``path``, marked as such (none: [])."""
+    if not backends or not path.exists():
+        return []
+    old = json.loads(path.read_text()).get("rows", [])
+    return [{**r, "from_previous_run": True} for r in old if r.get("backend") in backends]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -149,13 +160,18 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--mock-tasks", type=int, default=64)
     ap.add_argument("--mock-turns", type=int, default=20)
+    ap.add_argument("--backends", default="mock,hf", help="which rows to run: mock, hf or both")
     ap.add_argument("--quick", action="store_true", help="tiny model, few episodes (a smoke test)")
     ap.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
     args = ap.parse_args()
     if args.quick:
         args.model, args.tasks, args.turns, args.mock_tasks, args.mock_turns = "tiny-random", 4, 3, 8, 5
+    backends = set(args.backends.split(","))
+    if not backends or backends - {"mock", "hf"}:
+        ap.error(f"--backends takes mock, hf or mock,hf, not {args.backends!r}")
     tok = load_tokenizer("smollm2-135m")
-    rows = mock_rows(args, tok) + hf_rows(args)
+    rows = (mock_rows(args, tok) if "mock" in backends else []) + (hf_rows(args) if "hf" in backends else [])
+    rows += _previous_rows(Path(args.out), {"mock", "hf"} - backends)
     result = {
         "bench": "engine_overhead", "env": ENV, "rows": rows,
         "targets": {"mock_turns_per_s": 2000, "hf_outside_generation_share": 0.05},

@@ -11,7 +11,7 @@ the client is this process (bare asyncio HTTP/1.1 keep-alive connections). Rows:
 
 Added latency is each row's p50/p99 minus the direct p50. Throughput is
 completions requests/s from 64 concurrent clients, and the server's CPU
-time per request during that run (what a free core would give, whatever the load). Targets (issue 9): added
+time per request during that run (what a free core would give, whatever the load). Targets: added
 p50 <= 2 ms, >= 500 requests/s on 2 cores. The client shares the machine
 with the server, so both numbers include the client's own CPU time.
 

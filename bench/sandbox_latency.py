@@ -37,7 +37,7 @@ from agentrl.sandboxes import (
     check_backend,
 )
 
-TARGETS_MS = {  # issue 3, this 2-core machine: (backend, path, kind) -> p50 ms
+TARGETS_MS = {  # the project's targets on a 2-core machine: (backend, path, kind) -> p50 ms
     ("*", "interp", "py"): 3.0,
     ("bwrap", "cold", "py"): 40.0,
     ("docker", "warm", "cmd"): 120.0,

@@ -8,7 +8,7 @@ agentrl's step is timed in its three parts, through the trainer's own
 functions:
 
 - ``gen_s``: ``HFPolicy.generate`` of the whole batch;
-- ``score_s``: ``score_samples``, the no-grad old-logprob pass (PPO's anchor).
+- ``score_s``: ``score_old``, the no-grad old-logprob pass (PPO's anchor).
   The trainer skips it when a batch gets one optimizer step (one epoch, one
   minibatch: ``Trainer.needs_scoring_pass``), as here, so it is 0 unless
   ``--score-pass`` forces it;
@@ -89,8 +89,8 @@ def run_agentrl(args: argparse.Namespace) -> dict:
     from agentrl.models import load_model
     from agentrl.policy.base import GenerateRequest, SamplingParams
     from agentrl.policy.hf import HFPolicy
+    from agentrl.train.batch import Sample, score_old, train_on_samples
     from agentrl.train.loss import PolicyLossConfig, policy_loss
-    from agentrl.train.trainer import Sample, score_samples, train_on_samples
 
     torch.manual_seed(0)
     model, tok = load_model(args.model)
@@ -125,7 +125,7 @@ def run_agentrl(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         score_tokens, fields = 0, ("advantages", "behaviour", "versions")
         if args.score_pass:
-            score_tokens = score_samples(model, samples, "old", args.micro_batch_tokens, pad_id, 1.0)
+            score_tokens = score_old(model, samples, args.micro_batch_tokens, pad_id, 1.0)
             fields += ("old",)
         score_s = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -134,9 +134,7 @@ def run_agentrl(args: argparse.Namespace) -> dict:
                               max_grad_norm=1.0, per_token=True, pad_id=pad_id, temperature=1.0,
                               generator=torch.Generator().manual_seed(step))
         update_s = time.perf_counter() - t0
-        policy.version += 1
-        if policy.prefix_cache is not None:
-            policy.prefix_cache.clear()
+        policy.weights_updated()
         steps.append({"gen_s": gen_s, "score_s": score_s, "update_s": update_s,
                       "completion_tokens": sum(len(r.token_ids) for r in results),
                       "train_tokens": int(st["train/tokens"]), "score_tokens": score_tokens})

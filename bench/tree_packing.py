@@ -41,9 +41,10 @@ from pathlib import Path
 import torch
 
 from agentrl.credit import assign
+from agentrl.train.batch import minibatch_step, samples_from_credit, score_old, score_samples
 from agentrl.train.config import load_train_config
 from agentrl.train.logprobs import tree_token_savings
-from agentrl.train.trainer import Trainer, _Bars, _minibatch, samples_from_credit, score_samples
+from agentrl.train.trainer import Trainer, _Bars
 from agentrl.train.tree_pack import score_samples_tree, tree_minibatch
 
 FIELDS = ("advantages", "old", "behaviour", "versions")
@@ -73,12 +74,12 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 
 
 def measure(tr: Trainer, samples: list, layout: str, repeats: int) -> dict:
-    score, minibatch = ((score_samples, _minibatch) if layout == "episode"
+    score, minibatch = ((score_samples, minibatch_step) if layout == "episode"
                         else (score_samples_tree, tree_minibatch))
     t = tr.cfg.train
     scored = copy.deepcopy(samples)
-    score_s, score_tokens = timed(lambda: score(tr.net, scored, "old", t.micro_batch_tokens, tr.pad_id,
-                                                tr.temperature), repeats)
+    score_s, score_tokens = timed(lambda: score_old(tr.net, scored, t.micro_batch_tokens, tr.pad_id,
+                                                    tr.temperature, score=score), repeats)
     idx = list(range(len(samples)))
 
     def step():
@@ -126,7 +127,7 @@ def main() -> None:
     if synthetic:  # no reward signal (a random model never wins): +-1 per episode, for the grad check
         for j, s in enumerate(samples):
             s.advantages = [(1.0 if j % 3 else -1.0) * m for m in s.mask]
-    score_samples(tr.net, samples, "old", tr.cfg.train.micro_batch_tokens, tr.pad_id, tr.temperature)
+    score_old(tr.net, samples, tr.cfg.train.micro_batch_tokens, tr.pad_id, tr.temperature)
     rows = [measure(tr, samples, layout, args.repeats) for layout in ("episode", "tree")]
     ep, tree = rows
     grad_diff = max(float((tree["_grads"][k] - g).norm() / g.norm().clamp(min=1e-12))

@@ -52,7 +52,7 @@ from pathlib import Path
 from agentrl.config import load_config
 from agentrl.policy.base import GenerateRequest, SamplingParams
 from agentrl.policy.mock import MockPolicy
-from agentrl.rollout import Engine, leaf_success, summarize
+from agentrl.rollout import Engine, summarize
 from agentrl.rollout.allocation import Budget, is_open, make_allocator
 from agentrl.types import RolloutTree
 
@@ -97,7 +97,7 @@ def end_reason(tree: RolloutTree, leaf_id: int) -> str:
     leaf = tree.nodes[leaf_id]
     if leaf.error:
         return "error"
-    if leaf_success(leaf) or leaf.info.get("won"):
+    if leaf.success or leaf.info.get("won"):
         return "success"
     reason = leaf.info.get("truncation_reason")
     if reason:

@@ -87,3 +87,24 @@ class NoSnapshotEnv(TextEnv):
 
 register_env("agentrl/TestMixed-v0", entry_point=MixedEnv)
 register_env("agentrl/TestNoSnapshot-v0", entry_point=NoSnapshotEnv)
+
+
+class ClashingInfoEnv(TextEnv):
+    """Its ``info`` reuses the names of the engine's own annotations of a turn
+    (``top1``, ``expert_action``, ``open``); it has an expert, and ends on turn 2."""
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.turn = 0
+        return "Say two things.", {"instruction": "say two things"}
+
+    def expert_action(self) -> str:
+        return f"expert move {self.turn}"
+
+    def step(self, action: str):
+        self.turn += 1
+        info = {"top1": "the env's", "expert_action": "the env's", "open": True}
+        return "Go on.", 0.0, self.turn == 2, False, info
+
+
+register_env("agentrl/TestClashingInfo-v0", entry_point=ClashingInfoEnv)

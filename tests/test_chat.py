@@ -76,18 +76,24 @@ def test_sampled_terminator_tokens_are_not_appended_twice(tokenizer, k):
     assert tokenizer.decode(delta[2 - k:]).startswith("<|im_start|>user\nBye")
 
 
-def test_loss_mask_and_logprobs_cover_only_actions(tokenizer):
+def test_actions_are_appended_as_sampled_between_the_rendered_deltas(tokenizer):
     ctx = ChatContext(tokenizer, [{"role": "user", "content": "Hi"}])
-    n0 = len(ctx)
+    opening = list(ctx.ids)
     action = _action(tokenizer, "Hello there")
     ctx.append_action(action, logprobs=[-0.25] * len(action))
-    ctx.append_observation([{"role": "user", "content": "Bye"}])
-    assert ctx.mask[:n0] == [0] * n0
-    assert ctx.mask[n0:n0 + len(action)] == [1] * len(action)
-    assert ctx.ids[n0:n0 + len(action)] == action
-    assert ctx.logprobs[n0:n0 + len(action)] == [-0.25] * len(action)
-    assert sum(ctx.mask) == len(action)
-    assert all(lp == 0.0 for lp, m in zip(ctx.logprobs, ctx.mask, strict=True) if m == 0)
+    delta = ctx.append_observation([{"role": "user", "content": "Bye"}])
+    assert ctx.ids == opening + action + delta
+    assert ctx.messages[-2] == {"role": "assistant", "content": "Hello there"}
+
+
+def test_decode_ids_equals_the_tokenizers_decode(tokenizer):
+    from agentrl.chat import decode_ids
+
+    ids = tokenizer.encode("<|im_start|>user\nCafé 🙂 über  spaces<|im_end|>\n", add_special_tokens=False)
+    for skip in (False, True):
+        assert decode_ids(tokenizer, ids, skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+        assert decode_ids(tokenizer, ids[:5], skip) == tokenizer.decode(ids[:5], skip_special_tokens=skip)
+    assert decode_ids(tokenizer, []) == ""
 
 
 def test_non_canonical_action_tokens_are_kept_as_sampled(tokenizer):
@@ -123,10 +129,10 @@ def test_non_prefix_stable_template_keeps_what_policy_saw_and_reports(tokenizer)
 def test_overflowing_observation_raises_and_leaves_context_unchanged(tokenizer):
     ctx = ChatContext(tokenizer, [{"role": "user", "content": "Hi"}], max_tokens=64)
     ctx.append_action(_action(tokenizer, "ok"))
-    before = (list(ctx.ids), list(ctx.mask), list(ctx.messages))
+    before = (list(ctx.ids), list(ctx.messages))
     with pytest.raises(ContextOverflowError, match="budget of 64"):
         ctx.append_observation([{"role": "user", "content": "word " * 200}])
-    assert (ctx.ids, ctx.mask, ctx.messages) == before
+    assert (ctx.ids, ctx.messages) == before
 
 
 def test_logprob_length_mismatch_is_an_error(tokenizer):

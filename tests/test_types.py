@@ -99,3 +99,70 @@ def test_message_and_tool_schemas_render_for_templates():
 def test_episode_from_empty_path_is_empty():
     ep = Episode.from_path([])
     assert ep.input_ids == [] and ep.turn_spans == [] and ep.total_reward == 0
+
+
+def _forked_tree() -> RolloutTree:
+    """Turn 0 (node 0), then turn 1 (actions 2, 3, 4) split by two nested segment forks.
+
+    0 ── 3 (partial: 2) ── 4 (partial: 3) ── 1 (4) ── 2
+                       └── 5                      └── 6
+    """
+    from agentrl.rollout.tree import split_node
+
+    t = RolloutTree()
+    a = t.add(Node(action_ids=[1]))
+    b = t.add(Node(action_ids=[2, 3, 4]), a.id)
+    t.add(Node(action_ids=[5], terminated=True), b.id)
+    outer = split_node(t, b.id, 1)
+    split_node(t, b.id, 1)
+    t.add(Node(action_ids=[6], terminated=True), outer.id)
+    t.add(Node(action_ids=[7]), b.id)
+    return t
+
+
+def test_turn_nodes_walk_up_through_the_partial_nodes_of_a_turn():
+    t = _forked_tree()
+    assert [n.id for n in t.turn_nodes(1)] == [3, 4, 1]  # turn 1's action is 2, 3, 4
+    assert [n.id for n in t.turn_nodes(5)] == [3, 5]
+    assert [n.id for n in t.turn_nodes(2)] == [2]
+    assert [n.id for n in t.turn_nodes(0)] == [0]
+    assert [t.turn_parent(i) for i in (0, 1, 2, 3, 4, 5)] == [None, 0, 1, 0, 0, 0]
+    assert [[n.id for n in e.nodes] for e in t.episodes()] == [[0, 1, 2], [0, 5], [0, 1, 6]]
+
+
+@pytest.mark.parametrize(("fields", "success"), [
+    ({"terminated": True, "reward": 1.0}, True),
+    ({"terminated": True, "reward": 0.0}, False),
+    ({"truncated": True, "reward": 1.0}, False),  # cut off: the env never said it was done
+    ({"terminated": True, "reward": 1.0, "info": {"success": False}}, False),  # the env said so
+    ({"truncated": True, "reward": 0.0, "info": {"success": True}}, True),
+])
+def test_success_is_the_envs_word_else_a_positive_reward_on_termination(fields, success):
+    node = Node(**fields)
+    assert node.success is success
+    assert Episode.from_path([Node(), node]).success is success
+    assert Episode.from_path([]).success is False
+
+
+def test_engine_annotations_round_trip_in_their_own_fields():
+    t = RolloutTree()
+    t.add(Node(action_ids=[1, 2], top1=[0.5, 0.25], expert_action="look", open=True,
+               info={"expert_action": "the env's own key", "won": True}))
+    t.add(Node(expert_action_error="KeyError: no expert"), 0)
+    back = RolloutTree.from_json(t.to_json())
+    assert back.to_dict() == t.to_dict()
+    node = back.nodes[0]
+    assert (node.top1, node.expert_action, node.open) == ([0.5, 0.25], "look", True)
+    assert node.info == {"expert_action": "the env's own key", "won": True}
+    assert back.nodes[1].expert_action_error == "KeyError: no expert"
+
+
+def test_files_with_engine_annotations_in_info_still_load_into_the_fields():
+    old = {"id": 0, "action_ids": [1, 2],
+           "info": {"top1": [0.9, 0.1], "expert_action": "go to desk 1", "open": True, "won": False}}
+    node = Node.from_dict(old)
+    assert (node.top1, node.expert_action, node.open) == ([0.9, 0.1], "go to desk 1", True)
+    assert node.info == {"won": False}
+    assert old["info"]["top1"] == [0.9, 0.1]  # the caller's dict is left as it was
+    err = Node.from_dict({"id": 1, "info": {"expert_action_error": "no expert"}})
+    assert err.expert_action_error == "no expert" and err.info == {}

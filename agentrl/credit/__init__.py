@@ -7,7 +7,9 @@ One file per family, each a set of small pure functions:
 - ``gigpo``: episode plus anchor-state step advantages (GiGPO);
 - ``tree``: node values from the leaves below (TreeRL, contrastive siblings);
 - ``returns``: discounted returns, GAE over turns, normalisation levels;
-- ``gdpo``: several rewards, normalised apart, then combined (GDPO).
+- ``gdpo``: several rewards, normalised apart, then combined (GDPO);
+- ``outcome``: the one number per episode the group and tree methods compare
+  (``"return"``, ``"success"`` or a callable), named ``outcome`` everywhere.
 
 A *group* is the episodes (root-to-leaf paths) of one ``RolloutTree``, i.e. of
 one task. ``assign`` is the trainer's single entry point: it runs one
@@ -42,6 +44,7 @@ from .gigpo import (
     gigpo_episode_advantages,
 )
 from .group import dr_grpo, grpo, mc_grpo, mc_grpo_pivot, rloo
+from .outcome import Outcome, episode_outcome
 from .returns import discounted_returns, gae, normalize
 from .tree import leaf_outcome, node_values, tree_advantages, turn_advantages
 
@@ -55,6 +58,7 @@ __all__ = [
     "discounted_returns",
     "dr_grpo",
     "episode_gae",
+    "episode_outcome",
     "episode_state_keys",
     "gae",
     "gdpo",
@@ -124,30 +128,17 @@ class CreditReport:
     pivots: int = 0
 
 
-def _outcome(episode: Episode, outcome: str | Callable[[Episode], float]) -> float:
-    if callable(outcome):
-        return float(outcome(episode))
-    if outcome == "return":
-        return episode.total_reward
-    if outcome == "success":
-        last = episode.nodes[-1]
-        if "success" in last.info:
-            return float(bool(last.info["success"]))
-        return float(last.terminated and last.reward > 0)
-    raise ValueError(f"outcome must be 'return', 'success' or a callable, not {outcome!r}")
-
-
 def _tree_turns(
     method: str,
     tree: RolloutTree,
     episodes: list[Episode],
     failed_leaves: set[int],
-    outcome: str | Callable[[Episode], float],
+    outcome: Outcome,
     options: dict[str, Any],
 ) -> list[list[float]]:
     """Per-turn advantages of the kept ``episodes`` of one tree (one group)."""
     if method in _SCALAR:
-        scores = ESTIMATORS[method]([_outcome(e, outcome) for e in episodes], **options)
+        scores = ESTIMATORS[method]([episode_outcome(e, outcome) for e in episodes], **options)
         return [[a] * e.num_turns for e, a in zip(episodes, scores, strict=True)]
     if method == "gigpo":
         return gigpo_episode_advantages(episodes, tree, **options)
@@ -208,7 +199,7 @@ def assign_report(
     trees: Sequence[RolloutTree],
     method: str,
     failed: str = "exclude",
-    outcome: str | Callable[[Episode], float] = "return",
+    outcome: Outcome = "return",
     **options: Any,
 ) -> CreditReport:
     """Per-token advantages for every root-to-leaf episode of every tree.
@@ -256,7 +247,7 @@ def assign_report(
     for tree_idx, (eps, per_turn) in enumerate(zip(kept, turns, strict=True)):
         drop = None
         if method == "mc_grpo":
-            drop = mc_grpo_pivot([_outcome(e, outcome) for e in eps]) if len(eps) > 1 else None
+            drop = mc_grpo_pivot([episode_outcome(e, outcome) for e in eps]) if len(eps) > 1 else None
         for j, (episode, adv) in enumerate(zip(eps, per_turn, strict=True)):
             if j == drop:
                 report.pivots += 1  # MC-GRPO: the pivot carries no gradient
@@ -272,7 +263,7 @@ def assign(
     trees: Sequence[RolloutTree],
     method: str,
     failed: str = "exclude",
-    outcome: str | Callable[[Episode], float] = "return",
+    outcome: Outcome = "return",
     **options: Any,
 ) -> list[tuple[Episode, list[float]]]:
     """``assign_report(...).items``, logging how many failed episodes were left out or zeroed."""

@@ -20,7 +20,7 @@ also mixes a global and a subtree-local baseline; setting the
 weights covers its unnormalised form.
 
 Contrastive branch scaling (``contrastive=True``). Our reading of the "CBPO"
-idea in the issue (we could not check it against a paper): siblings share an
+idea (we could not check it against a paper): siblings share an
 exact prefix, so their value differences isolate the one decision that
 separates them. In each sibling set with at least two distinct values, every
 sibling's advantage is divided by the population std of the siblings'
@@ -28,12 +28,11 @@ values (plus ``eps``), with the factor clamped to ``[1, max_scale]``. A
 positive factor never flips a sign; the clamp keeps a set of near-equal
 values from exploding and never shrinks a set's signal.
 
-Trees. An outcome is the sum of rewards along the root-to-leaf path
-(``leaf_reward="return"``) or the leaf's success (``"success"``:
-``info["success"]`` when the env reports it, else terminated with reward > 0),
-or any callable on the leaf's ``Episode``. Several roots hang under a virtual
-super-root whose value is the mean over all leaves; it is ``V(root)`` in
-``G`` and the parent of each root in ``L``. A partial node (a segment fork
+Trees. A leaf's outcome is that of the episode ending there
+(``agentrl.credit.outcome``: ``"return"``, the sum of rewards along the
+root-to-leaf path; ``"success"``; or any callable on the ``Episode``).
+Several roots hang under a virtual super-root whose value is the mean over
+all leaves; it is ``V(root)`` in ``G`` and the parent of each root in ``L``. A partial node (a segment fork
 inside a turn) has a value and an advantage like any node, and is the parent
 of its continuations; in an ``Episode`` its tokens belong to the child's
 turn, so the turn's advantage is the turn-ending node's.
@@ -42,50 +41,43 @@ turn, so the turn's advantage is the turn-ending node's.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Container
+from collections.abc import Container
 from typing import Any
 
 import numpy as np
 
 from agentrl.types import Episode, Node, RolloutTree
 
+from .outcome import Outcome, episode_outcome
+
 __all__ = ["SUPER_ROOT", "leaf_outcome", "node_values", "tree_advantages", "turn_advantages"]
 
 SUPER_ROOT = -1  # the key of the virtual super-root in ``node_values``' result
 
-LeafReward = str | Callable[[Episode], float]
 
-
-def leaf_outcome(tree: RolloutTree, leaf: Node, leaf_reward: LeafReward = "return") -> float:
+def leaf_outcome(tree: RolloutTree, leaf: Node, outcome: Outcome = "return") -> float:
     """The outcome of the episode that ends at ``leaf``."""
-    if callable(leaf_reward):
-        return float(leaf_reward(Episode.from_path(tree.path(leaf.id))))
-    if leaf_reward == "return":
-        return float(sum(n.reward for n in tree.path(leaf.id)))
-    if leaf_reward == "success":
-        if "success" in leaf.info:
-            return float(bool(leaf.info["success"]))
-        return float(leaf.terminated and leaf.reward > 0)
-    raise ValueError(f"leaf_reward must be 'return', 'success' or a callable, not {leaf_reward!r}")
+    return episode_outcome(Episode.from_path(tree.path(leaf.id)), outcome)
 
 
 def _leaf_stats(
-    tree: RolloutTree, leaf_reward: LeafReward, exclude: Container[int]
+    tree: RolloutTree, outcome: Outcome, exclude: Container[int]
 ) -> dict[int, tuple[float, int]]:
     """``{node_id: (sum of outcomes, number of leaves)}`` over the kept leaves below each node."""
     stats: dict[int, tuple[float, int]] = {}
     for leaf in tree.leaves():
         if leaf.id in exclude:
             continue
-        r = leaf_outcome(tree, leaf, leaf_reward)
-        for node in tree.path(leaf.id):
+        path = tree.path(leaf.id)
+        r = episode_outcome(Episode.from_path(path), outcome)
+        for node in path:
             s, k = stats.get(node.id, (0.0, 0))
             stats[node.id] = (s + r, k + 1)
     return stats
 
 
 def node_values(
-    tree: RolloutTree, leaf_reward: LeafReward = "return", exclude: Container[int] = ()
+    tree: RolloutTree, outcome: Outcome = "return", exclude: Container[int] = ()
 ) -> dict[int, float]:
     """``V(n)`` for every node with at least one kept leaf below it, and ``V`` of
     the super-root under the key ``SUPER_ROOT``.
@@ -93,7 +85,7 @@ def node_values(
     ``exclude`` holds leaf ids left out of every mean (failed episodes, say);
     nodes with no kept leaf get no value.
     """
-    stats = _leaf_stats(tree, leaf_reward, exclude)
+    stats = _leaf_stats(tree, outcome, exclude)
     values = {i: s / k for i, (s, k) in stats.items()}
     kept = [stats[r] for r in tree.roots if r in stats]
     if kept:
@@ -103,7 +95,7 @@ def node_values(
 
 def tree_advantages(
     tree: RolloutTree,
-    leaf_reward: LeafReward = "return",
+    outcome: Outcome = "return",
     global_weight: float = 1.0,
     local_weight: float = 1.0,
     leaf_norm: str = "sqrt",
@@ -117,8 +109,8 @@ def tree_advantages(
         raise ValueError(f"leaf_norm must be 'sqrt' or 'none', not {leaf_norm!r}")
     if max_scale < 1.0:
         raise ValueError(f"max_scale must be >= 1, got {max_scale}")
-    stats = _leaf_stats(tree, leaf_reward, exclude)
-    values = node_values(tree, leaf_reward, exclude)
+    stats = _leaf_stats(tree, outcome, exclude)
+    values = node_values(tree, outcome, exclude)
     if not stats:
         return {}
     v_root = values[SUPER_ROOT]

@@ -162,6 +162,11 @@ class HFPolicy:
             raise PolicyError(f"{len(missing)} weights missing from the update, e.g. {missing[:5]}; "
                               "pass strict=False for a partial update")
         self.model.load_state_dict(state_dict, strict=False)
+        self.weights_updated()
+
+    def weights_updated(self) -> None:
+        """The model's weights changed in place (a trainer in this process trains this very
+        model): bump ``version`` and drop the prefix cache, whose keys and values are stale."""
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         self.version += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..chat import decode_ids
 from .base import GenerateRequest, GenerateResult, stop_string_hit
 
 __all__ = ["MockPolicy"]
@@ -31,20 +32,29 @@ class MockPolicy:
         self.logprob = logprob
         self.version = 0
         self.calls = 0
+        self._encoded: dict[str, list[int]] = {}  # scripts repeat their texts: tokenize each once
 
     def _respond(self, prompt_ids: list[int]) -> str:
         if callable(self.responses):
-            return self.responses(self.tokenizer.decode(prompt_ids, skip_special_tokens=False))
+            return self.responses(decode_ids(self.tokenizer, prompt_ids))
         text = self.responses[self.calls % len(self.responses)]
         return text
+
+    def _encode(self, text: str) -> list[int]:
+        """The response's ids, then EOS (a cached list: ``_cut`` copies what it keeps)."""
+        if text not in self._encoded:
+            if len(self._encoded) >= 4096:  # a callable may answer with ever new texts
+                self._encoded.clear()
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            self._encoded[text] = ids + [self.tokenizer.eos_token_id]
+        return self._encoded[text]
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         out = []
         for req in requests:
             text = self._respond(req.prompt_ids)
             self.calls += 1
-            ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-            out.append(self._cut(ids, req))
+            out.append(self._cut(self._encode(text), req))
         return out
 
     async def agenerate(self, request: GenerateRequest) -> GenerateResult:

@@ -15,7 +15,7 @@ from .allocation import (
     prefix_groups,
 )
 from .engine import COUNTERS, Engine, collect, run_episodes
-from .summary import episode_success, leaf_success, summarize, write_run
+from .summary import episode_success, summarize, write_run
 from .tree import BranchPoint, format_tree, split_node
 
 __all__ = [
@@ -31,7 +31,6 @@ __all__ = [
     "collect",
     "episode_success",
     "format_tree",
-    "leaf_success",
     "make_allocator",
     "prefix_groups",
     "run_episodes",

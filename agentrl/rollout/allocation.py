@@ -44,7 +44,7 @@ from __future__ import annotations
 import difflib
 import heapq
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
@@ -147,7 +147,7 @@ class Allocator(Protocol):
     ``needs_snapshots``: the engine keeps a branch point (env snapshot plus
     context) after every turn, so ``Branch`` can start from any node.
     ``top_logprobs``: how many top-k logprobs per token the backend returns
-    (``Node.info["top1"]`` gets the top-1 probability of each action token).
+    (``Node.top1`` gets the top-1 probability of each action token).
     """
 
     name: str
@@ -159,7 +159,7 @@ class Allocator(Protocol):
 
 def is_open(node: Node) -> bool:
     """A leaf paused by ``max_turns``: not done, no children, more turns to play."""
-    return not node.children and not node.done and bool(node.info.get("open"))
+    return not node.children and not node.done and node.open
 
 
 def leaf_cost(tree: RolloutTree, request: Request) -> int:
@@ -281,33 +281,12 @@ def affordable_leaves(state: AllocState, est_leaf_cost: float | None = None) -> 
 # --------------------------------------------------------------------------- reading trees
 
 
-def _leaf_success(node: Node) -> bool:
-    """An episode's success at its leaf: ``info["success"]`` when the env
-    reports it, else a positive reward on termination."""
-    if "success" in node.info:
-        return bool(node.info["success"])
-    return node.terminated and node.reward > 0
-
-
-def _turn_parent(tree: RolloutTree, node: Node) -> int | None:
-    """The turn before ``node`` (partial nodes skipped), None for a first turn."""
-    cur = node.parent
-    while cur is not None and tree.nodes[cur].partial:
-        cur = tree.nodes[cur].parent
-    return cur
-
-
 def _turn_values(
     tree: RolloutTree, node: Node, values: Callable[[Node], list[float]]
 ) -> list[float]:
     """Per-token ``values`` of ``node``'s whole turn: partial nodes right above
     it hold the turn's first tokens (a segment fork inside the action)."""
-    chunks = [values(node)]
-    cur = node.parent
-    while cur is not None and tree.nodes[cur].partial:
-        chunks.append(values(tree.nodes[cur]))
-        cur = tree.nodes[cur].parent
-    return [v for chunk in reversed(chunks) for v in chunk]
+    return [v for n in tree.turn_nodes(node.id) for v in values(n)]
 
 
 def _head_mean(values: list[float], n: int) -> float | None:
@@ -320,7 +299,7 @@ def _entropies(node: Node) -> list[float]:
 
 
 def _top1(node: Node) -> list[float]:
-    return node.info.get("top1", [])
+    return node.top1
 
 
 def _turns(tree: RolloutTree) -> list[Node]:
@@ -335,7 +314,7 @@ def _pass_rate(tree: RolloutTree) -> float | None:
     """Fraction of finished episodes that succeeded; None without any. An
     episode that failed outside the policy (``error`` set) is not counted."""
     ends = [leaf for leaf in tree.leaves() if not is_open(leaf) and leaf.error is None]
-    return sum(map(_leaf_success, ends)) / len(ends) if ends else None
+    return sum(leaf.success for leaf in ends) / len(ends) if ends else None
 
 
 def entropy_branch_scores(
@@ -356,7 +335,7 @@ def entropy_branch_scores(
     """
     raw: dict[int, float] = {}
     for node in _turns(tree):
-        if _turn_parent(tree, node) is None:
+        if tree.turn_parent(node.id) is None:
             continue  # a first turn is the baseline itself
         first = next(n for n in tree.path(node.id) if not n.partial)
         h_t = _head_mean(_turn_values(tree, node, _entropies), first_tokens)
@@ -365,7 +344,7 @@ def entropy_branch_scores(
             raw[node.id] = h_t - h_0
     scores = {}
     for node_id, score in raw.items():
-        before = _turn_parent(tree, tree.nodes[node_id])
+        before = tree.turn_parent(node_id)
         if before in raw and raw[before] > threshold:
             score *= penalty
         if score > threshold:
@@ -380,7 +359,7 @@ def key_states(
 
     A turn is a key state when the mean top-1 probability of its first
     ``first_tokens`` action tokens is below ``top1_threshold``: the policy had
-    no clear favourite there. Turns without ``info["top1"]`` are skipped.
+    no clear favourite there. Turns without ``Node.top1`` are skipped.
     """
     out = []
     for node in _turns(tree):
@@ -435,8 +414,8 @@ def contrastive_branch_points(
 ) -> Iterator[tuple[int, int]]:
     """Branch points (task, node id), best first, spread over paths and depths.
 
-    After CBPO's contrastive branching (the decay rule below is the one in our
-    issue 7; it was not checked against the paper's equations). A candidate
+    After CBPO's contrastive branching (the decay rule below is our own
+    reading; it was not checked against the paper's equations). A candidate
     turn v (not done, no error) weighs
 
         w(v) = path_decay ** b_path(v) * node_decay ** b_depth(v)
@@ -543,29 +522,69 @@ def _opening_round(state: AllocState, leaves: int, fraction: float, reason: str)
     return _fresh_spread(state, n, reason)
 
 
-def _branch_before(
-    state: AllocState, picks: Sequence[tuple[int, int]], k: int, leaves: int, reason: str
+def _branch_from(
+    state: AllocState, points: Iterable[tuple[int, int | None]], k: int, leaves: int, reason: str
 ) -> tuple[list[Request], int]:
-    """``k`` continuations from the state before each picked turn (task, node
-    id), in order, until ``leaves`` are spent. Before a first turn there is only
-    the prompt: that gives ``k`` fresh episodes. Two picks with the same state
-    before them are branched once. Returns the requests and the leaves left."""
+    """``k`` continuations from each branch point (task, node id), in order,
+    until ``leaves`` are spent. A point is the state after its node; None is
+    the state after the reset, where only the prompt exists: that gives ``k``
+    fresh episodes. A point met twice is branched once. Returns the requests
+    and the leaves left."""
     out: list[Request] = []
     seen: set[tuple[int, int | None]] = set()
-    for task, node_id in picks:
+    for task, node_id in points:
         if leaves <= 0:
             break
-        tree = state.trees[task]
-        before = _turn_parent(tree, tree.nodes[node_id])
-        if (task, before) in seen:
+        if (task, node_id) in seen:
             continue
-        seen.add((task, before))
+        seen.add((task, node_id))
         n = min(k, leaves)
-        req: Request = (Fresh(task, n, reason=reason) if before is None
-                        else Branch(task, before, n, reason=reason))
-        leaves -= leaf_cost(tree, req)
+        req: Request = (Fresh(task, n, reason=reason) if node_id is None
+                        else Branch(task, node_id, n, reason=reason))
+        leaves -= leaf_cost(state.trees[task], req)
         out.append(req)
     return out, leaves
+
+
+class _OpenThenBranch:
+    """The plan the branching allocators share; a subclass ranks the branch points.
+
+    Round 0 spends ``fresh_fraction`` of the budget on fresh episodes, at least
+    one per task. Round 1 branches ``k`` ways from each point
+    ``_branch_points`` yields, best first, until the budget is spent; what no
+    point takes goes to fresh episodes. Later rounds only top up a turns or
+    tokens budget (``_top_up``). ``state.report[name]`` gets the points
+    branched from, how many, and the leaves left to fresh episodes, besides
+    what ``_branch_points`` writes there.
+    """
+
+    OWN_ROUNDS: ClassVar[int] = 2  # the opening round and the branch round; top-ups follow
+    branch_reason: ClassVar[str]
+    leftover_reason: ClassVar[str]
+
+    name: ClassVar[str]
+    k: int
+    fresh_fraction: float
+    est_leaf_cost: float | None
+
+    def plan(self, state: AllocState) -> list[Request]:
+        leaves = affordable_leaves(state, self.est_leaf_cost)
+        if state.round == 0:
+            return _opening_round(state, leaves, self.fresh_fraction, "fresh")
+        if state.round >= self.OWN_ROUNDS or leaves <= 0:
+            return _top_up(state, leaves, self.OWN_ROUNDS)
+        report = state.report.setdefault(self.name, {})
+        out, left = _branch_from(state, self._branch_points(state, report), self.k, leaves,
+                                 self.branch_reason)
+        report.update(branches=len(out), fresh_leftover=left,
+                      branch_points=[(r.task, r.node if isinstance(r, Branch) else None) for r in out])
+        return out + _fresh_spread(state, left, self.leftover_reason)
+
+    def _branch_points(self, state: AllocState,
+                       report: dict[str, Any]) -> Iterable[tuple[int, int | None]]:
+        """The ranking hook: branch points (task, node id; None: the prompt),
+        best first. May add what it found to ``report``."""
+        raise NotImplementedError
 
 
 # --------------------------------------------------------------------------- allocators
@@ -624,7 +643,7 @@ class PilotCommit:
         if state.round == 0:
             got = fill_evenly([0] * tasks, leaves, [self.pilots] * tasks)
             return [Fresh(task, n, reason="pilot") for task, n in enumerate(got) if n > 0]
-        if state.round > 1:
+        if state.round > 1:  # round 0 pilots, round 1 commits
             return _top_up(state, leaves, 2)
         p = [_pass_rate(t) for t in state.trees]
         alloc, skipped = pilot_commit_split(p, leaves, self.min_per_task)
@@ -633,13 +652,13 @@ class PilotCommit:
 
 
 @dataclass
-class EntropyBranch:
+class EntropyBranch(_OpenThenBranch):
     """Branch before the turns whose entropy rose most (``entropy_branch_scores``:
     ARPO, AEPO). Round 0 spends ``fresh_fraction`` of the budget on fresh
     episodes; round 1 branches ``k`` ways from the state before each chosen
     turn, highest score first, until the budget is spent; what no turn earns
-    goes to fresh episodes. The split between rounds is fixed, where AEPO
-    sets it from an entropy pre-monitoring pass."""
+    goes to fresh episodes (``_OpenThenBranch``). The split between rounds is
+    fixed, where AEPO sets it from an entropy pre-monitoring pass."""
 
     fresh_fraction: float = 0.5
     threshold: float = 0.5
@@ -651,26 +670,21 @@ class EntropyBranch:
     name: ClassVar[str] = "entropy_branch"
     needs_snapshots: ClassVar[bool] = True
     top_logprobs: ClassVar[int] = 0
+    branch_reason: ClassVar[str] = "entropy rise"
+    leftover_reason: ClassVar[str] = "no high-entropy turn left"
 
     def __post_init__(self) -> None:
         _check(self, fresh_fraction="in (0, 1]", first_tokens=">= 1", penalty="in [0, 1]",
                k=">= 1", est_leaf_cost="None or > 0")
 
-    def plan(self, state: AllocState) -> list[Request]:
-        leaves = affordable_leaves(state, self.est_leaf_cost)
-        if state.round == 0:
-            return _opening_round(state, leaves, self.fresh_fraction, "fresh")
-        if state.round > 1 or leaves <= 0:
-            return _top_up(state, leaves, 2)
+    def _branch_points(self, state: AllocState,
+                       report: dict[str, Any]) -> list[tuple[int, int | None]]:
         ranked = []
         for task, tree in enumerate(state.trees):
             scores = entropy_branch_scores(tree, self.first_tokens, self.threshold, self.penalty)
-            ranked += [(-s, task, node_id) for node_id, s in scores.items()]
-        picks = [(task, node_id) for _, task, node_id in sorted(ranked)]
-        out, left = _branch_before(state, picks, self.k, leaves, "entropy rise")
-        state.report[self.name] = {"eligible": len(picks), "branches": len(out),
-                                   "fresh_leftover": left}
-        return out + _fresh_spread(state, left, "no high-entropy turn left")
+            ranked += [(-score, task, node_id) for node_id, score in scores.items()]
+        report["candidates"] = len(ranked)
+        return [(task, state.trees[task].turn_parent(node_id)) for _, task, node_id in sorted(ranked)]
 
 
 @dataclass
@@ -751,15 +765,16 @@ class SegmentTree:
 
 
 @dataclass
-class KeyState:
+class KeyState(_OpenThenBranch):
     """Branch at decision states, after Spark (Wu et al. 2026, arXiv:2601.20209:
     branch only at critical states, within a fixed budget). Round 0 spends
     ``fresh_fraction`` of the budget on fresh episodes; round 1 branches ``k``
     ways from the state before each key state (``key_states``), lowest top-1
     probability first, until the budget is spent; the rest goes to fresh
-    episodes. Simplified: Spark finds critical states from an explore signal
-    the agent writes in its reasoning; we use the policy's own low top-1
-    probability instead, which needs ``top_logprobs = 1`` from the backend."""
+    episodes (``_OpenThenBranch``). Simplified: Spark finds critical states
+    from an explore signal the agent writes in its reasoning; we use the
+    policy's own low top-1 probability instead, which needs ``top_logprobs = 1``
+    from the backend."""
 
     k: int = 2
     top1_threshold: float = 0.5
@@ -770,37 +785,33 @@ class KeyState:
     name: ClassVar[str] = "key_state"
     needs_snapshots: ClassVar[bool] = True
     top_logprobs: ClassVar[int] = 1
+    branch_reason: ClassVar[str] = "key state"
+    leftover_reason: ClassVar[str] = "no key state left"
 
     def __post_init__(self) -> None:
         _check(self, k=">= 1", top1_threshold="in (0, 1]", first_tokens=">= 1",
                fresh_fraction="in (0, 1]", est_leaf_cost="None or > 0")
 
-    def plan(self, state: AllocState) -> list[Request]:
-        leaves = affordable_leaves(state, self.est_leaf_cost)
-        if state.round == 0:
-            return _opening_round(state, leaves, self.fresh_fraction, "fresh")
-        if state.round > 1 or leaves <= 0:
-            return _top_up(state, leaves, 2)
+    def _branch_points(self, state: AllocState,
+                       report: dict[str, Any]) -> list[tuple[int, int | None]]:
         ranked = []
         for task, tree in enumerate(state.trees):
-            found = key_states(tree, self.first_tokens, self.top1_threshold)
-            ranked += [(p, task, node_id) for p, node_id in found]
-        picks = [(task, node_id) for _, task, node_id in sorted(ranked)]
-        out, left = _branch_before(state, picks, self.k, leaves, "key state")
-        has_top1 = any(_top1(n) for t in state.trees for n in t.nodes.values())
-        state.report[self.name] = {"key_states": len(picks), "branches": len(out),
-                                   "fresh_leftover": left, "top1_seen": has_top1}
-        return out + _fresh_spread(state, left, "no key state left")
+            ranked += [(p, task, node_id) for p, node_id in
+                       key_states(tree, self.first_tokens, self.top1_threshold)]
+        report["candidates"] = len(ranked)
+        # without top-1 probabilities (a backend that ignored top_logprobs) nothing is a key state
+        report["top1_seen"] = any(n.top1 for t in state.trees for n in t.nodes.values())
+        return [(task, state.trees[task].turn_parent(node_id)) for _, task, node_id in sorted(ranked)]
 
 
 @dataclass
-class Contrastive:
+class Contrastive(_OpenThenBranch):
     """Contrastive branching (CBPO): round 0 spends ``fresh_fraction`` of the
     budget on fresh episodes; round 1 branches ``k`` ways from the points that
     ``contrastive_branch_points`` ranks first, until the budget is spent (the
-    rest to fresh episodes). The last call writes ``prefix_groups`` into every
-    tree's ``meta["prefix_groups"]`` for credit assignment. Deterministic: no
-    sampling, so no seed."""
+    rest to fresh episodes; ``_OpenThenBranch``). The last call writes
+    ``prefix_groups`` into every tree's ``meta["prefix_groups"]`` for credit
+    assignment. Deterministic: no sampling, so no seed."""
 
     k: int = 2
     path_decay: float = 0.5
@@ -811,38 +822,24 @@ class Contrastive:
     name: ClassVar[str] = "contrastive"
     needs_snapshots: ClassVar[bool] = True
     top_logprobs: ClassVar[int] = 0
+    branch_reason: ClassVar[str] = "contrastive"
+    leftover_reason: ClassVar[str] = "no branch point left"
 
     def __post_init__(self) -> None:
         _check(self, k=">= 1", path_decay="in (0, 1]", node_decay="in (0, 1]",
                fresh_fraction="in (0, 1]", est_leaf_cost="None or > 0")
 
     def plan(self, state: AllocState) -> list[Request]:
-        leaves = affordable_leaves(state, self.est_leaf_cost)
-        out: list[Request] = []
-        if state.round == 0:
-            out = _opening_round(state, leaves, self.fresh_fraction, "fresh")
-        elif state.round == 1 and leaves > 0:
-            out, left = self._branch(state, leaves)
-            out += _fresh_spread(state, left, "no branch point left")
-        else:
-            out = _top_up(state, leaves, 2)
+        out = super().plan(state)
         if not out:
             for tree in state.trees:
                 tree.meta["prefix_groups"] = prefix_groups(tree)
         return out
 
-    def _branch(self, state: AllocState, leaves: int) -> tuple[list[Request], int]:
-        out: list[Request] = []
-        points = contrastive_branch_points(state.trees, self.path_decay, self.node_decay)
-        for task, node_id in points:
-            if leaves <= 0:
-                break
-            tree = state.trees[task]
-            req = Branch(task, node_id, min(self.k, leaves), reason="contrastive")
-            leaves -= leaf_cost(tree, req)
-            out.append(req)
-        state.report[self.name] = {"branch_points": [(r.task, r.node) for r in out]}
-        return out, leaves
+    def _branch_points(self, state: AllocState,
+                       report: dict[str, Any]) -> Iterator[tuple[int, int]]:
+        # lazy: each point is ranked after the picks before it, and few are taken
+        return contrastive_branch_points(state.trees, self.path_decay, self.node_decay)
 
 
 # --------------------------------------------------------------------------- registry

@@ -40,7 +40,7 @@ from typing import Any
 from ..chat import ChatContext
 from ..config import Config
 from ..env import make_env
-from ..errors import ContextOverflowError
+from ..errors import ContextOverflowError, RolloutError
 from ..policy.base import GenerateRequest, Policy, SamplingParams, action_text, request_seed
 from ..types import Node, RolloutTree
 from .allocation import Allocator, AllocState, Branch, Budget, Fresh, leaf_cost
@@ -49,22 +49,12 @@ from .tree import BranchPoint, split_node
 __all__ = ["COUNTERS", "Engine", "collect", "jsonable_info", "observation_messages", "opening_messages", "run_episodes"]
 
 _HEAVY_INFO = ("admissible_actions", "tools", "tools_prompt")
+_JSON_SCALARS = (str, int, float, bool, type(None))  # exact types: a subclass may dump differently
 # Per-tree counts, exact: tokens sampled, prompt tokens prefilled or served
 # from the backend's prefix cache, context tokens a branch inherited instead of
 # replaying, env steps played and replayed to rebuild a branch point.
 COUNTERS = ("generated_tokens", "prefilled_tokens", "reused_tokens", "shared_tokens",
             "env_steps", "env_steps_replayed")
-
-
-class EpisodeFailed(Exception):
-    """Ends one episode with a reason; never escapes the engine.
-
-    ``env_broken``: the env raised, so it is not handed to another episode.
-    """
-
-    def __init__(self, reason: str, env_broken: bool = False):
-        super().__init__(reason)
-        self.env_broken = env_broken
 
 
 class _BudgetSpent(Exception):
@@ -151,6 +141,8 @@ def opening_messages(obs: str, info: dict[str, Any], cfg: Config) -> list[dict[s
 def jsonable_info(info: dict[str, Any]) -> dict[str, Any]:
     """Info minus per-step lists, made JSON-safe so trees serialize."""
     kept = {k: v for k, v in info.items() if k not in _HEAVY_INFO}
+    if all(type(k) is str and type(v) in _JSON_SCALARS for k, v in kept.items()):
+        return kept  # what a JSON round trip would give back: skip it (the usual info)
     return json.loads(json.dumps(kept, default=str))
 
 
@@ -256,9 +248,9 @@ class Engine:
             ctx = ChatContext(self.tokenizer, opening_messages(obs, info, self.cfg), max_tokens=limit,
                               check_prefix=self.cfg.rollout.template_check_every or False)
         except ContextOverflowError as e:
-            raise EpisodeFailed(f"opening prompt over budget: {e}") from None
+            raise RolloutError(f"opening prompt over budget: {e}") from None
         if len(ctx) >= limit:
-            raise EpisodeFailed(f"opening prompt leaves no room for an action in {len(ctx)} tokens")
+            raise RolloutError(f"opening prompt leaves no room for an action in {len(ctx)} tokens")
         return ctx
 
     # -- budget --------------------------------------------------------------------
@@ -291,12 +283,12 @@ class Engine:
         try:
             env = await self._acquire()
         except Exception as e:
-            raise EpisodeFailed(f"making the env raised {type(e).__name__}: {e}") from None
+            raise RolloutError(f"making the env raised {type(e).__name__}: {e}") from None
         try:
             obs, info = await self._call(env, "reset", tree.meta["seed"])
         except Exception as e:
             self._release(env, healthy=False)
-            raise EpisodeFailed(f"env.reset raised {type(e).__name__}: {e}") from None
+            raise RolloutError(f"env.reset raised {type(e).__name__}: {e}") from None
         tree.meta.setdefault("instruction", info.get("instruction", ""))
         if info.get("state_key") is not None:  # the opening state, for GiGPO's anchor groups
             tree.meta.setdefault("state_key", info["state_key"])
@@ -304,7 +296,7 @@ class Engine:
             tree.meta.setdefault("privileged", str(info["privileged"]))
         try:
             ctx = self._opening(obs, info)
-        except EpisodeFailed:
+        except RolloutError:
             self._release(env, healthy=True)
             raise
         if "root" not in tree.snapshots and self._snapshots:
@@ -329,7 +321,7 @@ class Engine:
             room = r.max_context_tokens - len(path.ctx) - len(head)
             want = min(s.max_new_tokens - len(head), room)
             if want <= 0:
-                raise EpisodeFailed("context budget: no room to continue the forked action")
+                raise RolloutError("context budget: no room to continue the forked action")
             allowed = self._reserve(want)
             if allowed == 0:
                 self._truncate_last(path, f"budget: {self._budget.total} {self._budget.unit} spent")
@@ -338,13 +330,13 @@ class Engine:
                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=allowed,
                 stop=tuple(s.stop), logprobs=self._top_logprobs,
                 seed=request_seed(r.seed, path.tree.meta["seed"], path.task, path.stream, path.turns))
-            try:
-                res = await self.policy.agenerate(GenerateRequest(list(path.ctx.ids) + head, params))
+            try:  # the prompt is a new list: the context grows in place after the call
+                res = await self.policy.agenerate(GenerateRequest(path.ctx.ids + head, params))
             except BaseException as e:  # a timeout cancels us here: refund, then go on failing
                 self._refund(allowed, 0)
                 if not isinstance(e, Exception):
                     raise
-                raise EpisodeFailed(f"generation failed: {type(e).__name__}: {e}") from None
+                raise RolloutError(f"generation failed: {type(e).__name__}: {e}") from None
             self._refund(allowed, len(res.token_ids))
             c = _counters(path.tree)
             c["generated_tokens"] += len(res.token_ids)
@@ -354,13 +346,13 @@ class Engine:
             try:
                 path.ctx.append_action(ids, head_lps + list(res.logprobs))
             except ContextOverflowError as e:
-                raise EpisodeFailed(f"context budget: {e}") from None
+                raise RolloutError(f"context budget: {e}") from None
             text = action_text(self.tokenizer, ids, s.stop).strip()
             node = Node(context_ids=path.pending, action_ids=list(res.token_ids),
                         logprobs=list(res.logprobs), entropies=list(res.entropies),
                         version=res.version, action_text=text, finish_reason=res.finish_reason)
             if res.top_logprobs:
-                node.info["top1"] = [round(_top1(t), 6) for t in res.top_logprobs]
+                node.top1 = [round(_top1(t), 6) for t in res.top_logprobs]
             if head:  # a segment fork: this node continues a partial one
                 node.context_ids = []
             path.turns += 1
@@ -368,9 +360,9 @@ class Engine:
             if r.record_expert_actions:  # what the expert would do in the state this turn acted in
                 try:
                     which = "oracle_action" if r.record_expert_actions == "oracle" else "expert_action"
-                    node.info["expert_action"] = str(await self._call(path.env, which))
+                    node.expert_action = str(await self._call(path.env, which))
                 except Exception as e:  # no expert, or it failed: the teacher skips this turn
-                    node.info["expert_action_error"] = f"{type(e).__name__}: {e}"
+                    node.expert_action_error = f"{type(e).__name__}: {e}"
             try:
                 obs, reward, terminated, truncated, info = await self._call(path.env, "step", text)
             except Exception as e:
@@ -378,7 +370,7 @@ class Engine:
                 node.truncated = True
                 path.parent = path.tree.add(node, path.parent).id
                 path.added += 1
-                raise EpisodeFailed(node.error, env_broken=True) from None
+                raise RolloutError(node.error, env_broken=True) from None
             c["env_steps"] += 1
             node.observation, node.reward = obs, float(reward)
             node.terminated, node.truncated = bool(terminated), bool(truncated)
@@ -406,12 +398,12 @@ class Engine:
             path.parent = path.tree.add(node, path.parent).id
             path.added += 1
             if node.error:
-                raise EpisodeFailed(node.error)
+                raise RolloutError(node.error)
             if node.done:
                 return
             paused = max_turns is not None and played >= max_turns
             if paused:
-                node.info["open"] = True
+                node.open = True
             if paused or self._snapshots or self.cfg.rollout.keep_snapshots:
                 node.snapshot = f"n{node.id}"
                 path.tree.snapshots[node.snapshot] = BranchPoint(
@@ -434,7 +426,7 @@ class Engine:
         """End the path as truncated: its last own node, or a new empty one."""
         node = self._last_own(path)
         node.truncated = True
-        node.info.pop("open", None)
+        node.open = False
         node.info["truncation_reason"] = reason
 
     def _last_own(self, path: _Path) -> Node:
@@ -451,7 +443,7 @@ class Engine:
             path = _Path(-1, tree, None, None, [], anchor, 0, -1)  # type: ignore[arg-type]
         node = self._last_own(path)
         node.truncated = True
-        node.info.pop("open", None)
+        node.open = False
         node.error = node.error or reason
 
     async def _episode(self, start: Callable[[], Any], tree: RolloutTree, max_turns: int | None,
@@ -476,7 +468,7 @@ class Engine:
             await asyncio.wait_for(go(), self.cfg.rollout.episode_timeout_s)
         except _BudgetSpent:
             return
-        except EpisodeFailed as e:
+        except RolloutError as e:
             healthy = not e.env_broken
             fail(str(e))
         except TimeoutError:
@@ -530,8 +522,8 @@ class Engine:
                                  f"{len(node.action_ids)} action tokens")
             part = split_node(tree, node.id, m)
             parent = part.id
-            point = _turn_start(tree, part)  # the state before the turn: above any earlier forks
-            head = _turn_nodes(tree, part)
+            point = tree.turn_parent(part.id)  # the state before the turn: above any earlier forks
+            head = tree.turn_nodes(part.id)
             prefix = ([t for n in head for t in n.action_ids], [x for n in head for x in n.logprobs],
                       [x for n in head for x in n.entropies])
         jobs = []
@@ -546,25 +538,25 @@ class Engine:
         env from its snapshot or replay the actions, and fork the context."""
         if self._spent_all():
             raise _BudgetSpent
-        tree.nodes[parent].info.pop("open", None)  # continued: no longer a paused leaf
+        tree.nodes[parent].open = False  # continued: no longer a paused leaf
         key = "root" if point_node is None else tree.nodes[point_node].snapshot
         point = tree.snapshots.get(key) if key else None
         try:
             env = await self._acquire()
         except Exception as e:
-            raise EpisodeFailed(f"making the env raised {type(e).__name__}: {e}") from None
+            raise RolloutError(f"making the env raised {type(e).__name__}: {e}") from None
         c = _counters(tree)
         try:
             if point is not None and point.env is not None:
                 await self._call(env, "restore", point.env)
             else:
                 point = await self._replay(env, tree, point_node)
-        except EpisodeFailed as e:
+        except RolloutError as e:
             self._release(env, healthy=False)
-            raise EpisodeFailed(str(e), env_broken=True) from None
+            raise RolloutError(str(e), env_broken=True) from None
         except Exception as e:
             self._release(env, healthy=False)
-            raise EpisodeFailed(f"restore for a branch raised {type(e).__name__}: {e}", env_broken=True) from None
+            raise RolloutError(f"restore for a branch raised {type(e).__name__}: {e}", env_broken=True) from None
         ctx = point.ctx.fork()
         c["shared_tokens"] += len(ctx) + (len(prefix[0]) if prefix else 0)
         path = _Path(task, tree, env, ctx, point.pending, parent, point.turns, stream)  # shared list
@@ -580,13 +572,12 @@ class Engine:
         for node in (tree.path(upto) if upto is not None else []):
             if node.partial:
                 continue
-            ids = _turn_ids(tree, node)
-            ctx.append_action(ids)
+            ctx.append_action([t for n in tree.turn_nodes(node.id) for t in n.action_ids])
             obs, _, _, _, info = await self._call(env, "step", node.action_text)
             _counters(tree)["env_steps_replayed"] += 1
             if obs != node.observation:
-                raise EpisodeFailed(f"replay diverged at node {node.id}: the env is not deterministic "
-                                    "and cannot snapshot, so it cannot be branched")
+                raise RolloutError(f"replay diverged at node {node.id}: the env is not deterministic "
+                                   "and cannot snapshot, so it cannot be branched")
             pending = ctx.append_observation(observation_messages(obs, info, self.cfg))
             turns += 1
         # The replayed context must be the stored one, token for token (the reset text,
@@ -598,8 +589,8 @@ class Engine:
         nxt = [tree.nodes[c].context_ids for c in (path[-1].children if path else []) if tree.nodes[c].context_ids]
         if ctx.ids[:len(stored)] != stored or (first is not None and pending != first) \
                 or (nxt and pending != nxt[0]):
-            raise EpisodeFailed(f"replay diverged from the stored tokens up to node {upto}: the env "
-                                "is not deterministic and cannot snapshot, so it cannot be branched")
+            raise RolloutError(f"replay diverged from the stored tokens up to node {upto}: the env "
+                               "is not deterministic and cannot snapshot, so it cannot be branched")
         return BranchPoint(None, ctx, pending, turns)
 
     # -- the driver ----------------------------------------------------------------
@@ -675,7 +666,8 @@ class Engine:
 def _close_open_leaves(tree: RolloutTree, reason: str) -> None:
     """Leaves still paused when the run ends are truncated, with the reason."""
     for leaf in tree.leaves():
-        if leaf.info.pop("open", None):
+        if leaf.open:
+            leaf.open = False
             leaf.truncated = True
             leaf.info["truncation_reason"] = reason
 
@@ -697,29 +689,6 @@ def _close_quietly(env: Any) -> None:
         env.close()
     except Exception as e:
         warnings.warn(f"env.close raised {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
-
-
-def _turn_nodes(tree: RolloutTree, node: Node) -> list[Node]:
-    """The partial nodes that start ``node``'s turn, top first, then ``node``."""
-    out = [node]
-    while out[0].parent is not None and tree.nodes[out[0].parent].partial:
-        out.insert(0, tree.nodes[out[0].parent])
-    return out
-
-
-def _turn_start(tree: RolloutTree, node: Node) -> int | None:
-    """The node whose state ``node``'s turn starts from (None: the reset)."""
-    return _turn_nodes(tree, node)[0].parent
-
-
-def _turn_ids(tree: RolloutTree, node: Node) -> list[int]:
-    """All action tokens of a turn: those of the partial nodes above it, then its own."""
-    ids = list(node.action_ids)
-    cur = node.parent
-    while cur is not None and tree.nodes[cur].partial:
-        ids = tree.nodes[cur].action_ids + ids
-        cur = tree.nodes[cur].parent
-    return ids
 
 
 def _top1(alternatives: list[tuple[int, float]]) -> float:

@@ -12,22 +12,15 @@ from typing import Any
 from ..types import Episode, Node, RolloutTree, write_trees
 from .engine import COUNTERS
 
-__all__ = ["episode_success", "leaf_success", "summarize", "write_run"]
-
-
-def leaf_success(node: Node) -> bool:
-    """``info["success"]`` of an episode's last turn if the env sets it, else terminated with reward > 0."""
-    if "success" in node.info:
-        return bool(node.info["success"])
-    return node.terminated and node.reward > 0
+__all__ = ["episode_success", "summarize", "write_run"]
 
 
 def episode_success(tree_or_episode: RolloutTree | Episode) -> bool:
     """Success of an ``Episode``, or of a tree's last leaf (a linear tree's one episode)."""
     if isinstance(tree_or_episode, Episode):
-        return bool(tree_or_episode.nodes) and leaf_success(tree_or_episode.nodes[-1])
+        return tree_or_episode.success
     leaves = tree_or_episode.leaves()
-    return bool(leaves) and leaf_success(leaves[-1])
+    return bool(leaves) and leaves[-1].success
 
 
 def _reason(error: str) -> str:
@@ -51,7 +44,7 @@ def summarize(trees: list[RolloutTree], wall_s: float) -> dict[str, Any]:
     return {
         "tasks": len(trees),
         "episodes": len(episodes),
-        "success_rate": sum(episode_success(ep) for ep in ok) / max(len(ok), 1),
+        "success_rate": sum(ep.success for ep in ok) / max(len(ok), 1),
         "mean_reward": sum(ep.total_reward for ep in ok) / max(len(ok), 1),
         "mean_turns": sum(ep.num_turns for ep in episodes) / max(len(episodes), 1),
         "action_tokens": action_tokens,

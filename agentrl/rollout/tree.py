@@ -46,7 +46,7 @@ def split_node(tree: RolloutTree, node_id: int, at: int) -> Node:
         raise ValueError(f"cannot split node {node_id} ({len(node.action_ids)} action tokens) at {at}")
     part = Node(context_ids=node.context_ids, action_ids=node.action_ids[:at],
                 logprobs=node.logprobs[:at], entropies=node.entropies[:at],
-                version=node.version, partial=True, info={"segment_fork": at})
+                version=node.version, partial=True)
     part.id, part.parent = len(tree.nodes), node.parent
     tree.nodes[part.id] = part
     siblings = tree.roots if node.parent is None else tree.nodes[node.parent].children
@@ -56,8 +56,7 @@ def split_node(tree: RolloutTree, node_id: int, at: int) -> Node:
     node.context_ids = []
     node.action_ids, node.logprobs = node.action_ids[at:], node.logprobs[at:]
     node.entropies = node.entropies[at:]
-    if "top1" in node.info:
-        part.info["top1"], node.info["top1"] = node.info["top1"][:at], node.info["top1"][at:]
+    part.top1, node.top1 = node.top1[:at], node.top1[at:]
     return part
 
 
@@ -84,7 +83,7 @@ def format_tree(tree: RolloutTree, width: int = 60) -> str:
         elif n.truncated:
             marks.append("truncated" + (f" ({n.info['truncation_reason']})"
                                         if "truncation_reason" in n.info else ""))
-        if n.info.get("open"):
+        if n.open:
             marks.append("open")
         if n.error:
             marks.append(f"ERROR {_short(n.error, width)}")

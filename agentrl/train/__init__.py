@@ -1,12 +1,36 @@
-"""Training math: per-token logprobs of the policy, the policy losses, and on-policy distillation signals.
+"""Training: from rollout trees to updated weights.
 
-``logprobs`` runs the model (rows, packed rows, prefix trees); ``loss`` turns
-logprobs and advantages into a scalar; ``distill`` turns teacher scores into
-per-token advantages and weights. All plain synchronous torch.
+The math, plain synchronous torch and pure functions:
+
+- ``logprobs``: runs the model on rows, packed rows and prefix trees;
+- ``loss``: PPO-clip, TIS, M2PO, KL and entropy, from logprobs and advantages;
+- ``distill``: on-policy distillation, its signals (``distill.signals``) and
+  their wiring into a batch (``distill.loop``).
+
+The glue:
+
+- ``batch``: samples, their rows, scoring passes and the minibatch step;
+- ``tree_pack``: the same passes with each tree's shared tokens once;
+- ``trainer``: the loop (rollout, credit, scoring, update, sync, eval, checkpoint);
+- ``sft``: behaviour cloning of an env's expert, with RL's token layout;
+- ``config``, ``checkpoint``, ``metrics``, ``value`` (a value head for GAE), ``cli``.
 """
 
+from .batch import (
+    DistillFields,
+    Sample,
+    SampleScores,
+    samples_from_credit,
+    score_samples,
+    train_on_samples,
+)
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import SFTConfig, TrainConfig, TrainRunConfig, load_train_config
 from .distill import (
+    DistillConfig,
+    Distiller,
     OverlapStop,
+    add_distill_advantages,
     combine_rl_and_distill,
     expert_one_hot_teacher,
     forward_kl,
@@ -47,25 +71,45 @@ from .loss import (
     staleness_mask,
     tis_weights,
 )
+from .sft import expert_tree, expert_trees
+from .trainer import RolloutSource, Trainer, evaluate, train
+from .tree_pack import score_samples_tree, tree_minibatch
 
 __all__ = [
     "AGGREGATIONS",
+    "DistillConfig",
+    "DistillFields",
+    "Distiller",
     "OverlapStop",
     "PackedRow",
     "PolicyLossConfig",
     "PrefixTree",
+    "RolloutSource",
+    "SFTConfig",
+    "Sample",
+    "SampleScores",
+    "TrainConfig",
+    "TrainRunConfig",
+    "Trainer",
+    "add_distill_advantages",
     "aggregate",
     "block_causal_mask",
     "collate_packed",
     "combine_rl_and_distill",
     "entropy_bonus",
+    "evaluate",
     "expert_one_hot_teacher",
+    "expert_tree",
+    "expert_trees",
     "forward_kl",
     "informative_token_mask",
     "jsd",
     "kl_penalty",
     "kl_per_token",
+    "latest_checkpoint",
     "linear_schedule",
+    "load_checkpoint",
+    "load_train_config",
     "local_support_matching",
     "m2po_mask",
     "mismatch_stats",
@@ -76,44 +120,20 @@ __all__ = [
     "ppo_clip_token_loss",
     "prefix_tree",
     "reverse_kl_advantage",
+    "samples_from_credit",
+    "save_checkpoint",
+    "score_samples",
+    "score_samples_tree",
     "spread_turn_values",
     "staleness_mask",
     "step_divergence_weights",
     "tis_weights",
     "token_logprobs",
     "topk_reverse_kl",
+    "train",
+    "train_on_samples",
     "tree_attention_mask",
+    "tree_minibatch",
     "tree_token_savings",
     "turn_balance_weights",
-]
-
-# The loop, its config and checkpoints (trainer.py, config.py, checkpoint.py, sft.py).
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from .config import SFTConfig, TrainConfig, TrainRunConfig, load_train_config  # noqa: E402
-from .harness import HarnessRollouts, merge_sessions  # noqa: E402
-from .opd import DistillConfig, Distiller, add_distill_advantages  # noqa: E402
-from .sft import expert_tree, expert_trees  # noqa: E402
-from .trainer import Trainer, evaluate, train  # noqa: E402
-from .tree_pack import score_samples_tree, tree_minibatch  # noqa: E402
-
-__all__ += [
-    "DistillConfig",
-    "Distiller",
-    "HarnessRollouts",
-    "SFTConfig",
-    "TrainConfig",
-    "TrainRunConfig",
-    "Trainer",
-    "evaluate",
-    "expert_tree",
-    "expert_trees",
-    "latest_checkpoint",
-    "load_checkpoint",
-    "load_train_config",
-    "add_distill_advantages",
-    "merge_sessions",
-    "save_checkpoint",
-    "score_samples_tree",
-    "train",
-    "tree_minibatch",
 ]

@@ -4,8 +4,11 @@
     agentrl train --harness "python examples/harness/react_agent.py" --env agentrl/GuessNumber-v0
     agentrl sft   --config examples/train_alfworld_easy.yaml [--set sft.episodes=64]
 
-``register(app)`` adds both commands to the main ``agentrl`` app; this module's
-own ``app`` runs them standalone (``python -m agentrl.train.cli train ...``).
+``register(app, harness_rollouts=...)`` adds both commands to the main
+``agentrl`` app, which hands in the harness rollout source
+(``agentrl.proxy.harness_rollouts``): training does not import the proxy.
+This module's own ``app`` runs them standalone (``python -m agentrl.train.cli
+train ...``), without ``--harness``.
 Heavy imports (torch, transformers) happen inside the commands.
 """
 
@@ -21,7 +24,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..errors import AgentRLError
+from ..errors import AgentRLError, ConfigError
 
 __all__ = ["app", "register", "sft", "train"]
 
@@ -121,7 +124,7 @@ def train(
 
     With an ``sft`` section (``sft.episodes > 0``) an SFT warm start runs first.
     With ``--harness`` an unmodified agent program plays the episodes through
-    the OpenAI-compatible proxy (see ``agentrl.train.harness``).
+    the OpenAI-compatible proxy (see ``agentrl.proxy.rollouts``).
     Prints the held-out success rate at the start, after SFT and at the end.
     """
     from .trainer import train as run_train
@@ -133,7 +136,13 @@ def train(
     t0 = time.perf_counter()
     try:
         cfg = _load(config, set_, extra)
-        summary = run_train(cfg, resume=resume, overwrite=overwrite, progress=progress, console=console)
+        rollouts = None
+        if cfg.train.harness is not None:
+            if _HARNESS_ROLLOUTS is None:
+                raise ConfigError("train.harness needs the proxy: run it as `agentrl train --harness ...`")
+            rollouts = _HARNESS_ROLLOUTS
+        summary = run_train(cfg, resume=resume, overwrite=overwrite, progress=progress, console=console,
+                            rollouts=rollouts)
     except AgentRLError as e:
         console.print(f"[bold red]error:[/] {e}", highlight=False)
         raise typer.Exit(code=2) from None
@@ -172,8 +181,14 @@ def sft(
     _report(summary, time.perf_counter() - t0)
 
 
-def register(main_app: typer.Typer) -> None:
-    """Add ``train`` and ``sft`` to the main ``agentrl`` command."""
+_HARNESS_ROLLOUTS: Any = None  # set by ``register``: the proxy's harness rollout source
+
+
+def register(main_app: typer.Typer, harness_rollouts: Any = None) -> None:
+    """Add ``train`` and ``sft`` to the main ``agentrl`` command; ``harness_rollouts(policy, cfg)``
+    makes the rollout source of ``train.harness`` (``agentrl.proxy.harness_rollouts``)."""
+    global _HARNESS_ROLLOUTS
+    _HARNESS_ROLLOUTS = harness_rollouts
     main_app.command("train")(train)
     main_app.command("sft")(sft)
 

@@ -17,8 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..config import Config, load_config
+from .distill.loop import DistillConfig
 from .loss import PolicyLossConfig
-from .opd import DistillConfig
 from .value import ValueHeadConfig
 
 __all__ = ["LoraConfig", "SFTConfig", "TrainConfig", "TrainRunConfig", "load_train_config"]
@@ -71,7 +71,7 @@ class TrainConfig(_Strict):
                                "(agentrl.train.tree_pack): tokens shared by a tree's episodes go "
                                "through the model once. Needs loss.agg=token-mean, no KL or entropy term.")
     distill: DistillConfig | None = Field(None, description="Step-wise on-policy distillation "
-                                          "(agentrl.train.opd): a teacher's per-token advantages "
+                                          "(agentrl.train.distill): a teacher's per-token advantages "
                                           "added to the RL ones; null: off.")
     # -- optimizer ---------------------------------------------------------------------
     lr: float = Field(1e-5, ge=0.0, description="AdamW learning rate.")
@@ -94,7 +94,7 @@ class TrainConfig(_Strict):
     # -- harness -------------------------------------------------------------------------
     harness: str | None = Field(None, description="Train an agent program instead of the native "
                                 "engine: the command that plays one episode through the proxy "
-                                "and the env server (agentrl.train.harness); null: native rollouts.")
+                                "and the env server (agentrl.proxy.rollouts); null: native rollouts.")
     harness_env: dict[str, str | int | float | bool] = Field(
         default_factory=dict, description="Extra environment variables for the harness command.")
     # -- eval, checkpoints, logs ------------------------------------------------------------
@@ -129,6 +129,22 @@ class TrainConfig(_Strict):
         if self.credit == "none" and self.distill is None:
             raise ValueError("credit: 'none' leaves nothing to learn from; set distill, or a "
                              "credit method")
+        if self.tree_packing:  # a shared token carries its episodes' advantages summed (tree_pack.py)
+            if self.loss.agg != "token-mean":
+                raise ValueError(f"tree_packing needs loss.agg='token-mean', got {self.loss.agg!r}: "
+                                 "a shared token cannot be split between per-episode means")
+            if self.loss.kl_coef > 0 or self.loss.entropy_coef > 0:
+                raise ValueError("tree_packing needs loss.kl_coef=0 and loss.entropy_coef=0: those "
+                                 "terms would count each shared token once instead of once per episode")
+            d = self.distill
+            if d is not None and (d.signal != "reverse_kl" or d.overlap_threshold is not None):
+                raise ValueError("tree_packing does not carry top-k distributions yet: use "
+                                 "distill.signal='reverse_kl' without overlap_threshold, or tree_packing=false")
+        if self.harness is not None and self.distill is not None and (
+                self.distill.privileged or self.distill.teacher in ("expert", "oracle")):
+            raise ValueError("harness runs episodes through the env server, which keeps the privileged "
+                             "text and expert actions from agents: distill.privileged and "
+                             "distill.teacher='expert' or 'oracle' need the native engine (no harness)")
         return self
 
 
@@ -152,10 +168,22 @@ class SFTConfig(_Strict):
 
 
 class TrainRunConfig(Config):
-    """A run config with a ``train`` and an ``sft`` section."""
+    """A run config with a ``train`` and an ``sft`` section.
+
+    Every check the config alone decides is a validator, so a bad config fails
+    when it loads, before any model does, and names its key.
+    """
 
     train: TrainConfig = Field(default_factory=TrainConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+
+    @model_validator(mode="after")
+    def _check_sections(self) -> TrainRunConfig:
+        if self.train.micro_batch_tokens < self.rollout.max_context_tokens:
+            raise ValueError(f"train.micro_batch_tokens={self.train.micro_batch_tokens} is below "
+                             f"rollout.max_context_tokens={self.rollout.max_context_tokens}: an episode "
+                             "must fit one forward pass")
+        return self
 
 
 def load_train_config(path: str | Path | None = None,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,7 +32,20 @@ from ..errors import ConfigError, ContextOverflowError
 from ..policy.base import request_seed
 from ..rollout.engine import jsonable_info, observation_messages, opening_messages
 from ..types import Node, RolloutTree
+from .batch import (
+    Sample,
+    make_optimizer,
+    make_scheduler,
+    samples_from_credit,
+    score_old,
+    sync_policy,
+    train_on_samples,
+)
 from .loss import aggregate
+
+if TYPE_CHECKING:  # the trainer imports this module when it runs SFT
+    from .batch import Row
+    from .trainer import Trainer
 
 __all__ = ["expert_tree", "expert_trees", "sft_loss", "sft_phase", "sft_seeds"]
 
@@ -102,7 +115,7 @@ def expert_tree(env_id: str, tokenizer: Any, cfg: Config, seed: int,
                 node.info["truncation_reason"] = f"context budget: {e}"
                 break
         last = tree.nodes[parent] if parent is not None else None
-        tree.meta["expert_success"] = bool(last and last.terminated and last.reward > 0)
+        tree.meta["expert_success"] = bool(last and last.success)
         return tree
     finally:
         env.close()
@@ -121,25 +134,17 @@ def expert_trees(env_id: str, tokenizer: Any, cfg: Any, seeds: list[int],
     return [t for t in trees if t.meta["expert_success"] or not only_successful]
 
 
-def sft_loss(logprobs: torch.Tensor, entropies: torch.Tensor, row: Any) -> tuple[torch.Tensor, dict]:
+def sft_loss(logprobs: torch.Tensor, entropies: torch.Tensor, row: Row) -> tuple[torch.Tensor, dict]:
     """Negative log-likelihood of the action tokens, token-mean."""
     nll = aggregate(-logprobs, row.mask, "token-mean")
     return nll, {"sft/nll": float(nll.detach())}
 
 
-def sft_phase(trainer: Any) -> dict[str, Any]:
+def sft_phase(trainer: Trainer) -> dict[str, Any]:
     """SFT of ``trainer``'s model on the expert trees of ``cfg.sft``, with its own AdamW.
 
     Returns stats (``sft/*``, ``time/sft_s``); the policy gets the new weights.
     """
-    from .trainer import (
-        make_optimizer,
-        make_scheduler,
-        samples_from_credit,
-        sync_policy,
-        train_on_samples,
-    )
-
     cfg, s = trainer.cfg, trainer.cfg.sft
     t0 = time.perf_counter()
     seeds = sft_seeds(cfg)
@@ -173,15 +178,13 @@ def sft_phase(trainer: Any) -> dict[str, Any]:
             "time/sft_build_s": build_s, "time/sft_s": wall}
 
 
-def _mean_nll(trainer: Any, samples: list) -> float:
+def _mean_nll(trainer: Trainer, samples: list[Sample]) -> float:
     """Token-mean NLL of the expert's action tokens under the current weights."""
-    from .trainer import score_samples
-
-    score_samples(trainer.net, samples, "old", trainer.cfg.train.micro_batch_tokens, trainer.pad_id, 1.0)
+    score_old(trainer.net, samples, trainer.cfg.train.micro_batch_tokens, trainer.pad_id, 1.0)
     lps = [lp for s in samples for lp, m in zip(s.old, s.mask, strict=True) if m]
     return -sum(lps) / max(len(lps), 1)
 
 
-def _bar(trainer: Any, total: int) -> Any:
+def _bar(trainer: Trainer, total: int) -> Any:
     bars = getattr(trainer, "bars", None)
     return bars.start("sft", total) if bars is not None else None

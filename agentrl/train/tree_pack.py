@@ -32,7 +32,7 @@ episode packing's exactly (up to float rounding). They differ only where a
 segment fork's members have advantages of opposite signs *and* the ratio is
 outside the clip range (the copies would be clipped differently).
 
-Limits (checked by ``check_tree_packing``): ``loss.agg`` must be
+Limits (checked when the config loads, ``TrainConfig``): ``loss.agg`` must be
 ``token-mean`` (the sequence means need per-episode sums, which a shared token
 does not split into), and the KL and entropy terms must be off (they have no
 advantage to carry the multiplicity; ``policy_loss`` would count each distinct
@@ -43,34 +43,22 @@ it fits ``micro_batch_tokens``). The 4D mask is dense, ``N^2`` booleans a row.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ..errors import ConfigError
+from .batch import LossFn, Sample, SampleScores, autocast, row_fields
 from .logprobs import PrefixTree, prefix_tree, token_logprobs, tree_attention_mask
 from .metrics import merge_stat
 
 __all__ = [
     "TreeRow",
-    "check_tree_packing",
     "score_samples_tree",
     "tree_groups",
     "tree_minibatch",
     "tree_row",
 ]
-
-
-def check_tree_packing(loss_cfg: Any) -> None:
-    """Refuse loss options that tree packing cannot weight like episode packing."""
-    if loss_cfg.agg != "token-mean":
-        raise ConfigError(f"train.tree_packing needs train.loss.agg='token-mean', got {loss_cfg.agg!r}: "
-                          "a shared token cannot be split between per-episode means")
-    if loss_cfg.kl_coef > 0 or loss_cfg.entropy_coef > 0:
-        raise ConfigError("train.tree_packing needs train.loss.kl_coef=0 and entropy_coef=0: those "
-                          "terms would count each shared token once instead of once per episode")
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -126,10 +114,11 @@ class TreeRow:
     trie: PrefixTree
 
 
-def _node_values(samples: list[Any], members: list[int], trie: PrefixTree, field: str,
+def _node_values(samples: list[Sample], members: list[int], trie: PrefixTree, field: str,
                  counts: torch.Tensor) -> torch.Tensor:
     """Per-node ``field`` over the members that sampled the node (see the module docstring)."""
     n = len(trie.input_ids)
+    get = row_fields(field)[0]
     if field == "versions":
         out = torch.full((n,), torch.iinfo(torch.long).max, dtype=torch.long)
         for i, nodes in zip(members, trie.index, strict=True):
@@ -141,13 +130,13 @@ def _node_values(samples: list[Any], members: list[int], trie: PrefixTree, field
     total = torch.zeros(n)
     for i, nodes in zip(members, trie.index, strict=True):
         s = samples[i]
-        total.index_add_(0, torch.tensor(nodes), torch.tensor(getattr(s, field)) * torch.tensor(s.mask))
+        total.index_add_(0, torch.tensor(nodes), torch.tensor(get(s)) * torch.tensor(s.mask))
     if field == "advantages":
         return total  # the sum: PPO-clip is homogeneous in A
     return total / counts.clamp(min=1)
 
 
-def tree_row(samples: list[Any], members: list[int], device: torch.device,
+def tree_row(samples: list[Sample], members: list[int], device: torch.device,
              fields: tuple[str, ...]) -> TreeRow:
     """The prefix tree of ``samples[members]`` with per-node mask counts and ``fields`` mapped on."""
     trie = prefix_tree([samples[i].input_ids for i in members])
@@ -165,19 +154,22 @@ def tree_row(samples: list[Any], members: list[int], device: torch.device,
 
 def _forward(net: torch.nn.Module, row: TreeRow, temperature: float
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if row.input_ids.device.type == "cuda"
-                else torch.autocast("cpu", enabled=False))
-    with autocast:
+    with autocast(row.input_ids.device):
         return token_logprobs(net, row.input_ids, row.attn, row.mask, temperature,
                               position_ids=row.position_ids, parents=row.parents)
 
 
 @torch.no_grad()
-def score_samples_tree(net: torch.nn.Module, samples: list[Any], attr: str, max_tokens: int,
-                       pad_id: int, temperature: float) -> int:
-    """``score_samples`` in tree rows: fills ``sample.<attr>`` (0 off the sample's action tokens); tokens run."""
+def score_samples_tree(net: torch.nn.Module, samples: list[Sample], max_tokens: int, pad_id: int,
+                       temperature: float, *, top_k: int = 0,
+                       candidates: str | None = None) -> tuple[list[SampleScores], int]:
+    """``score_samples`` in tree rows: each sample's logprobs and entropies (0 off its action
+    tokens), and the tokens run. No top-k or candidates (the config refuses them)."""
     del pad_id  # a tree row has no padding
+    if top_k or candidates:
+        raise ConfigError("train.tree_packing does not carry top-k distributions")
     dev = next(net.parameters()).device
+    out: list[SampleScores | None] = [None] * len(samples)
     tokens = 0
     for group in tree_groups([s.input_ids for s in samples], max_tokens):
         row = tree_row(samples, group, dev, ())
@@ -185,20 +177,16 @@ def score_samples_tree(net: torch.nn.Module, samples: list[Any], attr: str, max_
         flat, flat_ent = lp[0].detach().float().cpu(), ent[0].detach().float().cpu()
         for i, nodes in zip(row.members, row.trie.index, strict=True):
             mask = torch.tensor(samples[i].mask, dtype=torch.float32)
-            setattr(samples[i], attr, (flat[torch.tensor(nodes)] * mask).tolist())
-            if attr == "old":  # the student's own pass: its entropies come free (TIP reads them)
-                samples[i].old_entropy = (flat_ent[torch.tensor(nodes)] * mask).tolist()
+            at = torch.tensor(nodes)
+            out[i] = SampleScores((flat[at] * mask).tolist(), (flat_ent[at] * mask).tolist())
         tokens += row.input_ids.shape[1]
-    return tokens
+    return out, tokens  # type: ignore[return-value]
 
 
-LossFn = Callable[[torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, dict[str, float]]]
-
-
-def tree_minibatch(net: torch.nn.Module, samples: list[Any], idx: list[int], loss_fn: LossFn,
+def tree_minibatch(net: torch.nn.Module, samples: list[Sample], idx: list[int], loss_fn: LossFn,
                    fields: tuple[str, ...], per_token: bool, max_tokens: int, pad_id: int,
                    temperature: float) -> tuple[dict[str, float], int]:
-    """The trainer's ``_minibatch`` in tree rows: accumulate one minibatch's gradient; weighted stats, tokens run."""
+    """``batch.minibatch_step`` in tree rows: accumulate one minibatch's gradient; weighted stats, tokens run."""
     if not per_token:
         raise ConfigError("train.tree_packing needs train.loss.agg='token-mean'")
     del pad_id

@@ -57,6 +57,18 @@ def test_assign_grpo_gives_each_episode_its_group_advantage(star):
         assert tokens == pytest.approx([0, 0, 0, sign * a, sign * a, 0, sign * a, sign * a], rel=1e-5)
 
 
+def test_assign_success_outcome_takes_the_envs_word_over_the_reward(make_tree):
+    tree = make_tree([(None, 0.0, {}),
+                      (0, 1.0, {"terminated": True}),  # success: rewarded on termination
+                      (0, 1.0, {"terminated": True, "info": {"success": False}}),  # the env says no
+                      (0, 0.0, {"terminated": True}),
+                      (0, 0.0, {"terminated": True, "info": {"success": True}})])  # the env says yes
+    items = assign([tree], "grpo", outcome="success")
+    signs = [1 if tokens[-1] > 0 else -1 for _, tokens in items]  # outcomes 1, 0, 0, 1
+    assert signs == [1, -1, -1, 1]
+    assert [credit.episode_outcome(e, "success") for e, _ in items] == [1.0, 0.0, 0.0, 1.0]
+
+
 def test_failed_episodes_are_excluded_or_zeroed_and_reported(star, caplog):
     tree = star([1, 0, 0, 1, 1], errors={4: "sandbox died"})
     report = assign_report([tree], "grpo", failed="exclude")

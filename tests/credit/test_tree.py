@@ -111,8 +111,20 @@ def test_leaf_outcomes_and_exclusion(make_tree):
     v = node_values(tree, exclude={3})
     assert v[0] == pytest.approx(0.5) and 3 not in v
     assert 3 not in tree_advantages(tree, exclude={3})
-    with pytest.raises(ValueError, match="leaf_reward"):
+    with pytest.raises(ValueError, match="outcome must be"):
         leaf_outcome(tree, leaves[1], "bogus")
+
+
+def test_tree_methods_take_the_outcome_by_the_name_assign_uses(make_tree):
+    tree = make_tree([
+        (None, 0.0, {}),
+        (0, 0.5, {"terminated": True, "info": {"success": False}}),  # rewarded, but the env says no
+        (0, 0.0, {"terminated": True, "info": {"success": True}}),
+    ])
+    # success: V(1) = 0, V(2) = 1, V(0) = V(super-root) = 0.5; A(n) = 2 (V(n) - 0.5) with no norm
+    adv = tree_advantages(tree, outcome="success", leaf_norm="none")
+    assert adv == pytest.approx({0: 0.0, 1: -1.0, 2: 1.0})
+    assert node_values(tree, outcome="return") == pytest.approx({0: 0.25, 1: 0.5, 2: 0.0, SUPER_ROOT: 0.25})
 
 
 def test_empty_tree_and_bad_options(make_tree):

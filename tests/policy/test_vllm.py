@@ -389,9 +389,9 @@ def test_score_gives_each_prompt_token_its_logprob_as_the_trainer_does(policy, h
 
 
 def test_a_vllm_teacher_scores_the_students_action_tokens(policy, hf_model, tokenizer, prompts):
+    from agentrl.train.batch import Sample
+    from agentrl.train.distill import DistillConfig, Distiller
     from agentrl.train.logprobs import token_logprobs
-    from agentrl.train.opd import DistillConfig, Distiller
-    from agentrl.train.trainer import Sample
 
     ids = prompts[2]
     mask = [0] * (len(ids) - 4) + [1] * 4
@@ -402,6 +402,6 @@ def test_a_vllm_teacher_scores_the_students_action_tokens(policy, hf_model, toke
     stats = distiller.apply([sample], 0, score=None)
     with torch.no_grad():
         want = token_logprobs(hf_model, torch.tensor([ids]))[0][0] * torch.tensor(mask)
-    assert torch.allclose(torch.tensor(sample.teacher), want, atol=ATOL)
+    assert torch.allclose(torch.tensor(sample.distill.teacher), want, atol=ATOL)
     assert torch.allclose(torch.tensor(sample.advantages), (want + 3.0) * torch.tensor(mask), atol=ATOL)
     assert stats["distill/teacher_tokens"] == len(ids)

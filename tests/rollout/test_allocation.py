@@ -57,8 +57,7 @@ class FakeEngine:
         played = 0
         while True:
             last = turn == self.lengths[task] - 1
-            node = Node(action_ids=[7, 8, 9], entropies=self.entropy(turn),
-                        info={"top1": self.top1(turn)})
+            node = Node(action_ids=[7, 8, 9], entropies=self.entropy(turn), top1=self.top1(turn))
             if last:
                 node.terminated = True
                 node.reward = float(self.succeed(task, self.finished[task]))
@@ -70,7 +69,7 @@ class FakeEngine:
             if last:
                 return
             if max_turns is not None and played >= max_turns:
-                node.info["open"] = True
+                node.open = True
                 return
 
     def apply(self, state: AllocState, req) -> None:
@@ -81,7 +80,7 @@ class FakeEngine:
             return
         node = tree.nodes[req.node]
         assert not node.done, "branched from a finished episode"
-        node.info.pop("open", None)
+        node.open = False
         for _ in range(req.k):
             self.episode(tree, req.task, req.node, req.max_turns)
 
@@ -255,7 +254,8 @@ def test_entropy_branch_branches_before_the_highest_scores_then_fresh():
     reqs = alloc.plan(state)
     assert sum(leaf_cost(tree, r) for r in reqs) == 8
     assert reqs[-1] == Fresh(0, 2, reason="no high-entropy turn left")
-    assert state.report["entropy_branch"]["fresh_leftover"] == 2
+    assert state.report["entropy_branch"] == {"candidates": 3, "branches": 3, "fresh_leftover": 2,
+                                              "branch_points": [(0, a[0]), (0, b[0]), (0, a[1])]}
 
 
 def test_entropy_branch_opening_round_takes_fresh_fraction():
@@ -323,9 +323,9 @@ def test_segment_tree_moves_unspent_budget_to_other_tasks_open_leaves():
 
 def test_key_state_branches_before_the_lowest_top1_turn():
     tree = RolloutTree()
-    a = linear(tree, [{"info": {"top1": [0.9, 0.9]}}, {"info": {"top1": [0.3, 0.5, 0.1, 0.1, 0.0]}},
-                      {"info": {"top1": [0.45]}, "terminated": True}])
-    b = linear(tree, [{"info": {"top1": [0.2, 0.4]}}, {"info": {"top1": [0.9]}, "terminated": True}])
+    a = linear(tree, [{"top1": [0.9, 0.9]}, {"top1": [0.3, 0.5, 0.1, 0.1, 0.0]},
+                      {"top1": [0.45], "terminated": True}])
+    b = linear(tree, [{"top1": [0.2, 0.4]}, {"top1": [0.9], "terminated": True}])
     assert key_states(tree, first_tokens=4, top1_threshold=0.5) == [
         pytest.approx((0.25, a[1])), pytest.approx((0.3, b[0])), pytest.approx((0.45, a[2]))]
     state = AllocState([tree], Budget(7), spent=2, round=1)
@@ -333,6 +333,9 @@ def test_key_state_branches_before_the_lowest_top1_turn():
     # a1 -> from a0; b0 is a first turn -> fresh episodes; a2 -> from a1 (1 leaf left)
     assert reqs == [Branch(0, a[0], 2, reason="key state"), Fresh(0, 2, reason="key state"),
                     Branch(0, a[1], 1, reason="key state")]
+    assert state.report["key_state"] == {"candidates": 3, "top1_seen": True, "branches": 3,
+                                         "fresh_leftover": 0,
+                                         "branch_points": [(0, a[0]), (0, None), (0, a[1])]}
     assert KeyState.top_logprobs == 1 and KeyState.needs_snapshots
 
 

@@ -8,6 +8,7 @@ import itertools
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from agentrl.rollout import (
 )
 from agentrl.rollout.allocation import Independent
 from agentrl.types import RolloutTree
-from tests.fakes import RELEASE, NoSnapshotEnv  # registers TestMixed-v0 and TestNoSnapshot-v0
+from tests.fakes import RELEASE, NoSnapshotEnv  # registers the Test*-v0 envs
 
 
 class Recording:
@@ -429,7 +430,7 @@ def test_turn_budget_starts_no_empty_episodes_and_closes_open_leaves(tokenizer):
 
     (tree,) = collect("agentrl/GuessNumber-v0", policy, cfg, [0], Paused(1), Budget(3))
     for leaf in tree.leaves():
-        assert leaf.truncated and not leaf.info.get("open")
+        assert leaf.truncated and not leaf.open
         assert leaf.info["truncation_reason"] == "paused, and not continued by the allocator"
 
 
@@ -542,3 +543,52 @@ def test_a_groups_shared_opening_prompt_is_prefilled_once_and_counted_so(tokeniz
     assert c["prefilled_tokens"] + c["reused_tokens"] == 4 * prompt
     assert c["prefilled_tokens"] == prompt + 3  # one row ran the prompt; three ran their last token
     assert plain.meta["counters"]["prefilled_tokens"] == 4 * prompt
+
+
+def test_an_envs_info_cannot_overwrite_what_the_engine_records_about_a_turn(tokenizer):
+    class WithTop1(MockPolicy):  # as a backend asked for top-1 logprobs answers
+        async def agenerate(self, request):
+            out = await super().agenerate(request)
+            out.top_logprobs = [[(t, -0.5)] for t in out.token_ids]
+            return out
+
+    class Once:
+        name, needs_snapshots, top_logprobs = "once", False, 1
+
+        def plan(self, state):
+            return [Fresh(0, 1)] if state.round == 0 else []
+
+    cfg = load_config(overrides=["rollout.system_prompt=null", "rollout.record_expert_actions=true"])
+    (tree,) = collect("agentrl/TestClashingInfo-v0", WithTop1(tokenizer, ["hi"]), cfg, [0], Once(), Budget(1))
+    (ep,) = list(tree.episodes())
+    assert [n.expert_action for n in ep.nodes] == ["expert move 0", "expert move 1"]
+    assert all(n.top1 == [0.606531] * len(n.action_ids) for n in ep.nodes)  # exp(-0.5), rounded
+    assert not any(n.open for n in ep.nodes)  # the env's "open" is not a paused leaf:
+    assert ep.nodes[-1].terminated and not ep.nodes[-1].truncated  # nor closed as one at the end
+    assert "truncation_reason" not in ep.nodes[-1].info
+    assert all(n.info == {"top1": "the env's", "expert_action": "the env's", "open": True} for n in ep.nodes)
+
+
+def test_a_rollout_error_ends_only_its_episode_with_its_reason(tokenizer, monkeypatch):
+    from agentrl.errors import RolloutError
+
+    def refuse(self, obs, info):
+        raise RolloutError("opening refused on purpose")
+
+    monkeypatch.setattr(Engine, "_opening", refuse)
+    cfg = load_config(overrides=["rollout.system_prompt=null"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an uncaught error would be reported as an engine bug
+        trees = collect("agentrl/GuessNumber-v0", MockPolicy(tokenizer, ["1"]), cfg, [0, 1])
+    assert [ep.error for t in trees for ep in t.episodes()] == ["opening refused on purpose"] * 2
+
+
+def test_jsonable_info_keeps_scalars_and_makes_the_rest_json_safe():
+    from agentrl.rollout.engine import jsonable_info
+
+    scalars = {"won": True, "score": 0.5, "n": 3, "note": "ok", "none": None, "admissible_actions": ["a"]}
+    assert jsonable_info(scalars) == {"won": True, "score": 0.5, "n": 3, "note": "ok", "none": None}
+    nested = {"pair": (1, 2), 7: "int key", "obj": Path("a/b"), "deep": {"x": [1, (2,)]}}
+    out = jsonable_info(nested)
+    assert out == {"pair": [1, 2], "7": "int key", "obj": "a/b", "deep": {"x": [1, [2]]}}
+    assert json.loads(json.dumps(out)) == out

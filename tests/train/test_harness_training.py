@@ -10,14 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import typer
 from typer.testing import CliRunner
 
 import agentrl.credit
 import agentrl.train.trainer as trainer_module
 from agentrl.credit import assign_report
 from agentrl.policy import HFPolicy
-from agentrl.train.cli import app
-from agentrl.train.harness import merge_sessions
+from agentrl.proxy import harness_rollouts
+from agentrl.proxy.rollouts import merge_sessions
+from agentrl.train.cli import register
 from agentrl.types import Node, RolloutTree
 
 pytest.importorskip("openai", reason="the example harness uses the openai client")
@@ -149,6 +151,8 @@ def test_cli_train_harness_trains_on_exactly_what_the_proxy_sampled(tmp_path, mo
             "sampling.temperature=0.7", "sampling.max_new_tokens=6",
             "train.tensorboard=false", "train.export_hf=false", "train.plot=false",
             "train.harness_env.REACT_MAX_TURNS=2"]
+    app = typer.Typer()  # as the agentrl command composes it: the proxy hands in the harness rollouts
+    register(app, harness_rollouts=harness_rollouts)
     result = CliRunner().invoke(app, [
         "train", "--harness", harness, "--env", "agentrl/GuessNumber-v0", "--steps", "1",
         "--out", str(out), "--no-progress", *[a for s in sets for a in ("--set", s)]])

@@ -6,17 +6,17 @@ import pytest
 import torch
 
 from agentrl.errors import ConfigError
+from agentrl.train.batch import DistillFields, Sample
 from agentrl.train.config import load_train_config
-from agentrl.train.logprobs import token_scores
-from agentrl.train.opd import (
+from agentrl.train.distill import (
     DistillConfig,
     add_distill_advantages,
     build_support,
     distribution_loss,
-    document_bos,
-    overlap_weights,
 )
-from agentrl.train.trainer import Sample, Trainer, _Bars
+from agentrl.train.distill.loop import document_bos, overlap_weights
+from agentrl.train.logprobs import token_scores
+from agentrl.train.trainer import _Bars
 from tests.train.test_opd_training import GUESS, distill_trainer, first_step
 
 
@@ -70,8 +70,7 @@ def test_the_loss_term_by_hand_with_a_left_out_candidate_and_a_masked_token():
     }
     for signal, value in want.items():
         student = ps.log().repeat(1, 2, 1).requires_grad_(True)
-        per, stats = distribution_loss(student, teacher, keep, weights, mask,
-                                       DistillConfig(teacher="x", signal=signal))
+        per, stats = distribution_loss(student, teacher, keep, weights, mask, signal)
         assert stats[f"loss/distill_{signal}"] == pytest.approx(value, abs=1e-6), signal
         assert per.detach()[0].tolist() == pytest.approx([2.0 * value, 0.0], abs=1e-6)  # token 2 is masked
         per.sum().backward()
@@ -121,13 +120,13 @@ def test_the_overlap_stop_down_weights_what_follows_the_first_drift():
     s = Sample(input_ids=[1] * 5, mask=[0, 1, 1, 1, 1], behaviour=[0.0] * 5, advantages=[0.0] * 5,
                versions=[0] * 5,
                old_top=[[-1, -1], [4, 5], [6, 7], [8, 9], [1, 2]],
-               teacher_top=[[-1, -1], [5, 4], [6, 1], [3, 0], [1, 2]])  # overlap 1, 0.5, 0, 1
+               distill=DistillFields(teacher_top=[[-1, -1], [5, 4], [6, 1], [3, 0], [1, 2]]))  # overlap 1, .5, 0, 1
     [w], stats = overlap_weights([s], threshold=0.5, after_weight=0.25)
     assert w.tolist() == [1.0, 1.0, 1.0, 1.0, 0.25]  # drift at position 3, so only position 4 is after it
     assert stats["distill/overlap_mean"] == pytest.approx((1 + 0.5 + 0 + 1) / 4)
     assert stats["distill/overlap_stopped_frac"] == 1 and stats["distill/overlap_tokens_after_stop"] == 1
     # The weights reach the sampled-token signal: after the stop it counts a quarter.
-    s.old, s.teacher = [0.0, -1.0, -1.0, -1.0, -1.0], [0.0, -0.5, -0.5, -0.5, -0.5]
+    s.old, s.distill.teacher = [0.0, -1.0, -1.0, -1.0, -1.0], [0.0, -0.5, -0.5, -0.5, -0.5]
     add_distill_advantages([s], weight=1.0, token_weights=[w])
     assert s.advantages == pytest.approx([0.0, 0.5, 0.5, 0.5, 0.125])
 
@@ -136,9 +135,8 @@ def test_distribution_signals_refuse_what_cannot_carry_them(tmp_path):
     with pytest.raises(ValueError, match="one-hot"):
         DistillConfig(teacher="expert", signal="forward_kl")
     with pytest.raises(ConfigError, match="tree_packing"):
-        Trainer(load_train_config(None, GUESS + [
-            "train.distill={teacher: tiny-random, signal: lsm}", "train.tree_packing=true",
-            f"train.out_dir={tmp_path}"]), progress=False)
+        load_train_config(None, GUESS + ["train.distill={teacher: tiny-random, signal: lsm}",
+                                         "train.tree_packing=true", f"train.out_dir={tmp_path}"])
 
 
 def test_a_privileged_self_teacher_with_a_top_k_signal_and_the_overlap_stop(tmp_path):

@@ -9,10 +9,16 @@ import torch
 
 from agentrl.errors import ConfigError
 from agentrl.rollout import collect
+from agentrl.train.batch import DistillFields, Sample, score_old, score_samples, sync_policy
 from agentrl.train.config import TrainConfig, load_train_config
-from agentrl.train.opd import DistillConfig, add_distill_advantages, distill_weight, load_teacher
+from agentrl.train.distill import (
+    DistillConfig,
+    add_distill_advantages,
+    distill_weight,
+    load_teacher,
+)
 from agentrl.train.sft import sft_phase
-from agentrl.train.trainer import Sample, Trainer, _Bars, sync_policy
+from agentrl.train.trainer import Trainer, _Bars
 
 GUESS = ["policy.model=tiny-random", "env.id=agentrl/GuessNumber-v0",
          "env.kwargs={high: 4, max_turns: 3}", "rollout.max_turns=3", "rollout.max_context_tokens=256",
@@ -41,7 +47,7 @@ def first_step(tr: Trainer) -> tuple[list, dict]:
 def test_distill_advantages_add_the_weighted_log_ratio_on_action_tokens_only():
     s = Sample(input_ids=[1, 2, 3, 4], mask=[0, 1, 1, 0], behaviour=[0.0] * 4,
                advantages=[0.0, 0.5, 0.5, 0.0], versions=[-1, 0, 0, -1],
-               old=[0.0, -1.0, -2.0, 0.0], teacher=[-9.0, -0.5, -3.0, -9.0])
+               old=[0.0, -1.0, -2.0, 0.0], distill=DistillFields(teacher=[-9.0, -0.5, -3.0, -9.0]))
     kl = add_distill_advantages([s], weight=2.0)
     # A_distill = log pi_t - log pi_s = [_, 0.5, -1.0, _]; A = A_rl + 2 * A_distill.
     assert s.advantages == pytest.approx([0.0, 1.5, -1.5, 0.0])
@@ -66,7 +72,7 @@ def test_credit_none_needs_a_teacher_and_a_teacher_must_load(tokenizer):
 
 def test_a_vllm_teacher_gets_the_context_length_and_must_share_the_students_tokenizer(monkeypatch, tokenizer):
     import agentrl.policy.vllm as vllm_mod
-    from agentrl.train.opd import load_vllm_teacher
+    from agentrl.train.distill import load_vllm_teacher
 
     started, closed = [], []
 
@@ -146,7 +152,7 @@ def fixed_support_lsm(trainer: Trainer, episodes: list[tuple[torch.Tensor, torch
     """A function giving the trainer's LSM over ``episodes``' action tokens on a fixed support: the
     student's top-k when this is called, without special ids, as the distiller builds it. Only the
     weights change between calls."""
-    from agentrl.train.opd import build_support, distribution_loss
+    from agentrl.train.distill import build_support, distribution_loss
 
     d = trainer.distiller
     with torch.no_grad():
@@ -164,7 +170,7 @@ def fixed_support_lsm(trainer: Trainer, episodes: list[tuple[torch.Tensor, torch
                 s = _action_logprobs(trainer.net, ids, a, trainer.temperature).gather(-1, top)
                 t = _action_logprobs(d.teacher, ids, a, d.cfg.teacher_temperature).gather(-1, top)
                 ones = torch.ones(1, len(top))
-                _, stats = distribution_loss(s[None], t[None], keep[None], ones, ones, d.cfg)
+                _, stats = distribution_loss(s[None], t[None], keep[None], ones, ones, d.cfg.signal)
                 total, n = total + stats["loss/distill_lsm"] * len(top), n + len(top)
         return total / n
     return measure
@@ -245,8 +251,7 @@ def test_teacher_self_needs_privileged_context():
 
 def test_privileged_teacher_scores_the_student_tokens_after_its_own_prefix(tokenizer):
     """The teacher reads ``prefix + student ids``; the student's ids are not re-tokenized."""
-    from agentrl.train.opd import Distiller, privileged_prefix
-    from agentrl.train.trainer import score_samples
+    from agentrl.train.distill import Distiller, privileged_prefix
 
     model, _ = load_model_tiny()
     cfg = DistillConfig(teacher="self", privileged=True, weight=1.0)
@@ -254,21 +259,22 @@ def test_privileged_teacher_scores_the_student_tokens_after_its_own_prefix(token
     ids = tokenizer("Guess a number.\n7\n", add_special_tokens=False)["input_ids"]
     mask = [0] * (len(ids) - 2) + [1, 1]
     sample = Sample(list(ids), mask, [0.0] * len(ids), [0.0] * len(ids), [0] * len(ids))
-    score_samples(model, [sample], "old", 512, 0, 1.0)
-    stats = distiller.apply([sample], 0, lambda net, ss, attr, temp: score_samples(net, ss, attr, 512, 0, temp),
-                            ["The secret number is 7."])
-    assert sample.input_ids == ids and len(sample.teacher) == len(ids)
+    sample.distill.privileged = "The secret number is 7."
+    score_old(model, [sample], 512, 0, 1.0)
+    stats = distiller.apply([sample], 0, lambda net, ss, temp, **kw: score_samples(net, ss, 512, 0, temp, **kw))
+    assert sample.input_ids == ids and len(sample.distill.teacher) == len(ids)
     prefix = privileged_prefix(tokenizer, "The secret number is 7.")
     assert "The secret number is 7." in tokenizer.decode(prefix) and prefix[0] == tokenizer.encode("<|im_start|>")[0]
     with torch.no_grad():  # the same model on prefix + ids, by hand
         logp = torch.log_softmax(model(torch.tensor([prefix + ids])).logits[0, :-1], -1)
     full = prefix + ids
     want = [float(logp[len(prefix) + t - 1, full[len(prefix) + t]]) if m else 0.0 for t, m in enumerate(mask)]
-    assert sample.teacher == pytest.approx(want, abs=1e-4)
-    assert sample.teacher != pytest.approx(sample.old, abs=1e-3)  # the prefix changed the scores
+    assert sample.distill.teacher == pytest.approx(want, abs=1e-4)
+    assert sample.distill.teacher != pytest.approx(sample.old, abs=1e-3)  # the prefix changed the scores
     assert stats["distill/teacher_tokens"] == len(prefix) + len(ids)
+    sample.distill.privileged = None
     with pytest.raises(ConfigError, match="info\\['privileged'\\]"):
-        distiller.apply([sample], 0, lambda *a: 0, [None])
+        distiller.apply([sample], 0, lambda *a, **kw: ([], 0))
 
 
 def load_model_tiny():
@@ -280,8 +286,7 @@ def load_model_tiny():
 def test_a_privileged_self_teacher_prefers_the_secret(tokenizer):
     """SmolLM2-135M told the secret scores the secret guess above a wrong one: its advantage is higher."""
     from agentrl.models import load_model
-    from agentrl.train.opd import Distiller
-    from agentrl.train.trainer import score_samples
+    from agentrl.train.distill import Distiller
 
     torch.set_num_threads(2)
     model, tok = load_model("smollm2-135m")
@@ -297,9 +302,9 @@ def test_a_privileged_self_teacher_prefers_the_secret(tokenizer):
             action = tok(str(guess), add_special_tokens=False)["input_ids"]
             s = Sample(prompt + action, [0] * len(prompt) + [1] * len(action), [0.0] * (len(prompt) + len(action)),
                        [0.0] * (len(prompt) + len(action)), [0] * (len(prompt) + len(action)))
-            score_samples(model, [s], "old", 1024, 0, 1.0)
-            distiller.apply([s], 0, lambda net, ss, attr, temp: score_samples(net, ss, attr, 1024, 0, temp),
-                            [f"The secret number is {secret}."])
+            s.distill.privileged = f"The secret number is {secret}."
+            score_old(model, [s], 1024, 0, 1.0)
+            distiller.apply([s], 0, lambda net, ss, temp, **kw: score_samples(net, ss, 1024, 0, temp, **kw))
             gaps[(secret, guess == secret)] = sum(s.advantages)
     # log p_teacher - log p_student of the guess: telling the 135M model the secret raises the
     # secret's logprob more than a wrong guess's, by 0.18 to 0.38 nats here. A small model uses
@@ -327,7 +332,7 @@ def test_a_training_step_with_a_privileged_self_teacher(tmp_path):
 
 
 def test_expert_teacher_logprobs_match_the_experts_tokens_then_floor(tokenizer):
-    from agentrl.train.opd import expert_teacher_logprobs
+    from agentrl.train.distill import expert_teacher_logprobs
 
     right = tokenizer("go to shelf 1", add_special_tokens=False)["input_ids"]
     wrong = tokenizer("go to desk 2", add_special_tokens=False)["input_ids"]
@@ -337,7 +342,7 @@ def test_expert_teacher_logprobs_match_the_experts_tokens_then_floor(tokenizer):
     a0, a1 = (3, 3 + len(right) + 1), (3 + len(right) + 1 + 2, len(ids))
     s = Sample(ids, [0] * len(ids), [0.0] * len(ids), [0.0] * len(ids), [0] * len(ids),
                old=[-0.5] * len(ids))
-    s.expert_turns = [(a0[0], a0[1], "go to shelf 1", True), (a1[0], a1[1], "go to shelf 1", True)]
+    s.distill.expert_turns = [(a0[0], a0[1], "go to shelf 1", True), (a1[0], a1[1], "go to shelf 1", True)]
     teacher, turns, matched = expert_teacher_logprobs(s, tokenizer, floor=-10.0)
     assert (turns, matched) == (2, 1)
     assert teacher[:3] == [-0.5] * 3  # context: the student's own logprobs, so no signal
@@ -345,7 +350,7 @@ def test_expert_teacher_logprobs_match_the_experts_tokens_then_floor(tokenizer):
     first_diff = next(i for i, (x, y) in enumerate(zip(right, wrong, strict=False)) if x != y)
     second = teacher[a1[0]:a1[1]]
     assert second[:first_diff] == [0.0] * first_diff and set(second[first_diff:]) == {-10.0}
-    s.expert_turns = [(a0[0], a0[1], None, True)]  # no expert here: the student's logprobs
+    s.distill.expert_turns = [(a0[0], a0[1], None, True)]  # no expert here: the student's logprobs
     assert expert_teacher_logprobs(s, tokenizer, -10.0) == ([-0.5] * len(ids), 0, 0)
 
 
@@ -357,7 +362,7 @@ def test_engine_records_the_experts_action_in_the_state_each_turn_acted_in(token
     trees = collect(cfg.env.id, MockPolicy(tokenizer, ["3"]), cfg, [0, 1])
     for tree in trees:
         for ep in tree.episodes():
-            experts = [n.info["expert_action"] for n in ep.nodes]
+            experts = [n.expert_action for n in ep.nodes]
             assert experts[0] == "8"  # bisection of 1..16, before any guess
             if len(experts) > 1:  # after "3": too low (secret > 3) -> 4..16 -> 10; or the secret was 3
                 assert experts[1] == "10"
@@ -386,7 +391,7 @@ def test_an_expert_teacher_pushes_the_student_off_actions_the_expert_would_not_t
         opening = root.context_ids
         firsts = Counter(tuple(t.nodes[r].action_ids) for t in trees for r in t.roots)
         action = list(firsts.most_common(1)[0][0])
-        assert all(t.nodes[r].info["expert_action"] == "8" for t in trees for r in t.roots)
+        assert all(t.nodes[r].expert_action == "8" for t in trees for r in t.roots)
 
         def logp() -> float:
             with torch.no_grad():
@@ -415,7 +420,7 @@ def test_turn_balance_and_sod_weights_scale_the_signal_per_turn():
     def sample():
         s = Sample(input_ids=[1, 2, 3, 4, 5], mask=[0, 1, 1, 0, 1], behaviour=[0.0] * 5,
                    advantages=[0.0] * 5, versions=[0] * 5,
-                   old=[0.0, -2.0, -2.0, 0.0, -1.0], teacher=[0.0, -1.0, -1.0, 0.0, -3.0])
+                   old=[0.0, -2.0, -2.0, 0.0, -1.0], distill=DistillFields(teacher=[0.0, -1.0, -1.0, 0.0, -3.0]))
         s.turn_spans = [(1, 3), (4, 5)]
         return s
 
@@ -448,12 +453,12 @@ def test_distill_options_reach_the_loop(tmp_path):
 
 
 def test_expert_stop_strings_of_several_tokens_count_as_matching(tokenizer):
-    from agentrl.train.opd import expert_teacher_logprobs
+    from agentrl.train.distill import expert_teacher_logprobs
 
     action = tokenizer("go to shelf 1</action>", add_special_tokens=False)["input_ids"]
     ids = [1, 2] + action
     s = Sample(ids, [0] * len(ids), [0.0] * len(ids), [0.0] * len(ids), [0] * len(ids), old=[-1.0] * len(ids))
-    s.expert_turns = [(2, len(ids), "go to shelf 1", True)]
+    s.distill.expert_turns = [(2, len(ids), "go to shelf 1", True)]
     teacher, turns, matched = expert_teacher_logprobs(s, tokenizer, -20.0)
     assert (turns, matched) == (1, 1) and teacher[2:] == [0.0] * len(action)
 
@@ -477,17 +482,16 @@ def test_a_privileged_prefix_longer_than_the_micro_batch_still_scores(tmp_path):
 
 
 def test_harness_training_refuses_privileged_and_expert_teachers(tmp_path):
-    for distill in ("{teacher: self, privileged: true}", "{teacher: expert}"):
-        cfg = load_train_config(None, GUESS + [f"train.distill={distill}", "train.harness=python agent.py",
-                                               f"train.out_dir={tmp_path}"])
-        with pytest.raises(ConfigError, match="need the native engine"):
-            Trainer(cfg, progress=False)
+    for distill in ("{teacher: self, privileged: true}", "{teacher: expert}", "{teacher: oracle}"):
+        with pytest.raises(ConfigError, match="need the native engine"):  # when the config loads
+            load_train_config(None, GUESS + [f"train.distill={distill}", "train.harness=python agent.py",
+                                             f"train.out_dir={tmp_path}"])
 
 
 def test_tip_keeps_high_entropy_and_confidently_wrong_tokens(tokenizer):
     """Hand-computed: entropies 0.0..0.9 and gaps that put the one low-entropy token with a large
     gap above the 80% quantile. Kept: H >= median (0.45) -> 5 tokens, plus token 0."""
-    from agentrl.train.opd import Distiller
+    from agentrl.train.distill import Distiller
 
     model, _ = load_model_tiny()
     d = Distiller(DistillConfig(teacher="self", privileged=True, tip=True), tokenizer, torch.device("cpu"),
@@ -495,7 +499,7 @@ def test_tip_keeps_high_entropy_and_confidently_wrong_tokens(tokenizer):
     n = 10
     gaps = [0.9, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.0]
     s = Sample([7] * (n + 2), [0, 0] + [1] * n, [0.0] * (n + 2), [0.0] * (n + 2), [0] * (n + 2),
-               old=[0.0, 0.0] + [-1.0] * n, teacher=[0.0, 0.0] + [-1.0 - g for g in gaps])
+               old=[0.0, 0.0] + [-1.0] * n, distill=DistillFields(teacher=[0.0, 0.0] + [-1.0 - g for g in gaps]))
     s.old_entropy = [0.0, 0.0] + [i / 10 for i in range(n)]
     stats = d._informative_tokens([s])
     assert s.mask == [0, 0, 1, 0, 0, 0, 0, 1, 1, 1, 1, 1]
@@ -515,7 +519,7 @@ def test_tip_in_the_loop_drops_tokens_from_the_update(tmp_path):
 
 
 def test_hindsight_summary_names_the_groups_best_episode(tokenizer):
-    from agentrl.train.opd import hindsight_summary
+    from agentrl.train.distill import hindsight_summary
     from agentrl.types import Node, RolloutTree
 
     tree = RolloutTree()
@@ -544,9 +548,9 @@ def test_a_self_teacher_reads_the_groups_hindsight(tmp_path):
     seen: list[str | None] = []
     apply = tr.distiller.apply
 
-    def spy(samples, step, score, privileged=None):
-        seen.extend(privileged)
-        return apply(samples, step, score, privileged)
+    def spy(samples, step, score):
+        seen.extend(s.distill.privileged for s in samples)
+        return apply(samples, step, score)
 
     tr.distiller.apply = spy
     trees, stats = first_step(tr)

@@ -156,7 +156,8 @@ def test_sft_clones_the_observable_expert_by_default_and_the_oracle_only_when_as
     oracle walks straight to it. ``sft.expert`` picks which one the trees hold."""
     from agentrl.envs.alfworld import ALFWorldEnv
 
-    base = ["env.id=agentrl/ALFWorld-v0", "rollout.max_turns=50", "rollout.max_context_tokens=8192"]
+    base = ["env.id=agentrl/ALFWorld-v0", "rollout.max_turns=50", "rollout.max_context_tokens=8192",
+            "train.micro_batch_tokens=8192"]
     seed = next(s for s in range(100) if _oracle_is_shorter(ALFWorldEnv(), s))
     default = expert_tree("agentrl/ALFWorld-v0", tokenizer, load_train_config(None, base), seed)
     oracle = expert_tree("agentrl/ALFWorld-v0", tokenizer,

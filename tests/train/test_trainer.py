@@ -14,19 +14,17 @@ from agentrl.env import TextEnv, register_env
 from agentrl.errors import ConfigError
 from agentrl.models import load_model
 from agentrl.policy import GenerateRequest, HFPolicy, SamplingParams
-from agentrl.train.config import TrainConfig, TrainRunConfig, load_train_config
-from agentrl.train.loss import PolicyLossConfig
-from agentrl.train.trainer import (
+from agentrl.train.batch import (
     Sample,
-    eval_seeds,
     make_scheduler,
     make_trainable,
     samples_from_credit,
-    step_task_seeds,
     sync_policy,
-    train,
     train_on_samples,
 )
+from agentrl.train.config import TrainConfig, TrainRunConfig, load_train_config
+from agentrl.train.loss import PolicyLossConfig
+from agentrl.train.trainer import eval_seeds, step_task_seeds, train
 from agentrl.types import Episode, Node
 
 
@@ -214,9 +212,8 @@ def test_micro_batches_accumulate_the_same_gradient_as_one_forward():
 
 
 def test_episode_longer_than_a_micro_batch_is_a_config_error(tmp_path):
-    cfg = toy_config(tmp_path, "rollout.max_context_tokens=2048", "train.micro_batch_tokens=1024")
     with pytest.raises(ConfigError, match="micro_batch_tokens"):
-        train(cfg, progress=False)
+        toy_config(tmp_path, "rollout.max_context_tokens=2048", "train.micro_batch_tokens=1024")
 
 
 def test_bad_train_key_names_its_path():
@@ -273,7 +270,7 @@ def test_one_update_per_batch_skips_the_scoring_pass_and_trains_the_same(tmp_pat
 def test_padding_is_chosen_only_where_it_costs_fewer_flops():
     from types import SimpleNamespace
 
-    from agentrl.train.trainer import padding_is_cheaper
+    from agentrl.train.batch import padding_is_cheaper
 
     smol = SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
                            intermediate_size=1536)
@@ -295,17 +292,17 @@ def test_padding_is_chosen_only_where_it_costs_fewer_flops():
 
 @pytest.mark.parametrize("padded", [True, False])
 def test_padded_and_packed_layouts_score_the_same_logprobs(monkeypatch, padded):
-    import agentrl.train.trainer as trainer_mod
+    import agentrl.train.batch as batch_mod
 
     model, _ = load_model("tiny-random")
     seqs = [[5, 6, 7, 8, 9, 10], [5, 6, 11, 12, 13, 14, 15, 16, 17, 18], [7, 8, 9, 20]]
     masks = [[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 1]]
 
     def scored(layout: bool) -> list[list[float]]:
-        monkeypatch.setattr(trainer_mod, "padding_is_cheaper", lambda lengths, config, heads=None: layout)
+        monkeypatch.setattr(batch_mod, "padding_is_cheaper", lambda lengths, config, heads=None: layout)
         samples = [Sample(s, m, [0.0] * len(s), [0.0] * len(s), [0] * len(s)) for s, m in zip(seqs, masks, strict=True)]
-        trainer_mod.score_samples(model, samples, "old", 64, 0, 1.0)
-        return [s.old for s in samples]
+        scores, _ = batch_mod.score_samples(model, samples, 64, 0, 1.0)
+        return [sc.logprobs for sc in scores]
 
     got, alone = scored(padded), []
     for s, m in zip(seqs, masks, strict=True):  # each sample in a row of its own, no padding, no packing
@@ -389,3 +386,31 @@ def test_kl_to_the_reference_holds_the_policy_near_its_start(tmp_path, trainable
     assert logged[0.0] == [None] * steps  # no KL term, no KL statistic
     assert logged[penalty][0] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference
     assert logged[penalty][-1] > 0
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    (["train.tree_packing=true", "train.loss.agg=seq-mean-token-mean"], "train: tree_packing needs loss.agg"),
+    (["train.tree_packing=true", "train.loss.kl_coef=0.1"], "train: tree_packing needs loss.kl_coef=0"),
+    (["train.tree_packing=true", "train.distill={teacher: x, signal: jsd}"], "train: tree_packing does not"),
+    (["train.micro_batch_tokens=64", "rollout.max_context_tokens=512"], "train.micro_batch_tokens=64"),
+    (["train.harness=python agent.py", "train.distill={teacher: expert}"], "train: harness runs episodes"),
+    (["train.credit=gigpo", "train.value_head={}"], "train: value_head is read by credit: 'gae'"),
+    (["train.lora_rank=8"], "train.lora_rank: unknown key"),
+])
+def test_a_bad_train_config_fails_when_it_loads_naming_its_key(monkeypatch, overrides, key):
+    """No model, tokenizer or teacher is loaded before a config the config alone can refuse."""
+    import time
+
+    import agentrl.models
+    from agentrl.errors import ConfigError
+    from agentrl.train.config import load_train_config
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded for a config that is refused")
+
+    monkeypatch.setattr(agentrl.models, "load_model", no_loading)
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as err:
+        train(load_train_config(None, overrides))
+    assert key in str(err.value)
+    print(f"{overrides}: refused in {time.perf_counter() - t0:.3f} s: {err.value}")

@@ -116,7 +116,7 @@ def _grads(net) -> dict[str, torch.Tensor]:
 
 def _both_layouts(tr: Trainer, samples, fields=("advantages", "old", "behaviour", "versions")):
     """Loss stats, gradients and tokens run of one minibatch in episode rows, then in tree rows."""
-    from agentrl.train.trainer import _minibatch
+    from agentrl.train.batch import minibatch_step as _minibatch
     from agentrl.train.tree_pack import tree_minibatch
 
     args = (tr.net, samples, list(range(len(samples))), tr._rl_loss, fields, True,
@@ -140,7 +140,7 @@ def test_tree_packing_gives_the_episode_packed_loss_and_gradients(tmp_path):
     import copy
     import math
 
-    from agentrl.train.trainer import samples_from_credit, score_samples
+    from agentrl.train.batch import samples_from_credit, score_old
     from agentrl.train.tree_pack import score_samples_tree
 
     torch.set_num_threads(1)
@@ -150,8 +150,8 @@ def test_tree_packing_gives_the_episode_packed_loss_and_gradients(tmp_path):
     samples = samples_from_credit(assign(trees, "tree"))
     assert len(samples) == 8
     tree_scored = copy.deepcopy(samples)
-    ep_tokens = score_samples(tr.net, samples, "old", 2048, tr.pad_id, tr.temperature)
-    tree_tokens = score_samples_tree(tr.net, tree_scored, "old", 2048, tr.pad_id, tr.temperature)
+    ep_tokens = score_old(tr.net, samples, 2048, tr.pad_id, tr.temperature)
+    tree_tokens = score_old(tr.net, tree_scored, 2048, tr.pad_id, tr.temperature, score=score_samples_tree)
     for a, b in zip(samples, tree_scored, strict=True):
         assert b.old == pytest.approx(a.old, abs=1e-5)
     assert tree_tokens < 0.6 * ep_tokens  # the two trees' prompts and first turns ran once
@@ -173,7 +173,7 @@ def test_tree_packing_sums_advantages_on_a_forked_turns_shared_tokens(tmp_path):
     the summed advantage gives the same loss and gradient as its three copies.
     """
     from agentrl.rollout import Budget, collect
-    from agentrl.train.trainer import samples_from_credit, score_samples
+    from agentrl.train.batch import samples_from_credit, score_old
 
     torch.set_num_threads(1)
     tr = tree_trainer(tmp_path)
@@ -184,7 +184,7 @@ def test_tree_packing_sums_advantages_on_a_forked_turns_shared_tokens(tmp_path):
     # fork's three continuations, which could hide a mean-instead-of-sum mistake).
     for j, s in enumerate(samples):
         s.advantages = [(0.5, -1.0, 2.0)[j % 3] * m for m in s.mask]
-    score_samples(tr.net, samples, "old", 2048, tr.pad_id, tr.temperature)
+    score_old(tr.net, samples, 2048, tr.pad_id, tr.temperature)
     ep_stats, ep_grads, _, tree_stats, tree_grads, _ = _both_layouts(tr, samples)
     _assert_same_update(ep_stats, ep_grads, tree_stats, tree_grads)
 

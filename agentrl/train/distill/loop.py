@@ -1,118 +1,60 @@
-"""Step-wise on-policy distillation in the RL loop: a frozen teacher scores the student's own turns.
+"""On-policy distillation in the RL loop: a frozen teacher scores the student's own turns.
 
-One job: wire the per-token signals of ``agentrl.train.distill`` into a
-rollout batch. Each step the student samples (the rollout engine), the
-trainer recomputes the student's logprobs (``Sample.old``), a frozen teacher
-scores the *same* token ids at the student's action positions only
-(``Sample.teacher``), and every action token's advantage becomes
+One job: wire the pure signals of ``signals`` into a scored rollout batch.
+The student samples, the trainer scores the student's tokens (``Sample.old``),
+the teacher scores the *same* token ids (never re-tokenized; so it must share
+the student's tokenizer), and ``Distiller.apply`` turns the two into
 
-    A_t = A_rl_t + w(step) * (log pi_teacher(y_t) - log pi_student(y_t))
+- an advantage added to the RL one on every action token (``signal:
+  reverse_kl``): ``A_t = A_rl_t + w(step) * w_t * (log pi_teacher - log pi_student)``
+  (``add_distill_advantages``; ``train.credit: none`` leaves the teacher's
+  term alone, which is plain GKD-style OPD), or
+- the weights of a loss term on a top-K support of candidate ids
+  (``topk_reverse_kl``, ``lsm``, ``forward_kl``, ``jsd``), whose gradient
+  reaches every candidate (``signals.distribution_loss``).
 
-(``reverse_kl_advantage``, Lu and Thinking Machines 2025, "On-Policy
-Distillation": the per-token negative reverse KL as a reward with discount
-0; mixing it into the RL advantage with a schedule is dGRPO-style, see
-``combine_rl_and_distill``). With ``train.credit: none`` there is no RL term:
-plain OPD (Agarwal et al. 2024, GKD, on-policy with the reverse KL).
+Teachers: a model folder or registered name (``load_teacher``), a vLLM
+engine (``vllm:NAME``), the student's own weights given privileged text
+(``self``; OPSD), or the env's scripted expert or privileged oracle as a
+one-hot target on the student's tokens (``expert``, ``oracle``;
+``expert_teacher_logprobs``). Privileged text comes from the env's reset
+``info["privileged"]`` or, with ``privileged_source: hindsight``, from the
+group's own best episode (``hindsight_summary``); it is a system message in
+front of the student's ids (``privileged_prefix``).
 
-The teacher must share the student's tokenizer, because it scores the
-student's token ids as they were sampled (never re-tokenized). Each step logs
-the batch's teacher-student reverse KL, estimated on the sampled tokens
-(``distill/reverse_kl``: the mean of log pi_s - log pi_t, Schulman's k1
-estimator of KL(pi_s || pi_t)).
-
-**Privileged context** (``privileged: true``; OPSD, on-policy self-distillation,
-and SD-Search's privileged teacher). The env's reset info may carry
-``info["privileged"]``: text the agent must not see, such as the hidden goal
-(GuessNumber's secret) or the expert's plan (ALFWorld's). The teacher then
-reads that text as a system message *in front of* the student's own token ids,
-``teacher_ids = render(privileged) + student_ids``, and scores the student's
-action tokens there. The student's tokens are not re-tokenized; only the
-teacher's extra prefix is rendered. ``teacher: self`` makes the teacher the
-student's current weights (no copy): the same model, told the answer, grades
-each of its own turns.
-
-With ``privileged_source: hindsight`` the text is written after the group has
-run instead: the actions of the group's best episode on the same task, with its
-return (``hindsight_summary``). The teacher then grades every episode of the
-group, the best one included, knowing what worked (SD-Search's and OPSD's
-hindsight context; no env support needed).
-
-**Scripted experts as teachers** (``teacher: expert``; ALFWorld-v0, WebShop-v0,
-TextWorld-v0, GuessNumber-v0). The engine asks the env's expert what it would do
-in each state the student acted in (``rollout.record_expert_actions``, switched
-on by the trainer), and ``expert_one_hot_teacher`` turns that action into a
-one-hot teacher over the student's tokens: log-prob 0 where the student's tokens
-spell the expert's action (tokenized alone, plus the student's own end token
-when it stopped there), ``expert_floor`` from the first differing token on.
-Its docstring lists what the approximation gets wrong (another tokenization of
-the same text is a mismatch). Being on-policy, the signal lands only on tokens
-the student sampled: matching ones are pushed up, the rest down. A student that
-never samples the expert's action is only pushed off its own; the expert's
-tokens themselves are not trained on (that would be SFT, ``agentrl sft``).
-
-Per-turn weights (``turn_balance``: TurnOPD; ``sod_alpha``: SOD) scale the
-signal turn by turn (``add_distill_advantages``).
-
-TIP (``tip: true``) keeps only informative action tokens in the loss, from the
-student's entropies (free from its scoring pass) and the sampled-token gap
-``|log p_s - log p_t|`` standing in for the divergence.
-
-**Distribution-level signals** (``signal``: ``topk_reverse_kl``, ``lsm``,
-``forward_kl``, ``jsd``) compare more of the two next-token distributions than
-the sampled token, on a support of ``top_k`` ids per action token: the
-student's top-K from its scoring pass (reverse KL, LSM), plus the teacher's
-top-K (forward KL, JSD: the mass the student misses lives there). The teacher
-pass gathers its log-probs at those ids; the update gathers the student's, with
-gradients, from the same log-softmax as the sampled token's (``token_scores``).
-Special tokens leave the support (``mask_special``). The signal is a loss term,
-
-    L = PPO(A_rl) + mean_t w(step) * w_t * D_t(student || teacher on the support),
-
-not an advantage: its gradient reaches every candidate, not just the sampled
-token. Truncation: the support is fixed before the update (the student's
-top-K under the weights that sampled), and mass outside it is dropped
-(``topk_reverse_kl``, ``forward_kl``) or renormalised away (``lsm``).
-
-**Overlap stop** (``overlap_threshold``: Prune-OPD, ESR's adaptive form). Once
-an episode's teacher-student top-k overlap at an action token falls below the
-threshold, the distillation signal on every later action token is multiplied
-by ``overlap_after_weight`` (``overlap_stop``). The rollout itself is not cut
-short: the engine does not score turns with the teacher while it samples, so
-the tokens counted (``distill/overlap_tokens_after_stop``) are those whose
-teacher signal a stopped rollout would not have had, not time saved.
+Per-token and per-turn weights (TurnOPD, SOD, TIP, the overlap stop, the
+depth budget) each come from one function in ``signals``, named in the
+config field that switches it on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..errors import ConfigError
-from ..types import Episode, RolloutTree
-from .distill import (
+from ...errors import ConfigError
+from ...types import Episode, RolloutTree
+from ..batch import Sample, SampleScores
+from .signals import (
+    build_support,
+    combine_rl_and_distill,
     depth_budget,
     expert_one_hot_teacher,
-    forward_kl,
     informative_token_mask,
-    jsd,
     linear_schedule,
-    local_support_matching,
     overlap_stop,
     reverse_kl_advantage,
     spread_turn_values,
     step_divergence_weights,
-    topk_reverse_kl,
     turn_balance_weights,
 )
 
-__all__ = ["DistillConfig", "Distiller", "add_distill_advantages", "build_support", "distill_weight",
-           "distribution_loss", "document_bos", "expert_teacher_logprobs", "hindsight_summary",
-           "load_teacher", "load_vllm_teacher", "no_credit",
-           "overlap_weights", "privileged_prefix"]
+__all__ = ["DistillConfig", "Distiller", "ScoreFn", "add_distill_advantages", "distill_weight",
+           "document_bos", "expert_teacher_logprobs", "hindsight_summary", "load_teacher",
+           "load_vllm_teacher", "no_credit", "overlap_weights", "privileged_prefix"]
 
 
 class DistillConfig(BaseModel):
@@ -230,7 +172,7 @@ def distill_weight(cfg: DistillConfig, step: int, total_steps: int) -> float:
 
 def load_teacher(name: str, student_tokenizer: Any, device: torch.device) -> torch.nn.Module:
     """The frozen teacher model; refuses one whose tokenizer differs from the student's."""
-    from ..models import load_model
+    from ...models import load_model
 
     try:
         model, tokenizer = load_model(name, device=str(device))
@@ -244,7 +186,7 @@ def load_teacher(name: str, student_tokenizer: Any, device: torch.device) -> tor
 
 def load_vllm_teacher(name: str, student_tokenizer: Any, max_len: int, **engine: Any) -> Any:
     """A vLLM engine in this process that scores as the teacher (``teacher: vllm:NAME``)."""
-    from ..policy.vllm import VLLMPolicy
+    from ...policy.vllm import VLLMPolicy
 
     try:
         teacher = VLLMPolicy(name, **{**engine, "max_model_len": max_len})  # the rollouts set it
@@ -262,7 +204,8 @@ def no_credit(trees: Sequence[RolloutTree]) -> list[tuple[Episode, list[float]]]
             if not ep.error]
 
 
-ScoreFn = Callable[[torch.nn.Module, list[Any], str, float], int]  # (model, samples, attribute, temperature) -> tokens
+# (model, samples, temperature, top_k=..., candidates=...) -> (each sample's scores, tokens run)
+ScoreFn = Callable[..., tuple[list[SampleScores], int]]
 
 
 def privileged_prefix(tokenizer: Any, text: str) -> list[int]:
@@ -368,20 +311,20 @@ class Distiller:
         progress = min(step / max(self.total_steps - 1, 1), 1.0)
         return {"turn_balance": progress if self.cfg.turn_balance else None, "sod_alpha": self.cfg.sod_alpha}
 
-    def _expert_teacher(self, samples: list[Any]) -> dict[str, float]:
+    def _expert_teacher(self, samples: list[Sample]) -> dict[str, float]:
         turns = matched = 0
         for s in samples:
-            s.teacher, t, m = expert_teacher_logprobs(s, self.tokenizer, self.cfg.expert_floor)
+            s.distill.teacher, t, m = expert_teacher_logprobs(s, self.tokenizer, self.cfg.expert_floor)
             turns, matched = turns + t, matched + m
-        if turns == 0 and any(s.expert_turns for s in samples):
-            raise ConfigError("train.distill.teacher='expert' but no turn has an expert action: the env "
-                              "has no expert_action(), or it failed (see the nodes' info['expert_action_error'])")
+        if turns == 0 and any(s.distill.expert_turns for s in samples):
+            raise ConfigError(f"train.distill.teacher={self.cfg.teacher!r} but no turn has an expert action: "
+                              f"the env has no {self.cfg.teacher}_action(), or it failed (see the nodes' "
+                              "expert_action_error)")
         return {"distill/expert_turns": turns, "distill/expert_match_frac": matched / max(turns, 1)}
 
-    def apply(self, samples: list[Any], step: int, score: ScoreFn,
-              privileged: Sequence[str | None] | None = None) -> dict[str, float]:
+    def apply(self, samples: list[Sample], step: int, score: ScoreFn) -> dict[str, float]:
         """Teacher-score ``samples``, add the signal (``_apply``), then update the depth budget."""
-        stats = self._apply(samples, step, score, privileged)
+        stats = self._apply(samples, step, score)
         if self.cfg.depth_coverage is not None:
             stats.update(self._update_depth(samples))
         return stats
@@ -392,29 +335,48 @@ class Distiller:
         if self.cfg.depth_coverage is not None:
             self.depth_budget = depth_budget(self.turn_mass, self.cfg.depth_coverage, self.cfg.depth_min_turns)
 
-    def _update_depth(self, samples: list[Any]) -> dict[str, float]:
+    def _update_depth(self, samples: list[Sample]) -> dict[str, float]:
         """Fold this batch's per-turn divergence into ``turn_mass`` (half old, half new) and re-budget."""
         mass: list[float] = []
         for s in samples:
+            old, teacher = s.old or [], s.distill.teacher or []
             for k, (a, b) in enumerate(s.turn_spans or []):
-                gap = sum(abs(x - y) * m for x, y, m in zip(s.old[a:b], s.teacher[a:b], s.mask[a:b], strict=True))
+                gap = sum(abs(x - y) * m for x, y, m in zip(old[a:b], teacher[a:b], s.mask[a:b], strict=True))
                 mass += [0.0] * (k + 1 - len(mass))
                 mass[k] += gap
-        old = self.turn_mass
+        old_mass = self.turn_mass
         # An exponential average over the steps that reached turn k+1.
-        self.set_turn_mass([0.5 * (old[k] + m) if k < len(old) else m for k, m in enumerate(mass)]
-                           + old[len(mass):])
+        self.set_turn_mass([0.5 * (old_mass[k] + m) if k < len(old_mass) else m for k, m in enumerate(mass)]
+                           + old_mass[len(mass):])
         return {"distill/depth_budget": self.depth_budget}
 
-    def _apply(self, samples: list[Any], step: int, score: ScoreFn,
-               privileged: Sequence[str | None] | None = None) -> dict[str, float]:
+    def _privileged_views(self, samples: list[Sample]) -> tuple[list[Sample], list[tuple[int, int]]]:
+        """Each sample as the teacher sees it, its privileged text in front; (views, (prefix length, cut))."""
+        if any(s.distill.privileged is None for s in samples):
+            raise ConfigError("train.distill.privileged=true but the env gave no info['privileged'] "
+                              "at reset for some episodes")
+        views, offsets, bos, k = [], [], self._bos, self.top_k
+        for s in samples:
+            text = s.distill.privileged
+            if text not in self._prefixes:
+                if len(self._prefixes) >= 4096:  # hindsight texts are new each step: keep the memo bounded
+                    self._prefixes.clear()
+                self._prefixes[text] = privileged_prefix(self.tokenizer, text)
+            prefix = self._prefixes[text]
+            # A prefix that opens with a document BOS replaces the student's own (one BOS a sequence).
+            cut = int(bos is not None and prefix[:1] == [bos] and s.input_ids[:1] == [bos])
+            offsets.append((len(prefix), cut))
+            views.append(Sample(prefix + s.input_ids[cut:], [0] * len(prefix) + s.mask[cut:], [], [], [],
+                                old_top=[[-1] * k] * len(prefix) + s.old_top[cut:] if k else None))
+        return views, offsets
+
+    def _apply(self, samples: list[Sample], step: int, score: ScoreFn) -> dict[str, float]:
         """Teacher-score ``samples`` (their ``old`` must be filled), then add the weighted signal.
 
-        ``score(model, samples, attr, temperature)`` fills ``sample.<attr>`` for
-        every sample and returns the tokens it ran. With ``privileged: true``,
-        ``privileged[i]`` is sample i's privileged text (the env's reset
-        ``info["privileged"]``); a missing one is an error naming the env key.
-        Returns ``distill/*`` stats.
+        ``score(model, samples, temperature, top_k=..., candidates=...)`` returns
+        each sample's ``SampleScores`` and the tokens it ran. With
+        ``privileged: true`` the teacher reads each sample's
+        ``distill.privileged`` text first. Returns ``distill/*`` stats.
         """
         if self.teacher is None and self.vllm_teacher is None:
             stats = self._expert_teacher(samples)
@@ -427,40 +389,23 @@ class Distiller:
         if k and any(s.old_top is None for s in samples):
             raise ValueError(f"train.distill.signal={self.cfg.signal!r} / overlap_threshold need the "
                              "student's top-k ids (Sample.old_top) from its scoring pass")
-        scored = samples
-        if self.cfg.privileged:
-            if privileged is None or len(privileged) != len(samples) or any(p is None for p in privileged):
-                raise ConfigError("train.distill.privileged=true but the env gave no info['privileged'] "
-                                  "at reset for some episodes")
-            scored, offsets, bos = [], [], self._bos
-            for s, text in zip(samples, privileged, strict=True):
-                if text not in self._prefixes:
-                    if len(self._prefixes) >= 4096:  # hindsight texts are new each step: keep the memo bounded
-                        self._prefixes.clear()
-                    self._prefixes[text] = privileged_prefix(self.tokenizer, text)
-                prefix = self._prefixes[text]
-                # A prefix that opens with a document BOS replaces the student's own (one BOS a sequence).
-                cut = int(bos is not None and prefix[:1] == [bos] and s.input_ids[:1] == [bos])
-                offsets.append((len(prefix), cut))
-                scored.append(replace(s, input_ids=prefix + s.input_ids[cut:],
-                                      mask=[0] * len(prefix) + s.mask[cut:], behaviour=[], advantages=[],
-                                      versions=[], old=None, ref=None, teacher=None,
-                                      old_top=[[-1] * k] * len(prefix) + s.old_top[cut:] if k else None))
+        views, offsets = (self._privileged_views(samples) if self.cfg.privileged
+                          else (samples, [(0, 0)] * len(samples)))
         if self.vllm_teacher is not None:
-            for t, lps in zip(scored, self.vllm_teacher.score([t.input_ids for t in scored]), strict=True):
-                t.teacher = [lp if m else 0.0 for lp, m in zip(lps, t.mask, strict=True)]
-            tokens = sum(len(t.input_ids) for t in scored)
+            scores = [SampleScores([lp if m else 0.0 for lp, m in zip(lps, v.mask, strict=True)], [])
+                      for v, lps in zip(views, self.vllm_teacher.score([v.input_ids for v in views]), strict=True)]
+            tokens = sum(len(v.input_ids) for v in views)
         else:
             with torch.no_grad():
-                tokens = score(self.teacher, scored, "teacher", self.cfg.teacher_temperature,
-                               **({"top_k": k, "candidates": "old_top"} if k else {}))
-        if scored is not samples:
-            for s, t, (n_prefix, cut) in zip(samples, scored, offsets, strict=True):
-                s.teacher = [0.0] * cut + t.teacher[n_prefix:]  # a dropped BOS is context: logprob 0
-                if k:  # context positions: no candidates
-                    s.teacher_top = [[-1] * k] * cut + t.teacher_top[n_prefix:]
-                    s.teacher_top_lp = [[0.0] * k] * cut + t.teacher_top_lp[n_prefix:]
-                    s.teacher_cand = [[0.0] * k] * cut + t.teacher_cand[n_prefix:]
+                scores, tokens = score(self.teacher, views, self.cfg.teacher_temperature,
+                                       **({"top_k": k, "candidates": "old_top"} if k else {}))
+        for s, sc, (n_prefix, cut) in zip(samples, scores, offsets, strict=True):
+            d = s.distill  # a dropped BOS is context: logprob 0, no candidates
+            d.teacher = [0.0] * cut + sc.logprobs[n_prefix:]
+            if k:
+                d.teacher_top = [[-1] * k] * cut + sc.top_ids[n_prefix:]
+                d.teacher_top_logprobs = [[0.0] * k] * cut + sc.top_logprobs[n_prefix:]
+                d.teacher_at_student_top = [[0.0] * k] * cut + sc.candidates[n_prefix:]
         stats: dict[str, float] = {}
         # The overlap stop reads every action token, before TIP drops some from the mask.
         token_w = None
@@ -473,16 +418,17 @@ class Distiller:
         if self.distribution:
             both = self.cfg.signal in ("forward_kl", "jsd")  # the teacher's mass outside the student's top-K
             for s in samples:
-                ids, lp = build_support(torch.tensor(s.old_top), torch.tensor(s.teacher_cand),
-                                        torch.tensor(s.teacher_top), torch.tensor(s.teacher_top_lp),
+                d = s.distill
+                ids, lp = build_support(torch.tensor(s.old_top), torch.tensor(d.teacher_at_student_top),
+                                        torch.tensor(d.teacher_top), torch.tensor(d.teacher_top_logprobs),
                                         both=both, special=self._special, vocab=self._vocab)
-                s.cand_ids, s.cand_teacher = ids.tolist(), lp.tolist()
+                d.support, d.support_teacher = ids.tolist(), lp.tolist()
         w = distill_weight(self.cfg, step, self.total_steps)
         kl = add_distill_advantages(samples, w, **self._weights(step), loss_weights=self.distribution,
                                     token_weights=token_w)
         return {**stats, "distill/reverse_kl": kl, "distill/weight": w, "distill/teacher_tokens": tokens}
 
-    def _informative_tokens(self, samples: list[Any]) -> dict[str, float]:
+    def _informative_tokens(self, samples: list[Sample]) -> dict[str, float]:
         """TIP: drop uninformative action tokens from every sample's loss mask, in place.
 
         Quantiles are over the batch's action tokens. A dropped token needs no
@@ -492,7 +438,7 @@ class Distiller:
         if any(s.old_entropy is None for s in samples):
             raise ValueError("train.distill.tip needs the student's entropies (Sample.old_entropy)")
         ent = torch.tensor([x for s in samples for x in s.old_entropy])
-        gap = torch.tensor([abs(a - b) for s in samples for a, b in zip(s.old, s.teacher, strict=True)])
+        gap = torch.tensor([abs(a - b) for s in samples for a, b in zip(s.old, s.distill.teacher, strict=True)])
         mask = torch.tensor([m for s in samples for m in s.mask], dtype=torch.bool)
         keep, frac = informative_token_mask(ent, gap, mask)
         start = 0
@@ -505,8 +451,9 @@ class Distiller:
                 "distill/tip_logits_mb_saved": dropped * 2 * 4 * len(self.tokenizer) / 2**20}
 
 
-def expert_teacher_logprobs(sample: Any, tokenizer: Any, floor: float) -> tuple[list[float], int, int]:
-    """``sample.teacher`` for a scripted expert, from ``sample.expert_turns``; (logprobs, turns, matched turns).
+def expert_teacher_logprobs(sample: Sample, tokenizer: Any, floor: float) -> tuple[list[float], int, int]:
+    """The teacher log-probs of a scripted expert, from ``sample.distill.expert_turns``; (logprobs,
+    turns, matched turns).
 
     ``expert_turns`` holds ``(start, end, expert_action, stopped)`` per turn: the
     turn's action tokens are ``input_ids[start:end]``. A turn without an expert
@@ -518,7 +465,7 @@ def expert_teacher_logprobs(sample: Any, tokenizer: Any, floor: float) -> tuple[
         raise ValueError("the expert teacher needs sample.old (the student's logprobs) filled")
     teacher = list(sample.old)
     turns = matched = 0
-    for start, end, expert, stopped in sample.expert_turns or []:
+    for start, end, expert, stopped in sample.distill.expert_turns or []:
         if expert is None or end <= start:
             continue
         action = list(sample.input_ids[start:end])
@@ -532,18 +479,19 @@ def expert_teacher_logprobs(sample: Any, tokenizer: Any, floor: float) -> tuple[
     return teacher, turns, matched
 
 
-def overlap_weights(samples: list[Any], threshold: float, after_weight: float
+def overlap_weights(samples: list[Sample], threshold: float, after_weight: float
                     ) -> tuple[list[torch.Tensor], dict[str, float]]:
     """Per sample, 1 up to its first action token whose top-k overlap < ``threshold``, ``after_weight`` after.
 
-    Reads ``sample.old_top`` and ``sample.teacher_top`` (``[T, K]`` ids); see
+    Reads ``sample.old_top`` and ``sample.distill.teacher_top`` (``[T, K]`` ids); see
     ``overlap_stop``. Stats: the mean overlap over action tokens, the share of
     samples that stopped, and the action tokens after a stop.
     """
     weights, overlap, n_action, stopped, after = [], 0.0, 0, 0, 0
     for s in samples:
         mask = torch.tensor(s.mask, dtype=torch.bool)
-        r = overlap_stop(torch.tensor(s.old_top), torch.tensor(s.teacher_top), threshold, mask, after_weight)
+        r = overlap_stop(torch.tensor(s.old_top), torch.tensor(s.distill.teacher_top), threshold, mask,
+                         after_weight)
         weights.append(r.weights)
         overlap += float(r.overlap[mask].sum())
         n_action += int(mask.sum())
@@ -554,66 +502,14 @@ def overlap_weights(samples: list[Any], threshold: float, after_weight: float
                      "distill/overlap_tokens_after_stop": after}
 
 
-def build_support(student_top: torch.Tensor, teacher_at_student: torch.Tensor, teacher_top: torch.Tensor,
-                  teacher_top_lp: torch.Tensor, *, both: bool, special: torch.Tensor | None = None,
-                  vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The candidate ids ``[T, C]`` a distribution-level signal compares on, and the teacher's log-probs there.
-
-    The student's top-K ids (``student_top``, with ``teacher_at_student`` the
-    teacher's log-probs of them); with ``both``, then the teacher's own top-K
-    (``teacher_top`` / ``teacher_top_lp``), an id the student already listed
-    left out. Left-out ids, ``special`` ones and ids ``>= vocab`` are -1.
-    """
-    ids, lp = student_top.clone(), teacher_at_student.clone()
-    if both:
-        dup = (teacher_top[..., :, None] == student_top[..., None, :]).any(-1)
-        ids = torch.cat([ids, teacher_top.masked_fill(dup, -1)], dim=-1)
-        lp = torch.cat([lp, teacher_top_lp], dim=-1)
-    if special is not None:
-        ids = ids.masked_fill(torch.isin(ids, special), -1)
-    if vocab is not None:
-        ids = ids.masked_fill(ids >= vocab, -1)
-    return ids, lp
-
-
-_LEFT_OUT = -1e4  # a log-prob whose probability is exactly 0 in float32, and finite: no NaN gradients
-
-
-def distribution_loss(student_lp: torch.Tensor, teacher_lp: torch.Tensor, keep: torch.Tensor,
-                      weights: torch.Tensor, mask: torch.Tensor, cfg: DistillConfig
-                      ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per action token ``w_t D_t``, ``D`` the ``cfg.signal`` divergence on the token's support: ``[B, T]``.
-
-    ``student_lp`` / ``teacher_lp`` / ``keep`` are ``[B, T, C]`` (``build_support``'s
-    ids gathered from both models, ``keep`` = id >= 0); ``weights`` and ``mask``
-    ``[B, T]``. Left-out candidates become probability 0 on both sides. The
-    policy loss aggregates the result like its own term (``extra_per_token``).
-    Also returns ``loss/distill_<signal>``, the unweighted mean divergence.
-    """
-    s_lp = torch.where(keep, student_lp, _LEFT_OUT)
-    t_lp = torch.where(keep, teacher_lp.to(student_lp.dtype), _LEFT_OUT)
-    if cfg.signal == "topk_reverse_kl":
-        per = topk_reverse_kl(s_lp, t_lp)
-    elif cfg.signal == "lsm":
-        per = local_support_matching(s_lp, t_lp)
-    elif cfg.signal == "forward_kl":
-        per = forward_kl(s_lp, t_lp)
-    elif cfg.signal == "jsd":
-        per = jsd(s_lp, t_lp, cfg.jsd_beta)
-    else:
-        raise ValueError(f"distribution_loss: {cfg.signal!r} is not a distribution-level signal")
-    m = mask.to(per.dtype)
-    mean = float((per.detach() * m).sum() / m.sum().clamp(min=1))
-    return per * weights * m, {f"loss/distill_{cfg.signal}": mean}
-
-
-def add_distill_advantages(samples: list[Any], weight: float, *, turn_balance: float | None = None,
+def add_distill_advantages(samples: list[Sample], weight: float, *, turn_balance: float | None = None,
                            sod_alpha: float | None = None, loss_weights: bool = False,
                            token_weights: Sequence[torch.Tensor] | None = None) -> float:
     """``A += weight * w_t * (log pi_t - log pi_s)`` on every action token, in place; returns the batch's KL estimate.
 
-    ``sample.old`` holds the student's logprobs and ``sample.teacher`` the
-    teacher's, aligned with ``input_ids``; context tokens keep their advantage.
+    ``sample.old`` holds the student's logprobs and ``sample.distill.teacher``
+    the teacher's, aligned with ``input_ids``; context tokens keep their
+    advantage. The sum is ``combine_rl_and_distill``.
     ``w_t`` is 1, times, when asked (both need ``sample.turn_spans``):
 
     - ``turn_balance`` = progress in [0, 1]: TurnOPD's move from token- to
@@ -623,22 +519,22 @@ def add_distill_advantages(samples: list[Any], weight: float, *, turn_balance: f
 
     ``token_weights[i]`` multiplies sample i's ``w_t`` too (the overlap stop).
     With ``loss_weights`` the advantages are left alone and ``weight * w_t``
-    goes to ``sample.distill_w``: the weights of a distribution-level loss term.
+    goes to ``sample.distill.weights``: the weights of a distribution-level loss term.
 
     The returned value is the mean of ``log pi_s - log pi_t`` over all action
     tokens of the batch (k1 estimate of KL(pi_s || pi_t) on the sampled tokens).
     """
     gap_sum, n = 0.0, 0
     for i, s in enumerate(samples):
-        if s.old is None or s.teacher is None:
-            raise ValueError("add_distill_advantages needs sample.old and sample.teacher filled")
+        if s.old is None or s.distill.teacher is None:
+            raise ValueError("add_distill_advantages needs sample.old and sample.distill.teacher filled")
         mask = torch.tensor(s.mask, dtype=torch.bool)
-        a_distill = reverse_kl_advantage(torch.tensor(s.old), torch.tensor(s.teacher)) * mask
+        a_distill = reverse_kl_advantage(torch.tensor(s.old), torch.tensor(s.distill.teacher)) * mask
         gap_sum -= float(a_distill.sum())
         n += int(mask.sum())
         w = torch.ones(len(s.input_ids))
         if turn_balance is not None or sod_alpha is not None:
-            spans = getattr(s, "turn_spans", None)
+            spans = s.turn_spans
             if spans is None:
                 raise ValueError("turn_balance and sod_alpha need sample.turn_spans")
             if turn_balance is not None:
@@ -650,7 +546,7 @@ def add_distill_advantages(samples: list[Any], weight: float, *, turn_balance: f
         if token_weights is not None:
             w = w * token_weights[i]
         if loss_weights:
-            s.distill_w = (weight * w * mask).tolist()
+            s.distill.weights = (weight * w * mask).tolist()
         else:
-            s.advantages = (torch.tensor(s.advantages) + weight * w * a_distill).tolist()
+            s.advantages = combine_rl_and_distill(torch.tensor(s.advantages), w * a_distill, weight).tolist()
     return gap_sum / max(n, 1)

@@ -6,18 +6,21 @@ per-token distillation advantages, divergences and weights. The student
 samples, the teacher scores what it sampled, and the student is pushed towards
 the teacher where it went wrong (Agarwal et al. 2024, GKD; Lu and Thinking
 Machines 2025, "On-Policy Distillation"). Everything here is a pure tensor
-function; the trainer adds the advantages to the RL ones and calls the losses
-in ``agentrl.train.loss``.
+function; ``loop`` wires them into a rollout batch, and the trainer adds the
+advantages to the RL ones and calls the losses in ``agentrl.train.loss``.
 
 The pieces, each from the paper named in its docstring:
 
 - the signal: ``reverse_kl_advantage`` (sampled tokens), ``topk_reverse_kl``,
-  ``local_support_matching``, ``forward_kl``, ``jsd`` (distributions);
+  ``local_support_matching``, ``forward_kl``, ``jsd`` (distributions), on the
+  support ``build_support`` picks, as a loss term (``distribution_loss``);
 - where it counts: ``turn_balance_weights`` (per turn), ``overlap_stop``
   (Prune-OPD: stop where the student drifted), ``step_divergence_weights``
   (SOD), ``informative_token_mask`` (TIP);
 - how it mixes with RL: ``combine_rl_and_distill``, ``linear_schedule``;
-- a teacher without a model: ``expert_one_hot_teacher`` (a scripted expert).
+- a teacher without a model: ``expert_one_hot_teacher`` (a scripted expert on
+  the sampled tokens) and ``expert_next_tokens`` (its token targets, for
+  ``forward_kl``: DAgger on the student's own states).
 
 Conventions: log-probabilities are natural logs; ``[..., K]`` tensors hold K
 candidate tokens per position along the last axis; per-token outputs keep the
@@ -34,8 +37,11 @@ import torch
 
 __all__ = [
     "OverlapStop",
+    "build_support",
     "combine_rl_and_distill",
     "depth_budget",
+    "distribution_loss",
+    "expert_next_tokens",
     "expert_one_hot_teacher",
     "forward_kl",
     "informative_token_mask",
@@ -177,7 +183,7 @@ def spread_turn_values(turn_spans: list[tuple[int, int]], values: torch.Tensor |
 def turn_balance_weights(turn_spans: list[tuple[int, int]], progress: float, length: int) -> torch.Tensor:
     """Per-token weights ``[length]`` that move from token-balanced to turn-balanced as ``progress`` goes 0 -> 1.
 
-    TurnOPD-style balancing (as the issue names it): a token of turn k with
+    TurnOPD-style balancing (every turn one decision): a token of turn k with
     ``n_k`` action tokens gets ``w = (1 - progress) * 1 + progress / n_k``. At
     progress 0 each token weighs 1 (long turns dominate, as in plain
     token-level OPD); at 1 each turn sums to 1 (every decision of the agent
@@ -318,11 +324,67 @@ def informative_token_mask(student_entropy: torch.Tensor, divergence: torch.Tens
     return keep, float(keep.sum() / on.sum())
 
 
+# --------------------------------------------------------------------------- distribution-level losses
+
+
+def build_support(student_top: torch.Tensor, teacher_at_student: torch.Tensor, teacher_top: torch.Tensor,
+                  teacher_top_lp: torch.Tensor, *, both: bool, special: torch.Tensor | None = None,
+                  vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidate ids ``[T, C]`` a distribution-level signal compares on, and the teacher's log-probs there.
+
+    The student's top-K ids (``student_top``, with ``teacher_at_student`` the
+    teacher's log-probs of them); with ``both``, then the teacher's own top-K
+    (``teacher_top`` / ``teacher_top_lp``), an id the student already listed
+    left out. Left-out ids, ``special`` ones and ids ``>= vocab`` are -1.
+    """
+    ids, lp = student_top.clone(), teacher_at_student.clone()
+    if both:
+        dup = (teacher_top[..., :, None] == student_top[..., None, :]).any(-1)
+        ids = torch.cat([ids, teacher_top.masked_fill(dup, -1)], dim=-1)
+        lp = torch.cat([lp, teacher_top_lp], dim=-1)
+    if special is not None:
+        ids = ids.masked_fill(torch.isin(ids, special), -1)
+    if vocab is not None:
+        ids = ids.masked_fill(ids >= vocab, -1)
+    return ids, lp
+
+
+_LEFT_OUT = -1e4  # a log-prob whose probability is exactly 0 in float32, and finite: no NaN gradients
+
+
+def distribution_loss(student_lp: torch.Tensor, teacher_lp: torch.Tensor, keep: torch.Tensor,
+                      weights: torch.Tensor, mask: torch.Tensor, signal: str, jsd_beta: float = 0.5
+                      ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per action token ``w_t D_t``, ``D`` the ``signal`` divergence on the token's support: ``[B, T]``.
+
+    ``student_lp`` / ``teacher_lp`` / ``keep`` are ``[B, T, C]`` (``build_support``'s
+    ids gathered from both models, ``keep`` = id >= 0); ``weights`` and ``mask``
+    ``[B, T]``. Left-out candidates become probability 0 on both sides. The
+    policy loss aggregates the result like its own term (``extra_per_token``).
+    Also returns ``loss/distill_<signal>``, the unweighted mean divergence.
+    """
+    s_lp = torch.where(keep, student_lp, _LEFT_OUT)
+    t_lp = torch.where(keep, teacher_lp.to(student_lp.dtype), _LEFT_OUT)
+    if signal == "topk_reverse_kl":
+        per = topk_reverse_kl(s_lp, t_lp)
+    elif signal == "lsm":
+        per = local_support_matching(s_lp, t_lp)
+    elif signal == "forward_kl":
+        per = forward_kl(s_lp, t_lp)
+    elif signal == "jsd":
+        per = jsd(s_lp, t_lp, jsd_beta)
+    else:
+        raise ValueError(f"distribution_loss: {signal!r} is not a distribution-level signal")
+    m = mask.to(per.dtype)
+    mean = float((per.detach() * m).sum() / m.sum().clamp(min=1))
+    return per * weights * m, {f"loss/distill_{signal}": mean}
+
+
 # --------------------------------------------------------------------------- mixing with RL
 
 
 def combine_rl_and_distill(rl_adv: torch.Tensor, distill_adv: torch.Tensor, weight: float) -> torch.Tensor:
-    """Per-token advantage ``A = A_rl + weight * A_distill`` (dGRPO-style mixing, as the issue names it).
+    """Per-token advantage ``A = A_rl + weight * A_distill`` (dGRPO-style mixing).
 
     The environment's reward says whether the episode worked; the teacher
     says, token by token, how it would have acted. Adding the two advantages
@@ -382,3 +444,29 @@ def expert_one_hot_teacher(action_token_ids: torch.Tensor | list[int], expert_to
     if prefix_only:
         match = match.long().cumprod(0).bool()
     return torch.where(match, torch.zeros(action.numel()), torch.full((action.numel(),), floor))
+
+
+def expert_next_tokens(action_token_ids: Sequence[int], expert_token_ids: Sequence[int]) -> list[int]:
+    """The expert's token at each position of the student's action, while the student followed it.
+
+    A scripted expert is one-hot over action strings; tokenized
+    (``expert_token_ids``, with the end-of-turn token), it is one-hot over
+    tokens as long as the student's sampled prefix agrees with it. Position t
+    gets the expert's token t when the student's tokens before t equal the
+    expert's, and -1 after the first one that differs (the expert has no
+    opinion on a continuation it would never have written) or past the
+    expert's end. The first differing position keeps its target: that is
+    where the student left the expert.
+
+    With these as a one-token support and the teacher's log-prob 0 there,
+    ``forward_kl`` is ``-log pi_s(expert token)`` on the student's own states:
+    a token-level DAgger loss (Ross et al. 2011, "A Reduction of Imitation
+    Learning and Structured Prediction to No-Regret Online Learning"), the
+    states the student visits labelled by the expert.
+    """
+    out, following = [], True
+    for t, tok in enumerate(action_token_ids):
+        following = following and t < len(expert_token_ids)
+        out.append(int(expert_token_ids[t]) if following else -1)
+        following = following and tok == expert_token_ids[t]
+    return out

@@ -2,7 +2,8 @@
 
 ``agentrl train --harness CMD`` (``train.harness``) swaps the native engine
 for ``HarnessRollouts.collect``, which has ``agentrl.rollout.collect``'s
-signature. Everything after the rollout is the same code: credit, old
+signature: the trainer takes it as its rollout source
+(``agentrl.train.trainer.RolloutSource``; ``harness_rollouts`` makes one). Everything after the rollout is the same code: credit, old
 logprobs, loss, weight sync, eval and checkpoints.
 
 For the whole run, two servers listen on free 127.0.0.1 ports, each on a
@@ -69,9 +70,9 @@ from ..types import Node, RolloutTree
 
 if TYPE_CHECKING:
     from ..config import Config, SamplingConfig
-    from ..proxy import RunningServer
+    from .app import RunningServer
 
-__all__ = ["HarnessRollouts", "merge_sessions"]
+__all__ = ["HarnessRollouts", "harness_rollouts", "merge_sessions"]
 
 _KEPT_META = ("session_id", "episode", "error", "env", "harness", "branches", "calls",
               "template_mismatches")
@@ -169,8 +170,9 @@ class HarnessRollouts:
         """Start the proxy and the env server (once)."""
         import secrets
 
-        from ..proxy import ProxyConfig, RunningServer, create_app, create_env_app
-        from ..proxy.envserver import EnvServerConfig
+        from .app import RunningServer, create_app
+        from .envserver import EnvServerConfig, create_env_app
+        from .schemas import ProxyConfig
 
         if self.proxy is not None:
             return
@@ -229,7 +231,7 @@ class HarnessRollouts:
                 for i, seed in enumerate(seeds)]
 
     async def _episode(self, env_id: str, cfg: Config, seed: int, episode: int) -> RolloutTree:
-        from ..proxy.harness import EnvServer, drop_session, open_session, run_harness_episode
+        from .harness import EnvServer, drop_session, open_session, run_harness_episode
 
         assert self.proxy is not None and self.envs is not None
         meta = {"task": seed, "episode": episode, "env_id": env_id}
@@ -270,3 +272,10 @@ class HarnessRollouts:
             except TimeoutError:
                 warnings.warn(f"the policy was still generating {timeout_s:g}s after the harnesses "
                               "exited; updating anyway", stacklevel=2)
+
+
+def harness_rollouts(policy: Any, cfg: Any) -> HarnessRollouts:
+    """The rollout source of a run config with ``train.harness`` (for ``agentrl.train.train``)."""
+    if cfg.train.harness is None:
+        raise ConfigError("train.harness is not set: there is no agent program to run")
+    return HarnessRollouts(cfg.train.harness, policy, cfg, cfg.train.harness_env)

@@ -1,0 +1,31 @@
+"""An episode's outcome: the one number per episode that the group and tree methods compare.
+
+``outcome`` names it everywhere in ``agentrl.credit``:
+
+- ``"return"``: the sum of the episode's rewards;
+- ``"success"``: 1.0 when it succeeded, else 0.0 (``Episode.success``: the
+  env's ``info["success"]`` when it reports one, else terminated with a
+  positive reward);
+- a callable: any number computed from the ``Episode``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from agentrl.types import Episode
+
+__all__ = ["Outcome", "episode_outcome"]
+
+Outcome = str | Callable[[Episode], float]
+
+
+def episode_outcome(episode: Episode, outcome: Outcome = "return") -> float:
+    """The outcome of ``episode``, as named by ``outcome`` (see the module docstring)."""
+    if callable(outcome):
+        return float(outcome(episode))
+    if outcome == "return":
+        return episode.total_reward
+    if outcome == "success":
+        return float(episode.success)
+    raise ValueError(f"outcome must be 'return', 'success' or a callable, not {outcome!r}")
