@@ -321,11 +321,12 @@ class Trainer:
         the update differentiates are the weights PPO's ratio anchors to, so the
         update's own logprobs, detached, are the old ones (ratio 1; TRL's GRPO
         skips the pass the same way when it makes one update per generation).
-        A distillation teacher reads ``Sample.old`` before the update, so it
+        A distillation teacher that reads ``Sample.old`` before the update
         keeps the pass.
         """
         t = self.cfg.train
-        return t.epochs > 1 or n_samples > t.minibatch_size or self.distiller is not None
+        teacher_reads_old = self.distiller is not None and self.distiller.needs_student_scores
+        return t.epochs > 1 or n_samples > t.minibatch_size or teacher_reads_old
 
     def _credit(self, trees: list[RolloutTree]) -> tuple[list[Sample], dict[str, Any]]:
         """Per-token advantages for every episode (and a refit value head), as samples."""

@@ -16,8 +16,10 @@ the student's tokenizer), and ``Distiller.apply`` turns the two into
 Teachers: a model folder or registered name (``load_teacher``), a vLLM
 engine (``vllm:NAME``), the student's own weights given privileged text
 (``self``; OPSD), or the env's scripted expert or privileged oracle as a
-one-hot target on the student's tokens (``expert``, ``oracle``;
-``expert_teacher_logprobs``). Privileged text comes from the env's reset
+one-hot target on the student's tokens (``expert``, ``oracle``): on its
+sampled tokens with ``reverse_kl`` (``expert_teacher_logprobs``), or on the
+expert's own next token with ``forward_kl``, which is DAgger on the student's
+states (``Distiller._expert_targets``). Privileged text comes from the env's reset
 ``info["privileged"]`` or, with ``privileged_source: hindsight``, from the
 group's own best episode (``hindsight_summary``); it is a system message in
 front of the student's ids (``privileged_prefix``).
@@ -42,6 +44,7 @@ from .signals import (
     build_support,
     combine_rl_and_distill,
     depth_budget,
+    expert_next_tokens,
     expert_one_hot_teacher,
     informative_token_mask,
     linear_schedule,
@@ -68,8 +71,10 @@ class DistillConfig(BaseModel):
                          "sampled-token reverse KL only). "
                          "'self': the student's current weights (needs privileged: true). "
                          "'expert': the env's scripted expert (env.expert_action(), which acts on "
-                         "what was observed) as a one-hot teacher. 'oracle': the same with the "
-                         "env's privileged oracle (env.oracle_action(), which reads hidden state).")
+                         "what was observed) as a one-hot teacher: with signal reverse_kl on the "
+                         "student's sampled tokens, with forward_kl on its own next token (DAgger). "
+                         "'oracle': the same with the env's privileged oracle (env.oracle_action(), "
+                         "which reads hidden state).")
     turn_balance: bool = Field(False, description="TurnOPD: move the distillation weights from "
                                "token-balanced (step 0) to turn-balanced (last step), so every turn "
                                "counts the same however many tokens it took.")
@@ -152,11 +157,17 @@ class DistillConfig(BaseModel):
             raise ValueError("train.distill.teacher='vllm:...' scores the sampled tokens at temperature 1 "
                              "(vLLM's prompt logprobs): use signal='reverse_kl', no overlap_threshold "
                              "and teacher_temperature=1")
-        if self.teacher in ("expert", "oracle") and (self.signal != "reverse_kl"
+        if self.teacher in ("expert", "oracle") and (self.signal not in ("reverse_kl", "forward_kl")
                                                      or self.overlap_threshold is not None):
             raise ValueError("train.distill.teacher='expert' is a one-hot target on the student's own "
-                             "tokens: it has no top-k distribution; use signal='reverse_kl' and no "
+                             "tokens: it has no top-k distribution; use signal='reverse_kl' (its sampled "
+                             "tokens) or 'forward_kl' (its next token: DAgger), and no "
                              "overlap_threshold")
+        if self.teacher in ("expert", "oracle") and self.signal == "forward_kl" and (
+                self.turn_balance or self.sod_alpha is not None or self.depth_coverage is not None):
+            raise ValueError("train.distill.teacher='expert' with signal='forward_kl' trains on the expert's "
+                             "tokens (DAgger) and measures no divergence per turn: turn_balance, sod_alpha "
+                             "and depth_coverage need a model teacher or signal='reverse_kl'")
         if self.teacher in ("expert", "oracle") and self.privileged:
             raise ValueError("train.distill.teacher='expert' reads no context: set "
                              "train.distill.privileged=false")
@@ -300,8 +311,11 @@ class Distiller:
         self.turn_mass: list[float] = []  # per turn depth: divergence mass, averaged over steps (TurnOPD)
         self.depth_budget: int | None = None  # the next rollouts' max_turns, once there is a statistic
         self.distribution = cfg.signal != "reverse_kl"  # a loss term on a top-k support, not an advantage
+        self.scripted = cfg.teacher in ("expert", "oracle")  # a one-hot teacher from the env, no model
         # Candidate ids a token both models report: the support, and the overlap stop's top-k.
-        self.top_k = cfg.top_k if self.distribution or cfg.overlap_threshold is not None else 0
+        # A scripted teacher's support is its one next token (``_expert_targets``).
+        wants_top_k = (self.distribution and not self.scripted) or cfg.overlap_threshold is not None
+        self.top_k = cfg.top_k if wants_top_k else 0
         self._bos = document_bos(student_tokenizer)
         self._vocab = len(student_tokenizer)  # a bigger teacher head may rank padding ids past it
         special = sorted(set(student_tokenizer.all_special_ids)) if cfg.mask_special else []
@@ -321,6 +335,41 @@ class Distiller:
                               f"the env has no {self.cfg.teacher}_action(), or it failed (see the nodes' "
                               "expert_action_error)")
         return {"distill/expert_turns": turns, "distill/expert_match_frac": matched / max(turns, 1)}
+
+    @property
+    def needs_student_scores(self) -> bool:
+        """Whether ``apply`` reads the student's scoring pass (``Sample.old``): every teacher
+        but a scripted one with ``forward_kl``, whose targets are tokens."""
+        return not (self.scripted and self.distribution)
+
+    def _expert_targets(self, samples: list[Sample], step: int) -> dict[str, float]:
+        """A scripted teacher with ``forward_kl``: at each action token, the expert's next token
+        while the student followed it (``expert_next_tokens``) is a one-token support with teacher
+        log-prob 0, so the loss term is ``-w log pi_s(expert token)``: DAgger on the student's states."""
+        eos = self.tokenizer.eos_token_id
+        w = distill_weight(self.cfg, step, self.total_steps)
+        turns = matched = targets = 0
+        for s in samples:
+            support = [[-1] for _ in s.input_ids]
+            for start, end, expert, _ in s.distill.expert_turns or []:
+                if expert is None or end <= start:
+                    continue
+                want = self.tokenizer(expert, add_special_tokens=False)["input_ids"] + [eos]
+                action = s.input_ids[start:end]
+                for t, tok in enumerate(expert_next_tokens(action, want)):
+                    if tok >= 0:
+                        support[start + t] = [tok]
+                        targets += 1
+                turns, matched = turns + 1, matched + int(action == want)
+            d = s.distill
+            d.support, d.support_teacher = support, [[0.0] for _ in s.input_ids]
+            d.weights = [w if ids[0] >= 0 and m else 0.0 for ids, m in zip(support, s.mask, strict=True)]
+        if turns == 0 and any(s.distill.expert_turns for s in samples):
+            raise ConfigError(f"train.distill.teacher={self.cfg.teacher!r} but no turn has an expert action: "
+                              f"the env has no {self.cfg.teacher}_action(), or it failed (see the nodes' "
+                              "expert_action_error)")
+        return {"distill/expert_turns": turns, "distill/expert_match_frac": matched / max(turns, 1),
+                "distill/expert_target_tokens": targets, "distill/weight": w, "distill/teacher_tokens": 0}
 
     def apply(self, samples: list[Sample], step: int, score: ScoreFn) -> dict[str, float]:
         """Teacher-score ``samples``, add the signal (``_apply``), then update the depth budget."""
@@ -378,6 +427,8 @@ class Distiller:
         ``privileged: true`` the teacher reads each sample's
         ``distill.privileged`` text first. Returns ``distill/*`` stats.
         """
+        if self.scripted and self.distribution:
+            return self._expert_targets(samples, step)
         if self.teacher is None and self.vllm_teacher is None:
             stats = self._expert_teacher(samples)
             w = distill_weight(self.cfg, step, self.total_steps)
