@@ -1,8 +1,11 @@
-"""Trainer throughput on CPU: agentrl's GRPO step against TRL's ``GRPOTrainer`` on the same batch.
+"""Trainer throughput: agentrl's GRPO step against TRL's ``GRPOTrainer`` on the same batch, and its peak memory.
 
 One step = ``--prompts`` prompts x ``--group`` completions of exactly
 ``--completion-tokens`` tokens (EOS is ignored on both sides so the lengths
-match), random 0/1 rewards, GRPO advantages, one AdamW step on all weights.
+match), random 0/1 rewards, GRPO advantages, one AdamW step on all weights
+(or, for the models in ``--lora-models``, on LoRA adapters: ``trainable: lora``
+through ``agentrl.train.batch.make_trainable``, with ``LoraConfig``'s defaults,
+r 16 on every linear layer of the decoder; agentrl only).
 
 agentrl's step is timed in its three parts, through the trainer's own
 functions:
@@ -26,14 +29,20 @@ timed by wrapping that private method; its ``update_s`` is the rest of the step.
 iteration skips the old-logprob pass (ratio 1 by construction), and so does
 agentrl's trainer.
 
-Each (framework, model) runs in its own subprocess so ``peak_rss_mb``
-(``getrusage`` max RSS) is that framework's alone. Seconds are medians over the
+Each (framework, model) runs in its own subprocess so its peak memory is its
+own: ``peak_rss_mb`` (``getrusage`` max resident set) and, on a GPU
+(``--device cuda``), ``cuda_peak_mb`` (``torch.cuda.max_memory_allocated``;
+``cuda_reserved_mb``, the caching allocator's peak). Seconds are medians over the
 steps after the first (warm-up). The machine is shared: the JSON records
 ``os.getloadavg()`` before and after.
 
+``--no-trl`` keeps the TRL rows of the JSON it overwrites, marked
+``"previous_run": true`` with that run's load and its own agentrl rows (the
+step ratio is only meaningful between rows measured together).
+
     python bench/train_throughput.py                 # tiny-random and smollm2-135m, agentrl and TRL
     python bench/train_throughput.py --quick         # tiny-random only, small batch
-    python bench/train_throughput.py --no-trl        # agentrl only
+    python bench/train_throughput.py --no-trl        # agentrl only; TRL's previous rows kept
 """
 
 from __future__ import annotations
@@ -59,8 +68,16 @@ PROMPTS = [
 ]
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+def peak_memory_mb() -> dict:
+    """Peak resident memory of this process and, when a GPU was used, CUDA's peaks."""
+    import torch
+
+    out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
+           "cuda_peak_mb": None, "cuda_reserved_mb": None}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        out["cuda_reserved_mb"] = torch.cuda.max_memory_reserved() / 2**20
+    return out
 
 
 def grpo_advantages(rewards: list[float], group: int) -> list[float]:
@@ -83,28 +100,39 @@ def random_rewards(n: int, seed: int) -> list[float]:
 # --------------------------------------------------------------------------- agentrl
 
 
-def run_agentrl(args: argparse.Namespace) -> dict:
+def run_agentrl(args: argparse.Namespace, lora: bool = False) -> dict:
     import torch
 
     from agentrl.models import load_model
     from agentrl.policy.base import GenerateRequest, SamplingParams
     from agentrl.policy.hf import HFPolicy
-    from agentrl.train.batch import Sample, score_old, train_on_samples
+    from agentrl.train.batch import (
+        Sample,
+        make_optimizer,
+        make_trainable,
+        score_old,
+        train_on_samples,
+    )
+    from agentrl.train.config import TrainConfig
     from agentrl.train.loss import PolicyLossConfig, policy_loss
 
     torch.manual_seed(0)
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, device=args.device)
     policy = HFPolicy(model, tok, max_batch_size=args.prompts * args.group)
     policy.eos_ids = set()  # fixed completion length, as TRL's min_new_tokens does on its side
     pad_id = policy.pad_id
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS[:args.prompts]]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    train_cfg = TrainConfig(trainable="lora" if lora else "full", lr=1e-6)
+    trained = make_trainable(model, train_cfg)  # LoRA: adapters injected into the policy's own model
+    opt = make_optimizer(trained, train_cfg.lr, train_cfg)
+    n_trainable = sum(p.numel() for p in trained.parameters() if p.requires_grad)
     cfg = PolicyLossConfig()
 
-    def loss_fn(lp, ent, t):
+    def loss_fn(lp, ent, t):  # Trainer._rl_loss's call: masks decided over the whole minibatch
         v = t.values
         return policy_loss(lp, v["advantages"], t.mask, cfg, old_logprobs=v.get("old"),
-                           behaviour_logprobs=v["behaviour"], entropies=ent, seq_ids=t.seq_ids)
+                           behaviour_logprobs=v["behaviour"], entropies=ent, seq_ids=t.seq_ids,
+                           masks=t.minibatch.token_masks(cfg, 0, t))
 
     steps = []
     for step in range(args.steps):
@@ -129,7 +157,7 @@ def run_agentrl(args: argparse.Namespace) -> dict:
             fields += ("old",)
         score_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        st = train_on_samples(model, opt, None, samples, loss_fn, fields=fields, epochs=1,
+        st = train_on_samples(trained, opt, None, samples, loss_fn, fields=fields, epochs=1,
                               minibatch_size=len(samples), max_tokens=args.micro_batch_tokens,
                               max_grad_norm=1.0, per_token=True, pad_id=pad_id, temperature=1.0,
                               generator=torch.Generator().manual_seed(step))
@@ -138,7 +166,7 @@ def run_agentrl(args: argparse.Namespace) -> dict:
         steps.append({"gen_s": gen_s, "score_s": score_s, "update_s": update_s,
                       "completion_tokens": sum(len(r.token_ids) for r in results),
                       "train_tokens": int(st["train/tokens"]), "score_tokens": score_tokens})
-    return {"steps": steps, "peak_rss_mb": peak_rss_mb()}
+    return {"steps": steps, "trainable_params": n_trainable, **peak_memory_mb()}
 
 
 # --------------------------------------------------------------------------- TRL
@@ -153,7 +181,7 @@ def run_trl(args: argparse.Namespace) -> dict:
     from agentrl.models import load_model
 
     torch.manual_seed(0)
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, device=args.device)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     n = args.prompts * args.group
@@ -176,7 +204,7 @@ def run_trl(args: argparse.Namespace) -> dict:
     cfg = GRPOConfig(
         output_dir="/tmp/agentrl-bench-trl", per_device_train_batch_size=n, gradient_accumulation_steps=1,
         num_generations=args.group, max_completion_length=args.completion_tokens, max_steps=args.steps,
-        learning_rate=1e-6, beta=0.0, temperature=1.0, use_cpu=True, bf16=False, report_to="none",
+        learning_rate=1e-6, beta=0.0, temperature=1.0, use_cpu=args.device == "cpu", bf16=False, report_to="none",
         save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True,
         gradient_checkpointing=args.trl_gradient_checkpointing,
         generation_kwargs={"min_new_tokens": args.completion_tokens},
@@ -196,7 +224,7 @@ def run_trl(args: argparse.Namespace) -> dict:
     trainer._generate_and_score_completions = timed_generation
     trainer.train()
     return {"steps": [{"step_s": t, "gen_s": g} for t, g in zip(times, gen_times, strict=False)], "completion_tokens_seen": lengths,
-            "peak_rss_mb": peak_rss_mb(), "trl_version": __import__("trl").__version__}
+            **peak_memory_mb(), "trl_version": __import__("trl").__version__}
 
 
 # --------------------------------------------------------------------------- driver
@@ -206,7 +234,7 @@ def child(framework: str, model: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--child", framework, "--models", model,
            "--prompts", str(args.prompts), "--group", str(args.group),
            "--completion-tokens", str(args.completion_tokens), "--steps", str(args.steps),
-           "--micro-batch-tokens", str(args.micro_batch_tokens)]
+           "--micro-batch-tokens", str(args.micro_batch_tokens), "--device", args.device]
     if args.trl_gradient_checkpointing:
         cmd.append("--trl-gradient-checkpointing")
     if args.score_pass:
@@ -223,19 +251,29 @@ def med(steps: list[dict], key: str) -> float:
     return statistics.median(xs)
 
 
-def summarize(a: dict, t: dict | None) -> dict:
+MEMORY = ("peak_rss_mb", "cuda_peak_mb", "cuda_reserved_mb")
+
+
+def summarize_agentrl(a: dict) -> dict:
+    gen, score, upd = med(a["steps"], "gen_s"), med(a["steps"], "score_s"), med(a["steps"], "update_s")
+    s = a["steps"][-1]
+    return {"gen_s": gen, "score_s": score, "update_s": upd, "step_s": gen + score + upd,
+            "update_tokens_per_s": (s["train_tokens"] + s["score_tokens"]) / (score + upd),
+            "completion_tokens": s["completion_tokens"], "train_tokens": s["train_tokens"],
+            "trainable_params": a.get("trainable_params"), **{k: a.get(k) for k in MEMORY}}
+
+
+def summarize(a: dict, t: dict | None, lora: dict | None = None) -> dict:
     out: dict = {}
     if "steps" in a:
-        gen, score, upd = med(a["steps"], "gen_s"), med(a["steps"], "score_s"), med(a["steps"], "update_s")
-        s = a["steps"][-1]
-        out["agentrl"] = {"gen_s": gen, "score_s": score, "update_s": upd, "step_s": gen + score + upd,
-                          "update_tokens_per_s": (s["train_tokens"] + s["score_tokens"]) / (score + upd),
-                          "completion_tokens": s["completion_tokens"], "train_tokens": s["train_tokens"],
-                          "peak_rss_mb": a["peak_rss_mb"]}
+        out["agentrl"] = summarize_agentrl(a)
+    if lora is not None and "steps" in lora:
+        out["agentrl_lora"] = summarize_agentrl(lora)
     if t and "steps" in t and t["steps"]:
         trl_gen = med(t["steps"], "gen_s") if "gen_s" in t["steps"][0] else float("nan")
         out["trl"] = {"step_s": med(t["steps"], "step_s"), "gen_s": trl_gen,
-                      "update_s": med(t["steps"], "step_s") - trl_gen, "peak_rss_mb": t["peak_rss_mb"],
+                      "update_s": med(t["steps"], "step_s") - trl_gen,
+                      **{k: t.get(k) for k in MEMORY},
                       "completion_tokens": t["completion_tokens_seen"][-1] if t["completion_tokens_seen"] else None,
                       "version": t["trl_version"]}
         if "agentrl" in out:
@@ -243,36 +281,67 @@ def summarize(a: dict, t: dict | None) -> dict:
     return out
 
 
+def previous_trl(path: Path, model: str) -> tuple[dict | None, dict | None]:
+    """The TRL row of ``model`` in the JSON at ``path`` (a run with TRL), marked as such, and its raw data."""
+    if not path.exists():
+        return None, None
+    old = json.loads(path.read_text())
+    r = old.get("results", {}).get(model, {})
+    trl = r.get("summary", {}).get("trl")
+    if trl is None:
+        return None, None
+    if trl.get("previous_run"):  # already carried over once: keep its provenance
+        return trl, r.get("trl_raw")
+    same_run = {k: r["summary"][k] for k in ("agentrl", "trl_over_agentrl_step") if k in r["summary"]}
+    marked = {**trl, "previous_run": True,
+              "measured_with": {"loadavg_before": old.get("loadavg_before"), "loadavg_after": old.get("loadavg_after"),
+                                "config": old.get("config"), "platform": old.get("platform"), **same_run}}
+    return marked, r.get("trl_raw")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny-random,smollm2-135m")
+    ap.add_argument("--lora-models", default="smollm2-135m",
+                    help="models (of --models) also run with trainable: lora; '' for none")
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--group", type=int, default=8, help="completions per prompt (GRPO G)")
     ap.add_argument("--completion-tokens", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3, help="steps per run; the first is warm-up")
     ap.add_argument("--micro-batch-tokens", type=int, default=4096)
-    ap.add_argument("--no-trl", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (then CUDA's peak memory is recorded)")
+    ap.add_argument("--no-trl", action="store_true", help="agentrl only; keep the previous JSON's TRL rows")
     ap.add_argument("--score-pass", action="store_true",
                     help="run the old-logprob scoring pass although one optimizer step does not need it")
     ap.add_argument("--trl-gradient-checkpointing", action="store_true",
                     help="TRL's own default; off here because agentrl does not recompute activations")
     ap.add_argument("--quick", action="store_true", help="tiny model, 2x4x16, 2 steps")
     ap.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
-    ap.add_argument("--child", choices=["agentrl", "trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["agentrl", "agentrl-lora", "trl"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
-        args.models, args.group, args.completion_tokens, args.steps = "tiny-random", 4, 16, 2
+        args.models, args.lora_models, args.group, args.completion_tokens, args.steps = (
+            "tiny-random", "", 4, 16, 2)
     if args.child:
-        fn = run_agentrl if args.child == "agentrl" else run_trl
-        print(json.dumps(fn(argparse.Namespace(**{**vars(args), "model": args.models}))))
+        child_args = argparse.Namespace(**{**vars(args), "model": args.models})
+        result = (run_trl(child_args) if args.child == "trl"
+                  else run_agentrl(child_args, lora=args.child == "agentrl-lora"))
+        print(json.dumps(result))
         return
 
     load_before = os.getloadavg()
+    lora_models = {m for m in args.lora_models.split(",") if m}
     results = {}
     for model in args.models.split(","):
         a = child("agentrl", model, args)
+        lora = child("agentrl-lora", model, args) if model in lora_models else None
         t = None if args.no_trl else child("trl", model, args)
-        results[model] = {"summary": summarize(a, t), "agentrl_raw": a, "trl_raw": t}
+        results[model] = {"summary": summarize(a, t, lora), "agentrl_raw": a, "agentrl_lora_raw": lora,
+                          "trl_raw": t}
+        if args.no_trl:
+            kept, raw = previous_trl(Path(args.out), model)
+            if kept is not None:
+                results[model]["summary"]["trl"], results[model]["trl_raw"] = kept, raw
     report = {"config": {k: v for k, v in vars(args).items() if k not in ("child", "out")},
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
               "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
@@ -280,24 +349,33 @@ def main() -> None:
               "cpu_count": os.cpu_count(), "platform": platform.platform(), "results": results}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
-    print(f"{'model':<14}{'framework':<10}{'gen s':>8}{'score s':>9}{'update s':>10}{'step s':>9}"
-          f"{'upd tok/s':>11}{'peak MB':>9}")
+    def mb(x: float | None) -> str:
+        return f"{x:>10.0f}" if x is not None else f"{'—':>10}"
+
+    print(f"{'model':<14}{'framework':<14}{'gen s':>8}{'score s':>9}{'update s':>10}{'step s':>9}"
+          f"{'upd tok/s':>11}{'peak RSS MB':>12}{'CUDA MB':>10}")
     for model, r in results.items():
         s = r["summary"]
-        if "agentrl" in s:
-            x = s["agentrl"]
-            print(f"{model:<14}{'agentrl':<10}{x['gen_s']:>8.2f}{x['score_s']:>9.2f}{x['update_s']:>10.2f}"
-                  f"{x['step_s']:>9.2f}{x['update_tokens_per_s']:>11.0f}{x['peak_rss_mb']:>9.0f}")
-        else:
-            print(f"{model:<14}{'agentrl':<10} failed: {r['agentrl_raw'].get('error')}")
+        for key, label, raw in (("agentrl", "agentrl", "agentrl_raw"), ("agentrl_lora", "agentrl LoRA", "agentrl_lora_raw")):
+            if key in s:
+                x = s[key]
+                print(f"{model:<14}{label:<14}{x['gen_s']:>8.2f}{x['score_s']:>9.2f}{x['update_s']:>10.2f}"
+                      f"{x['step_s']:>9.2f}{x['update_tokens_per_s']:>11.0f}{x['peak_rss_mb']:>12.0f}"
+                      f"{mb(x['cuda_peak_mb'])}")
+            elif r[raw] is not None:
+                print(f"{model:<14}{label:<14} failed: {r[raw].get('error')}")
         if "trl" in s:
             x = s["trl"]
-            print(f"{model:<14}{'trl':<10}{x['gen_s']:>8.2f}{'':>9}{x['update_s']:>10.2f}{x['step_s']:>9.2f}{'':>11}"
-                  f"{x['peak_rss_mb']:>9.0f}")
+            label = "trl (prev)" if x.get("previous_run") else "trl"
+            print(f"{model:<14}{label:<14}{x['gen_s']:>8.2f}{'':>9}{x['update_s']:>10.2f}{x['step_s']:>9.2f}{'':>11}"
+                  f"{x['peak_rss_mb']:>12.0f}{mb(x.get('cuda_peak_mb'))}")
             if "trl_over_agentrl_step" in s:
                 print(f"{'':<14}TRL step / agentrl step = {s['trl_over_agentrl_step']:.2f}x")
+            elif x.get("previous_run") and "trl_over_agentrl_step" in x["measured_with"]:
+                print(f"{'':<14}TRL step / agentrl step = {x['measured_with']['trl_over_agentrl_step']:.2f}x "
+                      f"(both from the previous run, load {x['measured_with']['loadavg_before']})")
         elif r["trl_raw"] is not None:
-            print(f"{model:<14}{'trl':<10} failed: {r['trl_raw'].get('error')}")
+            print(f"{model:<14}{'trl':<14} failed: {r['trl_raw'].get('error')}")
     print(f"load average before {load_before}, after {report['loadavg_after']}; wrote {args.out}")
 
 

@@ -9,8 +9,10 @@ block-causal mask), or padded one episode a row where that costs fewer FLOPs
 (``padding_is_cheaper``). ``score_samples`` is a no-grad pass that returns
 each sample's token scores (old, reference or teacher logprobs, with top-k ids
 and candidate log-probs for distribution-level distillation);
-``minibatch_step`` accumulates one minibatch's gradient over its rows, and
-``train_on_samples`` runs shuffled epochs of optimizer steps.
+``minibatch_step`` accumulates one minibatch's gradient over its rows (each
+row's loss sees the whole minibatch through ``Minibatch``, so the loss does
+not depend on the packing), and ``train_on_samples`` runs shuffled epochs of
+optimizer steps.
 
 The model side lives here too: what trains (``make_trainable``), the
 optimizer and LR schedule, and ``sync_policy``, which hands the trained
@@ -33,11 +35,13 @@ import torch
 from ..errors import ConfigError
 from ..types import Episode
 from .logprobs import PackedRow, collate_packed, pack_sequences, token_scores
+from .loss import PolicyLossConfig, TokenMasks, token_masks
 from .metrics import merge_stat
 
 __all__ = [
     "DistillFields",
     "LossFn",
+    "Minibatch",
     "Row",
     "Sample",
     "SampleScores",
@@ -144,8 +148,10 @@ class SampleScores:
 class Row:
     """One forward pass's tensors, ``[n, T]`` each: one packed row, or one padded row a sample.
 
-    ``where[k] = (r, start, end)``: the packed row's k-th sequence sits in tensor row r,
-    columns ``[start, end)``. ``values`` holds the per-token fields the loss reads.
+    ``where[k] = (r, start, end)``: the packed row's k-th sequence, sample
+    ``seq_index[k]``, sits in tensor row r, columns ``[start, end)``. ``values``
+    holds the per-token fields the loss reads. In ``minibatch_step``, ``share`` is
+    the weight the row's loss gets and ``minibatch`` the minibatch it is part of.
     """
 
     input_ids: torch.Tensor
@@ -155,6 +161,71 @@ class Row:
     seq_ids: torch.Tensor
     values: dict[str, torch.Tensor]
     where: list[tuple[int, int, int]] = field(default_factory=list)
+    seq_index: list[int] = field(default_factory=list)
+    share: float = 1.0
+    minibatch: Minibatch | None = None
+
+    def lay_samples(self, per_sample: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Per-sample boolean ``[T_i]`` tensors laid onto the row's layout (False elsewhere)."""
+        out = torch.zeros(self.mask.shape, dtype=torch.bool)
+        for (r, start, end), i in zip(self.where, self.seq_index, strict=True):
+            out[r, start:end] = per_sample[i]
+        return out.to(self.mask.device)
+
+
+@dataclass(slots=True)
+class Minibatch:
+    """The minibatch a row belongs to, for what a row's loss decides over all of its tokens.
+
+    ``samples[i]`` for ``i`` in ``idx`` are the minibatch's samples. A loss whose
+    means leave tokens out (staleness) must divide by what the whole minibatch
+    keeps, and M2PO's second moment is a statistic of every token of the
+    minibatch: ``token_masks`` decides both once over the minibatch and cuts them
+    to a row. The trained policy's logprobs that M2PO reads come from a no-grad
+    pass over the minibatch (``score``), run on the first call that needs them and
+    counted in ``tokens``: a loss that does not ask does not pay for it.
+    """
+
+    samples: list[Sample]
+    idx: list[int]
+    score: Callable[[list[Sample]], tuple[list[SampleScores], int]]
+    tokens: int = 0
+    _logprobs: list[list[float]] | None = None
+    _masks: dict[tuple[PolicyLossConfig, int], tuple[Any, ...]] = field(default_factory=dict)
+
+    def logprobs(self) -> list[list[float]]:
+        """Each sample's logprobs under the weights being trained (no gradient), in ``idx`` order."""
+        if self._logprobs is None:
+            scores, self.tokens = self.score([self.samples[i] for i in self.idx])
+            self._logprobs = [sc.logprobs for sc in scores]
+        return self._logprobs
+
+    def token_masks(self, cfg: PolicyLossConfig, current_version: int, row: Any) -> TokenMasks:
+        """``loss.token_masks`` over the minibatch, cut to ``row`` (a ``Row`` or a tree row).
+
+        The denominator is the row's part of the minibatch's, ``denominator * row.share``:
+        ``minibatch_step`` multiplies the row's loss by ``share``, so the rows' losses add up
+        to the minibatch's sums divided by the minibatch's denominator.
+        """
+        key = (cfg, current_version)
+        if key not in self._masks:
+            ss = [self.samples[i] for i in self.idx]
+
+            def flat(per_sample: list[list[Any]], dtype: torch.dtype) -> torch.Tensor:
+                return torch.tensor([x for xs in per_sample for x in xs], dtype=dtype)[None]
+
+            m = token_masks(cfg, flat([s.mask for s in ss], torch.bool),
+                            versions=flat([s.versions for s in ss], torch.long), current_version=current_version,
+                            logprobs=flat(self.logprobs(), torch.float32) if cfg.m2po_tau is not None else None,
+                            behaviour_logprobs=flat([s.behaviour for s in ss], torch.float32),
+                            advantages=flat([s.advantages for s in ss], torch.float32),
+                            seq_ids=flat([[k] * len(s.mask) for k, s in enumerate(ss)], torch.long))
+            cuts = torch.tensor([0] + [len(s.mask) for s in ss]).cumsum(0).tolist()
+            count = {i: m.count[0, a:b] for i, a, b in zip(self.idx, cuts[:-1], cuts[1:], strict=True)}
+            keep = {i: m.keep[0, a:b] for i, a, b in zip(self.idx, cuts[:-1], cuts[1:], strict=True)}
+            self._masks[key] = (count, keep, m.denominator, m.stats)
+        count, keep, denominator, stats = self._masks[key]
+        return TokenMasks(row.lay_samples(count), row.lay_samples(keep), denominator * row.share, stats)
 
 
 # The per-token values a loss can read from a row, by name: (getter, fill off the sample, dtype).
@@ -242,7 +313,7 @@ def _row(samples: list[Sample], row: PackedRow, pad_id: int, device: torch.devic
     for (r, start, end), i in zip(where, row.seq_index, strict=True):
         seq[r, start:end] = i
     return Row(ids.to(device), pos.to(device), attn.to(device),
-               lay(lambda s: s.mask, 0, torch.bool), seq.to(device), values, where)
+               lay(lambda s: s.mask, 0, torch.bool), seq.to(device), values, where, list(row.seq_index))
 
 
 def _rows(samples: list[Sample], idx: list[int], max_tokens: int) -> list[PackedRow]:
@@ -415,16 +486,24 @@ def minibatch_step(net: torch.nn.Module, samples: list[Sample], idx: list[int], 
                    temperature: float) -> tuple[dict[str, float], int]:
     """Accumulate the gradient of one minibatch over its rows; weighted stats, tokens run.
 
-    Each row's loss is weighted by its share of the minibatch's action tokens
-    (``per_token``, the token-mean aggregations) or episodes, so that the sum
-    is the minibatch's loss.
+    Each row's loss is weighted by ``Row.share``, its share of the minibatch's
+    action tokens (``per_token``, the token-mean aggregations) or episodes, so
+    that a loss that is a mean over its row's tokens sums to the minibatch's
+    mean. A loss whose means leave tokens out, or that needs a statistic of the
+    whole minibatch, reads ``Row.minibatch`` instead (``Minibatch.token_masks``,
+    which ``Trainer._rl_loss`` passes to ``policy_loss``): its rows then add up to
+    the minibatch's loss whatever ``max_tokens`` puts in a row. The tokens run
+    include the no-grad pass that ``Minibatch.logprobs`` may add.
     """
     dev = next(net.parameters()).device
     total = sum(samples[i].n_action for i in idx) if per_token else len(idx)
+    mb = Minibatch(samples, idx, lambda ss: score_samples(net, ss, max_tokens, pad_id, temperature))
     stats: dict[str, float] = {}
     tokens = 0
     for packed in _rows(samples, idx, max_tokens):
         t = _row(samples, packed, pad_id, dev, fields, _padded(net, packed, samples))
+        t.share = (int(t.mask.sum()) if per_token else len(packed.spans)) / max(total, 1)
+        t.minibatch = mb
         with autocast(dev):
             out = token_scores(net, t.input_ids, t.attn, t.mask, temperature, position_ids=t.position_ids,
                                candidates=t.values.get("support"))
@@ -432,13 +511,12 @@ def minibatch_step(net: torch.nn.Module, samples: list[Sample], idx: list[int], 
         if out.candidates is not None:  # the student's log-probs on the distillation support
             t.values["support_student"] = out.candidates
         loss, st = loss_fn(lp, ent, t)
-        share = (int(t.mask.sum()) if per_token else len(packed.spans)) / max(total, 1)
-        (loss * share).backward()
+        (loss * t.share).backward()
         st["loss/entropy_mean"] = float((ent.detach() * t.mask).sum() / t.mask.sum().clamp(min=1))
         for k, v in st.items():
-            merge_stat(stats, k, v, share)
+            merge_stat(stats, k, v, t.share)
         tokens += len(packed.input_ids)
-    return stats, tokens
+    return stats, tokens + mb.tokens
 
 
 def train_on_samples(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,

@@ -44,7 +44,8 @@ class TrainConfig(_Strict):
     """The RL loop: rollouts, credit, loss, optimizer step, weight sync, eval, checkpoint."""
 
     # -- data ----------------------------------------------------------------------
-    steps: int = Field(20, ge=0, description="Updates (rollout batches) to run in all.")
+    steps: int = Field(20, ge=0, description="Updates (rollout batches) to run in all; 0 without "
+                       "SFT is a dry run: the config is checked, the model loaded, the plan printed.")
     tasks_per_step: int = Field(4, ge=1, description="Task seeds per rollout batch; each gets "
                                 "rollout.group_size episodes (its group).")
     task_seed_start: int = Field(0, description="Step k trains on task seeds "
@@ -69,7 +70,8 @@ class TrainConfig(_Strict):
                                       "or entropy term is on.")
     tree_packing: bool = Field(False, description="Run each minibatch's episodes as prefix trees "
                                "(agentrl.train.tree_pack): tokens shared by a tree's episodes go "
-                               "through the model once. Needs loss.agg=token-mean, no KL or entropy term.")
+                               "through the model once. Needs loss.agg=token-mean, no KL or entropy term, "
+                               "no M2PO.")
     distill: DistillConfig | None = Field(None, description="Step-wise on-policy distillation "
                                           "(agentrl.train.distill): a teacher's per-token advantages "
                                           "added to the RL ones; null: off.")
@@ -115,6 +117,9 @@ class TrainConfig(_Strict):
     out_dir: str = Field("runs/train", description="Metrics, checkpoints and the learning curve.")
     tensorboard: bool = Field(True, description="Also write TensorBoard logs, when installed.")
     plot: bool = Field(True, description="Draw learning_curve.png (matplotlib) at the end.")
+    save_trees: int = Field(8, ge=0, description="Trees of each step's rollouts written to "
+                            "out_dir/trees/step-NNNNNN.jsonl (the first this many tasks), for "
+                            "`agentrl tree` and `agentrl view`; 0: none.")
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -136,6 +141,9 @@ class TrainConfig(_Strict):
             if self.loss.kl_coef > 0 or self.loss.entropy_coef > 0:
                 raise ValueError("tree_packing needs loss.kl_coef=0 and loss.entropy_coef=0: those "
                                  "terms would count each shared token once instead of once per episode")
+            if self.loss.m2po_tau is not None:
+                raise ValueError("tree_packing needs loss.m2po_tau=null: M2PO's mask drops single episode "
+                                 "tokens, which a token shared by several episodes cannot follow")
             d = self.distill
             if d is not None and (d.signal != "reverse_kl" or d.overlap_threshold is not None):
                 raise ValueError("tree_packing does not carry top-k distributions yet: use "
@@ -183,6 +191,9 @@ class TrainRunConfig(Config):
             raise ValueError(f"train.micro_batch_tokens={self.train.micro_batch_tokens} is below "
                              f"rollout.max_context_tokens={self.rollout.max_context_tokens}: an episode "
                              "must fit one forward pass")
+        if self.train.harness is not None and self.rollout.allocator != "independent":
+            raise ValueError(f"train.harness: a harness plays whole episodes, so rollout.allocator must "
+                             f"be 'independent' (got {self.rollout.allocator!r})")
         return self
 
 

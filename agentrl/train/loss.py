@@ -1,4 +1,4 @@
-"""Policy losses: PPO-clip and its off-policy corrections, KL and entropy terms.
+"""Policy losses: PPO-clip and its off-policy corrections, M2PO, KL and entropy terms.
 
 One job: turn per-token logprobs, advantages and masks into a scalar loss plus
 stats. Every tensor is ``[B, T]`` with ``mask`` 1 on action tokens (the tokens
@@ -6,39 +6,54 @@ the policy sampled) and 0 on context and padding. Nothing here knows where the
 tokens came from; ``policy_loss`` at the bottom is the one place the pieces are
 put together, in this order:
 
-    keep  = mask & staleness_mask & m2po_mask        which tokens count at all
-    loss  = agg( tis_weight * ppo_clip_token )        the policy-gradient term
-          + kl_coef * agg( kl )  - entropy_coef * agg( entropy )
+    count = mask & staleness_mask                    which tokens count at all
+    keep  = count & m2po_mask                        which carry a policy-gradient term
+    loss  = agg( tis_weight * ppo_clip_token )  over count, zero off keep
+            (with M2PO: agg( -keep * r * A ), r = pi / pi_behav, no clip, no TIS)
+          + kl_coef * agg( kl )  - entropy_coef * agg( entropy )   over count
+
+Which tokens count, and what the means divide by, is a property of a whole
+minibatch, not of one forward pass over part of it: ``token_masks`` decides
+them over the minibatch's tokens (M2PO's second moment is a batch statistic),
+and ``policy_loss`` takes that decision (``masks``) for the row it is given, so
+the loss does not depend on how the trainer packs rows.
 
 Three logprobs of the same token appear, and their names are kept apart:
 ``logprobs`` (the policy being trained, with gradients), ``old_logprobs`` (the
 trainer's own logprobs before this update, the PPO anchor) and
 ``behaviour_logprobs`` (what the sampler reported: another engine, maybe older
-weights). The gap between the last two is the off-policy mismatch that TIS and
-M2PO correct.
+weights). The gap between the last two is the off-policy mismatch that TIS
+corrects; M2PO reweights by the whole gap between the trained policy and the
+sampler.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 __all__ = [
     "AGGREGATIONS",
     "PolicyLossConfig",
+    "TokenMasks",
     "aggregate",
     "entropy_bonus",
     "kl_penalty",
     "kl_per_token",
     "m2po_mask",
+    "m2po_token_loss",
+    "m2po_trust_region",
+    "mean_denominator",
     "mismatch_stats",
     "policy_loss",
     "ppo_clip_loss",
     "ppo_clip_token_loss",
     "staleness_mask",
     "tis_weights",
+    "token_masks",
 ]
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -48,8 +63,29 @@ AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-
 # --------------------------------------------------------------------------- aggregation
 
 
+def _seq_labels(values: torch.Tensor, seq_ids: torch.Tensor | None) -> torch.Tensor:
+    if seq_ids is None:
+        return torch.arange(values.shape[0], device=values.device)[:, None].expand_as(values)
+    if seq_ids.shape != values.shape:
+        raise ValueError(f"seq_ids must have the shape of values {tuple(values.shape)}, "
+                         f"got {tuple(seq_ids.shape)}")
+    return seq_ids
+
+
+def mean_denominator(mask: torch.Tensor, agg: str = "token-mean", seq_ids: torch.Tensor | None = None) -> float:
+    """What ``aggregate`` divides by over ``mask``: its tokens (``token-mean``), or the
+    sequences with at least one of them (the sequence means)."""
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"agg must be one of {AGGREGATIONS}, got {agg!r}")
+    on = mask.bool()
+    if agg == "token-mean":
+        return float(on.sum())
+    return float(torch.unique(_seq_labels(on, seq_ids)[on]).numel())
+
+
 def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean", *,
-              seq_ids: torch.Tensor | None = None, norm_len: float | None = None) -> torch.Tensor:
+              seq_ids: torch.Tensor | None = None, norm_len: float | None = None,
+              denominator: float | None = None) -> torch.Tensor:
     """Reduce per-token ``values`` over the tokens where ``mask`` is set.
 
     - ``token-mean``: every token weighs the same, ``sum(v * m) / sum(m)``
@@ -63,7 +99,11 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean",
 
     A sequence is a row, or, for packed rows, the tokens sharing a ``seq_ids``
     value (``[B, T]`` integers, any labels). Sequences with no masked token are
-    left out of the sequence mean. An all-zero mask gives 0 (with a graph).
+    left out of the sequence mean. ``denominator`` replaces the last division's
+    (``sum(m)``, or the number of sequences): a caller that splits a batch into
+    parts passes the batch's own (``mean_denominator``), so the parts add up to
+    the batch's mean. A sequence's own token mean needs the whole sequence in
+    one call. An all-zero mask gives 0 (with a graph).
     """
     if agg not in AGGREGATIONS:
         raise ValueError(f"agg must be one of {AGGREGATIONS}, got {agg!r}")
@@ -71,13 +111,9 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean",
         raise ValueError(f"values {tuple(values.shape)} and mask {tuple(mask.shape)} differ in shape")
     m = mask.to(values.dtype)
     if agg == "token-mean":
-        return (values * m).sum() / m.sum().clamp(min=1.0)
-    if seq_ids is None:
-        seq_ids = torch.arange(values.shape[0], device=values.device)[:, None].expand_as(values)
-    elif seq_ids.shape != values.shape:
-        raise ValueError(f"seq_ids must have the shape of values {tuple(values.shape)}, "
-                         f"got {tuple(seq_ids.shape)}")
-    _, seq = torch.unique(seq_ids.flatten(), return_inverse=True)
+        total = (values * m).sum()
+        return total / (denominator if denominator else m.sum().clamp(min=1.0))
+    _, seq = torch.unique(_seq_labels(values, seq_ids).flatten(), return_inverse=True)
     n_seq = int(seq.max()) + 1 if seq.numel() else 0
     sums = torch.zeros(n_seq, dtype=values.dtype, device=values.device)
     sums = sums.index_add(0, seq, (values * m).flatten())
@@ -90,7 +126,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean",
             raise ValueError("agg='seq-mean-token-sum-norm' needs norm_len > 0 "
                              "(Dr. GRPO divides by a constant, e.g. the max generation length)")
         per_seq = sums[present] / norm_len
-    return per_seq.sum() / max(int(present.sum()), 1)
+    return per_seq.sum() / (denominator if denominator else max(int(present.sum()), 1))
 
 
 # --------------------------------------------------------------------------- PPO-clip
@@ -112,13 +148,22 @@ def ppo_clip_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     is ``max(min(r A, clip(r) A), c A)``, i.e. the loss is capped at ``-c A``, so a
     token whose ratio has grown huge (r > c) cannot dominate the batch.
 
+    ``advantages`` may carry a last dimension ``[B, T, K]``: K advantages of one
+    token (a token that several episodes share, ``tree_pack``), whose losses are
+    summed: ``loss_t = sum_k loss(r_t, A_tk)``. The clip is per advantage, as it
+    is per episode.
+
     Stats (over masked tokens): ``clip_frac_low`` = A < 0 and r < 1 - clip_low,
     ``clip_frac_high`` = A > 0 and r > 1 + clip_high (the tokens whose gradient
     the clip removed), ``clip_frac_dual`` = A < 0 and r > c, ``approx_kl`` =
     mean of ``(r - 1) - log r`` (Schulman's k3 of KL(old || new)), ``ratio_mean``.
+    With K advantages a token counts when one of them does.
     """
-    if not (logprobs.shape == old_logprobs.shape == advantages.shape == mask.shape):
-        raise ValueError("logprobs, old_logprobs, advantages and mask must share one [B, T] shape")
+    per_copy = advantages.dim() == logprobs.dim() + 1
+    if not (logprobs.shape == old_logprobs.shape == mask.shape
+            and advantages.shape[:logprobs.dim()] == logprobs.shape):
+        raise ValueError("logprobs, old_logprobs, advantages and mask must share one [B, T] shape "
+                         "(advantages may add a last dimension)")
     if clip_low < 0 or clip_high < 0 or clip_low >= 1:
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
     if dual_clip is not None and dual_clip <= 1.0:
@@ -127,21 +172,23 @@ def ppo_clip_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     A = advantages.detach().to(logprobs.dtype)
     log_ratio = logprobs - old_logprobs.detach()
     ratio = torch.exp(log_ratio)
-    loss = torch.maximum(-A * ratio, -A * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
+    r = ratio[..., None] if per_copy else ratio
+    loss = torch.maximum(-A * r, -A * r.clamp(1.0 - clip_low, 1.0 + clip_high))
     if dual_clip is not None:
         loss = torch.where(A < 0, torch.minimum(loss, -dual_clip * A), loss)
-    loss = loss * m
+    loss = (loss.sum(-1) if per_copy else loss) * m
 
     with torch.no_grad():
         n = m.sum().clamp(min=1.0)
-        r = ratio.detach()
+        rd = ratio.detach()
+        neg, pos = ((A < 0).any(-1), (A > 0).any(-1)) if per_copy else (A < 0, A > 0)
         stats = {
-            "clip_frac_low": float((((A < 0) & (r < 1.0 - clip_low)) * m).sum() / n),
-            "clip_frac_high": float((((A > 0) & (r > 1.0 + clip_high)) * m).sum() / n),
-            "clip_frac_dual": (float((((A < 0) & (r > dual_clip)) * m).sum() / n)
+            "clip_frac_low": float(((neg & (rd < 1.0 - clip_low)) * m).sum() / n),
+            "clip_frac_high": float(((pos & (rd > 1.0 + clip_high)) * m).sum() / n),
+            "clip_frac_dual": (float(((neg & (rd > dual_clip)) * m).sum() / n)
                                if dual_clip is not None else 0.0),
-            "approx_kl": float((((r - 1.0) - log_ratio.detach()) * m).sum() / n),
-            "ratio_mean": float((r * m).sum() / n),
+            "approx_kl": float((((rd - 1.0) - log_ratio.detach()) * m).sum() / n),
+            "ratio_mean": float((rd * m).sum() / n),
         }
     return loss, stats
 
@@ -170,6 +217,18 @@ def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: 
     low variance), ``k3 = (r - 1) - log r`` (unbiased, always >= 0; the GRPO
     penalty, Shao et al. 2024, Eq. 4). The exponent is clamped to 20 so a
     far-off reference token cannot overflow k3.
+
+    As a *loss*, what counts is the expected gradient, and the three differ
+    (Schulman's note is about the values; the gradients are worked out in
+    Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation
+    for RL"): with x ~ pi and the estimate differentiated through ``logprobs``,
+
+    - ``E[grad k1] = E[grad log pi(x)] = 0``: no gradient in expectation;
+    - ``E[grad k2] = E[log(pi/ref) grad log pi] = grad KL(pi || ref)``;
+    - ``E[grad k3] = E[(1 - ref/pi) grad log pi] = grad KL(ref || pi)``, the
+      other direction (mass-covering), although its value estimates KL(pi || ref).
+
+    ``PolicyLossConfig`` refuses k1 as a loss term.
     """
     log_r = ref_logprobs.detach() - logprobs
     if estimator == "k1":
@@ -182,20 +241,22 @@ def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: 
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
-               estimator: str = "k1", *, agg: str = "token-mean",
-               seq_ids: torch.Tensor | None = None, norm_len: float | None = None) -> torch.Tensor:
-    """Scalar KL(pi || pi_ref) penalty: ``kl_per_token`` reduced by ``aggregate``."""
+               estimator: str = "k3", *, agg: str = "token-mean", seq_ids: torch.Tensor | None = None,
+               norm_len: float | None = None, denominator: float | None = None) -> torch.Tensor:
+    """Scalar KL penalty: ``kl_per_token`` reduced by ``aggregate`` (which divergence its
+    gradient minimises depends on the estimator: see ``kl_per_token``)."""
     return aggregate(kl_per_token(logprobs, ref_logprobs, estimator), mask, agg,
-                     seq_ids=seq_ids, norm_len=norm_len)
+                     seq_ids=seq_ids, norm_len=norm_len, denominator=denominator)
 
 
 def entropy_bonus(entropies: torch.Tensor, mask: torch.Tensor, *, agg: str = "token-mean",
-                  seq_ids: torch.Tensor | None = None, norm_len: float | None = None) -> torch.Tensor:
+                  seq_ids: torch.Tensor | None = None, norm_len: float | None = None,
+                  denominator: float | None = None) -> torch.Tensor:
     """Mean entropy of the policy over action tokens (the entropy bonus of A3C, Mnih et al. 2016).
 
     The loss subtracts ``entropy_coef`` times this, so a larger value lowers the loss.
     """
-    return aggregate(entropies, mask, agg, seq_ids=seq_ids, norm_len=norm_len)
+    return aggregate(entropies, mask, agg, seq_ids=seq_ids, norm_len=norm_len, denominator=denominator)
 
 
 # --------------------------------------------------------------------------- off-policy corrections
@@ -233,33 +294,77 @@ def staleness_mask(versions: torch.Tensor, current_version: int, max_staleness: 
     return (versions >= 0) & (current_version - versions <= max_staleness)
 
 
-def m2po_mask(logratio: torch.Tensor, mask: torch.Tensor, tau: float = 0.04) -> torch.Tensor:
-    """M2PO token mask: drop the most off-policy tokens until the second moment is <= ``tau``.
+def m2po_trust_region(logratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """M2PO's trust-region tokens: those of ``mask`` with A > 0 and r > 1, or A < 0 and r < 1.
 
-    M2PO (Zheng et al. 2025, "Prosperity before Collapse: How Far Can Off-Policy
-    RL Reach with Stale Data on LLMs?"): with ``s_i = (log r_i)^2`` the
-    squared log importance ratio of each masked token over the whole batch,
-    M2 = mean(s). While M2 > tau, the token with the largest s is masked and
-    M2 recomputed over the rest. Implemented exactly, in one sort: keep the
-    ``m`` smallest s for the largest ``m`` whose mean is <= tau (the running
-    mean of an ascending sort only grows, so the kept set is a prefix). Ties at
-    the cut keep the earlier token. If even the smallest s exceeds tau, nothing
-    is kept. Returns a boolean ``[B, T]`` mask (False off ``mask``).
+    ``r = exp(logratio)``, the trained policy over the behaviour policy. These are
+    the tokens whose update moves the ratio further from 1 (the ones PPO's clip
+    would bind on); the others are never masked (Zheng et al. 2025, Algorithm 1,
+    line 2, and their released code).
+    """
+    if not (logratio.shape == advantages.shape == mask.shape):
+        raise ValueError("M2PO needs one advantage per token: logratio, advantages and mask "
+                         "must share one shape")
+    lr = logratio.detach()
+    return mask.bool() & (((advantages > 0) & (lr > 0)) | ((advantages < 0) & (lr < 0)))
+
+
+def m2po_mask(logratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              tau: float = 0.04) -> torch.Tensor:
+    """M2PO's mask M (Zheng et al. 2025, "Prosperity before Collapse: How Far Can
+    Off-Policy RL Reach with Stale Data on LLMs?", Algorithm 1, "M2PO Masking").
+
+    With ``logratio = log pi_theta - log pi_behav`` and ``M2_i = (log r_i)^2`` (their
+    second-moment estimate, M2 = (1/N) sum_i (log r_i)^2): start from M = True on
+    every token and T = the trust-region tokens (``m2po_trust_region``); while
+    mean_{i in T} M2_i > tau, mask the token of T with the largest M2_i and take it
+    out of T. The statistic is over the tokens given, so pass a whole batch
+    (``token_masks``). Implemented exactly, in one sort: keep the ``m`` smallest
+    M2_i of T for the largest ``m`` whose mean is <= tau (the running mean of an
+    ascending sort only grows, so the kept set is a prefix). Ties at the cut
+    keep the earlier token. If even the smallest exceeds tau, all of T is masked.
+    Returns a boolean mask: True on ``mask`` except the masked trust-region tokens.
     """
     if tau < 0:
         raise ValueError(f"tau must be >= 0, got {tau}")
-    if logratio.shape != mask.shape:
-        raise ValueError(f"logratio {tuple(logratio.shape)} and mask {tuple(mask.shape)} differ")
-    on = mask.bool()
-    s = logratio.detach().float()[on] ** 2
+    tr = m2po_trust_region(logratio, advantages, mask)
+    s = logratio.detach().float()[tr] ** 2
     order = torch.sort(s, stable=True).indices
     running_mean = s[order].cumsum(0) / torch.arange(1, s.numel() + 1, device=s.device)
     n_keep = int((running_mean <= tau).sum())
     kept = torch.zeros_like(s, dtype=torch.bool)
     kept[order[:n_keep]] = True
-    out = torch.zeros_like(on)
-    out[on] = kept
+    out = mask.bool().clone()
+    out[tr] = kept
     return out
+
+
+def m2po_token_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
+                    keep: torch.Tensor) -> torch.Tensor:
+    """Per-token M2PO loss ``-M_t * r_t * A_t``, ``r = pi_theta / pi_behav`` (zero off ``keep``).
+
+    The terms of Zheng et al. 2025's objective J_M2PO = (1 / sum_i |o_i|) sum_i sum_t
+    M_it * pi_theta / pi_theta_old * A_it, where pi_theta_old is the policy that
+    sampled the stale data (pi_behav in their M2 estimate): no clip, and no
+    truncation of the ratio, whose variance the mask bounds instead. The mean
+    over *all* tokens (masked ones included) is ``aggregate`` over ``count`` in
+    ``policy_loss``. ``advantages`` may carry a last dimension (summed), as in
+    ``ppo_clip_token_loss``.
+
+    Deviations, in ``policy_loss``'s use: pi_behav is the sampler's reported
+    logprob (the paper recomputes the stale policy's in the trainer), so r also
+    carries the sampler/trainer engine mismatch; the mask's batch is one
+    minibatch, under the weights of its optimizer step (their released code
+    takes each micro-batch); tokens past ``max_staleness`` leave the mean (the
+    paper has no such bound); the ``seq-mean-*`` aggregations average per
+    sequence instead of over all tokens; the KL, entropy and extra terms are not
+    masked.
+    """
+    ratio = torch.exp(logprobs - behaviour_logprobs.detach())
+    A = advantages.detach().to(logprobs.dtype)
+    if A.dim() == logprobs.dim() + 1:
+        A = A.sum(-1)  # linear in A: the sum of the copies' terms
+    return -A * ratio * keep.to(logprobs.dtype)
 
 
 def mismatch_stats(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
@@ -290,14 +395,82 @@ class PolicyLossConfig(BaseModel):
     clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO lower clip range (ratio >= 1 - clip_low).")
     clip_high: float = Field(0.28, ge=0.0, description="PPO upper clip range, DAPO clip-higher.")
     dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip bound c for A < 0; None = off.")
-    agg: Aggregation = Field("token-mean", description="How per-token losses are reduced.")
+    agg: Aggregation = Field("token-mean", description="How per-token losses are reduced, over the "
+                             "minibatch's kept tokens (or sequences), whatever the packing.")
     norm_len: float | None = Field(None, gt=0.0, description="Dr. GRPO constant for seq-mean-token-sum-norm.")
-    tis_cap: float | None = Field(2.0, gt=0.0, description="Truncated IS cap C; None = no TIS.")
-    max_staleness: int | None = Field(None, ge=0, description="Drop tokens more versions old; None = keep all.")
-    m2po_tau: float | None = Field(None, ge=0.0, description="M2PO second-moment bound; None = off.")
-    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL(pi || pi_ref) penalty; 0 = off.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Schulman's KL estimator.")
+    tis_cap: float | None = Field(2.0, gt=0.0, description="Truncated IS cap C; None = no TIS. "
+                                  "Not applied with m2po_tau, whose ratio is pi / pi_behav uncapped.")
+    max_staleness: int | None = Field(None, ge=0, description="Drop tokens more versions old from "
+                                      "every term and every mean; None = keep all.")
+    m2po_tau: float | None = Field(
+        None, ge=0.0, description="M2PO (Zheng et al. 2025, Algorithm 1) in place of PPO-clip and "
+        "TIS: the loss is -M r A, r = pi / pi_behav, averaged over all tokens, where M masks the "
+        "trust-region tokens (A > 0 and r > 1, or A < 0 and r < 1) with the largest (log r)^2 until "
+        "their mean over the minibatch is <= m2po_tau (0.04 in the paper); None = PPO-clip.")
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL penalty to the reference; 0 = off.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="Schulman's estimator of KL(pi || ref) used as the penalty; what its "
+        "gradient minimises, in expectation over sampled tokens: k3, KL(ref || pi) (the GRPO "
+        "penalty); k2, KL(pi || ref); k1, nothing (E[grad k1] = 0), so it is refused with kl_coef > 0.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Weight of the entropy bonus; 0 = off.")
+
+    @field_validator("kl_estimator")
+    @classmethod
+    def _k1_is_no_loss(cls, v: str, info: ValidationInfo) -> str:
+        if v == "k1" and info.data.get("kl_coef", 0.0) > 0:
+            raise ValueError("k1 as a loss term adds no gradient in expectation (E[grad k1] = "
+                             "E[grad log pi] = 0 over sampled tokens): use k2 (its gradient is that of "
+                             "KL(pi || ref)) or k3 (KL(ref || pi), the GRPO penalty)")
+        return v
+
+
+@dataclass(frozen=True, slots=True)
+class TokenMasks:
+    """Which tokens ``policy_loss`` counts, decided once for a whole batch (``token_masks``).
+
+    ``count``: the action tokens its means run over (those staleness keeps); ``keep``:
+    those that carry a policy-gradient term (``count`` less M2PO's masked tokens);
+    ``denominator``: what the means divide by (``mean_denominator`` of the batch's
+    ``count``); ``stats``: M2PO's, over the batch.
+    """
+
+    count: torch.Tensor
+    keep: torch.Tensor
+    denominator: float
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def token_masks(cfg: PolicyLossConfig, mask: torch.Tensor, *, versions: torch.Tensor | None = None,
+                current_version: int | None = None, logprobs: torch.Tensor | None = None,
+                behaviour_logprobs: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
+                seq_ids: torch.Tensor | None = None) -> TokenMasks:
+    """``policy_loss``'s kept tokens and the denominator of its means, over the tokens given.
+
+    Give it a whole minibatch (e.g. flattened to ``[1, N]`` with ``seq_ids`` per
+    sample) and cut ``count`` and ``keep`` to each row: the loss is then the
+    minibatch's, however its rows are packed. ``logprobs`` (the trained policy's,
+    detached) are read by M2PO only. The M2PO stats: ``m2po/trust_region_frac``
+    and ``m2po/masked_frac`` (of the counted tokens), ``m2po/m2`` and
+    ``m2po/m2_kept`` (the trust-region mean of (log r)^2 before and after masking).
+    """
+    count = mask.bool()
+    if cfg.max_staleness is not None:
+        if versions is None or current_version is None:
+            raise ValueError("max_staleness is set: pass versions and current_version")
+        count = count & staleness_mask(versions, current_version, cfg.max_staleness)
+    keep, stats = count, {}
+    if cfg.m2po_tau is not None:
+        if behaviour_logprobs is None or logprobs is None or advantages is None:
+            raise ValueError("m2po_tau is set: pass behaviour_logprobs (and logprobs, advantages)")
+        log_r = logprobs.detach() - behaviour_logprobs.detach()
+        keep = m2po_mask(log_r, advantages, count, cfg.m2po_tau)
+        tr = m2po_trust_region(log_r, advantages, count)
+        s, n = log_r.float() ** 2, max(int(count.sum()), 1)
+        stats = {"m2po/trust_region_frac": int(tr.sum()) / n,
+                 "m2po/masked_frac": int((count & ~keep).sum()) / n,
+                 "m2po/m2": float(s[tr].mean()) if tr.any() else 0.0,
+                 "m2po/m2_kept": float(s[tr & keep].mean()) if (tr & keep).any() else 0.0}
+    return TokenMasks(count, keep, mean_denominator(count, cfg.agg, seq_ids), stats)
 
 
 def policy_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -305,8 +478,9 @@ def policy_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Te
                 behaviour_logprobs: torch.Tensor | None = None, versions: torch.Tensor | None = None,
                 current_version: int | None = None, ref_logprobs: torch.Tensor | None = None,
                 entropies: torch.Tensor | None = None, seq_ids: torch.Tensor | None = None,
-                extra_per_token: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """The training loss: PPO-clip times TIS weights over the kept tokens, plus KL, minus entropy.
+                extra_per_token: torch.Tensor | None = None,
+                masks: TokenMasks | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The training loss: PPO-clip times TIS weights (or M2PO) over the kept tokens, plus KL, minus entropy.
 
     ``old_logprobs`` defaults to ``logprobs.detach()`` (one update per batch:
     ratio 1, plain policy gradient). TIS is on by default but needs
@@ -314,58 +488,73 @@ def policy_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Te
     and ``tis/on`` says 0. The options that are off by default fail loudly when
     switched on without their inputs: ``max_staleness`` needs ``versions`` and
     ``current_version``, ``m2po_tau`` needs ``behaviour_logprobs``, ``kl_coef``
-    needs ``ref_logprobs``, ``entropy_coef`` needs ``entropies``. Tokens that
-    staleness or M2PO drop leave the denominator of the mean too.
+    needs ``ref_logprobs``, ``entropy_coef`` needs ``entropies``.
+
+    Which tokens count and what the means divide by come from ``masks``
+    (``token_masks`` over a whole minibatch, cut to these tokens, with the
+    denominator the caller's part of the minibatch's); without them they are
+    decided over the tokens given. Stale tokens leave every term and every
+    mean. M2PO (``m2po_tau``) replaces PPO-clip and TIS by ``m2po_token_loss``:
+    its masked tokens lose their policy-gradient term but stay in the mean, which
+    is over all tokens as in the paper; the KL, entropy and extra terms keep them.
     ``extra_per_token`` (``[B, T]``, e.g. a distillation divergence) is added to
-    the loss, aggregated like the policy term over the same kept tokens. Stats keys are
-    namespaced: ``ppo/``, ``tis/``, ``mask/``, ``mismatch/``, ``loss/``.
+    the loss, aggregated like the policy term. ``advantages`` may carry a last
+    dimension of several advantages per token (``ppo_clip_token_loss``). Stats keys
+    are namespaced: ``ppo/``, ``m2po/``, ``tis/``, ``mask/``, ``mismatch/``, ``loss/``.
     """
     cfg = cfg or PolicyLossConfig()
+    if cfg.m2po_tau is not None and advantages.dim() != logprobs.dim():
+        raise ValueError("m2po_tau needs one advantage per token; tree packing's shared tokens "
+                         "carry several (use train.tree_packing=false with M2PO)")
     old = logprobs.detach() if old_logprobs is None else old_logprobs.detach()
-    keep = mask.bool()
-    stats: dict[str, float] = {}
+    if masks is None:
+        masks = token_masks(cfg, mask, versions=versions, current_version=current_version, logprobs=logprobs,
+                            behaviour_logprobs=behaviour_logprobs, advantages=advantages, seq_ids=seq_ids)
+    on = mask.bool()
+    count, keep = masks.count & on, masks.keep & on
+    stats: dict[str, float] = dict(masks.stats)
+    if behaviour_logprobs is not None:
+        stats.update({f"mismatch/{k}": v for k, v in mismatch_stats(old, behaviour_logprobs, mask).items()})
+    stats["mask/kept_frac"] = float(keep.sum() / on.sum().clamp(min=1))
 
-    if cfg.max_staleness is not None:
-        if versions is None or current_version is None:
-            raise ValueError("max_staleness is set: pass versions and current_version")
-        keep = keep & staleness_mask(versions, current_version, cfg.max_staleness)
+    use_tis = cfg.tis_cap is not None and behaviour_logprobs is not None and cfg.m2po_tau is None
+    stats["tis/on"] = float(use_tis)
     if cfg.m2po_tau is not None:
         if behaviour_logprobs is None:
             raise ValueError("m2po_tau is set: pass behaviour_logprobs")
-        keep = keep & m2po_mask(old - behaviour_logprobs, keep, cfg.m2po_tau)
-    if behaviour_logprobs is not None:
-        stats.update({f"mismatch/{k}": v for k, v in mismatch_stats(old, behaviour_logprobs, mask).items()})
-    stats["mask/kept_frac"] = float(keep.sum() / mask.bool().sum().clamp(min=1))
+        per_token = m2po_token_loss(logprobs, behaviour_logprobs, advantages, keep)
+        with torch.no_grad():
+            stats["m2po/ratio_mean"] = float((torch.exp(logprobs - behaviour_logprobs) * keep).sum()
+                                             / keep.sum().clamp(min=1))
+    else:
+        per_token, ppo_stats = ppo_clip_token_loss(logprobs, old, advantages, keep, clip_low=cfg.clip_low,
+                                                   clip_high=cfg.clip_high, dual_clip=cfg.dual_clip)
+        stats.update({f"ppo/{k}": v for k, v in ppo_stats.items()})
+        if use_tis:
+            assert cfg.tis_cap is not None and behaviour_logprobs is not None
+            w = tis_weights(old, behaviour_logprobs, cfg.tis_cap)
+            per_token = per_token * w
+            n = keep.sum().clamp(min=1)
+            stats["tis/weight_mean"] = float((w * keep).sum() / n)
+            stats["tis/capped_frac"] = float(((w >= cfg.tis_cap) & keep).sum() / n)
 
-    per_token, ppo_stats = ppo_clip_token_loss(logprobs, old, advantages, keep, clip_low=cfg.clip_low,
-                                               clip_high=cfg.clip_high, dual_clip=cfg.dual_clip)
-    stats.update({f"ppo/{k}": v for k, v in ppo_stats.items()})
-    use_tis = cfg.tis_cap is not None and behaviour_logprobs is not None
-    stats["tis/on"] = float(use_tis)
-    if use_tis:
-        w = tis_weights(old, behaviour_logprobs, cfg.tis_cap)
-        per_token = per_token * w
-        n = keep.sum().clamp(min=1)
-        stats["tis/weight_mean"] = float((w * keep).sum() / n)
-        stats["tis/capped_frac"] = float(((w >= cfg.tis_cap) & keep).sum() / n)
-
-    reduce = {"agg": cfg.agg, "seq_ids": seq_ids, "norm_len": cfg.norm_len}
-    loss = aggregate(per_token, keep, **reduce)
+    reduce = {"agg": cfg.agg, "seq_ids": seq_ids, "norm_len": cfg.norm_len, "denominator": masks.denominator}
+    loss = aggregate(per_token, count, **reduce)  # zero off keep; M2PO's masked tokens still count
     stats["loss/pg"] = float(loss.detach())
     if cfg.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
-        kl = kl_penalty(logprobs, ref_logprobs, keep, cfg.kl_estimator, **reduce)
+        kl = kl_penalty(logprobs, ref_logprobs, count, cfg.kl_estimator, **reduce)
         loss = loss + cfg.kl_coef * kl
         stats["loss/kl"] = float(kl.detach())
     if cfg.entropy_coef > 0:
         if entropies is None:
             raise ValueError("entropy_coef > 0 needs entropies")
-        ent = entropy_bonus(entropies, keep, **reduce)
+        ent = entropy_bonus(entropies, count, **reduce)
         loss = loss - cfg.entropy_coef * ent
         stats["loss/entropy"] = float(ent.detach())
     if extra_per_token is not None:
-        extra = aggregate(extra_per_token, keep, **reduce)
+        extra = aggregate(extra_per_token, count, **reduce)
         loss = loss + extra
         stats["loss/extra"] = float(extra.detach())
     stats["loss/total"] = float(loss.detach())

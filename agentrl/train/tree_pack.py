@@ -16,27 +16,36 @@ member episodes whose prefixes agree up to it:
 - a shared *context* token (the prompt, an observation) is in no loss;
 - a shared *action* token (a turn above a branch point, the partial node of a
   segment fork) is one node with ``k`` member episodes that sampled it. It
-  carries the **sum** of their advantages; old, behaviour and reference
-  logprobs are the members' mean (they are equal: the same token in the same
-  context), and its version is the oldest.
+  carries two advantages: the **sum** of its members' positive advantages and,
+  apart, the sum of their negative ones (``advantages`` is ``[1, N, 2]``); old,
+  behaviour and reference logprobs are the members' mean (they are equal: the
+  same token in the same context), and its version is the oldest.
 
-Why the sum: PPO-clip (and its dual clip) is positively homogeneous in the
-advantage, ``loss(r, A1) + loss(r, A2) = loss(r, A1 + A2)`` when A1 and A2
-have the same sign, and at any sign inside the clip range, where the loss is
-linear in A. So a shared token's loss equals the sum of its ``k`` copies in
-episode packing, and the minibatch's token-mean over episode tokens is kept by
-weighting each row with ``(its distinct action tokens) / (the minibatch's
-episode action tokens)``. With tree credit at turn level every member of a
-shared action token has the same advantage, so the loss and its gradient equal
-episode packing's exactly (up to float rounding). They differ only where a
-segment fork's members have advantages of opposite signs *and* the ratio is
-outside the clip range (the copies would be clipped differently).
+Why the sums, one per sign: PPO-clip (and its dual clip) is positively
+homogeneous in the advantage, ``loss(r, A1) + loss(r, A2) = loss(r, A1 + A2)``
+when A1 and A2 have the same sign, at any ratio. Across signs it is not: once
+the ratio leaves the clip range the clip binds on one sign's copies only (r >
+1 + clip_high removes the gradient of A > 0, not of A < 0), so one summed
+advantage would merge what the per-episode clip keeps apart (measured: 17% off
+in the gradient of a fork with A = 0.5, -1 and 2). ``ppo_clip_token_loss``
+clips each of the two sums and adds them, which is the sum of the ``k`` copies'
+losses in episode packing, whatever the signs and the ratio. The
+minibatch's token-mean over episode tokens is kept by weighting each row with
+``(its distinct action tokens) / (the minibatch's episode action tokens)``, and
+the tokens a staleness bound drops leave the denominator of the whole
+minibatch (``batch.Minibatch``). So the loss and its gradient equal episode
+packing's (up to float rounding), with turn-level tree credit (every member of
+a shared token has the same advantage) and with episode-level group credit on
+trees that branch between turns alike.
 
 Limits (checked when the config loads, ``TrainConfig``): ``loss.agg`` must be
 ``token-mean`` (the sequence means need per-episode sums, which a shared token
 does not split into), and the KL and entropy terms must be off (they have no
 advantage to carry the multiplicity; ``policy_loss`` would count each distinct
-token once). The saving needs a tree's episodes in the same minibatch: with
+token once). M2PO (``loss.m2po_tau``) cannot be used either: its mask drops
+single episode tokens (ties included), which a node shared by several episodes
+cannot follow; ``tree_minibatch`` raises at the first row. The saving needs a
+tree's episodes in the same minibatch: with
 ``minibatch_size`` at least the batch's episodes, every tree is one row (when
 it fits ``micro_batch_tokens``). The 4D mask is dense, ``N^2`` booleans a row.
 """
@@ -48,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from .batch import LossFn, Sample, SampleScores, autocast, row_fields
+from .batch import LossFn, Minibatch, Sample, SampleScores, autocast, row_fields
 from .logprobs import PrefixTree, prefix_tree, token_logprobs, tree_attention_mask
 from .metrics import merge_stat
 
@@ -101,6 +110,7 @@ class TreeRow:
     """One prefix tree's tensors, ``[1, N]`` each (``attn`` ``[1, 1, N, N]``), as the loss sees a row.
 
     ``members[j]`` is a sample index and ``trie.index[j]`` the node of each of its tokens.
+    ``share`` and ``minibatch`` as in ``batch.Row``.
     """
 
     input_ids: torch.Tensor
@@ -112,6 +122,15 @@ class TreeRow:
     values: dict[str, torch.Tensor]
     members: list[int]
     trie: PrefixTree
+    share: float = 1.0
+    minibatch: Minibatch | None = None
+
+    def lay_samples(self, per_sample: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Per-sample boolean ``[T_i]`` tensors on the tree's nodes: a node is True when one of its members is."""
+        out = torch.zeros(len(self.trie.input_ids), dtype=torch.long)
+        for i, nodes in zip(self.members, self.trie.index, strict=True):
+            out.scatter_reduce_(0, torch.tensor(nodes), per_sample[i].long(), "amax")
+        return out.bool()[None].to(self.mask.device)
 
 
 def _node_values(samples: list[Sample], members: list[int], trie: PrefixTree, field: str,
@@ -127,12 +146,15 @@ def _node_values(samples: list[Sample], members: list[int], trie: PrefixTree, fi
             v = torch.tensor(s.versions, dtype=torch.long)[torch.tensor(s.mask, dtype=torch.bool)]
             out.scatter_reduce_(0, idx, v, "amin")
         return torch.where(counts > 0, out, torch.full_like(out, -1))
-    total = torch.zeros(n)
+    total = torch.zeros(n, 2) if field == "advantages" else torch.zeros(n)
     for i, nodes in zip(members, trie.index, strict=True):
         s = samples[i]
-        total.index_add_(0, torch.tensor(nodes), torch.tensor(get(s)) * torch.tensor(s.mask))
+        v = torch.tensor(get(s), dtype=torch.float32) * torch.tensor(s.mask)
+        if field == "advantages":  # [N, 2]: each sign summed apart, PPO-clip is homogeneous within one sign
+            v = torch.stack([v.clamp(min=0.0), v.clamp(max=0.0)], -1)
+        total.index_add_(0, torch.tensor(nodes), v)
     if field == "advantages":
-        return total  # the sum: PPO-clip is homogeneous in A
+        return total
     return total / counts.clamp(min=1)
 
 
@@ -183,6 +205,12 @@ def score_samples_tree(net: torch.nn.Module, samples: list[Sample], max_tokens: 
     return out, tokens  # type: ignore[return-value]
 
 
+def _no_m2po(samples: list[Sample]) -> tuple[list[SampleScores], int]:
+    """The minibatch's logprobs, asked for by M2PO's mask only, which tree rows cannot carry."""
+    raise ConfigError("train.tree_packing cannot carry M2PO's mask (it drops single episode tokens, "
+                      "and a tree node is shared by several): set loss.m2po_tau=null or tree_packing=false")
+
+
 def tree_minibatch(net: torch.nn.Module, samples: list[Sample], idx: list[int], loss_fn: LossFn,
                    fields: tuple[str, ...], per_token: bool, max_tokens: int, pad_id: int,
                    temperature: float) -> tuple[dict[str, float], int]:
@@ -195,16 +223,19 @@ def tree_minibatch(net: torch.nn.Module, samples: list[Sample], idx: list[int], 
     groups = tree_groups([samples[i].input_ids for i in idx], max_tokens)
     rows = [tree_row(samples, [idx[j] for j in g], dev, fields) for g in groups]
     distinct = sum(int(r.mask.sum()) for r in rows)
+    mb = Minibatch(samples, idx, _no_m2po)
     stats: dict[str, float] = {}
     tokens = 0
     for row in rows:
+        row.share = int(row.mask.sum()) / max(total, 1)  # distinct action tokens; A carries the rest
+        row.minibatch = mb
         lp, ent = _forward(net, row, temperature)
         loss, st = loss_fn(lp, ent, row)
-        share = int(row.mask.sum()) / max(total, 1)  # distinct action tokens; A carries the rest
+        share = row.share
         (loss * share).backward()
         st["loss/entropy_mean"] = float((ent.detach() * row.mask).sum() / row.mask.sum().clamp(min=1))
         for k, v in st.items():  # losses add up as in episode packing; rates are per distinct token
             w = share if k.startswith("loss/") and k != "loss/entropy_mean" else int(row.mask.sum()) / max(distinct, 1)
             merge_stat(stats, k, v, w)
         tokens += row.input_ids.shape[1]
-    return stats, tokens
+    return stats, tokens + mb.tokens

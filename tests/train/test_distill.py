@@ -224,16 +224,6 @@ def test_reverse_kl_policy_gradient_moves_the_student_towards_the_teacher(tiny_m
     assert after < 0.75 * before, f"KL to the teacher went from {before:.4f} to {after:.4f}"
 
 
-def test_expert_next_tokens_follow_the_student_until_it_leaves_the_expert():
-    from agentrl.train.distill.signals import expert_next_tokens
-
-    assert expert_next_tokens([5, 6, 7, 2], [5, 6, 7, 2]) == [5, 6, 7, 2]  # followed to the end
-    assert expert_next_tokens([5, 9, 7, 2], [5, 6, 7, 2]) == [5, 6, -1, -1]  # left at 1: its target kept
-    assert expert_next_tokens([5, 6, 7, 8, 2], [5, 6, 2]) == [5, 6, 2, -1, -1]  # ran on past the end
-    assert expert_next_tokens([5, 2], [5, 6, 7, 2]) == [5, 6]  # stopped early: told to go on
-    assert expert_next_tokens([], [5]) == []
-
-
 def test_forward_kl_on_a_one_token_support_with_teacher_log_prob_0_is_the_cross_entropy():
     from agentrl.train.distill import distribution_loss
 

@@ -12,7 +12,10 @@ from agentrl.train.loss import (
     aggregate,
     entropy_bonus,
     kl_penalty,
+    kl_per_token,
     m2po_mask,
+    m2po_trust_region,
+    mean_denominator,
     mismatch_stats,
     policy_loss,
     ppo_clip_loss,
@@ -70,6 +73,18 @@ def test_dual_clip_caps_the_loss_of_negative_advantages():
         ppo_clip_token_loss(lp, torch.zeros(1, 2), adv, torch.ones(1, 2), dual_clip=0.9)
 
 
+def test_a_token_with_advantages_of_both_signs_is_clipped_per_sign_hand_case():
+    """A token shared by episodes with A = 2, 0.5 and -1 (tree packing) carries (2.5, -1): the clip is per sign."""
+    lp = _lp(1.5)  # r = 1.5 > 1 + clip_high
+    per_token, stats = ppo_clip_token_loss(lp, torch.zeros(1, 1), torch.tensor([[[2.5, -1.0]]]), torch.ones(1, 1))
+    # A > 0: max(-2.5 * 1.5, -2.5 * 1.28) = -3.2 (clipped); A < 0: max(1.5, 1.28) = 1.5. The summed
+    # advantage 1.5 would give -1.5 * 1.28 = -1.92, and no gradient.
+    assert per_token.item() == pytest.approx(-3.2 + 1.5)
+    per_token.sum().backward()
+    assert lp.grad.item() == pytest.approx(1.5)  # only the A < 0 copy: d(|A| r)/d logp = r
+    assert stats["clip_frac_high"] == 1.0
+
+
 def test_masked_tokens_do_not_count():
     lp = _lp(1.0, 1.0)
     loss, stats = ppo_clip_loss(lp, torch.zeros(1, 2), torch.tensor([[1.0, 100.0]]), torch.tensor([[1, 0]]))
@@ -105,6 +120,18 @@ def test_a_sequence_with_no_action_token_is_left_out():
     assert aggregate(VALUES, mask, "seq-mean-token-mean").item() == pytest.approx(2.0)
 
 
+@pytest.mark.parametrize(("agg", "denominator"), [("token-mean", 4.0), ("seq-mean-token-mean", 2.0),
+                                                  ("seq-mean-token-sum-norm", 2.0)])
+def test_parts_divided_by_the_whole_denominator_add_up_to_the_whole_mean(agg, denominator):
+    """How a minibatch split into rows keeps its mean: each row divides by the minibatch's count."""
+    assert mean_denominator(MASK, agg) == denominator  # 4 tokens, 2 sequences
+    whole = aggregate(VALUES, MASK, agg, norm_len=4)
+    parts = [aggregate(VALUES[i:i + 1], MASK[i:i + 1], agg, norm_len=4, denominator=denominator) for i in range(2)]
+    assert sum(p.item() for p in parts) == pytest.approx(whole.item())
+    # Each row's own mean would give the wrong weights: 6/3 and 4/1 for the token mean.
+    assert aggregate(VALUES[:1], MASK[:1], "token-mean").item() == 2.0
+
+
 def test_aggregate_rejects_bad_options():
     with pytest.raises(ValueError, match="agg"):
         aggregate(VALUES, MASK, "mean")
@@ -124,6 +151,40 @@ def test_kl_estimators_hand_case(estimator, expected):
     lp = torch.full((1, 2), math.log(0.5))
     ref = torch.full((1, 2), math.log(0.25))
     assert kl_penalty(lp, ref, torch.ones(1, 2), estimator).item() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("estimator", "minimises"), [("k1", None), ("k2", "KL(pi||ref)"),
+                                                     ("k3", "KL(ref||pi)")])
+def test_kl_estimators_expected_gradient_on_an_enumerated_categorical(estimator, minimises):
+    """E_{x ~ pi}[grad k(x)], summed exactly over a 5-way categorical, against the exact gradients.
+
+    The estimate is differentiated through log pi(x) only, as in the loss (the sampling is not
+    differentiated): k1 gives 0, k2 the gradient of KL(pi || ref), k3 that of KL(ref || pi).
+    """
+    theta = torch.tensor([0.3, -1.2, 0.8, 0.0, -0.4], dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([-0.5, 0.4, 0.1, 1.0, -1.0], dtype=torch.float64), 0)
+    logp = torch.log_softmax(theta, 0)
+    expected = (logp.exp().detach() * kl_per_token(logp, ref, estimator)).sum()
+    (grad,) = torch.autograd.grad(expected, theta, retain_graph=True)
+    p, q = logp.exp(), ref.exp()
+    exact = {"KL(pi||ref)": (p * (logp - ref)).sum(), "KL(ref||pi)": (q * (ref - logp)).sum()}
+    grads = {k: torch.autograd.grad(v, theta, retain_graph=True)[0] for k, v in exact.items()}
+    assert (grads["KL(pi||ref)"] - grads["KL(ref||pi)"]).abs().max() > 0.05  # the two directions differ here
+    if minimises is None:
+        torch.testing.assert_close(grad, torch.zeros_like(grad), atol=1e-12, rtol=0)
+    else:
+        torch.testing.assert_close(grad, grads[minimises], atol=1e-12, rtol=1e-9)
+
+
+def test_k1_is_refused_as_a_loss_term_naming_its_key():
+    from agentrl.errors import ConfigError
+    from agentrl.train.config import load_train_config
+
+    with pytest.raises(ValueError, match="kl_estimator"):
+        PolicyLossConfig(kl_coef=0.1, kl_estimator="k1")
+    assert PolicyLossConfig(kl_estimator="k1").kl_coef == 0.0  # no term, nothing to refuse
+    with pytest.raises(ConfigError, match=r"train\.loss\.kl_estimator"):
+        load_train_config(None, ["train.loss={kl_coef: 0.1, kl_estimator: k1}"])
 
 
 def test_kl_unknown_estimator():
@@ -155,28 +216,67 @@ def test_staleness_mask_hand_case():
 
 def test_m2po_drops_the_largest_squared_log_ratio_hand_case():
     logratio = torch.tensor([[0.1, -0.3, 0.5, 0.05, 9.0]])
+    advantages = torch.sign(logratio)  # every token in the trust region: A > 0 and r > 1, or A < 0 and r < 1
     mask = torch.tensor([[1, 1, 1, 1, 0]])
     # s = .01, .09, .25, .0025; running means of the ascending sort: .0025, .00625, .0342, .0881
-    keep = m2po_mask(logratio, mask, tau=0.04)
+    keep = m2po_mask(logratio, advantages, mask, tau=0.04)
     assert keep[0].tolist() == [True, True, False, True, False]
 
 
-def _m2po_reference(s: list[float], tau: float) -> set[int]:
-    """The rule as written: while the mean of s over kept tokens exceeds tau, drop the largest."""
-    kept = set(range(len(s)))
-    while kept and sum(s[i] for i in kept) / len(kept) > tau:
-        kept.remove(max(kept, key=lambda i: s[i]))
-    return kept
+def test_m2po_masks_trust_region_tokens_only_hand_case():
+    """Zheng et al. 2025, Algorithm 1: M2 and the mask are over the trust-region tokens T only."""
+    logratio = torch.tensor([[0.3, -0.1, 0.02, 1.0, -0.6, 0.7, 0.0]])
+    advantages = torch.tensor([[1.0, -1.0, 1.0, 1.0, 1.0, -1.0, 1.0]])
+    mask = torch.ones(1, 7)
+    # T = tokens 0-3 (A > 0, r > 1 or A < 0, r < 1); 4 (A > 0, r < 1), 5 (A < 0, r > 1) and 6 (r = 1)
+    # are not in T. T's s = .09, .01, .0004, 1: ascending running means .0004, .0052, .0335, .2751,
+    # so token 3 goes and M2 over T is .0335 <= .04. Over all tokens (the old rule) 4 and 5,
+    # with s = .36 and .49, would go too.
+    assert m2po_trust_region(logratio, advantages, mask)[0].tolist() == [True] * 4 + [False] * 3
+    assert m2po_mask(logratio, advantages, mask, tau=0.04)[0].tolist() == [True, True, True, False, True, True, True]
+
+
+def test_m2po_loss_is_the_unclipped_ratio_times_a_over_all_tokens_hand_case():
+    """J_M2PO = (1 / sum |o_i|) sum M r A: no clip (token 0's r = 1.35 > 1 + clip_high keeps its
+    gradient), no TIS, and the masked token 3 stays in the denominator (7, not 6)."""
+    logratio = [0.3, -0.1, 0.02, 1.0, -0.6, 0.7, 0.0]
+    adv = [1.0, -1.0, 1.0, 1.0, 1.0, -1.0, 1.0]
+    lp = torch.tensor([logratio], requires_grad=True)
+    cfg = PolicyLossConfig(m2po_tau=0.04)  # tis_cap keeps its default 2.0: M2PO does not apply it
+    loss, stats = policy_loss(lp, torch.tensor([adv]), torch.ones(1, 7), cfg, behaviour_logprobs=torch.zeros(1, 7))
+    kept = [1, 1, 1, 0, 1, 1, 1]
+    terms = [-m * math.exp(x) * a for x, a, m in zip(logratio, adv, kept, strict=True)]
+    assert loss.item() == pytest.approx(sum(terms) / 7)
+    loss.backward()
+    assert lp.grad[0].tolist() == pytest.approx([t / 7 for t in terms])  # d(-M r A)/d logp = -M r A
+    assert stats["tis/on"] == 0.0 and "ppo/clip_frac_high" not in stats
+    assert stats["mask/kept_frac"] == pytest.approx(6 / 7)
+    assert stats["m2po/masked_frac"] == pytest.approx(1 / 7)
+    assert stats["m2po/m2"] == pytest.approx((0.09 + 0.01 + 0.0004 + 1.0) / 4)
+    assert stats["m2po/m2_kept"] == pytest.approx((0.09 + 0.01 + 0.0004) / 3)
+
+
+def _m2po_reference(s: list[float], candidates: set[int], tau: float) -> set[int]:
+    """Algorithm 1 as written: while the mean of s over T exceeds tau, mask T's largest."""
+    masked, t = set(), set(candidates)
+    while t and sum(s[i] for i in t) / len(t) > tau:
+        j = max(t, key=lambda i: s[i])
+        masked.add(j)
+        t.remove(j)
+    return masked
 
 
 def test_m2po_matches_the_iterative_rule_on_random_batches():
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
         logratio = torch.randn(3, 7, generator=g) * 0.3
+        advantages = torch.randn(3, 7, generator=g)
         mask = torch.rand(3, 7, generator=g) < 0.7
-        keep = m2po_mask(logratio, mask, tau=0.04)
-        s = (logratio[mask] ** 2).tolist()
-        assert set(keep[mask].nonzero().flatten().tolist()) == _m2po_reference(s, 0.04)
+        keep = m2po_mask(logratio, advantages, mask, tau=0.04)
+        lr, a = logratio[mask].tolist(), advantages[mask].tolist()
+        tr = {i for i in range(len(lr)) if (a[i] > 0 and lr[i] > 0) or (a[i] < 0 and lr[i] < 0)}
+        masked = _m2po_reference([x * x for x in lr], tr, 0.04)
+        assert set(keep[mask].nonzero().flatten().tolist()) == set(range(len(lr))) - masked
         assert not (keep & ~mask).any()
 
 
@@ -207,12 +307,12 @@ def test_policy_loss_composes_tis_staleness_kl_and_entropy():
     versions = torch.tensor([[4, 4, 4, 1]])  # the last token is too stale
     ref = torch.tensor([[math.log(0.5)] * 4])
     ent = torch.tensor([[2.0, 4.0, 6.0, 100.0]])
-    cfg = PolicyLossConfig(tis_cap=2.0, max_staleness=2, kl_coef=0.1, kl_estimator="k1",
+    cfg = PolicyLossConfig(tis_cap=2.0, max_staleness=2, kl_coef=0.1, kl_estimator="k2",
                            entropy_coef=0.01)
     loss, stats = policy_loss(lp, adv, torch.ones(1, 4), cfg, behaviour_logprobs=behaviour,
                               versions=versions, current_version=4, ref_logprobs=ref, entropies=ent)
     pg = (-1.0 * 1 - 1.0 * 2 + 1.0 * 0.25) / 3
-    kl = math.log(2.0)  # k1: 0 - log 0.5
+    kl = 0.5 * math.log(2.0) ** 2  # k2: (log 0.5 - 0)^2 / 2
     entropy = (2.0 + 4.0 + 6.0) / 3
     assert loss.item() == pytest.approx(pg + 0.1 * kl - 0.01 * entropy)
     assert stats["mask/kept_frac"] == pytest.approx(0.75)
@@ -222,12 +322,12 @@ def test_policy_loss_composes_tis_staleness_kl_and_entropy():
 
 def test_policy_loss_m2po_masks_the_off_policy_token():
     lp = torch.zeros(1, 3, requires_grad=True)
-    behaviour = torch.tensor([[0.0, 0.1, -2.0]])  # log ratios 0, -0.1, 2: M2 = 1.34 > 0.04
+    behaviour = torch.tensor([[0.0, 0.1, -2.0]])  # log ratios 0, -0.1, 2; A = 1: only token 2 in T, M2 = 4
     loss, stats = policy_loss(lp, torch.ones(1, 3), torch.ones(1, 3),
                               PolicyLossConfig(m2po_tau=0.04, tis_cap=None),
                               behaviour_logprobs=behaviour)
     assert stats["mask/kept_frac"] == pytest.approx(2 / 3)
-    assert loss.item() == pytest.approx(-1.0)
+    assert loss.item() == pytest.approx(-(1.0 + math.exp(-0.1)) / 3)  # -r A over all three tokens
     assert stats["mismatch/max_abs_dlogprob"] == pytest.approx(2.0)
 
 
@@ -239,6 +339,12 @@ def test_policy_loss_options_without_their_inputs_fail_loudly():
                       (PolicyLossConfig(entropy_coef=0.1), "entropies")):
         with pytest.raises(ValueError, match=word):
             policy_loss(lp, adv, mask, cfg)
+
+
+def test_m2po_refuses_several_advantages_per_token():
+    with pytest.raises(ValueError, match="tree_packing"):
+        policy_loss(torch.zeros(1, 2), torch.ones(1, 2, 2), torch.ones(1, 2), PolicyLossConfig(m2po_tau=0.04),
+                    behaviour_logprobs=torch.zeros(1, 2), masks=None)
 
 
 def test_policy_loss_config_rejects_unknown_keys():

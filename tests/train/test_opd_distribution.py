@@ -133,7 +133,8 @@ def test_the_overlap_stop_down_weights_what_follows_the_first_drift():
 
 def test_distribution_signals_refuse_what_cannot_carry_them(tmp_path):
     with pytest.raises(ValueError, match="one-hot"):
-        DistillConfig(teacher="expert", signal="forward_kl")
+        DistillConfig(teacher="expert", signal="lsm")
+    assert DistillConfig(teacher="expert", signal="forward_kl").signal == "forward_kl"  # DAgger
     with pytest.raises(ConfigError, match="tree_packing"):
         load_train_config(None, GUESS + ["train.distill={teacher: tiny-random, signal: lsm}",
                                          "train.tree_packing=true", f"train.out_dir={tmp_path}"])

@@ -561,35 +561,40 @@ def test_a_self_teacher_reads_the_groups_hindsight(tmp_path):
     assert stats["distill/teacher_tokens"] > sum(len(ep.input_ids) for t in trees for ep in t.episodes())
 
 
-def test_an_expert_with_forward_kl_targets_its_next_token_where_the_student_followed(tokenizer):
-    """DAgger on the student's own turns: per action token, the expert's token while the student's
-    prefix agreed with it (the first differing token keeps its target), nothing after."""
+def test_an_expert_with_forward_kl_labels_the_turns_where_the_student_left_it(tokenizer):
+    """DAgger: the student's context up to the first turn that differs from the expert's, then the
+    expert's action and end token, which alone carry the loss; the student's own tokens carry none."""
     from agentrl.train.distill import Distiller
 
     right = tokenizer("go to shelf 1", add_special_tokens=False)["input_ids"]
     wrong = tokenizer("go to desk 2", add_special_tokens=False)["input_ids"]
     eos = tokenizer.eos_token_id
     ctx = [1, 2, 3]
-    ids = ctx + right + [eos] + [4] + wrong + [eos]
-    a0, a1 = (3, 3 + len(right) + 1), (3 + len(right) + 2, len(ids))
-    mask = [1 if a0[0] <= i < a0[1] or a1[0] <= i < a1[1] else 0 for i in range(len(ids))]
-    s = Sample(ids, mask, [0.0] * len(ids), [0.0] * len(ids), [0] * len(ids))
-    s.distill.expert_turns = [(*a0, "go to shelf 1", True), (*a1, "go to shelf 1", True)]
+    ids = ctx + right + [eos] + [4] + wrong + [eos] + [5] + wrong + [eos]
+    a0 = (3, 3 + len(right) + 1)
+    a1 = (a0[1] + 1, a0[1] + 1 + len(wrong) + 1)
+    a2 = (a1[1] + 1, len(ids))
+    mask = [1 if any(a <= i < b for a, b in (a0, a1, a2)) else 0 for i in range(len(ids))]
+    s = Sample(ids, mask, [-0.5] * len(ids), [0.0] * len(ids), [3] * len(ids))
+    s.distill.expert_turns = [(*a0, "go to shelf 1", True), (*a1, "go to shelf 1", True),
+                              (*a2, "go to shelf 1", True)]
     d = Distiller(DistillConfig(teacher="expert", signal="forward_kl", weight=0.5), tokenizer,
                   torch.device("cpu"), total_steps=1)
-    assert not d.needs_student_scores and d.top_k == 0
-    stats = d.apply([s], 0, score=None)
+    assert d.labels and not d.needs_student_scores and d.top_k == 0
+    [label], stats = d.expert_labels([s], 0, version=7)
     want = right + [eos]
-    first_diff = next(i for i, (x, y) in enumerate(zip(right, wrong, strict=False)) if x != y)
-    expect = [[-1]] * len(ids)
-    for t in range(len(want)):
-        expect[a0[0] + t] = [want[t]]  # the first turn followed the expert to its end token
-    for t in range(first_diff + 1):
-        expect[a1[0] + t] = [want[t]]  # the second left it at first_diff: that target is kept
-    assert s.distill.support == expect
-    assert s.distill.weights == [0.5 if e[0] >= 0 else 0.0 for e in expect]
-    assert stats["distill/expert_turns"] == 2 and stats["distill/expert_match_frac"] == 0.5
-    assert stats["distill/expert_target_tokens"] == len(want) + first_diff + 1
+    assert label.input_ids == ids[:a1[0]] + want  # the student's context, then the expert's action
+    assert label.mask == [0] * a1[0] + [1] * len(want)
+    assert label.advantages == [0.0] * len(label.input_ids)  # no policy-gradient term
+    assert label.versions[a1[0]:] == [7] * len(want)
+    assert label.distill.support == [[-1]] * a1[0] + [[t] for t in want]
+    assert label.distill.weights == [0.0] * a1[0] + [0.5] * len(want)
+    assert s.distill.weights == [0.0] * len(ids)  # the student's own tokens: no distillation term
+    assert stats["distill/expert_turns"] == 3 and stats["distill/expert_labels"] == 1
+    assert stats["distill/expert_match_frac"] == pytest.approx(1 / 3)
+    two = Distiller(DistillConfig(teacher="expert", signal="forward_kl", expert_label_turns=2), tokenizer,
+                    torch.device("cpu"), total_steps=1)
+    assert len(two.expert_labels([s], 0, version=7)[0]) == 2
 
 
 def test_dagger_with_the_bisection_expert_teaches_guess_number(tmp_path):
@@ -608,6 +613,6 @@ def test_dagger_with_the_bisection_expert_teaches_guess_number(tmp_path):
     print(f"dagger: held-out {summary['phases']['start']:.3f} -> {summary['phases']['end']:.3f}; "
           f"loss {losses}")
     assert losses[-1] < losses[0]
-    # Over train.seed 0-2: 0.000 -> 0.250, 0.188, 0.188; the loss from 3.2 to under 1.
+    # Over train.seed 0-2: 0.000 -> 0.250, 0.188, 0.625; the loss from 2.0-2.7 to under 0.3.
     assert losses[-1] < losses[0] / 2
     assert summary["phases"]["end"] >= summary["phases"]["start"] + 0.125

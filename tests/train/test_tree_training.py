@@ -189,6 +189,57 @@ def test_tree_packing_sums_advantages_on_a_forked_turns_shared_tokens(tmp_path):
     _assert_same_update(ep_stats, ep_grads, tree_stats, tree_grads)
 
 
+def test_tree_packing_is_exact_when_a_shared_token_has_advantages_of_both_signs_and_the_clip_binds(tmp_path):
+    """A forked turn's shared tokens belong to episodes with A = 0.5, -1 and 2, and ratios leave the clip range.
+
+    PPO-clip is per episode: loss(r, 0.5) + loss(r, -1) + loss(r, 2) is not loss(r, 1.5) once the
+    clip binds (r > 1 + clip_high clips the A > 0 copies only). A tree node carries the sum of
+    its members' positive advantages and, apart, of their negative ones, and the clip applies to
+    each sum, so the loss and gradients are episode packing's (before: one summed advantage,
+    40% off in the gradient).
+    """
+    import math
+
+    from agentrl.rollout import Budget, collect
+    from agentrl.train.batch import samples_from_credit, score_old
+
+    torch.set_num_threads(1)
+    tr = tree_trainer(tmp_path)
+    trees = collect(tr.cfg.env.id, tr.policy, tr.cfg, [0, 1], ForkInsideFirstTurn(), Budget(6))
+    samples = samples_from_credit(assign(trees, "tree"))
+    assert len(samples) == 6
+    for j, s in enumerate(samples):
+        s.advantages = [(0.5, -1.0, 2.0)[j % 3] * m for m in s.mask]
+    score_old(tr.net, samples, 2048, tr.pad_id, tr.temperature)
+    for s in samples:  # a function of the prefix, so equal on shared tokens: some ratios leave the range
+        s.old = [o + (0.4 * math.sin(sum(s.input_ids[:t + 1]) + t) if m else 0.0)
+                 for t, (o, m) in enumerate(zip(s.old, s.mask, strict=True))]
+    ep_stats, ep_grads, _, tree_stats, tree_grads, _ = _both_layouts(tr, samples)
+    assert ep_stats["ppo/clip_frac_low"] + ep_stats["ppo/clip_frac_high"] > 0
+    _assert_same_update(ep_stats, ep_grads, tree_stats, tree_grads)
+
+
+def test_tree_packing_drops_stale_tokens_from_the_minibatch_mean_like_episode_packing(tmp_path):
+    """max_staleness drops about a third of the action tokens (a version that is a function of the
+    prefix, so equal on shared tokens): the token-mean divides by the minibatch's kept episode
+    tokens in both layouts."""
+    from agentrl.rollout import Budget, collect
+    from agentrl.train.batch import samples_from_credit, score_old
+
+    torch.set_num_threads(1)
+    tr = tree_trainer(tmp_path, "train.loss={max_staleness: 0}")
+    trees = collect(tr.cfg.env.id, tr.policy, tr.cfg, [0, 1], ForkInsideFirstTurn(), Budget(6))
+    samples = samples_from_credit(assign(trees, "tree"))
+    for j, s in enumerate(samples):
+        s.advantages = [(0.5, -1.0, 2.0)[j % 3] * m for m in s.mask]
+        s.versions = [(int(sum(s.input_ids[:t + 1]) % 3 != 0) if m else -1) for t, m in enumerate(s.mask)]
+    tr.policy.version = 1
+    score_old(tr.net, samples, 2048, tr.pad_id, tr.temperature)
+    ep_stats, ep_grads, _, tree_stats, tree_grads, _ = _both_layouts(tr, samples)
+    assert 0.3 < 1 - ep_stats["mask/kept_frac"] < 0.5
+    _assert_same_update(ep_stats, ep_grads, tree_stats, tree_grads)
+
+
 def test_tree_groups_split_at_the_token_limit_and_keep_shared_prefixes_together():
     from agentrl.train.tree_pack import tree_groups
 
@@ -209,6 +260,23 @@ def test_tree_packing_refuses_losses_it_cannot_weight(tmp_path):
         tree_trainer(tmp_path, "train.tree_packing=true", "train.loss={agg: seq-mean-token-mean}")
     with pytest.raises(ConfigError, match="kl_coef=0"):
         tree_trainer(tmp_path, "train.tree_packing=true", "train.loss={kl_coef: 0.1}")
+
+
+def test_tree_packing_refuses_m2po_before_any_update(tmp_path):
+    """M2PO's mask drops single episode tokens, which a shared node cannot follow."""
+    from agentrl.errors import ConfigError
+    from agentrl.rollout import Budget, collect
+    from agentrl.train.batch import samples_from_credit
+    from agentrl.train.tree_pack import tree_minibatch
+
+    torch.set_num_threads(1)
+    tr = tree_trainer(tmp_path, "train.loss={m2po_tau: 0.04}")
+    trees = collect(tr.cfg.env.id, tr.policy, tr.cfg, [0], ForkInsideFirstTurn(), Budget(3))
+    samples = samples_from_credit(assign(trees, "tree"))
+    with pytest.raises(ConfigError, match="m2po_tau"):
+        tree_minibatch(tr.net, samples, list(range(len(samples))), tr._rl_loss, ("advantages", "behaviour", "versions"),
+                       True, 2048, tr.pad_id, tr.temperature)
+    assert all(p.grad is None for p in tr.net.parameters())
 
 
 def test_a_tree_packed_step_runs_through_the_trainer(tmp_path):

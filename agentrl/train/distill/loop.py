@@ -17,9 +17,9 @@ Teachers: a model folder or registered name (``load_teacher``), a vLLM
 engine (``vllm:NAME``), the student's own weights given privileged text
 (``self``; OPSD), or the env's scripted expert or privileged oracle as a
 one-hot target on the student's tokens (``expert``, ``oracle``): on its
-sampled tokens with ``reverse_kl`` (``expert_teacher_logprobs``), or on the
-expert's own next token with ``forward_kl``, which is DAgger on the student's
-states (``Distiller._expert_targets``). Privileged text comes from the env's reset
+sampled tokens with ``reverse_kl`` (``expert_teacher_logprobs``), or, with
+``forward_kl``, the expert's whole action at the turns where the student left
+it, as extra samples: DAgger on the student's states (``Distiller.expert_labels``). Privileged text comes from the env's reset
 ``info["privileged"]`` or, with ``privileged_source: hindsight``, from the
 group's own best episode (``hindsight_summary``); it is a system message in
 front of the student's ids (``privileged_prefix``).
@@ -44,7 +44,6 @@ from .signals import (
     build_support,
     combine_rl_and_distill,
     depth_budget,
-    expert_next_tokens,
     expert_one_hot_teacher,
     informative_token_mask,
     linear_schedule,
@@ -72,7 +71,8 @@ class DistillConfig(BaseModel):
                          "'self': the student's current weights (needs privileged: true). "
                          "'expert': the env's scripted expert (env.expert_action(), which acts on "
                          "what was observed) as a one-hot teacher: with signal reverse_kl on the "
-                         "student's sampled tokens, with forward_kl on its own next token (DAgger). "
+                         "student's sampled tokens; with forward_kl its whole action labels the turns "
+                         "where the student left it (DAgger). "
                          "'oracle': the same with the env's privileged oracle (env.oracle_action(), "
                          "which reads hidden state).")
     turn_balance: bool = Field(False, description="TurnOPD: move the distillation weights from "
@@ -115,6 +115,9 @@ class DistillConfig(BaseModel):
                                             "null: off.")
     overlap_after_weight: float = Field(0.0, ge=0.0, le=1.0, description="The weight of the "
                                         "distillation signal after the overlap stop.")
+    expert_label_turns: int = Field(1, ge=1, description="teacher: expert or oracle with signal: forward_kl "
+                                    "(DAgger): how many of each episode's turns where the student left "
+                                    "the expert, earliest first, get the expert's action as a label.")
     weight: float = Field(1.0, ge=0.0, description="Distillation weight w at step 0.")
     weight_end: float | None = Field(None, ge=0.0, description="w at the end of the schedule "
                                      "(linear from weight); null: constant.")
@@ -313,7 +316,7 @@ class Distiller:
         self.distribution = cfg.signal != "reverse_kl"  # a loss term on a top-k support, not an advantage
         self.scripted = cfg.teacher in ("expert", "oracle")  # a one-hot teacher from the env, no model
         # Candidate ids a token both models report: the support, and the overlap stop's top-k.
-        # A scripted teacher's support is its one next token (``_expert_targets``).
+        # A scripted teacher's labels carry their own one-token support (``expert_labels``).
         wants_top_k = (self.distribution and not self.scripted) or cfg.overlap_threshold is not None
         self.top_k = cfg.top_k if wants_top_k else 0
         self._bos = document_bos(student_tokenizer)
@@ -338,38 +341,56 @@ class Distiller:
 
     @property
     def needs_student_scores(self) -> bool:
-        """Whether ``apply`` reads the student's scoring pass (``Sample.old``): every teacher
-        but a scripted one with ``forward_kl``, whose targets are tokens."""
-        return not (self.scripted and self.distribution)
+        """Whether ``apply`` reads the student's scoring pass (``Sample.old``): every teacher but a
+        scripted one with ``forward_kl``, whose targets are the expert's own tokens (``expert_labels``)."""
+        return not self.labels
 
-    def _expert_targets(self, samples: list[Sample], step: int) -> dict[str, float]:
-        """A scripted teacher with ``forward_kl``: at each action token, the expert's next token
-        while the student followed it (``expert_next_tokens``) is a one-token support with teacher
-        log-prob 0, so the loss term is ``-w log pi_s(expert token)``: DAgger on the student's states."""
+    @property
+    def labels(self) -> bool:
+        """A scripted teacher with ``forward_kl``: DAgger's expert labels (``expert_labels``)."""
+        return self.scripted and self.distribution
+
+    def expert_labels(self, samples: list[Sample], step: int, version: int) -> tuple[list[Sample], dict[str, float]]:
+        """DAgger (Ross et al. 2011, "A Reduction of Imitation Learning and Structured Prediction to
+        No-Regret Online Learning"): the states the student visited, labelled with the expert's action.
+
+        For each of the first ``expert_label_turns`` turns of an episode where the student did
+        something else than the expert, one more sample: the student's context up to that turn,
+        then the expert's action tokens and the end token, which alone carry loss. Its loss term is
+        ``forward_kl`` to a one-hot teacher on its own tokens, so ``-w log pi(expert token)``; its
+        advantages are 0, so the policy-gradient term leaves it alone. The context is the student's,
+        token for token; only the label is the expert's text, tokenized as SFT tokenizes it.
+        """
         eos = self.tokenizer.eos_token_id
         w = distill_weight(self.cfg, step, self.total_steps)
-        turns = matched = targets = 0
+        out: list[Sample] = []
+        turns = differing = 0
         for s in samples:
-            support = [[-1] for _ in s.input_ids]
+            taken = 0
+            n_ids = len(s.input_ids)  # the student's own tokens carry no distillation term
+            s.distill.support, s.distill.support_teacher, s.distill.weights = [[-1]] * n_ids, [[0.0]] * n_ids, [0.0] * n_ids
             for start, end, expert, _ in s.distill.expert_turns or []:
                 if expert is None or end <= start:
                     continue
+                turns += 1
                 want = self.tokenizer(expert, add_special_tokens=False)["input_ids"] + [eos]
-                action = s.input_ids[start:end]
-                for t, tok in enumerate(expert_next_tokens(action, want)):
-                    if tok >= 0:
-                        support[start + t] = [tok]
-                        targets += 1
-                turns, matched = turns + 1, matched + int(action == want)
-            d = s.distill
-            d.support, d.support_teacher = support, [[0.0] for _ in s.input_ids]
-            d.weights = [w if ids[0] >= 0 and m else 0.0 for ids, m in zip(support, s.mask, strict=True)]
-        if turns == 0 and any(s.distill.expert_turns for s in samples):
-            raise ConfigError(f"train.distill.teacher={self.cfg.teacher!r} but no turn has an expert action: "
-                              f"the env has no {self.cfg.teacher}_action(), or it failed (see the nodes' "
-                              "expert_action_error)")
-        return {"distill/expert_turns": turns, "distill/expert_match_frac": matched / max(turns, 1),
-                "distill/expert_target_tokens": targets, "distill/weight": w, "distill/teacher_tokens": 0}
+                if s.input_ids[start:end] == want:
+                    continue
+                differing += 1
+                if taken >= self.cfg.expert_label_turns:
+                    continue
+                taken += 1
+                n = len(want)
+                label = Sample(s.input_ids[:start] + want, [0] * start + [1] * n, s.behaviour[:start] + [0.0] * n,
+                               [0.0] * (start + n), s.versions[:start] + [version] * n, episode=s.episode,
+                               turn_spans=[(start, start + n)])
+                d = label.distill
+                d.support = [[-1]] * start + [[t] for t in want]
+                d.support_teacher = [[0.0]] * (start + n)
+                d.weights = [0.0] * start + [w] * n
+                out.append(label)
+        return out, {"distill/expert_turns": turns, "distill/expert_match_frac": 1 - differing / max(turns, 1),
+                     "distill/expert_labels": len(out), "distill/weight": w, "distill/teacher_tokens": 0}
 
     def apply(self, samples: list[Sample], step: int, score: ScoreFn) -> dict[str, float]:
         """Teacher-score ``samples``, add the signal (``_apply``), then update the depth budget."""
@@ -427,8 +448,8 @@ class Distiller:
         ``privileged: true`` the teacher reads each sample's
         ``distill.privileged`` text first. Returns ``distill/*`` stats.
         """
-        if self.scripted and self.distribution:
-            return self._expert_targets(samples, step)
+        if self.labels:  # DAgger: the expert's labels were added as samples (``expert_labels``)
+            return {}
         if self.teacher is None and self.vllm_teacher is None:
             stats = self._expert_teacher(samples)
             w = distill_weight(self.cfg, step, self.total_steps)

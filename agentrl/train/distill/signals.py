@@ -19,8 +19,7 @@ The pieces, each from the paper named in its docstring:
   (SOD), ``informative_token_mask`` (TIP);
 - how it mixes with RL: ``combine_rl_and_distill``, ``linear_schedule``;
 - a teacher without a model: ``expert_one_hot_teacher`` (a scripted expert on
-  the sampled tokens) and ``expert_next_tokens`` (its token targets, for
-  ``forward_kl``: DAgger on the student's own states).
+  the sampled tokens).
 
 Conventions: log-probabilities are natural logs; ``[..., K]`` tensors hold K
 candidate tokens per position along the last axis; per-token outputs keep the
@@ -41,7 +40,6 @@ __all__ = [
     "combine_rl_and_distill",
     "depth_budget",
     "distribution_loss",
-    "expert_next_tokens",
     "expert_one_hot_teacher",
     "forward_kl",
     "informative_token_mask",
@@ -444,29 +442,3 @@ def expert_one_hot_teacher(action_token_ids: torch.Tensor | list[int], expert_to
     if prefix_only:
         match = match.long().cumprod(0).bool()
     return torch.where(match, torch.zeros(action.numel()), torch.full((action.numel(),), floor))
-
-
-def expert_next_tokens(action_token_ids: Sequence[int], expert_token_ids: Sequence[int]) -> list[int]:
-    """The expert's token at each position of the student's action, while the student followed it.
-
-    A scripted expert is one-hot over action strings; tokenized
-    (``expert_token_ids``, with the end-of-turn token), it is one-hot over
-    tokens as long as the student's sampled prefix agrees with it. Position t
-    gets the expert's token t when the student's tokens before t equal the
-    expert's, and -1 after the first one that differs (the expert has no
-    opinion on a continuation it would never have written) or past the
-    expert's end. The first differing position keeps its target: that is
-    where the student left the expert.
-
-    With these as a one-token support and the teacher's log-prob 0 there,
-    ``forward_kl`` is ``-log pi_s(expert token)`` on the student's own states:
-    a token-level DAgger loss (Ross et al. 2011, "A Reduction of Imitation
-    Learning and Structured Prediction to No-Regret Online Learning"), the
-    states the student visits labelled by the expert.
-    """
-    out, following = [], True
-    for t, tok in enumerate(action_token_ids):
-        following = following and t < len(expert_token_ids)
-        out.append(int(expert_token_ids[t]) if following else -1)
-        following = following and tok == expert_token_ids[t]
-    return out
