@@ -21,7 +21,12 @@ since alfworld 0.4 says "move O to R" where the ALFWorld paper said
   location, which holds no receptacle, and answers "... you see nothing."
   even though its own intro lists every receptacle; ours lists them again.
 
-Engines share fast-downward's global state, so use one ``RealEngine`` at a time.
+Each engine loads its own copy of fast-downward's library, so engines do not
+share the planner's state; but fast-downward's PDDL translator rewrites
+``sys.argv``, swaps ``sys.stdout`` and keeps its options in module globals. Every
+call into an engine therefore goes through ``engine_call()``: one process-wide
+lock, with ``sys.argv`` put back afterwards. ``make_engine`` builds the wrapped
+engine that ``RealEngine`` and ``real_env.ALFWorldRealEnv`` (the real games) use.
 
 Run ``python -m agentrl.envs.alfworld.real_engine --seeds 300`` for the full
 cross-check (a table and a JSON file), or ``--time 200`` to time the engine.
@@ -34,7 +39,11 @@ import json
 import random
 import re
 import statistics
+import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
@@ -51,6 +60,9 @@ __all__ = [
     "RealEngine",
     "available",
     "cross_check",
+    "engine_call",
+    "logic_files",
+    "make_engine",
     "normalize_feedback",
     "run_real_episode",
     "time_real_engine",
@@ -81,11 +93,36 @@ def _modules() -> tuple[Any, Any, Any, Any]:
 
 
 @cache
-def _logic_files() -> tuple[str, str]:
+def logic_files() -> tuple[str, str]:
+    """alfworld's bundled ``alfred.pddl`` domain and ``alfred.twl2`` grammar, as text."""
+    _modules()
     import alfworld
 
     data = Path(alfworld.__file__).parent / "data"
     return (data / "alfred.pddl").read_text(), (data / "alfred.twl2").read_text()
+
+
+_ENGINE_LOCK = threading.RLock()
+
+
+@contextmanager
+def engine_call() -> Iterator[None]:
+    """Hold the process-wide engine lock, and give ``sys.argv`` back afterwards
+    (fast-downward's translator overwrites it); see the module docstring."""
+    with _ENGINE_LOCK:
+        argv = list(sys.argv)
+        try:
+            yield
+        finally:
+            sys.argv = argv
+
+
+def make_engine(infos: Any) -> Any:
+    """A fresh ``AlfredInfos(AlfredDemangler(PddlEnv(infos)))``, the real games' engine stack,
+    with nothing loaded; ``infos`` is a ``textworld.EnvInfos``."""
+    _, pddl_env, demangler, infos_wrapper = _modules()
+    with engine_call():
+        return infos_wrapper(demangler(pddl_env(infos)))
 
 
 def normalize_feedback(text: str) -> str:
@@ -102,28 +139,30 @@ class RealEngine:
     """One scene loaded in alfworld's PDDL engine."""
 
     def __init__(self, scene: Scene):
-        textworld, pddl_env, demangler, infos_wrapper = _modules()
-        domain, grammar = _logic_files()
+        textworld = _modules()[0]
+        domain, grammar = logic_files()
         data = {
             "pddl_domain": domain,
             "grammar": grammar.replace("UNKNOWN GOAL.", scene.task.goal),
             "pddl_problem": scene_to_pddl(scene),
         }
-        infos = textworld.EnvInfos(won=True, admissible_commands=True)
-        self._env = infos_wrapper(demangler(pddl_env(infos)))
+        self._env = make_engine(textworld.EnvInfos(won=True, admissible_commands=True))
         try:
-            self._env.load(data)
+            with engine_call():
+                self._env.load(data)
         except Exception as e:  # a bad problem file; map it to our error tree
             raise EnvError(f"the real engine rejected scene {scene.split}/{scene.seed}: {e}") from e
 
     def reset(self) -> tuple[str, list[str], bool]:
         """(feedback, admissible commands, won) at the start."""
-        s = self._env.reset()
+        with engine_call():
+            s = self._env.reset()
         return s.feedback, list(s["admissible_commands"]), bool(s["won"])
 
     def step(self, command: str) -> tuple[str, list[str], bool]:
         """(feedback, admissible commands, won) after ``command``."""
-        s, _, _ = self._env.step(command)
+        with engine_call():
+            s, _, _ = self._env.step(command)
         return s.feedback, list(s["admissible_commands"]), bool(s["won"])
 
 
