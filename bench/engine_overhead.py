@@ -9,6 +9,9 @@
    micro-batcher) against a lockstep loop on the same episodes (one
    ``generate`` per turn over every episode still running, as the old runner
    did; re-implemented here, about 30 lines, so the comparison stays runnable).
+4. Deterministic mode (``rollout.deterministic``, docs/reproducibility.md):
+   every row above runs with it on and off; on ``hf`` its cost is the wall
+   time of the deterministic engine row against the timing-based one.
 
 Prints a table and writes ``engine_overhead.json``. ``--backends mock`` runs
 only the mock rows (seconds, where the ``hf`` rows take minutes on CPU); the
@@ -63,26 +66,28 @@ class Timed(HFPolicy):
         return out
 
 
-def _cfg(args: argparse.Namespace, executor: str = "thread") -> Any:
+def _cfg(args: argparse.Namespace, executor: str = "thread", deterministic: bool = False) -> Any:
     return load_config(overrides=[
         f"rollout.max_turns={args.turns}", f"sampling.max_new_tokens={args.new_tokens}",
         "sampling.temperature=1.0", "rollout.max_context_tokens=4096", "rollout.concurrency=64",
-        f"rollout.env_executor={executor}", "rollout.seed=7"])
+        f"rollout.env_executor={executor}", "rollout.seed=7", f"rollout.deterministic={str(deterministic).lower()}"])
 
 
 def mock_rows(args: argparse.Namespace, tok: Any) -> list[dict[str, Any]]:
     rows = []
     for executor in ("thread", "inline"):
-        cfg = _cfg(args, executor)
-        cfg.rollout.max_turns = args.mock_turns
-        policy = MockPolicy(tok, lambda p: COMMANDS[len(p) % len(COMMANDS)])
-        collect(ENV, policy, cfg, list(range(4)))  # warm: imports, template probes
-        t0 = time.perf_counter()
-        trees = collect(ENV, policy, cfg, list(range(args.mock_tasks)))
-        wall = time.perf_counter() - t0
-        turns = sum(1 for t in trees for n in t.nodes.values() if n.action_ids)
-        rows.append({"backend": "mock", "env_executor": executor, "episodes": len(trees), "turns": turns,
-                     "wall_s": round(wall, 3), "turns_per_s": round(turns / wall, 1)})
+        for deterministic in (False, True):
+            cfg = _cfg(args, executor, deterministic)
+            cfg.rollout.max_turns = args.mock_turns
+            policy = MockPolicy(tok, lambda p: COMMANDS[len(p) % len(COMMANDS)])
+            collect(ENV, policy, cfg, list(range(4)))  # warm: imports, template probes
+            t0 = time.perf_counter()
+            trees = collect(ENV, policy, cfg, list(range(args.mock_tasks)))
+            wall = time.perf_counter() - t0
+            turns = sum(1 for t in trees for n in t.nodes.values() if n.action_ids)
+            rows.append({"backend": "mock", "env_executor": executor, "deterministic": deterministic,
+                         "episodes": len(trees), "turns": turns, "wall_s": round(wall, 3),
+                         "turns_per_s": round(turns / wall, 1)})
     return rows
 
 
@@ -120,24 +125,28 @@ def hf_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     model, tok = load_model(args.model)
     seeds = list(range(args.tasks))
     rows = []
+    for deterministic in (False, True):  # timing-based batches, then deterministic mode
+        cfg = _cfg(args, deterministic=deterministic)
+        policy = Timed(model, tok, max_batch_size=args.max_batch)
+        collect(ENV, policy, cfg, seeds[:2])  # warm
+        policy.gen_s = policy.calls = policy.rows = 0
+        policy.batcher.batches = policy.batcher.batched_requests = 0
+        t0 = time.perf_counter()
+        trees = collect(ENV, policy, cfg, seeds)
+        wall = time.perf_counter() - t0
+        turns = sum(1 for t in trees for n in t.nodes.values() if n.action_ids)
+        rows.append({"backend": "hf", "runner": "engine", "deterministic": deterministic, "model": args.model,
+                     "episodes": len(trees), "turns": turns, "wall_s": round(wall, 2),
+                     "generate_s": round(policy.gen_s, 2),
+                     "outside_generation_share": round(1 - policy.gen_s / wall, 4),
+                     "generate_calls": policy.calls, "mean_batch_occupancy": round(policy.rows / policy.calls, 2)})
     cfg = _cfg(args)
-    policy = Timed(model, tok, max_batch_size=64)
-    collect(ENV, policy, cfg, seeds[:2])  # warm
-    policy.gen_s = policy.calls = policy.rows = 0
-    policy.batcher.batches = policy.batcher.batched_requests = 0
-    t0 = time.perf_counter()
-    trees = collect(ENV, policy, cfg, seeds)
-    wall = time.perf_counter() - t0
-    turns = sum(1 for t in trees for n in t.nodes.values() if n.action_ids)
-    rows.append({"backend": "hf", "runner": "engine", "model": args.model, "episodes": len(trees),
-                 "turns": turns, "wall_s": round(wall, 2), "generate_s": round(policy.gen_s, 2),
-                 "outside_generation_share": round(1 - policy.gen_s / wall, 4),
-                 "generate_calls": policy.calls, "mean_batch_occupancy": round(policy.rows / policy.calls, 2)})
-    lock = Timed(model, tok, max_batch_size=64)
+    lock = Timed(model, tok, max_batch_size=args.max_batch)
     t0 = time.perf_counter()
     calls, nrows = lockstep(lock, cfg, seeds)
     wall = time.perf_counter() - t0
-    rows.append({"backend": "hf", "runner": "lockstep", "model": args.model, "episodes": len(seeds),
+    rows.append({"backend": "hf", "runner": "lockstep", "deterministic": False, "model": args.model,
+                 "episodes": len(seeds),
                  "turns": nrows, "wall_s": round(wall, 2), "generate_s": round(lock.gen_s, 2),
                  "outside_generation_share": round(1 - lock.gen_s / wall, 4),
                  "generate_calls": calls, "mean_batch_occupancy": round(nrows / calls, 2)})
@@ -158,6 +167,7 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=16)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--max-batch", type=int, default=16, help="hf: policy.max_batch_size")
     ap.add_argument("--mock-tasks", type=int, default=64)
     ap.add_argument("--mock-turns", type=int, default=20)
     ap.add_argument("--backends", default="mock,hf", help="which rows to run: mock, hf or both")
@@ -179,11 +189,17 @@ def main() -> None:
                     "load_avg_at_end": os.getloadavg()},
         "quick": args.quick,
     }
+    det = {r["backend"]: r["wall_s"] for r in rows if r.get("runner") == "engine" and r.get("deterministic")}
+    base = {r["backend"]: r["wall_s"] for r in rows if r.get("runner") == "engine" and not r.get("deterministic")}
+    if "hf" in det and "hf" in base:
+        result["hf_deterministic_cost"] = round(det["hf"] / base["hf"] - 1, 3)  # extra wall time, a fraction
     print(f"{'row':34} {'turns':>6} {'wall s':>8} {'turns/s':>8} {'outside gen':>11} {'batch':>6}")
     for r in rows:
-        name = f"{r['backend']}/{r.get('env_executor') or r.get('runner')}"
+        name = f"{r['backend']}/{r.get('env_executor') or r.get('runner')}" + ("/det" if r.get("deterministic") else "")
         print(f"{name:34} {r['turns']:>6} {r['wall_s']:>8} {r.get('turns_per_s', '-'):>8} "
               f"{r.get('outside_generation_share', '-'):>11} {r.get('mean_batch_occupancy', '-'):>6}")
+    if "hf_deterministic_cost" in result:
+        print(f"hf deterministic mode: {result['hf_deterministic_cost']:+.1%} wall time against timing-based batches")
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 

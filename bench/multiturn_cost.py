@@ -12,6 +12,11 @@ seed) once per configuration:
 - ``hf``: the same backend with the prefix cache off, re-prefilling every
   context every turn. It grows with the square of the turns, so it gets
   ``--no-reuse-turns`` turns (default 20; less to keep the bench short).
+- ``hf+reuse+det``: ``hf+reuse`` in deterministic mode (``rollout.deterministic``,
+  docs/reproducibility.md): batch-invariant decode steps, prompts prefilled one
+  at a time, keys and values reused at chunk boundaries only. Its wall time
+  against ``hf+reuse`` is the mode's cost; the other rows run timing-based.
+  Asked for with ``--configs hf+reuse,hf+reuse+det`` (``multiturn_cost_deterministic.json``).
 
 For each it reports wall time, prefilled and generated tokens, the wall time of
 turn 2 and of the last turn, and the prefilled tokens against the sum of the
@@ -23,6 +28,7 @@ configurations sample the same tokens; the bench checks that and reports the
 first turn where they differ, if any. Prints a table and writes ``multiturn_cost.json``.
 
     python bench/multiturn_cost.py [--episodes 8] [--turns 20] [--quick]
+    python bench/multiturn_cost.py --configs hf+reuse,hf+reuse+det --out bench/multiturn_cost_deterministic.json
     python bench/multiturn_cost.py --model DIR --random-init --device cuda   # cost only, no weights
 """
 
@@ -90,11 +96,13 @@ class TimedVLLM:
         self.inner.close()
 
 
-def run(model, tok, args, reuse: bool, turns: int, vllm: bool = False) -> tuple[dict, list]:
+def run(model, tok, args, reuse: bool, turns: int, vllm: bool = False,
+        deterministic: bool = False) -> tuple[dict, list]:
     cfg = load_config(overrides=[
         "env.id=agentrl/ALFWorld-v0", f"rollout.episodes={args.episodes}", f"rollout.max_turns={turns}",
         "rollout.show_admissible=true", f"sampling.max_new_tokens={args.max_new_tokens}",
-        f"rollout.max_context_tokens={args.max_context_tokens}", "rollout.seed=0"])
+        f"rollout.max_context_tokens={args.max_context_tokens}", "rollout.seed=0",
+        f"rollout.deterministic={str(deterministic).lower()}"])
     if vllm:
         policy = TimedVLLM(args.model, args.max_context_tokens + args.max_new_tokens)
     else:
@@ -109,7 +117,8 @@ def run(model, tok, args, reuse: bool, turns: int, vllm: bool = False) -> tuple[
     deltas = sum(len(n.context_ids) + (1 if n.parent is not None else 0)
                  for t in trees for n in t.nodes.values())
     row = {
-        "config": "vllm" if vllm else "hf+reuse" if reuse else "hf", "turns": turns, "wall_s": round(wall, 2),
+        "config": "vllm" if vllm else ("hf+reuse" if reuse else "hf") + ("+det" if deterministic else ""),
+        "turns": turns, "wall_s": round(wall, 2),
         "prefilled_tokens": counts["prefilled_tokens"], "reused_tokens": counts["reused_tokens"],
         "generated_tokens": counts["generated_tokens"], "sum_of_deltas": deltas,
         "sum_of_contexts": policy.context_tokens,
@@ -133,6 +142,8 @@ def run(model, tok, args, reuse: bool, turns: int, vllm: bool = False) -> tuple[
         s = policy.prefix_cache.stats
         row["cache"] = {"hits": s.hits, "misses": s.misses, "evictions": s.evictions,
                         "hit_rate": round(s.hits / max(1, s.hits + s.misses), 3), "bytes": s.bytes}
+        if deterministic:  # an evicted entry's episode re-chunks its next turn (docs/reproducibility.md)
+            row["cache"]["bounded_evictions"] = policy.prefix_cache.bounded_evictions
     actions = [[n.action_ids for n in t.nodes.values()] for t in trees]
     return row, actions
 
@@ -199,7 +210,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--no-reuse-turns", type=int, default=20)
     ap.add_argument("--configs", default="hf+reuse,hf",
-                    help="comma-separated: hf+reuse, hf, vllm (vllm: run with .venv-vllm/bin/python)")
+                    help="comma-separated: hf+reuse, hf+reuse+det, hf, vllm (vllm: run with .venv-vllm/bin/python)")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--max-context-tokens", type=int, default=4096)
     ap.add_argument("--cache-mb", type=int, default=4096)
@@ -229,17 +240,22 @@ def main() -> None:
         row, actions = run(model, tok, args, True, args.turns, vllm=True)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "turn_s"}), flush=True)
-    for reuse, turns in ((True, args.turns), (False, args.no_reuse_turns)):
-        if ("hf+reuse" if reuse else "hf") not in wanted:
+    for name, reuse, turns, det in (("hf+reuse", True, args.turns, False), ("hf+reuse+det", True, args.turns, True),
+                                    ("hf", False, args.no_reuse_turns, False)):
+        if name not in wanted:
             continue
-        row, actions = run(model, tok, args, reuse, turns)
+        row, actions = run(model, tok, args, reuse, turns, deterministic=det)
         rows.append(row)
         runs[row["config"]] = actions
         print(json.dumps({k: v for k, v in row.items() if k != "turn_s"}), flush=True)
-    diff = first_difference(runs["hf+reuse"], runs["hf"]) if len(runs) == 2 else None
+    both = "hf+reuse" in runs and "hf" in runs
+    diff = first_difference(runs["hf+reuse"], runs["hf"]) if both else None
+    timed = {r["config"]: r["wall_s"] for r in rows}
+    cost = (round(timed["hf+reuse+det"] / timed["hf+reuse"] - 1, 3)
+            if "hf+reuse" in timed and "hf+reuse+det" in timed else None)
     result = {"model": args.model, "episodes": args.episodes, "max_new_tokens": args.max_new_tokens,
               "max_context_tokens": args.max_context_tokens, "rows": rows,
-              "first_turn_where_samples_differ": diff, "compared": len(runs) == 2,
+              "first_turn_where_samples_differ": diff, "compared": both, "deterministic_cost": cost,
               "device": args.device, "dtype": args.dtype, "random_init": args.random_init,
               "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}"
               + (f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else "")}
@@ -257,9 +273,11 @@ def main() -> None:
         if "speculation" in r:
             print(f"{r['config']}: lockstep sampling passes {r['speculation']['sampling_passes']}, with exact "
                   f"prompt-lookup speculation {r['speculation']['sampling_passes_prompt_lookup']}")
-    if len(runs) == 2:
+    if both:
         print("samples identical with and without reuse" if diff is None
               else f"samples first differ at turn {diff} (float noise in a near-tie)")
+    if cost is not None:
+        print(f"deterministic mode: {cost:+.1%} wall time against hf+reuse")
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -226,7 +226,9 @@ def test_stop_strings_end_the_action_alike_in_hf_and_mock(tokenizer, tiny_model)
 
 
 def test_counters_add_up_to_the_context(tokenizer, tiny_model):
-    cfg = load_config(overrides=["rollout.episodes=2", "rollout.max_turns=3", "sampling.max_new_tokens=4"])
+    # timing-based batching: the two openings' common prefix is shared (deterministic mode shares none)
+    cfg = load_config(overrides=["rollout.episodes=2", "rollout.max_turns=3", "sampling.max_new_tokens=4",
+                                 "rollout.deterministic=false"])
     policy = HFPolicy(tiny_model, tokenizer)
     policy.eos_ids = {-1}
     trees = run_episodes("agentrl/GuessNumber-v0", policy, cfg)

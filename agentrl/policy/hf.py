@@ -16,6 +16,14 @@ re-runs a few of its cached tokens instead of padding (the same work padding
 would cost, but it keeps the row contiguous). Explicit position ids keep every
 row's positions those of its own unpadded sequence.
 
+Deterministic mode (``deterministic=True``, which the rollout engine sets from
+``rollout.deterministic``): a row's tokens and logprobs do not depend on which
+requests share its batch, in what order, nor on what the prefix cache met
+before. Linear layers run in fixed blocks of rows, attention runs per row over
+the row's own keys, padding never overwrites a cached token, and cached keys
+and values are reused only at the boundaries of the chunks that computed them
+(``policy/deterministic.py`` says why each is needed).
+
 Live requests (``RequestControl``): each sampled token is handed to the row's
 ``on_token`` as soon as its decode step ends, so a server streams while the
 batch decodes; and a cancelled row finishes at the next decode step (reason
@@ -24,6 +32,7 @@ batch decodes; and a cancelled row finishes at the next decode step (reason
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import random
 from typing import Any
@@ -35,8 +44,16 @@ from ..errors import PolicyError
 from .attention import use_gqa_sdpa
 from .base import GenerateRequest, GenerateResult, RequestControl, SamplingParams, stop_string_hit
 from .batching import MicroBatcher
+from .deterministic import (
+    ALONE_TOKENS,
+    STEP_ROWS,
+    BoundaryCache,
+    install_row_invariance,
+    real_columns_cache,
+    row_invariant,
+)
 from .kv_slab import KVSlab, kv_shape
-from .prefix_cache import PrefixCache, PrefixEntry, _common_prefix
+from .prefix_cache import PrefixEntry, _common_prefix
 
 __all__ = ["HFPolicy", "sampling_logprobs"]
 
@@ -93,14 +110,20 @@ def _gumbel_max_sample(logp: torch.Tensor, gens: list[torch.Generator]) -> torch
     and a fully prefilled run would pick different tail tokens; the argmax only
     flips when two perturbed scores are within that noise.
     """
-    u = torch.stack([torch.rand(logp.shape[-1], generator=g, device=logp.device) for g in gens])
-    gumbel = -torch.log(-torch.log(u.clamp(min=1e-20)))
-    return (logp + gumbel).argmax(-1)
+    # Row by row: an elementwise op over [B, V] splits across threads at offsets that follow
+    # B, and a tail the vector loop leaves goes through scalar log, whose last bit may differ.
+    gumbel = [-torch.log(-torch.log(torch.rand(logp.shape[-1], generator=g, device=logp.device).clamp(min=1e-20)))
+              for g in gens]
+    return (logp + torch.stack(gumbel)).argmax(-1)
 
 
 def _entropy(logp: torch.Tensor) -> torch.Tensor:
-    p = logp.exp()
-    return -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)
+    """Entropy of each row's distribution, row by row (as ``_gumbel_max_sample``, for exp)."""
+    out = []
+    for row in logp:
+        p = row.exp()
+        out.append(-(p * row.masked_fill(p == 0, 0.0)).sum())
+    return torch.stack(out)
 
 
 class HFPolicy:
@@ -110,16 +133,19 @@ class HFPolicy:
     parameters (seeds aside: each request has its own stream) and run in
     batches of at most ``max_batch_size``. ``prefix_cache_mb`` bounds the
     keys and values kept across calls (0 turns prefix reuse off).
+    ``deterministic`` makes each row's result independent of its batch (see the
+    module docstring); it may be switched between calls.
     """
 
     def __init__(self, model: Any, tokenizer: Any, max_batch_size: int = 16,
-                 prefix_cache_mb: int = 4096, prefill_pad_tokens: int = 32):
+                 prefix_cache_mb: int = 4096, prefill_pad_tokens: int = 32, deterministic: bool = False):
         self.model = model.eval()
         self.prefill_pad_tokens = prefill_pad_tokens
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self.deterministic = deterministic
         self.version = 0
-        self.prefix_cache = PrefixCache(prefix_cache_mb * 2**20) if prefix_cache_mb > 0 else None
+        self.prefix_cache = BoundaryCache(prefix_cache_mb * 2**20) if prefix_cache_mb > 0 else None
         eos = tokenizer.eos_token_id
         self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
         cfg_eos = getattr(model.generation_config, "eos_token_id", None)
@@ -181,10 +207,12 @@ class HFPolicy:
             # max_new_tokens and seed are per row: near a context budget, rows differ in room.
             key = (p.temperature, p.top_p, p.top_k, p.stop, p.stop_token_ids, p.logprobs)
             groups.setdefault(key, []).append(i)
+        size = min(self.max_batch_size, STEP_ROWS) if self.deterministic else self.max_batch_size
+        run = self._generate_rows if self.deterministic else self._generate_batch
         for idx in groups.values():
-            for s in range(0, len(idx), self.max_batch_size):
-                chunk = idx[s:s + self.max_batch_size]
-                outs = self._generate_batch([requests[i] for i in chunk])
+            for s in range(0, len(idx), size):
+                chunk = idx[s:s + size]
+                outs = run([requests[i] for i in chunk])
                 for i, out in zip(chunk, outs, strict=True):
                     results[i] = out
         return results  # type: ignore[return-value]
@@ -334,11 +362,97 @@ class HFPolicy:
                                         cached_tokens=cached[b])
         return results  # type: ignore[return-value]
 
+    @torch.inference_mode()
+    def _generate_rows(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        """``_generate_batch`` in deterministic mode: each row computed as it would be alone.
+
+        Every prompt reuses cached keys and values up to a chunk boundary
+        (``BoundaryCache.match_boundary``) and prefills the rest in one chunk:
+        alone when it has ``ALONE_TOKENS`` new tokens or more, else in prefill
+        groups whose shorter rows are padded (their padding writes nothing)
+        instead of re-running cached tokens; every forward runs row-invariant.
+        Rows with the same prompt and reuse are prefilled once and copied. Each
+        row's cache entry keeps its boundaries: those it reused, the end of its
+        prompt, and one per decoded token.
+        """
+        params, dev = requests[0].params, self.device
+        install_row_invariance(self.model)
+        cache = self.prefix_cache
+        none = (None, 0, np.zeros(0, dtype=np.int64))
+        matches = [cache.match_boundary(r.prompt_ids) if cache is not None else none for r in requests]
+        seen: dict[tuple, int] = {}
+        twin = [seen.setdefault((tuple(r.prompt_ids), m[1], id(m[0])), i)
+                for i, (r, m) in enumerate(zip(requests, matches, strict=True))]
+        run = [i for i in range(len(requests)) if twin[i] == i]
+        # Rows with the most new tokens first, so prefill groups are contiguous row ranges; twins last.
+        order = sorted(run, key=lambda i: matches[i][1] - len(requests[i].prompt_ids))
+        order += [i for i in range(len(requests)) if twin[i] != i]
+        prompts = [requests[i].prompt_ids for i in order]
+        B, width, plen = len(order), max(map(len, prompts)), [len(p) for p in prompts]
+        cached = [matches[i][1] for i in order]
+        news = [plen[b] - cached[b] for b in range(len(run))]
+        limits = [requests[i].params.max_new_tokens for i in order]
+        slab = KVSlab(self.model.config, B, width, max(limits), self.model.dtype, dev)
+        for b, i in enumerate(order):
+            entry = matches[i][0]
+            slab.place(b, plen[b], entry.kv if entry else None, cached[b])
+        alone = sum(1 for n in news if n >= ALONE_TOKENS)  # sorted: the first rows
+        groups = [(b, b + 1) for b in range(alone)]
+        groups += [(alone + s, alone + e) for s, e in prefill_groups(news[alone:], self.prefill_pad_tokens)]
+        logits = [self._prefill_rows(slab, prompts, (start, end), news[start:end], blocks=start >= alone)
+                  for start, end in groups]
+        rows = list(torch.cat(logits))
+        where = {i: b for b, i in enumerate(order)}
+        for b in range(len(run), B):  # the same computation as its twin's: copied
+            src, cols = where[twin[order[b]]], slice(width - plen[b], width)
+            for k, v in zip(slab.keys, slab.values, strict=True):
+                k[b, :, cols] = k[src, :, cols]
+                v[b, :, cols] = v[src, :, cols]
+            rows.append(rows[src])
+            cached[b] = plen[b]  # nothing prefilled for this row
+        if cache is not None:
+            cache.record(cached, plen)
+        toks, lps, ents, tops, finish = self._decode(slab, torch.stack(rows), plen, limits,
+                                                      [requests[i].params.seed for i in order], params,
+                                                      [requests[i].control for i in order], invariant=True)
+        if cache is not None:
+            for b, i in enumerate(order):
+                bounds = np.concatenate([matches[i][2], np.arange(plen[b], plen[b] + len(toks[b]), dtype=np.int64)])
+                cache.insert(prompts[b] + toks[b][:-1], slab.row(b, width - plen[b], width + len(toks[b]) - 1),
+                             storage=slab, storage_bytes=slab.nbytes, bounds=bounds)
+        results: list[GenerateResult | None] = [None] * B
+        for b, i in enumerate(order):
+            results[i] = GenerateResult(toks[b], lps[b], ents[b], finish[b] or "length",  # type: ignore[arg-type]
+                                        self.version, tops[b] if params.logprobs else None,
+                                        cached_tokens=cached[b])
+        return results  # type: ignore[return-value]
+
+    def _prefill_rows(self, slab: KVSlab, prompts: list[list[int]], rows: tuple[int, int],
+                      real: list[int], blocks: bool) -> torch.Tensor:
+        """Prefill the last ``real[r]`` tokens of each of rows ``[start, end)`` row-invariantly
+        (``row_invariant``), in one forward padded to the longest (``real[0]``); their last logits."""
+        start, end = rows
+        width, dev, window = slab.width, self.device, real[0]
+        input_ids = torch.full((end - start, window), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((end - start, width), dtype=torch.long)
+        for r, p in enumerate(prompts[start:end]):
+            input_ids[r, window - real[r]:] = torch.tensor(p[len(p) - real[r]:])
+            attn[r, width - len(p):] = 1
+        lens = torch.tensor([len(p) for p in prompts[start:end]])
+        pos = ((torch.arange(window) - window)[None, :] + lens[:, None]).clamp(min=0)
+        cache = real_columns_cache([k[start:end] for k in slab.keys], [v[start:end] for v in slab.values],
+                                   width - window, real, window)
+        with row_invariant((width - lens).tolist(), real, blocks):
+            out = self.model(input_ids=input_ids.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev),
+                             use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        return out.logits[:, -1, :]
+
     def _decode(self, slab: KVSlab, logits: torch.Tensor, plen: list[int], limits: list[int],
                 seeds: list[int | None], params: SamplingParams,
-                controls: list[RequestControl | None]) -> tuple:
+                controls: list[RequestControl | None], invariant: bool = False) -> tuple:
         """Sample up to ``limits[b]`` tokens for row b, feeding each token back through the slab;
-        row b's ``controls[b]`` sees each token, and ends the row when cancelled."""
+        row b's ``controls[b]`` sees each token, and ends the row when cancelled. ``invariant``:
+        each step runs row-invariant (``row_invariant``)."""
         B, dev, width = len(plen), self.device, slab.width
         gens = [torch.Generator(device=dev).manual_seed(s if s is not None else random.getrandbits(62))
                 for s in seeds]
@@ -385,8 +499,9 @@ class HFPolicy:
                 break
             live = torch.tensor([f is None for f in finish], device=dev)
             attn[:, width + step] = live.to(attn.dtype)
-            out = self.model(input_ids=torch.where(live, nxt, self.pad_id)[:, None],
-                             attention_mask=attn[:, :width + step + 1], position_ids=pos + step,
-                             use_cache=True, **{self._cache_kw: cache})
+            with row_invariant([width - n for n in plen]) if invariant else contextlib.nullcontext():
+                out = self.model(input_ids=torch.where(live, nxt, self.pad_id)[:, None],
+                                 attention_mask=attn[:, :width + step + 1], position_ids=pos + step,
+                                 use_cache=True, **{self._cache_kw: cache})
             logits = out.logits[:, -1, :]
         return toks, lps, ents, tops, finish

@@ -40,11 +40,11 @@ from typing import Any
 from ..chat import ChatContext
 from ..config import Config
 from ..env import make_env
-from ..errors import ContextOverflowError, RolloutError
+from ..errors import ConfigError, ContextOverflowError, RolloutError
 from ..policy.base import GenerateRequest, Policy, SamplingParams, action_text, request_seed
 from ..types import Node, RolloutTree
 from .allocation import Allocator, AllocState, Branch, Budget, Fresh, leaf_cost
-from .tree import BranchPoint, split_node
+from .tree import BranchPoint, renumber, split_node
 
 __all__ = ["COUNTERS", "Engine", "collect", "jsonable_info", "observation_messages", "opening_messages", "run_episodes"]
 
@@ -187,6 +187,7 @@ class Engine:
         self._budget: Budget | None = None
         self._spent = 0
         self._running = False
+        self._keys: dict[int, tuple[int, int]] = {}  # id(node) -> (stream, nth node of its path)
 
     # -- envs --------------------------------------------------------------------
     async def _call(self, env: Any, method: str, *args: Any) -> Any:
@@ -368,8 +369,7 @@ class Engine:
             except Exception as e:
                 node.error = f"env.step raised {type(e).__name__}: {e}"
                 node.truncated = True
-                path.parent = path.tree.add(node, path.parent).id
-                path.added += 1
+                self._add(path, node)
                 raise RolloutError(node.error, env_broken=True) from None
             c["env_steps"] += 1
             node.observation, node.reward = obs, float(reward)
@@ -395,8 +395,7 @@ class Engine:
                             f"context budget: {len(path.ctx)} of {r.max_context_tokens} tokens used")
             if res.finish_reason == "length" and "truncation_reason" not in node.info:
                 node.info["turn_truncated"] = f"max_new_tokens={params.max_new_tokens}"
-            path.parent = path.tree.add(node, path.parent).id
-            path.added += 1
+            self._add(path, node)
             if node.error:
                 raise RolloutError(node.error)
             if node.done:
@@ -432,23 +431,31 @@ class Engine:
     def _last_own(self, path: _Path) -> Node:
         if path.added:
             return path.tree.nodes[path.parent]  # type: ignore[index]
-        node = path.tree.add(Node(context_ids=path.pending, truncated=True), path.parent)
-        path.parent, path.added = node.id, 1
+        return self._add(path, Node(context_ids=path.pending, truncated=True))
+
+    def _add(self, path: _Path, node: Node) -> Node:
+        """Add the path's next node. Its id is provisional until the round ends; then
+        ``renumber`` orders the round's nodes by (path stream, nth node of the path)."""
+        path.tree.add(node, path.parent)
+        self._keys[id(node)] = (path.stream, path.added)
+        path.parent, path.added = node.id, path.added + 1
         return node
 
-    def _fail(self, tree: RolloutTree, path: _Path | None, reason: str, anchor: int | None) -> None:
+    def _fail(self, tree: RolloutTree, path: _Path | None, reason: str, anchor: int | None,
+              stream: int) -> None:
         """Record why the path failed on its last own node, or on an empty node under
         ``anchor`` (its branch point; None: a new root) when it has none."""
         if path is None:  # failed before its context existed
-            path = _Path(-1, tree, None, None, [], anchor, 0, -1)  # type: ignore[arg-type]
+            path = _Path(-1, tree, None, None, [], anchor, 0, stream)  # type: ignore[arg-type]
         node = self._last_own(path)
         node.truncated = True
         node.open = False
         node.error = node.error or reason
 
     async def _episode(self, start: Callable[[], Any], tree: RolloutTree, max_turns: int | None,
-                       prefix: Any = None, anchor: int | None = None) -> None:
-        """One path to its end, under the per-episode timeout; failures stay inside.
+                       stream: int, prefix: Any = None, anchor: int | None = None) -> None:
+        """One path (seed stream ``stream``) to its end, under the per-episode timeout;
+        failures stay inside.
 
         ``anchor`` is the node the path starts under (None: a new root), where a
         failure before its first turn is recorded.
@@ -462,7 +469,7 @@ class Engine:
             await self._play(box[0], max_turns, prefix)
 
         def fail(reason: str) -> None:
-            self._fail(tree, box[0] if box else None, reason, anchor)
+            self._fail(tree, box[0] if box else None, reason, anchor, stream)
 
         try:
             await asyncio.wait_for(go(), self.cfg.rollout.episode_timeout_s)
@@ -501,8 +508,9 @@ class Engine:
         tree = trees[req.task]
         jobs = []
         for _ in range(req.n):
-            start = functools.partial(self._start, tree, req.task, self._stream(tree))
-            jobs.append(self._episode(start, tree, req.max_turns))
+            stream = self._stream(tree)
+            start = functools.partial(self._start, tree, req.task, stream)
+            jobs.append(self._episode(start, tree, req.max_turns, stream))
         return jobs
 
     def _branch_jobs(self, trees: list[RolloutTree], req: Branch) -> list[Any]:
@@ -528,8 +536,9 @@ class Engine:
                       [x for n in head for x in n.entropies])
         jobs = []
         for _ in range(req.k):
-            start = functools.partial(self._resume, tree, req.task, point, parent, prefix, self._stream(tree))
-            jobs.append(self._episode(start, tree, req.max_turns, prefix, anchor=parent))
+            stream = self._stream(tree)
+            start = functools.partial(self._resume, tree, req.task, point, parent, prefix, stream)
+            jobs.append(self._episode(start, tree, req.max_turns, stream, prefix, anchor=parent))
         return jobs
 
     async def _resume(self, tree: RolloutTree, task: int, point_node: int | None, parent: int,
@@ -594,6 +603,19 @@ class Engine:
         return BranchPoint(None, ctx, pending, turns)
 
     # -- the driver ----------------------------------------------------------------
+    def _set_deterministic(self) -> None:
+        """Switch the policy's deterministic mode as ``rollout.deterministic`` says: null is on
+        where the backend has the mode (``hf``, ``mock``: a ``deterministic`` attribute)."""
+        want = self.cfg.rollout.deterministic
+        if not hasattr(self.policy, "deterministic"):
+            if want:
+                raise ConfigError(f"rollout.deterministic=true, but the {type(self.policy).__name__} backend "
+                                  "cannot make a request's result independent of its batch (vLLM batches "
+                                  "continuously; a server batches as it likes): set rollout.deterministic "
+                                  "to null or false, or use policy.backend=hf")
+            return
+        self.policy.deterministic = want is not False  # type: ignore[attr-defined]
+
     async def run(self, seeds: list[int], allocator: Allocator | None = None,
                   budget: Budget | None = None) -> list[RolloutTree]:
         """Grow one tree per task seed as the allocator plans, within the budget.
@@ -615,6 +637,7 @@ class Engine:
 
             allocator = Independent(n=self.cfg.rollout.group_size)
         budget = budget or Budget(len(seeds) * self.cfg.rollout.group_size)
+        self._set_deterministic()
         self._budget, self._spent = budget, 0
         self._snapshots = bool(getattr(allocator, "needs_snapshots", False))
         self._top_logprobs = int(getattr(allocator, "top_logprobs", 0))
@@ -645,7 +668,11 @@ class Engine:
                     jobs += make(trees, req)
                 if not jobs:
                     break
+                firsts = [len(t.nodes) for t in trees]  # the round's nodes get ids from here
                 await asyncio.gather(*(bounded(j) for j in jobs))
+                for tree, first in zip(trees, firsts, strict=True):  # ids by plan, not by completion
+                    renumber(tree, first, lambda n: self._keys[id(n)])
+                self._keys.clear()
                 state.round += 1
         finally:
             for tree in trees:

@@ -14,13 +14,14 @@ branch point once (``RolloutTree.to_dict`` writes them once too).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..chat import ChatContext
 from ..types import Node, RolloutTree
 
-__all__ = ["BranchPoint", "format_tree", "split_node"]
+__all__ = ["BranchPoint", "format_tree", "renumber", "split_node"]
 
 
 @dataclass(slots=True)
@@ -60,16 +61,57 @@ def split_node(tree: RolloutTree, node_id: int, at: int) -> Node:
     return part
 
 
+def renumber(tree: RolloutTree, first: int, key: Callable[[Node], Any]) -> None:
+    """Give the nodes with ids ``first`` and up new ids in the order of ``key``.
+
+    The engine numbers a round's nodes as their turns finish, which follows
+    timing; renumbered by a key from the plan (the path's seed stream, then
+    its nth node), two runs' trees compare node for node. Ids below ``first``
+    stay. Parents, children and roots (the round's nodes were appended last,
+    and are sorted), the order of ``tree.nodes`` and snapshot handles
+    (``n<id>``) follow.
+    """
+    new = sorted((n for n in tree.nodes.values() if n.id >= first), key=key)
+    remap = {n.id: first + j for j, n in enumerate(new)}
+    if all(old == nid for old, nid in remap.items()):
+        return
+
+    def fix(ids: list[int]) -> list[int]:
+        return [i for i in ids if i < first] + sorted(remap[i] for i in ids if i >= first)
+
+    moved = {}
+    for n in new:
+        if n.snapshot == f"n{n.id}" and n.snapshot in tree.snapshots:
+            moved[f"n{remap[n.id]}"] = tree.snapshots.pop(n.snapshot)
+            n.snapshot = f"n{remap[n.id]}"
+        n.id = remap[n.id]
+    for n in tree.nodes.values():
+        if n.parent is not None and n.parent >= first:
+            n.parent = remap[n.parent]
+        if any(c >= first for c in n.children):
+            n.children[:] = fix(n.children)
+    tree.roots[:] = fix(tree.roots)
+    tree.snapshots.update(moved)
+    nodes = sorted(tree.nodes.values(), key=lambda n: n.id)
+    tree.nodes.clear()
+    tree.nodes.update((n.id, n) for n in nodes)
+
+
 def _short(text: str, width: int) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
-def format_tree(tree: RolloutTree, width: int = 60) -> str:
-    """One line per turn, indented by depth: action, reward, done, branch point, errors; counters last."""
+def format_tree(tree: RolloutTree, width: int = 60, text: bool = False) -> str:
+    """One line per turn, indented by depth: action, reward, done, branch point, errors; counters last.
+
+    ``text`` adds the task's instruction and, under each turn, the env's observation.
+    """
     lines = [f"task seed={tree.meta.get('seed')} env={tree.meta.get('env')} "
              f"allocator={tree.meta.get('allocator', '-')} "
              f"nodes={len(tree.nodes)} leaves={len(tree.leaves())}"]
+    if text and tree.meta.get("instruction"):
+        lines.append(f"instruction: {_short(tree.meta['instruction'], 4 * width)!r}")
 
     def walk(nid: int, depth: int) -> None:
         n = tree.nodes[nid]
@@ -90,6 +132,8 @@ def format_tree(tree: RolloutTree, width: int = 60) -> str:
         action = "…" + _short(n.action_text, width) if n.partial else _short(n.action_text, width)
         lines.append(f"{'  ' * depth}[{nid}] v{n.version} r={n.reward:g} "
                      f"tok={len(n.action_ids)} {action!r}" + (f"  <{'; '.join(marks)}>" if marks else ""))
+        if text and not n.partial:
+            lines.append(f"{'  ' * depth}    -> {_short(n.observation, 4 * width)!r}")
         for c in n.children:
             walk(c, depth + 1)
 

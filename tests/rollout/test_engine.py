@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from agentrl.config import load_config
-from agentrl.env import list_envs, register_env
-from agentrl.errors import SandboxUnavailableError
+from agentrl.env import list_envs, make_env, register_env
+from agentrl.errors import EnvError, SandboxUnavailableError
 from agentrl.policy import HFPolicy, MockPolicy
 from agentrl.rollout import (
     COUNTERS,
@@ -301,6 +301,12 @@ def test_tool_env_branches_restore_the_sandbox(tokenizer, backend):
 def test_every_registered_env_branches_from_a_snapshot_or_a_replay(tokenizer, env_id):
     if env_id.endswith(("BashFix-v0", "MathPython-v0")):
         pytest.skip("sandboxed tool envs are covered per backend by test_tool_env_branches_restore_the_sandbox")
+    try:  # the real-data envs need a dataset that agentrl never downloads
+        make_env(env_id).close()
+    except EnvError as e:
+        if "never downloads" in str(e) or "not installed" in str(e):
+            pytest.skip(f"{env_id} unavailable here: {e}")
+        raise
     cfg = load_config(overrides=["rollout.max_turns=3", "sampling.max_new_tokens=16"])
     say = ["look", "inventory", "go north"]
     if env_id.endswith("SearchQA-v0"):  # a plain answer would end the episode
@@ -531,9 +537,16 @@ def test_a_groups_shared_opening_prompt_is_prefilled_once_and_counted_so(tokeniz
     the tree counters say so (the other rows reuse it), and every episode samples what it
     samples with no prefix reuse at all."""
     cfg = load_config(overrides=["env.id=agentrl/ALFWorld-v0", "rollout.group_size=4", "rollout.max_turns=1",
-                                 "sampling.max_new_tokens=4", "sampling.temperature=1.0"])
+                                 "sampling.max_new_tokens=4", "sampling.temperature=1.0",
+                                 "rollout.deterministic=false"])
     shared = HFPolicy(tiny_model, tokenizer, max_batch_size=8, prefill_pad_tokens=0)
     [tree] = collect(cfg.env.id, shared, cfg, [3])
+    # Deterministic mode prefills the four identical prompts once and copies the result (the same
+    # computation): the prompt's tokens once, none of the last tokens again.
+    cfg_det = cfg.model_copy(deep=True)
+    cfg_det.rollout.deterministic = True
+    [det] = collect(cfg.env.id, HFPolicy(tiny_model, tokenizer, max_batch_size=8, prefill_pad_tokens=0),
+                    cfg_det, [3])
     [plain] = collect(cfg.env.id, HFPolicy(tiny_model, tokenizer, max_batch_size=8, prefix_cache_mb=0),
                       cfg, [3])
     # Node ids follow completion order, so compare the episodes as a set.
@@ -543,6 +556,8 @@ def test_a_groups_shared_opening_prompt_is_prefilled_once_and_counted_so(tokeniz
     assert c["prefilled_tokens"] + c["reused_tokens"] == 4 * prompt
     assert c["prefilled_tokens"] == prompt + 3  # one row ran the prompt; three ran their last token
     assert plain.meta["counters"]["prefilled_tokens"] == 4 * prompt
+    assert det.meta["counters"]["prefilled_tokens"] == prompt
+    assert det.meta["counters"]["prefilled_tokens"] + det.meta["counters"]["reused_tokens"] == 4 * prompt
 
 
 def test_an_envs_info_cannot_overwrite_what_the_engine_records_about_a_turn(tokenizer):

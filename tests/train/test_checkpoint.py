@@ -167,3 +167,55 @@ def test_exported_checkpoint_loads_with_from_pretrained(tmp_path):
     assert not torch.allclose(want, before)  # the export holds the trained weights
     assert (last / "hf" / "tokenizer.json").exists()
 
+
+
+def test_sigkill_mid_branched_run_then_resume_repeats_the_uninterrupted_run_bit_for_bit(tmp_path):
+    """The same for branched rollouts in deterministic mode (segment_tree on ALFWorld-v0, see
+    tests/rollout/test_determinism.py): the resumed steps' rollouts (down to the behaviour
+    logprobs, which the trainer's mismatch statistics read), losses and final weights are those
+    of the run never interrupted, to the bit, although the killed run's prefix cache and
+    micro-batches died with it."""
+    from agentrl.train.config import load_train_config
+    from tests.rollout.test_determinism import BRANCHED  # registers agentrl/TestStallingALFWorld-v0
+
+    torch.set_num_threads(1)
+    run = BRANCHED + ["env.id=agentrl/TestStallingALFWorld-v0", "train.steps=4", "train.checkpoint_every=1"]
+    straight = tmp_path / "straight"
+    train(load_train_config(None, run + [f"train.out_dir={straight}"]), progress=False)
+
+    killed = tmp_path / "killed"
+    mark = tmp_path / "stalled"
+    cmd = [sys.executable, "-c", "import tests.rollout.test_determinism; from agentrl.train.cli import app; app()",
+           "train", "--no-progress"]
+    for item in run + [f"train.out_dir={killed}"]:
+        cmd += ["--set", item]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    stall = {"AGENTRL_TEST_STALL_SEED": "4", "AGENTRL_TEST_STALL_MARK": str(mark)}  # step 3's first task
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, **stall}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        _wait_for(mark, proc, timeout=240)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert ck.latest_checkpoint(killed).name == "step-000002"
+
+    done = subprocess.run(cmd + ["--resume"], cwd=ROOT, env=env, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert b"resumed from step 2" in done.stdout
+    a, b = _by_step(straight), _by_step(killed)
+    assert sorted(b) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert b[step]["data/first_task_seed"] == a[step]["data/first_task_seed"] == 2 * (step - 1)
+        assert b[step]["rollout/env_steps"] == a[step]["rollout/env_steps"]
+        assert b[step]["rollout/generated_tokens"] == a[step]["rollout/generated_tokens"]
+        assert b[step]["loss/total"] == a[step]["loss/total"] != 0.0
+        assert b[step]["mismatch/max_abs_dlogprob"] == a[step]["mismatch/max_abs_dlogprob"]
+        assert b[step]["mismatch/kl"] == a[step]["mismatch/kl"]
+        assert b[step]["policy/version"] == step
+    want = ck.load_checkpoint(ck.latest_checkpoint(straight)).trainable
+    got = ck.load_checkpoint(ck.latest_checkpoint(killed)).trainable
+    assert want.keys() == got.keys()
+    for name, w in want.items():
+        assert torch.equal(w, got[name]), name
