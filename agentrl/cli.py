@@ -63,6 +63,7 @@ def rollout(
     from .policy import make_policy
     from .policy.registry import resolve_backend
     from .rollout import run_episodes, summarize, write_run
+    from .rollout.allocation import ALLOCATORS
 
     flags = {"env.id": env, "policy.model": model, "policy.backend": backend,
              "rollout.episodes": episodes, "rollout.allocator": allocator,
@@ -72,7 +73,7 @@ def rollout(
     overrides += list(set_ or [])
     try:
         cfg = load_config(config, overrides)
-        cfg.env.id = resolve_env_id(cfg.env.id)
+        cfg.env.id = resolve_env_id(cfg.env.id, cfg.env.imports)
         picked, why = resolve_backend(cfg.policy.backend)
         cfg.policy.backend = picked
         console.print(f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{picked}[/] ({why})")
@@ -89,36 +90,54 @@ def rollout(
     except AgentRLError as e:
         raise _fail(e) from None
     summary = {"env": cfg.env.id, "model": cfg.policy.model, "backend": cfg.policy.backend,
-               "allocator": r.allocator, **summarize(trees, wall)}
+               "allocator": r.allocator, **summarize(trees, wall),
+               "branch_points": sum(len(n.children) > 1 for t in trees for n in t.nodes.values()),
+               "allocation_report": trees[0].meta.get("allocation_report", {}) if trees else {}}
     path = write_run(cfg.rollout.out_dir, trees, summary)
     table = Table(title=f"rollout summary ({path})")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for k, v in summary.items():
-        table.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
+        shown = f"{v:.3f}" if isinstance(v, float) else json.dumps(v) if isinstance(v, dict) else str(v)
+        table.add_row(k, shown)
     console.print(table)
+    if ALLOCATORS[r.allocator].needs_snapshots and summary["branch_points"] == 0:  # a tree allocator
+        console.print(f"[yellow]warning:[/] allocator {r.allocator!r} made no branch: every leaf is a fresh "
+                      "episode. On single-turn tasks set --allocator-option in_turn=true (key_state, "
+                      "entropy_branch) to fork inside a turn.", highlight=False)
 
 
 @app.command()
 def tree(
-    path: Annotated[Path, typer.Argument(help="A trajectories.jsonl file, or the run folder holding one.")],
-    index: Annotated[int, typer.Option(help="Which tree (task) of the file.")] = 0,
+    path: Annotated[Path, typer.Argument(
+        help="A run folder (of `agentrl rollout`, or `agentrl train`'s trees/step-NNNNNN.jsonl) "
+        "or a trees JSONL file.")],
+    index: Annotated[int, typer.Option(help="Which tree (task) of the run, or of the step with --step.")] = 0,
+    step: Annotated[int | None, typer.Option(help="Only the trees of this training step.")] = None,
     width: Annotated[int, typer.Option(help="Characters of each action shown.")] = 60,
+    text: Annotated[bool, typer.Option(
+        "--text", help="Also show the task's instruction and each turn's observation.")] = False,
 ) -> None:
     """Print one rollout tree: each turn's action, reward, branch points and the counters."""
     from .rollout import format_tree
-    from .types import read_trees
+    from .viewer.run import open_run
 
-    file = path / "trajectories.jsonl" if path.is_dir() else path
     try:
-        trees = read_trees(file)
+        run = open_run(path)
     except (OSError, ValueError) as e:
-        typer.echo(f"error: cannot read trees from {file}: {e}", err=True)
+        typer.echo(f"error: cannot read trees from {path}: {e}", err=True)
         raise typer.Exit(code=2) from None
-    if not -len(trees) <= index < len(trees):
-        typer.echo(f"error: --index {index} out of range: {file} holds {len(trees)} trees", err=True)
+    picked = [s.index for s in run.summaries if step is None or s.step == step]
+    if not picked:
+        steps = [s for s in run.steps() if s is not None]
+        where = f" at step {step} (steps: {steps})" if step is not None else ""
+        typer.echo(f"error: no trees in {path}{where}: a run folder holds trajectories.jsonl (agentrl "
+                   "rollout) or trees/step-NNNNNN.jsonl (agentrl train, train.save_trees > 0)", err=True)
         raise typer.Exit(code=2)
-    typer.echo(format_tree(trees[index], width=width))
+    if not -len(picked) <= index < len(picked):
+        typer.echo(f"error: --index {index} out of range: {path} holds {len(picked)} trees", err=True)
+        raise typer.Exit(code=2)
+    typer.echo(format_tree(run.tree(picked[index]), width=width, text=text))
 
 
 @envs_app.command("list")
@@ -169,6 +188,8 @@ def _mount_plugins() -> None:
     # agentrl train, agentrl sft; --harness rolls out through the proxy, handed in here
     import_module("agentrl.train.cli").register(app, harness_rollouts=_harness_rollouts)
     import_module("agentrl.proxy.cli").mount(app)  # agentrl proxy ..., agentrl env serve
+    import_module("agentrl.evaluation").register(app)  # agentrl eval
+    import_module("agentrl.viewer.cli").register(app)  # agentrl view, agentrl report
     try:
         sandbox_cli = import_module("agentrl.sandboxes.cli")
     except ImportError:

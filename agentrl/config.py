@@ -7,11 +7,12 @@ key path (``policy.temperature``) and the reason.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from .errors import ConfigError
 
@@ -59,15 +60,19 @@ class PolicyConfig(_Strict):
 
 
 class EnvConfig(_Strict):
-    id: str = Field("agentrl/GuessNumber-v0", description="Registered env id.")
+    id: str = Field("agentrl/GuessNumber-v0", description="Registered env id; 'module:ns/Name-v0' "
+                    "imports module first (gymnasium's form).")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword args for the env.")
+    imports: list[str] = Field(default_factory=list, description="Modules to import before the env "
+                               "is made: those that register_env your own envs.")
 
 
 class RolloutConfig(_Strict):
     episodes: int = Field(8, ge=1, description="Tasks to run: env seeds seed, seed+1, ...")
     group_size: int = Field(1, ge=1, description="Episodes per task for the independent allocator (a GRPO group).")
     allocator: str = Field("independent", description="Branch allocator (agentrl.rollout.allocation).")
-    allocator_options: dict[str, Any] = Field(default_factory=dict, description="Keyword options of the allocator.")
+    allocator_options: dict[str, Any] = Field(default_factory=dict, validate_default=True,
+                                              description="Keyword options of the allocator.")
     budget: int | None = Field(None, ge=1, description="Budget per batch; null is episodes * group_size leaves.")
     budget_unit: Literal["leaves", "turns", "tokens"] = Field("leaves", description="What the budget counts.")
     concurrency: int = Field(64, ge=1, description="Episodes in flight at once.")
@@ -84,6 +89,12 @@ class RolloutConfig(_Strict):
     max_turns: int = Field(16, ge=1, description="Turns per episode before truncation.")
     max_context_tokens: int = Field(2048, ge=16, description="Context budget per episode.")
     seed: int = Field(0, description="Episode i uses env seed seed + i.")
+    deterministic: bool | None = Field(
+        None, description="Same config, seed, machine and torch thread count: the same trees, bit for "
+        "bit, whatever the timing, rollout.concurrency or policy.max_batch_size. The policy computes "
+        "each request as it would alone (hf: batch-invariant steps, see docs/reproducibility.md). "
+        "null: on where the backend can (hf, mock), off elsewhere (vllm, openai); true where it "
+        "cannot is an error.")
     system_prompt: str | None = Field(
         "You are an agent acting in a text environment. Reply with the action only.",
         description="System message; null uses the chat template's default.",
@@ -107,6 +118,22 @@ class RolloutConfig(_Strict):
         "head bootstraps GAE from that state).")
 
 
+    @field_validator("allocator_options")
+    @classmethod
+    def _allocator_builds(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """Build the allocator now, so that a bad name or option fails at load, before any model does."""
+        from .rollout.allocation import make_allocator
+
+        name = info.data.get("allocator")
+        if name is not None:
+            full = {"n": info.data.get("group_size", 1), **options} if name == "independent" else options
+            try:
+                make_allocator(name, **full)
+            except TypeError as e:  # an option of the wrong type
+                raise ValueError(f"allocator {name}: {e}") from None
+        return options
+
+
 class Config(_Strict):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -117,11 +144,44 @@ class Config(_Strict):
 C = TypeVar("C", bound="Config")
 
 
-def _format(err: ValidationError) -> str:
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The config model a field holds (``X`` of ``X | None``), or None for a plain value."""
+    for a in (annotation, *getattr(annotation, "__args__", ())):
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            return a
+    return None
+
+
+def _keys_at(schema: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The keys valid where ``loc`` points, and one level below them (``lora.r``); [] off the models."""
+    model: type[BaseModel] | None = schema
+    for part in loc:
+        f = model.model_fields.get(part) if model is not None and isinstance(part, str) else None
+        model = _model_in(f.annotation) if f is not None else None
+    if model is None:
+        return []
+    keys = list(model.model_fields)
+    for name, f in model.model_fields.items():
+        if (sub := _model_in(f.annotation)) is not None:
+            keys += [f"{name}.{k}" for k in sub.model_fields]
+    return keys
+
+
+def _unknown_key(schema: type[BaseModel], loc: tuple[Any, ...]) -> str:
+    """``unknown key``, with the closest valid keys (difflib, as gymnasium does for env ids)."""
+    prefix = "".join(f"{p}." for p in loc[:-1])
+    close = difflib.get_close_matches(str(loc[-1]), _keys_at(schema, loc[:-1]), n=2, cutoff=0.6)
+    if not close:
+        return "unknown key"
+    return f"unknown key (did you mean {' or '.join(repr(prefix + c) for c in close)}?)"
+
+
+def _format(err: ValidationError, schema: type[BaseModel]) -> str:
     lines = []
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"]) or "<root>"
-        reason = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
+        reason = (_unknown_key(schema, e["loc"]) if e["type"] == "extra_forbidden"
+                  else e["msg"].removeprefix("Value error, "))
         lines.append(f"{path}: {reason}")
     return "invalid config: " + "; ".join(lines)
 
@@ -168,4 +228,4 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return schema.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format(e)) from None
+        raise ConfigError(_format(e, schema)) from None

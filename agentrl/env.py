@@ -15,8 +15,15 @@ the agent has observed, so SFT on it teaches a learnable policy. A privileged
 solver that reads hidden state is ``oracle_action()``: an oracle and a
 distillation teacher, never SFT data by default (DESIGN.md, principle 11).
 
-Envs are registered with ``register_env("agentrl/<Name>-v0", entry_point)``,
-which is ``gymnasium.register`` plus a check of the id's namespace.
+Envs are registered with ``register_env("<namespace>/<Name>-v0", entry_point)``,
+which is ``gymnasium.register`` plus a check that the id has a namespace
+(``agentrl/`` for the built-in ones, your own, ``myorg/``, for yours).
+
+How a process finds an env registered outside agentrl, in the order tried:
+
+- ``module:Name-v0`` (gymnasium's form): ``module`` is imported, then the id is made;
+- ``env.imports: [module, ...]`` in a config: imported before the env is made;
+- an ``agentrl.envs`` entry point in the installed package's metadata.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ __all__ = [
     "NAMESPACE",
     "TextEnv",
     "TextSpace",
+    "import_env_modules",
     "list_envs",
     "make_env",
     "register_env",
@@ -118,13 +126,32 @@ class TextEnv(gym.Env[str, str]):
         return None
 
 
+_registered: set[str] = set()  # ids registered through register_env, any namespace
+
+
 def register_env(env_id: str, entry_point: Any, **kwargs: Any) -> None:
-    """Register an env under ``agentrl/<Name>-v<N>`` (a thin ``gymnasium.register``)."""
-    if not env_id.startswith(f"{NAMESPACE}/"):
-        raise EnvError(f"env id {env_id!r} must start with {NAMESPACE + '/'!r}")
+    """Register an env under ``<namespace>/<Name>-v<N>`` (a thin ``gymnasium.register``).
+
+    The namespace is yours to pick (``myorg/Foo-v0``); ``agentrl/`` holds the built-in envs.
+    """
+    namespace, _, name = env_id.partition("/")
+    if not namespace or not name or "/" in name or ":" in env_id:
+        raise EnvError(f"env id {env_id!r} must look like '<namespace>/<Name>-v0', "
+                       f"e.g. 'myorg/{name or namespace or 'MyEnv'}-v0'")
+    _registered.add(env_id)
     if env_id in gym.registry:
         return
     gym.register(id=env_id, entry_point=entry_point, **kwargs)
+
+
+def import_env_modules(modules: list[str] | tuple[str, ...]) -> None:
+    """Import each module, so that the envs it registers exist in this process."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise EnvError(f"cannot import env module {module!r} (env.imports, or the module of "
+                           f"'module:Name-v0'): {e}") from e
 
 
 _loaded = False
@@ -150,16 +177,28 @@ def _load_env_plugins() -> None:
 
 
 def list_envs() -> list[str]:
-    """Ids of every registered agentrl env, sorted."""
+    """Ids of every env registered with ``register_env`` (and any ``agentrl/`` id), sorted."""
     _load_env_plugins()
-    return sorted(k for k in gym.registry if k.startswith(f"{NAMESPACE}/"))
+    return sorted(k for k in gym.registry if k.startswith(f"{NAMESPACE}/") or k in _registered)
 
 
-def resolve_env_id(env_id: str) -> str:
+_HOW_TO_ADD = ("An env of your own: register it with agentrl.register_env('myorg/Name-v0', ...) in a "
+               "module, then pass 'module:myorg/Name-v0' as the id, or list the module in env.imports "
+               "(--set 'env.imports=[module]'), or publish it as an 'agentrl.envs' entry point.")
+
+
+def resolve_env_id(env_id: str, imports: list[str] | tuple[str, ...] = ()) -> str:
     """The registered id ``env_id`` names; a bare or versionless name is completed.
 
-    Raises ``EnvError`` with the closest registered id and the full list.
+    ``imports`` are imported first, and so is ``module`` of a ``module:id``
+    (gymnasium's form). Raises ``EnvError`` with the closest registered id,
+    the full list and how to make an env visible.
     """
+    module, sep, rest = env_id.rpartition(":")
+    if sep:
+        import_env_modules([module])
+        env_id = rest
+    import_env_modules(imports)
     known = list_envs()
     if env_id in known:
         return env_id
@@ -172,9 +211,9 @@ def resolve_env_id(env_id: str) -> str:
         return bare[name]
     close = difflib.get_close_matches(name, list(short) + list(bare), n=1, cutoff=0.4)
     hint = f" Did you mean {short.get(close[0], bare.get(close[0]))!r}?" if close else ""
-    raise EnvError(f"unknown env {env_id!r}.{hint} Registered envs: {', '.join(known)}")
+    raise EnvError(f"unknown env {env_id!r}.{hint} Registered envs: {', '.join(known)}. {_HOW_TO_ADD}")
 
 
 def make_env(env_id: str, **kwargs: Any) -> gym.Env:
-    """``gymnasium.make`` for agentrl envs, with a did-you-mean on unknown ids."""
+    """``gymnasium.make`` for agentrl envs (``module:id`` too), with a did-you-mean on unknown ids."""
     return gym.make(resolve_env_id(env_id), disable_env_checker=True, **kwargs)

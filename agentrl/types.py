@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "SUCCESS_REWARD",
     "Episode",
     "Message",
     "Node",
@@ -26,6 +27,7 @@ __all__ = [
     "ToolCall",
     "ToolSpec",
     "read_trees",
+    "succeeded",
     "write_trees",
 ]
 
@@ -84,6 +86,19 @@ class ToolSpec(BaseModel):
         return {"type": "function", "function": self.model_dump()}
 
 
+# The one success rule (``Node.success``): the env's ``info["success"]`` when it reports one,
+# else a termination whose last reward reaches this. An env with partial credit, or rewards
+# on another scale, reports ``info["success"]`` itself: success is the task's, not the run's.
+SUCCESS_REWARD = 1.0
+
+
+def succeeded(info: dict[str, Any], terminated: bool, reward: float) -> bool:
+    """The success rule, on a last turn's fields (``Node.success``; a viewer reads it off plain dicts)."""
+    if "success" in info:
+        return bool(info["success"])
+    return terminated and reward >= SUCCESS_REWARD
+
+
 @dataclass(slots=True)
 class Node:
     """One turn of a rollout.
@@ -140,14 +155,14 @@ class Node:
     @property
     def success(self) -> bool:
         """Whether the episode that ends at this node succeeded: ``info["success"]``
-        when the env reports it, else terminated with a positive reward.
+        when the env reports it, else terminated with a reward of at least
+        ``SUCCESS_REWARD`` (1.0) on this last turn; partial credit below it is
+        no success.
 
         A truncated episode did not succeed, whatever its reward: the env never
         said the task was done.
         """
-        if "success" in self.info:
-            return bool(self.info["success"])
-        return self.terminated and self.reward > 0
+        return succeeded(self.info, self.terminated, self.reward)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

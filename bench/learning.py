@@ -243,6 +243,10 @@ def main() -> None:
                     "older make run's 5e-5 left greedy success flat over 8 steps)")
     ap.add_argument("--seeds", default="0", help="comma-separated train.seed values: every method runs "
                     "once a seed (its sampling streams and update order); the curves are their mean")
+    ap.add_argument("--warm-start", default=None, help="an exported model (an hf/ folder) to start every "
+                    "method from instead of running the preset's SFT; each run still evaluates it first")
+    ap.add_argument("--teacher", default=None, help="an exported model for grpo_opd's teacher instead of "
+                    "the preset's SFT with twice the episodes")
     ap.add_argument("--quick", action="store_true", help="tiny random model, 2 steps, 8 eval episodes")
     ap.add_argument("--work-dir", default="runs/bench_learning")
     ap.add_argument("--out", default=None, help="default: bench/learning.json for guess_number, "
@@ -279,13 +283,19 @@ def main() -> None:
         warm_sft = sft_base
         teacher_sft = {**sft_base, "episodes": 2 * int(sft_base.get("episodes", 0) or 0)}
     t0 = time.perf_counter()
-    warm, phases = warm_start(base, work / "warm_start", warm_sft, eval_cfg)
+    if args.warm_start:  # made earlier (say by `agentrl sft` with the preset): its success comes from the runs
+        warm, phases = args.warm_start, {"start": None, "after_sft": None}
+        warm_sft = {"model": args.warm_start}
+    else:
+        warm, phases = warm_start(base, work / "warm_start", warm_sft, eval_cfg)
     warm_success = phases["after_sft"]
     report: dict[str, Any] = {"base_model_success": phases["start"],
                               "warm_start": {"sft": warm_sft, "success": warm_success,
                                              "seconds": round(time.perf_counter() - t0, 1)}}
-    teacher = None
-    if "grpo_opd" in methods:
+    teacher = args.teacher
+    if teacher:
+        report["teacher"] = {"model": teacher}
+    elif "grpo_opd" in methods:
         t0 = time.perf_counter()
         teacher, phases = warm_start(base, work / "teacher", teacher_sft, eval_cfg)
         report["teacher"] = {"sft": teacher_sft, "success": phases["after_sft"],
@@ -309,6 +319,8 @@ def main() -> None:
             print(f"{m} seed {seed}: held-out success {runs[-1]['curve'][0]['success']:.3f} -> "
                   f"{_num(runs[-1]['final_success'])} in {runs[-1]['wall_s']:.0f} s", flush=True)
         results[m] = aggregate(runs)
+    if report["warm_start"]["success"] is None and results:  # a given warm start: every run's step 0
+        report["warm_start"]["success"] = next(iter(results.values()))["curve"][0]["success"]
 
     print(f"\nmean over seeds {seeds}")
     print(f"{'method':<10}{'start':>7}{'final':>7}{'+-se':>7}{'best':>7}{'env steps':>11}{'episodes':>10}"

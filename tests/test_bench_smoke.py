@@ -65,9 +65,13 @@ def test_learning_aggregates_seeds_into_a_mean_curve_with_its_standard_error():
                  {"step": 2, "env_steps": env_steps, "episodes": 48, "success": succ}]
         return {"seed": seed, "curve": curve, "final_success": succ, "rollout_success_mean": 0.1,
                 "env_steps": env_steps, "generated_tokens": 10, "episodes": 48, "rollout_s": 1.0,
-                "train_s": 2.0, "wall_s": 3.0}
+                "train_s": 2.0, "wall_s": 3.0,
+                "anchor": {"later_steps": env_steps - 8, "later_steps_in_groups_of_2plus": 20}}
 
     r = aggregate([run(0, 0.5, 100), run(1, 1.0, 120)])
+    # anchor counts add over seeds: 40 of the 92 + 112 later steps
+    assert r["anchor"] == {"later_steps": 204, "later_steps_in_groups_of_2plus": 40,
+                           "later_frac_in_groups_of_2plus": round(40 / 204, 4)}
     # mean 0.75; sample std 0.3536, over sqrt(2): 0.25
     assert r["final_success"] == 0.75 and r["final_success_se"] == 0.25
     assert r["curve"][1] == {"step": 2, "env_steps": 110.0, "episodes": 48, "success": 0.75, "success_se": 0.25}

@@ -77,3 +77,31 @@ def test_rollout_with_an_allocator_then_tree_prints_the_branches(tmp_path):
     assert "counters: generated_tokens=" in res.output
     res = runner.invoke(app, ["tree", str(out), "--index", "5"])
     assert res.exit_code == 2 and "holds 2 trees" in res.output
+
+
+def _user_env_module(tmp_path, monkeypatch, name: str) -> str:
+    """A module of the user's own that registers myorg/<name>-v0 (a GuessNumber under another id)."""
+    (tmp_path / f"{name.lower()}_envs.py").write_text(
+        "from agentrl.env import register_env\n"
+        f"register_env('myorg/{name}-v0', entry_point='agentrl.envs.guess_number:GuessNumberEnv')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return f"{name.lower()}_envs"
+
+
+def test_rollout_finds_an_env_registered_in_the_users_module(tmp_path, monkeypatch):
+    module = _user_env_module(tmp_path, monkeypatch, "UnitConvertA")
+    res = runner.invoke(app, ["rollout", "--env", f"{module}:myorg/UnitConvertA-v0", "--backend", "mock",
+                              "--episodes", "1", "--out", str(tmp_path / "a"), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["env"] == "myorg/UnitConvertA-v0"
+    module = _user_env_module(tmp_path, monkeypatch, "UnitConvertB")
+    res = runner.invoke(app, ["rollout", "--env", "myorg/UnitConvertB-v0", "--backend", "mock",
+                              "--set", f"env.imports=[{module}]", "--episodes", "1",
+                              "--out", str(tmp_path / "b"), "--no-progress"])
+    assert res.exit_code == 0, res.output
+
+
+def test_unknown_env_error_says_how_to_make_an_env_visible():
+    res = runner.invoke(app, ["rollout", "--env", "agentrl/UnitConvert-v0", "--backend", "mock"])
+    assert res.exit_code == 2
+    assert "env.imports" in res.output and "module:" in res.output

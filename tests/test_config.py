@@ -71,3 +71,25 @@ def test_auto_backend_picks_vllm_only_where_it_is_installed(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
     picked, why = resolve_backend("auto")
     assert picked == "vllm" and "faster" in why
+
+
+def test_unknown_key_suggests_the_nearest_keys():
+    from agentrl.train.config import load_train_config
+
+    with pytest.raises(ConfigError, match=r"train\.lora_rank: unknown key \(did you mean 'train\.lora\.r'"):
+        load_train_config(None, ["train.lora_rank=8"])
+    with pytest.raises(ConfigError, match=r"trainn: unknown key \(did you mean 'train'"):
+        load_train_config(None, ["trainn.lr=1e-5"])
+    with pytest.raises(ConfigError, match=r"rollout\.max_turn: unknown key \(did you mean 'rollout\.max_turns'"):
+        load_config(None, ["rollout.max_turn=3"])
+
+
+def test_bad_allocator_options_fail_when_the_config_loads():
+    with pytest.raises(ConfigError, match=r"rollout\.allocator_options: allocator key_state: option 'k' must be >= 1"):
+        load_config(None, ["rollout.allocator=key_state", "rollout.allocator_options.k=0"])
+    with pytest.raises(ConfigError, match="unknown option 'kk'"):
+        load_config(None, ["rollout.allocator=key_state", "rollout.allocator_options.kk=2"])
+    with pytest.raises(ConfigError, match="did you mean 'segment_tree'"):
+        load_config(None, ["rollout.allocator=segment_trees"])
+    cfg = load_config(None, ["rollout.allocator=segment_tree", "rollout.allocator_options.depth=2"])
+    cfg.rollout.allocator, cfg.rollout.allocator_options = "independent", {}  # evaluation's switch still works

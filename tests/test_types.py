@@ -133,11 +133,13 @@ def test_turn_nodes_walk_up_through_the_partial_nodes_of_a_turn():
 @pytest.mark.parametrize(("fields", "success"), [
     ({"terminated": True, "reward": 1.0}, True),
     ({"terminated": True, "reward": 0.0}, False),
+    ({"terminated": True, "reward": 0.5}, False),  # partial credit is no success: below SUCCESS_REWARD
+    ({"terminated": True, "reward": 2.0}, True),
     ({"truncated": True, "reward": 1.0}, False),  # cut off: the env never said it was done
     ({"terminated": True, "reward": 1.0, "info": {"success": False}}, False),  # the env said so
     ({"truncated": True, "reward": 0.0, "info": {"success": True}}, True),
 ])
-def test_success_is_the_envs_word_else_a_positive_reward_on_termination(fields, success):
+def test_success_is_the_envs_word_else_a_full_reward_on_termination(fields, success):
     node = Node(**fields)
     assert node.success is success
     assert Episode.from_path([Node(), node]).success is success

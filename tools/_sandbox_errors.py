@@ -11,7 +11,8 @@ __all__ = ["format_exec", "is_model_fixable", "require_sandbox"]
 def require_sandbox(sandbox: Sandbox | None, tool_name: str) -> Sandbox:
     """``sandbox``, or a ``ToolError`` saying the env gave this tool none."""
     if sandbox is None:
-        raise ToolError(f"tool {tool_name!r} needs a sandbox; give ToolEnv a sandbox or a factory")
+        raise ToolError(f"tool {tool_name!r} needs a sandbox; give ToolEnv a sandbox or a factory, "
+                        "e.g. sandbox=lambda: make_sandbox(\"auto\") (agentrl.sandboxes)")
     return sandbox
 
 

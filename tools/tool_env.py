@@ -47,6 +47,7 @@ import difflib
 import functools
 import inspect
 import re
+import traceback
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -225,7 +226,8 @@ class ToolEnv(TextEnv):
         if needy and self._source is None:
             raise ConfigError(
                 f"tools {needy} run in a sandbox; pass ToolEnv(sandbox=...) with a Sandbox, "
-                "a factory or a pool"
+                "a factory or a pool, e.g. sandbox=lambda: make_sandbox(\"auto\") (agentrl.sandboxes: "
+                "the strongest backend this machine has); the built-in tool envs take sandbox=\"auto\""
             )
         self._loop = shared_loop()
         self.sandbox: Sandbox | None = None
@@ -484,9 +486,10 @@ class ToolEnv(TextEnv):
         try:
             reward = await self.task.score(answer, self.sandbox)
             extra = {"answer": answer, **(self.task.report(answer) if self.task.report else {})}
-        except Exception as err:
+        except Exception as err:  # the traceback says where in the verifier it broke
             return _Outcome(
-                "Scoring failed.", error=f"verifier failed: {type(err).__name__}: {err}"
+                "Scoring failed.",
+                error=f"verifier failed: {type(err).__name__}: {err}\n{traceback.format_exc(limit=-8)}",
             )
         return _Outcome(f"Final answer received. Reward: {reward:g}", reward, True, info=extra)
 

@@ -4,8 +4,8 @@
 
 - ``"return"``: the sum of the episode's rewards;
 - ``"success"``: 1.0 when it succeeded, else 0.0 (``Episode.success``: the
-  env's ``info["success"]`` when it reports one, else terminated with a
-  positive reward);
+  env's ``info["success"]`` when it reports one, else terminated with a last
+  reward of at least ``agentrl.types.SUCCESS_REWARD``);
 - a callable: any number computed from the ``Episode``.
 """
 

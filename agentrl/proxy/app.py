@@ -96,7 +96,7 @@ from .schemas import ChatRequest, CompletionRequest, ProxyConfig, RewardRequest,
 from .sessions import Plan, Session
 
 __all__ = ["HTTPError", "Proxy", "RunningServer", "create_app", "listen_socket", "serve",
-           "serve_in_thread"]
+           "serve_banner", "serve_in_thread"]
 
 log = logging.getLogger("agentrl.proxy")
 
@@ -704,8 +704,19 @@ def serve(policy: Any, config: ProxyConfig | None = None, host: str = "127.0.0.1
     # the collector's full passes, which otherwise stall every request in flight (~100 ms here).
     gc.collect()
     gc.freeze()
-    print(f"agentrl proxy on http://{host}:{port}/v1", flush=True)
+    print(serve_banner(host, port, config or ProxyConfig()), flush=True)
     server.run(sockets=[listen_socket(host, port)])
+
+
+def serve_banner(host: str, port: int, config: ProxyConfig) -> str:
+    """What ``agentrl proxy serve`` prints: the URL a harness's ``OPENAI_BASE_URL`` takes is a
+    session's, ``/sessions/<id>/v1``; plain ``/v1`` samples without recording a tree."""
+    base = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    opened = ("any new <id> opens a session (--auto-create-sessions)" if config.auto_create_sessions
+              else f"open one first: POST {base}/sessions -> session_id, api_key, base_url")
+    return (f"agentrl proxy on {base}\n"
+            f"  a harness's OPENAI_BASE_URL: {base}/sessions/<id>/v1  ({opened})\n"
+            f"  {base}/v1 also answers, but records no session tree")
 
 
 class RunningServer:

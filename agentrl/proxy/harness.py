@@ -33,7 +33,9 @@ import contextlib
 import os
 import shlex
 import signal
+import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,9 +45,18 @@ import httpx
 from agentrl.errors import ProxyError
 from agentrl.types import RolloutTree
 
-__all__ = ["EnvServer", "SessionHandle", "drop_session", "open_session", "run_harness_episode"]
+__all__ = ["EnvServer", "SessionHandle", "drop_session", "harness_argv", "open_session", "run_harness_episode"]
 
 _TAIL = 4000  # characters of stdout/stderr kept for the record
+
+
+def harness_argv(cmd: str | Sequence[str]) -> list[str]:
+    """The command's argv; a leading ``python``/``python3`` is this interpreter (``sys.executable``),
+    so the harness sees the packages agentrl runs with, not whatever ``python`` is first on PATH."""
+    argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+    if argv and argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    return argv
 
 
 @dataclass(slots=True)
@@ -155,7 +166,7 @@ async def run_harness_episode(
 
     ``timeout`` is in seconds (None: no limit).
     """
-    argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+    argv = harness_argv(cmd)
     env = {**os.environ, **(extra_env or {}), "OPENAI_BASE_URL": session.base_url,
            "OPENAI_API_KEY": session.api_key, "AGENTRL_SESSION_ID": session.session_id}
     error: str | None = None
@@ -211,8 +222,8 @@ async def _reward(sess_url: str, headers: dict[str, str], state: dict[str, Any] 
     if verifier is not None:
         try:
             reward = float(verifier(RolloutTree.from_dict(await _call("GET", f"{sess_url}/tree", headers))))
-        except Exception as e:  # the verifier's crash fails this episode, not the run
-            return f"verifier failed: {type(e).__name__}: {e}"
+        except Exception as e:  # fails this episode, not the run; the traceback says where
+            return f"verifier failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=-8)}"
         terminated = True
     elif state is not None:
         reward, terminated = float(state["reward"]), bool(state["terminated"])

@@ -45,7 +45,14 @@ strings and seed are kept.
   made; the proxy could not be reached): every leaf of that session carries
   the reason in ``Node.error``. A session with no call gets one empty node
   that holds the reason. Credit leaves these episodes out, ``rollout/failed``
-  counts them, and the run goes on.
+  counts them, and the run goes on, unless every episode of a step failed:
+  then nothing can train, and the run stops with the last harness's stderr tail.
+
+``generated_tokens`` and ``env_steps`` (``rollout/*``) count the sessions'
+sampled tokens and the env server's steps.
+
+A command that starts with ``python`` or ``python3`` runs under agentrl's own
+interpreter (``sys.executable``), which has the packages the run has.
 
 **Drain.** Once the harnesses have exited, ``collect`` waits until no proxy
 request is in flight and the generate thread is idle. A killed harness's last
@@ -57,7 +64,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shlex
 import time
 import warnings
 from collections.abc import Callable
@@ -88,6 +94,10 @@ def merge_sessions(sessions: list[RolloutTree], meta: dict[str, Any]) -> Rollout
     """
     out = RolloutTree(meta={**meta, "sessions": [
         {k: s.meta[k] for k in _KEPT_META if k in s.meta} for s in sessions]})
+    # The engine's counters, as far as a harness shows them: sampled tokens, and the env's own step count.
+    out.meta["counters"] = {
+        "generated_tokens": sum(len(n.action_ids) for s in sessions for n in s.nodes.values()),
+        "env_steps": sum(int(s.meta.get("env", {}).get("steps", 0)) for s in sessions)}
     for s in sessions:
         sid = s.meta.get("session_id")
         error = s.meta.get("error")
@@ -107,6 +117,17 @@ def merge_sessions(sessions: list[RolloutTree], meta: dict[str, Any]) -> Rollout
                 n.error = n.error or error
                 n.truncated = not n.terminated
     return out
+
+
+def _all_failed(sessions: list[dict[str, Any]]) -> str:
+    """Why a step whose every harness episode failed stops the run: nothing can train on it,
+    and the next step would fail alike (a wrong command, a missing package)."""
+    last = sessions[-1]
+    run = last.get("harness", {})
+    tail = (run.get("stderr_tail") or "").strip()[-2000:] or "(empty)"
+    return (f"train.harness: every harness episode of this step failed ({len(sessions)} of {len(sessions)}); "
+            f"the last: {last['error'][:2000]}\ncommand: {run.get('cmd')}\nits stderr "
+            f"(tail):\n{tail}")
 
 
 class _Pinned:
@@ -150,7 +171,9 @@ class HarnessRollouts:
         if cfg.rollout.allocator != "independent":
             raise ConfigError(f"train.harness: a harness plays whole episodes, so "
                               f"rollout.allocator must be 'independent' (got {cfg.rollout.allocator!r})")
-        self.argv = shlex.split(cmd)
+        from .harness import harness_argv
+
+        self.argv = harness_argv(cmd)  # a leading python is this interpreter
         if not self.argv:
             raise ConfigError("train.harness: the command is empty")
         if getattr(policy, "agenerate", None) is None:
@@ -208,6 +231,8 @@ class HarnessRollouts:
         finally:
             self._drain()
         sessions = [s for t in trees for s in t.meta["sessions"]]
+        if sessions and all(s.get("error") for s in sessions):
+            raise ConfigError(_all_failed(sessions))
         walls = [s["harness"]["wall_s"] for s in sessions if "wall_s" in s.get("harness", {})]
         self.stats = {"rollout/harness_repinned": self.pinned.repinned,
                       "rollout/harness_wall_s": sum(walls) / max(len(walls), 1),

@@ -482,6 +482,7 @@ _RULES: dict[str, Callable[[Any], bool]] = {
     "None or > 0": lambda v: v is None or v > 0,
     "in [0, 1]": lambda v: 0 <= v <= 1,
     "in (0, 1]": lambda v: 0 < v <= 1,
+    "true or false": lambda v: isinstance(v, bool),
 }
 
 
@@ -523,24 +524,27 @@ def _opening_round(state: AllocState, leaves: int, fraction: float, reason: str)
 
 
 def _branch_from(
-    state: AllocState, points: Iterable[tuple[int, int | None]], k: int, leaves: int, reason: str
+    state: AllocState, points: Iterable[tuple[int, int | None] | tuple[int, int, int]], k: int, leaves: int,
+    reason: str
 ) -> tuple[list[Request], int]:
     """``k`` continuations from each branch point (task, node id), in order,
     until ``leaves`` are spent. A point is the state after its node; None is
     the state after the reset, where only the prompt exists: that gives ``k``
-    fresh episodes. A point met twice is branched once. Returns the requests
-    and the leaves left."""
+    fresh episodes. A point (task, node id, m) forks inside the node's action
+    after its first m tokens (``Branch.at_token``). A point met twice is
+    branched once. Returns the requests and the leaves left."""
     out: list[Request] = []
-    seen: set[tuple[int, int | None]] = set()
-    for task, node_id in points:
+    seen: set[tuple[int, int | None, int | None]] = set()
+    for task, node_id, *at in points:
+        at_token = at[0] if at else None
         if leaves <= 0:
             break
-        if (task, node_id) in seen:
+        if (task, node_id, at_token) in seen:
             continue
-        seen.add((task, node_id))
+        seen.add((task, node_id, at_token))
         n = min(k, leaves)
         req: Request = (Fresh(task, n, reason=reason) if node_id is None
-                        else Branch(task, node_id, n, reason=reason))
+                        else Branch(task, node_id, n, at_token=at_token, reason=reason))
         leaves -= leaf_cost(state.trees[task], req)
         out.append(req)
     return out, leaves
@@ -566,6 +570,8 @@ class _OpenThenBranch:
     k: int
     fresh_fraction: float
     est_leaf_cost: float | None
+    first_tokens: int
+    in_turn: bool
 
     def plan(self, state: AllocState) -> list[Request]:
         leaves = affordable_leaves(state, self.est_leaf_cost)
@@ -585,6 +591,20 @@ class _OpenThenBranch:
         """The ranking hook: branch points (task, node id; None: the prompt),
         best first. May add what it found to ``report``."""
         raise NotImplementedError
+
+    def _fork(self, tree: RolloutTree, task: int, node_id: int, values: Callable[[Node], list[float]],
+              worst: Callable[..., int]) -> tuple[int, int | None] | tuple[int, int, int]:
+        """Where to branch for the turn ending at ``node_id``: the state before it; with
+        ``in_turn``, inside it, before the ``worst`` of its first ``first_tokens`` token values
+        (a segment fork: the only branch a single-turn task has but the prompt). The
+        first token itself is worst: the state before the turn."""
+        node = tree.nodes[node_id]
+        head = values(node)[:self.first_tokens]
+        if self.in_turn and head and not node.partial:
+            m = worst(range(len(head)), key=head.__getitem__)
+            if 0 < m < len(node.action_ids):
+                return task, node_id, m
+        return task, tree.turn_parent(node_id)
 
 
 # --------------------------------------------------------------------------- allocators
@@ -658,7 +678,9 @@ class EntropyBranch(_OpenThenBranch):
     episodes; round 1 branches ``k`` ways from the state before each chosen
     turn, highest score first, until the budget is spent; what no turn earns
     goes to fresh episodes (``_OpenThenBranch``). The split between rounds is
-    fixed, where AEPO sets it from an entropy pre-monitoring pass."""
+    fixed, where AEPO sets it from an entropy pre-monitoring pass.
+    ``in_turn``: fork inside the chosen turn instead, before its highest-entropy
+    token among the first ``first_tokens`` (ARPO branches at the token level too)."""
 
     fresh_fraction: float = 0.5
     threshold: float = 0.5
@@ -666,6 +688,7 @@ class EntropyBranch(_OpenThenBranch):
     penalty: float = 0.5
     k: int = 2
     est_leaf_cost: float | None = None
+    in_turn: bool = False
 
     name: ClassVar[str] = "entropy_branch"
     needs_snapshots: ClassVar[bool] = True
@@ -675,7 +698,7 @@ class EntropyBranch(_OpenThenBranch):
 
     def __post_init__(self) -> None:
         _check(self, fresh_fraction="in (0, 1]", first_tokens=">= 1", penalty="in [0, 1]",
-               k=">= 1", est_leaf_cost="None or > 0")
+               k=">= 1", est_leaf_cost="None or > 0", in_turn="true or false")
 
     def _branch_points(self, state: AllocState,
                        report: dict[str, Any]) -> list[tuple[int, int | None]]:
@@ -684,7 +707,7 @@ class EntropyBranch(_OpenThenBranch):
             scores = entropy_branch_scores(tree, self.first_tokens, self.threshold, self.penalty)
             ranked += [(-score, task, node_id) for node_id, score in scores.items()]
         report["candidates"] = len(ranked)
-        return [(task, state.trees[task].turn_parent(node_id)) for _, task, node_id in sorted(ranked)]
+        return [self._fork(state.trees[task], task, node_id, _entropies, max) for _, task, node_id in sorted(ranked)]
 
 
 @dataclass
@@ -774,13 +797,16 @@ class KeyState(_OpenThenBranch):
     episodes (``_OpenThenBranch``). Simplified: Spark finds critical states
     from an explore signal the agent writes in its reasoning; we use the
     policy's own low top-1 probability instead, which needs ``top_logprobs = 1``
-    from the backend."""
+    from the backend. ``in_turn``: fork inside the key turn instead, before its
+    lowest top-1 token among the first ``first_tokens``; this is what branches a
+    single-turn task, whose only state before a turn is the prompt."""
 
     k: int = 2
     top1_threshold: float = 0.5
     first_tokens: int = 4
     fresh_fraction: float = 0.5
     est_leaf_cost: float | None = None
+    in_turn: bool = False
 
     name: ClassVar[str] = "key_state"
     needs_snapshots: ClassVar[bool] = True
@@ -790,7 +816,7 @@ class KeyState(_OpenThenBranch):
 
     def __post_init__(self) -> None:
         _check(self, k=">= 1", top1_threshold="in (0, 1]", first_tokens=">= 1",
-               fresh_fraction="in (0, 1]", est_leaf_cost="None or > 0")
+               fresh_fraction="in (0, 1]", est_leaf_cost="None or > 0", in_turn="true or false")
 
     def _branch_points(self, state: AllocState,
                        report: dict[str, Any]) -> list[tuple[int, int | None]]:
@@ -801,7 +827,7 @@ class KeyState(_OpenThenBranch):
         report["candidates"] = len(ranked)
         # without top-1 probabilities (a backend that ignored top_logprobs) nothing is a key state
         report["top1_seen"] = any(n.top1 for t in state.trees for n in t.nodes.values())
-        return [(task, state.trees[task].turn_parent(node_id)) for _, task, node_id in sorted(ranked)]
+        return [self._fork(state.trees[task], task, node_id, _top1, min) for _, task, node_id in sorted(ranked)]
 
 
 @dataclass

@@ -42,7 +42,7 @@ def _load(config: Path | None, set_: list[str] | None, extra: list[str]) -> Any:
     from .config import load_train_config
 
     cfg = load_train_config(config, extra + list(set_ or []))
-    cfg.env.id = resolve_env_id(cfg.env.id)
+    cfg.env.id = resolve_env_id(cfg.env.id, cfg.env.imports)
     return cfg
 
 
@@ -81,12 +81,17 @@ def phase_peak_memory(metrics_path: str | Path) -> dict[str, float]:
 
 
 def _report(summary: dict[str, Any], wall: float) -> None:
-    """The per-phase table: held-out success, change from the previous phase, seconds, peak memory."""
+    """The per-phase table: held-out success, mean reward, change from the previous phase, seconds,
+    peak memory. A dry run printed its plan already."""
+    if summary.get("dry_run"):
+        console.print(json.dumps(summary["plan"]))
+        return
     seconds = phase_seconds(summary["metrics"]) if summary.get("metrics") else {}
     peaks = phase_peak_memory(summary["metrics"]) if summary.get("metrics") else {}
     table = Table(title="held-out success rate")
     table.add_column("phase")
     table.add_column("success", justify="right")
+    table.add_column("mean reward", justify="right")
     table.add_column("change", justify="right")
     table.add_column("seconds", justify="right")
     table.add_column("peak MB", justify="right")
@@ -95,7 +100,9 @@ def _report(summary: dict[str, Any], wall: float) -> None:
         label = _PHASE_ROWS.get(phase, (phase,))[0]
         change = "" if prev is None else f"{rate - prev:+.3f}"
         peak = f"{peaks[phase]:.0f}" if phase in peaks else ""
-        table.add_row(label, f"{rate:.3f}", change, f"{seconds.get(phase, 0.0):.0f}", peak)
+        reward = summary.get("phase_rewards", {}).get(phase)
+        table.add_row(label, f"{rate:.3f}", "" if reward is None else f"{reward:.3f}", change,
+                      f"{seconds.get(phase, 0.0):.0f}", peak)
         prev = rate
     console.print(table)
     rates = list(summary["phases"].values())
@@ -111,12 +118,13 @@ def train(
     config: ConfigOpt = None,
     resume: Annotated[bool, typer.Option(help="Continue from the newest checkpoint.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Start over in an out_dir with checkpoints.")] = False,
-    steps: Annotated[int | None, typer.Option(help="Updates to run (train.steps).")] = None,
+    steps: Annotated[int | None, typer.Option(
+        help="Updates to run (train.steps); 0 is a dry run: check, load, print the plan.")] = None,
     out: Annotated[str | None, typer.Option(help="Output folder (train.out_dir).")] = None,
     env: Annotated[str | None, typer.Option(help="Env id (env.id).")] = None,
     harness: Annotated[str | None, typer.Option(
         help="Command of an agent program that plays one episode through the proxy "
-        "(train.harness).")] = None,
+        "(train.harness). A leading python or python3 is this agentrl's own interpreter.")] = None,
     set_: SetOpt = None,
     progress: ProgressOpt = True,
 ) -> None:

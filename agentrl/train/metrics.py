@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLogger", "PeakMemory", "merge_stat", "plot_learning_curve", "read_metrics"]
+__all__ = ["MetricsLogger", "PeakMemory", "learning_curve_series", "merge_stat", "plot_learning_curve",
+           "read_metrics"]
 
 
 class PeakMemory:
@@ -130,12 +131,25 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+# The keys the trainer writes (loss.py's ``loss/pg``, batch.py's ``loss/entropy_mean``).
 _PANELS = (
     ("success rate", ("rollout/success", "eval/success")),
     ("reward", ("rollout/reward", "eval/reward")),
-    ("policy loss", ("loss/policy",)),
-    ("entropy and mismatch", ("loss/entropy", "mismatch/kl")),
+    ("policy loss", ("loss/pg",)),
+    ("entropy and mismatch", ("loss/entropy_mean", "mismatch/kl")),
 )
+
+
+def learning_curve_series(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """{panel title: {key: [(step, value), ...]}} of the learning-curve panels; keys without data left out."""
+    out: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for name, keys in _PANELS:
+        out[name] = {}
+        for key in keys:
+            pts = [(r["step"], x) for r in rows if (x := _scalar(r.get(key))) is not None]
+            if pts:
+                out[name][key] = pts
+    return out
 
 
 def plot_learning_curve(metrics_path: str | Path, png_path: str | Path, title: str = "") -> Path | None:
@@ -147,15 +161,12 @@ def plot_learning_curve(metrics_path: str | Path, png_path: str | Path, title: s
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    rows = read_metrics(metrics_path)
-    fig, axes = plt.subplots(1, len(_PANELS), figsize=(4 * len(_PANELS), 3.2))
-    for ax, (name, keys) in zip(axes, _PANELS, strict=True):
-        for key in keys:
-            pts = [(r["step"], r[key]) for r in rows if _scalar(r.get(key)) is not None]
-            if pts:
-                xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, ys, marker="o" if key.startswith("eval/") else None,
-                        markersize=3, label=key)
+    panels = learning_curve_series(read_metrics(metrics_path))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, (name, series) in zip(axes, panels.items(), strict=True):
+        for key, pts in series.items():
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, marker="o" if key.startswith("eval/") else None, markersize=3, label=key)
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -39,7 +39,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 
 from ..errors import ConfigError
 from ..policy.base import request_seed
-from ..types import RolloutTree
+from ..types import RolloutTree, write_trees
 from .batch import (
     Row,
     Sample,
@@ -69,6 +69,7 @@ __all__ = [
     "Trainer",
     "eval_seeds",
     "evaluate",
+    "run_plan",
     "step_task_seeds",
     "train",
 ]
@@ -223,6 +224,8 @@ class Trainer:
         self.step = 0
         self.sft_done = False
         self.phases: dict[str, float] = {}  # success rate at start, after SFT, at the end
+        self.phase_rewards: dict[str, float] = {}  # mean reward of the same evaluations
+        self.allocation: dict[str, Any] = {}  # what the allocator did, over the run's steps
         self.bars: _Bars | None = None
         self.out = Path(t.out_dir)
 
@@ -243,6 +246,7 @@ class Trainer:
     # -- state ---------------------------------------------------------------------------
     def save(self, export_hf: bool = False) -> Path:
         state = {"version": self.policy.version, "sft_done": self.sft_done, "phases": self.phases,
+                 "phase_rewards": self.phase_rewards,
                  "config": self.cfg.model_dump(mode="json")}
         if self.value_head is not None:
             state["value_head"] = self.value_head.state()
@@ -268,6 +272,7 @@ class Trainer:
         self.step = ck.step
         self.sft_done = bool(ck.state.get("sft_done", False))
         self.phases = dict(ck.state.get("phases", {}))
+        self.phase_rewards = dict(ck.state.get("phase_rewards", {}))
         if self.value_head is not None and "value_head" in ck.state:
             self.value_head.load(ck.state["value_head"])
         if self.distiller is not None and ck.state.get("distill_turn_mass"):
@@ -290,7 +295,7 @@ class Trainer:
         trees = (self.rollouts.collect if self.rollouts else collect)(
             cfg.env.id, self.policy, cfg, seeds, on_episode_done=advance)
         s = summarize(trees, time.perf_counter() - t0)
-        extra = self.rollouts.stats if self.rollouts else {}
+        extra = {**(self.rollouts.stats if self.rollouts else {}), **self._allocation(step, trees)}
         return trees, {**extra, "rollout/success": s["success_rate"], "rollout/reward": s["mean_reward"],
                        "rollout/turns": s["mean_turns"], "rollout/episodes": s["episodes"],
                        "rollout/failed": s["failed_episodes"],
@@ -298,6 +303,45 @@ class Trainer:
                        "rollout/env_steps": s["env_steps"],
                        "rollout/generated_tokens": s["generated_tokens"],
                        "data/first_task_seed": seeds[0]}
+
+    def _allocation(self, step: int, trees: list[RolloutTree]) -> dict[str, Any]:
+        """The allocator's report into the run summary, and a warning when a tree allocator
+        made no branch: its budget then went to fresh episodes, as ``independent`` would."""
+        from ..rollout.allocation import ALLOCATORS
+
+        name = self.cfg.rollout.allocator
+        branches = sum(len(n.children) > 1 for t in trees for n in t.nodes.values())
+        a = self.allocation
+        a["allocator"], a["steps"] = name, a.get("steps", 0) + 1
+        a["branch_points"] = a.get("branch_points", 0) + branches
+        a["last_report"] = trees[0].meta.get("allocation_report", {}) if trees else {}
+        if ALLOCATORS[name].needs_snapshots and branches == 0:  # a tree allocator: it branches
+            a["steps_without_branch"] = a.get("steps_without_branch", 0) + 1
+            self.console.print(
+                f"[yellow]warning:[/] step {step + 1}: allocator {name!r} made no branch "
+                f"(report: {a['last_report'].get(name, {})}): every leaf is a fresh episode. A branch "
+                "needs a turn to branch before; on single-turn tasks set "
+                "rollout.allocator_options.in_turn=true (key_state, entropy_branch) to fork inside a turn.",
+                highlight=False)
+        return {"rollout/branch_points": branches}
+
+    def _no_signal(self, trees: list[RolloutTree], samples: list[Sample]) -> str | None:
+        """Why this step has no policy-gradient signal, or None when it has one."""
+        if self.distiller is not None:  # the teacher's advantages come later, in _score
+            return None
+        episodes = [ep for t in trees for ep in t.episodes()]
+        if not episodes:
+            return "the rollout produced no episode"
+        if all(ep.error for ep in episodes):
+            return f"all {len(episodes)} episodes failed (first: {episodes[0].error.splitlines()[0]})"
+        if not samples:
+            return ("every episode's advantages are zero (each group's episodes got the same reward), "
+                    "and train.skip_zero_advantage left them all out; more episodes per group "
+                    "(rollout.group_size) or a task the policy sometimes solves gives a signal")
+        if all(a == 0.0 for x in samples for a, m in zip(x.advantages, x.mask, strict=True) if m):
+            return ("every advantage is zero (each group's episodes got the same reward): only the KL "
+                    "or entropy term trains")
+        return None
 
     def _rl_loss(self, lp: torch.Tensor, ent: torch.Tensor, t: Row) -> tuple[torch.Tensor, dict]:
         v = t.values
@@ -308,10 +352,13 @@ class Trainer:
             d = self.distiller.cfg
             extra, d_stats = distribution_loss(v["support_student"], v["support_teacher"], v["support"] >= 0,
                                                v["distill_weights"], t.mask, d.signal, d.jsd_beta)
-        loss, stats = policy_loss(lp, v["advantages"], t.mask, self.cfg.train.loss, old_logprobs=v.get("old"),
+        cfg, version = self.cfg.train.loss, self.policy.version
+        # Kept tokens and the means' denominator are decided over the whole minibatch, not this row.
+        masks = t.minibatch.token_masks(cfg, version, t) if t.minibatch is not None else None
+        loss, stats = policy_loss(lp, v["advantages"], t.mask, cfg, old_logprobs=v.get("old"),
                                   behaviour_logprobs=v["behaviour"], versions=v["versions"],
-                                  current_version=self.policy.version, ref_logprobs=v.get("ref"),
-                                  entropies=ent, seq_ids=t.seq_ids, extra_per_token=extra)
+                                  current_version=version, ref_logprobs=v.get("ref"),
+                                  entropies=ent, seq_ids=t.seq_ids, extra_per_token=extra, masks=masks)
         return loss, {**stats, **d_stats}
 
     def needs_scoring_pass(self, n_samples: int) -> bool:
@@ -410,7 +457,7 @@ class Trainer:
                 return self.score(net, ss, max(room, max(len(x.input_ids) for x in ss)), self.pad_id, temp, **kw)
 
             stats.update(self.distiller.apply(samples, step, teacher_score))
-            tokens += stats["distill/teacher_tokens"]
+            tokens += stats.get("distill/teacher_tokens", 0)
             if self.distiller.distribution:
                 fields += ("support", "support_teacher", "distill_weights")
         return fields, tokens, stats
@@ -420,6 +467,11 @@ class Trainer:
         t = self.cfg.train
         t0 = time.perf_counter()
         samples, stats = self._credit(trees)
+        why = self._no_signal(trees, samples)
+        stats["train/no_signal"] = int(why is not None)
+        if why is not None:
+            self.console.print(f"[yellow]warning:[/] step {step + 1}: no learning signal: {why}",
+                               highlight=False)
         if self.distiller is not None:
             self._teacher_context(samples, trees)
         stats["train/episodes"] = len(samples)
@@ -427,16 +479,23 @@ class Trainer:
         if not samples:
             return stats
         t0 = time.perf_counter()
-        one_step = not self.needs_scoring_pass(len(samples))
-        fields, tokens, score_stats = self._score(samples, step, one_step)
+        labels: list[Sample] = []  # DAgger: the expert's actions in the student's states, as extra samples
+        if self.distiller is not None and self.distiller.labels:
+            labels, label_stats = self.distiller.expert_labels(samples, step, self.policy.version)
+            stats.update(label_stats)
+        batch = samples + labels
+        one_step = not self.needs_scoring_pass(len(batch)) and not labels
+        fields, tokens, score_stats = self._score(batch, step, one_step)
+        for lab in labels:  # never sampled: its old logprobs stand for the behaviour, no mismatch to correct
+            lab.behaviour = list(lab.old or lab.behaviour)
         stats.update(score_stats)
         stats["time/old_logprobs_s"] = time.perf_counter() - t0
         stats["train/scoring_pass"] = int(not one_step)
-        n_mb = t.epochs * math.ceil(len(samples) / t.minibatch_size)
+        n_mb = t.epochs * math.ceil(len(batch) / t.minibatch_size)
         advance = bars.start("train", n_mb, f"step {step + 1}")
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(request_seed(t.seed, step, 1))
-        st = train_on_samples(self.model, self.optimizer, self.scheduler, samples, self._rl_loss,
+        st = train_on_samples(self.model, self.optimizer, self.scheduler, batch, self._rl_loss,
                               fields=fields, epochs=t.epochs, minibatch_size=t.minibatch_size,
                               max_tokens=t.micro_batch_tokens, max_grad_norm=t.max_grad_norm,
                               per_token=t.loss.agg == "token-mean", pad_id=self.pad_id,
@@ -467,6 +526,7 @@ class Trainer:
     def _phase(self, name: str, ev: dict[str, Any]) -> None:
         if "eval/success" in ev:
             self.phases[name] = ev["eval/success"]
+            self.phase_rewards[name] = ev["eval/reward"]
             self.console.print(f"[bold]{name}[/]: held-out success {ev['eval/success']:.3f} "
                                f"({len(eval_seeds(self.cfg.train))} episodes), "
                                f"reward {ev['eval/reward']:.3f}")
@@ -507,6 +567,8 @@ class Trainer:
                 mem.start()
                 if not ran and "after_sft" in self.phases:  # nothing changed since that eval
                     self.phases.setdefault("end", self.phases["after_sft"])
+                    if "after_sft" in self.phase_rewards:
+                        self.phase_rewards.setdefault("end", self.phase_rewards["after_sft"])
                 elif ran or "end" not in self.phases:
                     ev = self._eval("end", bars)
                     self._phase("end", ev)
@@ -523,12 +585,26 @@ class Trainer:
         if t.plot:
             png = plot_learning_curve(log.path, self.out / "learning_curve.png",
                                       title=f"{self.cfg.env.id} / {self.cfg.policy.model}")
-        return {"phases": dict(self.phases), "checkpoint": str(final),
+        return {"phases": dict(self.phases), "phase_rewards": dict(self.phase_rewards),
+                "allocation": dict(self.allocation), "checkpoint": str(final),
                 "learning_curve": str(png) if png else None, "metrics": str(log.path)}
+
+    def _save_trees(self, step: int, trees: list[RolloutTree]) -> None:
+        """The step's first ``train.save_trees`` trees, as the viewer and ``agentrl tree`` read them."""
+        n = self.cfg.train.save_trees
+        if n == 0:
+            return
+        folder = self.out / "trees"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"step-{step:06d}.jsonl"
+        tmp = folder / f".{path.name}.tmp"
+        write_trees(tmp, trees[:n])
+        tmp.replace(path)  # a resumed run redoes the step: the file is replaced whole
 
     def _one_step(self, bars: _Bars) -> dict[str, Any]:
         t, k = self.cfg.train, self.step
         trees, stats = self.rollout(k, bars)
+        self._save_trees(k + 1, trees)
         stats.update(self.learn(trees, k, bars))
         t0 = time.perf_counter()
         sync_policy(self.policy, self.model)
@@ -550,19 +626,56 @@ def train(cfg: TrainRunConfig, *, resume: bool = False, overwrite: bool = False,
     """Run ``agentrl train``: optional SFT warm start, then the RL loop; returns a summary.
 
     ``resume`` continues from the newest checkpoint in ``train.out_dir``. A
-    fresh run refuses an ``out_dir`` that holds checkpoints unless ``overwrite``.
+    fresh run refuses an ``out_dir`` that holds checkpoints unless ``overwrite``,
+    which removes the old run's checkpoints, TensorBoard events and saved trees.
+    ``train.steps=0`` without SFT is a dry run: the model and the rollout source
+    are made, the plan printed, and nothing is evaluated or written.
     ``rollouts`` makes a rollout source other than the native engine (see ``Trainer``).
     """
     from .sft import sft_phase
 
     out = Path(cfg.train.out_dir)
-    if not resume and latest_checkpoint(out) is not None:
+    warm = sft_phase if cfg.sft.episodes > 0 or cfg.sft.task_seeds else None
+    dry = cfg.train.steps == 0 and warm is None
+    if not dry and not resume and latest_checkpoint(out) is not None:
         if not overwrite:
             raise ConfigError(f"train.out_dir={out} already holds checkpoints: pass --resume to "
                               "continue that run, or --overwrite to start over")
-        shutil.rmtree(out / "checkpoints")
+        for old in ("checkpoints", "tensorboard", "trees"):  # else TensorBoard and the viewer mix two runs
+            shutil.rmtree(out / old, ignore_errors=True)
     trainer = Trainer(cfg, policy=policy, console=console, progress=progress, rollouts=rollouts)
+    if dry:
+        if trainer.rollouts is not None:
+            trainer.rollouts.close()
+        plan = run_plan(cfg)
+        _print_plan(trainer.console, plan)
+        return {"dry_run": True, "plan": plan, "phases": {}, "checkpoint": None, "metrics": None,
+                "learning_curve": None}
     if resume and trainer.resume():
         trainer.console.print(f"resumed from step {trainer.step} ({out / 'checkpoints'})")
-    warm = sft_phase if cfg.sft.episodes > 0 or cfg.sft.task_seeds else None
     return trainer.run(sft=warm)
+
+
+def run_plan(cfg: TrainRunConfig) -> dict[str, Any]:
+    """What a run of ``cfg`` does, in the numbers a user checks before starting it."""
+    t, r = cfg.train, cfg.rollout
+    source = (f"harness: {t.harness}" if t.harness is not None
+              else f"engine, allocator {r.allocator} {r.allocator_options or ''}".strip())
+    return {"env": cfg.env.id, "model": cfg.policy.model, "backend": cfg.policy.backend,
+            "rollouts": source, "steps": t.steps, "tasks per step": t.tasks_per_step,
+            "episodes per task": r.group_size,
+            "budget per step": f"{r.budget} {r.budget_unit}" if r.budget else f"{t.tasks_per_step * r.group_size} leaves",
+            "credit": t.credit, "trainable": t.trainable, "lr": t.lr,
+            "held-out episodes per eval": len(eval_seeds(t)), "out_dir": t.out_dir,
+            "trees saved per step": t.save_trees}
+
+
+def _print_plan(console: Console, plan: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title="dry run (train.steps=0): the plan; nothing evaluated or written")
+    table.add_column("")
+    table.add_column("value")
+    for k, v in plan.items():
+        table.add_row(k, str(v))
+    console.print(table)

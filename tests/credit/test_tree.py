@@ -104,7 +104,7 @@ def test_leaf_outcomes_and_exclusion(make_tree):
     ])
     leaves = {n.id: n for n in tree.leaves()}
     assert leaf_outcome(tree, leaves[1], "success") == 1.0  # the env said so
-    assert leaf_outcome(tree, leaves[2], "success") == 1.0  # terminated with reward > 0
+    assert leaf_outcome(tree, leaves[2], "success") == 0.0  # partial credit: 0.5 < SUCCESS_REWARD
     assert leaf_outcome(tree, leaves[3], "success") == 0.0
     assert leaf_outcome(tree, leaves[1], lambda ep: 7 * ep.num_turns) == 14.0
     # the failed leaf 3 left out: the root's value is (0.5 + 0.5) / 2, and leaf 3 has none

@@ -55,11 +55,21 @@ def test_unknown_env_suggests_the_closest_id():
     with pytest.raises(EnvError, match="Did you mean 'agentrl/GuessNumber-v0'") as e:
         make_env("agentrl/GuesNumber-v0")
     assert "Registered envs:" in str(e.value)
+    assert "env.imports" in str(e.value)  # says how to make an env of one's own visible
     assert resolve_env_id("GuessNumber") == "agentrl/GuessNumber-v0"
-    with pytest.raises(EnvError, match="must start with"):
-        from agentrl.env import register_env
+    from agentrl.env import register_env
 
+    with pytest.raises(EnvError, match="must look like '<namespace>/<Name>-v0'"):
         register_env("GuessNumber-v1", entry_point=GuessNumberEnv)
+
+
+def test_register_env_accepts_a_namespace_of_ones_own():
+    from agentrl.env import list_envs, register_env
+
+    register_env("myorg/GuessNumberOwn-v0", entry_point=GuessNumberEnv)
+    assert "myorg/GuessNumberOwn-v0" in list_envs()
+    assert resolve_env_id("GuessNumberOwn") == "myorg/GuessNumberOwn-v0"
+    assert make_env("myorg/GuessNumberOwn-v0").unwrapped.__class__ is GuessNumberEnv
 
 
 def test_state_key_names_the_interval_left_and_the_guesses_used():

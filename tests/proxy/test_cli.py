@@ -15,3 +15,22 @@ def test_proxy_and_env_commands_are_mounted_and_env_needs_a_token(monkeypatch):
     monkeypatch.delenv("AGENTRL_ENV_TOKEN", raising=False)
     out = runner.invoke(app, ["env", "serve"])
     assert out.exit_code == 2 and "token is required" in out.output
+
+
+def test_proxy_serve_banner_names_the_session_url_a_harness_needs(monkeypatch):
+    import gc
+
+    import uvicorn
+
+    import agentrl.proxy.app as proxy_app
+
+    monkeypatch.setattr(proxy_app, "listen_socket", lambda host, port: None)  # no server: the banner only
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
+    _mount_plugins()
+    try:
+        out = CliRunner().invoke(app, ["proxy", "serve", "--backend", "mock", "--port", "8123"])
+    finally:
+        gc.unfreeze()  # serve freezes what is loaded, for a long-lived server
+    assert out.exit_code == 0, out.output
+    assert "OPENAI_BASE_URL: http://127.0.0.1:8123/sessions/<id>/v1" in out.output
+    assert "POST http://127.0.0.1:8123/sessions" in out.output

@@ -462,3 +462,19 @@ def test_allocators_read_turns_across_a_segment_fork():
     # the fork counts as a branch point at turn 1: a1 weighs 0.5 (path) * 0.5 (depth)
     assert list(contrastive_branch_points([tree])) == [(0, a[0]), (0, a[1])]
     assert prefix_groups(tree) == [{"node": part.id, "leaves": [a[2], q.id]}]
+
+
+def test_key_state_in_turn_forks_a_single_turn_task_inside_the_turn():
+    tree = RolloutTree()
+    (a,) = linear(tree, [{"action_ids": [1, 2, 3, 4], "top1": [0.6, 0.1, 0.3, 0.9], "terminated": True}])
+    (b,) = linear(tree, [{"action_ids": [5, 6], "top1": [0.2, 0.4], "terminated": True}])
+    state = AllocState([tree], Budget(6), spent=2, round=1)
+    # b's most uncertain token is its first: the state before it is the prompt -> fresh episodes;
+    # a's is token 1 -> fork after a's first token
+    assert KeyState(k=2, first_tokens=4, in_turn=True).plan(state) == [
+        Fresh(0, 2, reason="key state"), Branch(0, a, 2, at_token=1, reason="key state")]
+    # turn-level, a single-turn task has nothing to branch before but the prompt
+    turn_level = KeyState(k=2, first_tokens=4).plan(AllocState([tree], Budget(6), spent=2, round=1))
+    assert not any(isinstance(r, Branch) for r in turn_level)
+    with pytest.raises(ConfigError, match="in_turn"):
+        KeyState(in_turn="yes")

@@ -152,6 +152,8 @@ def test_step_before_reset_is_a_programming_error():
 def test_sandbox_tools_without_a_sandbox_fail_at_construction():
     with pytest.raises(ConfigError, match="sandbox"):
         ToolEnv(mult_task, tools=["bash"])
+    with pytest.raises(ConfigError, match='make_sandbox\\("auto"\\)'):  # says how to get one
+        ToolEnv(mult_task, tools=["python"])
     with pytest.raises(ConfigError):
         ToolEnv(mult_task, tools=["calculator"], max_calls_per_turn=0)
 
@@ -283,6 +285,7 @@ def test_crashing_verifier_or_env_fails_the_episode_not_the_caller():
     env.reset()
     _, reward, term, trunc, info = env.step("answer")
     assert (reward, term, trunc) == (0.0, False, True) and "verifier bug" in info["error"]
+    assert "Traceback" in info["error"] and "in bad_verify" in info["error"]  # where it broke
 
     class Crashing(TextEnv):
         def reset(self, *, seed=None, options=None):

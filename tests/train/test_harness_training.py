@@ -193,3 +193,64 @@ def test_cli_train_harness_trains_on_exactly_what_the_proxy_sampled(tmp_path, mo
             assert got in sampled[tuple(s.input_ids[:start])]
     # The held-out episode after the update sampled with the new weights.
     assert calls[0]["version"] == 0 and calls[-1]["version"] == 1
+
+
+# --------------------------------------------------------------------------- what a harness run tells
+
+
+def test_merged_sessions_count_generated_tokens_and_env_steps():
+    won, lost = _session("a", [0.0, 1.0]), _session("b", [0.0])
+    won.meta["env"], lost.meta["env"] = {"steps": 2}, {"steps": 1}
+    tree = merge_sessions([won, lost], {"task": 7})
+    assert tree.meta["counters"] == {"generated_tokens": 6, "env_steps": 3}
+
+
+def test_harness_python_is_this_interpreter():
+    from agentrl.proxy.harness import harness_argv
+
+    assert harness_argv("python agent.py --x 1") == [sys.executable, "agent.py", "--x", "1"]
+    assert harness_argv(["python3", "-c", "pass"])[0] == sys.executable
+    assert harness_argv("sh -c 'python x'")[0] == "sh"
+
+
+def test_a_step_whose_every_harness_episode_fails_stops_the_run_with_its_stderr(tokenizer):
+    from agentrl.config import load_config
+    from agentrl.errors import ConfigError
+    from agentrl.policy import MockPolicy
+    from agentrl.proxy.rollouts import HarnessRollouts
+
+    cfg = load_config(None, ["rollout.group_size=2"])
+    fails = "python -c \"import sys; sys.stderr.write('ran by ' + sys.executable); sys.exit(3)\""
+    source = HarnessRollouts(fails, MockPolicy(tokenizer, ["1"]), cfg)
+    try:
+        with pytest.raises(ConfigError, match="every harness episode of this step failed") as e:
+            source.collect(cfg.env.id, source.policy, cfg, [0])
+    finally:
+        source.close()
+    assert f"ran by {sys.executable}" in str(e.value)  # python was this interpreter, and its stderr is shown
+
+
+def test_a_crashing_verifier_records_its_traceback_as_the_failure_reason(tokenizer):
+    from agentrl.config import load_config
+    from agentrl.policy import MockPolicy
+    from agentrl.proxy.rollouts import HarnessRollouts
+
+    def verifier(tree):
+        if tree.meta["episode"] == 1:
+            raise KeyError("answer")
+        return 1.0
+
+    one_call = ("import httpx, os; e = os.environ; httpx.post(e['OPENAI_BASE_URL'] + '/chat/completions', "
+                "headers={'Authorization': 'Bearer ' + e['OPENAI_API_KEY']}, json={'model': 'm', "
+                "'messages': [{'role': 'user', 'content': 'hi'}]}, timeout=60).raise_for_status()")
+    cfg = load_config(None, ["rollout.group_size=2"])
+    source = HarnessRollouts(f"python -c {shlex.quote(one_call)}", MockPolicy(tokenizer, ["1"]), cfg,
+                             verifier=verifier)
+    try:
+        [tree] = source.collect(cfg.env.id, source.policy, cfg, [0])
+    finally:
+        source.close()
+    assert "error" not in tree.meta["sessions"][0]
+    error = tree.meta["sessions"][1]["error"]
+    assert error.startswith("verifier failed: KeyError") and "Traceback" in error and "in verifier" in error
+    assert tree.meta["counters"]["generated_tokens"] > 0

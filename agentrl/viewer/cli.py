@@ -1,0 +1,101 @@
+"""``agentrl view`` and ``agentrl report``.
+
+    agentrl view runs/train                      serve the run on http://127.0.0.1:8765/
+    agentrl view runs/x/trajectories.jsonl --static view.html   one self-contained file
+    agentrl report runs/train                    runs/train/report/report.md and its plots
+    agentrl report runs/a runs/b                 two runs side by side
+
+``register(app)`` adds both commands to the main CLI. Heavy imports
+(transformers for the tokenizer, matplotlib) happen inside the commands.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+__all__ = ["register", "report", "view"]
+
+
+def view(
+    run: Annotated[Path, typer.Argument(help="A run folder, or a trees JSONL file.")],
+    static: Annotated[Path | None, typer.Option(
+        "--static", help="Write one self-contained HTML file here instead of serving.")] = None,
+    host: Annotated[str, typer.Option(help="Address to serve on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to serve on (0: any free one).")] = 8765,
+    tokenizer: Annotated[str | None, typer.Option(
+        help="Tokenizer (model name or folder) for token texts; default: the run's policy.model.")] = None,
+    tokens: Annotated[bool, typer.Option(help="Decode token ids to text (loads a tokenizer).")] = True,
+    limit: Annotated[int | None, typer.Option(help="--static: embed only the first N trees.")] = None,
+) -> None:
+    """Look at a run in a browser: its tasks, rollout trees, tokens, curves, and two steps side by side."""
+    from .page import write_static
+    from .run import Run
+    from .tokens import load_decoder
+
+    t0 = time.perf_counter()
+    try:
+        r = Run(run)
+    except (FileNotFoundError, NotADirectoryError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    if not len(r) and not r.metrics:
+        typer.echo(f"error: {run} holds no trees and no metrics.jsonl (looked for trajectories.jsonl, "
+                   "trees*.jsonl, trees/*.jsonl)", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"{run}: {len(r)} trees in {len(r.files)} file(s), {len(r.metrics)} metrics rows "
+               f"(indexed in {time.perf_counter() - t0:.1f} s)")
+
+    def decoder() -> tuple[object, str]:
+        return load_decoder(r.config, tokenizer) if tokens else (None, "token ids only (--no-tokens)")
+
+    if static is not None:
+        decode, note = decoder()
+        path = write_static(r, static, decode, note, limit)  # type: ignore[arg-type]
+        typer.echo(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MB); open it in a browser")
+        return
+    from .server import ViewerServer
+
+    try:
+        server = ViewerServer(r, host, port, decoder)  # type: ignore[arg-type]
+    except OSError as e:
+        typer.echo(f"error: cannot serve on {host}:{port}: {e.strerror or e} (try --port 0)", err=True)
+        raise typer.Exit(2) from None
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        typer.echo(f"warning: serving on {host}: anyone who can reach it can read this run", err=True)
+    typer.echo(f"serving at {server.url}  (Ctrl-C stops)")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+
+
+def report(
+    runs: Annotated[list[Path], typer.Argument(help="One run folder, or two to set side by side.")],
+    out: Annotated[Path | None, typer.Option(
+        help="Folder for report.md and its plots; default RUN/report (RUN_A/report-vs-B for two).")] = None,
+) -> None:
+    """Write report.md with PNG plots: learning curves, success per family, episode lengths,
+    the branch budget and the teacher-student divergence per turn."""
+    from ..report import write_report
+
+    if len(runs) > 2:
+        typer.echo(f"error: give one run or two, not {len(runs)}", err=True)
+        raise typer.Exit(2)
+    try:
+        path = write_report(list(runs), out)
+    except (FileNotFoundError, NotADirectoryError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {path}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``view`` and ``report`` to the main CLI."""
+    app.command("view")(view)
+    app.command("report")(report)

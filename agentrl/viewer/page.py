@@ -1,0 +1,208 @@
+"""The viewer's one HTML page, for the server and for ``--static``.
+
+The page is ``static/viewer.js`` and ``static/viewer.css`` inlined into one
+HTML document, so it needs no asset from anywhere. What differs between the
+two modes is where the data comes from:
+
+- server (``agentrl view RUN``): the page asks ``api/run`` for the index and
+  ``api/tree/<i>`` for a tree when it opens one;
+- static (``agentrl view RUN --static out.html``): the index and every tree
+  are JSON inside ``<script type="application/json">`` elements. The browser
+  does not parse those until the page asks for one, so opening a file of
+  thousands of trees parses only the index.
+
+JSON is escaped for a script element: every ``<`` becomes ``\\u003c``, so no
+text from a run (model output, observations) can close the element.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from .curves import curve_panels
+from .payload import credit_spec, tree_payload
+from .run import Run
+from .tokens import Decoder
+
+__all__ = ["render_page", "run_index", "tree_data", "write_static"]
+
+
+def _clean(x: Any) -> Any:
+    """NaN and infinities to None: JSON.parse refuses them."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    return x
+
+
+def to_json(data: Any) -> str:
+    """JSON for the page: finite numbers only, ``<`` escaped (safe inside a script element)."""
+    return json.dumps(_clean(data), ensure_ascii=False, separators=(",", ":")).replace("<", "\\u003c")
+
+
+def run_index(run: Run, tokenizer_note: str = "") -> dict[str, Any]:
+    """What the page loads first: the table's rows, totals, curves and what the run is."""
+    rows = [s.to_dict() for s in run.summaries]
+    episodes = sum(s.episodes for s in run.summaries)
+    failed = sum(s.failed for s in run.summaries)
+    ok = episodes - failed
+    rewards = sum(s.mean_reward * (s.episodes - s.failed) for s in run.summaries)
+    cfg = run.config
+    train = cfg.get("train") or {}
+    distill = train.get("distill") or {}
+    spec = credit_spec(cfg)
+    about = {
+        "source": str(run.path),
+        "env": (cfg.get("env") or {}).get("id"),
+        "model": (cfg.get("policy") or {}).get("model"),
+        "allocator": (cfg.get("rollout") or {}).get("allocator")
+        or next((s.allocator for s in run.summaries if s.allocator), None),
+        "credit": spec.method if train else None,
+        "distillation teacher": distill.get("teacher") if distill else None,
+        "tokens": tokenizer_note or None,
+    }
+    return {
+        "title": run.title(),
+        "about": about,
+        "totals": {"trees": len(run), "episodes": episodes, "failed": failed,
+                   "truncated": sum(s.truncated for s in run.summaries),
+                   "success_rate": sum(s.successes for s in run.summaries) / ok if ok else 0.0,
+                   "mean_reward": rewards / ok if ok else 0.0},
+        "steps": run.steps(),
+        "trees": rows,
+        "curves": curve_panels(run.metrics),
+        "skipped": run.skipped,
+    }
+
+
+def _batch_report(run: Run, index: int) -> dict[str, Any] | None:
+    """The allocation report of tree ``index``'s batch: the engine writes it on the
+    first tree of a batch, i.e. of its file."""
+    ref = run.refs[index]
+    first = next(r for r in run.refs if r.file == ref.file)
+    return _report_of(run, first.index)
+
+
+def _report_of(run: Run, index: int) -> dict[str, Any] | None:
+    got = run.tree(index).meta.get("allocation_report")
+    return got if isinstance(got, dict) else None
+
+
+def tree_data(run: Run, index: int, decode: Decoder | None) -> dict[str, Any]:
+    """The page's data for tree ``index`` (``payload.tree_payload`` with the run's config)."""
+    tree = run.tree(index)
+    cfg = run.config
+    report = tree.meta.get("allocation_report") or _batch_report(run, index)
+    return tree_payload(tree, credit_spec(cfg), decode,
+                        (cfg.get("rollout") or {}).get("allocator_options") or {}, report)
+
+
+@cache
+def _asset(name: str) -> str:
+    return resources.files("agentrl.viewer").joinpath("static", name).read_text(encoding="utf-8")
+
+
+def render_page(index: dict[str, Any] | None = None, trees: dict[int, dict[str, Any]] | None = None) -> str:
+    """The HTML page. With ``index`` (and ``trees``) the data is inside it (static mode);
+    without, the page fetches it from the server it was served by."""
+    mode = "static" if index is not None else "server"
+    data = []
+    if index is not None:
+        data.append(f'<script type="application/json" id="run-data">{to_json(index)}</script>')
+        for i, payload in sorted((trees or {}).items()):
+            data.append(f'<script type="application/json" id="tree-{i}">{to_json(payload)}</script>')
+    return _TEMPLATE.format(css=_asset("viewer.css"), js=_asset("viewer.js"), mode=mode,
+                            data="\n".join(data))
+
+
+def write_static(run: Run, out: str | Path, decode: Decoder | None, tokenizer_note: str = "",
+                 limit: int | None = None) -> Path:
+    """Write the self-contained page of ``run`` to ``out`` (atomically); ``limit`` keeps
+    the first trees only (the table still lists every tree)."""
+    n = len(run) if limit is None else min(limit, len(run))
+    index = run_index(run, tokenizer_note)
+    if n < len(run):
+        index["about"]["note"] = f"this file holds the first {n} of {len(run)} trees"
+    trees = {i: tree_data(run, i, decode) for i in range(n)}
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(render_page(index, trees), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+_TEMPLATE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="data:,">
+<title>agentrl viewer</title>
+<style>{css}</style>
+</head>
+<body data-mode="{mode}">
+<header>
+  <h1 id="title">agentrl viewer</h1>
+  <nav>
+    <button data-view="run" class="active">Run</button>
+    <button data-view="tree" data-needs-tree disabled>Tree</button>
+    <button data-view="tokens" data-needs-tree disabled>Tokens</button>
+    <button data-view="curves">Curves</button>
+    <button data-view="compare">Compare</button>
+  </nav>
+</header>
+<main>
+<section id="view-run">
+  <div id="run-cards" class="cards"></div>
+  <div id="run-about" class="muted small" style="margin-bottom:8px"></div>
+  <div class="row">
+    <input id="f-text" type="search" placeholder="filter: seed, family, instruction, reason" size="36">
+    <select id="f-step"></select>
+    <select id="f-family"></select>
+    <select id="f-outcome">
+      <option value="">all outcomes</option>
+      <option value="all">every episode succeeded</option>
+      <option value="some">some succeeded</option>
+      <option value="none">none succeeded</option>
+      <option value="failed">has failed episodes</option>
+      <option value="truncated">has truncated episodes</option>
+      <option value="branched">has branch points</option>
+    </select>
+    <button id="prev-page">&#9664;</button><span id="pager-info" class="muted"></span><button id="next-page">&#9654;</button>
+  </div>
+  <table id="run-table" class="grid"></table>
+</section>
+<section id="view-tree" hidden>
+  <div class="row"><button id="prev-tree">&#9664; tree</button><button id="next-tree">tree &#9654;</button>
+    <b id="tree-title"></b></div>
+  <div id="tree-instruction" class="small" style="margin-bottom:4px"></div>
+  <div id="tree-credit" class="muted small" style="margin-bottom:8px"></div>
+  <div class="split"><div id="tree-canvas"></div><aside id="node-detail"></aside></div>
+</section>
+<section id="view-tokens" hidden>
+  <div id="token-head" style="margin-bottom:6px"></div>
+  <div class="row"><span id="token-modes" class="row"></span><span id="token-legend"></span></div>
+  <div id="token-view"></div>
+</section>
+<section id="view-curves" hidden><div id="curves" class="curves"></div></section>
+<section id="view-compare" hidden>
+  <div id="compare-controls" class="row"></div>
+  <div id="compare-body"></div>
+</section>
+</main>
+<div id="tok-tip" hidden></div>
+{data}
+<script>{js}</script>
+</body>
+</html>
+"""

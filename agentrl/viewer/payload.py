@@ -1,0 +1,292 @@
+"""One rollout tree as the page draws it: nodes, branch reasons, advantages and tokens.
+
+``tree_payload`` turns a ``RolloutTree`` into plain JSON data. Two things in it
+are not stored on the tree and are worked out here:
+
+**Advantages.** Training values, when the run saved them, are read from
+``tree.meta["token_values"]``: ``{"<leaf id>": {"advantages": [...],
+"teacher_logprobs": [...], "student_logprobs": [...]}}``, each list aligned
+with the action tokens of the episode that ends at that leaf, root first (the
+positions where ``Episode.loss_mask`` is 1). These are what the update used,
+distillation included. Without them, the advantages are recomputed with
+``agentrl.credit.assign_report`` and the run's ``train.credit``,
+``train.credit_options`` and ``rollout.failed_episodes`` (``grpo`` when the run
+has no config), one tree a group; the page says which. A node on several
+episodes has one advantage per episode (group methods give each episode its
+own); the page shows each and their mean.
+
+**Branch reasons.** The engine records the allocator's name
+(``meta["allocator"]``) and its report (``meta["allocation_report"]``, on the
+first tree of a batch), not why it picked each node. A reason recorded on the
+tree wins: ``meta["branch_reasons"]`` (``{"<node id>": reason}``) or a child's
+``info["branch"]["reason"]`` (the harness proxy's retry, edit, compaction).
+Else the reason is recomputed from the allocator's own pure scoring function
+on the finished tree (``entropy_branch_scores``, ``key_states``), which reads
+only the path to each turn, so branches grown later do not change it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..types import Node, RolloutTree
+
+__all__ = ["CreditSpec", "branch_reasons", "credit_spec", "episode_values", "tree_payload"]
+
+_SHOWN_INFO_SKIP = ("tool_calls", "tool_messages", "parse_errors", "truncation_reason", "branch")
+_BATCH_METHODS = ("gdpo", "returns", "gae")
+
+
+@dataclass(slots=True)
+class CreditSpec:
+    """How advantages are recomputed for a run without saved training values."""
+
+    method: str = "grpo"
+    options: dict[str, Any] = field(default_factory=dict)
+    failed: str = "exclude"
+    source: str = "no run config: grpo, the trainer's default"
+
+
+def credit_spec(config: dict[str, Any]) -> CreditSpec:
+    """The credit method of a run config (plain data, as ``Run.config`` gives it)."""
+    train = config.get("train") or {}
+    failed = (config.get("rollout") or {}).get("failed_episodes", "exclude")
+    if not train:
+        return CreditSpec(failed=failed)
+    method = str(train.get("credit", "grpo"))
+    options = dict(train.get("credit_options") or {})
+    return CreditSpec(method, options, failed, f"recomputed with train.credit={method}")
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+def _spread(tree: RolloutTree, leaf: int, values: list[float]) -> dict[int, list[float]]:
+    """Per-node slices of ``values``, which run along the action tokens of the path to ``leaf``."""
+    out, i = {}, 0
+    for node in tree.path(leaf):
+        out[node.id] = [float(v) for v in values[i:i + len(node.action_ids)]]
+        i += len(node.action_ids)
+    return out
+
+
+def episode_values(tree: RolloutTree, spec: CreditSpec) -> tuple[dict[str, dict[int, dict[int, list[float]]]], str]:
+    """``({"advantages"|"teacher"|"student": {leaf: {node: per-token}}}, where from)``."""
+    saved = tree.meta.get("token_values")
+    out: dict[str, dict[int, dict[int, list[float]]]] = {"advantages": {}, "teacher": {}, "student": {}}
+    if isinstance(saved, dict) and saved:
+        keys = {"advantages": "advantages", "teacher_logprobs": "teacher", "student_logprobs": "student"}
+        for leaf, vals in saved.items():
+            if int(leaf) not in tree.nodes:
+                continue
+            for key, name in keys.items():
+                if vals.get(key) is not None:
+                    out[name][int(leaf)] = _spread(tree, int(leaf), vals[key])
+        return out, "saved by the trainer (the values the update used)"
+    if spec.method == "none":
+        return out, "train.credit=none: no RL advantage (distillation only), and no saved values"
+    if spec.method == "gdpo":
+        return out, "gdpo needs the run's reward_fn, which a config cannot hold: not recomputed"
+    from ..credit import assign_report
+
+    options = dict(spec.options)
+    options.pop("value_fn", None)
+    try:
+        report = assign_report([tree], spec.method, failed=spec.failed, **options)
+    except (ValueError, TypeError, KeyError) as e:
+        return out, f"{spec.method} could not be recomputed: {e}"
+    for episode, adv in report.items:
+        leaf = episode.nodes[-1].id
+        actions = [a for a, m in zip(adv, episode.loss_mask, strict=True) if m]
+        out["advantages"][leaf] = _spread(tree, leaf, actions)
+    note = spec.source
+    if spec.method in _BATCH_METHODS:
+        note += " (its statistics span a whole batch; here one tree is the batch)"
+    if spec.method == "gae":
+        note += "; V = 0 (a value head's fit is not saved with the tree)"
+    return out, note
+
+
+# --------------------------------------------------------------------------- branch reasons
+
+
+def _options(fn: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:
+    names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+    return {k: v for k, v in options.items() if k in names}
+
+
+def branch_reasons(tree: RolloutTree, allocator_options: dict[str, Any] | None = None,
+                   report: dict[str, Any] | None = None) -> dict[str, str]:
+    """Why each branch point branched: ``{node id (str) or "prompt": reason}``.
+
+    A branch point is a node with two or more children, or the prompt when the
+    tree has two or more roots (fresh episodes).
+    """
+    options = allocator_options or {}
+    alloc = str(tree.meta.get("allocator", ""))
+    recorded = {str(k): str(v) for k, v in (tree.meta.get("branch_reasons") or {}).items()}
+    points = [n for n in tree.nodes.values() if len(n.children) >= 2]
+    out: dict[str, str] = {}
+    if len(tree.roots) > 1:
+        why = f"{len(tree.roots)} episodes started from the prompt"
+        mine = (report or {}).get(alloc) or {}
+        task = tree.meta.get("task")
+        if alloc == "pilot_commit" and isinstance(task, int) and task < len(mine.get("p") or []):
+            p = mine["p"][task]
+            why += (f" (pilot_commit: pilot pass rate {p:.2f}, {mine['commit'][task]} committed)"
+                    if p is not None else " (pilot_commit)")
+        elif alloc:
+            why += f" ({alloc})"
+        out["prompt"] = why
+    found: dict[int, str] = {}
+    if alloc in ("entropy_branch", "key_state"):
+        from ..rollout.allocation import entropy_branch_scores, key_states
+
+        if alloc == "entropy_branch":
+            scores = entropy_branch_scores(tree, **_options(entropy_branch_scores, options))
+            for nid, s in sorted(scores.items(), key=lambda kv: -kv[1]):
+                found.setdefault(tree.turn_parent(nid) if tree.turn_parent(nid) is not None else -1,
+                                 f"entropy rise {s:+.2f} nats at node {nid}'s turn (ARPO/AEPO score above "
+                                 f"threshold {options.get('threshold', 0.5)})")
+        else:
+            for p1, nid in key_states(tree, **_options(key_states, options)):
+                found.setdefault(tree.turn_parent(nid) if tree.turn_parent(nid) is not None else -1,
+                                 f"key state: node {nid}'s turn opens with mean top-1 probability {p1:.2f} "
+                                 f"(below {options.get('top1_threshold', 0.5)}; Spark)")
+    for node in points:
+        child_reasons = [str((tree.nodes[c].info.get("branch") or {}).get("reason"))
+                         for c in node.children if isinstance(tree.nodes[c].info.get("branch"), dict)]
+        k = len(node.children)
+        if str(node.id) in recorded:
+            why = recorded[str(node.id)]
+        elif child_reasons:
+            why = "harness proxy: " + ", ".join(child_reasons)
+        elif node.partial:
+            why = f"segment fork inside the turn after {len(node.action_ids)} tokens ({k} continuations)"
+        elif node.id in found:
+            why = found[node.id]
+        elif alloc == "segment_tree":
+            why = f"segment tree: a paused leaf split {k} ways (TreePO)"
+        elif alloc == "contrastive":
+            why = "contrastive: the branch point ranked first by path and depth decay (CBPO)"
+        elif alloc in ("entropy_branch", "key_state"):
+            why = f"{alloc}: chosen when the batch was planned (no score above threshold now)"
+        else:
+            why = f"{k} continuations" + (f" ({alloc})" if alloc else "")
+        out[str(node.id)] = why
+    if "prompt" in out and -1 in found:
+        out["prompt"] += "; " + found[-1]
+    return out
+
+
+# --------------------------------------------------------------------------- the payload
+
+
+def _finite(x: float) -> float | None:
+    return float(x) if isinstance(x, int | float) and math.isfinite(x) else None
+
+
+def _turn_index(tree: RolloutTree) -> dict[int, int]:
+    """{node id: turns before it}; a partial node shares its turn's index."""
+    index: dict[int, int] = {}
+    order = [tree.nodes[r] for r in tree.roots]
+    for node in order:
+        parent = None if node.parent is None else tree.nodes[node.parent]
+        index[node.id] = 0 if parent is None else index[parent.id] + (not parent.partial)
+        order += [tree.nodes[c] for c in node.children]
+    return index
+
+
+def _leaves_under(tree: RolloutTree, node_id: int) -> list[int]:
+    out, stack = [], [node_id]
+    while stack:
+        n = tree.nodes[stack.pop()]
+        if n.children:
+            stack += reversed(n.children)
+        else:
+            out.append(n.id)
+    return out
+
+
+def _mean(xs: Iterable[float]) -> float | None:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else None
+
+
+def _node(tree: RolloutTree, n: Node, depth: int, reasons: dict[str, str],
+          adv: dict[int, dict[int, list[float]]]) -> dict[str, Any]:
+    info = n.info or {}
+    per_leaf = {leaf: _mean(vals[n.id]) for leaf, vals in adv.items() if n.id in vals and vals[n.id]}
+    per_leaf = {k: v for k, v in per_leaf.items() if v is not None}
+    tools = [{"name": c.get("name", ""), "arguments": c.get("arguments", {})}
+             for c in info.get("tool_calls") or [] if isinstance(c, dict)]
+    results = [{"name": m.get("name") or "", "content": m.get("content", "")}
+               for m in info.get("tool_messages") or [] if isinstance(m, dict)]
+    shown = {k: v for k, v in info.items() if k not in _SHOWN_INFO_SKIP}
+    return {
+        "id": n.id, "parent": n.parent, "children": list(n.children), "depth": depth,
+        "partial": n.partial, "action": n.action_text, "observation": n.observation,
+        "reward": n.reward, "terminated": n.terminated, "truncated": n.truncated, "open": n.open,
+        "finish_reason": n.finish_reason, "truncation_reason": info.get("truncation_reason"),
+        "error": n.error, "leaf": not n.children, "success": n.success if not n.children else None,
+        "version": n.version, "tool_calls": tools, "tool_results": results,
+        "parse_errors": list(info.get("parse_errors") or []), "expert_action": n.expert_action,
+        "abandoned": bool(info.get("abandoned")), "info": shown,
+        "branch": reasons.get(str(n.id)), "n_action": len(n.action_ids), "n_context": len(n.context_ids),
+        "turn": [m.id for m in tree.turn_nodes(n.id)] if not n.partial else [],
+        "advantage": _mean(per_leaf.values()), "advantages": {str(k): v for k, v in per_leaf.items()},
+    }
+
+
+def tree_payload(tree: RolloutTree, spec: CreditSpec | None = None,
+                 decode: Callable[[list[int]], dict[int, str]] | None = None,
+                 allocator_options: dict[str, Any] | None = None,
+                 report: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The page's data for one tree (JSON-ready).
+
+    ``decode(ids) -> {id: text}`` gives the text of each token id used
+    (``None``: the page shows ids). ``report`` is the batch's
+    ``meta["allocation_report"]``, which the engine puts on its first tree only.
+    """
+    spec = spec or CreditSpec()
+    values, credit_note = episode_values(tree, spec)
+    reasons = branch_reasons(tree, allocator_options, report or tree.meta.get("allocation_report"))
+    depth = _turn_index(tree)
+    nodes = [_node(tree, n, depth.get(n.id, 0), reasons, values["advantages"])
+             for n in sorted(tree.nodes.values(), key=lambda n: n.id)]
+    tokens: dict[str, Any] = {}
+    used: set[int] = set()
+    for n in tree.nodes.values():
+        per = {name: {str(leaf): vals[n.id] for leaf, vals in values[name].items() if n.id in vals}
+               for name in ("advantages", "teacher", "student")}
+        tokens[str(n.id)] = {
+            "context": n.context_ids, "action": n.action_ids,
+            "logprobs": [_finite(x) for x in n.logprobs], "entropies": [_finite(x) for x in n.entropies],
+            "top1": [_finite(x) for x in n.top1], **per,
+        }
+        used.update(n.context_ids)
+        used.update(n.action_ids)
+    episodes = []
+    for leaf in tree.leaves():
+        path = tree.path(leaf.id)
+        error = next((x.error for x in path if x.error), None)
+        episodes.append({
+            "leaf": leaf.id, "path": [x.id for x in path], "turns": sum(not x.partial for x in path),
+            "reward": sum(x.reward for x in path), "success": leaf.success and not error, "error": error,
+            "truncated": leaf.truncated, "reason": error or leaf.info.get("truncation_reason")
+            or ("finish_reason=length" if leaf.truncated and leaf.finish_reason == "length" else None),
+            "actions": [x.action_text for x in path if not x.partial],
+        })
+    meta = {k: v for k, v in tree.meta.items()
+            if k not in ("token_values", "allocation_report", "prefix_groups", "privileged")}
+    return {
+        "meta": meta, "roots": list(tree.roots), "nodes": nodes, "tokens": tokens,
+        "episodes": episodes, "branch_points": reasons,
+        "vocab": {str(k): v for k, v in decode(sorted(used)).items()} if decode else {},
+        "credit": {"method": spec.method, "note": credit_note,
+                   "saved": bool(tree.meta.get("token_values"))},
+        "has_teacher": any(values["teacher"].values()),
+    }

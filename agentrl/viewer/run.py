@@ -1,0 +1,284 @@
+"""A run on disk, read the way the viewer and the report need it: trees by index, on demand.
+
+A *run* is a folder, or one trees JSONL file (``agentrl.types.write_trees``).
+In a folder these are read, each only when present:
+
+    RUN/trajectories.jsonl              the trees of ``agentrl rollout``
+    RUN/trees*.jsonl                    any trees file at the top
+    RUN/trees/*.jsonl                   trees per training step, e.g. trees/step-000001.jsonl
+    RUN/summary.json                    ``agentrl rollout``'s summary (env, model, allocator)
+    RUN/metrics.jsonl                   ``agentrl train``'s rows, one a step
+    RUN/config.json, RUN/config.yaml    a run config beside the trees
+    RUN/checkpoints/step-*/state.json   the trainer's config, from its newest checkpoint
+
+Opening a run reads every trees file once, line by line, and keeps the byte
+offset of each tree and a ``TreeSummary`` (reward, success, turns, failures
+by reason): plain data, small enough for a table of thousands of trees. A
+whole ``RolloutTree`` is parsed only when ``Run.tree(i)`` asks for it.
+
+A tree's step is ``meta["step"]`` when the writer put one there, else the
+number in its file's name (``step-000012.jsonl``), else None.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from ..types import RolloutTree, succeeded
+
+__all__ = ["Run", "TreeRef", "TreeSummary", "open_run", "summarize_tree_dict"]
+
+_STEP = re.compile(r"step[-_]?(\d+)")
+
+
+@dataclass(slots=True, frozen=True)
+class TreeRef:
+    """Where tree ``index`` of a run lies: its file and byte range."""
+
+    index: int
+    file: Path
+    offset: int
+    length: int
+
+
+@dataclass(slots=True)
+class TreeSummary:
+    """One tree (one task's group) in a row of numbers; see ``summarize_tree_dict``."""
+
+    index: int
+    file: str
+    step: int | None
+    task: int | None
+    seed: int | str | None
+    env: str
+    family: str
+    allocator: str
+    instruction: str
+    episodes: int
+    successes: int
+    failed: int
+    truncated: int
+    mean_reward: float
+    mean_turns: float
+    action_tokens: int
+    nodes: int
+    branch_points: int
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def success_rate(self) -> float:
+        ok = self.episodes - self.failed
+        return self.successes / ok if ok > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "success_rate": self.success_rate}
+
+
+def _reason(text: str) -> str:
+    """A failure reason without its details, so that alike failures count together
+    (as ``agentrl.rollout.summary`` counts them)."""
+    return text.split(":")[0].split(" after ")[0][:80]
+
+
+def task_family(meta: dict[str, Any], nodes: list[dict[str, Any]]) -> str:
+    """The task's family: ``meta["family"]``, else the env's ``task_type`` or ``family``
+    in its first step's info (ALFWorld-v0 reports ``task_type``), else ``""``."""
+    if meta.get("family"):
+        return str(meta["family"])
+    for n in nodes[:1]:
+        info = n.get("info") or {}
+        for key in ("task_type", "family"):
+            if info.get(key):
+                return str(info[key])
+    return ""
+
+
+def summarize_tree_dict(data: dict[str, Any], index: int = 0, file: str = "",
+                        step: int | None = None) -> TreeSummary:
+    """The numbers of one tree, from its JSON dict (no ``RolloutTree`` is built).
+
+    Episodes are root-to-leaf paths. A failed episode (an ``error`` on its path)
+    counts in ``failed`` with its reason and is left out of ``mean_reward``, as
+    ``agentrl.rollout.summarize`` does; a truncated one counts in ``truncated``
+    with its ``truncation_reason`` (or ``finish_reason=length``).
+    """
+    meta = data.get("meta") or {}
+    nodes = {n["id"]: n for n in data.get("nodes", [])}
+    leaves = [n for n in nodes.values() if not n.get("children")]
+    successes = failed = truncated = tokens = 0
+    rewards: list[float] = []
+    turns: list[int] = []
+    reasons: Counter[str] = Counter()
+    for leaf in leaves:
+        path, cur = [], leaf
+        while cur is not None:
+            path.append(cur)
+            cur = nodes.get(cur["parent"]) if cur.get("parent") is not None else None
+        error = next((n["error"] for n in reversed(path) if n.get("error")), None)
+        turns.append(sum(not n.get("partial") for n in path))
+        tokens += sum(len(n.get("action_ids") or []) for n in path)
+        if error:
+            failed += 1
+            reasons[f"failed: {_reason(error)}"] += 1
+            continue
+        rewards.append(sum(float(n.get("reward", 0.0)) for n in path))
+        info = leaf.get("info") or {}
+        successes += succeeded(info, bool(leaf.get("terminated")), float(leaf.get("reward", 0.0)))
+        if leaf.get("truncated"):
+            truncated += 1
+            why = info.get("truncation_reason") or (
+                "finish_reason=length" if leaf.get("finish_reason") == "length" else "env limit")
+            reasons[f"truncated: {_reason(str(why))}"] += 1
+    branch_points = sum(len(n.get("children") or []) > 1 for n in nodes.values())
+    branch_points += len(data.get("roots", [])) > 1
+    return TreeSummary(
+        index=index, file=file, step=meta.get("step", step), task=meta.get("task"),
+        seed=meta.get("seed", meta.get("session_seed")), env=str(meta.get("env", "")) if not
+        isinstance(meta.get("env"), dict) else str(meta["env"].get("env_id", "")),
+        family=task_family(meta, [nodes[r] for r in data.get("roots", []) if r in nodes]),
+        allocator=str(meta.get("allocator", "")), instruction=str(meta.get("instruction", ""))[:300],
+        episodes=len(leaves), successes=successes, failed=failed, truncated=truncated,
+        mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
+        mean_turns=sum(turns) / len(turns) if turns else 0.0, action_tokens=tokens,
+        nodes=len(nodes), branch_points=branch_points, reasons=dict(reasons))
+
+
+def _step_of(path: Path) -> int | None:
+    m = _STEP.search(path.stem)
+    return int(m.group(1)) if m else None
+
+
+def tree_files(path: Path) -> list[Path]:
+    """The trees files of a run folder (see the module docstring), steps in order."""
+    if path.is_file():
+        return [path]
+    files = [path / "trajectories.jsonl"] if (path / "trajectories.jsonl").is_file() else []
+    files += sorted(p for p in path.glob("trees*.jsonl") if p.is_file())
+    if (path / "trees").is_dir():
+        files += sorted((p for p in (path / "trees").glob("*.jsonl") if p.is_file()),
+                        key=lambda p: (_step_of(p) is None, _step_of(p) or 0, p.name))
+    return files
+
+
+class Run:
+    """One run: an index of its trees (read on demand), its metrics and its config."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise FileNotFoundError(f"no run at {self.path}: give a run folder or a trees JSONL file")
+        self.root = self.path if self.path.is_dir() else self.path.parent
+        self.files = tree_files(self.path)
+        self.refs: list[TreeRef] = []
+        self.summaries: list[TreeSummary] = []
+        self.skipped: list[str] = []  # lines that are not trees (a torn last line), by file:line
+        for f in self.files:
+            self._index(f)
+
+    def _index(self, file: Path) -> None:
+        step = _step_of(file)
+        name = str(file.relative_to(self.root)) if file.is_relative_to(self.root) else file.name
+        offset = 0
+        with open(file, "rb") as fh:
+            for lineno, line in enumerate(fh, 1):
+                start, offset = offset, offset + len(line)
+                if not line.strip():
+                    continue
+                try:
+                    data = json.loads(line)
+                    summary = summarize_tree_dict(data, len(self.refs), name, step)
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    self.skipped.append(f"{name}:{lineno}")
+                    continue
+                self.refs.append(TreeRef(len(self.refs), file, start, len(line)))
+                self.summaries.append(summary)
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def tree(self, index: int) -> RolloutTree:
+        """Tree ``index``, parsed from its file now."""
+        ref = self.refs[index]
+        with open(ref.file, "rb") as fh:
+            fh.seek(ref.offset)
+            return RolloutTree.from_json(fh.read(ref.length).decode("utf-8"))
+
+    @cached_property
+    def metrics(self) -> list[dict[str, Any]]:
+        """The rows of ``metrics.jsonl`` (empty without one)."""
+        from ..train.metrics import read_metrics
+
+        return read_metrics(self.root / "metrics.jsonl") if self.path.is_dir() else []
+
+    @cached_property
+    def summary(self) -> dict[str, Any]:
+        """``summary.json`` of ``agentrl rollout`` (empty without one)."""
+        return _read_json(self.root / "summary.json") or {}
+
+    @cached_property
+    def config(self) -> dict[str, Any]:
+        """The run config as plain data: ``config.json``/``config.yaml`` beside the trees,
+        else the newest checkpoint's, else what ``summary.json`` tells; ``{}`` without any."""
+        for name in ("config.json", "config.yaml", "config.yml"):
+            p = self.root / name
+            if p.is_file():
+                if p.suffix == ".json":
+                    got = _read_json(p)
+                else:
+                    import yaml
+
+                    got = yaml.safe_load(p.read_text())
+                if isinstance(got, dict):
+                    return got
+        got = self.checkpoint_state.get("config")
+        if isinstance(got, dict):
+            return got
+        s = self.summary
+        out: dict[str, Any] = {}
+        if s.get("model"):
+            out["policy"] = {"model": s["model"], "backend": s.get("backend")}
+        if s.get("env"):
+            out["env"] = {"id": s["env"]}
+        if s.get("allocator"):
+            out["rollout"] = {"allocator": s["allocator"]}
+        return out
+
+    @cached_property
+    def checkpoint_state(self) -> dict[str, Any]:
+        """``state.json`` of the newest checkpoint (``{}`` without one): the step, the
+        config, and what the trainer keeps across a resume (e.g. ``distill_turn_mass``)."""
+        states = sorted(self.root.glob("checkpoints/step-*/state.json")) if self.path.is_dir() else []
+        got = _read_json(states[-1]) if states else None
+        return got if isinstance(got, dict) else {}
+
+    def steps(self) -> list[int | None]:
+        """The distinct steps of the run's trees, in order (None for trees without one)."""
+        seen = dict.fromkeys(s.step for s in self.summaries)
+        return sorted(seen, key=lambda s: (s is None, s or 0))
+
+    def title(self) -> str:
+        cfg = self.config
+        env = (cfg.get("env") or {}).get("id") or next((s.env for s in self.summaries if s.env), "")
+        model = Path(str((cfg.get("policy") or {}).get("model", "")))
+        parts = model.parts
+        if "checkpoints" in parts[1:]:  # a run's exported checkpoint: name the run
+            model = Path(parts[parts.index("checkpoints") - 1], *parts[parts.index("checkpoints"):])
+        return " / ".join(x for x in (self.path.name, env, str(model) if parts else "") if x)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def open_run(path: str | Path) -> Run:
+    """``Run(path)``: a run folder or a trees JSONL file."""
+    return Run(path)

@@ -1,0 +1,135 @@
+"""The local viewer server: the page, the run index, and one tree at a time.
+
+Standard library only (``http.server``): three read-only routes, on
+127.0.0.1 by default, no third-party code between the browser and the run.
+
+    GET /                 the page (``page.render_page()``, server mode)
+    GET /api/run          the run index: table rows, totals, curves
+    GET /api/tree/<i>     tree i, parsed from its file when asked (the last 64 are kept)
+
+The tokenizer loads in a background thread when the server starts, so the
+first page shows at once; a tree asked for before it is ready waits for it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from .page import render_page, run_index, to_json, tree_data
+from .run import Run
+from .tokens import Decoder
+
+__all__ = ["ViewerServer"]
+
+_CACHED_TREES = 64
+
+
+class ViewerServer:
+    """Serves ``run`` on ``host:port`` (port 0: a free one); ``url`` says where.
+
+    ``load_decoder`` is called once, in a background thread; it returns
+    ``(decode or None, a note for the page)``.
+    """
+
+    def __init__(self, run: Run, host: str = "127.0.0.1", port: int = 0,
+                 load_decoder: Callable[[], tuple[Decoder | None, str]] | None = None):
+        self.run = run
+        self._decoder: tuple[Decoder | None, str] = (None, "token ids only")
+        self._ready = threading.Event()
+        self._lock = threading.Lock()
+        self._trees: OrderedDict[int, bytes] = OrderedDict()
+        self._index: bytes | None = None
+        self._page = render_page().encode("utf-8")
+        if load_decoder is None:
+            self._ready.set()
+        else:
+            threading.Thread(target=self._load, args=(load_decoder,), daemon=True).start()
+        self.httpd = ThreadingHTTPServer((host, port), self._handler())
+        self.httpd.daemon_threads = True
+
+    def _load(self, load: Callable[[], tuple[Decoder | None, str]]) -> None:
+        try:
+            self._decoder = load()
+        except Exception as e:  # the page still works with ids; say why on it
+            self._decoder = (None, f"tokenizer failed to load: {type(e).__name__}: {e}")
+        finally:
+            self._ready.set()
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}/"
+
+    def index_json(self) -> bytes:
+        self._ready.wait()
+        if self._index is None:
+            self._index = to_json(run_index(self.run, self._decoder[1])).encode("utf-8")
+        return self._index
+
+    def tree_json(self, i: int) -> bytes:
+        self._ready.wait()
+        with self._lock:
+            if i in self._trees:
+                self._trees.move_to_end(i)
+                return self._trees[i]
+        body = to_json(tree_data(self.run, i, self._decoder[0])).encode("utf-8")
+        with self._lock:
+            self._trees[i] = body
+            while len(self._trees) > _CACHED_TREES:
+                self._trees.popitem(last=False)
+        return body
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                path = self.path.split("?", 1)[0]
+                try:
+                    if path in ("/", "/index.html"):
+                        self._send(200, server._page, "text/html; charset=utf-8")
+                    elif path == "/api/run":
+                        self._send(200, server.index_json(), "application/json")
+                    elif path.startswith("/api/tree/"):
+                        tail = path.rsplit("/", 1)[1]
+                        if not tail.isdigit() or int(tail) >= len(server.run):
+                            self._error(404, f"no tree {tail!r}: the run holds {len(server.run)} trees")
+                        else:
+                            self._send(200, server.tree_json(int(tail)), "application/json")
+                    else:
+                        self._error(404, f"nothing at {path}")
+                except (OSError, ValueError) as e:
+                    self._error(500, f"{type(e).__name__}: {e}")
+
+            def _error(self, code: int, message: str) -> None:
+                self._send(code, json.dumps({"error": message}).encode(), "application/json")
+
+            def _send(self, code: int, body: bytes, ctype: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Cache-Control", "no-store")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # quiet: no line per request
+                pass
+
+        return Handler
+
+    def serve_forever(self) -> None:
+        self.httpd.serve_forever()
+
+    def start(self) -> ViewerServer:
+        """Serve in a daemon thread (tests, notebooks); ``close()`` stops it."""
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
