@@ -187,7 +187,7 @@ def main() -> None:
         "targets": {"mock_turns_per_s": 2000, "hf_outside_generation_share": 0.05},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "load_avg_at_end": os.getloadavg()},
-        "quick": args.quick,
+        "quick": args.quick, "args": {k: v for k, v in vars(args).items() if k != "out"},
     }
     det = {r["backend"]: r["wall_s"] for r in rows if r.get("runner") == "engine" and r.get("deterministic")}
     base = {r["backend"]: r["wall_s"] for r in rows if r.get("runner") == "engine" and not r.get("deterministic")}

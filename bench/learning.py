@@ -33,7 +33,10 @@ Presets (``--env``):
 - ``alfworld_easy``: ``examples/train_alfworld_easy.yaml``, the setting of
   ``make run``: pick-and-place in rooms of six receptacles, where the object
   must be searched for; the warm start is SFT on the observation-consistent
-  expert, the OPD teacher the same SFT with twice the episodes.
+  expert, the OPD teacher the same SFT with twice the episodes. On 2 cores
+  both SFTs take longer than the RL runs: ``--warm-start`` and ``--teacher``
+  take models exported earlier (``agentrl sft`` with the preset), and the
+  JSON records which.
 - ``webshop_easy``: ``examples/train_webshop_easy.yaml``: a 1,000-product
   shop, five results a page, the instruction on the search page only.
 
@@ -41,7 +44,9 @@ Presets (``--env``):
     python bench/learning.py --seeds 0,1,2         # each method from 3 sampling seeds: mean +- se
     python bench/learning.py --methods grpo,gigpo --steps 4
     python bench/learning.py --env alfworld_easy --seeds 0,1,2   # grpo, gigpo, tree, grpo_opd
+    python bench/learning.py --env alfworld_easy --warm-start runs/sft64/hf --teacher runs/sft128/hf
     python bench/learning.py --quick               # tiny random model, 2 steps: a smoke test
+    python bench/learning.py --deterministic       # re-runs repeat bit for bit (slower on hf)
 
 Writes ``bench/learning.json`` and ``bench/learning.png`` (GuessNumber), or
 ``bench/learning_<env>.json`` and ``.png``. GiGPO's runs also report how many
@@ -235,7 +240,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="RL steps per method")
     ap.add_argument("--eval-every", type=int, default=2)
     ap.add_argument("--eval-episodes", type=int, default=48)
-    ap.add_argument("--sft-episodes", type=int, default=24, help="expert episodes of the warm start")
+    ap.add_argument("--sft-episodes", type=int, default=24, help="expert episodes of the warm start (default: guess_number 24, elsewhere the preset's)")
     ap.add_argument("--sft-epochs", type=int, default=2, help="epochs of the warm start")
     ap.add_argument("--teacher-sft-episodes", type=int, default=64, help="expert episodes of the OPD teacher")
     ap.add_argument("--opd-weight", type=float, default=1.0)
@@ -247,6 +252,8 @@ def main() -> None:
                     "method from instead of running the preset's SFT; each run still evaluates it first")
     ap.add_argument("--teacher", default=None, help="an exported model for grpo_opd's teacher instead of "
                     "the preset's SFT with twice the episodes")
+    ap.add_argument("--deterministic", action="store_true", help="rollout.deterministic=true: a re-run "
+                    "gives the same curves, bit for bit, on the same machine and thread count")
     ap.add_argument("--quick", action="store_true", help="tiny random model, 2 steps, 8 eval episodes")
     ap.add_argument("--work-dir", default="runs/bench_learning")
     ap.add_argument("--out", default=None, help="default: bench/learning.json for guess_number, "
@@ -270,6 +277,8 @@ def main() -> None:
         args.sft_episodes, args.teacher_sft_episodes = 4, 8
     base = merge(base, {"train": {"steps": args.steps, "lr": args.lr, "tensorboard": False, "export_hf": False,
                                   **eval_cfg}})
+    if args.deterministic:
+        base = merge(base, {"rollout": {"deterministic": True}})
     work = Path(args.work_dir)
     if work.exists():
         shutil.rmtree(work)
@@ -279,7 +288,9 @@ def main() -> None:
     if args.env == "guess_number":  # the weak warm start; the teacher gets the make-run SFT
         warm_sft = {**sft_base, "episodes": args.sft_episodes, "seed_start": 0, "epochs": args.sft_epochs}
         teacher_sft = {**sft_base, "episodes": args.teacher_sft_episodes, "seed_start": 0, "epochs": 2}
-    else:  # the preset's warm start; the teacher sees twice the expert episodes
+    else:  # the preset's warm start (or --sft-episodes given); the teacher sees twice the expert episodes
+        if "--sft-episodes" in sys.argv:
+            sft_base["episodes"] = args.sft_episodes
         warm_sft = sft_base
         teacher_sft = {**sft_base, "episodes": 2 * int(sft_base.get("episodes", 0) or 0)}
     t0 = time.perf_counter()

@@ -29,6 +29,8 @@ class MockPolicy:
     ``length``.
     """
 
+    deterministic_by_default = True  # rollout.deterministic: null; free here
+
     def __init__(self, tokenizer: Any, responses: Sequence[str] | Callable[[str], str],
                  logprob: float = -0.5, deterministic: bool = False):
         self.tokenizer = tokenizer

@@ -604,8 +604,9 @@ class Engine:
 
     # -- the driver ----------------------------------------------------------------
     def _set_deterministic(self) -> None:
-        """Switch the policy's deterministic mode as ``rollout.deterministic`` says: null is on
-        where the backend has the mode (``hf``, ``mock``: a ``deterministic`` attribute)."""
+        """Switch the policy's deterministic mode as ``rollout.deterministic`` says: null takes
+        the backend's default (``deterministic_by_default``: on for ``mock``, where it costs
+        nothing; off for ``hf``, where it cost +75% wall time at 32 rows, bench/engine_overhead)."""
         want = self.cfg.rollout.deterministic
         if not hasattr(self.policy, "deterministic"):
             if want:
@@ -614,7 +615,9 @@ class Engine:
                                   "continuously; a server batches as it likes): set rollout.deterministic "
                                   "to null or false, or use policy.backend=hf")
             return
-        self.policy.deterministic = want is not False  # type: ignore[attr-defined]
+        if want is None:
+            want = bool(getattr(self.policy, "deterministic_by_default", False))
+        self.policy.deterministic = want  # type: ignore[attr-defined]
 
     async def run(self, seeds: list[int], allocator: Allocator | None = None,
                   budget: Budget | None = None) -> list[RolloutTree]:
