@@ -12,6 +12,8 @@ The glue:
 - ``batch``: samples, their rows, scoring passes and the minibatch step;
 - ``tree_pack``: the same passes with each tree's shared tokens once;
 - ``trainer``: the loop (rollout, credit, scoring, update, sync, eval, checkpoint);
+- ``asynchronous``: the next steps' rollouts in a thread, from a snapshot of the
+  weights, within a staleness bound (``train.asynchronous``);
 - ``sft``: behaviour cloning of an env's expert, with RL's token layout;
 - ``config``, ``checkpoint``, ``metrics``, ``value`` (a value head for GAE), ``cli``.
 """
@@ -25,7 +27,7 @@ from .batch import (
     train_on_samples,
 )
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import SFTConfig, TrainConfig, TrainRunConfig, load_train_config
+from .config import AsyncConfig, SFTConfig, TrainConfig, TrainRunConfig, load_train_config
 from .distill import (
     DistillConfig,
     Distiller,
@@ -82,6 +84,7 @@ from .tree_pack import score_samples_tree, tree_minibatch
 
 __all__ = [
     "AGGREGATIONS",
+    "AsyncConfig",
     "DistillConfig",
     "DistillFields",
     "Distiller",

@@ -21,7 +21,7 @@ from .distill.loop import DistillConfig
 from .loss import PolicyLossConfig
 from .value import ValueHeadConfig
 
-__all__ = ["LoraConfig", "SFTConfig", "TrainConfig", "TrainRunConfig", "load_train_config"]
+__all__ = ["AsyncConfig", "LoraConfig", "SFTConfig", "TrainConfig", "TrainRunConfig", "load_train_config"]
 
 
 class _Strict(BaseModel):
@@ -38,6 +38,18 @@ class LoraConfig(_Strict):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                  "gate_proj", "up_proj", "down_proj"],
         description="Names of the linear layers that get adapters.")
+
+
+class AsyncConfig(_Strict):
+    """Asynchronous training in one process (``agentrl.train.asynchronous``): the next steps
+    roll out from a copy of the weights while this step trains."""
+
+    max_staleness: int = Field(1, ge=0, description="k: a step's batch is trained only while its "
+                               "oldest token is at most k policy versions behind the trainer (older "
+                               "ones are dropped); the rollouts run at most k steps ahead. 0 repeats "
+                               "the synchronous run exactly, overlapping only eval and checkpoints.")
+    queue_size: int = Field(2, ge=1, description="Finished step batches waiting for the trainer; "
+                            "the rollouts wait while it is full.")
 
 
 class TrainConfig(_Strict):
@@ -99,6 +111,9 @@ class TrainConfig(_Strict):
                                 "and the env server (agentrl.proxy.rollouts); null: native rollouts.")
     harness_env: dict[str, str | int | float | bool] = Field(
         default_factory=dict, description="Extra environment variables for the harness command.")
+    asynchronous: AsyncConfig | None = Field(None, description="Roll out the next steps while "
+                                             "this one trains, within a staleness bound "
+                                             "(agentrl.train.asynchronous); null: synchronous.")
     # -- eval, checkpoints, logs ------------------------------------------------------------
     eval_every: int = Field(0, ge=0, description="Evaluate every this many steps (0: only at "
                             "start and end).")
@@ -153,6 +168,10 @@ class TrainConfig(_Strict):
             raise ValueError("harness runs episodes through the env server, which keeps the privileged "
                              "text and expert actions from agents: distill.privileged and "
                              "distill.teacher='expert' or 'oracle' need the native engine (no harness)")
+        if self.asynchronous is not None and self.harness is not None:
+            raise ValueError("asynchronous needs native rollouts: a harness samples through the proxy "
+                             "from the trained model itself, not from a snapshot; set harness=null or "
+                             "asynchronous=null")
         return self
 
 
@@ -194,6 +213,9 @@ class TrainRunConfig(Config):
         if self.train.harness is not None and self.rollout.allocator != "independent":
             raise ValueError(f"train.harness: a harness plays whole episodes, so rollout.allocator must "
                              f"be 'independent' (got {self.rollout.allocator!r})")
+        if self.train.asynchronous is not None and self.policy.backend not in ("hf", "auto"):
+            raise ValueError(f"train.asynchronous samples from a copy of the weights, which only "
+                             f"policy.backend='hf' keeps in this process (got {self.policy.backend!r})")
         return self
 
 

@@ -20,6 +20,11 @@ step *is* the data position and a resumed run sees the same data):
 5. **sync**: the policy gets the new weights (``batch.sync_policy``);
 6. **eval** on held-out task seeds every ``eval_every`` steps, and
    **checkpoint** every ``checkpoint_every`` steps.
+
+With ``train.asynchronous`` the rollouts of the next steps run in a producer
+thread, from a copy of the weights, while this step trains
+(``agentrl.train.asynchronous``); step 1 then takes its trees from that queue
+and step 5 also refreshes the copy.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from ..errors import ConfigError
 from ..policy.base import request_seed
 from ..types import RolloutTree, write_trees
+from .asynchronous import RolloutProducer, SnapshotPolicy
 from .batch import (
     Row,
     Sample,
@@ -227,6 +233,7 @@ class Trainer:
         self.phase_rewards: dict[str, float] = {}  # mean reward of the same evaluations
         self.allocation: dict[str, Any] = {}  # what the allocator did, over the run's steps
         self.bars: _Bars | None = None
+        self.producer: RolloutProducer | None = None  # train.asynchronous: the rollouts ahead
         self.out = Path(t.out_dir)
 
     def _reference(self) -> torch.nn.Module | None:
@@ -282,7 +289,8 @@ class Trainer:
         return True
 
     # -- one step ----------------------------------------------------------------------------
-    def rollout(self, step: int, bars: _Bars) -> tuple[list[RolloutTree], dict[str, Any]]:
+    def rollout(self, step: int, bars: _Bars, policy: Any = None) -> tuple[list[RolloutTree], dict[str, Any]]:
+        """Step ``step``'s trees, sampled by ``policy`` (default: the trained model's own policy)."""
         from ..rollout import collect, summarize
 
         cfg = self.cfg.model_copy(deep=True)
@@ -293,7 +301,7 @@ class Trainer:
         advance = bars.start("rollout", len(seeds) * cfg.rollout.group_size, f"step {step + 1}")
         t0 = time.perf_counter()
         trees = (self.rollouts.collect if self.rollouts else collect)(
-            cfg.env.id, self.policy, cfg, seeds, on_episode_done=advance)
+            cfg.env.id, self.policy if policy is None else policy, cfg, seeds, on_episode_done=advance)
         s = summarize(trees, time.perf_counter() - t0)
         extra = {**(self.rollouts.stats if self.rollouts else {}), **self._allocation(step, trees)}
         return trees, {**extra, "rollout/success": s["success_rate"], "rollout/reward": s["mean_reward"],
@@ -558,6 +566,11 @@ class Trainer:
                 for _ in range(self.step):
                     overall()
                 ran = self.step < t.steps
+                a = t.asynchronous
+                if ran and a is not None:  # a fresh snapshot of the weights SFT or a resume left
+                    self.producer = RolloutProducer(lambda k, policy: self.rollout(k, bars, policy),
+                                                    SnapshotPolicy.of(self.policy), self.step, t.steps,
+                                                    a.max_staleness, a.queue_size).begin()
                 while self.step < t.steps:
                     mem.start()
                     row = self._one_step(bars)
@@ -578,6 +591,9 @@ class Trainer:
                                 **mem.read()})
         finally:
             self.bars = None
+            if self.producer is not None:
+                self.producer.close()
+                self.producer = None
             if self.rollouts is not None:
                 self.rollouts.close()
             log.close()
@@ -603,11 +619,17 @@ class Trainer:
 
     def _one_step(self, bars: _Bars) -> dict[str, Any]:
         t, k = self.cfg.train, self.step
-        trees, stats = self.rollout(k, bars)
+        if self.producer is None:
+            trees, stats = self.rollout(k, bars)
+        else:
+            batch, stats = self.producer.take(self.policy.version)
+            trees, stats = batch.trees, {**batch.stats, **stats}
         self._save_trees(k + 1, trees)
         stats.update(self.learn(trees, k, bars))
         t0 = time.perf_counter()
         sync_policy(self.policy, self.model)
+        if self.producer is not None:
+            self.producer.synced(self.net, self.policy.version)
         stats["time/sync_s"] = time.perf_counter() - t0
         stats["policy/version"] = self.policy.version
         self.step = k + 1

@@ -1,0 +1,230 @@
+"""Asynchronous training in one process: the next steps roll out while this one trains.
+
+The bounded-staleness scheme of AReaL (Fu et al. 2025, Sec. 4: a sample may be
+at most eta versions older than the policy it trains) and of M2PO (Zheng et
+al. 2025, which trains on data k versions stale), without Ray:
+
+- a producer thread runs the trainer's own ``rollout(step)`` for steps
+  ``start, start + 1, ...`` and puts each step's trees into a bounded queue;
+  it waits while the queue is full (backpressure);
+- it samples from a ``SnapshotPolicy``: an ``hf`` policy over its own copy of
+  the weights, so the optimizer's in-place updates never reach a running
+  episode. At each sync the trainer copies its weights in, between two
+  ``generate`` batches; every token keeps the version that sampled it, so the
+  loss's corrections (TIS, ``loss.max_staleness``, M2PO) see real versions;
+- it starts step ``s`` only once the trainer has synced ``s - start - k``
+  times, so the oldest token of a batch is at most ``k`` versions behind when
+  it trains. ``k = 0`` waits for each sync: the synchronous run, with eval and
+  checkpoints overlapped. A batch that is older anyway is dropped and counted
+  (``async/dropped_batches``), and the producer rolls out one step more.
+
+Deviation from AReaL: no interruptible generation; a sync waits for the
+running ``generate`` batch to finish, and the prefix cache of the old weights
+is dropped, so a live episode's next turn prefills again under the new ones.
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from ..policy.hf import HFPolicy
+from ..types import RolloutTree
+
+__all__ = ["RolloutProducer", "SnapshotPolicy", "StepBatch", "oldest_version", "staleness_stats"]
+
+_POLL_S = 0.05  # how often a blocked producer or trainer looks whether the other side stopped
+
+
+class SnapshotPolicy(HFPolicy):
+    """An ``hf`` policy over its own copy of a model's weights, refreshed only by ``refresh``.
+
+    ``generate`` and ``refresh`` take one lock, so a batch is sampled under one
+    set of weights and its logprobs and version are exact.
+    """
+
+    lock: threading.Lock
+
+    @classmethod
+    def of(cls, policy: Any) -> SnapshotPolicy:
+        """A snapshot of ``policy``'s weights now, with its sampling settings and version."""
+        if not isinstance(policy, HFPolicy):
+            raise ConfigError(f"train.asynchronous samples from a copy of the weights, which only the hf "
+                              f"backend keeps here; got a {type(policy).__name__}: set policy.backend=hf")
+        model = copy.deepcopy(policy.model).requires_grad_(False)
+        for p in model.parameters():  # the trainer's gradients, if any, are no part of the copy
+            p.grad = None
+        mb = policy.prefix_cache.max_bytes // 2**20 if policy.prefix_cache is not None else 0
+        snap = cls(model, policy.tokenizer, policy.max_batch_size, mb, policy.prefill_pad_tokens,
+                   policy.deterministic)
+        snap.version = policy.version
+        return snap
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def generate(self, requests: list[Any]) -> list[Any]:
+        with self.lock:
+            return super().generate(requests)
+
+    @torch.no_grad()
+    def refresh(self, net: torch.nn.Module, version: int) -> None:
+        """Copy ``net``'s weights in (between two batches) and take its ``version``."""
+        with self.lock:
+            own = self.model.state_dict()
+            for k, v in net.state_dict().items():
+                own[k].copy_(v)
+            self.weights_updated()  # drops the keys and values of the old weights
+            self.version = version
+
+    def close(self) -> None:
+        """Stop sampling: requests still to come fail their episodes at once."""
+        self.batcher.close()
+
+
+# --------------------------------------------------------------------------- staleness
+
+
+def oldest_version(trees: list[RolloutTree]) -> int | None:
+    """The version of the oldest sampled turn in ``trees``; None when nothing was sampled."""
+    versions = [n.version for t in trees for n in t.nodes.values() if n.action_ids]
+    return min(versions) if versions else None
+
+
+def staleness_stats(trees: list[RolloutTree], current_version: int) -> dict[str, float]:
+    """How many versions behind ``current_version`` each action token's sampler was."""
+    turns = [(current_version - n.version, len(n.action_ids)) for t in trees for n in t.nodes.values()
+             if n.action_ids]
+    tokens = sum(n for _, n in turns)
+    return {"async/staleness_mean": sum(a * n for a, n in turns) / tokens if tokens else 0.0,
+            "async/staleness_max": max((a for a, _ in turns), default=0)}
+
+
+# --------------------------------------------------------------------------- the producer
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One step's rollout as the producer hands it over."""
+
+    step: int  # the data position: step_task_seeds(cfg, step) rolled out
+    trees: list[RolloutTree]
+    stats: dict[str, Any]
+    finished: float  # time.perf_counter() when it was queued
+
+
+RolloutFn = Callable[[int, Any], tuple[list[RolloutTree], dict[str, Any]]]  # (step, policy) -> trees, stats
+
+
+class RolloutProducer:
+    """A thread that rolls out steps ``start .. end - 1`` with ``policy`` into a bounded queue.
+
+    The trainer calls ``take(version)`` for each step's batch and ``synced(net, version)``
+    after each sync; ``close()`` stops the thread. ``ahead`` (default ``max_staleness``)
+    is how many syncs the rollouts may run ahead; a larger one only forces drops in tests.
+    """
+
+    def __init__(self, rollout: RolloutFn, policy: Any, start: int, end: int, max_staleness: int,
+                 queue_size: int, ahead: int | None = None):
+        self.rollout, self.policy = rollout, policy
+        self.start, self.end = start, end
+        self.max_staleness = max_staleness
+        self.ahead = max_staleness if ahead is None else ahead
+        self.queue: queue.Queue[StepBatch | BaseException] = queue.Queue(maxsize=queue_size)
+        self.synced_steps = 0  # syncs since the producer started
+        self.dropped = 0
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="agentrl-rollout-producer", daemon=True)
+
+    def begin(self) -> RolloutProducer:
+        self.thread.start()
+        return self
+
+    # -- the producer thread --------------------------------------------------------------
+    def _may_start(self, step: int) -> bool:
+        return step < self.end and self.synced_steps >= step - self.start - self.ahead
+
+    def _run(self) -> None:
+        step = self.start
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda s=step: self._stop.is_set() or self._may_start(s))
+                if self._stop.is_set():
+                    return
+                trees, stats = self.rollout(step, self.policy)
+                if not self._put(StepBatch(step, trees, stats, time.perf_counter())):
+                    return
+                step += 1
+        except BaseException as e:  # handed to the trainer, which raises it
+            self._put(e)
+
+    def _put(self, item: StepBatch | BaseException) -> bool:
+        """Queue ``item``, waiting while the queue is full; False when stopped meanwhile."""
+        while not self._stop.is_set():
+            try:
+                self.queue.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    # -- the trainer's side -----------------------------------------------------------------
+    def take(self, current_version: int) -> tuple[StepBatch, dict[str, Any]]:
+        """The next batch whose oldest token is at most ``max_staleness`` versions old, and the
+        async stats of this step; older batches are dropped (the producer rolls out more)."""
+        t0 = time.perf_counter()
+        while True:
+            item = self._get()
+            oldest = oldest_version(item.trees)
+            if oldest is None or current_version - oldest <= self.max_staleness:
+                break
+            with self._cond:
+                self.dropped += 1
+                self.end += 1  # one more step rolled out in its place
+                self._cond.notify_all()
+        now = time.perf_counter()
+        return item, {**staleness_stats(item.trees, current_version), "async/dropped_batches": self.dropped,
+                      "async/queue_wait_s": now - t0, "async/batch_age_s": now - item.finished,
+                      "async/data_step": item.step}
+
+    def _get(self) -> StepBatch:
+        while True:
+            try:
+                item = self.queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                if self.thread.is_alive():
+                    continue
+                try:  # it may have queued its last item just before it ended
+                    item = self.queue.get_nowait()
+                except queue.Empty:
+                    raise RuntimeError("the rollout producer stopped without a batch") from None
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+    def synced(self, net: torch.nn.Module, version: int) -> None:
+        """The trainer synced: copy its weights into the sampling policy; the next step may start."""
+        self.policy.refresh(net, version)
+        with self._cond:
+            self.synced_steps += 1
+            self._cond.notify_all()
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the thread: a running rollout fails its remaining requests and ends."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        if hasattr(self.policy, "close"):
+            self.policy.close()
+        self.thread.join(timeout)

@@ -1,0 +1,235 @@
+"""Asynchronous training in one process: k=0 is the synchronous run, k=1 overlaps, stale
+batches are dropped, the sampler's weights are a snapshot, and errors and resumes are clean."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentrl.errors import ConfigError
+from agentrl.models import load_model
+from agentrl.policy import GenerateRequest, HFPolicy, SamplingParams
+from agentrl.train.asynchronous import RolloutProducer, SnapshotPolicy, staleness_stats
+from agentrl.train.config import load_train_config
+from agentrl.train.trainer import Trainer, train
+from agentrl.types import Node, RolloutTree
+from tests.train.test_trainer import toy_config
+
+# Deterministic sampling: a row's logprobs do not depend on what the prefix cache holds, and
+# the snapshot's cache starts empty where the synchronous policy's holds the start eval's.
+FAST = ["rollout.deterministic=true", "train.plot=false", "train.save_trees=0", "train.eval_episodes=4"]
+
+
+def _async(k: int, queue_size: int = 1) -> str:
+    return f"train.asynchronous={{max_staleness: {k}, queue_size: {queue_size}}}"
+
+
+def _rl_rows(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("phase") == "rl"]
+
+
+def _producer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "agentrl-rollout-producer" and t.is_alive()]
+
+
+def test_k0_repeats_the_synchronous_run_exactly(tmp_path):
+    torch.set_num_threads(1)
+    run = [*FAST, "train.steps=3", "train.eval_every=1", "train.checkpoint_every=1"]  # eval overlaps rollouts
+    sync = train(toy_config(tmp_path / "sync", *run), progress=False)
+    asyn = train(toy_config(tmp_path / "async", *run, _async(0)), progress=False)
+    assert asyn["phases"] == sync["phases"]
+    a, b = _rl_rows(tmp_path / "sync"), _rl_rows(tmp_path / "async")
+    assert [r["step"] for r in b] == [1, 2, 3]
+    skip = ("time/", "memory/", "async/", "train/tokens_per_s")
+    for x, y in zip(a, b, strict=True):
+        same = {k: v for k, v in x.items() if not k.startswith(skip)}
+        assert {k: y[k] for k in same} == same  # same tasks, rollouts, losses: bit for bit
+        assert y["async/staleness_max"] == 0 and y["async/dropped_batches"] == 0
+
+
+def test_k1_rolls_out_the_next_step_while_this_one_trains(tmp_path, monkeypatch):
+    """Step s's update waits until step s+1's rollout has finished: a run that cannot overlap
+    them would time out here. Step s+1 then trains one version after the weights sampling it."""
+    torch.set_num_threads(1)
+    events: list[tuple[str, int]] = []
+    rolled = {s: threading.Event() for s in range(4)}
+    samplers: list[object] = []
+    rollout, learn = Trainer.rollout, Trainer.learn
+
+    def gated_rollout(self, step, bars, policy=None):
+        events.append(("rollout", step))
+        samplers.append(policy)
+        out = rollout(self, step, bars, policy)
+        rolled[step].set()
+        return out
+
+    def gated_learn(self, trees, step, bars):
+        if step + 1 < self.cfg.train.steps:
+            assert rolled[step + 1].wait(60), f"step {step + 2} did not roll out while step {step + 1} trained"
+        events.append(("learn", step))
+        return learn(self, trees, step, bars)
+
+    monkeypatch.setattr(Trainer, "rollout", gated_rollout)
+    monkeypatch.setattr(Trainer, "learn", gated_learn)
+    train(toy_config(tmp_path, *FAST, "train.steps=3", "train.eval_episodes=0", _async(1)), progress=False)
+    assert events == [("rollout", 0), ("rollout", 1), ("learn", 0), ("rollout", 2), ("learn", 1), ("learn", 2)]
+    assert all(isinstance(p, SnapshotPolicy) for p in samplers)  # never the trained model's policy
+    rows = _rl_rows(tmp_path)
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1]
+    assert all(r["async/dropped_batches"] == 0 for r in rows)
+    assert [r["data/first_task_seed"] for r in rows] == [0, 4, 8]
+    assert [r["policy/version"] for r in rows] == [1, 2, 3]
+
+
+class _Versioned:
+    """A sampling policy stand-in: its version moves only on ``refresh``."""
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    def refresh(self, net, version) -> None:
+        self.version = version
+
+
+def _tree(version: int) -> RolloutTree:
+    tree = RolloutTree(meta={"seed": 0, "task": 0})
+    tree.add(Node(action_ids=[1, 2], logprobs=[-1.0, -1.0], version=version))
+    return tree
+
+
+def _wait_until(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_batch_older_than_k_is_dropped_and_counted():
+    """A producer let run three steps ahead (``ahead``) fills the queue under version 0; after
+    one sync, k=0 refuses the two queued batches, takes one rolled out under version 1, and
+    the producer rolls out one step more for each batch dropped."""
+    sampler = _Versioned()
+    rolled: list[tuple[int, int]] = []
+
+    def rollout(step, policy):
+        rolled.append((step, policy.version))
+        return [_tree(policy.version)], {"data/first_task_seed": step}
+
+    producer = RolloutProducer(rollout, sampler, start=0, end=3, max_staleness=0, queue_size=3, ahead=3).begin()
+    try:
+        _wait_until(producer.queue.full)
+        first, stats = producer.take(0)
+        assert first.step == 0 and stats["async/dropped_batches"] == 0
+        producer.synced(torch.nn.Linear(1, 1), 1)
+        batch, stats = producer.take(1)
+        assert batch.step == 3 and stats["async/dropped_batches"] == 2 == producer.dropped
+        assert stats["async/staleness_max"] == 0
+        _wait_until(lambda: len(rolled) == 5)  # one step more for each dropped one
+        assert rolled == [(0, 0), (1, 0), (2, 0), (3, 1), (4, 1)]
+    finally:
+        producer.close()
+    assert not producer.thread.is_alive()
+
+
+def test_staleness_is_counted_per_action_token():
+    a, b = _tree(3), _tree(1)
+    b.nodes[0].action_ids = [5, 6, 7, 8, 9, 10]
+    assert staleness_stats([a, b], 3) == {"async/staleness_mean": 1.5, "async/staleness_max": 2}
+
+
+def _reply(policy: HFPolicy) -> tuple[list[int], list[float]]:
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=7)
+    out = policy.generate([GenerateRequest(list(range(20, 40)), params)])[0]
+    return out.token_ids, out.logprobs
+
+
+def test_the_snapshot_samples_the_old_weights_until_the_sync(tokenizer):
+    torch.manual_seed(0)
+    model, _ = load_model("tiny-random")
+    live = HFPolicy(model, tokenizer)
+    snap = SnapshotPolicy.of(live)
+    before = _reply(snap)
+    assert before == _reply(live) and snap.version == live.version == 0
+    with torch.no_grad():  # an optimizer step in place on the trained model
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    live.weights_updated()
+    after = _reply(live)
+    assert after[1] != before[1]
+    assert _reply(snap) == before and snap.version == 0  # isolated until the sync
+
+    snap.lock.acquire()  # a batch is sampling: the refresh waits for it to end
+    refresh = threading.Thread(target=snap.refresh, args=(model, live.version))
+    refresh.start()
+    refresh.join(0.2)
+    assert refresh.is_alive() and snap.version == 0
+    snap.lock.release()
+    refresh.join(30)
+    assert snap.version == live.version == 1
+    assert _reply(snap) == after
+    snap.close()
+
+
+def test_a_trainer_error_mid_run_ends_the_producer(tmp_path, monkeypatch):
+    torch.set_num_threads(1)
+    learn = Trainer.learn
+
+    def failing_learn(self, trees, step, bars):
+        if step == 1:
+            raise RuntimeError("boom in step 2")
+        return learn(self, trees, step, bars)
+
+    monkeypatch.setattr(Trainer, "learn", failing_learn)
+    with pytest.raises(RuntimeError, match="boom in step 2"):
+        train(toy_config(tmp_path, *FAST, "train.steps=4", "train.eval_episodes=0", _async(1, 2)),
+              progress=False)
+    assert _producer_threads() == []
+
+
+def test_resume_with_async_starts_a_fresh_producer_and_repeats_the_run(tmp_path, monkeypatch):
+    """k=0 is exact, so a run stopped in step 3 and resumed equals the uninterrupted one."""
+    torch.set_num_threads(1)
+    run = [*FAST, "train.steps=4", "train.checkpoint_every=1", "train.eval_episodes=0", "train.lr=1e-3", _async(0)]
+    train(toy_config(tmp_path / "straight", *run), progress=False)
+    learn = Trainer.learn
+
+    def dies_in_step_3(self, trees, step, bars):
+        if step == 2:
+            raise RuntimeError("killed in step 3")
+        return learn(self, trees, step, bars)
+
+    monkeypatch.setattr(Trainer, "learn", dies_in_step_3)
+    with pytest.raises(RuntimeError, match="killed in step 3"):
+        train(toy_config(tmp_path / "stopped", *run), progress=False)
+    assert _producer_threads() == []
+    monkeypatch.setattr(Trainer, "learn", learn)
+    train(toy_config(tmp_path / "stopped", *run), resume=True, progress=False)
+    a, b = _rl_rows(tmp_path / "straight"), _rl_rows(tmp_path / "stopped")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for x, y in zip(a[2:], b[2:], strict=True):
+        assert y["async/data_step"] == x["async/data_step"] == y["step"] - 1
+        assert y["loss/total"] == x["loss/total"] != 0.0
+        assert y["rollout/reward"] == x["rollout/reward"]
+        assert y["policy/version"] == y["step"]
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    ([_async(-1)], "train.asynchronous.max_staleness"),
+    (["train.asynchronous={queue_size: 0}"], "train.asynchronous.queue_size"),
+    (["policy.backend=mock", _async(1)], "train.asynchronous samples from a copy"),
+    (["train.harness=python agent.py", _async(1)], "train: asynchronous needs native rollouts"),
+])
+def test_an_async_config_that_cannot_work_is_refused_naming_its_key(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        load_train_config(None, overrides)
+    assert key in str(err.value)
+
+
+def test_async_off_is_the_default():
+    assert load_train_config(None, []).train.asynchronous is None
