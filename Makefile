@@ -10,9 +10,10 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.agentrl-installed
 EXTRAS_STAMP := $(VENV)/.agentrl-extras
-# Optional extras the test suite exercises when present: real TextWorld games
-# and the real ALFWorld PDDL engine (compiles fast-downward, about 2 min once).
-TEST_EXTRAS ?= textworld,alfworld
+# Optional extras the test suite exercises when present: real TextWorld games,
+# the real ALFWorld PDDL engine (compiles fast-downward, about 2 min once) and
+# Ray for agentrl.distributed (tests/distributed).
+TEST_EXTRAS ?= textworld,alfworld,ray
 PYTEST_ARGS ?=
 # See agentrl/cli.py: OpenMP threads that spin are slow on a shared 2-core CPU.
 export OMP_WAIT_POLICY ?= PASSIVE

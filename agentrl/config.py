@@ -12,12 +12,21 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from .errors import ConfigError
 
 __all__ = [
     "Config",
+    "DistributedConfig",
     "EnvConfig",
     "PolicyConfig",
     "RolloutConfig",
@@ -79,9 +88,10 @@ class RolloutConfig(_Strict):
     episode_timeout_s: float | None = Field(
         1800.0, gt=0, description="Wall-clock seconds per episode (path), waits for the backend "
         "included; over it the episode fails. null: no limit (one hung env then hangs the batch).")
-    env_executor: Literal["thread", "process", "inline"] = Field(
+    env_executor: Literal["thread", "process", "inline", "ray"] = Field(
         "thread", description="Where env steps run: a thread pool; processes for CPU-heavy envs; "
-        "inline on the event loop for envs whose steps take microseconds.")
+        "inline on the event loop for envs whose steps take microseconds; ray: in env-worker "
+        "actors of a Ray cluster (needs the distributed section; agentrl.distributed.env_workers).")
     failed_episodes: Literal["exclude", "zero"] = Field(
         "exclude", description="Failed episodes in training: left out (exclude), or kept in the "
         "batch with zero advantage (zero). Either way they never enter a baseline, and the summary "
@@ -134,11 +144,41 @@ class RolloutConfig(_Strict):
         return options
 
 
+class DistributedConfig(_Strict):
+    """Scale-out on Ray (``agentrl.distributed``); absent, everything runs in one process."""
+
+    ray: str = Field(
+        "auto", min_length=1, description="The Ray cluster: 'auto' joins the one this machine "
+        "belongs to (RAY_ADDRESS, or a running `ray start`) and else starts a local one; an address "
+        "(host:port or ray://host:port) joins that cluster. A process that already called "
+        "ray.init keeps its connection.")
+    num_env_workers: int = Field(
+        2, ge=1, description="Env-worker actors for rollout.env_executor=ray; each hosts env "
+        "instances (and a tool env's sandboxes).")
+    num_rollout_workers: int = Field(
+        0, ge=0, description="Rollout-worker actors, each owning one policy.backend; requests are "
+        "load-balanced with prefix-cache affinity. 0: the policy runs in this process.")
+    env_worker_cpus: float = Field(1.0, gt=0, description="Ray CPUs one env worker reserves.")
+    rollout_worker_cpus: float = Field(1.0, gt=0, description="Ray CPUs one rollout worker reserves.")
+    max_restarts: int = Field(
+        3, ge=-1, description="Times Ray restarts a dead env worker (-1: always); the episodes it "
+        "was running fail with the reason recorded.")
+
+
 class Config(_Strict):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    distributed: DistributedConfig | None = Field(
+        None, description="Ray actors for envs and generation; null runs everything in this process.")
+
+    @model_validator(mode="after")
+    def _ray_needs_a_cluster(self) -> Config:
+        if self.rollout.env_executor == "ray" and self.distributed is None:
+            raise ValueError("rollout.env_executor=ray needs the distributed section "
+                             "(e.g. distributed: {ray: auto, num_env_workers: 2})")
+        return self
 
 
 C = TypeVar("C", bound="Config")

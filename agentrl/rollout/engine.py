@@ -2,7 +2,8 @@
 
 An asyncio orchestrator. Each episode is a coroutine that alternates
 ``await policy.agenerate(request)`` and an env step run off the loop (a thread
-pool, or a sandboxed tool env's own loop, awaited directly). No episode waits
+pool, a sandboxed tool env's own loop, or a Ray env worker, the last two awaited
+directly: ``agentrl.distributed.env_workers``). No episode waits
 for another: when its env step returns, its next request goes straight to the
 backend, which batches whatever is pending (``hf``'s micro-batcher, vLLM's
 continuous batching).
@@ -188,6 +189,11 @@ class Engine:
         self._spent = 0
         self._running = False
         self._keys: dict[int, tuple[int, int]] = {}  # id(node) -> (stream, nth node of its path)
+        self._env_workers = None
+        if cfg.rollout.env_executor == "ray":  # Ray actors host the envs (agentrl.distributed)
+            from ..distributed.env_workers import env_worker_pool
+
+            self._env_workers = env_worker_pool(cfg, self.env_id)
 
     # -- envs --------------------------------------------------------------------
     async def _call(self, env: Any, method: str, *args: Any) -> Any:
@@ -197,6 +203,9 @@ class Engine:
         which ``gymnasium.make``'s order-enforcing wrapper would not know about.
         """
         inner = env.unwrapped
+        remote = getattr(inner, "acall", None)  # hosted by a Ray env worker: await the call itself
+        if remote is not None:
+            return await remote(method, *args)
         on_env_loop = getattr(inner, "run_coroutine", None)  # ToolEnv: awaits a call on the env's loop
         native = getattr(inner, f"a{method}", None) if method in ("step", "reset") else None
         if native is not None and on_env_loop is not None:
@@ -210,6 +219,8 @@ class Engine:
         return await loop.run_in_executor(self._pool, fn, *args)
 
     def _make_env(self) -> Any:
+        if self._env_workers is not None:
+            return self._env_workers.make_env()
         if self.cfg.rollout.env_executor == "process":
             from ..env_process import ProcessEnv
 

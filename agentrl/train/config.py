@@ -216,6 +216,14 @@ class TrainRunConfig(Config):
         if self.train.asynchronous is not None and self.policy.backend not in ("hf", "auto"):
             raise ValueError(f"train.asynchronous samples from a copy of the weights, which only "
                              f"policy.backend='hf' keeps in this process (got {self.policy.backend!r})")
+        dist = self.distributed
+        if dist is not None and dist.num_rollout_workers > 0:
+            if self.train.trainable == "lora":  # the workers would get adapter weights, not merged ones
+                raise ValueError("distributed.num_rollout_workers > 0 syncs whole weights to the workers; "
+                                 "train.trainable='lora' is not supported there yet: use full or top_k")
+            if self.train.asynchronous is not None:
+                raise ValueError("train.asynchronous samples from an in-process copy of the weights; with "
+                                 "distributed.num_rollout_workers > 0 the workers sample: set one of them")
         return self
 
 

@@ -181,7 +181,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainRunConfig, policy: Any = None, console: Console | None = None,
                  progress: bool = True, rollouts: Callable[[Any, TrainRunConfig], RolloutSource] | None = None):
-        from ..policy import make_policy
+        from ..distributed.rollout_workers import policy_for_run
 
         t = cfg.train
         if t.harness is not None and rollouts is None:
@@ -197,7 +197,7 @@ class Trainer:
         self.console = console or Console()
         self.progress = progress
         torch.manual_seed(t.seed)
-        self.policy = policy if policy is not None else make_policy(cfg.policy)
+        self.policy = policy if policy is not None else policy_for_run(cfg, trainable=True)
         net = getattr(self.policy, "model", None)
         if not isinstance(net, torch.nn.Module):
             raise ConfigError(f"policy.backend={cfg.policy.backend!r} holds no torch model to train; "

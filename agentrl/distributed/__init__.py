@@ -1,0 +1,36 @@
+"""Scale-out on Ray, behind the same interfaces as one process (DESIGN.md, principle 9).
+
+- ``env_workers``: ``rollout.env_executor: ray`` hosts envs (and their sandboxes)
+  in env-worker actors, placed by CPUs and a ``sandbox_<backend>`` resource.
+- ``rollout_workers``: ``RayPolicy`` load-balances generation over rollout-worker
+  actors with prefix-cache affinity; weights go out through the object store.
+- ``cluster``: joining the cluster ``distributed.ray`` names; Ray's errors mapped
+  to agentrl's.
+
+Ray is imported only when one of these is used (``pip install agentrl[ray]``).
+"""
+
+from .cluster import connect
+from .env_workers import (
+    EnvWorker,
+    EnvWorkerPool,
+    RayEnv,
+    env_resources,
+    env_worker_options,
+    env_worker_pool,
+)
+from .rollout_workers import PrefixRouter, RayPolicy, RolloutWorker, policy_for_run
+
+__all__ = [
+    "EnvWorker",
+    "EnvWorkerPool",
+    "PrefixRouter",
+    "RayEnv",
+    "RayPolicy",
+    "RolloutWorker",
+    "connect",
+    "env_resources",
+    "env_worker_options",
+    "env_worker_pool",
+    "policy_for_run",
+]

@@ -1,0 +1,243 @@
+"""Env-worker actors: envs hosted in a Ray cluster (``rollout.env_executor: ray``).
+
+The rollout engine calls an env through one executor interface (``reset``,
+``step``, ``snapshot``, ``restore``, ``expert_action``, ``close``). Here each
+call goes to an ``EnvWorker`` actor that hosts the env instance (and, for a
+tool env, the sandboxes it leases: they live where the env lives). The engine
+holds a ``RayEnv``, an env-shaped handle on one hosted instance, and awaits its
+``acall`` on the event loop (a Ray object ref is awaitable), so no thread
+waits on a remote step. Ray schedules the actors and moves the arguments; we
+add no scheduler or RPC of our own.
+
+Placement: an env worker reserves ``distributed.env_worker_cpus`` CPUs and,
+when its env names a sandbox backend tied to the node, one unit of the custom
+resource ``sandbox_<backend>`` (``env_resources``). A node that can run
+docker containers advertises it when it joins the cluster, e.g.
+``ray start --resources='{"sandbox_docker": 64}'``; an env that needs docker
+is then never placed on a node without it (Ray keeps the actor pending
+instead). ``sandbox: local``, ``remote`` and ``auto`` ask for nothing more.
+
+Failures, in the engine's two columns:
+
+- an env method that raises on the worker raises the same exception here,
+  and the engine fails the episode as it does for an env in a thread;
+- a worker that dies (killed, out of memory, its node lost) fails the
+  episodes whose envs it hosted: an in-flight call raises ``EnvError``, and a
+  call that reaches the restarted worker finds the env gone and raises
+  ``EnvError`` too, with that reason. Ray restarts the worker
+  (``distributed.max_restarts``); the next episodes make fresh envs on it.
+
+Workers are made once per process, cluster and env configuration
+(``env_worker_pool``), and reused by every engine after it: a trainer makes
+an engine for each batch, and starting actors each time would cost seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import uuid
+from typing import Any
+
+from ..config import Config, DistributedConfig
+from ..env import import_env_modules, make_env, resolve_env_id
+from ..errors import EnvError
+from .cluster import connect, ray_error
+
+__all__ = ["NODE_SANDBOX_BACKENDS", "EnvWorker", "EnvWorkerPool", "RayEnv", "env_resources",
+           "env_worker_options", "env_worker_pool"]
+
+# Sandbox backends that need something installed on the node itself; each becomes a
+# custom Ray resource ``sandbox_<name>`` that the nodes which have it advertise.
+NODE_SANDBOX_BACKENDS = ("docker", "gvisor", "bwrap")
+# Calls one env worker runs at once (threads of a threaded actor): its envs step concurrently.
+MAX_CALLS_PER_WORKER = 64
+
+
+def env_resources(env_id: str, kwargs: dict[str, Any], imports: list[str] | tuple[str, ...] = ()
+                  ) -> dict[str, float]:
+    """Custom Ray resources an env worker for this env needs: ``{"sandbox_docker": 1.0}`` when
+    the env's ``sandbox`` argument (from ``env.kwargs``, else the env's registration) names a
+    backend tied to the node; ``{}`` otherwise."""
+    import gymnasium as gym
+
+    spec = gym.spec(resolve_env_id(env_id, imports))
+    backend = {**spec.kwargs, **kwargs}.get("sandbox")
+    if isinstance(backend, str) and backend in NODE_SANDBOX_BACKENDS:
+        return {f"sandbox_{backend}": 1.0}
+    return {}
+
+
+def env_worker_options(env_id: str, kwargs: dict[str, Any], dist: DistributedConfig,
+                       imports: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """The Ray actor options of an env worker: CPUs, custom resources, restarts, concurrency."""
+    return {"num_cpus": dist.env_worker_cpus, "resources": env_resources(env_id, kwargs, imports),
+            "max_restarts": dist.max_restarts, "max_task_retries": 0,
+            "max_concurrency": MAX_CALLS_PER_WORKER}
+
+
+class EnvWorker:
+    """The actor: env instances by handle, each made on its first call.
+
+    A handle is chosen by the caller (``RayEnv``), so that after a restart a
+    handle of the dead incarnation is simply unknown: the call fails with the
+    reason instead of reaching another episode's env.
+    """
+
+    def __init__(self, env_id: str, kwargs: dict[str, Any], imports: list[str]):
+        import_env_modules(imports)
+        self.env_id, self.kwargs = resolve_env_id(env_id), kwargs
+        self._envs: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def pid(self) -> int:
+        """This incarnation's process id (a restart changes it)."""
+        return os.getpid()
+
+    def call(self, handle: str, create: bool, method: str, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
+        """``env.unwrapped.<method>(*args, **kwargs)`` on the env ``handle``; ``create``: make it
+        first if this worker does not host it yet."""
+        with self._lock:
+            env = self._envs.get(handle)
+        if env is None:
+            if not create:
+                raise EnvError(f"env worker restarted (now pid {os.getpid()}): the env's state "
+                               "was lost with the process that hosted it")
+            env = make_env(self.env_id, **self.kwargs)
+            with self._lock:
+                self._envs[handle] = env
+        return getattr(env.unwrapped, method)(*args, **kwargs)
+
+    def close(self, handle: str) -> None:
+        with self._lock:
+            env = self._envs.pop(handle, None)
+        if env is not None:
+            env.close()
+
+    def hosted(self) -> int:
+        """How many env instances this incarnation hosts."""
+        return len(self._envs)
+
+
+class RayEnv:
+    """An env hosted by an ``EnvWorker``: the engine awaits ``acall``; the sync methods
+    (``reset``, ``step``, ...) block on the same calls, for scripts."""
+
+    def __init__(self, actor: Any, env_id: str):
+        self._actor, self.env_id = actor, env_id
+        self.handle = uuid.uuid4().hex
+        self._made = False
+        self._closed = False
+
+    @property
+    def unwrapped(self) -> RayEnv:
+        return self
+
+    def _ref(self, method: str, args: tuple[Any, ...]) -> Any:
+        if self._closed:
+            raise EnvError(f"env {self.env_id} ({self.handle}) is closed")
+        kwargs: dict[str, Any] = {}
+        if method == "reset":  # the engine passes the seed alone
+            args, kwargs = (), {"seed": args[0] if args else None}
+        return self._actor.call.remote(self.handle, not self._made, method, args, kwargs)
+
+    async def acall(self, method: str, *args: Any) -> Any:
+        """``method`` of the hosted env, awaited on the caller's loop."""
+        try:
+            value = await self._ref(method, args)
+        except Exception as e:
+            raise ray_error(e, EnvError, f"env worker of {self.env_id}") from e
+        self._made = True
+        return value
+
+    def _get(self, method: str, *args: Any) -> Any:
+        import ray
+
+        try:
+            value = ray.get(self._ref(method, args))
+        except Exception as e:
+            raise ray_error(e, EnvError, f"env worker of {self.env_id}") from e
+        self._made = True
+        return value
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        if options is not None:
+            raise EnvError("RayEnv.reset passes a seed only")
+        return self._get("reset", seed)
+
+    def step(self, action: str) -> Any:
+        return self._get("step", action)
+
+    def snapshot(self) -> Any:
+        return self._get("snapshot")
+
+    def restore(self, snapshot: Any) -> None:
+        self._get("restore", snapshot)
+
+    def expert_action(self) -> str:
+        return self._get("expert_action")
+
+    def oracle_action(self) -> str:
+        return self._get("oracle_action")
+
+    def close(self) -> None:
+        """Drop the hosted env; never waits (its worker may be dead or busy)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._actor.close.remote(self.handle)
+        except Exception:  # a dead worker took the env with it
+            pass
+
+
+class EnvWorkerPool:
+    """``dist.num_env_workers`` env-worker actors for one env; ``make_env`` deals envs out
+    round-robin."""
+
+    def __init__(self, env_id: str, kwargs: dict[str, Any], dist: DistributedConfig,
+                 imports: list[str] | tuple[str, ...] = ()):
+        ray = connect(dist)
+        self.env_id = resolve_env_id(env_id, imports)
+        self.options = env_worker_options(self.env_id, kwargs, dist, imports)
+        actor = ray.remote(EnvWorker).options(**self.options)
+        self.workers = [actor.remote(self.env_id, dict(kwargs), list(imports))
+                        for _ in range(dist.num_env_workers)]
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def make_env(self) -> RayEnv:
+        with self._lock:
+            worker = self.workers[self._next % len(self.workers)]
+            self._next += 1
+        return RayEnv(worker, self.env_id)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for w in self.workers:
+            ray.kill(w)
+
+
+_POOLS: dict[tuple[str, ...], EnvWorkerPool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def env_worker_pool(cfg: Config, env_id: str | None = None) -> EnvWorkerPool:
+    """The env workers for ``cfg``'s env (or ``env_id``) on the connected cluster; made on the
+    first call in this process and reused after (see the module docstring)."""
+    dist = cfg.distributed
+    if dist is None:
+        raise EnvError("rollout.env_executor=ray needs the distributed section")
+    ray = connect(dist)
+    ctx = ray.get_runtime_context()
+    key = (ctx.get_node_id(), ctx.get_job_id(), env_id or cfg.env.id,
+           json.dumps(cfg.env.kwargs, sort_keys=True, default=str), json.dumps(cfg.env.imports),
+           dist.model_dump_json())
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None:
+            pool = _POOLS[key] = EnvWorkerPool(env_id or cfg.env.id, cfg.env.kwargs, dist, cfg.env.imports)
+        return pool

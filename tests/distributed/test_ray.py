@@ -1,0 +1,237 @@
+"""agentrl.distributed on a local Ray instance (2 CPUs, no dashboard), started once for the module.
+
+Each check compares with the one-process path: the same config gives the same
+trees with ``env_executor: ray`` as with ``thread``; rollout workers sample what
+a local ``HFPolicy`` samples. Then the failure and placement rules.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from agentrl.config import load_config
+from agentrl.models import load_model
+from agentrl.policy import GenerateRequest, HFPolicy, MockPolicy, SamplingParams, request_seed
+from agentrl.rollout import collect
+
+ray = pytest.importorskip("ray", reason="ray is not installed here: pip install 'agentrl[ray]' (make extras)")
+
+from agentrl.distributed import (  # noqa: E402  (after the skip: the module needs ray to run)
+    RayPolicy,
+    env_resources,
+    env_worker_options,
+    env_worker_pool,
+)
+
+# Small actors: the module's 2 CPUs hold every worker these tests start.
+SMALL = ["distributed.ray=auto", "distributed.env_worker_cpus=0.25", "distributed.rollout_worker_cpus=0.25"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        from agentrl.distributed import env_workers
+
+        env_workers._POOLS.clear()
+        ray.shutdown()
+
+
+def _shape(trees: list[Any]) -> list[Any]:
+    """What must match between executors: token ids, rewards, ends and errors, node by node."""
+    return [[(n.id, n.context_ids, n.action_ids, n.reward, n.terminated, n.truncated, n.error,
+              n.observation) for n in t.nodes.values()] for t in trees]
+
+
+def test_ray_env_executor_grows_the_same_trees_as_threads(cluster, tokenizer, tiny_model):
+    """ALFWorld-v0 branched with segment_tree: reset, step, snapshot and restore all go
+    through the env workers; the trees are the thread executor's, token for token."""
+    base = ["policy.model=tiny-random", "env.id=agentrl/ALFWorld-v0", "rollout.allocator=segment_tree",
+            "rollout.allocator_options={depth: 2, width: 2}", "rollout.group_size=4",
+            "rollout.max_turns=3", "rollout.max_context_tokens=1024", "rollout.deterministic=true",
+            "sampling.max_new_tokens=6", "sampling.temperature=1.0", *SMALL]
+    trees = {}
+    for executor in ("thread", "ray"):
+        cfg = load_config(overrides=[*base, f"rollout.env_executor={executor}"])
+        policy = HFPolicy(tiny_model, tokenizer, max_batch_size=4)
+        trees[executor] = collect(cfg.env.id, policy, cfg, seeds=[0, 1])
+    assert sum(len(t.nodes) for t in trees["ray"]) > 2 * 4  # branched trees, not single nodes
+    assert not [n.error for t in trees["ray"] for n in t.nodes.values() if n.error]
+    assert _shape(trees["ray"]) == _shape(trees["thread"])
+
+
+def _requests(tokenizer: Any, n: int) -> list[GenerateRequest]:
+    prompts = [tokenizer.encode(f"Guess the number {i}, then say why:") for i in range(n)]
+    return [GenerateRequest(list(p), SamplingParams(max_new_tokens=8, temperature=1.0, seed=100 + i))
+            for i, p in enumerate(prompts)]
+
+
+def test_rollout_workers_sample_what_a_local_policy_samples(cluster, tokenizer):
+    cfg = load_config(overrides=["policy.backend=hf", "policy.model=tiny-random",
+                                 "distributed.num_rollout_workers=2", *SMALL])
+    remote = RayPolicy(cfg.policy, cfg.distributed, tokenizer)
+    model, _ = load_model("tiny-random")
+    local = HFPolicy(model, tokenizer, deterministic=True)
+    remote.deterministic = True
+    try:
+        reqs = _requests(tokenizer, 4)
+        got, want = remote.generate(reqs), local.generate(reqs)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert [x for r in got for x in r.logprobs] == pytest.approx(
+            [x for r in want for x in r.logprobs], abs=1e-4)
+        assert remote.router.load == [0, 0]
+
+        # weights through the object store: both workers load the same new weights
+        torch.manual_seed(0)
+        new = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+        local.update_weights(new)
+        remote.update_weights(new)
+        assert remote.version == local.version == 1
+        got, want = remote.generate(reqs), local.generate(reqs)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert {r.version for r in got} == {1}
+    finally:
+        remote.close()
+
+
+def test_rollout_workers_keep_an_episode_on_one_worker(cluster, tokenizer):
+    cfg = load_config(overrides=["policy.backend=hf", "policy.model=tiny-random",
+                                 "env.id=agentrl/ALFWorld-v0", "rollout.episodes=4",
+                                 "rollout.max_turns=3", "sampling.max_new_tokens=6",
+                                 "distributed.num_rollout_workers=2", *SMALL])
+    policy = RayPolicy(cfg.policy, cfg.distributed, tokenizer)
+    served: dict[int, int] = {}  # request seed -> worker (the openings of all tasks are alike)
+    policy.on_dispatch = lambda req, w: served.__setitem__(req.params.seed, w)
+    try:
+        trees = collect(cfg.env.id, policy, cfg, seeds=[0, 1, 2, 3])
+    finally:
+        policy.close()
+    episodes = []
+    for task, tree in enumerate(trees):  # one episode a task: seed stream 0, turns 0, 1, ...
+        turns = len(tree.path(tree.leaves()[0].id))
+        assert turns >= 2
+        episodes.append([served[request_seed(cfg.rollout.seed, tree.meta["seed"], task, 0, t)]
+                         for t in range(turns)])
+    assert all(len(set(w)) == 1 for w in episodes), episodes  # each episode on one worker
+    assert {w[0] for w in episodes} == {0, 1}  # and the episodes spread over both
+
+
+class _KillingPolicy(MockPolicy):
+    """Mock answers that GuessNumber rejects (each episode plays every turn); on the
+    ``kill_at``-th request the env worker is killed, and the call waits for its restart."""
+
+    def __init__(self, tokenizer: Any, worker: Any, kill_at: int):
+        super().__init__(tokenizer, ["no number"])
+        self.worker, self.kill_at, self.requests = worker, kill_at, 0
+
+    async def agenerate(self, request: GenerateRequest) -> Any:
+        self.requests += 1
+        if self.requests == self.kill_at:
+            before = ray.get(self.worker.pid.remote())
+            ray.kill(self.worker, no_restart=False)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:  # the next env call must reach the new incarnation
+                try:
+                    if ray.get(self.worker.pid.remote(), timeout=30) != before:
+                        break
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    time.sleep(0.1)
+            else:
+                raise AssertionError("the env worker did not restart within 120 s")
+        return await super().agenerate(request)
+
+
+def test_a_killed_env_worker_fails_only_its_episode(cluster, tokenizer):
+    cfg = load_config(overrides=["env.id=agentrl/GuessNumber-v0", "rollout.env_executor=ray",
+                                 "rollout.concurrency=1", "rollout.max_turns=3",
+                                 "distributed.num_env_workers=1", "distributed.max_restarts=2", *SMALL])
+    worker = env_worker_pool(cfg).workers[0]
+    policy = _KillingPolicy(tokenizer, worker, kill_at=5)  # episode 2 (of 4), turn 2
+    trees = collect(cfg.env.id, policy, cfg, seeds=[0, 1, 2, 3])
+    errors = [[n.error for n in t.nodes.values() if n.error] for t in trees]
+    assert [len(e) for e in errors] == [0, 1, 0, 0], errors
+    assert "env worker restarted" in errors[1][0] and errors[1][0].startswith("env.step raised EnvError")
+    assert [len(t.nodes) for t in trees] == [3, 2, 3, 3]  # later episodes play all their turns
+    deadline = time.monotonic() + 30  # closing the engine dropped the restarted worker's env
+    while ray.get(worker.hosted.remote()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ray.get(worker.hosted.remote()) == 0
+
+
+def test_a_docker_env_asks_for_the_docker_resource(cluster):
+    cfg = load_config(overrides=["distributed.ray=auto"])
+    assert env_resources("agentrl/GuessNumber-v0", {}) == {}
+    docker = env_worker_options("agentrl/GuessNumber-v0", {"sandbox": "docker"}, cfg.distributed)
+    assert docker["resources"] == {"sandbox_docker": 1.0}
+    assert docker["num_cpus"] == cfg.distributed.env_worker_cpus
+    assert docker["max_restarts"] == cfg.distributed.max_restarts
+    for backend in ("local", "auto", "remote"):
+        assert env_resources("agentrl/GuessNumber-v0", {"sandbox": backend}) == {}
+
+
+def test_trainer_runs_on_env_and_rollout_workers(cluster, tmp_path):
+    """Two GRPO steps with both kinds of workers, set by config only. The weights reach the
+    rollout workers: step 2's tokens, sampled there after the sync, score the same under the
+    trainer's weights."""
+    import json
+
+    from agentrl.train.config import load_train_config
+    from agentrl.train.trainer import train
+
+    cfg = load_train_config(None, [
+        "policy.backend=hf", "policy.model=tiny-random", "env.id=agentrl/GuessNumber-v0",
+        "rollout.max_turns=2", "rollout.group_size=4", "rollout.max_context_tokens=512",
+        "rollout.env_executor=ray", "sampling.max_new_tokens=4", "train.credit=grpo",
+        "train.loss.entropy_coef=0.01", "train.tasks_per_step=2", "train.minibatch_size=8",
+        "train.micro_batch_tokens=2048", "train.steps=2", "train.lr=1e-3", "train.eval_episodes=2",
+        "train.tensorboard=false", "train.export_hf=false", "train.plot=false",
+        f"train.out_dir={tmp_path}", "distributed.num_rollout_workers=2", *SMALL])
+    train(cfg, progress=False)
+    rl = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rl if r.get("phase") == "rl"]
+    assert [r["policy/version"] for r in rl] == [1, 2]
+    assert all(r["mismatch/max_abs_dlogprob"] < 1e-3 for r in rl if "mismatch/kl" in r)
+    assert any("mismatch/kl" in r for r in rl[1:])
+
+
+def test_router_follows_the_longest_served_prefix_and_yields_to_balance():
+    from agentrl.distributed import PrefixRouter
+
+    r = PrefixRouter(2, slack=2)
+    a = r.pick([1, 2, 3])  # nothing known: the least busy worker
+    b = r.pick([1, 2, 3])
+    assert {a, b} == {0, 1}
+    r.done(a, [[1, 2, 3], [1, 2, 3, 7, 7]])
+    r.done(b, [[1, 2, 3], [1, 2, 3, 8, 8]])
+    for _ in range(2):  # each episode's next turn extends its own history
+        wa, wb = r.pick([1, 2, 3, 7, 7, 4, 4]), r.pick([1, 2, 3, 8, 8, 5])
+        assert (wa, wb) == (a, b)
+    assert r.load == [2, 2]
+    r.load[a] += 2  # a is now `slack` requests busier than b: affinity gives way
+    assert r.pick([1, 2, 3, 7, 7, 4]) == b
+
+
+def test_ray_executor_without_a_distributed_section_names_the_key():
+    from agentrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout\.env_executor=ray needs the distributed section"):
+        load_config(overrides=["rollout.env_executor=ray"])
+    with pytest.raises(ConfigError, match=r"distributed\.num_rollout_workers"):
+        load_config(overrides=["distributed.num_rollout_workers=-1"])
+
+
+def test_rollout_workers_refuse_what_they_cannot_sync_naming_the_key():
+    from agentrl.errors import ConfigError
+    from agentrl.train.config import load_train_config
+
+    with pytest.raises(ConfigError, match=r"train\.trainable='lora'"):
+        load_train_config(None, ["distributed.num_rollout_workers=2", "train.trainable=lora"])
+    with pytest.raises(ConfigError, match=r"train\.asynchronous"):
+        load_train_config(None, ["distributed.num_rollout_workers=2", "train.asynchronous={max_staleness: 1}"])
+    load_train_config(None, ["distributed.num_rollout_workers=2", "train.trainable=full"])  # fine
