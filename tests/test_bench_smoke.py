@@ -148,3 +148,45 @@ def test_learning_rerun_in_deterministic_mode_repeats_its_curves_and_losses(tmp_
     # not vacuous: the two sampling seeds played different rollouts (a random model; its losses may be
     # None where a step had no signal, and those repeat too)
     assert per_seed[0][1:] != per_seed[1][1:] and len(losses[0]) == len(losses[1]) == 2
+
+
+def test_scale_runs_every_episode_in_process_and_on_1_and_2_env_workers(tmp_path):
+    try:
+        import ray  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"ray does not import here ({e}): pip install 'agentrl[ray]'")
+    result = _run("scale.py", tmp_path / "s.json")
+    rows = result["rows"]
+    assert [(r["workload"], r["setup"], r["env_workers"]) for r in rows] == [
+        (w, s, n) for w in ("bashfix", "micro") for s, n in (("thread", None), ("ray-1", 1), ("ray-2", 2))]
+    episodes, bash_calls = result["args"]["episodes"], result["args"]["bash_calls"]
+    for r in rows:  # every row ran its whole batch, with no failed episode
+        assert r["episodes"] == episodes and r["failed_episodes"] == 0
+        assert r["wall_s"] > 0 and r["episodes_per_s"] > 0
+    for r in rows[:3]:  # bashfix: the test runs, then the answer
+        assert r["env_steps"] == episodes * (bash_calls + 1)
+    assert len({r["env_steps"] for r in rows[3:]}) == 1  # the micro rows play the same episodes
+    assert set(result["round_trip"]) == {"local_step_us_p50", "ray_step_us_p50", "ray_round_trip_us"}
+    assert isinstance(result["ray_overhead_per_env_step_us"], float)
+    assert result["bashfix_speedup_1_to_2_workers"] > 0
+    machine = result["machine"]
+    assert machine["cpus"] == os.cpu_count() and len(machine["load_avg_at_end"]) == 3
+    assert "cap scaling" in result["note"]
+
+
+def test_async_train_reports_each_steps_time_success_and_staleness(tmp_path):
+    result = _run("async_train.py", tmp_path / "a.json")
+    runs = {r["run"]: r for r in result["runs"]}
+    assert list(runs) == ["sync", "async_k1", "async_k2"]
+    steps = result["args"]["steps"]
+    for r in runs.values():
+        assert [s["step"] for s in r["steps"]] == list(range(1, steps + 1))
+        for s in r["steps"]:
+            assert s["wall_s"] > 0 and s["generated_tokens"] > 0 and 0 <= s["rollout_success"] <= 1
+        assert r["step_s_mean"] > 0 and r["generated_tokens_per_s"] > 0
+    assert not any(k.startswith("async/") for s in runs["sync"]["steps"] for k in s)
+    for name, k in (("async_k1", 1), ("async_k2", 2)):  # the staleness the trainer logged stays within k
+        for s in runs[name]["steps"]:
+            assert 0 <= s["async/staleness_mean"] <= s["async/staleness_max"] <= k
+            assert s["async/dropped_batches"] == 0
+    assert runs["sync"]["speedup_vs_sync"] == 1.0

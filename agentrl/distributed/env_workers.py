@@ -42,7 +42,7 @@ from typing import Any
 
 from ..config import Config, DistributedConfig
 from ..env import import_env_modules, make_env, resolve_env_id
-from ..errors import EnvError
+from ..errors import ConfigError, EnvError
 from .cluster import connect, ray_error
 
 __all__ = ["NODE_SANDBOX_BACKENDS", "EnvWorker", "EnvWorkerPool", "RayEnv", "env_resources",
@@ -193,6 +193,18 @@ class RayEnv:
             pass
 
 
+def _check_placeable(ray: Any, need: dict[str, float]) -> None:
+    """Raise unless some live node has ``need``: Ray would keep such an actor pending, and its
+    episodes would wait for ``rollout.episode_timeout_s`` without a word."""
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    if any(all(res.get(k, 0.0) >= v for k, v in need.items()) for res in nodes):
+        return
+    have = sorted({k for res in nodes for k in res if not k.startswith("node:")})
+    raise ConfigError(f"no node of the Ray cluster can host an env worker needing {need} "
+                      f"(distributed.env_worker_cpus, and a sandbox_<backend> resource a node "
+                      f"advertises with `ray start --resources`); the nodes have {have}")
+
+
 class EnvWorkerPool:
     """``dist.num_env_workers`` env-worker actors for one env; ``make_env`` deals envs out
     round-robin."""
@@ -202,6 +214,7 @@ class EnvWorkerPool:
         ray = connect(dist)
         self.env_id = resolve_env_id(env_id, imports)
         self.options = env_worker_options(self.env_id, kwargs, dist, imports)
+        _check_placeable(ray, {"CPU": float(self.options["num_cpus"]), **self.options["resources"]})
         actor = ray.remote(EnvWorker).options(**self.options)
         self.workers = [actor.remote(self.env_id, dict(kwargs), list(imports))
                         for _ in range(dist.num_env_workers)]

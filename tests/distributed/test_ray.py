@@ -173,6 +173,12 @@ def test_a_docker_env_asks_for_the_docker_resource(cluster):
     assert docker["max_restarts"] == cfg.distributed.max_restarts
     for backend in ("local", "auto", "remote"):
         assert env_resources("agentrl/GuessNumber-v0", {"sandbox": backend}) == {}
+    # no node of the test cluster advertises sandbox_docker: refused at once, not left pending
+    from agentrl.distributed.env_workers import EnvWorkerPool
+    from agentrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="sandbox_docker"):
+        EnvWorkerPool("agentrl/GuessNumber-v0", {"sandbox": "docker"}, cfg.distributed)
 
 
 def test_trainer_runs_on_env_and_rollout_workers(cluster, tmp_path):
