@@ -180,16 +180,7 @@ class ALFWorldEnv(TextEnv):
     _plan_in_info = True
 
     def _oracle_plan(self, scene: Scene) -> list[str]:
-        """The oracle's commands from the start of ``scene``, played on a separate env."""
-        env = ALFWorldEnv(split=scene.split, put_style=self.put_style, max_steps=self.max_steps)
-        env._plan_in_info = False
-        env.reset(options={"scene": scene})
-        plan, done = [], False
-        while not done:
-            plan.append(env.oracle_action())
-            _, _, terminated, truncated, _ = env.step(plan[-1])
-            done = terminated or truncated
-        return plan
+        return oracle_plan(scene, put_style=self.put_style, max_steps=self.max_steps)
 
     def step(self, action: str):
         w = self._require()
@@ -257,6 +248,20 @@ class ALFWorldEnv(TextEnv):
     def oracle_action(self) -> str:
         """The privileged oracle's next command: it reads the hidden state (see ``oracle``)."""
         return oracle_command(self._require())
+
+
+def oracle_plan(scene: Scene, **kwargs: Any) -> list[str]:
+    """The oracle's commands from the start of ``scene``, played on a separate env made with
+    ``kwargs`` (``put_style``, ``max_steps``)."""
+    env = ALFWorldEnv(split=scene.split, **kwargs)
+    env._plan_in_info = False
+    env.reset(options={"scene": scene})
+    plan, done = [], False
+    while not done:
+        plan.append(env.oracle_action())
+        _, _, terminated, truncated, _ = env.step(plan[-1])
+        done = terminated or truncated
+    return plan
 
 
 def expert_trajectory(

@@ -190,17 +190,9 @@ def _traj_data(scene: Scene) -> dict:
 
 def _walkthrough(scene: Scene) -> list[str]:
     """Our oracle's commands for ``scene`` in alfworld's wording (the cross-check shows they win)."""
-    from .env import ALFWorldEnv
+    from .env import oracle_plan
 
-    env = ALFWorldEnv(split=scene.split, put_style="move")
-    env._plan_in_info = False
-    env.reset(options={"scene": scene})
-    plan, done = [], False
-    while not done:
-        plan.append(env.oracle_action())
-        _, _, terminated, truncated, _ = env.step(plan[-1])
-        done = terminated or truncated
-    return plan
+    return oracle_plan(scene, put_style="move")
 
 
 def export_games(scenes: Iterable[Scene], root: str | os.PathLike[str]) -> list[Path]:

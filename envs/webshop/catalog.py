@@ -71,22 +71,27 @@ class Catalog:
         Ties break by catalog order, so a query always gives the same list.
         Products that share no word with the query are not returned.
         """
-        tokens = [t for t in tokenize(query) if t not in self._stopwords]
-        ids = self._retriever.get_tokens_ids(tokens)  # type: ignore[attr-defined]
-        if not ids:
-            return ()
-        scores = self._retriever.get_scores(ids)  # type: ignore[attr-defined]
-        n = len(scores)
-        k = min(k, n)
-        top = np.argpartition(-scores, k - 1)[:k] if k < n else np.arange(n)
-        # Stable order: by score descending, then by index.
-        top = top[np.lexsort((top, -scores[top]))]
-        return tuple(int(i) for i in top if scores[i] > 0.0)
+        return bm25_top(self._retriever, self._stopwords, query, k)
 
 
 def tokenize(text: str) -> list[str]:
     """Lower-cased word tokens, the same rule the index was built with."""
     return _TOKEN.findall(text.lower())
+
+
+def bm25_top(retriever: object, stopwords: frozenset[str], query: str, k: int) -> tuple[int, ...]:
+    """Indices of a bm25s ``retriever``'s ``k`` best matches for ``query``, best first; ties by
+    index, so a query always gives the same list; documents sharing no word are left out."""
+    tokens = [t for t in tokenize(query) if t not in stopwords]
+    ids = retriever.get_tokens_ids(tokens)  # type: ignore[attr-defined]
+    if not ids:
+        return ()
+    scores = retriever.get_scores(ids)  # type: ignore[attr-defined]
+    n = len(scores)
+    k = min(k, n)
+    top = np.argpartition(-scores, k - 1)[:k] if k < n else np.arange(n)
+    top = top[np.lexsort((top, -scores[top]))]  # by score descending, then by index
+    return tuple(int(i) for i in top if scores[i] > 0.0)
 
 
 def _asin(index: int) -> str:

@@ -52,11 +52,9 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-import numpy as np
-
 from agentrl.errors import EnvError
 
-from .catalog import tokenize
+from .catalog import bm25_top, tokenize
 
 __all__ = [
     "SEARCH_DEPTH",
@@ -134,16 +132,7 @@ class Shop:
 
     def search(self, query: str, k: int = SEARCH_DEPTH) -> tuple[int, ...]:
         """Indices of the ``k`` best BM25 matches, best first; ties by product order; no zero scores."""
-        tokens = [t for t in tokenize(query) if t not in self._stopwords]
-        ids = self._retriever.get_tokens_ids(tokens)  # type: ignore[attr-defined]
-        if not ids:
-            return ()
-        scores = self._retriever.get_scores(ids)  # type: ignore[attr-defined]
-        n = len(scores)
-        k = min(k, n)
-        top = np.argpartition(-scores, k - 1)[:k] if k < n else np.arange(n)
-        top = top[np.lexsort((top, -scores[top]))]
-        return tuple(int(i) for i in top if scores[i] > 0.0)
+        return bm25_top(self._retriever, self._stopwords, query, k)
 
     def split(self, name: str) -> range:
         """The goal indices of a split (see the module docstring)."""
