@@ -18,7 +18,7 @@ from typing import Any
 from ..config import DistributedConfig
 from ..errors import AgentRLError, ConfigError
 
-__all__ = ["connect", "ray_error", "ray_module"]
+__all__ = ["cancel_call", "check_placeable", "connect", "ray_error", "ray_module"]
 
 
 def ray_module() -> Any:
@@ -63,3 +63,27 @@ def ray_error(e: BaseException, kind: type[AgentRLError], what: str) -> BaseExce
         lines = str(e).strip().splitlines()
         return kind(f"{what} died or is unreachable ({type(e).__name__}: {lines[0] if lines else ''})")
     return e
+
+
+def check_placeable(ray: Any, need: dict[str, float], what: str = "an env worker") -> None:
+    """Raise unless some live node has ``need``: Ray would keep such an actor pending, and its
+    episodes would wait for ``rollout.episode_timeout_s`` without a word."""
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    if any(all(res.get(k, 0.0) >= v for k, v in need.items()) for res in nodes):
+        return
+    have = sorted({k for res in nodes for k in res if not k.startswith("node:")})
+    raise ConfigError(f"no node of the Ray cluster can host {what} needing {need} "
+                      f"(distributed.env_worker_cpus or rollout_worker_cpus, and a sandbox_<backend> resource a node "
+                      f"advertises with `ray start --resources`); the nodes have {have}")
+
+
+def cancel_call(ref: Any) -> None:
+    """Cancel a Ray call on the way out of a cancelled await; a failure here must not hide it."""
+    if ref is None:
+        return
+    import ray
+
+    try:
+        ray.cancel(ref)
+    except Exception:  # noqa: BLE001 - the call may have ended or its worker died meanwhile
+        pass

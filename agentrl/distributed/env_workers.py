@@ -34,6 +34,7 @@ an engine for each batch, and starting actors each time would cost seconds.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -42,8 +43,8 @@ from typing import Any
 
 from ..config import Config, DistributedConfig
 from ..env import import_env_modules, make_env, resolve_env_id
-from ..errors import ConfigError, EnvError
-from .cluster import connect, ray_error
+from ..errors import EnvError
+from .cluster import cancel_call, check_placeable, connect, ray_error
 
 __all__ = ["NODE_SANDBOX_BACKENDS", "EnvWorker", "EnvWorkerPool", "RayEnv", "env_resources",
            "env_worker_options", "env_worker_pool"]
@@ -145,8 +146,12 @@ class RayEnv:
 
     async def acall(self, method: str, *args: Any) -> Any:
         """``method`` of the hosted env, awaited on the caller's loop."""
+        ref = self._ref(method, args)
         try:
-            value = await self._ref(method, args)
+            value = await ref
+        except asyncio.CancelledError:  # an episode timeout: drop the call if it has not started
+            cancel_call(ref)
+            raise
         except Exception as e:
             raise ray_error(e, EnvError, f"env worker of {self.env_id}") from e
         self._made = True
@@ -193,18 +198,6 @@ class RayEnv:
             pass
 
 
-def _check_placeable(ray: Any, need: dict[str, float]) -> None:
-    """Raise unless some live node has ``need``: Ray would keep such an actor pending, and its
-    episodes would wait for ``rollout.episode_timeout_s`` without a word."""
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    if any(all(res.get(k, 0.0) >= v for k, v in need.items()) for res in nodes):
-        return
-    have = sorted({k for res in nodes for k in res if not k.startswith("node:")})
-    raise ConfigError(f"no node of the Ray cluster can host an env worker needing {need} "
-                      f"(distributed.env_worker_cpus, and a sandbox_<backend> resource a node "
-                      f"advertises with `ray start --resources`); the nodes have {have}")
-
-
 class EnvWorkerPool:
     """``dist.num_env_workers`` env-worker actors for one env; ``make_env`` deals envs out
     round-robin."""
@@ -214,7 +207,7 @@ class EnvWorkerPool:
         ray = connect(dist)
         self.env_id = resolve_env_id(env_id, imports)
         self.options = env_worker_options(self.env_id, kwargs, dist, imports)
-        _check_placeable(ray, {"CPU": float(self.options["num_cpus"]), **self.options["resources"]})
+        check_placeable(ray, {"CPU": float(self.options["num_cpus"]), **self.options["resources"]})
         actor = ray.remote(EnvWorker).options(**self.options)
         self.workers = [actor.remote(self.env_id, dict(kwargs), list(imports))
                         for _ in range(dist.num_env_workers)]

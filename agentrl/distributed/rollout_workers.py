@@ -40,7 +40,7 @@ from typing import Any
 from ..config import Config, DistributedConfig, PolicyConfig
 from ..errors import PolicyError
 from ..policy.base import GenerateRequest, GenerateResult, Policy, SamplingParams
-from .cluster import connect, ray_error
+from .cluster import cancel_call, check_placeable, connect, ray_error
 
 __all__ = ["PrefixRouter", "RayPolicy", "RolloutWorker", "policy_for_run"]
 
@@ -179,6 +179,7 @@ class RayPolicy:
             raise PolicyError("RayPolicy needs distributed.num_rollout_workers >= 1")
         ray = connect(dist)
         self.tokenizer, self.model = tokenizer, model
+        check_placeable(ray, {"CPU": float(dist.rollout_worker_cpus)}, "a rollout worker")
         actor = ray.remote(RolloutWorker).options(num_cpus=dist.rollout_worker_cpus)
         self.workers = [actor.remote(policy.model_dump()) for _ in range(dist.num_rollout_workers)]
         try:
@@ -198,16 +199,15 @@ class RayPolicy:
         """Route the request (prefix affinity) and await its worker's result."""
         prompt = list(request.prompt_ids)
         w = self.router.pick(prompt)
-        if self.on_dispatch is not None:
-            self.on_dispatch(request, w)
-        ref = self.workers[w].generate.remote(prompt, request.params)
         out: list[list[int]] = [prompt]
-        try:
+        ref = None
+        try:  # whatever fails, the worker's load is given back (finally)
+            if self.on_dispatch is not None:
+                self.on_dispatch(request, w)
+            ref = self.workers[w].generate.remote(prompt, request.params)
             res = await ref
         except asyncio.CancelledError:
-            import ray
-
-            ray.cancel(ref)
+            cancel_call(ref)
             raise
         except Exception as e:
             raise ray_error(e, PolicyError, f"rollout worker {w}") from e

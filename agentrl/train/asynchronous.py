@@ -29,6 +29,7 @@ import copy
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -228,3 +229,6 @@ class RolloutProducer:
         if hasattr(self.policy, "close"):
             self.policy.close()
         self.thread.join(timeout)
+        if self.thread.is_alive():  # a generate batch still running: say so rather than pretend
+            warnings.warn(f"the rollout producer did not stop within {timeout:.0f} s; its thread "
+                          "ends when its running generate batch does", RuntimeWarning, stacklevel=2)
