@@ -161,8 +161,13 @@ class DistributedConfig(_Strict):
     env_worker_cpus: float = Field(1.0, gt=0, description="Ray CPUs one env worker reserves.")
     rollout_worker_cpus: float = Field(1.0, gt=0, description="Ray CPUs one rollout worker reserves.")
     max_restarts: int = Field(
-        3, ge=-1, description="Times Ray restarts a dead env worker (-1: always); the episodes it "
-        "was running fail with the reason recorded.")
+        3, ge=-1, description="Times Ray restarts a dead env or rollout worker (-1: always). The "
+        "episodes a dead env worker was running fail with the reason recorded; a dead rollout "
+        "worker's requests go to another worker (generate_retries).")
+    generate_retries: int = Field(
+        2, ge=0, description="Times a request whose rollout worker died is sent to another worker "
+        "(or to the same one once restarted, which first loads the current weights); past that "
+        "its episode fails with the reason recorded.")
 
 
 class Config(_Strict):

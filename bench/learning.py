@@ -23,6 +23,9 @@ The budget is equal in leaves (episodes). Trees share their first turns, so
 they play fewer env steps for the same leaves; the x axis is cumulative env
 steps actually played, so the plot shows both effects. Held-out success is
 greedy on seeds disjoint from SFT and RL seeds, every ``--eval-every`` steps.
+Every run starts from the same weights on the same held-out seeds, so step 0
+is evaluated once (by the warm start's SFT, or by the first run) and shared
+(``train.eval_start: false`` in the other runs).
 
 Presets (``--env``):
 
@@ -249,7 +252,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="0", help="comma-separated train.seed values: every method runs "
                     "once a seed (its sampling streams and update order); the curves are their mean")
     ap.add_argument("--warm-start", default=None, help="an exported model (an hf/ folder) to start every "
-                    "method from instead of running the preset's SFT; each run still evaluates it first")
+                    "method from instead of running the preset's SFT; the first run evaluates it")
     ap.add_argument("--teacher", default=None, help="an exported model for grpo_opd's teacher instead of "
                     "the preset's SFT with twice the episodes")
     ap.add_argument("--deterministic", action="store_true", help="rollout.deterministic=true: a re-run "
@@ -321,8 +324,13 @@ def main() -> None:
         runs = []
         for seed in seeds:
             t0 = time.perf_counter()
-            cfg = merge(start, merge(method_overrides(m, teacher, args.opd_weight), {"train": {"seed": seed}}))
+            # every run starts from the same weights on the same greedy held-out seeds: evaluate them once
+            shared = {"eval_start": False} if warm_success is not None else {}
+            cfg = merge(start, merge(method_overrides(m, teacher, args.opd_weight),
+                                     {"train": {"seed": seed, **shared}}))
             summary = run_config(cfg, work / m / f"seed{seed}")
+            if warm_success is None:
+                warm_success = summary["phases"].get("start")
             metrics = Path(summary["metrics"])
             runs.append({"seed": seed, "curve": curve(metrics, summary["phases"].get("start", warm_success)),
                          "final_success": summary["phases"].get("end"), **step_stats(metrics),

@@ -25,7 +25,8 @@ Failures, in the engine's two columns:
   episodes whose envs it hosted: an in-flight call raises ``EnvError``, and a
   call that reaches the restarted worker finds the env gone and raises
   ``EnvError`` too, with that reason. Ray restarts the worker
-  (``distributed.max_restarts``); the next episodes make fresh envs on it.
+  (``distributed.max_restarts``); the next episodes make fresh envs on it
+  (an episode's first call waits for the restart, up to ``RESTART_WAIT_S``).
 
 Workers are made once per process, cluster and env configuration
 (``env_worker_pool``), and reused by every engine after it: a trainer makes
@@ -38,6 +39,7 @@ import asyncio
 import json
 import os
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -52,6 +54,9 @@ __all__ = ["NODE_SANDBOX_BACKENDS", "EnvWorker", "EnvWorkerPool", "RayEnv", "env
 # Sandbox backends that need something installed on the node itself; each becomes a
 # custom Ray resource ``sandbox_<name>`` that the nodes which have it advertise.
 NODE_SANDBOX_BACKENDS = ("docker", "gvisor", "bwrap")
+# How long an episode's first call waits for its restarting worker (Ray answers "temporarily
+# unavailable" until the new process is up) before its episode fails.
+RESTART_WAIT_S = 120.0
 # Calls one env worker runs at once (threads of a threaded actor): its envs step concurrently.
 MAX_CALLS_PER_WORKER = 64
 
@@ -144,28 +149,49 @@ class RayEnv:
             args, kwargs = (), {"seed": args[0] if args else None}
         return self._actor.call.remote(self.handle, not self._made, method, args, kwargs)
 
+    def _restarting(self, e: BaseException, deadline: list[float]) -> bool:
+        """Whether to send the call again: the worker is restarting and this env was never
+        made (an episode's first call), so it can be made on the next incarnation."""
+        from ray.exceptions import ActorUnavailableError
+
+        if self._made or not isinstance(e, ActorUnavailableError):
+            return False
+        if not deadline:
+            deadline.append(time.monotonic() + RESTART_WAIT_S)
+        return time.monotonic() < deadline[0]
+
     async def acall(self, method: str, *args: Any) -> Any:
         """``method`` of the hosted env, awaited on the caller's loop."""
-        ref = self._ref(method, args)
-        try:
-            value = await ref
-        except asyncio.CancelledError:  # an episode timeout: drop the call if it has not started
-            cancel_call(ref)
-            raise
-        except Exception as e:
-            raise ray_error(e, EnvError, f"env worker of {self.env_id}") from e
-        self._made = True
-        return value
+        deadline: list[float] = []
+        while True:
+            ref = self._ref(method, args)
+            try:
+                value = await ref
+            except asyncio.CancelledError:  # an episode timeout: drop the call if it has not started
+                cancel_call(ref)
+                raise
+            except Exception as e:
+                if self._restarting(e, deadline):
+                    await asyncio.sleep(0.1)
+                    continue
+                raise ray_error(e, EnvError, f"env worker of {self.env_id}") from e
+            self._made = True
+            return value
 
     def _get(self, method: str, *args: Any) -> Any:
         import ray
 
-        try:
-            value = ray.get(self._ref(method, args))
-        except Exception as e:
-            raise ray_error(e, EnvError, f"env worker of {self.env_id}") from e
-        self._made = True
-        return value
+        deadline: list[float] = []
+        while True:
+            try:
+                value = ray.get(self._ref(method, args))
+            except Exception as e:
+                if self._restarting(e, deadline):
+                    time.sleep(0.1)
+                    continue
+                raise ray_error(e, EnvError, f"env worker of {self.env_id}") from e
+            self._made = True
+            return value
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
         if options is not None:

@@ -20,7 +20,25 @@ are interchangeable. Affinity gives way when the matched worker has
 Weights travel through Ray's object store: ``update_weights(state_dict)`` puts
 the state dict there once (``ray.put``) and every worker loads it from there,
 so the driver sends it once whatever the number of workers. ``weights_updated()``
-pushes the weights of ``model``, the in-process copy a trainer trains.
+pushes the weights of ``model``, the in-process copy a trainer trains (with
+LoRA adapters merged in, ``merged_weights``).
+
+Failures: Ray restarts a dead worker (``distributed.max_restarts``). A request
+whose worker died is sent again to another worker, up to
+``distributed.generate_retries`` times, so the episode goes on; past that it
+fails with ``PolicyError`` naming the deaths, and the engine records it in the
+episode's tree. A generation is pure given the weights, the prompt and the
+seed, so a retry samples what the dead worker would have (same weights,
+version and seed). A restarted worker comes back with the starting weights:
+before it serves again it loads the latest weights (their object-store
+reference is kept), version and settings. ``stats`` counts the deaths seen and
+the requests retried.
+
+Asynchronous training (``train.asynchronous``): the workers already sample
+from their own copy of the weights, so the producer samples through a
+``RaySampler`` over the same workers; the trainer's sync pushes the new
+weights, and a worker loads them between two of its ``generate`` batches
+(``HFPolicy.weights_lock``), so every token keeps the version that sampled it.
 
 Not forwarded across processes: a ``RequestControl``'s ``on_token`` (no
 streaming from a worker). Cancelling the awaiting task cancels the remote call.
@@ -29,9 +47,11 @@ streaming from a worker). Cancelling the awaiting task cancels the remote call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
+import uuid
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -42,8 +62,9 @@ from ..errors import PolicyError
 from ..policy.base import GenerateRequest, GenerateResult, Policy, SamplingParams
 from .cluster import cancel_call, check_placeable, connect, ray_error
 
-__all__ = ["PrefixRouter", "RayPolicy", "RolloutWorker", "policy_for_run"]
+__all__ = ["PrefixRouter", "RayPolicy", "RaySampler", "RolloutWorker", "merged_weights", "policy_for_run"]
 
+_CALL_TIMEOUT_S = 600.0  # a worker that answers no settings or weights call in this long is lost
 _MOD = (1 << 61) - 1  # a Mersenne prime: rolling prefix hashes modulo it
 _BASE = 1_000_003
 
@@ -85,13 +106,15 @@ class PrefixRouter:
                     return w
         return None
 
-    def pick(self, prompt: list[int]) -> int:
-        """The worker for ``prompt``, counted as busy with it until ``done``."""
+    def pick(self, prompt: list[int], avoid: set[int] | frozenset[int] = frozenset()) -> int:
+        """The worker for ``prompt``, counted as busy with it until ``done``; never one in
+        ``avoid`` (dead, or just failed this request) unless every worker is."""
         w = self.owner(prompt)
         with self._lock:
             n = len(self.load)  # the least busy; ties go round-robin, so one-at-a-time requests spread
-            least = min(((self._turn + i) % n for i in range(n)), key=self.load.__getitem__)
-            if w is None or self.load[w] - self.load[least] >= self.slack:
+            ok = [i for i in ((self._turn + j) % n for j in range(n)) if i not in avoid] or list(range(n))
+            least = min(ok, key=self.load.__getitem__)
+            if w is None or w in avoid or self.load[w] - self.load[least] >= self.slack:
                 w = least
                 self._turn = (least + 1) % n
             self.load[w] += 1
@@ -116,25 +139,36 @@ class RolloutWorker:
         from ..policy.registry import make_policy
 
         self.policy = make_policy(PolicyConfig.model_validate(policy))
+        self.incarnation = uuid.uuid4().hex  # a restart makes a new one: the caller sees it came back
 
     def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "version": self.policy.version,
+        return {"pid": os.getpid(), "incarnation": self.incarnation, "version": self.policy.version,
                 "deterministic_by_default": bool(getattr(self.policy, "deterministic_by_default", False)),
                 "has_deterministic": hasattr(self.policy, "deterministic")}
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerateResult:
-        return await self.policy.agenerate(GenerateRequest(prompt_ids, params))
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> tuple[GenerateResult, str]:
+        """The result, and the incarnation that sampled it."""
+        return await self.policy.agenerate(GenerateRequest(prompt_ids, params)), self.incarnation
 
-    def update_weights(self, state_dict: dict[str, Any]) -> int:
+    async def update_weights(self, state_dict: dict[str, Any], version: int | None = None) -> int:
         """Load the weights (Ray resolved the object-store ref: numpy arrays are read in place
-        from shared memory, and copied once, into the model); the new version."""
+        from shared memory, and copied once, into the model) and take ``version`` if given;
+        the new version. Runs off the actor's loop: an ``hf`` backend loads between two of its
+        ``generate`` batches, while requests keep arriving."""
+        return await asyncio.to_thread(self._load, state_dict, version)
+
+    def _load(self, state_dict: dict[str, Any], version: int | None) -> int:
         import numpy as np
         import torch
 
         with warnings.catch_warnings():  # read-only arrays: load_state_dict copies, never writes them
             warnings.simplefilter("ignore", UserWarning)
             weights = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in state_dict.items()}
-        self.policy.update_weights(weights)
+        lock = getattr(self.policy, "weights_lock", None) or contextlib.nullcontext()
+        with lock:  # the version moves with the weights, in one step for a sampling batch
+            self.policy.update_weights(weights)
+            if version is not None:
+                self.policy.version = version
         return self.policy.version
 
     def set_version(self, version: int) -> None:
@@ -142,6 +176,32 @@ class RolloutWorker:
 
     def set_deterministic(self, on: bool) -> None:
         self.policy.deterministic = on  # type: ignore[attr-defined]
+
+
+def merged_weights(model: Any) -> dict[str, Any]:
+    """``model``'s state dict under the plain model's names: where LoRA adapters are injected
+    (``train.trainable: lora``), each adapted weight merged (``W + delta``, from peft's own
+    ``get_delta_weight``) and the adapter tensors left out, so a worker holding the plain
+    model samples what the adapted one does. Without adapters: ``model.state_dict()``."""
+    import torch
+
+    adapted = {name: m for name, m in model.named_modules()
+               if hasattr(m, "base_layer") and hasattr(m, "get_delta_weight")}
+    if not adapted:
+        return model.state_dict()
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            if ".lora_" in k:
+                continue
+            name, sep, param = k.partition(".base_layer.")
+            if sep:
+                m = adapted[name]
+                if param == "weight" and not getattr(m, "merged", False):
+                    v = v + sum(m.get_delta_weight(a) for a in m.active_adapters).to(v.dtype)
+                k = f"{name}.{param}"
+            out[k] = v
+    return out
 
 
 def _wire_weights(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -179,12 +239,15 @@ class RayPolicy:
             raise PolicyError("RayPolicy needs distributed.num_rollout_workers >= 1")
         ray = connect(dist)
         self.tokenizer, self.model = tokenizer, model
+        self.retries = dist.generate_retries
         check_placeable(ray, {"CPU": float(dist.rollout_worker_cpus)}, "a rollout worker")
-        actor = ray.remote(RolloutWorker).options(num_cpus=dist.rollout_worker_cpus)
+        actor = ray.remote(RolloutWorker).options(num_cpus=dist.rollout_worker_cpus,
+                                                  max_restarts=dist.max_restarts, max_task_retries=0)
         self.workers = [actor.remote(policy.model_dump()) for _ in range(dist.num_rollout_workers)]
         try:
-            infos = ray.get([w.info.remote() for w in self.workers])
+            infos = ray.get([w.info.remote() for w in self.workers], timeout=_CALL_TIMEOUT_S)
         except Exception as e:
+            self.close()
             raise ray_error(e, PolicyError, "a rollout worker") from e
         self._version = int(infos[0]["version"])
         self.deterministic_by_default = bool(infos[0]["deterministic_by_default"])
@@ -193,29 +256,71 @@ class RayPolicy:
         self.router = PrefixRouter(len(self.workers), slack=policy.max_batch_size)
         self.on_dispatch: Callable[[GenerateRequest, int], None] | None = None
         self.sync_seconds: list[float] = []
+        # -- fault tolerance: which incarnation of each worker holds the current weights
+        self._incarnation = [i["incarnation"] for i in infos]
+        self._weights_ref: Any = None  # the latest pushed weights (None: the starting ones)
+        self._stale: set[int] = set()  # died since they last loaded: resync before serving
+        self._dead: set[int] = set()  # Ray's restarts used up
+        self._state_lock = threading.Lock()
+        self._push_lock = threading.Lock()  # one push or resync at a time: versions move in order
+        self.stats = {"rollout_workers/deaths": 0, "rollout_workers/retried_requests": 0,
+                      "rollout_workers/lost": 0}
 
     # -- generation --------------------------------------------------------------------
-    async def agenerate(self, request: GenerateRequest) -> GenerateResult:
-        """Route the request (prefix affinity) and await its worker's result."""
+    async def agenerate(self, request: GenerateRequest, *, sampler: RaySampler | None = None) -> GenerateResult:
+        """Route the request (prefix affinity) and await its worker's result; sent again to
+        another worker when its worker dies, up to ``distributed.generate_retries`` times."""
         prompt = list(request.prompt_ids)
-        w = self.router.pick(prompt)
-        out: list[list[int]] = [prompt]
-        ref = None
-        try:  # whatever fails, the worker's load is given back (finally)
-            if self.on_dispatch is not None:
-                self.on_dispatch(request, w)
-            ref = self.workers[w].generate.remote(prompt, request.params)
-            res = await ref
-        except asyncio.CancelledError:
-            cancel_call(ref)
-            raise
-        except Exception as e:
-            raise ray_error(e, PolicyError, f"rollout worker {w}") from e
-        else:
-            out.append(prompt + list(res.token_ids))
-        finally:
-            self.router.done(w, out)
-        return res
+        failed: set[int] = set()
+        reasons: list[str] = []
+        for _ in range(self.retries + 1):
+            with self._state_lock:
+                live = set(range(len(self.workers))) - self._dead
+                if not live:
+                    break
+                avoid = self._dead | (failed if live - failed else set())
+            w = self.router.pick(prompt, avoid)
+            out: list[list[int]] = [prompt]
+            ref = None
+            sent = None  # the incarnation the request went to
+            try:  # whatever fails, the worker's load is given back (finally)
+                if w in self._stale:
+                    await asyncio.to_thread(self._resync, w)
+                sent = self._incarnation[w]
+                if sampler is not None and sampler.closed:
+                    raise PolicyError("sampling stopped: the rollout producer is closing")
+                if self.on_dispatch is not None:
+                    self.on_dispatch(request, w)
+                ref = self.workers[w].generate.remote(prompt, request.params)
+                if sampler is not None:
+                    sampler.track(ref)
+                res, incarnation = await ref
+                if incarnation != sent:  # it died idle and came back with the starting weights
+                    raise _Restarted(f"rollout worker {w} restarted since it last loaded the weights")
+            except asyncio.CancelledError:
+                cancel_call(ref)
+                raise
+            except Exception as e:
+                err = ray_error(e, PolicyError, f"rollout worker {w}")
+                if not _died(e) or (sampler is not None and sampler.closed):
+                    raise err from e
+                self._note_death(w, sent)
+                failed.add(w)
+                reasons.append(str(err))
+                continue
+            else:
+                out.append(prompt + list(res.token_ids))
+                if reasons:
+                    with self._state_lock:
+                        self.stats["rollout_workers/retried_requests"] += 1
+                return res
+            finally:
+                self.router.done(w, out)
+                if sampler is not None and ref is not None:
+                    sampler.untrack(ref)
+        raise PolicyError(f"no rollout worker could serve the request: {len(reasons)} attempts failed "
+                          f"(distributed.generate_retries={self.retries}; {len(self._dead)} of "
+                          f"{len(self.workers)} workers lost): {'; '.join(reasons) or 'every worker is lost'}")
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """A batch, spread over the workers as ``agenerate`` would; blocks until all are done."""
@@ -224,23 +329,74 @@ class RayPolicy:
 
         return asyncio.run(run())
 
-    # -- settings broadcast to every worker --------------------------------------------
-    def _all(self, method: str, *args: Any) -> list[Any]:
+    # -- faults ------------------------------------------------------------------------------
+    def _note_death(self, w: int, incarnation: str | None) -> None:
+        """Worker ``w``'s ``incarnation`` died (or came back restarted): count each death once,
+        however many of its requests fail, and resync ``w`` before it serves again. A failure
+        of an incarnation already replaced (resynced since) is not counted again."""
+        with self._state_lock:
+            if incarnation in (None, self._incarnation[w]) and w not in self._stale and w not in self._dead:
+                self._stale.add(w)
+                self.stats["rollout_workers/deaths"] += 1
+
+    def _resync(self, w: int) -> None:
+        """Wait for worker ``w``'s restart, then give it the latest weights, version and settings
+        (blocking; run in a thread). A worker Ray will not restart is marked lost."""
         import ray
 
-        try:
-            return ray.get([getattr(w, method).remote(*args) for w in self.workers])
-        except Exception as e:
-            raise ray_error(e, PolicyError, "a rollout worker") from e
+        with self._push_lock:
+            if w not in self._stale:  # another request did it meanwhile
+                return
+            worker = self.workers[w]
+            try:
+                info = _await_restart(worker)
+                if self._weights_ref is not None:
+                    ray.get(worker.update_weights.remote(self._weights_ref, self._version), timeout=_CALL_TIMEOUT_S)
+                else:
+                    ray.get(worker.set_version.remote(self._version), timeout=_CALL_TIMEOUT_S)
+                if self._deterministic is not None:
+                    ray.get(worker.set_deterministic.remote(self._deterministic), timeout=_CALL_TIMEOUT_S)
+            except Exception as e:
+                err = ray_error(e, PolicyError, f"rollout worker {w}")
+                if _died(e):
+                    with self._state_lock:
+                        self._stale.discard(w)
+                        self._dead.add(w)
+                        self.stats["rollout_workers/lost"] += 1
+                    raise PolicyError(f"rollout worker {w} is lost (distributed.max_restarts used up): {err}") from e
+                raise err from e
+            with self._state_lock:
+                self._incarnation[w] = info["incarnation"]
+                self._stale.discard(w)
 
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` on every live worker; a worker found dead is resynced later."""
+        import ray
+
+        live = [w for w in range(len(self.workers)) if w not in self._dead]
+        refs = [(w, getattr(self.workers[w], method).remote(*args)) for w in live]
+        out = []
+        for w, ref in refs:
+            try:
+                out.append(ray.get(ref, timeout=_CALL_TIMEOUT_S))
+            except Exception as e:
+                if not _died(e):
+                    raise ray_error(e, PolicyError, f"rollout worker {w}") from e
+                self._note_death(w, self._incarnation[w])
+        if not out:
+            raise PolicyError(f"no rollout worker answered {method} (all {len(self.workers)} died or were lost)")
+        return out
+
+    # -- settings broadcast to every worker --------------------------------------------
     @property
     def version(self) -> int:
         return self._version
 
     @version.setter
     def version(self, value: int) -> None:
-        self._all("set_version", int(value))
-        self._version = int(value)
+        with self._push_lock:
+            self._all("set_version", int(value))
+            self._version = int(value)
 
     @property
     def deterministic(self) -> bool:
@@ -251,8 +407,9 @@ class RayPolicy:
     @deterministic.setter
     def deterministic(self, on: bool) -> None:
         if on != self._deterministic:
-            self._all("set_deterministic", bool(on))
-            self._deterministic = bool(on)
+            with self._push_lock:
+                self._all("set_deterministic", bool(on))
+                self._deterministic = bool(on)
 
     # -- weights -------------------------------------------------------------------------
     def update_weights(self, state_dict: dict[str, Any]) -> None:
@@ -265,26 +422,123 @@ class RayPolicy:
         """``model`` (trained in this process) changed: push its weights to every worker."""
         if self.model is None:
             raise PolicyError("weights_updated() needs the in-process model; use update_weights(state_dict)")
-        self._push(self.model.state_dict())
+        self._push(merged_weights(self.model))
 
     def _push(self, state_dict: dict[str, Any]) -> None:
-        """Put the weights in the object store once; every worker loads them from there."""
+        """Put the weights in the object store once; every worker loads them from there, as
+        version ``version + 1``. The reference is kept for a worker that restarts later."""
         import ray
 
         t0 = time.perf_counter()
-        ref = ray.put(_wire_weights(state_dict))
-        versions = set(self._all("update_weights", ref))
-        del ref
-        if len(versions) != 1:
-            raise PolicyError(f"rollout workers disagree on the weights version after an update: {versions}")
-        self._version = versions.pop()
+        with self._push_lock:
+            ref = ray.put(_wire_weights(state_dict))
+            self._all("update_weights", ref, self._version + 1)
+            self._weights_ref = ref  # the previous one is freed
+            self._version += 1
         self.sync_seconds.append(time.perf_counter() - t0)
+
+    def sampler(self) -> RaySampler:
+        """A view for asynchronous training's producer (see ``RaySampler``)."""
+        return RaySampler(self)
 
     def close(self) -> None:
         import ray
 
         for w in self.workers:
-            ray.kill(w)
+            try:
+                ray.kill(w)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+
+def _await_restart(worker: Any) -> dict[str, Any]:
+    """``worker.info()`` once it is up again: Ray answers "temporarily unavailable" while it
+    restarts (which loads the model), and "died" only when it will not come back."""
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    deadline = time.monotonic() + _CALL_TIMEOUT_S
+    while True:
+        try:
+            return ray.get(worker.info.remote(), timeout=max(deadline - time.monotonic(), 0.0))
+        except ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+class _Restarted(Exception):
+    """A worker answered from an incarnation that never loaded the current weights."""
+
+
+def _died(e: BaseException) -> bool:
+    """``e`` says the worker died or restarted (as opposed to a request that failed on it)."""
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    return isinstance(e, RayActorError | GetTimeoutError | _Restarted) or (
+        isinstance(e, PolicyError) and "is lost" in str(e))
+
+
+class RaySampler:
+    """What asynchronous training's producer samples with over a ``RayPolicy``.
+
+    The rollout workers hold their own copy of the weights already, so there
+    is nothing to snapshot: the trainer's sync (``sync_policy``, then
+    ``weights_updated``) pushes the new weights, and ``refresh`` only checks
+    that they arrived. ``close`` stops this view alone (the trainer's
+    evaluations keep the workers): later requests fail at once and running ones
+    are cancelled on their workers, so their episodes fail with the reason.
+    """
+
+    def __init__(self, policy: RayPolicy):
+        self.policy, self.tokenizer = policy, policy.tokenizer
+        self.closed = False
+        self._refs: set[Any] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def version(self) -> int:
+        return self.policy.version
+
+    @property
+    def deterministic(self) -> bool:
+        return self.policy.deterministic
+
+    @deterministic.setter
+    def deterministic(self, on: bool) -> None:
+        self.policy.deterministic = on
+
+    @property
+    def deterministic_by_default(self) -> bool:
+        return self.policy.deterministic_by_default
+
+    async def agenerate(self, request: GenerateRequest) -> GenerateResult:
+        if self.closed:
+            raise PolicyError("sampling stopped: the rollout producer is closing")
+        return await self.policy.agenerate(request, sampler=self)
+
+    def track(self, ref: Any) -> None:
+        with self._lock:
+            self._refs.add(ref)
+        if self.closed:  # closed between the check and the dispatch
+            cancel_call(ref)
+
+    def untrack(self, ref: Any) -> None:
+        with self._lock:
+            self._refs.discard(ref)
+
+    def refresh(self, net: Any, version: int) -> None:
+        """The trainer synced: its push already reached the workers."""
+        if self.policy.version != version:
+            raise PolicyError(f"the rollout workers hold version {self.policy.version}, the trainer "
+                              f"synced {version}: sync through the RayPolicy (weights_updated)")
+
+    def close(self) -> None:
+        self.closed = True
+        with self._lock:
+            refs = list(self._refs)
+        for ref in refs:
+            cancel_call(ref)
 
 
 def policy_for_run(cfg: Config, trainable: bool = False) -> Policy:

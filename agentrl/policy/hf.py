@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import random
+import threading
 from typing import Any
 
 import numpy as np
@@ -148,6 +149,9 @@ class HFPolicy:
         self.max_batch_size = max_batch_size
         self.deterministic = deterministic
         self.version = 0
+        # generate and update_weights take it: a batch samples under one set of weights (a
+        # rollout worker or a snapshot is loaded while its engine keeps sampling)
+        self.weights_lock = threading.RLock()
         self.prefix_cache = BoundaryCache(prefix_cache_mb * 2**20) if prefix_cache_mb > 0 else None
         eos = tokenizer.eos_token_id
         self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
@@ -190,8 +194,9 @@ class HFPolicy:
         if missing and strict:
             raise PolicyError(f"{len(missing)} weights missing from the update, e.g. {missing[:5]}; "
                               "pass strict=False for a partial update")
-        self.model.load_state_dict(state_dict, strict=False)
-        self.weights_updated()
+        with self.weights_lock:
+            self.model.load_state_dict(state_dict, strict=False)
+            self.weights_updated()
 
     def weights_updated(self) -> None:
         """The model's weights changed in place (a trainer in this process trains this very
@@ -201,6 +206,10 @@ class HFPolicy:
         self.version += 1
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        with self.weights_lock:
+            return self._generate_locked(requests)
+
+    def _generate_locked(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         results: list[GenerateResult | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for i, req in enumerate(requests):

@@ -1,4 +1,4 @@
-"""Asynchronous training in one process: the next steps roll out while this one trains.
+"""Asynchronous training: the next steps roll out while this one trains.
 
 The bounded-staleness scheme of AReaL (Fu et al. 2025, Sec. 4: a sample may be
 at most eta versions older than the policy it trains) and of M2PO (Zheng et
@@ -17,6 +17,11 @@ al. 2025, which trains on data k versions stale), without Ray:
   it trains. ``k = 0`` waits for each sync: the synchronous run, with eval and
   checkpoints overlapped. A batch that is older anyway is dropped and counted
   (``async/dropped_batches``), and the producer rolls out one step more.
+
+With rollout workers (``distributed.num_rollout_workers``) the workers hold
+their own copy already: the producer samples through a ``RaySampler`` over
+them, and the sync's push reaches each worker between two of its batches
+(``agentrl.distributed.rollout_workers``).
 
 Deviation from AReaL: no interruptible generation; a sync waits for the
 running ``generate`` batch to finish, and the prefix cache of the old weights
@@ -48,11 +53,9 @@ _POLL_S = 0.05  # how often a blocked producer or trainer looks whether the othe
 class SnapshotPolicy(HFPolicy):
     """An ``hf`` policy over its own copy of a model's weights, refreshed only by ``refresh``.
 
-    ``generate`` and ``refresh`` take one lock, so a batch is sampled under one
-    set of weights and its logprobs and version are exact.
+    ``generate`` and ``refresh`` take ``weights_lock``, so a batch is sampled
+    under one set of weights and its logprobs and version are exact.
     """
-
-    lock: threading.Lock
 
     @classmethod
     def of(cls, policy: Any) -> SnapshotPolicy:
@@ -69,18 +72,10 @@ class SnapshotPolicy(HFPolicy):
         snap.version = policy.version
         return snap
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        self.lock = threading.Lock()
-        super().__init__(*args, **kwargs)
-
-    def generate(self, requests: list[Any]) -> list[Any]:
-        with self.lock:
-            return super().generate(requests)
-
     @torch.no_grad()
     def refresh(self, net: torch.nn.Module, version: int) -> None:
         """Copy ``net``'s weights in (between two batches) and take its ``version``."""
-        with self.lock:
+        with self.weights_lock:
             own = self.model.state_dict()
             for k, v in net.state_dict().items():
                 own[k].copy_(v)

@@ -41,8 +41,8 @@ class LoraConfig(_Strict):
 
 
 class AsyncConfig(_Strict):
-    """Asynchronous training in one process (``agentrl.train.asynchronous``): the next steps
-    roll out from a copy of the weights while this step trains."""
+    """Asynchronous training (``agentrl.train.asynchronous``): the next steps roll out from a
+    copy of the weights (in this process, or the rollout workers') while this step trains."""
 
     max_staleness: int = Field(1, ge=0, description="k: a step's batch is trained only while its "
                                "oldest token is at most k policy versions behind the trainer (older "
@@ -118,6 +118,9 @@ class TrainConfig(_Strict):
     eval_every: int = Field(0, ge=0, description="Evaluate every this many steps (0: only at "
                             "start and end).")
     eval_episodes: int = Field(16, ge=0, description="Held-out episodes per evaluation.")
+    eval_start: bool = Field(True, description="Evaluate the starting model before SFT and RL. "
+                             "false skips it when its success is known already (runs that share "
+                             "one starting checkpoint and held-out seeds).")
     eval_seed_start: int = Field(1_000_000, description="First held-out task seed.")
     eval_task_seeds: list[int] | None = Field(None, description="Explicit held-out task seeds; "
                                               "overrides eval_seed_start and eval_episodes.")
@@ -213,17 +216,12 @@ class TrainRunConfig(Config):
         if self.train.harness is not None and self.rollout.allocator != "independent":
             raise ValueError(f"train.harness: a harness plays whole episodes, so rollout.allocator must "
                              f"be 'independent' (got {self.rollout.allocator!r})")
-        if self.train.asynchronous is not None and self.policy.backend not in ("hf", "auto"):
-            raise ValueError(f"train.asynchronous samples from a copy of the weights, which only "
-                             f"policy.backend='hf' keeps in this process (got {self.policy.backend!r})")
         dist = self.distributed
-        if dist is not None and dist.num_rollout_workers > 0:
-            if self.train.trainable == "lora":  # the workers would get adapter weights, not merged ones
-                raise ValueError("distributed.num_rollout_workers > 0 syncs whole weights to the workers; "
-                                 "train.trainable='lora' is not supported there yet: use full or top_k")
-            if self.train.asynchronous is not None:
-                raise ValueError("train.asynchronous samples from an in-process copy of the weights; with "
-                                 "distributed.num_rollout_workers > 0 the workers sample: set one of them")
+        workers = dist is not None and dist.num_rollout_workers > 0
+        if self.train.asynchronous is not None and not workers and self.policy.backend not in ("hf", "auto"):
+            raise ValueError(f"train.asynchronous samples from a copy of the weights, which only "
+                             f"policy.backend='hf' keeps in this process (got {self.policy.backend!r}); "
+                             "rollout workers (distributed.num_rollout_workers) hold their own copy")
         return self
 
 

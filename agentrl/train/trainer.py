@@ -22,9 +22,9 @@ step *is* the data position and a resumed run sees the same data):
    **checkpoint** every ``checkpoint_every`` steps.
 
 With ``train.asynchronous`` the rollouts of the next steps run in a producer
-thread, from a copy of the weights, while this step trains
-(``agentrl.train.asynchronous``); step 1 then takes its trees from that queue
-and step 5 also refreshes the copy.
+thread, from a copy of the weights (a snapshot in this process, or the
+rollout workers' own), while this step trains (``agentrl.train.asynchronous``);
+step 1 then takes its trees from that queue and step 5 also refreshes the copy.
 """
 
 from __future__ import annotations
@@ -303,7 +303,8 @@ class Trainer:
         trees = (self.rollouts.collect if self.rollouts else collect)(
             cfg.env.id, self.policy if policy is None else policy, cfg, seeds, on_episode_done=advance)
         s = summarize(trees, time.perf_counter() - t0)
-        extra = {**(self.rollouts.stats if self.rollouts else {}), **self._allocation(step, trees)}
+        extra = {**(self.rollouts.stats if self.rollouts else {}), **self._allocation(step, trees),
+                 **getattr(self.policy, "stats", {})}  # rollout workers: deaths and retried requests
         return trees, {**extra, "rollout/success": s["success_rate"], "rollout/reward": s["mean_reward"],
                        "rollout/turns": s["mean_turns"], "rollout/episodes": s["episodes"],
                        "rollout/failed": s["failed_episodes"],
@@ -549,7 +550,7 @@ class Trainer:
         try:
             with _Bars(self.console, self.progress) as bars:
                 self.bars = bars
-                if "start" not in self.phases:
+                if "start" not in self.phases and t.eval_start:
                     mem.start()
                     ev = self._eval("start", bars)
                     self._phase("start", ev)
@@ -568,8 +569,10 @@ class Trainer:
                 ran = self.step < t.steps
                 a = t.asynchronous
                 if ran and a is not None:  # a fresh snapshot of the weights SFT or a resume left
+                    sampler = (self.policy.sampler() if hasattr(self.policy, "sampler")  # rollout workers
+                               else SnapshotPolicy.of(self.policy))
                     self.producer = RolloutProducer(lambda k, policy: self.rollout(k, bars, policy),
-                                                    SnapshotPolicy.of(self.policy), self.step, t.steps,
+                                                    sampler, self.step, t.steps,
                                                     a.max_staleness, a.queue_size).begin()
                 while self.step < t.steps:
                     mem.start()

@@ -25,6 +25,7 @@ from agentrl.distributed import (  # noqa: E402  (after the skip: the module nee
     env_resources,
     env_worker_options,
     env_worker_pool,
+    policy_for_run,
 )
 
 # Small actors: the module's 2 CPUs hold every worker these tests start.
@@ -206,6 +207,152 @@ def test_trainer_runs_on_env_and_rollout_workers(cluster, tmp_path):
     assert any("mismatch/kl" in r for r in rl[1:])
 
 
+def test_a_rollout_worker_killed_mid_batch_is_retried_and_comes_back_with_the_weights(cluster, tokenizer):
+    """Version 1's weights, then one worker killed as the third request is routed: the batch
+    completes with what a live worker samples (deterministic mode: the retry draws the same
+    tokens), one death is counted however many requests it failed, and the restarted worker
+    loads version 1 before it serves again."""
+    cfg = load_config(overrides=["policy.backend=hf", "policy.model=tiny-random", "distributed.num_rollout_workers=2",
+                                 "distributed.max_restarts=2", *SMALL])
+    remote = RayPolicy(cfg.policy, cfg.distributed, tokenizer)
+    model, _ = load_model("tiny-random")
+    local = HFPolicy(model, tokenizer, deterministic=True)
+    remote.deterministic = True
+    try:
+        torch.manual_seed(0)
+        new = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+        local.update_weights(new)
+        remote.update_weights(new)  # a restart loses these: the worker comes back with the starting ones
+        pids = [ray.get(w.info.remote())["pid"] for w in remote.workers]
+        routed: list[int] = []
+
+        def kill_third(req: GenerateRequest, w: int) -> None:
+            routed.append(w)
+            if len(routed) == 3:
+                ray.kill(remote.workers[w], no_restart=False)
+
+        remote.on_dispatch = kill_third
+        reqs = _requests(tokenizer, 8)
+        got, want = remote.generate(reqs), local.generate(reqs)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert {r.version for r in got} == {1}
+        assert remote.stats["rollout_workers/deaths"] == 1
+        assert remote.stats["rollout_workers/retried_requests"] >= 1
+        assert remote.stats["rollout_workers/lost"] == 0
+
+        killed = routed[2]
+        remote.on_dispatch = lambda req, w: routed.append(w)
+        routed.clear()
+        more = _requests(tokenizer, 16)
+        got, want = remote.generate(more), local.generate(more)
+        assert killed in routed  # the restarted worker serves again...
+        info = ray.get(remote.workers[killed].info.remote())
+        assert info["pid"] != pids[killed] and info["version"] == 1  # ...a new process, on version 1's weights
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert {r.version for r in got} == {1}
+        assert remote.stats["rollout_workers/deaths"] == 1
+    finally:
+        remote.close()
+
+
+def test_a_rollout_worker_ray_will_not_restart_is_lost_and_the_others_serve(cluster, tokenizer):
+    cfg = load_config(overrides=["policy.backend=hf", "policy.model=tiny-random", "distributed.num_rollout_workers=2",
+                                 "distributed.max_restarts=0", *SMALL])
+    remote = RayPolicy(cfg.policy, cfg.distributed, tokenizer)
+    try:
+        ray.kill(remote.workers[0])
+        got = remote.generate(_requests(tokenizer, 6))
+        assert len(got) == 6 and all(r.token_ids for r in got)
+        assert remote.stats["rollout_workers/lost"] <= 1 and remote.stats["rollout_workers/deaths"] <= 1
+        ray.kill(remote.workers[1])
+        from agentrl.errors import PolicyError
+
+        with pytest.raises(PolicyError, match="no rollout worker could serve the request"):
+            remote.generate(_requests(tokenizer, 2))
+    finally:
+        remote.close()
+
+
+def _ray_train_config(tmp_path: Any, *extra: str) -> Any:
+    from agentrl.train.config import load_train_config
+
+    return load_train_config(None, [
+        "policy.backend=hf", "policy.model=tiny-random", "env.id=agentrl/GuessNumber-v0",
+        "rollout.max_turns=2", "rollout.group_size=4", "rollout.max_context_tokens=512",
+        "sampling.max_new_tokens=4", "train.credit=grpo",
+        "train.loss.entropy_coef=0.01", "train.tasks_per_step=2", "train.minibatch_size=8",
+        "train.micro_batch_tokens=2048", "train.steps=2", "train.lr=1e-3", "train.eval_episodes=2",
+        "train.tensorboard=false", "train.export_hf=false", "train.plot=false",
+        f"train.out_dir={tmp_path}", "distributed.num_rollout_workers=2", *SMALL, *extra])
+
+
+def _rl_rows(out: Any) -> list[dict[str, Any]]:
+    import json
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("phase") == "rl"]
+
+
+def test_training_goes_on_when_a_rollout_worker_and_an_env_worker_are_killed_mid_batch(cluster, tmp_path):
+    """Step 1's rollout loses a rollout worker (its requests are retried) and then an env
+    worker (its running episodes fail, with the reason in their trees); both steps train."""
+    import json
+
+    from agentrl.train.trainer import train
+
+    cfg = _ray_train_config(tmp_path, "rollout.env_executor=ray", "distributed.num_env_workers=1",
+                            "distributed.max_restarts=2", "train.eval_start=false")
+    policy = policy_for_run(cfg, trainable=True)
+    env_worker = env_worker_pool(cfg).workers[0]
+    routed: list[int] = []
+
+    def kill(req: GenerateRequest, w: int) -> None:
+        routed.append(w)
+        if len(routed) == 3:
+            ray.kill(policy.workers[w], no_restart=False)
+        if len(routed) == 6:
+            ray.kill(env_worker, no_restart=False)
+
+    policy.on_dispatch = kill
+    try:
+        train(cfg, progress=False, policy=policy)
+    finally:
+        policy.close()
+    rl = _rl_rows(tmp_path)
+    assert [r["policy/version"] for r in rl] == [1, 2]  # both steps trained
+    assert rl[-1]["rollout_workers/deaths"] == 1 and rl[-1]["rollout_workers/lost"] == 0
+    failed = rl[0]["rollout/failed"]
+    trees = [json.loads(line) for line in (tmp_path / "trees" / "step-000001.jsonl").read_text().splitlines()]
+    errors = [n["error"] for t in trees for n in t["nodes"] if n.get("error")]
+    assert failed >= 1 and len(errors) == failed  # the env worker's episodes: failed, each with its reason
+    assert all("env worker" in e for e in errors), errors
+    assert not [e for e in errors if "rollout worker" in e]  # the rollout worker's requests were retried
+    assert rl[1]["rollout/failed"] == 0  # the restarted env worker hosts step 2's episodes
+
+
+def test_asynchronous_training_samples_on_rollout_workers(cluster, tmp_path):
+    """k=0 over rollout workers repeats the synchronous run over them (deterministic mode);
+    k=1 overlaps, with the staleness logged and every batch at most one version old."""
+    from agentrl.train.trainer import train
+
+    det = ["rollout.deterministic=true", "train.eval_episodes=0"]
+    sync = train(_ray_train_config(tmp_path / "sync", *det), progress=False)
+    k0 = train(_ray_train_config(tmp_path / "k0", *det, "train.asynchronous={max_staleness: 0}"), progress=False)
+    k1 = train(_ray_train_config(tmp_path / "k1", *det, "train.steps=3",
+                                 "train.asynchronous={max_staleness: 1, queue_size: 1}"), progress=False)
+    assert sync["phases"] == k0["phases"]
+    a, b = _rl_rows(tmp_path / "sync"), _rl_rows(tmp_path / "k0")
+    skip = ("time/", "memory/", "async/", "train/tokens_per_s", "rollout_workers/")
+    for x, y in zip(a, b, strict=True):
+        same = {k: v for k, v in x.items() if not k.startswith(skip)}
+        assert {k: y[k] for k in same} == same  # same tasks, rollouts and losses
+        assert y["async/staleness_max"] == 0
+    c = _rl_rows(tmp_path / "k1")
+    assert [r["policy/version"] for r in c] == [1, 2, 3]
+    assert all(r["async/staleness_max"] <= 1 for r in c)
+    assert all("async/staleness_mean" in r for r in c)
+
+
 def test_router_follows_the_longest_served_prefix_and_yields_to_balance():
     from agentrl.distributed import PrefixRouter
 
@@ -232,12 +379,14 @@ def test_ray_executor_without_a_distributed_section_names_the_key():
         load_config(overrides=["distributed.num_rollout_workers=-1"])
 
 
-def test_rollout_workers_refuse_what_they_cannot_sync_naming_the_key():
+def test_rollout_worker_settings_are_checked_naming_the_key():
     from agentrl.errors import ConfigError
     from agentrl.train.config import load_train_config
 
-    with pytest.raises(ConfigError, match=r"train\.trainable='lora'"):
-        load_train_config(None, ["distributed.num_rollout_workers=2", "train.trainable=lora"])
+    # rollout workers hold their own copy: asynchronous training needs no hf backend here
+    load_train_config(None, ["distributed.num_rollout_workers=2", "policy.backend=mock",
+                             "train.asynchronous={max_staleness: 1}"])
     with pytest.raises(ConfigError, match=r"train\.asynchronous"):
-        load_train_config(None, ["distributed.num_rollout_workers=2", "train.asynchronous={max_staleness: 1}"])
-    load_train_config(None, ["distributed.num_rollout_workers=2", "train.trainable=full"])  # fine
+        load_train_config(None, ["policy.backend=mock", "train.asynchronous={max_staleness: 1}"])
+    with pytest.raises(ConfigError, match=r"distributed\.generate_retries"):
+        load_config(overrides=["distributed.generate_retries=-1"])

@@ -164,12 +164,12 @@ def test_the_snapshot_samples_the_old_weights_until_the_sync(tokenizer):
     assert after[1] != before[1]
     assert _reply(snap) == before and snap.version == 0  # isolated until the sync
 
-    snap.lock.acquire()  # a batch is sampling: the refresh waits for it to end
+    snap.weights_lock.acquire()  # a batch is sampling: the refresh waits for it to end
     refresh = threading.Thread(target=snap.refresh, args=(model, live.version))
     refresh.start()
     refresh.join(0.2)
     assert refresh.is_alive() and snap.version == 0
-    snap.lock.release()
+    snap.weights_lock.release()
     refresh.join(30)
     assert snap.version == live.version == 1
     assert _reply(snap) == after
