@@ -14,7 +14,10 @@ with the same learning rate, sampling seeds and held-out evaluation:
   the student's own turns and ``weight * (log p_teacher - log p_student)`` is
   added to each action token's advantage. The teacher is a stronger SFT
   checkpoint of the same model (more expert episodes: 64 for GuessNumber;
-  twice the epochs for ALFWorld);
+  twice the preset's elsewhere), or with ``--teacher oracle`` the env's
+  privileged planner as a one-hot teacher whose action labels the student's
+  first turn off it in each episode (``signal: forward_kl``, DAgger on the
+  student's own states);
 - ``grpo_opsd`` (a fifth, beyond the four asked for): GRPO plus privileged
   self-distillation: the teacher is the student's own current weights, given
   the env's privileged text (GuessNumber's secret) as a system message.
@@ -99,6 +102,10 @@ def method_overrides(method: str, teacher: str | None, opd_weight: float) -> dic
     if method == "grpo_opd":
         if teacher is None:
             raise ValueError("grpo_opd needs a teacher checkpoint")
+        if teacher in ("expert", "oracle"):  # a scripted one-hot teacher: its action labels the student's
+            # first turn off it in each episode (DAgger, on the student's own states)
+            return {"train": {"credit": "grpo", "distill": {"teacher": teacher, "signal": "forward_kl",
+                                                            "weight": opd_weight}}}
         return {"train": {"credit": "grpo", "distill": {"teacher": teacher, "weight": opd_weight}}}
     if method == "grpo_opsd":
         return {"train": {"credit": "grpo", "distill": {"teacher": "self", "privileged": True,
@@ -254,7 +261,12 @@ def main() -> None:
     ap.add_argument("--warm-start", default=None, help="an exported model (an hf/ folder) to start every "
                     "method from instead of running the preset's SFT; the first run evaluates it")
     ap.add_argument("--teacher", default=None, help="an exported model for grpo_opd's teacher instead of "
-                    "the preset's SFT with twice the episodes")
+                    "the preset's SFT with twice the episodes; 'oracle' (the env's privileged planner) or "
+                    "'expert' (its observation-consistent expert): a one-hot teacher whose action labels "
+                    "the student's first turn off it in each episode (signal forward_kl)")
+    ap.add_argument("--warm-start-success", type=float, default=None, help="with --warm-start: its "
+                    "held-out success measured earlier on the same seeds and settings (its `agentrl sft` "
+                    "run's after-SFT evaluation); step 0 is then not evaluated again")
     ap.add_argument("--deterministic", action="store_true", help="rollout.deterministic=true: a re-run "
                     "gives the same curves, bit for bit, on the same machine and thread count")
     ap.add_argument("--quick", action="store_true", help="tiny random model, 2 steps, 8 eval episodes")
@@ -297,9 +309,11 @@ def main() -> None:
         warm_sft = sft_base
         teacher_sft = {**sft_base, "episodes": 2 * int(sft_base.get("episodes", 0) or 0)}
     t0 = time.perf_counter()
+    if args.warm_start_success is not None and not args.warm_start:
+        ap.error("--warm-start-success goes with --warm-start")
     if args.warm_start:  # made earlier (say by `agentrl sft` with the preset): its success comes from the runs
-        warm, phases = args.warm_start, {"start": None, "after_sft": None}
-        warm_sft = {"model": args.warm_start}
+        warm, phases = args.warm_start, {"start": None, "after_sft": args.warm_start_success}
+        warm_sft = {"model": args.warm_start, "success_given": args.warm_start_success is not None}
     else:
         warm, phases = warm_start(base, work / "warm_start", warm_sft, eval_cfg)
     warm_success = phases["after_sft"]

@@ -96,6 +96,7 @@ class EnvWorker:
         self.env_id, self.kwargs = resolve_env_id(env_id), kwargs
         self._envs: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self.made = 0  # env instances this incarnation has made
 
     def pid(self) -> int:
         """This incarnation's process id (a restart changes it)."""
@@ -114,6 +115,7 @@ class EnvWorker:
             env = make_env(self.env_id, **self.kwargs)
             with self._lock:
                 self._envs[handle] = env
+                self.made += 1
         return getattr(env.unwrapped, method)(*args, **kwargs)
 
     def close(self, handle: str) -> None:
@@ -125,6 +127,10 @@ class EnvWorker:
     def hosted(self) -> int:
         """How many env instances this incarnation hosts."""
         return len(self._envs)
+
+    def made_envs(self) -> int:
+        """How many env instances this incarnation has made."""
+        return self.made
 
 
 class RayEnv:

@@ -62,6 +62,8 @@ def test_ray_env_executor_grows_the_same_trees_as_threads(cluster, tokenizer, ti
         cfg = load_config(overrides=[*base, f"rollout.env_executor={executor}"])
         policy = HFPolicy(tiny_model, tokenizer, max_batch_size=4)
         trees[executor] = collect(cfg.env.id, policy, cfg, seeds=[0, 1])
+    workers = env_worker_pool(load_config(overrides=[*base, "rollout.env_executor=ray"])).workers
+    assert sum(ray.get([w.made_envs.remote() for w in workers])) >= 2  # the envs lived in the workers
     assert sum(len(t.nodes) for t in trees["ray"]) > 2 * 4  # branched trees, not single nodes
     assert not [n.error for t in trees["ray"] for n in t.nodes.values() if n.error]
     assert _shape(trees["ray"]) == _shape(trees["thread"])
@@ -273,6 +275,50 @@ def test_a_rollout_worker_ray_will_not_restart_is_lost_and_the_others_serve(clus
         remote.close()
 
 
+def test_a_proxy_session_survives_its_rollout_worker_dying(cluster, tokenizer):
+    """A harness call whose rollout worker is killed under it is retried on the other worker:
+    the call succeeds and the session records its one turn, token for token. With every
+    worker gone the call fails with a clear 503, and the session records nothing of it."""
+    import httpx
+
+    from agentrl.proxy import ProxyConfig, RunningServer, create_app
+    from agentrl.types import RolloutTree
+
+    cfg = load_config(overrides=["policy.backend=hf", "policy.model=tiny-random", "distributed.num_rollout_workers=2",
+                                 "distributed.max_restarts=0", *SMALL])
+    remote = RayPolicy(cfg.policy, cfg.distributed, tokenizer)
+    killed: list[int] = []
+
+    def kill_first(req: GenerateRequest, w: int) -> None:
+        if not killed:
+            killed.append(w)
+            ray.kill(remote.workers[w])
+
+    remote.on_dispatch = kill_first
+    server = RunningServer(create_app(remote, ProxyConfig(max_context_tokens=1024, default_max_tokens=8)))
+    try:
+        sess = httpx.post(f"{server.url}/sessions", json={}).raise_for_status().json()
+        url = f"{sess['base_url']}/chat/completions"
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+                "seed": 3, "return_token_ids": True}
+        out = httpx.post(url, json=body, headers={"Authorization": f"Bearer {sess['api_key']}"}, timeout=120)
+        assert out.status_code == 200, out.text
+        assert killed and remote.stats["rollout_workers/deaths"] == 1
+        tree = RolloutTree.from_dict(httpx.get(f"{server.url}/sessions/{sess['session_id']}/tree").json())
+        [node] = tree.nodes.values()
+        assert node.action_ids == out.json()["choices"][0]["token_ids"]
+
+        ray.kill(remote.workers[1 - killed[0]])  # the last worker: nothing can serve now
+        body["messages"] = [{"role": "user", "content": "again"}]
+        out = httpx.post(url, json=body, headers={"Authorization": f"Bearer {sess['api_key']}"}, timeout=120)
+        assert out.status_code == 503 and "no rollout worker could serve" in out.text
+        tree = RolloutTree.from_dict(httpx.get(f"{server.url}/sessions/{sess['session_id']}/tree").json())
+        assert len(tree.nodes) == 1  # the failed call left no half-recorded turn
+    finally:
+        server.stop()
+        remote.close()
+
+
 def _ray_train_config(tmp_path: Any, *extra: str) -> Any:
     from agentrl.train.config import load_train_config
 
@@ -338,8 +384,8 @@ def test_asynchronous_training_samples_on_rollout_workers(cluster, tmp_path):
     det = ["rollout.deterministic=true", "train.eval_episodes=0"]
     sync = train(_ray_train_config(tmp_path / "sync", *det), progress=False)
     k0 = train(_ray_train_config(tmp_path / "k0", *det, "train.asynchronous={max_staleness: 0}"), progress=False)
-    k1 = train(_ray_train_config(tmp_path / "k1", *det, "train.steps=3",
-                                 "train.asynchronous={max_staleness: 1, queue_size: 1}"), progress=False)
+    train(_ray_train_config(tmp_path / "k1", *det, "train.steps=3",
+                             "train.asynchronous={max_staleness: 1, queue_size: 1}"), progress=False)
     assert sync["phases"] == k0["phases"]
     a, b = _rl_rows(tmp_path / "sync"), _rl_rows(tmp_path / "k0")
     skip = ("time/", "memory/", "async/", "train/tokens_per_s", "rollout_workers/")

@@ -233,3 +233,34 @@ def test_an_async_config_that_cannot_work_is_refused_naming_its_key(overrides, k
 
 def test_async_off_is_the_default():
     assert load_train_config(None, []).train.asynchronous is None
+
+
+def test_a_rollout_that_raises_fails_the_trainers_take_with_its_error():
+    def boom(step: int, policy: object) -> tuple:
+        raise RuntimeError(f"env exploded at step {step}")
+
+    producer = RolloutProducer(boom, object(), start=0, end=3, max_staleness=1, queue_size=1).begin()
+    with pytest.raises(RuntimeError, match="env exploded at step 0"):
+        producer.take(0)
+    producer.close(timeout=10)
+    assert not producer.thread.is_alive()
+
+
+def test_close_during_a_rollout_stops_the_sampler_and_the_thread():
+    """close() closes the sampler, which fails the running rollout's requests; the thread ends."""
+    started, stopped = threading.Event(), threading.Event()
+
+    class Sampler:
+        def close(self) -> None:
+            stopped.set()
+
+    def rollout(step: int, policy: object) -> tuple:
+        started.set()
+        if not stopped.wait(30):  # a generate batch that only the sampler's close ends
+            raise AssertionError("close() did not close the sampler")
+        raise RuntimeError("sampling stopped")
+
+    producer = RolloutProducer(rollout, Sampler(), start=0, end=3, max_staleness=1, queue_size=1).begin()
+    assert started.wait(30)
+    producer.close(timeout=30)
+    assert not producer.thread.is_alive()
