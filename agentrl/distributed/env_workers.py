@@ -26,7 +26,12 @@ Failures, in the engine's two columns:
   call that reaches the restarted worker finds the env gone and raises
   ``EnvError`` too, with that reason. Ray restarts the worker
   (``distributed.max_restarts``); the next episodes make fresh envs on it
-  (an episode's first call waits for the restart, up to ``RESTART_WAIT_S``).
+  (an episode's first call waits for the restart, up to ``RESTART_WAIT_S``);
+- a call still running when its episode gave up on it (``rollout.episode_timeout_s``)
+  keeps its thread until it returns: Ray cancels a call that has not started,
+  but cannot interrupt a running thread. Its env is closed after it returns,
+  never under it. A worker whose envs hang for good runs out of its
+  ``MAX_CALLS_PER_WORKER`` threads; ``ray.kill`` it and Ray restarts it.
 
 Workers are made once per process, cluster and env configuration
 (``env_worker_pool``), and reused by every engine after it: a trainer makes
@@ -95,6 +100,8 @@ class EnvWorker:
         import_env_modules(imports)
         self.env_id, self.kwargs = resolve_env_id(env_id), kwargs
         self._envs: dict[str, Any] = {}
+        self._busy: dict[str, int] = {}  # calls running on each env
+        self._closing: set[str] = set()  # closed while a call ran on it: closed when that call ends
         self._lock = threading.Lock()
         self.made = 0  # env instances this incarnation has made
 
@@ -116,10 +123,28 @@ class EnvWorker:
             with self._lock:
                 self._envs[handle] = env
                 self.made += 1
-        return getattr(env.unwrapped, method)(*args, **kwargs)
+        with self._lock:
+            self._busy[handle] = self._busy.get(handle, 0) + 1
+        try:
+            return getattr(env.unwrapped, method)(*args, **kwargs)
+        finally:
+            with self._lock:
+                self._busy[handle] -= 1
+                last = not self._busy[handle]
+                if last:
+                    del self._busy[handle]
+                late = last and handle in self._closing
+            if late:
+                self.close(handle)
 
     def close(self, handle: str) -> None:
+        """Drop the env ``handle``; if a call still runs on it (one its episode gave up on, a
+        timeout), the env is closed when that call returns, never under it."""
         with self._lock:
+            if self._busy.get(handle):
+                self._closing.add(handle)
+                return
+            self._closing.discard(handle)
             env = self._envs.pop(handle, None)
         if env is not None:
             env.close()
