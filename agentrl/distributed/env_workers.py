@@ -115,17 +115,16 @@ class EnvWorker:
         first if this worker does not host it yet."""
         with self._lock:
             env = self._envs.get(handle)
-        if env is None:
-            if not create:
+            if env is None and not create:
                 raise EnvError(f"env worker restarted (now pid {os.getpid()}): the env's state "
                                "was lost with the process that hosted it")
-            env = make_env(self.env_id, **self.kwargs)
-            with self._lock:
-                self._envs[handle] = env
-                self.made += 1
-        with self._lock:
-            self._busy[handle] = self._busy.get(handle, 0) + 1
+            self._busy[handle] = self._busy.get(handle, 0) + 1  # busy while it is made, too
         try:
+            if env is None:
+                env = make_env(self.env_id, **self.kwargs)
+                with self._lock:
+                    self._envs[handle] = env
+                    self.made += 1
             return getattr(env.unwrapped, method)(*args, **kwargs)
         finally:
             with self._lock:

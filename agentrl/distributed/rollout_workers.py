@@ -164,18 +164,24 @@ class RolloutWorker:
         with warnings.catch_warnings():  # read-only arrays: load_state_dict copies, never writes them
             warnings.simplefilter("ignore", UserWarning)
             weights = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in state_dict.items()}
-        lock = getattr(self.policy, "weights_lock", None) or contextlib.nullcontext()
-        with lock:  # the version moves with the weights, in one step for a sampling batch
+        def load() -> int:  # the version moves with the weights, in one step for a sampling batch
             self.policy.update_weights(weights)
             if version is not None:
                 self.policy.version = version
-        return self.policy.version
+            return self.policy.version
 
-    def set_version(self, version: int) -> None:
-        self.policy.version = version
+        return self._locked(load)
 
-    def set_deterministic(self, on: bool) -> None:
-        self.policy.deterministic = on  # type: ignore[attr-defined]
+    async def set_version(self, version: int) -> None:
+        await asyncio.to_thread(self._locked, setattr, self.policy, "version", version)
+
+    async def set_deterministic(self, on: bool) -> None:
+        await asyncio.to_thread(self._locked, setattr, self.policy, "deterministic", on)
+
+    def _locked(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` between two generate batches: a running batch keeps its version and mode."""
+        with getattr(self.policy, "weights_lock", None) or contextlib.nullcontext():
+            return fn(*args)
 
 
 def merged_weights(model: Any) -> dict[str, Any]:
@@ -247,7 +253,8 @@ class RayPolicy:
         try:
             infos = ray.get([w.info.remote() for w in self.workers], timeout=_CALL_TIMEOUT_S)
         except Exception as e:
-            self.close()
+            for w in self.workers:
+                ray.kill(w)
             raise ray_error(e, PolicyError, "a rollout worker") from e
         self._version = int(infos[0]["version"])
         self.deterministic_by_default = bool(infos[0]["deterministic_by_default"])
@@ -263,6 +270,8 @@ class RayPolicy:
         self._dead: set[int] = set()  # Ray's restarts used up
         self._state_lock = threading.Lock()
         self._push_lock = threading.Lock()  # one push or resync at a time: versions move in order
+        self._resyncing: set[int] = set()  # stale workers a background thread is bringing back
+        self._closed = False
         self.stats = {"rollout_workers/deaths": 0, "rollout_workers/retried_requests": 0,
                       "rollout_workers/lost": 0}
 
@@ -270,6 +279,8 @@ class RayPolicy:
     async def agenerate(self, request: GenerateRequest, *, sampler: RaySampler | None = None) -> GenerateResult:
         """Route the request (prefix affinity) and await its worker's result; sent again to
         another worker when its worker dies, up to ``distributed.generate_retries`` times."""
+        if self._closed:
+            raise PolicyError("the rollout workers are closed")
         prompt = list(request.prompt_ids)
         failed: set[int] = set()
         reasons: list[str] = []
@@ -278,14 +289,16 @@ class RayPolicy:
                 live = set(range(len(self.workers))) - self._dead
                 if not live:
                     break
-                avoid = self._dead | (failed if live - failed else set())
+                ready = live - self._stale - failed  # a stale worker serves only when no ready one is left
+                usable = ready or (live - failed) or live
+                avoid = set(range(len(self.workers))) - usable
             w = self.router.pick(prompt, avoid)
             out: list[list[int]] = [prompt]
             ref = None
             sent = None  # the incarnation the request went to
             try:  # whatever fails, the worker's load is given back (finally)
-                if w in self._stale:
-                    await asyncio.to_thread(self._resync, w)
+                if w in self._stale or w in self._dead:
+                    await asyncio.to_thread(self._resync, w)  # raises _Unusable unless it is ready now
                 sent = self._incarnation[w]
                 if sampler is not None and sampler.closed:
                     raise PolicyError("sampling stopped: the rollout producer is closing")
@@ -302,7 +315,7 @@ class RayPolicy:
                 raise
             except Exception as e:
                 err = ray_error(e, PolicyError, f"rollout worker {w}")
-                if not _died(e) or (sampler is not None and sampler.closed):
+                if not _died(e) or self._closed or (sampler is not None and sampler.closed):
                     raise err from e
                 self._note_death(w, sent)
                 failed.add(w)
@@ -335,56 +348,93 @@ class RayPolicy:
         however many of its requests fail, and resync ``w`` before it serves again. A failure
         of an incarnation already replaced (resynced since) is not counted again."""
         with self._state_lock:
+            if self._closed:  # close() killed them: no death to count
+                return
             if incarnation in (None, self._incarnation[w]) and w not in self._stale and w not in self._dead:
                 self._stale.add(w)
                 self.stats["rollout_workers/deaths"] += 1
+        self._resync_soon(w)
+
+    def _resync_soon(self, w: int) -> None:
+        """Bring stale worker ``w`` back in a background thread (requests meanwhile go to the
+        ready workers); one such thread a worker at a time."""
+        with self._state_lock:
+            if self._closed or w in self._dead or w not in self._stale or w in self._resyncing:
+                return
+            self._resyncing.add(w)
+
+        def run() -> None:
+            try:
+                self._resync(w)
+            except _Unusable:
+                pass  # still stale: the next push, or a request with no ready worker, tries again
+            finally:
+                with self._state_lock:
+                    self._resyncing.discard(w)
+
+        threading.Thread(target=run, name=f"agentrl-resync-{w}", daemon=True).start()
 
     def _resync(self, w: int) -> None:
-        """Wait for worker ``w``'s restart, then give it the latest weights, version and settings
-        (blocking; run in a thread). A worker Ray will not restart is marked lost."""
+        """Make worker ``w`` ready to serve (blocking; run in a thread): wait for its restart,
+        then give it the latest weights, version and settings. Raises ``_Unusable`` when it
+        cannot serve now (the caller tries another worker); a worker Ray will not restart
+        (``ActorDiedError``) is marked lost for good."""
         import ray
+        from ray.exceptions import ActorDiedError
 
-        with self._push_lock:
-            if w not in self._stale:  # another request did it meanwhile
-                return
-            worker = self.workers[w]
-            try:
-                info = _await_restart(worker)
+        if w in self._dead:
+            raise _Unusable(f"rollout worker {w} is lost (distributed.max_restarts used up)")
+        worker = self.workers[w]
+        try:
+            info = _await_restart(worker)  # outside the push lock: a restart loads the model
+            with self._push_lock:
+                if w not in self._stale:  # another request did it meanwhile
+                    return
                 if self._weights_ref is not None:
                     ray.get(worker.update_weights.remote(self._weights_ref, self._version), timeout=_CALL_TIMEOUT_S)
                 else:
                     ray.get(worker.set_version.remote(self._version), timeout=_CALL_TIMEOUT_S)
                 if self._deterministic is not None:
                     ray.get(worker.set_deterministic.remote(self._deterministic), timeout=_CALL_TIMEOUT_S)
-            except Exception as e:
-                err = ray_error(e, PolicyError, f"rollout worker {w}")
-                if _died(e):
-                    with self._state_lock:
+                with self._state_lock:
+                    self._incarnation[w] = info["incarnation"]
+                    self._stale.discard(w)
+        except _Unusable:
+            raise
+        except Exception as e:
+            err = ray_error(e, PolicyError, f"rollout worker {w}")
+            if isinstance(e, ActorDiedError):
+                with self._state_lock:
+                    if w not in self._dead and not self._closed:
                         self._stale.discard(w)
                         self._dead.add(w)
                         self.stats["rollout_workers/lost"] += 1
-                    raise PolicyError(f"rollout worker {w} is lost (distributed.max_restarts used up): {err}") from e
-                raise err from e
-            with self._state_lock:
-                self._incarnation[w] = info["incarnation"]
-                self._stale.discard(w)
+                raise _Unusable(f"rollout worker {w} is lost (distributed.max_restarts used up): {err}") from e
+            raise _Unusable(f"rollout worker {w} could not be made ready (tried again later): {err}") from e
 
     def _all(self, method: str, *args: Any) -> list[Any]:
-        """``method(*args)`` on every live worker; a worker found dead is resynced later."""
+        """``method(*args)`` on every live worker (call with ``_push_lock`` held). A worker that
+        fails is marked stale, so it gets the new state when it next serves (``_resync``);
+        raises only when no worker took it and none can: all lost, or a failure that is no
+        death (a bad argument fails on every worker alike)."""
         import ray
 
         live = [w for w in range(len(self.workers)) if w not in self._dead]
-        refs = [(w, getattr(self.workers[w], method).remote(*args)) for w in live]
-        out = []
-        for w, ref in refs:
+        refs = [(w, self._incarnation[w], getattr(self.workers[w], method).remote(*args)) for w in live]
+        out, error = [], None
+        for w, incarnation, ref in refs:
             try:
                 out.append(ray.get(ref, timeout=_CALL_TIMEOUT_S))
             except Exception as e:
-                if not _died(e):
-                    raise ray_error(e, PolicyError, f"rollout worker {w}") from e
-                self._note_death(w, self._incarnation[w])
-        if not out:
-            raise PolicyError(f"no rollout worker answered {method} (all {len(self.workers)} died or were lost)")
+                if _died(e):
+                    self._note_death(w, incarnation)
+                else:
+                    error = error or ray_error(e, PolicyError, f"rollout worker {w}")
+                    with self._state_lock:
+                        self._stale.add(w)  # resynced after this push (_resync_soon)
+        if not out and (error is not None or not live):
+            raise error or PolicyError(f"no rollout worker can take {method}: all "
+                                       f"{len(self.workers)} are lost")
         return out
 
     # -- settings broadcast to every worker --------------------------------------------
@@ -432,18 +482,23 @@ class RayPolicy:
         t0 = time.perf_counter()
         with self._push_lock:
             ref = ray.put(_wire_weights(state_dict))
+            # a worker that missed it (restarting) is stale and loads this ref when it next serves
             self._all("update_weights", ref, self._version + 1)
             self._weights_ref = ref  # the previous one is freed
             self._version += 1
         self.sync_seconds.append(time.perf_counter() - t0)
+        for w in list(self._stale):
+            self._resync_soon(w)
 
     def sampler(self) -> RaySampler:
         """A view for asynchronous training's producer (see ``RaySampler``)."""
         return RaySampler(self)
 
     def close(self) -> None:
+        """Kill the workers; later and in-flight requests fail with the reason."""
         import ray
 
+        self._closed = True
         for w in self.workers:
             try:
                 ray.kill(w)
@@ -471,12 +526,17 @@ class _Restarted(Exception):
     """A worker answered from an incarnation that never loaded the current weights."""
 
 
+class _Unusable(Exception):
+    """A worker that cannot serve now (restarting, lost, or its reload failed)."""
+
+
 def _died(e: BaseException) -> bool:
-    """``e`` says the worker died or restarted (as opposed to a request that failed on it)."""
+    """``e`` says the worker died, restarted or could not be reached (so the request, a pure
+    function of weights, prompt and seed, may go to another), not that the request failed on it.
+    ``ActorUnavailableError`` (a restart, or a network blip) counts: the worker is resynced."""
     from ray.exceptions import GetTimeoutError, RayActorError
 
-    return isinstance(e, RayActorError | GetTimeoutError | _Restarted) or (
-        isinstance(e, PolicyError) and "is lost" in str(e))
+    return isinstance(e, RayActorError | GetTimeoutError | _Restarted | _Unusable)
 
 
 class RaySampler:

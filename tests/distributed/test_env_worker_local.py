@@ -39,3 +39,29 @@ def test_close_of_an_idle_env_is_immediate():
     assert worker.hosted() == 1 and worker.made_envs() == 1
     worker.close("a")
     assert worker.hosted() == 0
+
+
+def test_close_while_the_env_is_being_made_closes_it_once_made(monkeypatch):
+    """An episode that times out during a slow env start-up (a sandbox booting) closes a handle
+    that holds no env yet: the env is closed as soon as its first call returns, not leaked."""
+    from agentrl.distributed import env_workers
+
+    entered, release, closed = threading.Event(), threading.Event(), []
+    make = env_workers.make_env
+
+    def slow_make(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        env = make(*args, **kwargs)
+        env.close = lambda: closed.append(True)
+        return env
+
+    monkeypatch.setattr(env_workers, "make_env", slow_make)
+    worker = EnvWorker("agentrl/GuessNumber-v0", {}, [])
+    t = threading.Thread(target=worker.call, args=("h", True, "reset", (), {"seed": 0}))
+    t.start()
+    assert entered.wait(30)
+    worker.close("h")
+    release.set()
+    t.join(30)
+    assert closed == [True] and worker.hosted() == 0
