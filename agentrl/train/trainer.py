@@ -622,6 +622,7 @@ class Trainer:
 
     def _one_step(self, bars: _Bars) -> dict[str, Any]:
         t, k = self.cfg.train, self.step
+        t_step = time.perf_counter()
         if self.producer is None:
             trees, stats = self.rollout(k, bars)
         else:
@@ -642,6 +643,7 @@ class Trainer:
             t0 = time.perf_counter()
             self.save()
             stats["time/checkpoint_s"] = time.perf_counter() - t0
+        stats["time/step_s"] = time.perf_counter() - t_step  # the whole step, eval and checkpoint included
         return stats
 
 

@@ -91,6 +91,7 @@ def test_grpo_raises_held_out_success_where_lr_zero_does_not(tmp_path):
     # The trainer's logprobs of the sampled tokens match the sampler's (same weights, fp32).
     assert all(r["mismatch/max_abs_dlogprob"] < 1e-3 for r in rl if "mismatch/kl" in r)
     assert all(r["policy/version"] == r["step"] for r in rl)
+    assert all(r["time/step_s"] >= r["time/rollout_s"] + r.get("time/train_s", 0.0) for r in rl)  # the whole step
     assert (tmp_path / "lr" / "learning_curve.png").stat().st_size > 1000
 
 
