@@ -130,20 +130,22 @@ def run_config(data: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 
 
 def warm_start(base: dict[str, Any], out_dir: Path, sft: dict[str, Any],
-               eval_cfg: dict[str, Any]) -> tuple[str, dict[str, float]]:
-    """SFT only (``train.steps=0``); the exported model folder and held-out success before and after."""
+               eval_cfg: dict[str, Any]) -> tuple[str, dict[str, float], dict[str, float]]:
+    """SFT only (``train.steps=0``); the exported model folder, and held-out success and mean
+    reward before and after."""
     data = merge(base, {"sft": sft, "train": {"steps": 0, "export_hf": True, "tensorboard": False,
                                               "plot": False, **eval_cfg}})
     summary = run_config(data, out_dir)
     hf = Path(summary["checkpoint"]) / "hf"
     if not (hf / "config.json").exists():
         raise RuntimeError(f"the warm start exported no model at {hf}")
-    return str(hf), summary["phases"]
+    return str(hf), summary["phases"], summary["phase_rewards"]
 
 
-def curve(metrics: Path, start_success: float) -> list[dict[str, float]]:
-    """``[{step, env_steps, episodes, success}]``: held-out success at step 0 and at every evaluation."""
-    points = [{"step": 0, "env_steps": 0, "episodes": 0, "success": start_success}]
+def curve(metrics: Path, start_success: float, start_reward: float | None = None) -> list[dict[str, float]]:
+    """``[{step, env_steps, episodes, success, reward}]``: held-out success (and mean episode
+    reward, WebShop's score) at step 0 and at every evaluation."""
+    points = [{"step": 0, "env_steps": 0, "episodes": 0, "success": start_success, "reward": start_reward}]
     env_steps = episodes = 0
     for line in metrics.read_text().splitlines():
         row = json.loads(line)
@@ -154,7 +156,7 @@ def curve(metrics: Path, start_success: float) -> list[dict[str, float]]:
             if points[-1]["step"] == row["step"]:
                 continue
             points.append({"step": row["step"], "env_steps": env_steps, "episodes": episodes,
-                           "success": row["eval/success"]})
+                           "success": row["eval/success"], "reward": row.get("eval/reward")})
     return points
 
 
@@ -195,9 +197,11 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     points = []
     for k, p in enumerate(runs[0]["curve"]):
         succ = [r["curve"][k]["success"] for r in runs]
+        rew = [r["curve"][k].get("reward") for r in runs]
         points.append({"step": p["step"], "env_steps": mean([r["curve"][k]["env_steps"] for r in runs]),
                        "episodes": mean([r["curve"][k]["episodes"] for r in runs]), "success": mean(succ),
-                       "success_se": se(succ)})
+                       "success_se": se(succ),
+                       **({"reward": mean(rew), "reward_se": se(rew)} if None not in rew else {})})
     finals = [r["final_success"] for r in runs]
     if None in finals:  # a run without a final evaluation (train.eval_episodes=0)
         finals = []
@@ -264,6 +268,8 @@ def main() -> None:
                     "the preset's SFT with twice the episodes; 'oracle' (the env's privileged planner) or "
                     "'expert' (its observation-consistent expert): a one-hot teacher whose action labels "
                     "the student's first turn off it in each episode (signal forward_kl)")
+    ap.add_argument("--warm-start-reward", type=float, default=None, help="with --warm-start-success: "
+                    "the mean episode reward of that evaluation")
     ap.add_argument("--warm-start-success", type=float, default=None, help="with --warm-start: its "
                     "held-out success measured earlier on the same seeds and settings (its `agentrl sft` "
                     "run's after-SFT evaluation); step 0 is then not evaluated again")
@@ -312,11 +318,12 @@ def main() -> None:
     if args.warm_start_success is not None and not args.warm_start:
         ap.error("--warm-start-success goes with --warm-start")
     if args.warm_start:  # made earlier (say by `agentrl sft` with the preset): its success comes from the runs
-        warm, phases = args.warm_start, {"start": None, "after_sft": args.warm_start_success}
+        warm, phases, rewards = args.warm_start, {"start": None, "after_sft": args.warm_start_success}, {}
         warm_sft = {"model": args.warm_start, "success_given": args.warm_start_success is not None}
     else:
-        warm, phases = warm_start(base, work / "warm_start", warm_sft, eval_cfg)
+        warm, phases, rewards = warm_start(base, work / "warm_start", warm_sft, eval_cfg)
     warm_success = phases["after_sft"]
+    warm_reward = args.warm_start_reward if args.warm_start else rewards.get("after_sft")
     report: dict[str, Any] = {"base_model_success": phases["start"],
                               "warm_start": {"sft": warm_sft, "success": warm_success,
                                              "seconds": round(time.perf_counter() - t0, 1)}}
@@ -325,7 +332,7 @@ def main() -> None:
         report["teacher"] = {"model": teacher}
     elif "grpo_opd" in methods:
         t0 = time.perf_counter()
-        teacher, phases = warm_start(base, work / "teacher", teacher_sft, eval_cfg)
+        teacher, phases, _ = warm_start(base, work / "teacher", teacher_sft, eval_cfg)
         report["teacher"] = {"sft": teacher_sft, "success": phases["after_sft"],
                              "seconds": round(time.perf_counter() - t0, 1)}
 
@@ -345,8 +352,10 @@ def main() -> None:
             summary = run_config(cfg, work / m / f"seed{seed}")
             if warm_success is None:
                 warm_success = summary["phases"].get("start")
+                warm_reward = summary["phase_rewards"].get("start")
             metrics = Path(summary["metrics"])
-            runs.append({"seed": seed, "curve": curve(metrics, summary["phases"].get("start", warm_success)),
+            runs.append({"seed": seed, "curve": curve(metrics, summary["phases"].get("start", warm_success),
+                                                      summary["phase_rewards"].get("start", warm_reward)),
                          "final_success": summary["phases"].get("end"), **step_stats(metrics),
                          "wall_s": round(time.perf_counter() - t0, 1)})
             print(f"{m} seed {seed}: held-out success {runs[-1]['curve'][0]['success']:.3f} -> "
