@@ -429,8 +429,8 @@ def test_asynchronous_training_samples_on_rollout_workers(cluster, tmp_path):
     det = ["rollout.deterministic=true", "train.eval_episodes=0"]
     sync = train(_ray_train_config(tmp_path / "sync", *det), progress=False)
     k0 = train(_ray_train_config(tmp_path / "k0", *det, "train.asynchronous={max_staleness: 0}"), progress=False)
-    train(_ray_train_config(tmp_path / "k1", *det, "train.steps=3",
-                             "train.asynchronous={max_staleness: 1, queue_size: 1}"), progress=False)
+    train(_ray_train_config(tmp_path / "k1", *det, "train.asynchronous={max_staleness: 1, queue_size: 1}"),
+          progress=False)
     assert sync["phases"] == k0["phases"]
     a, b = _rl_rows(tmp_path / "sync"), _rl_rows(tmp_path / "k0")
     skip = ("time/", "memory/", "async/", "train/tokens_per_s", "rollout_workers/")
@@ -439,7 +439,7 @@ def test_asynchronous_training_samples_on_rollout_workers(cluster, tmp_path):
         assert {k: y[k] for k in same} == same  # same tasks, rollouts and losses
         assert y["async/staleness_max"] == 0
     c = _rl_rows(tmp_path / "k1")
-    assert [r["policy/version"] for r in c] == [1, 2, 3]
+    assert [r["policy/version"] for r in c] == [1, 2]
     # later steps were rolled out on the workers while the step before trained: tokens one version old
     stale = [r["async/staleness_max"] for r in c]
     assert stale[0] == 0 and max(stale) == 1, stale
