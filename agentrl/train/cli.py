@@ -52,7 +52,9 @@ _PHASE_ROWS = {"start": ("start (base model)", ("start",)),
 
 
 def phase_seconds(metrics_path: str | Path) -> dict[str, float]:
-    """Wall seconds of each phase row from ``metrics.jsonl``: the sum of its ``time/*`` entries.
+    """Wall seconds of each phase row from ``metrics.jsonl``: an RL step's ``time/step_s`` (its
+    parts overlap with asynchronous rollouts, and would count twice beside it), else the sum of
+    a row's ``time/*`` entries.
 
     ``start`` is the first evaluation; ``after_sft`` the SFT phase and its
     evaluation; ``end`` the RL steps (rollouts, update, evals, checkpoints) and
@@ -60,10 +62,14 @@ def phase_seconds(metrics_path: str | Path) -> dict[str, float]:
     """
     from .metrics import read_metrics
 
+    def seconds(m: dict[str, Any]) -> float:  # an RL step's own total, else the sum of its parts
+        if isinstance(m.get("time/step_s"), int | float):
+            return float(m["time/step_s"])
+        return sum(v for k, v in m.items() if k.startswith("time/") and isinstance(v, int | float))
+
     out: dict[str, float] = {}
     for row, (_, logged) in _PHASE_ROWS.items():
-        out[row] = sum(v for m in read_metrics(metrics_path) if m.get("phase") in logged
-                       for k, v in m.items() if k.startswith("time/") and isinstance(v, int | float))
+        out[row] = sum(seconds(m) for m in read_metrics(metrics_path) if m.get("phase") in logged)
     return out
 
 

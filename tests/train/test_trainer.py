@@ -609,3 +609,19 @@ def test_cli_train_steps_zero_prints_the_plan_and_exits_cleanly(tmp_path):
     assert res.exit_code == 0, res.output
     assert "dry run" in res.output and "tasks per step" in res.output
     assert not (tmp_path / "dry").exists()
+
+
+def test_phase_seconds_count_each_rl_step_once(tmp_path):
+    """An RL row's parts (rollout, train, ...) are inside its time/step_s: the phase counts the step once."""
+    import json
+
+    from agentrl.train.cli import phase_seconds
+
+    rows = [{"phase": "start", "time/eval_s": 10.0},
+            {"phase": "sft", "time/sft_s": 20.0, "time/eval_s": 5.0},
+            {"phase": "rl", "time/rollout_s": 3.0, "time/train_s": 4.0, "time/step_s": 8.0},
+            {"phase": "rl", "time/rollout_s": 2.0, "time/train_s": 4.0, "time/step_s": 7.0},
+            {"phase": "end", "time/eval_s": 6.0, "time/checkpoint_s": 1.0}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert phase_seconds(path) == {"start": 10.0, "after_sft": 25.0, "end": 8.0 + 7.0 + 6.0 + 1.0}
