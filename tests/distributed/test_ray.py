@@ -209,22 +209,29 @@ def test_trainer_runs_on_env_and_rollout_workers(cluster, tmp_path):
     assert any("mismatch/kl" in r for r in rl[1:])
 
 
-def test_a_rollout_worker_killed_mid_batch_is_retried_and_comes_back_with_the_weights(cluster, tokenizer):
-    """Version 1's weights, then one worker killed as the third request is routed: the batch
-    completes with what a live worker samples (deterministic mode: the retry draws the same
-    tokens), one death is counted however many requests it failed, and the restarted worker
-    loads version 1 before it serves again."""
+def _on_version_1(tokenizer: Any, seed: int) -> tuple[RayPolicy, HFPolicy]:
+    """Two rollout workers (restartable) and a local policy, both on the same new weights
+    (version 1, which a restart loses: a worker comes back with the starting ones), deterministic."""
     cfg = load_config(overrides=["policy.backend=hf", "policy.model=tiny-random", "distributed.num_rollout_workers=2",
                                  "distributed.max_restarts=2", *SMALL])
     remote = RayPolicy(cfg.policy, cfg.distributed, tokenizer)
     model, _ = load_model("tiny-random")
     local = HFPolicy(model, tokenizer, deterministic=True)
     remote.deterministic = True
+    torch.manual_seed(seed)
+    new = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    local.update_weights(new)
+    remote.update_weights(new)
+    return remote, local
+
+
+def test_a_rollout_worker_killed_mid_batch_is_retried_and_comes_back_with_the_weights(cluster, tokenizer):
+    """Version 1's weights, then one worker killed as the third request is routed: the batch
+    completes with what a live worker samples (deterministic mode: the retry draws the same
+    tokens), one death is counted however many requests it failed, and the restarted worker
+    loads version 1 before it serves again."""
+    remote, local = _on_version_1(tokenizer, seed=0)
     try:
-        torch.manual_seed(0)
-        new = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
-        local.update_weights(new)
-        remote.update_weights(new)  # a restart loses these: the worker comes back with the starting ones
         pids = [ray.get(w.info.remote())["pid"] for w in remote.workers]
         routed: list[int] = []
 
@@ -286,17 +293,8 @@ def test_a_rollout_worker_that_died_idle_never_serves_the_starting_weights(clust
     """Killed between batches, the worker is back (Ray restarted it) before anything failed on
     it: its first answer comes from a new process, is discarded and retried, and it loads the
     current weights before serving."""
-    cfg = load_config(overrides=["policy.backend=hf", "policy.model=tiny-random", "distributed.num_rollout_workers=2",
-                                 "distributed.max_restarts=2", *SMALL])
-    remote = RayPolicy(cfg.policy, cfg.distributed, tokenizer)
-    model, _ = load_model("tiny-random")
-    local = HFPolicy(model, tokenizer, deterministic=True)
-    remote.deterministic = True
+    remote, local = _on_version_1(tokenizer, seed=1)
     try:
-        torch.manual_seed(1)
-        new = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
-        local.update_weights(new)
-        remote.update_weights(new)
         pid = ray.get(remote.workers[0].info.remote())["pid"]
         ray.kill(remote.workers[0], no_restart=False)
         deadline = time.monotonic() + 120
