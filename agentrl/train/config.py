@@ -100,6 +100,10 @@ class TrainConfig(_Strict):
                                     "are packed up to this; a minibatch accumulates gradients "
                                     "over its micro-batches.")
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="Gradient clipping; null: none.")
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="The training and scoring passes: auto is bf16 autocast on a GPU and "
+        "fp32 on CPU; bf16 autocasts on CPU too (faster on CPUs with AMX); fp32 never autocasts. "
+        "Weights and optimizer state stay fp32; sampling is unaffected.")
     # -- what trains -----------------------------------------------------------------
     trainable: Literal["full", "top_k", "lora"] = Field(
         "full", description="full fine-tuning, only the top k decoder layers, or LoRA adapters.")

@@ -36,6 +36,7 @@ from .batch import (
     Sample,
     make_optimizer,
     make_scheduler,
+    precision,
     samples_from_credit,
     score_old,
     sync_policy,
@@ -143,8 +144,14 @@ def sft_loss(logprobs: torch.Tensor, entropies: torch.Tensor, row: Row) -> tuple
 def sft_phase(trainer: Trainer) -> dict[str, Any]:
     """SFT of ``trainer``'s model on the expert trees of ``cfg.sft``, with its own AdamW.
 
-    Returns stats (``sft/*``, ``time/sft_s``); the policy gets the new weights.
+    Returns stats (``sft/*``, ``time/sft_s``); the policy gets the new weights. Its passes
+    run at ``train.precision``.
     """
+    with precision(trainer.cfg.train.precision):
+        return _sft(trainer)
+
+
+def _sft(trainer: Trainer) -> dict[str, Any]:
     cfg, s = trainer.cfg, trainer.cfg.sft
     t0 = time.perf_counter()
     seeds = sft_seeds(cfg)

@@ -53,6 +53,7 @@ from .batch import (
     make_optimizer,
     make_scheduler,
     make_trainable,
+    precision,
     samples_from_credit,
     score_old,
     score_samples,
@@ -472,7 +473,11 @@ class Trainer:
         return fields, tokens, stats
 
     def learn(self, trees: list[RolloutTree], step: int, bars: _Bars) -> dict[str, Any]:
-        """Credit, scoring passes and the update on one rollout batch."""
+        """Credit, scoring passes and the update on one rollout batch, at ``train.precision``."""
+        with precision(self.cfg.train.precision):
+            return self._learn(trees, step, bars)
+
+    def _learn(self, trees: list[RolloutTree], step: int, bars: _Bars) -> dict[str, Any]:
         t = self.cfg.train
         t0 = time.perf_counter()
         samples, stats = self._credit(trees)
