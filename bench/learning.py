@@ -275,6 +275,9 @@ def main() -> None:
                     "run's after-SFT evaluation); step 0 is then not evaluated again")
     ap.add_argument("--deterministic", action="store_true", help="rollout.deterministic=true: a re-run "
                     "gives the same curves, bit for bit, on the same machine and thread count")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every run, as agentrl train --set takes it "
+                         "(e.g. train.loss.agg=seq-mean-token-mean); repeatable")
     ap.add_argument("--quick", action="store_true", help="tiny random model, 2 steps, 8 eval episodes")
     ap.add_argument("--work-dir", default="runs/bench_learning")
     ap.add_argument("--out", default=None, help="default: bench/learning.json for guess_number, "
@@ -300,6 +303,10 @@ def main() -> None:
                                   **eval_cfg}})
     if args.deterministic:
         base = merge(base, {"rollout": {"deterministic": True}})
+    if args.set:  # a variant of every method (the JSON's config records it)
+        from agentrl.config import apply_overrides
+
+        base = apply_overrides(base, args.set)
     work = Path(args.work_dir)
     if work.exists():
         shutil.rmtree(work)

@@ -110,9 +110,11 @@ def test_tree_savings_segment_tree_shares_its_first_segments_at_equal_leaves(tmp
 def test_learning_runs_every_method_on_the_same_budget_from_one_warm_start(tmp_path):
     out = tmp_path / "l.json"
     subprocess.run([sys.executable, str(BENCH / "learning.py"), "--quick", "--out", str(out),
-                    "--work-dir", str(tmp_path / "runs")], check=True, capture_output=True, timeout=600)
+                    "--work-dir", str(tmp_path / "runs"), "--set", "train.loss.agg=seq-mean-token-mean"],
+                   check=True, capture_output=True, timeout=600)
     result = json.loads(out.read_text())
     assert result["methods"] == ["grpo", "gigpo", "tree", "grpo_opd", "grpo_opsd"]
+    assert result["config"]["train"]["loss"]["agg"] == "seq-mean-token-mean"  # --set reached every run
     runs = result["results"]
     for r in runs.values():
         # Step 0 is the warm start's own evaluation, then one evaluation after each of 2 steps.
