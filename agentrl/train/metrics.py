@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLogger", "PeakMemory", "learning_curve_series", "merge_stat", "plot_learning_curve",
-           "read_metrics"]
+__all__ = ["MetricsLogger", "PeakMemory", "advantage_balance", "learning_curve_series", "merge_stat",
+           "plot_learning_curve", "read_metrics"]
 
 
 class PeakMemory:
@@ -59,6 +59,24 @@ class PeakMemory:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def advantage_balance(advantages: list[list[float]], masks: list[list[int]]) -> float:
+    """``sum A_t / sum |A_t|`` over the trained tokens of a batch (``adv/token_balance``), in [-1, 1].
+
+    A token-mean loss weighs each token alike, so where one outcome's episodes
+    run longer (failed searches that use every turn) the group's zero-mean
+    advantages stop cancelling: a negative balance is an update that lowers the
+    sampled tokens' probabilities on net. The trainer logs it for the credit's
+    advantages, before any distillation term. 0 when no token has an advantage.
+    """
+    total = absolute = 0.0
+    for adv, mask in zip(advantages, masks, strict=True):
+        for a, m in zip(adv, mask, strict=True):
+            if m:
+                total += a
+                absolute += abs(a)
+    return total / absolute if absolute else 0.0
 
 
 def merge_stat(stats: dict[str, float], key: str, value: float, weight: float) -> None:

@@ -69,7 +69,7 @@ from .checkpoint import (
 )
 from .config import TrainConfig, TrainRunConfig
 from .loss import mismatch_stats, policy_loss
-from .metrics import MetricsLogger, PeakMemory, plot_learning_curve
+from .metrics import MetricsLogger, PeakMemory, advantage_balance, plot_learning_curve
 
 __all__ = [
     "CollectFn",
@@ -416,7 +416,9 @@ class Trainer:
                                                  t.credit_options.get("gamma", 1.0), t.credit_options.get("lam", 1.0)))
         skip = (t.skip_zero_advantage and t.loss.kl_coef == 0 and t.loss.entropy_coef == 0
                 and self.distiller is None)
-        return samples_from_credit(items, skip_zero_advantage=skip), stats
+        samples = samples_from_credit(items, skip_zero_advantage=skip)
+        stats["adv/token_balance"] = advantage_balance([s.advantages for s in samples], [s.mask for s in samples])
+        return samples, stats
 
     def _teacher_context(self, samples: list[Sample], trees: list[RolloutTree]) -> None:
         """What the distillation teacher reads of each sample's episode: its tree's privileged

@@ -91,11 +91,24 @@ def test_grpo_raises_held_out_success_where_lr_zero_does_not(tmp_path):
     # The trainer's logprobs of the sampled tokens match the sampler's (same weights, fp32).
     assert all(r["mismatch/max_abs_dlogprob"] < 1e-3 for r in rl if "mismatch/kl" in r)
     assert all(r["policy/version"] == r["step"] for r in rl)
+    # one-turn episodes of 2 tokens: a win and a loss weigh the same, so a group's advantages cancel
+    assert all(abs(r["adv/token_balance"]) < 0.35 for r in rl)
     assert all(r["time/step_s"] >= r["time/rollout_s"] + r.get("time/train_s", 0.0) for r in rl)  # the whole step
     assert (tmp_path / "lr" / "learning_curve.png").stat().st_size > 1000
 
 
 # --------------------------------------------------------------------------- pieces
+
+
+def test_advantage_balance_is_the_net_push_of_a_token_mean_update():
+    from agentrl.train.metrics import advantage_balance
+
+    # A GRPO pair: the win (A = +1) sampled 2 tokens, the loss (A = -1) 4; the prompt's
+    # masked tokens carry values that must not count.
+    win, loss = ([5.0, 1.0, 1.0], [0, 1, 1]), ([5.0, -1.0, -1.0, -1.0, -1.0], [0, 1, 1, 1, 1])
+    assert advantage_balance([win[0], loss[0]], [win[1], loss[1]]) == pytest.approx((2 - 4) / 6)
+    assert advantage_balance([[1.0, 1.0], [-1.0, -1.0]], [[1, 1], [1, 1]]) == 0.0  # equal lengths cancel
+    assert advantage_balance([[0.0, 0.0]], [[1, 1]]) == 0.0 and advantage_balance([], []) == 0.0
 
 
 def test_step_task_seeds_is_the_data_position():
