@@ -11,9 +11,23 @@ from agentrl.train.batch import autocast, precision
 from agentrl.train.config import load_train_config
 from agentrl.train.trainer import train
 
+from .test_sft import GUESS
 from .test_trainer import toy_config
 
 CPU = torch.device("cpu")
+
+
+def _record_passes(monkeypatch) -> list[tuple[bool, bool]]:
+    """(gradient on, CPU autocast on) of every training-side forward from now on."""
+    seen: list[tuple[bool, bool]] = []
+    real = batch.token_scores
+
+    def spy(*args, **kwargs):
+        seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(batch, "token_scores", spy)
+    return seen
 
 
 def _matmul_dtype() -> torch.dtype:
@@ -44,14 +58,7 @@ def test_training_passes_run_at_the_configured_precision_and_still_learn(tmp_pat
     """Every scoring and training forward runs under bf16 autocast exactly when asked, and GRPO
     on the toy bandit still reaches >= 0.9 held-out success from 0.2-0.8 (as in fp32)."""
     torch.set_num_threads(1)
-    seen: list[tuple[bool, bool]] = []
-    real = batch.token_scores
-
-    def spy(*args, **kwargs):
-        seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(batch, "token_scores", spy)
+    seen = _record_passes(monkeypatch)
     out = train(toy_config(tmp_path, "train.steps=4", f"train.precision={name}"), progress=False)
     assert any(grad for grad, _ in seen) and any(not grad for grad, _ in seen)  # both passes ran
     assert {on for _, on in seen} == {name == "bf16"}
@@ -63,20 +70,11 @@ def test_training_passes_run_at_the_configured_precision_and_still_learn(tmp_pat
 def test_the_sft_warm_start_runs_at_the_configured_precision(tmp_path, monkeypatch):
     """``agentrl sft``'s training passes (an SFT-only run: ``train.steps=0``) autocast too."""
     torch.set_num_threads(1)
-    seen: list[bool] = []
-    real = batch.token_scores
-
-    def spy(*args, **kwargs):
-        if torch.is_grad_enabled():
-            seen.append(torch.is_autocast_enabled("cpu"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(batch, "token_scores", spy)
-    cfg = load_train_config(None, [
-        "policy.model=tiny-random", "env.id=agentrl/GuessNumber-v0", "env.kwargs={high: 4, max_turns: 3}",
-        "rollout.max_turns=3", "rollout.max_context_tokens=256", "sampling.max_new_tokens=3",
-        "train.eval_episodes=0", "train.micro_batch_tokens=2048", "train.tensorboard=false", "train.plot=false",
-        "train.export_hf=false", "sft.episodes=8", "sft.minibatch_size=4", "train.steps=0",
-        "train.precision=bf16", f"train.out_dir={tmp_path}"])
+    seen = _record_passes(monkeypatch)
+    cfg = load_train_config(None, GUESS + [
+        "policy.model=tiny-random", "train.eval_episodes=0", "train.micro_batch_tokens=2048",
+        "train.tensorboard=false", "train.plot=false", "train.export_hf=false", "sft.episodes=8",
+        "sft.minibatch_size=4", "train.steps=0", "train.precision=bf16", f"train.out_dir={tmp_path}"])
     train(cfg, progress=False)
-    assert seen == [True] * 4  # 2 epochs of 2 minibatches (8 episodes, 4 a minibatch), all under bf16
+    # 2 epochs of 2 minibatches (8 episodes, 4 a minibatch), all under bf16
+    assert [on for grad, on in seen if grad] == [True] * 4
