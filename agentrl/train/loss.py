@@ -54,6 +54,7 @@ __all__ = [
     "staleness_mask",
     "tis_weights",
     "token_masks",
+    "weight_negatives",
 ]
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -130,6 +131,19 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean",
 
 
 # --------------------------------------------------------------------------- PPO-clip
+
+
+def weight_negatives(advantages: torch.Tensor, weight: float) -> torch.Tensor:
+    """Negative advantages times ``weight``, positive ones unchanged.
+
+    ``weight=0`` is positive sample reinforcement (PSR; Zhu et al. 2025, "The
+    Surprising Effectiveness of Negative Reinforcement in LLM Reasoning", Eq. 5):
+    only above-average samples are pushed up, which sharpens pass@1 at the cost
+    of pass@k; ``weight=1`` is the plain policy gradient (their Eq. 3 = PSR + NSR).
+    """
+    if weight == 1.0:
+        return advantages
+    return torch.where(advantages < 0, advantages * weight, advantages)
 
 
 def ppo_clip_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -407,6 +421,9 @@ class PolicyLossConfig(BaseModel):
         "TIS: the loss is -M r A, r = pi / pi_behav, averaged over all tokens, where M masks the "
         "trust-region tokens (A > 0 and r > 1, or A < 0 and r < 1) with the largest (log r)^2 until "
         "their mean over the minibatch is <= m2po_tau (0.04 in the paper); None = PPO-clip.")
+    negative_weight: float = Field(
+        1.0, ge=0.0, le=1.0, description="Scale of negative advantages in the policy term "
+        "(weight_negatives): 1 = plain; 0 = positive samples only (PSR, Zhu et al. 2025).")
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL penalty to the reference; 0 = off.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="Schulman's estimator of KL(pi || ref) used as the penalty; what its "
@@ -506,6 +523,7 @@ def policy_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Te
     if cfg.m2po_tau is not None and advantages.dim() != logprobs.dim():
         raise ValueError("m2po_tau needs one advantage per token; tree packing's shared tokens "
                          "carry several (use train.tree_packing=false with M2PO)")
+    advantages = weight_negatives(advantages, cfg.negative_weight)
     old = logprobs.detach() if old_logprobs is None else old_logprobs.detach()
     if masks is None:
         masks = token_masks(cfg, mask, versions=versions, current_version=current_version, logprobs=logprobs,

@@ -10,7 +10,11 @@ coffeemachine."). The agent acts with ALFWorld's commands (see ``world``);
 Reward: 1.0 on the step the goal first holds (``terminated=True``). With
 ``dense_reward=True`` each subgoal reached for the first time in the episode
 also pays ``subgoal_reward`` (holding a task object; its state change, its
-first placement, or the lamp switched on). After ``max_steps`` steps (50, as in
+first placement, or the lamp switched on). ``invalid_penalty`` (0 by default)
+is subtracted on every step answered "Nothing happens.", so among failed
+episodes the ones that wasted fewer steps score higher: an outcome-only group
+whose leaves all fail carries no signal, and the SFT'd 135M model's commonest
+waste is taking an object it has not seen. After ``max_steps`` steps (50, as in
 ALFWorld's evaluations) the episode is truncated by the env itself.
 
 Input is forgiving the way a model needs: exact admissible commands take the
@@ -86,6 +90,7 @@ class ALFWorldEnv(TextEnv):
         split: str = "train",
         dense_reward: bool = False,
         subgoal_reward: float = 0.1,
+        invalid_penalty: float = 0.0,
         max_steps: int = 50,
         put_style: str = "put",
         families: list[str] | tuple[str, ...] | None = None,
@@ -100,9 +105,12 @@ class ALFWorldEnv(TextEnv):
             raise EnvError(f"put_style must be 'put' or 'move', not {put_style!r}")
         if max_steps < 1:
             raise EnvError("max_steps must be >= 1")
+        if not invalid_penalty >= 0.0:
+            raise EnvError(f"invalid_penalty must be >= 0 (it is subtracted), not {invalid_penalty!r}")
         self.split = split
         self.dense_reward = dense_reward
         self.subgoal_reward = float(subgoal_reward)
+        self.invalid_penalty = float(invalid_penalty)
         self.max_steps = max_steps
         self.put_style = put_style
         self.families = tuple(families) if families is not None else None
@@ -191,7 +199,9 @@ class ALFWorldEnv(TextEnv):
         op = self._parse(w, action)
         obs = _NOTHING if op is None else w.apply(op)
         reward = 0.0
-        if op is not None:
+        if op is None:
+            reward -= self.invalid_penalty
+        else:
             if self.dense_reward:
                 now = w.subgoals()
                 new = now & ~self._achieved

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentrl.env import list_envs, make_env
+from agentrl.errors import EnvError
 from agentrl.envs.alfworld import SPLITS, ALFWorldEnv, expert_trajectory, generate_scene
 from agentrl.envs.alfworld.catalog import CAN_CONTAIN, FAMILIES, OPENABLE
 from agentrl.envs.alfworld.pddl_export import entity_id, goal_pddl, scene_to_pddl
@@ -258,6 +259,27 @@ def test_dense_reward_pays_each_subgoal_once():
     assert env.step(put)[1] == 0.0
     obs, reward, *_ = env.step(take)
     assert obs.startswith("You pick up") and reward == 0.0
+
+
+def test_invalid_penalty_charges_each_wasted_step_only():
+    env = ALFWorldEnv(invalid_penalty=0.05, max_steps=20)
+    _, info = env.reset(seed=3)
+    obs, reward, *_ = env.step("take unicorn 1 from nowhere 1")
+    assert obs == "Nothing happens." and reward == pytest.approx(-0.05)
+    valid = info["admissible_actions"][0]
+    obs, reward, *_ = env.step(valid)
+    assert obs != "Nothing happens." and reward == 0.0
+    # A win is still worth 1.0 on its own step, so it still counts as a success.
+    env.reset(seed=3)
+    env.step("jump")
+    while True:
+        _, reward, terminated, truncated, _ = env.step(env.expert_action())
+        if terminated or truncated:
+            break
+    assert terminated and reward == 1.0
+    assert ALFWorldEnv().invalid_penalty == 0.0  # off by default
+    with pytest.raises(EnvError, match="invalid_penalty"):
+        ALFWorldEnv(invalid_penalty=-0.1)
 
 
 def test_restored_env_continues_identically():

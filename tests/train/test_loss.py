@@ -22,6 +22,7 @@ from agentrl.train.loss import (
     ppo_clip_token_loss,
     staleness_mask,
     tis_weights,
+    weight_negatives,
 )
 
 
@@ -298,6 +299,25 @@ def test_policy_loss_on_policy_is_the_plain_policy_gradient():
     loss.backward()
     assert lp.grad[0].tolist() == pytest.approx([-1.0 / 3, 2.0 / 3, -0.5 / 3])
     assert stats["tis/on"] == 0.0 and stats["mask/kept_frac"] == 1.0
+
+
+def test_weight_negatives_scales_only_negative_advantages():
+    adv = torch.tensor([[1.0, -2.0, 0.0, -0.5]])
+    assert weight_negatives(adv, 0.25).tolist() == [[1.0, -0.5, 0.0, -0.125]]
+    assert weight_negatives(adv, 0.0).tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    assert weight_negatives(adv, 1.0) is adv
+
+
+def test_policy_loss_negative_weight_zero_is_positive_sample_reinforcement():
+    # PSR: the A < 0 token leaves the gradient; the mean still divides by all 3 tokens.
+    lp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    adv = torch.tensor([[1.0, -2.0, 0.5]])
+    loss, _ = policy_loss(lp, adv, torch.ones(1, 3), PolicyLossConfig(negative_weight=0.0))
+    assert loss.item() == pytest.approx(-(1.0 + 0.5) / 3)
+    loss.backward()
+    assert lp.grad[0].tolist() == pytest.approx([-1.0 / 3, 0.0, -0.5 / 3])
+    with pytest.raises(ValueError, match="negative_weight"):
+        PolicyLossConfig(negative_weight=1.5)
 
 
 def test_policy_loss_composes_tis_staleness_kl_and_entropy():
