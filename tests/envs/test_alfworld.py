@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentrl.env import list_envs, make_env
-from agentrl.errors import EnvError
 from agentrl.envs.alfworld import SPLITS, ALFWorldEnv, expert_trajectory, generate_scene
 from agentrl.envs.alfworld.catalog import CAN_CONTAIN, FAMILIES, OPENABLE
 from agentrl.envs.alfworld.pddl_export import entity_id, goal_pddl, scene_to_pddl
