@@ -34,6 +34,18 @@ def test_scripted_bisection_wins_every_episode(tokenizer):
     assert summary["success_rate"] == 1.0 and summary["mean_reward"] == 1.0
     assert summary["failed_episodes"] == 0
     assert 1 <= summary["mean_turns"] <= 6
+    assert summary["invalid_action_frac"] is None  # GuessNumber does not report invalid actions
+
+
+def test_invalid_action_frac_counts_the_turns_the_env_called_invalid(tokenizer):
+    cfg = load_config(overrides=["rollout.episodes=2", "rollout.max_turns=4", "env.id=agentrl/ALFWorld-v0"])
+    calls = iter(range(100))
+    # Every other reply is junk ("Nothing happens."); "look" is always admissible.
+    policy = MockPolicy(tokenizer, lambda prompt: "take unicorn 1 from nowhere 1" if next(calls) % 2 else "look")
+    trees = run_episodes("agentrl/ALFWorld-v0", policy, cfg)
+    nodes = [n for t in trees for n in t.nodes.values()]
+    assert len(nodes) == 8 and sum(n.observation == "Nothing happens." for n in nodes) == 4
+    assert summarize(trees, 1.0)["invalid_action_frac"] == 0.5
 
 
 def test_episode_tokens_are_exactly_the_context_the_policy_saw(tokenizer):

@@ -12,7 +12,7 @@ from typing import Any
 from ..types import Episode, Node, RolloutTree, write_trees
 from .engine import COUNTERS
 
-__all__ = ["episode_success", "summarize", "write_run"]
+__all__ = ["episode_success", "invalid_action_frac", "summarize", "write_run"]
 
 
 def episode_success(tree_or_episode: RolloutTree | Episode) -> bool:
@@ -47,6 +47,7 @@ def summarize(trees: list[RolloutTree], wall_s: float) -> dict[str, Any]:
         "success_rate": sum(ep.success for ep in ok) / max(len(ok), 1),
         "mean_reward": sum(ep.total_reward for ep in ok) / max(len(ok), 1),
         "mean_turns": sum(ep.num_turns for ep in episodes) / max(len(episodes), 1),
+        "invalid_action_frac": invalid_action_frac(nodes),
         "action_tokens": action_tokens,
         "tree_tokens": stored,
         "truncated_turns": sum(n.finish_reason == "length" for n in nodes),
@@ -56,6 +57,13 @@ def summarize(trees: list[RolloutTree], wall_s: float) -> dict[str, Any]:
         "wall_s": round(wall_s, 3),
         "generated_tokens_per_s": round(counts["generated_tokens"] / wall_s, 2) if wall_s > 0 else math.nan,
     }
+
+
+def invalid_action_frac(nodes: list[Node]) -> float | None:
+    """The fraction of turns whose env said ``info["invalid_action"]`` (e.g. ALFWorld's
+    "Nothing happens."); None when the env does not say."""
+    told = [n.info["invalid_action"] for n in nodes if "invalid_action" in (n.info or {})]
+    return sum(map(bool, told)) / len(told) if told else None
 
 
 def _unique_nodes(tree: RolloutTree) -> list[Node]:

@@ -128,7 +128,13 @@ def evaluate(policy: Any, cfg: TrainRunConfig, on_episode_done: Callable | None 
     s = summarize(trees, time.perf_counter() - t0)
     return {"eval/success": s["success_rate"], "eval/reward": s["mean_reward"],
             "eval/turns": s["mean_turns"], "eval/failed": s["failed_episodes"],
-            "time/eval_s": s["wall_s"]}
+            "time/eval_s": s["wall_s"], **_invalid(s, "eval")}
+
+
+def _invalid(summary: dict, prefix: str) -> dict[str, float]:
+    """``{prefix}/invalid_action_frac`` where the env reports invalid actions, else nothing."""
+    frac = summary.get("invalid_action_frac")
+    return {} if frac is None else {f"{prefix}/invalid_action_frac": frac}
 
 
 # --------------------------------------------------------------------------- the loop
@@ -312,7 +318,7 @@ class Trainer:
                        "rollout/action_tokens": s["action_tokens"], "time/rollout_s": s["wall_s"],
                        "rollout/env_steps": s["env_steps"],
                        "rollout/generated_tokens": s["generated_tokens"],
-                       "data/first_task_seed": seeds[0]}
+                       "data/first_task_seed": seeds[0], **_invalid(s, "rollout")}
 
     def _allocation(self, step: int, trees: list[RolloutTree]) -> dict[str, Any]:
         """The allocator's report into the run summary, and a warning when a tree allocator

@@ -5,7 +5,9 @@ receptacles, typed objects, light sources and one task of the six ALFWorld
 families, stated the ALFWorld way ("Your task is to: put a clean mug in
 coffeemachine."). The agent acts with ALFWorld's commands (see ``world``);
 ``info["admissible_actions"]`` lists the valid ones, sorted, every step;
-``info["state_key"]`` is a short hash of the true world state (GiGPO's anchor).
+``info["state_key"]`` is a short hash of the true world state (GiGPO's anchor);
+``info["invalid_action"]`` says whether the last action was answered "Nothing
+happens." (rollouts and evaluations log the fraction of such turns).
 
 Reward: 1.0 on the step the goal first holds (``terminated=True``). With
 ``dense_reward=True`` each subgoal reached for the first time in the episode
@@ -62,6 +64,7 @@ class _Snapshot:
     achieved: int
     last_obs: str
     notes: Notes
+    invalid: bool = False
 
 
 def _state_key(w: World) -> str:
@@ -156,6 +159,7 @@ class ALFWorldEnv(TextEnv):
             "won": self._won,
             "task_type": task.family,
             "state_key": _state_key(w),
+            "invalid_action": self._invalid,
         }
 
     # -- gymnasium API -----------------------------------------------------------
@@ -174,7 +178,7 @@ class ALFWorldEnv(TextEnv):
             scene = generate_scene(task_seed, split, self.families, self.max_receptacles)
         task_seed, split = scene.seed, scene.split
         self._world = World(scene, self.put_style)
-        self._steps, self._done, self._won = 0, False, False
+        self._steps, self._done, self._won, self._invalid = 0, False, False, False
         self._achieved = self._world.subgoals() if self.dense_reward else 0
         goal = self._world.s.scene.task.goal
         self._last_obs = _INTRO.format(look=self._world.look(), goal=goal)
@@ -198,6 +202,7 @@ class ALFWorldEnv(TextEnv):
         self._steps += 1
         op = self._parse(w, action)
         obs = _NOTHING if op is None else w.apply(op)
+        self._invalid = op is None
         reward = 0.0
         if op is None:
             reward -= self.invalid_penalty
@@ -240,7 +245,7 @@ class ALFWorldEnv(TextEnv):
         w = self._require()
         return _Snapshot(
             w.copy(), self._steps, self._done, self._won, self._achieved, self._last_obs,
-            copy.deepcopy(self._notes),
+            copy.deepcopy(self._notes), self._invalid,
         )
 
     def restore(self, snapshot: _Snapshot) -> None:
@@ -249,6 +254,7 @@ class ALFWorldEnv(TextEnv):
         self._steps, self._done, self._won = snapshot.steps, snapshot.done, snapshot.won
         self._achieved, self._last_obs = snapshot.achieved, snapshot.last_obs
         self._notes = copy.deepcopy(snapshot.notes)
+        self._invalid = snapshot.invalid
 
     def expert_action(self) -> str:
         """The observation-consistent expert's next command: it acts on what was seen (see ``expert``)."""

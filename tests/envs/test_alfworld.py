@@ -263,11 +263,15 @@ def test_dense_reward_pays_each_subgoal_once():
 def test_invalid_penalty_charges_each_wasted_step_only():
     env = ALFWorldEnv(invalid_penalty=0.05, max_steps=20)
     _, info = env.reset(seed=3)
-    obs, reward, *_ = env.step("take unicorn 1 from nowhere 1")
-    assert obs == "Nothing happens." and reward == pytest.approx(-0.05)
+    assert info["invalid_action"] is False
+    obs, reward, _, _, after = env.step("take unicorn 1 from nowhere 1")
+    assert obs == "Nothing happens." and reward == pytest.approx(-0.05) and after["invalid_action"] is True
+    snap = env.snapshot()
     valid = info["admissible_actions"][0]
-    obs, reward, *_ = env.step(valid)
-    assert obs != "Nothing happens." and reward == 0.0
+    obs, reward, _, _, after = env.step(valid)
+    assert obs != "Nothing happens." and reward == 0.0 and after["invalid_action"] is False
+    env.restore(snap)
+    assert env._info()["invalid_action"] is True  # the flag is part of the restored state
     # A win is still worth 1.0 on its own step, so it still counts as a success.
     env.reset(seed=3)
     env.step("jump")
