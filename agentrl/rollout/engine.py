@@ -250,8 +250,9 @@ class Engine:
         envs, self._all, self._idle = self._all, [], []
         for env in envs:
             _close_quietly(env)
+        deadline = time.monotonic() + _CLOSE_WAIT_S
         for t in self._closers:
-            t.join(timeout=10)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _opening(self, obs: str, info: dict[str, Any]) -> ChatContext:
@@ -723,6 +724,12 @@ def _clip(tree: RolloutTree, req: Fresh | Branch, left: int, report: dict[str, A
         return Fresh(req.task, req.n - over, req.max_turns, req.reason) if req.n > over else None
     k = req.k - over
     return Branch(req.task, req.node, k, req.at_token, req.max_turns, req.reason) if k >= 1 else None
+
+
+# How long ``close`` waits for the threads closing unhealthy envs: a hung process
+# env takes up to 5 s for its lock, 5 s for an answer and 6 s to be killed and reaped
+# (ProcessEnv.close); 10 s let a loaded machine return with the child still alive.
+_CLOSE_WAIT_S = 20.0
 
 
 def _close_quietly(env: Any) -> None:
