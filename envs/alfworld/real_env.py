@@ -224,7 +224,9 @@ class ALFWorldRealEnv(TextEnv):
         self._done = self._won or truncated
         self._last_obs = self._state.feedback
         self._feed_expert(command)
-        return self._last_obs, 1.0 if self._won else 0.0, self._won, truncated, self._info()
+        info = self._info()
+        info["invalid_action"] = not valid  # not admissible: the engine answers "Nothing happens."
+        return self._last_obs, 1.0 if self._won else 0.0, self._won, truncated, info
 
     def _info(self) -> dict[str, Any]:
         s, game = self._state, self.game

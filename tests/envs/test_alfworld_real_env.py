@@ -132,10 +132,13 @@ def test_the_engine_leaves_sys_argv_as_it_was(data):
 
 def test_not_admissible_text_is_nothing_happens_and_uses_the_step(data):
     env = _make(data, max_steps=3)
+    _, info = env.reset(seed=0)
+    obs, *_, info = env.step(info["admissible_actions"][0])
+    assert obs != "Nothing happens." and info["invalid_action"] is False
     env.reset(seed=0)
     for i, junk in enumerate(["GO TO CABINET 1", "jump", ""]):
-        obs, reward, terminated, truncated, _ = env.step(junk)
-        assert obs == "Nothing happens." and reward == 0.0 and not terminated
+        obs, reward, terminated, truncated, info = env.step(junk)
+        assert obs == "Nothing happens." and reward == 0.0 and not terminated and info["invalid_action"] is True
         assert truncated == (i == 2)
     obs, reward, terminated, truncated, info = env.step("look")
     assert "episode is over" in obs and info["admissible_actions"] == []
