@@ -137,9 +137,10 @@ def weight_negatives(advantages: torch.Tensor, weight: float) -> torch.Tensor:
     """Negative advantages times ``weight``, positive ones unchanged.
 
     ``weight=0`` is positive sample reinforcement (PSR; Zhu et al. 2025, "The
-    Surprising Effectiveness of Negative Reinforcement in LLM Reasoning", Eq. 5):
-    only above-average samples are pushed up, which sharpens pass@1 at the cost
-    of pass@k; ``weight=1`` is the plain policy gradient (their Eq. 3 = PSR + NSR).
+    Surprising Effectiveness of Negative Reinforcement in LLM Reasoning", which
+    splits the RLVR objective into a positive and a negative sample term): only
+    above-average samples are pushed up, which in their runs sharpened pass@1 at
+    the cost of pass@k; ``weight=1`` is the plain policy gradient (PSR + NSR).
     """
     if weight == 1.0:
         return advantages
