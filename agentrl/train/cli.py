@@ -86,6 +86,30 @@ def phase_peak_memory(metrics_path: str | Path) -> dict[str, float]:
     return out
 
 
+def rl_segments(metrics_path: str | Path) -> list[dict[str, Any]]:
+    """The RL phase cut at its evaluations (every ``eval_every`` steps, then the final one): for
+    each, the step, held-out success and reward, and the seconds and peak MB of the rows since the
+    cut before. The seconds add up to ``phase_seconds(...)["end"]``."""
+    from .metrics import read_metrics
+
+    out: list[dict[str, Any]] = []
+    seconds, peak = 0.0, None
+    for m in read_metrics(metrics_path):
+        if m.get("phase") not in _PHASE_ROWS["end"][1]:
+            continue
+        if isinstance(m.get("time/step_s"), int | float):
+            seconds += float(m["time/step_s"])
+        else:
+            seconds += sum(v for k, v in m.items() if k.startswith("time/") and isinstance(v, int | float))
+        if "memory/peak_rss_mb" in m:
+            peak = max(peak or 0.0, m["memory/peak_rss_mb"])
+        if "eval/success" in m:
+            out.append({"step": m.get("step"), "end": m.get("phase") == "end", "success": m["eval/success"],
+                        "reward": m.get("eval/reward"), "seconds": seconds, "peak_mb": peak})
+            seconds, peak = 0.0, None
+    return out
+
+
 def _report(summary: dict[str, Any], wall: float) -> None:
     """The per-phase table: held-out success, mean reward, change from the previous phase, seconds,
     peak memory. A dry run printed its plan already."""
@@ -101,17 +125,30 @@ def _report(summary: dict[str, Any], wall: float) -> None:
     table.add_column("change", justify="right")
     table.add_column("seconds", justify="right")
     table.add_column("peak MB", justify="right")
-    prev = None
+    rows = []  # (label, success, reward, seconds, peak MB)
     for phase, rate in summary["phases"].items():
-        label = _PHASE_ROWS.get(phase, (phase,))[0]
-        change = "" if prev is None else f"{rate - prev:+.3f}"
-        peak = f"{peaks[phase]:.0f}" if phase in peaks else ""
         reward = summary.get("phase_rewards", {}).get(phase)
-        table.add_row(label, f"{rate:.3f}", "" if reward is None else f"{reward:.3f}", change,
-                      f"{seconds.get(phase, 0.0):.0f}", peak)
+        segments = rl_segments(summary["metrics"]) if phase == "end" and summary.get("metrics") else []
+        if len(segments) > 1 and segments[-1]["end"] and segments[-1]["success"] == rate:
+            for seg in segments[:-1]:  # the evaluations during RL, each with the steps before it
+                rows.append((f"after RL step {seg['step']}", seg["success"], seg["reward"], seg["seconds"],
+                             seg["peak_mb"]))
+            rows.append((_PHASE_ROWS["end"][0] + f" (step {segments[-1]['step']})", rate, reward,
+                         segments[-1]["seconds"], segments[-1]["peak_mb"]))
+            continue
+        rows.append((_PHASE_ROWS.get(phase, (phase,))[0], rate, reward, seconds.get(phase, 0.0), peaks.get(phase)))
+    prev = None
+    for label, rate, reward, secs, peak in rows:
+        table.add_row(label, f"{rate:.3f}", "" if reward is None else f"{reward:.3f}",
+                      "" if prev is None else f"{rate - prev:+.3f}", f"{secs:.0f}",
+                      "" if peak is None else f"{peak:.0f}")
         prev = rate
     console.print(table)
-    rates = list(summary["phases"].values())
+    phases = summary["phases"]
+    rates = list(phases.values())
+    if "after_sft" in phases and "end" in phases and len(rates) > 2:
+        console.print(f"the RL phase's own change: {phases['after_sft']:.3f} -> {phases['end']:.3f} "
+                      f"({phases['end'] - phases['after_sft']:+.3f})")
     if len(rates) > 1:
         console.print(f"trained policy vs starting policy on the same held-out seeds: "
                       f"{rates[-1]:.3f} vs {rates[0]:.3f} ({rates[-1] - rates[0]:+.3f})")

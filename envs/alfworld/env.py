@@ -108,7 +108,8 @@ class ALFWorldEnv(TextEnv):
             raise EnvError(f"put_style must be 'put' or 'move', not {put_style!r}")
         if max_steps < 1:
             raise EnvError("max_steps must be >= 1")
-        if not isinstance(invalid_penalty, int | float) or not invalid_penalty >= 0.0:
+        if isinstance(invalid_penalty, bool) or not isinstance(invalid_penalty, int | float) \
+                or not invalid_penalty >= 0.0:  # True is an int, and no penalty anyone meant
             raise EnvError(f"invalid_penalty must be a number >= 0 (it is subtracted), not {invalid_penalty!r}")
         self.split = split
         self.dense_reward = dense_reward

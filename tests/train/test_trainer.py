@@ -638,3 +638,73 @@ def test_phase_seconds_count_each_rl_step_once(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert phase_seconds(path) == {"start": 10.0, "after_sft": 25.0, "end": 8.0 + 7.0 + 6.0 + 1.0}
+
+
+def _metrics_with_rl_evals(tmp_path):
+    import json
+
+    rows = [{"step": 0, "phase": "start", "eval/success": 0.0, "eval/reward": 0.0, "time/eval_s": 10.0,
+             "memory/peak_rss_mb": 100.0},
+            {"step": 0, "phase": "sft", "eval/success": 0.5, "eval/reward": 0.5, "time/sft_s": 20.0,
+             "time/eval_s": 5.0, "memory/peak_rss_mb": 300.0},
+            {"step": 1, "phase": "rl", "time/step_s": 8.0, "memory/peak_rss_mb": 400.0},
+            {"step": 2, "phase": "rl", "eval/success": 0.625, "eval/reward": 0.6, "time/step_s": 9.0,
+             "memory/peak_rss_mb": 350.0},
+            {"step": 3, "phase": "rl", "time/step_s": 7.0, "memory/peak_rss_mb": 200.0},
+            {"step": 3, "phase": "end", "eval/success": 0.75, "eval/reward": 0.7, "time/eval_s": 6.0,
+             "time/checkpoint_s": 1.0, "memory/peak_rss_mb": 250.0}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_rl_segments_cut_the_rl_phase_at_its_evaluations(tmp_path):
+    """Each evaluation during RL closes a segment with the seconds and peak of the steps before it;
+    the segments' seconds add up to the RL phase's."""
+    from agentrl.train.cli import phase_seconds, rl_segments
+
+    path = _metrics_with_rl_evals(tmp_path)
+    segs = rl_segments(path)
+    assert [(s["step"], s["end"], s["success"], s["reward"], s["seconds"], s["peak_mb"]) for s in segs] == [
+        (2, False, 0.625, 0.6, 17.0, 400.0), (3, True, 0.75, 0.7, 14.0, 250.0)]
+    assert sum(s["seconds"] for s in segs) == phase_seconds(path)["end"]
+
+
+def test_the_train_table_shows_the_evaluations_during_rl_and_the_rl_phase_change(tmp_path, capsys):
+    from agentrl.train.cli import _report
+
+    path = _metrics_with_rl_evals(tmp_path)
+    summary = {"phases": {"start": 0.0, "after_sft": 0.5, "end": 0.75},
+               "phase_rewards": {"start": 0.0, "after_sft": 0.5, "end": 0.7}, "metrics": str(path)}
+    _report(summary, wall=60.0)
+    out = capsys.readouterr().out
+    lines = {ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")[2:-1]]
+             for ln in out.splitlines() if ln.count("│") >= 6}
+    assert lines["after RL step 2"] == ["0.625", "0.600", "+0.125", "17", "400"]
+    assert lines["after RL (step 3)"] == ["0.750", "0.700", "+0.125", "14", "250"]
+    assert lines["after SFT"] == ["0.500", "0.500", "+0.500", "25", "300"]
+    assert "the RL phase's own change: 0.500 -> 0.750 (+0.250)" in out
+
+
+def test_the_trainer_logs_the_invalid_action_fraction_for_envs_that_report_it(tmp_path):
+    """ALFWorld-v0 flags "Nothing happens." steps (info["invalid_action"]): the RL rows and the
+    final evaluation carry the fraction, equal to the one computed from the saved trees; TestLetter
+    reports nothing, so its rows carry no such metric (not a made-up 0)."""
+    from agentrl.rollout.summary import invalid_action_frac
+    from agentrl.types import read_trees
+
+    torch.set_num_threads(1)
+    cfg = toy_config(tmp_path / "alf", "env.id=agentrl/ALFWorld-v0", "env.kwargs.max_steps=2",
+                     "rollout.max_turns=2", "rollout.max_context_tokens=1024", "rollout.group_size=2",
+                     "train.tasks_per_step=2", "train.eval_episodes=2", "train.steps=1",
+                     "sampling.max_new_tokens=4")
+    train(cfg, progress=False)
+    rows = _rows(tmp_path / "alf" / "metrics.jsonl")
+    rl = next(r for r in rows if r["phase"] == "rl")
+    trees = read_trees(tmp_path / "alf" / "trees" / "step-000001.jsonl")
+    nodes = [n for t in trees for n in t.nodes.values()]
+    assert len(nodes) >= 4 and rl["rollout/invalid_action_frac"] == pytest.approx(invalid_action_frac(nodes))
+    assert 0.0 <= next(r for r in rows if r["phase"] == "end")["eval/invalid_action_frac"] <= 1.0
+
+    train(toy_config(tmp_path / "letter", "train.steps=1", "train.eval_episodes=2"), progress=False)
+    assert not any(k.endswith("invalid_action_frac") for r in _rows(tmp_path / "letter" / "metrics.jsonl") for k in r)
