@@ -37,7 +37,7 @@ Presets (``--env``):
   distillation teacher), the same warm start (``--sft-episodes`` expert
   episodes). It fits on 2 CPU cores.
 - ``alfworld_easy``: ``examples/train_alfworld_easy.yaml``, the setting of
-  ``make run``: pick-and-place in rooms of six receptacles, where the object
+  ``make run-alfworld``: pick-and-place in rooms of six receptacles, where the object
   must be searched for; the warm start is SFT on the observation-consistent
   expert, the OPD teacher the same SFT with twice the episodes. On 2 cores
   both SFTs take longer than the RL runs: ``--warm-start`` and ``--teacher``

@@ -287,6 +287,8 @@ def benchmarks_page() -> str:
                     "```bash", f"python bench/{script.name}", "```", ""]
         elif path.stem == "make_run":
             out += ["The record of `make run` (the Makefile's main job) and the runs before it.", ""]
+        elif path.stem == "make_run_alfworld":
+            out += ["The record of `make run-alfworld` (the Makefile's ALFWorld-style job), with its RL seeds.", ""]
         else:
             out += [f"Recorded by hand; no bench script writes `{path.name}`.", ""]
         if path.stem in notes:

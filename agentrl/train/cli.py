@@ -162,7 +162,8 @@ def train(
     resume: Annotated[bool, typer.Option(help="Continue from the newest checkpoint.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Start over in an out_dir with checkpoints.")] = False,
     steps: Annotated[int | None, typer.Option(
-        help="Updates to run (train.steps); 0 is a dry run: check, load, print the plan.")] = None,
+        help="Updates to run (train.steps). 0 with SFT runs the SFT alone; 0 without is a dry "
+        "run: check, load, print the plan.")] = None,
     out: Annotated[str | None, typer.Option(help="Output folder (train.out_dir).")] = None,
     env: Annotated[str | None, typer.Option(help="Env id (env.id).")] = None,
     harness: Annotated[str | None, typer.Option(
