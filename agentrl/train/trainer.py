@@ -302,8 +302,10 @@ class Trainer:
 
         cfg = self.cfg.model_copy(deep=True)
         cfg.rollout.seed = request_seed(self.cfg.train.seed, step)  # fresh sampling streams per step
-        if self.distiller is not None and self.distiller.depth_budget is not None:  # TurnOPD's depth budget
-            cfg.rollout.max_turns = min(cfg.rollout.max_turns, self.distiller.depth_budget)
+        # TurnOPD's depth budget, read once: the asynchronous producer runs this while the trainer updates it
+        budget = self.distiller.depth_budget if self.distiller is not None else None
+        if budget is not None:
+            cfg.rollout.max_turns = min(cfg.rollout.max_turns, budget)
         seeds = step_task_seeds(self.cfg.train, step)
         advance = bars.start("rollout", len(seeds) * cfg.rollout.group_size, f"step {step + 1}")
         t0 = time.perf_counter()
