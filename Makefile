@@ -53,7 +53,7 @@ extras: $(EXTRAS_STAMP)
 vllm:
 	@bash .ci/vllm-setup.sh || echo "WARNING: the vllm extra failed to install; the vllm tests skip with the reason"
 
-# The main job (about 8 min on 2 cores): SmolLM2-135M learns GuessNumber on
+# The main job (about 4 min on 2 cores): SmolLM2-135M learns GuessNumber on
 # CPU, where RL adds most in 15 minutes. First a teacher (SFT on 64 expert
 # episodes), then the student (examples/train_guess_number.yaml): a short SFT
 # warm start, then GRPO plus on-policy distillation from that teacher. It
@@ -69,7 +69,7 @@ run: install
 # easy ALFWorld-style tasks, SFT on 128 episodes of the observation-consistent
 # expert, then 9 GRPO steps; held-out success every 3 steps
 # (bench/make_run_alfworld.json). No ALFWorld-style recipe measured here
-# gained from RL within 15 minutes; this one does.
+# gained from RL within 15 minutes, the main job's budget; this one gains in 24.
 run-alfworld: install
 	$(BIN)/agentrl models prepare
 	$(BIN)/agentrl train --config examples/train_alfworld_easy.yaml --overwrite

@@ -5,7 +5,7 @@ valid_unseen) and WebShop-v0 (its score too), the observation-consistent
 expert (``expert_action``, what ``agentrl sft`` clones by default) beside the
 privileged oracle (``oracle_action``). The gap in length is the price of not
 knowing where things are. Also the easy levels that ``bench/learning.py`` and
-``make run`` train on.
+``make run-alfworld`` train on.
 
     python bench/experts.py [--seeds 1200] [--out bench/experts.json]
 """

@@ -107,6 +107,9 @@ def rl_segments(metrics_path: str | Path) -> list[dict[str, Any]]:
             out.append({"step": m.get("step"), "end": m.get("phase") == "end", "success": m["eval/success"],
                         "reward": m.get("eval/reward"), "seconds": seconds, "peak_mb": peak})
             seconds, peak = 0.0, None
+    if out and (seconds or peak is not None):  # rows after the last evaluation (a resume of a finished run)
+        out[-1]["seconds"] += seconds
+        out[-1]["peak_mb"] = max(out[-1]["peak_mb"] or 0.0, peak or 0.0)
     return out
 
 
@@ -125,10 +128,14 @@ def _report(summary: dict[str, Any], wall: float) -> None:
     table.add_column("change", justify="right")
     table.add_column("seconds", justify="right")
     table.add_column("peak MB", justify="right")
+    phases = dict(summary["phases"])
+    rl = rl_segments(summary["metrics"]) if summary.get("metrics") else None
+    if rl == [] and "after_sft" in phases:  # SFT alone (train.steps 0): no RL phase to show
+        phases.pop("end", None)
     rows = []  # (label, success, reward, seconds, peak MB)
-    for phase, rate in summary["phases"].items():
+    for phase, rate in phases.items():
         reward = summary.get("phase_rewards", {}).get(phase)
-        segments = rl_segments(summary["metrics"]) if phase == "end" and summary.get("metrics") else []
+        segments = (rl or []) if phase == "end" else []
         if len(segments) > 1 and segments[-1]["end"] and segments[-1]["success"] == rate:
             for seg in segments[:-1]:  # the evaluations during RL, each with the steps before it
                 rows.append((f"after RL step {seg['step']}", seg["success"], seg["reward"], seg["seconds"],
@@ -144,7 +151,6 @@ def _report(summary: dict[str, Any], wall: float) -> None:
                       "" if peak is None else f"{peak:.0f}")
         prev = rate
     console.print(table)
-    phases = summary["phases"]
     rates = list(phases.values())
     if "after_sft" in phases and "end" in phases and len(rates) > 2:
         console.print(f"the RL phase's own change: {phases['after_sft']:.3f} -> {phases['end']:.3f} "

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -109,7 +110,7 @@ class ALFWorldEnv(TextEnv):
         if max_steps < 1:
             raise EnvError("max_steps must be >= 1")
         if isinstance(invalid_penalty, bool) or not isinstance(invalid_penalty, int | float) \
-                or not invalid_penalty >= 0.0:  # True is an int, and no penalty anyone meant
+                or not 0.0 <= invalid_penalty < math.inf:  # True is an int, and no penalty anyone meant
             raise EnvError(f"invalid_penalty must be a number >= 0 (it is subtracted), not {invalid_penalty!r}")
         self.split = split
         self.dense_reward = dense_reward

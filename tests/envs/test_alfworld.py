@@ -281,7 +281,7 @@ def test_invalid_penalty_charges_each_wasted_step_only():
             break
     assert terminated and reward == 1.0
     assert ALFWorldEnv().invalid_penalty == 0.0  # off by default
-    for bad in (-0.1, float("nan"), "0.1", True):
+    for bad in (-0.1, float("nan"), float("inf"), "0.1", True):
         with pytest.raises(EnvError, match="invalid_penalty"):
             ALFWorldEnv(invalid_penalty=bad)
 

@@ -670,20 +670,57 @@ def test_rl_segments_cut_the_rl_phase_at_its_evaluations(tmp_path):
     assert sum(s["seconds"] for s in segs) == phase_seconds(path)["end"]
 
 
-def test_the_train_table_shows_the_evaluations_during_rl_and_the_rl_phase_change(tmp_path, capsys):
-    from agentrl.train.cli import _report
+def _table(summary, monkeypatch, capsys) -> tuple[list[tuple[str, list[str]]], str]:
+    """``_report``'s table rows (label, cells) in order, printed wide enough not to wrap."""
+    from rich.console import Console
 
+    from agentrl.train import cli
+
+    monkeypatch.setattr(cli, "console", Console(width=200))
+    cli._report(summary, wall=60.0)
+    out = capsys.readouterr().out
+    rows = [[c.strip() for c in ln.split("│")[1:-1]] for ln in out.splitlines() if ln.count("│") >= 7]
+    return [(r[0], r[1:]) for r in rows], out
+
+
+def test_the_train_table_shows_the_evaluations_during_rl_and_the_rl_phase_change(tmp_path, monkeypatch, capsys):
     path = _metrics_with_rl_evals(tmp_path)
     summary = {"phases": {"start": 0.0, "after_sft": 0.5, "end": 0.75},
                "phase_rewards": {"start": 0.0, "after_sft": 0.5, "end": 0.7}, "metrics": str(path)}
-    _report(summary, wall=60.0)
-    out = capsys.readouterr().out
-    lines = {ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")[2:-1]]
-             for ln in out.splitlines() if ln.count("│") >= 6}
-    assert lines["after RL step 2"] == ["0.625", "0.600", "+0.125", "17", "400"]
-    assert lines["after RL (step 3)"] == ["0.750", "0.700", "+0.125", "14", "250"]
-    assert lines["after SFT"] == ["0.500", "0.500", "+0.500", "25", "300"]
+    rows, out = _table(summary, monkeypatch, capsys)
+    assert rows == [("start (base model)", ["0.000", "0.000", "", "10", "100"]),
+                    ("after SFT", ["0.500", "0.500", "+0.500", "25", "300"]),
+                    ("after RL step 2", ["0.625", "0.600", "+0.125", "17", "400"]),
+                    ("after RL (step 3)", ["0.750", "0.700", "+0.125", "14", "250"])]
     assert "the RL phase's own change: 0.500 -> 0.750 (+0.250)" in out
+
+
+def test_an_sft_only_train_run_shows_no_rl_phase(tmp_path, monkeypatch, capsys):
+    """train.steps=0 with SFT: the trainer carries after_sft over as end, but nothing ran after SFT."""
+    import json
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 0, "phase": "start", "eval/success": 0.0, "time/eval_s": 10.0},
+            {"step": 0, "phase": "sft", "eval/success": 0.5, "time/sft_s": 20.0, "time/eval_s": 5.0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {"phases": {"start": 0.0, "after_sft": 0.5, "end": 0.5}, "metrics": str(path)}
+    table, out = _table(summary, monkeypatch, capsys)
+    assert [label for label, _ in table] == ["start (base model)", "after SFT"]
+    assert "RL phase" not in out
+
+
+def test_rows_after_the_last_evaluation_count_in_the_last_segment(tmp_path):
+    """A resumed finished run appends an end row without an evaluation: its seconds still count."""
+    import json
+
+    from agentrl.train.cli import phase_seconds, rl_segments
+
+    path = _metrics_with_rl_evals(tmp_path)
+    with path.open("a") as f:
+        f.write(json.dumps({"step": 3, "phase": "end", "time/checkpoint_s": 9.0, "memory/peak_rss_mb": 900.0}) + "\n")
+    segs = rl_segments(path)
+    assert [(s["seconds"], s["peak_mb"]) for s in segs] == [(17.0, 400.0), (23.0, 900.0)]
+    assert sum(s["seconds"] for s in segs) == phase_seconds(path)["end"]
 
 
 def test_the_trainer_logs_the_invalid_action_fraction_for_envs_that_report_it(tmp_path):
@@ -703,6 +740,8 @@ def test_the_trainer_logs_the_invalid_action_fraction_for_envs_that_report_it(tm
     rl = next(r for r in rows if r["phase"] == "rl")
     trees = read_trees(tmp_path / "alf" / "trees" / "step-000001.jsonl")
     nodes = [n for t in trees for n in t.nodes.values()]
+    # the random model's turns are all invalid, so this pins the plumbing, not the arithmetic (which
+    # tests/test_rollout.py checks with a policy that mixes valid and invalid turns)
     assert len(nodes) >= 4 and rl["rollout/invalid_action_frac"] == pytest.approx(invalid_action_frac(nodes))
     assert 0.0 <= next(r for r in rows if r["phase"] == "end")["eval/invalid_action_frac"] <= 1.0
 
