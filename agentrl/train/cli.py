@@ -62,15 +62,17 @@ def phase_seconds(metrics_path: str | Path) -> dict[str, float]:
     """
     from .metrics import read_metrics
 
-    def seconds(m: dict[str, Any]) -> float:  # an RL step's own total, else the sum of its parts
-        if isinstance(m.get("time/step_s"), int | float):
-            return float(m["time/step_s"])
-        return sum(v for k, v in m.items() if k.startswith("time/") and isinstance(v, int | float))
-
     out: dict[str, float] = {}
     for row, (_, logged) in _PHASE_ROWS.items():
-        out[row] = sum(seconds(m) for m in read_metrics(metrics_path) if m.get("phase") in logged)
+        out[row] = sum(_row_seconds(m) for m in read_metrics(metrics_path) if m.get("phase") in logged)
     return out
+
+
+def _row_seconds(m: dict[str, Any]) -> float:
+    """A metrics row's wall seconds: an RL step's own total, else the sum of its ``time/*`` parts."""
+    if isinstance(m.get("time/step_s"), int | float):
+        return float(m["time/step_s"])
+    return sum(v for k, v in m.items() if k.startswith("time/") and isinstance(v, int | float))
 
 
 def phase_peak_memory(metrics_path: str | Path) -> dict[str, float]:
@@ -97,10 +99,7 @@ def rl_segments(metrics_path: str | Path) -> list[dict[str, Any]]:
     for m in read_metrics(metrics_path):
         if m.get("phase") not in _PHASE_ROWS["end"][1]:
             continue
-        if isinstance(m.get("time/step_s"), int | float):
-            seconds += float(m["time/step_s"])
-        else:
-            seconds += sum(v for k, v in m.items() if k.startswith("time/") and isinstance(v, int | float))
+        seconds += _row_seconds(m)
         if "memory/peak_rss_mb" in m:
             peak = max(peak or 0.0, m["memory/peak_rss_mb"])
         if "eval/success" in m:
@@ -132,18 +131,17 @@ def _report(summary: dict[str, Any], wall: float) -> None:
     rl = rl_segments(summary["metrics"]) if summary.get("metrics") else None
     if rl == [] and "after_sft" in phases:  # SFT alone (train.steps 0): no RL phase to show
         phases.pop("end", None)
+    split_rl = bool(rl) and len(rl) > 1 and rl[-1]["end"] and rl[-1]["success"] == phases.get("end")
     rows = []  # (label, success, reward, seconds, peak MB)
     for phase, rate in phases.items():
         reward = summary.get("phase_rewards", {}).get(phase)
-        segments = (rl or []) if phase == "end" else []
-        if len(segments) > 1 and segments[-1]["end"] and segments[-1]["success"] == rate:
-            for seg in segments[:-1]:  # the evaluations during RL, each with the steps before it
-                rows.append((f"after RL step {seg['step']}", seg["success"], seg["reward"], seg["seconds"],
-                             seg["peak_mb"]))
-            rows.append((_PHASE_ROWS["end"][0] + f" (step {segments[-1]['step']})", rate, reward,
-                         segments[-1]["seconds"], segments[-1]["peak_mb"]))
-            continue
-        rows.append((_PHASE_ROWS.get(phase, (phase,))[0], rate, reward, seconds.get(phase, 0.0), peaks.get(phase)))
+        if phase == "end" and split_rl:  # each evaluation during RL, with the steps before it
+            rows += [(f"after RL step {g['step']}", g["success"], g["reward"], g["seconds"], g["peak_mb"])
+                     for g in rl[:-1]]
+            rows.append((f"after RL (step {rl[-1]['step']})", rate, reward, rl[-1]["seconds"], rl[-1]["peak_mb"]))
+        else:
+            rows.append((_PHASE_ROWS.get(phase, (phase,))[0], rate, reward, seconds.get(phase, 0.0),
+                         peaks.get(phase)))
     prev = None
     for label, rate, reward, secs, peak in rows:
         table.add_row(label, f"{rate:.3f}", "" if reward is None else f"{reward:.3f}",
