@@ -277,6 +277,31 @@ class ChatContext:
             self._check_prefix()
         return ids
 
+    def append_reply_as_context(self, messages: Sequence[Message | dict[str, Any]]) -> list[int]:
+        """At a generation prompt, append an assistant reply that was not sampled here (a
+        harness's own rendering of one) and the messages after it, plus the generation prompt.
+
+        The reply's tokens are context, not an action: the template's rendering of
+        ``messages`` after an assistant turn, less the assistant header that the
+        generation prompt already put in the context. Returns the appended ids;
+        raises ``ValueError`` when the template does not open that turn with its
+        generation prompt (then there is no such cut).
+        """
+        new = _as_dicts(messages)
+        if not new or new[0]["role"] != "assistant" or (self.messages and self.messages[-1]["role"] == "assistant"):
+            raise ValueError("append_reply_as_context needs a generation prompt and an assistant message first")
+        tok, kw = self.tokenizer, self.template_kwargs
+        header = _render_text(tok, _BASE[:2], True, **kw)[len(_render_text(tok, _BASE[:2], False, **kw)):]
+        delta = self._render_delta(new)
+        if not header or not delta.startswith(header):
+            raise ValueError("the template does not open an assistant turn with its generation prompt")
+        ids = tok.encode(delta[len(header):], add_special_tokens=False)
+        self._append(ids)
+        self.messages += new
+        self._last_action = []
+        self._observations += 1
+        return ids
+
     def _check_prefix(self) -> None:
         """Compare the context with a full re-render; record and warn on a mismatch."""
         full = _render_text(self.tokenizer, self.messages, True, **self.template_kwargs)

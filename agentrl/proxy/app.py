@@ -55,7 +55,6 @@ since its text may turn out to be a tool call.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import hashlib
 import hmac
@@ -63,6 +62,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -71,7 +71,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentrl.chat import render_ids
 from agentrl.errors import ContextOverflowError, PolicyError
 from agentrl.httputil import (
     HTTPError,
@@ -85,15 +84,22 @@ from agentrl.policy.base import (
     GenerateResult,
     RequestControl,
     SamplingParams,
-    action_text,
     request_seed,
 )
 from agentrl.types import write_trees
 
-from . import replies
-from .messages import canonical_key, cut_at_stop, prompt_spec, response_message
+from .anthropic_api import ANTHROPIC_ERRORS, CountTokensRequest, MessagesWire
+from .handlers import (
+    ChatWire,
+    chat_endpoint,
+    completions_endpoint,
+    count_tokens_endpoint,
+    models_endpoint,
+)
+from .responses_api import ResponsesWire
 from .schemas import ChatRequest, CompletionRequest, ProxyConfig, RewardRequest, SessionRequest
-from .sessions import Plan, Session
+from .sessions import Session
+from .streaming import OPENAI_ERRORS, ErrorShape
 
 __all__ = ["HTTPError", "Proxy", "RunningServer", "create_app", "listen_socket", "serve",
            "serve_banner", "serve_in_thread"]
@@ -102,8 +108,11 @@ log = logging.getLogger("agentrl.proxy")
 
 
 def _bearer(request: Request) -> str | None:
+    """The credential: ``Authorization: Bearer KEY`` (OpenAI) or ``x-api-key: KEY`` (Anthropic)."""
     value = request.headers.get("authorization", "")
-    return value[7:].strip() if value[:7].lower() == "bearer " else None
+    if value[:7].lower() == "bearer ":
+        return value[7:].strip()
+    return request.headers.get("x-api-key") or None
 
 
 def _digest(key: str) -> str:
@@ -121,6 +130,8 @@ class Proxy:
         self._keys: dict[str, str] = {}  # sha256(api key) -> session id
         self._lock: asyncio.Lock | None = None  # serializes policies without agenerate
         self.in_flight = 0
+        # Responses ``store``: response id -> (session id, its conversation), oldest first
+        self.responses: OrderedDict[str, tuple[str | None, list[dict[str, Any]]]] = OrderedDict()
 
     # -- sessions, for in-process callers too ------------------------------------------
     def create_session(self, session_id: str | None = None, meta: dict[str, Any] | None = None,
@@ -137,6 +148,21 @@ class Proxy:
         self.sessions[sid] = session
         self._keys[_digest(session.api_key)] = sid
         return session
+
+    def store_response(self, response_id: str, session: Session | None, messages: list[dict[str, Any]]) -> None:
+        """Keep a Responses call's conversation (its input and reply) for ``previous_response_id``."""
+        self.responses[response_id] = (session.session_id if session else None, messages)
+        while len(self.responses) > self.cfg.max_stored_responses:
+            self.responses.popitem(last=False)
+
+    def stored_response(self, response_id: str, session: Session | None) -> list[dict[str, Any]]:
+        """The conversation a stored response ends; only its own session (or none) may name it."""
+        found = self.responses.get(response_id)
+        if found is None or found[0] != (session.session_id if session else None):
+            raise HTTPError(400, f"previous_response_id: no stored response {response_id!r} in this session "
+                            f"(the proxy keeps the last {self.cfg.max_stored_responses} with store: true)",
+                            param="previous_response_id")
+        return [dict(m) for m in found[1]]
 
     def drop_session(self, sid: str) -> None:
         session = self.sessions.pop(sid, None)
@@ -223,7 +249,8 @@ class Proxy:
             for t in tasks:  # one failed or we were cancelled: the rest are not wanted
                 t.cancel()
 
-    def max_new_tokens(self, prompt_len: int, asked: int | None, param: str) -> int:
+    def max_new_tokens(self, prompt_len: int, asked: int | None, param: str,
+                       max_param: str = "max_tokens") -> int:
         budget = self.cfg.max_context_tokens
         room = budget - prompt_len
         if room <= 0:
@@ -232,8 +259,8 @@ class Proxy:
         if asked is None:
             return min(self.cfg.default_max_tokens, room)
         if asked > room:
-            raise HTTPError(400, f"the prompt ({prompt_len} tokens) plus max_tokens ({asked}) is over "
-                            f"the context budget of {budget} tokens", param="max_tokens",
+            raise HTTPError(400, f"the prompt ({prompt_len} tokens) plus {max_param} ({asked}) is over "
+                            f"the context budget of {budget} tokens", param=max_param,
                             code="context_length_exceeded")
         return asked
 
@@ -255,323 +282,6 @@ class Proxy:
                 raise HTTPError(400, str(e)) from None
             out.append(GenerateRequest(list(prompt), params, RequestControl()))
         return out
-
-
-# -- the reply: generate (cancellable), stream, record, then send the rest -----------------
-async def _disconnected(receive: Callable[[], Awaitable[dict]]) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-# (results, the text each choice streamed live or None) -> (the body or the remaining events, version)
-Finish = Callable[[list[GenerateResult], "list[str | None] | None"], tuple[Any, int]]
-
-
-class _Live:
-    """The tokens a backend samples for a streamed call, from its thread to the reply's events.
-
-    ``hook(i)`` is choice i's ``RequestControl.on_token``: it appends on the
-    backend's thread and wakes the loop once per batch of tokens. ``events()``,
-    on the loop, turns what arrived into chunks through each choice's
-    ``TextStream``; ``chunk(i, text, first)`` writes them in the endpoint's shape.
-    """
-
-    def __init__(self, n: int, tokenizer: Any, stops: tuple[str, ...], keep_stop: bool,
-                 chunk: Callable[[int, str, bool], list[bytes]]):
-        self.loop = asyncio.get_running_loop()
-        self.ready = asyncio.Event()
-        self.texts = [replies.TextStream(tokenizer, stops, keep_stop) for _ in range(n)]
-        self.ids: list[list[int]] = [[] for _ in range(n)]
-        self.read = [0] * n
-        self.chunk = chunk
-        self.begun = [False] * n  # choice i's first chunk went out
-        self._wake_pending = False
-
-    def hook(self, i: int) -> Callable[[int], None]:
-        ids = self.ids[i]
-
-        def on_token(token_id: int) -> None:
-            ids.append(token_id)
-            if not self._wake_pending:
-                self._wake_pending = True
-                with contextlib.suppress(RuntimeError):  # the loop is closed: the server stopped
-                    self.loop.call_soon_threadsafe(self._wake)
-        return on_token
-
-    def _wake(self) -> None:
-        self._wake_pending = False
-        self.ready.set()
-
-    def events(self) -> list[bytes]:
-        out = []
-        for i, text in enumerate(self.texts):
-            end = len(self.ids[i])
-            new = text.push(self.ids[i][self.read[i]:end])
-            self.read[i] = end
-            if new:
-                out += self.chunk(i, new, not self.begun[i])
-                self.begun[i] = True
-        return out
-
-    def sent(self) -> list[str | None]:
-        """Per choice, the text already streamed; None where not even its first chunk went out."""
-        return [t.sent if b else None for t, b in zip(self.texts, self.begun, strict=True)]
-
-
-_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-
-
-class _Reply(Response):
-    """Samples when called and answers; cancels the sampling if the client leaves first.
-
-    Streamed with ``live``: chunks go out as tokens are sampled, and a client
-    that leaves mid-stream cancels the generation (nothing is recorded for the
-    call, as when it leaves before the first token). Otherwise, and for what
-    remains after a live stream, the choices are recorded before the bytes that
-    report them are sent, so a disconnect then loses nothing. Each batch of
-    events is one write, and no write follows a disconnect the loop has seen.
-    """
-
-    def __init__(self, proxy: Proxy, reqs: list[GenerateRequest], finish: Finish, stream: bool,
-                 on_cancel: Callable[[], None], on_end: Callable[[], None] = lambda: None,
-                 live: _Live | None = None):
-        self.proxy, self.reqs, self.finish, self.stream, self.on_cancel = proxy, reqs, finish, stream, on_cancel
-        self.on_end = on_end  # always, last: frees what a call that was not recorded held
-        self.live = live
-        self.background = None
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        try:
-            await self._reply(scope, receive, send)
-        finally:
-            self.on_end()
-
-    async def _reply(self, scope: dict, receive: Callable, send: Callable) -> None:
-        gen = asyncio.ensure_future(self.proxy.generate(self.reqs))
-        watch = asyncio.ensure_future(_disconnected(receive))
-        started, left = False, False
-        try:
-            if self.live is not None:
-                started = await self._stream_live(gen, watch, send)
-            else:
-                await asyncio.wait({gen, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not gen.done():
-                gen.cancel()  # cancelled() turns true only once the loop runs it: test our own flag
-                left = True
-                self.on_cancel()
-        if left:
-            return
-        try:
-            sent = self.live.sent() if self.live is not None and started else None
-            body, version = self.finish(gen.result(), sent)
-        except Exception as e:  # an HTTPError, or a backend or reply bug: answered, never a dead server
-            err = e if isinstance(e, HTTPError) else HTTPError(500, f"internal error: {type(e).__name__}: {e}")
-            if not isinstance(e, HTTPError):
-                log.exception("proxy generation failed")
-            if not started:
-                return await err.response()(scope, receive, send)
-            event = replies.sse({"error": {"message": err.message, "code": err.code}}) + replies.sse("[DONE]")
-            return await send({"type": "http.response.body", "body": event, "more_body": False})
-        headers = {"x-policy-version": str(version)}
-        if not self.stream:
-            return await JSONResponse(body, headers=headers)(scope, receive, send)
-        with contextlib.suppress(OSError):  # the client left: everything is recorded already
-            if not started:
-                await send({"type": "http.response.start", "status": 200, "headers": [
-                    *_SSE_HEADERS, (b"x-policy-version", str(version).encode())]})
-            await send({"type": "http.response.body", "body": b"".join(body), "more_body": False})
-
-    async def _stream_live(self, gen: asyncio.Future, watch: asyncio.Future, send: Callable) -> bool:
-        """Send chunks as tokens arrive, until the generation ends or the client leaves;
-        whether the response started."""
-        live, started = self.live, False
-        assert live is not None
-        while True:
-            ready = asyncio.ensure_future(live.ready.wait())
-            try:
-                await asyncio.wait({gen, watch, ready}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                ready.cancel()
-            if gen.done() or watch.done():
-                return started
-            live.ready.clear()
-            events = live.events()
-            if not events:
-                continue
-            try:
-                if not started:
-                    await send({"type": "http.response.start", "status": 200, "headers": [
-                        *_SSE_HEADERS, (b"x-policy-version", str(self.proxy.policy.version).encode())]})
-                    started = True
-                await send({"type": "http.response.body", "body": b"".join(events), "more_body": True})
-            except OSError:  # the client left: the caller cancels the generation
-                return started
-
-
-# -- handlers -----------------------------------------------------------------------------
-def _chat(proxy: Proxy) -> Callable[[Request], Awaitable[Response]]:
-    async def chat(request: Request) -> Response:
-        t0 = time.perf_counter()
-        session = proxy.resolve(request)
-        req: ChatRequest = await read_json(request, ChatRequest, proxy.cfg.max_request_bytes)
-        if session is not None and session.closed:
-            raise HTTPError(409, f"session {session.session_id!r} is closed")
-        spec = prompt_spec(req, proxy.tokenizer, proxy.cfg.tool_call_style)
-        plan = _render(lambda: session.plan_chat(spec, proxy.tokenizer) if session else Plan(
-            "chat", render_ids(proxy.tokenizer, spec.template, True, **spec.template_kwargs), None, []))
-        max_new = proxy.max_new_tokens(len(plan.prompt_ids), req.max_tokens, "messages")
-        top = (req.top_logprobs or 0) if req.logprobs else 0
-        call_id = f"chatcmpl-{secrets.token_hex(12)}"
-        release = _release(session, call_id)
-        try:
-            reqs = proxy.requests(plan.prompt_ids, req, max_new, top, session, call_id)
-        except BaseException:  # a bad request holds no streams
-            release()
-            raise
-        t1 = time.perf_counter()
-        stops, created = req.stops(), int(time.time())
-
-        def finish(results: list[GenerateResult], sent: list[str | None] | None) -> tuple[Any, int]:
-            choices = []
-            for i, res in enumerate(results):
-                text = cut_at_stop(action_text(proxy.tokenizer, res.token_ids, stops), stops,
-                                   req.include_stop_str_in_output)
-                msg, called = response_message(text, spec.parse_tools)
-                choices.append(replies.Choice(i, res, plan.prompt_ids, text, msg,
-                                              replies.finish_reason(res, called)))
-            reused = len(plan.prompt_ids) - len(plan.context_ids) if session else 0
-            if session is not None:
-                timing = {"render_s": t1 - t0, "generate_s": time.perf_counter() - t1, "time": time.time()}
-                try:
-                    session.record(plan, call_id, results, [c.text for c in choices],
-                                   [canonical_key(c.message) for c in choices], timing)  # type: ignore[arg-type]
-                finally:  # once recording began, freeing the stream could sample a recorded one again
-                    session.keep_streams(call_id)
-            opts = req.model_dump(include={"logprobs", "top_logprobs", "return_token_ids", "stream_options"})
-            args = (call_id, proxy.cfg.served_model_name, choices, plan.prompt_ids, reused, opts, proxy.tokenizer)
-            body = replies.chat_chunks(*args, sent, created) if req.stream else replies.chat_body(*args)
-            return body, min(r.version for r in results)
-
-        live = None
-        if req.stream and not spec.parse_tools:  # a reply that may hold tool calls is parsed whole first
-            def chunk(i: int, text: str, first: bool) -> list[bytes]:
-                delta = replies.chat_chunk(call_id, proxy.cfg.served_model_name, created, i, {"content": text})
-                head = replies.chat_chunk(call_id, proxy.cfg.served_model_name, created, i,
-                                          {"role": "assistant", "content": ""})
-                return [head, delta] if first else [delta]
-
-            live = _live(reqs, proxy.tokenizer, stops, req.include_stop_str_in_output, chunk)
-        return _Reply(proxy, reqs, finish, req.stream, _cancelled(session, call_id), release, live)
-
-    return chat
-
-
-def _completions(proxy: Proxy) -> Callable[[Request], Awaitable[Response]]:
-    async def completions(request: Request) -> Response:
-        t0 = time.perf_counter()
-        session = proxy.resolve(request)
-        req: CompletionRequest = await read_json(request, CompletionRequest, proxy.cfg.max_request_bytes)
-        if session is not None and session.closed:
-            raise HTTPError(409, f"session {session.session_id!r} is closed")
-        vocab = len(proxy.tokenizer)
-        prompts = []
-        for p in req.prompts():
-            ids = proxy.tokenizer.encode(p) if isinstance(p, str) else p
-            if any(not 0 <= t < vocab for t in ids):
-                raise HTTPError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
-            prompts.append(ids)
-        plans = [session.plan_tokens(p) if session else Plan("completion", p, None, p) for p in prompts]
-        call_id = f"cmpl-{secrets.token_hex(12)}"
-        release = _release(session, call_id)
-        reqs = []
-        try:
-            for plan in plans:
-                max_new = proxy.max_new_tokens(len(plan.prompt_ids), req.max_tokens, "prompt")
-                reqs += proxy.requests(plan.prompt_ids, req, max_new, req.logprobs or 0, session, call_id)
-        except BaseException:  # a bad request holds no streams
-            release()
-            raise
-        t1 = time.perf_counter()
-        stops, created = req.stops(), int(time.time())
-
-        def finish(results: list[GenerateResult], sent: list[str | None] | None) -> tuple[Any, int]:
-            choices = []
-            for i, res in enumerate(results):
-                plan = plans[i // req.n]
-                text = cut_at_stop(action_text(proxy.tokenizer, res.token_ids, stops), stops,
-                                   req.include_stop_str_in_output)
-                choices.append(replies.Choice(i, res, plan.prompt_ids, text, None, replies.finish_reason(res)))
-            if session is not None:
-                timing = {"render_s": t1 - t0, "generate_s": time.perf_counter() - t1, "time": time.time()}
-                try:
-                    for k, plan in enumerate(plans):
-                        part = choices[k * req.n:(k + 1) * req.n]
-                        cid = call_id if len(plans) == 1 else f"{call_id}-{k}"
-                        session.record(plan, cid, [c.result for c in part], [c.text for c in part], [], timing)
-                finally:  # once recording began, freeing the streams could sample a recorded one again
-                    session.keep_streams(call_id)
-            reused = sum(len(p.prompt_ids) - len(p.context_ids) for p in plans) if session else 0
-            opts = req.model_dump(include={"logprobs", "return_tokens_as_token_ids", "return_token_ids",
-                                           "stream_options"})
-            args = (call_id, proxy.cfg.served_model_name, choices, prompts, reused, opts, proxy.tokenizer)
-            body = replies.completion_chunks(*args, sent, created) if req.stream else replies.completion_body(*args)
-            return body, min(r.version for r in results)
-
-        live = None
-        if req.stream:
-            def chunk(i: int, text: str, first: bool) -> list[bytes]:
-                return [replies.completion_chunk(call_id, proxy.cfg.served_model_name, created, i, text)]
-
-            live = _live(reqs, proxy.tokenizer, stops, req.include_stop_str_in_output, chunk)
-        return _Reply(proxy, reqs, finish, req.stream, _cancelled(session, call_id), release, live)
-
-    return completions
-
-
-def _live(reqs: list[GenerateRequest], tokenizer: Any, stops: tuple[str, ...], keep_stop: bool,
-          chunk: Callable[[int, str, bool], list[bytes]]) -> _Live:
-    """A ``_Live`` whose hooks are the requests' ``on_token`` (choice i is request i)."""
-    live = _Live(len(reqs), tokenizer, stops, keep_stop, chunk)
-    for i, r in enumerate(reqs):
-        assert r.control is not None  # ``Proxy.requests`` gives each one
-        r.control.on_token = live.hook(i)
-    return live
-
-
-def _render(plan: Callable[[], Plan]) -> Plan:
-    """Render a chat prompt; a template that refuses the messages is the client's 400."""
-    from jinja2.exceptions import TemplateError
-
-    try:
-        return plan()
-    except TemplateError as e:
-        raise HTTPError(400, f"messages: the chat template cannot render them: {e}", param="messages") from e
-
-
-def _release(session: Session | None, call_id: str) -> Callable[[], None]:
-    """Frees a seeded session's streams held for a call that ends unrecorded (see ``Session.call_seed``)."""
-    def release() -> None:
-        if session is not None:
-            session.release_streams(call_id)
-    return release
-
-
-def _cancelled(session: Session | None, call_id: str) -> Callable[[], None]:
-    def note() -> None:
-        if session is not None:
-            session.record_cancelled(call_id, "client disconnected before the generation finished")
-    return note
-
-
-def _models(proxy: Proxy) -> Callable[[Request], Awaitable[Response]]:
-    async def models(request: Request) -> Response:
-        proxy.resolve(request)
-        return JSONResponse({"object": "list", "data": [{
-            "id": proxy.cfg.served_model_name, "object": "model", "created": 0, "owned_by": "agentrl",
-            "max_model_len": proxy.cfg.max_context_tokens}]})
-    return models
 
 
 def _session_routes(proxy: Proxy) -> list[Route]:
@@ -631,16 +341,22 @@ def _own(proxy: Proxy, request: Request) -> Session:
     return session
 
 
-def _guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+def _guarded(handler: Callable[[Request], Awaitable[Response]],
+             errors: ErrorShape = OPENAI_ERRORS) -> Callable[[Request], Awaitable[Response]]:
     async def run(request: Request) -> Response:
         try:
             return await handler(request)
         except HTTPError as e:
-            return e.response()
+            return errors.response(e)
         except Exception as e:  # a bug here must not take the server down
             log.exception("proxy handler failed")
-            return HTTPError(500, f"internal error: {type(e).__name__}: {e}").response()
+            return errors.response(HTTPError(500, f"internal error: {type(e).__name__}: {e}"))
     return run
+
+
+def _errors_for(path: str) -> ErrorShape:
+    """The error shape of the protocol a path belongs to (for the gate's 413 and 503)."""
+    return ANTHROPIC_ERRORS if path.endswith(("/v1/messages", "/v1/messages/count_tokens")) else OPENAI_ERRORS
 
 
 class _Gate:
@@ -662,17 +378,18 @@ class _Gate:
                 message = {**message, "headers": headers}
             await send(message)
 
+        errors = _errors_for(scope.get("path", ""))
         if declared_too_large(scope, cfg.max_request_bytes):
-            return await HTTPError(413, f"request body over {cfg.max_request_bytes} bytes").response()(
+            return await errors.response(HTTPError(413, f"request body over {cfg.max_request_bytes} bytes"))(
                 scope, receive, send_versioned)
         if proxy.in_flight >= cfg.max_concurrent:
-            return await HTTPError(503, f"{cfg.max_concurrent} requests in flight; retry later",
-                                   headers={"Retry-After": str(cfg.retry_after_s)}).response()(
+            return await errors.response(HTTPError(503, f"{cfg.max_concurrent} requests in flight; retry later",
+                                                   headers={"Retry-After": str(cfg.retry_after_s)}))(
                 scope, receive, send_versioned)
         proxy.in_flight += 1
         try:
             if await call_with_body_limit(self.app, scope, receive, send_versioned, cfg.max_request_bytes):
-                await HTTPError(413, f"request body over {cfg.max_request_bytes} bytes").response()(
+                await errors.response(HTTPError(413, f"request body over {cfg.max_request_bytes} bytes"))(
                     scope, receive, send_versioned)
         finally:
             proxy.in_flight -= 1
@@ -681,10 +398,15 @@ class _Gate:
 def create_app(policy: Any, config: ProxyConfig | None = None) -> Any:
     """The proxy's ASGI app; ``app.proxy`` is its ``Proxy`` (sessions, config)."""
     proxy = Proxy(policy, config)
-    api = [("/v1/chat/completions", _chat(proxy), "POST"), ("/v1/completions", _completions(proxy), "POST"),
-           ("/v1/models", _models(proxy), "GET")]
-    routes = [Route(p, _guarded(h), methods=[m]) for p, h, m in api]
-    routes += [Route("/sessions/{sid}" + p, _guarded(h), methods=[m]) for p, h, m in api]
+    messages = MessagesWire()
+    api = [("/v1/chat/completions", chat_endpoint(proxy, ChatWire()), "POST", OPENAI_ERRORS),
+           ("/v1/responses", chat_endpoint(proxy, ResponsesWire()), "POST", ResponsesWire.errors),
+           ("/v1/messages", chat_endpoint(proxy, messages), "POST", ANTHROPIC_ERRORS),
+           ("/v1/messages/count_tokens", count_tokens_endpoint(proxy, messages, CountTokensRequest), "POST", ANTHROPIC_ERRORS),
+           ("/v1/completions", completions_endpoint(proxy), "POST", OPENAI_ERRORS),
+           ("/v1/models", models_endpoint(proxy), "GET", OPENAI_ERRORS)]
+    routes = [Route(p, _guarded(h, e), methods=[m]) for p, h, m, e in api]
+    routes += [Route("/sessions/{sid}" + p, _guarded(h, e), methods=[m]) for p, h, m, e in api]
     routes += [Route(r.path, _guarded(r.endpoint), methods=list(r.methods or ())) for r in _session_routes(proxy)]
 
     async def health(_: Request) -> Response:

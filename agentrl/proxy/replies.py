@@ -23,7 +23,7 @@ from typing import Any
 
 from agentrl.policy.base import GenerateResult
 
-from .messages import cut_at_stop
+from .conversation import cut_at_stop
 
 log = logging.getLogger("agentrl.proxy")
 

@@ -1,7 +1,7 @@
 """Wire schemas of the proxy: the server config and the OpenAI request bodies (pydantic).
 
 Requests ignore fields they do not know (harnesses send ``user``, ``metadata``,
-``parallel_tool_calls`` ...), but a known field whose value would change what
+``store`` ...), but a known field whose value would change what
 is sampled and that the proxy cannot honour (penalties, ``logit_bias``,
 a JSON ``response_format``, ``echo``) is refused with a 400 that names it,
 never silently dropped.
@@ -51,6 +51,9 @@ class ProxyConfig(BaseModel):
     auto_create_sessions: bool = Field(
         False, description="A call to an unknown /sessions/{id} creates it instead of a 404.")
     out: str | None = Field(None, description="JSONL file each closed session's tree is appended to.")
+    max_stored_responses: int = Field(
+        4096, ge=0, description="Responses calls with store: true whose conversation is kept for "
+        "previous_response_id; the oldest is dropped first.")
 
 
 # -- chat ------------------------------------------------------------------------------
@@ -170,6 +173,8 @@ class ChatRequest(_Sampling):
     tools: list[ToolIn] | None = Field(None, description="Tools the model may call.")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="auto (default with tools), none, required or a named tool.")
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: the reply returns at most one tool call (the first the model wrote).")
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens.")
     logprobs: bool = Field(False, description="Return the sampled tokens' logprobs.")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="Alternatives per token.")

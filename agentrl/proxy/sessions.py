@@ -13,7 +13,15 @@ Where a call hangs (``plan_chat``, ``plan_tokens``):
   by ``messages.canonical_key``. The prompt is that choice's tokens plus the
   template rendering of the new messages only (``ChatContext.append_observation``).
   A call whose messages equal an earlier call's reuses that call's prompt. No
-  match: a new root, rendered whole.
+  match: a new root, rendered whole. Every protocol's request arrives here as
+  the same internal conversation (``conversation.py``), so a session may mix
+  Chat Completions, Responses and Anthropic Messages calls.
+- a reply sent back in the harness's own shape: an assistant message that
+  carries exactly the tool-call ids the proxy issued for one recorded choice
+  (as ``tool_calls``, Responses ``function_call`` items or Anthropic
+  ``tool_use`` blocks) is keyed as that choice's reply, whatever its text and
+  whitespace. The recorded tokens stand, and the chain stays one token-exact
+  path.
 - completions: the deepest node whose path tokens start the token prompt.
 
 A call whose parent already has children starts a branch (``branch_info``):
@@ -24,6 +32,13 @@ A call whose parent already has children starts a branch (``branch_info``):
 - ``compaction``: the history got shorter (dropped or summarized messages),
   e.g. ``[system, summary]`` after some turns;
 - ``tools_changed``: the same messages under different tools;
+- ``rerendered``: the history sends a recorded reply back in another form
+  than the one returned (its calls written out as text, with their ids or
+  their names and arguments, or its whitespace reformatted;
+  ``conversation.rerendering``). The call is recorded on the tokens the model
+  is shown, the harness's rendering: a branch beside the recorded reply, from
+  the same prompt, whose context holds that rendering. ``info["branch"]["by"]``
+  says how the reply was recognised;
 - ``divergence``: anything else, e.g. a sub-agent with its own system prompt,
   or a token prompt that leaves the recorded path.
 
@@ -38,17 +53,19 @@ history): they are marked ``truncated`` with ``info["abandoned"] = True``, and
 keep reward 0 unless a reward is set on their call.
 
 A compaction is different: the harness did not leave the path it compacted,
-it went on from the state that path produced, in fewer tokens. So the
-compacted path's leaf (the choices of the call the compaction branched from,
-``branch["continues"]``) is not abandoned. It carries ``info["continued_by"]``
+it went on from the state that path produced, in fewer tokens; so is a
+re-rendering, where it went on from the recorded reply shown in its own
+words. So the compacted path's leaf (the choices of the call the compaction
+branched from, or the re-rendered choice: ``branch["continues"]``) is not
+abandoned. It carries ``info["continued_by"]``
 (the compacting call's id), and the session's reward (``set_reward`` without a
 ``call_id``) goes to it as well as to the last call's choices, with the same
 ``terminated``/``truncated``, transitively over repeated compactions. Credit
 then treats every path that led to the final one as an episode with the
-session's outcome: in harness training, the turns before a compaction are
-trained toward the reward they earned instead of toward 0. A compacting
-session thus adds one episode per compaction to its group, each with the
-same return.
+session's outcome: in harness training, the turns before a compaction or a
+re-rendering are trained toward the reward they earned instead of toward 0.
+Such a session thus adds one episode per compaction or re-rendered reply to
+its group, each with the same return.
 """
 
 from __future__ import annotations
@@ -64,9 +81,13 @@ from agentrl.chat import ChatContext
 from agentrl.policy.base import GenerateResult, request_seed
 from agentrl.types import Node, RolloutTree
 
-from .messages import PromptSpec, chain_keys
+from .conversation import PromptSpec, canonical, chain_keys, key_of, rerendering
 
 __all__ = ["Call", "Plan", "Session"]
+
+# Branches whose harness went on from the state the earlier path produced: that path is not
+# abandoned, and the session's reward reaches it (see the module docstring).
+_CONTINUING = ("compaction", "rerendered")
 
 
 @dataclass(slots=True)
@@ -82,6 +103,7 @@ class Plan:
     chain: list[str] = field(default_factory=list)
     render_key: str = ""
     new_messages: list[dict[str, Any]] = field(default_factory=list)
+    rerendered: dict[str, Any] | None = None  # the recorded reply the history re-renders
 
 
 @dataclass(slots=True)
@@ -101,12 +123,16 @@ class Call:
     render_key: str
     reply_keys: list[str]
     ctx: ChatContext | None
+    replies: list[dict[str, Any]] = field(default_factory=list)  # canonical reply messages
+    issued: list[tuple[str, ...]] = field(default_factory=list)  # tool-call ids issued per choice
+    model: str = ""
+    api: str = ""
 
     def summary(self) -> dict[str, Any]:
         return {"call_id": self.call_id, "kind": self.kind, "prompt_tokens": len(self.prompt_ids),
                 "reused_tokens": len(self.prompt_ids) - len(self.context_ids),
                 "nodes": self.node_ids, "version": self.version, "timing": self.timing,
-                "branch": self.branch}
+                "branch": self.branch, "api": self.api, "model": self.model}
 
 
 def _prompt_digest(ids: list[int]) -> int:
@@ -132,6 +158,8 @@ class Session:
         self.reward: float | None = None
         self._by_prompt: dict[str, Call] = {}  # chain key of a call's messages
         self._by_conv: dict[str, tuple[Call, int]] = {}  # chain key of messages + reply -> choice
+        self._issued: dict[str, tuple[Call, int]] = {}  # tool-call id the proxy issued -> its choice
+        self.ignored: dict[str, int] = {}  # request parts the proxy ignored, by name (see ``note_ignored``)
         self.seed = seed
         if seed is not None:
             self.tree.meta["session_seed"] = seed
@@ -168,30 +196,71 @@ class Session:
 
     # -- planning ------------------------------------------------------------------------
     def plan_chat(self, spec: PromptSpec, tokenizer: Any) -> Plan:
-        chain = chain_keys(spec.render_key, spec.keys)
-        plan = Plan("chat", [], None, [], keys=spec.keys, chain=chain, render_key=spec.render_key)
+        keys = self._known_replies(spec)
+        chain = chain_keys(spec.render_key, keys)
+        plan = Plan("chat", [], None, [], keys=keys, chain=chain, render_key=spec.render_key)
         same = self._by_prompt.get(chain[-1])
         if same is not None:  # a retry: reuse the recorded prompt as it is
             plan.prompt_ids, plan.parent, plan.context_ids = same.prompt_ids, same.parent, same.context_ids
             plan.ctx = same.ctx
             return plan
-        offset = len(spec.template) - len(spec.keys)  # a system message added for tools
+        offset = len(spec.template) - len(keys)  # a system message added for tools
         for k in range(len(chain) - 1, 0, -1):
             hit = self._by_conv.get(chain[k - 1])
-            if hit is None:
-                continue
-            call, choice = hit
-            node = self.tree.nodes[call.node_ids[choice]]
-            assert call.ctx is not None
-            ctx = call.ctx.fork()
-            ctx.append_action(node.action_ids, node.logprobs)
-            plan.new_messages = spec.template[k + offset:]
-            plan.context_ids = ctx.append_observation(plan.new_messages)
-            plan.parent, plan.ctx, plan.prompt_ids = node.id, ctx, ctx.ids
-            return plan
+            if hit is not None:  # messages[:k] are a recorded call's and its reply: go on from there
+                call, choice = hit
+                node = self.tree.nodes[call.node_ids[choice]]
+                assert call.ctx is not None
+                ctx = call.ctx.fork()
+                ctx.append_action(node.action_ids, node.logprobs)
+                plan.new_messages = spec.template[k + offset:]
+                plan.context_ids = ctx.append_observation(plan.new_messages)
+                plan.parent, plan.ctx, plan.prompt_ids = node.id, ctx, ctx.ids
+                return plan
+            prompted = self._by_prompt.get(chain[k - 1])
+            if prompted is not None and self._plan_rerendered(plan, prompted, spec, k, offset):
+                return plan
         ctx = ChatContext(tokenizer, spec.template, check_prefix=self.check_prefix, **spec.template_kwargs)
         plan.ctx, plan.prompt_ids, plan.context_ids = ctx, ctx.ids, list(ctx.ids)
         return plan
+
+    def _known_replies(self, spec: PromptSpec) -> list[str]:
+        """The history's keys, where an assistant message carrying exactly the tool-call ids the
+        proxy issued for one recorded choice is keyed as that reply: the harness sent the reply
+        back in its own shape (items, blocks, reformatted text), and the recorded tokens stand."""
+        keys = list(spec.keys)
+        for j, ids in enumerate(spec.call_ids):
+            hits = [self._issued.get(i) for i in ids]
+            if not hits or any(h is None or h != hits[0] for h in hits):
+                continue
+            call, choice = hits[0]  # type: ignore[misc]
+            if set(ids) == set(call.issued[choice]):
+                keys[j] = call.reply_keys[choice]
+        return keys
+
+    def _plan_rerendered(self, plan: Plan, call: Call, spec: PromptSpec, k: int, offset: int) -> bool:
+        """Plan a call whose messages[:k] are ``call``'s and whose messages[k] re-renders one of
+        its replies: a branch beside that reply, on the harness's rendering of it (what the
+        model is shown). False (nothing planned) when messages[k] is no such reply."""
+        if k >= len(spec.canon) or call.ctx is None:
+            return False
+        msg = {**spec.canon[k], "ids": spec.call_ids[k]}
+        for choice, reply in enumerate(call.replies):
+            how = rerendering(msg, reply, call.issued[choice])
+            if how is None:
+                continue
+            ctx = call.ctx.fork()
+            try:
+                added = ctx.append_reply_as_context(spec.template[k + offset:])
+            except ValueError:  # the template cannot cut a reply out: the call gets its own root
+                return False
+            node = call.node_ids[choice]
+            plan.rerendered = {"from_call": call.call_id, "choice": choice, "by": how, "continues": [node]}
+            plan.new_messages = spec.template[k + offset:]
+            plan.parent, plan.ctx, plan.prompt_ids = call.parent, ctx, ctx.ids
+            plan.context_ids = call.context_ids + added
+            return True
+        return False
 
     def plan_tokens(self, prompt_ids: list[int]) -> Plan:
         parent, pos = self._deepest_prefix(prompt_ids)
@@ -217,8 +286,14 @@ class Session:
 
     # -- recording -----------------------------------------------------------------------
     def record(self, plan: Plan, call_id: str, results: list[GenerateResult], texts: list[str],
-               reply_keys: list[str], timing: dict[str, float]) -> Call:
-        """Add one node per choice under the plan's parent; returns the call."""
+               replies: list[dict[str, Any]], timing: dict[str, float], model: str = "",
+               api: str = "chat") -> Call:
+        """Add one node per choice under the plan's parent; returns the call.
+
+        ``replies`` are the assistant messages returned for a chat call's choices
+        (none for completions); ``model`` the name the harness asked for and
+        ``api`` the wire protocol, both kept in each node's ``info``.
+        """
         siblings = self.tree.roots if plan.parent is None else self.tree.nodes[plan.parent].children
         branch = self.branch_info(plan, siblings) if siblings else None
         context = next((self.tree.nodes[s].context_ids for s in siblings
@@ -230,25 +305,38 @@ class Session:
         ids = []
         for i, (res, text) in enumerate(zip(results, texts, strict=True)):
             info: dict[str, Any] = {"call_id": call_id, "choice": i, "timing": timing,
-                                    "cached_tokens": res.cached_tokens}
+                                    "cached_tokens": res.cached_tokens, "api": api}
+            if model:
+                info["model"] = model
             if branch is not None and i == 0:
                 info["branch"] = branch
             node = Node(context_ids=context, action_ids=list(res.token_ids), logprobs=list(res.logprobs),
                         entropies=list(res.entropies), version=res.version, action_text=text,
                         finish_reason=res.finish_reason, info=info)
             ids.append(self.tree.add(node, plan.parent).id)
+        canon = [canonical(r) for r in replies]
+        issued = [tuple(c.get("id") or "" for c in r.get("tool_calls") or ()) for r in replies]
         call = Call(call_id, plan.kind, plan.prompt_ids, plan.parent, context, ids,
                     min(r.version for r in results), timing, branch, plan.keys, plan.render_key,
-                    reply_keys, plan.ctx)
+                    [key_of(c) for c in canon], plan.ctx, canon, issued, model, api)
         self.calls.append(call)
         self.by_id[call_id] = call
         if branch is not None:
             self.branches.append({"call_id": call_id, **branch})
         if plan.kind == "chat":
             self._by_prompt.setdefault(plan.chain[-1], call)
-            for i, key in enumerate(reply_keys):
+            for i, key in enumerate(call.reply_keys):
                 self._by_conv[chain_keys(plan.chain[-1], [key])[0]] = (call, i)
+                for tool_call_id in issued[i]:
+                    if tool_call_id:
+                        self._issued[tool_call_id] = (call, i)
         return call
+
+    def note_ignored(self, parts: list[str]) -> None:
+        """Count request parts the proxy accepted but ignored (``thinking``, reasoning items,
+        hosted tools); the tree's ``meta["ignored"]`` reports them."""
+        for p in parts:
+            self.ignored[p] = self.ignored.get(p, 0) + 1
 
     def branch_info(self, plan: Plan, siblings: list[int]) -> dict[str, Any]:
         """Why a call that starts a new branch under ``plan.parent`` does so, and where."""
@@ -257,6 +345,8 @@ class Session:
         same = next((s for s in siblings if self.tree.nodes[s].context_ids == plan.context_ids), None)
         if same is not None:
             return {"reason": "retry", **info, "from_call": self.tree.nodes[same].info.get("call_id")}
+        if plan.rerendered is not None:
+            return {"reason": "rerendered", **info, **plan.rerendered}
         chats = [c for c in self.calls if c.kind == "chat"]
         if plan.kind != "chat" or not chats:
             return {"reason": "divergence", **info}
@@ -317,7 +407,7 @@ class Session:
         while todo:
             for node in self.tree.path(todo.pop()):
                 call = self.by_id.get(node.info.get("call_id", ""))
-                if call is None or call.branch is None or call.branch["reason"] != "compaction":
+                if call is None or call.branch is None or call.branch["reason"] not in _CONTINUING:
                     continue
                 for leaf in call.branch["continues"]:
                     if leaf not in out and not self.tree.nodes[leaf].children:  # else the path went on
@@ -337,7 +427,7 @@ class Session:
                 leaf.info["abandoned"] = True
         self.tree.meta.update(
             session_id=self.session_id, calls=len(self.calls), branches=self.branches,
-            reward=self.reward, cancelled_calls=len(self.cancelled),
+            reward=self.reward, cancelled_calls=len(self.cancelled), ignored=dict(self.ignored),
             template_mismatches=sum(len(c.ctx.mismatches) for c in self.calls if c.ctx is not None),
         )
         return self.tree

@@ -16,7 +16,7 @@ import pytest
 
 from agentrl.policy import GenerateResult
 from agentrl.policy.base import action_text
-from agentrl.proxy.messages import cut_at_stop
+from agentrl.proxy.conversation import cut_at_stop
 from agentrl.proxy.replies import TextStream
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

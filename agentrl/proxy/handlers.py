@@ -1,0 +1,328 @@
+"""The sampling endpoints: one handler for every chat-shaped protocol, one for token prompts.
+
+A chat-shaped call, whatever its wire protocol (``Wire``), goes the same way:
+
+1. the wire reads its body into the internal conversation (``Conversation``:
+   a ``ChatRequest``, the parts it ignored, and its own state);
+2. ``prompt_spec`` renders it and the session plans where it hangs
+   (``Session.plan_chat``): the same code for every protocol;
+3. the policy samples (``streaming.Reply``), each choice's text is cut at the
+   stop strings and parsed for tool calls (``response_message``);
+4. the session records it (``Session.record``), then the wire writes the
+   reply (``Wire.body`` or ``Wire.events``) from the same ``Out``.
+
+Only steps 1 and 4's writing differ between Chat Completions (``ChatWire``,
+here), Responses (``responses_api.ResponsesWire``) and Anthropic Messages
+(``anthropic_api.MessagesWire``).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from agentrl.chat import render_ids
+from agentrl.httputil import HTTPError, read_json
+from agentrl.policy.base import GenerateResult, action_text
+
+from . import replies
+from .conversation import PromptSpec, cut_at_stop, prompt_spec, response_message
+from .schemas import ChatRequest, CompletionRequest
+from .sessions import Plan, Session
+from .streaming import OPENAI_ERRORS, ErrorShape, Reply, live_for
+
+if TYPE_CHECKING:
+    from .app import Proxy
+
+__all__ = ["ChatWire", "Conversation", "Out", "Wire", "chat_endpoint", "completions_endpoint",
+           "count_tokens_endpoint", "internal_request", "models_endpoint", "render_plan"]
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(slots=True)
+class Conversation:
+    """A chat-shaped request as the shared path sees it: the internal conversation
+    (``chat``: messages, tool calls with their ids, tool results, tools, sampling),
+    the request parts the proxy ignored, and what its wire keeps for the reply."""
+
+    chat: ChatRequest
+    ignored: list[str] = field(default_factory=list)
+    state: Any = None
+
+
+@dataclass(slots=True)
+class Out:
+    """One sampled call, for its wire to write: recorded already when it has a session."""
+
+    call_id: str
+    model: str
+    created: int
+    choices: list[replies.Choice]
+    prompt_ids: list[int]
+    reused: int
+    conv: Conversation
+    body: Any  # the wire's own request model
+    tokenizer: Any
+    session: Session | None = None
+
+
+def internal_request(fields: dict[str, Any]) -> ChatRequest:
+    """The internal conversation from a wire's translation; what it cannot hold is a 400."""
+    from pydantic import ValidationError
+
+    try:
+        return ChatRequest.model_validate(fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise HTTPError(400, f"the request translates to no valid conversation: {where}: {err['msg']}",
+                        param=where or None) from None
+
+
+class Wire:
+    """One wire protocol of chat-shaped calls: how its body becomes a ``Conversation`` and
+    how an ``Out`` is written back. Subclasses set the class attributes and the methods."""
+
+    api: ClassVar[str]
+    schema: ClassVar[type[BaseModel]]
+    call_prefix: ClassVar[str]  # the call (response) id's prefix
+    tool_prefix: ClassVar[str] = "call_"  # the tool-call ids' prefix
+    prompt_param: ClassVar[str] = "messages"
+    max_tokens_param: ClassVar[str] = "max_tokens"
+    errors: ClassVar[ErrorShape] = OPENAI_ERRORS
+
+    def conversation(self, body: Any, proxy: Proxy, session: Session | None) -> Conversation:
+        raise NotImplementedError
+
+    def body(self, out: Out) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def events(self, out: Out, sent: list[str | None] | None) -> list[bytes]:
+        raise NotImplementedError
+
+    def live_chunk(self, out: Out) -> Callable[[int, str, bool], list[bytes]]:
+        """Writes streamed text as it is sampled (``out`` has no choices yet)."""
+        raise NotImplementedError
+
+    def recorded(self, out: Out, proxy: Proxy) -> None:
+        """After the call is recorded, before it is written (Responses keeps what ``store`` asks)."""
+
+
+class ChatWire(Wire):
+    """OpenAI Chat Completions: the internal conversation as it is."""
+
+    api, schema, call_prefix = "chat", ChatRequest, "chatcmpl-"
+
+    def conversation(self, body: ChatRequest, proxy: Proxy, session: Session | None) -> Conversation:
+        return Conversation(body)
+
+    def _args(self, out: Out) -> tuple[Any, ...]:
+        opts = out.body.model_dump(include={"logprobs", "top_logprobs", "return_token_ids", "stream_options"})
+        return (out.call_id, out.model, out.choices, out.prompt_ids, out.reused, opts, out.tokenizer)
+
+    def body(self, out: Out) -> dict[str, Any]:
+        return replies.chat_body(*self._args(out))
+
+    def events(self, out: Out, sent: list[str | None] | None) -> list[bytes]:
+        return replies.chat_chunks(*self._args(out), sent, out.created)
+
+    def live_chunk(self, out: Out) -> Callable[[int, str, bool], list[bytes]]:
+        def chunk(i: int, text: str, first: bool) -> list[bytes]:
+            delta = replies.chat_chunk(out.call_id, out.model, out.created, i, {"content": text})
+            if not first:
+                return [delta]
+            return [replies.chat_chunk(out.call_id, out.model, out.created, i,
+                                       {"role": "assistant", "content": ""}), delta]
+        return chunk
+
+
+def render_plan(proxy: Proxy, session: Session | None, spec: PromptSpec, param: str) -> Plan:
+    """Where a chat call hangs and its prompt; a template that refuses the messages is a 400."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        if session is not None:
+            return session.plan_chat(spec, proxy.tokenizer)
+        return Plan("chat", render_ids(proxy.tokenizer, spec.template, True, **spec.template_kwargs), None, [])
+    except TemplateError as e:
+        raise HTTPError(400, f"{param}: the chat template cannot render them: {e}", param=param) from e
+
+
+def _check_open(session: Session | None) -> None:
+    if session is not None and session.closed:
+        raise HTTPError(409, f"session {session.session_id!r} is closed")
+
+
+def chat_endpoint(proxy: Proxy, wire: Wire) -> Handler:
+    """The handler of one chat-shaped protocol (see the module docstring)."""
+
+    async def handle(request: Request) -> Response:
+        t0 = time.perf_counter()
+        session = proxy.resolve(request)
+        body = await read_json(request, wire.schema, proxy.cfg.max_request_bytes)
+        _check_open(session)
+        conv = wire.conversation(body, proxy, session)
+        req = conv.chat
+        if session is not None and conv.ignored:
+            session.note_ignored(conv.ignored)
+        spec = prompt_spec(req, proxy.tokenizer, proxy.cfg.tool_call_style)
+        plan = render_plan(proxy, session, spec, wire.prompt_param)
+        max_new = proxy.max_new_tokens(len(plan.prompt_ids), req.max_tokens, wire.prompt_param,
+                                       wire.max_tokens_param)
+        top = (req.top_logprobs or 0) if req.logprobs else 0
+        call_id = f"{wire.call_prefix}{secrets.token_hex(12)}"
+        release = _release(session, call_id)
+        try:
+            reqs = proxy.requests(plan.prompt_ids, req, max_new, top, session, call_id)
+        except BaseException:  # a bad request holds no streams
+            release()
+            raise
+        t1 = time.perf_counter()
+        stops = req.stops()
+        reused = len(plan.prompt_ids) - len(plan.context_ids) if session else 0
+        model = proxy.cfg.served_model_name if wire.api == "chat" else (req.model or proxy.cfg.served_model_name)
+        out = Out(call_id, model, int(time.time()), [], plan.prompt_ids, reused, conv, body,
+                  proxy.tokenizer, session)
+
+        def finish(results: list[GenerateResult], sent: list[str | None] | None) -> tuple[Any, int]:
+            for i, res in enumerate(results):
+                text = cut_at_stop(action_text(proxy.tokenizer, res.token_ids, stops), stops,
+                                   req.include_stop_str_in_output)
+                msg, called = response_message(text, spec.parse_tools, wire.tool_prefix, spec.single_call)
+                out.choices.append(replies.Choice(i, res, plan.prompt_ids, text, msg,
+                                                  replies.finish_reason(res, called)))
+            if session is not None:
+                timing = {"render_s": t1 - t0, "generate_s": time.perf_counter() - t1, "time": time.time()}
+                try:
+                    session.record(plan, call_id, results, [c.text for c in out.choices],
+                                   [c.message for c in out.choices], timing,  # type: ignore[misc]
+                                   model=req.model, api=wire.api)
+                finally:  # once recording began, freeing the stream could sample a recorded one again
+                    session.keep_streams(call_id)
+            wire.recorded(out, proxy)
+            written = wire.events(out, sent) if req.stream else wire.body(out)
+            return written, min(r.version for r in results)
+
+        live = None
+        if req.stream and not spec.parse_tools:  # a reply that may hold tool calls is parsed whole first
+            live = live_for(reqs, proxy.tokenizer, stops, req.include_stop_str_in_output, wire.live_chunk(out))
+        return Reply(proxy, reqs, finish, req.stream, _cancelled(session, call_id), release, live,
+                     wire.errors)
+
+    return handle
+
+
+def count_tokens_endpoint(proxy: Proxy, wire: Wire, schema: type[BaseModel]) -> Handler:
+    """``.../count_tokens``: the prompt's length, rendered whole; records nothing."""
+
+    async def count(request: Request) -> Response:
+        session = proxy.resolve(request)
+        body = await read_json(request, schema, proxy.cfg.max_request_bytes)
+        spec = prompt_spec(wire.conversation(body, proxy, session).chat, proxy.tokenizer,
+                           proxy.cfg.tool_call_style)
+        from jinja2.exceptions import TemplateError
+
+        try:
+            ids = render_ids(proxy.tokenizer, spec.template, True, **spec.template_kwargs)
+        except TemplateError as e:
+            raise HTTPError(400, f"{wire.prompt_param}: the chat template cannot render them: {e}",
+                            param=wire.prompt_param) from e
+        return JSONResponse({"input_tokens": len(ids)})
+
+    return count
+
+
+def completions_endpoint(proxy: Proxy) -> Handler:
+    """``/v1/completions``: text or token-id prompts, each hung at its deepest recorded prefix."""
+
+    async def completions(request: Request) -> Response:
+        t0 = time.perf_counter()
+        session = proxy.resolve(request)
+        req: CompletionRequest = await read_json(request, CompletionRequest, proxy.cfg.max_request_bytes)
+        _check_open(session)
+        vocab = len(proxy.tokenizer)
+        prompts = []
+        for p in req.prompts():
+            ids = proxy.tokenizer.encode(p) if isinstance(p, str) else p
+            if any(not 0 <= t < vocab for t in ids):
+                raise HTTPError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
+            prompts.append(ids)
+        plans = [session.plan_tokens(p) if session else Plan("completion", p, None, p) for p in prompts]
+        call_id = f"cmpl-{secrets.token_hex(12)}"
+        release = _release(session, call_id)
+        reqs = []
+        try:
+            for plan in plans:
+                max_new = proxy.max_new_tokens(len(plan.prompt_ids), req.max_tokens, "prompt")
+                reqs += proxy.requests(plan.prompt_ids, req, max_new, req.logprobs or 0, session, call_id)
+        except BaseException:  # a bad request holds no streams
+            release()
+            raise
+        t1 = time.perf_counter()
+        stops, created = req.stops(), int(time.time())
+
+        def finish(results: list[GenerateResult], sent: list[str | None] | None) -> tuple[Any, int]:
+            choices = []
+            for i, res in enumerate(results):
+                plan = plans[i // req.n]
+                text = cut_at_stop(action_text(proxy.tokenizer, res.token_ids, stops), stops,
+                                   req.include_stop_str_in_output)
+                choices.append(replies.Choice(i, res, plan.prompt_ids, text, None, replies.finish_reason(res)))
+            if session is not None:
+                timing = {"render_s": t1 - t0, "generate_s": time.perf_counter() - t1, "time": time.time()}
+                try:
+                    for k, plan in enumerate(plans):
+                        part = choices[k * req.n:(k + 1) * req.n]
+                        cid = call_id if len(plans) == 1 else f"{call_id}-{k}"
+                        session.record(plan, cid, [c.result for c in part], [c.text for c in part], [], timing,
+                                       model=req.model, api="completions")
+                finally:  # once recording began, freeing the streams could sample a recorded one again
+                    session.keep_streams(call_id)
+            reused = sum(len(p.prompt_ids) - len(p.context_ids) for p in plans) if session else 0
+            opts = req.model_dump(include={"logprobs", "return_tokens_as_token_ids", "return_token_ids",
+                                           "stream_options"})
+            args = (call_id, proxy.cfg.served_model_name, choices, prompts, reused, opts, proxy.tokenizer)
+            body = replies.completion_chunks(*args, sent, created) if req.stream else replies.completion_body(*args)
+            return body, min(r.version for r in results)
+
+        live = None
+        if req.stream:
+            def chunk(i: int, text: str, first: bool) -> list[bytes]:
+                return [replies.completion_chunk(call_id, proxy.cfg.served_model_name, created, i, text)]
+
+            live = live_for(reqs, proxy.tokenizer, stops, req.include_stop_str_in_output, chunk)
+        return Reply(proxy, reqs, finish, req.stream, _cancelled(session, call_id), release, live)
+
+    return completions
+
+
+def models_endpoint(proxy: Proxy) -> Handler:
+    async def models(request: Request) -> Response:
+        proxy.resolve(request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": proxy.cfg.served_model_name, "object": "model", "created": 0, "owned_by": "agentrl",
+            "max_model_len": proxy.cfg.max_context_tokens}]})
+    return models
+
+
+def _release(session: Session | None, call_id: str) -> Callable[[], None]:
+    """Frees a seeded session's streams held for a call that ends unrecorded (see ``Session.call_seed``)."""
+    def release() -> None:
+        if session is not None:
+            session.release_streams(call_id)
+    return release
+
+
+def _cancelled(session: Session | None, call_id: str) -> Callable[[], None]:
+    def note() -> None:
+        if session is not None:
+            session.record_cancelled(call_id, "client disconnected before the generation finished")
+    return note
