@@ -3,14 +3,22 @@
 ``run_harness_episode`` makes the env on the env server (when one is given),
 starts the harness command with these environment variables::
 
-    OPENAI_BASE_URL      the session's /v1 URL on the proxy
+    OPENAI_BASE_URL      the session's /v1 URL on the proxy (Chat Completions, Responses)
     OPENAI_API_KEY       the session's own key (opens only this session)
+    ANTHROPIC_BASE_URL   the session's root on the proxy (Anthropic SDKs add /v1/messages)
+    ANTHROPIC_API_KEY    the session's key again
     AGENTRL_SESSION_ID   the session id
     AGENTRL_ENV_URL      the env server, and its bearer token in AGENTRL_ENV_TOKEN
     AGENTRL_ENV_INSTANCE the env made for this episode (GET /envs/{id} shows it)
     AGENTRL_ENV_ID       its registered id
+    AGENTRL_TASK         the env's first observation: the task, for a CLI's prompt
 
-then waits for it, reads the reward and closes the session into a
+``$NAME`` and ``${NAME}`` in the command's arguments are replaced by these
+(and by ``extra_env``), so a CLI that never reads the environment takes the
+task and the URLs as arguments: ``claude -p "$AGENTRL_TASK"``. With
+``submit="stdout"``, the harness's standard output, once it exits, is the
+env's next action (the answer of an agent program that never calls the env
+server). Then it waits for it, reads the reward and closes the session into a
 ``RolloutTree``. Outcomes sort in two columns:
 
 - the harness finished (exit code 0): the reward is the env's summed reward
@@ -31,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shlex
 import signal
 import sys
@@ -45,9 +54,18 @@ import httpx
 from agentrl.errors import ProxyError
 from agentrl.types import RolloutTree
 
-__all__ = ["EnvServer", "SessionHandle", "drop_session", "harness_argv", "open_session", "run_harness_episode"]
+__all__ = ["EnvServer", "SessionHandle", "drop_session", "expand_argv", "harness_argv", "open_session",
+           "run_harness_episode"]
 
 _TAIL = 4000  # characters of stdout/stderr kept for the record
+_VAR = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
+
+
+def expand_argv(argv: list[str], env: dict[str, str]) -> list[str]:
+    """``$NAME`` and ``${NAME}`` in each argument replaced by ``env[NAME]``; unknown names stay."""
+    def sub(m: re.Match[str]) -> str:
+        return env.get(m.group(1) or m.group(2), m.group(0))
+    return [_VAR.sub(sub, a) for a in argv]
 
 
 def harness_argv(cmd: str | Sequence[str]) -> list[str]:
@@ -161,14 +179,18 @@ async def run_harness_episode(
     verifier: Callable[[RolloutTree], float] | None = None,
     extra_env: dict[str, str] | None = None,
     cwd: str | None = None,
+    submit: str | None = None,
 ) -> RolloutTree:
     """One episode of the harness ``cmd`` in ``session``; see the module docstring.
 
-    ``timeout`` is in seconds (None: no limit).
+    ``timeout`` is in seconds (None: no limit). ``submit="stdout"``: the harness's
+    output is the env's next action once it exits.
     """
     argv = harness_argv(cmd)
+    session_root = f"{session.proxy_url}/sessions/{session.session_id}"
     env = {**os.environ, **(extra_env or {}), "OPENAI_BASE_URL": session.base_url,
-           "OPENAI_API_KEY": session.api_key, "AGENTRL_SESSION_ID": session.session_id}
+           "OPENAI_API_KEY": session.api_key, "ANTHROPIC_BASE_URL": session_root,
+           "ANTHROPIC_API_KEY": session.api_key, "AGENTRL_SESSION_ID": session.session_id}
     error: str | None = None
     instance: str | None = None
     env_headers: dict[str, str] = {}
@@ -180,9 +202,11 @@ async def run_harness_episode(
                                 "kwargs": env_server.kwargs})
             instance = made["id"]
             env.update(AGENTRL_ENV_URL=env_server.url, AGENTRL_ENV_TOKEN=env_server.token,
-                       AGENTRL_ENV_INSTANCE=instance, AGENTRL_ENV_ID=env_server.env_id)
+                       AGENTRL_ENV_INSTANCE=instance, AGENTRL_ENV_ID=env_server.env_id,
+                       AGENTRL_TASK=str(made.get("observation", "")))
         except ProxyError as e:
             error = f"env could not be made: {e}"
+    argv = expand_argv(argv, env)
     run: dict[str, Any] = {"cmd": argv, "returncode": None}
     if error is None:
         run = await _run(argv, env, timeout, cwd)
@@ -190,6 +214,8 @@ async def run_harness_episode(
             error = f"harness timed out after {timeout:g}s"
         elif run["returncode"] != 0:
             error = f"harness exited with code {run['returncode']}: {run['stderr_tail'][-500:].strip()}"
+    if error is None and submit == "stdout" and instance is not None and env_server is not None:
+        error = await _submit(env_server, instance, env_headers, run["stdout_tail"].strip())
     state = None
     if instance is not None and env_server is not None:
         try:
@@ -211,6 +237,17 @@ async def run_harness_episode(
             last = tree.nodes[max(tree.nodes)]
             last.error, last.truncated = error, not last.terminated
     return tree
+
+
+async def _submit(env_server: EnvServer, instance: str, headers: dict[str, str], answer: str) -> str | None:
+    """Step the env with the harness's answer, unless its episode already ended; a failure reason, or None."""
+    try:
+        state = await _call("GET", f"{env_server.url}/envs/{instance}", headers)
+        if not (state["terminated"] or state["truncated"]):
+            await _call("POST", f"{env_server.url}/envs/{instance}/step", headers, {"action": answer})
+    except ProxyError as e:
+        return f"the harness's answer could not be submitted to the env: {e}"
+    return None
 
 
 async def _reward(sess_url: str, headers: dict[str, str], state: dict[str, Any] | None,

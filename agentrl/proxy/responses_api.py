@@ -21,7 +21,8 @@ Request, in the internal conversation:
   ``input``. Only the session that made a response can name it;
 - ``tools``: ``function`` tools as they are; freeform ``custom`` tools (Codex's
   ``apply_patch``) as a function of one string argument ``input``, answered as
-  ``custom_tool_call`` items; ``namespace`` tools are flattened to their tools.
+  ``custom_tool_call`` items; ``namespace`` tools are flattened to their tools
+  (a call of one carries its ``namespace``).
   ``tool_choice`` (``auto``, ``none``, ``required``, a named function or
   custom tool, ``allowed_tools`` by its mode), ``parallel_tool_calls``
   (false: at most one call a reply), ``max_output_tokens``, ``temperature``,
@@ -198,11 +199,13 @@ class _State:
 
     history: list[dict[str, Any]]  # the conversation without instructions, for ``store``
     custom: set[str] = field(default_factory=set)  # freeform tools' names
+    namespace: dict[str, str] = field(default_factory=dict)  # a namespaced tool's name -> its namespace
     message_id: str = field(default_factory=lambda: f"msg_{secrets.token_hex(12)}")
     seq: itertools.count = field(default_factory=itertools.count)
 
 
-def _tools(tools: list[ToolIn], state: _State, ignored: list[str], where: str = "tools") -> list[dict[str, Any]]:
+def _tools(tools: list[ToolIn], state: _State, ignored: list[str], where: str = "tools",
+           namespace: str | None = None) -> list[dict[str, Any]]:
     out = []
     for i, t in enumerate(tools):
         if t.type in ("function", "custom"):
@@ -213,9 +216,11 @@ def _tools(tools: list[ToolIn], state: _State, ignored: list[str], where: str = 
             if t.type == "custom":
                 state.custom.add(t.name)
                 spec["parameters"] = _CUSTOM_INPUT
+            if namespace is not None:
+                state.namespace[t.name] = namespace
             out.append({"type": "function", "function": spec})
         elif t.type == "namespace":
-            out += _tools(t.tools or [], state, ignored, f"{where}.{i}.tools")
+            out += _tools(t.tools or [], state, ignored, f"{where}.{i}.tools", t.name)
         else:
             ignored.append(f"hosted_tool:{t.type}")
     return out
@@ -278,8 +283,11 @@ def _items(out: Out) -> list[dict[str, Any]]:
             items.append({"type": "custom_tool_call", "id": f"ctc_{c['id'][5:]}", "call_id": c["id"],
                           "name": name, "input": text, "status": "completed"})
         else:
-            items.append({"type": "function_call", "id": f"fc_{c['id'][5:]}", "call_id": c["id"],
-                          "name": name, "arguments": args, "status": "completed"})
+            item = {"type": "function_call", "id": f"fc_{c['id'][5:]}", "call_id": c["id"], "name": name,
+                    "arguments": args, "status": "completed"}
+            if name in state.namespace:
+                item["namespace"] = state.namespace[name]
+            items.append(item)
     return items
 
 

@@ -167,7 +167,8 @@ class HarnessRollouts:
     """
 
     def __init__(self, cmd: str, policy: Any, cfg: Config, harness_env: dict[str, Any] | None = None,
-                 verifier: Callable[[RolloutTree], float] | None = None, cwd: str | None = None):
+                 verifier: Callable[[RolloutTree], float] | None = None, cwd: str | None = None,
+                 submit: str | None = None):
         if cfg.rollout.allocator != "independent":
             raise ConfigError(f"train.harness: a harness plays whole episodes, so "
                               f"rollout.allocator must be 'independent' (got {cfg.rollout.allocator!r})")
@@ -181,7 +182,7 @@ class HarnessRollouts:
         self.policy = policy
         self.cfg = cfg
         self.env_vars = {k: str(v) for k, v in (harness_env or {}).items()}
-        self.verifier, self.cwd = verifier, cwd
+        self.verifier, self.cwd, self.submit = verifier, cwd, submit
         self.pinned = _Pinned(policy, cfg.sampling)
         self.proxy: RunningServer | None = None
         self.envs: RunningServer | None = None
@@ -267,7 +268,7 @@ class HarnessRollouts:
             session = await open_session(self.proxy.url, self.proxy_token, meta=meta,
                                          seed=request_seed(cfg.rollout.seed, seed, episode))
             tree = await run_harness_episode(self.argv, session, env, cfg.rollout.episode_timeout_s,
-                                             self.verifier, extra, self.cwd)
+                                             self.verifier, extra, self.cwd, self.submit)
             with contextlib.suppress(ProxyError):  # the tree is ours now: the proxy need not keep it
                 await drop_session(session)
         except ProxyError as e:
@@ -303,4 +304,5 @@ def harness_rollouts(policy: Any, cfg: Any) -> HarnessRollouts:
     """The rollout source of a run config with ``train.harness`` (for ``agentrl.train.train``)."""
     if cfg.train.harness is None:
         raise ConfigError("train.harness is not set: there is no agent program to run")
-    return HarnessRollouts(cfg.train.harness, policy, cfg, cfg.train.harness_env)
+    return HarnessRollouts(cfg.train.harness, policy, cfg, cfg.train.harness_env,
+                           submit=cfg.train.harness_submit)

@@ -52,6 +52,12 @@ paths the harness left (a retried call, an unpicked choice, an edited
 history): they are marked ``truncated`` with ``info["abandoned"] = True``, and
 keep reward 0 unless a reward is set on their call.
 
+A side conversation is different too: a root whose first message is not the
+main conversation's (a harness's title or topic call under another system
+prompt, a sub-agent) is part of the episode, not a path the harness left.
+Its latest leaf carries ``info["side_conversation"]`` and the session's
+reward, as the last call's choices do.
+
 A compaction is different: the harness did not leave the path it compacted,
 it went on from the state that path produced, in fewer tokens; so is a
 re-rendering, where it went on from the recorded reply shown in its own
@@ -391,7 +397,7 @@ class Session:
             raise IndexError(f"choice: call {call.call_id!r} has {len(call.node_ids)} choices")
         nodes = call.node_ids if choice is None else [call.node_ids[choice]]
         if call_id is None:  # the session's reward: also on the paths the final one continues
-            nodes = nodes + list(self.continued(nodes))
+            nodes = nodes + list(self.continued(nodes)) + list(self.side_leaves(nodes))
         for nid in nodes:
             node = self.tree.nodes[nid]
             node.reward = reward
@@ -415,11 +421,45 @@ class Session:
                         todo.append(leaf)
         return out
 
+    def side_leaves(self, final: list[int]) -> list[int]:
+        """The outcome leaves of the session's side conversations, and the paths they continue.
+
+        A side conversation is one the harness held beside the main one, from another
+        first message (a title or topic call under another system prompt, a sub-agent):
+        a root whose first message differs from that of every root holding ``final``
+        (a retry or an edit of the main conversation starts with the same one). It is
+        part of the episode, not a path the harness left, so its latest leaf carries
+        the session's outcome.
+        """
+        main = [self._root(n) for n in [*final, *self.continued(final)]]
+        firsts = {self._first_message(r) for r in main}
+        done = set(main)
+        out: list[int] = []
+        for leaf in sorted(self.tree.leaves(), key=lambda n: -n.id):  # the latest first
+            root = self._root(leaf.id)
+            if root in done:
+                continue
+            done.add(root)
+            first = self._first_message(root)
+            if first is not None and first not in firsts:
+                out += [leaf.id, *self.continued([leaf.id])]
+        return out
+
+    def _first_message(self, root: int) -> str | None:
+        call = self.by_id.get(self.tree.nodes[root].info.get("call_id", ""))
+        return call.keys[0] if call is not None and call.keys else None
+
+    def _root(self, node_id: int) -> int:
+        return self.tree.path(node_id)[0].id
+
     def assemble(self) -> RolloutTree:
         """The session's tree, with abandoned leaves marked (see the module docstring)."""
         last = set(self.calls[-1].node_ids) if self.calls else set()
         for leaf, call_id in self.continued(sorted(last)).items():
             self.tree.nodes[leaf].info["continued_by"] = call_id
+            last.add(leaf)
+        for leaf in self.side_leaves(sorted(last)):
+            self.tree.nodes[leaf].info["side_conversation"] = True
             last.add(leaf)
         for leaf in self.tree.leaves():
             if leaf.id not in last and not leaf.done:

@@ -115,6 +115,11 @@ class TrainConfig(_Strict):
                                 "and the env server (agentrl.proxy.rollouts); null: native rollouts.")
     harness_env: dict[str, str | int | float | bool] = Field(
         default_factory=dict, description="Extra environment variables for the harness command.")
+    harness_submit: Literal["stdout"] | None = Field(
+        None, description="stdout: once the harness exits, its standard output (the last 4,000 "
+        "characters, stripped) is the env's next action, the episode's answer, for agent programs "
+        "that never call the env server (a CLI such as claude -p or codex exec); null: the harness "
+        "steps the env itself.")
     asynchronous: AsyncConfig | None = Field(None, description="Roll out the next steps while "
                                              "this one trains, within a staleness bound "
                                              "(agentrl.train.asynchronous); null: synchronous.")

@@ -19,7 +19,8 @@ own); the page shows each and their mean.
 (``meta["allocator"]``) and its report (``meta["allocation_report"]``, on the
 first tree of a batch), not why it picked each node. A reason recorded on the
 tree wins: ``meta["branch_reasons"]`` (``{"<node id>": reason}``) or a child's
-``info["branch"]["reason"]`` (the harness proxy's retry, edit, compaction).
+``info["branch"]["reason"]`` (the harness proxy's retry, edit, compaction,
+rerendered).
 Else the reason is recomputed from the allocator's own pure scoring function
 on the finished tree (``entropy_branch_scores``, ``key_states``), which reads
 only the path to each turn, so branches grown later do not change it.
@@ -234,7 +235,8 @@ def _node(tree: RolloutTree, n: Node, depth: int, reasons: dict[str, str],
         "error": n.error, "leaf": not n.children, "success": n.success if not n.children else None,
         "version": n.version, "tool_calls": tools, "tool_results": results,
         "parse_errors": list(info.get("parse_errors") or []), "expert_action": n.expert_action,
-        "abandoned": bool(info.get("abandoned")), "info": shown,
+        "abandoned": bool(info.get("abandoned")), "continued_by": info.get("continued_by"),
+        "side_conversation": bool(info.get("side_conversation")), "info": shown,
         "branch": reasons.get(str(n.id)), "n_action": len(n.action_ids), "n_context": len(n.context_ids),
         "turn": [m.id for m in tree.turn_nodes(n.id)] if not n.partial else [],
         "advantage": _mean(per_leaf.values()), "advantages": {str(k): v for k, v in per_leaf.items()},

@@ -381,6 +381,8 @@ function renderNodeDetail() {
   if (n.terminated) badges.push(el("span", { class: "badge plain", text: "terminated" }));
   if (n.leaf && !n.error) badges.push(el("span", { class: "badge " + (n.success ? "ok" : "bad"), text: n.success ? "success" : "no success" }));
   if (n.abandoned) badges.push(el("span", { class: "badge plain", text: "abandoned by the harness" }));
+  if (n.continued_by) badges.push(el("span", { class: "badge plain", text: `continued by ${n.continued_by} (compacted or re-rendered): gets the session's reward` }));
+  if (n.side_conversation) badges.push(el("span", { class: "badge plain", text: "side conversation of the session: gets its reward" }));
   const parts = [el("h3", { text: `node ${n.id} · turn ${n.depth + 1} · policy v${n.version}` }), el("div", {}, badges)];
   if (n.branch) parts.push(el("h4", { text: "branch point" }), el("div", { class: "branch-reason", text: n.branch }));
   if (n.error) parts.push(el("h4", { text: "failure" }), el("pre", { class: "failure", text: n.error }));
