@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 # See agentrl/cli.py: OpenMP threads that spin are slow on a shared 2-core CPU.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: install extras vllm run run-alfworld test lint sandbox-deps browser-deps docs bench clean
+.PHONY: install extras vllm harnesses run run-alfworld test lint sandbox-deps browser-deps docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,13 @@ extras: $(EXTRAS_STAMP)
 # A failed install does not stop the suite: the vllm tests skip and print why.
 vllm:
 	@bash .ci/vllm-setup.sh || echo "WARNING: the vllm extra failed to install; the vllm tests skip with the reason"
+
+# The real agent harnesses the proxy is tested with, unmodified: Claude Code and Codex CLI from
+# npm (Node and npm from Debian where missing), linked into $(BIN). The Python ones (the OpenAI
+# Agents SDK, the anthropic SDK) are dev extras. A failed install does not stop the suite:
+# tests/proxy/test_real_harnesses.py then skips and prints why.
+harnesses: install
+	@bash .ci/harness-setup.sh $(VENV) || echo "WARNING: the agent harness CLIs failed to install; their tests skip with the reason"
 
 # The main job (about 4 min on 2 cores): SmolLM2-135M learns GuessNumber on
 # CPU, where RL adds most in 15 minutes. First a teacher (SFT on 64 expert
@@ -91,7 +98,7 @@ docs: install
 lint: install
 	$(BIN)/ruff check .
 
-test: install extras vllm sandbox-deps browser-deps lint
+test: install extras vllm harnesses sandbox-deps browser-deps lint
 	$(BIN)/python -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
 
 bench: install
