@@ -1,6 +1,9 @@
-"""The OpenAI-compatible harness proxy: serve a policy, record token-exact session trees.
+"""The harness proxy: serve a policy over OpenAI and Anthropic APIs, record token-exact session trees.
 
-``create_app`` / ``serve`` run the proxy (``app.py``); ``Session`` records one
+``create_app`` / ``serve`` run the proxy (``app.py``): Chat Completions and
+completions, Responses (``responses_api.py``) and Anthropic Messages
+(``anthropic_api.py``), one internal conversation for all (``conversation.py``,
+``handlers.py``); ``Session`` records one
 harness episode as a ``RolloutTree`` (``sessions.py``); ``run_harness_episode``
 runs an agent program in a session (``harness.py``); ``create_env_app`` serves
 registered envs to such programs (``envserver.py``); ``HarnessRollouts`` makes

@@ -1,9 +1,11 @@
-"""The OpenAI-compatible proxy server: any policy behind ``/v1``, sessions recorded as trees.
+"""The proxy server: any policy behind OpenAI's and Anthropic's ``/v1``, sessions recorded as trees.
 
 ``create_app(policy, ProxyConfig)`` returns an ASGI app (Starlette; ``serve``
 runs it on uvicorn, bound to 127.0.0.1 by default)::
 
     POST /v1/chat/completions        tools, n, temperature, top_p, max_tokens, stop, seed, stream
+    POST /v1/responses               OpenAI Responses (responses_api.py)
+    POST /v1/messages                Anthropic Messages (anthropic_api.py), and .../count_tokens
     POST /v1/completions             text or token-id prompts, logprobs, return_token_ids, ...
     GET  /v1/models
     POST /sessions                   {session_id?, meta?, seed?} -> {session_id, api_key, base_url}
@@ -17,14 +19,17 @@ runs it on uvicorn, bound to 127.0.0.1 by default)::
     GET  /health
 
 A call belongs to a session named by its URL prefix, by an ``X-Session-Id``
-header, or by the per-session API key it sends as its bearer token.
+header, or by the per-session API key it sends as its bearer token (or as
+``x-api-key``, as Anthropic clients do). The chat-shaped endpoints share one
+handler (``handlers.chat_endpoint``); each protocol is a thin ``Wire``.
 
 Access: with ``ProxyConfig.token`` set, every route needs it or a session's
 key (both compared in constant time); a session key opens only its own
 session and never the admin routes. Without a token anyone on the bound
 interface may call, but a session key still cannot name another session.
 
-Errors use OpenAI's ``{"error": {message, type, param, code}}`` body: 400 for
+Errors use OpenAI's ``{"error": {message, type, param, code}}`` body (on the
+Anthropic routes, Anthropic's ``{"type": "error", "error": {type, message}}``): 400 for
 invalid JSON or schema (``param`` names the field; see ``agentrl.httputil``
 for JSON nested too deeply and lone surrogates) and for a prompt over the
 context budget, 401/403 for credentials, 404 for an unknown session, 409 for
@@ -258,6 +263,8 @@ class Proxy:
                             param=param, code="context_length_exceeded")
         if asked is None:
             return min(self.cfg.default_max_tokens, room)
+        if asked > room and self.cfg.clamp_max_tokens:
+            return room
         if asked > room:
             raise HTTPError(400, f"the prompt ({prompt_len} tokens) plus {max_param} ({asked}) is over "
                             f"the context budget of {budget} tokens", param=max_param,
@@ -431,13 +438,15 @@ def serve(policy: Any, config: ProxyConfig | None = None, host: str = "127.0.0.1
 
 
 def serve_banner(host: str, port: int, config: ProxyConfig) -> str:
-    """What ``agentrl proxy serve`` prints: the URL a harness's ``OPENAI_BASE_URL`` takes is a
-    session's, ``/sessions/<id>/v1``; plain ``/v1`` samples without recording a tree."""
+    """What ``agentrl proxy serve`` prints: the URLs a harness takes are a session's
+    (``/sessions/<id>/v1`` for OpenAI clients, ``/sessions/<id>`` for Anthropic ones, which add
+    ``/v1/messages``); plain ``/v1`` samples without recording a tree."""
     base = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     opened = ("any new <id> opens a session (--auto-create-sessions)" if config.auto_create_sessions
               else f"open one first: POST {base}/sessions -> session_id, api_key, base_url")
-    return (f"agentrl proxy on {base}\n"
+    return (f"agentrl proxy on {base}: Chat Completions, Responses, Anthropic Messages\n"
             f"  a harness's OPENAI_BASE_URL: {base}/sessions/<id>/v1  ({opened})\n"
+            f"  its ANTHROPIC_BASE_URL (Claude Code, anthropic SDKs): {base}/sessions/<id>\n"
             f"  {base}/v1 also answers, but records no session tree")
 
 

@@ -14,6 +14,15 @@ A chat-shaped call, whatever its wire protocol (``Wire``), goes the same way:
 Only steps 1 and 4's writing differ between Chat Completions (``ChatWire``,
 here), Responses (``responses_api.ResponsesWire``) and Anthropic Messages
 (``anthropic_api.MessagesWire``).
+
+A reply reported as cut short (``length``, ``max_tokens``, ``incomplete``) is
+one that reached the limit the harness asked for (its ``max_tokens``). A
+reply cut by a limit the proxy set (``ProxyConfig.default_max_tokens`` when the
+harness asked none, the room the prompt leaves in ``max_context_tokens``, or
+the trained policy's ``sampling.max_new_tokens`` in harness training) is
+reported as ended, as a short reply is: the harness goes on (Claude Code and
+Codex end their whole run on a cut reply), and the recorded node keeps
+``finish_reason: "length"`` for training.
 """
 
 from __future__ import annotations
@@ -192,12 +201,17 @@ def chat_endpoint(proxy: Proxy, wire: Wire) -> Handler:
         out = Out(call_id, model, int(time.time()), [], plan.prompt_ids, reused, conv, body,
                   proxy.tokenizer, session)
 
+        asked = req.max_tokens  # the harness's own limit; None: it set none
+
         def finish(results: list[GenerateResult], sent: list[str | None] | None) -> tuple[Any, int]:
             for i, res in enumerate(results):
                 text = cut_at_stop(action_text(proxy.tokenizer, res.token_ids, stops), stops,
                                    req.include_stop_str_in_output)
                 msg, called = response_message(text, spec.parse_tools, wire.tool_prefix, spec.single_call)
+                # Cut by a limit the proxy set below the harness's (see the module docstring): ended.
+                short = res.finish_reason == "length" and (asked is None or len(res.token_ids) < asked)
                 out.choices.append(replies.Choice(i, res, plan.prompt_ids, text, msg,
+                                                  "stop" if short and not called else
                                                   replies.finish_reason(res, called)))
             if session is not None:
                 timing = {"render_s": t1 - t0, "generate_s": time.perf_counter() - t1, "time": time.time()}

@@ -209,11 +209,17 @@ async def run_harness_episode(
     argv = expand_argv(argv, env)
     run: dict[str, Any] = {"cmd": argv, "returncode": None}
     if error is None:
-        run = await _run(argv, env, timeout, cwd)
+        try:
+            run = await _run(argv, env, timeout, cwd)
+        except OSError as e:  # not found, not executable: this episode fails with the reason
+            run = {"cmd": argv, "returncode": None, "stdout_tail": "", "stderr_tail": str(e)}
+            error = f"the harness command could not start: {e}"
+    if error is None:
         if run["returncode"] is None:
             error = f"harness timed out after {timeout:g}s"
         elif run["returncode"] != 0:
-            error = f"harness exited with code {run['returncode']}: {run['stderr_tail'][-500:].strip()}"
+            said = run["stderr_tail"].strip() or run["stdout_tail"].strip()  # CLIs print errors to either
+            error = f"harness exited with code {run['returncode']}: {said[-500:]}"
     if error is None and submit == "stdout" and instance is not None and env_server is not None:
         error = await _submit(env_server, instance, env_headers, run["stdout_tail"].strip())
     state = None

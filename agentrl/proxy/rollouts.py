@@ -125,9 +125,10 @@ def _all_failed(sessions: list[dict[str, Any]]) -> str:
     last = sessions[-1]
     run = last.get("harness", {})
     tail = (run.get("stderr_tail") or "").strip()[-2000:] or "(empty)"
+    out = (run.get("stdout_tail") or "").strip()[-2000:] or "(empty)"
     return (f"train.harness: every harness episode of this step failed ({len(sessions)} of {len(sessions)}); "
             f"the last: {last['error'][:2000]}\ncommand: {run.get('cmd')}\nits stderr "
-            f"(tail):\n{tail}")
+            f"(tail):\n{tail}\nits stdout (tail):\n{out}")
 
 
 class _Pinned:

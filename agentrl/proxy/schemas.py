@@ -37,6 +37,10 @@ class ProxyConfig(BaseModel):
     max_request_bytes: int = Field(8 << 20, ge=1024, description="Larger request bodies get 413.")
     max_context_tokens: int = Field(4096, ge=16, description="Prompt plus max_tokens must fit this budget.")
     default_max_tokens: int = Field(512, ge=1, description="max_tokens when a request gives none.")
+    clamp_max_tokens: bool = Field(
+        True, description="A max_tokens over the room the prompt leaves in max_context_tokens is lowered to "
+        "that room (harnesses ask 32k-64k of any model; the reply then ends with reason length); false: "
+        "a 400, as vLLM answers.")
     max_n: int = Field(16, ge=1, description="Largest n (choices per request).")
     max_concurrent: int = Field(1024, ge=1, description="Requests in flight; more get 503 with Retry-After.")
     max_sessions: int = Field(4096, ge=1, description="Sessions kept; the oldest closed one is dropped first.")

@@ -33,4 +33,5 @@ def test_proxy_serve_banner_names_the_session_url_a_harness_needs(monkeypatch):
         gc.unfreeze()  # serve freezes what is loaded, for a long-lived server
     assert out.exit_code == 0, out.output
     assert "OPENAI_BASE_URL: http://127.0.0.1:8123/sessions/<id>/v1" in out.output
+    assert "ANTHROPIC_BASE_URL (Claude Code, anthropic SDKs): http://127.0.0.1:8123/sessions/<id>" in out.output
     assert "POST http://127.0.0.1:8123/sessions" in out.output

@@ -67,3 +67,57 @@ def test_crash_or_hang_fails_only_the_episode(servers, cmd, reason):
 
     tree = asyncio.run(run())
     assert reason in tree.meta["error"] and not tree.nodes
+
+
+CLI_LIKE = '''
+import os, sys
+from anthropic import Anthropic
+# The task arrives as an argument ($AGENTRL_TASK expanded per episode), the session through
+# ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY; the answer leaves on stdout.
+assert sys.argv[1] == os.environ["AGENTRL_TASK"] != "" and "$" not in sys.argv[1]
+assert os.environ["ANTHROPIC_BASE_URL"].endswith("/sessions/" + os.environ["AGENTRL_SESSION_ID"])
+Anthropic().messages.create(model="claude-test", max_tokens=8, messages=[{"role": "user", "content": sys.argv[1]}])
+print("My answer is 1.")
+'''
+
+
+@pytest.mark.parametrize("submit", [None, "stdout"])
+def test_a_cli_harness_answers_on_stdout(servers, tmp_path, submit):
+    pytest.importorskip("anthropic", reason="the harness uses the anthropic client")
+    proxy_url, env_url = servers
+    script = tmp_path / "cli_like.py"
+    script.write_text(CLI_LIKE)
+    env = EnvServer(env_url, TOKEN, "agentrl/GuessNumber-v0", seed=0, kwargs={"high": 1})  # the secret is 1
+
+    async def run():
+        session = await open_session(proxy_url)
+        return await run_harness_episode([sys.executable, str(script), "$AGENTRL_TASK"], session, env,
+                                         timeout=60, submit=submit)
+
+    tree = asyncio.run(run())
+    assert "error" not in tree.meta, tree.meta
+    [node] = tree.nodes.values()
+    assert node.info["api"] == "messages" and node.info["model"] == "claude-test"
+    if submit == "stdout":  # the printed answer was the env's action: found
+        assert tree.meta["env"]["reward"] == 1.0 and tree.meta["env"]["terminated"] and node.reward == 1.0
+    else:  # the env never heard from the harness
+        assert tree.meta["env"]["steps"] == 0 and node.reward == 0.0 and not node.terminated
+
+
+def test_a_command_that_cannot_start_fails_only_its_episode(servers):
+    proxy_url, env_url = servers
+    env = EnvServer(env_url, TOKEN, "agentrl/GuessNumber-v0", seed=0)
+
+    async def run():
+        session = await open_session(proxy_url)
+        return await run_harness_episode(["no-such-harness-here", "-p", "x"], session, env, timeout=10)
+
+    tree = asyncio.run(run())
+    assert tree.meta["error"].startswith("the harness command could not start") and not tree.nodes
+
+
+def test_expand_argv_replaces_known_names_only():
+    from agentrl.proxy.harness import expand_argv
+
+    env = {"A": "1", "TASK": "say $A"}
+    assert expand_argv(["$A", "${A}x", "$TASK", "$NOPE", "a$Ab"], env) == ["1", "1x", "say $A", "$NOPE", "a$Ab"]

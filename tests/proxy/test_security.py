@@ -97,8 +97,28 @@ def test_prompt_over_the_context_budget_is_400(mock_policy, serve):
     long = {"model": "m", "messages": [{"role": "user", "content": "word " * 200}]}
     r = httpx.post(f"{server.url}/v1/chat/completions", json=long)
     assert r.status_code == 400 and "context budget" in r.json()["error"]["message"]
-    r = httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT, "max_tokens": 60})
+    strict = serve(mock_policy(), max_context_tokens=64, clamp_max_tokens=False)
+    r = httpx.post(f"{strict.url}/v1/chat/completions", json={**CHAT, "max_tokens": 60})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_max_tokens_over_the_room_left_is_lowered_to_it(mock_policy, serve, tokenizer):
+    """Harnesses ask for 32k-64k tokens of any model: the reply gets the room the prompt leaves,
+    and, since the harness's own limit was not reached, it is reported as ended; the session's
+    node keeps the truth (``length``)."""
+    server = serve(mock_policy(["word " * 100]), max_context_tokens=64)
+    s = httpx.post(f"{server.url}/sessions").json()
+    r = httpx.post(f"{s['base_url']}/chat/completions", headers={"Authorization": f"Bearer {s['api_key']}"},
+                   json={**CHAT, "max_tokens": 64000, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    prompt, sampled = len(body["prompt_token_ids"]), len(body["choices"][0]["token_ids"])
+    assert prompt + sampled == 64 and body["choices"][0]["finish_reason"] == "stop"
+    tree = httpx.post(f"{server.url}/sessions/{s['session_id']}/close").json()
+    assert [n["finish_reason"] for n in tree["nodes"]] == ["length"]
+    # Its own limit reached: cut short, as the harness asked.
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT, "max_tokens": 5})
+    assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
 class _DownPolicy:
