@@ -173,6 +173,8 @@ class Proxy:
         session = self.sessions.pop(sid, None)
         if session is not None:
             self._keys.pop(_digest(session.api_key), None)
+            for rid in [r for r, (owner, _) in self.responses.items() if owner == sid]:
+                del self.responses[rid]  # only this session could name them
 
     def close_session(self, sid: str) -> Any:
         """The session's tree; the first close appends it to ``cfg.out`` and then marks the session closed.

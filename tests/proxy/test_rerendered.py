@@ -140,3 +140,25 @@ def test_append_reply_as_context_renders_what_a_full_render_shows(tokenizer):
     assert decode_ids(tokenizer, ctx.ids) == full
     with pytest.raises(ValueError, match="assistant message first"):
         ctx.append_reply_as_context([{"role": "user", "content": "no reply first"}])
+
+
+def test_harness_training_credits_both_calls_of_a_rerendered_session_with_its_outcome(serve, mock_policy):
+    """In a group, the won session's first call (re-rendered by the harness) trains toward the
+    win, as its second call does, and the lost session's call toward the loss."""
+    from agentrl.credit import assign
+    from agentrl.proxy import merge_sessions
+
+    server = serve(mock_policy(_script))
+    won, _ = _episode(server.url, STYLES["ids"])
+    base, headers = _session(server.url)
+    _chat(base, headers, OPENING)
+    httpx.post(f"{base}/reward", json={"reward": 0.0})
+    lost = RolloutTree.from_dict(httpx.post(f"{base}/close").json())
+    group = merge_sessions([won, lost], {"task": 0})
+    items = assign([group], "grpo")
+    by_call = {ep.nodes[-1].info["call_id"]: set(adv[i] for i, m in enumerate(ep.loss_mask) if m)
+               for ep, adv in items}
+    first, second = (n.info["call_id"] for n in sorted(won.nodes.values(), key=lambda n: n.id))
+    [loser] = [n.info["call_id"] for n in lost.nodes.values()]
+    assert len(items) == 3  # the won session's two paths, the lost one's
+    assert all(a > 0 for a in by_call[first] | by_call[second]) and all(a < 0 for a in by_call[loser])
