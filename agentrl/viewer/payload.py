@@ -141,6 +141,10 @@ def branch_reasons(tree: RolloutTree, allocator_options: dict[str, Any] | None =
                     if p is not None else " (pilot_commit)")
         elif alloc:
             why += f" ({alloc})"
+        proxy = [str(tree.nodes[r].info["branch"].get("reason")) for r in tree.roots
+                 if isinstance(tree.nodes[r].info.get("branch"), dict)]
+        if proxy:  # a harness session's roots: new conversations, side calls, re-rendered replies
+            why += "; harness proxy: " + ", ".join(proxy)
         out["prompt"] = why
     found: dict[int, str] = {}
     if alloc in ("entropy_branch", "key_state"):

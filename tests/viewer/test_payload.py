@@ -77,6 +77,20 @@ def test_key_state_segment_fork_and_proxy_reasons():
     assert branch_reasons(t)["0"] == "recorded by the engine"
 
 
+def test_rerendered_continued_and_side_paths_reach_the_page():
+    t = RolloutTree(meta={"allocator": "independent"})
+    side = t.add(Node(action_ids=[1], logprobs=[-1.0], entropies=[0.5], reward=1.0,
+                      info={"side_conversation": True}))
+    first = t.add(Node(action_ids=[2], logprobs=[-1.0], entropies=[0.5], reward=1.0,
+                       info={"continued_by": "chatcmpl-2"}))
+    t.add(Node(action_ids=[3], logprobs=[-1.0], entropies=[0.5], reward=1.0, terminated=True,
+               info={"branch": {"reason": "rerendered", "by": "ids"}}))
+    nodes = {n["id"]: n for n in tree_payload(t)["nodes"]}
+    assert nodes[side.id]["side_conversation"] and not nodes[first.id]["side_conversation"]
+    assert nodes[first.id]["continued_by"] == "chatcmpl-2" and nodes[side.id]["continued_by"] is None
+    assert "harness proxy: rerendered" in branch_reasons(t)["prompt"]
+
+
 def test_several_roots_make_the_prompt_a_branch_point():
     t = RolloutTree(meta={"allocator": "independent"})
     for _ in range(3):
