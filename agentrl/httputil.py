@@ -13,6 +13,9 @@
 
   - a body over the limit: 413;
   - a body that is not UTF-8 JSON: 400;
+  - ``NaN`` and ``Infinity``, which Python's parser reads but JSON does not
+    have: 400 naming the field, before they can reach a reply that must
+    encode them;
   - JSON nested deeper than the parser's recursion limit
     (``{"messages": [[[[...`` 100,000 deep): 400, where ``json.loads`` raises
     ``RecursionError``, which is not a ``ValueError``;
@@ -31,6 +34,7 @@ server both use. The sandbox server keeps FastAPI's ``{"detail": ...}``.
 from __future__ import annotations
 
 import json
+import math
 import re
 import socket
 from collections.abc import Awaitable, Callable
@@ -39,7 +43,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 __all__ = ["BodyTooLarge", "HTTPError", "call_with_body_limit", "declared_too_large", "listen_socket",
-           "lone_surrogate_field", "read_json"]
+           "lone_surrogate_field", "non_finite_field", "read_json"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -116,25 +120,43 @@ async def call_with_body_limit(app: Any, scope: dict[str, Any], receive: Callabl
     return over and not started
 
 
+def _printable(key: Any) -> str:
+    """A dict key as a path part that UTF-8 can encode (a lone surrogate as its escape)."""
+    return str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def lone_surrogate_field(data: Any, path: tuple[str, ...] = ()) -> str | None:
     """The dotted path of the first string (or key) in ``data`` that holds a lone surrogate; None if none.
 
     Iterative, so data nested as deep as ``json.loads`` allows is walked without recursion.
     """
+    def bad(value: Any) -> bool:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    return _first_field(data, lambda v: isinstance(v, str) and bad(v), path)
+
+
+def non_finite_field(data: Any, path: tuple[str, ...] = ()) -> str | None:
+    """The dotted path of the first ``NaN`` or ``Infinity`` in ``data`` (Python's parser reads them,
+    JSON has neither); None if none."""
+    return _first_field(data, lambda v: isinstance(v, float) and not math.isfinite(v), path)
+
+
+def _first_field(data: Any, bad: Any, path: tuple[str, ...]) -> str | None:
     stack: list[tuple[Any, tuple[str, ...]]] = [(data, path)]
     while stack:
         value, where = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                return ".".join(where)
-        elif isinstance(value, dict):
-            for k, v in value.items():
+        if bad(value):
+            return ".".join(where)
+        if isinstance(value, dict):
+            for k, v in value.items():  # the key is checked first (popped last): a bad key is
+                stack.append((v, (*where, _printable(k))))  # named by its escape, never by itself
                 stack.append((k, where))
-                stack.append((v, (*where, str(k))))
         elif isinstance(value, list):
-            stack.extend((v, (*where, str(i))) for i, v in enumerate(value))
+            stack.extend((value[i], (*where, str(i))) for i in reversed(range(len(value))))
     return None
 
 
@@ -155,6 +177,11 @@ def _loads(raw: bytes) -> Any:
         if field is not None:
             raise HTTPError(400, f"{field or 'body'}: holds a lone surrogate (a \\ud800-\\udfff escape "
                             "without its pair), which is not valid Unicode text; send UTF-8 text",
+                            param=field or None)
+    if "NaN" in text or "Infinity" in text:  # rare: only then walk the data
+        field = non_finite_field(data)
+        if field is not None:
+            raise HTTPError(400, f"{field or 'body'}: NaN and Infinity are not JSON; send a number or a string",
                             param=field or None)
     return data
 

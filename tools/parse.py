@@ -44,6 +44,14 @@ _FENCE = re.compile(r"^```[a-zA-Z]*\s*|\s*```$")
 # A bare object that starts like a call; used to report broken JSON as an error.
 _CALL_START = re.compile(r'\{\s*"(?:name|function)"\s*:')
 _HERMES_EXAMPLE = '<tool_call>{"name": "TOOL", "arguments": {...}}</tool_call>'
+
+
+def _no_constant(name: str) -> Any:
+    """Python's json reads NaN and Infinity; JSON has neither, and no client could read them back."""
+    raise ValueError(f"{name} is not JSON (write a number or a string)")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
 _JSON_EXAMPLE = '{"name": "TOOL", "arguments": {...}}'
 
 
@@ -84,7 +92,7 @@ def _call_from_obj(obj: Any, index: int) -> ToolCall | str:
             args = {}
         else:
             try:
-                args = json.loads(args)
+                args = _DECODER.decode(args)
             except (ValueError, RecursionError) as err:
                 return f'tool {name!r}: "arguments" is a string but not valid JSON ({_short(err)})'
     if args is None:
@@ -111,7 +119,7 @@ def _parse_hermes(text: str, result: ParseResult) -> None:
             result.errors.append(f"{where}: empty <tool_call> block. Write {_HERMES_EXAMPLE}")
             continue
         try:
-            obj = json.loads(body)
+            obj = _DECODER.decode(body)
         except (ValueError, RecursionError) as err:
             result.errors.append(f"{where}: invalid JSON ({_short(err)}). Write {_HERMES_EXAMPLE}")
             continue
@@ -129,7 +137,7 @@ def _is_call_shaped(obj: Any) -> bool:
 
 
 def _parse_bare_json(text: str, result: ParseResult) -> None:
-    decoder = json.JSONDecoder()
+    decoder = _DECODER
     pos, attempts = 0, 0
     while attempts < MAX_JSON_ATTEMPTS:
         start = text.find("{", pos)

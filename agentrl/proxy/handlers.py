@@ -153,6 +153,13 @@ class ChatWire(Wire):
         return chunk
 
 
+def _spec(proxy: Proxy, req: ChatRequest) -> PromptSpec:
+    try:
+        return prompt_spec(req, proxy.tokenizer, proxy.cfg.tool_call_style)
+    except RecursionError:  # a schema nested just under the parser's limit cannot be written out
+        raise HTTPError(400, "tools: a tool's schema is nested too deeply to render", param="tools") from None
+
+
 def render_plan(proxy: Proxy, session: Session | None, spec: PromptSpec, param: str) -> Plan:
     """Where a chat call hangs and its prompt; a template that refuses the messages is a 400."""
     from jinja2.exceptions import TemplateError
@@ -163,6 +170,17 @@ def render_plan(proxy: Proxy, session: Session | None, spec: PromptSpec, param: 
         return Plan("chat", render_ids(proxy.tokenizer, spec.template, True, **spec.template_kwargs), None, [])
     except TemplateError as e:
         raise HTTPError(400, f"{param}: the chat template cannot render them: {e}", param=param) from e
+
+
+def _check_named_tool(req: ChatRequest) -> None:
+    """A tool choice that names a tool must name one the request offers."""
+    choice = req.tool_choice
+    if choice is None or isinstance(choice, str):
+        return
+    name = choice.function.get("name")
+    if name not in {t.function.name for t in req.tools or []}:
+        raise HTTPError(400, f"tool_choice: names the tool {name!r}, which is not among the request's tools",
+                        param="tool_choice")
 
 
 def _check_open(session: Session | None) -> None:
@@ -180,9 +198,10 @@ def chat_endpoint(proxy: Proxy, wire: Wire) -> Handler:
         _check_open(session)
         conv = wire.conversation(body, proxy, session)
         req = conv.chat
+        _check_named_tool(req)
         if session is not None and conv.ignored:
             session.note_ignored(conv.ignored)
-        spec = prompt_spec(req, proxy.tokenizer, proxy.cfg.tool_call_style)
+        spec = _spec(proxy, req)
         plan = render_plan(proxy, session, spec, wire.prompt_param)
         max_new = proxy.max_new_tokens(len(plan.prompt_ids), req.max_tokens, wire.prompt_param,
                                        wire.max_tokens_param)
@@ -240,8 +259,7 @@ def count_tokens_endpoint(proxy: Proxy, wire: Wire, schema: type[BaseModel]) -> 
     async def count(request: Request) -> Response:
         session = proxy.resolve(request)
         body = await read_json(request, schema, proxy.cfg.max_request_bytes)
-        spec = prompt_spec(wire.conversation(body, proxy, session).chat, proxy.tokenizer,
-                           proxy.cfg.tool_call_style)
+        spec = _spec(proxy, wire.conversation(body, proxy, session).chat)
         from jinja2.exceptions import TemplateError
 
         try:

@@ -24,7 +24,8 @@ Request, in the internal conversation:
   ``custom_tool_call`` items; ``namespace`` tools are flattened to their tools
   (a call of one carries its ``namespace``).
   ``tool_choice`` (``auto``, ``none``, ``required``, a named function or
-  custom tool, ``allowed_tools`` by its mode), ``parallel_tool_calls``
+  custom tool, ``allowed_tools``: its mode, and only its tools offered),
+  ``parallel_tool_calls``
   (false: at most one call a reply), ``max_output_tokens``, ``temperature``,
   ``top_p``, ``stream``.
 
@@ -202,6 +203,7 @@ class _State:
     namespace: dict[str, str] = field(default_factory=dict)  # a namespaced tool's name -> its namespace
     message_id: str = field(default_factory=lambda: f"msg_{secrets.token_hex(12)}")
     seq: itertools.count = field(default_factory=itertools.count)
+    echo: dict[str, Any] = field(default_factory=dict)  # the request fields the response repeats
 
 
 def _tools(tools: list[ToolIn], state: _State, ignored: list[str], where: str = "tools",
@@ -226,24 +228,41 @@ def _tools(tools: list[ToolIn], state: _State, ignored: list[str], where: str = 
     return out
 
 
-def _tool_choice(choice: str | dict[str, Any] | None) -> Any:
+def _tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]]) -> tuple[Any, list[dict]]:
+    """The internal tool choice, and the tools offered (``allowed_tools`` offers its subset)."""
     if choice is None or isinstance(choice, str):
         if choice not in (None, "auto", "none", "required"):
             raise HTTPError(400, "tool_choice: must be auto, none, required or a named tool", param="tool_choice")
-        return choice
+        return choice, tools
     kind = choice.get("type")
     if kind in ("function", "custom") and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    if kind == "allowed_tools" and choice.get("mode") in ("auto", "required"):
-        return choice["mode"]
+        return {"type": "function", "function": {"name": choice["name"]}}, tools
+    allowed = choice.get("tools")
+    if kind == "allowed_tools" and choice.get("mode") in ("auto", "required") and isinstance(allowed, list):
+        names = {t.get("name") for t in allowed if isinstance(t, dict)}
+        return choice["mode"], [t for t in tools if t["function"]["name"] in names]
     raise HTTPError(400, f"tool_choice: {kind!r} is not supported (auto, none, required, a function or custom "
-                    "tool by name)", param="tool_choice")
+                    "tool by name, allowed_tools with a mode and its tools)", param="tool_choice")
+
+
+def _echo(body: ResponsesRequest) -> dict[str, Any]:
+    """What the response repeats of the request, checked now that JSON can write it: a reply
+    that could not be written would fail after its call was recorded."""
+    echo = {"tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+            "metadata": body.metadata or {}, "tool_choice": body.tool_choice or "auto"}
+    for key, value in echo.items():
+        try:
+            json.dumps(value, allow_nan=False)
+        except (ValueError, RecursionError):
+            raise HTTPError(400, f"{key}: cannot be written back as JSON (NaN, Infinity or nested too deeply)",
+                            param=key) from None
+    return echo
 
 
 def conversation(body: ResponsesRequest, previous: list[dict[str, Any]]) -> Conversation:
     """A Responses request as the internal conversation; ``previous`` is the stored one it continues."""
     fmt = (body.text or {}).get("format") or {"type": "text"}
-    if fmt.get("type") != "text":
+    if not isinstance(fmt, dict) or fmt.get("type") != "text":
         raise HTTPError(400, "text.format: only type 'text' is supported (no constrained decoding)",
                         param="text.format")
     ignored: list[str] = []
@@ -251,12 +270,12 @@ def conversation(body: ResponsesRequest, previous: list[dict[str, Any]]) -> Conv
     history = [*previous, *_messages(items, ignored)]
     if not history:
         raise HTTPError(400, "input: the conversation is empty", param="input")
-    state = _State(history)
-    tools = _tools(body.tools or [], state, ignored)
+    state = _State(history, echo=_echo(body))
+    choice, tools = _tool_choice(body.tool_choice, _tools(body.tools or [], state, ignored))
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
     chat = internal_request({
         "model": body.model, "messages": messages, "tools": tools or None,
-        "tool_choice": _tool_choice(body.tool_choice) if tools else None,
+        "tool_choice": choice if tools else None,
         "parallel_tool_calls": body.parallel_tool_calls, "max_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream})
     return Conversation(chat, ignored, state)
@@ -297,10 +316,8 @@ def _response(out: Out, status: str, output: list[dict[str, Any]], usage: dict[s
         "id": out.call_id, "object": "response", "created_at": out.created, "status": status,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "error": None, "model": out.model, "output": output, "usage": usage,
-        "instructions": body.instructions, "metadata": body.metadata or {},
+        "instructions": body.instructions, **out.conv.state.echo,
         "parallel_tool_calls": body.parallel_tool_calls is not False,
-        "tool_choice": body.tool_choice or "auto",
-        "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
         "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
         "previous_response_id": body.previous_response_id, "store": body.store,
         "text": {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": None, "user": None}

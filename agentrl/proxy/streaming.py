@@ -157,6 +157,7 @@ class Reply(Response):
         try:
             sent = self.live.sent() if self.live is not None and started else None
             body, version = self.finish(gen.result(), sent)
+            reply = None if self.stream else JSONResponse(body, headers={"x-policy-version": str(version)})
         except Exception as e:  # an HTTPError, or a backend or reply bug: answered, never a dead server
             err = e if isinstance(e, HTTPError) else HTTPError(500, f"internal error: {type(e).__name__}: {e}")
             if not isinstance(e, HTTPError):
@@ -165,9 +166,8 @@ class Reply(Response):
                 return await self.errors.response(err)(scope, receive, send)
             event = self.errors.event(err)
             return await send({"type": "http.response.body", "body": event, "more_body": False})
-        headers = {"x-policy-version": str(version)}
-        if not self.stream:
-            return await JSONResponse(body, headers=headers)(scope, receive, send)
+        if reply is not None:
+            return await reply(scope, receive, send)
         with contextlib.suppress(OSError):  # the client left: everything is recorded already
             if not started:
                 await send({"type": "http.response.start", "status": 200, "headers": [
