@@ -152,10 +152,10 @@ class ChatContext:
         self._append(render_ids(tokenizer, self.messages, True, **template_kwargs))
 
     def fork(self) -> ChatContext:
-        """An independent copy, for a branch: token list and messages copied, tokenizer shared."""
+        """An independent copy, for a branch: token list and message list copied, tokenizer shared."""
         new = copy.copy(self)
         new.ids = list(self.ids)
-        new.messages = [dict(m) for m in self.messages]
+        new.messages = list(self.messages)  # message dicts are never changed in place: shared
         new.mismatches = list(self.mismatches)
         new._last_action = list(self._last_action)
         return new

@@ -118,14 +118,14 @@ class Call:
 
     call_id: str
     kind: str
-    prompt_ids: list[int]
+    prompt_ids: tuple[int, ...]
     parent: int | None
     context_ids: list[int]
     node_ids: list[int]
     version: int
     timing: dict[str, float]
     branch: dict[str, Any] | None
-    keys: list[str]
+    keys: tuple[str, ...]  # a tuple, as ``prompt_ids`` is: out of the collector's walks
     render_key: str
     reply_keys: list[str]
     ctx: ChatContext | None
@@ -322,8 +322,13 @@ class Session:
             ids.append(self.tree.add(node, plan.parent).id)
         canon = [canonical(r) for r in replies]
         issued = [tuple(c.get("id") or "" for c in r.get("tool_calls") or ()) for r in replies]
-        call = Call(call_id, plan.kind, plan.prompt_ids, plan.parent, context, ids,
-                    min(r.version for r in results), timing, branch, plan.keys, plan.render_key,
+        # A recorded prompt is read and forked, never appended to. As a tuple of ints it leaves the
+        # garbage collector's walks, which otherwise grow with every recorded call of every session.
+        prompt = tuple(plan.prompt_ids)
+        if plan.ctx is not None:
+            plan.ctx.ids = prompt  # type: ignore[assignment]
+        call = Call(call_id, plan.kind, prompt, plan.parent, context, ids,
+                    min(r.version for r in results), timing, branch, tuple(plan.keys), plan.render_key,
                     [key_of(c) for c in canon], plan.ctx, canon, issued, model, api)
         self.calls.append(call)
         self.by_id[call_id] = call
@@ -356,7 +361,7 @@ class Session:
         chats = [c for c in self.calls if c.kind == "chat"]
         if plan.kind != "chat" or not chats:
             return {"reason": "divergence", **info}
-        history = lambda c: c.keys + c.reply_keys[:1]  # noqa: E731
+        history = lambda c: [*c.keys, *c.reply_keys[:1]]  # noqa: E731
         ref = max(reversed(chats), key=lambda c: _common(history(c), plan.keys))
         h, m = history(ref), plan.keys
         j = _common(h, m)
