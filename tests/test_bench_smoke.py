@@ -40,6 +40,14 @@ def test_multiturn_cost_reuse_prefills_less_and_samples_the_same(tmp_path):
     assert full["speculation"] == reuse["speculation"]
 
 
+def test_proxy_overhead_measures_each_protocol_on_sessions_that_stay_one_path(tmp_path):
+    result = _run("proxy_overhead.py", tmp_path / "p.json")
+    assert set(result["protocols"]) == {"chat", "responses", "messages"}
+    for name, row in result["protocols"].items():
+        assert row["sessions_checked_one_path"] > 0, name  # the bench raises if a session branched
+        assert row["min_reused_tokens_from_turn_2"] > 0, name
+
+
 def test_prompt_lookup_steps_by_hand():
     sys.path.insert(0, str(BENCH))
     from multiturn_cost import prompt_lookup_steps
