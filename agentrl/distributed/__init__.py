@@ -3,7 +3,10 @@
 - ``env_workers``: ``rollout.env_executor: ray`` hosts envs (and their sandboxes)
   in env-worker actors, placed by CPUs and a ``sandbox_<backend>`` resource.
 - ``rollout_workers``: ``RayPolicy`` load-balances generation over rollout-worker
-  actors with prefix-cache affinity; weights go out through the object store.
+  actors with prefix-cache affinity; weights go out through the object store;
+  ``open_policy`` gives a command the policy its config asks for (``rollout``,
+  ``eval`` and ``proxy serve`` honour the distributed section as ``train`` does);
+- ``ray_sampler``: asynchronous training's view of the rollout workers;
 - ``cluster``: joining the cluster ``distributed.ray`` names; Ray's errors mapped
   to agentrl's.
 
@@ -19,7 +22,14 @@ from .env_workers import (
     env_worker_options,
     env_worker_pool,
 )
-from .rollout_workers import PrefixRouter, RayPolicy, RolloutWorker, policy_for_run
+from .rollout_workers import (
+    PrefixRouter,
+    RayPolicy,
+    RolloutWorker,
+    open_policy,
+    placement,
+    policy_for_run,
+)
 
 __all__ = [
     "EnvWorker",
@@ -32,5 +42,7 @@ __all__ = [
     "env_resources",
     "env_worker_options",
     "env_worker_pool",
+    "open_policy",
+    "placement",
     "policy_for_run",
 ]
