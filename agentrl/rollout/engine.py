@@ -183,6 +183,7 @@ class Engine:
         self._idle: list[Any] = []
         self._all: list[Any] = []
         self._closers: list[threading.Thread] = []
+        self._making: set[Future[Any]] = set()  # envs being made for episodes that may give up on them
         self._snapshots = False
         self._top_logprobs = 0
         self._budget: Budget | None = None
@@ -230,17 +231,30 @@ class Engine:
     async def _acquire(self) -> Any:
         if self._idle:
             return self._idle.pop()
-        env = await asyncio.get_running_loop().run_in_executor(self._pool, self._make_env)
+        made = self._pool.submit(self._make_env)
+        self._making.add(made)
+        try:
+            env = await asyncio.wrap_future(made)
+        except asyncio.CancelledError:  # timed out while the env starts: ``close`` closes what it makes
+            raise
+        except BaseException:
+            self._making.discard(made)
+            raise
+        self._making.discard(made)
         self._all.append(env)
         return env
 
-    def _release(self, env: Any, healthy: bool) -> None:
+    def _release(self, env: Any, healthy: bool, hung: bool = False) -> None:
         if healthy:
             self._idle.append(env)
             return
-        # A timed-out or crashed env may still be mid-step in a thread: never
-        # reuse it; close it on a thread of its own (a process env is killed).
         self._all.remove(env)
+        kill = getattr(env, "kill", None)
+        if hung and kill is not None:  # a timed-out process env: its group is killed and reaped now
+            kill()
+            return
+        # A timed-out or crashed env may still be mid-step in a thread: never
+        # reuse it; close it on a thread of its own.
         t = threading.Thread(target=_close_quietly, args=(env,), daemon=True, name="agentrl-env-close")
         t.start()
         self._closers.append(t)
@@ -251,6 +265,12 @@ class Engine:
         for env in envs:
             _close_quietly(env)
         deadline = time.monotonic() + _CLOSE_WAIT_S
+        for made in list(self._making):  # its episode timed out while it started (a loaded machine)
+            try:
+                _close_quietly(made.result(timeout=max(0.0, deadline - time.monotonic())))
+            except BaseException:  # noqa: BLE001 - it failed to start, or still starts: nothing to close
+                pass
+        self._making.clear()
         for t in self._closers:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -473,7 +493,7 @@ class Engine:
         failure before its first turn is recorded.
         """
         box: list[_Path] = []
-        healthy = True
+        healthy, hung = True, False
         t0 = time.monotonic()
 
         async def go() -> None:
@@ -491,11 +511,11 @@ class Engine:
             healthy = not e.env_broken
             fail(str(e))
         except TimeoutError:
-            healthy = False
+            healthy, hung = False, True
             fail(f"episode timed out after {time.monotonic() - t0:.1f} s "
                  f"(rollout.episode_timeout_s={self.cfg.rollout.episode_timeout_s})")
         except asyncio.CancelledError:
-            healthy = False  # a step may still run in its thread
+            healthy, hung = False, True  # a step may still run in its thread
             raise
         except Exception as e:  # an engine bug must not take the batch down, nor go unseen
             healthy = False
@@ -504,7 +524,7 @@ class Engine:
             fail(f"engine error {type(e).__name__}: {e}")
         finally:
             if box:
-                self._release(box[0].env, healthy)
+                self._release(box[0].env, healthy, hung)
         if self.on_episode_done:
             self.on_episode_done(tree)
 
@@ -726,9 +746,9 @@ def _clip(tree: RolloutTree, req: Fresh | Branch, left: int, report: dict[str, A
     return Branch(req.task, req.node, k, req.at_token, req.max_turns, req.reason) if k >= 1 else None
 
 
-# How long ``close`` waits for the threads closing unhealthy envs: a hung process
-# env takes up to 5 s for its lock, 5 s for an answer and 6 s to be killed and reaped
-# (ProcessEnv.close); 10 s let a loaded machine return with the child still alive.
+# How long ``close`` waits for the threads closing crashed envs (a hung process env
+# is killed at once instead): a process env whose call failed answers ``close`` or
+# is killed after 5 s for its lock and 5 s for an answer (ProcessEnv.close).
 _CLOSE_WAIT_S = 20.0
 
 
