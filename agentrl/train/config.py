@@ -46,10 +46,15 @@ class AsyncConfig(_Strict):
 
     max_staleness: int = Field(1, ge=0, description="k: a step's batch is trained only while its "
                                "oldest token is at most k policy versions behind the trainer (older "
-                               "ones are dropped); the rollouts run at most k steps ahead. 0 repeats "
-                               "the synchronous run exactly, overlapping only eval and checkpoints.")
+                               "ones are dropped and replaced); the rollouts run at most k steps ahead. "
+                               "0 rolls out each step after the previous sync, overlapping only eval "
+                               "and checkpoints: the synchronous run, bit for bit with "
+                               "rollout.deterministic: true.")
     queue_size: int = Field(2, ge=1, description="Finished step batches waiting for the trainer; "
                             "the rollouts wait while it is full.")
+    batch_timeout_s: float | None = Field(7200.0, gt=0, description="Longest the trainer waits for "
+                                          "the next step's batch before the run fails, naming what the "
+                                          "rollouts were doing (a hung generate, say); null: no limit.")
 
 
 class TrainConfig(_Strict):

@@ -296,23 +296,26 @@ class Trainer:
         return True
 
     # -- one step ----------------------------------------------------------------------------
-    def rollout(self, step: int, bars: _Bars, policy: Any = None) -> tuple[list[RolloutTree], dict[str, Any]]:
-        """Step ``step``'s trees, sampled by ``policy`` (default: the trained model's own policy)."""
+    def rollout(self, step: int, bars: _Bars, policy: Any = None,
+                max_turns: int | None = None) -> tuple[list[RolloutTree], dict[str, Any]]:
+        """Step ``step``'s trees, sampled by ``policy`` (default: the trained model's own policy),
+        at most ``max_turns`` turns an episode (TurnOPD's depth budget, ``_depth_budget``) if given.
+
+        The asynchronous producer runs this in its thread: it reads no state the trainer
+        changes meanwhile (the budget is handed over with each sync)."""
         from ..rollout import collect, summarize
 
         cfg = self.cfg.model_copy(deep=True)
         cfg.rollout.seed = request_seed(self.cfg.train.seed, step)  # fresh sampling streams per step
-        # TurnOPD's depth budget, read once: the asynchronous producer runs this while the trainer updates it
-        budget = self.distiller.depth_budget if self.distiller is not None else None
-        if budget is not None:
-            cfg.rollout.max_turns = min(cfg.rollout.max_turns, budget)
+        if max_turns is not None:
+            cfg.rollout.max_turns = min(cfg.rollout.max_turns, max_turns)
         seeds = step_task_seeds(self.cfg.train, step)
         advance = bars.start("rollout", len(seeds) * cfg.rollout.group_size, f"step {step + 1}")
         t0 = time.perf_counter()
         trees = (self.rollouts.collect if self.rollouts else collect)(
             cfg.env.id, self.policy if policy is None else policy, cfg, seeds, on_episode_done=advance)
         s = summarize(trees, time.perf_counter() - t0)
-        extra = {**(self.rollouts.stats if self.rollouts else {}), **self._allocation(step, trees),
+        extra = {**(self.rollouts.stats if self.rollouts else {}),
                  **getattr(self.policy, "stats", {})}  # rollout workers: deaths and retried requests
         return trees, {**extra, "rollout/success": s["success_rate"], "rollout/reward": s["mean_reward"],
                        "rollout/turns": s["mean_turns"], "rollout/episodes": s["episodes"],
@@ -321,6 +324,10 @@ class Trainer:
                        "rollout/env_steps": s["env_steps"],
                        "rollout/generated_tokens": s["generated_tokens"],
                        "data/first_task_seed": seeds[0], **_invalid(s, "rollout")}
+
+    def _depth_budget(self) -> int | None:
+        """The turn cap of the next rollouts: TurnOPD's depth budget, once it has a statistic."""
+        return self.distiller.depth_budget if self.distiller is not None else None
 
     def _allocation(self, step: int, trees: list[RolloutTree]) -> dict[str, Any]:
         """The allocator's report into the run summary, and a warning when a tree allocator
@@ -586,9 +593,10 @@ class Trainer:
                 if ran and a is not None:  # a fresh snapshot of the weights SFT or a resume left
                     sampler = (self.policy.sampler() if hasattr(self.policy, "sampler")  # rollout workers
                                else SnapshotPolicy.of(self.policy))
-                    self.producer = RolloutProducer(lambda k, policy: self.rollout(k, bars, policy),
-                                                    sampler, self.step, t.steps,
-                                                    a.max_staleness, a.queue_size).begin()
+                    self.producer = RolloutProducer(
+                        lambda k, policy, max_turns: self.rollout(k, bars, policy, max_turns), sampler,
+                        self.step, t.steps, a.max_staleness, a.queue_size, a.batch_timeout_s,
+                        max_turns=self._depth_budget()).begin()
                 while self.step < t.steps:
                     mem.start()
                     row = self._one_step(bars)
@@ -639,16 +647,18 @@ class Trainer:
         t, k = self.cfg.train, self.step
         t_step = time.perf_counter()
         if self.producer is None:
-            trees, stats = self.rollout(k, bars)
+            trees, stats = self.rollout(k, bars, max_turns=self._depth_budget())
+            data_step = k
         else:
             batch, stats = self.producer.take(self.policy.version)
-            trees, stats = batch.trees, {**batch.stats, **stats}
+            trees, stats, data_step = batch.trees, {**batch.stats, **stats}, batch.step
+        stats.update(self._allocation(data_step, trees))  # here, not in the producer's thread
         self._save_trees(k + 1, trees)
         stats.update(self.learn(trees, k, bars))
         t0 = time.perf_counter()
         sync_policy(self.policy, self.model)
         if self.producer is not None:
-            self.producer.synced(self.net, self.policy.version)
+            self.producer.synced(self.net, self.policy.version, max_turns=self._depth_budget())
         stats["time/sync_s"] = time.perf_counter() - t0
         stats["policy/version"] = self.policy.version
         self.step = k + 1

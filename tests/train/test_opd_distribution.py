@@ -17,6 +17,7 @@ from agentrl.train.distill import (
 from agentrl.train.distill.loop import document_bos, overlap_weights
 from agentrl.train.logprobs import token_scores
 from agentrl.train.trainer import _Bars
+from agentrl.types import read_trees
 from tests.train.test_opd_training import GUESS, distill_trainer, first_step
 
 
@@ -180,9 +181,11 @@ def test_the_depth_budget_caps_the_next_steps_rollouts(tmp_path):
     budget = stats["distill/depth_budget"]
     assert budget == tr.distiller.depth_budget and 1 <= budget < 3
     assert len(tr.distiller.turn_mass) >= 2 and tr.distiller.turn_mass[0] > 0
-    trees, _ = tr.rollout(1, _Bars(tr.console, False))
-    assert max(len(ep.nodes) for t in trees for ep in t.episodes()) <= budget
     tr.step = 1
+    tr._one_step(_Bars(tr.console, False))  # step 2 rolls out under the budget step 1 left
+    trees = read_trees(tmp_path / "trees" / "step-000002.jsonl")
+    assert max(len(ep.nodes) for t in trees for ep in t.episodes()) <= budget
+    budget = tr.distiller.depth_budget
     tr.save()
     again = distill_trainer(tmp_path, "{teacher: tiny-random, depth_coverage: 0.3}", steps=2)
     assert again.resume() and again.distiller.depth_budget == budget  # the statistics are checkpointed
