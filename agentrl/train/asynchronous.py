@@ -90,10 +90,6 @@ class SnapshotPolicy(HFPolicy):
             self.weights_updated()  # drops the keys and values of the old weights
             self.version = version
 
-    def close(self) -> None:
-        """Stop sampling: requests still to come fail their episodes at once."""
-        self.batcher.close()
-
 
 # --------------------------------------------------------------------------- staleness
 

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import math
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -67,9 +69,10 @@ from .checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from .config import TrainConfig, TrainRunConfig
+from .config import TrainRunConfig
 from .loss import mismatch_stats, policy_loss
 from .metrics import MetricsLogger, PeakMemory, advantage_balance, plot_learning_curve
+from .plan import eval_seeds, print_plan, run_plan, step_task_seeds
 
 __all__ = [
     "CollectFn",
@@ -85,26 +88,7 @@ __all__ = [
 CollectFn = Callable[..., list[RolloutTree]]
 
 
-# --------------------------------------------------------------------------- data
-
-
-def step_task_seeds(cfg: TrainConfig, step: int) -> list[int]:
-    """The task seeds step ``step`` (0-based) trains on: the data position is the step."""
-    n = cfg.tasks_per_step
-    if cfg.task_seeds is not None:
-        pool = cfg.task_seeds
-        return [pool[(step * n + j) % len(pool)] for j in range(n)]
-    return [cfg.task_seed_start + step * n + j for j in range(n)]
-
-
 # --------------------------------------------------------------------------- eval
-
-
-def eval_seeds(cfg: TrainConfig) -> list[int]:
-    """Held-out task seeds: the explicit list, else ``eval_episodes`` from ``eval_seed_start``."""
-    if cfg.eval_task_seeds:
-        return list(cfg.eval_task_seeds)
-    return [cfg.eval_seed_start + i for i in range(cfg.eval_episodes)]
 
 
 def evaluate(policy: Any, cfg: TrainRunConfig, on_episode_done: Callable | None = None,
@@ -242,6 +226,7 @@ class Trainer:
         self.bars: _Bars | None = None
         self.producer: RolloutProducer | None = None  # train.asynchronous: the rollouts ahead
         self.out = Path(t.out_dir)
+        self._owns_policy = policy is None  # close() closes only a policy it made
 
     def _reference(self) -> torch.nn.Module | None:
         """A frozen copy of the starting weights for the KL term (LoRA: the adapters switched off)."""
@@ -256,6 +241,33 @@ class Trainer:
         else:
             with self.model.disable_adapter():
                 yield self.net
+
+    # -- end -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release what the run holds, so the next run in this process starts from the same
+        memory: the producer and its snapshot, the rollout source, the policy it made (rollout
+        workers killed, an ``hf`` backend's thread and prefix cache freed), the teacher (a vLLM
+        engine stopped), the env workers of its env, and every model and optimizer reference.
+        Idempotent; the trainer is unusable after. A step that fails is warned about, and the
+        rest still runs (``train`` calls this on the way out of an error too)."""
+        owned = [("the rollout producer", self.producer), ("the rollout source", self.rollouts),
+                 ("the policy", self.policy if self._owns_policy else None),
+                 ("the distillation teacher", self.distiller)]
+        for what, close in [(w, getattr(o, "close", None)) for w, o in owned] + [
+                ("the env workers", self._shutdown_env_workers)]:
+            try:
+                if close is not None:
+                    close()
+            except Exception as e:  # noqa: BLE001 - closing the rest matters more than this one
+                warnings.warn(f"closing {what} raised {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+        self.producer = self.rollouts = self.distiller = self.ref = self.value_head = None
+        self.policy = self.model = self.net = self.optimizer = self.scheduler = None  # type: ignore[assignment]
+
+    def _shutdown_env_workers(self) -> None:
+        if self.cfg.rollout.env_executor == "ray":
+            from ..distributed.env_workers import shutdown_env_worker_pools
+
+            shutdown_env_worker_pools(self.cfg.env.id)
 
     # -- state ---------------------------------------------------------------------------
     def save(self, export_hf: bool = False) -> Path:
@@ -696,38 +708,18 @@ def train(cfg: TrainRunConfig, *, resume: bool = False, overwrite: bool = False,
         for old in ("checkpoints", "tensorboard", "trees"):  # else TensorBoard and the viewer mix two runs
             shutil.rmtree(out / old, ignore_errors=True)
     trainer = Trainer(cfg, policy=policy, console=console, progress=progress, rollouts=rollouts)
-    if dry:
-        if trainer.rollouts is not None:
-            trainer.rollouts.close()
-        plan = run_plan(cfg)
-        _print_plan(trainer.console, plan)
-        return {"dry_run": True, "plan": plan, "phases": {}, "checkpoint": None, "metrics": None,
-                "learning_curve": None}
-    if resume and trainer.resume():
-        trainer.console.print(f"resumed from step {trainer.step} ({out / 'checkpoints'})")
-    return trainer.run(sft=warm)
-
-
-def run_plan(cfg: TrainRunConfig) -> dict[str, Any]:
-    """What a run of ``cfg`` does, in the numbers a user checks before starting it."""
-    t, r = cfg.train, cfg.rollout
-    source = (f"harness: {t.harness}" if t.harness is not None
-              else f"engine, allocator {r.allocator} {r.allocator_options or ''}".strip())
-    return {"env": cfg.env.id, "model": cfg.policy.model, "backend": cfg.policy.backend,
-            "rollouts": source, "steps": t.steps, "tasks per step": t.tasks_per_step,
-            "episodes per task": r.group_size,
-            "budget per step": f"{r.budget} {r.budget_unit}" if r.budget else f"{t.tasks_per_step * r.group_size} leaves",
-            "credit": t.credit, "trainable": t.trainable, "lr": t.lr,
-            "held-out episodes per eval": len(eval_seeds(t)), "out_dir": t.out_dir,
-            "trees saved per step": t.save_trees}
-
-
-def _print_plan(console: Console, plan: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    table = Table(title="dry run (train.steps=0): the plan; nothing evaluated or written")
-    table.add_column("")
-    table.add_column("value")
-    for k, v in plan.items():
-        table.add_row(k, str(v))
-    console.print(table)
+    try:
+        if dry:
+            plan = run_plan(cfg)
+            print_plan(trainer.console, plan)
+            return {"dry_run": True, "plan": plan, "phases": {}, "checkpoint": None, "metrics": None,
+                    "learning_curve": None}
+        if resume and trainer.resume():
+            trainer.console.print(f"resumed from step {trainer.step} ({out / 'checkpoints'})")
+        return trainer.run(sft=warm)
+    finally:
+        trainer.close()
+        del trainer
+        # What the run left in reference cycles (frames of exceptions caught inside libraries,
+        # progress bars) would otherwise wait for a full collection, holding models and caches.
+        gc.collect()
