@@ -8,6 +8,7 @@ key path (``policy.temperature``) and the reason.
 from __future__ import annotations
 
 import difflib
+import warnings
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -33,11 +34,30 @@ __all__ = [
     "SamplingConfig",
     "apply_overrides",
     "load_config",
+    "renamed_keys",
 ]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def renamed_keys(data: Any, renames: dict[str, str], section: str) -> Any:
+    """``data`` (a mapping about to be validated as ``section``) with each old key of ``renames``
+    moved to its new name, and a ``FutureWarning`` naming both: an old name keeps working for
+    one release. Giving both names is an error (which one would win is not obvious)."""
+    if not isinstance(data, dict) or not any(old in data for old in renames):
+        return data
+    data = dict(data)
+    for old, new in renames.items():
+        if old not in data:
+            continue
+        if new in data:
+            raise ValueError(f"{section}.{old} is the old name of {section}.{new}: give only {new}")
+        warnings.warn(f"{section}.{old} is deprecated and will be removed in the next release: "
+                      f"use {section}.{new}", FutureWarning, stacklevel=2)
+        data[new] = data.pop(old)
+    return data
 
 
 class SamplingConfig(_Strict):

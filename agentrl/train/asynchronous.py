@@ -11,7 +11,7 @@ al. 2025, which trains on data k versions stale), without Ray:
   the weights, so the optimizer's in-place updates never reach a running
   episode. At each sync the trainer copies its weights in, between two
   ``generate`` batches; every token keeps the version that sampled it, so the
-  loss's corrections (TIS, ``loss.max_staleness``, M2PO) see real versions;
+  loss's corrections (TIS, ``loss.max_token_staleness``, M2PO) see real versions;
 - it starts its ``n``-th batch only once the trainer has taken ``n - k``
   batches and synced after each (a dropped batch is taken without a sync), so
   the oldest token of a batch is at most ``k`` versions behind when it trains.
@@ -142,11 +142,11 @@ class RolloutProducer:
     turns of the rollouts started after it (TurnOPD's depth budget; None: the config's).
     """
 
-    def __init__(self, rollout: RolloutFn, policy: Any, start: int, end: int, max_staleness: int,
+    def __init__(self, rollout: RolloutFn, policy: Any, start: int, end: int, max_batch_staleness: int,
                  queue_size: int, batch_timeout_s: float | None = None, max_turns: int | None = None):
         self.rollout, self.policy = rollout, policy
         self.start, self.end = start, end
-        self.max_staleness = max_staleness
+        self.max_staleness = max_batch_staleness  # train.asynchronous.max_batch_staleness
         self.batch_timeout_s = batch_timeout_s
         self.queue: queue.Queue[StepBatch | BaseException] = queue.Queue(maxsize=queue_size)
         self.synced_steps = 0  # syncs since the producer started

@@ -607,7 +607,7 @@ class Trainer:
                                else SnapshotPolicy.of(self.policy))
                     self.producer = RolloutProducer(
                         lambda k, policy, max_turns: self.rollout(k, bars, policy, max_turns), sampler,
-                        self.step, t.steps, a.max_staleness, a.queue_size, a.batch_timeout_s,
+                        self.step, t.steps, a.max_batch_staleness, a.queue_size, a.batch_timeout_s,
                         max_turns=self._depth_budget()).begin()
                 while self.step < t.steps:
                     mem.start()

@@ -467,8 +467,8 @@ def test_asynchronous_training_samples_on_rollout_workers(cluster, tmp_path):
 
     det = ["rollout.deterministic=true", "train.eval_episodes=0"]
     sync = train(_ray_train_config(tmp_path / "sync", *det), progress=False)
-    k0 = train(_ray_train_config(tmp_path / "k0", *det, "train.asynchronous={max_staleness: 0}"), progress=False)
-    train(_ray_train_config(tmp_path / "k1", *det, "train.asynchronous={max_staleness: 1, queue_size: 1}"),
+    k0 = train(_ray_train_config(tmp_path / "k0", *det, "train.asynchronous={max_batch_staleness: 0}"), progress=False)
+    train(_ray_train_config(tmp_path / "k1", *det, "train.asynchronous={max_batch_staleness: 1, queue_size: 1}"),
           progress=False)
     assert sync["phases"] == k0["phases"]
     a, b = _rl_rows(tmp_path / "sync"), _rl_rows(tmp_path / "k0")
@@ -517,8 +517,8 @@ def test_rollout_worker_settings_are_checked_naming_the_key():
 
     # rollout workers hold their own copy: asynchronous training needs no hf backend here
     load_train_config(None, ["distributed.num_rollout_workers=2", "policy.backend=mock",
-                             "train.asynchronous={max_staleness: 1}"])
+                             "train.asynchronous={max_batch_staleness: 1}"])
     with pytest.raises(ConfigError, match=r"train\.asynchronous"):
-        load_train_config(None, ["policy.backend=mock", "train.asynchronous={max_staleness: 1}"])
+        load_train_config(None, ["policy.backend=mock", "train.asynchronous={max_batch_staleness: 1}"])
     with pytest.raises(ConfigError, match=r"distributed\.generate_retries"):
         load_config(overrides=["distributed.generate_retries=-1"])

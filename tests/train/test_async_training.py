@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ FAST = ["rollout.deterministic=true", "train.plot=false", "train.save_trees=0", 
 
 
 def _async(k: int, queue_size: int = 1) -> str:
-    return f"train.asynchronous={{max_staleness: {k}, queue_size: {queue_size}}}"
+    return f"train.asynchronous={{max_batch_staleness: {k}, queue_size: {queue_size}}}"
 
 
 def _rl_rows(out: Path) -> list[dict]:
@@ -162,7 +163,7 @@ def test_take_fails_naming_what_the_producer_does_when_no_batch_comes():
         release.wait(60)
         raise RuntimeError("released")
 
-    producer = RolloutProducer(hung, object(), start=4, end=8, max_staleness=1, queue_size=1,
+    producer = RolloutProducer(hung, object(), start=4, end=8, max_batch_staleness=1, queue_size=1,
                                batch_timeout_s=0.3).begin()
     try:
         with pytest.raises(TimeoutError, match=r"train\.asynchronous\.batch_timeout_s.*rolling out step 5"):
@@ -181,7 +182,7 @@ def test_each_sync_hands_the_next_rollouts_their_turn_cap():
         caps.append(max_turns)
         return [_tree(policy.version)], {}
 
-    producer = RolloutProducer(rollout, _Versioned(), start=0, end=3, max_staleness=0, queue_size=1,
+    producer = RolloutProducer(rollout, _Versioned(), start=0, end=3, max_batch_staleness=0, queue_size=1,
                                max_turns=5).begin()
     try:
         producer.take(0)
@@ -277,7 +278,7 @@ def test_resume_with_async_starts_a_fresh_producer_and_repeats_the_run(tmp_path,
 
 
 @pytest.mark.parametrize(("overrides", "key"), [
-    ([_async(-1)], "train.asynchronous.max_staleness"),
+    ([_async(-1)], "train.asynchronous.max_batch_staleness"),
     (["train.asynchronous={queue_size: 0}"], "train.asynchronous.queue_size"),
     (["policy.backend=mock", _async(1)], "train.asynchronous samples from a copy"),
     (["train.harness=python agent.py", _async(1)], "train: asynchronous needs native rollouts"),
@@ -288,6 +289,19 @@ def test_an_async_config_that_cannot_work_is_refused_naming_its_key(overrides, k
     assert key in str(err.value)
 
 
+def test_the_old_name_max_staleness_still_works_for_one_release_with_a_warning():
+    with pytest.warns(FutureWarning, match=r"train\.asynchronous\.max_staleness is deprecated.*"
+                                           r"use train\.asynchronous\.max_batch_staleness"):
+        old = load_train_config(None, ["train.asynchronous={max_staleness: 0}"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = load_train_config(None, ["train.asynchronous={max_batch_staleness: 0}"])
+    assert old.train.asynchronous == new.train.asynchronous and new.train.asynchronous.max_batch_staleness == 0
+    with pytest.raises(ConfigError, match=r"train\.asynchronous\.max_staleness is the old name of "
+                                          r"train\.asynchronous\.max_batch_staleness"):
+        load_train_config(None, ["train.asynchronous={max_staleness: 0, max_batch_staleness: 1}"])
+
+
 def test_async_off_is_the_default():
     assert load_train_config(None, []).train.asynchronous is None
 
@@ -296,7 +310,7 @@ def test_a_rollout_that_raises_fails_the_trainers_take_with_its_error():
     def boom(step: int, policy: object, max_turns: int | None) -> tuple:
         raise RuntimeError(f"env exploded at step {step}")
 
-    producer = RolloutProducer(boom, object(), start=0, end=3, max_staleness=1, queue_size=1).begin()
+    producer = RolloutProducer(boom, object(), start=0, end=3, max_batch_staleness=1, queue_size=1).begin()
     with pytest.raises(RuntimeError, match="env exploded at step 0"):
         producer.take(0)
     producer.close(timeout=10)
@@ -317,7 +331,7 @@ def test_close_during_a_rollout_stops_the_sampler_and_the_thread():
             raise AssertionError("close() did not close the sampler")
         raise RuntimeError("sampling stopped")
 
-    producer = RolloutProducer(rollout, Sampler(), start=0, end=3, max_staleness=1, queue_size=1).begin()
+    producer = RolloutProducer(rollout, Sampler(), start=0, end=3, max_batch_staleness=1, queue_size=1).begin()
     assert started.wait(30)
     producer.close(timeout=30)
     assert not producer.thread.is_alive()

@@ -86,7 +86,7 @@ def test_the_policy_loss_aggregates_an_extra_term_over_its_kept_tokens():
     extra = torch.tensor([[1.0, 2.0, 3.0]])
     versions = torch.tensor([[5, 5, 1]])  # the last token is 4 versions stale
     loss, stats = policy_loss(lp, torch.zeros(1, 3), torch.ones(1, 3, dtype=torch.bool),
-                              PolicyLossConfig(max_staleness=2), versions=versions, current_version=5,
+                              PolicyLossConfig(max_token_staleness=2), versions=versions, current_version=5,
                               extra_per_token=extra)
     assert stats["loss/extra"] == pytest.approx(1.5) and float(loss) == pytest.approx(1.5)
 
