@@ -7,6 +7,7 @@
   ``open_policy`` gives a command the policy its config asks for (``rollout``,
   ``eval`` and ``proxy serve`` honour the distributed section as ``train`` does);
 - ``ray_sampler``: asynchronous training's view of the rollout workers;
+- ``weights``: the state dict as it goes to the workers (LoRA merged in);
 - ``cluster``: joining the cluster ``distributed.ray`` names; Ray's errors mapped
   to agentrl's.
 

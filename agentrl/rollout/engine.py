@@ -29,12 +29,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import queue
 import threading
 import time
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +44,7 @@ from ..errors import ConfigError, ContextOverflowError, RolloutError
 from ..policy.base import GenerateRequest, Policy, SamplingParams, action_text, request_seed
 from ..types import Node, RolloutTree
 from .allocation import Allocator, AllocState, Branch, Budget, Fresh, leaf_cost
+from .pool import DaemonPool
 from .tree import BranchPoint, renumber, split_node
 
 __all__ = ["COUNTERS", "Engine", "collect", "jsonable_info", "observation_messages", "opening_messages", "run_episodes"]
@@ -60,63 +60,6 @@ COUNTERS = ("generated_tokens", "prefilled_tokens", "reused_tokens", "shared_tok
 
 class _BudgetSpent(Exception):
     """A path that would start after the budget is spent: nothing is recorded."""
-
-
-class _DaemonPool(Executor):
-    """Threads for env steps that never block exit or starve the rest.
-
-    ``ThreadPoolExecutor`` joins its threads at interpreter exit and has a
-    fixed size, so one env step that hangs forever would hold a worker for
-    good and keep the process alive. Here workers are daemon threads, and a
-    new one starts whenever every worker is busy (a hung step costs a thread,
-    nothing more); idle workers exit after ``idle_s``.
-    """
-
-    def __init__(self, name: str = "agentrl-env", idle_s: float = 30.0):
-        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = \
-            queue.SimpleQueue()
-        self._name, self._idle_s = name, idle_s
-        self._lock = threading.Lock()
-        self._idle = 0
-        self._threads = 0
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
-        fut: Future[Any] = Future()
-        self._queue.put((fut, lambda: fn(*args, **kwargs), ()))
-        with self._lock:
-            if self._idle == 0:
-                self._threads += 1
-                threading.Thread(target=self._work, daemon=True,
-                                 name=f"{self._name}-{self._threads}").start()
-            else:
-                self._idle -= 1
-        return fut
-
-    def _work(self) -> None:
-        while True:
-            try:
-                item = self._queue.get(timeout=self._idle_s)
-            except queue.Empty:
-                with self._lock:
-                    if self._idle > 0:  # no submit counted on this worker: it may leave
-                        self._idle -= 1
-                        return
-                continue
-            if item is None:
-                return
-            fut, call, _ = item
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(call())
-                except BaseException as e:
-                    fut.set_exception(e)
-            with self._lock:
-                self._idle += 1
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        with self._lock:
-            for _ in range(self._idle):
-                self._queue.put(None)
 
 
 def observation_messages(obs: str, info: dict[str, Any], cfg: Config) -> list[dict[str, Any]]:
@@ -179,7 +122,7 @@ class Engine:
         self.env_id = env_id or cfg.env.id
         self.on_episode_done = on_episode_done
         self.tokenizer = policy.tokenizer
-        self._pool = _DaemonPool()
+        self._pool = DaemonPool()
         self._idle: list[Any] = []
         self._all: list[Any] = []
         self._closers: list[threading.Thread] = []
