@@ -14,7 +14,7 @@
 Ray is imported only when one of these is used (``pip install agentrl[ray]``).
 """
 
-from .cluster import connect
+from .cluster import LOCAL_SYSTEM_CONFIG, connect
 from .env_workers import (
     EnvWorker,
     EnvWorkerPool,
@@ -33,6 +33,7 @@ from .rollout_workers import (
 )
 
 __all__ = [
+    "LOCAL_SYSTEM_CONFIG",
     "EnvWorker",
     "EnvWorkerPool",
     "PrefixRouter",

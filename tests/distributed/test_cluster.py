@@ -59,10 +59,12 @@ _HOLDER = textwrap.dedent("""
     sys.stdin.read()  # until the test closes stdin
 """)
 _CONNECT = textwrap.dedent("""
+    import os
     from agentrl.config import DistributedConfig
     from agentrl.distributed import connect
     ray = connect(DistributedConfig())
-    print(ray.get_runtime_context().gcs_address, flush=True)
+    niceness = ray.get(ray.remote(lambda: os.nice(0)).remote())
+    print(ray.get_runtime_context().gcs_address, niceness, flush=True)
 """)
 
 
@@ -71,12 +73,14 @@ def _env(tmp: str) -> dict[str, str]:
     return {**env, "RAY_TMPDIR": tmp, "PYTHONPATH": str(ROOT)}
 
 
-def _connect(tmp: str) -> str:
-    """The GCS address a fresh process's ``connect(DistributedConfig())`` ends up on."""
+def _connect(tmp: str) -> tuple[str, int]:
+    """The GCS address a fresh process's ``connect(DistributedConfig())`` ends up on, and the
+    niceness its tasks run at."""
     run = subprocess.run([sys.executable, "-c", _CONNECT], capture_output=True, text=True, env=_env(tmp),
                          timeout=_WAIT_S)
     assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout.strip()
+    address, niceness = run.stdout.split()
+    return address, int(niceness)
 
 
 def test_auto_never_joins_another_programs_private_instance():
@@ -91,11 +95,12 @@ def test_auto_never_joins_another_programs_private_instance():
     try:
         theirs = holder.stdout.readline().strip()
         assert theirs, "the other program's ray.init() did not start"
-        own = _connect(tmp)
-        assert own and own != theirs  # a private instance, not the other program's
+        own, niceness = _connect(tmp)
+        assert own != theirs  # a private instance, not the other program's
+        assert niceness == 0  # its workers are not starved beside busy processes (Ray's default: 15)
         record = Path(tmp) / "ray" / "ray_current_cluster"
         record.write_text(theirs)
-        assert _connect(tmp) == theirs  # the `ray start` record is joined
+        assert _connect(tmp)[0] == theirs  # the `ray start` record is joined
     finally:
         holder.stdin.close()
         holder.wait(timeout=_WAIT_S)

@@ -21,6 +21,7 @@ from agentrl.rollout import collect
 ray = pytest.importorskip("ray", reason="ray is not installed here: pip install 'agentrl[ray]' (make extras)")
 
 from agentrl.distributed import (  # noqa: E402  (after the skip: the module needs ray to run)
+    LOCAL_SYSTEM_CONFIG,
     RayPolicy,
     env_resources,
     env_worker_options,
@@ -34,7 +35,7 @@ SMALL = ["distributed.ray=auto", "distributed.env_worker_cpus=0.25", "distribute
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG)
     try:
         yield ray
     finally:
