@@ -17,8 +17,8 @@ import pytest
 
 import agentrl.sandboxes.base as base
 import agentrl.sandboxes.local as local
-from agentrl.errors import SandboxError
-from agentrl.sandboxes import BwrapSandbox, LocalSandbox, SandboxLimits, _procs
+from agentrl.errors import SandboxError, SandboxUnavailableError
+from agentrl.sandboxes import BwrapSandbox, LocalSandbox, SandboxLimits, _procs, check_backend
 from agentrl.sandboxes._files import untar_into
 from agentrl.sandboxes.base import IsolationWarning
 
@@ -30,6 +30,11 @@ LIMITS = SandboxLimits(memory_mb=256, pids=64, workdir_mb=16)
 
 @pytest.fixture(params=HOST_BACKENDS)
 def host_backend(request: pytest.FixtureRequest) -> str:
+    """A host backend, skipped with the reason where it cannot run (no bubblewrap here)."""
+    try:
+        check_backend(request.param)
+    except SandboxUnavailableError as e:
+        pytest.skip(f"backend {request.param!r} unavailable here: {e}")
     return request.param
 
 
