@@ -59,8 +59,8 @@ def rollout(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from .config import load_config
+    from .distributed import open_policy, placement
     from .env import resolve_env_id
-    from .policy import make_policy
     from .policy.registry import resolve_backend
     from .rollout import run_episodes, summarize, write_run
     from .rollout.allocation import ALLOCATORS
@@ -76,21 +76,22 @@ def rollout(
         cfg.env.id = resolve_env_id(cfg.env.id, cfg.env.imports)
         picked, why = resolve_backend(cfg.policy.backend)
         cfg.policy.backend = picked
-        console.print(f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{picked}[/] ({why})")
-        policy = make_policy(cfg.policy)
+        console.print(f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{picked}[/] ({why})"
+                      f"{placement(cfg)}")
         r = cfg.rollout
         total = r.budget if r.budget and r.budget_unit == "leaves" else None
-        with Progress("[progress.description]{task.description}", BarColumn(),
-                      MofNCompleteColumn(), TimeElapsedColumn(), console=console,
-                      disable=not progress) as bar:
+        with open_policy(cfg) as policy, Progress(
+                "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                TimeElapsedColumn(), console=console, disable=not progress) as bar:
             task = bar.add_task(f"{cfg.env.id} episodes", total=total or r.episodes * r.group_size)
             t0 = time.perf_counter()
             trees = run_episodes(cfg.env.id, policy, cfg, on_episode_done=lambda _t: bar.advance(task))
             wall = time.perf_counter() - t0
+            worker_stats = dict(getattr(policy, "stats", {}))  # rollout workers: deaths, retries
     except AgentRLError as e:
         raise _fail(e) from None
     summary = {"env": cfg.env.id, "model": cfg.policy.model, "backend": cfg.policy.backend,
-               "allocator": r.allocator, **summarize(trees, wall),
+               "allocator": r.allocator, **summarize(trees, wall), **worker_stats,
                "branch_points": sum(len(n.children) > 1 for t in trees for n in t.nodes.values()),
                "allocation_report": trees[0].meta.get("allocation_report", {}) if trees else {}}
     path = write_run(cfg.rollout.out_dir, trees, summary)

@@ -8,6 +8,7 @@ key path (``policy.temperature``) and the reason.
 from __future__ import annotations
 
 import difflib
+import warnings
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -33,11 +34,30 @@ __all__ = [
     "SamplingConfig",
     "apply_overrides",
     "load_config",
+    "renamed_keys",
 ]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def renamed_keys(data: Any, renames: dict[str, str], section: str) -> Any:
+    """``data`` (a mapping about to be validated as ``section``) with each old key of ``renames``
+    moved to its new name, and a ``FutureWarning`` naming both: an old name keeps working for
+    one release. Giving both names is an error (which one would win is not obvious)."""
+    if not isinstance(data, dict) or not any(old in data for old in renames):
+        return data
+    data = dict(data)
+    for old, new in renames.items():
+        if old not in data:
+            continue
+        if new in data:
+            raise ValueError(f"{section}.{old} is the old name of {section}.{new}: give only {new}")
+        warnings.warn(f"{section}.{old} is deprecated and will be removed in the next release: "
+                      f"use {section}.{new}", FutureWarning, stacklevel=2)
+        data[new] = data.pop(old)
+    return data
 
 
 class SamplingConfig(_Strict):
@@ -148,10 +168,11 @@ class DistributedConfig(_Strict):
     """Scale-out on Ray (``agentrl.distributed``); absent, everything runs in one process."""
 
     ray: str = Field(
-        "auto", min_length=1, description="The Ray cluster: 'auto' joins the one this machine "
-        "belongs to (RAY_ADDRESS, or a running `ray start`) and else starts a local one; an address "
-        "(host:port or ray://host:port) joins that cluster. A process that already called "
-        "ray.init keeps its connection.")
+        "auto", min_length=1, description="The Ray cluster: 'auto' joins RAY_ADDRESS, else the cluster "
+        "`ray start` recorded on this machine, else starts a private local instance (never another "
+        "program's ray.init instance); an address (host:port or ray://host:port) joins that cluster, "
+        "and one that does not answer is an error. A process that already called ray.init keeps "
+        "its connection.")
     num_env_workers: int = Field(
         2, ge=1, description="Env-worker actors for rollout.env_executor=ray; each hosts env "
         "instances (and a tool env's sandboxes).")
@@ -168,6 +189,11 @@ class DistributedConfig(_Strict):
         2, ge=0, description="Times a request whose rollout worker died is sent to another worker "
         "(or to the same one once restarted, which first loads the current weights); past that "
         "its episode fails with the reason recorded.")
+    max_request_deaths: int = Field(
+        2, ge=1, description="Rollout-worker deaths one request may be running on: at that many it "
+        "fails (its episode records why) instead of going to another worker, whatever generate_retries "
+        "is left. A request that kills its worker (an out-of-memory prompt) then takes down this many "
+        "workers, not generate_retries + 1; 1 retries no request whose worker died under it.")
 
 
 class Config(_Strict):

@@ -6,9 +6,12 @@ game engine) still run one at a time. ``ProcessEnv`` hosts one env in a child
 process and forwards ``reset``/``step``/``snapshot``/``restore``/``close`` over a
 pipe; the engine calls it from its thread pool like any env.
 
-A hung or crashed child fails only its episode: ``close`` kills a child that
-does not answer. Snapshots and ``info`` travel by pickle, so they must be
-picklable (the built-in envs' are).
+A hung or crashed child fails only its episode. The child leads its own
+process group, so whatever it started goes with it: ``kill`` sends SIGKILL to
+the group at once and reaps the child (the engine does this to an env whose
+episode timed out: it is known to be hung), and ``close`` asks the child to
+close its env and kills the group if it does not answer. Snapshots and ``info``
+travel by pickle, so they must be picklable (the built-in envs' are).
 
 Hand-written rather than ``concurrent.futures.ProcessPoolExecutor``: a pool
 worker keeps no per-env state between calls, and an env's state is the point.
@@ -16,9 +19,13 @@ worker keeps no per-env state between calls, and an env's state is the point.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing as mp
+import os
+import signal
 import threading
+import warnings
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -29,6 +36,7 @@ from .env import resolve_env_id
 __all__ = ["ProcessEnv"]
 
 _METHODS = ("reset", "step", "snapshot", "restore", "close", "expert_action", "oracle_action")
+_REAP_S = 30.0  # a SIGKILLed process is gone in milliseconds; this bounds a stuck kernel
 
 
 def _load(entry: Any) -> Any:
@@ -40,6 +48,8 @@ def _load(entry: Any) -> Any:
 
 def _serve(conn: Connection, entry: Any, kwargs: dict[str, Any]) -> None:
     """The child: build the env, then answer calls until ``close`` or a closed pipe."""
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)  # a group of its own: ``kill`` reaches the processes the env starts
     try:
         env = _load(entry)(**kwargs)
         conn.send((True, None))
@@ -145,11 +155,24 @@ class ProcessEnv:
                 self._closed = True
                 self._lock.release()
         self._closed = True
+        self._proc.join(timeout=1)
         self._kill()
 
-    def _kill(self) -> None:
-        self._proc.join(timeout=1)
-        if self._proc.is_alive():
+    def kill(self) -> None:
+        """Kill the child's process group now (SIGKILL) and reap it; for an env known to be
+        hung. A call waiting on it returns at once with the child's death as its error."""
+        self._closed = True
+        self._kill(close_pipe=False)  # a thread may still be reading it: it gets EOF
+
+    def _kill(self, close_pipe: bool = True) -> None:
+        pid = self._proc.pid
+        if pid is not None and self._proc.exitcode is None:
+            with contextlib.suppress(OSError):  # no such group: it never got to setpgid
+                os.killpg(pid, signal.SIGKILL)
             self._proc.kill()
-            self._proc.join(timeout=5)
-        self._conn.close()
+            self._proc.join(timeout=_REAP_S)
+            if self._proc.is_alive():
+                warnings.warn(f"env process {self.env_id} (pid {pid}) survived SIGKILL for {_REAP_S:.0f} s",
+                              RuntimeWarning, stacklevel=3)
+        if close_pipe:
+            self._conn.close()

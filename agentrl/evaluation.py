@@ -258,8 +258,8 @@ def eval_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from .config import load_config
+    from .distributed import open_policy, placement
     from .env import resolve_env_id
-    from .policy import make_policy
     from .policy.registry import resolve_backend
     from .rollout import write_run
 
@@ -274,25 +274,27 @@ def eval_command(
             cfg.sampling.temperature = 0.0
         picked, why = resolve_backend(cfg.policy.backend)
         cfg.policy.backend = picked
-        console.print(f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{picked}[/] ({why})")
-        policy = make_policy(cfg.policy)
+        console.print(f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{picked}[/] ({why})"
+                      f"{placement(cfg)}")
         reports, all_trees = [], []
-        for one in (split.split(",") if split else [None]):
-            one = one.strip() if one else None
-            with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                          TimeElapsedColumn(), console=console, disable=not progress) as bar:
-                task = bar.add_task(f"{env_id} {one or ''}", total=None)
-                report, trees = evaluate_split(
-                    env_id, policy, cfg, one, k, samples, limit,
-                    on_episode_done=lambda _t, task=task: bar.advance(task),
-                    on_start=lambda total, task=task: bar.update(task, total=total))
-            reports.append(report)
-            all_trees += trees
-            console.print(format_report(report))
+        with open_policy(cfg) as policy:
+            for one in (split.split(",") if split else [None]):
+                one = one.strip() if one else None
+                with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                              TimeElapsedColumn(), console=console, disable=not progress) as bar:
+                    task = bar.add_task(f"{env_id} {one or ''}", total=None)
+                    report, trees = evaluate_split(
+                        env_id, policy, cfg, one, k, samples, limit,
+                        on_episode_done=lambda _t, task=task: bar.advance(task),
+                        on_start=lambda total, task=task: bar.update(task, total=total))
+                reports.append(report)
+                all_trees += trees
+                console.print(format_report(report))
+            worker_stats = dict(getattr(policy, "stats", {}))  # rollout workers: deaths, retries
     except AgentRLError as e:
         console.print(f"[bold red]error:[/] {e}", highlight=False)
         raise typer.Exit(code=2) from None
-    summary = {"env": env_id, "model": cfg.policy.model, "backend": cfg.policy.backend,
+    summary = {"env": env_id, "model": cfg.policy.model, "backend": cfg.policy.backend, **worker_stats,
                "reports": [r.to_dict() for r in reports]}
     path = write_run(out, all_trees, summary)
     console.print(f"wrote {path / 'summary.json'} and {path / 'trajectories.jsonl'}")

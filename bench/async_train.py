@@ -3,7 +3,7 @@
 The same small GRPO run (``--model``, ``smollm2-135m`` by default, on
 ``agentrl/GuessNumber-v0`` for ``--steps`` steps; about 4.5 minutes on 2 CPU
 cores, ``--model tiny-random`` takes seconds) three ways: synchronous
-(``train.asynchronous: null``), then ``train.asynchronous: {max_staleness: k,
+(``train.asynchronous: null``), then ``train.asynchronous: {max_batch_staleness: k,
 queue_size: 2}`` for k = 1 and 2 (``agentrl.train.asynchronous``: the next
 steps roll out from a copy of the weights while this one trains).
 
@@ -56,7 +56,7 @@ def _cfg(args: argparse.Namespace, out: Path, k: int | None) -> Any:
             "train.eval_episodes=0", "train.tensorboard=false", "train.export_hf=false",
             "train.plot=false", "train.save_trees=0", f"train.out_dir={out}"]
     if k is not None:
-        over.append(f"train.asynchronous={{max_staleness: {k}, queue_size: 2}}")
+        over.append(f"train.asynchronous={{max_batch_staleness: {k}, queue_size: 2}}")
     return load_train_config(None, over)
 
 
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace, name: str, k: int | None, work: Path) -> dict[
              for r, w in zip(rl, walls, strict=True)]
     tokens = sum(s["generated_tokens"] for s in steps)
     loop = logged[-1] - t0 if logged else total
-    return {"run": name, "max_staleness": k, "steps": steps, "wall_s": round(total, 2),
+    return {"run": name, "max_batch_staleness": k, "steps": steps, "wall_s": round(total, 2),
             "wall_to_last_step_s": round(loop, 2),
             "step_s_mean": round(loop / len(steps), 3),
             "step_s_median_after_first": round(statistics.median(walls[1:]), 3) if len(walls) > 1 else None,

@@ -149,10 +149,13 @@ def main() -> None:
 
     import ray
 
+    from agentrl.distributed import LOCAL_SYSTEM_CONFIG
+
     if args.ray:
         ray.init(address=args.ray, log_to_driver=False)
     else:
-        ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
+                 _system_config=LOCAL_SYSTEM_CONFIG)  # workers at nice 0, as agentrl's own instance
     tok = load_tokenizer("smollm2-135m")
     try:
         rows = [_row(args, tok, "bashfix", BASHFIX, s, args.bash_calls + 1) for s in SETUPS]

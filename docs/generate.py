@@ -120,19 +120,24 @@ distillation work is on the [Algorithms](algorithms.md) page.
   The final checkpoint is also exported with `save_pretrained` and loads with
   `AutoModelForCausalLM`, and in vLLM: the vLLM test suite's engine is started
   from such an export.
-- **Asynchronous training.** With `train.asynchronous: {max_staleness: k}`
+- **Asynchronous training.** With `train.asynchronous: {max_batch_staleness: k}`
   the next steps roll out in a producer thread while the current one trains
   (`agentrl/train/asynchronous.py`, the bounded staleness of AReaL and M2PO).
   The producer samples from its own copy of the weights, refreshed at each
   sync, so a running episode's distribution never changes under it and every
   token keeps the version that sampled it; the loss's corrections (TIS,
-  `loss.max_staleness`, M2PO) see real versions. A bounded queue gives
-  backpressure; a batch older than k versions is dropped and counted
-  (`async/dropped_batches`), and each step logs `async/staleness_mean`,
-  `async/staleness_max`, `async/queue_wait_s` and `async/batch_age_s`. k = 0
-  repeats the synchronous run (bit for bit with `rollout.deterministic:
-  true`). It needs `hf` (the copy costs one more model in memory, and its
-  prefix cache).
+  `loss.max_token_staleness`, M2PO) see real versions. A bounded queue gives
+  backpressure; a batch older than k versions is dropped, counted
+  (`async/dropped_batches`) and replaced by the next step's at once, and each
+  step logs `async/staleness_mean`, `async/staleness_max`, `async/queue_wait_s`
+  and `async/batch_age_s`. The trainer waits at most
+  `train.asynchronous.batch_timeout_s` for a batch, then fails naming what the
+  rollouts were doing. k = 0 repeats the synchronous run: bit for bit with
+  `rollout.deterministic: true`, not otherwise (the snapshot's prefix cache
+  starts empty, and batch composition changes sampled bits). It needs `hf`
+  or rollout workers (the copy costs one more model in memory, and its prefix
+  cache). The two staleness keys were both called `max_staleness` before;
+  the old names still work for one release, with a warning.
 
 The sections below list every key."""
 

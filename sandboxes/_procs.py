@@ -524,18 +524,24 @@ class Cgroup:
 
     def kill(self) -> bool:
         """SIGKILL every process in the cgroup; True when none is left."""
-        return _kill_until_gone(self.pids, rounds=50)
+        return _kill_until_gone(self.pids, rounds=500)  # returns once empty; a loaded CPU delays exits
 
-    def remove(self) -> bool:
-        """Remove the cgroup dirs (they must be empty of processes); True when all are gone."""
+    def remove(self, timeout_s: float = 10.0) -> bool:
+        """Remove the cgroup dirs (they must be empty of processes); True when all are gone.
+
+        A killed task leaves its cgroup only once it has run its exit, which on a loaded CPU
+        takes seconds (1 s of retries left cgroups behind beside two busy processes)."""
+        deadline = time.monotonic() + timeout_s
         for d in self.dirs:
-            for _ in range(50):  # a killed task leaves its cgroup a moment after SIGKILL
+            while True:
                 try:
                     os.rmdir(d)
                     break
                 except FileNotFoundError:
                     break
                 except OSError:
+                    if time.monotonic() > deadline:
+                        break
                     time.sleep(0.02)
         return not any(os.path.exists(d) for d in self.dirs)
 

@@ -85,7 +85,49 @@ class NoSnapshotEnv(TextEnv):
         raise NotImplementedError("no snapshots here")
 
 
+class SpawnThenHangEnv(TextEnv):
+    """Its first step starts a child process (``sleep``; its pid written to ``pid_file``),
+    then hangs: an env whose engine process outlives it unless its process group is killed."""
+
+    def __init__(self, pid_file: str = ""):
+        super().__init__()
+        self.pid_file = pid_file
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return "Say anything.", {"instruction": "Say anything.", "tools": []}
+
+    def step(self, action: str):
+        import subprocess
+        import time
+        from pathlib import Path
+
+        child = subprocess.Popen(["sleep", "600"])
+        Path(self.pid_file).write_text(str(child.pid))
+        time.sleep(600)
+        return "never", 0.0, True, False, {}
+
+
+class SlowStartEnv(TextEnv):
+    """Takes ``start_s`` seconds to construct (an env that loads a game or an index)."""
+
+    def __init__(self, start_s: float = 3.0):
+        import time
+
+        super().__init__()
+        time.sleep(start_s)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return "Say anything.", {"instruction": "Say anything.", "tools": []}
+
+    def step(self, action: str):
+        return "Done.", 1.0, True, False, {"success": True}
+
+
 register_env("agentrl/TestMixed-v0", entry_point=MixedEnv)
+register_env("agentrl/TestSlowStart-v0", entry_point=SlowStartEnv)
+register_env("agentrl/TestSpawnThenHang-v0", entry_point=SpawnThenHangEnv)
 register_env("agentrl/TestNoSnapshot-v0", entry_point=NoSnapshotEnv)
 
 

@@ -200,3 +200,9 @@ def test_async_train_reports_each_steps_time_success_and_staleness(tmp_path):
             assert 0 <= s["async/staleness_mean"] <= s["async/staleness_max"] <= k
             assert s["async/dropped_batches"] == 0
     assert runs["sync"]["speedup_vs_sync"] == 1.0
+
+
+def test_inprocess_runs_leave_no_model_alive(tmp_path):
+    result = _run("inprocess_runs.py", tmp_path / "i.json")
+    assert len(result["rows"]) == 2 and all(r["models_alive"] == 0 for r in result["rows"])
+    assert all(r["rss_mb"] > 0 for r in result["rows"])

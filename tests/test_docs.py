@@ -201,6 +201,35 @@ def test_files_the_docs_name_exist():
     assert not missing, f"the docs name files the repo does not have: {missing}"
 
 
+_SECTIONS = ("policy", "sampling", "env", "rollout", "distributed", "train", "sft")
+# a backticked key path, not a call (`policy.agenerate(...)`)
+_KEY = re.compile(r"`((?:" + "|".join(_SECTIONS) + r")(?:\.\w+)+)(?![\w.(])")
+
+
+def _config_key_exists(path: str) -> bool:
+    """Whether ``a.b.c`` is a key of ``TrainRunConfig`` (anything below a free-form map is)."""
+    from agentrl.config import _model_in
+    from agentrl.train.config import TrainRunConfig
+
+    model = TrainRunConfig
+    for part in path.split("."):
+        f = model.model_fields.get(part) if model is not None else None
+        if f is None:
+            return model is None  # below a map (env.kwargs.x) anything goes
+        model = _model_in(f.annotation)
+    return True
+
+
+def test_config_keys_the_docs_name_exist():
+    """A renamed or removed key leaves no page telling users to set it (old names of renamed
+    keys are named only bare, as what the new key was called)."""
+    named = {k for page in PAGES for k in _KEY.findall(page.read_text())}
+    named |= {k for k in _KEY.findall((ROOT / "docs" / "generate.py").read_text())}
+    assert len(named) > 30  # the pattern still finds the keys
+    missing = sorted(k for k in named if not _config_key_exists(k))
+    assert not missing, f"the docs name config keys that do not exist: {missing}"
+
+
 def test_site_builds_strict_and_offline(tmp_path):
     try:
         import mkdocs  # noqa: F401

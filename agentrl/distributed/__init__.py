@@ -3,14 +3,18 @@
 - ``env_workers``: ``rollout.env_executor: ray`` hosts envs (and their sandboxes)
   in env-worker actors, placed by CPUs and a ``sandbox_<backend>`` resource.
 - ``rollout_workers``: ``RayPolicy`` load-balances generation over rollout-worker
-  actors with prefix-cache affinity; weights go out through the object store.
+  actors with prefix-cache affinity; weights go out through the object store;
+  ``open_policy`` gives a command the policy its config asks for (``rollout``,
+  ``eval`` and ``proxy serve`` honour the distributed section as ``train`` does);
+- ``ray_sampler``: asynchronous training's view of the rollout workers;
+- ``weights``: the state dict as it goes to the workers (LoRA merged in);
 - ``cluster``: joining the cluster ``distributed.ray`` names; Ray's errors mapped
   to agentrl's.
 
 Ray is imported only when one of these is used (``pip install agentrl[ray]``).
 """
 
-from .cluster import connect
+from .cluster import LOCAL_SYSTEM_CONFIG, connect
 from .env_workers import (
     EnvWorker,
     EnvWorkerPool,
@@ -19,9 +23,17 @@ from .env_workers import (
     env_worker_options,
     env_worker_pool,
 )
-from .rollout_workers import PrefixRouter, RayPolicy, RolloutWorker, policy_for_run
+from .rollout_workers import (
+    PrefixRouter,
+    RayPolicy,
+    RolloutWorker,
+    open_policy,
+    placement,
+    policy_for_run,
+)
 
 __all__ = [
+    "LOCAL_SYSTEM_CONFIG",
     "EnvWorker",
     "EnvWorkerPool",
     "PrefixRouter",
@@ -32,5 +44,7 @@ __all__ = [
     "env_resources",
     "env_worker_options",
     "env_worker_pool",
+    "open_policy",
+    "placement",
     "policy_for_run",
 ]

@@ -5,6 +5,17 @@ the cluster ``distributed.ray`` names, unless this process is connected
 already (a test, a notebook or a driver script that called ``ray.init``
 keeps its own settings). Nothing here runs at import time.
 
+``ray: auto`` is resolved here, not by Ray's own ``address="auto"``, which
+falls back to any GCS process it finds on the machine: that joins another
+program's private ``ray.init()`` instance, whose actors die when that program
+exits. ``auto`` is, in order (``cluster_address``): ``RAY_ADDRESS``; the
+cluster ``ray start`` recorded on this machine (``ray_current_cluster`` in
+Ray's temp folder, removed by ``ray stop``); else a private local instance
+that ends with this process, whose workers run at normal priority
+(``LOCAL_SYSTEM_CONFIG``). An address that does not answer is a
+``ConfigError`` naming where it came from, within seconds: Ray itself would
+retry for minutes.
+
 ``ray_error(e)``: an exception a remote call raised becomes what it was on
 the other side (``RayTaskError`` carries it as ``cause``), so a crashed env step
 reads the same as under ``env_executor: thread``; a dead or unreachable actor
@@ -13,12 +24,27 @@ becomes the agentrl error of the caller's kind (``EnvError``, ``PolicyError``).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from ..config import DistributedConfig
 from ..errors import AgentRLError, ConfigError
 
-__all__ = ["cancel_call", "check_placeable", "connect", "ray_error", "ray_module"]
+__all__ = ["LOCAL_SYSTEM_CONFIG", "cancel_call", "check_placeable", "cluster_address", "connect", "ray_error",
+           "ray_module", "recorded_cluster_file"]
+
+LOCAL = "local"  # Ray's own word for "start a new local instance", whatever else runs here
+# Ray starts its workers at nice 15, so that a driver stays responsive. Here the workers do the
+# run's work (generation, env steps): beside any busy process (a second run, a bench, the test
+# suite) nice-15 workers get a few percent of a core; two rollout workers took 124 s to start
+# beside two busy loops, against 5 s at nice 0. The private instance runs them at nice 0.
+LOCAL_SYSTEM_CONFIG: dict[str, Any] = {"worker_niceness": 0}
+_REACH_TIMEOUT_S = 5.0
 
 
 def ray_module() -> Any:
@@ -31,19 +57,93 @@ def ray_module() -> Any:
     return ray
 
 
+def recorded_cluster_file(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where ``ray start`` records the GCS address of the cluster this machine runs or joined.
+
+    Ray's ``get_ray_address_file`` (``ray/_common/utils.py``, 2.x): the folder
+    ``ray`` in ``$RAY_TMPDIR``, else ``$TMPDIR`` on Linux, else ``/tmp``.
+    """
+    if "RAY_TMPDIR" in environ:
+        tmp = environ["RAY_TMPDIR"]
+    elif sys.platform.startswith("linux") and "TMPDIR" in environ:
+        tmp = environ["TMPDIR"]
+    else:
+        tmp = "/tmp"
+    return Path(tmp) / "ray" / "ray_current_cluster"
+
+
+def cluster_address(setting: str, environ: Mapping[str, str], recorded: str | None) -> tuple[str, str]:
+    """``(address, where it came from)`` for ``distributed.ray`` = ``setting``.
+
+    ``recorded`` is what ``ray start`` wrote in ``recorded_cluster_file`` (None: nothing).
+    ``auto`` never joins a cluster it merely finds running: ``LOCAL`` starts a private one.
+    """
+    if setting != "auto":
+        return setting, f"distributed.ray={setting}"
+    env = environ.get("RAY_ADDRESS", "").strip()
+    if env and env != "auto":
+        return env, f"distributed.ray=auto, from RAY_ADDRESS={env}"
+    if recorded:
+        return recorded, (f"distributed.ray=auto, from the cluster `ray start` recorded in "
+                          f"{recorded_cluster_file(environ)} (`ray stop` clears it)")
+    return LOCAL, "distributed.ray=auto: no RAY_ADDRESS and no `ray start` cluster here"
+
+
+def _recorded(environ: Mapping[str, str]) -> str | None:
+    try:
+        return recorded_cluster_file(environ).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _check_reachable(address: str, source: str) -> None:
+    """Raise ``ConfigError`` unless ``host:port`` (of ``address``, ``ray://`` or not) accepts a
+    connection: ``ray.init`` on an address nobody serves retries for minutes."""
+    host, sep, port = address.split("://", 1)[-1].rstrip("/").rpartition(":")
+    if not sep or not port.isdigit():
+        return  # not host:port; Ray says what it makes of it
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=_REACH_TIMEOUT_S):
+            pass
+    except OSError as e:
+        raise ConfigError(f"cannot reach the Ray cluster at {address} ({source}): "
+                          f"{e.strerror or e}; start it (`ray start --head`) or set distributed.ray "
+                          "to a running cluster's address") from None
+
+
 def connect(dist: DistributedConfig) -> Any:
-    """The ``ray`` module, connected to the cluster ``dist.ray`` names (see ``DistributedConfig.ray``)."""
+    """The ``ray`` module, connected to the cluster ``dist.ray`` names (see the module docstring)."""
     ray = ray_module()
     if ray.is_initialized():
         return ray
-    if dist.ray != "auto":
-        ray.init(address=dist.ray)
+    recorded = _recorded(os.environ)
+    address, source = cluster_address(dist.ray, os.environ, recorded)
+    if address == LOCAL:
+        ray.init(address=LOCAL, include_dashboard=False, _system_config=dict(LOCAL_SYSTEM_CONFIG))
         return ray
+    _check_reachable(address, source)
     try:
-        ray.init(address="auto")  # a running cluster: RAY_ADDRESS or `ray start` on this machine
-    except ConnectionError:
-        ray.init(include_dashboard=False)
+        if dist.ray == "auto" and address == recorded:
+            # Ray reads the same record for address=None, and only then uses the token that a
+            # local cluster's auth needs (~/.ray/auth_token); "auto" in RAY_ADDRESS would
+            # make it scan for any running GCS instead.
+            with _without_env("RAY_ADDRESS"):
+                ray.init()
+        else:
+            ray.init(address=address)
+    except ConnectionError as e:
+        raise ConfigError(f"cannot join the Ray cluster at {address} ({source}): {e}") from e
     return ray
+
+
+@contextlib.contextmanager
+def _without_env(name: str) -> Iterator[None]:
+    old = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if old is not None:
+            os.environ[name] = old
 
 
 def ray_error(e: BaseException, kind: type[AgentRLError], what: str) -> BaseException:

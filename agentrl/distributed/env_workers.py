@@ -36,6 +36,9 @@ Failures, in the engine's two columns:
 Workers are made once per process, cluster and env configuration
 (``env_worker_pool``), and reused by every engine after it: a trainer makes
 an engine for each batch, and starting actors each time would cost seconds.
+A finished training run shuts its env's pools down
+(``shutdown_env_worker_pools``, from ``Trainer.close``), so runs in one
+process do not pile up actors on the cluster.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from ..errors import EnvError
 from .cluster import cancel_call, check_placeable, connect, ray_error
 
 __all__ = ["NODE_SANDBOX_BACKENDS", "EnvWorker", "EnvWorkerPool", "RayEnv", "env_resources",
-           "env_worker_options", "env_worker_pool"]
+           "env_worker_options", "env_worker_pool", "shutdown_env_worker_pools"]
 
 # Sandbox backends that need something installed on the node itself; each becomes a
 # custom Ray resource ``sandbox_<name>`` that the nodes which have it advertise.
@@ -303,3 +306,17 @@ def env_worker_pool(cfg: Config, env_id: str | None = None) -> EnvWorkerPool:
         if pool is None:
             pool = _POOLS[key] = EnvWorkerPool(env_id or cfg.env.id, cfg.env.kwargs, dist, cfg.env.imports)
         return pool
+
+
+def shutdown_env_worker_pools(env_id: str) -> int:
+    """Kill and forget the env workers this process made for ``env_id`` (every env kwargs and
+    cluster); how many pools. The next ``env_worker_pool`` for it starts new ones."""
+    with _POOLS_LOCK:
+        keys = [k for k in _POOLS if k[2] == env_id]
+        pools = [_POOLS.pop(k) for k in keys]
+    for pool in pools:
+        try:
+            pool.shutdown()
+        except Exception:  # noqa: BLE001 - the cluster may be gone already: nothing left to kill
+            pass
+    return len(pools)

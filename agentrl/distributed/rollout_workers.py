@@ -27,7 +27,10 @@ Failures: Ray restarts a dead worker (``distributed.max_restarts``). A request
 whose worker died is sent again to another worker, up to
 ``distributed.generate_retries`` times, so the episode goes on; past that it
 fails with ``PolicyError`` naming the deaths, and the engine records it in the
-episode's tree. A generation is pure given the weights, the prompt and the
+episode's tree. A request that was in flight on ``distributed.max_request_deaths``
+workers that died fails then, whatever retries are left: a request that kills
+the worker it lands on (an out-of-memory prompt) would take the next one down
+too, so it fails alone instead of taking down the fleet. A generation is pure given the weights, the prompt and the
 seed, so a retry samples what the dead worker would have (same weights,
 version and seed). A restarted worker comes back with the starting weights:
 before it serves again it loads the latest weights (their object-store
@@ -36,9 +39,10 @@ the requests retried.
 
 Asynchronous training (``train.asynchronous``): the workers already sample
 from their own copy of the weights, so the producer samples through a
-``RaySampler`` over the same workers; the trainer's sync pushes the new
-weights, and a worker loads them between two of its ``generate`` batches
-(``HFPolicy.weights_lock``), so every token keeps the version that sampled it.
+``RaySampler`` (``ray_sampler.py``) over the same workers; the trainer's sync
+pushes the new weights, and a worker loads them between two of its ``generate``
+batches (``HFPolicy.weights_lock``), so every token keeps the version that
+sampled it; the sampler then checks the version each worker reports.
 
 Not forwarded across processes: a ``RequestControl``'s ``on_token`` (no
 streaming from a worker). Cancelling the awaiting task cancels the remote call.
@@ -54,15 +58,18 @@ import time
 import uuid
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..config import Config, DistributedConfig, PolicyConfig
 from ..errors import PolicyError
 from ..policy.base import GenerateRequest, GenerateResult, Policy, SamplingParams
 from .cluster import cancel_call, check_placeable, connect, ray_error
+from .ray_sampler import RaySampler
+from .weights import merged_weights, wire_weights
 
-__all__ = ["PrefixRouter", "RayPolicy", "RaySampler", "RolloutWorker", "merged_weights", "policy_for_run"]
+__all__ = ["PrefixRouter", "RayPolicy", "RolloutWorker", "merged_weights", "open_policy", "placement",
+           "policy_for_run"]
 
 _CALL_TIMEOUT_S = 600.0  # a worker that answers no settings or weights call in this long is lost
 _MOD = (1 << 61) - 1  # a Mersenne prime: rolling prefix hashes modulo it
@@ -184,53 +191,6 @@ class RolloutWorker:
             return fn(*args)
 
 
-def merged_weights(model: Any) -> dict[str, Any]:
-    """``model``'s state dict under the plain model's names: where LoRA adapters are injected
-    (``train.trainable: lora``), each adapted weight merged (``W + delta``, from peft's own
-    ``get_delta_weight``) and the adapter tensors left out, so a worker holding the plain
-    model samples what the adapted one does. Without adapters: ``model.state_dict()``."""
-    import torch
-
-    adapted = {name: m for name, m in model.named_modules()
-               if hasattr(m, "base_layer") and hasattr(m, "get_delta_weight")}
-    if not adapted:
-        return model.state_dict()
-    out: dict[str, Any] = {}
-    with torch.no_grad():
-        for k, v in model.state_dict().items():
-            if ".lora_" in k:
-                continue
-            name, sep, param = k.partition(".base_layer.")
-            if sep:
-                m = adapted[name]
-                if param == "weight" and not getattr(m, "merged", False):
-                    v = v + sum(m.get_delta_weight(a) for a in m.active_adapters).to(v.dtype)
-                k = f"{name}.{param}"
-            out[k] = v
-    return out
-
-
-def _wire_weights(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """The state dict as it goes into the object store: each tensor once (a tied weight is
-    sent under its first name; ``update_weights`` counts its twin as given), as a numpy array
-    where numpy has the dtype (Ray stores those without pickling and workers map them in
-    place), else as a tensor (bfloat16)."""
-    import torch
-
-    out: dict[str, Any] = {}
-    seen: set[int] = set()
-    for k, v in state_dict.items():
-        if isinstance(v, torch.Tensor):
-            v = v.detach().cpu()
-            if v.numel() and v.data_ptr() in seen:
-                continue
-            seen.add(v.data_ptr())
-            if v.dtype != torch.bfloat16:
-                v = v.numpy()
-        out[k] = v
-    return out
-
-
 class RayPolicy:
     """A ``Policy`` over rollout-worker actors (see the module docstring).
 
@@ -245,7 +205,7 @@ class RayPolicy:
             raise PolicyError("RayPolicy needs distributed.num_rollout_workers >= 1")
         ray = connect(dist)
         self.tokenizer, self.model = tokenizer, model
-        self.retries = dist.generate_retries
+        self.retries, self.max_request_deaths = dist.generate_retries, dist.max_request_deaths
         check_placeable(ray, {"CPU": float(dist.rollout_worker_cpus)}, "a rollout worker")
         actor = ray.remote(RolloutWorker).options(num_cpus=dist.rollout_worker_cpus,
                                                   max_restarts=dist.max_restarts, max_task_retries=0)
@@ -284,6 +244,7 @@ class RayPolicy:
         prompt = list(request.prompt_ids)
         failed: set[int] = set()
         reasons: list[str] = []
+        deaths = 0  # workers that died while this request was running on them
         for _ in range(self.retries + 1):
             with self._state_lock:
                 live = set(range(len(self.workers))) - self._dead
@@ -320,6 +281,13 @@ class RayPolicy:
                 self._note_death(w, sent)
                 failed.add(w)
                 reasons.append(str(err))
+                deaths += _in_flight_death(e, ref)
+                if deaths >= self.max_request_deaths:
+                    raise PolicyError(
+                        f"the request was running on {deaths} rollout workers that died "
+                        f"(distributed.max_request_deaths={self.max_request_deaths}): a request that kills "
+                        f"its worker (out of memory, say) fails alone rather than take more workers down: "
+                        f"{'; '.join(reasons)}") from e
                 continue
             else:
                 out.append(prompt + list(res.token_ids))
@@ -481,7 +449,7 @@ class RayPolicy:
 
         t0 = time.perf_counter()
         with self._push_lock:
-            ref = ray.put(_wire_weights(state_dict))
+            ref = ray.put(wire_weights(state_dict))
             # a worker that missed it (restarting) is stale and loads this ref when it next serves
             self._all("update_weights", ref, self._version + 1)
             self._weights_ref = ref  # the previous one is freed
@@ -489,6 +457,31 @@ class RayPolicy:
         self.sync_seconds.append(time.perf_counter() - t0)
         for w in list(self._stale):
             self._resync_soon(w)
+
+    def worker_versions(self) -> dict[int, int]:
+        """The weights version each ready worker reports (workers index -> version). A stale
+        or lost worker is left out (it loads the latest before it serves); one found restarted
+        here is marked stale the same way."""
+        import ray
+
+        with self._state_lock:
+            ready = [(w, self._incarnation[w]) for w in range(len(self.workers))
+                     if w not in self._dead and w not in self._stale]
+        refs = [(w, incarnation, self.workers[w].info.remote()) for w, incarnation in ready]
+        out: dict[int, int] = {}
+        for w, incarnation, ref in refs:
+            try:
+                info = ray.get(ref, timeout=_CALL_TIMEOUT_S)
+            except Exception as e:
+                if not _died(e):
+                    raise ray_error(e, PolicyError, f"rollout worker {w}") from e
+                self._note_death(w, incarnation)
+                continue
+            if info["incarnation"] != incarnation:  # died idle: it comes back through a resync
+                self._note_death(w, incarnation)
+                continue
+            out[w] = int(info["version"])
+        return out
 
     def sampler(self) -> RaySampler:
         """A view for asynchronous training's producer (see ``RaySampler``)."""
@@ -530,6 +523,14 @@ class _Unusable(Exception):
     """A worker that cannot serve now (restarting, lost, or its reload failed)."""
 
 
+def _in_flight_death(e: BaseException, ref: Any) -> bool:
+    """Whether ``e`` is the death of the worker while ``ref`` (this request's call) ran on it,
+    not a restart found before sending, a failed resync or a timeout."""
+    from ray.exceptions import RayActorError
+
+    return ref is not None and isinstance(e, RayActorError)
+
+
 def _died(e: BaseException) -> bool:
     """``e`` says the worker died, restarted or could not be reached (so the request, a pure
     function of weights, prompt and seed, may go to another), not that the request failed on it.
@@ -539,66 +540,29 @@ def _died(e: BaseException) -> bool:
     return isinstance(e, RayActorError | GetTimeoutError | _Restarted | _Unusable)
 
 
-class RaySampler:
-    """What asynchronous training's producer samples with over a ``RayPolicy``.
+def placement(cfg: Config) -> str:
+    """`` on 2 rollout workers (Ray, distributed.ray=auto)`` and the like, for a command's
+    loading line; '' when everything runs in this process."""
+    dist = cfg.distributed
+    if dist is None:
+        return ""
+    parts = [f"{dist.num_rollout_workers} rollout workers"] if dist.num_rollout_workers else []
+    if cfg.rollout.env_executor == "ray":
+        parts.append(f"{dist.num_env_workers} env workers")
+    return f" on {' and '.join(parts)} (Ray, distributed.ray={dist.ray})" if parts else ""
 
-    The rollout workers hold their own copy of the weights already, so there
-    is nothing to snapshot: the trainer's sync (``sync_policy``, then
-    ``weights_updated``) pushes the new weights, and ``refresh`` only checks
-    that they arrived. ``close`` stops this view alone (the trainer's
-    evaluations keep the workers): later requests fail at once and running ones
-    are cancelled on their workers, so their episodes fail with the reason.
-    """
 
-    def __init__(self, policy: RayPolicy):
-        self.policy, self.tokenizer = policy, policy.tokenizer
-        self.closed = False
-        self._refs: set[Any] = set()
-        self._lock = threading.Lock()
-
-    @property
-    def version(self) -> int:
-        return self.policy.version
-
-    @property
-    def deterministic(self) -> bool:
-        return self.policy.deterministic
-
-    @deterministic.setter
-    def deterministic(self, on: bool) -> None:
-        self.policy.deterministic = on
-
-    @property
-    def deterministic_by_default(self) -> bool:
-        return self.policy.deterministic_by_default
-
-    async def agenerate(self, request: GenerateRequest) -> GenerateResult:
-        if self.closed:
-            raise PolicyError("sampling stopped: the rollout producer is closing")
-        return await self.policy.agenerate(request, sampler=self)
-
-    def track(self, ref: Any) -> None:
-        with self._lock:
-            self._refs.add(ref)
-        if self.closed:  # closed between the check and the dispatch
-            cancel_call(ref)
-
-    def untrack(self, ref: Any) -> None:
-        with self._lock:
-            self._refs.discard(ref)
-
-    def refresh(self, net: Any, version: int) -> None:
-        """The trainer synced: its push already reached the workers."""
-        if self.policy.version != version:
-            raise PolicyError(f"the rollout workers hold version {self.policy.version}, the trainer "
-                              f"synced {version}: sync through the RayPolicy (weights_updated)")
-
-    def close(self) -> None:
-        self.closed = True
-        with self._lock:
-            refs = list(self._refs)
-        for ref in refs:
-            cancel_call(ref)
+@contextlib.contextmanager
+def open_policy(cfg: Config) -> Iterator[Policy]:
+    """``policy_for_run(cfg)`` for a command (rollout, eval, the proxy), closed on the way out:
+    rollout workers are killed, an in-process backend stops its threads and frees its caches."""
+    policy = policy_for_run(cfg)
+    try:
+        yield policy
+    finally:
+        close = getattr(policy, "close", None)
+        if close is not None:
+            close()
 
 
 def policy_for_run(cfg: Config, trainable: bool = False) -> Policy:

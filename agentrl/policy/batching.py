@@ -19,17 +19,24 @@ A cancelled ``submit`` leaves no work behind: a request still pending is
 dropped, and one already in the running batch has its ``RequestControl``
 cancelled (one is attached if the caller gave none), which ``hf`` honours at
 its next decode step.
+
+A backend's own ``generate`` method is held by weak reference: the backend
+holds its batcher, and a strong reference back would make the pair a cycle
+that only the cyclic garbage collector frees, keeping a finished run's model
+and caches in memory until it happens to run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..errors import PolicyError
 from .base import GenerateRequest, GenerateResult, RequestControl
 
 __all__ = ["MicroBatcher"]
@@ -56,13 +63,21 @@ class MicroBatcher:
 
     def __init__(self, generate: GenerateFn, max_batch: int = 256, name: str = "agentrl-generate",
                  max_wait_s: float = 0.02, quiet_s: float = 0.002):
-        self.generate = generate
+        self._generate: Callable[[], GenerateFn | None] = (
+            weakref.WeakMethod(generate) if inspect.ismethod(generate) else lambda: generate)
         self.max_batch = max_batch
         self.max_wait_s, self.quiet_s = max_wait_s, quiet_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Queue] = weakref.WeakKeyDictionary()
         self.batches = 0
         self.batched_requests = 0
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        """The backend's ``generate``; ``PolicyError`` once the backend is gone."""
+        fn = self._generate()
+        if fn is None:
+            raise PolicyError("the policy of this batcher was closed and freed")
+        return fn(requests)
 
     @property
     def mean_batch(self) -> float:

@@ -198,6 +198,13 @@ class HFPolicy:
             self.model.load_state_dict(state_dict, strict=False)
             self.weights_updated()
 
+    def close(self) -> None:
+        """Stop the batcher's thread and free the prefix cache: requests still to come fail
+        their episodes at once. The model stays usable by whoever else holds it."""
+        self.batcher.close()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     def weights_updated(self) -> None:
         """The model's weights changed in place (a trainer in this process trains this very
         model): bump ``version`` and drop the prefix cache, whose keys and values are stale."""

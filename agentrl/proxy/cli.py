@@ -48,7 +48,8 @@ def _token(token_file: Path | None, var: str, required: bool) -> str | None:
 
 @proxy_app.command("serve")
 def proxy_serve(
-    config: Annotated[Path | None, typer.Option(help="YAML config; its policy section is used.")] = None,
+    config: Annotated[Path | None, typer.Option(
+        help="YAML config; its policy and distributed sections are used.")] = None,
     backend: Annotated[str | None, typer.Option(help="Policy backend (policy.backend).")] = None,
     model: Annotated[str | None, typer.Option(help="Model name or folder (policy.model).")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="key.path=value override.")] = None,
@@ -63,7 +64,7 @@ def proxy_serve(
 ) -> None:
     """Serve a policy over the OpenAI API and record each session as a RolloutTree."""
     from agentrl.config import load_config
-    from agentrl.policy import make_policy
+    from agentrl.distributed import open_policy
 
     from .app import serve
     from .schemas import ProxyConfig
@@ -74,16 +75,16 @@ def proxy_serve(
                    err=True)
     flags = {"policy.backend": backend, "policy.model": model}
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(set_ or [])
-    try:
-        cfg = load_config(config, overrides)
-        policy = make_policy(cfg.policy)
-    except AgentRLError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
     proxy_cfg = ProxyConfig(served_model_name=served_model_name, token=token, out=out,
                             max_context_tokens=max_context_tokens,
                             auto_create_sessions=auto_create_sessions)
-    serve(policy, proxy_cfg, host, port)
+    try:
+        cfg = load_config(config, overrides)
+        with open_policy(cfg) as policy:  # rollout workers when the distributed section asks for them
+            serve(policy, proxy_cfg, host, port)
+    except AgentRLError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 @env_app.command("serve")

@@ -29,12 +29,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import queue
 import threading
 import time
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +44,7 @@ from ..errors import ConfigError, ContextOverflowError, RolloutError
 from ..policy.base import GenerateRequest, Policy, SamplingParams, action_text, request_seed
 from ..types import Node, RolloutTree
 from .allocation import Allocator, AllocState, Branch, Budget, Fresh, leaf_cost
+from .pool import DaemonPool
 from .tree import BranchPoint, renumber, split_node
 
 __all__ = ["COUNTERS", "Engine", "collect", "jsonable_info", "observation_messages", "opening_messages", "run_episodes"]
@@ -60,63 +60,6 @@ COUNTERS = ("generated_tokens", "prefilled_tokens", "reused_tokens", "shared_tok
 
 class _BudgetSpent(Exception):
     """A path that would start after the budget is spent: nothing is recorded."""
-
-
-class _DaemonPool(Executor):
-    """Threads for env steps that never block exit or starve the rest.
-
-    ``ThreadPoolExecutor`` joins its threads at interpreter exit and has a
-    fixed size, so one env step that hangs forever would hold a worker for
-    good and keep the process alive. Here workers are daemon threads, and a
-    new one starts whenever every worker is busy (a hung step costs a thread,
-    nothing more); idle workers exit after ``idle_s``.
-    """
-
-    def __init__(self, name: str = "agentrl-env", idle_s: float = 30.0):
-        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = \
-            queue.SimpleQueue()
-        self._name, self._idle_s = name, idle_s
-        self._lock = threading.Lock()
-        self._idle = 0
-        self._threads = 0
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
-        fut: Future[Any] = Future()
-        self._queue.put((fut, lambda: fn(*args, **kwargs), ()))
-        with self._lock:
-            if self._idle == 0:
-                self._threads += 1
-                threading.Thread(target=self._work, daemon=True,
-                                 name=f"{self._name}-{self._threads}").start()
-            else:
-                self._idle -= 1
-        return fut
-
-    def _work(self) -> None:
-        while True:
-            try:
-                item = self._queue.get(timeout=self._idle_s)
-            except queue.Empty:
-                with self._lock:
-                    if self._idle > 0:  # no submit counted on this worker: it may leave
-                        self._idle -= 1
-                        return
-                continue
-            if item is None:
-                return
-            fut, call, _ = item
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(call())
-                except BaseException as e:
-                    fut.set_exception(e)
-            with self._lock:
-                self._idle += 1
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        with self._lock:
-            for _ in range(self._idle):
-                self._queue.put(None)
 
 
 def observation_messages(obs: str, info: dict[str, Any], cfg: Config) -> list[dict[str, Any]]:
@@ -179,10 +122,11 @@ class Engine:
         self.env_id = env_id or cfg.env.id
         self.on_episode_done = on_episode_done
         self.tokenizer = policy.tokenizer
-        self._pool = _DaemonPool()
+        self._pool = DaemonPool()
         self._idle: list[Any] = []
         self._all: list[Any] = []
         self._closers: list[threading.Thread] = []
+        self._making: set[Future[Any]] = set()  # envs being made for episodes that may give up on them
         self._snapshots = False
         self._top_logprobs = 0
         self._budget: Budget | None = None
@@ -230,17 +174,30 @@ class Engine:
     async def _acquire(self) -> Any:
         if self._idle:
             return self._idle.pop()
-        env = await asyncio.get_running_loop().run_in_executor(self._pool, self._make_env)
+        made = self._pool.submit(self._make_env)
+        self._making.add(made)
+        try:
+            env = await asyncio.wrap_future(made)
+        except asyncio.CancelledError:  # timed out while the env starts: ``close`` closes what it makes
+            raise
+        except BaseException:
+            self._making.discard(made)
+            raise
+        self._making.discard(made)
         self._all.append(env)
         return env
 
-    def _release(self, env: Any, healthy: bool) -> None:
+    def _release(self, env: Any, healthy: bool, hung: bool = False) -> None:
         if healthy:
             self._idle.append(env)
             return
-        # A timed-out or crashed env may still be mid-step in a thread: never
-        # reuse it; close it on a thread of its own (a process env is killed).
         self._all.remove(env)
+        kill = getattr(env, "kill", None)
+        if hung and kill is not None:  # a timed-out process env: its group is killed and reaped now
+            kill()
+            return
+        # A timed-out or crashed env may still be mid-step in a thread: never
+        # reuse it; close it on a thread of its own.
         t = threading.Thread(target=_close_quietly, args=(env,), daemon=True, name="agentrl-env-close")
         t.start()
         self._closers.append(t)
@@ -251,6 +208,12 @@ class Engine:
         for env in envs:
             _close_quietly(env)
         deadline = time.monotonic() + _CLOSE_WAIT_S
+        for made in list(self._making):  # its episode timed out while it started (a loaded machine)
+            try:
+                _close_quietly(made.result(timeout=max(0.0, deadline - time.monotonic())))
+            except BaseException:  # noqa: BLE001 - it failed to start, or still starts: nothing to close
+                pass
+        self._making.clear()
         for t in self._closers:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -473,7 +436,7 @@ class Engine:
         failure before its first turn is recorded.
         """
         box: list[_Path] = []
-        healthy = True
+        healthy, hung = True, False
         t0 = time.monotonic()
 
         async def go() -> None:
@@ -491,11 +454,11 @@ class Engine:
             healthy = not e.env_broken
             fail(str(e))
         except TimeoutError:
-            healthy = False
+            healthy, hung = False, True
             fail(f"episode timed out after {time.monotonic() - t0:.1f} s "
                  f"(rollout.episode_timeout_s={self.cfg.rollout.episode_timeout_s})")
         except asyncio.CancelledError:
-            healthy = False  # a step may still run in its thread
+            healthy, hung = False, True  # a step may still run in its thread
             raise
         except Exception as e:  # an engine bug must not take the batch down, nor go unseen
             healthy = False
@@ -504,7 +467,7 @@ class Engine:
             fail(f"engine error {type(e).__name__}: {e}")
         finally:
             if box:
-                self._release(box[0].env, healthy)
+                self._release(box[0].env, healthy, hung)
         if self.on_episode_done:
             self.on_episode_done(tree)
 
@@ -726,9 +689,9 @@ def _clip(tree: RolloutTree, req: Fresh | Branch, left: int, report: dict[str, A
     return Branch(req.task, req.node, k, req.at_token, req.max_turns, req.reason) if k >= 1 else None
 
 
-# How long ``close`` waits for the threads closing unhealthy envs: a hung process
-# env takes up to 5 s for its lock, 5 s for an answer and 6 s to be killed and reaped
-# (ProcessEnv.close); 10 s let a loaded machine return with the child still alive.
+# How long ``close`` waits for the threads closing crashed envs (a hung process env
+# is killed at once instead): a process env whose call failed answers ``close`` or
+# is killed after 5 s for its lock and 5 s for an answer (ProcessEnv.close).
 _CLOSE_WAIT_S = 20.0
 
 

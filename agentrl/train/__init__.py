@@ -15,6 +15,7 @@ The glue:
 - ``asynchronous``: the next steps' rollouts in a thread, from a snapshot of the
   weights, within a staleness bound (``train.asynchronous``);
 - ``sft``: behaviour cloning of an env's expert, with RL's token layout;
+- ``plan``: the task seeds of each step, the held-out seeds, the dry run's plan;
 - ``config``, ``checkpoint``, ``metrics``, ``value`` (a value head for GAE), ``cli``.
 """
 

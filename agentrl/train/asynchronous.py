@@ -11,12 +11,20 @@ al. 2025, which trains on data k versions stale), without Ray:
   the weights, so the optimizer's in-place updates never reach a running
   episode. At each sync the trainer copies its weights in, between two
   ``generate`` batches; every token keeps the version that sampled it, so the
-  loss's corrections (TIS, ``loss.max_staleness``, M2PO) see real versions;
-- it starts step ``s`` only once the trainer has synced ``s - start - k``
-  times, so the oldest token of a batch is at most ``k`` versions behind when
-  it trains. ``k = 0`` waits for each sync: the synchronous run, with eval and
-  checkpoints overlapped. A batch that is older anyway is dropped and counted
-  (``async/dropped_batches``), and the producer rolls out one step more.
+  loss's corrections (TIS, ``loss.max_token_staleness``, M2PO) see real versions;
+- it starts its ``n``-th batch only once the trainer has taken ``n - k``
+  batches and synced after each (a dropped batch is taken without a sync), so
+  the oldest token of a batch is at most ``k`` versions behind when it trains.
+  ``k = 0`` waits for each sync: the synchronous run (with
+  ``rollout.deterministic: true``, bit for bit), with eval and checkpoints
+  overlapped. A batch that is older anyway (a sampler that missed a sync) is
+  dropped and counted (``async/dropped_batches``), and the producer rolls out
+  one step more in its place at once: a drop never waits for a sync;
+- what the trainer decides for the next rollouts is handed over with each
+  sync, never read across threads: TurnOPD's depth budget (``max_turns``);
+  the allocator's report is read by the trainer from the batch it takes;
+- ``take`` waits at most ``batch_timeout_s`` for a batch, then fails naming
+  what the producer was doing (a hung generate, say).
 
 With rollout workers (``distributed.num_rollout_workers``) the workers hold
 their own copy already: the producer samples through a ``RaySampler`` over
@@ -45,7 +53,7 @@ from ..errors import ConfigError
 from ..policy.hf import HFPolicy
 from ..types import RolloutTree
 
-__all__ = ["RolloutProducer", "SnapshotPolicy", "StepBatch", "oldest_version", "staleness_stats"]
+__all__ = ["RolloutProducer", "SnapshotPolicy", "StepBatch", "may_start", "oldest_version", "staleness_stats"]
 
 _POLL_S = 0.05  # how often a blocked producer or trainer looks whether the other side stopped
 
@@ -82,10 +90,6 @@ class SnapshotPolicy(HFPolicy):
             self.weights_updated()  # drops the keys and values of the old weights
             self.version = version
 
-    def close(self) -> None:
-        """Stop sampling: requests still to come fail their episodes at once."""
-        self.batcher.close()
-
 
 # --------------------------------------------------------------------------- staleness
 
@@ -118,26 +122,37 @@ class StepBatch:
     finished: float  # time.perf_counter() when it was queued
 
 
-RolloutFn = Callable[[int, Any], tuple[list[RolloutTree], dict[str, Any]]]  # (step, policy) -> trees, stats
+# (step, policy, max_turns or None) -> trees, stats
+RolloutFn = Callable[[int, Any, int | None], tuple[list[RolloutTree], dict[str, Any]]]
+
+
+def may_start(batch: int, synced: int, dropped: int, k: int) -> bool:
+    """Whether the producer may start its ``batch``-th rollout (0-based) after the trainer's
+    ``synced`` syncs and ``dropped`` drops: the batch trains after ``batch - dropped`` syncs at
+    the earliest, so starting after ``batch - dropped - k`` keeps its tokens within k versions.
+    Counting drops is what lets a dropped batch be replaced without a sync that cannot come."""
+    return synced + dropped >= batch - k
 
 
 class RolloutProducer:
     """A thread that rolls out steps ``start .. end - 1`` with ``policy`` into a bounded queue.
 
     The trainer calls ``take(version)`` for each step's batch and ``synced(net, version)``
-    after each sync; ``close()`` stops the thread. ``ahead`` (default ``max_staleness``)
-    is how many syncs the rollouts may run ahead; a larger one only forces drops in tests.
+    after each sync; ``close()`` stops the thread. ``max_turns`` (and each sync's) caps the
+    turns of the rollouts started after it (TurnOPD's depth budget; None: the config's).
     """
 
-    def __init__(self, rollout: RolloutFn, policy: Any, start: int, end: int, max_staleness: int,
-                 queue_size: int, ahead: int | None = None):
+    def __init__(self, rollout: RolloutFn, policy: Any, start: int, end: int, max_batch_staleness: int,
+                 queue_size: int, batch_timeout_s: float | None = None, max_turns: int | None = None):
         self.rollout, self.policy = rollout, policy
         self.start, self.end = start, end
-        self.max_staleness = max_staleness
-        self.ahead = max_staleness if ahead is None else ahead
+        self.max_staleness = max_batch_staleness  # train.asynchronous.max_batch_staleness
+        self.batch_timeout_s = batch_timeout_s
         self.queue: queue.Queue[StepBatch | BaseException] = queue.Queue(maxsize=queue_size)
         self.synced_steps = 0  # syncs since the producer started
         self.dropped = 0
+        self.max_turns = max_turns
+        self.doing = "starting"  # what the thread is doing, for take()'s timeout message
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="agentrl-rollout-producer", daemon=True)
@@ -148,21 +163,32 @@ class RolloutProducer:
 
     # -- the producer thread --------------------------------------------------------------
     def _may_start(self, step: int) -> bool:
-        return step < self.end and self.synced_steps >= step - self.start - self.ahead
+        return step < self.end and may_start(step - self.start, self.synced_steps, self.dropped, self.max_staleness)
+
+    def _wait_to_start(self, step: int) -> tuple[bool, int | None]:
+        """Block until step ``step`` may start: (False when stopped instead, its ``max_turns``)."""
+        with self._cond:
+            if not self._may_start(step):
+                self.doing = (f"waiting to start step {step + 1}: the trainer has synced {self.synced_steps} "
+                              f"times since it started, and rollouts may run {self.max_staleness} ahead")
+            self._cond.wait_for(lambda: self._stop.is_set() or self._may_start(step))
+            self.doing = f"rolling out step {step + 1} (since {time.strftime('%H:%M:%S')})"
+            return not self._stop.is_set(), self.max_turns
 
     def _run(self) -> None:
         step = self.start
         try:
             while True:
-                with self._cond:
-                    self._cond.wait_for(lambda s=step: self._stop.is_set() or self._may_start(s))
-                if self._stop.is_set():
+                go, max_turns = self._wait_to_start(step)
+                if not go:
                     return
-                trees, stats = self.rollout(step, self.policy)
+                trees, stats = self.rollout(step, self.policy, max_turns)
+                self.doing = f"waiting for room in the queue for step {step + 1}'s batch"
                 if not self._put(StepBatch(step, trees, stats, time.perf_counter())):
                     return
                 step += 1
         except BaseException as e:  # handed to the trainer, which raises it
+            self.doing = f"stopped by {type(e).__name__}: {e}"
             self._put(e)
 
     def _put(self, item: StepBatch | BaseException) -> bool:
@@ -178,27 +204,33 @@ class RolloutProducer:
     # -- the trainer's side -----------------------------------------------------------------
     def take(self, current_version: int) -> tuple[StepBatch, dict[str, Any]]:
         """The next batch whose oldest token is at most ``max_staleness`` versions old, and the
-        async stats of this step; older batches are dropped (the producer rolls out more)."""
+        async stats of this step; older batches are dropped (the producer rolls out more).
+        Raises ``TimeoutError`` naming what the producer was doing after ``batch_timeout_s``."""
         t0 = time.perf_counter()
+        deadline = None if self.batch_timeout_s is None else time.monotonic() + self.batch_timeout_s
         while True:
-            item = self._get()
+            item = self._get(deadline)
             oldest = oldest_version(item.trees)
             if oldest is None or current_version - oldest <= self.max_staleness:
                 break
             with self._cond:
                 self.dropped += 1
-                self.end += 1  # one more step rolled out in its place
+                self.end += 1  # one more step rolled out in its place, started at once (may_start)
                 self._cond.notify_all()
         now = time.perf_counter()
         return item, {**staleness_stats(item.trees, current_version), "async/dropped_batches": self.dropped,
                       "async/queue_wait_s": now - t0, "async/batch_age_s": now - item.finished,
                       "async/data_step": item.step}
 
-    def _get(self) -> StepBatch:
+    def _get(self, deadline: float | None) -> StepBatch:
         while True:
             try:
                 item = self.queue.get(timeout=_POLL_S)
             except queue.Empty:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"no rollout batch came within {self.batch_timeout_s:.0f} s "
+                                       f"(train.asynchronous.batch_timeout_s); the rollout producer is "
+                                       f"{self.doing}") from None
                 if self.thread.is_alive():
                     continue
                 try:  # it may have queued its last item just before it ended
@@ -209,11 +241,13 @@ class RolloutProducer:
                 raise item
             return item
 
-    def synced(self, net: torch.nn.Module, version: int) -> None:
-        """The trainer synced: copy its weights into the sampling policy; the next step may start."""
+    def synced(self, net: torch.nn.Module, version: int, max_turns: int | None = None) -> None:
+        """The trainer synced: copy its weights into the sampling policy, take the turn cap of
+        the rollouts to come (``max_turns``); the next step may start."""
         self.policy.refresh(net, version)
         with self._cond:
             self.synced_steps += 1
+            self.max_turns = max_turns
             self._cond.notify_all()
 
     def close(self, timeout: float = 60.0) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..config import Config, load_config
+from ..config import Config, load_config, renamed_keys
 from .distill.loop import DistillConfig
 from .loss import PolicyLossConfig
 from .value import ValueHeadConfig
@@ -44,12 +44,22 @@ class AsyncConfig(_Strict):
     """Asynchronous training (``agentrl.train.asynchronous``): the next steps roll out from a
     copy of the weights (in this process, or the rollout workers') while this step trains."""
 
-    max_staleness: int = Field(1, ge=0, description="k: a step's batch is trained only while its "
-                               "oldest token is at most k policy versions behind the trainer (older "
-                               "ones are dropped); the rollouts run at most k steps ahead. 0 repeats "
-                               "the synchronous run exactly, overlapping only eval and checkpoints.")
+    max_batch_staleness: int = Field(
+        1, ge=0, description="k: a step's whole batch is trained only while its oldest token is at "
+        "most k policy versions behind the trainer (an older batch is dropped and replaced); the "
+        "rollouts run at most k steps ahead. 0 rolls out each step after the previous sync, "
+        "overlapping only eval and checkpoints: the synchronous run, bit for bit with "
+        "rollout.deterministic: true. (Single tokens: loss.max_token_staleness.) Was max_staleness.")
     queue_size: int = Field(2, ge=1, description="Finished step batches waiting for the trainer; "
                             "the rollouts wait while it is full.")
+    batch_timeout_s: float | None = Field(7200.0, gt=0, description="Longest the trainer waits for "
+                                          "the next step's batch before the run fails, naming what the "
+                                          "rollouts were doing (a hung generate, say); null: no limit.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        return renamed_keys(data, {"max_staleness": "max_batch_staleness"}, "train.asynchronous")
 
 
 class TrainConfig(_Strict):

@@ -30,10 +30,12 @@ sampler.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from ..config import renamed_keys
 
 __all__ = [
     "AGGREGATIONS",
@@ -370,7 +372,7 @@ def m2po_token_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, ad
     logprob (the paper recomputes the stale policy's in the trainer), so r also
     carries the sampler/trainer engine mismatch; the mask's batch is one
     minibatch, under the weights of its optimizer step (their released code
-    takes each micro-batch); tokens past ``max_staleness`` leave the mean (the
+    takes each micro-batch); tokens past ``max_token_staleness`` leave the mean (the
     paper has no such bound); the ``seq-mean-*`` aggregations average per
     sequence instead of over all tokens; the KL, entropy and extra terms are not
     masked.
@@ -415,8 +417,10 @@ class PolicyLossConfig(BaseModel):
     norm_len: float | None = Field(None, gt=0.0, description="Dr. GRPO constant for seq-mean-token-sum-norm.")
     tis_cap: float | None = Field(2.0, gt=0.0, description="Truncated IS cap C; None = no TIS. "
                                   "Not applied with m2po_tau, whose ratio is pi / pi_behav uncapped.")
-    max_staleness: int | None = Field(None, ge=0, description="Drop tokens more versions old from "
-                                      "every term and every mean; None = keep all.")
+    max_token_staleness: int | None = Field(
+        None, ge=0, description="Drop single tokens more policy versions old than this from every term "
+        "and every mean; None = keep all. (Whole batches: train.asynchronous.max_batch_staleness.) "
+        "Was max_staleness.")
     m2po_tau: float | None = Field(
         None, ge=0.0, description="M2PO (Zheng et al. 2025, Algorithm 1) in place of PPO-clip and "
         "TIS: the loss is -M r A, r = pi / pi_behav, averaged over all tokens, where M masks the "
@@ -431,6 +435,11 @@ class PolicyLossConfig(BaseModel):
         "gradient minimises, in expectation over sampled tokens: k3, KL(ref || pi) (the GRPO "
         "penalty); k2, KL(pi || ref); k1, nothing (E[grad k1] = 0), so it is refused with kl_coef > 0.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Weight of the entropy bonus; 0 = off.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        return renamed_keys(data, {"max_staleness": "max_token_staleness"}, "train.loss")
 
     @field_validator("kl_estimator")
     @classmethod
@@ -472,10 +481,10 @@ def token_masks(cfg: PolicyLossConfig, mask: torch.Tensor, *, versions: torch.Te
     ``m2po/m2_kept`` (the trust-region mean of (log r)^2 before and after masking).
     """
     count = mask.bool()
-    if cfg.max_staleness is not None:
+    if cfg.max_token_staleness is not None:
         if versions is None or current_version is None:
-            raise ValueError("max_staleness is set: pass versions and current_version")
-        count = count & staleness_mask(versions, current_version, cfg.max_staleness)
+            raise ValueError("max_token_staleness is set: pass versions and current_version")
+        count = count & staleness_mask(versions, current_version, cfg.max_token_staleness)
     keep, stats = count, {}
     if cfg.m2po_tau is not None:
         if behaviour_logprobs is None or logprobs is None or advantages is None:
@@ -504,7 +513,7 @@ def policy_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Te
     ratio 1, plain policy gradient). TIS is on by default but needs
     ``behaviour_logprobs``: without them (a fully on-policy batch) it is skipped
     and ``tis/on`` says 0. The options that are off by default fail loudly when
-    switched on without their inputs: ``max_staleness`` needs ``versions`` and
+    switched on without their inputs: ``max_token_staleness`` needs ``versions`` and
     ``current_version``, ``m2po_tau`` needs ``behaviour_logprobs``, ``kl_coef``
     needs ``ref_logprobs``, ``entropy_coef`` needs ``entropies``.
 

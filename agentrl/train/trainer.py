@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import math
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -67,9 +69,10 @@ from .checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from .config import TrainConfig, TrainRunConfig
+from .config import TrainRunConfig
 from .loss import mismatch_stats, policy_loss
 from .metrics import MetricsLogger, PeakMemory, advantage_balance, plot_learning_curve
+from .plan import eval_seeds, print_plan, run_plan, step_task_seeds
 
 __all__ = [
     "CollectFn",
@@ -85,26 +88,7 @@ __all__ = [
 CollectFn = Callable[..., list[RolloutTree]]
 
 
-# --------------------------------------------------------------------------- data
-
-
-def step_task_seeds(cfg: TrainConfig, step: int) -> list[int]:
-    """The task seeds step ``step`` (0-based) trains on: the data position is the step."""
-    n = cfg.tasks_per_step
-    if cfg.task_seeds is not None:
-        pool = cfg.task_seeds
-        return [pool[(step * n + j) % len(pool)] for j in range(n)]
-    return [cfg.task_seed_start + step * n + j for j in range(n)]
-
-
 # --------------------------------------------------------------------------- eval
-
-
-def eval_seeds(cfg: TrainConfig) -> list[int]:
-    """Held-out task seeds: the explicit list, else ``eval_episodes`` from ``eval_seed_start``."""
-    if cfg.eval_task_seeds:
-        return list(cfg.eval_task_seeds)
-    return [cfg.eval_seed_start + i for i in range(cfg.eval_episodes)]
 
 
 def evaluate(policy: Any, cfg: TrainRunConfig, on_episode_done: Callable | None = None,
@@ -242,6 +226,7 @@ class Trainer:
         self.bars: _Bars | None = None
         self.producer: RolloutProducer | None = None  # train.asynchronous: the rollouts ahead
         self.out = Path(t.out_dir)
+        self._owns_policy = policy is None  # close() closes only a policy it made
 
     def _reference(self) -> torch.nn.Module | None:
         """A frozen copy of the starting weights for the KL term (LoRA: the adapters switched off)."""
@@ -256,6 +241,33 @@ class Trainer:
         else:
             with self.model.disable_adapter():
                 yield self.net
+
+    # -- end -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release what the run holds, so the next run in this process starts from the same
+        memory: the producer and its snapshot, the rollout source, the policy it made (rollout
+        workers killed, an ``hf`` backend's thread and prefix cache freed), the teacher (a vLLM
+        engine stopped), the env workers of its env, and every model and optimizer reference.
+        Idempotent; the trainer is unusable after. A step that fails is warned about, and the
+        rest still runs (``train`` calls this on the way out of an error too)."""
+        owned = [("the rollout producer", self.producer), ("the rollout source", self.rollouts),
+                 ("the policy", self.policy if self._owns_policy else None),
+                 ("the distillation teacher", self.distiller)]
+        for what, close in [(w, getattr(o, "close", None)) for w, o in owned] + [
+                ("the env workers", self._shutdown_env_workers)]:
+            try:
+                if close is not None:
+                    close()
+            except Exception as e:  # noqa: BLE001 - closing the rest matters more than this one
+                warnings.warn(f"closing {what} raised {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+        self.producer = self.rollouts = self.distiller = self.ref = self.value_head = None
+        self.policy = self.model = self.net = self.optimizer = self.scheduler = None  # type: ignore[assignment]
+
+    def _shutdown_env_workers(self) -> None:
+        if self.cfg.rollout.env_executor == "ray":
+            from ..distributed.env_workers import shutdown_env_worker_pools
+
+            shutdown_env_worker_pools(self.cfg.env.id)
 
     # -- state ---------------------------------------------------------------------------
     def save(self, export_hf: bool = False) -> Path:
@@ -296,23 +308,26 @@ class Trainer:
         return True
 
     # -- one step ----------------------------------------------------------------------------
-    def rollout(self, step: int, bars: _Bars, policy: Any = None) -> tuple[list[RolloutTree], dict[str, Any]]:
-        """Step ``step``'s trees, sampled by ``policy`` (default: the trained model's own policy)."""
+    def rollout(self, step: int, bars: _Bars, policy: Any = None,
+                max_turns: int | None = None) -> tuple[list[RolloutTree], dict[str, Any]]:
+        """Step ``step``'s trees, sampled by ``policy`` (default: the trained model's own policy),
+        at most ``max_turns`` turns an episode (TurnOPD's depth budget, ``_depth_budget``) if given.
+
+        The asynchronous producer runs this in its thread: it reads no state the trainer
+        changes meanwhile (the budget is handed over with each sync)."""
         from ..rollout import collect, summarize
 
         cfg = self.cfg.model_copy(deep=True)
         cfg.rollout.seed = request_seed(self.cfg.train.seed, step)  # fresh sampling streams per step
-        # TurnOPD's depth budget, read once: the asynchronous producer runs this while the trainer updates it
-        budget = self.distiller.depth_budget if self.distiller is not None else None
-        if budget is not None:
-            cfg.rollout.max_turns = min(cfg.rollout.max_turns, budget)
+        if max_turns is not None:
+            cfg.rollout.max_turns = min(cfg.rollout.max_turns, max_turns)
         seeds = step_task_seeds(self.cfg.train, step)
         advance = bars.start("rollout", len(seeds) * cfg.rollout.group_size, f"step {step + 1}")
         t0 = time.perf_counter()
         trees = (self.rollouts.collect if self.rollouts else collect)(
             cfg.env.id, self.policy if policy is None else policy, cfg, seeds, on_episode_done=advance)
         s = summarize(trees, time.perf_counter() - t0)
-        extra = {**(self.rollouts.stats if self.rollouts else {}), **self._allocation(step, trees),
+        extra = {**(self.rollouts.stats if self.rollouts else {}),
                  **getattr(self.policy, "stats", {})}  # rollout workers: deaths and retried requests
         return trees, {**extra, "rollout/success": s["success_rate"], "rollout/reward": s["mean_reward"],
                        "rollout/turns": s["mean_turns"], "rollout/episodes": s["episodes"],
@@ -321,6 +336,10 @@ class Trainer:
                        "rollout/env_steps": s["env_steps"],
                        "rollout/generated_tokens": s["generated_tokens"],
                        "data/first_task_seed": seeds[0], **_invalid(s, "rollout")}
+
+    def _depth_budget(self) -> int | None:
+        """The turn cap of the next rollouts: TurnOPD's depth budget, once it has a statistic."""
+        return self.distiller.depth_budget if self.distiller is not None else None
 
     def _allocation(self, step: int, trees: list[RolloutTree]) -> dict[str, Any]:
         """The allocator's report into the run summary, and a warning when a tree allocator
@@ -586,9 +605,10 @@ class Trainer:
                 if ran and a is not None:  # a fresh snapshot of the weights SFT or a resume left
                     sampler = (self.policy.sampler() if hasattr(self.policy, "sampler")  # rollout workers
                                else SnapshotPolicy.of(self.policy))
-                    self.producer = RolloutProducer(lambda k, policy: self.rollout(k, bars, policy),
-                                                    sampler, self.step, t.steps,
-                                                    a.max_staleness, a.queue_size).begin()
+                    self.producer = RolloutProducer(
+                        lambda k, policy, max_turns: self.rollout(k, bars, policy, max_turns), sampler,
+                        self.step, t.steps, a.max_batch_staleness, a.queue_size, a.batch_timeout_s,
+                        max_turns=self._depth_budget()).begin()
                 while self.step < t.steps:
                     mem.start()
                     row = self._one_step(bars)
@@ -639,16 +659,18 @@ class Trainer:
         t, k = self.cfg.train, self.step
         t_step = time.perf_counter()
         if self.producer is None:
-            trees, stats = self.rollout(k, bars)
+            trees, stats = self.rollout(k, bars, max_turns=self._depth_budget())
+            data_step = k
         else:
             batch, stats = self.producer.take(self.policy.version)
-            trees, stats = batch.trees, {**batch.stats, **stats}
+            trees, stats, data_step = batch.trees, {**batch.stats, **stats}, batch.step
+        stats.update(self._allocation(data_step, trees))  # here, not in the producer's thread
         self._save_trees(k + 1, trees)
         stats.update(self.learn(trees, k, bars))
         t0 = time.perf_counter()
         sync_policy(self.policy, self.model)
         if self.producer is not None:
-            self.producer.synced(self.net, self.policy.version)
+            self.producer.synced(self.net, self.policy.version, max_turns=self._depth_budget())
         stats["time/sync_s"] = time.perf_counter() - t0
         stats["policy/version"] = self.policy.version
         self.step = k + 1
@@ -686,38 +708,18 @@ def train(cfg: TrainRunConfig, *, resume: bool = False, overwrite: bool = False,
         for old in ("checkpoints", "tensorboard", "trees"):  # else TensorBoard and the viewer mix two runs
             shutil.rmtree(out / old, ignore_errors=True)
     trainer = Trainer(cfg, policy=policy, console=console, progress=progress, rollouts=rollouts)
-    if dry:
-        if trainer.rollouts is not None:
-            trainer.rollouts.close()
-        plan = run_plan(cfg)
-        _print_plan(trainer.console, plan)
-        return {"dry_run": True, "plan": plan, "phases": {}, "checkpoint": None, "metrics": None,
-                "learning_curve": None}
-    if resume and trainer.resume():
-        trainer.console.print(f"resumed from step {trainer.step} ({out / 'checkpoints'})")
-    return trainer.run(sft=warm)
-
-
-def run_plan(cfg: TrainRunConfig) -> dict[str, Any]:
-    """What a run of ``cfg`` does, in the numbers a user checks before starting it."""
-    t, r = cfg.train, cfg.rollout
-    source = (f"harness: {t.harness}" if t.harness is not None
-              else f"engine, allocator {r.allocator} {r.allocator_options or ''}".strip())
-    return {"env": cfg.env.id, "model": cfg.policy.model, "backend": cfg.policy.backend,
-            "rollouts": source, "steps": t.steps, "tasks per step": t.tasks_per_step,
-            "episodes per task": r.group_size,
-            "budget per step": f"{r.budget} {r.budget_unit}" if r.budget else f"{t.tasks_per_step * r.group_size} leaves",
-            "credit": t.credit, "trainable": t.trainable, "lr": t.lr,
-            "held-out episodes per eval": len(eval_seeds(t)), "out_dir": t.out_dir,
-            "trees saved per step": t.save_trees}
-
-
-def _print_plan(console: Console, plan: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    table = Table(title="dry run (train.steps=0): the plan; nothing evaluated or written")
-    table.add_column("")
-    table.add_column("value")
-    for k, v in plan.items():
-        table.add_row(k, str(v))
-    console.print(table)
+    try:
+        if dry:
+            plan = run_plan(cfg)
+            print_plan(trainer.console, plan)
+            return {"dry_run": True, "plan": plan, "phases": {}, "checkpoint": None, "metrics": None,
+                    "learning_curve": None}
+        if resume and trainer.resume():
+            trainer.console.print(f"resumed from step {trainer.step} ({out / 'checkpoints'})")
+        return trainer.run(sft=warm)
+    finally:
+        trainer.close()
+        del trainer
+        # What the run left in reference cycles (frames of exceptions caught inside libraries,
+        # progress bars) would otherwise wait for a full collection, holding models and caches.
+        gc.collect()

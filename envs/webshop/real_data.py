@@ -26,9 +26,11 @@ drawn at random, and ", and price lower than X.00 dollars" is appended (no
 limit when fewer than two exist). The goals are then shuffled with
 ``random.seed(233)`` as WebShop's ``SimServer`` does, and split by index as
 its baseline code does: ``test`` 0-499 (the 500 the papers report on),
-``valid`` 500-1,499, ``train`` the rest. The draws use one ``random.Random(42)``
-(WebShop seeds Python's global generator with 42 in its goal module), prices
-first, then limits; the shuffled order of instructions does not depend on them.
+``valid`` 500-1,499, ``train`` the rest. The draws are agentrl's own: WebShop
+draws the prices and the limits from Python's global generator without a seed,
+so they change from one WebShop process to the next; here they come from one
+``random.Random(42)``, prices first, then limits, the same in every run. The
+shuffled order of instructions does not depend on them.
 
 Search. ``bm25s`` over WebShop's search documents (title, description, first
 bullet point and the options, lower-cased; English stop words removed, no
@@ -264,7 +266,7 @@ def load_shop(folder: str | os.PathLike[str], subset: str = "auto", num_products
     products = _products(raw, attributes, num_products)
     if not products:
         raise EnvError(f"{products_file} holds no product")
-    rng = random.Random(42)
+    rng = random.Random(42)  # our seed: WebShop draws these unseeded (module docstring)
     prices = [rng.uniform(*p.pricing) if len(p.pricing) == 2 else p.pricing[0] for p in products]
     goals = _goals(products, human, prices, rng)
     random.Random(233).shuffle(goals)

@@ -22,8 +22,10 @@ written for) and a bought product ``Y`` with the options selected on its page::
   below 0.1, and 0.0 when it is 0. A purchase succeeds when ``r == 1``.
 
 Fuzzy matching is fuzzywuzzy's / thefuzz's ``token_set_ratio`` (with their
-``full_process``: characters 128-255 dropped, every non-alphanumeric character
-a space, lower case), over the Indel ratio ``200 * LCS / (len1 + len2)`` of
+``full_process`` as in thefuzz 0.19, which WebShop pins: characters 128-255
+dropped, each character that is not a letter, digit or underscore (``\\W``)
+a space, lower case; so ``heavy_duty`` is one word, and scores 50 against
+``heavy duty``), over the Indel ratio ``200 * LCS / (len1 + len2)`` of
 python-Levenshtein and rapidfuzz, rounded to an integer.
 
 Nouns. WebShop tags names with spaCy's ``en_core_web_lg`` and keeps NOUN and
@@ -95,12 +97,13 @@ def normalize_color(text: str) -> str:
 # -- fuzzy matching ------------------------------------------------------------------
 
 _LATIN1 = {i: None for i in range(128, 256)}
-_NON_ALNUM = re.compile(r"[\W_]+")
+_NON_WORD = re.compile(r"\W")  # thefuzz's "(?ui)\W": an underscore is a word character
 
 
 def full_process(text: str) -> str:
-    """thefuzz's preprocessing: drop characters 128-255, non-alphanumerics to spaces, lower case."""
-    return _NON_ALNUM.sub(" ", str(text).translate(_LATIN1)).lower().strip()
+    """thefuzz's preprocessing: drop characters 128-255, each non-word character to a space
+    (``_`` stays), lower case, strip."""
+    return _NON_WORD.sub(" ", str(text).translate(_LATIN1)).lower().strip()
 
 
 def fuzz_ratio(a: str, b: str) -> int:

@@ -21,6 +21,7 @@ from agentrl.rollout import collect
 ray = pytest.importorskip("ray", reason="ray is not installed here: pip install 'agentrl[ray]' (make extras)")
 
 from agentrl.distributed import (  # noqa: E402  (after the skip: the module needs ray to run)
+    LOCAL_SYSTEM_CONFIG,
     RayPolicy,
     env_resources,
     env_worker_options,
@@ -34,7 +35,7 @@ SMALL = ["distributed.ray=auto", "distributed.env_worker_cpus=0.25", "distribute
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG)
     try:
         yield ray
     finally:
@@ -318,6 +319,47 @@ def test_a_rollout_worker_that_died_idle_never_serves_the_starting_weights(clust
         remote.close()
 
 
+def test_a_request_that_kills_each_worker_it_lands_on_fails_alone(cluster, tokenizer):
+    """A poison request (every worker it is sent to dies: an out-of-memory prompt, say) is
+    not sent to ``generate_retries`` workers: at ``max_request_deaths`` it fails, naming the
+    key, and the fleet goes on serving."""
+    from agentrl.errors import PolicyError
+
+    cfg = load_config(overrides=["policy.backend=hf", "policy.model=tiny-random", "distributed.num_rollout_workers=2",
+                                 "distributed.generate_retries=4", "distributed.max_request_deaths=2", *SMALL])
+    remote = RayPolicy(cfg.policy, cfg.distributed, tokenizer)
+    poison, *fine = _requests(tokenizer, 5)
+    try:
+        def kill_on_poison(req: GenerateRequest, w: int) -> None:
+            if req.prompt_ids == poison.prompt_ids:
+                ray.kill(remote.workers[w], no_restart=False)
+
+        remote.on_dispatch = kill_on_poison
+        with pytest.raises(PolicyError, match=r"running on 2 rollout workers that died \(distributed\.max_request_deaths=2\)"):
+            remote.generate([poison])
+        assert remote.stats["rollout_workers/deaths"] == 2  # not generate_retries + 1 = 5
+        got = remote.generate(fine)  # both workers come back (Ray restarts them) and serve
+        assert all(r.token_ids for r in got) and remote.stats["rollout_workers/lost"] == 0
+    finally:
+        remote.close()
+
+
+def test_the_sampler_checks_each_workers_version_after_a_sync(cluster, tokenizer):
+    """After a push, a worker that reports another version fails the producer's refresh."""
+    from agentrl.errors import PolicyError
+
+    remote, _ = _on_version_1(tokenizer, seed=2)
+    try:
+        sampler = remote.sampler()
+        sampler.refresh(None, 1)  # both workers on version 1
+        ray.get(remote.workers[1].set_version.remote(0))  # a push that did not reach worker 1
+        with pytest.raises(PolicyError, match="worker 1: 0"):
+            sampler.refresh(None, 1)
+        assert remote.worker_versions() == {0: 1, 1: 0}
+    finally:
+        remote.close()
+
+
 def test_a_proxy_session_survives_its_rollout_worker_dying(cluster, tokenizer):
     """A harness call whose rollout worker is killed under it is retried on the other worker:
     the call succeeds and the session records its one turn, token for token. With every
@@ -426,8 +468,8 @@ def test_asynchronous_training_samples_on_rollout_workers(cluster, tmp_path):
 
     det = ["rollout.deterministic=true", "train.eval_episodes=0"]
     sync = train(_ray_train_config(tmp_path / "sync", *det), progress=False)
-    k0 = train(_ray_train_config(tmp_path / "k0", *det, "train.asynchronous={max_staleness: 0}"), progress=False)
-    train(_ray_train_config(tmp_path / "k1", *det, "train.asynchronous={max_staleness: 1, queue_size: 1}"),
+    k0 = train(_ray_train_config(tmp_path / "k0", *det, "train.asynchronous={max_batch_staleness: 0}"), progress=False)
+    train(_ray_train_config(tmp_path / "k1", *det, "train.asynchronous={max_batch_staleness: 1, queue_size: 1}"),
           progress=False)
     assert sync["phases"] == k0["phases"]
     a, b = _rl_rows(tmp_path / "sync"), _rl_rows(tmp_path / "k0")
@@ -476,8 +518,8 @@ def test_rollout_worker_settings_are_checked_naming_the_key():
 
     # rollout workers hold their own copy: asynchronous training needs no hf backend here
     load_train_config(None, ["distributed.num_rollout_workers=2", "policy.backend=mock",
-                             "train.asynchronous={max_staleness: 1}"])
+                             "train.asynchronous={max_batch_staleness: 1}"])
     with pytest.raises(ConfigError, match=r"train\.asynchronous"):
-        load_train_config(None, ["policy.backend=mock", "train.asynchronous={max_staleness: 1}"])
+        load_train_config(None, ["policy.backend=mock", "train.asynchronous={max_batch_staleness: 1}"])
     with pytest.raises(ConfigError, match=r"distributed\.generate_retries"):
         load_config(overrides=["distributed.generate_retries=-1"])

@@ -19,6 +19,7 @@ from agentrl.envs.webshop.real_data import RealGoal, RealProduct, load_shop, spl
 from agentrl.envs.webshop.real_reward import (
     NounTagger,
     attribute_matches,
+    full_process,
     fuzz_ratio,
     normalize_color,
     noun_tagger,
@@ -127,6 +128,15 @@ def test_fuzzy_ratios_match_thefuzz_on_worked_examples():
     # "12 inch" vs "16 inch": LCS("inch 12", "inch 16") = 6 -> 200*6/14 = 85.7 -> 86, a match (> 85)
     assert token_set_ratio("12 inch", "16 inch") == 86
     assert token_set_ratio("", "black") == 0 and token_set_ratio("red", "blue") < 85
+
+
+def test_an_underscore_is_a_word_character_as_in_the_thefuzz_webshop_pins():
+    """thefuzz 0.19's ``full_process`` blanks ``\\W`` (not ``_``): "heavy_duty" stays one word, so
+    against "heavy duty" no word is shared and the whole strings compare: LCS("heavy_duty",
+    "duty heavy") = 5 ("heavy"), 200 * 5 / 20 = 50; not a match."""
+    assert full_process("Heavy_Duty, 12-inch!") == "heavy_duty  12 inch"
+    assert token_set_ratio("heavy_duty", "heavy duty") == 50
+    assert token_set_ratio("heavy_duty", "HEAVY_DUTY") == 100
 
 
 def test_normalize_color_takes_the_first_colour_of_webshops_list():

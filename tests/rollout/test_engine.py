@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -362,6 +363,46 @@ def test_a_hung_process_env_is_killed(tokenizer):
     trees = collect("agentrl/TestMixed-v0", MockPolicy(tokenizer, ["a"]), cfg, [2])
     assert next(trees[0].episodes()).error.startswith("episode timed out")
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("agentrl-env")]
+
+
+def test_a_process_env_still_starting_when_its_episode_times_out_is_closed_by_collect(tokenizer):
+    """On a loaded machine a process env can take longer to start than the episode may last:
+    the env made after its episode gave up is closed before ``collect`` returns."""
+    import multiprocessing
+
+    cfg = load_config(overrides=[
+        "rollout.env_executor=process", "rollout.episode_timeout_s=0.5", "env.kwargs={start_s: 2}"])
+    trees = collect("agentrl/TestSlowStart-v0", MockPolicy(tokenizer, ["a"]), cfg, [0])
+    assert next(trees[0].episodes()).error.startswith("episode timed out")
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("agentrl-env")]
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for its reaper is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def test_a_timed_out_process_env_is_killed_with_its_process_group_before_collect_returns(tokenizer, tmp_path):
+    """The env's own child process (a game engine, a server) dies with it: the engine kills the
+    timed-out env's process group at once and reaps it, not only the env process."""
+    import multiprocessing
+    import signal
+
+    pid_file = tmp_path / "child.pid"
+    cfg = load_config(overrides=[
+        "rollout.max_turns=2", "rollout.env_executor=process", "rollout.episode_timeout_s=8",
+        "rollout.system_prompt=null", f"env.kwargs={{pid_file: '{pid_file}'}}"])
+    try:
+        trees = collect("agentrl/TestSpawnThenHang-v0", MockPolicy(tokenizer, ["a"]), cfg, [0])
+        assert next(trees[0].episodes()).error.startswith("episode timed out")
+        assert not [p for p in multiprocessing.active_children() if p.name.startswith("agentrl-env")]
+        assert pid_file.exists() and not _running(int(pid_file.read_text()))
+    finally:
+        if pid_file.exists() and _running(pid := int(pid_file.read_text())):
+            os.kill(pid, signal.SIGKILL)  # the test's own leftover when it fails
 
 
 class NestedForks(Plan):

@@ -1,11 +1,13 @@
 """Asynchronous training in one process: k=0 is the synchronous run, k=1 overlaps, stale
-batches are dropped, the sampler's weights are a snapshot, and errors and resumes are clean."""
+batches are dropped and replaced, the sampler's weights are a snapshot, a batch that never
+comes fails loudly, and errors and resumes are clean."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,9 +16,9 @@ import torch
 from agentrl.errors import ConfigError
 from agentrl.models import load_model
 from agentrl.policy import GenerateRequest, HFPolicy, SamplingParams
-from agentrl.train.asynchronous import RolloutProducer, SnapshotPolicy, staleness_stats
+from agentrl.train.asynchronous import RolloutProducer, SnapshotPolicy, may_start, staleness_stats
 from agentrl.train.config import load_train_config
-from agentrl.train.trainer import Trainer, train
+from agentrl.train.trainer import Trainer, step_task_seeds, train
 from agentrl.types import Node, RolloutTree
 from tests.train.test_trainer import toy_config
 
@@ -26,7 +28,7 @@ FAST = ["rollout.deterministic=true", "train.plot=false", "train.save_trees=0", 
 
 
 def _async(k: int, queue_size: int = 1) -> str:
-    return f"train.asynchronous={{max_staleness: {k}, queue_size: {queue_size}}}"
+    return f"train.asynchronous={{max_batch_staleness: {k}, queue_size: {queue_size}}}"
 
 
 def _rl_rows(out: Path) -> list[dict]:
@@ -62,10 +64,10 @@ def test_k1_rolls_out_the_next_step_while_this_one_trains(tmp_path, monkeypatch)
     samplers: list[object] = []
     rollout, learn = Trainer.rollout, Trainer.learn
 
-    def gated_rollout(self, step, bars, policy=None):
+    def gated_rollout(self, step, bars, policy=None, max_turns=None):
         events.append(("rollout", step))
         samplers.append(policy)
-        out = rollout(self, step, bars, policy)
+        out = rollout(self, step, bars, policy, max_turns)
         rolled[step].set()
         return out
 
@@ -110,31 +112,87 @@ def _wait_until(cond, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def test_a_batch_older_than_k_is_dropped_and_counted():
-    """A producer let run three steps ahead (``ahead``) fills the queue under version 0; after
-    one sync, k=0 refuses the two queued batches, takes one rolled out under version 1, and
-    the producer rolls out one step more for each batch dropped."""
-    sampler = _Versioned()
-    rolled: list[tuple[int, int]] = []
+def test_the_producer_may_run_k_batches_ahead_and_one_more_per_dropped_batch():
+    # k = 0: batch n waits for n syncs; after one drop, batch 2 needs only 1 sync
+    assert may_start(0, synced=0, dropped=0, k=0)
+    assert not may_start(1, synced=0, dropped=0, k=0) and may_start(1, synced=1, dropped=0, k=0)
+    assert not may_start(2, synced=1, dropped=0, k=0) and may_start(2, synced=1, dropped=1, k=0)
+    # k = 2: three batches before any sync
+    assert may_start(2, synced=0, dropped=0, k=2) and not may_start(3, synced=0, dropped=0, k=2)
 
-    def rollout(step, policy):
-        rolled.append((step, policy.version))
-        return [_tree(policy.version)], {"data/first_task_seed": step}
 
-    producer = RolloutProducer(rollout, sampler, start=0, end=3, max_staleness=0, queue_size=3, ahead=3).begin()
+def test_a_stale_batch_is_dropped_and_replaced_without_waiting_for_a_sync(tmp_path, monkeypatch):
+    """k = 0 and one batch comes back one version stale (a sampler that missed a sync): the
+    trainer drops it, the producer rolls out the next step in its place at once (no sync can
+    come while the trainer waits for a batch), and the run ends with every step trained."""
+    import agentrl.rollout
+
+    torch.set_num_threads(1)
+    cfg = toy_config(tmp_path, *FAST, "train.steps=3", "train.eval_episodes=0", _async(0),
+                     "train.asynchronous.batch_timeout_s=120")
+    stale_seeds = step_task_seeds(cfg.train, 1)
+    collect = agentrl.rollout.collect
+
+    def one_stale_batch(env_id, policy, cfg, seeds, *args, **kwargs):
+        trees = collect(env_id, policy, cfg, seeds, *args, **kwargs)
+        if seeds == stale_seeds:  # step 2's data, sampled under version 1: stamped version 0
+            for t in trees:
+                for n in t.nodes.values():
+                    n.version -= 1
+        return trees
+
+    monkeypatch.setattr(agentrl.rollout, "collect", one_stale_batch)
+    done: list[dict] = []
+    run = threading.Thread(target=lambda: done.append(train(cfg, progress=False)), daemon=True)
+    run.start()
+    run.join(300)  # a deadlock would hold it here (the bounded take() ends it after 120 s)
+    assert done, "the run did not finish"
+    rows = _rl_rows(tmp_path)
+    assert [r["async/data_step"] for r in rows] == [0, 2, 3]  # step 2's data dropped, step 3's in its place
+    assert [r["async/dropped_batches"] for r in rows] == [0, 1, 1]
+    assert [r["policy/version"] for r in rows] == [1, 2, 3]
+    assert all(r["async/staleness_max"] == 0 for r in rows)
+
+
+def test_take_fails_naming_what_the_producer_does_when_no_batch_comes():
+    """A rollout that never returns (a hung generate) fails the trainer's take() after
+    batch_timeout_s, with the key to raise and the step being rolled out."""
+    release = threading.Event()
+
+    def hung(step, policy, max_turns):
+        release.wait(60)
+        raise RuntimeError("released")
+
+    producer = RolloutProducer(hung, object(), start=4, end=8, max_batch_staleness=1, queue_size=1,
+                               batch_timeout_s=0.3).begin()
     try:
-        _wait_until(producer.queue.full)
-        first, stats = producer.take(0)
-        assert first.step == 0 and stats["async/dropped_batches"] == 0
-        producer.synced(torch.nn.Linear(1, 1), 1)
-        batch, stats = producer.take(1)
-        assert batch.step == 3 and stats["async/dropped_batches"] == 2 == producer.dropped
-        assert stats["async/staleness_max"] == 0
-        _wait_until(lambda: len(rolled) == 5)  # one step more for each dropped one
-        assert rolled == [(0, 0), (1, 0), (2, 0), (3, 1), (4, 1)]
+        with pytest.raises(TimeoutError, match=r"train\.asynchronous\.batch_timeout_s.*rolling out step 5"):
+            producer.take(0)
+    finally:
+        release.set()
+        producer.close(timeout=30)
+    assert not producer.thread.is_alive()
+
+
+def test_each_sync_hands_the_next_rollouts_their_turn_cap():
+    """TurnOPD's depth budget reaches the producer with the sync, never read across threads."""
+    caps: list[int | None] = []
+
+    def rollout(step, policy, max_turns):
+        caps.append(max_turns)
+        return [_tree(policy.version)], {}
+
+    producer = RolloutProducer(rollout, _Versioned(), start=0, end=3, max_batch_staleness=0, queue_size=1,
+                               max_turns=5).begin()
+    try:
+        producer.take(0)
+        producer.synced(torch.nn.Linear(1, 1), 1, max_turns=2)
+        producer.take(1)
+        producer.synced(torch.nn.Linear(1, 1), 2, max_turns=None)
+        producer.take(2)
     finally:
         producer.close()
-    assert not producer.thread.is_alive()
+    assert caps == [5, 2, None]
 
 
 def test_staleness_is_counted_per_action_token():
@@ -220,7 +278,7 @@ def test_resume_with_async_starts_a_fresh_producer_and_repeats_the_run(tmp_path,
 
 
 @pytest.mark.parametrize(("overrides", "key"), [
-    ([_async(-1)], "train.asynchronous.max_staleness"),
+    ([_async(-1)], "train.asynchronous.max_batch_staleness"),
     (["train.asynchronous={queue_size: 0}"], "train.asynchronous.queue_size"),
     (["policy.backend=mock", _async(1)], "train.asynchronous samples from a copy"),
     (["train.harness=python agent.py", _async(1)], "train: asynchronous needs native rollouts"),
@@ -231,15 +289,28 @@ def test_an_async_config_that_cannot_work_is_refused_naming_its_key(overrides, k
     assert key in str(err.value)
 
 
+def test_the_old_name_max_staleness_still_works_for_one_release_with_a_warning():
+    with pytest.warns(FutureWarning, match=r"train\.asynchronous\.max_staleness is deprecated.*"
+                                           r"use train\.asynchronous\.max_batch_staleness"):
+        old = load_train_config(None, ["train.asynchronous={max_staleness: 0}"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = load_train_config(None, ["train.asynchronous={max_batch_staleness: 0}"])
+    assert old.train.asynchronous == new.train.asynchronous and new.train.asynchronous.max_batch_staleness == 0
+    with pytest.raises(ConfigError, match=r"train\.asynchronous\.max_staleness is the old name of "
+                                          r"train\.asynchronous\.max_batch_staleness"):
+        load_train_config(None, ["train.asynchronous={max_staleness: 0, max_batch_staleness: 1}"])
+
+
 def test_async_off_is_the_default():
     assert load_train_config(None, []).train.asynchronous is None
 
 
 def test_a_rollout_that_raises_fails_the_trainers_take_with_its_error():
-    def boom(step: int, policy: object) -> tuple:
+    def boom(step: int, policy: object, max_turns: int | None) -> tuple:
         raise RuntimeError(f"env exploded at step {step}")
 
-    producer = RolloutProducer(boom, object(), start=0, end=3, max_staleness=1, queue_size=1).begin()
+    producer = RolloutProducer(boom, object(), start=0, end=3, max_batch_staleness=1, queue_size=1).begin()
     with pytest.raises(RuntimeError, match="env exploded at step 0"):
         producer.take(0)
     producer.close(timeout=10)
@@ -254,13 +325,13 @@ def test_close_during_a_rollout_stops_the_sampler_and_the_thread():
         def close(self) -> None:
             stopped.set()
 
-    def rollout(step: int, policy: object) -> tuple:
+    def rollout(step: int, policy: object, max_turns: int | None) -> tuple:
         started.set()
         if not stopped.wait(30):  # a generate batch that only the sampler's close ends
             raise AssertionError("close() did not close the sampler")
         raise RuntimeError("sampling stopped")
 
-    producer = RolloutProducer(rollout, Sampler(), start=0, end=3, max_staleness=1, queue_size=1).begin()
+    producer = RolloutProducer(rollout, Sampler(), start=0, end=3, max_batch_staleness=1, queue_size=1).begin()
     assert started.wait(30)
     producer.close(timeout=30)
     assert not producer.thread.is_alive()

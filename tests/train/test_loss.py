@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from agentrl.errors import ConfigError
+from agentrl.train.config import load_train_config
 from agentrl.train.loss import (
     PolicyLossConfig,
     aggregate,
@@ -327,7 +329,7 @@ def test_policy_loss_composes_tis_staleness_kl_and_entropy():
     versions = torch.tensor([[4, 4, 4, 1]])  # the last token is too stale
     ref = torch.tensor([[math.log(0.5)] * 4])
     ent = torch.tensor([[2.0, 4.0, 6.0, 100.0]])
-    cfg = PolicyLossConfig(tis_cap=2.0, max_staleness=2, kl_coef=0.1, kl_estimator="k2",
+    cfg = PolicyLossConfig(tis_cap=2.0, max_token_staleness=2, kl_coef=0.1, kl_estimator="k2",
                            entropy_coef=0.01)
     loss, stats = policy_loss(lp, adv, torch.ones(1, 4), cfg, behaviour_logprobs=behaviour,
                               versions=versions, current_version=4, ref_logprobs=ref, entropies=ent)
@@ -353,7 +355,7 @@ def test_policy_loss_m2po_masks_the_off_policy_token():
 
 def test_policy_loss_options_without_their_inputs_fail_loudly():
     lp, adv, mask = torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2)
-    for cfg, word in ((PolicyLossConfig(max_staleness=1), "versions"),
+    for cfg, word in ((PolicyLossConfig(max_token_staleness=1), "versions"),
                       (PolicyLossConfig(m2po_tau=0.1), "behaviour_logprobs"),
                       (PolicyLossConfig(kl_coef=0.1), "ref_logprobs"),
                       (PolicyLossConfig(entropy_coef=0.1), "entropies")):
@@ -370,3 +372,15 @@ def test_m2po_refuses_several_advantages_per_token():
 def test_policy_loss_config_rejects_unknown_keys():
     with pytest.raises(ValueError, match="clip_hihg"):
         PolicyLossConfig(clip_hihg=0.3)
+
+
+def test_the_old_name_max_staleness_still_masks_tokens_for_one_release_with_a_warning():
+    with pytest.warns(FutureWarning, match=r"train\.loss\.max_staleness is deprecated.*"
+                                           r"use train\.loss\.max_token_staleness"):
+        old = PolicyLossConfig(max_staleness=1)
+    assert old == PolicyLossConfig(max_token_staleness=1)
+    with pytest.warns(FutureWarning, match="train.loss.max_token_staleness"):
+        cfg = load_train_config(None, ["train.loss={max_staleness: 2}"])
+    assert cfg.train.loss.max_token_staleness == 2
+    with pytest.raises(ConfigError, match=r"train\.loss\.max_staleness is the old name"):
+        load_train_config(None, ["train.loss={max_staleness: 2, max_token_staleness: 2}"])

@@ -17,6 +17,7 @@ from agentrl.train.distill import (
 from agentrl.train.distill.loop import document_bos, overlap_weights
 from agentrl.train.logprobs import token_scores
 from agentrl.train.trainer import _Bars
+from agentrl.types import read_trees
 from tests.train.test_opd_training import GUESS, distill_trainer, first_step
 
 
@@ -85,7 +86,7 @@ def test_the_policy_loss_aggregates_an_extra_term_over_its_kept_tokens():
     extra = torch.tensor([[1.0, 2.0, 3.0]])
     versions = torch.tensor([[5, 5, 1]])  # the last token is 4 versions stale
     loss, stats = policy_loss(lp, torch.zeros(1, 3), torch.ones(1, 3, dtype=torch.bool),
-                              PolicyLossConfig(max_staleness=2), versions=versions, current_version=5,
+                              PolicyLossConfig(max_token_staleness=2), versions=versions, current_version=5,
                               extra_per_token=extra)
     assert stats["loss/extra"] == pytest.approx(1.5) and float(loss) == pytest.approx(1.5)
 
@@ -180,9 +181,11 @@ def test_the_depth_budget_caps_the_next_steps_rollouts(tmp_path):
     budget = stats["distill/depth_budget"]
     assert budget == tr.distiller.depth_budget and 1 <= budget < 3
     assert len(tr.distiller.turn_mass) >= 2 and tr.distiller.turn_mass[0] > 0
-    trees, _ = tr.rollout(1, _Bars(tr.console, False))
-    assert max(len(ep.nodes) for t in trees for ep in t.episodes()) <= budget
     tr.step = 1
+    tr._one_step(_Bars(tr.console, False))  # step 2 rolls out under the budget step 1 left
+    trees = read_trees(tmp_path / "trees" / "step-000002.jsonl")
+    assert max(len(ep.nodes) for t in trees for ep in t.episodes()) <= budget
+    budget = tr.distiller.depth_budget
     tr.save()
     again = distill_trainer(tmp_path, "{teacher: tiny-random, depth_coverage: 0.3}", steps=2)
     assert again.resume() and again.distiller.depth_budget == budget  # the statistics are checkpointed

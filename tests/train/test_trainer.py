@@ -437,7 +437,7 @@ def test_a_bad_train_config_fails_when_it_loads_naming_its_key(monkeypatch, over
 def _dropping_samples(tr, drop: str) -> list[Sample]:
     """Three samples whose loss leaves tokens out: by staleness, or by M2PO's mask in a lone row.
 
-    ``staleness`` (policy version 3, ``max_staleness: 1``): 5 of sample 0's 6 action tokens
+    ``staleness`` (policy version 3, ``max_token_staleness: 1``): 5 of sample 0's 6 action tokens
     and all of sample 2's were sampled at version 0. ``m2po`` (tau 0.04): sample 0 is off-policy
     (log pi/pi_behav = 0.3 on each token, A > 0: trust-region tokens with (log r)^2 = 0.09), the
     others nearly on-policy ((log r)^2 = 1e-4), so the minibatch's trust-region M2 is
@@ -476,7 +476,7 @@ def test_the_minibatch_loss_does_not_depend_on_how_its_rows_are_packed(tmp_path,
     from agentrl.train.trainer import Trainer
 
     torch.set_num_threads(1)
-    rule = "max_staleness: 1" if drop == "staleness" else "m2po_tau: 0.04"
+    rule = "max_token_staleness: 1" if drop == "staleness" else "m2po_tau: 0.04"
     cfg = toy_config(tmp_path, f"train.loss={{agg: {agg}, norm_len: 16, {rule}}}")
     tr = Trainer(cfg, progress=False)
     tr.policy.version = 3

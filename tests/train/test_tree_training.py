@@ -220,14 +220,14 @@ def test_tree_packing_is_exact_when_a_shared_token_has_advantages_of_both_signs_
 
 
 def test_tree_packing_drops_stale_tokens_from_the_minibatch_mean_like_episode_packing(tmp_path):
-    """max_staleness drops about a third of the action tokens (a version that is a function of the
+    """max_token_staleness drops about a third of the action tokens (a version that is a function of the
     prefix, so equal on shared tokens): the token-mean divides by the minibatch's kept episode
     tokens in both layouts."""
     from agentrl.rollout import Budget, collect
     from agentrl.train.batch import samples_from_credit, score_old
 
     torch.set_num_threads(1)
-    tr = tree_trainer(tmp_path, "train.loss={max_staleness: 0}")
+    tr = tree_trainer(tmp_path, "train.loss={max_token_staleness: 0}")
     trees = collect(tr.cfg.env.id, tr.policy, tr.cfg, [0, 1], ForkInsideFirstTurn(), Budget(6))
     samples = samples_from_credit(assign(trees, "tree"))
     for j, s in enumerate(samples):

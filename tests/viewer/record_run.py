@@ -44,8 +44,8 @@ CONFIG: dict[str, Any] = {
 class RecordingTrainer(Trainer):
     """The trainer, writing each step's trees with the values its update used."""
 
-    def rollout(self, step: int, bars: Any) -> Any:
-        trees, stats = super().rollout(step, bars)
+    def rollout(self, step: int, bars: Any, *args: Any, **kwargs: Any) -> Any:
+        trees, stats = super().rollout(step, bars, *args, **kwargs)
         self._samples: list[Any] = []
         return trees, stats
 

@@ -298,6 +298,7 @@ class Distiller:
         self.tokenizer = student_tokenizer
         self.teacher: torch.nn.Module | None
         self.vllm_teacher = None  # a VLLMPolicy that scores through prompt logprobs
+        self._owns_vllm_teacher = vllm_teacher is None  # one it loaded itself, ``close`` stops
         if cfg.teacher.startswith("vllm:"):
             self.teacher = None
             self.vllm_teacher = vllm_teacher or load_vllm_teacher(cfg.teacher[5:], student_tokenizer, max_len,
@@ -323,6 +324,13 @@ class Distiller:
         self._vocab = len(student_tokenizer)  # a bigger teacher head may rank padding ids past it
         special = sorted(set(student_tokenizer.all_special_ids)) if cfg.mask_special else []
         self._special = torch.tensor(special, dtype=torch.long) if special else None
+
+    def close(self) -> None:
+        """Let the teacher go: a vLLM engine this distiller started is stopped (its driver
+        thread would keep it, and its memory, alive), and the model references dropped."""
+        if self.vllm_teacher is not None and self._owns_vllm_teacher:
+            self.vllm_teacher.close()
+        self.vllm_teacher = self.teacher = None
 
     def _weights(self, step: int) -> dict[str, float | None]:
         progress = min(step / max(self.total_steps - 1, 1), 1.0)

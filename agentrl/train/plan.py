@@ -1,0 +1,57 @@
+"""What a run does, decided by its config alone: each step's task seeds, the held-out seeds, the plan.
+
+The step is the data position (``step_task_seeds``), so a resumed run trains
+on the same tasks; ``run_plan`` is what a dry run (``train.steps: 0``) prints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+
+from .config import TrainConfig, TrainRunConfig
+
+__all__ = ["eval_seeds", "print_plan", "run_plan", "step_task_seeds"]
+
+
+def step_task_seeds(cfg: TrainConfig, step: int) -> list[int]:
+    """The task seeds step ``step`` (0-based) trains on: the data position is the step."""
+    n = cfg.tasks_per_step
+    if cfg.task_seeds is not None:
+        pool = cfg.task_seeds
+        return [pool[(step * n + j) % len(pool)] for j in range(n)]
+    return [cfg.task_seed_start + step * n + j for j in range(n)]
+
+
+def eval_seeds(cfg: TrainConfig) -> list[int]:
+    """Held-out task seeds: the explicit list, else ``eval_episodes`` from ``eval_seed_start``."""
+    if cfg.eval_task_seeds:
+        return list(cfg.eval_task_seeds)
+    return [cfg.eval_seed_start + i for i in range(cfg.eval_episodes)]
+
+
+def run_plan(cfg: TrainRunConfig) -> dict[str, Any]:
+    """What a run of ``cfg`` does, in the numbers a user checks before starting it."""
+    t, r = cfg.train, cfg.rollout
+    source = (f"harness: {t.harness}" if t.harness is not None
+              else f"engine, allocator {r.allocator} {r.allocator_options or ''}".strip())
+    return {"env": cfg.env.id, "model": cfg.policy.model, "backend": cfg.policy.backend,
+            "rollouts": source, "steps": t.steps, "tasks per step": t.tasks_per_step,
+            "episodes per task": r.group_size,
+            "budget per step": f"{r.budget} {r.budget_unit}" if r.budget else f"{t.tasks_per_step * r.group_size} leaves",
+            "credit": t.credit, "trainable": t.trainable, "lr": t.lr,
+            "held-out episodes per eval": len(eval_seeds(t)), "out_dir": t.out_dir,
+            "trees saved per step": t.save_trees}
+
+
+def print_plan(console: Console, plan: dict[str, Any]) -> None:
+    """``run_plan``'s numbers as a table (the dry run's output)."""
+    from rich.table import Table
+
+    table = Table(title="dry run (train.steps=0): the plan; nothing evaluated or written")
+    table.add_column("")
+    table.add_column("value")
+    for k, v in plan.items():
+        table.add_row(k, str(v))
+    console.print(table)

@@ -1,0 +1,106 @@
+"""``distributed.ray: auto`` joins only what it should: RAY_ADDRESS, then the cluster ``ray start``
+recorded, else a private instance; never another program's ``ray.init()`` instance."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from agentrl.config import DistributedConfig
+from agentrl.distributed import cluster
+from agentrl.distributed.cluster import LOCAL, cluster_address, recorded_cluster_file
+from agentrl.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+_WAIT_S = 180  # a subprocess starting or joining Ray on a loaded 2-core machine
+
+
+def test_auto_reads_ray_address_then_the_ray_start_record_else_starts_its_own():
+    assert cluster_address("auto", {"RAY_ADDRESS": "10.0.0.1:6379"}, "10.0.0.2:6379")[0] == "10.0.0.1:6379"
+    assert cluster_address("auto", {}, "10.0.0.2:6379")[0] == "10.0.0.2:6379"
+    assert cluster_address("auto", {"RAY_ADDRESS": " "}, None)[0] == LOCAL
+    assert cluster_address("auto", {"RAY_ADDRESS": "auto"}, None)[0] == LOCAL  # Ray's scan: not ours
+    assert cluster_address("10.0.0.3:6379", {"RAY_ADDRESS": "10.0.0.1:6379"}, "x")[0] == "10.0.0.3:6379"
+
+
+def test_the_record_file_is_where_ray_start_writes_it(monkeypatch, tmp_path):
+    pytest.importorskip("ray")
+    from ray._common.utils import get_ray_address_file
+
+    for env in ({"RAY_TMPDIR": str(tmp_path)}, {"TMPDIR": str(tmp_path / "t")}, {}):
+        for var in ("RAY_TMPDIR", "TMPDIR"):
+            monkeypatch.delenv(var, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert recorded_cluster_file(os.environ) == Path(get_ray_address_file(None))
+
+
+def test_an_address_that_does_not_answer_fails_at_once_naming_the_key(monkeypatch):
+    ray = pytest.importorskip("ray")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: pytest.fail(f"ray.init({kw}) would retry for minutes"))
+    with pytest.raises(ConfigError, match=r"127\.0\.0\.1:1 \(distributed\.ray=127\.0\.0\.1:1\)"):
+        cluster.connect(DistributedConfig(ray="127.0.0.1:1"))
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    with pytest.raises(ConfigError, match="from RAY_ADDRESS=127.0.0.1:1"):
+        cluster.connect(DistributedConfig())
+
+
+_HOLDER = textwrap.dedent("""
+    import sys, ray
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)  # a bare init: its own instance
+    print(ray.get_runtime_context().gcs_address, flush=True)
+    sys.stdin.read()  # until the test closes stdin
+""")
+_CONNECT = textwrap.dedent("""
+    import os
+    from agentrl.config import DistributedConfig
+    from agentrl.distributed import connect
+    ray = connect(DistributedConfig())
+    niceness = ray.get(ray.remote(lambda: os.nice(0)).remote())
+    print(ray.get_runtime_context().gcs_address, niceness, flush=True)
+""")
+
+
+def _env(tmp: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TMPDIR")}
+    return {**env, "RAY_TMPDIR": tmp, "PYTHONPATH": str(ROOT)}
+
+
+def _connect(tmp: str) -> tuple[str, int]:
+    """The GCS address a fresh process's ``connect(DistributedConfig())`` ends up on, and the
+    niceness its tasks run at."""
+    run = subprocess.run([sys.executable, "-c", _CONNECT], capture_output=True, text=True, env=_env(tmp),
+                         timeout=_WAIT_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    address, niceness = run.stdout.split()
+    return address, int(niceness)
+
+
+def test_auto_never_joins_another_programs_private_instance():
+    """Another program's bare ``ray.init()`` runs on this machine: ``connect()`` with the
+    default ``auto`` starts its own instance (a different GCS). Once ``ray start`` has
+    recorded that cluster, ``auto`` joins it (the record is written by hand here: ``ray
+    start`` would leave a cluster running, and ``ray stop`` stops every Ray process here)."""
+    pytest.importorskip("ray")
+    tmp = tempfile.mkdtemp(prefix="agentrl-ray-", dir="/tmp")  # a short path: Ray's sockets live there
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, env=_env(tmp))
+    try:
+        theirs = holder.stdout.readline().strip()
+        assert theirs, "the other program's ray.init() did not start"
+        own, niceness = _connect(tmp)
+        assert own != theirs  # a private instance, not the other program's
+        assert niceness == 0  # its workers are not starved beside busy processes (Ray's default: 15)
+        record = Path(tmp) / "ray" / "ray_current_cluster"
+        record.write_text(theirs)
+        assert _connect(tmp)[0] == theirs  # the `ray start` record is joined
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=_WAIT_S)
