@@ -49,7 +49,7 @@ def rollout(
     episodes: Annotated[int | None, typer.Option(help="Tasks: env seeds (rollout.episodes).")] = None,
     allocator: Annotated[str | None, typer.Option(help="Branch allocator (rollout.allocator).")] = None,
     allocator_option: Annotated[list[str] | None, typer.Option(
-        "--allocator-option", help="Allocator option key=value (rollout.allocator_options).")] = None,
+        "--allocator-option", help="Allocator option key=value (rollout.allocator.KEY).")] = None,
     concurrency: Annotated[int | None, typer.Option(help="Episodes in flight (rollout.concurrency).")] = None,
     out: Annotated[str | None, typer.Option(help="Output folder (rollout.out_dir).")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="key.path=value override.")] = None,
@@ -63,13 +63,13 @@ def rollout(
     from .env import resolve_env_id
     from .policy.registry import resolve_backend
     from .rollout import run_episodes, summarize, write_run
-    from .rollout.allocation import ALLOCATORS
+    from .rollout.allocators import ALLOCATORS
 
     flags = {"env.id": env, "policy.model": model, "policy.backend": backend,
-             "rollout.episodes": episodes, "rollout.allocator": allocator,
+             "rollout.episodes": episodes, "rollout.allocator.name": allocator,
              "rollout.concurrency": concurrency, "rollout.out_dir": out}
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None]
-    overrides += [f"rollout.allocator_options.{kv}" for kv in allocator_option or []]
+    overrides += [f"rollout.allocator.{kv}" for kv in allocator_option or []]
     overrides += list(set_ or [])
     try:
         cfg = load_config(config, overrides)
@@ -91,7 +91,7 @@ def rollout(
     except AgentRLError as e:
         raise _fail(e) from None
     summary = {"env": cfg.env.id, "model": cfg.policy.model, "backend": cfg.policy.backend,
-               "allocator": r.allocator, **summarize(trees, wall), **worker_stats,
+               "allocator": r.allocator.name, **summarize(trees, wall), **worker_stats,
                "branch_points": sum(len(n.children) > 1 for t in trees for n in t.nodes.values()),
                "allocation_report": trees[0].meta.get("allocation_report", {}) if trees else {}}
     path = write_run(cfg.rollout.out_dir, trees, summary)
@@ -102,8 +102,8 @@ def rollout(
         shown = f"{v:.3f}" if isinstance(v, float) else json.dumps(v) if isinstance(v, dict) else str(v)
         table.add_row(k, shown)
     console.print(table)
-    if ALLOCATORS[r.allocator].needs_snapshots and summary["branch_points"] == 0:  # a tree allocator
-        console.print(f"[yellow]warning:[/] allocator {r.allocator!r} made no branch: every leaf is a fresh "
+    if ALLOCATORS[r.allocator.name].needs_snapshots and summary["branch_points"] == 0:  # a tree allocator
+        console.print(f"[yellow]warning:[/] allocator {r.allocator.name!r} made no branch: every leaf is a fresh "
                       "episode. On single-turn tasks set --allocator-option in_turn=true (key_state, "
                       "entropy_branch) to fork inside a turn.", highlight=False)
 

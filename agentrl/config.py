@@ -18,11 +18,11 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
 
+from .allocator_options import AllocatorOptions, IndependentOptions, allocator_spec
 from .errors import ConfigError
 
 __all__ = [
@@ -99,9 +99,9 @@ class EnvConfig(_Strict):
 class RolloutConfig(_Strict):
     episodes: int = Field(8, ge=1, description="Tasks to run: env seeds seed, seed+1, ...")
     group_size: int = Field(1, ge=1, description="Episodes per task for the independent allocator (a GRPO group).")
-    allocator: str = Field("independent", description="Branch allocator (agentrl.rollout.allocation).")
-    allocator_options: dict[str, Any] = Field(default_factory=dict, validate_default=True,
-                                              description="Keyword options of the allocator.")
+    allocator: AllocatorOptions = Field(
+        default_factory=IndependentOptions, description="Branch allocator (agentrl.rollout.allocators) "
+        "and its options: {name: segment_tree, depth: 4, width: 2}; a plain name takes the defaults.")
     budget: int | None = Field(None, ge=1, description="Budget per batch; null is episodes * group_size leaves.")
     budget_unit: Literal["leaves", "turns", "tokens"] = Field("leaves", description="What the budget counts.")
     concurrency: int = Field(64, ge=1, description="Episodes in flight at once.")
@@ -148,20 +148,31 @@ class RolloutConfig(_Strict):
         "head bootstraps GAE from that state).")
 
 
-    @field_validator("allocator_options")
+    @model_validator(mode="before")
     @classmethod
-    def _allocator_builds(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        """Build the allocator now, so that a bad name or option fails at load, before any model does."""
-        from .rollout.allocation import make_allocator
+    def _fold_allocator_options(cls, data: Any) -> Any:
+        """The old form, ``allocator: NAME`` beside ``allocator_options: {...}``, as the
+        new one, with a ``FutureWarning``: it keeps working for one release."""
+        if not isinstance(data, dict) or "allocator_options" not in data:
+            return data
+        data = dict(data)
+        options, name = data.pop("allocator_options") or {}, data.get("allocator", "independent")
+        if not isinstance(name, str):
+            raise ValueError("rollout.allocator_options is the old place of the options in "
+                             "rollout.allocator: give only rollout.allocator")
+        if not isinstance(options, dict):
+            raise ValueError("rollout.allocator_options: must be a mapping")
+        warnings.warn("rollout.allocator_options is deprecated and will be removed in the next release: "
+                      f"use rollout.allocator: {{name: {name}, <option>: <value>}}", FutureWarning, stacklevel=2)
+        data["allocator"] = {"name": name, **options}
+        return data
 
-        name = info.data.get("allocator")
-        if name is not None:
-            full = {"n": info.data.get("group_size", 1), **options} if name == "independent" else options
-            try:
-                make_allocator(name, **full)
-            except TypeError as e:  # an option of the wrong type
-                raise ValueError(f"allocator {name}: {e}") from None
-        return options
+    @field_validator("allocator", mode="before")
+    @classmethod
+    def _allocator_by_name(cls, value: Any) -> Any:
+        """A plain name is that allocator with its default options; a bad name fails here,
+        with the closest valid one, before any model loads."""
+        return allocator_spec(value)
 
 
 class DistributedConfig(_Strict):
@@ -215,32 +226,50 @@ class Config(_Strict):
 C = TypeVar("C", bound="Config")
 
 
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The config models a field holds: ``[X]`` for ``X`` or ``X | None``, every variant of a
+    union of models (``rollout.allocator``); [] for a plain value."""
+    return [a for a in (annotation, *getattr(annotation, "__args__", ()))
+            if isinstance(a, type) and issubclass(a, BaseModel)]
+
+
 def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The config model a field holds (``X`` of ``X | None``), or None for a plain value."""
-    for a in (annotation, *getattr(annotation, "__args__", ())):
-        if isinstance(a, type) and issubclass(a, BaseModel):
-            return a
-    return None
+    """The one config model a field holds (``X`` of ``X | None``), else None."""
+    models = _models_in(annotation)
+    return models[0] if len(models) == 1 else None
+
+
+def _walk(schema: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], type[BaseModel] | None]:
+    """The key path of an error's ``loc``, and the model it ends in (None off the models).
+    A union of models told apart by ``name`` puts the name of the variant it tried into
+    ``loc`` (``rollout.allocator.segment_tree.depth``); that is no key, so it is left out."""
+    keys: list[str] = []
+    models = [schema]
+    for part in loc:
+        tagged = [m for m in models if "name" in m.model_fields and m.model_fields["name"].default == part]
+        if len(models) > 1 and len(tagged) == 1:
+            models = tagged
+            continue
+        keys.append(str(part))
+        f = models[0].model_fields.get(part) if len(models) == 1 and isinstance(part, str) else None
+        models = _models_in(f.annotation) if f is not None else []
+    return keys, models[0] if len(models) == 1 else None
 
 
 def _keys_at(schema: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     """The keys valid where ``loc`` points, and one level below them (``lora.r``); [] off the models."""
-    model: type[BaseModel] | None = schema
-    for part in loc:
-        f = model.model_fields.get(part) if model is not None and isinstance(part, str) else None
-        model = _model_in(f.annotation) if f is not None else None
+    model = _walk(schema, loc)[1]
     if model is None:
         return []
     keys = list(model.model_fields)
     for name, f in model.model_fields.items():
-        if (sub := _model_in(f.annotation)) is not None:
-            keys += [f"{name}.{k}" for k in sub.model_fields]
+        keys += dict.fromkeys(f"{name}.{k}" for sub in _models_in(f.annotation) for k in sub.model_fields)
     return keys
 
 
 def _unknown_key(schema: type[BaseModel], loc: tuple[Any, ...]) -> str:
     """``unknown key``, with the closest valid keys (difflib, as gymnasium does for env ids)."""
-    prefix = "".join(f"{p}." for p in loc[:-1])
+    prefix = "".join(f"{p}." for p in _walk(schema, loc[:-1])[0])
     close = difflib.get_close_matches(str(loc[-1]), _keys_at(schema, loc[:-1]), n=2, cutoff=0.6)
     if not close:
         return "unknown key"
@@ -250,11 +279,16 @@ def _unknown_key(schema: type[BaseModel], loc: tuple[Any, ...]) -> str:
 def _format(err: ValidationError, schema: type[BaseModel]) -> str:
     lines = []
     for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        path = ".".join(_walk(schema, e["loc"])[0]) or "<root>"
         reason = (_unknown_key(schema, e["loc"]) if e["type"] == "extra_forbidden"
                   else e["msg"].removeprefix("Value error, "))
         lines.append(f"{path}: {reason}")
     return "invalid config: " + "; ".join(lines)
+
+
+SHORT_FORMS = {"rollout.allocator"}
+"""Keys whose plain string value stands for ``{name: value}``: an override below one
+(``rollout.allocator.depth=2`` over ``allocator: segment_tree``) sets a key of that mapping."""
 
 
 def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -262,6 +296,8 @@ def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
     cur = data
     for i, key in enumerate(keys[:-1]):
         nxt = cur.setdefault(key, {})
+        if isinstance(nxt, str) and ".".join(keys[:i + 1]) in SHORT_FORMS:
+            nxt = cur[key] = {"name": nxt}
         if not isinstance(nxt, dict):
             raise ConfigError(f"{'.'.join(keys[:i + 1])}: is a value, cannot set {dotted}")
         cur = nxt

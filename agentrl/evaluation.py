@@ -194,7 +194,7 @@ def evaluate_split(env_id: str, policy: Any, cfg: Config, split: str | None = No
         ev.rollout.max_turns = max_steps  # the env's own limit ends the episode
     ev.env.kwargs = kwargs
     ev.rollout.group_size = samples
-    ev.rollout.allocator, ev.rollout.allocator_options, ev.rollout.budget = "independent", {}, None
+    ev.rollout.allocator, ev.rollout.budget = "independent", None
     ev.rollout.budget_unit = "leaves"
     if on_start:
         on_start(len(seeds) * samples)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .allocator_options import recorded_allocator
 from .types import RolloutTree
 from .viewer.curves import series
 from .viewer.run import Run
@@ -335,7 +336,7 @@ def _about(f: RunFacts) -> list[Any]:
     return [
         (cfg.get("env") or {}).get("id") or next((s.env for s in f.run.summaries if s.env), "–"),
         (cfg.get("policy") or {}).get("model", "–"),
-        (cfg.get("rollout") or {}).get("allocator") or ", ".join(sorted(a for a in f.allocators if a)) or "–",
+        recorded_allocator(cfg.get("rollout") or {})[0] or ", ".join(sorted(a for a in f.allocators if a)) or "–",
         train.get("credit", "–"),
         (train.get("distill") or {}).get("teacher", "–") if train.get("distill") else "–",
         len(rl), len(f.run), len(f.turns),
@@ -406,7 +407,7 @@ def _markdown(runs: list[RunFacts], plots: dict[str, str | None], notes: list[st
                "as fresh while it lies on its root's first-grown path.", ""]
     elif not any(len(f.run) for f in runs):
         md += ["The run holds no trees, and the share of the budget is counted on them (allocator: "
-               + ", ".join(str((f.config.get("rollout") or {}).get("allocator", "not recorded")) for f in runs)
+               + ", ".join(recorded_allocator(f.config.get("rollout") or {})[0] or "not recorded" for f in runs)
                + ").", ""]
     else:
         md += ["No tree allocator ran (" + ", ".join(sorted({a or "none recorded" for f in runs for a in f.allocators}))

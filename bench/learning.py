@@ -97,8 +97,7 @@ def method_overrides(method: str, teacher: str | None, opd_weight: float) -> dic
         return {"train": {"credit": "gigpo"}}
     if method == "tree":
         return {"train": {"credit": "tree"},
-                "rollout": {"allocator": "segment_tree",
-                            "allocator_options": {"depth": 3, "width": 2, "segment_turns": 1}}}
+                "rollout": {"allocator": {"name": "segment_tree", "depth": 3, "width": 2, "segment_turns": 1}}}
     if method == "grpo_opd":
         if teacher is None:
             raise ValueError("grpo_opd needs a teacher checkpoint")

@@ -54,8 +54,7 @@ def make_trainer(args: argparse.Namespace) -> Trainer:
     env_kwargs = "{high: 16, max_turns: 6}" if args.env == "agentrl/GuessNumber-v0" else "{}"
     cfg = load_train_config(None, [
         f"policy.model={args.model}", f"env.id={args.env}", f"env.kwargs={env_kwargs}",
-        f"rollout.max_turns={args.max_turns}", "rollout.allocator=segment_tree",
-        f"rollout.allocator_options={{depth: {args.depth}, width: {args.width}}}",
+        f"rollout.max_turns={args.max_turns}", f"rollout.allocator={{name: segment_tree, depth: {args.depth}, width: {args.width}}}",
         f"rollout.group_size={args.width ** args.depth}", f"rollout.max_context_tokens={args.max_context}",
         f"sampling.max_new_tokens={args.max_new_tokens}", "sampling.temperature=1.0",
         f"train.tasks_per_step={args.tasks}", "train.credit=tree", "train.eval_episodes=0",

@@ -53,7 +53,7 @@ from agentrl.config import load_config
 from agentrl.policy.base import GenerateRequest, SamplingParams
 from agentrl.policy.mock import MockPolicy
 from agentrl.rollout import Engine, summarize
-from agentrl.rollout.allocation import Budget, is_open, make_allocator
+from agentrl.rollout.allocators import Budget, is_open, make_allocator
 from agentrl.types import RolloutTree
 
 ENV_ID = "agentrl/ALFWorld-v0"

@@ -74,6 +74,19 @@ def _nested(p: dict[str, Any]) -> str | None:
     return refs[0]["$ref"].rsplit("/", 1)[1] if len(refs) == 1 else None
 
 
+def _variants(p: dict[str, Any]) -> list[tuple[str, str]]:
+    """(tag, def name) of each model of a union told apart by a tag (``rollout.allocator``
+    by ``name``), in the union's order; [] for anything else."""
+    mapping = (p.get("discriminator") or {}).get("mapping") or {}
+    tags = {ref: tag for tag, ref in mapping.items()}
+    return [(tags[x["$ref"]], x["$ref"].rsplit("/", 1)[1]) for x in p.get("oneOf", []) if x.get("$ref") in tags]
+
+
+def _slug(heading: str) -> str:
+    """The anchor mkdocs gives a heading (Python-Markdown's toc slugify)."""
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", heading).strip().lower())
+
+
 def _cell(text: str) -> str:
     """Text for one Markdown table cell: one line, pipes and angle brackets escaped."""
     return " ".join(str(text).split()).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
@@ -158,10 +171,11 @@ def training_page() -> str:
            "```yaml", "policy: {model: tiny-random}", "env: {id: agentrl/GuessNumber-v0}",
            "train: {steps: 2, tasks_per_step: 2, eval_episodes: 4}", "```", "", TRAINING_LOOP, ""]
 
-    def section(def_name: str, path: str, optional: bool, value: Any) -> None:
+    def section(def_name: str, path: str, optional: bool, value: Any, tag: str | None = None) -> None:
         d = defs[def_name]
         doc = (d.get("description") or SECTION_DOCS.get(path, "")).split("\n\n")[0]
-        out.extend([f"## `{path}`", "", _cell(doc) + ("" if not optional else
+        title = path if tag is None else f"{path}: {tag}"
+        out.extend([f"## `{title}`", "", _cell(doc) + ("" if not optional else
                     f" Off by default (`{path}: null`); the defaults below apply once it is set."), "",
                     "| key | type | default | description |", "|---|---|---|---|"])
         later = []
@@ -174,7 +188,13 @@ def training_page() -> str:
                 default = f"`{json.dumps(v)}`"
             else:
                 default = "required"
-            if sub is not None:
+            if variants := _variants(p):  # one section per model, chosen by its tag
+                chosen = v.get("name") if isinstance(v, dict) else None
+                links = ", ".join(f"[`{t}`](#{_slug(f'{path}.{name}: {t}')})" for t, _ in variants)
+                later += [(ref, f"{path}.{name}", False, v if t == chosen else None, t) for t, ref in variants]
+                out.append(f"| `{name}` | one of {links} (by `name`; a plain name takes its defaults) | "
+                           f"`{json.dumps(chosen)}` | {_cell(p.get('description', ''))} |")
+            elif sub is not None:
                 later.append((sub, f"{path}.{name}", "anyOf" in p, v))
                 kind = f"section [`{path}.{name}`](#{f'{path}.{name}'.replace('.', '').lower()})"
                 out.append(f"| `{name}` | {kind} | {default if 'anyOf' in p else ''} | "

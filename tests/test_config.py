@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from agentrl.allocator_options import IndependentOptions, SegmentTreeOptions
 from agentrl.config import Config, load_config
 from agentrl.errors import ConfigError
 
@@ -84,12 +85,76 @@ def test_unknown_key_suggests_the_nearest_keys():
         load_config(None, ["rollout.max_turn=3"])
 
 
-def test_bad_allocator_options_fail_when_the_config_loads():
-    with pytest.raises(ConfigError, match=r"rollout\.allocator_options: allocator key_state: option 'k' must be >= 1"):
-        load_config(None, ["rollout.allocator=key_state", "rollout.allocator_options.k=0"])
-    with pytest.raises(ConfigError, match="unknown option 'kk'"):
-        load_config(None, ["rollout.allocator=key_state", "rollout.allocator_options.kk=2"])
-    with pytest.raises(ConfigError, match="did you mean 'segment_tree'"):
+BAD_OPTIONS = {"independent": ("n", 0), "pilot_commit": ("pilots", 0), "entropy_branch": ("penalty", 2.0),
+               "segment_tree": ("width", 0), "key_state": ("top1_threshold", 0.0), "contrastive": ("path_decay", 0.0)}
+
+
+@pytest.mark.parametrize("name", list(BAD_OPTIONS))
+def test_each_allocators_options_reject_a_bad_option_naming_the_key_path(name):
+    key, bad = BAD_OPTIONS[name]
+    with pytest.raises(ConfigError, match=rf"rollout\.allocator\.{key}: Input should be"):
+        load_config(None, [f"rollout.allocator={{name: {name}, {key}: {bad}}}"])
+    with pytest.raises(ConfigError, match=rf"rollout\.allocator\.{key}s: unknown key \(did you mean 'rollout\.allocator\.{key}'"):
+        load_config(None, [f"rollout.allocator={{name: {name}, {key}s: 1}}"])
+    with pytest.raises(ConfigError, match=r"rollout\.allocator\.est_leaf_cost: Input should be greater than 0"):
+        load_config(None, [f"rollout.allocator.name={name}", "rollout.allocator.est_leaf_cost=0"])
+
+
+def test_bad_allocator_name_fails_when_the_config_loads():
+    with pytest.raises(ConfigError, match=r"rollout\.allocator: unknown allocator 'segment_trees' \(did you mean 'segment_tree'"):
         load_config(None, ["rollout.allocator=segment_trees"])
-    cfg = load_config(None, ["rollout.allocator=segment_tree", "rollout.allocator_options.depth=2"])
-    cfg.rollout.allocator, cfg.rollout.allocator_options = "independent", {}  # evaluation's switch still works
+    with pytest.raises(ConfigError, match=r"rollout\.allocator: name the allocator"):
+        load_config(None, ["rollout.allocator.depth=2"])
+    with pytest.raises(ConfigError, match=r"rollout\.allocator\.in_turn: Input should be a valid boolean"):
+        load_config(None, ["rollout.allocator.name=key_state", "rollout.allocator.in_turn=sometimes"])
+
+
+def test_allocator_by_name_alone_takes_default_options_and_keys_set_below_it():
+    cfg = load_config(None, ["rollout.allocator=segment_tree"])
+    assert cfg.rollout.allocator == SegmentTreeOptions()
+    cfg = load_config(None, ["rollout.allocator=segment_tree", "rollout.allocator.depth=2"])  # a YAML name, a --set below it
+    assert cfg.rollout.allocator == SegmentTreeOptions(depth=2)
+    cfg.rollout.allocator = "independent"  # evaluation's switch still works
+    assert cfg.rollout.allocator == IndependentOptions()
+
+
+OLD_AND_NEW = [
+    ("independent", "n: 3", "{n: 3}"),
+    ("pilot_commit", "pilots: 3, min_per_task: 1", "{pilots: 3, min_per_task: 1}"),
+    ("entropy_branch", "k: 3, threshold: 0.2, in_turn: true", "{k: 3, threshold: 0.2, in_turn: true}"),
+    ("segment_tree", "depth: 2, width: 3", "{depth: 2, width: 3}"),
+    ("key_state", "top1_threshold: 0.7, first_tokens: 2", "{top1_threshold: 0.7, first_tokens: 2}"),
+    ("contrastive", "node_decay: 0.25", "{node_decay: 0.25}"),
+]
+
+
+@pytest.mark.parametrize(("name", "new", "old"), OLD_AND_NEW, ids=[x[0] for x in OLD_AND_NEW])
+def test_old_allocator_options_load_with_a_warning_and_build_the_same_allocator(name, new, old):
+    from agentrl.rollout import make_allocator, rollout_allocator
+
+    with pytest.warns(FutureWarning, match=r"rollout\.allocator_options is deprecated.*use rollout\.allocator: "
+                      rf"\{{name: {name}, <option>: <value>\}}"):
+        before = load_config(None, [f"rollout.allocator={name}", f"rollout.allocator_options={old}"])
+    after = load_config(None, [f"rollout.allocator={{name: {name}, {new}}}"])
+    assert before.rollout.allocator == after.rollout.allocator
+    assert make_allocator(before.rollout.allocator) == make_allocator(after.rollout.allocator)
+    assert rollout_allocator(before.rollout) == rollout_allocator(after.rollout)
+    assert before.model_dump() == after.model_dump()
+
+
+def test_old_allocator_options_alone_mean_the_default_allocator_and_never_mix_with_the_new_form():
+    with pytest.warns(FutureWarning, match="rollout.allocator_options"):
+        cfg = load_config(None, ["rollout.allocator_options={n: 2}"])
+    assert cfg.rollout.allocator == IndependentOptions(n=2)
+    with pytest.raises(ConfigError, match="give only rollout.allocator"):
+        load_config(None, ["rollout.allocator={name: segment_tree}", "rollout.allocator_options={depth: 2}"])
+
+
+def test_independent_plays_group_size_episodes_unless_n_is_set():
+    from agentrl.rollout import rollout_allocator
+
+    r = load_config(None, ["rollout.group_size=4"]).rollout
+    assert rollout_allocator(r).options.n == 4
+    assert rollout_allocator(r, "segment_tree").options == SegmentTreeOptions()
+    r = load_config(None, ["rollout.group_size=4", "rollout.allocator={name: independent, n: null}"]).rollout
+    assert rollout_allocator(r).options.n is None  # null: the whole budget, spread

@@ -108,7 +108,7 @@ _DRIVER = textwrap.dedent('''
         from agentrl.rollout import make_allocator
         from agentrl.train.config import TrainRunConfig
         cfg = TrainRunConfig.model_validate(yaml.safe_load(code) or {})
-        make_allocator(cfg.rollout.allocator, **cfg.rollout.allocator_options)
+        make_allocator(cfg.rollout.allocator)
         assert cfg.train.credit in ESTIMATORS or cfg.train.credit == "none", cfg.train.credit
 
     ns = {"__name__": "__main__"}
@@ -207,16 +207,17 @@ _KEY = re.compile(r"`((?:" + "|".join(_SECTIONS) + r")(?:\.\w+)+)(?![\w.(])")
 
 
 def _config_key_exists(path: str) -> bool:
-    """Whether ``a.b.c`` is a key of ``TrainRunConfig`` (anything below a free-form map is)."""
-    from agentrl.config import _model_in
+    """Whether ``a.b.c`` is a key of ``TrainRunConfig`` (anything below a free-form map is; below
+    a union of models, a key of any of them: ``rollout.allocator.depth``)."""
+    from agentrl.config import _models_in
     from agentrl.train.config import TrainRunConfig
 
-    model = TrainRunConfig
+    models = [TrainRunConfig]
     for part in path.split("."):
-        f = model.model_fields.get(part) if model is not None else None
-        if f is None:
-            return model is None  # below a map (env.kwargs.x) anything goes
-        model = _model_in(f.annotation)
+        fields = [m.model_fields[part] for m in models if part in m.model_fields]
+        if not fields:
+            return not models  # below a map (env.kwargs.x) anything goes
+        models = [sub for f in fields for sub in _models_in(f.annotation)]  # a union: any of its models
     return True
 
 

@@ -119,6 +119,19 @@ def test_credit_and_losses_know_nothing_of_envs_http_or_the_loop():
             assert not bad, (n, bad)
 
 
+def test_config_imports_nothing_from_rollout():
+    """The config validates each allocator's options (``agentrl.allocator_options``) without
+    importing the engine: nothing ``agentrl.config`` reaches, directly or not, is in rollout/."""
+    graph = _graph()
+    reached, todo = set(), ["agentrl.config"]
+    while todo:
+        for m in graph[todo.pop()] - reached:
+            reached.add(m)
+            todo.append(m)
+    assert "agentrl.allocator_options" in reached  # the walk follows the config's imports
+    assert not sorted(m for m in reached if m.startswith("agentrl.rollout"))
+
+
 def test_the_cycle_finder_finds_one():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None

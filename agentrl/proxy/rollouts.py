@@ -170,9 +170,9 @@ class HarnessRollouts:
     def __init__(self, cmd: str, policy: Any, cfg: Config, harness_env: dict[str, Any] | None = None,
                  verifier: Callable[[RolloutTree], float] | None = None, cwd: str | None = None,
                  submit: str | None = None):
-        if cfg.rollout.allocator != "independent":
+        if cfg.rollout.allocator.name != "independent":
             raise ConfigError(f"train.harness: a harness plays whole episodes, so "
-                              f"rollout.allocator must be 'independent' (got {cfg.rollout.allocator!r})")
+                              f"rollout.allocator must be 'independent' (got {cfg.rollout.allocator.name!r})")
         from .harness import harness_argv
 
         self.argv = harness_argv(cmd)  # a leading python is this interpreter

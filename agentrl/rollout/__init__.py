@@ -4,7 +4,7 @@
 seed; ``run_episodes`` is the same for ``cfg.rollout.episodes`` tasks.
 """
 
-from .allocation import (
+from .allocators import (
     ALLOCATORS,
     Allocator,
     AllocState,
@@ -13,6 +13,7 @@ from .allocation import (
     Fresh,
     make_allocator,
     prefix_groups,
+    rollout_allocator,
 )
 from .engine import COUNTERS, Engine, collect, run_episodes
 from .summary import episode_success, summarize, write_run
@@ -33,6 +34,7 @@ __all__ = [
     "format_tree",
     "make_allocator",
     "prefix_groups",
+    "rollout_allocator",
     "run_episodes",
     "split_node",
     "summarize",

@@ -8,7 +8,7 @@ for another: when its env step returns, its next request goes straight to the
 backend, which batches whatever is pending (``hf``'s micro-batcher, vLLM's
 continuous batching).
 
-Work comes from an allocator (``agentrl.rollout.allocation``) in rounds:
+Work comes from an allocator (``agentrl.rollout.allocators``) in rounds:
 ``Fresh`` episodes become roots of their task's tree, ``Branch``es grow it from
 a node (``agentrl.rollout.tree``). The engine charges every request to the
 budget and never overspends it.
@@ -43,7 +43,7 @@ from ..env import make_env
 from ..errors import ConfigError, ContextOverflowError, RolloutError
 from ..policy.base import GenerateRequest, Policy, SamplingParams, action_text, request_seed
 from ..types import Node, RolloutTree
-from .allocation import Allocator, AllocState, Branch, Budget, Fresh, leaf_cost
+from .allocators import Allocator, AllocState, Branch, Budget, Fresh, leaf_cost
 from .pool import DaemonPool
 from .tree import BranchPoint, renumber, split_node
 
@@ -611,9 +611,9 @@ class Engine:
     async def _run(self, seeds: list[int], allocator: Allocator | None,
                    budget: Budget | None) -> list[RolloutTree]:
         if allocator is None:
-            from .allocation import Independent
+            from .allocators import Independent, IndependentOptions
 
-            allocator = Independent(n=self.cfg.rollout.group_size)
+            allocator = Independent(IndependentOptions(n=self.cfg.rollout.group_size))
         budget = budget or Budget(len(seeds) * self.cfg.rollout.group_size)
         self._set_deterministic()
         self._budget, self._spent = budget, 0
@@ -726,15 +726,11 @@ def collect(env_id: str, policy: Policy, cfg: Config, seeds: list[int],
             on_episode_done: Callable[[RolloutTree], None] | None = None) -> list[RolloutTree]:
     """Sync entry point: one tree per task seed, grown by ``allocator`` (default
     ``cfg.rollout.allocator``) within ``budget`` (default from the config)."""
-    from .allocation import make_allocator
+    from .allocators import rollout_allocator
 
     r = cfg.rollout
     if allocator is None or isinstance(allocator, str):
-        name = allocator or r.allocator
-        options = dict(r.allocator_options)
-        if name == "independent":
-            options.setdefault("n", r.group_size)
-        allocator = make_allocator(name, **options)
+        allocator = rollout_allocator(r, allocator)
     if budget is None:
         budget = Budget(r.budget or len(seeds) * r.group_size, r.budget_unit)
     engine = Engine(policy, cfg, env_id, on_episode_done)

@@ -232,9 +232,9 @@ class TrainRunConfig(Config):
             raise ValueError(f"train.micro_batch_tokens={self.train.micro_batch_tokens} is below "
                              f"rollout.max_context_tokens={self.rollout.max_context_tokens}: an episode "
                              "must fit one forward pass")
-        if self.train.harness is not None and self.rollout.allocator != "independent":
+        if self.train.harness is not None and self.rollout.allocator.name != "independent":
             raise ValueError(f"train.harness: a harness plays whole episodes, so rollout.allocator must "
-                             f"be 'independent' (got {self.rollout.allocator!r})")
+                             f"be 'independent' (got {self.rollout.allocator.name!r})")
         dist = self.distributed
         workers = dist is not None and dist.num_rollout_workers > 0
         if self.train.asynchronous is not None and not workers and self.policy.backend not in ("hf", "auto"):

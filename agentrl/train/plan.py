@@ -35,7 +35,7 @@ def run_plan(cfg: TrainRunConfig) -> dict[str, Any]:
     """What a run of ``cfg`` does, in the numbers a user checks before starting it."""
     t, r = cfg.train, cfg.rollout
     source = (f"harness: {t.harness}" if t.harness is not None
-              else f"engine, allocator {r.allocator} {r.allocator_options or ''}".strip())
+              else f"engine, allocator {r.allocator.name} {r.allocator.model_dump(exclude={'name'}, exclude_unset=True) or ''}".strip())
     return {"env": cfg.env.id, "model": cfg.policy.model, "backend": cfg.policy.backend,
             "rollouts": source, "steps": t.steps, "tasks per step": t.tasks_per_step,
             "episodes per task": r.group_size,

@@ -102,7 +102,7 @@ def evaluate(policy: Any, cfg: TrainRunConfig, on_episode_done: Callable | None 
     t = cfg.train
     ev = cfg.model_copy(deep=True)
     ev.rollout.group_size = 1
-    ev.rollout.allocator, ev.rollout.allocator_options, ev.rollout.budget = "independent", {}, None
+    ev.rollout.allocator, ev.rollout.budget = "independent", None
     if t.eval_temperature is not None:
         ev.sampling.temperature = t.eval_temperature
     ev.env.kwargs = {**ev.env.kwargs, **t.eval_env_kwargs}
@@ -344,9 +344,9 @@ class Trainer:
     def _allocation(self, step: int, trees: list[RolloutTree]) -> dict[str, Any]:
         """The allocator's report into the run summary, and a warning when a tree allocator
         made no branch: its budget then went to fresh episodes, as ``independent`` would."""
-        from ..rollout.allocation import ALLOCATORS
+        from ..rollout.allocators import ALLOCATORS
 
-        name = self.cfg.rollout.allocator
+        name = self.cfg.rollout.allocator.name
         branches = sum(len(n.children) > 1 for t in trees for n in t.nodes.values())
         a = self.allocation
         a["allocator"], a["steps"] = name, a.get("steps", 0) + 1
@@ -358,7 +358,7 @@ class Trainer:
                 f"[yellow]warning:[/] step {step + 1}: allocator {name!r} made no branch "
                 f"(report: {a['last_report'].get(name, {})}): every leaf is a fresh episode. A branch "
                 "needs a turn to branch before; on single-turn tasks set "
-                "rollout.allocator_options.in_turn=true (key_state, entropy_branch) to fork inside a turn.",
+                "rollout.allocator.in_turn=true (key_state, entropy_branch) to fork inside a turn.",
                 highlight=False)
         return {"rollout/branch_points": branches}
 

@@ -25,6 +25,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ..allocator_options import recorded_allocator
 from .curves import curve_panels
 from .payload import credit_spec, tree_payload
 from .run import Run
@@ -64,7 +65,7 @@ def run_index(run: Run, tokenizer_note: str = "") -> dict[str, Any]:
         "source": str(run.path),
         "env": (cfg.get("env") or {}).get("id"),
         "model": (cfg.get("policy") or {}).get("model"),
-        "allocator": (cfg.get("rollout") or {}).get("allocator")
+        "allocator": recorded_allocator(cfg.get("rollout") or {})[0]
         or next((s.allocator for s in run.summaries if s.allocator), None),
         "credit": spec.method if train else None,
         "distillation teacher": distill.get("teacher") if distill else None,
@@ -102,8 +103,7 @@ def tree_data(run: Run, index: int, decode: Decoder | None) -> dict[str, Any]:
     tree = run.tree(index)
     cfg = run.config
     report = tree.meta.get("allocation_report") or _batch_report(run, index)
-    return tree_payload(tree, credit_spec(cfg), decode,
-                        (cfg.get("rollout") or {}).get("allocator_options") or {}, report)
+    return tree_payload(tree, credit_spec(cfg), decode, recorded_allocator(cfg.get("rollout") or {})[1], report)
 
 
 @cache

@@ -148,7 +148,7 @@ def branch_reasons(tree: RolloutTree, allocator_options: dict[str, Any] | None =
         out["prompt"] = why
     found: dict[int, str] = {}
     if alloc in ("entropy_branch", "key_state"):
-        from ..rollout.allocation import entropy_branch_scores, key_states
+        from ..rollout.allocators import entropy_branch_scores, key_states
 
         if alloc == "entropy_branch":
             scores = entropy_branch_scores(tree, **_options(entropy_branch_scores, options))

@@ -54,8 +54,7 @@ def _shape(trees: list[Any]) -> list[Any]:
 def test_ray_env_executor_grows_the_same_trees_as_threads(cluster, tokenizer, tiny_model):
     """ALFWorld-v0 branched with segment_tree: reset, step, snapshot and restore all go
     through the env workers; the trees are the thread executor's, token for token."""
-    base = ["policy.model=tiny-random", "env.id=agentrl/ALFWorld-v0", "rollout.allocator=segment_tree",
-            "rollout.allocator_options={depth: 2, width: 2}", "rollout.group_size=4",
+    base = ["policy.model=tiny-random", "env.id=agentrl/ALFWorld-v0", "rollout.allocator={name: segment_tree, depth: 2, width: 2}", "rollout.group_size=4",
             "rollout.max_turns=3", "rollout.max_context_tokens=1024", "rollout.deterministic=true",
             "sampling.max_new_tokens=6", "sampling.temperature=1.0", *SMALL]
     trees = {}

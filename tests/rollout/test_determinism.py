@@ -46,8 +46,7 @@ register_env("agentrl/TestStallingALFWorld-v0", entry_point=StallingALFWorld)
 # segment_tree on ALFWorld-v0 (2 levels of 2: 4 leaves a task), the tiny model, GRPO. A random
 # model earns no reward there, so the entropy bonus gives the update something to follow.
 BRANCHED = [
-    "policy.model=tiny-random", "env.id=agentrl/ALFWorld-v0", "rollout.allocator=segment_tree",
-    "rollout.allocator_options={depth: 2, width: 2}", "rollout.group_size=4", "rollout.max_turns=3",
+    "policy.model=tiny-random", "env.id=agentrl/ALFWorld-v0", "rollout.allocator={name: segment_tree, depth: 2, width: 2}", "rollout.group_size=4", "rollout.max_turns=3",
     "rollout.max_context_tokens=1024", "rollout.deterministic=true", "sampling.max_new_tokens=6",
     "sampling.temperature=1.0", "train.credit=grpo", "train.loss.entropy_coef=0.01",
     "train.tasks_per_step=2", "train.minibatch_size=4", "train.micro_batch_tokens=2048",
@@ -151,8 +150,7 @@ def _tree_data(trees: list[RolloutTree]) -> list[dict[str, Any]]:
 def _branched(model: Any, tokenizer: Any, deterministic: bool, concurrency: int, batch: int) -> list:
     cfg = load_config(overrides=[
         "env.id=agentrl/ALFWorld-v0", "rollout.max_turns=3", "sampling.max_new_tokens=6",
-        "sampling.temperature=1.0", "rollout.max_context_tokens=1024", "rollout.allocator=segment_tree",
-        "rollout.allocator_options={depth: 2, width: 2}", "rollout.group_size=4", "rollout.seed=3",
+        "sampling.temperature=1.0", "rollout.max_context_tokens=1024", "rollout.allocator={name: segment_tree, depth: 2, width: 2}", "rollout.group_size=4", "rollout.seed=3",
         f"rollout.concurrency={concurrency}", f"rollout.deterministic={str(deterministic).lower()}"])
     return _tree_data(collect(cfg.env.id, HFPolicy(model, tokenizer, max_batch_size=batch), cfg, [0, 1, 2]))
 

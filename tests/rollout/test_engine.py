@@ -29,7 +29,7 @@ from agentrl.rollout import (
     format_tree,
     summarize,
 )
-from agentrl.rollout.allocation import Independent
+from agentrl.rollout.allocators import Independent, IndependentOptions
 from agentrl.types import RolloutTree
 from tests.fakes import RELEASE, NoSnapshotEnv  # registers the Test*-v0 envs
 
@@ -215,7 +215,7 @@ def test_turn_and_token_budgets_are_never_overspent(tokenizer, unit, total):
     cfg = load_config(overrides=["rollout.max_turns=8", "sampling.max_new_tokens=6",
                                  "rollout.group_size=3", "env.kwargs={high: 1000, max_turns: 8}"])
     policy = MockPolicy(tokenizer, lambda p: "one two three four five six seven")
-    plan = Independent(n=3, est_leaf_cost=1.0)  # plans 6 episodes, more than the budget buys
+    plan = Independent(IndependentOptions(n=3, est_leaf_cost=1.0))  # plans 6 episodes, more than the budget buys
     trees = collect("agentrl/GuessNumber-v0", policy, cfg, [0, 1], plan, Budget(total, unit))
     nodes = [n for t in trees for n in t.nodes.values() if n.action_ids]
     used = len(nodes) if unit == "turns" else sum(len(n.action_ids) for n in nodes)
@@ -466,7 +466,7 @@ def test_turn_budget_starts_no_empty_episodes_and_closes_open_leaves(tokenizer):
     cfg = load_config(overrides=["rollout.max_turns=8", "env.kwargs={high: 1000, max_turns: 8}"])
     policy = MockPolicy(tokenizer, ["1"])
     trees = collect("agentrl/GuessNumber-v0", policy, cfg, [0, 1],
-                    Independent(n=8, est_leaf_cost=1.0), Budget(20, "turns"))
+                    Independent(IndependentOptions(n=8, est_leaf_cost=1.0)), Budget(20, "turns"))
     eps = [ep for t in trees for ep in t.episodes()]
     assert all(ep.num_turns >= 1 for ep in eps)  # no 0-turn roots
     assert sum(ep.num_turns for ep in eps) == 20

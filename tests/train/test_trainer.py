@@ -596,15 +596,15 @@ def test_zero_steps_is_a_dry_run_that_writes_nothing(tmp_path):
 
 def test_a_tree_allocator_that_makes_no_branch_warns_and_in_turn_forks_branch(tmp_path):
     torch.set_num_threads(1)
-    key_state = [*SHORT, "train.steps=1", "train.eval_episodes=0", "rollout.allocator=key_state",
-                 "rollout.allocator_options.top1_threshold=1.0"]  # every turn is a key state
+    key_state = [*SHORT, "train.steps=1", "train.eval_episodes=0", "rollout.allocator.name=key_state",
+                 "rollout.allocator.top1_threshold=1.0"]  # every turn is a key state
     console, buf = _console()
     summary = train(toy_config(tmp_path / "turn", *key_state), progress=False, console=console)
     assert "allocator 'key_state' made no branch" in buf.getvalue()  # one turn: nothing before it but the prompt
     assert summary["allocation"]["steps_without_branch"] == 1
     assert "key_state" in summary["allocation"]["last_report"]
     console, buf = _console()
-    summary = train(toy_config(tmp_path / "in", *key_state, "rollout.allocator_options.in_turn=true"),
+    summary = train(toy_config(tmp_path / "in", *key_state, "rollout.allocator.in_turn=true"),
                     progress=False, console=console)
     assert "made no branch" not in buf.getvalue()
     assert summary["allocation"]["branch_points"] > 0

@@ -45,9 +45,8 @@ def tree_trainer(tmp_path, *overrides: str) -> Trainer:
 @pytest.mark.parametrize("allocator", ["segment_tree", "entropy_branch"])
 def test_engine_trees_with_tree_credit_change_the_weights(tmp_path, allocator):
     torch.set_num_threads(1)
-    options = ("rollout.allocator_options={depth: 2, width: 2}" if allocator == "segment_tree"
-               else "rollout.allocator_options={threshold: -100.0, k: 2}")
-    tr = tree_trainer(tmp_path, f"rollout.allocator={allocator}", options)
+    options = "depth: 2, width: 2" if allocator == "segment_tree" else "threshold: -100.0, k: 2"
+    tr = tree_trainer(tmp_path, f"rollout.allocator={{name: {allocator}, {options}}}")
     before = {k: v.clone() for k, v in tr.net.state_dict().items()}
     bars = _Bars(tr.console, False)
     trees, roll = tr.rollout(0, bars)
@@ -67,8 +66,7 @@ def test_engine_trees_with_tree_credit_change_the_weights(tmp_path, allocator):
 
 def test_two_steps_of_tree_training_run_through_trainer_run(tmp_path):
     torch.set_num_threads(1)
-    tr = tree_trainer(tmp_path, "rollout.allocator=segment_tree",
-                      "rollout.allocator_options={depth: 2, width: 2}", "train.steps=2")
+    tr = tree_trainer(tmp_path, "rollout.allocator={name: segment_tree, depth: 2, width: 2}", "train.steps=2")
     out = tr.run()
     assert tr.step == 2 and tr.policy.version == 2
     assert out["checkpoint"]
@@ -144,8 +142,7 @@ def test_tree_packing_gives_the_episode_packed_loss_and_gradients(tmp_path):
     from agentrl.train.tree_pack import score_samples_tree
 
     torch.set_num_threads(1)
-    tr = tree_trainer(tmp_path, "rollout.allocator=segment_tree",
-                      "rollout.allocator_options={depth: 2, width: 2}")
+    tr = tree_trainer(tmp_path, "rollout.allocator={name: segment_tree, depth: 2, width: 2}")
     trees, _ = tr.rollout(0, _Bars(tr.console, False))
     samples = samples_from_credit(assign(trees, "tree"))
     assert len(samples) == 8
@@ -281,8 +278,7 @@ def test_tree_packing_refuses_m2po_before_any_update(tmp_path):
 
 def test_a_tree_packed_step_runs_through_the_trainer(tmp_path):
     torch.set_num_threads(1)
-    tr = tree_trainer(tmp_path, "rollout.allocator=segment_tree",
-                      "rollout.allocator_options={depth: 2, width: 2}", "train.tree_packing=true")
+    tr = tree_trainer(tmp_path, "rollout.allocator={name: segment_tree, depth: 2, width: 2}", "train.tree_packing=true")
     before = {k: v.clone() for k, v in tr.net.state_dict().items()}
     bars = _Bars(tr.console, False)
     trees, _ = tr.rollout(0, bars)

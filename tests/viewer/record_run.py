@@ -30,8 +30,7 @@ CONFIG: dict[str, Any] = {
     "policy": {"backend": "hf", "model": "tiny-random"},
     "sampling": {"temperature": 1.0, "max_new_tokens": 6, "stop": ["\n"]},
     "env": {"id": "agentrl/GuessNumber-v0", "kwargs": {"high": 8, "max_turns": 3}},
-    "rollout": {"group_size": 4, "max_turns": 3, "max_context_tokens": 512, "allocator": "segment_tree",
-                "allocator_options": {"depth": 2, "width": 2, "segment_turns": 1}},
+    "rollout": {"group_size": 4, "max_turns": 3, "max_context_tokens": 512, "allocator": {"name": "segment_tree", "depth": 2, "width": 2, "segment_turns": 1}},
     # a short SFT on the expert first, so that the random model guesses numbers and some episodes win
     "sft": {"episodes": 32, "epochs": 30, "lr": 1e-2, "minibatch_size": 16},
     "train": {"steps": 2, "tasks_per_step": 2, "task_seeds": [3, 5], "credit": "tree",

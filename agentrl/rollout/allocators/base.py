@@ -1,0 +1,205 @@
+"""The allocator contract: requests, the state an allocator sees, and the budget arithmetic.
+
+An allocator is sans-I/O. The engine asks it for a plan in rounds:
+``plan(state)`` looks at the trees grown so far and returns requests
+(``Fresh`` episodes of a task, or ``Branch``es from a node); the engine runs
+them, charges what they cost to ``state.spent`` and asks again, until the
+allocator returns no request.
+
+Leaf accounting: ``Fresh(n)`` adds n leaves. ``Branch(node, k)`` adds k leaves,
+or k - 1 when ``node`` is an open leaf (one paused by ``max_turns``, see
+``is_open``), because that leaf becomes internal.
+
+Budgets in turns or tokens: allocators plan in leaves. ``affordable_leaves``
+divides what is left by the mean cost of a finished episode so far (the turns,
+or the action tokens, on its root-to-leaf path), or by the allocator's
+``est_leaf_cost`` before any episode has finished. A path counts its shared
+prefix again, so the estimate is high for branches: plans stay under the
+budget, and the engine stops episodes at the real limit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from ...types import Node, RolloutTree
+
+__all__ = [
+    "DEFAULT_LEAF_COST",
+    "TOP_UP_ROUNDS",
+    "AllocState",
+    "Allocator",
+    "Branch",
+    "Budget",
+    "BudgetUnit",
+    "Fresh",
+    "Request",
+    "affordable_leaves",
+    "fill_evenly",
+    "is_open",
+    "largest_remainder",
+    "leaf_cost",
+]
+
+BudgetUnit = Literal["leaves", "turns", "tokens"]
+
+
+@dataclass(slots=True, frozen=True)
+class Budget:
+    """What one batch may spend: ``total`` leaves (episodes), turns or generated tokens."""
+
+    total: int
+    unit: BudgetUnit = "leaves"
+
+
+@dataclass(slots=True)
+class Fresh:
+    """Start ``n`` new episodes of task ``task`` (new roots of its tree).
+
+    ``max_turns`` pauses each after that many turns, leaving an open leaf to
+    branch from later (segment trees); None runs to the end.
+    """
+
+    task: int
+    n: int = 1
+    max_turns: int | None = None
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class Branch:
+    """Sample ``k`` continuations from ``node`` of task ``task``'s tree.
+
+    ``at_token=None``: from the state after ``node``'s env step (turn-level).
+    ``at_token=m``: fork inside ``node``'s action after its first m tokens
+    (segment-level); the k continuations share those m tokens, and ``node`` is
+    split into a partial node holding them plus its old remainder.
+    ``max_turns`` pauses each continuation after that many turns.
+    """
+
+    task: int
+    node: int
+    k: int = 1
+    at_token: int | None = None
+    max_turns: int | None = None
+    reason: str = ""
+
+
+Request = Fresh | Branch
+
+
+@dataclass(slots=True)
+class AllocState:
+    """What an allocator sees: one tree per task, the budget and what is spent."""
+
+    trees: list[RolloutTree]
+    budget: Budget
+    spent: int = 0
+    round: int = 0
+    report: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def remaining(self) -> int:
+        return max(self.budget.total - self.spent, 0)
+
+
+@runtime_checkable
+class Allocator(Protocol):
+    """Plans requests in rounds; returns ``[]`` when done.
+
+    ``needs_snapshots``: the engine keeps a branch point (env snapshot plus
+    context) after every turn, so ``Branch`` can start from any node.
+    ``top_logprobs``: how many top-k logprobs per token the backend returns
+    (``Node.top1`` gets the top-1 probability of each action token).
+    """
+
+    name: str
+    needs_snapshots: bool
+    top_logprobs: int
+
+    def plan(self, state: AllocState) -> list[Request]: ...
+
+
+def is_open(node: Node) -> bool:
+    """A leaf paused by ``max_turns``: not done, no children, more turns to play."""
+    return not node.children and not node.done and node.open
+
+
+def leaf_cost(tree: RolloutTree, request: Request) -> int:
+    """Leaves a request adds to ``tree`` (see the module docstring)."""
+    if isinstance(request, Fresh):
+        return request.n
+    node = tree.nodes[request.node]
+    return request.k - 1 if request.at_token is None and is_open(node) else request.k
+
+
+# --------------------------------------------------------------------------- budget arithmetic
+
+DEFAULT_LEAF_COST: dict[str, float] = {"leaves": 1.0, "turns": 8.0, "tokens": 1024.0}
+"""Cost of one leaf, per budget unit, before any episode has finished (``est_leaf_cost``)."""
+
+TOP_UP_ROUNDS = 2
+"""Rounds of fresh episodes that spend what estimates left of a turns or tokens budget."""
+
+
+def fill_evenly(counts: Sequence[int], total: int, caps: Sequence[int] | None = None) -> list[int]:
+    """Hand out ``total`` units one at a time, each to the slot with the fewest
+    ``counts[i]`` plus units so far (lowest index on ties), never more than
+    ``caps[i]`` to slot i. Returns the units per slot; they sum to less than
+    ``total`` only where the caps bind. With all counts 0 this is the even split
+    with the remainder to the first slots."""
+    added = [0] * len(counts)
+    heap = [(c, i) for i, c in enumerate(counts) if caps is None or caps[i] > 0]
+    heapq.heapify(heap)
+    for _ in range(max(total, 0)):
+        if not heap:
+            break
+        c, i = heapq.heappop(heap)
+        added[i] += 1
+        if caps is None or added[i] < caps[i]:
+            heapq.heappush(heap, (c + 1, i))
+    return added
+
+
+def largest_remainder(weights: Sequence[float], total: int) -> list[int]:
+    """Whole numbers proportional to ``weights`` that sum exactly to ``total``
+    (Hamilton's method): each gets the floor of its quota ``total * w / sum(w)``,
+    then the units left go one each to the largest remainders (lowest index on
+    ties). All-zero weights get nothing."""
+    mass = sum(weights)
+    if total <= 0 or mass <= 0:
+        return [0] * len(weights)
+    quotas = [total * w / mass for w in weights]
+    out = [math.floor(q) for q in quotas]
+    by_remainder = sorted(range(len(quotas)), key=lambda i: (out[i] - quotas[i], i))
+    for i in by_remainder[: total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def _path_cost(tree: RolloutTree, leaf: Node, unit: BudgetUnit) -> int:
+    path = tree.path(leaf.id)
+    if unit == "turns":
+        return sum(not n.partial for n in path)
+    return sum(len(n.action_ids) for n in path)
+
+
+def affordable_leaves(state: AllocState, est_leaf_cost: float | None = None) -> int:
+    """How many more leaves the remaining budget buys, in the budget's unit.
+
+    ``leaves``: exactly ``state.remaining``. ``turns``/``tokens``: remaining
+    divided by the mean cost of the finished episodes so far (turns, or action
+    tokens, on the root-to-leaf path), or by ``est_leaf_cost`` (default
+    ``DEFAULT_LEAF_COST``) before any has finished. A branch re-uses its
+    prefix, so this over-estimates its cost and the plan stays in budget.
+    """
+    unit = state.budget.unit
+    if unit == "leaves":
+        return state.remaining
+    costs = [_path_cost(t, leaf, unit) for t in state.trees for leaf in t.leaves() if leaf.done]
+    per_leaf = sum(costs) / len(costs) if costs else (est_leaf_cost or DEFAULT_LEAF_COST[unit])
+    return int(state.remaining // max(per_leaf, 1.0))
