@@ -17,7 +17,14 @@ from __future__ import annotations
 import difflib
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
 
 __all__ = [
     "OPTIONS",
@@ -52,10 +59,19 @@ class IndependentOptions(_Options):
     """`independent`: n fresh episodes per task, in one round (GRPO)."""
 
     name: Literal["independent"] = Field("independent", description="Allocator name.")
-    n: int | None = Field(
-        None, ge=1, description="Episodes per task. Unset: rollout.group_size; null: the whole budget "
-        "spread evenly over the tasks.")
+    n: Annotated[int, Field(ge=1)] | Literal["all"] | None = Field(
+        None, description="Episodes per task; null: rollout.group_size; all: the whole budget spread "
+        "evenly over the tasks.")
     est_leaf_cost: float | None = _est_leaf_cost()
+
+    @field_validator("n", mode="wrap")
+    @classmethod
+    def _one_reason(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """One reason for a bad ``n``, not one per member of its union."""
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(f"must be an int >= 1, 'all' or null, got {value!r}") from None
 
 
 class PilotCommitOptions(_Options):

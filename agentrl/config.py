@@ -164,6 +164,8 @@ class RolloutConfig(_Strict):
             raise ValueError("rollout.allocator_options: must be a mapping")
         warnings.warn("rollout.allocator_options is deprecated and will be removed in the next release: "
                       f"use rollout.allocator: {{name: {name}, <option>: <value>}}", FutureWarning, stacklevel=2)
+        if name == "independent" and "n" in options and options["n"] is None:
+            options = {**options, "n": "all"}  # the old null: the whole budget, spread
         data["allocator"] = {"name": name, **options}
         return data
 

@@ -92,7 +92,7 @@ BAD_OPTIONS = {"independent": ("n", 0), "pilot_commit": ("pilots", 0), "entropy_
 @pytest.mark.parametrize("name", list(BAD_OPTIONS))
 def test_each_allocators_options_reject_a_bad_option_naming_the_key_path(name):
     key, bad = BAD_OPTIONS[name]
-    with pytest.raises(ConfigError, match=rf"rollout\.allocator\.{key}: Input should be"):
+    with pytest.raises(ConfigError, match=rf"rollout\.allocator\.{key}: (Input should be|must be an int >= 1)"):
         load_config(None, [f"rollout.allocator={{name: {name}, {key}: {bad}}}"])
     with pytest.raises(ConfigError, match=rf"rollout\.allocator\.{key}s: unknown key \(did you mean 'rollout\.allocator\.{key}'"):
         load_config(None, [f"rollout.allocator={{name: {name}, {key}s: 1}}"])
@@ -150,11 +150,27 @@ def test_old_allocator_options_alone_mean_the_default_allocator_and_never_mix_wi
         load_config(None, ["rollout.allocator={name: segment_tree}", "rollout.allocator_options={depth: 2}"])
 
 
-def test_independent_plays_group_size_episodes_unless_n_is_set():
+def test_independent_plays_group_size_episodes_unless_n_says_otherwise():
     from agentrl.rollout import rollout_allocator
 
     r = load_config(None, ["rollout.group_size=4"]).rollout
     assert rollout_allocator(r).options.n == 4
     assert rollout_allocator(r, "segment_tree").options == SegmentTreeOptions()
-    r = load_config(None, ["rollout.group_size=4", "rollout.allocator={name: independent, n: null}"]).rollout
-    assert rollout_allocator(r).options.n is None  # null: the whole budget, spread
+    dumped = load_config(None, ["rollout.group_size=4"]).model_dump(mode="json")  # null in the dump: the same
+    assert rollout_allocator(Config.model_validate(dumped).rollout).options.n == 4
+    r = load_config(None, ["rollout.group_size=4", "rollout.allocator={name: independent, n: all}"]).rollout
+    assert rollout_allocator(r).options.n == "all"  # the whole budget, spread
+    with pytest.warns(FutureWarning):  # the old form's null meant that
+        r = load_config(None, ["rollout.allocator=independent", "rollout.allocator_options={n: null}"]).rollout
+    assert r.allocator == IndependentOptions(n="all")
+
+
+def test_a_recorded_run_names_its_allocator_in_either_form():
+    from agentrl.allocator_options import recorded_allocator
+
+    new = load_config(None, ["rollout.allocator={name: segment_tree, depth: 2}"]).model_dump(mode="json")["rollout"]
+    assert recorded_allocator(new) == ("segment_tree", {"depth": 2, "width": 2, "segment_turns": 1,
+                                                         "est_leaf_cost": None})
+    old = {"allocator": "segment_tree", "allocator_options": {"depth": 2}}  # a run recorded before the change
+    assert recorded_allocator(old) == ("segment_tree", {"depth": 2})
+    assert recorded_allocator({}) == (None, {})

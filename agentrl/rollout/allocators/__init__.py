@@ -133,10 +133,10 @@ def make_allocator(spec: str | AllocatorOptions, /, **options: Any) -> Allocator
 def rollout_allocator(rollout: RolloutConfig, name: str | None = None) -> Allocator:
     """The allocator ``rollout.allocator`` configures; ``name``: that allocator instead,
     with its default options unless it is the configured one. An independent allocator
-    whose ``n`` is unset plays ``rollout.group_size`` episodes per task."""
+    whose ``n`` is null plays ``rollout.group_size`` episodes per task."""
     options = rollout.allocator
     if name is not None and name != options.name:
         options = options_for(name)
-    if isinstance(options, IndependentOptions) and "n" not in options.model_fields_set:
+    if isinstance(options, IndependentOptions) and options.n is None:
         options = options.model_copy(update={"n": rollout.group_size})
     return make_allocator(options)

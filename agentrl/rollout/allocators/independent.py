@@ -4,7 +4,8 @@ Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300), Sec. 4.1: a group is n
 episodes of one task, sampled independently from the prompt.
 
 Plan: round 0 starts ``n`` episodes per task, or spreads the whole budget
-evenly over the tasks when ``n`` is None; a budget smaller than ``n`` per task
+evenly over the tasks when ``n`` is ``"all"`` (or None: ``rollout_allocator``
+makes that ``rollout.group_size`` for a configured allocator); a budget smaller than ``n`` per task
 is spread evenly too, the remainder to the first tasks. A turns or tokens
 budget gets top-up rounds, never past ``n`` per task.
 """
@@ -32,7 +33,7 @@ class Independent:
     top_logprobs: ClassVar[int] = 0
 
     def plan(self, state: AllocState) -> list[Request]:
-        n = self.options.n
+        n = None if self.options.n == "all" else self.options.n
         if state.round >= 1 + TOP_UP_ROUNDS or (state.round > 0 and state.budget.unit == "leaves"):
             return []
         leaves = affordable_leaves(state, self.options.est_leaf_cost)

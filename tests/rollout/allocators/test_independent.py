@@ -18,6 +18,7 @@ def test_independent_spreads_a_small_budget_and_never_overspends():
 def test_independent_n_none_reaches_the_budget_and_n_caps_it():
     state = AllocState([RolloutTree() for _ in range(3)], Budget(20))
     assert [r.n for r in Independent().plan(state)] == [7, 7, 6]
+    assert [r.n for r in Independent(IndependentOptions(n="all")).plan(state)] == [7, 7, 6]
     state = AllocState([RolloutTree() for _ in range(3)], Budget(20))
     assert [r.n for r in Independent(IndependentOptions(n=4)).plan(state)] == [4, 4, 4]
     state.round = 1
