@@ -57,8 +57,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALLOCATORS",
+    "OPTIONS",
     "AllocState",
     "Allocator",
+    "AllocatorOptions",
     "Branch",
     "Budget",
     "Contrastive",
@@ -110,6 +112,7 @@ def options_for(name: str, **options: Any) -> AllocatorOptions:
 
 
 def _reason(model: type[BaseModel], err: Any) -> str:
+    """One pydantic error as the option it names and what to do (did-you-mean on a typo)."""
     key = ".".join(map(str, err["loc"]))
     if err["type"] != "extra_forbidden":
         return f"option {key!r}: {err['msg']}"
