@@ -627,11 +627,12 @@ def test_an_envs_info_cannot_overwrite_what_the_engine_records_about_a_turn(toke
 
 def test_a_rollout_error_ends_only_its_episode_with_its_reason(tokenizer, monkeypatch):
     from agentrl.errors import RolloutError
+    from agentrl.rollout.episodes import EpisodePlayer
 
     def refuse(self, obs, info):
         raise RolloutError("opening refused on purpose")
 
-    monkeypatch.setattr(Engine, "_opening", refuse)
+    monkeypatch.setattr(EpisodePlayer, "_opening", refuse)
     cfg = load_config(overrides=["rollout.system_prompt=null"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an uncaught error would be reported as an engine bug
@@ -640,7 +641,7 @@ def test_a_rollout_error_ends_only_its_episode_with_its_reason(tokenizer, monkey
 
 
 def test_jsonable_info_keeps_scalars_and_makes_the_rest_json_safe():
-    from agentrl.rollout.engine import jsonable_info
+    from agentrl.rollout.turns import jsonable_info
 
     scalars = {"won": True, "score": 0.5, "n": 3, "note": "ok", "none": None, "admissible_actions": ["a"]}
     assert jsonable_info(scalars) == {"won": True, "score": 0.5, "n": 3, "note": "ok", "none": None}
