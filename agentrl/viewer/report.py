@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .types import RolloutTree
-from .viewer.curves import series
-from .viewer.run import Run
+from ..types import RolloutTree
+from .curves import series
+from .run import Run
 
 __all__ = ["RunFacts", "gather", "write_report"]
 
