@@ -1,4 +1,7 @@
-"""Scale-out on Ray, behind the same interfaces as one process (DESIGN.md, principle 9).
+"""Scale-out on Ray, behind the same interfaces as one process.
+
+Ray is an execution detail, never a second code path (``docs/architecture.md``,
+Principles: one config, two scales):
 
 - ``env_workers``: ``rollout.env_executor: ray`` hosts envs (and their sandboxes)
   in env-worker actors, placed by CPUs and a ``sandbox_<backend>`` resource.
