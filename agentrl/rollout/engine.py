@@ -25,17 +25,19 @@ import asyncio
 import functools
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import Config
 from ..errors import ConfigError
-from ..policy.base import Policy
 from ..types import RolloutTree
 from .allocation import Allocator, AllocState, Branch, Budget, Fresh
 from .budget import BudgetMeter
 from .episodes import EpisodePlayer
 from .executors import EnvExecutor
 from .tree import renumber, split_node
+
+if TYPE_CHECKING:  # not at run time: agentrl.policy loads torch (see EpisodePlayer._sample)
+    from ..policy.base import Policy
 
 __all__ = ["Engine", "collect", "run_episodes"]
 

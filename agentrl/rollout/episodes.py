@@ -22,17 +22,19 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..chat import ChatContext
 from ..config import Config
 from ..errors import ContextOverflowError, RolloutError
-from ..policy.base import GenerateRequest, Policy, SamplingParams, action_text, request_seed
 from ..types import Node, RolloutTree
 from .budget import BudgetMeter, BudgetSpent
 from .executors import EnvExecutor
 from .tree import BranchPoint
 from .turns import observation_messages, opening_messages, record_next_context, step_node, top1
+
+if TYPE_CHECKING:
+    from ..policy.base import Policy
 
 __all__ = ["COUNTERS", "EpisodePlayer"]
 
@@ -225,6 +227,10 @@ class EpisodePlayer:
     async def _sample(self, path: _Path, head: Prefix) -> tuple[Node, int] | None:
         """The policy's next action on the path as a node (no env step yet), and the tokens it
         was allowed; None when the budget is spent. ``head``: a forked turn's first tokens."""
+        # Imported here, not with the module: a process env's child imports this package
+        # (rollout/env_process.py), and agentrl.policy would load torch into every one.
+        from ..policy.base import GenerateRequest, SamplingParams, action_text, request_seed
+
         r, s = self.cfg.rollout, self.cfg.sampling
         head_ids, head_lps, _ = head
         room = r.max_context_tokens - len(path.ctx) - len(head_ids)

@@ -377,6 +377,14 @@ def test_a_process_env_still_starting_when_its_episode_times_out_is_closed_by_co
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("agentrl-env")]
 
 
+def test_a_process_env_child_does_not_load_torch():
+    """The child imports the rollout package to serve its env; torch would cost each one
+    seconds to start and some 200 MB."""
+    code = "import sys, agentrl.rollout.env_process; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def _running(pid: int) -> bool:
     """Whether ``pid`` is a live process (a zombie waiting for its reaper is not)."""
     try:
