@@ -39,6 +39,9 @@ __all__ = [
 
 
 class _Strict(BaseModel):
+    """The base of every config section (here and in ``agentrl.train.config``): unknown keys
+    are errors, and assignments are validated."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 

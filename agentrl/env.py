@@ -13,7 +13,8 @@ deep-copies the instance's state, which is right for pure-Python envs.
 Envs with a scripted expert implement ``expert_action()``: it acts only on what
 the agent has observed, so SFT on it teaches a learnable policy. A privileged
 solver that reads hidden state is ``oracle_action()``: an oracle and a
-distillation teacher, never SFT data by default (DESIGN.md, principle 11).
+distillation teacher, never SFT data by default (``docs/architecture.md``,
+Principles: demonstrations must be learnable).
 
 Envs are registered with ``register_env("<namespace>/<Name>-v0", entry_point)``,
 which is ``gymnasium.register`` plus a check that the id has a namespace

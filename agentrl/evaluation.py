@@ -258,8 +258,9 @@ def eval_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from .config import load_config
-    from .distributed import open_policy, placement
+    from .distributed import placement
     from .env import resolve_env_id
+    from .policy.for_run import open_policy
     from .policy.registry import resolve_backend
     from .rollout import write_run
 

@@ -1,11 +1,14 @@
-"""Scale-out on Ray, behind the same interfaces as one process (DESIGN.md, principle 9).
+"""Scale-out on Ray, behind the same interfaces as one process.
+
+Ray is an execution detail, never a second code path (``docs/architecture.md``,
+Principles: one config, two scales):
 
 - ``env_workers``: ``rollout.env_executor: ray`` hosts envs (and their sandboxes)
   in env-worker actors, placed by CPUs and a ``sandbox_<backend>`` resource.
 - ``rollout_workers``: ``RayPolicy`` load-balances generation over rollout-worker
-  actors with prefix-cache affinity; weights go out through the object store;
-  ``open_policy`` gives a command the policy its config asks for (``rollout``,
-  ``eval`` and ``proxy serve`` honour the distributed section as ``train`` does);
+  actors with prefix-cache affinity; weights go out through the object store
+  (``agentrl.policy.for_run`` picks it when the config asks for rollout workers,
+  so ``rollout``, ``eval`` and ``proxy serve`` honour the section as ``train`` does);
 - ``ray_sampler``: asynchronous training's view of the rollout workers;
 - ``weights``: the state dict as it goes to the workers (LoRA merged in);
 - ``cluster``: joining the cluster ``distributed.ray`` names; Ray's errors mapped
@@ -27,9 +30,7 @@ from .rollout_workers import (
     PrefixRouter,
     RayPolicy,
     RolloutWorker,
-    open_policy,
     placement,
-    policy_for_run,
 )
 
 __all__ = [
@@ -44,7 +45,5 @@ __all__ = [
     "env_resources",
     "env_worker_options",
     "env_worker_pool",
-    "open_policy",
     "placement",
-    "policy_for_run",
 ]

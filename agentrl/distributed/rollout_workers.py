@@ -58,18 +58,17 @@ import time
 import uuid
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from ..config import Config, DistributedConfig, PolicyConfig
 from ..errors import PolicyError
-from ..policy.base import GenerateRequest, GenerateResult, Policy, SamplingParams
+from ..policy.base import GenerateRequest, GenerateResult, SamplingParams
 from .cluster import cancel_call, check_placeable, connect, ray_error
 from .ray_sampler import RaySampler
 from .weights import merged_weights, wire_weights
 
-__all__ = ["PrefixRouter", "RayPolicy", "RolloutWorker", "merged_weights", "open_policy", "placement",
-           "policy_for_run"]
+__all__ = ["PrefixRouter", "RayPolicy", "RolloutWorker", "merged_weights", "placement"]
 
 _CALL_TIMEOUT_S = 600.0  # a worker that answers no settings or weights call in this long is lost
 _MOD = (1 << 61) - 1  # a Mersenne prime: rolling prefix hashes modulo it
@@ -550,34 +549,3 @@ def placement(cfg: Config) -> str:
     if cfg.rollout.env_executor == "ray":
         parts.append(f"{dist.num_env_workers} env workers")
     return f" on {' and '.join(parts)} (Ray, distributed.ray={dist.ray})" if parts else ""
-
-
-@contextlib.contextmanager
-def open_policy(cfg: Config) -> Iterator[Policy]:
-    """``policy_for_run(cfg)`` for a command (rollout, eval, the proxy), closed on the way out:
-    rollout workers are killed, an in-process backend stops its threads and frees its caches."""
-    policy = policy_for_run(cfg)
-    try:
-        yield policy
-    finally:
-        close = getattr(policy, "close", None)
-        if close is not None:
-            close()
-
-
-def policy_for_run(cfg: Config, trainable: bool = False) -> Policy:
-    """The policy a run's config asks for: ``RayPolicy`` over rollout workers when
-    ``distributed.num_rollout_workers`` > 0 (with an in-process ``model`` to train when
-    ``trainable``), else ``make_policy(cfg.policy)`` in this process."""
-    from ..models import load_model, load_tokenizer
-    from ..policy.registry import make_policy
-
-    dist = cfg.distributed
-    if dist is None or dist.num_rollout_workers == 0:
-        return make_policy(cfg.policy)
-    p = cfg.policy
-    if trainable:
-        model, tokenizer = load_model(p.model, dtype=p.dtype, device=p.device)
-    else:
-        model, tokenizer = None, load_tokenizer(p.model)
-    return RayPolicy(p, dist, tokenizer, model)

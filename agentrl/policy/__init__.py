@@ -11,11 +11,13 @@ from .base import (
     stop_string_hit,
 )
 from .batching import MicroBatcher
+from .for_run import open_policy, policy_for_run
 from .hf import HFPolicy, sampling_logprobs
 from .mock import MockPolicy
 from .openai import OpenAIPolicy
 from .prefix_cache import CacheStats, PrefixCache
 from .registry import BACKENDS, make_policy
+from .snapshot import SnapshotPolicy
 
 __all__ = [
     "BACKENDS",
@@ -31,7 +33,10 @@ __all__ = [
     "PrefixCache",
     "RequestControl",
     "SamplingParams",
+    "SnapshotPolicy",
     "action_text",
+    "open_policy",
+    "policy_for_run",
     "request_seed",
     "sampling_logprobs",
     "stop_string_hit",

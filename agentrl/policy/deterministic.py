@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import PolicyError
-from .prefix_cache import PrefixCache, PrefixEntry, _common_prefix
+from .prefix_cache import PrefixCache, PrefixEntry, common_prefix
 
 __all__ = ["ALONE_TOKENS", "ROW_ATTENTION", "STEP_ROWS", "BoundaryCache", "install_row_invariance", "real_columns_cache",
            "row_attention", "row_blocks", "row_invariant"]
@@ -244,7 +244,7 @@ class BoundaryCache(PrefixCache):
             bounds = self._bounds.get(key)
             if bounds is None:
                 continue
-            shared = min(_common_prefix(entry.ids, ids), len(ids) - 1)
+            shared = min(common_prefix(entry.ids, ids), len(ids) - 1)
             i = int(np.searchsorted(bounds, shared, side="right")) - 1
             if i >= 0 and bounds[i] > reuse:
                 best, reuse, below = entry, int(bounds[i]), bounds[:i + 1]
@@ -259,7 +259,7 @@ class BoundaryCache(PrefixCache):
         super().insert(ids, kv, storage, storage_bytes)
         new = np.asarray(ids, dtype=np.int64)
         for k, e in bounded.items():  # gone, and not because the new entry extends it: evicted
-            if k not in self._entries and not (len(e.ids) <= len(new) and _common_prefix(e.ids, new) == len(e.ids)):
+            if k not in self._entries and not (len(e.ids) <= len(new) and common_prefix(e.ids, new) == len(e.ids)):
                 self.bounded_evictions += 1
         if bounds is not None:
             for key in set(self._entries) - before:

@@ -54,7 +54,7 @@ from .deterministic import (
     row_invariant,
 )
 from .kv_slab import KVSlab, kv_shape
-from .prefix_cache import PrefixEntry, _common_prefix
+from .prefix_cache import PrefixEntry, common_prefix
 
 __all__ = ["HFPolicy", "sampling_logprobs"]
 
@@ -287,7 +287,7 @@ class HFPolicy:
         ids = [np.asarray(p, dtype=np.int64) for p in prompts]
         rows_all = range(len(ids))
         # lcp[i][r]: tokens prompts i and r share, short of either's last token (always run).
-        lcp = [[min(_common_prefix(a, b), len(a) - 1, len(b) - 1) for b in ids] for a in ids]
+        lcp = [[min(common_prefix(a, b), len(a) - 1, len(b) - 1) for b in ids] for a in ids]
         layers, heads, head_dim = kv_shape(self.model.config)
         token_bytes = 2 * layers * heads * head_dim * self.model.dtype.itemsize
         room = self.prefix_cache.max_bytes  # every prefix shared in this batch must fit at once

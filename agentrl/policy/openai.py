@@ -11,8 +11,8 @@ extensions:
 
 A server that returns neither is refused with a ``PolicyError``. The text is
 never tokenized again: that can give other ids than the ones that were sampled
-(DESIGN principle 1). The local tokenizer serves ``action_text`` and
-``ChatContext`` only.
+(``docs/architecture.md``, Principles: token-exact). The local tokenizer
+serves ``action_text`` and ``ChatContext`` only.
 
 What a server cannot tell us:
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["CacheStats", "PrefixCache", "PrefixEntry"]
+__all__ = ["CacheStats", "PrefixCache", "PrefixEntry", "common_prefix"]
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values as [heads, tokens, head_dim]
 
@@ -53,9 +53,10 @@ class PrefixEntry:
     storage: object
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
+    """How many leading token ids ``a`` and ``b`` share."""
     m = min(len(a), len(b))
-    differ = np.flatnonzero(a[:m] != b[:m])
+    differ = np.flatnonzero(np.asarray(a[:m]) != np.asarray(b[:m]))
     return int(differ[0]) if differ.size else m
 
 
@@ -82,7 +83,7 @@ class PrefixCache:
         ids = np.asarray(prompt, dtype=np.int64)
         best, n = None, 0
         for entry in self._entries.values():
-            k = _common_prefix(entry.ids, ids)
+            k = common_prefix(entry.ids, ids)
             if k > n:
                 best, n = entry, k
         n = min(n, len(ids) - 1)
@@ -114,7 +115,7 @@ class PrefixCache:
         if storage_bytes > self.max_bytes:
             return
         for old in [e for e in self._entries.values()
-                    if len(e.ids) <= len(key) and _common_prefix(e.ids, key) == len(e.ids)]:
+                    if len(e.ids) <= len(key) and common_prefix(e.ids, key) == len(e.ids)]:
             self._drop(old)  # the new entry extends it: it serves whatever the old one could
         entry = PrefixEntry(key, kv, storage)
         self._entries[id(entry)] = entry

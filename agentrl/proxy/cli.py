@@ -64,7 +64,7 @@ def proxy_serve(
 ) -> None:
     """Serve a policy over the OpenAI API and record each session as a RolloutTree."""
     from agentrl.config import load_config
-    from agentrl.distributed import open_policy
+    from agentrl.policy.for_run import open_policy
 
     from .app import serve
     from .schemas import ProxyConfig

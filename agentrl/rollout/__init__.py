@@ -2,6 +2,13 @@
 
 ``collect(env_id, policy, cfg, seeds)`` grows one ``RolloutTree`` per task
 seed; ``run_episodes`` is the same for ``cfg.rollout.episodes`` tasks.
+
+Modules, one job each: ``engine`` (rounds of an allocator's plan, run
+concurrently), ``episodes`` (one path played turn by turn), ``turns`` (an env
+step as a tree node), ``budget`` (what a run has spent), ``executors`` and
+``env_process`` (where env calls run), ``pool`` (the step threads), ``tree``
+(branch points and segment splits), ``allocators`` (where the budget goes),
+``summary`` (a run's numbers).
 """
 
 from .allocators import (
@@ -15,7 +22,8 @@ from .allocators import (
     prefix_groups,
     rollout_allocator,
 )
-from .engine import COUNTERS, Engine, collect, run_episodes
+from .engine import Engine, collect, run_episodes
+from .episodes import COUNTERS
 from .summary import episode_success, summarize, write_run
 from .tree import BranchPoint, format_tree, split_node
 

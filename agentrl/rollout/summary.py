@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..types import Episode, Node, RolloutTree, write_trees
-from .engine import COUNTERS
+from .episodes import COUNTERS
 
 __all__ = ["episode_success", "invalid_action_frac", "summarize", "write_run"]
 

@@ -3,10 +3,10 @@
 A branch point is what a new path needs to start from a node: the env's
 snapshot (None when the env cannot snapshot; the engine then replays the
 action prefix from a reset), the token context as it stood, ready for the next
-action, and the context delta the next node will carry. The engine
-(``agentrl.rollout.engine``) keeps one per node in ``RolloutTree.snapshots``
-when its allocator branches, and does the I/O (restore, replay); this module
-only changes and reads trees.
+action, and the context delta the next node will carry. The engine's episode
+player (``agentrl.rollout.episodes``) keeps one per node in
+``RolloutTree.snapshots`` when its allocator branches, and does the I/O
+(restore, replay); this module only changes and reads trees.
 
 Siblings share their context list: a branch stores the tokens up to its
 branch point once (``RolloutTree.to_dict`` writes them once too).

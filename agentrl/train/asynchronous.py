@@ -7,9 +7,9 @@ al. 2025, which trains on data k versions stale), without Ray:
 - a producer thread runs the trainer's own ``rollout(step)`` for steps
   ``start, start + 1, ...`` and puts each step's trees into a bounded queue;
   it waits while the queue is full (backpressure);
-- it samples from a ``SnapshotPolicy``: an ``hf`` policy over its own copy of
-  the weights, so the optimizer's in-place updates never reach a running
-  episode. At each sync the trainer copies its weights in, between two
+- it samples from a ``SnapshotPolicy`` (``agentrl.policy.snapshot``): an ``hf``
+  policy over its own copy of the weights, so the optimizer's in-place updates
+  never reach a running episode. At each sync the trainer copies its weights in, between two
   ``generate`` batches; every token keeps the version that sampled it, so the
   loss's corrections (TIS, ``loss.max_token_staleness``, M2PO) see real versions;
 - it starts its ``n``-th batch only once the trainer has taken ``n - k``
@@ -38,7 +38,6 @@ is dropped, so a live episode's next turn prefills again under the new ones.
 
 from __future__ import annotations
 
-import copy
 import queue
 import threading
 import time
@@ -49,46 +48,11 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
-from ..policy.hf import HFPolicy
 from ..types import RolloutTree
 
-__all__ = ["RolloutProducer", "SnapshotPolicy", "StepBatch", "may_start", "oldest_version", "staleness_stats"]
+__all__ = ["RolloutProducer", "StepBatch", "may_start", "oldest_version", "staleness_stats"]
 
 _POLL_S = 0.05  # how often a blocked producer or trainer looks whether the other side stopped
-
-
-class SnapshotPolicy(HFPolicy):
-    """An ``hf`` policy over its own copy of a model's weights, refreshed only by ``refresh``.
-
-    ``generate`` and ``refresh`` take ``weights_lock``, so a batch is sampled
-    under one set of weights and its logprobs and version are exact.
-    """
-
-    @classmethod
-    def of(cls, policy: Any) -> SnapshotPolicy:
-        """A snapshot of ``policy``'s weights now, with its sampling settings and version."""
-        if not isinstance(policy, HFPolicy):
-            raise ConfigError(f"train.asynchronous samples from a copy of the weights, which only the hf "
-                              f"backend keeps here; got a {type(policy).__name__}: set policy.backend=hf")
-        model = copy.deepcopy(policy.model).requires_grad_(False)
-        for p in model.parameters():  # the trainer's gradients, if any, are no part of the copy
-            p.grad = None
-        mb = policy.prefix_cache.max_bytes // 2**20 if policy.prefix_cache is not None else 0
-        snap = cls(model, policy.tokenizer, policy.max_batch_size, mb, policy.prefill_pad_tokens,
-                   policy.deterministic)
-        snap.version = policy.version
-        return snap
-
-    @torch.no_grad()
-    def refresh(self, net: torch.nn.Module, version: int) -> None:
-        """Copy ``net``'s weights in (between two batches) and take its ``version``."""
-        with self.weights_lock:
-            own = self.model.state_dict()
-            for k, v in net.state_dict().items():
-                own[k].copy_(v)
-            self.weights_updated()  # drops the keys and values of the old weights
-            self.version = version
 
 
 # --------------------------------------------------------------------------- staleness

@@ -14,18 +14,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from ..config import Config, load_config, renamed_keys
+from ..config import Config, _Strict, load_config, renamed_keys
 from .distill.loop import DistillConfig
 from .loss import PolicyLossConfig
 from .value import ValueHeadConfig
 
 __all__ = ["AsyncConfig", "LoraConfig", "SFTConfig", "TrainConfig", "TrainRunConfig", "load_train_config"]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class LoraConfig(_Strict):

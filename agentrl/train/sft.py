@@ -30,7 +30,7 @@ from ..config import Config
 from ..env import make_env
 from ..errors import ConfigError, ContextOverflowError
 from ..policy.base import request_seed
-from ..rollout.engine import jsonable_info, observation_messages, opening_messages
+from ..rollout.turns import opening_messages, step_node
 from ..types import Node, RolloutTree
 from .batch import (
     Sample,
@@ -97,23 +97,11 @@ def expert_tree(env_id: str, tokenizer: Any, cfg: Config, seed: int,
                 ctx.append_action(ids)
             except ContextOverflowError:
                 break  # the expert's next action no longer fits: keep what did
-            obs, reward, terminated, truncated, info = env.step(action)
             node = Node(context_ids=pending, action_ids=ids, logprobs=[0.0] * len(ids),
-                        entropies=[0.0] * len(ids), version=0, action_text=action,
-                        finish_reason="stop", observation=obs, reward=float(reward),
-                        terminated=bool(terminated), truncated=bool(truncated),
-                        info=jsonable_info(info))
-            if not node.done and turn + 1 >= max_turns:
-                node.truncated = True
-                node.info["truncation_reason"] = f"max_turns={max_turns}"
+                        entropies=[0.0] * len(ids), version=0, action_text=action, finish_reason="stop")
+            pending = step_node(node, env.step(action), ctx, cfg, turn + 1, max_turns)
             parent = tree.add(node, parent).id
-            if node.done:
-                break
-            try:
-                pending = ctx.append_observation(observation_messages(obs, info, cfg))
-            except ContextOverflowError as e:
-                node.truncated = True
-                node.info["truncation_reason"] = f"context budget: {e}"
+            if pending is None:
                 break
         last = tree.nodes[parent] if parent is not None else None
         tree.meta["expert_success"] = bool(last and last.success)

@@ -46,8 +46,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 
 from ..errors import ConfigError
 from ..policy.base import request_seed
+from ..policy.snapshot import SnapshotPolicy
 from ..types import RolloutTree, write_trees
-from .asynchronous import RolloutProducer, SnapshotPolicy
+from .asynchronous import RolloutProducer
 from .batch import (
     Row,
     Sample,
@@ -172,7 +173,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainRunConfig, policy: Any = None, console: Console | None = None,
                  progress: bool = True, rollouts: Callable[[Any, TrainRunConfig], RolloutSource] | None = None):
-        from ..distributed.rollout_workers import policy_for_run
+        from ..policy.for_run import policy_for_run
 
         t = cfg.train
         if t.harness is not None and rollouts is None:

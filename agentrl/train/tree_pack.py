@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
+from ..policy.prefix_cache import common_prefix
 from .batch import LossFn, Minibatch, Sample, SampleScores, autocast, row_fields
 from .logprobs import PrefixTree, prefix_tree, token_logprobs, tree_attention_mask
 from .metrics import merge_stat
@@ -68,15 +69,6 @@ __all__ = [
     "tree_minibatch",
     "tree_row",
 ]
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def tree_groups(seqs: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -96,7 +88,7 @@ def tree_groups(seqs: list[list[int]], max_tokens: int) -> list[list[int]]:
         s = seqs[i]
         if not s or len(s) > max_tokens:
             raise ValueError(f"seqs[{i}] has {len(s)} tokens; it must have 1 to max_tokens={max_tokens}")
-        new = len(s) - (_common_prefix(prev, s) if prev is not None else 0)
+        new = len(s) - (common_prefix(prev, s) if prev is not None else 0)
         if not groups or size + new > max_tokens:
             groups.append([])
             size, new = 0, len(s)

@@ -17,6 +17,7 @@ Modules, one job each:
 - ``tokens``: token ids to text, with the run's tokenizer;
 - ``page``: the HTML page, with the data inside (``--static``) or fetched;
 - ``server``: the local server (standard library ``http.server``);
+- ``report``: ``agentrl report``'s Markdown report and its plots;
 - ``cli``: ``agentrl view`` and ``agentrl report``.
 
 Why no front-end library. The page draws a tree (a tidy layout is about 20

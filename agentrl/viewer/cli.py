@@ -82,7 +82,7 @@ def report(
 ) -> None:
     """Write report.md with PNG plots: learning curves, success per family, episode lengths,
     the branch budget and the teacher-student divergence per turn."""
-    from ..report import write_report
+    from .report import write_report
 
     if len(runs) > 2:
         typer.echo(f"error: give one run or two, not {len(runs)}", err=True)

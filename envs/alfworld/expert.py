@@ -3,8 +3,9 @@
 Its next command is a function of the text the agent has seen: the opening
 observation and each (command, observation) pair since. It never reads the
 hidden world, so a policy of the observations can imitate it, and SFT on its
-episodes teaches something learnable (DESIGN.md, principle 11). ``oracle``
-keeps the privileged planner, which walks straight to objects it never saw.
+episodes teaches something learnable (``docs/architecture.md``, Principles:
+demonstrations must be learnable). ``oracle`` keeps the privileged planner,
+which walks straight to objects it never saw.
 
 ``Notes`` turns the text into what the agent knows: the receptacles the
 opening look listed, the goal, where it stands, what it holds, the state

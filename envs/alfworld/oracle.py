@@ -3,10 +3,11 @@
 The oracle reads the whole hidden state (like ALFWorld's planner expert): it
 walks straight to an object it has never seen. So it is an oracle (to check
 that every task can be won, and as a privileged distillation teacher), never a
-source of SFT data: no policy of the observations can follow it (DESIGN.md,
-principle 11). ``expert`` holds the observation-consistent expert. The oracle
-re-plans from scratch at every call, so it also recovers from states reached
-by other policies. Its plan:
+source of SFT data: no policy of the observations can follow it
+(``docs/architecture.md``, Principles: demonstrations must be learnable).
+``expert`` holds the observation-consistent expert. The oracle re-plans from
+scratch at every call, so it also recovers from states reached by other
+policies. Its plan:
 
 1. If it holds an object the task does not need, put it down where it stands
    when it can, else at the first receptacle that can hold it.

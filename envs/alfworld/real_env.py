@@ -28,7 +28,8 @@ state in C, so it cannot be copied). ``info["state_key"]`` hashes the engine's
 facts, so equal keys mean the same state whatever the path: GiGPO's anchor.
 
 Experts. ALFWorld's experts read the engine's facts, so here they are oracles
-(``oracle_action``; DESIGN.md, principle 11), never SFT data by default:
+(``oracle_action``; ``docs/architecture.md``, Principles: demonstrations must
+be learnable), never SFT data by default:
 
 - ``oracle="handcoded"`` (default): ALFWorld's ``HandCodedTWAgent``, driven as
   its ``AlfredExpert`` wrapper drives it (it reads ``traj_data.json`` and the

@@ -2,8 +2,9 @@
 
 Its next action is a function of the pages the agent has seen and the actions
 it took. It never reads the goal product, so a policy of the observations can
-imitate it (DESIGN.md, principle 11). The env's ``oracle_action`` keeps the
-privileged shopper, which knows which product the goal was drawn from.
+imitate it (``docs/architecture.md``, Principles: demonstrations must be
+learnable). The env's ``oracle_action`` keeps the privileged shopper, which
+knows which product the goal was drawn from.
 
 What it reads off the instruction (``parse_request``): the product type (the
 longest type of the shop's vocabulary that the instruction names), the

@@ -26,8 +26,8 @@ from agentrl.distributed import (  # noqa: E402  (after the skip: the module nee
     env_resources,
     env_worker_options,
     env_worker_pool,
-    policy_for_run,
 )
+from agentrl.policy.for_run import policy_for_run  # noqa: E402
 
 # Small actors: the module's 2 CPUs hold every worker these tests start.
 SMALL = ["distributed.ray=auto", "distributed.env_worker_cpus=0.25", "distributed.rollout_worker_cpus=0.25"]

@@ -377,6 +377,14 @@ def test_a_process_env_still_starting_when_its_episode_times_out_is_closed_by_co
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("agentrl-env")]
 
 
+def test_a_process_env_child_does_not_load_torch():
+    """The child imports the rollout package to serve its env; torch would cost each one
+    seconds to start and some 200 MB."""
+    code = "import sys, agentrl.rollout.env_process; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def _running(pid: int) -> bool:
     """Whether ``pid`` is a live process (a zombie waiting for its reaper is not)."""
     try:
@@ -627,11 +635,12 @@ def test_an_envs_info_cannot_overwrite_what_the_engine_records_about_a_turn(toke
 
 def test_a_rollout_error_ends_only_its_episode_with_its_reason(tokenizer, monkeypatch):
     from agentrl.errors import RolloutError
+    from agentrl.rollout.episodes import EpisodePlayer
 
     def refuse(self, obs, info):
         raise RolloutError("opening refused on purpose")
 
-    monkeypatch.setattr(Engine, "_opening", refuse)
+    monkeypatch.setattr(EpisodePlayer, "_opening", refuse)
     cfg = load_config(overrides=["rollout.system_prompt=null"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an uncaught error would be reported as an engine bug
@@ -640,7 +649,7 @@ def test_a_rollout_error_ends_only_its_episode_with_its_reason(tokenizer, monkey
 
 
 def test_jsonable_info_keeps_scalars_and_makes_the_rest_json_safe():
-    from agentrl.rollout.engine import jsonable_info
+    from agentrl.rollout.turns import jsonable_info
 
     scalars = {"won": True, "score": 0.5, "n": 3, "note": "ok", "none": None, "admissible_actions": ["a"]}
     assert jsonable_info(scalars) == {"won": True, "score": 0.5, "n": 3, "note": "ok", "none": None}

@@ -16,7 +16,8 @@ import torch
 from agentrl.errors import ConfigError
 from agentrl.models import load_model
 from agentrl.policy import GenerateRequest, HFPolicy, SamplingParams
-from agentrl.train.asynchronous import RolloutProducer, SnapshotPolicy, may_start, staleness_stats
+from agentrl.policy.snapshot import SnapshotPolicy
+from agentrl.train.asynchronous import RolloutProducer, may_start, staleness_stats
 from agentrl.train.config import load_train_config
 from agentrl.train.trainer import Trainer, step_task_seeds, train
 from agentrl.types import Node, RolloutTree

@@ -108,10 +108,7 @@ def test_gae_with_the_head_trains_refits_and_resumes(tmp_path):
 
 
 def test_the_next_context_is_kept_only_when_that_turn_could_have_run():
-    from types import SimpleNamespace
-
-    from agentrl.config import load_config
-    from agentrl.rollout.engine import Engine
+    from agentrl.rollout.turns import record_next_context
 
     class Ctx:
         def __init__(self, length, error=None):
@@ -125,12 +122,10 @@ def test_the_next_context_is_kept_only_when_that_turn_could_have_run():
                 raise self.error
             return [7, 8, 9]
 
-    engine = Engine.__new__(Engine)  # only the config is read
-    engine.cfg = load_config(overrides=["rollout.max_context_tokens=16"])
     kept, full, broken = Node(), Node(), Node()
-    engine._record_next_context(kept, SimpleNamespace(ctx=Ctx(12)), [])  # 12 + 3 < 16: turn 3 fits
-    engine._record_next_context(full, SimpleNamespace(ctx=Ctx(13)), [])  # 13 + 3 = 16: no room to act
-    engine._record_next_context(broken, SimpleNamespace(ctx=Ctx(1, ValueError("bad template"))), [])
+    record_next_context(kept, Ctx(12), [], max_context_tokens=16)  # 12 + 3 < 16: turn 3 fits
+    record_next_context(full, Ctx(13), [], max_context_tokens=16)  # 13 + 3 = 16: no room to act
+    record_next_context(broken, Ctx(1, ValueError("bad template")), [], max_context_tokens=16)
     assert kept.info == {"next_context_ids": [7, 8, 9]}
     assert full.info == {}
     assert broken.info == {"next_context_error": "ValueError: bad template"}

@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .allocator_options import recorded_allocator
-from .types import RolloutTree
-from .viewer.curves import series
-from .viewer.run import Run
+from ..allocator_options import recorded_allocator
+from ..types import RolloutTree
+from .curves import series
+from .run import Run
 
 __all__ = ["RunFacts", "gather", "write_report"]
 

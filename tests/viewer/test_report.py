@@ -9,13 +9,13 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from agentrl.report import gather, write_report
 from agentrl.types import write_trees
 from agentrl.viewer.cli import register
+from agentrl.viewer.report import gather, write_report
 
-from .viewer.conftest import fork_tree
+from .conftest import fork_tree
 
-RUN = Path(__file__).parent / "viewer" / "data" / "branched_run"
+RUN = Path(__file__).parent / "data" / "branched_run"
 
 
 def test_budget_shares_are_counted_from_roots_and_first_grown_paths(tmp_path):

@@ -31,7 +31,7 @@ from typing import Any
 
 import gymnasium as gym
 
-from .env import resolve_env_id
+from ..env import resolve_env_id
 
 __all__ = ["ProcessEnv"]
 

@@ -1,0 +1,94 @@
+"""One job: write a turn down: an env's answer as chat messages, and an env step as a tree ``Node``.
+
+The rollout engine (``agentrl.rollout.episodes``) and SFT's expert episodes
+(``agentrl.train.sft.expert_tree``) both go through ``step_node``, so an
+expert episode and a policy episode of the same actions are the same tree,
+token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from ..chat import ChatContext
+from ..config import Config
+from ..errors import ContextOverflowError
+from ..types import Node
+
+__all__ = ["jsonable_info", "observation_messages", "opening_messages", "record_next_context", "step_node", "top1"]
+
+_HEAVY_INFO = ("admissible_actions", "tools", "tools_prompt")
+_JSON_SCALARS = (str, int, float, bool, type(None))  # exact types: a subclass may dump differently
+
+
+def observation_messages(obs: str, info: dict[str, Any], cfg: Config) -> list[dict[str, Any]]:
+    """The chat messages an env answer becomes: tool messages, or one user message
+    (with the admissible actions listed when ``rollout.show_admissible``)."""
+    if info.get("tool_messages"):  # tool envs answer with role=tool messages
+        return [{k: v for k, v in m.items() if v is not None} for m in info["tool_messages"]]
+    text = obs
+    if cfg.rollout.show_admissible and info.get("admissible_actions"):
+        text += "\nValid actions: " + ", ".join(map(str, info["admissible_actions"]))
+    return [{"role": "user", "content": text}]
+
+
+def opening_messages(obs: str, info: dict[str, Any], cfg: Config) -> list[dict[str, Any]]:
+    """The opening conversation: the system prompt plus a tool env's tool list, then the first observation."""
+    messages = []
+    system = [p for p in (cfg.rollout.system_prompt, info.get("tools_prompt")) if p]
+    if system:
+        messages.append({"role": "system", "content": "\n\n".join(system)})
+    return messages + observation_messages(obs, info, cfg)
+
+
+def jsonable_info(info: dict[str, Any]) -> dict[str, Any]:
+    """Info minus per-step lists, made JSON-safe so trees serialize."""
+    kept = {k: v for k, v in info.items() if k not in _HEAVY_INFO}
+    if all(type(k) is str and type(v) in _JSON_SCALARS for k, v in kept.items()):
+        return kept  # what a JSON round trip would give back: skip it (the usual info)
+    return json.loads(json.dumps(kept, default=str))
+
+
+def step_node(node: Node, step: tuple[Any, Any, Any, Any, dict[str, Any]], ctx: ChatContext, cfg: Config,
+              turns: int, max_turns: int) -> list[int] | None:
+    """Write an env step's five-tuple onto ``node`` (the turn that acted) and grow ``ctx`` by its answer.
+
+    ``turns`` counts this turn; at ``max_turns`` an unfinished episode is truncated.
+    Returns the context delta the next turn's node carries, or None when the
+    episode ends at ``node`` (done, cut by ``max_turns``, or its answer overflows
+    the context; the reason is in ``node.info["truncation_reason"]``).
+    """
+    obs, reward, terminated, truncated, info = step
+    node.observation, node.reward = obs, float(reward)
+    node.terminated, node.truncated = bool(terminated), bool(truncated)
+    node.info.update(jsonable_info(info))
+    if not node.done and turns >= max_turns:
+        node.truncated = True
+        node.info["truncation_reason"] = f"max_turns={max_turns}"
+    if node.done:
+        return None
+    try:
+        return ctx.append_observation(observation_messages(obs, info, cfg))
+    except ContextOverflowError as e:
+        node.truncated = True
+        node.info["truncation_reason"] = f"context budget: {e}"
+        return None
+
+
+def record_next_context(node: Node, ctx: ChatContext, messages: list[dict[str, Any]], max_context_tokens: int) -> None:
+    """Keep the ids the next turn would have read, the state a value head bootstraps GAE
+    from, if that turn could have run: it fits the context budget and renders."""
+    try:
+        ids = ctx.observation_ids(messages)
+    except Exception as e:  # the cut turn is kept either way; it only bootstraps with 0
+        node.info["next_context_error"] = f"{type(e).__name__}: {e}"
+        return
+    if len(ctx) + len(ids) < max_context_tokens:
+        node.info["next_context_ids"] = ids
+
+
+def top1(alternatives: list[tuple[int, float]]) -> float:
+    """The probability of the likeliest token among a sampled token's top logprobs."""
+    return math.exp(max(lp for _, lp in alternatives)) if alternatives else 0.0
