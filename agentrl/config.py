@@ -32,6 +32,7 @@ __all__ = [
     "PolicyConfig",
     "RolloutConfig",
     "SamplingConfig",
+    "VLLMConfig",
     "apply_overrides",
     "load_config",
     "renamed_keys",
@@ -71,10 +72,29 @@ class SamplingConfig(_Strict):
     stop: list[str] = Field(default_factory=list, description="Strings that end a turn.")
 
 
+class VLLMConfig(_Strict):
+    """``policy.backend: vllm``: how the engine is sized (``vllm.LLM`` arguments)."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="The engine's weights and compute dtype; null is policy.dtype. On a GPU, "
+        "bfloat16 samples while the trained copy keeps policy.dtype (float32 master weights).")
+    max_model_len: int = Field(2048, ge=16, description="Longest sequence (prompt + reply) the engine "
+                               "serves; at least rollout.max_context_tokens.")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0.0, le=1.0, description="Fraction of the GPU's memory the engine takes for weights "
+        "and KV cache; null is vLLM's default (0.9). Leave room for training on the same GPU.")
+    enforce_eager: bool = Field(True, description="No CUDA graphs: faster start, slower decoding; "
+                                "false on a GPU for long runs.")
+    kv_cache_gb: int = Field(2, ge=1, description="CPU builds only: GiB of KV cache "
+                             "(VLLM_CPU_KVCACHE_SPACE, unless that is set).")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards over.")
+
+
 class PolicyConfig(_Strict):
     backend: Literal["auto", "hf", "vllm", "openai", "mock"] = Field(
         "auto", description="Generation backend; auto is vllm where installed (faster), else hf.")
-    model: str = Field("smollm2-135m", description="Registered model name or local folder.")
+    model: str = Field("smollm2-135m", description="Registered model name, local folder, or Hugging "
+                       "Face Hub id (org/name; downloaded into the Hub cache where online).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
     device: str = Field("cpu", description="torch device.")
     max_batch_size: int = Field(16, ge=1, description="Prompts per forward pass.")
@@ -89,6 +109,7 @@ class PolicyConfig(_Strict):
     mock_responses: list[str] = Field(
         default_factory=lambda: ["1"], description="Scripted answers for backend=mock."
     )
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="backend=vllm: engine sizing.")
 
 
 class EnvConfig(_Strict):
@@ -197,6 +218,9 @@ class DistributedConfig(_Strict):
         "load-balanced with prefix-cache affinity. 0: the policy runs in this process.")
     env_worker_cpus: float = Field(1.0, gt=0, description="Ray CPUs one env worker reserves.")
     rollout_worker_cpus: float = Field(1.0, gt=0, description="Ray CPUs one rollout worker reserves.")
+    rollout_worker_gpus: float = Field(
+        0.0, ge=0, description="Ray GPUs one rollout worker reserves (its backend, vllm or hf, then "
+        "runs on them; a fraction shares one GPU between workers). 0 on a CPU machine.")
     max_restarts: int = Field(
         3, ge=-1, description="Times Ray restarts a dead env or rollout worker (-1: always). The "
         "episodes a dead env worker was running fail with the reason recorded; a dead rollout "
@@ -225,6 +249,14 @@ class Config(_Strict):
         if self.rollout.env_executor == "ray" and self.distributed is None:
             raise ValueError("rollout.env_executor=ray needs the distributed section "
                              "(e.g. distributed: {ray: auto, num_env_workers: 2})")
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_holds_an_episode(self) -> Config:
+        if self.policy.backend == "vllm" and self.policy.vllm.max_model_len < self.rollout.max_context_tokens:
+            raise ValueError(f"policy.vllm.max_model_len ({self.policy.vllm.max_model_len}) is below "
+                             f"rollout.max_context_tokens ({self.rollout.max_context_tokens}): the engine "
+                             "would refuse an episode's late turns; raise policy.vllm.max_model_len")
         return self
 
 

@@ -9,6 +9,9 @@
   tokenizer, built in memory in well under a second; tests use it so they run
   the real code path fast.
 - Any local directory holding a transformers model is accepted as a name too.
+- So is a Hugging Face Hub id (``Qwen/Qwen2.5-1.5B-Instruct``): transformers
+  loads it from the Hub cache, downloading it there first where the machine
+  is online (``HF_HUB_OFFLINE=1`` reads only the cache).
 
 The cache lives in ``$AGENTRL_CACHE`` (default ``~/.cache/agentrl``).
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -30,6 +34,8 @@ __all__ = [
     "MODELS",
     "ModelSpec",
     "cache_dir",
+    "hub_model_dir",
+    "is_hub_id",
     "list_models",
     "load_model",
     "load_tokenizer",
@@ -142,7 +148,28 @@ def list_models() -> list[tuple[str, str, bool]]:
 
 def _unknown(name: str) -> PolicyError:
     return PolicyError(f"unknown model {name!r}: registered models are {sorted(MODELS)}, "
-                       "or pass a local folder holding a transformers model")
+                       "or pass a local folder holding a transformers model, or a Hub id (org/name)")
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def is_hub_id(name: str) -> bool:
+    """``org/name`` that is not a local path: a Hugging Face Hub model id."""
+    return bool(_HUB_ID.fullmatch(name)) and not Path(name).exists()
+
+
+def hub_model_dir(name: str) -> Path:
+    """The local folder of a Hub model (its snapshot in the Hub cache), downloaded there
+    first where the machine is online."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt",
+                                                            "*.model", "*.jinja"]))
+    except Exception as e:  # offline and not cached, no such repo, gated: one clear error
+        raise PolicyError(f"model {name!r} is neither registered nor a local folder, and the Hub "
+                          f"could not give it: {type(e).__name__}: {e}") from e
 
 
 def load_tokenizer(name: str = DEFAULT_MODEL) -> Any:
@@ -155,6 +182,8 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> Any:
         return AutoTokenizer.from_pretrained(str(src))
     if Path(name).is_dir():
         return AutoTokenizer.from_pretrained(name)
+    if is_hub_id(name):
+        return AutoTokenizer.from_pretrained(str(hub_model_dir(name)))
     raise _unknown(name)
 
 
@@ -190,6 +219,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32", device: str = 
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype).to(device)
     elif Path(name).is_dir():
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype).to(device)
+    elif is_hub_id(name):
+        model = AutoModelForCausalLM.from_pretrained(str(hub_model_dir(name)), dtype=torch_dtype).to(device)
     else:
         raise _unknown(name)
     return model, load_tokenizer(name)

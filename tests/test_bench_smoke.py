@@ -206,3 +206,17 @@ def test_inprocess_runs_leave_no_model_alive(tmp_path):
     result = _run("inprocess_runs.py", tmp_path / "i.json")
     assert len(result["rows"]) == 2 and all(r["models_alive"] == 0 for r in result["rows"])
     assert all(r["rss_mb"] > 0 for r in result["rows"])
+
+
+def test_gpu_check_runs_every_part_of_the_gpu_recipe_check_on_cpu(tmp_path):
+    """bench/gpu_check.sh --quick: hf decoding and one training step of
+    examples/train_alfworld_gpu.yaml (shrunk, on CPU) through the same script a GPU runs."""
+    out = tmp_path / "gpu_check.json"
+    subprocess.run(["bash", str(BENCH / "gpu_check.sh"), "--quick", "--out", str(out)], check=True,
+                   capture_output=True, timeout=600, env={**os.environ, "PYTHON": sys.executable})
+    r = json.loads(out.read_text())
+    hf = next(row for row in r["decode"] if row["backend"] == "hf")
+    assert hf["tokens"] > 0 and hf["tok_per_s"] > 0
+    assert "skipped" in next(row for row in r["decode"] if row["backend"] == "vllm")
+    assert "error" not in r["train"], r["train"]
+    assert r["train"]["train/tokens"] > 0 and r["train"]["time/train_s"] > 0

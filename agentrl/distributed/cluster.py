@@ -173,7 +173,7 @@ def check_placeable(ray: Any, need: dict[str, float], what: str = "an env worker
         return
     have = sorted({k for res in nodes for k in res if not k.startswith("node:")})
     raise ConfigError(f"no node of the Ray cluster can host {what} needing {need} "
-                      f"(distributed.env_worker_cpus or rollout_worker_cpus, and a sandbox_<backend> resource a node "
+                      f"(distributed.env_worker_cpus, rollout_worker_cpus or rollout_worker_gpus, and a sandbox_<backend> resource a node "
                       f"advertises with `ray start --resources`); the nodes have {have}")
 
 

@@ -205,8 +205,12 @@ class RayPolicy:
         ray = connect(dist)
         self.tokenizer, self.model = tokenizer, model
         self.retries, self.max_request_deaths = dist.generate_retries, dist.max_request_deaths
-        check_placeable(ray, {"CPU": float(dist.rollout_worker_cpus)}, "a rollout worker")
+        need = {"CPU": float(dist.rollout_worker_cpus)}
+        if dist.rollout_worker_gpus:
+            need["GPU"] = float(dist.rollout_worker_gpus)
+        check_placeable(ray, need, "a rollout worker")
         actor = ray.remote(RolloutWorker).options(num_cpus=dist.rollout_worker_cpus,
+                                                  num_gpus=dist.rollout_worker_gpus,
                                                   max_restarts=dist.max_restarts, max_task_retries=0)
         self.workers = [actor.remote(policy.model_dump()) for _ in range(dist.num_rollout_workers)]
         try:

@@ -24,7 +24,11 @@ def _hf(cfg: PolicyConfig) -> Policy:
 def _vllm(cfg: PolicyConfig) -> Policy:
     from .vllm import VLLMPolicy  # imports vLLM lazily; its constructor says how to install it
 
-    return VLLMPolicy(cfg.model, dtype=cfg.dtype)
+    v = cfg.vllm
+    extra = {} if v.gpu_memory_utilization is None else {"gpu_memory_utilization": v.gpu_memory_utilization}
+    return VLLMPolicy(cfg.model, dtype=v.dtype or cfg.dtype, max_model_len=v.max_model_len,
+                      enforce_eager=v.enforce_eager, kv_cache_gb=v.kv_cache_gb,
+                      tensor_parallel_size=v.tensor_parallel_size, **extra)
 
 
 def _openai(cfg: PolicyConfig) -> Policy:

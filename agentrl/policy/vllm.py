@@ -426,7 +426,7 @@ def _vllm_params(p: SamplingParams, logprobs: int | None, prompt_logprobs: int |
 
 
 def _model_dir(name: str) -> Path:
-    from ..models import MODELS, prepare_model
+    from ..models import MODELS, hub_model_dir, is_hub_id, prepare_model
 
     if name in MODELS:
         if not MODELS[name].needs_prepare:
@@ -435,8 +435,10 @@ def _model_dir(name: str) -> Path:
         return prepare_model(name)
     if Path(name).is_dir():
         return Path(name)
+    if is_hub_id(name):
+        return hub_model_dir(name)
     raise PolicyError(f"unknown model {name!r}: registered models are {sorted(MODELS)}, "
-                      "or pass a local folder holding a transformers model")
+                      "or pass a local folder holding a transformers model, or a Hub id (org/name)")
 
 
 def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:

@@ -32,6 +32,8 @@ positions under activation checkpointing, so only one chunk's
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +46,7 @@ __all__ = [
     "TokenScores",
     "block_causal_mask",
     "collate_packed",
+    "fp32_head",
     "pack_sequences",
     "prefix_tree",
     "token_logprobs",
@@ -145,8 +148,9 @@ def token_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
     rows, cols = keep.nonzero(as_tuple=True)
     sources = src[rows, cols]
     head_positions = torch.unique(sources)  # sorted
-    logits = model(input_ids=input_ids, attention_mask=model_mask, position_ids=position_ids,
-                   logits_to_keep=head_positions, use_cache=False).logits  # [B, n, V]
+    with fp32_head(model):
+        logits = model(input_ids=input_ids, attention_mask=model_mask, position_ids=position_ids,
+                       logits_to_keep=head_positions, use_cache=False).logits  # [B, n, V]
     column = torch.searchsorted(head_positions, sources)  # where each kept token's source went
     targets = input_ids[rows, cols]
 
@@ -171,6 +175,35 @@ def token_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
         out.top_logprobs = out.top_logprobs.index_put((rows, cols), torch.cat([p[2] for p in parts]).float())
         out.top_ids = out.top_ids.index_put((rows, cols), torch.cat([p[3] for p in parts]))
     return out
+
+
+@contextlib.contextmanager
+def fp32_head(model: Any) -> Iterator[None]:
+    """Within this block, under bf16 autocast, the vocabulary head runs in fp32 on fp32 inputs.
+
+    bf16 logits carry 8 bits of mantissa: a logit near 16 moves in steps of
+    0.125, so the trainer's log-probs of the sampled tokens drift from the
+    sampler's (fp32) by up to a few hundredths of a nat, and PPO's ratio at step
+    0 is no longer 1 (``bench/precision.json``). The body keeps its bf16
+    matmuls; the head, one matmul of the whole model, goes back to fp32. Outside
+    autocast (sampling, fp32 training) this changes nothing.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    device = next(model.parameters()).device.type
+    if head is None or not torch.is_autocast_enabled(device):
+        yield
+        return
+    plain = type(head).forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return plain(head, x.float())
+
+    head.forward = forward  # an instance attribute, removed on the way out
+    try:
+        yield
+    finally:
+        del head.forward
 
 
 def _gather_logprobs(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,

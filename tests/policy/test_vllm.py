@@ -148,14 +148,19 @@ def policy(hf_model, tokenizer, tmp_path_factory):
                   "test_vllm_suite_in_its_venv runs these in .venv-vllm")
         print(f"skipping: {reason}")
         pytest.skip(reason)
+    from agentrl.config import PolicyConfig
+    from agentrl.policy.registry import make_policy
     from agentrl.policy.vllm import VLLMPolicy
     from agentrl.train.checkpoint import save_checkpoint
 
     # The engine loads a trainer checkpoint's Hugging Face export, so every test here also
-    # checks that vLLM serves what the trainer writes.
+    # checks that vLLM serves what the trainer writes; it is built from a config's
+    # policy section, as a run builds it.
     ckpt = save_checkpoint(tmp_path_factory.mktemp("tiny-vllm"), 0, hf_model, export_hf=True,
                            tokenizer=tokenizer)
-    pol = VLLMPolicy(str(ckpt / "hf"), max_model_len=1024, kv_cache_gb=1)
+    pol = make_policy(PolicyConfig(backend="vllm", model=str(ckpt / "hf"),
+                                   vllm={"max_model_len": 1024, "kv_cache_gb": 1}))
+    assert isinstance(pol, VLLMPolicy) and pol.max_model_len == 1024
     yield pol
     pol.close()
 

@@ -78,3 +78,40 @@ def test_the_sft_warm_start_runs_at_the_configured_precision(tmp_path, monkeypat
     train(cfg, progress=False)
     # 2 epochs of 2 minibatches (8 episodes, 4 a minibatch), all under bf16
     assert [on for grad, on in seen if grad] == [True] * 4
+
+
+def _large_logit_model():
+    """tiny-random with its head scaled so the likeliest logits sit near 16-32, where bf16's
+    8-bit mantissa moves in steps of 0.125-0.25 (the SFT'd SmolLM2's reach that range)."""
+    from agentrl.models import load_model
+
+    model, _ = load_model("tiny-random")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(16.0)  # tied: the embeddings scale too, but RMSNorm undoes that
+    return model
+
+
+def test_under_bf16_the_vocabulary_head_runs_in_fp32_and_logprobs_stay_near_fp32s():
+    """Hand-checked: bf16 logits of the same hidden states differ from fp32's by up to a
+    quantum (0.125 near 16); with the head in fp32 (``fp32_head``) the trainer's log-probs
+    under bf16 autocast differ from fp32's by the body's rounding only, several times less."""
+    from agentrl.train.logprobs import fp32_head, token_logprobs
+
+    model = _large_logit_model()
+    torch.manual_seed(0)
+    ids = torch.randint(100, 40000, (2, 48))
+    with torch.no_grad():
+        ref, _ = token_logprobs(model, ids)
+        logits = model(input_ids=ids).logits
+        assert 16 < logits.abs().amax(-1).median() < 32  # the regime the fix is for (measured: 20.2)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            head_fp32, _ = token_logprobs(model, ids)  # token_scores wraps its forward in fp32_head
+            bf16_logits = model(input_ids=ids).logits  # the head in bf16, as before
+            with fp32_head(model):
+                assert model(input_ids=ids).logits.dtype == torch.float32
+        assert "forward" not in model.lm_head.__dict__  # restored on the way out
+    bf16_lp = torch.log_softmax(bf16_logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    err_bf16_head = (bf16_lp - ref[:, 1:]).abs().max()
+    err_fp32_head = (head_fp32[:, 1:] - ref[:, 1:]).abs().max()
+    assert err_bf16_head > 0.04  # measured 0.075: over half a quantum of 0.125
+    assert err_fp32_head < err_bf16_head / 5  # measured 0.0034: the body's rounding alone

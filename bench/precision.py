@@ -1,0 +1,158 @@
+"""Why bf16 learned worse than fp32: the trainer's log-probs of sampled tokens under each precision, and their cost.
+
+The easy ALFWorld-style level of ``make run-alfworld`` is played by SmolLM2-135M
+in fp32 (``hf``, temperature 0.7, as that recipe samples), ``--episodes`` tasks
+x ``--group`` episodes. Every action token's log-prob is then recomputed by the
+trainer's forward in each precision:
+
+- ``fp32``: the reference;
+- ``bf16 autocast``: what ``train.precision: bf16`` ran when its SFT scored 0.547
+  against fp32's 0.656: every matmul in bf16, the vocabulary head too, so the
+  logits are bf16 (a logit near 16 moves in steps of 0.125);
+- ``bf16 autocast, fp32 head``: the same body, the last hidden state cast to
+  fp32 and the vocabulary head run in fp32 outside autocast;
+- ``bf16 weights``: the model cast to bf16 (what an optimizer on bf16 weights
+  would update).
+
+For each: the mean, 99th percentile and largest ``|logp - logp_fp32|`` and
+``|logp - logp_sampler|`` over the action tokens, the mean difference (a bias),
+and PPO's ratio ``exp(logp - logp_sampler)`` at step 0 (it is exactly 1 where
+the trainer agrees with the sampler): its standard deviation and the fraction
+of tokens outside the clip range [0.8, 1.2]; and the seconds of one forward and
+backward over ``--tokens`` tokens (``--reps`` repeats, median). Writes
+``bench/precision.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from agentrl.config import Config
+from agentrl.models import load_model
+from agentrl.policy import HFPolicy
+from agentrl.rollout import collect
+from agentrl.types import Episode
+
+EASY = {"max_steps": 10, "families": ["pick_and_place_simple"], "max_receptacles": 6}
+TEMPERATURE = 0.7
+
+
+def episodes(model, tok, n: int, group: int) -> list[Episode]:
+    cfg = Config.model_validate({
+        "sampling": {"temperature": TEMPERATURE, "max_new_tokens": 20, "stop": ["\n"]},
+        "rollout": {"group_size": group, "max_turns": 10, "max_context_tokens": 2048, "seed": 0},
+        "env": {"id": "agentrl/ALFWorld-v0", "kwargs": EASY}})
+    trees = collect("agentrl/ALFWorld-v0", HFPolicy(model, tok), cfg, seeds=list(range(n)))
+    return [Episode.from_path(t.path(leaf.id)) for t in trees for leaf in t.leaves()]
+
+
+def head_logits(model, ids: torch.Tensor, variant: str) -> torch.Tensor:
+    """Logits ``[1, T, V]`` (fp32) of one sequence under a precision variant."""
+    if variant == "fp32":
+        return model(input_ids=ids).logits.float()
+    if variant == "bf16 autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(input_ids=ids).logits.float()
+    if variant == "bf16 autocast, fp32 head":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = model.model(input_ids=ids).last_hidden_state
+        with torch.autocast("cpu", enabled=False):
+            return model.lm_head(hidden.float())
+    if variant == "bf16 weights":
+        return model(input_ids=ids).logits.float()
+    raise ValueError(variant)
+
+
+def action_logprobs(model, ep: Episode, variant: str) -> torch.Tensor:
+    ids = torch.tensor([ep.input_ids])
+    logits = head_logits(model, ids, variant)[0, :-1]
+    logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)
+    lp = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)
+    mask = torch.tensor(ep.loss_mask[1:], dtype=torch.bool)
+    return lp[mask]
+
+
+def update_seconds(model, variant: str, tokens: int, reps: int) -> float:
+    ids = torch.randint(100, 49000, (1, tokens))
+    out = []
+    for _ in range(reps + 1):
+        model.zero_grad(set_to_none=True)
+        t = time.perf_counter()
+        logits = head_logits(model, ids, variant)[0, :-1]
+        loss = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).mean()
+        loss.backward()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out[1:])  # the first is warm-up
+
+
+def summarize(d: torch.Tensor) -> dict:
+    a = d.abs()
+    return {"mean_abs": round(a.mean().item(), 5), "p99_abs": round(a.quantile(0.99).item(), 5),
+            "max_abs": round(a.max().item(), 5), "mean": round(d.mean().item(), 6)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--episodes", type=int, default=8)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="tiny-random, 2 x 2 episodes, 256 tokens, 1 rep")
+    ap.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
+    args = ap.parse_args()
+    if args.quick:
+        args.model, args.episodes, args.group, args.tokens, args.reps = "tiny-random", 2, 2, 256, 1
+    torch.manual_seed(0)
+    load = os.getloadavg()
+    model, tok = load_model(args.model)
+    model.eval()
+    eps = episodes(model, tok, args.episodes, args.group)
+    sampler = torch.cat([torch.tensor(e.logprobs[1:])[torch.tensor(e.loss_mask[1:], dtype=torch.bool)]
+                         for e in eps])
+    bf16_model = copy.deepcopy(model).to(torch.bfloat16)
+    rows, ref = [], None
+    with torch.no_grad():
+        logit_abs = torch.cat([model(input_ids=torch.tensor([e.input_ids])).logits[0].abs().amax(-1) for e in eps])
+    for variant in ("fp32", "bf16 autocast", "bf16 autocast, fp32 head", "bf16 weights"):
+        m = bf16_model if variant == "bf16 weights" else model
+        with torch.no_grad():
+            lp = torch.cat([action_logprobs(m, e, variant) for e in eps])
+        ref = lp if ref is None else ref
+        ratio = torch.exp(lp - sampler)
+        m.train()
+        sec = update_seconds(m, variant, args.tokens, args.reps)
+        m.eval()
+        rows.append({"variant": variant, "vs_fp32": summarize(lp - ref), "vs_sampler": summarize(lp - sampler),
+                     "ratio_std": round(ratio.std().item(), 5),
+                     "ratio_outside_clip": round(((ratio < 0.8) | (ratio > 1.2)).float().mean().item(), 5),
+                     "fwd_bwd_s": round(sec, 3), "tokens_per_s": round(args.tokens / sec, 1)})
+    result = {"model": args.model, "action_tokens": int(sampler.numel()), "episodes": len(eps),
+              "max_logit_abs": {"median": round(logit_abs.median().item(), 2), "max": round(logit_abs.max().item(), 2)},
+              "rows": rows, "args": {k: v for k, v in vars(args).items() if k != "out"},
+              "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                          "load_avg_1m": [round(load[0], 2), round(os.getloadavg()[0], 2)],
+                          "python": platform.python_version(), "torch": torch.__version__}}
+    print(f"{args.model}: {result['action_tokens']} action tokens of {len(eps)} episodes; the largest logit of a "
+          f"position: median {result['max_logit_abs']['median']}, max {result['max_logit_abs']['max']}")
+    print(f"{'variant':26} {'|d| vs fp32 mean/p99/max':>28} {'|d| vs sampler mean/p99/max':>30} "
+          f"{'ratio sd':>9} {'out of clip':>11} {'tok/s':>7}")
+    for r in rows:
+        a, b = r["vs_fp32"], r["vs_sampler"]
+        print(f"{r['variant']:26} {a['mean_abs']:9.4f}/{a['p99_abs']:7.4f}/{a['max_abs']:7.4f}  "
+              f"{b['mean_abs']:10.4f}/{b['p99_abs']:7.4f}/{b['max_abs']:7.4f} {r['ratio_std']:9.4f} "
+              f"{r['ratio_outside_clip']:11.4f} {r['tokens_per_s']:7.0f}")
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
