@@ -99,7 +99,7 @@ lint: install
 	$(BIN)/ruff check .
 
 test: install extras vllm harnesses sandbox-deps browser-deps lint
-	$(BIN)/python -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs -n 2 --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python bench/rollout_overhead.py
