@@ -15,8 +15,6 @@ from agentrl.train.loss import (
     entropy_bonus,
     kl_penalty,
     kl_per_token,
-    m2po_mask,
-    m2po_trust_region,
     mean_denominator,
     mismatch_stats,
     policy_loss,
@@ -26,6 +24,7 @@ from agentrl.train.loss import (
     tis_weights,
     weight_negatives,
 )
+from agentrl.train.m2po import m2po_mask, m2po_trust_region
 
 
 def _lp(*ratios):
