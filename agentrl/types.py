@@ -5,7 +5,8 @@ A ``RolloutTree`` holds the turns of one task. Each ``Node`` is one turn: the
 context tokens added just before the action (the rendered observation delta and
 generation prompt), the action tokens exactly as sampled, their behaviour
 logprobs, and what the env answered. A linear rollout is a tree with one child
-per node; a root-to-leaf path is an ``Episode``.
+per node; a root-to-leaf path is an ``Episode``, and the episodes of one tree
+(one task) are its ``EpisodeGroup``, built once a training step.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = [
     "SUCCESS_REWARD",
     "Episode",
+    "EpisodeGroup",
     "Message",
     "Node",
     "RolloutTree",
@@ -333,6 +335,31 @@ class RolloutTree:
     @classmethod
     def from_json(cls, line: str) -> RolloutTree:
         return cls.from_dict(json.loads(line))
+
+
+@dataclass(slots=True)
+class EpisodeGroup:
+    """The episodes of one tree (a group: one task), built once, in leaf order.
+
+    ``episodes[i]`` is the root-to-leaf path ending at leaf ``leaf_ids[i]``. Credit,
+    the no-signal check and distillation all read these, never rebuilding them.
+    """
+
+    tree: RolloutTree
+    episodes: list[Episode]
+    leaf_ids: list[int]
+
+    @classmethod
+    def of(cls, tree: RolloutTree | EpisodeGroup) -> EpisodeGroup:
+        """``tree``'s episodes (a group is returned as it is)."""
+        if isinstance(tree, EpisodeGroup):
+            return tree
+        leaves = [leaf.id for leaf in tree.leaves()]
+        return cls(tree, [Episode.from_path(tree.path(i)) for i in leaves], leaves)
+
+    def by_leaf(self) -> dict[int, Episode]:
+        """Each episode under the id of the leaf it ends at."""
+        return dict(zip(self.leaf_ids, self.episodes, strict=True))
 
 
 _NODE_FIELDS = frozenset(f.name for f in fields(Node))

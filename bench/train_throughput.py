@@ -4,7 +4,7 @@ One step = ``--prompts`` prompts x ``--group`` completions of exactly
 ``--completion-tokens`` tokens (EOS is ignored on both sides so the lengths
 match), random 0/1 rewards, GRPO advantages, one AdamW step on all weights
 (or, for the models in ``--lora-models``, on LoRA adapters: ``trainable: lora``
-through ``agentrl.train.batch.make_trainable``, with ``LoraConfig``'s defaults,
+through ``agentrl.train.model.make_trainable``, with ``LoraConfig``'s defaults,
 r 16 on every linear layer of the decoder; agentrl only).
 
 agentrl's step is timed in its three parts, through the trainer's own
@@ -13,9 +13,9 @@ functions:
 - ``gen_s``: ``HFPolicy.generate`` of the whole batch;
 - ``score_s``: ``score_old``, the no-grad old-logprob pass (PPO's anchor).
   The trainer skips it when a batch gets one optimizer step (one epoch, one
-  minibatch: ``Trainer.needs_scoring_pass``), as here, so it is 0 unless
+  minibatch: ``Learner.needs_scoring_pass``), as here, so it is 0 unless
   ``--score-pass`` forces it;
-- ``update_s``: ``train_on_samples`` with ``policy_loss`` (one minibatch:
+- ``update_s``: ``train_on_samples`` with the step's loss (one minibatch:
   forward, backward, AdamW step; padded or packed rows, whichever
   ``padding_is_cheaper`` picks, as in the trainer).
 
@@ -106,15 +106,10 @@ def run_agentrl(args: argparse.Namespace, lora: bool = False) -> dict:
     from agentrl.models import load_model
     from agentrl.policy.base import GenerateRequest, SamplingParams
     from agentrl.policy.hf import HFPolicy
-    from agentrl.train.batch import (
-        Sample,
-        make_optimizer,
-        make_trainable,
-        score_old,
-        train_on_samples,
-    )
+    from agentrl.train.batch import Sample, score_old, train_on_samples
     from agentrl.train.config import TrainConfig
-    from agentrl.train.loss import PolicyLossConfig, policy_loss
+    from agentrl.train.loss import PolicyLossConfig, StepLoss
+    from agentrl.train.model import make_optimizer, make_trainable
 
     torch.manual_seed(0)
     model, tok = load_model(args.model, device=args.device)
@@ -126,13 +121,7 @@ def run_agentrl(args: argparse.Namespace, lora: bool = False) -> dict:
     trained = make_trainable(model, train_cfg)  # LoRA: adapters injected into the policy's own model
     opt = make_optimizer(trained, train_cfg.lr, train_cfg)
     n_trainable = sum(p.numel() for p in trained.parameters() if p.requires_grad)
-    cfg = PolicyLossConfig()
-
-    def loss_fn(lp, ent, t):  # Trainer._rl_loss's call: masks decided over the whole minibatch
-        v = t.values
-        return policy_loss(lp, v["advantages"], t.mask, cfg, old_logprobs=v.get("old"),
-                           behaviour_logprobs=v["behaviour"], entropies=ent, seq_ids=t.seq_ids,
-                           masks=t.minibatch.token_masks(cfg, 0, t))
+    loss = StepLoss(PolicyLossConfig(), version=0)  # the learning step's loss, policy version 0
 
     steps = []
     for step in range(args.steps):
@@ -157,7 +146,7 @@ def run_agentrl(args: argparse.Namespace, lora: bool = False) -> dict:
             fields += ("old",)
         score_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        st = train_on_samples(trained, opt, None, samples, loss_fn, fields=fields, epochs=1,
+        st = train_on_samples(trained, opt, None, samples, loss, fields=fields, epochs=1,
                               minibatch_size=len(samples), max_tokens=args.micro_batch_tokens,
                               max_grad_norm=1.0, per_token=True, pad_id=pad_id, temperature=1.0,
                               generator=torch.Generator().manual_seed(step))

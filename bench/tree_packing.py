@@ -3,7 +3,7 @@
 One batch of segment trees (``segment_tree``, ``depth`` levels of ``width``-way
 splits, so ``width ** depth`` episodes a task) is rolled out once with the
 model being measured, given tree credit, and then trained on in two layouts
-(``agentrl.train.tree_pack``):
+(``agentrl.train.rows``):
 
 - ``episode``: every episode its own packed sequence (``pack_sequences``), the
   trainer's default; the prompt and every turn above a branch point run once
@@ -41,11 +41,12 @@ from pathlib import Path
 import torch
 
 from agentrl.credit import assign
-from agentrl.train.batch import minibatch_step, samples_from_credit, score_old, score_samples
+from agentrl.train.batch import minibatch_step, samples_from_credit, score_old
 from agentrl.train.config import load_train_config
-from agentrl.train.logprobs import tree_token_savings
-from agentrl.train.trainer import Trainer, _Bars
-from agentrl.train.tree_pack import score_samples_tree, tree_minibatch
+from agentrl.train.loss import StepLoss
+from agentrl.train.metrics import ProgressBars
+from agentrl.train.rows import tree_token_savings
+from agentrl.train.trainer import Trainer
 
 FIELDS = ("advantages", "old", "behaviour", "versions")
 
@@ -73,24 +74,23 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 
 
 def measure(tr: Trainer, samples: list, layout: str, repeats: int) -> dict:
-    score, minibatch = ((score_samples, minibatch_step) if layout == "episode"
-                        else (score_samples_tree, tree_minibatch))
-    t = tr.cfg.train
+    tree, t, lr = layout == "tree", tr.cfg.train, tr.learner
     scored = copy.deepcopy(samples)
-    score_s, score_tokens = timed(lambda: score_old(tr.net, scored, t.micro_batch_tokens, tr.pad_id,
-                                                    tr.temperature, score=score), repeats)
+    score_s, score_tokens = timed(lambda: score_old(lr.net, scored, t.micro_batch_tokens, lr.pad_id,
+                                                    lr.temperature, tree=tree), repeats)
     idx = list(range(len(samples)))
 
     def step():
-        tr.net.zero_grad(set_to_none=True)
-        return minibatch(tr.net, samples, idx, tr._rl_loss, FIELDS, True, t.micro_batch_tokens,
-                         tr.pad_id, tr.temperature)
+        lr.net.zero_grad(set_to_none=True)
+        return minibatch_step(lr.net, samples, idx, StepLoss(t.loss, tr.policy.version), fields=FIELDS,
+                              per_token=True, max_tokens=t.micro_batch_tokens, pad_id=lr.pad_id,
+                              temperature=lr.temperature, tree=tree)
 
-    tr.net.train()
+    lr.net.train()
     loss_s, (stats, loss_tokens) = timed(step, repeats)
-    grads = {k: p.grad.detach().clone() for k, p in tr.net.named_parameters() if p.grad is not None}
-    tr.net.zero_grad(set_to_none=True)
-    tr.net.eval()
+    grads = {k: p.grad.detach().clone() for k, p in lr.net.named_parameters() if p.grad is not None}
+    lr.net.zero_grad(set_to_none=True)
+    lr.net.eval()
     return {"layout": layout, "score_tokens": score_tokens, "score_s": score_s,
             "loss_tokens": loss_tokens, "fwd_bwd_s": loss_s, "loss": stats["loss/total"],
             "_grads": grads}
@@ -117,7 +117,7 @@ def main() -> None:
 
     tr = make_trainer(args)
     t0 = time.perf_counter()
-    trees, roll = tr.rollout(0, _Bars(tr.console, False))
+    trees, roll = tr.rollout(0, ProgressBars(tr.console, False))
     rollout_s = time.perf_counter() - t0
     samples = samples_from_credit(assign(trees, "tree"))
     if not samples:
@@ -126,7 +126,7 @@ def main() -> None:
     if synthetic:  # no reward signal (a random model never wins): +-1 per episode, for the grad check
         for j, s in enumerate(samples):
             s.advantages = [(1.0 if j % 3 else -1.0) * m for m in s.mask]
-    score_old(tr.net, samples, tr.cfg.train.micro_batch_tokens, tr.pad_id, tr.temperature)
+    score_old(tr.learner.net, samples, tr.cfg.train.micro_batch_tokens, tr.learner.pad_id, tr.learner.temperature)
     rows = [measure(tr, samples, layout, args.repeats) for layout in ("episode", "tree")]
     ep, tree = rows
     grad_diff = max(float((tree["_grads"][k] - g).norm() / g.norm().clamp(min=1e-12))

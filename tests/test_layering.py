@@ -132,6 +132,20 @@ def test_config_imports_nothing_from_rollout():
     assert not sorted(m for m in reached if m.startswith("agentrl.rollout"))
 
 
+def test_the_learning_step_never_calls_back_into_the_trainer():
+    """The run (``train.trainer``) calls the step; nothing under ``agentrl/train`` but the run's
+    own entry points imports it back, not even for a type (a type would be a trainer handed down
+    to call back into)."""
+    above = {"agentrl.train", "agentrl.train.trainer", "agentrl.train.cli"}  # the run and what starts it
+    for name, path in _modules().items():
+        if not name.startswith("agentrl.train") or name in above:
+            continue
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom | ast.Import) for a in n.names}
+        modules = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert "Trainer" not in names and not any(m.endswith("trainer") for m in modules | names), name
+
+
 def test_the_cycle_finder_finds_one():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.types import Episode, RolloutTree
+from agentrl.types import Episode, EpisodeGroup, RolloutTree
 
 from .gdpo import gdpo
 from .gigpo import (
@@ -130,7 +130,7 @@ class CreditReport:
 
 def _tree_turns(
     method: str,
-    tree: RolloutTree,
+    group: EpisodeGroup,
     episodes: list[Episode],
     failed_leaves: set[int],
     outcome: Outcome,
@@ -141,9 +141,9 @@ def _tree_turns(
         scores = ESTIMATORS[method]([episode_outcome(e, outcome) for e in episodes], **options)
         return [[a] * e.num_turns for e, a in zip(episodes, scores, strict=True)]
     if method == "gigpo":
-        return gigpo_episode_advantages(episodes, tree, **options)
+        return gigpo_episode_advantages(episodes, group.tree, **options)
     if method == "tree":
-        advs = tree_advantages(tree, outcome, exclude=failed_leaves, **options)
+        advs = tree_advantages(group.tree, outcome, exclude=failed_leaves, episodes=group.by_leaf(), **options)
         return [turn_advantages(e, advs) for e in episodes]
     raise AssertionError(method)  # batch-level methods are handled by assign_report
 
@@ -196,7 +196,7 @@ def _batch_turns(
 
 
 def assign_report(
-    trees: Sequence[RolloutTree],
+    trees: Sequence[RolloutTree | EpisodeGroup],
     method: str,
     failed: str = "exclude",
     outcome: Outcome = "return",
@@ -207,7 +207,8 @@ def assign_report(
     ``method`` is a key of ``ESTIMATORS``; ``options`` go to it. ``outcome``
     is an episode's scalar result for the group methods and the tree method:
     ``"return"`` (sum of rewards), ``"success"`` or a callable. The group of
-    an episode is its tree. Extra per-method options:
+    an episode is its tree; ``trees`` may be ``EpisodeGroup``s whose episodes are
+    built already. Extra per-method options:
     ``gdpo`` needs ``reward_fn`` (Episode -> {name: value}) and takes
     ``weights``, ``batch_norm``, ``eps``; ``returns`` and ``gae`` take
     ``gamma``, ``lam``, ``value_fn`` (Episode -> per-turn values, plus optionally
@@ -222,14 +223,14 @@ def assign_report(
     kept: list[list[Episode]] = []
     bad: list[list[Episode]] = []
     bad_leaves: list[set[int]] = []
-    for t, tree in enumerate(trees):
+    groups = [EpisodeGroup.of(t) for t in trees]  # each tree's episodes, built once
+    for t, group in enumerate(groups):
         good, fails, leaves = [], [], set()
-        for leaf in tree.leaves():
-            episode = Episode.from_path(tree.path(leaf.id))
+        for leaf_id, episode in zip(group.leaf_ids, group.episodes, strict=True):
             if episode.error:
                 fails.append(episode)
-                leaves.add(leaf.id)
-                report.failed.append((t, leaf.id, episode.error))
+                leaves.add(leaf_id)
+                report.failed.append((t, leaf_id, episode.error))
             else:
                 good.append(episode)
         kept.append(good)
@@ -240,8 +241,8 @@ def assign_report(
         turns = _batch_turns(method, kept, dict(options))
     else:
         turns = [
-            _tree_turns(method, tree, eps, leaves, outcome, dict(options)) if eps else []
-            for tree, eps, leaves in zip(trees, kept, bad_leaves, strict=True)
+            _tree_turns(method, group, eps, leaves, outcome, dict(options)) if eps else []
+            for group, eps, leaves in zip(groups, kept, bad_leaves, strict=True)
         ]
 
     for tree_idx, (eps, per_turn) in enumerate(zip(kept, turns, strict=True)):
@@ -260,7 +261,7 @@ def assign_report(
 
 
 def assign(
-    trees: Sequence[RolloutTree],
+    trees: Sequence[RolloutTree | EpisodeGroup],
     method: str,
     failed: str = "exclude",
     outcome: Outcome = "return",

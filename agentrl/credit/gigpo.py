@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from agentrl.types import Episode, RolloutTree
+from agentrl.types import Episode, EpisodeGroup, RolloutTree
 
 from .group import _array, _center_scale
 from .returns import discounted_returns
@@ -188,7 +188,8 @@ def gigpo_episode_advantages(
     )
 
 
-def anchor_group_stats(trees: Sequence[RolloutTree], similarity: float | None = None) -> dict[str, float]:
+def anchor_group_stats(trees: Sequence[RolloutTree | EpisodeGroup],
+                       similarity: float | None = None) -> dict[str, float]:
     """How many steps of a batch fell into anchor groups of two or more (GiGPO's step level).
 
     Every episode of a group acts first in the same opening state, so the first
@@ -198,9 +199,9 @@ def anchor_group_stats(trees: Sequence[RolloutTree], similarity: float | None = 
     """
     steps = shared = later = later_shared = 0
     largest = 0
-    for tree in trees:
-        episodes = [e for e in (Episode.from_path(tree.path(leaf.id)) for leaf in tree.leaves())
-                    if not e.error and e.num_turns]
+    for group in map(EpisodeGroup.of, trees):
+        tree = group.tree
+        episodes = [e for e in group.episodes if not e.error and e.num_turns]
         if not episodes:
             continue
         keys = [episode_state_keys(e, tree, hashed=similarity is None) for e in episodes]

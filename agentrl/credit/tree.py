@@ -41,7 +41,7 @@ turn, so the turn's advantage is the turn-ending node's.
 from __future__ import annotations
 
 import math
-from collections.abc import Container
+from collections.abc import Container, Mapping
 from typing import Any
 
 import numpy as np
@@ -61,36 +61,43 @@ def leaf_outcome(tree: RolloutTree, leaf: Node, outcome: Outcome = "return") -> 
 
 
 def _leaf_stats(
-    tree: RolloutTree, outcome: Outcome, exclude: Container[int]
+    tree: RolloutTree, outcome: Outcome, exclude: Container[int], episodes: Mapping[int, Episode] | None
 ) -> dict[int, tuple[float, int]]:
-    """``{node_id: (sum of outcomes, number of leaves)}`` over the kept leaves below each node."""
+    """``{node_id: (sum of outcomes, number of leaves)}`` over the kept leaves below each node.
+
+    ``episodes`` maps leaf ids to their episodes when the caller built them already.
+    """
     stats: dict[int, tuple[float, int]] = {}
     for leaf in tree.leaves():
         if leaf.id in exclude:
             continue
         path = tree.path(leaf.id)
-        r = episode_outcome(Episode.from_path(path), outcome)
+        r = episode_outcome(episodes[leaf.id] if episodes is not None else Episode.from_path(path), outcome)
         for node in path:
             s, k = stats.get(node.id, (0.0, 0))
             stats[node.id] = (s + r, k + 1)
     return stats
 
 
-def node_values(
-    tree: RolloutTree, outcome: Outcome = "return", exclude: Container[int] = ()
-) -> dict[int, float]:
-    """``V(n)`` for every node with at least one kept leaf below it, and ``V`` of
-    the super-root under the key ``SUPER_ROOT``.
-
-    ``exclude`` holds leaf ids left out of every mean (failed episodes, say);
-    nodes with no kept leaf get no value.
-    """
-    stats = _leaf_stats(tree, outcome, exclude)
+def _values(tree: RolloutTree, stats: dict[int, tuple[float, int]]) -> dict[int, float]:
     values = {i: s / k for i, (s, k) in stats.items()}
     kept = [stats[r] for r in tree.roots if r in stats]
     if kept:
         values[SUPER_ROOT] = sum(s for s, _ in kept) / sum(k for _, k in kept)
     return values
+
+
+def node_values(
+    tree: RolloutTree, outcome: Outcome = "return", exclude: Container[int] = (),
+    episodes: Mapping[int, Episode] | None = None,
+) -> dict[int, float]:
+    """``V(n)`` for every node with at least one kept leaf below it, and ``V`` of
+    the super-root under the key ``SUPER_ROOT``.
+
+    ``exclude`` holds leaf ids left out of every mean (failed episodes, say);
+    nodes with no kept leaf get no value. ``episodes``: leaf id -> its episode, if built.
+    """
+    return _values(tree, _leaf_stats(tree, outcome, exclude, episodes))
 
 
 def tree_advantages(
@@ -103,14 +110,15 @@ def tree_advantages(
     max_scale: float = 10.0,
     eps: float = 1e-6,
     exclude: Container[int] = (),
+    episodes: Mapping[int, Episode] | None = None,
 ) -> dict[int, float]:
     """TreeRL's per-node advantage (see the module docstring), for nodes with a value."""
     if leaf_norm not in ("sqrt", "none"):
         raise ValueError(f"leaf_norm must be 'sqrt' or 'none', not {leaf_norm!r}")
     if max_scale < 1.0:
         raise ValueError(f"max_scale must be >= 1, got {max_scale}")
-    stats = _leaf_stats(tree, outcome, exclude)
-    values = node_values(tree, outcome, exclude)
+    stats = _leaf_stats(tree, outcome, exclude, episodes)
+    values = _values(tree, stats)
     if not stats:
         return {}
     v_root = values[SUPER_ROOT]

@@ -3,7 +3,7 @@
 ``agentrl train --harness CMD`` (``train.harness``) swaps the native engine
 for ``HarnessRollouts.collect``, which has ``agentrl.rollout.collect``'s
 signature: the trainer takes it as its rollout source
-(``agentrl.train.trainer.RolloutSource``; ``harness_rollouts`` makes one). Everything after the rollout is the same code: credit, old
+(``agentrl.train.rollouts.RolloutSource``; ``harness_rollouts`` makes one). Everything after the rollout is the same code: credit, old
 logprobs, loss, weight sync, eval and checkpoints.
 
 For the whole run, two servers listen on free 127.0.0.1 ports, each on a

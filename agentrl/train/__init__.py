@@ -3,15 +3,19 @@
 The math, plain synchronous torch and pure functions:
 
 - ``logprobs``: runs the model on rows, packed rows and prefix trees;
-- ``loss``: PPO-clip, TIS, M2PO, KL and entropy, from logprobs and advantages;
+- ``loss``: PPO-clip, TIS, KL and entropy, from logprobs and advantages, and
+  the step's loss (``row_loss``); ``m2po``: M2PO's mask and term;
 - ``distill``: on-policy distillation, its signals (``distill.signals``) and
   their wiring into a batch (``distill.loop``).
 
 The glue:
 
-- ``batch``: samples, their rows, scoring passes and the minibatch step;
-- ``tree_pack``: the same passes with each tree's shared tokens once;
-- ``trainer``: the loop (rollout, credit, scoring, update, sync, eval, checkpoint);
+- ``step``: the learning step, top to bottom (credit, scoring, distillation, update);
+- ``batch``: samples, scoring passes, the minibatch step and the optimizer loop;
+- ``rows``: how samples are laid into rows: packed episodes or prefix trees;
+- ``model``: what trains, the optimizer, precision, the KL reference, weight sync;
+- ``trainer``: the run (rollout, the step, sync, eval, checkpoint);
+- ``rollouts``: a step's rollouts, the held-out evaluation, the allocator's report;
 - ``asynchronous``: the next steps' rollouts in a thread, from a snapshot of the
   weights, within a staleness bound (``train.asynchronous``);
 - ``sft``: behaviour cloning of an env's expert, with RL's token layout;
@@ -48,40 +52,41 @@ from .distill import (
     topk_reverse_kl,
     turn_balance_weights,
 )
-from .logprobs import (
+from .logprobs import token_logprobs
+from .loss import (
+    AGGREGATIONS,
+    PolicyLossConfig,
+    StepLoss,
+    TokenMasks,
+    aggregate,
+    entropy_bonus,
+    kl_penalty,
+    kl_per_token,
+    mean_denominator,
+    mismatch_stats,
+    policy_loss,
+    ppo_clip_loss,
+    ppo_clip_token_loss,
+    row_loss,
+    staleness_mask,
+    tis_weights,
+    token_masks,
+)
+from .m2po import m2po_mask, m2po_token_loss, m2po_trust_region
+from .rollouts import RolloutSource, evaluate
+from .rows import (
     PackedRow,
     PrefixTree,
     block_causal_mask,
     collate_packed,
     pack_sequences,
     prefix_tree,
-    token_logprobs,
     tree_attention_mask,
     tree_token_savings,
 )
-from .loss import (
-    AGGREGATIONS,
-    PolicyLossConfig,
-    TokenMasks,
-    aggregate,
-    entropy_bonus,
-    kl_penalty,
-    kl_per_token,
-    m2po_mask,
-    m2po_token_loss,
-    m2po_trust_region,
-    mean_denominator,
-    mismatch_stats,
-    policy_loss,
-    ppo_clip_loss,
-    ppo_clip_token_loss,
-    staleness_mask,
-    tis_weights,
-    token_masks,
-)
 from .sft import expert_tree, expert_trees
-from .trainer import RolloutSource, Trainer, evaluate, train
-from .tree_pack import score_samples_tree, tree_minibatch
+from .step import Learner
+from .trainer import Trainer, train
 
 __all__ = [
     "AGGREGATIONS",
@@ -89,6 +94,7 @@ __all__ = [
     "DistillConfig",
     "DistillFields",
     "Distiller",
+    "Learner",
     "OverlapStop",
     "PackedRow",
     "PolicyLossConfig",
@@ -97,6 +103,7 @@ __all__ = [
     "SFTConfig",
     "Sample",
     "SampleScores",
+    "StepLoss",
     "TokenMasks",
     "TrainConfig",
     "TrainRunConfig",
@@ -133,10 +140,10 @@ __all__ = [
     "ppo_clip_token_loss",
     "prefix_tree",
     "reverse_kl_advantage",
+    "row_loss",
     "samples_from_credit",
     "save_checkpoint",
     "score_samples",
-    "score_samples_tree",
     "spread_turn_values",
     "staleness_mask",
     "step_divergence_weights",
@@ -147,7 +154,6 @@ __all__ = [
     "train",
     "train_on_samples",
     "tree_attention_mask",
-    "tree_minibatch",
     "tree_token_savings",
     "turn_balance_weights",
 ]

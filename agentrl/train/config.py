@@ -87,7 +87,7 @@ class TrainConfig(_Strict):
                                       "so their forward and backward are saved. Kept when the KL "
                                       "or entropy term is on.")
     tree_packing: bool = Field(False, description="Run each minibatch's episodes as prefix trees "
-                               "(agentrl.train.tree_pack): tokens shared by a tree's episodes go "
+                               "(agentrl.train.rows): tokens shared by a tree's episodes go "
                                "through the model once. Needs loss.agg=token-mean, no KL or entropy term, "
                                "no M2PO.")
     distill: DistillConfig | None = Field(None, description="Step-wise on-policy distillation "
@@ -167,7 +167,7 @@ class TrainConfig(_Strict):
         if self.credit == "none" and self.distill is None:
             raise ValueError("credit: 'none' leaves nothing to learn from; set distill, or a "
                              "credit method")
-        if self.tree_packing:  # a shared token carries its episodes' advantages summed (tree_pack.py)
+        if self.tree_packing:  # a shared token carries its episodes' advantages summed (rows.py)
             if self.loss.agg != "token-mean":
                 raise ValueError(f"tree_packing needs loss.agg='token-mean', got {self.loss.agg!r}: "
                                  "a shared token cannot be split between per-episode means")

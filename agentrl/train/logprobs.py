@@ -2,20 +2,17 @@
 
 One job: turn ``input_ids`` into ``logprobs[:, t] = log p(input_ids[:, t] | what t attends to)``
 and the entropy of that next-token distribution, with gradients, as cheaply as
-the model allows. Three layouts of the same tokens go through the same function:
+the model allows. Three layouts of the same tokens (laid out by ``rows``) go
+through the same function:
 
 - **rows** ``[B, T]``, one episode a row, optionally padded (a 2D ``attention_mask``);
 - **packed rows**: several episodes one after another in a row, each starting
-  again at position 0 (``pack_sequences``). A block-diagonal causal mask
-  (``block_causal_mask``) keeps them apart. transformers only infers that mask
-  from ``position_ids`` on some versions and attention kernels, so we build it
-  ourselves and pass it as a 4D mask, which the ``eager`` and ``sdpa``
-  kernels take as it is (flash-attention takes none: a clear error);
-- **prefix trees**: the episodes of a ``RolloutTree`` share their prefixes. A
-  trie of their tokens (``prefix_tree``) goes through the model once: each
-  token attends to its ancestors only (``tree_attention_mask``) and sits at
-  position = its depth, so each token sees exactly the context it had in its
-  own episode. Shared tokens are computed once (``tree_token_savings``).
+  again at position 0, kept apart by a boolean 4D block-causal mask, which the
+  ``eager`` and ``sdpa`` kernels take as it is (flash-attention takes none: a
+  clear error);
+- **prefix trees**: each token attends to its ancestors only (a 4D tree mask)
+  and its logits come from its parent (``parents``), so it sees exactly the
+  context it had in its own episode.
 
 In every layout a token's logits come from its *source* position: the token
 before it in a row, its parent in a tree, none for the first token of a
@@ -34,26 +31,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = [
-    "PackedRow",
-    "PrefixTree",
-    "TokenScores",
-    "block_causal_mask",
-    "collate_packed",
-    "fp32_head",
-    "pack_sequences",
-    "prefix_tree",
-    "token_logprobs",
-    "token_scores",
-    "tree_attention_mask",
-    "tree_token_savings",
-]
+__all__ = ["TokenScores", "fp32_head", "token_logprobs", "token_scores"]
 
 
 # --------------------------------------------------------------------------- forward
@@ -283,159 +267,3 @@ def _source_positions(batch: int, length: int, device: torch.device, valid: torc
     prev_valid = torch.cat([torch.zeros_like(valid[:, :1]), valid[:, :-1]], dim=1)
     src[~prev_valid] = -1  # the first real token after left padding
     return src
-
-
-# --------------------------------------------------------------------------- packing
-
-
-@dataclass(slots=True)
-class PackedRow:
-    """Several sequences laid end to end in one row.
-
-    ``spans[i]`` is the half-open ``(start, end)`` of the ``i``-th sequence in
-    the row and ``seq_index[i]`` its index in the list given to ``pack_sequences``.
-    """
-
-    input_ids: list[int] = field(default_factory=list)
-    position_ids: list[int] = field(default_factory=list)
-    spans: list[tuple[int, int]] = field(default_factory=list)
-    seq_index: list[int] = field(default_factory=list)
-
-
-def pack_sequences(seqs: list[list[int]], max_len: int) -> list[PackedRow]:
-    """Pack sequences into rows of at most ``max_len`` tokens, first-fit decreasing.
-
-    Longest sequences are placed first, each into the first row with room
-    (first-fit decreasing bin packing, Johnson 1973: within 11/9 of the
-    optimal number of rows plus a constant). Each sequence's positions restart at 0.
-    """
-    if max_len < 1:
-        raise ValueError(f"max_len must be >= 1, got {max_len}")
-    for i, s in enumerate(seqs):
-        if not s:
-            raise ValueError(f"seqs[{i}] is empty")
-        if len(s) > max_len:
-            raise ValueError(f"seqs[{i}] has {len(s)} tokens, more than max_len={max_len}")
-    rows: list[PackedRow] = []
-    for i in sorted(range(len(seqs)), key=lambda i: -len(seqs[i])):
-        row = next((r for r in rows if len(r.input_ids) + len(seqs[i]) <= max_len), None)
-        if row is None:
-            row = PackedRow()
-            rows.append(row)
-        start = len(row.input_ids)
-        row.input_ids += seqs[i]
-        row.position_ids += list(range(len(seqs[i])))
-        row.spans.append((start, len(row.input_ids)))
-        row.seq_index.append(i)
-    return rows
-
-
-def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean ``[B, 1, T, T]`` mask: token i may attend to j iff j <= i in the same sequence.
-
-    A sequence starts wherever ``position_ids`` is 0, the packing convention.
-    Padding given position 0 becomes a one-token sequence that attends only to
-    itself, which keeps its softmax finite.
-    """
-    if position_ids.ndim != 2:
-        raise ValueError(f"position_ids must be [B, T], got shape {tuple(position_ids.shape)}")
-    seq = (position_ids == 0).long().cumsum(-1)  # [B, T]: which sequence each token is in
-    same = seq[:, :, None] == seq[:, None, :]
-    length = position_ids.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
-    return (same & causal)[:, None]
-
-
-def collate_packed(rows: list[PackedRow], pad_id: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(input_ids, position_ids, mask)`` of packed rows, right-padded to the longest.
-
-    Pads sit at position 0, so ``block_causal_mask`` gives each its own block and
-    ``token_logprobs`` gives them no source.
-    """
-    width = max(len(r.input_ids) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    pos = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r.input_ids)] = torch.tensor(r.input_ids)
-        pos[i, :len(r.position_ids)] = torch.tensor(r.position_ids)
-    return ids, pos, block_causal_mask(pos)
-
-
-# --------------------------------------------------------------------------- trees
-
-
-@dataclass(slots=True)
-class PrefixTree:
-    """The tokens of several sequences with shared prefixes stored once.
-
-    ``input_ids[i]`` is node i's token and ``parents[i]`` its parent node (-1
-    for a first token); parents come before children. ``index[s][t]`` is the
-    node holding token t of sequence s: gather with it to read a per-node
-    tensor back in each sequence's own layout.
-    """
-
-    input_ids: list[int]
-    parents: list[int]
-    index: list[list[int]]
-
-
-def prefix_tree(seqs: list[list[int]]) -> PrefixTree:
-    """The trie of ``seqs``: a token shares a node with every sequence that has the same prefix up to it.
-
-    Two tokens are merged only when their whole prefixes are equal, so a merged
-    token has the same context, and so the same logprob, in every sequence.
-    """
-    ids: list[int] = []
-    parents: list[int] = []
-    children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-    index = []
-    for s in seqs:
-        parent, nodes = -1, []
-        for tok in s:
-            node = children.get((parent, tok))
-            if node is None:
-                node = len(ids)
-                ids.append(tok)
-                parents.append(parent)
-                children[(parent, tok)] = node
-            nodes.append(node)
-            parent = node
-        index.append(nodes)
-    return PrefixTree(ids, parents, index)
-
-
-def tree_attention_mask(parents: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mask [T, T], position_ids [T])`` for running a token tree as one row.
-
-    Token i attends to itself and its ancestors (the tree attention of
-    SpecInfer, Miao et al. 2024, used here for training rather than
-    verification): ``mask[i, j] = j is i or an ancestor of i``. Its position
-    id is its depth, the position it had in its own
-    sequence. Add the batch and head axes with ``mask[None, None]``. The mask is
-    dense, O(T^2) booleans, like any 4D mask.
-    """
-    parents = torch.as_tensor(parents, dtype=torch.long)
-    n = parents.numel()
-    if parents.ndim != 1:
-        raise ValueError(f"parents must be 1D, got shape {tuple(parents.shape)}")
-    if n and ((parents >= torch.arange(n)) | (parents < -1)).any():
-        raise ValueError("parents[i] must be -1 or an earlier index (< i) for every token i")
-    mask = torch.eye(n, dtype=torch.bool)
-    depth = torch.zeros(n, dtype=torch.long)
-    for i, p in enumerate(parents.tolist()):
-        if p >= 0:  # a token sees what its parent sees, plus the parent itself (already in that row)
-            mask[i] |= mask[p]
-            depth[i] = depth[p] + 1
-    return mask, depth
-
-
-def tree_token_savings(seqs: list[list[int]]) -> int:
-    """Tokens a prefix tree saves over running each sequence on its own.
-
-    That is ``sum(len(s)) - (number of trie nodes)``: for every node, one
-    fewer than the number of sequences passing through it. Two 100-token
-    episodes that share a 60-token prompt save 60; eight branches from one
-    node at token 500 save 7 * 500 = 3,500.
-    """
-    return sum(len(s) for s in seqs) - len(prefix_tree(seqs).input_ids)

@@ -1,4 +1,4 @@
-"""Training metrics: one JSON line per step, TensorBoard scalars, a learning-curve PNG.
+"""Training metrics: one JSON line per step, TensorBoard scalars, a learning-curve PNG, progress bars.
 
 Names are namespaced the CleanRL way (``rollout/success``, ``loss/clipfrac``,
 ``time/rollout_s``). ``metrics.jsonl`` is the record of truth; TensorBoard
@@ -12,11 +12,41 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLogger", "PeakMemory", "advantage_balance", "learning_curve_series", "merge_stat",
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+__all__ = ["MetricsLogger", "PeakMemory", "ProgressBars", "advantage_balance", "learning_curve_series", "merge_stat",
            "plot_learning_curve", "read_metrics"]
+
+
+class ProgressBars:
+    """Rich progress bars, one per phase, reset every step."""
+
+    def __init__(self, console: Console, enabled: bool):
+        self.progress = Progress("[progress.description]{task.description}", BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                                 disable=not enabled)
+        self.tasks: dict[str, Any] = {}
+
+    def start(self, phase: str, total: int, label: str = "") -> Callable[..., None]:
+        desc = f"{phase:<8} {label}"
+        if phase not in self.tasks:
+            self.tasks[phase] = self.progress.add_task(desc, total=total)
+        else:
+            self.progress.reset(self.tasks[phase], total=total, description=desc)
+        task = self.tasks[phase]
+        return lambda *_: self.progress.advance(task)
+
+    def __enter__(self) -> ProgressBars:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.__exit__(*exc)
 
 
 class PeakMemory:

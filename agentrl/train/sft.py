@@ -10,8 +10,8 @@ actions have identical ``input_ids`` and loss masks, and SFT trains with the
 same packing and micro-batching as RL.
 
 The loss is the negative log-likelihood of the action tokens, averaged over
-tokens (``token-mean``): behaviour cloning on the expert's turns only, never
-on the observations.
+tokens (``token-mean``; ``loss.row_loss`` with ``StepLoss()``): behaviour
+cloning on the expert's turns only, never on the observations.
 
 Envs with ``expert_action()``: ALFWorld-v0, WebShop-v0, TextWorld-v0 and
 GuessNumber-v0.
@@ -32,23 +32,15 @@ from ..errors import ConfigError, ContextOverflowError
 from ..policy.base import request_seed
 from ..rollout.turns import opening_messages, step_node
 from ..types import Node, RolloutTree
-from .batch import (
-    Sample,
-    make_optimizer,
-    make_scheduler,
-    precision,
-    samples_from_credit,
-    score_old,
-    sync_policy,
-    train_on_samples,
-)
-from .loss import aggregate
+from .batch import Sample, samples_from_credit, score_old, train_on_samples
+from .loss import StepLoss
+from .model import make_optimizer, make_scheduler, precision, sync_policy
 
-if TYPE_CHECKING:  # the trainer imports this module when it runs SFT
-    from .batch import Row
-    from .trainer import Trainer
+if TYPE_CHECKING:
+    from .step import Learner, StartBar
 
-__all__ = ["expert_tree", "expert_trees", "sft_loss", "sft_phase", "sft_seeds"]
+__all__ = ["expert_tree", "expert_trees", "sft_phase", "sft_seeds"]
+
 
 def _expert(env: Any, which: str = "observable") -> str:
     """The env's expert action: ``expert_action()``, which acts on what was observed, or
@@ -123,63 +115,52 @@ def expert_trees(env_id: str, tokenizer: Any, cfg: Any, seeds: list[int],
     return [t for t in trees if t.meta["expert_success"] or not only_successful]
 
 
-def sft_loss(logprobs: torch.Tensor, entropies: torch.Tensor, row: Row) -> tuple[torch.Tensor, dict]:
-    """Negative log-likelihood of the action tokens, token-mean."""
-    nll = aggregate(-logprobs, row.mask, "token-mean")
-    return nll, {"sft/nll": float(nll.detach())}
-
-
-def sft_phase(trainer: Trainer) -> dict[str, Any]:
-    """SFT of ``trainer``'s model on the expert trees of ``cfg.sft``, with its own AdamW.
+def sft_phase(learner: Learner, start_bar: StartBar | None = None) -> dict[str, Any]:
+    """SFT of the learner's model on the expert trees of ``cfg.sft``, with its own AdamW.
 
     Returns stats (``sft/*``, ``time/sft_s``); the policy gets the new weights. Its passes
-    run at ``train.precision``.
+    run at ``train.precision``; ``start_bar`` makes its progress bar.
     """
-    with precision(trainer.cfg.train.precision):
-        return _sft(trainer)
+    with precision(learner.cfg.train.precision):
+        return _sft(learner, start_bar)
 
 
-def _sft(trainer: Trainer) -> dict[str, Any]:
-    cfg, s = trainer.cfg, trainer.cfg.sft
+def _sft(learner: Learner, start_bar: StartBar | None) -> dict[str, Any]:
+    cfg, s = learner.cfg, learner.cfg.sft
     t0 = time.perf_counter()
     seeds = sft_seeds(cfg)
-    trees = expert_trees(cfg.env.id, trainer.policy.tokenizer, cfg, seeds)
+    trees = expert_trees(cfg.env.id, learner.policy.tokenizer, cfg, seeds)
     if not trees:
         raise ConfigError(f"sft: the expert won none of the {len(seeds)} tasks; nothing to imitate")
     # An episode's advantages are its loss mask, so SFT samples are RL samples with A = 1.
     items = [(ep, [float(m) for m in ep.loss_mask]) for tree in trees for ep in tree.episodes()]
     samples = samples_from_credit(items)
     build_s = time.perf_counter() - t0
-    optimizer = make_optimizer(trainer.model, s.lr, cfg.train)
+    optimizer = make_optimizer(learner.model, s.lr, cfg.train)
     n_steps = s.epochs * math.ceil(len(samples) / s.minibatch_size)
     scheduler = make_scheduler(optimizer, cfg.train, n_steps)
-    advance = _bar(trainer, n_steps)
-    nll_before = _mean_nll(trainer, samples)
+    advance = start_bar("sft", n_steps, "") if start_bar is not None else None
+    nll_before = _mean_nll(learner, samples)
     t1 = time.perf_counter()
-    st = train_on_samples(trainer.model, optimizer, scheduler, samples, sft_loss, fields=(),
+    st = train_on_samples(learner.model, optimizer, scheduler, samples, StepLoss(), fields=(),
                           epochs=s.epochs, minibatch_size=s.minibatch_size,
                           max_tokens=cfg.train.micro_batch_tokens,
                           max_grad_norm=cfg.train.max_grad_norm, per_token=True,
-                          pad_id=trainer.pad_id, temperature=1.0,
+                          pad_id=learner.pad_id, temperature=1.0,
                           generator=torch.Generator().manual_seed(request_seed(cfg.train.seed, -1)),
                           on_minibatch=advance)
     wall = time.perf_counter() - t1
-    sync_policy(trainer.policy, trainer.model)
+    sync_policy(learner.policy, learner.model)
     return {"sft/episodes": len(samples), "sft/tasks": len(seeds),
             "sft/action_tokens": sum(x.n_action for x in samples),
-            "sft/nll_before": nll_before, "sft/nll_after": _mean_nll(trainer, samples),
+            "sft/nll_before": nll_before, "sft/nll_after": _mean_nll(learner, samples),
             "sft/optimizer_steps": st["train/optimizer_steps"],
             "sft/tokens_per_s": st["train/tokens"] / max(wall, 1e-9),
             "time/sft_build_s": build_s, "time/sft_s": wall}
 
 
-def _mean_nll(trainer: Trainer, samples: list[Sample]) -> float:
+def _mean_nll(learner: Learner, samples: list[Sample]) -> float:
     """Token-mean NLL of the expert's action tokens under the current weights."""
-    score_old(trainer.net, samples, trainer.cfg.train.micro_batch_tokens, trainer.pad_id, 1.0)
+    score_old(learner.net, samples, learner.cfg.train.micro_batch_tokens, learner.pad_id, 1.0)
     lps = [lp for s in samples for lp, m in zip(s.old, s.mask, strict=True) if m]
     return -sum(lps) / max(len(lps), 1)
-
-
-def _bar(trainer: Trainer, total: int) -> Any:
-    bars = getattr(trainer, "bars", None)
-    return bars.start("sft", total) if bars is not None else None

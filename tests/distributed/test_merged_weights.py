@@ -7,8 +7,8 @@ import torch
 
 from agentrl.distributed.rollout_workers import merged_weights
 from agentrl.models import load_model
-from agentrl.train.batch import make_trainable
 from agentrl.train.config import TrainConfig
+from agentrl.train.model import make_trainable
 
 pytest.importorskip("peft", reason="trainable=lora needs peft (pip install peft)")
 

@@ -19,6 +19,7 @@ from agentrl.policy import GenerateRequest, HFPolicy, SamplingParams
 from agentrl.policy.snapshot import SnapshotPolicy
 from agentrl.train.asynchronous import RolloutProducer, may_start, staleness_stats
 from agentrl.train.config import load_train_config
+from agentrl.train.step import Learner
 from agentrl.train.trainer import Trainer, step_task_seeds, train
 from agentrl.types import Node, RolloutTree
 from tests.train.test_trainer import toy_config
@@ -63,7 +64,7 @@ def test_k1_rolls_out_the_next_step_while_this_one_trains(tmp_path, monkeypatch)
     events: list[tuple[str, int]] = []
     rolled = {s: threading.Event() for s in range(4)}
     samplers: list[object] = []
-    rollout, learn = Trainer.rollout, Trainer.learn
+    rollout, learn = Trainer.rollout, Learner.learn
 
     def gated_rollout(self, step, bars, policy=None, max_turns=None):
         events.append(("rollout", step))
@@ -79,7 +80,7 @@ def test_k1_rolls_out_the_next_step_while_this_one_trains(tmp_path, monkeypatch)
         return learn(self, trees, step, bars)
 
     monkeypatch.setattr(Trainer, "rollout", gated_rollout)
-    monkeypatch.setattr(Trainer, "learn", gated_learn)
+    monkeypatch.setattr(Learner, "learn", gated_learn)
     train(toy_config(tmp_path, *FAST, "train.steps=3", "train.eval_episodes=0", _async(1)), progress=False)
     assert events == [("rollout", 0), ("rollout", 1), ("learn", 0), ("rollout", 2), ("learn", 1), ("learn", 2)]
     assert all(isinstance(p, SnapshotPolicy) for p in samplers)  # never the trained model's policy
@@ -237,14 +238,14 @@ def test_the_snapshot_samples_the_old_weights_until_the_sync(tokenizer):
 
 def test_a_trainer_error_mid_run_ends_the_producer(tmp_path, monkeypatch):
     torch.set_num_threads(1)
-    learn = Trainer.learn
+    learn = Learner.learn
 
     def failing_learn(self, trees, step, bars):
         if step == 1:
             raise RuntimeError("boom in step 2")
         return learn(self, trees, step, bars)
 
-    monkeypatch.setattr(Trainer, "learn", failing_learn)
+    monkeypatch.setattr(Learner, "learn", failing_learn)
     with pytest.raises(RuntimeError, match="boom in step 2"):
         train(toy_config(tmp_path, *FAST, "train.steps=4", "train.eval_episodes=0", _async(1, 2)),
               progress=False)
@@ -256,18 +257,18 @@ def test_resume_with_async_starts_a_fresh_producer_and_repeats_the_run(tmp_path,
     torch.set_num_threads(1)
     run = [*FAST, "train.steps=4", "train.checkpoint_every=1", "train.eval_episodes=0", "train.lr=1e-3", _async(0)]
     train(toy_config(tmp_path / "straight", *run), progress=False)
-    learn = Trainer.learn
+    learn = Learner.learn
 
     def dies_in_step_3(self, trees, step, bars):
         if step == 2:
             raise RuntimeError("killed in step 3")
         return learn(self, trees, step, bars)
 
-    monkeypatch.setattr(Trainer, "learn", dies_in_step_3)
+    monkeypatch.setattr(Learner, "learn", dies_in_step_3)
     with pytest.raises(RuntimeError, match="killed in step 3"):
         train(toy_config(tmp_path / "stopped", *run), progress=False)
     assert _producer_threads() == []
-    monkeypatch.setattr(Trainer, "learn", learn)
+    monkeypatch.setattr(Learner, "learn", learn)
     train(toy_config(tmp_path / "stopped", *run), resume=True, progress=False)
     a, b = _rl_rows(tmp_path / "straight"), _rl_rows(tmp_path / "stopped")
     assert [r["step"] for r in b] == [1, 2, 3, 4]

@@ -14,7 +14,7 @@ import typer
 from typer.testing import CliRunner
 
 import agentrl.credit
-import agentrl.train.trainer as trainer_module
+import agentrl.train.step as step_module
 from agentrl.credit import assign_report
 from agentrl.policy import HFPolicy
 from agentrl.proxy import harness_rollouts
@@ -119,7 +119,7 @@ def test_cli_train_harness_trains_on_exactly_what_the_proxy_sampled(tmp_path, mo
                       "max_new": request.params.max_new_tokens})
         return result
 
-    train_on_samples = trainer_module.train_on_samples
+    train_on_samples = step_module.train_on_samples
 
     def record_update(model, optimizer, scheduler, samples, *args, **kwargs):
         before = [p.detach().clone() for p in model.parameters()]
@@ -131,11 +131,11 @@ def test_cli_train_harness_trains_on_exactly_what_the_proxy_sampled(tmp_path, mo
     credit = agentrl.credit.assign
 
     def record_credit(trees, *args, **kwargs):
-        groups.append(list(trees))
+        groups.append([g.tree for g in trees])  # the step hands credit each tree's episodes
         return credit(trees, *args, **kwargs)
 
     monkeypatch.setattr(HFPolicy, "agenerate", record_generation)
-    monkeypatch.setattr(trainer_module, "train_on_samples", record_update)
+    monkeypatch.setattr(step_module, "train_on_samples", record_update)
     monkeypatch.setattr(agentrl.credit, "assign", record_credit)
 
     # Episodes 0 and 1 play normally; 2 crashes before any model call; 3 plays, then

@@ -7,12 +7,12 @@ import copy
 import pytest
 import torch
 
-from agentrl.train.logprobs import (
+from agentrl.train.logprobs import token_logprobs
+from agentrl.train.rows import (
     block_causal_mask,
     collate_packed,
     pack_sequences,
     prefix_tree,
-    token_logprobs,
     tree_attention_mask,
     tree_token_savings,
 )

@@ -15,8 +15,6 @@ from agentrl.train.loss import (
     entropy_bonus,
     kl_penalty,
     kl_per_token,
-    m2po_mask,
-    m2po_trust_region,
     mean_denominator,
     mismatch_stats,
     policy_loss,
@@ -26,6 +24,7 @@ from agentrl.train.loss import (
     tis_weights,
     weight_negatives,
 )
+from agentrl.train.m2po import m2po_mask, m2po_trust_region
 
 
 def _lp(*ratios):
@@ -364,7 +363,9 @@ def test_policy_loss_options_without_their_inputs_fail_loudly():
 
 
 def test_m2po_refuses_several_advantages_per_token():
-    with pytest.raises(ValueError, match="tree_packing"):
+    """Several advantages per token (tree packing's layout): refused by the loss; the config
+    refuses tree_packing with M2PO before that (tests/train/test_tree_training.py)."""
+    with pytest.raises(ValueError, match="M2PO needs one advantage per token"):
         policy_loss(torch.zeros(1, 2), torch.ones(1, 2, 2), torch.ones(1, 2), PolicyLossConfig(m2po_tau=0.04),
                     behaviour_logprobs=torch.zeros(1, 2), masks=None)
 

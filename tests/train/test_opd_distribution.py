@@ -16,7 +16,7 @@ from agentrl.train.distill import (
 )
 from agentrl.train.distill.loop import document_bos, overlap_weights
 from agentrl.train.logprobs import token_scores
-from agentrl.train.trainer import _Bars
+from agentrl.train.metrics import ProgressBars
 from agentrl.types import read_trees
 from tests.train.test_opd_training import GUESS, distill_trainer, first_step
 
@@ -176,17 +176,17 @@ def test_the_depth_budget_keeps_the_turns_that_hold_the_divergence():
 
 def test_the_depth_budget_caps_the_next_steps_rollouts(tmp_path):
     tr = distill_trainer(tmp_path, "{teacher: tiny-random, depth_coverage: 0.3}", steps=2)
-    tr.net.model.layers[0].mlp.down_proj.weight.data.mul_(3.0)  # the student drifts from its own copy
+    tr.learner.net.model.layers[0].mlp.down_proj.weight.data.mul_(3.0)  # the student drifts from its own copy
     _, stats = first_step(tr)
     budget = stats["distill/depth_budget"]
-    assert budget == tr.distiller.depth_budget and 1 <= budget < 3
-    assert len(tr.distiller.turn_mass) >= 2 and tr.distiller.turn_mass[0] > 0
+    assert budget == tr.learner.distiller.depth_budget and 1 <= budget < 3
+    assert len(tr.learner.distiller.turn_mass) >= 2 and tr.learner.distiller.turn_mass[0] > 0
     tr.step = 1
-    tr._one_step(_Bars(tr.console, False))  # step 2 rolls out under the budget step 1 left
+    tr._one_step(ProgressBars(tr.console, False))  # step 2 rolls out under the budget step 1 left
     trees = read_trees(tmp_path / "trees" / "step-000002.jsonl")
     assert max(len(ep.nodes) for t in trees for ep in t.episodes()) <= budget
-    budget = tr.distiller.depth_budget
+    budget = tr.learner.distiller.depth_budget
     tr.save()
     again = distill_trainer(tmp_path, "{teacher: tiny-random, depth_coverage: 0.3}", steps=2)
-    assert again.resume() and again.distiller.depth_budget == budget  # the statistics are checkpointed
-    assert again.distiller.turn_mass == pytest.approx(tr.distiller.turn_mass)
+    assert again.resume() and again.learner.distiller.depth_budget == budget  # the statistics are checkpointed
+    assert again.learner.distiller.turn_mass == pytest.approx(tr.learner.distiller.turn_mass)

@@ -10,7 +10,7 @@ import torch
 
 from agentrl.errors import ConfigError
 from agentrl.rollout import collect
-from agentrl.train.batch import DistillFields, Sample, score_old, score_samples, sync_policy
+from agentrl.train.batch import DistillFields, Sample, score_old, score_samples
 from agentrl.train.config import TrainConfig, load_train_config
 from agentrl.train.distill import (
     DistillConfig,
@@ -18,8 +18,10 @@ from agentrl.train.distill import (
     distill_weight,
     load_teacher,
 )
+from agentrl.train.metrics import ProgressBars
+from agentrl.train.model import sync_policy
 from agentrl.train.sft import sft_phase
-from agentrl.train.trainer import Trainer, _Bars
+from agentrl.train.trainer import Trainer
 
 GUESS = ["policy.model=tiny-random", "env.id=agentrl/GuessNumber-v0",
          "env.kwargs={high: 4, max_turns: 3}", "rollout.max_turns=3", "rollout.max_context_tokens=256",
@@ -37,9 +39,9 @@ def distill_trainer(tmp_path, distill: str, steps: int = 1) -> Trainer:
 
 def first_step(tr: Trainer) -> tuple[list, dict]:
     """Step 0's rollout trees and the stats of learning on them."""
-    bars = _Bars(tr.console, False)
+    bars = ProgressBars(tr.console, False)
     trees, _ = tr.rollout(0, bars)
-    return trees, tr.learn(trees, 0, bars)
+    return trees, tr.learner.learn(trees, 0, bars.start)
 
 
 # --------------------------------------------------------------------------- pieces
@@ -114,9 +116,9 @@ def sft_teacher(tmp_path_factory):
     cfg = load_train_config(None, GUESS + ["sft.episodes=32", "sft.epochs=2", "sft.lr=1e-2",
                                            "sft.minibatch_size=8", f"train.out_dir={out / 'run'}"])
     trainer = Trainer(cfg, progress=False)
-    st = sft_phase(trainer)
+    st = sft_phase(trainer.learner)
     assert st["sft/nll_after"] < st["sft/nll_before"] - 5  # the teacher really differs from the student
-    trainer.net.save_pretrained(out / "hf")
+    trainer.learner.net.save_pretrained(out / "hf")
     trainer.policy.tokenizer.save_pretrained(out / "hf")
     return str(out / "hf")
 
@@ -143,7 +145,7 @@ def held_out_reverse_kl(trainer: Trainer, teacher: torch.nn.Module, seeds: list[
     kls = []
     with torch.no_grad():
         for ids, action in _held_out_episodes(trainer, seeds):
-            s = _action_logprobs(trainer.net, ids, action, trainer.temperature)
+            s = _action_logprobs(trainer.learner.net, ids, action, trainer.learner.temperature)
             t = _action_logprobs(teacher, ids, action)
             kls.append((s.exp() * (s - t)).sum(-1))
     return float(torch.cat(kls).mean())
@@ -155,11 +157,11 @@ def fixed_support_lsm(trainer: Trainer, episodes: list[tuple[torch.Tensor, torch
     weights change between calls."""
     from agentrl.train.distill import build_support, distribution_loss
 
-    d = trainer.distiller
+    d = trainer.learner.distiller
     with torch.no_grad():
         support = []
         for ids, a in episodes:
-            top = _action_logprobs(trainer.net, ids, a).topk(k).indices
+            top = _action_logprobs(trainer.learner.net, ids, a).topk(k).indices
             kept, _ = build_support(top, torch.zeros(top.shape), top, torch.zeros(top.shape), both=False,
                                     special=d._special, vocab=d._vocab)  # LSM: the student's top-k alone
             support.append((top, kept >= 0))
@@ -168,7 +170,7 @@ def fixed_support_lsm(trainer: Trainer, episodes: list[tuple[torch.Tensor, torch
         total, n = 0.0, 0
         with torch.no_grad():
             for (ids, a), (top, keep) in zip(episodes, support, strict=True):
-                s = _action_logprobs(trainer.net, ids, a, trainer.temperature).gather(-1, top)
+                s = _action_logprobs(trainer.learner.net, ids, a, trainer.learner.temperature).gather(-1, top)
                 t = _action_logprobs(d.teacher, ids, a, d.cfg.teacher_temperature).gather(-1, top)
                 ones = torch.ones(1, len(top))
                 _, stats = distribution_loss(s[None], t[None], keep[None], ones, ones, d.cfg.signal)
@@ -189,13 +191,13 @@ def opd_run(tmp_path, teacher: str, lr: float, steps: int = 4, options: str = ""
     """Held-out exact reverse KL before and after ``steps`` of distillation, and each step's stats."""
     tr = opd_trainer(tmp_path, teacher, lr, steps, options)
     held_out = list(range(1000, 1008))
-    before = held_out_reverse_kl(tr, tr.distiller.teacher, held_out)
-    bars, log = _Bars(tr.console, False), []
+    before = held_out_reverse_kl(tr, tr.learner.distiller.teacher, held_out)
+    bars, log = ProgressBars(tr.console, False), []
     for k in range(steps):
         trees, _ = tr.rollout(k, bars)
-        log.append(tr.learn(trees, k, bars))
-        sync_policy(tr.policy, tr.model)
-    return before, held_out_reverse_kl(tr, tr.distiller.teacher, held_out), log
+        log.append(tr.learner.learn(trees, k, bars.start))
+        sync_policy(tr.policy, tr.learner.model)
+    return before, held_out_reverse_kl(tr, tr.learner.distiller.teacher, held_out), log
 
 
 def test_opd_lowers_teacher_student_kl_on_held_out_rollouts_where_lr_zero_does_not(tmp_path, sft_teacher):
@@ -232,11 +234,11 @@ def test_lsm_lowers_itself_on_the_batch_and_support_it_trained_on(tmp_path, sft_
     LSM rose on all five, and 3 such steps raised held-out LSM on 2 of the five."""
     torch.set_num_threads(1)
     tr = opd_trainer(tmp_path, sft_teacher, lr=1e-3, steps=1, options=", signal: lsm, top_k: 8")
-    bars = _Bars(tr.console, False)
+    bars = ProgressBars(tr.console, False)
     trees, _ = tr.rollout(0, bars)
     lsm = fixed_support_lsm(tr, _episode_tensors(trees), k=8)
     before = lsm()
-    stats = tr.learn(trees, 0, bars)
+    stats = tr.learner.learn(trees, 0, bars.start)
     after = lsm()
     print(f"lsm on the trained batch: {before:.3f} -> {after:.3f}; logged {stats['loss/distill_lsm']:.3f}")
     assert stats["train/optimizer_steps"] == 1
@@ -262,7 +264,7 @@ def test_privileged_teacher_scores_the_student_tokens_after_its_own_prefix(token
     sample = Sample(list(ids), mask, [0.0] * len(ids), [0.0] * len(ids), [0] * len(ids))
     sample.distill.privileged = "The secret number is 7."
     score_old(model, [sample], 512, 0, 1.0)
-    stats = distiller.apply([sample], 0, lambda net, ss, temp, **kw: score_samples(net, ss, 512, 0, temp, **kw))
+    stats, _ = distiller.teacher_scores([sample], lambda net, ss, temp, **kw: score_samples(net, ss, 512, 0, temp, **kw))
     assert sample.input_ids == ids and len(sample.distill.teacher) == len(ids)
     prefix = privileged_prefix(tokenizer, "The secret number is 7.")
     assert "The secret number is 7." in tokenizer.decode(prefix) and prefix[0] == tokenizer.encode("<|im_start|>")[0]
@@ -275,7 +277,7 @@ def test_privileged_teacher_scores_the_student_tokens_after_its_own_prefix(token
     assert stats["distill/teacher_tokens"] == len(prefix) + len(ids)
     sample.distill.privileged = None
     with pytest.raises(ConfigError, match="info\\['privileged'\\]"):
-        distiller.apply([sample], 0, lambda *a, **kw: ([], 0))
+        distiller.teacher_scores([sample], lambda *a, **kw: ([], 0))
 
 
 def load_model_tiny():
@@ -305,7 +307,8 @@ def test_a_privileged_self_teacher_prefers_the_secret(tokenizer):
                        [0.0] * (len(prompt) + len(action)), [0] * (len(prompt) + len(action)))
             s.distill.privileged = f"The secret number is {secret}."
             score_old(model, [s], 1024, 0, 1.0)
-            distiller.apply([s], 0, lambda net, ss, temp, **kw: score_samples(net, ss, 1024, 0, temp, **kw))
+            _, token_w = distiller.teacher_scores([s], lambda net, ss, temp, **kw: score_samples(net, ss, 1024, 0, temp, **kw))
+            distiller.advantage_term([s], 0, token_w)
             gaps[(secret, guess == secret)] = sum(s.advantages)
     # log p_teacher - log p_student of the guess: telling the 135M model the secret raises the
     # secret's logprob more than a wrong guess's, by 0.18 to 0.38 nats here. A small model uses
@@ -317,7 +320,7 @@ def test_a_privileged_self_teacher_prefers_the_secret(tokenizer):
 def test_a_training_step_with_a_privileged_self_teacher(tmp_path):
     """The engine keeps the env's privileged text out of every prompt and hands it to the teacher."""
     tr = distill_trainer(tmp_path, "{teacher: self, privileged: true, weight: 0.5}")
-    assert tr.distiller.teacher is tr.net  # the student's own weights, not a copy
+    assert tr.learner.distiller.teacher is tr.learner.net  # the student's own weights, not a copy
     trees, stats = first_step(tr)
     tok = tr.policy.tokenizer
     for tree in trees:
@@ -396,14 +399,14 @@ def test_an_expert_teacher_pushes_the_student_off_actions_the_expert_would_not_t
 
         def logp() -> float:
             with torch.no_grad():
-                lp = torch.log_softmax(tr.net(torch.tensor([opening + action])).logits[0] / 0.1, -1)
+                lp = torch.log_softmax(tr.learner.net(torch.tensor([opening + action])).logits[0] / 0.1, -1)
             return float(sum(lp[len(opening) - 1 + i, t] for i, t in enumerate(action)))
 
-        before, bars, last = logp(), _Bars(tr.console, False), {}
+        before, bars, last = logp(), ProgressBars(tr.console, False), {}
         for k in range(3):
             trees, _ = tr.rollout(k, bars)
-            last = tr.learn(trees, k, bars)
-            sync_policy(tr.policy, tr.model)
+            last = tr.learner.learn(trees, k, bars.start)
+            sync_policy(tr.policy, tr.learner.model)
         return before, logp(), last
 
     before, after, stats = run(1e-2)
@@ -447,8 +450,8 @@ def test_turn_balance_and_sod_weights_scale_the_signal_per_turn():
 
 def test_distill_options_reach_the_loop(tmp_path):
     tr = distill_trainer(tmp_path, "{teacher: tiny-random, turn_balance: true, sod_alpha: 1.0}", steps=2)
-    assert tr.distiller._weights(0) == {"turn_balance": 0.0, "sod_alpha": 1.0}
-    assert tr.distiller._weights(1) == {"turn_balance": 1.0, "sod_alpha": 1.0}
+    assert tr.learner.distiller._weights(0) == {"turn_balance": 0.0, "sod_alpha": 1.0}
+    assert tr.learner.distiller._weights(1) == {"turn_balance": 1.0, "sod_alpha": 1.0}
     _, stats = first_step(tr)
     assert stats["distill/teacher_tokens"] > 0 and stats["train/optimizer_steps"] == 1
 
@@ -475,10 +478,10 @@ def test_a_privileged_prefix_longer_than_the_micro_batch_still_scores(tmp_path):
         "train.export_hf=false", "rollout.group_size=2", "train.tasks_per_step=2", "train.steps=1",
         "train.distill={teacher: self, privileged: true}", f"train.out_dir={tmp_path}"])
     tr = Trainer(cfg, progress=False)
-    bars = _Bars(tr.console, False)
+    bars = ProgressBars(tr.console, False)
     trees, _ = tr.rollout(0, bars)
     assert max(len(ep.input_ids) for t in trees for ep in t.episodes()) > 80  # near the 96 cap
-    stats = tr.learn(trees, 0, bars)
+    stats = tr.learner.learn(trees, 0, bars.start)
     assert stats["distill/teacher_tokens"] > sum(len(ep.input_ids) for t in trees for ep in t.episodes())
 
 
@@ -547,13 +550,13 @@ def test_hindsight_summary_names_the_groups_best_episode(tokenizer):
 def test_a_self_teacher_reads_the_groups_hindsight(tmp_path):
     tr = distill_trainer(tmp_path, "{teacher: self, privileged: true, privileged_source: hindsight}")
     seen: list[str | None] = []
-    apply = tr.distiller.apply
+    teacher_scores = tr.learner.distiller.teacher_scores
 
-    def spy(samples, step, score):
+    def spy(samples, score):
         seen.extend(s.distill.privileged for s in samples)
-        return apply(samples, step, score)
+        return teacher_scores(samples, score)
 
-    tr.distiller.apply = spy
+    tr.learner.distiller.teacher_scores = spy
     trees, stats = first_step(tr)
     assert len(seen) == sum(1 for t in trees for _ in t.episodes())
     assert all(p.startswith("Hindsight from 4 attempt") for p in seen)

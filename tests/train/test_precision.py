@@ -7,8 +7,8 @@ import torch
 
 import agentrl.train.batch as batch
 from agentrl.errors import ConfigError
-from agentrl.train.batch import autocast, precision
 from agentrl.train.config import load_train_config
+from agentrl.train.model import autocast, precision
 from agentrl.train.trainer import train
 
 from .test_sft import GUESS

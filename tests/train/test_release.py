@@ -34,9 +34,9 @@ def no_cycle_collection() -> Iterator[None]:
 
 
 def _models(tr: Trainer) -> dict[str, weakref.ref]:
-    assert tr.ref is not None and tr.distiller is not None and tr.distiller.teacher is not None
-    return {"policy": weakref.ref(tr.policy), "student": weakref.ref(tr.net), "reference": weakref.ref(tr.ref),
-            "teacher": weakref.ref(tr.distiller.teacher), "optimizer": weakref.ref(tr.optimizer)}
+    assert tr.learner.ref is not None and tr.learner.distiller is not None and tr.learner.distiller.teacher is not None
+    return {"policy": weakref.ref(tr.policy), "student": weakref.ref(tr.learner.net), "reference": weakref.ref(tr.learner.ref),
+            "teacher": weakref.ref(tr.learner.distiller.teacher), "optimizer": weakref.ref(tr.learner.optimizer)}
 
 
 def _alive(refs: dict[str, weakref.ref]) -> list[str]:

@@ -15,16 +15,10 @@ from agentrl.env import TextEnv, register_env
 from agentrl.errors import ConfigError
 from agentrl.models import load_model
 from agentrl.policy import GenerateRequest, HFPolicy, SamplingParams
-from agentrl.train.batch import (
-    Sample,
-    make_scheduler,
-    make_trainable,
-    samples_from_credit,
-    sync_policy,
-    train_on_samples,
-)
+from agentrl.train.batch import Sample, samples_from_credit, train_on_samples
 from agentrl.train.config import TrainConfig, TrainRunConfig, load_train_config
-from agentrl.train.loss import PolicyLossConfig
+from agentrl.train.loss import PolicyLossConfig, StepLoss
+from agentrl.train.model import make_scheduler, make_trainable, sync_policy
 from agentrl.train.trainer import eval_seeds, step_task_seeds, train
 from agentrl.types import Episode, Node
 
@@ -202,11 +196,6 @@ def test_micro_batches_accumulate_the_same_gradient_as_one_forward():
                       [-2.0] * 10, [0, 0] + [-0.5] * 8, [0] * 10, old=[-11.0] * 10),
                Sample([7, 8, 9, 20], [0, 0, 0, 1], [-2.0] * 4, [0, 0, 0, 2.0], [0] * 4, old=[-11.0] * 4)]
 
-    def loss_fn(lp, ent, row):
-        from agentrl.train.loss import policy_loss
-        return policy_loss(lp, row.values["advantages"], row.mask, loss_cfg,
-                           old_logprobs=row.values["old"])
-
     grads = []
     for max_tokens in (64, 12):
         model, _ = load_model("tiny-random")
@@ -217,7 +206,7 @@ def test_micro_batches_accumulate_the_same_gradient_as_one_forward():
             grads.append(_grads(model))
 
         opt.zero_grad = lambda set_to_none=True: None  # keep .grad for the comparison
-        train_on_samples(model, opt, None, samples, loss_fn, fields=("advantages", "old"), epochs=1,
+        train_on_samples(model, opt, None, samples, StepLoss(loss_cfg), fields=("advantages", "behaviour", "versions", "old"), epochs=1,
                          minibatch_size=3, max_tokens=max_tokens, max_grad_norm=None, per_token=True,
                          pad_id=0, temperature=1.0, generator=gen, on_minibatch=keep)
     one, split = grads
@@ -254,14 +243,14 @@ def test_one_update_per_batch_skips_the_scoring_pass_and_trains_the_same(tmp_pat
     The same step with the no-grad scoring pass forced gives the same loss, the
     same mismatch statistics and the same weights.
     """
-    from agentrl.train.trainer import Trainer
+    from agentrl.train.step import Learner
 
     torch.set_num_threads(1)
     args = ("train.steps=1", "train.minibatch_size=64", "train.eval_every=0", "train.eval_episodes=0",
             "train.skip_zero_advantage=false")
     policies = [HFPolicy(*load_model("tiny-random")) for _ in range(2)]
     fast = train(toy_config(tmp_path / "fast", *args), policy=policies[0], progress=False)
-    monkeypatch.setattr(Trainer, "needs_scoring_pass", lambda self, n: True)
+    monkeypatch.setattr(Learner, "needs_scoring_pass", lambda self, n: True)
     scored = train(toy_config(tmp_path / "scored", *args), policy=policies[1], progress=False)
     f, s = ([r for r in _rows(tmp_path / d / "metrics.jsonl") if r.get("phase") == "rl"][-1]
             for d in ("fast", "scored"))
@@ -286,7 +275,7 @@ def test_one_update_per_batch_skips_the_scoring_pass_and_trains_the_same(tmp_pat
 def test_padding_is_chosen_only_where_it_costs_fewer_flops():
     from types import SimpleNamespace
 
-    from agentrl.train.batch import padding_is_cheaper
+    from agentrl.train.rows import padding_is_cheaper
 
     smol = SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
                            intermediate_size=1536)
@@ -309,13 +298,14 @@ def test_padding_is_chosen_only_where_it_costs_fewer_flops():
 @pytest.mark.parametrize("padded", [True, False])
 def test_padded_and_packed_layouts_score_the_same_logprobs(monkeypatch, padded):
     import agentrl.train.batch as batch_mod
+    import agentrl.train.rows as rows_mod
 
     model, _ = load_model("tiny-random")
     seqs = [[5, 6, 7, 8, 9, 10], [5, 6, 11, 12, 13, 14, 15, 16, 17, 18], [7, 8, 9, 20]]
     masks = [[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 1]]
 
     def scored(layout: bool) -> list[list[float]]:
-        monkeypatch.setattr(batch_mod, "padding_is_cheaper", lambda lengths, config, heads=None: layout)
+        monkeypatch.setattr(rows_mod, "padding_is_cheaper", lambda lengths, config, heads=None: layout)
         samples = [Sample(s, m, [0.0] * len(s), [0.0] * len(s), [0] * len(s)) for s, m in zip(seqs, masks, strict=True)]
         scores, _ = batch_mod.score_samples(model, samples, 64, 0, 1.0)
         return [sc.logprobs for sc in scores]
@@ -451,7 +441,7 @@ def _dropping_samples(tr, drop: str) -> list[Sample]:
     for ids, n_act, adv in specs:
         mask = [0] * (len(ids) - n_act) + [1] * n_act
         samples.append(Sample(ids, mask, [0.0] * len(ids), [adv * m for m in mask], [3 * m for m in mask]))
-    scores, _ = score_samples(tr.net, samples, 1024, tr.pad_id, tr.temperature)
+    scores, _ = score_samples(tr.learner.net, samples, 1024, tr.learner.pad_id, tr.learner.temperature)
     for s, sc, log_r in zip(samples, scores, (0.3, -0.01, 0.01), strict=True):
         s.old = list(sc.logprobs)  # on-policy, or log r = log pi - log pi_behav on each action token
         s.behaviour = [lp - log_r * (drop == "m2po") * m for lp, m in zip(sc.logprobs, s.mask, strict=True)]
@@ -483,10 +473,12 @@ def test_the_minibatch_loss_does_not_depend_on_how_its_rows_are_packed(tmp_path,
     samples = _dropping_samples(tr, drop)
     runs = []
     for max_tokens in (1024, 14):  # all three samples in one row; each in its own (14: the longest)
-        tr.net.zero_grad(set_to_none=True)
-        stats, _ = minibatch_step(tr.net, samples, [0, 1, 2], tr._rl_loss, ("advantages", "behaviour", "versions", "old"),
-                                  agg == "token-mean", max_tokens, tr.pad_id, tr.temperature)
-        runs.append((stats, _grads(tr.net)))
+        tr.learner.net.zero_grad(set_to_none=True)
+        stats, _ = minibatch_step(tr.learner.net, samples, [0, 1, 2], StepLoss(cfg.train.loss, 3),
+                                  fields=("advantages", "behaviour", "versions", "old"),
+                                  per_token=agg == "token-mean", max_tokens=max_tokens, pad_id=tr.learner.pad_id,
+                                  temperature=tr.learner.temperature)
+        runs.append((stats, _grads(tr.learner.net)))
     (one, g_one), (split, g_split) = runs
     assert one["mask/kept_frac"] < 1.0 if drop == "staleness" else one["mask/kept_frac"] == 1.0
     assert split["loss/total"] == pytest.approx(one["loss/total"], rel=1e-5, abs=1e-7)

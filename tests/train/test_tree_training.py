@@ -8,7 +8,8 @@ import torch
 from agentrl.credit import assign
 from agentrl.env import TextEnv, register_env
 from agentrl.train.config import load_train_config
-from agentrl.train.trainer import Trainer, _Bars
+from agentrl.train.metrics import ProgressBars
+from agentrl.train.trainer import Trainer
 
 
 class LetterTurnsEnv(TextEnv):
@@ -47,8 +48,8 @@ def test_engine_trees_with_tree_credit_change_the_weights(tmp_path, allocator):
     torch.set_num_threads(1)
     options = "depth: 2, width: 2" if allocator == "segment_tree" else "threshold: -100.0, k: 2"
     tr = tree_trainer(tmp_path, f"rollout.allocator={{name: {allocator}, {options}}}")
-    before = {k: v.clone() for k, v in tr.net.state_dict().items()}
-    bars = _Bars(tr.console, False)
+    before = {k: v.clone() for k, v in tr.learner.net.state_dict().items()}
+    bars = ProgressBars(tr.console, False)
     trees, roll = tr.rollout(0, bars)
     assert roll["rollout/failed"] == 0 and roll["rollout/episodes"] == 8
     # Branched: some node has two children, so episodes share action tokens.
@@ -56,11 +57,11 @@ def test_engine_trees_with_tree_credit_change_the_weights(tmp_path, allocator):
     items = assign(trees, "tree")
     advs = [a for ep, adv in items for a, m in zip(adv, ep.loss_mask, strict=True) if m]
     assert any(a != 0.0 for a in advs), "tree credit gave every action token 0"
-    stats = tr.learn(trees, 0, bars)
+    stats = tr.learner.learn(trees, 0, bars.start)
     assert stats["train/episodes"] > 0 and stats["train/optimizer_steps"] == 1
     assert torch.isfinite(torch.tensor(stats["loss/total"]))
     assert stats["mismatch/max_abs_dlogprob"] < 1e-3  # same weights sampled and scored the tokens
-    changed = [k for k, v in tr.net.state_dict().items() if not torch.equal(v, before[k])]
+    changed = [k for k, v in tr.learner.net.state_dict().items() if not torch.equal(v, before[k])]
     assert changed, "no weight changed after a step with nonzero advantages"
 
 
@@ -96,11 +97,11 @@ def test_segment_forks_inside_a_turn_train(tmp_path):
     trees = collect(tr.cfg.env.id, tr.policy, tr.cfg, [0, 1], ForkInsideFirstTurn(), Budget(6))
     assert all(any(n.partial for n in t.nodes.values()) for t in trees)
     assert all(len(t.leaves()) == 3 for t in trees)
-    before = {k: v.clone() for k, v in tr.net.state_dict().items()}
-    stats = tr.learn(trees, 0, _Bars(tr.console, False))
+    before = {k: v.clone() for k, v in tr.learner.net.state_dict().items()}
+    stats = tr.learner.learn(trees, 0, ProgressBars(tr.console, False).start)
     assert torch.isfinite(torch.tensor(stats["loss/total"]))
     assert stats["train/episodes"] > 0  # fixed seeds: the branches' returns differ
-    assert any(not torch.equal(v, before[k]) for k, v in tr.net.state_dict().items())
+    assert any(not torch.equal(v, before[k]) for k, v in tr.learner.net.state_dict().items())
 
 
 # --------------------------------------------------------------------------- tree packing
@@ -114,16 +115,18 @@ def _grads(net) -> dict[str, torch.Tensor]:
 
 def _both_layouts(tr: Trainer, samples, fields=("advantages", "old", "behaviour", "versions")):
     """Loss stats, gradients and tokens run of one minibatch in episode rows, then in tree rows."""
-    from agentrl.train.batch import minibatch_step as _minibatch
-    from agentrl.train.tree_pack import tree_minibatch
+    from agentrl.train.batch import minibatch_step
+    from agentrl.train.loss import StepLoss
 
-    args = (tr.net, samples, list(range(len(samples))), tr._rl_loss, fields, True,
-            tr.cfg.train.micro_batch_tokens, tr.pad_id, tr.temperature)
-    tr.net.zero_grad(set_to_none=True)
-    ep_stats, ep_tokens = _minibatch(*args)
-    ep_grads = _grads(tr.net)
-    tree_stats, tree_tokens = tree_minibatch(*args)
-    return ep_stats, ep_grads, ep_tokens, tree_stats, _grads(tr.net), tree_tokens
+    lr = tr.learner
+    args = (lr.net, samples, list(range(len(samples))), StepLoss(tr.cfg.train.loss, tr.policy.version))
+    kw = {"fields": fields, "per_token": True, "max_tokens": tr.cfg.train.micro_batch_tokens,
+          "pad_id": lr.pad_id, "temperature": lr.temperature}
+    lr.net.zero_grad(set_to_none=True)
+    ep_stats, ep_tokens = minibatch_step(*args, **kw)
+    ep_grads = _grads(lr.net)
+    tree_stats, tree_tokens = minibatch_step(*args, **kw, tree=True)
+    return ep_stats, ep_grads, ep_tokens, tree_stats, _grads(tr.learner.net), tree_tokens
 
 
 def _assert_same_update(ep_stats, ep_grads, tree_stats, tree_grads):
@@ -139,16 +142,15 @@ def test_tree_packing_gives_the_episode_packed_loss_and_gradients(tmp_path):
     import math
 
     from agentrl.train.batch import samples_from_credit, score_old
-    from agentrl.train.tree_pack import score_samples_tree
 
     torch.set_num_threads(1)
     tr = tree_trainer(tmp_path, "rollout.allocator={name: segment_tree, depth: 2, width: 2}")
-    trees, _ = tr.rollout(0, _Bars(tr.console, False))
+    trees, _ = tr.rollout(0, ProgressBars(tr.console, False))
     samples = samples_from_credit(assign(trees, "tree"))
     assert len(samples) == 8
     tree_scored = copy.deepcopy(samples)
-    ep_tokens = score_old(tr.net, samples, 2048, tr.pad_id, tr.temperature)
-    tree_tokens = score_old(tr.net, tree_scored, 2048, tr.pad_id, tr.temperature, score=score_samples_tree)
+    ep_tokens = score_old(tr.learner.net, samples, 2048, tr.learner.pad_id, tr.learner.temperature)
+    tree_tokens = score_old(tr.learner.net, tree_scored, 2048, tr.learner.pad_id, tr.learner.temperature, tree=True)
     for a, b in zip(samples, tree_scored, strict=True):
         assert b.old == pytest.approx(a.old, abs=1e-5)
     assert tree_tokens < 0.6 * ep_tokens  # the two trees' prompts and first turns ran once
@@ -181,7 +183,7 @@ def test_tree_packing_sums_advantages_on_a_forked_turns_shared_tokens(tmp_path):
     # fork's three continuations, which could hide a mean-instead-of-sum mistake).
     for j, s in enumerate(samples):
         s.advantages = [(0.5, -1.0, 2.0)[j % 3] * m for m in s.mask]
-    score_old(tr.net, samples, 2048, tr.pad_id, tr.temperature)
+    score_old(tr.learner.net, samples, 2048, tr.learner.pad_id, tr.learner.temperature)
     ep_stats, ep_grads, _, tree_stats, tree_grads, _ = _both_layouts(tr, samples)
     _assert_same_update(ep_stats, ep_grads, tree_stats, tree_grads)
 
@@ -207,7 +209,7 @@ def test_tree_packing_is_exact_when_a_shared_token_has_advantages_of_both_signs_
     assert len(samples) == 6
     for j, s in enumerate(samples):
         s.advantages = [(0.5, -1.0, 2.0)[j % 3] * m for m in s.mask]
-    score_old(tr.net, samples, 2048, tr.pad_id, tr.temperature)
+    score_old(tr.learner.net, samples, 2048, tr.learner.pad_id, tr.learner.temperature)
     for s in samples:  # a function of the prefix, so equal on shared tokens: some ratios leave the range
         s.old = [o + (0.4 * math.sin(sum(s.input_ids[:t + 1]) + t) if m else 0.0)
                  for t, (o, m) in enumerate(zip(s.old, s.mask, strict=True))]
@@ -231,14 +233,14 @@ def test_tree_packing_drops_stale_tokens_from_the_minibatch_mean_like_episode_pa
         s.advantages = [(0.5, -1.0, 2.0)[j % 3] * m for m in s.mask]
         s.versions = [(int(sum(s.input_ids[:t + 1]) % 3 != 0) if m else -1) for t, m in enumerate(s.mask)]
     tr.policy.version = 1
-    score_old(tr.net, samples, 2048, tr.pad_id, tr.temperature)
+    score_old(tr.learner.net, samples, 2048, tr.learner.pad_id, tr.learner.temperature)
     ep_stats, ep_grads, _, tree_stats, tree_grads, _ = _both_layouts(tr, samples)
     assert 0.3 < 1 - ep_stats["mask/kept_frac"] < 0.5
     _assert_same_update(ep_stats, ep_grads, tree_stats, tree_grads)
 
 
 def test_tree_groups_split_at_the_token_limit_and_keep_shared_prefixes_together():
-    from agentrl.train.tree_pack import tree_groups
+    from agentrl.train.rows import tree_groups
 
     seqs = [[1, 2, 3, 4], [9, 9], [1, 2, 3, 5], [1, 2, 7]]
     # Sorted: [1,2,3,4] (4 nodes), [1,2,3,5] (+1), [1,2,7] (+1) -> 6 nodes; [9,9] (+2) -> 8.
@@ -259,30 +261,22 @@ def test_tree_packing_refuses_losses_it_cannot_weight(tmp_path):
         tree_trainer(tmp_path, "train.tree_packing=true", "train.loss={kl_coef: 0.1}")
 
 
-def test_tree_packing_refuses_m2po_before_any_update(tmp_path):
-    """M2PO's mask drops single episode tokens, which a shared node cannot follow."""
+def test_tree_packing_refuses_m2po_when_the_config_loads(tmp_path):
+    """M2PO's mask drops single episode tokens, which a shared node cannot follow: refused once,
+    by the config, before any model loads."""
     from agentrl.errors import ConfigError
-    from agentrl.rollout import Budget, collect
-    from agentrl.train.batch import samples_from_credit
-    from agentrl.train.tree_pack import tree_minibatch
 
-    torch.set_num_threads(1)
-    tr = tree_trainer(tmp_path, "train.loss={m2po_tau: 0.04}")
-    trees = collect(tr.cfg.env.id, tr.policy, tr.cfg, [0], ForkInsideFirstTurn(), Budget(3))
-    samples = samples_from_credit(assign(trees, "tree"))
     with pytest.raises(ConfigError, match="m2po_tau"):
-        tree_minibatch(tr.net, samples, list(range(len(samples))), tr._rl_loss, ("advantages", "behaviour", "versions"),
-                       True, 2048, tr.pad_id, tr.temperature)
-    assert all(p.grad is None for p in tr.net.parameters())
+        tree_trainer(tmp_path, "train.tree_packing=true", "train.loss={m2po_tau: 0.04}")
 
 
 def test_a_tree_packed_step_runs_through_the_trainer(tmp_path):
     torch.set_num_threads(1)
     tr = tree_trainer(tmp_path, "rollout.allocator={name: segment_tree, depth: 2, width: 2}", "train.tree_packing=true")
-    before = {k: v.clone() for k, v in tr.net.state_dict().items()}
-    bars = _Bars(tr.console, False)
+    before = {k: v.clone() for k, v in tr.learner.net.state_dict().items()}
+    bars = ProgressBars(tr.console, False)
     trees, _ = tr.rollout(0, bars)
-    stats = tr.learn(trees, 0, bars)
+    stats = tr.learner.learn(trees, 0, bars.start)
     assert stats["mismatch/max_abs_dlogprob"] < 1e-3  # tree-scored old logprobs match the sampler's
     assert torch.isfinite(torch.tensor(stats["loss/total"]))
-    assert any(not torch.equal(v, before[k]) for k, v in tr.net.state_dict().items())
+    assert any(not torch.equal(v, before[k]) for k, v in tr.learner.net.state_dict().items())

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from agentrl.train.config import TrainConfig, load_train_config
-from agentrl.train.trainer import Trainer, _Bars
+from agentrl.train.metrics import ProgressBars
+from agentrl.train.trainer import Trainer
 from agentrl.train.value import ValueHead, ValueHeadConfig, next_context, ridge_fit, turn_features
 from agentrl.types import Episode, Node
 from tests.train.test_opd_training import GUESS
@@ -59,7 +60,7 @@ def test_a_cut_episode_keeps_the_context_its_next_turn_would_have_read(tmp_path)
         "train.tasks_per_step=2", "train.credit=gae", "train.value_head={}", f"train.out_dir={tmp_path}"])
     tr = Trainer(cfg, progress=False)
     assert tr.cfg.rollout.record_next_context  # the trainer asks the engine for it
-    bars = _Bars(tr.console, False)
+    bars = ProgressBars(tr.console, False)
     short, _ = tr.rollout(0, bars)
     tr.cfg.rollout.max_turns = 3  # the same step again, one turn further: the same first two turns
     longer, _ = tr.rollout(0, bars)
@@ -73,7 +74,7 @@ def test_a_cut_episode_keeps_the_context_its_next_turn_would_have_read(tmp_path)
                 continue
             cut += 1
             assert next_context(s) == lg.nodes[2].context_ids  # token-exact: what turn 3 read
-            f_short, f_long = turn_features(tr.net, s), turn_features(tr.net, lg)
+            f_short, f_long = turn_features(tr.learner.net, s), turn_features(tr.learner.net, lg)
             assert f_short.shape[0] == 3  # two turns, then the bootstrap state
             torch.testing.assert_close(f_short, f_long[:3], atol=1e-5, rtol=1e-4)
     assert cut > 0
@@ -92,19 +93,19 @@ def test_gae_with_the_head_trains_refits_and_resumes(tmp_path):
         "train.credit=gae", "train.credit_options={gamma: 0.9, lam: 0.95}", "train.value_head={mix: 1.0}",
         f"train.out_dir={tmp_path}"])
     tr = Trainer(cfg, progress=False)
-    bars = _Bars(tr.console, False)
+    bars = ProgressBars(tr.console, False)
     trees, _ = tr.rollout(0, bars)
     for ep in trees[0].episodes():  # the untrained model wins nothing: give one group some reward
         ep.nodes[-1].reward = 1.0
         break
-    stats = tr.learn(trees, 0, bars)
+    stats = tr.learner.learn(trees, 0, bars.start)
     turns = sum(ep.num_turns for t in trees for ep in t.episodes())
-    assert stats["value/turns"] == turns and tr.value_head.w.abs().sum() > 0
+    assert stats["value/turns"] == turns and tr.learner.value_head.w.abs().sum() > 0
     assert stats["value/mse_after"] <= stats["value/mse_before"]  # a least-squares fit of the same targets
     tr.step = 1
     tr.save()
     again = Trainer(cfg, progress=False)
-    assert again.resume() and torch.equal(again.value_head.w, tr.value_head.w)
+    assert again.resume() and torch.equal(again.learner.value_head.w, tr.learner.value_head.w)
 
 
 def test_the_next_context_is_kept_only_when_that_turn_could_have_run():

@@ -22,6 +22,7 @@ from typing import Any
 
 from rich.console import Console
 
+import agentrl.train.step as step_module
 from agentrl.train.config import TrainRunConfig
 from agentrl.train.trainer import Trainer
 from agentrl.types import write_trees
@@ -40,23 +41,24 @@ CONFIG: dict[str, Any] = {
 }
 
 
-class RecordingTrainer(Trainer):
-    """The trainer, writing each step's trees with the values its update used."""
+def recording(learn: Any, trainer_out: Path) -> Any:
+    """``Learner.learn``, writing each step's trees with the values its update used."""
 
-    def rollout(self, step: int, bars: Any, *args: Any, **kwargs: Any) -> Any:
-        trees, stats = super().rollout(step, bars, *args, **kwargs)
-        self._samples: list[Any] = []
-        return trees, stats
+    def learn_and_record(trees: list[Any], step: int, start_bar: Any) -> dict[str, Any]:
+        seen: list[Any] = []
+        train_on_samples = step_module.train_on_samples
 
-    def _score(self, samples: list[Any], step: int, one_step: bool) -> Any:
-        out = super()._score(samples, step, one_step)
-        self._samples = samples  # advantages now include the distillation term
-        return out
+        def spy(model: Any, optimizer: Any, scheduler: Any, samples: list[Any], *args: Any, **kw: Any) -> Any:
+            seen.extend(samples)  # advantages now include the distillation term
+            return train_on_samples(model, optimizer, scheduler, samples, *args, **kw)
 
-    def learn(self, trees: list[Any], step: int, bars: Any) -> dict[str, Any]:
-        stats = super().learn(trees, step, bars)
+        step_module.train_on_samples = spy
+        try:
+            stats = learn(trees, step, start_bar)
+        finally:
+            step_module.train_on_samples = train_on_samples
         where = {id(n): (t, n.id) for t in trees for n in t.nodes.values()}
-        for s in self._samples:
+        for s in seen:
             tree, leaf = where[id(s.episode.nodes[-1])]
             on = [i for i, m in enumerate(s.mask) if m]
             student = s.old if s.old is not None else s.behaviour
@@ -65,17 +67,20 @@ class RecordingTrainer(Trainer):
                 "teacher_logprobs": [round(s.distill.teacher[i], 6) for i in on] if s.distill.teacher else None,
                 "student_logprobs": [round(student[i], 6) for i in on],
             }
-        folder = self.out / "trees"
+        folder = Path(trainer_out) / "trees"
         folder.mkdir(parents=True, exist_ok=True)
         write_trees(folder / f"step-{step + 1:06d}.jsonl", trees)
         return stats
+
+    return learn_and_record
 
 
 def record(out: Path) -> Path:
     if out.exists():
         shutil.rmtree(out)
     cfg = TrainRunConfig.model_validate({**CONFIG, "train": {**CONFIG["train"], "out_dir": str(out)}})
-    trainer = RecordingTrainer(cfg, console=Console(quiet=True), progress=False)
+    trainer = Trainer(cfg, console=Console(quiet=True), progress=False)
+    trainer.learner.learn = recording(trainer.learner.learn, out)
     from agentrl.train.sft import sft_phase
 
     trainer.run(sft=sft_phase)

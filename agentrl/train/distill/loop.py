@@ -2,8 +2,9 @@
 
 One job: wire the pure signals of ``signals`` into a scored rollout batch.
 The student samples, the trainer scores the student's tokens (``Sample.old``),
-the teacher scores the *same* token ids (never re-tokenized; so it must share
-the student's tokenizer), and ``Distiller.apply`` turns the two into
+the teacher scores the *same* token ids (``Distiller.teacher_scores``; never
+re-tokenized, so it must share the student's tokenizer), and
+``Distiller.advantage_term`` turns the two into
 
 - an advantage added to the RL one on every action token (``signal:
   reverse_kl``): ``A_t = A_rl_t + w(step) * w_t * (log pi_teacher - log pi_student)``
@@ -38,7 +39,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ...errors import ConfigError
-from ...types import Episode, RolloutTree
+from ...types import Episode, EpisodeGroup, RolloutTree
 from ..batch import Sample, SampleScores
 from .signals import (
     build_support,
@@ -212,10 +213,9 @@ def load_vllm_teacher(name: str, student_tokenizer: Any, max_len: int, **engine:
     return teacher
 
 
-def no_credit(trees: Sequence[RolloutTree]) -> list[tuple[Episode, list[float]]]:
+def no_credit(groups: Sequence[EpisodeGroup]) -> list[tuple[Episode, list[float]]]:
     """``train.credit: none``: every kept episode with all-zero RL advantages (failed ones left out)."""
-    return [(ep, [0.0] * len(ep.input_ids)) for tree in trees for ep in tree.episodes()
-            if not ep.error]
+    return [(ep, [0.0] * len(ep.input_ids)) for g in groups for ep in g.episodes if not ep.error]
 
 
 # (model, samples, temperature, top_k=..., candidates=...) -> (each sample's scores, tokens run)
@@ -237,7 +237,7 @@ def privileged_prefix(tokenizer: Any, text: str) -> list[int]:
         return tokenizer(msg[0]["content"] + "\n\n", add_special_tokens=False)["input_ids"]
 
 
-def hindsight_summary(tree: RolloutTree, tokenizer: Any, max_tokens: int = 1024) -> str:
+def hindsight_summary(tree: RolloutTree | EpisodeGroup, tokenizer: Any, max_tokens: int = 1024) -> str:
     """Privileged text from a group's own rollouts of one task (SD-Search / OPSD-style hindsight).
 
     The group's best episode (highest return; the first on ties) as its
@@ -247,7 +247,7 @@ def hindsight_summary(tree: RolloutTree, tokenizer: Any, max_tokens: int = 1024)
     turns in that light. When every attempt got the same return there is no
     best one to point at, and the text says only that.
     """
-    episodes = [ep for ep in tree.episodes() if not ep.error and ep.nodes]
+    episodes = [ep for ep in EpisodeGroup.of(tree).episodes if not ep.error and ep.nodes]
     if not episodes:
         return "Hindsight: no attempt at this task ran without an error."
     returns = [ep.total_reward for ep in episodes]
@@ -288,7 +288,7 @@ def document_bos(tokenizer: Any) -> int | None:
 
 
 class Distiller:
-    """Holds the teacher; ``apply`` adds the distillation advantages to a scored batch."""
+    """Holds the teacher: ``teacher_scores`` scores a batch, ``advantage_term`` adds its signal."""
 
     def __init__(self, cfg: DistillConfig, student_tokenizer: Any, device: torch.device,
                  total_steps: int, student: torch.nn.Module | None = None, max_len: int = 4096,
@@ -349,7 +349,7 @@ class Distiller:
 
     @property
     def needs_student_scores(self) -> bool:
-        """Whether ``apply`` reads the student's scoring pass (``Sample.old``): every teacher but a
+        """Whether ``teacher_scores`` reads the student's scoring pass (``Sample.old``): every teacher but a
         scripted one with ``forward_kl``, whose targets are the expert's own tokens (``expert_labels``)."""
         return not self.labels
 
@@ -400,9 +400,15 @@ class Distiller:
         return out, {"distill/expert_turns": turns, "distill/expert_match_frac": 1 - differing / max(turns, 1),
                      "distill/expert_labels": len(out), "distill/weight": w, "distill/teacher_tokens": 0}
 
-    def apply(self, samples: list[Sample], step: int, score: ScoreFn) -> dict[str, float]:
-        """Teacher-score ``samples``, add the signal (``_apply``), then update the depth budget."""
-        stats = self._apply(samples, step, score)
+    def advantage_term(self, samples: list[Sample], step: int,
+                       token_weights: list[torch.Tensor] | None = None) -> dict[str, float]:
+        """``A += w * w_t * (log pi_teacher - log pi_student)`` on every action token of the
+        teacher-scored ``samples`` (``add_distill_advantages``; with a distribution-level signal
+        ``w * w_t`` becomes that loss term's weights instead), then the depth budget's update."""
+        w = distill_weight(self.cfg, step, self.total_steps)
+        kl = add_distill_advantages(samples, w, **self._weights(step), loss_weights=self.distribution,
+                                    token_weights=token_weights)
+        stats = {"distill/reverse_kl": kl, "distill/weight": w}
         if self.cfg.depth_coverage is not None:
             stats.update(self._update_depth(samples))
         return stats
@@ -448,23 +454,19 @@ class Distiller:
                                 old_top=[[-1] * k] * len(prefix) + s.old_top[cut:] if k else None))
         return views, offsets
 
-    def _apply(self, samples: list[Sample], step: int, score: ScoreFn) -> dict[str, float]:
-        """Teacher-score ``samples`` (their ``old`` must be filled), then add the weighted signal.
+    def teacher_scores(self, samples: list[Sample], score: ScoreFn
+                       ) -> tuple[dict[str, float], list[torch.Tensor] | None]:
+        """The teacher's scores of ``samples``' tokens (their ``old`` must be filled), into ``Sample.distill``.
 
         ``score(model, samples, temperature, top_k=..., candidates=...)`` returns
         each sample's ``SampleScores`` and the tokens it ran. With
         ``privileged: true`` the teacher reads each sample's
-        ``distill.privileged`` text first. Returns ``distill/*`` stats.
+        ``distill.privileged`` text first. TIP drops uninformative tokens from the
+        masks, and a distribution-level signal gets its support. Returns ``distill/*``
+        stats and the overlap stop's per-token weights (None without it).
         """
-        if self.labels:  # DAgger: the expert's labels were added as samples (``expert_labels``)
-            return {}
         if self.teacher is None and self.vllm_teacher is None:
-            stats = self._expert_teacher(samples)
-            w = distill_weight(self.cfg, step, self.total_steps)
-            stats.update({"distill/reverse_kl": add_distill_advantages(samples, w, **self._weights(step)),
-                          "distill/weight": w,
-                          "distill/teacher_tokens": 0})
-            return stats
+            return {**self._expert_teacher(samples), "distill/teacher_tokens": 0}, None
         k = self.top_k
         if k and any(s.old_top is None for s in samples):
             raise ValueError(f"train.distill.signal={self.cfg.signal!r} / overlap_threshold need the "
@@ -486,7 +488,7 @@ class Distiller:
                 d.teacher_top = [[-1] * k] * cut + sc.top_ids[n_prefix:]
                 d.teacher_top_logprobs = [[0.0] * k] * cut + sc.top_logprobs[n_prefix:]
                 d.teacher_at_student_top = [[0.0] * k] * cut + sc.candidates[n_prefix:]
-        stats: dict[str, float] = {}
+        stats: dict[str, float] = {"distill/teacher_tokens": tokens}
         # The overlap stop reads every action token, before TIP drops some from the mask.
         token_w = None
         if self.cfg.overlap_threshold is not None:
@@ -503,10 +505,7 @@ class Distiller:
                                         torch.tensor(d.teacher_top), torch.tensor(d.teacher_top_logprobs),
                                         both=both, special=self._special, vocab=self._vocab)
                 d.support, d.support_teacher = ids.tolist(), lp.tolist()
-        w = distill_weight(self.cfg, step, self.total_steps)
-        kl = add_distill_advantages(samples, w, **self._weights(step), loss_weights=self.distribution,
-                                    token_weights=token_w)
-        return {**stats, "distill/reverse_kl": kl, "distill/weight": w, "distill/teacher_tokens": tokens}
+        return stats, token_w
 
     def _informative_tokens(self, samples: list[Sample]) -> dict[str, float]:
         """TIP: drop uninformative action tokens from every sample's loss mask, in place.

@@ -1,0 +1,131 @@
+"""Where a run's trees come from: a step's rollouts, the held-out evaluation, what the allocator did.
+
+One job: the run's sampling side, as functions of the config. ``step_rollouts``
+grows step k's trees (one per task seed of step k, from fresh sampling streams);
+``evaluate`` plays the held-out task seeds, one greedy-or-not episode each;
+``allocation_report`` folds a step's branching into the run summary; and
+``save_trees`` writes the first trees of a step for the viewer. A
+``RolloutSource`` (an agent harness) replaces the native engine in the first two.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from rich.console import Console
+
+from ..policy.base import request_seed
+from ..types import RolloutTree, write_trees
+from .config import TrainRunConfig
+from .plan import eval_seeds, step_task_seeds
+
+__all__ = ["CollectFn", "RolloutSource", "allocation_report", "evaluate", "save_trees", "step_rollouts"]
+
+# (env id, policy, config, task seeds, on_episode_done=...) -> one tree per seed
+CollectFn = Callable[..., list[RolloutTree]]
+
+
+class RolloutSource(Protocol):
+    """Where a step's trees come from when not from the native engine (an agent harness:
+    ``agentrl.proxy.rollouts.HarnessRollouts``): ``collect`` has ``agentrl.rollout.collect``'s
+    signature, ``stats`` are logged with each step, ``close`` ends it with the run."""
+
+    stats: dict[str, Any]
+
+    def collect(self, env_id: str, policy: Any, cfg: Any, seeds: list[int],
+                on_episode_done: Callable[..., None] | None = None) -> list[RolloutTree]: ...
+
+    def close(self) -> None: ...
+
+
+def evaluate(policy: Any, cfg: TrainRunConfig, on_episode_done: Callable | None = None,
+             collect_fn: Callable[..., list[RolloutTree]] | None = None) -> dict[str, Any]:
+    """Success and reward on ``eval_episodes`` held-out task seeds, one episode each.
+
+    ``collect_fn`` replaces ``agentrl.rollout.collect`` (a harness's rollouts).
+    """
+    from ..rollout import collect, summarize
+
+    t = cfg.train
+    ev = cfg.model_copy(deep=True)
+    ev.rollout.group_size = 1
+    ev.rollout.allocator, ev.rollout.budget = "independent", None
+    if t.eval_temperature is not None:
+        ev.sampling.temperature = t.eval_temperature
+    ev.env.kwargs = {**ev.env.kwargs, **t.eval_env_kwargs}
+    seeds = eval_seeds(t)
+    t0 = time.perf_counter()
+    trees = (collect_fn or collect)(ev.env.id, policy, ev, seeds, on_episode_done=on_episode_done)
+    s = summarize(trees, time.perf_counter() - t0)
+    return {"eval/success": s["success_rate"], "eval/reward": s["mean_reward"],
+            "eval/turns": s["mean_turns"], "eval/failed": s["failed_episodes"],
+            "time/eval_s": s["wall_s"], **_invalid(s, "eval")}
+
+
+def _invalid(summary: dict, prefix: str) -> dict[str, float]:
+    """``{prefix}/invalid_action_frac`` where the env reports invalid actions, else nothing."""
+    frac = summary.get("invalid_action_frac")
+    return {} if frac is None else {f"{prefix}/invalid_action_frac": frac}
+
+
+def step_rollouts(run_cfg: TrainRunConfig, step: int, policy: Any, advance_bar: Callable[..., Any],
+                  source: RolloutSource | None = None, max_turns: int | None = None,
+                  extra_stats: dict[str, Any] | None = None) -> tuple[list[RolloutTree], dict[str, Any]]:
+    """Step ``step``'s trees sampled by ``policy``, at most ``max_turns`` turns an episode if given,
+    and the step's rollout stats. ``advance_bar(total, label)`` makes the bar each episode advances;
+    ``extra_stats`` (a source's, rollout workers') are logged with them."""
+    from ..rollout import collect, summarize
+
+    cfg = run_cfg.model_copy(deep=True)
+    cfg.rollout.seed = request_seed(run_cfg.train.seed, step)  # fresh sampling streams per step
+    if max_turns is not None:
+        cfg.rollout.max_turns = min(cfg.rollout.max_turns, max_turns)
+    seeds = step_task_seeds(run_cfg.train, step)
+    advance = advance_bar(len(seeds) * cfg.rollout.group_size, f"step {step + 1}")
+    t0 = time.perf_counter()
+    trees = (source.collect if source else collect)(cfg.env.id, policy, cfg, seeds, on_episode_done=advance)
+    s = summarize(trees, time.perf_counter() - t0)
+    return trees, {**(extra_stats or {}), "rollout/success": s["success_rate"], "rollout/reward": s["mean_reward"],
+                   "rollout/turns": s["mean_turns"], "rollout/episodes": s["episodes"],
+                   "rollout/failed": s["failed_episodes"],
+                   "rollout/action_tokens": s["action_tokens"], "time/rollout_s": s["wall_s"],
+                   "rollout/env_steps": s["env_steps"],
+                   "rollout/generated_tokens": s["generated_tokens"],
+                   "data/first_task_seed": seeds[0], **_invalid(s, "rollout")}
+
+
+def allocation_report(name: str, summary: dict[str, Any], step: int, trees: list[RolloutTree],
+                      console: Console) -> dict[str, Any]:
+    """Fold what allocator ``name`` did this step into the run's ``summary``, and warn when a tree
+    allocator made no branch: its budget then went to fresh episodes, as ``independent`` would."""
+    from ..rollout import ALLOCATORS
+
+    branches = sum(len(n.children) > 1 for t in trees for n in t.nodes.values())
+    a = summary
+    a["allocator"], a["steps"] = name, a.get("steps", 0) + 1
+    a["branch_points"] = a.get("branch_points", 0) + branches
+    a["last_report"] = trees[0].meta.get("allocation_report", {}) if trees else {}
+    if ALLOCATORS[name].needs_snapshots and branches == 0:  # a tree allocator: it branches
+        a["steps_without_branch"] = a.get("steps_without_branch", 0) + 1
+        console.print(
+            f"[yellow]warning:[/] step {step + 1}: allocator {name!r} made no branch "
+            f"(report: {a['last_report'].get(name, {})}): every leaf is a fresh episode. A branch "
+            "needs a turn to branch before; on single-turn tasks set "
+            "rollout.allocator.in_turn=true (key_state, entropy_branch) to fork inside a turn.",
+            highlight=False)
+    return {"rollout/branch_points": branches}
+
+
+def save_trees(out: Path, n: int, step: int, trees: list[RolloutTree]) -> None:
+    """The step's first ``n`` trees (``train.save_trees``), as the viewer and ``agentrl tree`` read them."""
+    if n == 0:
+        return
+    folder = out / "trees"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step-{step:06d}.jsonl"
+    tmp = folder / f".{path.name}.tmp"
+    write_trees(tmp, trees[:n])
+    tmp.replace(path)  # a resumed run redoes the step: the file is replaced whole
