@@ -404,7 +404,8 @@ def test_a_vllm_teacher_scores_the_students_action_tokens(policy, hf_model, toke
     sample = Sample(list(ids), mask, [0.0] * len(ids), [0.0] * len(ids), [0] * len(ids), old=old)
     distiller = Distiller(DistillConfig(teacher="vllm:served-by-the-fixture"), tokenizer, torch.device("cpu"), 1,
                           vllm_teacher=policy)
-    stats = distiller.apply([sample], 0, score=None)
+    stats, token_w = distiller.teacher_scores([sample], score=None)
+    stats.update(distiller.advantage_term([sample], 0, token_w))
     with torch.no_grad():
         want = token_logprobs(hf_model, torch.tensor([ids]))[0][0] * torch.tensor(mask)
     assert torch.allclose(torch.tensor(sample.distill.teacher), want, atol=ATOL)
