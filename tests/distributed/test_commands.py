@@ -49,17 +49,6 @@ def test_a_cluster_that_does_not_answer_is_refused_naming_the_key(command, tmp_p
     assert no_serving == []
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    from agentrl.distributed import LOCAL_SYSTEM_CONFIG
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
 @pytest.fixture
 def made(monkeypatch):
     """Every ``RayPolicy`` the commands make."""

@@ -15,7 +15,6 @@ from agentrl.train.config import load_train_config
 
 ray = pytest.importorskip("ray", reason="ray is not installed here: pip install 'agentrl[ray]' (make extras)")
 
-from agentrl.distributed import LOCAL_SYSTEM_CONFIG  # noqa: E402  (after the skip: it needs ray)
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "train_alfworld_gpu.yaml"
 # What the dry run changes, and nothing else: the model, the device, the sizes. The vLLM
@@ -27,15 +26,6 @@ SHRINK = ["policy.backend=hf", "policy.model=tiny-random", "policy.device=cpu",
           "rollout.group_size=2", "train.tasks_per_step=2", "train.steps=1", "train.eval_episodes=2",
           "train.eval_every=1", "train.checkpoint_every=1", "train.export_hf=false", "train.plot=false",
           "train.tensorboard=false"]
-
-
-@pytest.fixture()
-def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
 
 
 def test_the_recipe_keeps_verl_agents_published_settings():

@@ -21,7 +21,6 @@ from agentrl.rollout import collect
 ray = pytest.importorskip("ray", reason="ray is not installed here: pip install 'agentrl[ray]' (make extras)")
 
 from agentrl.distributed import (  # noqa: E402  (after the skip: the module needs ray to run)
-    LOCAL_SYSTEM_CONFIG,
     RayPolicy,
     env_resources,
     env_worker_options,
@@ -31,18 +30,6 @@ from agentrl.policy.for_run import policy_for_run  # noqa: E402
 
 # Small actors: the module's 2 CPUs hold every worker these tests start.
 SMALL = ["distributed.ray=auto", "distributed.env_worker_cpus=0.25", "distributed.rollout_worker_cpus=0.25"]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG)
-    try:
-        yield ray
-    finally:
-        from agentrl.distributed import env_workers
-
-        env_workers._POOLS.clear()
-        ray.shutdown()
 
 
 def _shape(trees: list[Any]) -> list[Any]:
