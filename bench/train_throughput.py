@@ -36,6 +36,23 @@ own: ``peak_rss_mb`` (``getrusage`` max resident set) and, on a GPU
 steps after the first (warm-up). The machine is shared: the JSON records
 ``os.getloadavg()`` before and after.
 
+**How near the limits.** The parent process first times its own probes on
+this CPU (``--device cpu``): the peak of a matmul (``matmul_peak``: square 1024
+and the model-shaped tokens x hidden x MLP product, fp32 and bf16, the best of
+several repeats) and the memory bandwidth (``copy_bandwidth``: a 256 MB copy).
+Each agentrl row is then run once per ``--precisions`` (``fp32``; ``bf16`` is
+``train.precision: bf16``, autocast with the fp32 head) and reports:
+
+- ``update_gflops``: ``6 * N * tokens / update_s``, N the parameters every
+  token's forward and backward multiply by (the decoder's linear layers and the
+  vocabulary head, embeddings left out; attention's own products are small at
+  these lengths and left out too), and ``frac_of_peak``: that over the
+  probe's peak of the same dtype;
+- ``decode_tokens_per_s`` and ``decode_frac_of_bound``: generation reads every
+  weight once per decode step, so one step cannot beat
+  ``weight_bytes / bandwidth``; the fraction is that bound's time over the
+  measured time per decode step (1.0 would be at the bound).
+
 ``--no-trl`` keeps the TRL rows of the JSON it overwrites, marked
 ``"previous_run": true`` with that run's load and its own agentrl rows (the
 step ratio is only meaningful between rows measured together).
@@ -43,6 +60,7 @@ step ratio is only meaningful between rows measured together).
     python bench/train_throughput.py                 # tiny-random and smollm2-135m, agentrl and TRL
     python bench/train_throughput.py --quick         # tiny-random only, small batch
     python bench/train_throughput.py --no-trl        # agentrl only; TRL's previous rows kept
+    python bench/train_throughput.py --no-trl --models smollm2-135m --lora-models ''   # the precision rows
 """
 
 from __future__ import annotations
@@ -80,6 +98,61 @@ def peak_memory_mb() -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- the CPU's limits
+
+
+def matmul_peak(dtype_name: str, shapes: tuple[tuple[int, int, int], ...], reps: int = 10) -> float:
+    """GFLOP/s of the best of ``reps`` timed ``(m, k) @ (k, n)`` products per shape (the best shape)."""
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    best = 0.0
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        for _ in range(3):
+            a @ b  # warm-up: thread pool, kernel selection
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            a @ b
+            best = max(best, 2 * m * k * n / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def copy_bandwidth(mb: int = 256, reps: int = 5) -> float:
+    """GB/s of the best ``dst.copy_(src)`` of ``mb`` MB (bytes read plus bytes written)."""
+    import torch
+
+    src = torch.ones(mb * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = 0.0
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = max(best, 2 * src.nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def matmul_params(model) -> int:
+    """Parameters every token multiplies by: the decoder's linear weights and the vocabulary head."""
+    import torch
+
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    head = model.get_output_embeddings()
+    tied = head is not None and any(head.weight is m.weight for m in model.modules()
+                                    if isinstance(m, torch.nn.Linear))
+    return linear + (0 if head is None or tied else head.weight.numel())
+
+
+def cpu_limits(model: str) -> dict:
+    """The probes of this CPU, with the model's own MLP shape among the matmuls."""
+    from agentrl.models import load_model
+
+    c = load_model(model)[0].config
+    shapes = ((1024, 1024, 1024), (2048, c.hidden_size, c.intermediate_size))
+    return {"matmul_peak_gflops": {d: matmul_peak(d, shapes) for d in ("fp32", "bf16")},
+            "copy_bandwidth_gbs": copy_bandwidth(), "matmul_shapes": shapes}
+
+
 def grpo_advantages(rewards: list[float], group: int) -> list[float]:
     """GRPO (Shao et al. 2024, eq. 3 outcome supervision): (r - group mean) / (group std + eps)."""
     out = []
@@ -109,7 +182,7 @@ def run_agentrl(args: argparse.Namespace, lora: bool = False) -> dict:
     from agentrl.train.batch import Sample, score_old, train_on_samples
     from agentrl.train.config import TrainConfig
     from agentrl.train.loss import PolicyLossConfig, StepLoss
-    from agentrl.train.model import make_optimizer, make_trainable
+    from agentrl.train.model import make_optimizer, make_trainable, precision
 
     torch.manual_seed(0)
     model, tok = load_model(args.model, device=args.device)
@@ -146,16 +219,20 @@ def run_agentrl(args: argparse.Namespace, lora: bool = False) -> dict:
             fields += ("old",)
         score_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        st = train_on_samples(trained, opt, None, samples, loss, fields=fields, epochs=1,
-                              minibatch_size=len(samples), max_tokens=args.micro_batch_tokens,
-                              max_grad_norm=1.0, per_token=True, pad_id=pad_id, temperature=1.0,
-                              generator=torch.Generator().manual_seed(step))
+        with precision(args.precision):
+            st = train_on_samples(trained, opt, None, samples, loss, fields=fields, epochs=1,
+                                  minibatch_size=len(samples), max_tokens=args.micro_batch_tokens,
+                                  max_grad_norm=1.0, per_token=True, pad_id=pad_id, temperature=1.0,
+                                  generator=torch.Generator().manual_seed(step))
         update_s = time.perf_counter() - t0
         policy.weights_updated()
         steps.append({"gen_s": gen_s, "score_s": score_s, "update_s": update_s,
                       "completion_tokens": sum(len(r.token_ids) for r in results),
                       "train_tokens": int(st["train/tokens"]), "score_tokens": score_tokens})
-    return {"steps": steps, "trainable_params": n_trainable, **peak_memory_mb()}
+    return {"steps": steps, "trainable_params": n_trainable, "precision": args.precision,
+            "matmul_params": matmul_params(model), "decode_batch": len(prompts) * args.group,
+            "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            **peak_memory_mb()}
 
 
 # --------------------------------------------------------------------------- TRL
@@ -219,8 +296,8 @@ def run_trl(args: argparse.Namespace) -> dict:
 # --------------------------------------------------------------------------- driver
 
 
-def child(framework: str, model: str, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, __file__, "--child", framework, "--models", model,
+def child(framework: str, model: str, args: argparse.Namespace, prec: str = "fp32") -> dict:
+    cmd = [sys.executable, __file__, "--child", framework, "--models", model, "--precision", prec,
            "--prompts", str(args.prompts), "--group", str(args.group),
            "--completion-tokens", str(args.completion_tokens), "--steps", str(args.steps),
            "--micro-batch-tokens", str(args.micro_batch_tokens), "--device", args.device]
@@ -243,21 +320,36 @@ def med(steps: list[dict], key: str) -> float:
 MEMORY = ("peak_rss_mb", "cuda_peak_mb", "cuda_reserved_mb")
 
 
-def summarize_agentrl(a: dict) -> dict:
+def summarize_agentrl(a: dict, limits: dict | None = None) -> dict:
     gen, score, upd = med(a["steps"], "gen_s"), med(a["steps"], "score_s"), med(a["steps"], "update_s")
     s = a["steps"][-1]
-    return {"gen_s": gen, "score_s": score, "update_s": upd, "step_s": gen + score + upd,
-            "update_tokens_per_s": (s["train_tokens"] + s["score_tokens"]) / (score + upd),
+    tok_s = (s["train_tokens"] + s["score_tokens"]) / (score + upd)
+    out = {}
+    if "matmul_params" in a:
+        gflops = 6 * a["matmul_params"] * s["train_tokens"] / upd / 1e9  # forward 2N, backward 4N a token
+        step_s = gen / (s["completion_tokens"] / a["decode_batch"])  # one decode step of the whole batch
+        out = {"precision": a["precision"], "update_gflops": gflops,
+               "decode_tokens_per_s": s["completion_tokens"] / gen}
+        if limits:
+            out["frac_of_peak"] = gflops / limits["matmul_peak_gflops"][a["precision"]]
+            out["decode_bound_step_s"] = a["weight_bytes"] / (limits["copy_bandwidth_gbs"] * 1e9)
+            out["decode_frac_of_bound"] = out["decode_bound_step_s"] / step_s
+    return {**out, "gen_s": gen, "score_s": score, "update_s": upd, "step_s": gen + score + upd,
+            "update_tokens_per_s": tok_s,
             "completion_tokens": s["completion_tokens"], "train_tokens": s["train_tokens"],
             "trainable_params": a.get("trainable_params"), **{k: a.get(k) for k in MEMORY}}
 
 
-def summarize(a: dict, t: dict | None, lora: dict | None = None) -> dict:
+def summarize(a: dict, t: dict | None, lora: dict | None = None, limits: dict | None = None,
+              extra: dict[str, dict] | None = None) -> dict:
     out: dict = {}
     if "steps" in a:
-        out["agentrl"] = summarize_agentrl(a)
+        out["agentrl"] = summarize_agentrl(a, limits)
+    for prec, raw in (extra or {}).items():
+        if "steps" in raw:
+            out[f"agentrl_{prec}"] = summarize_agentrl(raw, limits)
     if lora is not None and "steps" in lora:
-        out["agentrl_lora"] = summarize_agentrl(lora)
+        out["agentrl_lora"] = summarize_agentrl(lora, limits)
     if t and "steps" in t and t["steps"]:
         trl_gen = med(t["steps"], "gen_s") if "gen_s" in t["steps"][0] else float("nan")
         out["trl"] = {"step_s": med(t["steps"], "step_s"), "gen_s": trl_gen,
@@ -304,6 +396,9 @@ def main() -> None:
                     help="run the old-logprob scoring pass although one optimizer step does not need it")
     ap.add_argument("--trl-gradient-checkpointing", action="store_true",
                     help="TRL's own default; off here because agentrl does not recompute activations")
+    ap.add_argument("--precisions", default="fp32,bf16",
+                    help="train.precision of each agentrl row (the first is the row TRL is compared with)")
+    ap.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)  # a child's own
     ap.add_argument("--quick", action="store_true", help="tiny model, 2x4x16, 2 steps")
     ap.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
     ap.add_argument("--child", choices=["agentrl", "agentrl-lora", "trl"], help=argparse.SUPPRESS)
@@ -320,13 +415,17 @@ def main() -> None:
 
     load_before = os.getloadavg()
     lora_models = {m for m in args.lora_models.split(",") if m}
+    precisions = [p for p in args.precisions.split(",") if p]
     results = {}
     for model in args.models.split(","):
-        a = child("agentrl", model, args)
+        limits = cpu_limits(model) if args.device == "cpu" else None
+        a = child("agentrl", model, args, precisions[0])
+        extra = {p: child("agentrl", model, args, p) for p in precisions[1:]}
         lora = child("agentrl-lora", model, args) if model in lora_models else None
         t = None if args.no_trl else child("trl", model, args)
-        results[model] = {"summary": summarize(a, t, lora), "agentrl_raw": a, "agentrl_lora_raw": lora,
-                          "trl_raw": t}
+        results[model] = {"summary": summarize(a, t, lora, limits, extra), "limits": limits,
+                          "agentrl_raw": a, "agentrl_lora_raw": lora, "trl_raw": t,
+                          **{f"agentrl_{p}_raw": raw for p, raw in extra.items()}}
         if args.no_trl:
             kept, raw = previous_trl(Path(args.out), model)
             if kept is not None:
@@ -345,7 +444,9 @@ def main() -> None:
           f"{'upd tok/s':>11}{'peak RSS MB':>12}{'CUDA MB':>10}")
     for model, r in results.items():
         s = r["summary"]
-        for key, label, raw in (("agentrl", "agentrl", "agentrl_raw"), ("agentrl_lora", "agentrl LoRA", "agentrl_lora_raw")):
+        rows = [("agentrl", f"agentrl {precisions[0]}", "agentrl_raw")]
+        rows += [(f"agentrl_{p}", f"agentrl {p}", f"agentrl_{p}_raw") for p in precisions[1:]]
+        for key, label, raw in (*rows, ("agentrl_lora", "agentrl LoRA", "agentrl_lora_raw")):
             if key in s:
                 x = s[key]
                 print(f"{model:<14}{label:<14}{x['gen_s']:>8.2f}{x['score_s']:>9.2f}{x['update_s']:>10.2f}"
@@ -365,6 +466,18 @@ def main() -> None:
                       f"(both from the previous run, load {x['measured_with']['loadavg_before']})")
         elif r["trl_raw"] is not None:
             print(f"{model:<14}{'trl':<14} failed: {r['trl_raw'].get('error')}")
+    for model, r in results.items():
+        lim = r["limits"]
+        if not lim:
+            continue
+        peak = lim["matmul_peak_gflops"]
+        print(f"\n{model}: matmul peak fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s; "
+              f"copy {lim['copy_bandwidth_gbs']:.1f} GB/s")
+        print(f"{'row':<18}{'upd tok/s':>11}{'GFLOP/s':>9}{'of peak':>9}{'dec tok/s':>11}{'of bound':>10}")
+        for key, x in r["summary"].items():
+            if isinstance(x, dict) and "frac_of_peak" in x:
+                print(f"{key:<18}{x['update_tokens_per_s']:>11.0f}{x['update_gflops']:>9.0f}"
+                      f"{x['frac_of_peak']:>9.0%}{x['decode_tokens_per_s']:>11.0f}{x['decode_frac_of_bound']:>10.0%}")
     print(f"load average before {load_before}, after {report['loadavg_after']}; wrote {args.out}")
 
 
