@@ -51,7 +51,7 @@ from .group import dr_grpo, grpo, mc_grpo, mc_grpo_pivot, rloo
 from .outcome import Outcome, episode_outcome
 from .registry import ESTIMATORS, CreditBatch, Estimator, credit_options
 from .returns import discounted_returns, episode_gae, gae, normalize
-from .tree import leaf_outcome, node_values, tree_advantages, turn_advantages
+from .tree import leaf_outcome, node_values, tree_advantages
 
 __all__ = [
     "ESTIMATORS",

@@ -20,16 +20,16 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from agentrl.credit_options import (
+    CreditMethodOptions,
     DrGRPOOptions,
     GAEOptions,
     GDPOOptions,
     GiGPOOptions,
     GRPOOptions,
     MCGRPOOptions,
-    RLOOOptions,
     ReturnsOptions,
+    RLOOOptions,
     TreeOptions,
-    CreditMethodOptions,
 )
 from agentrl.types import Episode, EpisodeGroup
 

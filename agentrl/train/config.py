@@ -11,10 +11,9 @@ overrides, and names the key path of any bad value.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Literal
-
-import warnings
 
 from pydantic import Field, field_validator, model_validator
 
