@@ -323,7 +323,7 @@ def _format(err: ValidationError, schema: type[BaseModel]) -> str:
     return "invalid config: " + "; ".join(lines)
 
 
-SHORT_FORMS = {"rollout.allocator"}
+SHORT_FORMS = {"rollout.allocator", "train.credit"}
 """Keys whose plain string value stands for ``{name: value}``: an override below one
 (``rollout.allocator.depth=2`` over ``allocator: segment_tree``) sets a key of that mapping."""
 

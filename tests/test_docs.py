@@ -109,7 +109,7 @@ _DRIVER = textwrap.dedent('''
         from agentrl.train.config import TrainRunConfig
         cfg = TrainRunConfig.model_validate(yaml.safe_load(code) or {})
         make_allocator(cfg.rollout.allocator)
-        assert cfg.train.credit in ESTIMATORS or cfg.train.credit == "none", cfg.train.credit
+        assert cfg.train.credit.name in ESTIMATORS or cfg.train.credit.name == "none", cfg.train.credit
 
     ns = {"__name__": "__main__"}
     for b in json.load(open(sys.argv[1])):

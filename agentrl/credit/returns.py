@@ -7,14 +7,16 @@ the env reward of turn ``t``. The token-level spreading of a turn's value is
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
 
+from agentrl.types import Episode
+
 from .group import _array, _like
 
-__all__ = ["LEVELS", "discounted_returns", "gae", "normalize"]
+__all__ = ["LEVELS", "discounted_returns", "episode_gae", "gae", "normalize"]
 
 LEVELS = ("turn", "group", "batch", "mixed")
 
@@ -78,6 +80,21 @@ def gae(
         out[t] = running
         next_value = v[t]
     return _like(out, rewards)
+
+
+def episode_gae(e: Episode, value_fn: Callable[[Episode], Sequence[float]] | None, gamma: float,
+                lam: float) -> Any:
+    """``gae`` for one episode; ``value_fn`` may give one value more than turns: the bootstrap
+    ``V`` of the state after the last turn, for an episode cut short. An episode the env
+    terminated bootstraps with 0 whatever ``value_fn`` says."""
+    if value_fn is None:
+        return gae(e.rewards, None, gamma, lam)
+    v = list(value_fn(e))
+    if len(v) not in (e.num_turns, e.num_turns + 1):
+        raise ValueError(f"value_fn gave {len(v)} values for an episode of {e.num_turns} turns "
+                         "(one a turn, plus an optional bootstrap)")
+    cut = len(v) > e.num_turns and not (e.nodes and e.nodes[-1].terminated)
+    return gae(e.rewards, v[:e.num_turns], gamma, lam, v[e.num_turns] if cut else 0.0)
 
 
 def _whiten(x: np.ndarray, eps: float) -> np.ndarray:

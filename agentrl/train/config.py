@@ -11,12 +11,14 @@ overrides, and names the key path of any bad value.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..config import Config, _Strict, load_config, renamed_keys
+from ..credit_options import CreditOptions, GRPOOptions, credit_spec
 from .distill.loop import DistillConfig
 from .loss import PolicyLossConfig
 from .value import ValueHeadConfig
@@ -73,10 +75,10 @@ class TrainConfig(_Strict):
         "overrides task_seed_start (e.g. seeds of one task family).")
     seed: int = Field(0, description="Seeds sampling streams, minibatch order and torch init.")
     # -- credit --------------------------------------------------------------------
-    credit: str = Field("grpo", description="Credit assignment method of agentrl.credit.assign; "
-                        "none: no RL advantage (distillation only, needs distill).")
-    credit_options: dict[str, Any] = Field(default_factory=dict,
-                                           description="Keyword options of that method.")
+    credit: CreditOptions = Field(
+        default_factory=GRPOOptions, description="Credit assignment method (agentrl.credit.ESTIMATORS) "
+        "and its options: {name: gigpo, gamma: 0.95, omega: 1.0}; a plain name takes the defaults; "
+        "none: no RL advantage (distillation only, needs distill).")
     value_head: ValueHeadConfig | None = Field(None, description="credit: gae: a turn-level value "
                                                "head V(s) for GAE (agentrl.train.value); null: V = 0.")
     loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig,
@@ -154,17 +156,41 @@ class TrainConfig(_Strict):
                             "out_dir/trees/step-NNNNNN.jsonl (the first this many tasks), for "
                             "`agentrl tree` and `agentrl view`; 0: none.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _fold_credit_options(cls, data: Any) -> Any:
+        """The old form, ``credit: NAME`` beside ``credit_options: {...}``, as the new one,
+        with a ``FutureWarning``: it keeps working for one release."""
+        if not isinstance(data, dict) or "credit_options" not in data:
+            return data
+        data = dict(data)
+        options, name = data.pop("credit_options") or {}, data.get("credit", "grpo")
+        if not isinstance(name, str):
+            raise ValueError("train.credit_options is the old place of the options in "
+                             "train.credit: give only train.credit")
+        if not isinstance(options, dict):
+            raise ValueError("train.credit_options: must be a mapping")
+        warnings.warn("train.credit_options is deprecated and will be removed in the next release: "
+                      f"use train.credit: {{name: {name}, <option>: <value>}}", FutureWarning, stacklevel=2)
+        data["credit"] = {"name": name, **options}
+        return data
+
+    @field_validator("credit", mode="before")
+    @classmethod
+    def _credit_by_name(cls, value: Any) -> Any:
+        """A plain name is that method with its default options; a bad name fails here,
+        with the closest valid one, before any model loads."""
+        return credit_spec(value)
+
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         if self.task_seeds is not None and not self.task_seeds:
             raise ValueError("task_seeds: give at least one seed, or null")
         if self.harness is not None and not self.harness.strip():
             raise ValueError("harness: give the command that runs one episode, or null")
-        if self.value_head is not None and self.credit != "gae":
-            raise ValueError(f"value_head is read by credit: 'gae' only, not {self.credit!r}")
-        if "value_fn" in self.credit_options:
-            raise ValueError("credit_options.value_fn cannot come from a config: set value_head")
-        if self.credit == "none" and self.distill is None:
+        if self.value_head is not None and self.credit.name != "gae":
+            raise ValueError(f"value_head is read by credit: 'gae' only, not {self.credit.name!r}")
+        if self.credit.name == "none" and self.distill is None:
             raise ValueError("credit: 'none' leaves nothing to learn from; set distill, or a "
                              "credit method")
         if self.tree_packing:  # a shared token carries its episodes' advantages summed (rows.py)

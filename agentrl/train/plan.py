@@ -40,7 +40,8 @@ def run_plan(cfg: TrainRunConfig) -> dict[str, Any]:
             "rollouts": source, "steps": t.steps, "tasks per step": t.tasks_per_step,
             "episodes per task": r.group_size,
             "budget per step": f"{r.budget} {r.budget_unit}" if r.budget else f"{t.tasks_per_step * r.group_size} leaves",
-            "credit": t.credit, "trainable": t.trainable, "lr": t.lr,
+            "credit": f"{t.credit.name} {t.credit.model_dump(exclude={'name'}, exclude_unset=True) or ''}".strip(),
+            "trainable": t.trainable, "lr": t.lr,
             "held-out episodes per eval": len(eval_seeds(t)), "out_dir": t.out_dir,
             "trees saved per step": t.save_trees}
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from ..credit_options import GAEOptions, GiGPOOptions
 from ..errors import ConfigError
 from ..policy.base import request_seed
 from ..types import EpisodeGroup, RolloutTree
@@ -190,11 +191,11 @@ class Learner:
 
         t = self.cfg.train
         stats: dict[str, Any] = {}
-        if t.credit == "none":
+        if t.credit.name == "none":
             from .distill import no_credit
             items = no_credit(groups)
         else:
-            options = {"failed": self.cfg.rollout.failed_episodes, **t.credit_options}
+            options: dict[str, Any] = {"failed": self.cfg.rollout.failed_episodes}
             feats: dict[tuple[int, ...], tuple[torch.Tensor, Any]] = {}
             if self.value_head is not None:
                 from .value import turn_features
@@ -207,12 +208,13 @@ class Learner:
 
                 options["value_fn"] = value_fn
             items = assign(groups, t.credit, **options)
-            if t.credit == "gigpo":  # how often states recur: GiGPO's step level needs them
+            if isinstance(t.credit, GiGPOOptions):  # how often states recur: GiGPO's step level needs them
                 from ..credit import anchor_group_stats
-                stats.update(anchor_group_stats(groups, t.credit_options.get("similarity")))
+                stats.update(anchor_group_stats(groups, t.credit.similarity))
             if self.value_head is not None and feats:  # refit V on this batch, after it was used
+                assert isinstance(t.credit, GAEOptions)  # the config allows a value head with gae only
                 stats.update(self.value_head.fit([f for f, _ in feats.values()], [e for _, e in feats.values()],
-                                                 t.credit_options.get("gamma", 1.0), t.credit_options.get("lam", 1.0)))
+                                                 t.credit.gamma, t.credit.lam))
         skip = (t.skip_zero_advantage and t.loss.kl_coef == 0 and t.loss.entropy_coef == 0
                 and self.distiller is None)
         samples = samples_from_credit(items, skip_zero_advantage=skip)

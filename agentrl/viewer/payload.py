@@ -9,9 +9,9 @@ are not stored on the tree and are worked out here:
 with the action tokens of the episode that ends at that leaf, root first (the
 positions where ``Episode.loss_mask`` is 1). These are what the update used,
 distillation included. Without them, the advantages are recomputed with
-``agentrl.credit.assign_report`` and the run's ``train.credit``,
-``train.credit_options`` and ``rollout.failed_episodes`` (``grpo`` when the run
-has no config), one tree a group; the page says which. A node on several
+``agentrl.credit.assign_report`` and the run's ``train.credit`` (a run recorded
+before its options moved there: ``train.credit_options``) and
+``rollout.failed_episodes`` (``grpo`` when the run has no config), one tree a group; the page says which. A node on several
 episodes has one advantage per episode (group methods give each episode its
 own); the page shows each and their mean.
 
@@ -33,12 +33,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..credit_options import recorded_credit
 from ..types import Node, RolloutTree
 
 __all__ = ["CreditSpec", "branch_reasons", "credit_spec", "episode_values", "tree_payload"]
 
 _SHOWN_INFO_SKIP = ("tool_calls", "tool_messages", "parse_errors", "truncation_reason", "branch")
-_BATCH_METHODS = ("gdpo", "returns", "gae")
 
 
 @dataclass(slots=True)
@@ -57,8 +57,7 @@ def credit_spec(config: dict[str, Any]) -> CreditSpec:
     failed = (config.get("rollout") or {}).get("failed_episodes", "exclude")
     if not train:
         return CreditSpec(failed=failed)
-    method = str(train.get("credit", "grpo"))
-    options = dict(train.get("credit_options") or {})
+    method, options = recorded_credit(train)
     return CreditSpec(method, options, failed, f"recomputed with train.credit={method}")
 
 
@@ -89,24 +88,25 @@ def episode_values(tree: RolloutTree, spec: CreditSpec) -> tuple[dict[str, dict[
         return out, "saved by the trainer (the values the update used)"
     if spec.method == "none":
         return out, "train.credit=none: no RL advantage (distillation only), and no saved values"
-    if spec.method == "gdpo":
-        return out, "gdpo needs the run's reward_fn, which a config cannot hold: not recomputed"
-    from ..credit import assign_report
+    from ..credit import ESTIMATORS, assign_report
 
-    options = dict(spec.options)
-    options.pop("value_fn", None)
+    estimator = ESTIMATORS.get(spec.method)
+    if estimator is not None and "reward_fn" in estimator.reads:
+        return out, f"{spec.method} needs the run's reward_fn, which a config cannot hold: not recomputed"
+    options = {k: v for k, v in spec.options.items() if k != "value_fn"}  # never in a config; old runs
     try:
         report = assign_report([tree], spec.method, failed=spec.failed, **options)
     except (ValueError, TypeError, KeyError) as e:
         return out, f"{spec.method} could not be recomputed: {e}"
+    assert estimator is not None  # assign_report knew the method
     for episode, adv in report.items:
         leaf = episode.nodes[-1].id
         actions = [a for a, m in zip(adv, episode.loss_mask, strict=True) if m]
         out["advantages"][leaf] = _spread(tree, leaf, actions)
     note = spec.source
-    if spec.method in _BATCH_METHODS:
+    if estimator.scope == "batch":
         note += " (its statistics span a whole batch; here one tree is the batch)"
-    if spec.method == "gae":
+    if "value_fn" in estimator.reads:
         note += "; V = 0 (a value head's fit is not saved with the tree)"
     return out, note
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ..allocator_options import recorded_allocator
+from ..credit_options import recorded_credit
 from ..types import RolloutTree
 from .curves import series
 from .run import Run
@@ -337,7 +338,7 @@ def _about(f: RunFacts) -> list[Any]:
         (cfg.get("env") or {}).get("id") or next((s.env for s in f.run.summaries if s.env), "–"),
         (cfg.get("policy") or {}).get("model", "–"),
         recorded_allocator(cfg.get("rollout") or {})[0] or ", ".join(sorted(a for a in f.allocators if a)) or "–",
-        train.get("credit", "–"),
+        recorded_credit(train)[0] if train else "–",
         (train.get("distill") or {}).get("teacher", "–") if train.get("distill") else "–",
         len(rl), len(f.run), len(f.turns),
         f"{succ[0][1]:.3f} → {succ[-1][1]:.3f}" if succ else "–",

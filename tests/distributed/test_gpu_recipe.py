@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from agentrl.credit_options import GiGPOOptions
 from agentrl.errors import ConfigError
 from agentrl.train.config import load_train_config
 
@@ -32,7 +33,7 @@ def test_the_recipe_keeps_verl_agents_published_settings():
     cfg = load_train_config(RECIPE)
     t = cfg.train
     assert (t.tasks_per_step, cfg.rollout.group_size, t.steps, t.lr) == (16, 8, 150, 1e-6)
-    assert t.credit == "gigpo" and t.credit_options == {"gamma": 0.95, "omega": 1.0, "scale": "none"}
+    assert t.credit == GiGPOOptions(gamma=0.95, omega=1.0, scale="none")
     assert (t.loss.kl_coef, t.loss.kl_estimator) == (0.01, "k3")
     assert cfg.env.kwargs == {"max_steps": 50, "invalid_penalty": 0.1} and cfg.rollout.max_turns == 50
     assert (cfg.sampling.temperature, t.eval_temperature, cfg.sampling.max_new_tokens) == (1.0, 0.4, 512)

@@ -90,7 +90,7 @@ def test_gae_with_the_head_trains_refits_and_resumes(tmp_path):
     torch.set_num_threads(1)
     cfg = load_train_config(None, GUESS + [
         "rollout.group_size=4", "train.tasks_per_step=2", "train.steps=2", "train.minibatch_size=8",
-        "train.credit=gae", "train.credit_options={gamma: 0.9, lam: 0.95}", "train.value_head={mix: 1.0}",
+        "train.credit={name: gae, gamma: 0.9, lam: 0.95}", "train.value_head={mix: 1.0}",
         f"train.out_dir={tmp_path}"])
     tr = Trainer(cfg, progress=False)
     bars = ProgressBars(tr.console, False)

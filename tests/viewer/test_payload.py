@@ -34,6 +34,20 @@ def test_grpo_advantages_are_recomputed_per_episode_and_the_failure_left_out():
     assert "grpo" in p["credit"]["method"] and not p["credit"]["saved"]
 
 
+def test_a_run_recorded_in_either_credit_form_recomputes_the_same_advantages():
+    from agentrl.train.config import load_train_config
+    from agentrl.viewer.payload import credit_spec, episode_values
+
+    new = load_train_config(None, ["train.credit={name: tree, leaf_norm: none}"]).model_dump(mode="json")
+    old = {"train": {"credit": "tree", "credit_options": {"leaf_norm": "none"}}}  # recorded before the change
+    spec_new, spec_old = credit_spec(new), credit_spec(old)
+    assert spec_new.method == spec_old.method == "tree" and spec_new.options["leaf_norm"] == "none"
+    got_new, note = episode_values(fork_tree(), spec_new)
+    assert got_new == episode_values(fork_tree(), spec_old)[0] and "recomputed with train.credit=tree" in note
+    # leaf 1 (outcome 1) over the root and its parent (both 0.5): 0.5 + 0.5, leaf_norm none
+    assert got_new["advantages"][1][1] == [pytest.approx(1.0)]
+
+
 def test_saved_training_values_win_and_give_the_log_ratio():
     t = fork_tree()
     t.meta["token_values"] = {"1": {"advantages": [0.5, 0.5, 2.0], "teacher_logprobs": [-0.1, -0.3, -0.4],
