@@ -5,8 +5,10 @@ The math, plain synchronous torch and pure functions:
 - ``logprobs``: runs the model on rows, packed rows and prefix trees;
 - ``loss``: PPO-clip, TIS, KL and entropy, from logprobs and advantages, and
   the step's loss (``row_loss``); ``m2po``: M2PO's mask and term;
-- ``distill``: on-policy distillation, its signals (``distill.signals``) and
-  their wiring into a batch (``distill.loop``).
+- ``distill``: on-policy distillation: its config (``distill.config``), its
+  teachers (``distill.teachers``), its pure signals (``distill.signals``), their
+  application to a batch's samples (``distill.advantages``) and the teacher's
+  wiring into the step (``distill.loop``).
 
 The glue:
 

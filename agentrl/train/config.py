@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from ..config import Config, _Strict, load_config, renamed_keys
-from .distill.loop import DistillConfig
+from .distill.config import DistillConfig
 from .loss import PolicyLossConfig
 from .value import ValueHeadConfig
 
