@@ -152,7 +152,8 @@ class TrainConfig(_Strict):
     plot: bool = Field(True, description="Draw learning_curve.png (matplotlib) at the end.")
     save_trees: int = Field(8, ge=0, description="Trees of each step's rollouts written to "
                             "out_dir/trees/step-NNNNNN.jsonl (the first this many tasks), for "
-                            "`agentrl tree` and `agentrl view`; 0: none.")
+                            "`agentrl tree` and `agentrl view`, each with the per-token advantages "
+                            "(and teacher and student log-probs) its update used; 0: none.")
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
