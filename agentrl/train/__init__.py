@@ -18,6 +18,7 @@ The glue:
 - ``model``: what trains, the optimizer, precision, the KL reference, weight sync;
 - ``trainer``: the run (rollout, the step, sync, eval, checkpoint);
 - ``rollouts``: a step's rollouts, the held-out evaluation, the allocator's report;
+- ``token_values``: what the update trained on, per token, saved with the step's trees;
 - ``asynchronous``: the next steps' rollouts in a thread, from a snapshot of the
   weights, within a staleness bound (``train.asynchronous``);
 - ``sft``: behaviour cloning of an env's expert, with RL's token layout;
