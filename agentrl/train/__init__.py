@@ -5,8 +5,10 @@ The math, plain synchronous torch and pure functions:
 - ``logprobs``: runs the model on rows, packed rows and prefix trees;
 - ``loss``: PPO-clip, TIS, KL and entropy, from logprobs and advantages, and
   the step's loss (``row_loss``); ``m2po``: M2PO's mask and term;
-- ``distill``: on-policy distillation, its signals (``distill.signals``) and
-  their wiring into a batch (``distill.loop``).
+- ``distill``: on-policy distillation: its config (``distill.config``), its
+  teachers (``distill.teachers``), its pure signals (``distill.signals``), their
+  application to a batch's samples (``distill.advantages``) and the teacher's
+  wiring into the step (``distill.loop``).
 
 The glue:
 
@@ -16,6 +18,7 @@ The glue:
 - ``model``: what trains, the optimizer, precision, the KL reference, weight sync;
 - ``trainer``: the run (rollout, the step, sync, eval, checkpoint);
 - ``rollouts``: a step's rollouts, the held-out evaluation, the allocator's report;
+- ``token_values``: what the update trained on, per token, saved with the step's trees;
 - ``asynchronous``: the next steps' rollouts in a thread, from a snapshot of the
   weights, within a staleness bound (``train.asynchronous``);
 - ``sft``: behaviour cloning of an env's expert, with RL's token layout;

@@ -19,7 +19,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ..config import Config, _Strict, load_config, renamed_keys
 from ..credit_options import CreditOptions, GRPOOptions, credit_spec
-from .distill.loop import DistillConfig
+from .distill.config import DistillConfig
 from .loss import PolicyLossConfig
 from .value import ValueHeadConfig
 
@@ -154,7 +154,8 @@ class TrainConfig(_Strict):
     plot: bool = Field(True, description="Draw learning_curve.png (matplotlib) at the end.")
     save_trees: int = Field(8, ge=0, description="Trees of each step's rollouts written to "
                             "out_dir/trees/step-NNNNNN.jsonl (the first this many tasks), for "
-                            "`agentrl tree` and `agentrl view`; 0: none.")
+                            "`agentrl tree` and `agentrl view`, each with the per-token advantages "
+                            "(and teacher and student log-probs) its update used; 0: none.")
 
     @model_validator(mode="before")
     @classmethod

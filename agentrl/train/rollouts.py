@@ -120,7 +120,11 @@ def allocation_report(name: str, summary: dict[str, Any], step: int, trees: list
 
 
 def save_trees(out: Path, n: int, step: int, trees: list[RolloutTree]) -> None:
-    """The step's first ``n`` trees (``train.save_trees``), as the viewer and ``agentrl tree`` read them."""
+    """The step's first ``n`` trees (``train.save_trees``), as the viewer and ``agentrl tree`` read them.
+
+    Written after the step's update, so each carries ``meta["token_values"]``:
+    the per-token values the update used (``agentrl.train.token_values``).
+    """
     if n == 0:
         return
     folder = out / "trees"

@@ -14,7 +14,9 @@ trees and its optimizer steps:
 4. **distillation's advantage term**: ``A += w * (log pi_teacher - log
    pi_student)`` (``Distiller.advantage_term``);
 5. **the update**: ``epochs`` shuffled passes of minibatches, one AdamW step each
-   (``batch.train_on_samples``), whose loop calls ``loss.row_loss`` on each row.
+   (``batch.train_on_samples``), whose loop calls ``loss.row_loss`` on each row;
+6. **what it trained on**: the first ``train.save_trees`` trees get the
+   per-token values the loss read (``token_values``), saved with them.
 
 Nothing here knows the run around it (``trainer``): it gets trees, a step
 number and a progress bar factory, and returns stats.
@@ -47,6 +49,7 @@ from .model import (
     reference,
     reference_model,
 )
+from .token_values import token_values
 
 __all__ = ["Learner", "no_signal"]
 
@@ -118,7 +121,7 @@ class Learner:
         t, tree_layout = self.cfg.train, self.cfg.train.tree_packing  # the row layout of both passes
         t0 = time.perf_counter()
         groups = [EpisodeGroup.of(tr) for tr in trees]  # each tree's episodes, once
-        samples, stats = self._credit(groups)
+        samples, credited, stats = self._credit(groups)
         why = no_signal(groups, samples, distilling=self.distiller is not None)
         stats["train/no_signal"] = int(why is not None)
         if why is not None:
@@ -129,6 +132,7 @@ class Learner:
         stats["train/episodes"] = len(samples)
         stats["time/credit_s"] = time.perf_counter() - t0
         if not samples:
+            self._keep_token_values(groups, samples, credited)
             return stats
 
         # The scoring passes: old (PPO's anchor), reference (KL), teacher (distillation).
@@ -178,6 +182,7 @@ class Learner:
                               generator=torch.Generator().manual_seed(request_seed(t.seed, step, 1)),
                               on_minibatch=advance, tree=tree_layout)
         wall = time.perf_counter() - t0
+        self._keep_token_values(groups, samples, credited)  # the values the loss read, now final
         stats.update(st)
         stats.update(self._mismatch(samples, st, one_step))
         stats["time/train_s"] = wall
@@ -185,8 +190,9 @@ class Learner:
         stats["train/lr"] = self.scheduler.get_last_lr()[0]
         return stats
 
-    def _credit(self, groups: list[EpisodeGroup]) -> tuple[list[Sample], dict[str, Any]]:
-        """Per-token advantages for every episode (and a refit value head), as samples."""
+    def _credit(self, groups: list[EpisodeGroup]) -> tuple[list[Sample], set[int], dict[str, Any]]:
+        """Per-token advantages for every episode (and a refit value head), as samples; and the
+        ``id``s of the episodes credit gave advantages to (the rest it left out)."""
         from ..credit import assign
 
         t = self.cfg.train
@@ -219,7 +225,13 @@ class Learner:
                 and self.distiller is None)
         samples = samples_from_credit(items, skip_zero_advantage=skip)
         stats["adv/token_balance"] = advantage_balance([s.advantages for s in samples], [s.mask for s in samples])
-        return samples, stats
+        return samples, {id(ep) for ep, _ in items}, stats
+
+    def _keep_token_values(self, groups: list[EpisodeGroup], samples: list[Sample], credited: set[int]) -> None:
+        """Put what the update read on the trees the run saves (``train.save_trees``), for the viewer."""
+        t = self.cfg.train
+        for g in groups[:t.save_trees]:
+            g.tree.meta["token_values"] = token_values(g, samples, credited, t.credit.name)
 
     def _teacher_context(self, samples: list[Sample], groups: list[EpisodeGroup]) -> None:
         """What the distillation teacher reads of each sample's episode: its tree's privileged

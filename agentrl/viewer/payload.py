@@ -7,11 +7,15 @@ are not stored on the tree and are worked out here:
 ``tree.meta["token_values"]``: ``{"<leaf id>": {"advantages": [...],
 "teacher_logprobs": [...], "student_logprobs": [...]}}``, each list aligned
 with the action tokens of the episode that ends at that leaf, root first (the
-positions where ``Episode.loss_mask`` is 1). These are what the update used,
-distillation included. Without them, the advantages are recomputed with
+positions where ``Episode.loss_mask`` is 1; ``null`` on a token the update
+masked out). These are what the update used, distillation included; the
+trainer writes them (``agentrl.train.token_values``). An episode the update
+left out is ``{"trained": false, "reason": ...}``, and its page says so.
+Without them, the advantages are recomputed with
 ``agentrl.credit.assign_report`` and the run's ``train.credit`` (a run recorded
 before its options moved there: ``train.credit_options``) and
-``rollout.failed_episodes`` (``grpo`` when the run has no config), one tree a group; the page says which. A node on several
+``rollout.failed_episodes`` (``grpo`` when the run has no config), one tree a
+group; the page says which. A node on several
 episodes has one advantage per episode (group methods give each episode its
 own); the page shows each and their mean.
 
@@ -36,7 +40,8 @@ from typing import Any
 from ..credit_options import recorded_credit
 from ..types import Node, RolloutTree
 
-__all__ = ["CreditSpec", "branch_reasons", "credit_spec", "episode_values", "tree_payload"]
+__all__ = ["CreditSpec", "branch_reasons", "credit_spec", "episode_values", "teacher_note", "tree_payload",
+           "untrained_episodes"]
 
 _SHOWN_INFO_SKIP = ("tool_calls", "tool_messages", "parse_errors", "truncation_reason", "branch")
 
@@ -64,19 +69,19 @@ def credit_spec(config: dict[str, Any]) -> CreditSpec:
 # --------------------------------------------------------------------------- advantages
 
 
-def _spread(tree: RolloutTree, leaf: int, values: list[float]) -> dict[int, list[float]]:
+def _spread(tree: RolloutTree, leaf: int, values: list[float | None]) -> dict[int, list[float | None]]:
     """Per-node slices of ``values``, which run along the action tokens of the path to ``leaf``."""
     out, i = {}, 0
     for node in tree.path(leaf):
-        out[node.id] = [float(v) for v in values[i:i + len(node.action_ids)]]
+        out[node.id] = [None if v is None else float(v) for v in values[i:i + len(node.action_ids)]]
         i += len(node.action_ids)
     return out
 
 
-def episode_values(tree: RolloutTree, spec: CreditSpec) -> tuple[dict[str, dict[int, dict[int, list[float]]]], str]:
+def episode_values(tree: RolloutTree, spec: CreditSpec) -> tuple[dict[str, dict[int, dict[int, list[float | None]]]], str]:
     """``({"advantages"|"teacher"|"student": {leaf: {node: per-token}}}, where from)``."""
     saved = tree.meta.get("token_values")
-    out: dict[str, dict[int, dict[int, list[float]]]] = {"advantages": {}, "teacher": {}, "student": {}}
+    out: dict[str, dict[int, dict[int, list[float | None]]]] = {"advantages": {}, "teacher": {}, "student": {}}
     if isinstance(saved, dict) and saved:
         keys = {"advantages": "advantages", "teacher_logprobs": "teacher", "student_logprobs": "student"}
         for leaf, vals in saved.items():
@@ -85,7 +90,7 @@ def episode_values(tree: RolloutTree, spec: CreditSpec) -> tuple[dict[str, dict[
             for key, name in keys.items():
                 if vals.get(key) is not None:
                     out[name][int(leaf)] = _spread(tree, int(leaf), vals[key])
-        return out, "saved by the trainer (the values the update used)"
+        return out, "saved: the values the update used"
     if spec.method == "none":
         return out, "train.credit=none: no RL advantage (distillation only), and no saved values"
     from ..credit import ESTIMATORS, assign_report
@@ -109,6 +114,24 @@ def episode_values(tree: RolloutTree, spec: CreditSpec) -> tuple[dict[str, dict[
     if "value_fn" in estimator.reads:
         note += "; V = 0 (a value head's fit is not saved with the tree)"
     return out, note
+
+
+def untrained_episodes(tree: RolloutTree) -> dict[int, str]:
+    """``{leaf: why}`` for the episodes the update left out, as the trainer saved them."""
+    saved = tree.meta.get("token_values")
+    if not isinstance(saved, dict):
+        return {}
+    return {int(leaf): str(v.get("reason") or "left out of the update") for leaf, v in saved.items()
+            if isinstance(v, dict) and v.get("trained") is False}
+
+
+def teacher_note(tree: RolloutTree, has_teacher: bool) -> str:
+    """Where the page's teacher - student log-ratio comes from, or why there is none."""
+    if has_teacher:
+        return "saved: the teacher's and the student's log-probs of the sampled tokens, as the update used them"
+    if tree.meta.get("token_values"):
+        return "none saved: no teacher scored this run's sampled tokens (no distillation, or DAgger labels)"
+    return "not saved with this tree (written by agentrl rollout, or by a trainer that did not save them)"
 
 
 # --------------------------------------------------------------------------- branch reasons
@@ -216,13 +239,13 @@ def _leaves_under(tree: RolloutTree, node_id: int) -> list[int]:
     return out
 
 
-def _mean(xs: Iterable[float]) -> float | None:
-    xs = list(xs)
+def _mean(xs: Iterable[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
 
 
 def _node(tree: RolloutTree, n: Node, depth: int, reasons: dict[str, str],
-          adv: dict[int, dict[int, list[float]]]) -> dict[str, Any]:
+          adv: dict[int, dict[int, list[float | None]]]) -> dict[str, Any]:
     info = n.info or {}
     per_leaf = {leaf: _mean(vals[n.id]) for leaf, vals in adv.items() if n.id in vals and vals[n.id]}
     per_leaf = {k: v for k, v in per_leaf.items() if v is not None}
@@ -275,6 +298,8 @@ def tree_payload(tree: RolloutTree, spec: CreditSpec | None = None,
         }
         used.update(n.context_ids)
         used.update(n.action_ids)
+    untrained = untrained_episodes(tree)
+    saved = bool(tree.meta.get("token_values"))
     episodes = []
     for leaf in tree.leaves():
         path = tree.path(leaf.id)
@@ -285,7 +310,10 @@ def tree_payload(tree: RolloutTree, spec: CreditSpec | None = None,
             "truncated": leaf.truncated, "reason": error or leaf.info.get("truncation_reason")
             or ("finish_reason=length" if leaf.truncated and leaf.finish_reason == "length" else None),
             "actions": [x.action_text for x in path if not x.partial],
+            "trained": (leaf.id not in untrained) if saved else None,  # None: not known (not saved)
+            "untrained_reason": untrained.get(leaf.id),
         })
+    has_teacher = any(values["teacher"].values())
     meta = {k: v for k, v in tree.meta.items()
             if k not in ("token_values", "allocation_report", "prefix_groups", "privileged")}
     return {
@@ -294,5 +322,5 @@ def tree_payload(tree: RolloutTree, spec: CreditSpec | None = None,
         "vocab": {str(k): v for k, v in decode(sorted(used)).items()} if decode else {},
         "credit": {"method": spec.method, "note": credit_note,
                    "saved": bool(tree.meta.get("token_values"))},
-        "has_teacher": any(values["teacher"].values()),
+        "has_teacher": has_teacher, "teacher_note": teacher_note(tree, has_teacher),
     }

@@ -110,18 +110,19 @@ def _tree_facts(f: RunFacts, tree: RolloutTree, step: Any) -> None:
         b[f"{kind}_turns"] += not n.partial
         b[f"{kind}_tokens"] += len(n.action_ids)
     saved = tree.meta.get("token_values")
-    if isinstance(saved, dict):
-        per_turn = f.divergence.setdefault(step, defaultdict(list))
+    if isinstance(saved, dict):  # every trained episode's values; teacher log-probs where a teacher scored
         for leaf, vals in saved.items():
             teacher, student = vals.get("teacher_logprobs"), vals.get("student_logprobs")
             if teacher is None or int(leaf) not in tree.nodes:
                 continue
+            per_turn = f.divergence.setdefault(step, defaultdict(list))
             path = tree.path(int(leaf))
             student = student or [x for n in path for x in n.logprobs]
             i, turn, acc = 0, 0, []
             for n in path:
-                k = len(n.action_ids)
-                acc += [s - t for s, t in zip(student[i:i + k], teacher[i:i + k], strict=False)]
+                k = len(n.action_ids)  # a token the update masked out (null) has no signal
+                acc += [s - t for s, t in zip(student[i:i + k], teacher[i:i + k], strict=False)
+                        if s is not None and t is not None]
                 i += k
                 if not n.partial:
                     if acc:
@@ -294,8 +295,9 @@ def _plot_divergence(runs: list[RunFacts], out: Path) -> tuple[str | None, list[
                          "(the saved trees carry no teacher log-probs)")
         elif kl := series(f.rows, "distill/reverse_kl"):
             ax.plot(*zip(*kl, strict=True), STYLES[k % 2], color=f"C{k}", label=f"{f.name}: per step")
-            notes.append(f"{f.name}: per turn is not recorded (no saved teacher log-probs, no TurnOPD "
-                         "statistics); the plot shows distill/reverse_kl per step instead, x = step")
+            notes.append(f"{f.name}: per turn is not recorded (its saved trees carry no teacher log-probs: "
+                         "saved by an older trainer, or train.save_trees=0; no TurnOPD statistics); the "
+                         "plot shows distill/reverse_kl per step instead, x = step")
     if not ax.lines and not ax.patches:
         _plt().close(fig)
         return None, notes + ["distillation ran, but nothing per turn or per step was recorded"]

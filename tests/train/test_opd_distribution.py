@@ -13,8 +13,9 @@ from agentrl.train.distill import (
     add_distill_advantages,
     build_support,
     distribution_loss,
+    document_bos,
+    overlap_weights,
 )
-from agentrl.train.distill.loop import document_bos, overlap_weights
 from agentrl.train.logprobs import token_scores
 from agentrl.train.metrics import ProgressBars
 from agentrl.types import read_trees

@@ -136,3 +136,22 @@ def test_thousands_of_trees_open_without_freezing(page, tmp_path, artifacts):
     assert took < 10, f"a static page of 3000 trees took {took:.1f} s to open a tree"
     assert "sandbox died" in page.inner_text("#node-detail .failure")
     assert page.errors == []
+
+
+def test_page_says_which_episodes_the_update_left_out(page, tmp_path):
+    t = fork_tree()
+    t.meta["token_values"] = {"1": {"advantages": [0.5, 0.5, 2.0]},  # trained, no teacher scored it
+                              "2": {"trained": False, "reason": "MC-GRPO's pivot: no gradient"},
+                              "3": {"trained": False, "reason": "failed episode, left out"}}
+    write_trees(tmp_path / "trees.jsonl", [t])
+    _open(page, write_static(Run(tmp_path / "trees.jsonl"), tmp_path / "view.html", None).as_uri())
+    page.click("tr.tree-row[data-tree='0']")
+    assert page.inner_text("#tree-credit").endswith("saved: the values the update used")
+    page.click("#tree-canvas g.node[data-node='2'] circle")
+    assert "leaf 2 left out of the update: MC-GRPO's pivot" in page.inner_text("#node-detail .advantage")
+    page.click("#show-tokens")
+    page.wait_for_selector("#token-view .tok.act")
+    assert "this episode was left out of the update: MC-GRPO's pivot" in page.inner_text("#token-head")
+    label = page.locator("input[name=tokmode][value=ratio] >> xpath=..").inner_text()
+    assert label.endswith("(no teacher)") and "not recorded" not in label
+    assert page.errors == []

@@ -157,3 +157,28 @@ def test_curves_take_eval_points_derived_rates_and_say_what_is_missing():
     rows.append({"step": 3, "async/staleness_mean": 1.5})
     assert [s["key"] for s in {p["title"]: p for p in curve_panels(rows)}["staleness"]["series"]] == [
         "async/staleness_mean"]
+
+
+def test_saved_values_mark_episodes_the_update_left_out_and_tokens_it_masked():
+    t = fork_tree()
+    t.meta["token_values"] = {  # leaf 1: its second token masked out (TIP); leaves 2 and 3 left out
+        "1": {"advantages": [0.5, None, 2.0], "teacher_logprobs": [-0.1, None, -0.4],
+              "student_logprobs": [-0.2, None, -1.0]},
+        "2": {"trained": False, "reason": "MC-GRPO's pivot: the group's median episode carries no gradient"},
+        "3": {"trained": False, "reason": "failed episode, left out (rollout.failed_episodes=exclude)"}}
+    p = tree_payload(t, CreditSpec("grpo"))
+    assert p["credit"]["saved"] and p["credit"]["note"] == "saved: the values the update used"
+    assert p["tokens"]["0"]["advantages"] == {"1": [0.5, None]}
+    assert _node(p, 0)["advantage"] == 0.5  # the masked token is not in the mean
+    assert _node(p, 2)["advantage"] is None and _node(p, 2)["advantages"] == {}
+    by_leaf = {e["leaf"]: e for e in p["episodes"]}
+    assert by_leaf[1]["trained"] is True and by_leaf[1]["untrained_reason"] is None
+    assert by_leaf[2]["trained"] is False and "pivot" in by_leaf[2]["untrained_reason"]
+    assert p["has_teacher"] and p["teacher_note"].startswith("saved")
+    assert json.loads(to_json(p))["tokens"]["0"]["teacher"] == {"1": [-0.1, None]}
+    # Saved values without a teacher's: the page says none was saved, not "not recorded".
+    t.meta["token_values"] = {"1": {"advantages": [0.5, 0.5, 2.0]}}
+    p = tree_payload(t, CreditSpec("grpo"))
+    assert not p["has_teacher"] and p["teacher_note"].startswith("none saved")
+    assert tree_payload(fork_tree())["teacher_note"].startswith("not saved")
+    assert all(e["trained"] is None for e in tree_payload(fork_tree())["episodes"])  # not known

@@ -62,3 +62,18 @@ def test_two_runs_side_by_side_and_a_run_without_metrics(tmp_path):
 def test_report_refuses_three_runs():
     with pytest.raises(ValueError, match="one run or two"):
         write_report([RUN, RUN, RUN])
+
+
+def test_divergence_per_turn_skips_masked_tokens_and_episodes_left_out(tmp_path):
+    t = fork_tree()
+    t.meta["token_values"] = {"1": {"advantages": [0.5, None, 2.0], "teacher_logprobs": [-0.1, None, -0.4],
+                                    "student_logprobs": [-0.2, None, -1.0]},
+                              "2": {"trained": False, "reason": "MC-GRPO's pivot"}}
+    plain = fork_tree(2)
+    plain.meta["token_values"] = {"1": {"advantages": [0.5, 0.5, 2.0]}}  # no teacher: no divergence
+    write_trees(tmp_path / "trees.jsonl", [t])
+    write_trees(tmp_path / "plain.jsonl", [plain])
+    # log pi_s - log pi_t per turn: turn 1 only its first token (-0.2 + 0.1), turn 2 (-1.0 + 0.4)
+    div = gather(tmp_path / "trees.jsonl").divergence[None]
+    assert dict(div) == {0: [pytest.approx(-0.1)], 1: [pytest.approx(-0.6)]}
+    assert not gather(tmp_path / "plain.jsonl").distilled

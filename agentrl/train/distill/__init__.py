@@ -3,26 +3,20 @@
 - ``signals``: the pure per-token signals and weights, each a tensor function
   with its paper (GKD's reverse KL, top-k and support-matching divergences,
   TurnOPD, SOD, TIP, the overlap stop, a one-hot expert teacher).
-- ``loop``: their wiring into a rollout batch: the config (``DistillConfig``),
-  the teacher (``Distiller``), privileged and hindsight context.
+- ``advantages``: those signals laid onto a batch's samples, in place (the
+  distillation advantage, a scripted expert's log-probs, the overlap weights).
+- ``config``: the ``train.distill`` section (``DistillConfig``) and the weight schedule.
+- ``teachers``: loading a teacher, and the privileged and hindsight text it reads.
+- ``loop``: the teacher's wiring into the learning step (``Distiller``).
 
-The core update, for a reader: ``loop.add_distill_advantages`` adds
+The core update, for a reader: ``advantages.add_distill_advantages`` adds
 ``w * (log pi_teacher - log pi_student)`` to every action token's advantage
 (``signals.reverse_kl_advantage`` and ``signals.combine_rl_and_distill``).
 """
 
-from .loop import (
-    DistillConfig,
-    Distiller,
-    add_distill_advantages,
-    distill_weight,
-    expert_teacher_logprobs,
-    hindsight_summary,
-    load_teacher,
-    load_vllm_teacher,
-    no_credit,
-    privileged_prefix,
-)
+from .advantages import add_distill_advantages, expert_teacher_logprobs, overlap_weights
+from .config import DistillConfig, distill_weight
+from .loop import Distiller, no_credit
 from .signals import (
     OverlapStop,
     build_support,
@@ -42,6 +36,13 @@ from .signals import (
     topk_reverse_kl,
     turn_balance_weights,
 )
+from .teachers import (
+    document_bos,
+    hindsight_summary,
+    load_teacher,
+    load_vllm_teacher,
+    privileged_prefix,
+)
 
 __all__ = [
     "DistillConfig",
@@ -53,6 +54,7 @@ __all__ = [
     "depth_budget",
     "distill_weight",
     "distribution_loss",
+    "document_bos",
     "expert_one_hot_teacher",
     "expert_teacher_logprobs",
     "forward_kl",
@@ -65,6 +67,7 @@ __all__ = [
     "local_support_matching",
     "no_credit",
     "overlap_stop",
+    "overlap_weights",
     "privileged_prefix",
     "reverse_kl_advantage",
     "spread_turn_values",

@@ -399,8 +399,12 @@ function renderNodeDetail() {
   if (n.parse_errors.length) parts.push(el("h4", { text: "tool-call parse errors" }), el("pre", { text: n.parse_errors.join("\n") }));
   if (!n.partial) parts.push(el("h4", { text: "observation" }), el("pre", { class: "observation", text: n.observation || "(none)" }));
   const advs = Object.entries(n.advantages || {});
-  const advText = n.advantage === null || n.advantage === undefined ? "– (" + (n.error ? "failed episode: left out of training" : t.credit.note) + ")"
-    : sfmt(n.advantage, 4) + (advs.length > 1 ? `  (mean of ${advs.length} episodes: ${advs.map(([l, a]) => `leaf ${l} ${sfmt(a, 3)}`).join(", ")})` : "");
+  const left = leavesThrough(t, n.id).filter((e) => e.trained === false);
+  const leftText = left.map((e) => `leaf ${e.leaf} left out of the update: ${e.untrained_reason}`).join("; ");
+  const advText = n.advantage === null || n.advantage === undefined
+    ? "– (" + (left.length ? leftText : n.error ? "failed episode: left out of training" : t.credit.note) + ")"
+    : sfmt(n.advantage, 4) + (advs.length > 1 ? `  (mean of ${advs.length} episodes: ${advs.map(([l, a]) => `leaf ${l} ${sfmt(a, 3)}`).join(", ")})` : "")
+      + (left.length ? `; ${leftText}` : "");
   parts.push(el("h4", { text: "numbers" }), kv([
     ["reward", fmt(n.reward, 4)], ["advantage", el("span", { class: "advantage", text: advText })],
     ["action tokens", String(n.n_action)], ["context tokens", String(n.n_context)],
@@ -413,7 +417,7 @@ function renderNodeDetail() {
   if (eps.length) {
     const leaf = currentLeaf(t, n.id);
     const sel = el("select", { id: "leaf-select", onchange: (e) => { S.leaf = Number(e.target.value); setHash(); } },
-      eps.map((e) => el("option", { value: e.leaf, selected: e.leaf === leaf, text: `leaf ${e.leaf}: ${e.error ? "failed" : e.success ? "success" : "no success"}, reward ${fmt(e.reward, 2)}, ${e.turns} turns` })));
+      eps.map((e) => el("option", { value: e.leaf, selected: e.leaf === leaf, text: `leaf ${e.leaf}: ${e.error ? "failed" : e.success ? "success" : "no success"}, reward ${fmt(e.reward, 2)}, ${e.turns} turns${e.trained === false ? ", not trained" : ""}` })));
     parts.push(el("h4", { text: `episodes through this node (${eps.length})` }), sel);
   }
   parts.push(el("div", { class: "row", style: "margin-top:10px" },
@@ -455,7 +459,7 @@ function turnTokens(t, id, leaf) {
     tk.action.forEach((tok, k) => {
       const lp = tk.logprobs[k], teacher = tea ? tea[k] : null, student = stu ? stu[k] : lp;
       toks.push({ id: tok, ctx: false, node: nid, lp, ent: tk.entropies[k] ?? null, top1: tk.top1[k] ?? null,
-        adv: adv ? adv[k] : null, teacher, ratio: teacher !== null && teacher !== undefined && student !== null ? teacher - student : null });
+        adv: adv ? adv[k] : null, dropped: Boolean(adv) && adv[k] === null, teacher, ratio: teacher !== null && teacher !== undefined && student !== null ? teacher - student : null });
     });
   });
   return toks;
@@ -482,13 +486,13 @@ function colour(mode, tok, scale) {
   return "transparent";
 }
 
-function legend(mode, scale) {
+function legend(mode, scale, t) {
   const bar = (css) => el("span", { class: "bar", style: "background:" + css });
   if (mode === "mask") return el("span", { class: "legend" }, el("span", { class: "tok", style: "background:#cfe3ff;padding:0 6px", text: "action (trained)" }), el("span", { style: "background:#eceff3;padding:0 6px", text: "context (masked)" }));
   if (mode === "logprob") return el("span", { class: "legend" }, "p = 1", bar("linear-gradient(90deg, rgba(220,38,38,.05), rgba(220,38,38,.8))"), "p → 0");
   if (mode === "entropy") return el("span", { class: "legend" }, "0", bar("linear-gradient(90deg, rgba(124,58,237,.05), rgba(124,58,237,.8))"), `${fmt(scale.ent, 2)} nats`);
   const m = mode === "advantage" ? scale.adv : scale.ratio;
-  if (!m) return el("span", { class: "legend muted", text: mode === "ratio" ? "no teacher log-probs in this run: distillation did not run or its values were not saved" : "no advantages for this episode" });
+  if (!m) return el("span", { class: "legend muted", text: mode === "ratio" ? "teacher log-probs: " + t.teacher_note : "no advantages for this episode" });
   return el("span", { class: "legend" }, sfmt(-m, 2), bar("linear-gradient(90deg, rgba(220,38,38,.72), #f3f4f6, rgba(22,163,74,.72))"), sfmt(m, 2));
 }
 
@@ -507,6 +511,7 @@ function renderTokens() {
   const n = nodeOf(t, S.node);
   const leaf = currentLeaf(t, n.id);
   const toks = turnTokens(t, n.id, leaf);
+  const ep = t.episodes.find((e) => e.leaf === leaf);
   const acts = toks.filter((x) => !x.ctx);
   const scale = {
     ent: Math.max(1e-9, ...acts.map((x) => x.ent || 0)),
@@ -515,14 +520,16 @@ function renderTokens() {
   };
   put($("token-head"), el("b", { text: `tree ${S.treeIndex} · node ${n.id} · turn ${n.depth + 1}` }),
     el("span", { class: "muted", text: ` · episode ending at leaf ${leaf ?? "–"} · ${acts.length} action tokens, ${toks.length - acts.length} context tokens` }),
-    el("div", { class: "small muted", text: `mean logprob ${fmt(mean(acts.map((x) => x.lp)), 3)} · mean entropy ${fmt(mean(acts.map((x) => x.ent)), 3)} · advantages: ${t.credit.note}` }),
+    el("div", { class: "small muted", text: `mean logprob ${fmt(mean(acts.map((x) => x.lp)), 3)} · mean entropy ${fmt(mean(acts.map((x) => x.ent)), 3)} · advantages: ${t.credit.note}`
+      + (t.has_teacher ? ` · teacher − student log-ratio: ${t.teacher_note}` : "") }),
+    ep && ep.trained === false ? el("div", { class: "small", text: `this episode was left out of the update: ${ep.untrained_reason}` }) : null,
     Object.keys(t.vocab).length ? null : el("div", { class: "small muted", text: "token texts unavailable (no tokenizer for this run): ids shown" }));
   const modes = $("token-modes");
   modes.replaceChildren(...MODES.map(([m, label]) => el("label", {},
     el("input", { type: "radio", name: "tokmode", value: m, checked: S.tokenMode === m, disabled: m === "ratio" && !t.has_teacher,
-      onchange: () => { S.tokenMode = m; renderTokens(); } }), " " + label + (m === "ratio" && !t.has_teacher ? " (not recorded)" : ""))),
+      onchange: () => { S.tokenMode = m; renderTokens(); } }), " " + label + (m === "ratio" && !t.has_teacher ? (t.teacher_note.startsWith("none") ? " (no teacher)" : " (not saved)") : ""))),
   el("label", {}, el("input", { type: "checkbox", checked: S.showContext, onchange: (e) => { S.showContext = e.target.checked; renderTokens(); } }), " context tokens"));
-  $("token-legend").replaceChildren(legend(S.tokenMode, scale));
+  $("token-legend").replaceChildren(legend(S.tokenMode, scale, t));
   const view = $("token-view");
   const frag = document.createDocumentFragment();
   let prevCtx = null;
@@ -543,7 +550,7 @@ function renderTokens() {
     const rows = [["token", JSON.stringify(tokenText(t, tok.id))], ["id", tok.id], ["node", tok.node], ["loss mask", tok.ctx ? "0 (context)" : "1 (action)"]];
     if (!tok.ctx) {
       rows.push(["logprob", fmt(tok.lp, 4)], ["p", tok.lp === null || tok.lp === undefined ? "–" : fmt(Math.exp(tok.lp), 4)],
-        ["entropy", fmt(tok.ent, 4)], ["advantage", tok.adv === null || tok.adv === undefined ? "–" : sfmt(tok.adv, 4)]);
+        ["entropy", fmt(tok.ent, 4)], ["advantage", tok.adv === null || tok.adv === undefined ? (tok.dropped ? "– (masked out of the update)" : "–") : sfmt(tok.adv, 4)]);
       if (tok.top1 !== null) rows.push(["top-1 p", fmt(tok.top1, 4)]);
       if (tok.teacher !== null && tok.teacher !== undefined) rows.push(["teacher logprob", fmt(tok.teacher, 4)], ["log-ratio t − s", sfmt(tok.ratio, 4)]);
     }
