@@ -135,10 +135,10 @@ def sft_child(variant: str, seed: int, out: str) -> None:
                       "nll_after": round(sft["sft/nll_after"], 4), "wall_s": round(time.perf_counter() - t, 1)}))
 
 
-def sft_rows(seeds: int) -> list[dict]:
+def sft_rows(seeds: int, variants: list[str]) -> list[dict]:
     rows = []
     for seed in range(seeds):
-        for variant in SFT_VARIANTS:
+        for variant in variants:
             with tempfile.TemporaryDirectory() as out:
                 r = subprocess.run([sys.executable, __file__, "--child-sft", variant, str(seed), out],
                                    capture_output=True, text=True)
@@ -158,11 +158,26 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="tiny-random, 2 x 2 episodes, 256 tokens, 1 rep")
     ap.add_argument("--sft", type=int, default=0, metavar="SEEDS", help="also SFT at each precision, per seed")
+    ap.add_argument("--sft-variants", default=",".join(SFT_VARIANTS),
+                    help=f"which SFT precisions, of {list(SFT_VARIANTS)}")
+    ap.add_argument("--sft-only", action="store_true",
+                    help="only the SFT rows, written into the existing JSON's 'sft' (the rest kept)")
     ap.add_argument("--child-sft", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
     args = ap.parse_args()
     if args.child_sft:
         return sft_child(args.child_sft[0], int(args.child_sft[1]), args.child_sft[2])
+    variants = [v.strip() for v in args.sft_variants.split(",") if v.strip()]
+    if unknown := [v for v in variants if v not in SFT_VARIANTS]:
+        raise SystemExit(f"--sft-variants: unknown {unknown}; choose of {list(SFT_VARIANTS)}")
+    if args.sft_only:
+        load = os.getloadavg()
+        result = json.loads(Path(args.out).read_text())
+        result["sft"] = sft_rows(args.sft or 1, variants)
+        result["sft_machine"] = {"load_avg_1m": [round(load[0], 2), round(os.getloadavg()[0], 2)]}
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print_sft(result, variants)
+        return
     if args.quick:
         args.model, args.episodes, args.group, args.tokens, args.reps = "tiny-random", 2, 2, 256, 1
     torch.manual_seed(0)
@@ -191,7 +206,7 @@ def main() -> None:
                      "fwd_bwd_s": round(sec, 3), "tokens_per_s": round(args.tokens / sec, 1)})
     result = {"model": args.model, "action_tokens": int(sampler.numel()), "episodes": len(eps),
               "max_logit_abs": {"median": round(logit_abs.median().item(), 2), "max": round(logit_abs.max().item(), 2)},
-              "rows": rows, "sft": sft_rows(args.sft) if args.sft else None, "args": {k: v for k, v in vars(args).items() if k != "out"},
+              "rows": rows, "sft": sft_rows(args.sft, variants) if args.sft else None, "args": {k: v for k, v in vars(args).items() if k != "out"},
               "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                           "load_avg_1m": [round(load[0], 2), round(os.getloadavg()[0], 2)],
                           "python": platform.python_version(), "torch": torch.__version__}}
@@ -204,13 +219,19 @@ def main() -> None:
         print(f"{r['variant']:26} {a['mean_abs']:9.4f}/{a['p99_abs']:7.4f}/{a['max_abs']:7.4f}  "
               f"{b['mean_abs']:10.4f}/{b['p99_abs']:7.4f}/{b['max_abs']:7.4f} {r['ratio_std']:9.4f} "
               f"{r['ratio_outside_clip']:11.4f} {r['tokens_per_s']:7.0f}")
-    for variant in SFT_VARIANTS if args.sft else ():
+    if args.sft:
+        print_sft(result, variants)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def print_sft(result: dict, variants: list[str]) -> None:
+    """Each SFT precision's held-out success: mean +- standard error over the seeds."""
+    for variant in variants:
         got = [r for r in result["sft"] if r["variant"] == variant]
         s = [r["success"] for r in got]
         se = statistics.stdev(s) / len(s) ** 0.5 if len(s) > 1 else float("nan")
         print(f"SFT {variant:16} held-out success {statistics.mean(s):.3f} +- {se:.3f} "
               f"(seeds: {', '.join(f'{x:.3f}' for x in s)}), {statistics.mean(r['sft_tokens_per_s'] for r in got):.0f} tok/s")
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
