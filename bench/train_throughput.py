@@ -133,14 +133,11 @@ def copy_bandwidth(mb: int = 256, reps: int = 5) -> float:
 
 
 def matmul_params(model) -> int:
-    """Parameters every token multiplies by: the decoder's linear weights and the vocabulary head."""
+    """Parameters every token multiplies by: the weights of every ``nn.Linear``, the vocabulary
+    head included (a tied head is the embedding's matrix, counted here once, as a matmul)."""
     import torch
 
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    head = model.get_output_embeddings()
-    tied = head is not None and any(head.weight is m.weight for m in model.modules()
-                                    if isinstance(m, torch.nn.Linear))
-    return linear + (0 if head is None or tied else head.weight.numel())
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def cpu_limits(model: str) -> dict:
