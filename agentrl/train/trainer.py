@@ -271,8 +271,10 @@ class Trainer:
             trees, stats, data_step = batch.trees, {**batch.stats, **stats}, batch.step
         # here, not in the producer's thread
         stats.update(allocation_report(self.cfg.rollout.allocator.name, self.allocation, data_step, trees, self.console))
-        stats.update(self.learner.learn(trees, k, bars.start))
-        save_trees(self.out, t.save_trees, k + 1, trees)  # after the update: with the values it used
+        try:
+            stats.update(self.learner.learn(trees, k, bars.start))
+        finally:  # after the update: with the values it used; a failed update's trees too
+            save_trees(self.out, t.save_trees, k + 1, trees)
         t0 = time.perf_counter()
         sync_policy(self.policy, self.learner.model)
         if self.producer is not None:

@@ -163,3 +163,19 @@ def test_asynchronous_steps_save_the_values_of_their_own_update(tmp_path, monkey
                 assert vals["advantages"] == pytest.approx(seen[(step, k, int(leaf))], abs=1e-4)
                 assert len(vals["teacher_logprobs"]) == len(vals["advantages"])
     assert {step for step, _, _ in seen} == {1, 2}
+
+
+def test_a_failed_update_still_saves_its_steps_trees(tmp_path):
+    """The trees are written after the update, so that they carry its values; an update that
+    raises must not take its step's trees with it (nothing is lost)."""
+    torch.set_num_threads(1)
+    tr = Trainer(load_train_config(None, GUESS + [f"train.out_dir={tmp_path}"]), progress=False)
+
+    def broken(trees: list, step: int, start_bar: Any) -> dict:
+        raise RuntimeError("update failed")
+
+    tr.learner.learn = broken
+    with pytest.raises(RuntimeError, match="update failed"):
+        tr.run()
+    trees = read_trees(tmp_path / "trees" / "step-000001.jsonl")
+    assert len(trees) == 2 and all("token_values" not in t.meta for t in trees)
