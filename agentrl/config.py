@@ -159,7 +159,7 @@ class RolloutConfig(_Strict):
         "samples only replies that spell one of them, then end the turn (a token trie, "
         "agentrl.policy.constrain); each turn records its list (Node.admissible) and the trainer "
         "scores under the same mask, so log-probs, entropies and KL are of the constrained "
-        "distribution. Turns without a list sample freely. Needs policy.backend hf.")
+        "distribution. Turns without a list sample freely. Needs policy.backend hf or vllm.")
     out_dir: str = Field("runs/rollout", description="Where trajectories and the summary go.")
     template_check_every: int = Field(
         8, ge=0, description="Compare the context with a full template re-render on the first two "
@@ -258,13 +258,12 @@ class Config(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _constrain_needs_hf(self) -> Config:
-        if self.rollout.constrain != "none" and self.policy.backend in ("vllm", "openai", "mock"):
+    def _constrain_needs_a_masking_backend(self) -> Config:
+        if self.rollout.constrain != "none" and self.policy.backend in ("openai", "mock"):
             raise ValueError(
-                f"rollout.constrain={self.rollout.constrain} needs policy.backend hf, not "
-                f"{self.policy.backend!r}: only hf masks each step to the admissible-action trie and "
-                "returns the log-probs of that masked distribution, which the trainer must match "
-                "(vllm's guided choice allows every tokenization of an action, not the trie's one)")
+                f"rollout.constrain={self.rollout.constrain} needs policy.backend hf or vllm, not "
+                f"{self.policy.backend!r}: they mask each step to the admissible-action trie and "
+                "return the log-probs of that masked distribution, which the trainer rebuilds")
         return self
 
     @model_validator(mode="after")

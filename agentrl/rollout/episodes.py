@@ -91,7 +91,7 @@ class EpisodePlayer:
         self.constrain = cfg.rollout.constrain == "admissible"
         if self.constrain and not getattr(policy, "constrains_actions", False):
             raise ConfigError(f"rollout.constrain=admissible: the {type(policy).__name__} backend cannot "
-                              "constrain replies to the admissible actions; use policy.backend hf")
+                              "constrain replies to the admissible actions; use policy.backend hf or vllm")
 
     def _admissible(self, info: dict[str, Any]) -> list[str] | None:
         """The actions the next turn is constrained to: the env's list, when constraining."""

@@ -94,8 +94,8 @@ def test_turns_without_a_list_sample_freely_under_constrain(tokenizer, tiny_mode
 
 
 def test_a_backend_that_cannot_constrain_is_refused(tokenizer):
-    with pytest.raises(ValueError, match="rollout.constrain=admissible needs policy.backend hf"):
-        load_config(overrides=["rollout.constrain=admissible", "policy.backend=vllm"])
+    with pytest.raises(ValueError, match="rollout.constrain=admissible needs policy.backend hf or vllm"):
+        load_config(overrides=["rollout.constrain=admissible", "policy.backend=openai"])
     cfg = load_config(overrides=["rollout.constrain=admissible", "rollout.episodes=1"])
     with pytest.raises(ConfigError, match="rollout.constrain=admissible: the MockPolicy backend"):
         run_episodes("agentrl/ALFWorld-v0", MockPolicy(tokenizer, ["look"]), cfg)
