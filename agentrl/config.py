@@ -154,6 +154,12 @@ class RolloutConfig(_Strict):
         description="System message; null uses the chat template's default.",
     )
     show_admissible: bool = Field(False, description="List admissible actions in observations.")
+    constrain: Literal["none", "admissible"] = Field(
+        "none", description="admissible: where the env gives info['admissible_actions'], the policy "
+        "samples only replies that spell one of them, then end the turn (a token trie, "
+        "agentrl.policy.constrain); each turn records its list (Node.admissible) and the trainer "
+        "scores under the same mask, so log-probs, entropies and KL are of the constrained "
+        "distribution. Turns without a list sample freely. Needs policy.backend hf or vllm.")
     out_dir: str = Field("runs/rollout", description="Where trajectories and the summary go.")
     template_check_every: int = Field(
         8, ge=0, description="Compare the context with a full template re-render on the first two "
@@ -249,6 +255,15 @@ class Config(_Strict):
         if self.rollout.env_executor == "ray" and self.distributed is None:
             raise ValueError("rollout.env_executor=ray needs the distributed section "
                              "(e.g. distributed: {ray: auto, num_env_workers: 2})")
+        return self
+
+    @model_validator(mode="after")
+    def _constrain_needs_a_masking_backend(self) -> Config:
+        if self.rollout.constrain != "none" and self.policy.backend in ("openai", "mock"):
+            raise ValueError(
+                f"rollout.constrain={self.rollout.constrain} needs policy.backend hf or vllm, not "
+                f"{self.policy.backend!r}: they mask each step to the admissible-action trie and "
+                "return the log-probs of that masked distribution, which the trainer rebuilds")
         return self
 
     @model_validator(mode="after")

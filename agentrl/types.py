@@ -123,8 +123,12 @@ class Node:
     overwrite it: ``top1`` (the top-1 probability of each action token, when
     the allocator asked for top logprobs), ``expert_action`` (what the env's
     expert would have done in the state this turn acted in, or
-    ``expert_action_error`` saying why there is none), and ``open`` (a leaf
-    paused by ``max_turns``, that an allocator may continue).
+    ``expert_action_error`` saying why there is none), ``open`` (a leaf
+    paused by ``max_turns``, that an allocator may continue) and
+    ``admissible`` (the actions this turn's reply was constrained to spell,
+    ``rollout.constrain: admissible``; None: sampled freely). The trainer
+    rebuilds its masks from them (``policy.constrain``), so they are kept
+    here, not in ``info``, whose per-step lists are dropped.
     """
 
     id: int = -1
@@ -149,6 +153,7 @@ class Node:
     expert_action: str | None = None
     expert_action_error: str | None = None
     open: bool = False
+    admissible: list[str] | None = None
 
     @property
     def done(self) -> bool:
@@ -194,7 +199,9 @@ class Episode:
     ``versions`` are aligned with ``input_ids`` (0.0 and -1 on context tokens).
     ``turn_spans[k]`` is the half-open ``(start, end)`` of turn k's action tokens.
     ``nodes[k]`` is the node that ended turn k (its env step); partial nodes of
-    a segment fork are joined into the turn they start.
+    a segment fork are joined into the turn they start. A turn sampled under
+    ``rollout.constrain: admissible`` has its action list in ``nodes[k].admissible``
+    (``policy.constrain.episode_allowed`` turns it into per-token masks).
     """
 
     nodes: list[Node]

@@ -150,11 +150,14 @@ class RolloutWorker:
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "incarnation": self.incarnation, "version": self.policy.version,
                 "deterministic_by_default": bool(getattr(self.policy, "deterministic_by_default", False)),
-                "has_deterministic": hasattr(self.policy, "deterministic")}
+                "has_deterministic": hasattr(self.policy, "deterministic"),
+                "constrains_actions": bool(getattr(self.policy, "constrains_actions", False))}
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> tuple[GenerateResult, str]:
-        """The result, and the incarnation that sampled it."""
-        return await self.policy.agenerate(GenerateRequest(prompt_ids, params)), self.incarnation
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, admissible: tuple[str, ...] | None = None,
+                       admissible_head: int = 0) -> tuple[GenerateResult, str]:
+        """The result, and the incarnation that sampled it; ``admissible``: a constrained reply."""
+        request = GenerateRequest(prompt_ids, params, admissible=admissible, admissible_head=admissible_head)
+        return await self.policy.agenerate(request), self.incarnation
 
     async def update_weights(self, state_dict: dict[str, Any], version: int | None = None) -> int:
         """Load the weights (Ray resolved the object-store ref: numpy arrays are read in place
@@ -223,6 +226,7 @@ class RayPolicy:
         self.deterministic_by_default = bool(infos[0]["deterministic_by_default"])
         self._deterministic: bool | None = None
         self._has_deterministic = all(i["has_deterministic"] for i in infos)
+        self.constrains_actions = all(i["constrains_actions"] for i in infos)  # rollout.constrain
         self.router = PrefixRouter(len(self.workers), slack=policy.max_batch_size)
         self.on_dispatch: Callable[[GenerateRequest, int], None] | None = None
         self.sync_seconds: list[float] = []
@@ -268,7 +272,8 @@ class RayPolicy:
                     raise PolicyError("sampling stopped: the rollout producer is closing")
                 if self.on_dispatch is not None:
                     self.on_dispatch(request, w)
-                ref = self.workers[w].generate.remote(prompt, request.params)
+                ref = self.workers[w].generate.remote(prompt, request.params, request.admissible,
+                                                      request.admissible_head)
                 if sampler is not None:
                     sampler.track(ref)
                 res, incarnation = await ref

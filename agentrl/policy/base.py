@@ -94,11 +94,19 @@ class RequestControl:
 
 @dataclass(slots=True)
 class GenerateRequest:
-    """One prompt, as token ids, and how to continue it; ``control`` is the caller's live handle."""
+    """One prompt, as token ids, and how to continue it; ``control`` is the caller's live handle.
+
+    ``admissible``: the reply must spell one of these actions, then end
+    (``policy.constrain``; a backend without ``constrains_actions`` refuses it).
+    ``admissible_head``: how many of the prompt's last tokens already begin
+    that reply (a segment fork continues a turn).
+    """
 
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     control: RequestControl | None = None
+    admissible: tuple[str, ...] | None = None
+    admissible_head: int = 0
 
 
 @dataclass(slots=True)

@@ -24,6 +24,12 @@ the row's own keys, padding never overwrites a cached token, and cached keys
 and values are reused only at the boundaries of the chunks that computed them
 (``policy/deterministic.py`` says why each is needed).
 
+Constrained replies (``GenerateRequest.admissible``, ``rollout.constrain:
+admissible``): a row's logits are masked at every step to the tokens its
+action trie allows after what it has sampled (``policy.constrain``), before
+temperature, top-k and top-p, so its logprobs and entropies are those of the
+constrained distribution, which the trainer rebuilds.
+
 Live requests (``RequestControl``): each sampled token is handed to the row's
 ``on_token`` as soon as its decode step ends, so a server streams while the
 batch decodes; and a cancelled row finishes at the next decode step (reason
@@ -45,6 +51,7 @@ from ..errors import PolicyError
 from .attention import use_gqa_sdpa
 from .base import GenerateRequest, GenerateResult, RequestControl, SamplingParams, stop_string_hit
 from .batching import MicroBatcher
+from .constrain import ActionTrie, allowed_tensor, mask_logits
 from .deterministic import (
     ALONE_TOKENS,
     STEP_ROWS,
@@ -140,6 +147,7 @@ class HFPolicy:
     """
 
     deterministic_by_default = False
+    constrains_actions = True  # honours GenerateRequest.admissible
 
     def __init__(self, model: Any, tokenizer: Any, max_batch_size: int = 16,
                  prefix_cache_mb: int = 4096, prefill_pad_tokens: int = 32, deterministic: bool = False):
@@ -168,6 +176,7 @@ class HFPolicy:
             raise PolicyError(f"{e}; use a full-attention model with the hf backend") from e
         use_gqa_sdpa(model)  # CPU: read grouped keys and values in place (see policy/attention.py)
         self.batcher = MicroBatcher(self.generate, name="agentrl-hf")
+        self._tries: dict[tuple[str, ...], ActionTrie] = {}  # per action list: states recur
 
     @property
     def device(self) -> torch.device:
@@ -239,6 +248,22 @@ class HFPolicy:
     async def agenerate(self, request: GenerateRequest) -> GenerateResult:
         """One request; concurrent calls are gathered into one ``generate`` batch."""
         return await self.batcher.submit(request)
+
+    def _constraint(self, request: GenerateRequest) -> tuple[ActionTrie, int] | None:
+        """The request's action trie and its node after the reply's head; None: unconstrained."""
+        if not request.admissible:
+            return None
+        key = tuple(request.admissible)
+        trie = self._tries.get(key)
+        if trie is None:
+            if len(self._tries) >= 4096:
+                self._tries.clear()
+            trie = self._tries[key] = ActionTrie.of(self.tokenizer, key)
+        head = request.prompt_ids[len(request.prompt_ids) - request.admissible_head:]
+        node = trie.walk(head)
+        if node is None:
+            raise PolicyError(f"the reply's first {len(head)} tokens spell no admissible action")
+        return trie, node
 
     def _match(self, prompt: list[int]) -> tuple[PrefixEntry | None, int]:
         if self.prefix_cache is None:
@@ -368,7 +393,8 @@ class HFPolicy:
             self.prefix_cache.record(cached, plen, extra_prefilled=unreported)
         toks, lps, ents, tops, finish = self._decode(slab, torch.cat(logits), plen, limits,
                                                       [requests[i].params.seed for i in order], params,
-                                                      [requests[i].control for i in order])
+                                                      [requests[i].control for i in order],
+                                                      constraints=[self._constraint(requests[i]) for i in order])
         if self.prefix_cache is not None:  # each row's tokens, as views of the slab: no copy
             for b in range(B):
                 self.prefix_cache.insert(prompts[b] + toks[b][:-1],
@@ -433,7 +459,8 @@ class HFPolicy:
             cache.record(cached, plen)
         toks, lps, ents, tops, finish = self._decode(slab, torch.stack(rows), plen, limits,
                                                       [requests[i].params.seed for i in order], params,
-                                                      [requests[i].control for i in order], invariant=True)
+                                                      [requests[i].control for i in order], invariant=True,
+                                                      constraints=[self._constraint(requests[i]) for i in order])
         if cache is not None:
             for b, i in enumerate(order):
                 bounds = np.concatenate([matches[i][2], np.arange(plen[b], plen[b] + len(toks[b]), dtype=np.int64)])
@@ -468,10 +495,12 @@ class HFPolicy:
 
     def _decode(self, slab: KVSlab, logits: torch.Tensor, plen: list[int], limits: list[int],
                 seeds: list[int | None], params: SamplingParams,
-                controls: list[RequestControl | None], invariant: bool = False) -> tuple:
+                controls: list[RequestControl | None], invariant: bool = False,
+                constraints: list[tuple[ActionTrie, int] | None] | None = None) -> tuple:
         """Sample up to ``limits[b]`` tokens for row b, feeding each token back through the slab;
         row b's ``controls[b]`` sees each token, and ends the row when cancelled. ``invariant``:
-        each step runs row-invariant (``row_invariant``)."""
+        each step runs row-invariant (``row_invariant``). ``constraints[b]``: row b's action
+        trie and node, whose allowed tokens mask its logits at each step."""
         B, dev, width = len(plen), self.device, slab.width
         gens = [torch.Generator(device=dev).manual_seed(s if s is not None else random.getrandbits(62))
                 for s in seeds]
@@ -486,7 +515,12 @@ class HFPolicy:
         ents: list[list[float]] = [[] for _ in range(B)]
         tops: list[list[list[tuple[int, float]]]] = [[] for _ in range(B)]
         finish: list[str | None] = [None] * B
+        nodes = [c[1] if c is not None else None for c in constraints or [None] * B]
         for step in range(max(limits)):
+            if any(n is not None for n in nodes):  # masked before temperature, top-k and top-p
+                allowed = [constraints[b][0].allowed(n) if n is not None else None  # type: ignore[index]
+                           for b, n in enumerate(nodes)]
+                logits = mask_logits(logits, allowed_tensor(allowed, logits.device))
             logp = sampling_logprobs(logits, params)
             nxt = logp.argmax(-1) if params.temperature == 0 else _gumbel_max_sample(logp, gens)
             # One device-to-host copy per tensor and step, not one per row and value.
@@ -498,6 +532,8 @@ class HFPolicy:
                 if finish[b] is not None:
                     continue
                 t = ids[b]
+                if nodes[b] is not None:
+                    nodes[b] = constraints[b][0].child(nodes[b], t)  # type: ignore[index]
                 toks[b].append(t)
                 lps[b].append(chosen[b])
                 ents[b].append(ent[b])

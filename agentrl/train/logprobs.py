@@ -25,6 +25,12 @@ early 2025, huggingface/transformers#35757, before our floor of 4.56). With Smol
 18.3 s to 10.6 s. Log-softmax, gather and entropy then run in chunks of
 positions under activation checkpointing, so only one chunk's
 ``[chunk, vocab]`` temporaries exist at a time, in the forward and in the backward.
+
+A turn sampled under ``rollout.constrain: admissible`` is scored under the
+same constraint: ``allowed`` lists each such token's allowed ids (the
+sampler's trie, rebuilt by ``policy.constrain.episode_allowed``), and the
+logits outside them are set to -inf before the log-softmax, as the sampler
+did, so log-probs, entropies and KL are those of the constrained distribution.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from ..policy.constrain import mask_logits
 
 __all__ = ["TokenScores", "fp32_head", "token_logprobs", "token_scores"]
 
@@ -73,7 +81,7 @@ def token_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
                  positions_to_keep: torch.Tensor | None = None, temperature: float = 1.0, *,
                  position_ids: torch.Tensor | None = None, parents: torch.Tensor | None = None,
                  chunk_size: int = 1024, candidates: torch.Tensor | None = None,
-                 top_k: int = 0) -> TokenScores:
+                 top_k: int = 0, allowed: torch.Tensor | None = None) -> TokenScores:
     """Token t's log-prob and the entropy it was drawn from, both ``[B, T]``; optionally more of its distribution.
 
     ``logprobs[b, t] = log p(input_ids[b, t] | context)`` where the context is
@@ -101,6 +109,10 @@ def token_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
     ``candidates`` (``[B, T, C]`` token ids, -1 for none) each kept token also
     gets the log-probs of its C candidate next tokens, and with ``top_k`` the
     ids and log-probs of its K most likely ones, from the same log-softmax.
+
+    ``allowed`` (``[B, T, A]`` token ids, -1 padding): a token with ids there
+    is scored over those ids only (its other logits -inf: a constrained turn,
+    ``policy.constrain``); a token with none over the whole vocabulary.
     """
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -113,6 +125,8 @@ def token_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
     model_mask, position_ids, valid = _model_inputs(model, input_ids, attention_mask, position_ids)
     src = _source_positions(batch, length, device, valid, position_ids, parents)
 
+    if allowed is not None and allowed.shape[:2] != (batch, length):
+        raise ValueError(f"allowed must be [B, T, A] with [B, T] = {(batch, length)}, got {tuple(allowed.shape)}")
     if candidates is not None and candidates.shape[:2] != (batch, length):
         raise ValueError(f"candidates must be [B, T, C] with [B, T] = {(batch, length)}, "
                          f"got {tuple(candidates.shape)}")
@@ -142,10 +156,12 @@ def token_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
     wanted = targets[:, None]
     if candidates is not None:
         wanted = torch.cat([wanted, candidates.to(device)[rows, cols].clamp(min=0)], dim=1)
+    per_token = allowed.to(device)[rows, cols] if allowed is not None else None  # [n, A]
     parts: list[tuple[torch.Tensor, ...]] = []
     for start in range(0, rows.numel(), chunk_size):
         part = slice(start, start + chunk_size)
-        args = (logits, rows[part], column[part], wanted[part], temperature, top_k)
+        args = (logits, rows[part], column[part], wanted[part], temperature, top_k,
+                per_token[part] if per_token is not None else None)
         if torch.is_grad_enabled() and logits.requires_grad:
             parts.append(checkpoint(_gather_logprobs, *args, use_reentrant=False))
         else:
@@ -191,12 +207,20 @@ def fp32_head(model: Any) -> Iterator[None]:
 
 
 def _gather_logprobs(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
-                     wanted: torch.Tensor, temperature: float, top_k: int = 0) -> tuple[torch.Tensor, ...]:
+                     wanted: torch.Tensor, temperature: float, top_k: int = 0,
+                     allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """For one chunk of tokens: the log-probs of the ``wanted`` ids ``[n, C]``, the entropy,
-    and (``top_k``) the top-k log-probs and ids."""
-    logp = torch.log_softmax(logits[rows, cols].float() / temperature, dim=-1)
-    p = logp.exp()
-    entropy = -(p * logp).sum(-1)  # p == 0 gives 0 * -inf only for -inf logits, not here
+    and (``top_k``) the top-k log-probs and ids; ``allowed`` ``[n, A]`` masks constrained tokens."""
+    scaled = logits[rows, cols].float() / temperature
+    if allowed is None:
+        logp = torch.log_softmax(scaled, dim=-1)
+        p = logp.exp()
+        entropy = -(p * logp).sum(-1)  # p == 0 gives 0 * -inf only for -inf logits, not here
+    else:
+        logp = torch.log_softmax(mask_logits(scaled, allowed), dim=-1)
+        p = logp.exp()
+        # masked tokens: p = 0 and log p = -inf; their 0 * -inf (and its gradient) must not be nan
+        entropy = -(p * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
     if not top_k:
         return logp.gather(-1, wanted), entropy
     top = torch.topk(logp.detach(), top_k, dim=-1)

@@ -43,6 +43,12 @@ action tokens)``, and the tokens a staleness bound drops leave the
 denominator of the whole minibatch (``batch.Minibatch``). So the loss and its
 gradient equal episode packing's (up to float rounding).
 
+A turn sampled under ``rollout.constrain: admissible`` carries its tokens'
+allowed ids (``Sample.allowed``); both layouts lay them into the row's
+``allowed`` ``[n, T, A]`` (-1 padding), which the scoring passes hand to
+``token_scores``. A shared tree token takes its first member's list: the same
+prefix is the same state, and so the same admissible actions.
+
 Limits (checked once, when the config loads, ``TrainConfig``): ``loss.agg``
 must be ``token-mean``, the KL and entropy terms off, no M2PO (its mask drops
 single episode tokens, which a shared node cannot follow) and no top-k
@@ -70,6 +76,7 @@ __all__ = [
     "Row",
     "TreeRow",
     "block_causal_mask",
+    "lay_allowed",
     "collate_packed",
     "episode_rows",
     "pack_sequences",
@@ -268,6 +275,7 @@ class Row:
     rate_share: float = 1.0
     minibatch: Minibatch | None = None
     parents: torch.Tensor | None = None  # none: a token's source is the one before it
+    allowed: torch.Tensor | None = None  # [n, T, A] ids a constrained token may take, -1 padding
 
     def lay_samples(self, per_sample: dict[int, torch.Tensor]) -> torch.Tensor:
         """Per-sample boolean ``[T_i]`` tensors laid onto the row's layout (False elsewhere)."""
@@ -305,6 +313,25 @@ def row_fields(name: str) -> tuple[Callable[[Sample], Any], float, torch.dtype]:
         return ROW_FIELDS[name]
     except KeyError:
         raise KeyError(f"no row field {name!r}; known: {', '.join(ROW_FIELDS)}") from None
+
+
+def lay_allowed(samples: list[Sample], members: list[int], places: list[list[int]], shape: tuple[int, int],
+                device: torch.device) -> torch.Tensor | None:
+    """Members' ``Sample.allowed`` laid into ``[n, T, A]`` ids, -1 padding; None when none is constrained.
+
+    ``places[j][t]`` is the flat index (``r * T + column``) where token t of
+    sample ``members[j]`` sits; a place two members share keeps the first's list.
+    """
+    lists: dict[int, list[int]] = {}
+    for i, where in zip(members, places, strict=True):
+        for t, ids in (samples[i].allowed or {}).items():
+            lists.setdefault(where[t], ids)
+    if not lists:
+        return None
+    out = torch.full((shape[0] * shape[1], max(map(len, lists.values()))), -1, dtype=torch.long)
+    for k, ids in lists.items():
+        out[k, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return out.view(shape[0], shape[1], -1).to(device)
 
 
 def padding_is_cheaper(lengths: list[int], config: Any, head_positions: list[set[int]] | None = None) -> bool:
@@ -369,9 +396,11 @@ def _row(samples: list[Sample], row: PackedRow, pad_id: int, device: torch.devic
     seq = torch.full((n_rows, width), -1, dtype=torch.long)
     for (r, start, end), i in zip(where, row.seq_index, strict=True):
         seq[r, start:end] = i
+    places = [list(range(r * width + start, r * width + end)) for r, start, end in where]
+    allowed = lay_allowed(samples, list(row.seq_index), places, (n_rows, width), device)
     return Row(ids.to(device), pos.to(device), attn.to(device),
                lay(lambda s: s.mask, 0, torch.bool), seq.to(device), values, where, list(row.seq_index),
-               tokens=len(row.input_ids))
+               tokens=len(row.input_ids), allowed=allowed)
 
 
 def _padded(net: torch.nn.Module, row: PackedRow, samples: list[Sample]) -> bool:
@@ -449,6 +478,7 @@ class TreeRow:
     share: float = 1.0
     rate_share: float = 1.0
     minibatch: Minibatch | None = None
+    allowed: torch.Tensor | None = None  # [1, N, A] ids a constrained token may take, -1 padding
 
     def lay_samples(self, per_sample: dict[int, torch.Tensor]) -> torch.Tensor:
         """Per-sample boolean ``[T_i]`` tensors on the tree's nodes: a node is True when one of its members is."""
@@ -506,7 +536,7 @@ def tree_row(samples: list[Sample], members: list[int], device: torch.device,
                    attn[None, None].to(device), torch.tensor([trie.parents], device=device),
                    (counts > 0)[None].to(device), torch.zeros(1, n, dtype=torch.long, device=device),
                    values, members, trie, [torch.tensor(samples[i].mask, dtype=torch.float32) for i in members],
-                   tokens=n)
+                   tokens=n, allowed=lay_allowed(samples, members, trie.index, (1, n), device))
 
 
 def tree_rows(net: torch.nn.Module, samples: list[Sample], idx: list[int], max_tokens: int, pad_id: int,

@@ -10,7 +10,8 @@ trees and its optimizer steps:
    when the update takes more than one optimizer step or a teacher reads them
    (PPO's anchor, ``batch.score_old``; ``needs_scoring_pass``); the KL
    reference and a distillation teacher (``Distiller.teacher_scores``) score
-   the same tokens;
+   the same tokens, each constrained turn (``rollout.constrain``) under its
+   sampler's mask (``batch.constrain_samples``);
 4. **distillation's advantage term**: ``A += w * (log pi_teacher - log
    pi_student)`` (``Distiller.advantage_term``);
 5. **the update**: ``epochs`` shuffled passes of minibatches, one AdamW step each
@@ -36,7 +37,14 @@ from ..credit_options import GAEOptions, GiGPOOptions
 from ..errors import ConfigError
 from ..policy.base import request_seed
 from ..types import EpisodeGroup, RolloutTree
-from .batch import Sample, samples_from_credit, score_old, score_samples, train_on_samples
+from .batch import (
+    Sample,
+    constrain_samples,
+    samples_from_credit,
+    score_old,
+    score_samples,
+    train_on_samples,
+)
 from .config import TrainRunConfig
 from .loss import StepLoss, mismatch_stats
 from .metrics import advantage_balance
@@ -122,6 +130,8 @@ class Learner:
         t0 = time.perf_counter()
         groups = [EpisodeGroup.of(tr) for tr in trees]  # each tree's episodes, once
         samples, credited, stats = self._credit(groups)
+        # Constrained turns are scored under their sampler's mask (rollout.constrain).
+        stats["train/constrained_tokens"] = constrain_samples(samples, self.policy.tokenizer)
         why = no_signal(groups, samples, distilling=self.distiller is not None)
         stats["train/no_signal"] = int(why is not None)
         if why is not None:

@@ -7,6 +7,7 @@ a local ``HFPolicy`` samples. Then the failure and placement rules.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -86,6 +87,28 @@ def test_rollout_workers_sample_what_a_local_policy_samples(cluster, tokenizer):
         got, want = remote.generate(reqs), local.generate(reqs)
         assert [r.token_ids for r in got] == [r.token_ids for r in want]
         assert {r.version for r in got} == {1}
+    finally:
+        remote.close()
+
+
+def test_rollout_workers_constrain_replies_as_a_local_policy_does(cluster, tokenizer):
+    """``rollout.constrain: admissible`` over rollout workers: each request's action list goes
+    with it, and the replies and their logprobs are a local policy's."""
+    cfg = load_config(overrides=["policy.backend=hf", "policy.model=tiny-random", "rollout.constrain=admissible",
+                                 "distributed.num_rollout_workers=1", *SMALL])
+    remote = RayPolicy(cfg.policy, cfg.distributed, tokenizer)
+    local = HFPolicy(load_model("tiny-random")[0], tokenizer, deterministic=True)
+    remote.deterministic = True
+    actions = ("go to shelf 1", "take mug 1 from countertop 2", "look")
+    try:
+        assert remote.constrains_actions
+        reqs = [GenerateRequest(r.prompt_ids, dataclasses.replace(r.params, max_new_tokens=16), admissible=actions)
+                for r in _requests(tokenizer, 3)]
+        got, want = remote.generate(reqs), local.generate(reqs)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert all(r.finish_reason == "stop" and tokenizer.decode(r.token_ids[:-1]) in actions for r in got)
+        assert [x for r in got for x in r.logprobs] == pytest.approx(
+            [x for r in want for x in r.logprobs], abs=1e-4)
     finally:
         remote.close()
 

@@ -411,3 +411,42 @@ def test_a_vllm_teacher_scores_the_students_action_tokens(policy, hf_model, toke
     assert torch.allclose(torch.tensor(sample.distill.teacher), want, atol=ATOL)
     assert torch.allclose(torch.tensor(sample.advantages), (want + 3.0) * torch.tensor(mask), atol=ATOL)
     assert stats["distill/teacher_tokens"] == len(ids)
+
+
+ACTIONS = ("go to shelf 1", "go to shelf 10", "take mug 1 from countertop 2", "look", "open drawer 3")
+
+
+def test_constrained_replies_spell_admissible_actions_with_the_trainers_logprobs(policy, hf_model, tokenizer,
+                                                                                  prompts):
+    """``rollout.constrain: admissible`` on vLLM: every reply spells an action then ends, and its
+    logprobs are the trainer's, scored under the same trie mask (``token_scores(allowed=)``)."""
+    from agentrl.policy.constrain import ActionTrie, allowed_tensor, end_token_id, turn_allowed
+    from agentrl.train.logprobs import token_scores
+
+    trie, end = ActionTrie.of(tokenizer, ACTIONS), end_token_id(tokenizer)
+    params = [SamplingParams(temperature=t, max_new_tokens=30, seed=s) for s in range(4) for t in (1.0, 0.7)]
+    results = policy.generate([GenerateRequest(prompts[2], p, admissible=ACTIONS) for p in params])
+    seen = set()
+    for p, res in zip(params, results, strict=True):
+        assert res.finish_reason == "stop" and res.token_ids[-1] == end
+        seen.add(tokenizer.decode(res.token_ids[:-1]))
+        ids = prompts[2] + res.token_ids
+        rows = [None] * len(prompts[2]) + turn_allowed(trie, res.token_ids)
+        allowed = allowed_tensor(rows)[None]
+        keep = torch.tensor([[0] * len(prompts[2]) + [1] * len(res.token_ids)])
+        with torch.no_grad():
+            sc = token_scores(hf_model, torch.tensor([ids]), positions_to_keep=keep, temperature=p.temperature,
+                              allowed=allowed)
+        trained = sc.logprobs[0, len(prompts[2]):]
+        assert torch.allclose(torch.tensor(res.logprobs), trained, atol=ATOL)
+        free = token_scores(hf_model, torch.tensor([ids]), positions_to_keep=keep, temperature=p.temperature)
+        assert (torch.tensor(res.logprobs) - free.logprobs[0, len(prompts[2]):]).abs().max() > 0.1
+    assert seen <= set(ACTIONS) and len(seen) >= 2
+    head = tokenizer.encode("go to", add_special_tokens=False)
+    (res,) = policy.generate([GenerateRequest(prompts[0] + head, SamplingParams(seed=3), admissible=ACTIONS,
+                                              admissible_head=len(head))])
+    assert "go to" + tokenizer.decode(res.token_ids[:-1]) in ACTIONS
+    with pytest.raises(PolicyError, match="spell no admissible action"):
+        policy.generate([GenerateRequest(prompts[0], SamplingParams(), admissible=ACTIONS, admissible_head=2)])
+    (free,) = policy.generate([GenerateRequest(prompts[0], SamplingParams(seed=3, max_new_tokens=8))])
+    assert len(free.token_ids) == 8  # a request without a list is not masked
