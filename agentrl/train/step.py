@@ -83,9 +83,9 @@ class Learner:
             from .distill import Distiller
             self.distiller = Distiller(t.distill, tok, self.device, t.steps, student=self.net,
                                        max_len=cfg.rollout.max_context_tokens + 2048)  # + a privileged prefix
-        self.optimizer = make_optimizer(self.model, t.lr, t)
+        self.optimizer = make_optimizer(self.model, t.optimizer.lr, t.optimizer)
         minibatches = math.ceil(t.tasks_per_step * cfg.rollout.group_size / t.minibatch_size)
-        self.scheduler = make_scheduler(self.optimizer, t, t.steps * t.epochs * minibatches)
+        self.scheduler = make_scheduler(self.optimizer, t.optimizer, t.steps * t.epochs * minibatches)
 
     def close(self) -> None:
         """Stop the teacher (a vLLM engine) and drop every model and optimizer reference."""
@@ -172,7 +172,7 @@ class Learner:
         t0 = time.perf_counter()
         st = train_on_samples(self.model, self.optimizer, self.scheduler, batch, loss, fields=fields,
                               epochs=t.epochs, minibatch_size=t.minibatch_size, max_tokens=t.micro_batch_tokens,
-                              max_grad_norm=t.max_grad_norm, per_token=t.loss.agg == "token-mean",
+                              max_grad_norm=t.optimizer.max_grad_norm, per_token=t.loss.agg == "token-mean",
                               pad_id=self.pad_id, temperature=self.temperature,
                               generator=torch.Generator().manual_seed(request_seed(t.seed, step, 1)),
                               on_minibatch=advance, tree=tree_layout)
