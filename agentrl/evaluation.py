@@ -73,18 +73,18 @@ class EvaluationConfig(_Strict):
     often, and how they are played (``agentrl.evaluation``)."""
 
     every: int = Field(0, ge=0, description="Evaluate every this many steps (0: only at "
-                       "start and end). Was train.eval_every.")
-    episodes: int = Field(16, ge=0, description="Held-out episodes per evaluation. Was train.eval_episodes.")
+                       "start and end). Was eval_every.")
+    episodes: int = Field(16, ge=0, description="Held-out episodes per evaluation. Was eval_episodes.")
     start: bool = Field(True, description="Evaluate the starting model before SFT and RL. "
                         "false skips it when its success is known already (runs that share "
-                        "one starting checkpoint and held-out seeds). Was train.eval_start.")
-    seed_start: int = Field(1_000_000, description="First held-out task seed. Was train.eval_seed_start.")
+                        "one starting checkpoint and held-out seeds). Was eval_start.")
+    seed_start: int = Field(1_000_000, description="First held-out task seed. Was eval_seed_start.")
     task_seeds: list[int] | None = Field(None, description="Explicit held-out task seeds; overrides "
-                                         "seed_start and episodes. Was train.eval_task_seeds.")
+                                         "seed_start and episodes. Was eval_task_seeds.")
     temperature: float | None = Field(None, ge=0.0, description="Sampling temperature of "
-                                      "evaluation; null: sampling.temperature. Was train.eval_temperature.")
+                                      "evaluation; null: sampling.temperature. Was eval_temperature.")
     env_kwargs: dict[str, Any] = Field(default_factory=dict, description="Env kwargs overridden for "
-                                       "evaluation (e.g. another split). Was train.eval_env_kwargs.")
+                                       "evaluation (e.g. another split). Was eval_env_kwargs.")
 
 
 def held_out_seeds(ev: EvaluationConfig) -> list[int]:

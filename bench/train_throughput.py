@@ -117,9 +117,9 @@ def run_agentrl(args: argparse.Namespace, lora: bool = False) -> dict:
     policy.eos_ids = set()  # fixed completion length, as TRL's min_new_tokens does on its side
     pad_id = policy.pad_id
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS[:args.prompts]]
-    train_cfg = TrainConfig(trainable="lora" if lora else "full", lr=1e-6)
+    train_cfg = TrainConfig(trainable="lora" if lora else "full", optimizer={"lr": 1e-6})
     trained = make_trainable(model, train_cfg)  # LoRA: adapters injected into the policy's own model
-    opt = make_optimizer(trained, train_cfg.lr, train_cfg)
+    opt = make_optimizer(trained, train_cfg.optimizer.lr, train_cfg.optimizer)
     n_trainable = sum(p.numel() for p in trained.parameters() if p.requires_grad)
     loss = StepLoss(PolicyLossConfig(), version=0)  # the learning step's loss, policy version 0
 

@@ -80,8 +80,8 @@ class CheckpointingConfig(_Strict):
     """When checkpoints are written and how many stay (``train.checkpointing``)."""
 
     every: int = Field(0, ge=0, description="Checkpoint every this many steps (0: only at the end). "
-                       "Was train.checkpoint_every.")
-    keep: int = Field(2, ge=1, description="Newest checkpoints kept on disk. Was train.keep_checkpoints.")
+                       "Was checkpoint_every.")
+    keep: int = Field(2, ge=1, description="Newest checkpoints kept on disk. Was keep_checkpoints.")
     export_hf: bool = Field(True, description="Also export the final model with save_pretrained.")
 
 
@@ -89,7 +89,7 @@ class OutputConfig(_Strict):
     """Where a run writes, and what besides its checkpoints (``train.output``)."""
 
     dir: str = Field("runs/train", description="Metrics, checkpoints and the learning curve. "
-                     "Was train.out_dir.")
+                     "Was out_dir.")
     tensorboard: bool = Field(True, description="Also write TensorBoard logs, when installed.")
     plot: bool = Field(True, description="Draw learning_curve.png (matplotlib) at the end.")
     save_trees: int = Field(8, ge=0, description="Trees of each step's rollouts written to "
