@@ -1,8 +1,8 @@
-"""One job: evaluation, during training and on its own (``agentrl eval``).
+"""Evaluation in one place: the trainer's held-out episodes and ``agentrl eval``'s whole split.
 
-Both ways play a copy of the run config made by ``eval_config``: the
-``independent`` allocator with no budget but one group a task (every task gets
-its episodes, whatever the training budget's unit), an evaluation temperature
+Both play a copy of the run config made by ``eval_config``: a fixed number of
+independent episodes a task and no other budget (a training budget counted in
+turns or tokens cannot cut an evaluation short), the evaluation temperature
 and env keyword overrides.
 
 **During training** (``train.evaluation``, ``EvaluationConfig``). The trainer
