@@ -134,7 +134,7 @@ def tree(
         steps = [s for s in run.steps() if s is not None]
         where = f" at step {step} (steps: {steps})" if step is not None else ""
         typer.echo(f"error: no trees in {path}{where}: a run folder holds trajectories.jsonl (agentrl "
-                   "rollout) or trees/step-NNNNNN.jsonl (agentrl train, train.save_trees > 0)", err=True)
+                   "rollout) or trees/step-NNNNNN.jsonl (agentrl train, train.output.save_trees > 0)", err=True)
         raise typer.Exit(code=2)
     if not -len(picked) <= index < len(picked):
         typer.echo(f"error: --index {index} out of range: {path} holds {len(picked)} trees", err=True)
@@ -190,7 +190,7 @@ def _mount_plugins() -> None:
     # agentrl train, agentrl sft; --harness rolls out through the proxy, handed in here
     import_module("agentrl.train.cli").register(app, harness_rollouts=_harness_rollouts)
     import_module("agentrl.proxy.cli").mount(app)  # agentrl proxy ..., agentrl env serve
-    import_module("agentrl.evaluation").register(app)  # agentrl eval
+    import_module("agentrl.eval_cli").register(app)  # agentrl eval
     import_module("agentrl.viewer.cli").register(app)  # agentrl view, agentrl report
     try:
         sandbox_cli = import_module("agentrl.sandboxes.cli")

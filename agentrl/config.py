@@ -35,6 +35,7 @@ __all__ = [
     "VLLMConfig",
     "apply_overrides",
     "load_config",
+    "moved_keys",
     "renamed_keys",
 ]
 
@@ -61,6 +62,35 @@ def renamed_keys(data: Any, renames: dict[str, str], section: str) -> Any:
         warnings.warn(f"{section}.{old} is deprecated and will be removed in the next release: "
                       f"use {section}.{new}", FutureWarning, stacklevel=2)
         data[new] = data.pop(old)
+    return data
+
+
+def moved_keys(data: Any, moves: dict[str, str], section: str) -> Any:
+    """``data`` (a mapping about to be validated as ``section``) with each old key of ``moves``
+    moved to its new place, a dotted path into a sub-section (``eval_every`` to
+    ``evaluation.every``), and a ``FutureWarning`` naming both: an old key keeps working for
+    one release. Giving both is an error (which one would win is not obvious)."""
+    if not isinstance(data, dict) or not any(old in data for old in moves):
+        return data
+    data = dict(data)
+    for old, new in moves.items():
+        if old not in data:
+            continue
+        *parents, leaf = new.split(".")
+        cur = data
+        for i, key in enumerate(parents):
+            sub = cur.get(key) or {}
+            if isinstance(sub, BaseModel):  # a section given as a model (TrainConfig(evaluation=...))
+                sub = sub.model_dump(exclude_unset=True)
+            if not isinstance(sub, dict):
+                raise ValueError(f"{section}.{'.'.join(parents[:i + 1])}: must be a mapping")
+            cur[key] = sub = dict(sub)
+            cur = sub
+        if leaf in cur:
+            raise ValueError(f"{section}.{old} is the old place of {section}.{new}: give only {section}.{new}")
+        warnings.warn(f"{section}.{old} is deprecated and will be removed in the next release: "
+                      f"use {section}.{new}", FutureWarning, stacklevel=2)
+        cur[leaf] = data.pop(old)
     return data
 
 

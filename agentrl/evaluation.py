@@ -1,24 +1,31 @@
-"""``agentrl eval``: a policy over a whole split, in the rows the papers report.
+"""Evaluation in one place: the trainer's held-out episodes and ``agentrl eval``'s whole split.
 
-    agentrl eval --env agentrl/ALFWorldReal-v0 --split valid_unseen --model PATH [--backend vllm]
-    agentrl eval --env agentrl/WebShopReal-v0 --split test --model PATH --set env.kwargs.data_dir=...
-    agentrl eval --env agentrl/ALFWorld-v0 --split valid_unseen --episodes 200 --model smollm2-135m
-    agentrl eval --env ... --k 8 --samples 16 --temperature 0.7        (pass@8 from 16 samples a task)
+Both play a copy of the run config made by ``eval_config``: a fixed number of
+independent episodes a task and no other budget (a training budget counted in
+turns or tokens cannot cut an evaluation short), the evaluation temperature
+and env keyword overrides.
 
-What runs. Every task of the split once: an env that knows how many tasks its
+**During training** (``train.evaluation``, ``EvaluationConfig``). The trainer
+calls ``evaluate_held_out`` at the start, after SFT, every
+``train.evaluation.every`` steps and at the end: one episode on each held-out
+task seed (``held_out_seeds``), and the metrics ``eval/success``,
+``eval/reward``, ``eval/turns``, ``eval/failed``, ``time/eval_s`` (and
+``eval/invalid_action_frac`` where the env reports invalid actions). Rates
+are over the episodes that did not fail (``agentrl.rollout.summarize``).
+
+**On a whole split** (``evaluate_split``; the command is ``agentrl.eval_cli``).
+Every task of the split once: an env that knows how many tasks its
 split holds (a ``num_tasks`` attribute, as the real ALFWorld and WebShop envs
-have) is played on seeds ``0 .. num_tasks - 1``, and ``--limit`` keeps the
-first N; any other env on ``--episodes`` seeds from ``rollout.seed``.
-``--split`` is passed as the env's ``split`` keyword (several, comma
-separated, give one report each). Greedy decoding by default (temperature 0,
-one sample a task); ``--k K`` samples ``--samples N`` (default K) episodes a
-task at ``--temperature`` (default: the config's) and reports pass@k by the
-unbiased estimator of Chen et al. 2021 (Codex), ``1 - C(n-c, k) / C(n, k)``
-with ``c`` successes of ``n`` samples, next to pass@1 (``c / n``). Turns per
-episode default to the env's own ``max_steps`` (50 for ALFWorld, 15 for
-WebShop), so the env's limit is the one that ends an episode.
+have) is played on seeds ``0 .. num_tasks - 1``, and ``limit`` keeps the
+first N; any other env on ``rollout.episodes`` seeds from ``rollout.seed``.
+``split`` is passed as the env's ``split`` keyword. ``k`` and ``samples``
+(default k) episodes a task give pass@k by the unbiased estimator of Chen et
+al. 2021 (Codex), ``1 - C(n-c, k) / C(n, k)`` with ``c`` successes of ``n``
+samples, next to pass@1 (``c / n``). Turns per episode default to the env's
+own ``max_steps`` (50 for ALFWorld, 15 for WebShop), so the env's limit is
+the one that ends an episode.
 
-What it reports. One row per task family, and ``All``: the tasks, the
+What a split reports. One row per task family, and ``All``: the tasks, the
 episodes, the success rate (pass@1), pass@k, the score (mean episode reward:
 WebShop's score) and the episodes that failed for reasons outside the model
 (an env or engine error, recorded on the tree). A failed episode counts as
@@ -28,9 +35,6 @@ counted beside them with their reasons, never hidden. The family of a task is
 steps report (ALFWorld-v0), else there is one row. Rows come in the order of
 the env's ``family_labels`` (ALFWorld's Pick, Look, Clean, Heat, Cool, Pick2)
 and carry those labels; otherwise sorted by name.
-
-Output: a table on the terminal, and ``summary.json`` (the reports) with
-``trajectories.jsonl`` (every tree) in ``--out``.
 """
 
 from __future__ import annotations
@@ -39,20 +43,91 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Annotated, Any
+from typing import Any, TypeVar
 
-import typer
-from rich.console import Console
-from rich.table import Table
+from pydantic import Field
 
-from .config import Config
-from .errors import AgentRLError, ConfigError, EnvError
+from .config import Config, _Strict
+from .errors import ConfigError, EnvError
 from .types import RolloutTree
 
-__all__ = ["EvalReport", "FamilyRow", "TaskResult", "evaluate_split", "pass_at_k", "register", "report_rows"]
+__all__ = [
+    "EvalReport",
+    "EvaluationConfig",
+    "FamilyRow",
+    "TaskResult",
+    "eval_config",
+    "evaluate_held_out",
+    "evaluate_split",
+    "held_out_seeds",
+    "pass_at_k",
+    "report_rows",
+]
 
 ALL = "All"
+C = TypeVar("C", bound=Config)
+
+
+class EvaluationConfig(_Strict):
+    """Held-out evaluation during training (``train.evaluation``): which task seeds, how
+    often, and how they are played (``agentrl.evaluation``)."""
+
+    every: int = Field(0, ge=0, description="Evaluate every this many steps (0: only at "
+                       "start and end). Was eval_every.")
+    episodes: int = Field(16, ge=0, description="Held-out episodes per evaluation. Was eval_episodes.")
+    start: bool = Field(True, description="Evaluate the starting model before SFT and RL. "
+                        "false skips it when its success is known already (runs that share "
+                        "one starting checkpoint and held-out seeds). Was eval_start.")
+    seed_start: int = Field(1_000_000, description="First held-out task seed. Was eval_seed_start.")
+    task_seeds: list[int] | None = Field(None, description="Explicit held-out task seeds; overrides "
+                                         "seed_start and episodes. Was eval_task_seeds.")
+    temperature: float | None = Field(None, ge=0.0, description="Sampling temperature of "
+                                      "evaluation; null: sampling.temperature. Was eval_temperature.")
+    env_kwargs: dict[str, Any] = Field(default_factory=dict, description="Env kwargs overridden for "
+                                       "evaluation (e.g. another split). Was eval_env_kwargs.")
+
+
+def held_out_seeds(ev: EvaluationConfig) -> list[int]:
+    """Held-out task seeds: the explicit list, else ``episodes`` from ``seed_start``."""
+    if ev.task_seeds:
+        return list(ev.task_seeds)
+    return [ev.seed_start + i for i in range(ev.episodes)]
+
+
+def eval_config(cfg: C, group_size: int, temperature: float | None = None,
+                env_kwargs: dict[str, Any] | None = None) -> C:
+    """A copy of ``cfg`` to evaluate with: ``group_size`` independent episodes a task and no
+    budget beyond them (counted in leaves, so a turns budget of training cannot cut it short),
+    at ``temperature`` when given, ``env_kwargs`` over ``env.kwargs``."""
+    ev = cfg.model_copy(deep=True)
+    ev.rollout.group_size = group_size
+    ev.rollout.allocator, ev.rollout.budget = "independent", None
+    ev.rollout.budget_unit = "leaves"
+    if temperature is not None:
+        ev.sampling.temperature = temperature
+    ev.env.kwargs = {**ev.env.kwargs, **(env_kwargs or {})}
+    return ev
+
+
+def evaluate_held_out(policy: Any, cfg: Config, ev: EvaluationConfig,
+                      on_episode_done: Callable[[RolloutTree], None] | None = None,
+                      collect_fn: Callable[..., list[RolloutTree]] | None = None) -> dict[str, Any]:
+    """The training run's evaluation: success and reward of ``policy`` on the held-out task
+    seeds of ``ev``, one episode each, as the ``eval/...`` metrics (see the module docstring).
+
+    ``collect_fn`` replaces ``agentrl.rollout.collect`` (a harness's rollouts).
+    """
+    from .rollout import collect, summarize
+
+    run = eval_config(cfg, 1, ev.temperature, ev.env_kwargs)
+    t0 = time.perf_counter()
+    trees = (collect_fn or collect)(run.env.id, policy, run, held_out_seeds(ev),
+                                    on_episode_done=on_episode_done)
+    s = summarize(trees, time.perf_counter() - t0)
+    frac = s.get("invalid_action_frac")
+    return {"eval/success": s["success_rate"], "eval/reward": s["mean_reward"],
+            "eval/turns": s["mean_turns"], "eval/failed": s["failed_episodes"],
+            "time/eval_s": s["wall_s"], **({} if frac is None else {"eval/invalid_action_frac": frac})}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -166,7 +241,7 @@ def evaluate_split(env_id: str, policy: Any, cfg: Config, split: str | None = No
                    on_start: Callable[[int], None] | None = None) -> tuple[EvalReport, list[RolloutTree]]:
     """Evaluate ``policy`` on every task of ``split`` (see the module docstring).
 
-    ``cfg.sampling.temperature`` is used as given (the CLI sets 0 for greedy);
+    ``cfg.sampling.temperature`` is used as given (``agentrl eval`` sets 0 for greedy);
     ``cfg.rollout.episodes`` counts the tasks of an env without ``num_tasks``.
     ``on_start(total_episodes)`` is called before the first episode.
     """
@@ -175,8 +250,8 @@ def evaluate_split(env_id: str, policy: Any, cfg: Config, split: str | None = No
     samples = samples or k
     if k < 1 or samples < k:
         raise ConfigError(f"--k must be >= 1 and --samples >= --k (got k={k}, samples={samples})")
-    ev = cfg.model_copy(deep=True)
-    kwargs = dict(ev.env.kwargs) | ({"split": split} if split is not None else {})
+    kwargs = dict(cfg.env.kwargs) | ({"split": split} if split is not None else {})
+    ev = eval_config(cfg, samples, env_kwargs=kwargs)
     env = _probe(env_id, kwargs)
     inner = env.unwrapped
     try:
@@ -192,10 +267,6 @@ def evaluate_split(env_id: str, policy: Any, cfg: Config, split: str | None = No
         env.close()
     if "max_turns" not in ev.rollout.model_fields_set and isinstance(max_steps, int):
         ev.rollout.max_turns = max_steps  # the env's own limit ends the episode
-    ev.env.kwargs = kwargs
-    ev.rollout.group_size = samples
-    ev.rollout.allocator, ev.rollout.budget = "independent", None
-    ev.rollout.budget_unit = "leaves"
     if on_start:
         on_start(len(seeds) * samples)
     t0 = time.perf_counter()
@@ -215,92 +286,3 @@ def evaluate_split(env_id: str, policy: Any, cfg: Config, split: str | None = No
                   "max_new_tokens": ev.sampling.max_new_tokens, "show_admissible": ev.rollout.show_admissible,
                   "env_kwargs": {key: str(v) for key, v in kwargs.items()}})
     return report, trees
-
-
-def format_report(report: EvalReport, title: str = "") -> Table:
-    """The report as a rich table: one row per family and All, rates in percent."""
-    table = Table(title=title or f"{report.env} {report.split or ''} (k={report.k}, samples={report.samples})")
-    cols = ["family", "tasks", "success %"] + ([f"pass@{report.k} %"] if report.k > 1 else [])
-    cols += ["score", "errors"]
-    for col in cols:
-        table.add_column(col, justify="left" if col == "family" else "right")
-    for r in report.rows:
-        cells = [r.label, str(r.tasks), f"{100 * r.success:.1f}"]
-        cells += [f"{100 * r.pass_at_k:.1f}"] if report.k > 1 else []
-        cells += [f"{100 * r.score:.1f}", str(r.errors)]
-        table.add_row(*cells)
-    return table
-
-
-# -- the command ---------------------------------------------------------------------------
-
-console = Console()
-
-
-def eval_command(
-    env: Annotated[str, typer.Option(help="Env id, e.g. agentrl/ALFWorldReal-v0.")],
-    split: Annotated[str | None, typer.Option(help="Split(s), comma separated, passed as the env's split.")] = None,
-    model: Annotated[str | None, typer.Option(help="Model name or folder (policy.model).")] = None,
-    backend: Annotated[str | None, typer.Option(help="hf, vllm, openai or mock (policy.backend).")] = None,
-    k: Annotated[int, typer.Option(help="pass@k; 1 with one sample is greedy evaluation.")] = 1,
-    samples: Annotated[int | None, typer.Option(help="Episodes per task (>= k; default k).")] = None,
-    temperature: Annotated[float | None, typer.Option(
-        help="Sampling temperature; default 0 (greedy) for one sample, else sampling.temperature.")] = None,
-    limit: Annotated[int | None, typer.Option(help="Only the first N tasks of the split.")] = None,
-    episodes: Annotated[int | None, typer.Option(
-        help="Tasks of an env that does not say how many its split holds (rollout.episodes).")] = None,
-    config: Annotated[Path | None, typer.Option(help="YAML config file.")] = None,
-    out: Annotated[str, typer.Option(help="Output folder: summary.json and trajectories.jsonl.")] = "runs/eval",
-    set_: Annotated[list[str] | None, typer.Option("--set", help="key.path=value override.")] = None,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
-) -> None:
-    """Evaluate a model over a whole split: success per task family and overall, as the papers report."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    from .config import load_config
-    from .distributed import placement
-    from .env import resolve_env_id
-    from .policy.for_run import open_policy
-    from .policy.registry import resolve_backend
-    from .rollout import write_run
-
-    flags = {"policy.model": model, "policy.backend": backend, "rollout.episodes": episodes}
-    overrides = [f"{key}={v}" for key, v in flags.items() if v is not None] + list(set_ or [])
-    try:
-        cfg = load_config(config, overrides)
-        env_id = resolve_env_id(env, cfg.env.imports)
-        if temperature is not None:
-            cfg.sampling.temperature = temperature
-        elif (samples or k) == 1:
-            cfg.sampling.temperature = 0.0
-        picked, why = resolve_backend(cfg.policy.backend)
-        cfg.policy.backend = picked
-        console.print(f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{picked}[/] ({why})"
-                      f"{placement(cfg)}")
-        reports, all_trees = [], []
-        with open_policy(cfg) as policy:
-            for one in (split.split(",") if split else [None]):
-                one = one.strip() if one else None
-                with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                              TimeElapsedColumn(), console=console, disable=not progress) as bar:
-                    task = bar.add_task(f"{env_id} {one or ''}", total=None)
-                    report, trees = evaluate_split(
-                        env_id, policy, cfg, one, k, samples, limit,
-                        on_episode_done=lambda _t, task=task: bar.advance(task),
-                        on_start=lambda total, task=task: bar.update(task, total=total))
-                reports.append(report)
-                all_trees += trees
-                console.print(format_report(report))
-            worker_stats = dict(getattr(policy, "stats", {}))  # rollout workers: deaths, retries
-    except AgentRLError as e:
-        console.print(f"[bold red]error:[/] {e}", highlight=False)
-        raise typer.Exit(code=2) from None
-    summary = {"env": env_id, "model": cfg.policy.model, "backend": cfg.policy.backend, **worker_stats,
-               "reports": [r.to_dict() for r in reports]}
-    path = write_run(out, all_trees, summary)
-    console.print(f"wrote {path / 'summary.json'} and {path / 'trajectories.jsonl'}")
-
-
-def register(app: typer.Typer) -> None:
-    """Add ``eval`` to the main ``agentrl`` command."""
-    app.command("eval")(eval_command)

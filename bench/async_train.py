@@ -52,9 +52,9 @@ def _cfg(args: argparse.Namespace, out: Path, k: int | None) -> Any:
             f"rollout.group_size={args.group}", "rollout.max_context_tokens=512",
             f"sampling.max_new_tokens={args.new_tokens}", "train.credit=grpo",
             f"train.tasks_per_step={args.tasks}", f"train.minibatch_size={args.tasks * args.group}",
-            "train.micro_batch_tokens=4096", "train.loss.entropy_coef=0.01", f"train.steps={args.steps}", "train.lr=1e-4",
-            "train.eval_episodes=0", "train.tensorboard=false", "train.export_hf=false",
-            "train.plot=false", "train.save_trees=0", f"train.out_dir={out}"]
+            "train.micro_batch_tokens=4096", "train.loss.entropy_coef=0.01", f"train.steps={args.steps}", "train.optimizer.lr=1e-4",
+            "train.evaluation.episodes=0", "train.output.tensorboard=false", "train.checkpointing.export_hf=false",
+            "train.output.plot=false", "train.output.save_trees=0", f"train.output.dir={out}"]
     if k is not None:
         over.append(f"train.asynchronous={{max_batch_staleness: {k}, queue_size: 2}}")
     return load_train_config(None, over)

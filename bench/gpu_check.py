@@ -120,8 +120,8 @@ def train_row(model: str, device: str, args: argparse.Namespace, out: Path) -> d
     sets = {"policy.backend": "hf", "policy.model": model, "policy.device": device, "distributed": "null",
             "train.steps": args.steps, "train.tasks_per_step": args.tasks, "rollout.group_size": args.group,
             "rollout.max_turns": args.turns, "sampling.max_new_tokens": args.new_tokens,
-            "train.eval_episodes": 0, "train.eval_start": "false", "train.checkpoint_every": 0,
-            "train.export_hf": "false", "train.plot": "false", "train.tensorboard": "false",
+            "train.evaluation.episodes": 0, "train.evaluation.start": "false", "train.checkpointing.every": 0,
+            "train.checkpointing.export_hf": "false", "train.output.plot": "false", "train.output.tensorboard": "false",
             "train.minibatch_size": args.tasks * args.group, "rollout.max_context_tokens": 4096,
             "train.micro_batch_tokens": 4096}
     cmd = [str(Path(sys.executable).with_name("agentrl")), "train", "--config", str(RECIPE), "--out", str(out),

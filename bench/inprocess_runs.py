@@ -79,9 +79,9 @@ def _cfg(model: str, out: Path, steps: int) -> Any:
         f"policy.model={model}", "policy.backend=hf", f"env.id={ENV}", "env.kwargs={high: 4, max_turns: 3}",
         "rollout.max_turns=3", "rollout.group_size=4", "rollout.max_context_tokens=256",
         "sampling.max_new_tokens=4", "train.tasks_per_step=2", "train.minibatch_size=8",
-        "train.micro_batch_tokens=2048", f"train.steps={steps}", "train.eval_episodes=2",
-        f"train.distill={{teacher: '{model}'}}", "train.loss.kl_coef=0.1", "train.tensorboard=true",
-        "train.export_hf=false", "train.plot=false", "train.save_trees=0", f"train.out_dir={out}"])
+        "train.micro_batch_tokens=2048", f"train.steps={steps}", "train.evaluation.episodes=2",
+        f"train.distill={{teacher: '{model}'}}", "train.loss.kl_coef=0.1", "train.output.tensorboard=true",
+        "train.checkpointing.export_hf=false", "train.output.plot=false", "train.output.save_trees=0", f"train.output.dir={out}"])
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ steps actually played, so the plot shows both effects. Held-out success is
 greedy on seeds disjoint from SFT and RL seeds, every ``--eval-every`` steps.
 Every run starts from the same weights on the same held-out seeds, so step 0
 is evaluated once (by the warm start's SFT, or by the first run) and shared
-(``train.eval_start: false`` in the other runs).
+(``train.evaluation.start: false`` in the other runs).
 
 Presets (``--env``):
 
@@ -124,7 +124,7 @@ def run_config(data: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     from agentrl.train.config import TrainRunConfig
     from agentrl.train.trainer import train
 
-    cfg = TrainRunConfig.model_validate(merge(data, {"train": {"out_dir": str(out_dir)}}))
+    cfg = TrainRunConfig.model_validate(merge(data, {"train": {"output": {"dir": str(out_dir)}}}))
     return train(cfg, overwrite=True, progress=sys.stderr.isatty())
 
 
@@ -132,8 +132,9 @@ def warm_start(base: dict[str, Any], out_dir: Path, sft: dict[str, Any],
                eval_cfg: dict[str, Any]) -> tuple[str, dict[str, float], dict[str, float]]:
     """SFT only (``train.steps=0``); the exported model folder, and held-out success and mean
     reward before and after."""
-    data = merge(base, {"sft": sft, "train": {"steps": 0, "export_hf": True, "tensorboard": False,
-                                              "plot": False, **eval_cfg}})
+    data = merge(base, {"sft": sft, "train": {"steps": 0, "checkpointing": {"export_hf": True},
+                                              "output": {"tensorboard": False, "plot": False},
+                                              "evaluation": eval_cfg}})
     summary = run_config(data, out_dir)
     hf = Path(summary["checkpoint"]) / "hf"
     if not (hf / "config.json").exists():
@@ -202,7 +203,7 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
                        "success_se": se(succ),
                        **({"reward": mean(rew), "reward_se": se(rew)} if None not in rew else {})})
     finals = [r["final_success"] for r in runs]
-    if None in finals:  # a run without a final evaluation (train.eval_episodes=0)
+    if None in finals:  # a run without a final evaluation (train.evaluation.episodes=0)
         finals = []
     stats = {k: mean([r[k] for r in runs]) for k in ("rollout_success_mean", "env_steps", "generated_tokens",
                                                       "episodes", "rollout_s", "train_s")}
@@ -291,15 +292,16 @@ def main() -> None:
     for m in methods:
         method_overrides(m, "x", 1.0)  # unknown names fail before any training
     base = yaml.safe_load(PRESETS[args.env].read_text())
-    base["train"].pop("out_dir", None)
+    (base["train"].get("output") or {}).pop("dir", None)
     base["train"].pop("distill", None)  # the preset's own teacher (make run's): each method sets its own
-    eval_cfg = {"eval_every": args.eval_every, "eval_episodes": args.eval_episodes}
+    eval_cfg = {"every": args.eval_every, "episodes": args.eval_episodes}
     if args.quick:
         base = merge(base, {"policy": {"model": "tiny-random"}, "train": {"top_k_layers": 1}})
-        args.steps, eval_cfg = 2, {"eval_every": 1, "eval_episodes": 8}
+        args.steps, eval_cfg = 2, {"every": 1, "episodes": 8}
         args.sft_episodes, args.teacher_sft_episodes = 4, 8
-    base = merge(base, {"train": {"steps": args.steps, "lr": args.lr, "tensorboard": False, "export_hf": False,
-                                  **eval_cfg}})
+    base = merge(base, {"train": {"steps": args.steps, "optimizer": {"lr": args.lr},
+                                  "output": {"tensorboard": False}, "checkpointing": {"export_hf": False},
+                                  "evaluation": eval_cfg}})
     if args.deterministic:
         base = merge(base, {"rollout": {"deterministic": True}})
     if args.set:  # a variant of every method (the JSON's config records it)
@@ -352,7 +354,7 @@ def main() -> None:
         for seed in seeds:
             t0 = time.perf_counter()
             # every run starts from the same weights on the same greedy held-out seeds: evaluate them once
-            shared = {"eval_start": False} if warm_success is not None else {}
+            shared = {"evaluation": {"start": False}} if warm_success is not None else {}
             cfg = merge(start, merge(method_overrides(m, teacher, args.opd_weight),
                                      {"train": {"seed": seed, **shared}}))
             summary = run_config(cfg, work / m / f"seed{seed}")
@@ -388,7 +390,7 @@ def main() -> None:
     out = Path(args.out)
     png = out.with_suffix(".png")
     title = (f"{args.env}: {base['policy']['model']}, {len(seeds)} seed(s), {args.steps} steps x {base['train']['tasks_per_step']} "
-             f"tasks x {base['rollout']['group_size']} leaves, eval {eval_cfg['eval_episodes']} greedy")
+             f"tasks x {base['rollout']['group_size']} leaves, eval {eval_cfg['episodes']} greedy")
     report.update({"env": args.env, "methods": methods, "steps": args.steps, "seeds": seeds, "config": cfg_used,
                    "results": results, "wall_s": round(time.perf_counter() - t_all, 1),
                    "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),

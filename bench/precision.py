@@ -123,9 +123,9 @@ def sft_child(variant: str, seed: int, out: str) -> None:
     if variant == "bf16, bf16 head":  # the head back under autocast: the old bf16
         logprobs.fp32_head = lambda model: contextlib.nullcontext()
     recipe = Path(__file__).resolve().parents[1] / "examples" / "train_alfworld_easy.yaml"
-    cfg = load_train_config(recipe, ["train.steps=0", "train.eval_start=false", f"train.seed={seed}",
-                                     f"train.precision={SFT_VARIANTS[variant]}", f"train.out_dir={out}",
-                                     "train.export_hf=false", "train.plot=false", "train.tensorboard=false"])
+    cfg = load_train_config(recipe, ["train.steps=0", "train.evaluation.start=false", f"train.seed={seed}",
+                                     f"train.precision={SFT_VARIANTS[variant]}", f"train.output.dir={out}",
+                                     "train.checkpointing.export_hf=false", "train.output.plot=false", "train.output.tensorboard=false"])
     t = time.perf_counter()
     result = train(cfg, progress=False)
     rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]

@@ -177,7 +177,7 @@ def run_agentrl(args: argparse.Namespace, lora: bool = False) -> dict:
     from agentrl.policy.base import GenerateRequest, SamplingParams
     from agentrl.policy.hf import HFPolicy
     from agentrl.train.batch import Sample, score_old, train_on_samples
-    from agentrl.train.config import TrainConfig
+    from agentrl.train.config import OptimizerConfig, TrainConfig
     from agentrl.train.loss import PolicyLossConfig, StepLoss
     from agentrl.train.model import make_optimizer, make_trainable, precision
 
@@ -187,9 +187,9 @@ def run_agentrl(args: argparse.Namespace, lora: bool = False) -> dict:
     policy.eos_ids = set()  # fixed completion length, as TRL's min_new_tokens does on its side
     pad_id = policy.pad_id
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS[:args.prompts]]
-    train_cfg = TrainConfig(trainable="lora" if lora else "full", lr=1e-6)
+    train_cfg = TrainConfig(trainable="lora" if lora else "full", optimizer=OptimizerConfig(lr=1e-6))
     trained = make_trainable(model, train_cfg)  # LoRA: adapters injected into the policy's own model
-    opt = make_optimizer(trained, train_cfg.lr, train_cfg)
+    opt = make_optimizer(trained, train_cfg.optimizer.lr, train_cfg.optimizer)
     n_trainable = sum(p.numel() for p in trained.parameters() if p.requires_grad)
     loss = StepLoss(PolicyLossConfig(), version=0)  # the learning step's loss, policy version 0
 

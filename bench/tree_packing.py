@@ -58,9 +58,9 @@ def make_trainer(args: argparse.Namespace) -> Trainer:
         f"rollout.max_turns={args.max_turns}", f"rollout.allocator={{name: segment_tree, depth: {args.depth}, width: {args.width}}}",
         f"rollout.group_size={args.width ** args.depth}", f"rollout.max_context_tokens={args.max_context}",
         f"sampling.max_new_tokens={args.max_new_tokens}", "sampling.temperature=1.0",
-        f"train.tasks_per_step={args.tasks}", "train.credit=tree", "train.eval_episodes=0",
-        f"train.micro_batch_tokens={args.micro_batch_tokens}", "train.tensorboard=false",
-        "train.plot=false", "train.export_hf=false", "train.out_dir=/tmp/agentrl-bench-tree-packing"])
+        f"train.tasks_per_step={args.tasks}", "train.credit=tree", "train.evaluation.episodes=0",
+        f"train.micro_batch_tokens={args.micro_batch_tokens}", "train.output.tensorboard=false",
+        "train.output.plot=false", "train.checkpointing.export_hf=false", "train.output.dir=/tmp/agentrl-bench-tree-packing"])
     return Trainer(cfg, progress=False)
 
 

@@ -109,7 +109,7 @@ TRAINING_LOOP = """## What one run does
 (`agentrl/train/trainer.py`): rollouts through the engine, credit, loss, an
 optimizer step, weight sync, held-out evaluation and checkpoints. It shows
 progress bars per phase and writes `metrics.jsonl`, TensorBoard logs and
-`learning_curve.png` into `train.out_dir`. How credit, the loss and
+`learning_curve.png` into `train.output.dir`. How credit, the loss and
 distillation work is on the [Algorithms](algorithms.md) page.
 
 - **Update loop.** Epochs of shuffled minibatches, packed micro-batches with
@@ -151,6 +151,14 @@ distillation work is on the [Algorithms](algorithms.md) page.
   or rollout workers (the copy costs one more model in memory, and its prefix
   cache). The two staleness keys were both called `max_staleness` before;
   the old names still work for one release, with a warning.
+- **Sections of `train`.** The optimizer, the held-out evaluation, the
+  checkpoints and the run's folder each have their section:
+  `train.optimizer` (`lr`, `warmup_steps`, ...), `train.evaluation` (`every`,
+  `episodes`, ...; `agentrl/evaluation.py` runs it, and `agentrl eval` shares
+  its code), `train.checkpointing` and `train.output` (`dir`, ...). Their keys
+  sat flat on `train` before (`lr`, `eval_every`, `out_dir`, ...); an old
+  key still works for one release, in YAML and in `--set`, with a warning
+  that names its new path.
 
 The sections below list every key."""
 
@@ -169,7 +177,7 @@ def training_page() -> str:
            "key with its type, default and description, straight from the pydantic models.", "",
            "The smallest training config: everything else keeps its default.", "",
            "```yaml", "policy: {model: tiny-random}", "env: {id: agentrl/GuessNumber-v0}",
-           "train: {steps: 2, tasks_per_step: 2, eval_episodes: 4}", "```", "", TRAINING_LOOP, ""]
+           "train: {steps: 2, tasks_per_step: 2, evaluation: {episodes: 4}}", "```", "", TRAINING_LOOP, ""]
 
     def section(def_name: str, path: str, optional: bool, value: Any, tag: str | None = None) -> None:
         d = defs[def_name]

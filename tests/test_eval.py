@@ -12,7 +12,16 @@ from typer.testing import CliRunner
 
 from agentrl.config import Config
 from agentrl.env import TextEnv, register_env
-from agentrl.evaluation import TaskResult, evaluate_split, pass_at_k, register, report_rows
+from agentrl.eval_cli import register
+from agentrl.evaluation import (
+    EvaluationConfig,
+    TaskResult,
+    evaluate_held_out,
+    evaluate_split,
+    held_out_seeds,
+    pass_at_k,
+    report_rows,
+)
 from agentrl.policy.mock import MockPolicy
 
 app = typer.Typer()
@@ -103,6 +112,31 @@ def test_whole_split_by_family_with_failures_counted(tokenizer):
     report_b, _ = evaluate_split("agentrl/TestEvalSplit-v0", policy, cfg, split="b", k=2, samples=3)
     assert report_b.tasks == 2 and all(r.episodes == 3 * r.tasks for r in report_b.rows)
     assert report_b.rows[-1].pass_at_k == 1.0 == report_b.rows[-1].success
+
+
+def test_held_out_evaluation_plays_one_episode_a_seed_whatever_the_training_budget(tokenizer):
+    """The trainer's evaluation: one episode on each held-out seed, with the eval env kwargs and
+    temperature, even when training counts its budget in turns (that budget once cut the
+    evaluation to no episode at all); failed episodes are counted, not scored."""
+    cfg = Config.model_validate({"env": {"id": "agentrl/TestEvalSplit-v0"},
+                                 "rollout": {"group_size": 4, "budget_unit": "turns", "budget": 2}})
+    ev = EvaluationConfig(episodes=3, seed_start=1, temperature=0.0, env_kwargs={"split": "b"})
+    assert held_out_seeds(ev) == [1, 2, 3]
+    assert held_out_seeds(EvaluationConfig(task_seeds=[5, 0], episodes=9)) == [5, 0]
+    played: list[Any] = []
+
+    def collect_fn(env_id, policy, run, seeds, on_episode_done=None):
+        from agentrl.rollout import collect
+
+        played.append((run.env.kwargs, run.sampling.temperature, seeds))
+        return collect(env_id, policy, run, seeds, on_episode_done=on_episode_done)
+
+    got = evaluate_held_out(MockPolicy(tokenizer, _say_the_number), cfg, ev, collect_fn=collect_fn)
+    assert played == [({"split": "b"}, 0.0, [1, 2, 3])]
+    # seed 1 won, seed 2 wants "never" (lost), seed 3 crashed: success over the 2 that did not fail
+    assert (got["eval/success"], got["eval/reward"], got["eval/failed"]) == (0.5, 0.5, 1)
+    assert got["eval/turns"] == 1.0 and set(got) == {"eval/success", "eval/reward", "eval/turns",
+                                                      "eval/failed", "time/eval_s"}
 
 
 def test_cli_eval_writes_rows_and_trees(tmp_path):

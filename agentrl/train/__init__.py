@@ -17,12 +17,13 @@ The glue:
 - ``rows``: how samples are laid into rows: packed episodes or prefix trees;
 - ``model``: what trains, the optimizer, precision, the KL reference, weight sync;
 - ``trainer``: the run (rollout, the step, sync, eval, checkpoint);
-- ``rollouts``: a step's rollouts, the held-out evaluation, the allocator's report;
+- ``rollouts``: a step's rollouts, the allocator's report, the saved trees (the held-out
+  evaluation is ``agentrl.evaluation``, shared with ``agentrl eval``);
 - ``token_values``: what the update trained on, per token, saved with the step's trees;
 - ``asynchronous``: the next steps' rollouts in a thread, from a snapshot of the
   weights, within a staleness bound (``train.asynchronous``);
 - ``sft``: behaviour cloning of an env's expert, with RL's token layout;
-- ``plan``: the task seeds of each step, the held-out seeds, the dry run's plan;
+- ``plan``: the task seeds of each step, the dry run's plan;
 - ``config``, ``checkpoint``, ``metrics``, ``value`` (a value head for GAE), ``cli``.
 """
 
@@ -35,7 +36,16 @@ from .batch import (
     train_on_samples,
 )
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import AsyncConfig, SFTConfig, TrainConfig, TrainRunConfig, load_train_config
+from .config import (
+    AsyncConfig,
+    CheckpointingConfig,
+    OptimizerConfig,
+    OutputConfig,
+    SFTConfig,
+    TrainConfig,
+    TrainRunConfig,
+    load_train_config,
+)
 from .distill import (
     DistillConfig,
     Distiller,
@@ -76,7 +86,7 @@ from .loss import (
     token_masks,
 )
 from .m2po import m2po_mask, m2po_token_loss, m2po_trust_region
-from .rollouts import RolloutSource, evaluate
+from .rollouts import RolloutSource
 from .rows import (
     PackedRow,
     PrefixTree,
@@ -94,10 +104,13 @@ from .trainer import Trainer, train
 __all__ = [
     "AGGREGATIONS",
     "AsyncConfig",
+    "CheckpointingConfig",
     "DistillConfig",
     "DistillFields",
     "Distiller",
     "Learner",
+    "OptimizerConfig",
+    "OutputConfig",
     "OverlapStop",
     "PackedRow",
     "PolicyLossConfig",
@@ -117,7 +130,6 @@ __all__ = [
     "collate_packed",
     "combine_rl_and_distill",
     "entropy_bonus",
-    "evaluate",
     "expert_one_hot_teacher",
     "expert_tree",
     "expert_trees",

@@ -1,6 +1,6 @@
 """``agentrl train`` and ``agentrl sft``: the command-line front of the trainer.
 
-    agentrl train --config examples/train_guess_number.yaml [--resume] [--set train.lr=1e-5]
+    agentrl train --config examples/train_guess_number.yaml [--resume] [--set train.optimizer.lr=1e-5]
     agentrl train --harness "python examples/harness/react_agent.py" --env agentrl/GuessNumber-v0
     agentrl sft   --config examples/train_alfworld_easy.yaml [--set sft.episodes=64]
 
@@ -89,7 +89,7 @@ def phase_peak_memory(metrics_path: str | Path) -> dict[str, float]:
 
 
 def rl_segments(metrics_path: str | Path) -> list[dict[str, Any]]:
-    """The RL phase cut at its evaluations (every ``eval_every`` steps, then the final one): for
+    """The RL phase cut at its evaluations (every ``train.evaluation.every`` steps, then the final one): for
     each, the step, held-out success and reward, and the seconds and peak MB of the rows since the
     cut before. The seconds add up to ``phase_seconds(...)["end"]``."""
     from .metrics import read_metrics
@@ -164,11 +164,11 @@ def _report(summary: dict[str, Any], wall: float) -> None:
 def train(
     config: ConfigOpt = None,
     resume: Annotated[bool, typer.Option(help="Continue from the newest checkpoint.")] = False,
-    overwrite: Annotated[bool, typer.Option(help="Start over in an out_dir with checkpoints.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Start over in an output folder with checkpoints.")] = False,
     steps: Annotated[int | None, typer.Option(
         help="Updates to run (train.steps). 0 with SFT runs the SFT alone; 0 without is a dry "
         "run: check, load, print the plan.")] = None,
-    out: Annotated[str | None, typer.Option(help="Output folder (train.out_dir).")] = None,
+    out: Annotated[str | None, typer.Option(help="Output folder (train.output.dir).")] = None,
     env: Annotated[str | None, typer.Option(help="Env id (env.id).")] = None,
     harness: Annotated[str | None, typer.Option(
         help="Command of an agent program that plays one episode through the proxy "
@@ -186,7 +186,7 @@ def train(
     from .trainer import train as run_train
 
     # A command line is no YAML value: quoted as JSON (valid YAML), it arrives as written.
-    flags = {"train.steps": steps, "train.out_dir": out, "env.id": env,
+    flags = {"train.steps": steps, "train.output.dir": out, "env.id": env,
              "train.harness": None if harness is None else json.dumps(harness)}
     extra = [f"{k}={v}" for k, v in flags.items() if v is not None]
     t0 = time.perf_counter()
@@ -209,8 +209,8 @@ def train(
 def sft(
     config: ConfigOpt = None,
     episodes: Annotated[int | None, typer.Option(help="Expert episodes (sft.episodes).")] = None,
-    out: Annotated[str | None, typer.Option(help="Output folder (train.out_dir).")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Start over in an out_dir with checkpoints.")] = False,
+    out: Annotated[str | None, typer.Option(help="Output folder (train.output.dir).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Start over in an output folder with checkpoints.")] = False,
     set_: SetOpt = None,
     progress: ProgressOpt = True,
 ) -> None:
@@ -221,7 +221,7 @@ def sft(
     """
     from .trainer import train as run_train
 
-    flags = {"sft.episodes": episodes, "train.out_dir": out}
+    flags = {"sft.episodes": episodes, "train.output.dir": out}
     extra = [f"{k}={v}" for k, v in flags.items() if v is not None] + ["train.steps=0"]
     t0 = time.perf_counter()
     try:

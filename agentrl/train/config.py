@@ -17,13 +17,41 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ..config import Config, _Strict, load_config, renamed_keys
+from ..config import Config, _Strict, load_config, moved_keys, renamed_keys
 from ..credit_options import CreditOptions, GRPOOptions, credit_spec
+from ..evaluation import EvaluationConfig
 from .distill.config import DistillConfig
 from .loss import PolicyLossConfig
 from .value import ValueHeadConfig
 
-__all__ = ["AsyncConfig", "LoraConfig", "SFTConfig", "TrainConfig", "TrainRunConfig", "load_train_config"]
+__all__ = [
+    "AsyncConfig",
+    "CheckpointingConfig",
+    "EvaluationConfig",
+    "LoraConfig",
+    "OptimizerConfig",
+    "OutputConfig",
+    "SFTConfig",
+    "TrainConfig",
+    "TrainRunConfig",
+    "load_train_config",
+]
+
+MOVED_KEYS = {
+    "lr": "optimizer.lr", "weight_decay": "optimizer.weight_decay", "betas": "optimizer.betas",
+    "warmup_steps": "optimizer.warmup_steps", "lr_schedule": "optimizer.lr_schedule",
+    "max_grad_norm": "optimizer.max_grad_norm",
+    "eval_every": "evaluation.every", "eval_episodes": "evaluation.episodes",
+    "eval_start": "evaluation.start", "eval_seed_start": "evaluation.seed_start",
+    "eval_task_seeds": "evaluation.task_seeds", "eval_temperature": "evaluation.temperature",
+    "eval_env_kwargs": "evaluation.env_kwargs",
+    "checkpoint_every": "checkpointing.every", "keep_checkpoints": "checkpointing.keep",
+    "export_hf": "checkpointing.export_hf",
+    "out_dir": "output.dir", "tensorboard": "output.tensorboard", "plot": "output.plot",
+    "save_trees": "output.save_trees",
+}
+"""The flat ``train`` keys that moved into a section, old key to new path: they keep working
+for one release, with a ``FutureWarning`` naming the new path."""
 
 
 class LoraConfig(_Strict):
@@ -36,6 +64,39 @@ class LoraConfig(_Strict):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                  "gate_proj", "up_proj", "down_proj"],
         description="Names of the linear layers that get adapters.")
+
+
+class OptimizerConfig(_Strict):
+    """AdamW and its learning-rate schedule (``train.optimizer``); SFT uses them too, with ``sft.lr``."""
+
+    lr: float = Field(1e-5, ge=0.0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warm-up.")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="Decay after warm-up, to 0 at the last optimizer step.")
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="Gradient clipping; null: none.")
+
+
+class CheckpointingConfig(_Strict):
+    """When checkpoints are written and how many stay (``train.checkpointing``)."""
+
+    every: int = Field(0, ge=0, description="Checkpoint every this many steps (0: only at the end). "
+                       "Was checkpoint_every.")
+    keep: int = Field(2, ge=1, description="Newest checkpoints kept on disk. Was keep_checkpoints.")
+    export_hf: bool = Field(True, description="Also export the final model with save_pretrained.")
+
+
+class OutputConfig(_Strict):
+    """Where a run writes, and what besides its checkpoints (``train.output``)."""
+
+    dir: str = Field("runs/train", description="Metrics, checkpoints and the learning curve. "
+                     "Was out_dir.")
+    tensorboard: bool = Field(True, description="Also write TensorBoard logs, when installed.")
+    plot: bool = Field(True, description="Draw learning_curve.png (matplotlib) at the end.")
+    save_trees: int = Field(8, ge=0, description="Trees of each step's rollouts written to "
+                            "output.dir/trees/step-NNNNNN.jsonl (the first this many tasks), for "
+                            "`agentrl tree` and `agentrl view`; 0: none.")
 
 
 class AsyncConfig(_Strict):
@@ -95,23 +156,18 @@ class TrainConfig(_Strict):
     distill: DistillConfig | None = Field(None, description="Step-wise on-policy distillation "
                                           "(agentrl.train.distill): a teacher's per-token advantages "
                                           "added to the RL ones; null: off.")
-    # -- optimizer ---------------------------------------------------------------------
-    lr: float = Field(1e-5, ge=0.0, description="AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warm-up.")
-    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
-        "constant", description="Decay after warm-up, to 0 at the last optimizer step.")
+    # -- the update ------------------------------------------------------------------
     epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     minibatch_size: int = Field(16, ge=1, description="Episodes per optimizer step.")
     micro_batch_tokens: int = Field(4096, ge=16, description="Tokens per forward pass: episodes "
                                     "are packed up to this; a minibatch accumulates gradients "
                                     "over its micro-batches.")
-    max_grad_norm: float | None = Field(1.0, gt=0.0, description="Gradient clipping; null: none.")
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="The training and scoring passes: auto is bf16 autocast on a GPU and "
         "fp32 on CPU; bf16 autocasts on CPU too (faster on CPUs with AMX); fp32 never autocasts. "
         "Weights and optimizer state stay fp32; sampling is unaffected.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig,
+                                       description="AdamW, its schedule and gradient clipping.")
     # -- what trains -----------------------------------------------------------------
     trainable: Literal["full", "top_k", "lora"] = Field(
         "full", description="full fine-tuning, only the top k decoder layers, or LoRA adapters.")
@@ -131,31 +187,18 @@ class TrainConfig(_Strict):
     asynchronous: AsyncConfig | None = Field(None, description="Roll out the next steps while "
                                              "this one trains, within a staleness bound "
                                              "(agentrl.train.asynchronous); null: synchronous.")
-    # -- eval, checkpoints, logs ------------------------------------------------------------
-    eval_every: int = Field(0, ge=0, description="Evaluate every this many steps (0: only at "
-                            "start and end).")
-    eval_episodes: int = Field(16, ge=0, description="Held-out episodes per evaluation.")
-    eval_start: bool = Field(True, description="Evaluate the starting model before SFT and RL. "
-                             "false skips it when its success is known already (runs that share "
-                             "one starting checkpoint and held-out seeds).")
-    eval_seed_start: int = Field(1_000_000, description="First held-out task seed.")
-    eval_task_seeds: list[int] | None = Field(None, description="Explicit held-out task seeds; "
-                                              "overrides eval_seed_start and eval_episodes.")
-    eval_temperature: float | None = Field(None, ge=0.0, description="Sampling temperature of "
-                                           "evaluation; null: sampling.temperature.")
-    eval_env_kwargs: dict[str, Any] = Field(default_factory=dict, description="Env kwargs "
-                                            "overridden for evaluation (e.g. another split).")
-    checkpoint_every: int = Field(0, ge=0, description="Checkpoint every this many steps "
-                                  "(0: only at the end).")
-    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept on disk.")
-    export_hf: bool = Field(True, description="Also export the final model with save_pretrained.")
-    out_dir: str = Field("runs/train", description="Metrics, checkpoints and the learning curve.")
-    tensorboard: bool = Field(True, description="Also write TensorBoard logs, when installed.")
-    plot: bool = Field(True, description="Draw learning_curve.png (matplotlib) at the end.")
-    save_trees: int = Field(8, ge=0, description="Trees of each step's rollouts written to "
-                            "out_dir/trees/step-NNNNNN.jsonl (the first this many tasks), for "
-                            "`agentrl tree` and `agentrl view`, each with the per-token advantages "
-                            "(and teacher and student log-probs) its update used; 0: none.")
+    # -- eval, checkpoints, output -----------------------------------------------------------
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig, description="Held-out "
+                                         "evaluation: seeds, how often, temperature (agentrl.evaluation).")
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig,
+                                               description="How often checkpoints are written, how many kept.")
+    output: OutputConfig = Field(default_factory=OutputConfig, description="The run's folder, and "
+                                 "its logs, plot and saved trees.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_places(cls, data: Any) -> Any:
+        return moved_keys(data, MOVED_KEYS, "train")
 
     @model_validator(mode="before")
     @classmethod

@@ -116,7 +116,7 @@ def make_trainable(model: torch.nn.Module, cfg: Any) -> torch.nn.Module:
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, cfg: Any) -> torch.optim.AdamW:
-    """AdamW over the parameters that require grad (``cfg``: a ``TrainConfig``)."""
+    """AdamW over the parameters that require grad (``cfg``: ``train.optimizer``, an ``OptimizerConfig``)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ConfigError("nothing to train: no parameter requires grad")
@@ -125,7 +125,8 @@ def make_optimizer(model: torch.nn.Module, lr: float, cfg: Any) -> torch.optim.A
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: Any,
                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up over ``warmup_steps`` optimizer steps, then constant, cosine or linear to 0."""
+    """Linear warm-up over ``cfg.warmup_steps`` optimizer steps (``cfg``: ``train.optimizer``),
+    then constant, cosine or linear to 0."""
     warm, total = cfg.warmup_steps, max(total_steps, 1)
 
     def factor(t: int) -> float:

@@ -1,4 +1,4 @@
-"""What a run does, decided by its config alone: each step's task seeds, the held-out seeds, the plan.
+"""What a run does, decided by its config alone: each step's task seeds and the plan.
 
 The step is the data position (``step_task_seeds``), so a resumed run trains
 on the same tasks; ``run_plan`` is what a dry run (``train.steps: 0``) prints.
@@ -10,9 +10,10 @@ from typing import Any
 
 from rich.console import Console
 
+from ..evaluation import held_out_seeds
 from .config import TrainConfig, TrainRunConfig
 
-__all__ = ["eval_seeds", "print_plan", "run_plan", "step_task_seeds"]
+__all__ = ["print_plan", "run_plan", "step_task_seeds"]
 
 
 def step_task_seeds(cfg: TrainConfig, step: int) -> list[int]:
@@ -22,13 +23,6 @@ def step_task_seeds(cfg: TrainConfig, step: int) -> list[int]:
         pool = cfg.task_seeds
         return [pool[(step * n + j) % len(pool)] for j in range(n)]
     return [cfg.task_seed_start + step * n + j for j in range(n)]
-
-
-def eval_seeds(cfg: TrainConfig) -> list[int]:
-    """Held-out task seeds: the explicit list, else ``eval_episodes`` from ``eval_seed_start``."""
-    if cfg.eval_task_seeds:
-        return list(cfg.eval_task_seeds)
-    return [cfg.eval_seed_start + i for i in range(cfg.eval_episodes)]
 
 
 def run_plan(cfg: TrainRunConfig) -> dict[str, Any]:
@@ -41,9 +35,9 @@ def run_plan(cfg: TrainRunConfig) -> dict[str, Any]:
             "episodes per task": r.group_size,
             "budget per step": f"{r.budget} {r.budget_unit}" if r.budget else f"{t.tasks_per_step * r.group_size} leaves",
             "credit": f"{t.credit.name} {t.credit.model_dump(exclude={'name'}, exclude_unset=True) or ''}".strip(),
-            "trainable": t.trainable, "lr": t.lr,
-            "held-out episodes per eval": len(eval_seeds(t)), "out_dir": t.out_dir,
-            "trees saved per step": t.save_trees}
+            "trainable": t.trainable, "lr": t.optimizer.lr,
+            "held-out episodes per eval": len(held_out_seeds(t.evaluation)), "output dir": t.output.dir,
+            "trees saved per step": t.output.save_trees}
 
 
 def print_plan(console: Console, plan: dict[str, Any]) -> None:

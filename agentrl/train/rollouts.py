@@ -1,11 +1,11 @@
-"""Where a run's trees come from: a step's rollouts, the held-out evaluation, what the allocator did.
+"""Where a run's trees come from: a step's rollouts, what the allocator did, the trees saved.
 
 One job: the run's sampling side, as functions of the config. ``step_rollouts``
 grows step k's trees (one per task seed of step k, from fresh sampling streams);
-``evaluate`` plays the held-out task seeds, one greedy-or-not episode each;
 ``allocation_report`` folds a step's branching into the run summary; and
 ``save_trees`` writes the first trees of a step for the viewer. A
-``RolloutSource`` (an agent harness) replaces the native engine in the first two.
+``RolloutSource`` (an agent harness) replaces the native engine in
+``step_rollouts`` and in the held-out evaluation (``agentrl.evaluation``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from rich.console import Console
 from ..policy.base import request_seed
 from ..types import RolloutTree, write_trees
 from .config import TrainRunConfig
-from .plan import eval_seeds, step_task_seeds
+from .plan import step_task_seeds
 
-__all__ = ["CollectFn", "RolloutSource", "allocation_report", "evaluate", "save_trees", "step_rollouts"]
+__all__ = ["CollectFn", "RolloutSource", "allocation_report", "save_trees", "step_rollouts"]
 
 # (env id, policy, config, task seeds, on_episode_done=...) -> one tree per seed
 CollectFn = Callable[..., list[RolloutTree]]
@@ -39,30 +39,6 @@ class RolloutSource(Protocol):
                 on_episode_done: Callable[..., None] | None = None) -> list[RolloutTree]: ...
 
     def close(self) -> None: ...
-
-
-def evaluate(policy: Any, cfg: TrainRunConfig, on_episode_done: Callable | None = None,
-             collect_fn: Callable[..., list[RolloutTree]] | None = None) -> dict[str, Any]:
-    """Success and reward on ``eval_episodes`` held-out task seeds, one episode each.
-
-    ``collect_fn`` replaces ``agentrl.rollout.collect`` (a harness's rollouts).
-    """
-    from ..rollout import collect, summarize
-
-    t = cfg.train
-    ev = cfg.model_copy(deep=True)
-    ev.rollout.group_size = 1
-    ev.rollout.allocator, ev.rollout.budget = "independent", None
-    if t.eval_temperature is not None:
-        ev.sampling.temperature = t.eval_temperature
-    ev.env.kwargs = {**ev.env.kwargs, **t.eval_env_kwargs}
-    seeds = eval_seeds(t)
-    t0 = time.perf_counter()
-    trees = (collect_fn or collect)(ev.env.id, policy, ev, seeds, on_episode_done=on_episode_done)
-    s = summarize(trees, time.perf_counter() - t0)
-    return {"eval/success": s["success_rate"], "eval/reward": s["mean_reward"],
-            "eval/turns": s["mean_turns"], "eval/failed": s["failed_episodes"],
-            "time/eval_s": s["wall_s"], **_invalid(s, "eval")}
 
 
 def _invalid(summary: dict, prefix: str) -> dict[str, float]:
@@ -120,7 +96,7 @@ def allocation_report(name: str, summary: dict[str, Any], step: int, trees: list
 
 
 def save_trees(out: Path, n: int, step: int, trees: list[RolloutTree]) -> None:
-    """The step's first ``n`` trees (``train.save_trees``), as the viewer and ``agentrl tree`` read them.
+    """The step's first ``n`` trees (``train.output.save_trees``), as the viewer and ``agentrl tree`` read them.
 
     Written after the step's update, so each carries ``meta["token_values"]``:
     the per-token values the update used (``agentrl.train.token_values``).

@@ -136,16 +136,16 @@ def _sft(learner: Learner, start_bar: StartBar | None) -> dict[str, Any]:
     items = [(ep, [float(m) for m in ep.loss_mask]) for tree in trees for ep in tree.episodes()]
     samples = samples_from_credit(items)
     build_s = time.perf_counter() - t0
-    optimizer = make_optimizer(learner.model, s.lr, cfg.train)
+    optimizer = make_optimizer(learner.model, s.lr, cfg.train.optimizer)
     n_steps = s.epochs * math.ceil(len(samples) / s.minibatch_size)
-    scheduler = make_scheduler(optimizer, cfg.train, n_steps)
+    scheduler = make_scheduler(optimizer, cfg.train.optimizer, n_steps)
     advance = start_bar("sft", n_steps, "") if start_bar is not None else None
     nll_before = _mean_nll(learner, samples)
     t1 = time.perf_counter()
     st = train_on_samples(learner.model, optimizer, scheduler, samples, StepLoss(), fields=(),
                           epochs=s.epochs, minibatch_size=s.minibatch_size,
                           max_tokens=cfg.train.micro_batch_tokens,
-                          max_grad_norm=cfg.train.max_grad_norm, per_token=True,
+                          max_grad_norm=cfg.train.optimizer.max_grad_norm, per_token=True,
                           pad_id=learner.pad_id, temperature=1.0,
                           generator=torch.Generator().manual_seed(request_seed(cfg.train.seed, -1)),
                           on_minibatch=advance)

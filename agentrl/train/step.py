@@ -16,7 +16,7 @@ trees and its optimizer steps:
    pi_student)`` (``Distiller.advantage_term``);
 5. **the update**: ``epochs`` shuffled passes of minibatches, one AdamW step each
    (``batch.train_on_samples``), whose loop calls ``loss.row_loss`` on each row;
-6. **what it trained on**: the first ``train.save_trees`` trees get the
+6. **what it trained on**: the first ``train.output.save_trees`` trees get the
    per-token values the loss read (``token_values``), saved with them.
 
 Nothing here knows the run around it (``trainer``): it gets trees, a step
@@ -95,9 +95,9 @@ class Learner:
             from .distill import Distiller
             self.distiller = Distiller(t.distill, tok, self.device, t.steps, student=self.net,
                                        max_len=cfg.rollout.max_context_tokens + 2048)  # + a privileged prefix
-        self.optimizer = make_optimizer(self.model, t.lr, t)
+        self.optimizer = make_optimizer(self.model, t.optimizer.lr, t.optimizer)
         minibatches = math.ceil(t.tasks_per_step * cfg.rollout.group_size / t.minibatch_size)
-        self.scheduler = make_scheduler(self.optimizer, t, t.steps * t.epochs * minibatches)
+        self.scheduler = make_scheduler(self.optimizer, t.optimizer, t.steps * t.epochs * minibatches)
 
     def close(self) -> None:
         """Stop the teacher (a vLLM engine) and drop every model and optimizer reference."""
@@ -187,7 +187,7 @@ class Learner:
         t0 = time.perf_counter()
         st = train_on_samples(self.model, self.optimizer, self.scheduler, batch, loss, fields=fields,
                               epochs=t.epochs, minibatch_size=t.minibatch_size, max_tokens=t.micro_batch_tokens,
-                              max_grad_norm=t.max_grad_norm, per_token=t.loss.agg == "token-mean",
+                              max_grad_norm=t.optimizer.max_grad_norm, per_token=t.loss.agg == "token-mean",
                               pad_id=self.pad_id, temperature=self.temperature,
                               generator=torch.Generator().manual_seed(request_seed(t.seed, step, 1)),
                               on_minibatch=advance, tree=tree_layout)
@@ -238,9 +238,9 @@ class Learner:
         return samples, {id(ep) for ep, _ in items}, stats
 
     def _keep_token_values(self, groups: list[EpisodeGroup], samples: list[Sample], credited: set[int]) -> None:
-        """Put what the update read on the trees the run saves (``train.save_trees``), for the viewer."""
+        """Put what the update read on the trees the run saves (``train.output.save_trees``), for the viewer."""
         t = self.cfg.train
-        for g in groups[:t.save_trees]:
+        for g in groups[:t.output.save_trees]:
             g.tree.meta["token_values"] = token_values(g, samples, credited, t.credit.name)
 
     def _teacher_context(self, samples: list[Sample], groups: list[EpisodeGroup]) -> None:

@@ -9,8 +9,8 @@ step *is* the data position and a resumed run sees the same data):
 2. **learn**: ``step.Learner.learn``: credit, the scoring passes, distillation's
    advantage term and the optimizer steps (listed in ``agentrl.train.step``);
 3. **sync**: the policy gets the new weights (``model.sync_policy``);
-4. **eval** on held-out task seeds every ``eval_every`` steps, and
-   **checkpoint** every ``checkpoint_every`` steps.
+4. **eval** on held-out task seeds every ``evaluation.every`` steps
+   (``agentrl.evaluation``), and **checkpoint** every ``checkpointing.every`` steps.
 
 With ``train.asynchronous`` the rollouts of the next steps run in a producer
 thread, from a copy of the weights (a snapshot in this process, or the
@@ -32,6 +32,7 @@ import torch
 from rich.console import Console
 
 from ..errors import ConfigError
+from ..evaluation import evaluate_held_out, held_out_seeds
 from ..policy.snapshot import SnapshotPolicy
 from ..types import RolloutTree
 from .asynchronous import RolloutProducer
@@ -45,13 +46,12 @@ from .checkpoint import (
 from .config import TrainRunConfig
 from .metrics import MetricsLogger, PeakMemory, ProgressBars, plot_learning_curve
 from .model import sync_policy
-from .plan import eval_seeds, print_plan, run_plan, step_task_seeds
-from .rollouts import RolloutSource, allocation_report, evaluate, save_trees, step_rollouts
+from .plan import print_plan, run_plan, step_task_seeds
+from .rollouts import RolloutSource, allocation_report, save_trees, step_rollouts
 from .step import Learner, StartBar
 
 __all__ = [
     "Trainer",
-    "eval_seeds",
     "run_plan",
     "step_task_seeds",
     "train",
@@ -91,7 +91,7 @@ class Trainer:
         self.phase_rewards: dict[str, float] = {}  # mean reward of the same evaluations
         self.allocation: dict[str, Any] = {}  # what the allocator did, over the run's steps
         self.producer: RolloutProducer | None = None  # train.asynchronous: the rollouts ahead
-        self.out = Path(t.out_dir)
+        self.out = Path(t.output.dir)
         self._owns_policy = policy is None  # close() closes only a policy it made
 
     def close(self) -> None:
@@ -131,10 +131,10 @@ class Trainer:
             state["distill_turn_mass"] = lr.distiller.turn_mass
         return save_checkpoint(self.out, self.step, lr.model, lr.optimizer, lr.scheduler, state,
                                export_hf=export_hf, tokenizer=self.policy.tokenizer,
-                               keep=self.cfg.train.keep_checkpoints)
+                               keep=self.cfg.train.checkpointing.keep)
 
     def resume(self, path: str | Path | None = None) -> bool:
-        """Load the newest checkpoint under ``out_dir`` (or ``path``); False when there is none."""
+        """Load the newest checkpoint under ``train.output.dir`` (or ``path``); False when there is none."""
         path = path or latest_checkpoint(self.out)
         if path is None:
             return False
@@ -178,31 +178,32 @@ class Trainer:
         return distiller.depth_budget if distiller is not None else None
 
     def _eval(self, label: str, bars: ProgressBars) -> dict[str, Any]:
-        n = len(eval_seeds(self.cfg.train))
+        ev = self.cfg.train.evaluation
+        n = len(held_out_seeds(ev))
         if n == 0:
             return {}
         advance = bars.start("eval", n, label)
-        return evaluate(self.policy, self.cfg, on_episode_done=advance,
-                        collect_fn=self.rollouts.collect if self.rollouts else None)
+        return evaluate_held_out(self.policy, self.cfg, ev, on_episode_done=advance,
+                                 collect_fn=self.rollouts.collect if self.rollouts else None)
 
     def _phase(self, name: str, ev: dict[str, Any]) -> None:
         if "eval/success" in ev:
             self.phases[name] = ev["eval/success"]
             self.phase_rewards[name] = ev["eval/reward"]
             self.console.print(f"[bold]{name}[/]: held-out success {ev['eval/success']:.3f} "
-                               f"({len(eval_seeds(self.cfg.train))} episodes), "
+                               f"({len(held_out_seeds(self.cfg.train.evaluation))} episodes), "
                                f"reward {ev['eval/reward']:.3f}")
 
     def run(self, sft: Callable[[Learner, StartBar], dict[str, Any]] | None = None) -> dict[str, Any]:
         """Train to ``train.steps``; ``sft`` (the warm start) runs first unless already done."""
         t = self.cfg.train
         resumed = bool(self.step or self.phases)
-        log = MetricsLogger(self.out, tensorboard=t.tensorboard,
+        log = MetricsLogger(self.out, tensorboard=t.output.tensorboard,
                             resume_step=self.step if resumed else -1)
         mem = PeakMemory()  # each logged row carries its phase's (or step's) peak memory
         try:
             with ProgressBars(self.console, self.progress) as bars:
-                if "start" not in self.phases and t.eval_start:
+                if "start" not in self.phases and t.evaluation.start:
                     mem.start()
                     ev = self._eval("start", bars)
                     self._phase("start", ev)
@@ -242,7 +243,7 @@ class Trainer:
                     ev = self._eval("end", bars)
                     self._phase("end", ev)
             t0 = time.perf_counter()
-            final = self.save(export_hf=t.export_hf)
+            final = self.save(export_hf=t.checkpointing.export_hf)
             log.log(self.step, {"phase": "end", **ev, "time/checkpoint_s": time.perf_counter() - t0,
                                 **mem.read()})
         finally:
@@ -253,7 +254,7 @@ class Trainer:
                 self.rollouts.close()
             log.close()
         png = None
-        if t.plot:
+        if t.output.plot:
             png = plot_learning_curve(log.path, self.out / "learning_curve.png",
                                       title=f"{self.cfg.env.id} / {self.cfg.policy.model}")
         return {"phases": dict(self.phases), "phase_rewards": dict(self.phase_rewards),
@@ -274,7 +275,7 @@ class Trainer:
         try:
             stats.update(self.learner.learn(trees, k, bars.start))
         finally:  # after the update: with the values it used; a failed update's trees too
-            save_trees(self.out, t.save_trees, k + 1, trees)
+            save_trees(self.out, t.output.save_trees, k + 1, trees)
         t0 = time.perf_counter()
         sync_policy(self.policy, self.learner.model)
         if self.producer is not None:
@@ -282,9 +283,11 @@ class Trainer:
         stats["time/sync_s"] = time.perf_counter() - t0
         stats["policy/version"] = self.policy.version
         self.step = k + 1
-        if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
+        every = t.evaluation.every
+        if every and self.step % every == 0 and self.step < t.steps:
             stats.update(self._eval(f"step {self.step}", bars))
-        if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.steps:
+        every = t.checkpointing.every
+        if every and self.step % every == 0 and self.step < t.steps:
             t0 = time.perf_counter()
             self.save()
             stats["time/checkpoint_s"] = time.perf_counter() - t0
@@ -297,8 +300,8 @@ def train(cfg: TrainRunConfig, *, resume: bool = False, overwrite: bool = False,
           rollouts: Callable[[Any, TrainRunConfig], RolloutSource] | None = None) -> dict[str, Any]:
     """Run ``agentrl train``: optional SFT warm start, then the RL loop; returns a summary.
 
-    ``resume`` continues from the newest checkpoint in ``train.out_dir``. A
-    fresh run refuses an ``out_dir`` that holds checkpoints unless ``overwrite``,
+    ``resume`` continues from the newest checkpoint in ``train.output.dir``. A
+    fresh run refuses an output folder that holds checkpoints unless ``overwrite``,
     which removes the old run's checkpoints, TensorBoard events and saved trees.
     ``train.steps=0`` without SFT is a dry run: the model and the rollout source
     are made, the plan printed, and nothing is evaluated or written.
@@ -306,12 +309,12 @@ def train(cfg: TrainRunConfig, *, resume: bool = False, overwrite: bool = False,
     """
     from .sft import sft_phase
 
-    out = Path(cfg.train.out_dir)
+    out = Path(cfg.train.output.dir)
     warm = sft_phase if cfg.sft.episodes > 0 or cfg.sft.task_seeds else None
     dry = cfg.train.steps == 0 and warm is None
     if not dry and not resume and latest_checkpoint(out) is not None:
         if not overwrite:
-            raise ConfigError(f"train.out_dir={out} already holds checkpoints: pass --resume to "
+            raise ConfigError(f"train.output.dir={out} already holds checkpoints: pass --resume to "
                               "continue that run, or --overwrite to start over")
         for old in ("checkpoints", "tensorboard", "trees"):  # else TensorBoard and the viewer mix two runs
             shutil.rmtree(out / old, ignore_errors=True)

@@ -296,7 +296,7 @@ def _plot_divergence(runs: list[RunFacts], out: Path) -> tuple[str | None, list[
         elif kl := series(f.rows, "distill/reverse_kl"):
             ax.plot(*zip(*kl, strict=True), STYLES[k % 2], color=f"C{k}", label=f"{f.name}: per step")
             notes.append(f"{f.name}: per turn is not recorded (its saved trees carry no teacher log-probs: "
-                         "saved by an older trainer, or train.save_trees=0; no TurnOPD statistics); the "
+                         "saved by an older trainer, or train.output.save_trees=0; no TurnOPD statistics); the "
                          "plot shows distill/reverse_kl per step instead, x = step")
     if not ax.lines and not ax.patches:
         _plt().close(fig)

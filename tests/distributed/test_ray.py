@@ -208,9 +208,9 @@ def test_trainer_runs_on_env_and_rollout_workers(cluster, tmp_path):
         "rollout.max_turns=2", "rollout.group_size=4", "rollout.max_context_tokens=512",
         "rollout.env_executor=ray", "sampling.max_new_tokens=4", "train.credit=grpo",
         "train.loss.entropy_coef=0.01", "train.tasks_per_step=2", "train.minibatch_size=8",
-        "train.micro_batch_tokens=2048", "train.steps=2", "train.lr=1e-3", "train.eval_episodes=2",
-        "train.tensorboard=false", "train.export_hf=false", "train.plot=false",
-        f"train.out_dir={tmp_path}", "distributed.num_rollout_workers=2", *SMALL])
+        "train.micro_batch_tokens=2048", "train.steps=2", "train.optimizer.lr=1e-3", "train.evaluation.episodes=2",
+        "train.output.tensorboard=false", "train.checkpointing.export_hf=false", "train.output.plot=false",
+        f"train.output.dir={tmp_path}", "distributed.num_rollout_workers=2", *SMALL])
     train(cfg, progress=False)
     rl = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rl if r.get("phase") == "rl"]
@@ -421,9 +421,9 @@ def _ray_train_config(tmp_path: Any, *extra: str) -> Any:
         "rollout.max_turns=2", "rollout.group_size=4", "rollout.max_context_tokens=512",
         "sampling.max_new_tokens=4", "train.credit=grpo",
         "train.loss.entropy_coef=0.01", "train.tasks_per_step=2", "train.minibatch_size=8",
-        "train.micro_batch_tokens=2048", "train.steps=2", "train.lr=1e-3", "train.eval_episodes=2",
-        "train.tensorboard=false", "train.export_hf=false", "train.plot=false",
-        f"train.out_dir={tmp_path}", "distributed.num_rollout_workers=2", *SMALL, *extra])
+        "train.micro_batch_tokens=2048", "train.steps=2", "train.optimizer.lr=1e-3", "train.evaluation.episodes=2",
+        "train.output.tensorboard=false", "train.checkpointing.export_hf=false", "train.output.plot=false",
+        f"train.output.dir={tmp_path}", "distributed.num_rollout_workers=2", *SMALL, *extra])
 
 
 def _rl_rows(out: Any) -> list[dict[str, Any]]:
@@ -441,7 +441,7 @@ def test_training_goes_on_when_a_rollout_worker_and_an_env_worker_are_killed_mid
     from agentrl.train.trainer import train
 
     cfg = _ray_train_config(tmp_path, "rollout.env_executor=ray", "distributed.num_env_workers=1",
-                            "distributed.max_restarts=2", "train.eval_start=false")
+                            "distributed.max_restarts=2", "train.evaluation.start=false")
     policy = policy_for_run(cfg, trainable=True)
     env_worker = env_worker_pool(cfg).workers[0]
     routed: list[int] = []
@@ -475,7 +475,7 @@ def test_asynchronous_training_samples_on_rollout_workers(cluster, tmp_path):
     k=1 overlaps, with the staleness logged and every batch at most one version old."""
     from agentrl.train.trainer import train
 
-    det = ["rollout.deterministic=true", "train.eval_episodes=0"]
+    det = ["rollout.deterministic=true", "train.evaluation.episodes=0"]
     sync = train(_ray_train_config(tmp_path / "sync", *det), progress=False)
     k0 = train(_ray_train_config(tmp_path / "k0", *det, "train.asynchronous={max_batch_staleness: 0}"), progress=False)
     train(_ray_train_config(tmp_path / "k1", *det, "train.asynchronous={max_batch_staleness: 1, queue_size: 1}"),

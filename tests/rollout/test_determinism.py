@@ -50,8 +50,8 @@ BRANCHED = [
     "rollout.max_context_tokens=1024", "rollout.deterministic=true", "sampling.max_new_tokens=6",
     "sampling.temperature=1.0", "train.credit=grpo", "train.loss.entropy_coef=0.01",
     "train.tasks_per_step=2", "train.minibatch_size=4", "train.micro_batch_tokens=2048",
-    "train.steps=2", "train.lr=1e-3", "train.eval_episodes=2", "train.tensorboard=false",
-    "train.export_hf=false", "train.plot=false",
+    "train.steps=2", "train.optimizer.lr=1e-3", "train.evaluation.episodes=2", "train.output.tensorboard=false",
+    "train.checkpointing.export_hf=false", "train.output.plot=false",
 ]
 
 
@@ -262,7 +262,7 @@ def record_training(out_dir: str, *overrides: str) -> None:
     from agentrl.train.trainer import train
 
     torch.set_num_threads(1)
-    cfg = load_train_config(None, BRANCHED + [f"train.out_dir={out_dir}", *overrides])
+    cfg = load_train_config(None, BRANCHED + [f"train.output.dir={out_dir}", *overrides])
     path = Path(out_dir) / "trees.jsonl"
 
     class Recorder:

@@ -26,7 +26,7 @@ from tests.train.test_trainer import toy_config
 
 # Deterministic sampling: a row's logprobs do not depend on what the prefix cache holds, and
 # the snapshot's cache starts empty where the synchronous policy's holds the start eval's.
-FAST = ["rollout.deterministic=true", "train.plot=false", "train.save_trees=0", "train.eval_episodes=4"]
+FAST = ["rollout.deterministic=true", "train.output.plot=false", "train.output.save_trees=0", "train.evaluation.episodes=4"]
 
 
 def _async(k: int, queue_size: int = 1) -> str:
@@ -44,7 +44,7 @@ def _producer_threads() -> list[threading.Thread]:
 
 def test_k0_repeats_the_synchronous_run_exactly(tmp_path):
     torch.set_num_threads(1)
-    run = [*FAST, "train.steps=3", "train.eval_every=1", "train.checkpoint_every=1"]  # eval overlaps rollouts
+    run = [*FAST, "train.steps=3", "train.evaluation.every=1", "train.checkpointing.every=1"]  # eval overlaps rollouts
     sync = train(toy_config(tmp_path / "sync", *run), progress=False)
     asyn = train(toy_config(tmp_path / "async", *run, _async(0)), progress=False)
     assert asyn["phases"] == sync["phases"]
@@ -81,7 +81,7 @@ def test_k1_rolls_out_the_next_step_while_this_one_trains(tmp_path, monkeypatch)
 
     monkeypatch.setattr(Trainer, "rollout", gated_rollout)
     monkeypatch.setattr(Learner, "learn", gated_learn)
-    train(toy_config(tmp_path, *FAST, "train.steps=3", "train.eval_episodes=0", _async(1)), progress=False)
+    train(toy_config(tmp_path, *FAST, "train.steps=3", "train.evaluation.episodes=0", _async(1)), progress=False)
     assert events == [("rollout", 0), ("rollout", 1), ("learn", 0), ("rollout", 2), ("learn", 1), ("learn", 2)]
     assert all(isinstance(p, SnapshotPolicy) for p in samplers)  # never the trained model's policy
     rows = _rl_rows(tmp_path)
@@ -130,7 +130,7 @@ def test_a_stale_batch_is_dropped_and_replaced_without_waiting_for_a_sync(tmp_pa
     import agentrl.rollout
 
     torch.set_num_threads(1)
-    cfg = toy_config(tmp_path, *FAST, "train.steps=3", "train.eval_episodes=0", _async(0),
+    cfg = toy_config(tmp_path, *FAST, "train.steps=3", "train.evaluation.episodes=0", _async(0),
                      "train.asynchronous.batch_timeout_s=120")
     stale_seeds = step_task_seeds(cfg.train, 1)
     collect = agentrl.rollout.collect
@@ -247,7 +247,7 @@ def test_a_trainer_error_mid_run_ends_the_producer(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Learner, "learn", failing_learn)
     with pytest.raises(RuntimeError, match="boom in step 2"):
-        train(toy_config(tmp_path, *FAST, "train.steps=4", "train.eval_episodes=0", _async(1, 2)),
+        train(toy_config(tmp_path, *FAST, "train.steps=4", "train.evaluation.episodes=0", _async(1, 2)),
               progress=False)
     assert _producer_threads() == []
 
@@ -255,7 +255,7 @@ def test_a_trainer_error_mid_run_ends_the_producer(tmp_path, monkeypatch):
 def test_resume_with_async_starts_a_fresh_producer_and_repeats_the_run(tmp_path, monkeypatch):
     """k=0 is exact, so a run stopped in step 3 and resumed equals the uninterrupted one."""
     torch.set_num_threads(1)
-    run = [*FAST, "train.steps=4", "train.checkpoint_every=1", "train.eval_episodes=0", "train.lr=1e-3", _async(0)]
+    run = [*FAST, "train.steps=4", "train.checkpointing.every=1", "train.evaluation.episodes=0", "train.optimizer.lr=1e-3", _async(0)]
     train(toy_config(tmp_path / "straight", *run), progress=False)
     learn = Learner.learn
 

@@ -106,7 +106,7 @@ def _by_step(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in rows if r.get("phase") == "rl"}
 
 
-RUN = ["train.steps=4", "train.checkpoint_every=1", "train.eval_episodes=4", "train.lr=1e-3"]
+RUN = ["train.steps=4", "train.checkpointing.every=1", "train.evaluation.episodes=4", "train.optimizer.lr=1e-3"]
 
 
 def test_sigkill_mid_run_then_resume_repeats_the_uninterrupted_steps(tmp_path):
@@ -114,13 +114,13 @@ def test_sigkill_mid_run_then_resume_repeats_the_uninterrupted_steps(tmp_path):
     step-2 checkpoint, and steps 3 and 4 see the same data and loss as a run never interrupted."""
     torch.set_num_threads(1)
     straight = tmp_path / "straight"
-    train(toy_config(straight, *RUN, "train.export_hf=true"), progress=False)
+    train(toy_config(straight, *RUN, "train.checkpointing.export_hf=true"), progress=False)
 
     killed = tmp_path / "killed"
     mark = tmp_path / "stalled"
     cmd = [sys.executable, "-c", "import tests.train.test_trainer; from agentrl.train.cli import app; app()",
            "train", "--no-progress"]
-    for item in TOY + RUN + [f"train.out_dir={killed}"]:
+    for item in TOY + RUN + [f"train.output.dir={killed}"]:
         cmd += ["--set", item]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     stall = {"AGENTRL_TEST_STALL_SEED": "8", "AGENTRL_TEST_STALL_MARK": str(mark)}  # step 3's first task
@@ -153,7 +153,7 @@ def test_exported_checkpoint_loads_with_from_pretrained(tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    train(toy_config(out, "train.steps=1", "train.eval_episodes=0", "train.export_hf=true"),
+    train(toy_config(out, "train.steps=1", "train.evaluation.episodes=0", "train.checkpointing.export_hf=true"),
           progress=False)
     last = ck.latest_checkpoint(out)
     hf = AutoModelForCausalLM.from_pretrained(str(last / "hf"))
@@ -179,15 +179,15 @@ def test_sigkill_mid_branched_run_then_resume_repeats_the_uninterrupted_run_bit_
     from tests.rollout.test_determinism import BRANCHED  # registers agentrl/TestStallingALFWorld-v0
 
     torch.set_num_threads(1)
-    run = BRANCHED + ["env.id=agentrl/TestStallingALFWorld-v0", "train.steps=4", "train.checkpoint_every=1"]
+    run = BRANCHED + ["env.id=agentrl/TestStallingALFWorld-v0", "train.steps=4", "train.checkpointing.every=1"]
     straight = tmp_path / "straight"
-    train(load_train_config(None, run + [f"train.out_dir={straight}"]), progress=False)
+    train(load_train_config(None, run + [f"train.output.dir={straight}"]), progress=False)
 
     killed = tmp_path / "killed"
     mark = tmp_path / "stalled"
     cmd = [sys.executable, "-c", "import tests.rollout.test_determinism; from agentrl.train.cli import app; app()",
            "train", "--no-progress"]
-    for item in run + [f"train.out_dir={killed}"]:
+    for item in run + [f"train.output.dir={killed}"]:
         cmd += ["--set", item]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     stall = {"AGENTRL_TEST_STALL_SEED": "4", "AGENTRL_TEST_STALL_MARK": str(mark)}  # step 3's first task

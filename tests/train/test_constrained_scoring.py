@@ -119,10 +119,10 @@ def test_a_constrained_training_step_sees_no_sampler_trainer_mismatch(tmp_path, 
         "policy.model=tiny-random", "env.id=agentrl/ALFWorld-v0", "rollout.constrain=admissible",
         "rollout.max_turns=2", "rollout.group_size=2", "rollout.max_context_tokens=1024",
         "sampling.max_new_tokens=24", "sampling.temperature=1.0", "train.tasks_per_step=2",
-        "train.minibatch_size=2", "train.epochs=2", "train.steps=1", "train.eval_every=0",
-        "train.eval_episodes=0", "train.micro_batch_tokens=4096", "train.tensorboard=false",
-        "train.export_hf=false", "train.plot=false", "train.skip_zero_advantage=false",
-        f"train.out_dir={tmp_path}", *layout])
+        "train.minibatch_size=2", "train.epochs=2", "train.steps=1", "train.evaluation.every=0",
+        "train.evaluation.episodes=0", "train.micro_batch_tokens=4096", "train.output.tensorboard=false",
+        "train.checkpointing.export_hf=false", "train.output.plot=false", "train.skip_zero_advantage=false",
+        f"train.output.dir={tmp_path}", *layout])
     train(cfg, policy=HFPolicy(*load_model("tiny-random")), progress=False)
     row = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
            if json.loads(x).get("phase") == "rl"][-1]

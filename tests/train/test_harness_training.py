@@ -146,10 +146,10 @@ def test_cli_train_harness_trains_on_exactly_what_the_proxy_sampled(tmp_path, mo
     out = tmp_path / "run"
     sets = ["policy.model=tiny-random", "policy.backend=hf", "env.kwargs={high: 4, max_turns: 2}",
             "rollout.group_size=4", "rollout.max_context_tokens=512", "train.tasks_per_step=1",
-            "train.micro_batch_tokens=1024", "train.eval_task_seeds=[99]", "train.lr=1e-3",
+            "train.micro_batch_tokens=1024", "train.evaluation.task_seeds=[99]", "train.optimizer.lr=1e-3",
             "train.loss.entropy_coef=0.01",  # a gradient even if all rewards are equal
             "sampling.temperature=0.7", "sampling.max_new_tokens=6",
-            "train.tensorboard=false", "train.export_hf=false", "train.plot=false",
+            "train.output.tensorboard=false", "train.checkpointing.export_hf=false", "train.output.plot=false",
             "train.harness_env.REACT_MAX_TURNS=2"]
     app = typer.Typer()  # as the agentrl command composes it: the proxy hands in the harness rollouts
     register(app, harness_rollouts=harness_rollouts)

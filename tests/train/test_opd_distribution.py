@@ -139,7 +139,7 @@ def test_distribution_signals_refuse_what_cannot_carry_them(tmp_path):
     assert DistillConfig(teacher="expert", signal="forward_kl").signal == "forward_kl"  # DAgger
     with pytest.raises(ConfigError, match="tree_packing"):
         load_train_config(None, GUESS + ["train.distill={teacher: tiny-random, signal: lsm}",
-                                         "train.tree_packing=true", f"train.out_dir={tmp_path}"])
+                                         "train.tree_packing=true", f"train.output.dir={tmp_path}"])
 
 
 def test_a_privileged_self_teacher_with_a_top_k_signal_and_the_overlap_stop(tmp_path):

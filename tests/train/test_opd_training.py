@@ -25,8 +25,8 @@ from agentrl.train.trainer import Trainer
 
 GUESS = ["policy.model=tiny-random", "env.id=agentrl/GuessNumber-v0",
          "env.kwargs={high: 4, max_turns: 3}", "rollout.max_turns=3", "rollout.max_context_tokens=256",
-         "sampling.max_new_tokens=3", "train.micro_batch_tokens=2048", "train.eval_episodes=0",
-         "train.tensorboard=false", "train.plot=false", "train.export_hf=false"]
+         "sampling.max_new_tokens=3", "train.micro_batch_tokens=2048", "train.evaluation.episodes=0",
+         "train.output.tensorboard=false", "train.output.plot=false", "train.checkpointing.export_hf=false"]
 
 
 def distill_trainer(tmp_path, distill: str, steps: int = 1) -> Trainer:
@@ -34,7 +34,7 @@ def distill_trainer(tmp_path, distill: str, steps: int = 1) -> Trainer:
     torch.set_num_threads(1)
     return Trainer(load_train_config(None, GUESS + [
         "rollout.group_size=4", "train.tasks_per_step=2", f"train.steps={steps}", "train.minibatch_size=8",
-        f"train.distill={distill}", f"train.out_dir={tmp_path}"]), progress=False)
+        f"train.distill={distill}", f"train.output.dir={tmp_path}"]), progress=False)
 
 
 def first_step(tr: Trainer) -> tuple[list, dict]:
@@ -114,7 +114,7 @@ def sft_teacher(tmp_path_factory):
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("teacher")
     cfg = load_train_config(None, GUESS + ["sft.episodes=32", "sft.epochs=2", "sft.lr=1e-2",
-                                           "sft.minibatch_size=8", f"train.out_dir={out / 'run'}"])
+                                           "sft.minibatch_size=8", f"train.output.dir={out / 'run'}"])
     trainer = Trainer(cfg, progress=False)
     st = sft_phase(trainer.learner)
     assert st["sft/nll_after"] < st["sft/nll_before"] - 5  # the teacher really differs from the student
@@ -183,8 +183,8 @@ def opd_trainer(tmp_path, teacher: str, lr: float, steps: int, options: str = ""
     """GuessNumber at temperature 0.1, 4 tasks x 4 episodes a step, distillation the only signal."""
     return Trainer(load_train_config(None, GUESS + [
         "sampling.temperature=0.1", "rollout.group_size=4", "train.tasks_per_step=4",
-        "train.credit=none", f"train.distill={{teacher: {teacher}{options}}}", f"train.lr={lr}",
-        f"train.steps={steps}", "train.minibatch_size=16", f"train.out_dir={tmp_path}"]), progress=False)
+        "train.credit=none", f"train.distill={{teacher: {teacher}{options}}}", f"train.optimizer.lr={lr}",
+        f"train.steps={steps}", "train.minibatch_size=16", f"train.output.dir={tmp_path}"]), progress=False)
 
 
 def opd_run(tmp_path, teacher: str, lr: float, steps: int = 4, options: str = "") -> tuple[float, float, list[dict]]:
@@ -387,7 +387,7 @@ def test_an_expert_teacher_pushes_the_student_off_actions_the_expert_would_not_t
         cfg = load_train_config(None, GUESS + [
             "env.kwargs={high: 16, max_turns: 3}", "sampling.temperature=0.1", "rollout.group_size=4",
             "train.tasks_per_step=4", "train.credit=none", "train.distill={teacher: expert, weight: 0.1}",
-            f"train.lr={lr}", "train.steps=3", "train.minibatch_size=16", f"train.out_dir={tmp_path / str(lr)}"])
+            f"train.optimizer.lr={lr}", "train.steps=3", "train.minibatch_size=16", f"train.output.dir={tmp_path / str(lr)}"])
         tr = Trainer(cfg, progress=False)
         assert tr.cfg.rollout.record_expert_actions and not cfg.rollout.record_expert_actions
         trees = collect(cfg.env.id, tr.policy, tr.cfg, list(range(500, 504)))
@@ -474,9 +474,9 @@ def test_a_privileged_prefix_longer_than_the_micro_batch_still_scores(tmp_path):
     cfg = load_train_config(None, [
         "policy.model=tiny-random", "env.id=agentrl/GuessNumber-v0", "env.kwargs={high: 4, max_turns: 8}",
         "rollout.max_turns=8", "rollout.max_context_tokens=96", "sampling.max_new_tokens=3",
-        "train.micro_batch_tokens=96", "train.eval_episodes=0", "train.tensorboard=false", "train.plot=false",
-        "train.export_hf=false", "rollout.group_size=2", "train.tasks_per_step=2", "train.steps=1",
-        "train.distill={teacher: self, privileged: true}", f"train.out_dir={tmp_path}"])
+        "train.micro_batch_tokens=96", "train.evaluation.episodes=0", "train.output.tensorboard=false", "train.output.plot=false",
+        "train.checkpointing.export_hf=false", "rollout.group_size=2", "train.tasks_per_step=2", "train.steps=1",
+        "train.distill={teacher: self, privileged: true}", f"train.output.dir={tmp_path}"])
     tr = Trainer(cfg, progress=False)
     bars = ProgressBars(tr.console, False)
     trees, _ = tr.rollout(0, bars)
@@ -489,7 +489,7 @@ def test_harness_training_refuses_privileged_and_expert_teachers(tmp_path):
     for distill in ("{teacher: self, privileged: true}", "{teacher: expert}", "{teacher: oracle}"):
         with pytest.raises(ConfigError, match="need the native engine"):  # when the config loads
             load_train_config(None, GUESS + [f"train.distill={distill}", "train.harness=python agent.py",
-                                             f"train.out_dir={tmp_path}"])
+                                             f"train.output.dir={tmp_path}"])
 
 
 def test_tip_keeps_high_entropy_and_confidently_wrong_tokens(tokenizer):
@@ -606,9 +606,9 @@ def test_dagger_with_the_bisection_expert_teaches_guess_number(tmp_path):
     torch.set_num_threads(1)
     cfg = load_train_config(None, GUESS + [
         "sampling.temperature=1.0", "rollout.group_size=4", "train.tasks_per_step=4", "train.credit=none",
-        "train.distill={teacher: expert, signal: forward_kl}", "train.lr=5e-3", "train.steps=16",
-        "train.minibatch_size=4", "train.eval_episodes=16", "sampling.max_new_tokens=3",
-        "train.eval_temperature=0", f"train.out_dir={tmp_path}"])
+        "train.distill={teacher: expert, signal: forward_kl}", "train.optimizer.lr=5e-3", "train.steps=16",
+        "train.minibatch_size=4", "train.evaluation.episodes=16", "sampling.max_new_tokens=3",
+        "train.evaluation.temperature=0", f"train.output.dir={tmp_path}"])
     tr = Trainer(cfg, progress=False)
     summary = tr.run()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

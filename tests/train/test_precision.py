@@ -72,9 +72,9 @@ def test_the_sft_warm_start_runs_at_the_configured_precision(tmp_path, monkeypat
     torch.set_num_threads(1)
     seen = _record_passes(monkeypatch)
     cfg = load_train_config(None, GUESS + [
-        "policy.model=tiny-random", "train.eval_episodes=0", "train.micro_batch_tokens=2048",
-        "train.tensorboard=false", "train.plot=false", "train.export_hf=false", "sft.episodes=8",
-        "sft.minibatch_size=4", "train.steps=0", "train.precision=bf16", f"train.out_dir={tmp_path}"])
+        "policy.model=tiny-random", "train.evaluation.episodes=0", "train.micro_batch_tokens=2048",
+        "train.output.tensorboard=false", "train.output.plot=false", "train.checkpointing.export_hf=false", "sft.episodes=8",
+        "sft.minibatch_size=4", "train.steps=0", "train.precision=bf16", f"train.output.dir={tmp_path}"])
     train(cfg, progress=False)
     # 2 epochs of 2 minibatches (8 episodes, 4 a minibatch), all under bf16
     assert [on for grad, on in seen if grad] == [True] * 4

@@ -17,7 +17,7 @@ from agentrl.train.trainer import Trainer, train
 from tests.train.test_trainer import toy_config
 
 # A teacher (OPD) and a reference model (KL): every model a run may hold.
-HEAVY = ["train.steps=1", "train.eval_episodes=2", "train.plot=false", "train.save_trees=0",
+HEAVY = ["train.steps=1", "train.evaluation.episodes=2", "train.output.plot=false", "train.output.save_trees=0",
          "train.distill={teacher: tiny-random}", "train.loss.kl_coef=0.1"]
 
 

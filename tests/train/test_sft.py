@@ -48,8 +48,8 @@ def test_alfworld_expert_trees_mask_only_the_expert_commands(tokenizer):
         assert ep.nodes[-1].terminated and ep.nodes[-1].reward == 1.0
 
 
-SFT_RUN = GUESS + ["policy.model=tiny-random", "sampling.temperature=0", "train.eval_episodes=16",
-                   "train.micro_batch_tokens=2048", "train.tensorboard=false", "train.plot=false",
+SFT_RUN = GUESS + ["policy.model=tiny-random", "sampling.temperature=0", "train.evaluation.episodes=16",
+                   "train.micro_batch_tokens=2048", "train.output.tensorboard=false", "train.output.plot=false",
                    "sft.epochs=8", "sft.lr=5e-3", "sft.minibatch_size=8"]
 
 
@@ -90,7 +90,7 @@ def test_the_exported_model_wins_the_same_held_out_seeds_in_plain_transformers(s
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agentrl.env import make_env
-    from agentrl.train.trainer import eval_seeds
+    from agentrl.evaluation import held_out_seeds
 
     out, _ = sft_run
     cfg = load_train_config(None, SFT_RUN)
@@ -100,7 +100,7 @@ def test_the_exported_model_wins_the_same_held_out_seeds_in_plain_transformers(s
     model = AutoModelForCausalLM.from_pretrained(hf).eval()
     tok = AutoTokenizer.from_pretrained(hf)
     wins = []
-    for seed in eval_seeds(cfg.train):
+    for seed in held_out_seeds(cfg.train.evaluation):
         env = make_env(cfg.env.id, **cfg.env.kwargs)
         obs, _ = env.reset(seed=seed)
         messages = [{"role": "system", "content": cfg.rollout.system_prompt}, {"role": "user", "content": obs}]
@@ -121,7 +121,7 @@ def test_the_exported_model_wins_the_same_held_out_seeds_in_plain_transformers(s
     from agentrl.policy import make_policy
 
     ev = load_train_config(None, SFT_RUN + [f"policy.model={hf}", "rollout.group_size=1"])
-    trees = collect(ev.env.id, make_policy(ev.policy), ev, eval_seeds(ev.train))
+    trees = collect(ev.env.id, make_policy(ev.policy), ev, held_out_seeds(ev.train.evaluation))
     ours = [any(n.terminated and n.reward > 0 for n in t.nodes.values()) for t in trees]
     assert wins == ours
     assert sum(wins) / len(wins) == pytest.approx(reported)
@@ -136,8 +136,8 @@ def test_the_alfworld_example_trains_alfworld_through_the_train_command(tmp_path
     args = ["train", "--config", str(config), "--no-progress", "--out", str(tmp_path), "--steps", "1"]
     for item in ["policy.model=tiny-random", "sft.episodes=2", "sft.epochs=1", "rollout.group_size=2",
                  "sampling.max_new_tokens=2",
-                 "train.tasks_per_step=1", "train.eval_episodes=1", "train.eval_every=1",
-                 "train.tensorboard=false", "train.plot=false", "train.export_hf=false",
+                 "train.tasks_per_step=1", "train.evaluation.episodes=1", "train.evaluation.every=1",
+                 "train.output.tensorboard=false", "train.output.plot=false", "train.checkpointing.export_hf=false",
                  "train.skip_zero_advantage=false"]:
         args += ["--set", item]
     res = CliRunner().invoke(app, args)

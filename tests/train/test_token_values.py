@@ -21,7 +21,7 @@ from agentrl.viewer import CreditSpec, tree_payload
 GUESS = ["policy.model=tiny-random", "env.id=agentrl/GuessNumber-v0",
          "env.kwargs={high: 4, max_turns: 3}", "rollout.max_turns=3", "rollout.max_context_tokens=256",
          "sampling.max_new_tokens=3", "sampling.temperature=1.0", "train.micro_batch_tokens=2048",
-         "train.eval_episodes=0", "train.tensorboard=false", "train.plot=false", "train.export_hf=false",
+         "train.evaluation.episodes=0", "train.output.tensorboard=false", "train.output.plot=false", "train.checkpointing.export_hf=false",
          "train.tasks_per_step=2", "train.steps=1", "train.minibatch_size=8"]
 
 
@@ -29,7 +29,7 @@ def run_steps(tmp_path, monkeypatch, *overrides: str, steps: int = 1) -> tuple[d
     """``steps`` training steps; ({step: the trees as saved on disk}, {(step, tree, leaf): advantages
     the loss read on the episode's action tokens}, {"rows": the tree rows the loss read}, tree packing)."""
     torch.set_num_threads(1)
-    tr = Trainer(load_train_config(None, GUESS + [f"train.out_dir={tmp_path}", f"train.steps={steps}",
+    tr = Trainer(load_train_config(None, GUESS + [f"train.output.dir={tmp_path}", f"train.steps={steps}",
                                                   *overrides]), progress=False)
     where: dict[int, tuple[int, int, int]] = {}  # id(leaf node) -> (step, tree index, leaf id)
     learn = tr.learner.learn
@@ -169,7 +169,7 @@ def test_a_failed_update_still_saves_its_steps_trees(tmp_path):
     """The trees are written after the update, so that they carry its values; an update that
     raises must not take its step's trees with it (nothing is lost)."""
     torch.set_num_threads(1)
-    tr = Trainer(load_train_config(None, GUESS + [f"train.out_dir={tmp_path}"]), progress=False)
+    tr = Trainer(load_train_config(None, GUESS + [f"train.output.dir={tmp_path}"]), progress=False)
 
     def broken(trees: list, step: int, start_bar: Any) -> dict:
         raise RuntimeError("update failed")

@@ -13,13 +13,14 @@ import torch
 
 from agentrl.env import TextEnv, register_env
 from agentrl.errors import ConfigError
+from agentrl.evaluation import EvaluationConfig, held_out_seeds
 from agentrl.models import load_model
 from agentrl.policy import GenerateRequest, HFPolicy, SamplingParams
 from agentrl.train.batch import Sample, samples_from_credit, train_on_samples
-from agentrl.train.config import TrainConfig, TrainRunConfig, load_train_config
+from agentrl.train.config import OptimizerConfig, TrainConfig, TrainRunConfig, load_train_config
 from agentrl.train.loss import PolicyLossConfig, StepLoss
 from agentrl.train.model import make_scheduler, make_trainable, sync_policy
-from agentrl.train.trainer import eval_seeds, step_task_seeds, train
+from agentrl.train.trainer import step_task_seeds, train
 from agentrl.types import Episode, Node
 
 
@@ -52,13 +53,13 @@ TOY = [
     "policy.model=tiny-random", "env.id=agentrl/TestLetter-v0", "rollout.max_turns=1",
     "rollout.group_size=8", "rollout.max_context_tokens=128", "sampling.max_new_tokens=2",
     "sampling.temperature=0.1", "train.tasks_per_step=4", "train.minibatch_size=16",
-    "train.micro_batch_tokens=1024", "train.eval_episodes=32", "train.tensorboard=false",
-    "train.export_hf=false", "train.lr=1e-2",
+    "train.micro_batch_tokens=1024", "train.evaluation.episodes=32", "train.output.tensorboard=false",
+    "train.checkpointing.export_hf=false", "train.optimizer.lr=1e-2",
 ]
 
 
 def toy_config(out_dir: Path, *overrides: str) -> TrainRunConfig:
-    return load_train_config(None, TOY + [f"train.out_dir={out_dir}", *overrides])
+    return load_train_config(None, TOY + [f"train.output.dir={out_dir}", *overrides])
 
 
 def _rows(path: Path) -> list[dict]:
@@ -71,7 +72,7 @@ def _rows(path: Path) -> list[dict]:
 def test_grpo_raises_held_out_success_where_lr_zero_does_not(tmp_path):
     torch.set_num_threads(1)
     trained = train(toy_config(tmp_path / "lr", "train.steps=4"), progress=False)
-    frozen = train(toy_config(tmp_path / "lr0", "train.steps=4", "train.lr=0"), progress=False)
+    frozen = train(toy_config(tmp_path / "lr0", "train.steps=4", "train.optimizer.lr=0"), progress=False)
     before = trained["phases"]["start"]
     assert frozen["phases"]["start"] == before  # same model, same held-out seeds and streams
     assert 0.2 <= before <= 0.8  # the task is neither solved nor hopeless at the start
@@ -111,8 +112,8 @@ def test_step_task_seeds_is_the_data_position():
     assert step_task_seeds(cfg, 2) == [16, 17, 18]
     pool = TrainConfig(tasks_per_step=2, task_seeds=[5, 7, 9])
     assert [step_task_seeds(pool, k) for k in range(3)] == [[5, 7], [9, 5], [7, 9]]
-    assert eval_seeds(TrainConfig(eval_episodes=2, eval_seed_start=100)) == [100, 101]
-    assert eval_seeds(TrainConfig(eval_task_seeds=[3, 5])) == [3, 5]
+    assert held_out_seeds(EvaluationConfig(episodes=2, seed_start=100)) == [100, 101]
+    assert held_out_seeds(EvaluationConfig(task_seeds=[3, 5])) == [3, 5]
 
 
 def _episode(ids: list[int], action: list[int]) -> Episode:
@@ -133,7 +134,7 @@ def test_samples_skip_zero_advantage_episodes_only_when_asked():
 def test_scheduler_warms_up_then_decays_to_zero():
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.AdamW([p], lr=1.0)
-    sched = make_scheduler(opt, TrainConfig(warmup_steps=2, lr_schedule="linear"), total_steps=6)
+    sched = make_scheduler(opt, OptimizerConfig(warmup_steps=2, lr_schedule="linear"), total_steps=6)
     lrs = []
     for _ in range(6):
         lrs.append(sched.get_last_lr()[0])
@@ -221,8 +222,8 @@ def test_episode_longer_than_a_micro_batch_is_a_config_error(tmp_path):
 
 
 def test_bad_train_key_names_its_path():
-    with pytest.raises(ConfigError, match="train.lr"):
-        load_train_config(None, ["train.lr=-1"])
+    with pytest.raises(ConfigError, match="train.optimizer.lr"):
+        load_train_config(None, ["train.optimizer.lr=-1"])
     with pytest.raises(ConfigError, match="train.nope: unknown key"):
         load_train_config(None, ["train.nope=1"])
 
@@ -246,7 +247,7 @@ def test_one_update_per_batch_skips_the_scoring_pass_and_trains_the_same(tmp_pat
     from agentrl.train.step import Learner
 
     torch.set_num_threads(1)
-    args = ("train.steps=1", "train.minibatch_size=64", "train.eval_every=0", "train.eval_episodes=0",
+    args = ("train.steps=1", "train.minibatch_size=64", "train.evaluation.every=0", "train.evaluation.episodes=0",
             "train.skip_zero_advantage=false")
     policies = [HFPolicy(*load_model("tiny-random")) for _ in range(2)]
     fast = train(toy_config(tmp_path / "fast", *args), policy=policies[0], progress=False)
@@ -327,8 +328,8 @@ def test_lora_training_raises_held_out_success(tmp_path):
     """The same toy task as the GRPO test, trained through peft adapters only."""
     pytest.importorskip("peft", reason="trainable=lora needs peft (pip install peft)")
     torch.set_num_threads(1)
-    lora = ("train.trainable=lora", "train.lora={r: 8, alpha: 16}", "train.steps=8", "train.lr=1e-1",
-            "train.eval_episodes=128", "train.export_hf=true")
+    lora = ("train.trainable=lora", "train.lora={r: 8, alpha: 16}", "train.steps=8", "train.optimizer.lr=1e-1",
+            "train.evaluation.episodes=128", "train.checkpointing.export_hf=true")
     trained = train(toy_config(tmp_path / "lora", *lora), progress=False)
     start, end = trained["phases"]["start"], trained["phases"]["end"]
     print(f"lora: held-out success {start:.3f} -> {end:.3f}")
@@ -377,7 +378,7 @@ def test_kl_to_the_reference_holds_the_policy_near_its_start(tmp_path, trainable
     for coef in (0.0, penalty):
         policy = HFPolicy(*load_model("tiny-random"))
         args = (f"train.steps={steps}", f"train.trainable={trainable}", f"train.loss={{kl_coef: {coef}}}",
-                "train.eval_episodes=0", "train.minibatch_size=64", f"train.lr={lr}")
+                "train.evaluation.episodes=0", "train.minibatch_size=64", f"train.optimizer.lr={lr}")
         train(toy_config(tmp_path / f"kl{coef}", *args), policy=policy, progress=False)
         p = first_token_logp(policy.model)
         kls[coef] = float((p.exp() * (p - p0)).sum(-1).mean())
@@ -491,7 +492,7 @@ def test_an_m2po_step_runs_its_no_grad_pass_once_a_minibatch(tmp_path):
     """M2PO's second moment needs every token's current logprob before any row's loss: one no-grad
     pass over each minibatch, so the tokens run are twice those of the same step without M2PO."""
     torch.set_num_threads(1)
-    args = ("train.steps=1", "train.minibatch_size=8", "train.eval_episodes=0", "train.skip_zero_advantage=false")
+    args = ("train.steps=1", "train.minibatch_size=8", "train.evaluation.episodes=0", "train.skip_zero_advantage=false")
     runs = {}
     for name, loss in (("ppo", "{}"), ("m2po", "{m2po_tau: 0.04}")):
         train(toy_config(tmp_path / name, *args, f"train.loss={loss}"), policy=HFPolicy(*load_model("tiny-random")),
@@ -516,7 +517,7 @@ class NeverEnv(LetterEnv):
 
 register_env("agentrl/TestNever-v0", entry_point=NeverEnv)
 
-SHORT = ["train.tasks_per_step=2", "rollout.group_size=4", "train.eval_episodes=4"]
+SHORT = ["train.tasks_per_step=2", "rollout.group_size=4", "train.evaluation.episodes=4"]
 
 
 def _console() -> tuple[object, object]:
@@ -532,7 +533,7 @@ def _console() -> tuple[object, object]:
 def short_run(tmp_path_factory):
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("short")
-    summary = train(toy_config(out, *SHORT, "train.steps=2", "train.save_trees=1"), progress=False)
+    summary = train(toy_config(out, *SHORT, "train.steps=2", "train.output.save_trees=1"), progress=False)
     return out, summary
 
 
@@ -553,7 +554,7 @@ def test_each_step_saves_its_trees_and_agentrl_tree_reads_the_run(short_run):
 
     out, summary = short_run
     for step in (1, 2):
-        assert len(read_trees(out / "trees" / f"step-{step:06d}.jsonl")) == 1  # train.save_trees=1
+        assert len(read_trees(out / "trees" / f"step-{step:06d}.jsonl")) == 1  # train.output.save_trees=1
     res = CliRunner().invoke(app, ["tree", str(out), "--step", "2", "--text"])
     assert res.exit_code == 0, res.output
     assert "env=agentrl/TestLetter-v0" in res.output and "instruction: 'Task 2:" in res.output
@@ -565,7 +566,7 @@ def test_each_step_saves_its_trees_and_agentrl_tree_reads_the_run(short_run):
 def test_a_step_without_signal_warns_and_overwrite_clears_the_old_run(tmp_path):
     torch.set_num_threads(1)
     cfg = toy_config(tmp_path, *SHORT, "env.id=agentrl/TestNever-v0", "train.steps=1",
-                     "train.eval_episodes=0", "train.tensorboard=true")
+                     "train.evaluation.episodes=0", "train.output.tensorboard=true")
     train(cfg, progress=False, console=_console()[0])
     stale = tmp_path / "tensorboard" / "events.out.tfevents.stale"
     stale.parent.mkdir(exist_ok=True)
@@ -588,7 +589,7 @@ def test_zero_steps_is_a_dry_run_that_writes_nothing(tmp_path):
 
 def test_a_tree_allocator_that_makes_no_branch_warns_and_in_turn_forks_branch(tmp_path):
     torch.set_num_threads(1)
-    key_state = [*SHORT, "train.steps=1", "train.eval_episodes=0", "rollout.allocator.name=key_state",
+    key_state = [*SHORT, "train.steps=1", "train.evaluation.episodes=0", "rollout.allocator.name=key_state",
                  "rollout.allocator.top1_threshold=1.0"]  # every turn is a key state
     console, buf = _console()
     summary = train(toy_config(tmp_path / "turn", *key_state), progress=False, console=console)
@@ -725,7 +726,7 @@ def test_the_trainer_logs_the_invalid_action_fraction_for_envs_that_report_it(tm
     torch.set_num_threads(1)
     cfg = toy_config(tmp_path / "alf", "env.id=agentrl/ALFWorld-v0", "env.kwargs.max_steps=2",
                      "rollout.max_turns=2", "rollout.max_context_tokens=1024", "rollout.group_size=2",
-                     "train.tasks_per_step=2", "train.eval_episodes=2", "train.steps=1",
+                     "train.tasks_per_step=2", "train.evaluation.episodes=2", "train.steps=1",
                      "sampling.max_new_tokens=4")
     train(cfg, progress=False)
     rows = _rows(tmp_path / "alf" / "metrics.jsonl")
@@ -737,5 +738,5 @@ def test_the_trainer_logs_the_invalid_action_fraction_for_envs_that_report_it(tm
     assert len(nodes) >= 4 and rl["rollout/invalid_action_frac"] == pytest.approx(invalid_action_frac(nodes))
     assert 0.0 <= next(r for r in rows if r["phase"] == "end")["eval/invalid_action_frac"] <= 1.0
 
-    train(toy_config(tmp_path / "letter", "train.steps=1", "train.eval_episodes=2"), progress=False)
+    train(toy_config(tmp_path / "letter", "train.steps=1", "train.evaluation.episodes=2"), progress=False)
     assert not any(k.endswith("invalid_action_frac") for r in _rows(tmp_path / "letter" / "metrics.jsonl") for k in r)

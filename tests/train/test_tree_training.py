@@ -33,13 +33,13 @@ BASE = [
     "policy.model=tiny-random", "env.id=agentrl/TestLetterTurns-v0", "rollout.max_turns=3",
     "rollout.group_size=4", "rollout.max_context_tokens=256", "sampling.max_new_tokens=3",
     "sampling.temperature=1.0", "train.tasks_per_step=2", "train.credit=tree",
-    "train.minibatch_size=16", "train.micro_batch_tokens=2048", "train.eval_episodes=0",
-    "train.tensorboard=false", "train.export_hf=false", "train.plot=false", "train.lr=1e-3",
+    "train.minibatch_size=16", "train.micro_batch_tokens=2048", "train.evaluation.episodes=0",
+    "train.output.tensorboard=false", "train.checkpointing.export_hf=false", "train.output.plot=false", "train.optimizer.lr=1e-3",
 ]
 
 
 def tree_trainer(tmp_path, *overrides: str) -> Trainer:
-    cfg = load_train_config(None, BASE + [f"train.out_dir={tmp_path}", *overrides])
+    cfg = load_train_config(None, BASE + [f"train.output.dir={tmp_path}", *overrides])
     return Trainer(cfg, progress=False)
 
 

@@ -57,7 +57,7 @@ def test_a_cut_episode_keeps_the_context_its_next_turn_would_have_read(tmp_path)
     torch.set_num_threads(1)
     cfg = load_train_config(None, GUESS + [
         "env.kwargs={high: 16, max_turns: 6}", "rollout.max_turns=2", "rollout.group_size=2",
-        "train.tasks_per_step=2", "train.credit=gae", "train.value_head={}", f"train.out_dir={tmp_path}"])
+        "train.tasks_per_step=2", "train.credit=gae", "train.value_head={}", f"train.output.dir={tmp_path}"])
     tr = Trainer(cfg, progress=False)
     assert tr.cfg.rollout.record_next_context  # the trainer asks the engine for it
     bars = ProgressBars(tr.console, False)
@@ -91,7 +91,7 @@ def test_gae_with_the_head_trains_refits_and_resumes(tmp_path):
     cfg = load_train_config(None, GUESS + [
         "rollout.group_size=4", "train.tasks_per_step=2", "train.steps=2", "train.minibatch_size=8",
         "train.credit={name: gae, gamma: 0.9, lam: 0.95}", "train.value_head={mix: 1.0}",
-        f"train.out_dir={tmp_path}"])
+        f"train.output.dir={tmp_path}"])
     tr = Trainer(cfg, progress=False)
     bars = ProgressBars(tr.console, False)
     trees, _ = tr.rollout(0, bars)

@@ -33,16 +33,16 @@ CONFIG: dict[str, Any] = {
     # a short SFT on the expert first, so that the random model guesses numbers and some episodes win
     "sft": {"episodes": 32, "epochs": 30, "lr": 1e-2, "minibatch_size": 16},
     "train": {"steps": 2, "tasks_per_step": 2, "task_seeds": [3, 5], "credit": "tree",
-              "distill": {"teacher": "expert", "weight": 0.5}, "minibatch_size": 8, "lr": 1e-3,
-              "micro_batch_tokens": 2048, "eval_episodes": 2, "export_hf": False,
-              "tensorboard": False, "plot": False},
+              "distill": {"teacher": "expert", "weight": 0.5}, "minibatch_size": 8,
+              "optimizer": {"lr": 1e-3}, "micro_batch_tokens": 2048, "evaluation": {"episodes": 2},
+              "checkpointing": {"export_hf": False}, "output": {"tensorboard": False, "plot": False}},
 }
 
 
 def record(out: Path) -> Path:
     if out.exists():
         shutil.rmtree(out)
-    cfg = TrainRunConfig.model_validate({**CONFIG, "train": {**CONFIG["train"], "out_dir": str(out)}})
+    cfg = TrainRunConfig.model_validate({**CONFIG, "train": {**CONFIG["train"], "output": {**CONFIG["train"]["output"], "dir": str(out)}}})
     trainer = Trainer(cfg, console=Console(quiet=True), progress=False)
     from agentrl.train.sft import sft_phase
 

@@ -1,0 +1,114 @@
+"""``agentrl eval``: the command over ``agentrl.evaluation.evaluate_split``, its table and output.
+
+    agentrl eval --env agentrl/ALFWorldReal-v0 --split valid_unseen --model PATH [--backend vllm]
+    agentrl eval --env agentrl/WebShopReal-v0 --split test --model PATH --set env.kwargs.data_dir=...
+    agentrl eval --env agentrl/ALFWorld-v0 --split valid_unseen --episodes 200 --model smollm2-135m
+    agentrl eval --env ... --k 8 --samples 16 --temperature 0.7        (pass@8 from 16 samples a task)
+
+``--split`` takes several splits, comma separated, and gives one report each.
+Greedy decoding by default (temperature 0, one sample a task); ``--k K``
+samples ``--samples N`` (default K) episodes a task at ``--temperature``
+(default: the config's). What runs and what the rows mean is in
+``agentrl.evaluation``. Output: a table on the terminal, and ``summary.json``
+(the reports) with ``trajectories.jsonl`` (every tree) in ``--out``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import AgentRLError
+from .evaluation import EvalReport, evaluate_split
+
+__all__ = ["eval_command", "format_report", "register"]
+
+def format_report(report: EvalReport, title: str = "") -> Table:
+    """The report as a rich table: one row per family and All, rates in percent."""
+    table = Table(title=title or f"{report.env} {report.split or ''} (k={report.k}, samples={report.samples})")
+    cols = ["family", "tasks", "success %"] + ([f"pass@{report.k} %"] if report.k > 1 else [])
+    cols += ["score", "errors"]
+    for col in cols:
+        table.add_column(col, justify="left" if col == "family" else "right")
+    for r in report.rows:
+        cells = [r.label, str(r.tasks), f"{100 * r.success:.1f}"]
+        cells += [f"{100 * r.pass_at_k:.1f}"] if report.k > 1 else []
+        cells += [f"{100 * r.score:.1f}", str(r.errors)]
+        table.add_row(*cells)
+    return table
+
+
+console = Console()
+
+
+def eval_command(
+    env: Annotated[str, typer.Option(help="Env id, e.g. agentrl/ALFWorldReal-v0.")],
+    split: Annotated[str | None, typer.Option(help="Split(s), comma separated, passed as the env's split.")] = None,
+    model: Annotated[str | None, typer.Option(help="Model name or folder (policy.model).")] = None,
+    backend: Annotated[str | None, typer.Option(help="hf, vllm, openai or mock (policy.backend).")] = None,
+    k: Annotated[int, typer.Option(help="pass@k; 1 with one sample is greedy evaluation.")] = 1,
+    samples: Annotated[int | None, typer.Option(help="Episodes per task (>= k; default k).")] = None,
+    temperature: Annotated[float | None, typer.Option(
+        help="Sampling temperature; default 0 (greedy) for one sample, else sampling.temperature.")] = None,
+    limit: Annotated[int | None, typer.Option(help="Only the first N tasks of the split.")] = None,
+    episodes: Annotated[int | None, typer.Option(
+        help="Tasks of an env that does not say how many its split holds (rollout.episodes).")] = None,
+    config: Annotated[Path | None, typer.Option(help="YAML config file.")] = None,
+    out: Annotated[str, typer.Option(help="Output folder: summary.json and trajectories.jsonl.")] = "runs/eval",
+    set_: Annotated[list[str] | None, typer.Option("--set", help="key.path=value override.")] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Evaluate a model over a whole split: success per task family and overall, as the papers report."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from .config import load_config
+    from .distributed import placement
+    from .env import resolve_env_id
+    from .policy.for_run import open_policy
+    from .policy.registry import resolve_backend
+    from .rollout import write_run
+
+    flags = {"policy.model": model, "policy.backend": backend, "rollout.episodes": episodes}
+    overrides = [f"{key}={v}" for key, v in flags.items() if v is not None] + list(set_ or [])
+    try:
+        cfg = load_config(config, overrides)
+        env_id = resolve_env_id(env, cfg.env.imports)
+        if temperature is not None:
+            cfg.sampling.temperature = temperature
+        elif (samples or k) == 1:
+            cfg.sampling.temperature = 0.0
+        picked, why = resolve_backend(cfg.policy.backend)
+        cfg.policy.backend = picked
+        console.print(f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{picked}[/] ({why})"
+                      f"{placement(cfg)}")
+        reports, all_trees = [], []
+        with open_policy(cfg) as policy:
+            for one in (split.split(",") if split else [None]):
+                one = one.strip() if one else None
+                with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                              TimeElapsedColumn(), console=console, disable=not progress) as bar:
+                    task = bar.add_task(f"{env_id} {one or ''}", total=None)
+                    report, trees = evaluate_split(
+                        env_id, policy, cfg, one, k, samples, limit,
+                        on_episode_done=lambda _t, task=task: bar.advance(task),
+                        on_start=lambda total, task=task: bar.update(task, total=total))
+                reports.append(report)
+                all_trees += trees
+                console.print(format_report(report))
+            worker_stats = dict(getattr(policy, "stats", {}))  # rollout workers: deaths, retries
+    except AgentRLError as e:
+        console.print(f"[bold red]error:[/] {e}", highlight=False)
+        raise typer.Exit(code=2) from None
+    summary = {"env": env_id, "model": cfg.policy.model, "backend": cfg.policy.backend, **worker_stats,
+               "reports": [r.to_dict() for r in reports]}
+    path = write_run(out, all_trees, summary)
+    console.print(f"wrote {path / 'summary.json'} and {path / 'trajectories.jsonl'}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``eval`` to the main ``agentrl`` command."""
+    app.command("eval")(eval_command)
