@@ -482,9 +482,11 @@ def _apply_moving_old_paths(data: dict[str, Any], overrides: list[str],
             raise ConfigError(f"{old} is the old place of {new}: give only {new}")
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                schema: type[C] = Config) -> C:  # type: ignore[assignment]
+                schema: type[C] = Config, ignore: tuple[str, ...] = ()) -> C:  # type: ignore[assignment]
     """Read YAML (if given), apply overrides, validate against ``schema`` (a ``Config``
-    subclass adds sections, as the trainer's does). Raises ``ConfigError``."""
+    subclass adds sections, as the trainer's does). ``ignore``: top-level sections of other
+    commands, dropped unread (``agentrl eval`` and ``rollout`` read a train config's run
+    sections, not its ``train`` and ``sft``), so one file serves every command. Raises ``ConfigError``."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -496,6 +498,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = loaded or {}
     data = schema.upgrade_old_keys(data)
     _apply_moving_old_paths(data, overrides or [], schema.old_paths)
+    for section in ignore:
+        data.pop(section, None)
     try:
         return schema.model_validate(data)
     except ValidationError as e:
