@@ -189,7 +189,8 @@ class RolloutConfig(_Strict):
         "samples only replies that spell one of them, then end the turn (a token trie, "
         "agentrl.policy.constrain); each turn records its list (Node.admissible) and the trainer "
         "scores under the same mask, so log-probs, entropies and KL are of the constrained "
-        "distribution. Turns without a list sample freely. Needs policy.backend hf or vllm.")
+        "distribution. Turns without a list (or an empty one) sample freely; sampling.stop applies "
+        "to those only (it could only cut an action). Needs policy.backend hf or vllm.")
     out_dir: str = Field("runs/rollout", description="Where trajectories and the summary go.")
     template_check_every: int = Field(
         8, ge=0, description="Compare the context with a full template re-render on the first two "
