@@ -286,6 +286,12 @@ class Config(_Strict):
         their new ones, before ``--set`` applies."""
         return upgrade_old_paths(data, cls.old_paths)
 
+    @classmethod
+    def upgrade_old_override(cls, key: str, data: dict[str, Any]) -> str:
+        """The key of a ``--set`` that names an old key ``old_paths`` cannot move alone (one
+        folded into a mapping), as today's, given the file's ``data`` (upgraded); else ``key``."""
+        return key
+
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
@@ -459,16 +465,17 @@ def _at_path(data: dict[str, Any], dotted: str) -> Any:
     return cur
 
 
-def _apply_moving_old_paths(data: dict[str, Any], overrides: list[str],
-                            old_paths: dict[str, str]) -> None:
-    """``apply_overrides``, with each key at or below an old path of ``old_paths`` moved to its
-    new path first, with a ``FutureWarning``, so that ``--set train.lr=...`` replaces a file's
-    ``train.optimizer.lr``. An old and a new path of one key both set here is an error."""
+def _apply_moving_old_paths(data: dict[str, Any], overrides: list[str], schema: type[Config]) -> None:
+    """``apply_overrides``, with each key at or below an old path of ``schema.old_paths`` moved
+    to its new path first, with a ``FutureWarning``, so that ``--set train.lr=...`` replaces a
+    file's ``train.optimizer.lr``. An old and a new path of one key both set here is an error."""
+    old_paths = schema.old_paths
     moved: dict[str, str] = {}
     given: set[str] = set()
     for item in overrides:
         key, sep, raw = item.partition("=")
-        key = key.strip()
+        key = schema.upgrade_old_override(key.strip(), data)
+        item = f"{key}{sep}{raw}" if sep else item
         old = next((o for o in old_paths if key == o or key.startswith(o + ".")), None)
         parent = old_paths[old].rsplit(".", 1)[0] if old else ""
         if old and not (_has_path(data, parent) and not isinstance(_at_path(data, parent), dict)):
@@ -481,6 +488,7 @@ def _apply_moving_old_paths(data: dict[str, Any], overrides: list[str],
     for new, old in moved.items():
         if new in given:
             raise ConfigError(f"{old} is the old place of {new}: give only {new}")
+
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 schema: type[C] = Config, ignore: tuple[str, ...] = ()) -> C:  # type: ignore[assignment]
@@ -498,7 +506,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
         data = loaded or {}
     data = schema.upgrade_old_keys(data)
-    _apply_moving_old_paths(data, overrides or [], schema.old_paths)
+    _apply_moving_old_paths(data, overrides or [], schema)
     for section in ignore:
         data.pop(section, None)
     try:

@@ -315,6 +315,19 @@ class TrainRunConfig(Config):
                 pass  # both forms given: the validator names them
         return super().upgrade_old_keys(data)
 
+    @classmethod
+    def upgrade_old_override(cls, key: str, data: dict[str, Any]) -> str:
+        """``train.credit_options.K`` as ``train.credit.K`` where ``train.credit`` is already a
+        mapping (a recipe's ``{name: ..., ...}``, which the old form cannot sit beside); else
+        the validator folds it, with whatever ``train.credit`` ends up naming."""
+        credit = (data.get("train") or {}).get("credit") if isinstance(data.get("train"), dict) else None
+        if not key.startswith("train.credit_options.") or not isinstance(credit, dict):
+            return key
+        warnings.warn("train.credit_options is deprecated and will be removed in the next release: "
+                      f"use train.credit: {{name: {credit.get('name')}, <option>: <value>}}",
+                      FutureWarning, stacklevel=4)
+        return "train.credit." + key.removeprefix("train.credit_options.")
+
     @model_validator(mode="after")
     def _check_sections(self) -> TrainRunConfig:
         if self.train.micro_batch_tokens < self.rollout.max_context_tokens:

@@ -114,3 +114,20 @@ def test_set_on_a_renamed_staleness_key_replaces_the_files_new_name(tmp_path):
     with pytest.warns(FutureWarning, match=r"use train\.loss\.max_token_staleness"):
         cfg = load_train_config(path, ["train.loss.max_staleness=2"])
     assert cfg.train.loss.max_token_staleness == 2
+
+
+def test_set_on_an_old_credit_option_sets_the_option_of_a_recipes_credit_mapping(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"train": {"credit": {"name": "gigpo", "gamma": 0.95, "omega": 0.5}}}))
+    with pytest.warns(FutureWarning, match=r"train.credit_options is deprecated .*name: gigpo"):
+        cfg = load_train_config(path, ["train.credit_options.gamma=0.5"])
+    assert (cfg.train.credit.name, cfg.train.credit.gamma, cfg.train.credit.omega) == ("gigpo", 0.5, 0.5)
+    with pytest.warns(FutureWarning, match=r"name: grpo"):  # no method named: grpo's option
+        bare = load_train_config(None, ["train.credit_options.eps=0.001"])
+    assert (bare.train.credit.name, bare.train.credit.eps) == ("grpo", 0.001)
+
+
+def test_an_old_credit_option_then_a_method_by_set_keeps_the_option():
+    with pytest.warns(FutureWarning, match="train.credit_options is deprecated"):
+        cfg = load_train_config(None, ["train.credit_options.gamma=0.9", "train.credit=gigpo"])
+    assert (cfg.train.credit.name, cfg.train.credit.gamma) == ("gigpo", 0.9)
