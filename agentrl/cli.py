@@ -73,7 +73,7 @@ def rollout(
     overrides += [f"rollout.allocator.{kv}" for kv in allocator_option or []]
     overrides += list(set_ or [])
     try:
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too
         cfg.env.id = resolve_env_id(cfg.env.id, cfg.env.imports)
         picked, why = resolve_backend(cfg.policy.backend)
         cfg.policy.backend = picked

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import warnings
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -189,7 +189,8 @@ class RolloutConfig(_Strict):
         "samples only replies that spell one of them, then end the turn (a token trie, "
         "agentrl.policy.constrain); each turn records its list (Node.admissible) and the trainer "
         "scores under the same mask, so log-probs, entropies and KL are of the constrained "
-        "distribution. Turns without a list sample freely. Needs policy.backend hf or vllm.")
+        "distribution. Turns without a list (or an empty one) sample freely; sampling.stop applies "
+        "to those only (it could only cut an action). Needs policy.backend hf or vllm.")
     out_dir: str = Field("runs/rollout", description="Where trajectories and the summary go.")
     template_check_every: int = Field(
         8, ge=0, description="Compare the context with a full template re-render on the first two "
@@ -273,6 +274,24 @@ class DistributedConfig(_Strict):
 
 
 class Config(_Strict):
+    old_paths: ClassVar[dict[str, str]] = {}
+    """Each key that moved or was renamed, its old dotted path to its new one (``train.lr``:
+    ``train.optimizer.lr``). The sections' validators still read the old keys; ``load_config``
+    also moves them before ``--set`` applies, so that an override of either path replaces the
+    file's value at the other instead of sitting beside it (``upgrade_old_keys``)."""
+
+    @classmethod
+    def upgrade_old_keys(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """A config file's mapping with the values at its old paths (``old_paths``) moved to
+        their new ones, before ``--set`` applies."""
+        return upgrade_old_paths(data, cls.old_paths)
+
+    @classmethod
+    def upgrade_old_override(cls, key: str, data: dict[str, Any]) -> str:
+        """The key of a ``--set`` that names an old key ``old_paths`` cannot move alone (one
+        folded into a mapping), as today's, given the file's ``data`` (upgraded); else ``key``."""
+        return key
+
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
@@ -400,10 +419,83 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"{old} is deprecated and will be removed in the next release: use {new}",
+                  FutureWarning, stacklevel=4)
+
+
+def _pop_path(data: dict[str, Any], dotted: str) -> tuple[bool, Any]:
+    """Remove the value at ``dotted`` from nested mappings: (whether it was there, the value)."""
+    *parents, leaf = dotted.split(".")
+    cur: Any = data
+    for key in parents:
+        cur = cur.get(key) if isinstance(cur, dict) else None
+    if not isinstance(cur, dict) or leaf not in cur:
+        return False, None
+    return True, cur.pop(leaf)
+
+
+def _has_path(data: dict[str, Any], dotted: str) -> bool:
+    cur: Any = data
+    for key in dotted.split("."):
+        if not isinstance(cur, dict) or key not in cur:
+            return False
+        cur = cur[key]
+    return True
+
+
+def upgrade_old_paths(data: dict[str, Any], old_paths: dict[str, str]) -> dict[str, Any]:
+    """``data`` (a config file's mapping) with the value at each old path of ``old_paths``
+    moved to its new path, with the ``FutureWarning`` its section's validator would give. Both
+    given stay as they are: the validator names them."""
+    for old, new in old_paths.items():
+        if _has_path(data, old) and not _has_path(data, new):
+            parent = new.rsplit(".", 1)[0]
+            if "." in new and _has_path(data, parent) and not isinstance(_at_path(data, parent), dict):
+                continue  # a section given as a value: the validator names it
+            _deprecated(old, new)
+            _set_path(data, new, _pop_path(data, old)[1])
+    return data
+
+
+def _at_path(data: dict[str, Any], dotted: str) -> Any:
+    cur: Any = data
+    for key in dotted.split("."):
+        cur = cur[key]
+    return cur
+
+
+def _apply_moving_old_paths(data: dict[str, Any], overrides: list[str], schema: type[Config]) -> None:
+    """``apply_overrides``, with each key at or below an old path of ``schema.old_paths`` moved
+    to its new path first, with a ``FutureWarning``, so that ``--set train.lr=...`` replaces a
+    file's ``train.optimizer.lr``. An old and a new path of one key both set here is an error."""
+    old_paths = schema.old_paths
+    moved: dict[str, str] = {}
+    given: set[str] = set()
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = schema.upgrade_old_override(key.strip(), data)
+        item = f"{key}{sep}{raw}" if sep else item
+        old = next((o for o in old_paths if key == o or key.startswith(o + ".")), None)
+        parent = old_paths[old].rsplit(".", 1)[0] if old else ""
+        if old and not (_has_path(data, parent) and not isinstance(_at_path(data, parent), dict)):
+            _deprecated(old, old_paths[old])
+            moved[old_paths[old]] = old
+            item = f"{old_paths[old]}{key[len(old):]}{sep}{raw}"
+        else:  # not old, or its new section given as a value: the validator names it
+            given.add(key)
+        apply_overrides(data, [item])
+    for new, old in moved.items():
+        if new in given:
+            raise ConfigError(f"{old} is the old place of {new}: give only {new}")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                schema: type[C] = Config) -> C:  # type: ignore[assignment]
+                schema: type[C] = Config, ignore: tuple[str, ...] = ()) -> C:  # type: ignore[assignment]
     """Read YAML (if given), apply overrides, validate against ``schema`` (a ``Config``
-    subclass adds sections, as the trainer's does). Raises ``ConfigError``."""
+    subclass adds sections, as the trainer's does). ``ignore``: top-level sections of other
+    commands, dropped unread (``agentrl eval`` and ``rollout`` read a train config's run
+    sections, not its ``train`` and ``sft``), so one file serves every command. Raises ``ConfigError``."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -413,7 +505,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
         data = loaded or {}
-    apply_overrides(data, overrides or [])
+    data = schema.upgrade_old_keys(data)
+    _apply_moving_old_paths(data, overrides or [], schema)
+    for section in ignore:
+        data.pop(section, None)
     try:
         return schema.model_validate(data)
     except ValidationError as e:

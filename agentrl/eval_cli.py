@@ -75,7 +75,7 @@ def eval_command(
     flags = {"policy.model": model, "policy.backend": backend, "rollout.episodes": episodes}
     overrides = [f"{key}={v}" for key, v in flags.items() if v is not None] + list(set_ or [])
     try:
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too
         env_id = resolve_env_id(env, cfg.env.imports)
         if temperature is not None:
             cfg.sampling.temperature = temperature

@@ -158,7 +158,10 @@ distillation work is on the [Algorithms](algorithms.md) page.
   its code), `train.checkpointing` and `train.output` (`dir`, ...). Their keys
   sat flat on `train` before (`lr`, `eval_every`, `out_dir`, ...); an old
   key still works for one release, in YAML and in `--set`, with a warning
-  that names its new path.
+  that names its new path; `--set` on either path replaces the file's value
+  at the other (`--set train.optimizer.lr=1e-5` over a recipe's `lr: 2e-5`).
+  `agentrl eval`, `rollout` and `proxy` take a train config as well: they
+  read its run sections and leave `train` and `sft` to `agentrl train`.
 
 The sections below list every key."""
 

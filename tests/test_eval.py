@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import typer
+import yaml
 from typer.testing import CliRunner
 
 from agentrl.config import Config
@@ -152,6 +153,20 @@ def test_cli_eval_writes_rows_and_trees(tmp_path):
     assert len((out / "trajectories.jsonl").read_text().splitlines()) == 5
     assert "Even" in res.output and "success %" in res.output
 
+
+
+def test_cli_eval_reads_a_train_config_and_leaves_its_train_sections_alone(tmp_path):
+    """One config file for every command: a train recipe's run sections (policy, sampling,
+    env, rollout) load for eval; its train and sft sections are the trainer's."""
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(yaml.safe_dump({"policy": {"backend": "mock", "mock_responses": ["0"]},
+                                   "train": {"steps": 3, "optimizer": {"lr": 1e-4}}, "sft": {"episodes": 4}}))
+    out = tmp_path / "ev"
+    res = runner.invoke(app, ["eval", "--env", "TestEvalSplit", "--split", "a", "--config", str(cfg),
+                              "--limit", "3", "--out", str(out), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    (a,) = json.loads((out / "summary.json").read_text())["reports"]
+    assert a["tasks"] == 3 and a["rows"][-1]["success"] == pytest.approx(1 / 3)
 
 def test_cli_eval_errors_say_what_to_do(tmp_path):
     res = runner.invoke(app, ["eval", "--env", "agentrl/GuessNumber-v0", "--split", "test", "--backend", "mock",

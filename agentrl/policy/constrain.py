@@ -126,14 +126,20 @@ def episode_allowed(tokenizer: Any, episode: Episode,
     """
     out: dict[int, list[int]] = {}
     tries = {} if tries is None else tries
-    for node, (start, end) in zip(episode.nodes, episode.turn_spans, strict=True):
+    for turn, (node, (start, end)) in enumerate(zip(episode.nodes, episode.turn_spans, strict=True)):
         if node.admissible is None:
             continue
         key = tuple(node.admissible)
         trie = tries.get(key)
         if trie is None:
             trie = tries[key] = ActionTrie.of(tokenizer, key)
-        for k, ids in enumerate(turn_allowed(trie, episode.input_ids[start:end])):
+        try:
+            allowed = turn_allowed(trie, episode.input_ids[start:end])
+        except ValueError as e:  # name the turn: a run fails here, far from where it was sampled
+            shown = ", ".join(repr(a) for a in key[:5]) + (", ..." if len(key) > 5 else "")
+            raise ValueError(f"turn {turn} (node {node.id}, action {node.action_text!r}) against its "
+                             f"{len(key)} admissible actions ({shown}): {e}") from None
+        for k, ids in enumerate(allowed):
             out[start + k] = ids
     return out
 

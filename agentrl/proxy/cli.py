@@ -79,7 +79,7 @@ def proxy_serve(
                             max_context_tokens=max_context_tokens,
                             auto_create_sessions=auto_create_sessions)
     try:
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too
         with open_policy(cfg) as policy:  # rollout workers when the distributed section asks for them
             serve(policy, proxy_cfg, host, port)
     except AgentRLError as e:

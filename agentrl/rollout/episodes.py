@@ -259,11 +259,13 @@ class EpisodePlayer:
         allowed = self.meter.reserve(want)
         if allowed == 0:
             return None
+        admissible = tuple(path.admissible) if path.admissible else None
+        # A constrained reply ends with its action's end token: a stop string could only cut an action.
+        stop = () if admissible else tuple(s.stop)
         params = SamplingParams(
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=allowed,
-            stop=tuple(s.stop), logprobs=self.top_logprobs,
+            stop=stop, logprobs=self.top_logprobs,
             seed=request_seed(r.seed, path.tree.meta["seed"], path.task, path.stream, path.turns))
-        admissible = tuple(path.admissible) if path.admissible else None
         request = GenerateRequest(path.ctx.ids + head_ids, params, admissible=admissible,
                                   admissible_head=len(head_ids) if admissible else 0)
         try:  # the prompt is a new list: the context grows in place after the call
@@ -285,7 +287,7 @@ class EpisodePlayer:
             raise RolloutError(f"context budget: {e}") from None
         node = Node(context_ids=path.pending, action_ids=list(res.token_ids),
                     logprobs=list(res.logprobs), entropies=list(res.entropies), version=res.version,
-                    action_text=action_text(self.policy.tokenizer, ids, s.stop).strip(),
+                    action_text=action_text(self.policy.tokenizer, ids, stop).strip(),
                     finish_reason=res.finish_reason, admissible=path.admissible)
         if res.top_logprobs:
             node.top1 = [round(top1(t), 6) for t in res.top_logprobs]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -52,6 +52,25 @@ MOVED_KEYS = {
 }
 """The flat ``train`` keys that moved into a section, old key to new path: they keep working
 for one release, with a ``FutureWarning`` naming the new path."""
+
+
+def fold_credit_options(data: Any) -> Any:
+    """``data`` (a ``train`` mapping) with the old form, ``credit: NAME`` beside
+    ``credit_options: {...}``, as the new one, with a ``FutureWarning``: it keeps working for
+    one release."""
+    if not isinstance(data, dict) or "credit_options" not in data:
+        return data
+    data = dict(data)
+    options, name = data.pop("credit_options") or {}, data.get("credit", "grpo")
+    if not isinstance(name, str):
+        raise ValueError("train.credit_options is the old place of the options in "
+                         "train.credit: give only train.credit")
+    if not isinstance(options, dict):
+        raise ValueError("train.credit_options: must be a mapping")
+    warnings.warn("train.credit_options is deprecated and will be removed in the next release: "
+                  f"use train.credit: {{name: {name}, <option>: <value>}}", FutureWarning, stacklevel=2)
+    data["credit"] = {"name": name, **options}
+    return data
 
 
 class LoraConfig(_Strict):
@@ -203,21 +222,7 @@ class TrainConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _fold_credit_options(cls, data: Any) -> Any:
-        """The old form, ``credit: NAME`` beside ``credit_options: {...}``, as the new one,
-        with a ``FutureWarning``: it keeps working for one release."""
-        if not isinstance(data, dict) or "credit_options" not in data:
-            return data
-        data = dict(data)
-        options, name = data.pop("credit_options") or {}, data.get("credit", "grpo")
-        if not isinstance(name, str):
-            raise ValueError("train.credit_options is the old place of the options in "
-                             "train.credit: give only train.credit")
-        if not isinstance(options, dict):
-            raise ValueError("train.credit_options: must be a mapping")
-        warnings.warn("train.credit_options is deprecated and will be removed in the next release: "
-                      f"use train.credit: {{name: {name}, <option>: <value>}}", FutureWarning, stacklevel=2)
-        data["credit"] = {"name": name, **options}
-        return data
+        return fold_credit_options(data)
 
     @field_validator("credit", mode="before")
     @classmethod
@@ -289,8 +294,39 @@ class TrainRunConfig(Config):
     when it loads, before any model does, and names its key.
     """
 
+    old_paths: ClassVar[dict[str, str]] = {
+        **{f"train.{old}": f"train.{new}" for old, new in MOVED_KEYS.items()},
+        "train.loss.max_staleness": "train.loss.max_token_staleness",
+        "train.asynchronous.max_staleness": "train.asynchronous.max_batch_staleness",
+    }
+
     train: TrainConfig = Field(default_factory=TrainConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+
+    @classmethod
+    def upgrade_old_keys(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Also the old ``train.credit_options``, folded into ``train.credit`` before ``--set``
+        applies, so that ``--set train.credit.gamma=0.5`` sets the file's option."""
+        train = data.get("train")
+        if isinstance(train, dict):
+            try:
+                data = {**data, "train": fold_credit_options(train)}
+            except ValueError:
+                pass  # both forms given: the validator names them
+        return super().upgrade_old_keys(data)
+
+    @classmethod
+    def upgrade_old_override(cls, key: str, data: dict[str, Any]) -> str:
+        """``train.credit_options.K`` as ``train.credit.K`` where ``train.credit`` is already a
+        mapping (a recipe's ``{name: ..., ...}``, which the old form cannot sit beside); else
+        the validator folds it, with whatever ``train.credit`` ends up naming."""
+        credit = (data.get("train") or {}).get("credit") if isinstance(data.get("train"), dict) else None
+        if not key.startswith("train.credit_options.") or not isinstance(credit, dict):
+            return key
+        warnings.warn("train.credit_options is deprecated and will be removed in the next release: "
+                      f"use train.credit: {{name: {credit.get('name')}, <option>: <value>}}",
+                      FutureWarning, stacklevel=4)
+        return "train.credit." + key.removeprefix("train.credit_options.")
 
     @model_validator(mode="after")
     def _check_sections(self) -> TrainRunConfig:

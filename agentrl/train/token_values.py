@@ -12,6 +12,12 @@ positions where ``Episode.loss_mask`` is 1, root first):
   student's sampled tokens (``Sample.distill.teacher`` and the student's
   scoring pass ``Sample.old``): the two sides of the distillation signal.
 
+None of these change across ``train.epochs``: the advantages are fixed for the
+step, and ``Sample.old`` is the scoring pass before the first epoch, so the
+values are those of every epoch (the weights after each epoch are not
+scored again). An asynchronous run saves the values of the step that trained
+on the trees, whichever policy version sampled them.
+
 A token the update left out of its mask (TIP) is ``null``. An episode it left
 out altogether is ``{"trained": false, "reason": ...}``: a failed episode, an
 MC-GRPO pivot, one whose advantages were all 0 (``train.skip_zero_advantage``)

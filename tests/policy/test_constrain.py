@@ -68,6 +68,15 @@ def test_episode_allowed_maps_constrained_turns_onto_input_positions():
     assert episode_allowed(tok, Episode.from_path([free])) == {}
 
 
+
+def test_a_turn_off_its_trie_names_the_turn_node_action_and_list():
+    ok = Node(id=3, context_ids=[9], action_ids=[4, 0], action_text="look", admissible=["look"])
+    bad = Node(id=7, context_ids=[9], action_ids=[1, 4, 0], action_text="go look",
+               admissible=["go north", "go south"])
+    with pytest.raises(ValueError, match=r"turn 1 \(node 7, action 'go look'\) against its 2 admissible "
+                       r"actions \('go north', 'go south'\): token 1 \(4\) .* spells no admissible action"):
+        episode_allowed(WordTokenizer(), Episode.from_path([ok, bad]))
+
 def test_mask_logits_keeps_allowed_ids_and_leaves_free_rows_alone():
     logits = torch.arange(10, dtype=torch.float32).view(2, 5)
     out = mask_logits(logits, torch.tensor([[3, 1], [-1, -1]]))

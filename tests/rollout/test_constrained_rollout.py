@@ -60,6 +60,22 @@ def test_constrained_turns_spell_admissible_actions_and_keep_them_through_a_save
     assert [n.admissible for n in back[0].nodes.values()] == [n.admissible for n in trees[0].nodes.values()]
 
 
+
+def test_a_stop_string_inside_an_admissible_action_does_not_cut_it(tokenizer, tiny_model):
+    """sampling.stop applies to free turns only: " " would end "go to cabinet 1" after "go"."""
+    cfg = load_config(overrides=[*ALFWORLD, "rollout.constrain=admissible", "sampling.stop=[' ']"])
+    engine = Engine(HFPolicy(tiny_model, tokenizer), cfg, "agentrl/ALFWorld-v0")
+    try:
+        trees = asyncio.run(engine.run([0, 1], Forks(), Budget(6)))
+    finally:
+        engine.close()
+    turns = [n for t in trees for n in t.nodes.values() if not n.partial]
+    assert turns and not any(n.error for n in turns)
+    assert any(" " in n.action_text for n in turns)
+    for n in turns:
+        assert n.action_text in n.admissible and n.finish_reason == "stop"
+        assert n.info["invalid_action"] is False
+
 def test_without_constrain_turns_sample_freely_and_record_no_list(tokenizer, tiny_model):
     cfg = load_config(overrides=[*ALFWORLD, "rollout.episodes=1", "rollout.max_turns=2"])
     trees = run_episodes("agentrl/ALFWorld-v0", HFPolicy(tiny_model, tokenizer), cfg)

@@ -77,3 +77,57 @@ def test_old_keys_from_python_join_a_section_given_as_a_model():
     with pytest.warns(FutureWarning, match="use train.evaluation.episodes"):
         t = TrainConfig(evaluation=EvaluationConfig(every=2), eval_episodes=3)
     assert (t.evaluation.every, t.evaluation.episodes, t.evaluation.seed_start) == (2, 3, 1_000_000)
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_KEYS))
+def test_set_on_either_path_replaces_the_files_value_at_the_other(old, tmp_path):
+    """A recipe that still has an old key, overridden on the new path (or the other way
+    round): the override wins, with the warning, instead of a both-given error."""
+    new, value = MOVED_KEYS[old], VALUES[old]
+    default = _at(TrainRunConfig(), new)
+    stale = tmp_path / "old.yaml"
+    stale.write_text(yaml.safe_dump({"train": {old: value}}))
+    updated = tmp_path / "new.yaml"
+    updated.write_text(yaml.safe_dump({"train": TrainConfig.model_validate(
+        {new.split(".")[0]: {new.split(".")[1]: value}}).model_dump(mode="json", include={new.split(".")[0]})}))
+    with pytest.warns(FutureWarning, match=rf"train\.{old} is deprecated"):
+        over_old = load_train_config(stale, [f"train.{new}={json.dumps(default)}"])
+        over_new = load_train_config(updated, [f"train.{old}={json.dumps(default)}"])
+    assert _at(over_old, new) == default != value
+    assert _at(over_new, new) == default
+
+
+def test_set_on_train_credit_reaches_the_options_of_an_old_credit_options(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"train": {"credit": "gigpo", "credit_options": {"gamma": 0.9, "omega": 0.5}}}))
+    with pytest.warns(FutureWarning, match="train.credit_options is deprecated"):
+        cfg = load_train_config(path, ["train.credit.gamma=0.5"])
+    assert (cfg.train.credit.name, cfg.train.credit.gamma, cfg.train.credit.omega) == ("gigpo", 0.5, 0.5)
+    with pytest.warns(FutureWarning, match="train.credit_options is deprecated"):
+        other = load_train_config(path, ["train.credit=grpo"])  # as over {name: gigpo, gamma: 0.9}
+    assert other.train.credit.name == "grpo"
+
+
+def test_set_on_a_renamed_staleness_key_replaces_the_files_new_name(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"train": {"loss": {"max_token_staleness": 4}}}))
+    with pytest.warns(FutureWarning, match=r"use train\.loss\.max_token_staleness"):
+        cfg = load_train_config(path, ["train.loss.max_staleness=2"])
+    assert cfg.train.loss.max_token_staleness == 2
+
+
+def test_set_on_an_old_credit_option_sets_the_option_of_a_recipes_credit_mapping(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"train": {"credit": {"name": "gigpo", "gamma": 0.95, "omega": 0.5}}}))
+    with pytest.warns(FutureWarning, match=r"train.credit_options is deprecated .*name: gigpo"):
+        cfg = load_train_config(path, ["train.credit_options.gamma=0.5"])
+    assert (cfg.train.credit.name, cfg.train.credit.gamma, cfg.train.credit.omega) == ("gigpo", 0.5, 0.5)
+    with pytest.warns(FutureWarning, match=r"name: grpo"):  # no method named: grpo's option
+        bare = load_train_config(None, ["train.credit_options.eps=0.001"])
+    assert (bare.train.credit.name, bare.train.credit.eps) == ("grpo", 0.001)
+
+
+def test_an_old_credit_option_then_a_method_by_set_keeps_the_option():
+    with pytest.warns(FutureWarning, match="train.credit_options is deprecated"):
+        cfg = load_train_config(None, ["train.credit_options.gamma=0.9", "train.credit=gigpo"])
+    assert (cfg.train.credit.name, cfg.train.credit.gamma) == ("gigpo", 0.9)
