@@ -128,28 +128,26 @@ def token_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
     if not keep.any():
         return out
 
-    # Only the source positions some kept token needs go through the vocabulary head.
+    # Only the hidden states of kept tokens' sources go through the vocabulary head, a chunk at a time.
     rows, cols = keep.nonzero(as_tuple=True)
-    sources = src[rows, cols]
-    head_positions = torch.unique(sources)  # sorted
-    with fp32_head(model):
-        logits = model(input_ids=input_ids, attention_mask=model_mask, position_ids=position_ids,
-                       logits_to_keep=head_positions, use_cache=False).logits  # [B, n, V]
-    column = torch.searchsorted(head_positions, sources)  # where each kept token's source went
+    hidden = _hidden_states(model, input_ids, model_mask, position_ids)[rows, src[rows, cols]]  # [N, H]
     targets = input_ids[rows, cols]
 
     # A target's own id leads its candidate list, so one gather serves both.
     wanted = targets[:, None]
     if candidates is not None:
         wanted = torch.cat([wanted, candidates.to(device)[rows, cols].clamp(min=0)], dim=1)
+    head = model.get_output_embeddings()
     parts: list[tuple[torch.Tensor, ...]] = []
-    for start in range(0, rows.numel(), chunk_size):
-        part = slice(start, start + chunk_size)
-        args = (logits, rows[part], column[part], wanted[part], temperature, top_k)
-        if torch.is_grad_enabled() and logits.requires_grad:
-            parts.append(checkpoint(_gather_logprobs, *args, use_reentrant=False))
-        else:
-            parts.append(_gather_logprobs(*args))
+    with fp32_head(model):
+        for start in range(0, rows.numel(), chunk_size):
+            part = slice(start, start + chunk_size)
+            logits = head(hidden[part])  # [chunk, V]: the only vocabulary-sized tensor kept for backward
+            args = (logits, wanted[part], temperature, top_k)
+            if torch.is_grad_enabled() and logits.requires_grad:
+                parts.append(checkpoint(_gather_logprobs, *args, use_reentrant=False))
+            else:
+                parts.append(_gather_logprobs(*args))
     gathered, entropy = torch.cat([p[0] for p in parts]).float(), torch.cat([p[1] for p in parts]).float()
     out.logprobs = out.logprobs.index_put((rows, cols), gathered[:, 0])
     out.entropies = out.entropies.index_put((rows, cols), entropy)
@@ -163,14 +161,16 @@ def token_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 @contextlib.contextmanager
 def fp32_head(model: Any) -> Iterator[None]:
-    """Within this block, under bf16 autocast, the vocabulary head runs in fp32 on fp32 inputs.
+    """Within this block, under bf16 autocast, the vocabulary head's logits are fp32 products of fp32 inputs.
 
     bf16 logits carry 8 bits of mantissa: a logit near 16 moves in steps of
     0.125, so the trainer's log-probs of the sampled tokens drift from the
     sampler's (fp32) by up to a few hundredths of a nat, and PPO's ratio at step
     0 is no longer 1 (``bench/precision.json``). The body keeps its bf16
-    matmuls; the head, one matmul of the whole model, goes back to fp32. Outside
-    autocast (sampling, fp32 training) this changes nothing.
+    matmuls; the head, one matmul of the whole model, goes back to fp32 in the
+    forward. Its backward (a plain ``nn.Linear`` head: ``Fp32Logits``) runs in
+    bf16, as autocast's backward of every other matmul does. Outside autocast
+    (sampling, fp32 training) this changes nothing.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     device = next(model.parameters()).device.type
@@ -181,7 +181,9 @@ def fp32_head(model: Any) -> Iterator[None]:
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
-            return plain(head, x.float())
+            if type(head) is torch.nn.Linear:
+                return Fp32Logits.apply(x.float(), head.weight, head.bias)
+            return plain(head, x.float())  # a wrapped head (LoRA on it): its own fp32 forward and backward
 
     head.forward = forward  # an instance attribute, removed on the way out
     try:
@@ -190,17 +192,71 @@ def fp32_head(model: Any) -> Iterator[None]:
         del head.forward
 
 
-def _gather_logprobs(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
-                     wanted: torch.Tensor, temperature: float, top_k: int = 0) -> tuple[torch.Tensor, ...]:
-    """For one chunk of tokens: the log-probs of the ``wanted`` ids ``[n, C]``, the entropy,
-    and (``top_k``) the top-k log-probs and ids."""
-    logp = torch.log_softmax(logits[rows, cols].float() / temperature, dim=-1)
+class Fp32Logits(torch.autograd.Function):
+    """``x @ weight.T + bias`` in fp32; the backward's two products in bf16, their results fp32.
+
+    Mixed precision (Micikevicius et al. 2018) keeps fp32 master weights and
+    runs the forward and backward products in half precision. The logits are
+    the one output kept fp32 (``fp32_head``); their gradients need no more
+    than any other layer's, so the backward does what autocast does for a bf16
+    matmul. On a CPU whose bf16 matmuls are ~4x its fp32 ones this takes two
+    of the head's three ``[tokens x hidden x vocab]`` products to bf16 speed.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        g = grad.to(torch.bfloat16)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ weight.to(torch.bfloat16)).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (g.flatten(0, -2).T @ x.flatten(0, -2).to(torch.bfloat16)).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.flatten(0, -2).sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def _gather_logprobs(logits: torch.Tensor, wanted: torch.Tensor, temperature: float,
+                     top_k: int = 0) -> tuple[torch.Tensor, ...]:
+    """For one chunk of tokens' logits ``[n, V]``: the log-probs of the ``wanted`` ids ``[n, C]``,
+    the entropy, and (``top_k``) the top-k log-probs and ids."""
+    logits = logits.float()
+    if temperature != 1.0:  # a vocabulary-sized division, twice with the recompute: skip it when exact
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
     p = logp.exp()
     entropy = -(p * logp).sum(-1)  # p == 0 gives 0 * -inf only for -inf logits, not here
     if not top_k:
         return logp.gather(-1, wanted), entropy
     top = torch.topk(logp.detach(), top_k, dim=-1)
     return logp.gather(-1, wanted), entropy, top.values, top.indices
+
+
+_HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _hidden_states(model: Any, input_ids: torch.Tensor, model_mask: torch.Tensor | None,
+                   position_ids: torch.Tensor) -> torch.Tensor:
+    """The decoder's last hidden states ``[B, T, H]``, which the vocabulary head maps to logits.
+
+    ``token_scores`` applies the head itself, to the kept tokens only, so it needs
+    a model whose logits are ``head(hidden)``: one that rescales or caps them
+    (Gemma 2's soft-capping, Cohere's and Granite's scales) is refused, not
+    scored wrongly.
+    """
+    for key in _HEAD_TRANSFORMS:
+        if getattr(model.config, key, None) not in (None, 1, 1.0):
+            raise ValueError(f"token_scores applies the vocabulary head itself and does not support "
+                             f"config.{key}={getattr(model.config, key)!r} of {type(model).__name__}")
+    return model.get_decoder()(input_ids=input_ids, attention_mask=model_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state
 
 
 def _model_inputs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
