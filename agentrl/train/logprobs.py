@@ -16,15 +16,18 @@ through the same function:
 
 In every layout a token's logits come from its *source* position: the token
 before it in a row, its parent in a tree, none for the first token of a
-sequence (whose logprob is 0). Only source positions whose next token is wanted
+sequence (whose logprob is 0). Only the hidden states of kept tokens' sources
 (``positions_to_keep``, usually the loss mask) go through the vocabulary head:
-the model is called with ``logits_to_keep`` as a 1D index tensor (transformers
-slices the hidden states with it before ``lm_head``; tensors are accepted since
-early 2025, huggingface/transformers#35757, before our floor of 4.56). With SmolLM2's
-49,152-token head this was measured to cut forward+backward on 2k tokens from
-18.3 s to 10.6 s. Log-softmax, gather and entropy then run in chunks of
-positions under activation checkpointing, so only one chunk's
-``[chunk, vocab]`` temporaries exist at a time, in the forward and in the backward.
+the decoder runs once, ``hidden[rows, sources]`` picks ``[N, H]`` of its output,
+and the head, log-softmax, gather and entropy run ``chunk_size`` tokens at a
+time, the log-softmax under activation checkpointing. So the only
+vocabulary-sized tensors are one ``[chunk, V]`` of logits a chunk, kept for the
+backward, and one chunk's temporaries. With SmolLM2's 49,152-token head,
+running the head on kept positions only was measured to cut forward+backward on
+2k tokens from 18.3 s to 10.6 s; picking the hidden states (not slicing
+``[B, n, V]`` logits, whose backward scattered into a zero tensor of that size)
+and the bf16 backward of the fp32 head (``Fp32Logits``) are the bf16 update's
+two largest savings on CPU (profile in docs/benchmark-notes.md, precision).
 """
 
 from __future__ import annotations
@@ -90,12 +93,9 @@ def token_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
     sampler did (``sampling_logprobs`` in ``agentrl.policy.hf``); top-k/top-p are
     not applied: the trainer scores the untruncated distribution.
 
-    The vocabulary head runs on one set of positions for the whole batch (a
-    1D ``logits_to_keep``; per-row 2D index tensors only exist in newer
-    transformers releases): with several rows it is
-    the union of their source positions, so pack one long row when the
-    saving matters. Its ``[B, n, V]`` logits are materialised once; the
-    log-softmax over them runs ``chunk_size`` tokens at a time.
+    The vocabulary head runs on each kept token's source only, whatever the
+    layout (padded rows no longer pay for the union of their positions), in
+    chunks of ``chunk_size`` tokens.
 
     Distribution-level distillation needs more than the sampled token: with
     ``candidates`` (``[B, T, C]`` token ids, -1 for none) each kept token also
