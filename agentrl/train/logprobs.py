@@ -16,15 +16,18 @@ through the same function:
 
 In every layout a token's logits come from its *source* position: the token
 before it in a row, its parent in a tree, none for the first token of a
-sequence (whose logprob is 0). Only source positions whose next token is wanted
+sequence (whose logprob is 0). Only the hidden states of kept tokens' sources
 (``positions_to_keep``, usually the loss mask) go through the vocabulary head:
-the model is called with ``logits_to_keep`` as a 1D index tensor (transformers
-slices the hidden states with it before ``lm_head``; tensors are accepted since
-early 2025, huggingface/transformers#35757, before our floor of 4.56). With SmolLM2's
-49,152-token head this was measured to cut forward+backward on 2k tokens from
-18.3 s to 10.6 s. Log-softmax, gather and entropy then run in chunks of
-positions under activation checkpointing, so only one chunk's
-``[chunk, vocab]`` temporaries exist at a time, in the forward and in the backward.
+the decoder runs once, ``hidden[rows, sources]`` picks ``[N, H]`` of its output,
+and the head, log-softmax, gather and entropy run ``chunk_size`` tokens at a
+time, the log-softmax under activation checkpointing. So the only
+vocabulary-sized tensors are one ``[chunk, V]`` of logits a chunk, kept for the
+backward, and one chunk's temporaries. With SmolLM2's 49,152-token head,
+running the head on kept positions only was measured to cut forward+backward on
+2k tokens from 18.3 s to 10.6 s; picking the hidden states (not slicing
+``[B, n, V]`` logits, whose backward scattered into a zero tensor of that size)
+and the bf16 backward of the fp32 head (``Fp32Logits``) are the bf16 update's
+two largest savings on CPU (profile in docs/benchmark-notes.md, precision).
 
 A turn sampled under ``rollout.constrain: admissible`` is scored under the
 same constraint: ``allowed`` lists each such token's allowed ids (the
@@ -98,12 +101,9 @@ def token_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
     sampler did (``sampling_logprobs`` in ``agentrl.policy.hf``); top-k/top-p are
     not applied: the trainer scores the untruncated distribution.
 
-    The vocabulary head runs on one set of positions for the whole batch (a
-    1D ``logits_to_keep``; per-row 2D index tensors only exist in newer
-    transformers releases): with several rows it is
-    the union of their source positions, so pack one long row when the
-    saving matters. Its ``[B, n, V]`` logits are materialised once; the
-    log-softmax over them runs ``chunk_size`` tokens at a time.
+    The vocabulary head runs on each kept token's source only, whatever the
+    layout (padded rows no longer pay for the union of their positions), in
+    chunks of ``chunk_size`` tokens.
 
     Distribution-level distillation needs more than the sampled token: with
     ``candidates`` (``[B, T, C]`` token ids, -1 for none) each kept token also
@@ -142,30 +142,27 @@ def token_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
     if not keep.any():
         return out
 
-    # Only the source positions some kept token needs go through the vocabulary head.
+    # Only the hidden states of kept tokens' sources go through the vocabulary head, a chunk at a time.
     rows, cols = keep.nonzero(as_tuple=True)
-    sources = src[rows, cols]
-    head_positions = torch.unique(sources)  # sorted
-    with fp32_head(model):
-        logits = model(input_ids=input_ids, attention_mask=model_mask, position_ids=position_ids,
-                       logits_to_keep=head_positions, use_cache=False).logits  # [B, n, V]
-    column = torch.searchsorted(head_positions, sources)  # where each kept token's source went
+    hidden = _hidden_states(model, input_ids, model_mask, position_ids)[rows, src[rows, cols]]  # [N, H]
     targets = input_ids[rows, cols]
 
     # A target's own id leads its candidate list, so one gather serves both.
     wanted = targets[:, None]
     if candidates is not None:
         wanted = torch.cat([wanted, candidates.to(device)[rows, cols].clamp(min=0)], dim=1)
-    per_token = allowed.to(device)[rows, cols] if allowed is not None else None  # [n, A]
+    per_token = allowed.to(device)[rows, cols] if allowed is not None else None  # [N, A]
+    head = model.get_output_embeddings()
     parts: list[tuple[torch.Tensor, ...]] = []
-    for start in range(0, rows.numel(), chunk_size):
-        part = slice(start, start + chunk_size)
-        args = (logits, rows[part], column[part], wanted[part], temperature, top_k,
-                per_token[part] if per_token is not None else None)
-        if torch.is_grad_enabled() and logits.requires_grad:
-            parts.append(checkpoint(_gather_logprobs, *args, use_reentrant=False))
-        else:
-            parts.append(_gather_logprobs(*args))
+    with fp32_head(model):
+        for start in range(0, rows.numel(), chunk_size):
+            part = slice(start, start + chunk_size)
+            logits = head(hidden[part])  # [chunk, V]: the only vocabulary-sized tensor kept for backward
+            args = (logits, wanted[part], temperature, top_k, per_token[part] if per_token is not None else None)
+            if torch.is_grad_enabled() and logits.requires_grad:
+                parts.append(checkpoint(_gather_logprobs, *args, use_reentrant=False))
+            else:
+                parts.append(_gather_logprobs(*args))
     gathered, entropy = torch.cat([p[0] for p in parts]).float(), torch.cat([p[1] for p in parts]).float()
     out.logprobs = out.logprobs.index_put((rows, cols), gathered[:, 0])
     out.entropies = out.entropies.index_put((rows, cols), entropy)
@@ -179,14 +176,16 @@ def token_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 @contextlib.contextmanager
 def fp32_head(model: Any) -> Iterator[None]:
-    """Within this block, under bf16 autocast, the vocabulary head runs in fp32 on fp32 inputs.
+    """Within this block, under bf16 autocast, the vocabulary head's logits are fp32 products of fp32 inputs.
 
     bf16 logits carry 8 bits of mantissa: a logit near 16 moves in steps of
     0.125, so the trainer's log-probs of the sampled tokens drift from the
     sampler's (fp32) by up to a few hundredths of a nat, and PPO's ratio at step
     0 is no longer 1 (``bench/precision.json``). The body keeps its bf16
-    matmuls; the head, one matmul of the whole model, goes back to fp32. Outside
-    autocast (sampling, fp32 training) this changes nothing.
+    matmuls; the head, one matmul of the whole model, goes back to fp32 in the
+    forward. Its backward (a plain ``nn.Linear`` head: ``Fp32Logits``) runs in
+    bf16, as autocast's backward of every other matmul does. Outside autocast
+    (sampling, fp32 training) this changes nothing.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     device = next(model.parameters()).device.type
@@ -197,7 +196,9 @@ def fp32_head(model: Any) -> Iterator[None]:
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
-            return plain(head, x.float())
+            if type(head) is torch.nn.Linear:
+                return Fp32Logits.apply(x.float(), head.weight, head.bias)
+            return plain(head, x.float())  # a wrapped head (LoRA on it): its own fp32 forward and backward
 
     head.forward = forward  # an instance attribute, removed on the way out
     try:
@@ -206,18 +207,51 @@ def fp32_head(model: Any) -> Iterator[None]:
         del head.forward
 
 
-def _gather_logprobs(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
-                     wanted: torch.Tensor, temperature: float, top_k: int = 0,
-                     allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """For one chunk of tokens: the log-probs of the ``wanted`` ids ``[n, C]``, the entropy,
-    and (``top_k``) the top-k log-probs and ids; ``allowed`` ``[n, A]`` masks constrained tokens."""
-    scaled = logits[rows, cols].float() / temperature
+class Fp32Logits(torch.autograd.Function):
+    """``x @ weight.T + bias`` in fp32; the backward's two products in bf16, their results fp32.
+
+    Mixed precision (Micikevicius et al. 2018) keeps fp32 master weights and
+    runs the forward and backward products in half precision. The logits are
+    the one output kept fp32 (``fp32_head``); their gradients need no more
+    than any other layer's, so the backward does what autocast does for a bf16
+    matmul. On a CPU whose bf16 matmuls are ~4x its fp32 ones this takes two
+    of the head's three ``[tokens x hidden x vocab]`` products to bf16 speed.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        g = grad.to(torch.bfloat16)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ weight.to(torch.bfloat16)).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (g.flatten(0, -2).T @ x.flatten(0, -2).to(torch.bfloat16)).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.flatten(0, -2).sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def _gather_logprobs(logits: torch.Tensor, wanted: torch.Tensor, temperature: float,
+                     top_k: int = 0, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """For one chunk of tokens' logits ``[n, V]``: the log-probs of the ``wanted`` ids ``[n, C]``,
+    the entropy, and (``top_k``) the top-k log-probs and ids; ``allowed`` ``[n, A]`` masks
+    constrained tokens."""
+    logits = logits.float()
+    if temperature != 1.0:  # a vocabulary-sized division, twice with the recompute: skip it when exact
+        logits = logits / temperature
     if allowed is None:
-        logp = torch.log_softmax(scaled, dim=-1)
+        logp = torch.log_softmax(logits, dim=-1)
         p = logp.exp()
         entropy = -(p * logp).sum(-1)  # p == 0 gives 0 * -inf only for -inf logits, not here
     else:
-        logp = torch.log_softmax(mask_logits(scaled, allowed), dim=-1)
+        logp = torch.log_softmax(mask_logits(logits, allowed), dim=-1)
         p = logp.exp()
         # masked tokens: p = 0 and log p = -inf; their 0 * -inf (and its gradient) must not be nan
         entropy = -(p * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
@@ -225,6 +259,26 @@ def _gather_logprobs(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tenso
         return logp.gather(-1, wanted), entropy
     top = torch.topk(logp.detach(), top_k, dim=-1)
     return logp.gather(-1, wanted), entropy, top.values, top.indices
+
+
+_HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _hidden_states(model: Any, input_ids: torch.Tensor, model_mask: torch.Tensor | None,
+                   position_ids: torch.Tensor) -> torch.Tensor:
+    """The decoder's last hidden states ``[B, T, H]``, which the vocabulary head maps to logits.
+
+    ``token_scores`` applies the head itself, to the kept tokens only, so it needs
+    a model whose logits are ``head(hidden)``: one that rescales or caps them
+    (Gemma 2's soft-capping, Cohere's and Granite's scales) is refused, not
+    scored wrongly.
+    """
+    for key in _HEAD_TRANSFORMS:
+        if getattr(model.config, key, None) not in (None, 1, 1.0):
+            raise ValueError(f"token_scores applies the vocabulary head itself and does not support "
+                             f"config.{key}={getattr(model.config, key)!r} of {type(model).__name__}")
+    return model.get_decoder()(input_ids=input_ids, attention_mask=model_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state
 
 
 def _model_inputs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,

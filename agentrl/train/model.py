@@ -11,7 +11,8 @@ Precision (``train.precision``): ``auto`` is bf16 autocast when the model sits
 on a GPU and fp32 on CPU; ``bf16`` autocasts on CPU too (on a CPU with AMX it
 trains SmolLM2-135M about 1.8x faster than fp32: bench in
 examples/train_alfworld_easy.yaml); ``fp32`` never autocasts. The learning step
-sets it around its passes with ``precision``; the weights and optimizer stay fp32.
+sets it around its passes with ``precision``; the weights and optimizer stay fp32,
+and so do the vocabulary head's logits (``logprobs.fp32_head``; its backward is bf16).
 """
 
 from __future__ import annotations

@@ -37,19 +37,12 @@ def _reference(model, seq):
     return out, ent
 
 
-class _Spy:
-    """Wraps a model and records the logits shape of each call."""
-
-    def __init__(self, model):
-        self.model, self.shapes = model, []
-
-    def __call__(self, **kwargs):
-        out = self.model(**kwargs)
-        self.shapes.append(tuple(out.logits.shape))
-        return out
-
-    def parameters(self):
-        return self.model.parameters()
+def _head_shapes(model) -> tuple[list[tuple[int, ...]], object]:
+    """The logits shape of each call of the model's vocabulary head from now on, and the hook's handle."""
+    shapes: list[tuple[int, ...]] = []
+    handle = model.get_output_embeddings().register_forward_hook(
+        lambda _m, _args, out: shapes.append(tuple(out.shape)))
+    return shapes, handle
 
 
 # --------------------------------------------------------------------------- rows
@@ -78,10 +71,11 @@ def test_only_kept_positions_go_through_the_vocab_head(tiny_model):
     seq = _seqs([10])[0]
     keep = torch.zeros(1, 10, dtype=torch.bool)
     keep[0, 6:] = True  # the last 4 tokens: their sources are positions 5..8
-    spy = _Spy(tiny_model)
+    shapes, hook = _head_shapes(tiny_model)
     with torch.no_grad():
-        lp, _ = token_logprobs(spy, torch.tensor([seq]), positions_to_keep=keep)
-    assert spy.shapes == [(1, 4, VOCAB)]
+        lp, _ = token_logprobs(tiny_model, torch.tensor([seq]), positions_to_keep=keep)
+    hook.remove()
+    assert shapes == [(4, VOCAB)]
     ref, _ = _reference(tiny_model, seq)
     assert torch.allclose(lp[0, 6:], ref[6:], atol=1e-5)
     assert (lp[0, :6] == 0).all()
@@ -94,10 +88,14 @@ def test_chunked_gradients_equal_unchunked(tiny_model):
         tiny_model.zero_grad()
         lp, ent = token_logprobs(tiny_model, seq, chunk_size=chunk)
         (lp.sum() + 0.1 * ent.sum()).backward()
-        grads.append(tiny_model.model.layers[0].mlp.up_proj.weight.grad.clone())
+        grads.append([tiny_model.model.layers[0].mlp.up_proj.weight.grad.clone(),
+                      tiny_model.get_output_embeddings().weight.grad.clone()])  # the head: a chunk at a time
     tiny_model.zero_grad()
-    assert grads[0].abs().sum() > 0
-    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+    (body, head), (body_whole, head_whole) = grads
+    assert body.abs().sum() > 0 and head.abs().sum() > 0
+    assert torch.allclose(body, body_whole, atol=1e-6)
+    # the head's gradient sums its chunks' products: fp32 rounding of a different order (measured 3e-6)
+    assert (head - head_whole).abs().max() <= 1e-5 * head_whole.abs().max()
 
 
 def test_left_padding_gives_the_unpadded_logprobs(tiny_model):
@@ -109,6 +107,14 @@ def test_left_padding_gives_the_unpadded_logprobs(tiny_model):
     assert (lp[0, :3] == 0).all()  # pads, and the first real token
     assert torch.allclose(lp[0, 2:], _reference(tiny_model, short)[0], atol=1e-5)
     assert torch.allclose(lp[1], _reference(tiny_model, long)[0], atol=1e-5)
+
+
+def test_a_model_that_rescales_its_logits_is_refused(tiny_model):
+    """token_scores applies the head to hidden states itself, so a soft-capped head would be scored wrongly."""
+    model = copy.deepcopy(tiny_model)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
+        token_logprobs(model, torch.tensor([[5, 6, 7]]))
 
 
 def test_bad_inputs_name_the_parameter(tiny_model):
