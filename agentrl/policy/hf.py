@@ -107,14 +107,6 @@ def prefill_groups(new_tokens: list[int], pad_tokens: int) -> list[tuple[int, in
     return groups
 
 
-# Elements of a row a sampling op takes at a time: under torch's parallel grain (32,768), so
-# it runs on the calling thread, and a multiple of every vector width, so the vector loop
-# covers the same elements as over the whole row (same bits). 16 rows x 9 ops over a whole
-# row each opened an OpenMP region per step; on a loaded CPU each region waits for a
-# descheduled thread (docs/benchmark-notes.md, "Decoding against the bandwidth bound").
-SERIAL_ELEMENTS = 16384
-
-
 def _gumbel_max_sample(logp: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
     """One token per row: ``argmax(logp + Gumbel noise)``, the noise from the row's own stream.
 
@@ -128,22 +120,18 @@ def _gumbel_max_sample(logp: torch.Tensor, gens: list[torch.Generator]) -> torch
     """
     # Row by row: an elementwise op over [B, V] splits across threads at offsets that follow
     # B, and a tail the vector loop leaves goes through scalar log, whose last bit may differ.
-    noise = torch.empty_like(logp)
-    for row, g in zip(noise, gens, strict=True):
-        row.uniform_(generator=g)  # the stream torch.rand(V, generator=g) draws
-        for part in row.split(SERIAL_ELEMENTS):
-            part.clamp_(min=1e-20).log_().neg_().log_().neg_()  # -log(-log(u)), in place
-    return (logp + noise).argmax(-1)
+    gumbel = [-torch.log(-torch.log(torch.rand(logp.shape[-1], generator=g, device=logp.device).clamp(min=1e-20)))
+              for g in gens]
+    return (logp + torch.stack(gumbel)).argmax(-1)
 
 
 def _entropy(logp: torch.Tensor) -> torch.Tensor:
     """Entropy of each row's distribution, row by row (as ``_gumbel_max_sample``, for exp)."""
-    terms = torch.empty_like(logp)
-    for row, term in zip(logp, terms, strict=True):
-        for lp, t in zip(row.split(SERIAL_ELEMENTS), term.split(SERIAL_ELEMENTS), strict=True):
-            p = lp.exp()
-            torch.mul(p, lp.masked_fill(p == 0, 0.0), out=t)
-    return torch.stack([-t.sum() for t in terms])  # whole-row sums: the same order as before
+    out = []
+    for row in logp:
+        p = row.exp()
+        out.append(-(p * row.masked_fill(p == 0, 0.0)).sum())
+    return torch.stack(out)
 
 
 class HFPolicy:
