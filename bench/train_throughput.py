@@ -50,8 +50,12 @@ Each agentrl row is then run once per ``--precisions`` (``fp32``; ``bf16`` is
   probe's peak of the same dtype;
 - ``decode_tokens_per_s`` and ``decode_frac_of_bound``: generation reads every
   weight once per decode step, so one step cannot beat
-  ``weight_bytes / bandwidth``; the fraction is that bound's time over the
-  measured time per decode step (1.0 would be at the bound).
+  ``weight_bytes / bandwidth``, nor ``2 * N * rows`` FLOP at the fp32 matmul
+  peak (sampling runs in fp32); the bound is the larger of the two
+  (``decode_bound``: ``bandwidth`` or ``compute``), and the fraction is its
+  time over the measured time per decode step (1.0 would be at the bound). At
+  16 rows on 2 cores the compute bound is the larger one. Key/value-cache reads
+  are left out: they matter at long prompts (docs/benchmark-notes.md).
 
 ``--no-trl`` keeps the TRL rows of the JSON it overwrites, marked
 ``"previous_run": true`` with that run's load and its own agentrl rows (the
@@ -329,7 +333,11 @@ def summarize_agentrl(a: dict, limits: dict | None = None) -> dict:
                "decode_tokens_per_s": s["completion_tokens"] / gen}
         if limits:
             out["frac_of_peak"] = gflops / limits["matmul_peak_gflops"][a["precision"]]
-            out["decode_bound_step_s"] = a["weight_bytes"] / (limits["copy_bandwidth_gbs"] * 1e9)
+            bounds = {"bandwidth": a["weight_bytes"] / (limits["copy_bandwidth_gbs"] * 1e9),
+                      "compute": 2 * a["matmul_params"] * a["decode_batch"]
+                      / (limits["matmul_peak_gflops"]["fp32"] * 1e9)}
+            out["decode_bound"] = max(bounds, key=bounds.get)
+            out["decode_bound_step_s"] = bounds[out["decode_bound"]]
             out["decode_frac_of_bound"] = out["decode_bound_step_s"] / step_s
     return {**out, "gen_s": gen, "score_s": score, "update_s": upd, "step_s": gen + score + upd,
             "update_tokens_per_s": tok_s,
@@ -474,7 +482,7 @@ def main() -> None:
         for key, x in r["summary"].items():
             if isinstance(x, dict) and "frac_of_peak" in x:
                 print(f"{key:<18}{x['update_tokens_per_s']:>11.0f}{x['update_gflops']:>9.0f}"
-                      f"{x['frac_of_peak']:>9.0%}{x['decode_tokens_per_s']:>11.0f}{x['decode_frac_of_bound']:>10.0%}")
+                      f"{x['frac_of_peak']:>9.0%}{x['decode_tokens_per_s']:>11.0f}{x['decode_frac_of_bound']:>10.0%} ({x['decode_bound']})")
     print(f"load average before {load_before}, after {report['loadavg_after']}; wrote {args.out}")
 
 
