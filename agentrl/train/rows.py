@@ -334,7 +334,7 @@ def lay_allowed(samples: list[Sample], members: list[int], places: list[list[int
     return out.view(shape[0], shape[1], -1).to(device)
 
 
-def padding_is_cheaper(lengths: list[int], config: Any, head_positions: list[set[int]] | None = None) -> bool:
+def padding_is_cheaper(lengths: list[int], config: Any) -> bool:
     """Whether ``len(lengths)`` padded rows cost fewer FLOPs than one packed row of the same tokens.
 
     A packed row needs a dense block-causal mask, and attention kernels run
@@ -342,11 +342,11 @@ def padding_is_cheaper(lengths: list[int], config: Any, head_positions: list[set
     masked. Padded rows run ``n * T**2`` pairs but ``n * T`` tokens through
     the linear layers, ``T`` the longest. Estimate per layer: ``2 * d * (2d +
     2 kv + 3 ffn)`` FLOPs a token for the projections and MLP, ``4 * d`` a
-    query-key pair. The vocabulary head (``2 * d * V`` a position) runs on one
-    set of positions for all rows (``token_logprobs``): packed, each sample's
-    own ``head_positions``; padded, their union in every row. Measured on
-    SmolLM2-135M, 16 episodes of 78 tokens: forward+backward 9.8 s padded,
-    14.0 s packed.
+    query-key pair. The vocabulary head runs on the kept tokens' hidden states
+    only, in either layout (``logprobs.token_scores``), so it costs the same in
+    both and is left out. Measured on SmolLM2-135M, 16 episodes of 78 tokens:
+    forward+backward 9.8 s padded, 14.0 s packed (before the head ran on kept
+    tokens only).
     """
     d = int(getattr(config, "hidden_size", 0) or 0)
     if d == 0 or len(lengths) == 1:
@@ -356,13 +356,9 @@ def padding_is_cheaper(lengths: list[int], config: Any, head_positions: list[set
     ffn = int(getattr(config, "intermediate_size", 4 * d) or 4 * d)
     layers = int(getattr(config, "num_hidden_layers", 1) or 1)
     per_token, per_pair = layers * 2 * d * (2 * d + 2 * kv + 3 * ffn), layers * 4 * d
-    per_head = 2 * d * int(getattr(config, "vocab_size", 0) or 0)
     total, n, width = sum(lengths), len(lengths), max(lengths)
     packed = total * per_token + total**2 * per_pair
     padded = n * width * per_token + n * width**2 * per_pair
-    if head_positions is not None:
-        packed += per_head * sum(len(p) for p in head_positions)
-        padded += per_head * n * len(set().union(*head_positions))
     return padded < packed
 
 
@@ -403,9 +399,8 @@ def _row(samples: list[Sample], row: PackedRow, pad_id: int, device: torch.devic
                tokens=len(row.input_ids), allowed=allowed)
 
 
-def _padded(net: torch.nn.Module, row: PackedRow, samples: list[Sample]) -> bool:
-    heads = [{t - 1 for t, m in enumerate(samples[i].mask) if m and t > 0} for i in row.seq_index]
-    return padding_is_cheaper([end - start for start, end in row.spans], net.config, heads)
+def _padded(net: torch.nn.Module, row: PackedRow) -> bool:
+    return padding_is_cheaper([end - start for start, end in row.spans], net.config)
 
 
 def episode_rows(net: torch.nn.Module, samples: list[Sample], idx: list[int], max_tokens: int, pad_id: int,
@@ -420,7 +415,7 @@ def episode_rows(net: torch.nn.Module, samples: list[Sample], idx: list[int], ma
     for packed in packed_rows:
         packed.seq_index = [idx[j] for j in packed.seq_index]
     for packed in packed_rows:
-        row = _row(samples, packed, pad_id, next(net.parameters()).device, fields, _padded(net, packed, samples))
+        row = _row(samples, packed, pad_id, next(net.parameters()).device, fields, _padded(net, packed))
         row.share = (int(row.mask.sum()) if per_token else len(packed.spans)) / max(total, 1)
         row.rate_share = row.share
         yield row
