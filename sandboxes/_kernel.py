@@ -132,13 +132,20 @@ def collect(pid, r_out, r_err, r_st, timeout, limit):
     truncated, status, timed_out, cancelled = False, b"", False, False
     open_fds = [r_out, r_err, r_st]
     deadline = time.monotonic() + timeout
+    listen = True  # for a cancel; never once C has reported
     while r_st in open_fds:
         left = deadline - time.monotonic()
         if left <= 0:
             timed_out = True
             kill_group(pid)
             break
-        ready, _, _ = select.select([*open_fds, PROTO_IN], [], [], left)
+        ready, _, _ = select.select([*open_fds, *([PROTO_IN] if listen else [])], [], [], left)
+        if PROTO_IN in ready and (r_st in ready or select.select([r_st], [], [], 0)[0]):
+            # C has reported (it promotes) or died: what the host sends now is for the kernel
+            # to read (a cancel acknowledged, or the next request once it was), not for K.
+            # Taking it here would kill a C that already holds the snippet's kept state.
+            listen = False
+            ready.remove(PROTO_IN)
         if PROTO_IN in ready:  # only a cancel arrives mid-snippet; K stays the kernel
             try:
                 chunk = os.read(PROTO_IN, 1 << 16)

@@ -138,3 +138,26 @@ async def test_cancels_at_any_moment_keep_replies_and_history_in_step(built, int
         for code, timeout in interp.history:
             await fresh.execute(code, timeout)
         assert (await fresh.execute("n")).stdout == n
+
+
+async def test_a_snippet_that_finished_keeps_its_state_when_cancels_and_requests_race_the_kernel():
+    """A cancel that arrives as a snippet finishes races two processes for the input pipe: the
+    old kernel K (still collecting) and the child C that now holds the snippet's state. K once
+    took the host's next request for a cancel and killed C, so the history said the snippet was
+    kept while the kernel had lost it (3 of 40 such runs on this loaded machine, 0 of 30 on a
+    quieter one: a race, so this catches it in some runs, not every one). Many short runs: the
+    kernel's count of kept increments must equal the history's."""
+    from agentrl.sandboxes import LocalSandbox
+
+    async with LocalSandbox() as sandbox:
+        for r in range(40):
+            async with PythonInterpreter(sandbox) as interp:
+                rng = random.Random(r)
+                await interp.execute("n = 0")
+                for _ in range(20):
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(interp.execute("import time\ntime.sleep(0.005)\nn += 1"),
+                                               rng.uniform(0, 0.02))
+                    await interp.execute("pass")
+                kept = sum("n += 1" in code for code, _ in interp.history)
+                assert (await interp.execute("n")).stdout == f"{kept}\n", f"run {r}"
