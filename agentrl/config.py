@@ -94,6 +94,27 @@ def moved_keys(data: Any, moves: dict[str, str], section: str) -> Any:
     return data
 
 
+def folded_options(data: Any, section: str, key: str, default: str) -> Any:
+    """``data`` (a mapping about to be validated as ``section``) with the old form, ``key: NAME``
+    beside ``key_options: {...}``, as the new one, ``key: {name: NAME, <option>: <value>}``, and a
+    ``FutureWarning`` naming the new key: the old form keeps working for one release. ``default``
+    is the name when only the options are given."""
+    old = f"{key}_options"
+    if not isinstance(data, dict) or old not in data:
+        return data
+    data = dict(data)
+    options, name = data.pop(old) or {}, data.get(key, default)
+    if not isinstance(name, str):
+        raise ValueError(f"{section}.{old} is the old place of the options in "
+                         f"{section}.{key}: give only {section}.{key}")
+    if not isinstance(options, dict):
+        raise ValueError(f"{section}.{old}: must be a mapping")
+    warnings.warn(f"{section}.{old} is deprecated and will be removed in the next release: "
+                  f"use {section}.{key}: {{name: {name}, <option>: <value>}}", FutureWarning, stacklevel=3)
+    data[key] = {"name": name, **options}
+    return data
+
+
 class SamplingConfig(_Strict):
     temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass kept.")
@@ -214,20 +235,11 @@ class RolloutConfig(_Strict):
     def _fold_allocator_options(cls, data: Any) -> Any:
         """The old form, ``allocator: NAME`` beside ``allocator_options: {...}``, as the
         new one, with a ``FutureWarning``: it keeps working for one release."""
-        if not isinstance(data, dict) or "allocator_options" not in data:
-            return data
-        data = dict(data)
-        options, name = data.pop("allocator_options") or {}, data.get("allocator", "independent")
-        if not isinstance(name, str):
-            raise ValueError("rollout.allocator_options is the old place of the options in "
-                             "rollout.allocator: give only rollout.allocator")
-        if not isinstance(options, dict):
-            raise ValueError("rollout.allocator_options: must be a mapping")
-        warnings.warn("rollout.allocator_options is deprecated and will be removed in the next release: "
-                      f"use rollout.allocator: {{name: {name}, <option>: <value>}}", FutureWarning, stacklevel=2)
-        if name == "independent" and "n" in options and options["n"] is None:
-            options = {**options, "n": "all"}  # the old null: the whole budget, spread
-        data["allocator"] = {"name": name, **options}
+        old = isinstance(data, dict) and isinstance(data.get("allocator_options"), dict)
+        data = folded_options(data, "rollout", "allocator", "independent")
+        spec = data.get("allocator") if old else None
+        if spec and spec["name"] == "independent" and "n" in spec and spec["n"] is None:
+            data["allocator"] = {**spec, "n": "all"}  # the old null: the whole budget, spread
         return data
 
     @field_validator("allocator", mode="before")

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ..config import Config, _Strict, load_config, moved_keys, renamed_keys
+from ..config import Config, _Strict, folded_options, load_config, moved_keys, renamed_keys
 from ..credit_options import CreditOptions, GRPOOptions, credit_spec
 from ..evaluation import EvaluationConfig
 from .distill.config import DistillConfig
@@ -55,11 +55,9 @@ for one release, with a ``FutureWarning`` naming the new path."""
 
 
 def fold_credit_options(data: Any) -> Any:
-    """``data`` (a ``train`` mapping) with the old form, ``credit: NAME`` beside
-    ``credit_options: {...}``, as the new one, with a ``FutureWarning``: it keeps working for
-    one release."""
-    if not isinstance(data, dict) or "credit_options" not in data:
-        return data
+    """``data`` (a ``train`` mapping) with the old ``credit: NAME`` beside ``credit_options:
+    {...}`` as ``credit: {name: NAME, ...}``, with a ``FutureWarning``, for one release."""
+    return folded_options(data, "train", "credit", "grpo")
     data = dict(data)
     options, name = data.pop("credit_options") or {}, data.get("credit", "grpo")
     if not isinstance(name, str):
