@@ -18,7 +18,9 @@ Process layout and state semantics ("fork and promote"):
          └─ child C: forked per snippet, runs it in its own process group
 
 If C finishes the snippet (also with an exception or ``sys.exit``), C *becomes*
-the kernel, keeping every change the snippet made, and K exits. If C dies
+the kernel, keeping every change the snippet made, and K exits. C waits for K to
+exit before it reads a request, so exactly one process reads the protocol pipe at
+any moment: a cancel that K takes always reaches the process that acts on it. If C dies
 (``os._exit``, a signal, a segfault) or passes its timeout (K kills C's whole
 process group), K stays the kernel: the state is exactly as before the snippet.
 """
@@ -45,11 +47,7 @@ _last = [None, False]  # the id of the last request run, and whether its changes
 def read_request():
     while True:
         while b"\n" not in _buf[0]:
-            select.select([PROTO_IN], [], [])
-            try:
-                chunk = os.read(PROTO_IN, 1 << 16)
-            except BlockingIOError:  # another process of the chain read it first
-                continue
+            chunk = os.read(PROTO_IN, 1 << 16)
             if not chunk:
                 return None
             _buf[0] += chunk
@@ -95,8 +93,8 @@ def run_snippet(code, ns):
         return 1
 
 
-def child_runs(code, w_out, w_err, w_st, ns):
-    """In C: run the snippet, then become the kernel (return to the loop)."""
+def child_runs(code, w_out, w_err, w_st, r_go, ns):
+    """In C: run the snippet, report, wait for K's hand-over, then become the kernel."""
     os.setpgid(0, 0)
     os.dup2(w_out, 1)
     os.dup2(w_err, 2)
@@ -117,6 +115,11 @@ def child_runs(code, w_out, w_err, w_st, ns):
     os.close(null)
     os.write(w_st, json.dumps({"exit_code": exit_code}).encode())
     os.close(w_st)
+    # K either replies and exits (the pipe's write end closes: C is the kernel now) or
+    # kills this process group, if a cancel reached it first.
+    while os.read(r_go, 1):
+        pass
+    os.close(r_go)
 
 
 def kill_group(pid):
@@ -132,32 +135,21 @@ def collect(pid, r_out, r_err, r_st, timeout, limit):
     truncated, status, timed_out, cancelled = False, b"", False, False
     open_fds = [r_out, r_err, r_st]
     deadline = time.monotonic() + timeout
-    listen = True  # for a cancel; never once C has reported
     while r_st in open_fds:
         left = deadline - time.monotonic()
         if left <= 0:
             timed_out = True
             kill_group(pid)
             break
-        ready, _, _ = select.select([*open_fds, *([PROTO_IN] if listen else [])], [], [], left)
-        if PROTO_IN in ready and (r_st in ready or select.select([r_st], [], [], 0)[0]):
-            # C has reported (it promotes) or died: what the host sends now is for the kernel
-            # to read (a cancel acknowledged, or the next request once it was), not for K.
-            # Taking it here would kill a C that already holds the snippet's kept state.
-            listen = False
-            ready.remove(PROTO_IN)
+        ready, _, _ = select.select([*open_fds, PROTO_IN], [], [], left)
         if PROTO_IN in ready:  # only a cancel arrives mid-snippet; K stays the kernel
-            try:
-                chunk = os.read(PROTO_IN, 1 << 16)
-            except BlockingIOError:  # C promoted and read it first; C acknowledges it
-                chunk = None
-            if chunk is not None:
-                kill_group(pid)
-                if not chunk:  # the host is gone
-                    os._exit(0)
-                _buf[0] += chunk
-                cancelled = True
-                break
+            chunk = os.read(PROTO_IN, 1 << 16)  # K is the pipe's only reader until it exits
+            kill_group(pid)  # C may have reported already: it waits for K, so it loses the race
+            if not chunk:  # the host is gone
+                os._exit(0)
+            _buf[0] += chunk
+            cancelled = True
+            break
         for fd in ready:
             chunk = os.read(fd, 1 << 16)
             if not chunk:
@@ -205,19 +197,24 @@ def kernel(ns):
         r_out, w_out = os.pipe()
         r_err, w_err = os.pipe()
         r_st, w_st = os.pipe()
+        r_go, w_go = os.pipe()  # K holds the write end until it exits: C's go-ahead
         rnd = sys.modules.get("random")
         seeded = rnd.getstate() if rnd is not None else None
         pid = os.fork()
         if pid == 0:
-            for fd in (r_out, r_err, r_st):
+            for fd in (r_out, r_err, r_st, w_go):
                 os.close(fd)
             if seeded is not None:  # undo random's reseed after fork: cells share one stream
                 rnd.setstate(seeded)
-            child_runs(req["code"], w_out, w_err, w_st, ns)
+            child_runs(req["code"], w_out, w_err, w_st, r_go, ns)
             _last[1] = True
             continue  # C is now the kernel
-        for fd in (w_out, w_err, w_st):
+        for fd in (w_out, w_err, w_st, r_go):
             os.close(fd)
+        try:  # C does this too; doing it here as well means a cancel can never miss C's group
+            os.setpgid(pid, pid)
+        except OSError:
+            pass
         out, err, truncated, status, timed_out, cancelled = collect(
             pid, r_out, r_err, r_st, float(req.get("timeout", 30)), int(req.get("limit", 1 << 20))
         )
@@ -228,6 +225,7 @@ def kernel(ns):
             reply(result)
             os._exit(0)  # C carries on as the kernel
         _, wstatus = os.waitpid(pid, 0)
+        os.close(w_go)
         sig = os.WTERMSIG(wstatus) if os.WIFSIGNALED(wstatus) else 0
         result["exit_code"] = 128 + sig if sig else os.WEXITSTATUS(wstatus)
         result["promoted"] = False
@@ -237,7 +235,6 @@ def kernel(ns):
 def main():
     os.dup2(0, PROTO_IN, inheritable=False)  # fork keeps them; commands a snippet runs do not
     os.dup2(1, PROTO_OUT, inheritable=False)
-    os.set_blocking(PROTO_IN, False)  # K and a just-promoted C may race for one line
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)

@@ -141,12 +141,14 @@ async def test_cancels_at_any_moment_keep_replies_and_history_in_step(built, int
 
 
 async def test_a_snippet_that_finished_keeps_its_state_when_cancels_and_requests_race_the_kernel():
-    """A cancel that arrives as a snippet finishes races two processes for the input pipe: the
-    old kernel K (still collecting) and the child C that now holds the snippet's state. K once
-    took the host's next request for a cancel and killed C, so the history said the snippet was
-    kept while the kernel had lost it (3 of 40 such runs on this loaded machine, 0 of 30 on a
-    quieter one: a race, so this catches it in some runs, not every one). Many short runs: the
-    kernel's count of kept increments must equal the history's."""
+    """A cancel that arrives as a snippet finishes. Once, two processes read the input pipe: the
+    old kernel K (still collecting) and the child C that now held the snippet's state. C took the
+    cancel and acknowledged it as kept, the host sent its next request, and K, paused between its
+    check and its read, took that request for a cancel and killed C: the history said kept, the
+    kernel had lost it (CI hit it once in 40 runs). Now C waits for K to exit before it reads.
+    A race, so this catches it in some runs only; with a 10 ms pause injected at K's read it
+    failed every time on the old kernel and passes on this one. Many short runs: the kernel's
+    count of kept increments must equal the history's."""
     from agentrl.sandboxes import LocalSandbox
 
     async with LocalSandbox() as sandbox:
