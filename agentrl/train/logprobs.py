@@ -26,8 +26,9 @@ backward, and one chunk's temporaries. With SmolLM2's 49,152-token head,
 running the head on kept positions only was measured to cut forward+backward on
 2k tokens from 18.3 s to 10.6 s; picking the hidden states (not slicing
 ``[B, n, V]`` logits, whose backward scattered into a zero tensor of that size)
-and the bf16 backward of the fp32 head (``Fp32Logits``) are the bf16 update's
-two largest savings on CPU (profile in docs/benchmark-notes.md, precision).
+is the bf16 update's largest saving on CPU (profile in docs/benchmark-notes.md,
+precision). The head stays fp32 in its backward too: running that backward in
+bf16 bought no SFT speed and cost learning (``fp32_head``).
 
 A turn sampled under ``rollout.constrain: admissible`` is scored under the
 same constraint: ``allowed`` lists each such token's allowed ids (the
@@ -182,9 +183,11 @@ def fp32_head(model: Any) -> Iterator[None]:
     0.125, so the trainer's log-probs of the sampled tokens drift from the
     sampler's (fp32) by up to a few hundredths of a nat, and PPO's ratio at step
     0 is no longer 1 (``bench/precision.json``). The body keeps its bf16
-    matmuls; the head, one matmul of the whole model, goes back to fp32 in the
-    forward. Its backward (a plain ``nn.Linear`` head: ``Fp32Logits``) runs in
-    bf16, as autocast's backward of every other matmul does. Outside autocast
+    matmuls; the head, one matmul of the whole model, runs in fp32, forward and
+    backward. A bf16 backward of the head (as autocast does for every other
+    matmul) was tried: the 128-episode ALFWorld SFT ran at the same speed (362
+    against 382 tokens/s) and learned worse on the same seed (final NLL 0.047
+    against 0.036, held-out success 0.453 against 0.688). Outside autocast
     (sampling, fp32 training) this changes nothing.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -196,46 +199,13 @@ def fp32_head(model: Any) -> Iterator[None]:
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
-            if type(head) is torch.nn.Linear:
-                return Fp32Logits.apply(x.float(), head.weight, head.bias)
-            return plain(head, x.float())  # a wrapped head (LoRA on it): its own fp32 forward and backward
+            return plain(head, x.float())
 
     head.forward = forward  # an instance attribute, removed on the way out
     try:
         yield
     finally:
         del head.forward
-
-
-class Fp32Logits(torch.autograd.Function):
-    """``x @ weight.T + bias`` in fp32; the backward's two products in bf16, their results fp32.
-
-    Mixed precision (Micikevicius et al. 2018) keeps fp32 master weights and
-    runs the forward and backward products in half precision. The logits are
-    the one output kept fp32 (``fp32_head``); their gradients need no more
-    than any other layer's, so the backward does what autocast does for a bf16
-    matmul. On a CPU whose bf16 matmuls are ~4x its fp32 ones this takes two
-    of the head's three ``[tokens x hidden x vocab]`` products to bf16 speed.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return torch.nn.functional.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        g = grad.to(torch.bfloat16)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (g @ weight.to(torch.bfloat16)).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = (g.flatten(0, -2).T @ x.flatten(0, -2).to(torch.bfloat16)).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad.flatten(0, -2).sum(0)
-        return grad_x, grad_w, grad_b
 
 
 def _gather_logprobs(logits: torch.Tensor, wanted: torch.Tensor, temperature: float,
