@@ -10,8 +10,10 @@ calls ``evaluate_held_out`` at the start, after SFT, every
 ``train.evaluation.every`` steps and at the end: one episode on each held-out
 task seed (``held_out_seeds``), and the metrics ``eval/success``,
 ``eval/reward``, ``eval/turns``, ``eval/failed``, ``time/eval_s`` (and
-``eval/invalid_action_frac`` where the env reports invalid actions). Rates
-are over the episodes that did not fail (``agentrl.rollout.summarize``).
+``eval/invalid_action_frac`` where the env reports invalid actions). As on a
+whole split, a failed episode counts as not solved (reward 0): the rates cover
+every held-out seed, so a crashing env cannot raise them, and the trainer's
+number and ``agentrl eval``'s agree; ``eval/failed`` counts the failures.
 
 **On a whole split** (``evaluate_split``; the command is ``agentrl.eval_cli``).
 Every task of the split once: an env that knows how many tasks its
@@ -125,7 +127,10 @@ def evaluate_held_out(policy: Any, cfg: Config, ev: EvaluationConfig,
                                     on_episode_done=on_episode_done)
     s = summarize(trees, time.perf_counter() - t0)
     frac = s.get("invalid_action_frac")
-    return {"eval/success": s["success_rate"], "eval/reward": s["mean_reward"],
+    episodes = [ep for t in trees for ep in t.episodes()]
+    n = max(len(episodes), 1)
+    return {"eval/success": sum(ep.success and not ep.error for ep in episodes) / n,
+            "eval/reward": sum(0.0 if ep.error else ep.total_reward for ep in episodes) / n,
             "eval/turns": s["mean_turns"], "eval/failed": s["failed_episodes"],
             "time/eval_s": s["wall_s"], **({} if frac is None else {"eval/invalid_action_frac": frac})}
 

@@ -118,7 +118,8 @@ def test_whole_split_by_family_with_failures_counted(tokenizer):
 def test_held_out_evaluation_plays_one_episode_a_seed_whatever_the_training_budget(tokenizer):
     """The trainer's evaluation: one episode on each held-out seed, with the eval env kwargs and
     temperature, even when training counts its budget in turns (that budget once cut the
-    evaluation to no episode at all); failed episodes are counted, not scored."""
+    evaluation to no episode at all); a failed episode counts as not solved, as on a whole split
+    (it was once left out, so a crashing env raised the trainer's rate above agentrl eval's)."""
     cfg = Config.model_validate({"env": {"id": "agentrl/TestEvalSplit-v0"},
                                  "rollout": {"group_size": 4, "budget_unit": "turns", "budget": 2}})
     ev = EvaluationConfig(episodes=3, seed_start=1, temperature=0.0, env_kwargs={"split": "b"})
@@ -134,8 +135,8 @@ def test_held_out_evaluation_plays_one_episode_a_seed_whatever_the_training_budg
 
     got = evaluate_held_out(MockPolicy(tokenizer, _say_the_number), cfg, ev, collect_fn=collect_fn)
     assert played == [({"split": "b"}, 0.0, [1, 2, 3])]
-    # seed 1 won, seed 2 wants "never" (lost), seed 3 crashed: success over the 2 that did not fail
-    assert (got["eval/success"], got["eval/reward"], got["eval/failed"]) == (0.5, 0.5, 1)
+    # seed 1 won, seed 2 wants "never" (lost), seed 3 crashed: 1 of the 3 seeds solved
+    assert (got["eval/success"], got["eval/reward"], got["eval/failed"]) == (1 / 3, 1 / 3, 1)
     assert got["eval/turns"] == 1.0 and set(got) == {"eval/success", "eval/reward", "eval/turns",
                                                       "eval/failed", "time/eval_s"}
 

@@ -140,7 +140,8 @@ def _sft(learner: Learner, start_bar: StartBar | None) -> dict[str, Any]:
     n_steps = s.epochs * math.ceil(len(samples) / s.minibatch_size)
     scheduler = make_scheduler(optimizer, cfg.train.optimizer, n_steps)
     advance = start_bar("sft", n_steps, "") if start_bar is not None else None
-    nll_before = _mean_nll(learner, samples)
+    probe = samples[:s.nll_episodes]
+    nll_before = _mean_nll(learner, probe)
     t1 = time.perf_counter()
     st = train_on_samples(learner.model, optimizer, scheduler, samples, StepLoss(), fields=(),
                           epochs=s.epochs, minibatch_size=s.minibatch_size,
@@ -153,7 +154,7 @@ def _sft(learner: Learner, start_bar: StartBar | None) -> dict[str, Any]:
     sync_policy(learner.policy, learner.model)
     return {"sft/episodes": len(samples), "sft/tasks": len(seeds),
             "sft/action_tokens": sum(x.n_action for x in samples),
-            "sft/nll_before": nll_before, "sft/nll_after": _mean_nll(learner, samples),
+            **({"sft/nll_before": nll_before, "sft/nll_after": _mean_nll(learner, probe)} if probe else {}),
             "sft/optimizer_steps": st["train/optimizer_steps"],
             "sft/tokens_per_s": st["train/tokens"] / max(wall, 1e-9),
             "time/sft_build_s": build_s, "time/sft_s": wall}

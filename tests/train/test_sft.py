@@ -207,3 +207,22 @@ def test_sft_refuses_an_env_whose_only_expert_is_privileged(tokenizer):
         expert_tree(cfg.env.id, tokenizer, cfg, seed=0)
     tree = expert_tree(cfg.env.id, tokenizer, cfg, seed=0, expert="oracle")
     assert [n.action_text for n in tree.nodes.values()] == ["secret"] and tree.meta["expert_success"]
+
+
+@pytest.mark.parametrize("nll_episodes", [0, 3])
+def test_sft_nll_diagnostics_score_the_first_nll_episodes_or_none(tmp_path, nll_episodes):
+    """``sft.nll_episodes`` bounds the two NLL passes (each a forward pass: 55 s of the 15-minute
+    ALFWorld run over all 128 episodes); 0 leaves the diagnostics out, and training is the same."""
+    torch.set_num_threads(1)
+    args = ["sft", "--no-progress", "--out", str(tmp_path), "--episodes", "6"]
+    for item in [*SFT_RUN, "sft.epochs=1", "train.evaluation.episodes=1", f"sft.nll_episodes={nll_episodes}"]:
+        args += ["--set", item]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    sft = next(r for r in rows if r["phase"] == "sft")
+    assert sft["sft/episodes"] == 6 and sft["sft/optimizer_steps"] == 1
+    if nll_episodes == 0:
+        assert "sft/nll_before" not in sft and "sft/nll_after" not in sft
+    else:
+        assert sft["sft/nll_before"] > sft["sft/nll_after"] > 0.0  # one step at lr 5e-3 lowers it
