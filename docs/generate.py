@@ -322,9 +322,12 @@ def benchmarks_page() -> str:
                     "<!-- docs-test: skip -- a benchmark takes minutes; tests/test_bench_smoke.py runs them --quick -->",
                     "```bash", f"python bench/{script.name}", "```", ""]
         elif path.stem == "make_run":
-            out += ["The record of `make run` (the Makefile's main job) and the runs before it.", ""]
+            out += ["The record of `make run` (the Makefile's main job), with its RL seeds.", ""]
+        elif path.stem == "make_run_guess_number":
+            out += ["The record of `make run-guess-number` (GuessNumber, `make run` before it moved to "
+                    "ALFWorld-style tasks) and the runs before it.", ""]
         elif path.stem == "make_run_alfworld":
-            out += ["The record of `make run-alfworld` (the Makefile's ALFWorld-style job), with its RL seeds.", ""]
+            out += ["The record of `make run-alfworld` when it was a separate 9-step fp32 job, with its RL seeds.", ""]
         else:
             out += [f"Recorded by hand; no bench script writes `{path.name}`.", ""]
         if path.stem in notes:
