@@ -36,7 +36,6 @@ __all__ = [
     "apply_overrides",
     "load_config",
     "moved_keys",
-    "renamed_keys",
 ]
 
 
@@ -47,27 +46,10 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-def renamed_keys(data: Any, renames: dict[str, str], section: str) -> Any:
-    """``data`` (a mapping about to be validated as ``section``) with each old key of ``renames``
-    moved to its new name, and a ``FutureWarning`` naming both: an old name keeps working for
-    one release. Giving both names is an error (which one would win is not obvious)."""
-    if not isinstance(data, dict) or not any(old in data for old in renames):
-        return data
-    data = dict(data)
-    for old, new in renames.items():
-        if old not in data:
-            continue
-        if new in data:
-            raise ValueError(f"{section}.{old} is the old name of {section}.{new}: give only {new}")
-        warnings.warn(f"{section}.{old} is deprecated and will be removed in the next release: "
-                      f"use {section}.{new}", FutureWarning, stacklevel=2)
-        data[new] = data.pop(old)
-    return data
-
-
 def moved_keys(data: Any, moves: dict[str, str], section: str) -> Any:
     """``data`` (a mapping about to be validated as ``section``) with each old key of ``moves``
-    moved to its new place, a dotted path into a sub-section (``eval_every`` to
+    moved to its new place: a new name in the same section (``max_staleness`` to
+    ``max_token_staleness``) or a dotted path into a sub-section (``eval_every`` to
     ``evaluation.every``), and a ``FutureWarning`` naming both: an old key keeps working for
     one release. Giving both is an error (which one would win is not obvious)."""
     if not isinstance(data, dict) or not any(old in data for old in moves):
@@ -87,7 +69,8 @@ def moved_keys(data: Any, moves: dict[str, str], section: str) -> Any:
             cur[key] = sub = dict(sub)
             cur = sub
         if leaf in cur:
-            raise ValueError(f"{section}.{old} is the old place of {section}.{new}: give only {section}.{new}")
+            word = "place" if parents else "name"
+            raise ValueError(f"{section}.{old} is the old {word} of {section}.{new}: give only {section}.{new}")
         warnings.warn(f"{section}.{old} is deprecated and will be removed in the next release: "
                       f"use {section}.{new}", FutureWarning, stacklevel=2)
         cur[leaf] = data.pop(old)

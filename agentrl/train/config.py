@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ..config import Config, _Strict, folded_options, load_config, moved_keys, renamed_keys
+from ..config import Config, _Strict, folded_options, load_config, moved_keys
 from ..credit_options import CreditOptions, GRPOOptions, credit_spec
 from ..evaluation import EvaluationConfig
 from .distill.config import DistillConfig
@@ -135,7 +135,7 @@ class AsyncConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _old_names(cls, data: Any) -> Any:
-        return renamed_keys(data, {"max_staleness": "max_batch_staleness"}, "train.asynchronous")
+        return moved_keys(data, {"max_staleness": "max_batch_staleness"}, "train.asynchronous")
 
 
 class TrainConfig(_Strict):

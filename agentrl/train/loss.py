@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from ..config import renamed_keys
+from ..config import moved_keys
 from .m2po import m2po_mask, m2po_token_loss, m2po_trust_region
 
 __all__ = [
@@ -366,7 +366,7 @@ class PolicyLossConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _old_names(cls, data: Any) -> Any:
-        return renamed_keys(data, {"max_staleness": "max_token_staleness"}, "train.loss")
+        return moved_keys(data, {"max_staleness": "max_token_staleness"}, "train.loss")
 
     @field_validator("kl_estimator")
     @classmethod

@@ -35,14 +35,19 @@ class Forks:
         return []
 
 
-def test_constrained_turns_spell_admissible_actions_and_keep_them_through_a_save(tokenizer, tiny_model, tmp_path):
-    cfg = load_config(overrides=[*ALFWORLD, "rollout.constrain=admissible"])
+def _constrained_rollouts(tokenizer, tiny_model, *overrides):
+    """Constrained ALFWorld trees from the tiny model (with segment forks), and their whole turns."""
+    cfg = load_config(overrides=[*ALFWORLD, "rollout.constrain=admissible", *overrides])
     engine = Engine(HFPolicy(tiny_model, tokenizer), cfg, "agentrl/ALFWorld-v0")
     try:
         trees = asyncio.run(engine.run([0, 1], Forks(), Budget(6)))
     finally:
         engine.close()
-    turns = [n for t in trees for n in t.nodes.values() if not n.partial]
+    return trees, [n for t in trees for n in t.nodes.values() if not n.partial]
+
+
+def test_constrained_turns_spell_admissible_actions_and_keep_them_through_a_save(tokenizer, tiny_model, tmp_path):
+    trees, turns = _constrained_rollouts(tokenizer, tiny_model)
     assert turns and not any(n.error for n in turns)
     for n in turns:
         assert n.admissible, "every ALFWorld turn has a list"
@@ -63,18 +68,13 @@ def test_constrained_turns_spell_admissible_actions_and_keep_them_through_a_save
 
 def test_a_stop_string_inside_an_admissible_action_does_not_cut_it(tokenizer, tiny_model):
     """sampling.stop applies to free turns only: " " would end "go to cabinet 1" after "go"."""
-    cfg = load_config(overrides=[*ALFWORLD, "rollout.constrain=admissible", "sampling.stop=[' ']"])
-    engine = Engine(HFPolicy(tiny_model, tokenizer), cfg, "agentrl/ALFWorld-v0")
-    try:
-        trees = asyncio.run(engine.run([0, 1], Forks(), Budget(6)))
-    finally:
-        engine.close()
-    turns = [n for t in trees for n in t.nodes.values() if not n.partial]
+    _, turns = _constrained_rollouts(tokenizer, tiny_model, "sampling.stop=[' ']")
     assert turns and not any(n.error for n in turns)
     assert any(" " in n.action_text for n in turns)
     for n in turns:
         assert n.action_text in n.admissible and n.finish_reason == "stop"
         assert n.info["invalid_action"] is False
+
 
 def test_without_constrain_turns_sample_freely_and_record_no_list(tokenizer, tiny_model):
     cfg = load_config(overrides=[*ALFWORLD, "rollout.episodes=1", "rollout.max_turns=2"])
