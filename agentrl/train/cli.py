@@ -226,8 +226,8 @@ def sft(
     t0 = time.perf_counter()
     try:
         cfg = _load(config, set_, extra)
-        if cfg.sft.episodes == 0 and not cfg.sft.task_seeds:
-            raise typer.BadParameter("set sft.episodes (or --episodes) above 0")
+        if not cfg.sft.enabled:
+            raise typer.BadParameter("set sft.episodes (or --episodes) above 0, or sft.levels")
         summary = run_train(cfg, overwrite=overwrite, progress=progress, console=console)
     except AgentRLError as e:
         console.print(f"[bold red]error:[/] {e}", highlight=False)

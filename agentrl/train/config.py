@@ -20,6 +20,7 @@ from pydantic import Field, field_validator, model_validator
 from ..config import Config, _Strict, folded_options, load_config, moved_keys
 from ..credit_options import CreditOptions, GRPOOptions, credit_spec
 from ..evaluation import EvaluationConfig
+from .curriculum import CurriculumStage, SFTLevel
 from .distill.config import DistillConfig
 from .loss import PolicyLossConfig
 from .value import ValueHeadConfig
@@ -151,6 +152,10 @@ class TrainConfig(_Strict):
     task_seeds: list[int] | None = Field(
         None, description="A fixed pool of training task seeds, cycled in order; "
         "overrides task_seed_start (e.g. seeds of one task family).")
+    curriculum: list[CurriculumStage] = Field(
+        default_factory=list, description="Env levels by RL step, in order: [{name, env_kwargs, "
+        "max_turns, steps}, ...]; each stage's env_kwargs are merged over env.kwargs for its steps, "
+        "and the last stage may omit steps (agentrl.train.curriculum). Empty: env.kwargs throughout.")
     seed: int = Field(0, description="Seeds sampling streams, minibatch order and torch init.")
     # -- credit --------------------------------------------------------------------
     credit: CreditOptions = Field(
@@ -234,6 +239,14 @@ class TrainConfig(_Strict):
     def _check(self) -> TrainConfig:
         if self.task_seeds is not None and not self.task_seeds:
             raise ValueError("task_seeds: give at least one seed, or null")
+        for i, stage in enumerate(self.curriculum[:-1]):
+            if stage.steps is None:
+                raise ValueError(f"curriculum.{i}.steps: only the last stage may leave steps out "
+                                 "(it runs to the end); the stages after it would never run")
+        before_last = sum(s.steps or 0 for s in self.curriculum[:-1])
+        if self.curriculum and self.steps and before_last >= self.steps:
+            raise ValueError(f"curriculum: the stages before the last take {before_last} steps, but "
+                             f"train.steps={self.steps}; the last stage would never run")
         if self.harness is not None and not self.harness.strip():
             raise ValueError("harness: give the command that runs one episode, or null")
         if self.value_head is not None and self.credit.name != "gae":
@@ -274,12 +287,17 @@ class SFTConfig(_Strict):
     seed_start: int = Field(0, description="Expert episodes use task seeds seed_start, +1, ...")
     task_seeds: list[int] | None = Field(None, description="Explicit expert task seeds; "
                                          "overrides seed_start and episodes.")
+    levels: list[SFTLevel] = Field(
+        default_factory=list, description="Expert episodes at several env levels, one dataset: "
+        "[{name, env_kwargs, max_turns, episodes}, ...] on consecutive seeds from seed_start "
+        "(agentrl.train.curriculum); in place of episodes and task_seeds. Empty: env.kwargs.")
     epochs: int = Field(2, ge=1, description="Passes over the expert data.")
     lr: float = Field(1e-4, ge=0.0, description="AdamW learning rate.")
     minibatch_size: int = Field(8, ge=1, description="Episodes per optimizer step.")
     max_turns: int | None = Field(None, ge=1, description="Expert turns per episode; "
                                   "null: rollout.max_turns.")
-    nll_episodes: int = Field(32, ge=0, description="How many expert episodes (the first) the "
+    nll_episodes: int = Field(32, ge=0, description="How many expert episodes (evenly spaced over "
+                              "the levels) the "
                               "sft/nll_before and sft/nll_after diagnostics score; each score is a "
                               "forward pass over them (on all 128 of the ALFWorld recipe: 55 s of "
                               "a 15-minute run); 0 skips both.")
@@ -288,6 +306,18 @@ class SFTConfig(_Strict):
         "expert_action(), which acts only on what the agent has seen; oracle, its "
         "oracle_action(), which reads hidden state (a policy of the observations cannot "
         "follow it, so cloning it teaches behaviour the student cannot reproduce).")
+
+    @model_validator(mode="after")
+    def _check(self) -> SFTConfig:
+        if self.levels and (self.episodes or self.task_seeds):
+            raise ValueError("levels gives the expert episodes per level: leave sft.episodes (0) and "
+                             "sft.task_seeds (null) out beside it")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether there are expert episodes to learn from."""
+        return bool(self.episodes or self.task_seeds or self.levels)
 
 
 class TrainRunConfig(Config):

@@ -12,6 +12,7 @@ from rich.console import Console
 
 from ..evaluation import held_out_seeds
 from .config import TrainConfig, TrainRunConfig
+from .curriculum import describe
 
 __all__ = ["print_plan", "run_plan", "step_task_seeds"]
 
@@ -37,7 +38,9 @@ def run_plan(cfg: TrainRunConfig) -> dict[str, Any]:
             "credit": f"{t.credit.name} {t.credit.model_dump(exclude={'name'}, exclude_unset=True) or ''}".strip(),
             "trainable": t.trainable, "lr": t.optimizer.lr,
             "held-out episodes per eval": len(held_out_seeds(t.evaluation)), "output dir": t.output.dir,
-            "trees saved per step": t.output.save_trees}
+            "trees saved per step": t.output.save_trees,
+            **({"curriculum": describe(t.curriculum)} if t.curriculum else {}),
+            **({"sft levels": describe(cfg.sft.levels)} if cfg.sft.levels else {})}
 
 
 def print_plan(console: Console, plan: dict[str, Any]) -> None:

@@ -1,7 +1,8 @@
 """Where a run's trees come from: a step's rollouts, what the allocator did, the trees saved.
 
 One job: the run's sampling side, as functions of the config. ``step_rollouts``
-grows step k's trees (one per task seed of step k, from fresh sampling streams);
+grows step k's trees (one per task seed of step k, from fresh sampling streams, at
+the level of step k's curriculum stage);
 ``allocation_report`` folds a step's branching into the run summary; and
 ``save_trees`` writes the first trees of a step for the viewer. A
 ``RolloutSource`` (an agent harness) replaces the native engine in
@@ -20,6 +21,7 @@ from rich.console import Console
 from ..policy.base import request_seed
 from ..types import RolloutTree, write_trees
 from .config import TrainRunConfig
+from .curriculum import at_level, stage_at
 from .plan import step_task_seeds
 
 __all__ = ["CollectFn", "RolloutSource", "allocation_report", "save_trees", "step_rollouts"]
@@ -55,7 +57,8 @@ def step_rollouts(run_cfg: TrainRunConfig, step: int, policy: Any, advance_bar: 
     ``extra_stats`` (a source's, rollout workers') are logged with them."""
     from ..rollout import collect, summarize
 
-    cfg = run_cfg.model_copy(deep=True)
+    stage = stage_at(run_cfg.train.curriculum, step)
+    cfg = at_level(run_cfg, stage[1] if stage else None).model_copy(deep=True)
     cfg.rollout.seed = request_seed(run_cfg.train.seed, step)  # fresh sampling streams per step
     if max_turns is not None:
         cfg.rollout.max_turns = min(cfg.rollout.max_turns, max_turns)
@@ -70,7 +73,8 @@ def step_rollouts(run_cfg: TrainRunConfig, step: int, policy: Any, advance_bar: 
                    "rollout/action_tokens": s["action_tokens"], "time/rollout_s": s["wall_s"],
                    "rollout/env_steps": s["env_steps"],
                    "rollout/generated_tokens": s["generated_tokens"],
-                   "data/first_task_seed": seeds[0], **_invalid(s, "rollout")}
+                   "data/first_task_seed": seeds[0], **_invalid(s, "rollout"),
+                   **({"data/curriculum_stage": stage[0]} if stage else {})}
 
 
 def allocation_report(name: str, summary: dict[str, Any], step: int, trees: list[RolloutTree],

@@ -13,6 +13,9 @@ The loss is the negative log-likelihood of the action tokens, averaged over
 tokens (``token-mean``; ``loss.row_loss`` with ``StepLoss()``): behaviour
 cloning on the expert's turns only, never on the observations.
 
+With ``sft.levels`` the expert plays several env levels (``agentrl.train.curriculum``),
+each on its own consecutive seeds, and the episodes of all levels are one dataset.
+
 Envs with ``expert_action()``: ALFWorld-v0, WebShop-v0, TextWorld-v0 and
 GuessNumber-v0.
 """
@@ -33,13 +36,14 @@ from ..policy.base import request_seed
 from ..rollout.turns import opening_messages, step_node
 from ..types import Node, RolloutTree
 from .batch import Sample, samples_from_credit, score_old, train_on_samples
+from .curriculum import at_level
 from .loss import StepLoss
 from .model import make_optimizer, make_scheduler, precision, sync_policy
 
 if TYPE_CHECKING:
     from .step import Learner, StartBar
 
-__all__ = ["expert_tree", "expert_trees", "sft_phase", "sft_seeds"]
+__all__ = ["expert_tree", "expert_trees", "sft_level_seeds", "sft_phase", "sft_seeds"]
 
 
 def _expert(env: Any, which: str = "observable") -> str:
@@ -103,9 +107,26 @@ def expert_tree(env_id: str, tokenizer: Any, cfg: Config, seed: int,
 
 
 def sft_seeds(cfg: Any) -> list[int]:
-    """The expert task seeds of ``cfg.sft``: its list, or ``episodes`` seeds from ``seed_start``."""
+    """The expert task seeds of ``cfg.sft``: its list, or its episodes' seeds from ``seed_start``
+    (with ``levels``, all levels' in order: they are consecutive)."""
     s = cfg.sft
-    return list(s.task_seeds) if s.task_seeds else [s.seed_start + i for i in range(s.episodes)]
+    if s.task_seeds:
+        return list(s.task_seeds)
+    n = sum(lv.episodes for lv in s.levels) if s.levels else s.episodes
+    return [s.seed_start + i for i in range(n)]
+
+
+def sft_level_seeds(cfg: Any) -> list[tuple[Any, list[int]]]:
+    """``(config at the level, its seeds)`` for each of ``sft.levels``; one pair of ``cfg`` and
+    ``sft_seeds`` without levels (``agentrl.train.curriculum``)."""
+    seeds = sft_seeds(cfg)
+    if not cfg.sft.levels:
+        return [(cfg, seeds)]
+    out, start = [], 0
+    for lv in cfg.sft.levels:
+        out.append((at_level(cfg, lv), seeds[start:start + lv.episodes]))
+        start += lv.episodes
+    return out
 
 
 def expert_trees(env_id: str, tokenizer: Any, cfg: Any, seeds: list[int],
@@ -129,7 +150,8 @@ def _sft(learner: Learner, start_bar: StartBar | None) -> dict[str, Any]:
     cfg, s = learner.cfg, learner.cfg.sft
     t0 = time.perf_counter()
     seeds = sft_seeds(cfg)
-    trees = expert_trees(cfg.env.id, learner.policy.tokenizer, cfg, seeds)
+    trees = [t for level_cfg, level_seeds in sft_level_seeds(cfg)
+             for t in expert_trees(cfg.env.id, learner.policy.tokenizer, level_cfg, level_seeds)]
     if not trees:
         raise ConfigError(f"sft: the expert won none of the {len(seeds)} tasks; nothing to imitate")
     # An episode's advantages are its loss mask, so SFT samples are RL samples with A = 1.
@@ -140,7 +162,7 @@ def _sft(learner: Learner, start_bar: StartBar | None) -> dict[str, Any]:
     n_steps = s.epochs * math.ceil(len(samples) / s.minibatch_size)
     scheduler = make_scheduler(optimizer, cfg.train.optimizer, n_steps)
     advance = start_bar("sft", n_steps, "") if start_bar is not None else None
-    probe = samples[:s.nll_episodes]
+    probe = samples[::max(1, len(samples) // s.nll_episodes)][:s.nll_episodes] if s.nll_episodes else []
     nll_before = _mean_nll(learner, probe)
     t1 = time.perf_counter()
     st = train_on_samples(learner.model, optimizer, scheduler, samples, StepLoss(), fields=(),

@@ -310,7 +310,7 @@ def train(cfg: TrainRunConfig, *, resume: bool = False, overwrite: bool = False,
     from .sft import sft_phase
 
     out = Path(cfg.train.output.dir)
-    warm = sft_phase if cfg.sft.episodes > 0 or cfg.sft.task_seeds else None
+    warm = sft_phase if cfg.sft.enabled else None
     dry = cfg.train.steps == 0 and warm is None
     if not dry and not resume and latest_checkpoint(out) is not None:
         if not overwrite:

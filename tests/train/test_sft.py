@@ -210,7 +210,7 @@ def test_sft_refuses_an_env_whose_only_expert_is_privileged(tokenizer):
 
 
 @pytest.mark.parametrize("nll_episodes", [0, 3])
-def test_sft_nll_diagnostics_score_the_first_nll_episodes_or_none(tmp_path, nll_episodes):
+def test_sft_nll_diagnostics_score_nll_episodes_of_the_data_or_none(tmp_path, nll_episodes):
     """``sft.nll_episodes`` bounds the two NLL passes (each a forward pass: 55 s of the 15-minute
     ALFWorld run over all 128 episodes); 0 leaves the diagnostics out, and training is the same."""
     torch.set_num_threads(1)

@@ -1,0 +1,89 @@
+"""Curricula: the env's level as a function of the data position.
+
+A level is a set of env keyword overrides (``env_kwargs``, merged over
+``env.kwargs``) and, optionally, its own turn cap (``max_turns``, in place of
+``rollout.max_turns``). ALFWorld-v0's levels, for instance, are its
+``families``, ``max_receptacles`` and ``max_steps``.
+
+- ``train.curriculum`` is a list of stages, played in order: each is a level
+  for ``steps`` RL steps, and the last may leave ``steps`` out to run to the
+  end. Steps past the stages stay at the last one.
+- ``sft.levels`` gives SFT's expert episodes as several levels: ``episodes``
+  tasks each, on consecutive seeds from ``sft.seed_start``. They are one
+  dataset, and each epoch draws its minibatches across all of them.
+
+The stage of step k depends on k alone, as the task seeds do
+(``agentrl.train.plan``): a resumed run, or the asynchronous producer rolling
+out ahead, plays step k at the level of step k. A promotion on rollout success
+would make the level depend on the run's history instead; the logged
+``rollout/success`` per ``data/curriculum_stage`` shows where a stage's
+success stalls, which is what to set its ``steps`` from.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from pydantic import Field
+
+from ..config import Config, _Strict
+
+__all__ = ["CurriculumStage", "Level", "SFTLevel", "at_level", "describe", "stage_at"]
+
+C = TypeVar("C", bound=Config)
+
+
+class Level(_Strict):
+    """Env keyword overrides and a turn cap: one level of an env."""
+
+    name: str | None = Field(None, description="A label for logs and the plan; default: stage N.")
+    env_kwargs: dict[str, Any] = Field(default_factory=dict, description="Env keyword arguments "
+                                       "at this level, merged over env.kwargs.")
+    max_turns: int | None = Field(None, ge=1, description="rollout.max_turns at this level; "
+                                  "null: rollout.max_turns.")
+
+
+class CurriculumStage(Level):
+    """A level for some RL steps (``train.curriculum``)."""
+
+    steps: int | None = Field(None, ge=1, description="RL steps at this level; null (the last "
+                              "stage only): the rest of the run.")
+
+
+class SFTLevel(Level):
+    """Expert episodes at one level (``sft.levels``)."""
+
+    episodes: int = Field(..., ge=1, description="Expert episodes (tasks) at this level.")
+
+
+def at_level(cfg: C, level: Level | None) -> C:
+    """A copy of ``cfg`` with ``level``'s env kwargs and turn cap (``cfg`` itself for None)."""
+    if level is None:
+        return cfg
+    out = cfg.model_copy(deep=True)
+    out.env.kwargs = {**cfg.env.kwargs, **level.env_kwargs}
+    if level.max_turns is not None:
+        out.rollout.max_turns = level.max_turns
+    return out
+
+
+def stage_at(stages: list[CurriculumStage], step: int) -> tuple[int, CurriculumStage] | None:
+    """The stage (its index and itself) that RL step ``step`` (0-based) plays; None without stages."""
+    end = 0
+    for i, stage in enumerate(stages):
+        if stage.steps is None:
+            return i, stage
+        end += stage.steps
+        if step < end:
+            return i, stage
+    return (len(stages) - 1, stages[-1]) if stages else None
+
+
+def describe(levels: list[CurriculumStage] | list[SFTLevel]) -> str:
+    """One line for the plan: ``name (N steps), ...``."""
+    parts = []
+    for i, lv in enumerate(levels):
+        n = getattr(lv, "steps", None) or getattr(lv, "episodes", None)
+        unit = "episodes" if isinstance(lv, SFTLevel) else "steps"
+        parts.append(f"{lv.name or f'stage {i}'} ({f'{n} {unit}' if n else 'the rest'})")
+    return ", ".join(parts)

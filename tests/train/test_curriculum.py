@@ -1,0 +1,97 @@
+"""Curricula (``agentrl.train.curriculum``): the env level of each RL step and of SFT's experts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from agentrl.errors import ConfigError
+from agentrl.policy import MockPolicy
+from agentrl.train import train
+from agentrl.train.config import load_train_config
+from agentrl.train.curriculum import CurriculumStage, stage_at
+from agentrl.train.rollouts import step_rollouts
+from agentrl.train.sft import expert_trees, sft_level_seeds
+
+ALF = ["env.id=agentrl/ALFWorld-v0", "env.kwargs={max_steps: 30}", "rollout.max_turns=30",
+       "rollout.max_context_tokens=4096", "train.micro_batch_tokens=4096", "rollout.group_size=2",
+       "train.tasks_per_step=2", "sampling.max_new_tokens=8"]
+LOOK, HEAT = "look_at_obj_in_light", "pick_heat_then_place_in_recep"
+
+
+def _no_bar(total, label):
+    return lambda *a, **k: None
+
+
+def test_stage_at_follows_each_stage_s_steps_and_the_last_runs_to_the_end():
+    stages = [CurriculumStage(steps=2), CurriculumStage(steps=3), CurriculumStage()]
+    assert [stage_at(stages, k)[0] for k in range(8)] == [0, 0, 1, 1, 1, 2, 2, 2]
+    bounded = [CurriculumStage(steps=1), CurriculumStage(steps=1)]
+    assert [stage_at(bounded, k)[0] for k in range(4)] == [0, 1, 1, 1]  # past the stages: the last
+    assert stage_at([], 3) is None
+
+
+def test_only_the_last_stage_may_leave_steps_out():
+    with pytest.raises(ConfigError, match=r"curriculum\.0\.steps"):
+        load_train_config(None, ["train.steps=5", "train.curriculum=[{env_kwargs: {}}, {steps: 2}]"])
+
+
+def test_stages_that_leave_no_step_to_the_last_fail_naming_the_key():
+    with pytest.raises(ConfigError, match=r"curriculum.*4 steps.*train.steps=4"):
+        load_train_config(None, ["train.steps=4", "train.curriculum=[{steps: 4}, {env_kwargs: {}}]"])
+    with pytest.raises(ConfigError, match=r"curriculum\.0\.bogus"):
+        load_train_config(None, ["train.curriculum=[{bogus: 1}]"])
+
+
+def test_each_step_rolls_out_at_its_stage_s_level(tokenizer):
+    cfg = load_train_config(None, ALF + [
+        "train.steps=3",
+        f"train.curriculum=[{{name: look, steps: 1, env_kwargs: {{families: [{LOOK}]}}}}, "
+        f"{{name: heat, env_kwargs: {{families: [{HEAT}]}}, max_turns: 2}}]"])
+    policy = MockPolicy(tokenizer, ["look"] * 200)
+    seen = []
+    for step in range(3):
+        trees, stats = step_rollouts(cfg, step, policy, _no_bar)
+        families = {n.info["task_type"] for t in trees for n in t.nodes.values()}
+        turns = max(len(ep.nodes) for t in trees for ep in t.episodes())
+        seen.append((stats["data/curriculum_stage"], families, turns))
+    assert seen == [(0, {LOOK}, 30), (1, {HEAT}, 2), (1, {HEAT}, 2)]
+    assert cfg.env.kwargs == {"max_steps": 30} and cfg.rollout.max_turns == 30  # the run's own config stays
+
+
+def test_sft_levels_play_each_level_on_consecutive_seeds(tokenizer):
+    cfg = load_train_config(None, ALF + [
+        "sft.seed_start=10", "sft.max_turns=30",
+        f"sft.levels=[{{episodes: 2, env_kwargs: {{families: [{LOOK}]}}}}, "
+        f"{{episodes: 3, env_kwargs: {{families: [{HEAT}]}}}}]"])
+    pairs = sft_level_seeds(cfg)
+    assert [seeds for _, seeds in pairs] == [[10, 11], [12, 13, 14]]
+    for (level_cfg, seeds), family in zip(pairs, [LOOK, HEAT], strict=True):
+        trees = expert_trees(cfg.env.id, tokenizer, level_cfg, seeds)
+        assert len(trees) == len(seeds)  # the expert wins every one
+        assert {n.info["task_type"] for t in trees for n in t.nodes.values()} == {family}
+    with pytest.raises(ConfigError, match="levels"):
+        load_train_config(None, ["sft.episodes=4", "sft.levels=[{episodes: 2}]"])
+
+
+def test_a_training_run_logs_its_stages_and_saves_each_stage_s_trees(tmp_path):
+    """GuessNumber(1..4), then (1..8): the saved trees say which range each step played."""
+    torch.set_num_threads(1)
+    out = tmp_path / "run"
+    cfg = load_train_config(None, [
+        "policy.model=tiny-random", "env.id=agentrl/GuessNumber-v0", "env.kwargs={high: 4, max_turns: 2}",
+        "rollout.max_turns=2", "rollout.group_size=2", "rollout.max_context_tokens=256",
+        "sampling.max_new_tokens=3", "train.tasks_per_step=2", "train.steps=3",
+        "train.micro_batch_tokens=1024", "train.evaluation.episodes=0", "train.output.tensorboard=false",
+        "train.output.plot=false", "train.checkpointing.export_hf=false", f"train.output.dir={out}",
+        "train.curriculum=[{steps: 1}, {name: wider, env_kwargs: {high: 8}}]"])
+    train(cfg, progress=False)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["data/curriculum_stage"] for r in rows if r.get("phase") == "rl"] == [0, 1, 1]
+    from agentrl.types import read_trees
+
+    for step, high in [(1, 4), (2, 8), (3, 8)]:
+        trees = read_trees(out / "trees" / f"step-{step:06d}.jsonl")
+        assert all(f"between 1 and {high}." in t.meta["instruction"] for t in trees)
