@@ -220,3 +220,13 @@ def test_gpu_check_runs_every_part_of_the_gpu_recipe_check_on_cpu(tmp_path):
     assert "skipped" in next(row for row in r["decode"] if row["backend"] == "vllm")
     assert "error" not in r["train"], r["train"]
     assert r["train"]["train/tokens"] > 0 and r["train"]["time/train_s"] > 0
+
+
+def test_alfworld_full_trains_then_reports_each_split_per_family(tmp_path):
+    """The commands a user runs (agentrl train, then agentrl eval on each split), gathered."""
+    entry = _run("alfworld_full.py", tmp_path / "a.json")["recipe"]
+    assert entry["train"]["sft_s"] > 0 and entry["model"].endswith("/hf")
+    for split in ("valid_seen", "valid_unseen"):
+        rows = entry["splits"][split]["rows"]
+        assert rows[-1]["family"] == "All" and rows[-1]["tasks"] == 2
+        assert sum(r["tasks"] for r in rows[:-1]) == 2 and 0.0 <= rows[-1]["success"] <= 1.0
