@@ -12,6 +12,9 @@ A level is a set of env keyword overrides (``env_kwargs``, merged over
   tasks each, on consecutive seeds from ``sft.seed_start``. They are one
   dataset, and each epoch draws its minibatches across all of them.
 
+Held-out evaluation stays where ``train.evaluation`` puts it (``env.kwargs``
+and its own ``env_kwargs``): the target level, whatever stage the run is in.
+
 The stage of step k depends on k alone, as the task seeds do
 (``agentrl.train.plan``): a resumed run, or the asynchronous producer rolling
 out ahead, plays step k at the level of step k. A promotion on rollout success
