@@ -94,15 +94,17 @@ def main() -> None:
             raise SystemExit(f"no exported model under {run_dir}/checkpoints (train.checkpointing.export_hf)")
         model = str(ckpts[-1])
         entry["model"] = str(ckpts[-1].relative_to(ROOT)) if ckpts[-1].is_relative_to(ROOT) else model
-    sets = [a for o in overrides if not o.startswith(("train.", "sft.")) for a in ("--set", o)]
+    # the run's overrides, less its training and the model it started from: --model names the one evaluated
+    sets = [a for o in overrides if not o.startswith(("train.", "sft.", "policy.model=")) for a in ("--set", o)]
     entry["splits"] = {}
     for split in args.splits.split(","):
         out = run_dir / f"eval_{split}" if not args.model else Path(args.out).with_suffix("") / f"{args.label}_{split}"
         wall = run(AGENTRL + ["eval", "--env", cfg["env"]["id"], "--split", split, "--model", model,
                               "--config", str(cfg_path), "--episodes", str(args.episodes), "--out", str(out),
                               "--no-progress", *sets])
-        report = json.loads((out / "summary.json").read_text())["reports"][0]
-        entry["splits"][split] = {"eval_wall_s": round(wall, 1), "tasks": report["tasks"],
+        summary = json.loads((out / "summary.json").read_text())
+        report = summary["reports"][0]
+        entry["splits"][split] = {"eval_wall_s": round(wall, 1), "model": summary["model"], "tasks": report["tasks"],
                                   "rows": [{k: r[k] for k in ("family", "tasks", "success", "errors")}
                                            for r in report["rows"]]}
     entry["machine"] = {"cpu_count": os.cpu_count(), "load_avg_1m": [round(load[0], 2), round(os.getloadavg()[0], 2)]}

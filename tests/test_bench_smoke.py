@@ -227,6 +227,7 @@ def test_alfworld_full_trains_then_reports_each_split_per_family(tmp_path):
     entry = _run("alfworld_full.py", tmp_path / "a.json")["recipe"]
     assert entry["train"]["sft_s"] > 0 and entry["model"].endswith("/hf")
     for split in ("valid_seen", "valid_unseen"):
+        assert entry["splits"][split]["model"] == entry["model"]  # the trained model, not the config's
         rows = entry["splits"][split]["rows"]
         assert rows[-1]["family"] == "All" and rows[-1]["tasks"] == 2
         assert sum(r["tasks"] for r in rows[:-1]) == 2 and 0.0 <= rows[-1]["success"] <= 1.0

@@ -367,6 +367,15 @@ class TrainRunConfig(Config):
             raise ValueError(f"train.micro_batch_tokens={self.train.micro_batch_tokens} is below "
                              f"rollout.max_context_tokens={self.rollout.max_context_tokens}: an episode "
                              "must fit one forward pass")
+        caps = {st.max_turns for st in self.train.curriculum if st.max_turns is not None}
+        if self.train.harness is not None and caps:
+            raise ValueError("train.curriculum: a harness plays its episodes to the end, so a stage's "
+                             "max_turns cannot cap them; leave max_turns out of the stages")
+        d = self.train.distill
+        if d is not None and d.depth_coverage is not None and caps - {self.rollout.max_turns}:
+            raise ValueError("train.curriculum: stages with their own max_turns and distill.depth_coverage "
+                             "(TurnOPD's depth budget) do not mix: the budget never exceeds the deepest turn "
+                             "already played, so a stage with more turns would never get them")
         if self.train.harness is not None and self.rollout.allocator.name != "independent":
             raise ValueError(f"train.harness: a harness plays whole episodes, so rollout.allocator must "
                              f"be 'independent' (got {self.rollout.allocator.name!r})")

@@ -12,6 +12,14 @@ A level is a set of env keyword overrides (``env_kwargs``, merged over
   tasks each, on consecutive seeds from ``sft.seed_start``. They are one
   dataset, and each epoch draws its minibatches across all of them.
 
+A level's env keyword names are checked against the env's constructor when the
+run starts (``check_levels``), so a misspelt key fails naming its stage, not
+as every episode of that stage failing later. Values are the env's to check:
+a bad one fails the stage's episodes, each with the env's reason recorded.
+With ``rollout.env_executor: ray`` each level has its own env worker pool
+(pools are keyed by env kwargs), kept until the run ends: size the cluster for
+all of them.
+
 Held-out evaluation stays where ``train.evaluation`` puts it (``env.kwargs``
 and its own ``env_kwargs``): the target level, whatever stage the run is in.
 
@@ -25,13 +33,15 @@ success stalls, which is what to set its ``steps`` from.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, TypeVar
 
 from pydantic import Field
 
 from ..config import Config, _Strict
+from ..errors import ConfigError
 
-__all__ = ["CurriculumStage", "Level", "SFTLevel", "at_level", "describe", "stage_at"]
+__all__ = ["CurriculumStage", "Level", "SFTLevel", "at_level", "check_levels", "describe", "stage_at"]
 
 C = TypeVar("C", bound=Config)
 
@@ -90,3 +100,29 @@ def describe(levels: list[CurriculumStage] | list[SFTLevel]) -> str:
         unit = "episodes" if isinstance(lv, SFTLevel) else "steps"
         parts.append(f"{lv.name or f'stage {i}'} ({f'{n} {unit}' if n else 'the rest'})")
     return ", ".join(parts)
+
+
+def check_levels(env_id: str, imports: list[str], levels: dict[str, list[Level]]) -> None:
+    """Raise ``ConfigError`` naming ``<key>.<i>.env_kwargs`` where a level passes a keyword the
+    env's constructor does not take (one that takes ``**kwargs`` accepts any). ``levels`` maps a
+    config key (``train.curriculum``, ``sft.levels``) to its levels."""
+    import gymnasium as gym
+    from gymnasium.envs.registration import load_env_creator
+
+    from ..env import resolve_env_id
+
+    if not any(levels.values()):
+        return
+    spec = gym.spec(resolve_env_id(env_id, imports))
+    creator = load_env_creator(spec.entry_point) if isinstance(spec.entry_point, str) else spec.entry_point
+    try:
+        params = inspect.signature(creator).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to read
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    for key, items in levels.items():
+        for i, level in enumerate(items):
+            if bad := sorted(set(level.env_kwargs) - set(params)):
+                raise ConfigError(f"{key}.{i}.env_kwargs: {env_id} takes no keyword {', '.join(map(repr, bad))}; "
+                                  f"it takes {', '.join(k for k in params if k != 'self')}")

@@ -124,7 +124,10 @@ def sft_level_seeds(cfg: Any) -> list[tuple[Any, list[int]]]:
         return [(cfg, seeds)]
     out, start = [], 0
     for lv in cfg.sft.levels:
-        out.append((at_level(cfg, lv), seeds[start:start + lv.episodes]))
+        level_cfg = at_level(cfg, lv)
+        if lv.max_turns is not None:  # the level's cap before sft.max_turns
+            level_cfg.sft.max_turns = lv.max_turns
+        out.append((level_cfg, seeds[start:start + lv.episodes]))
         start += lv.episodes
     return out
 
@@ -162,7 +165,8 @@ def _sft(learner: Learner, start_bar: StartBar | None) -> dict[str, Any]:
     n_steps = s.epochs * math.ceil(len(samples) / s.minibatch_size)
     scheduler = make_scheduler(optimizer, cfg.train.optimizer, n_steps)
     advance = start_bar("sft", n_steps, "") if start_bar is not None else None
-    probe = samples[::max(1, len(samples) // s.nll_episodes)][:s.nll_episodes] if s.nll_episodes else []
+    n = min(s.nll_episodes, len(samples))  # evenly spaced, so every level is in it
+    probe = [samples[i * len(samples) // n] for i in range(n)] if n else []
     nll_before = _mean_nll(learner, probe)
     t1 = time.perf_counter()
     st = train_on_samples(learner.model, optimizer, scheduler, samples, StepLoss(), fields=(),

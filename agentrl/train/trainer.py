@@ -44,6 +44,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import TrainRunConfig
+from .curriculum import check_levels
 from .metrics import MetricsLogger, PeakMemory, ProgressBars, plot_learning_curve
 from .model import sync_policy
 from .plan import print_plan, run_plan, step_task_seeds
@@ -78,6 +79,7 @@ class Trainer:
         if t.value_head is not None:  # episodes cut at max_turns keep the next state, to bootstrap V from
             cfg = cfg.model_copy(deep=True)
             cfg.rollout.record_next_context = True
+        check_levels(cfg.env.id, cfg.env.imports, {"train.curriculum": t.curriculum, "sft.levels": cfg.sft.levels})
         self.cfg = cfg
         self.console = console or Console()
         self.progress = progress

@@ -61,6 +61,25 @@ def test_each_step_rolls_out_at_its_stage_s_level(tokenizer):
     assert cfg.env.kwargs == {"max_steps": 30} and cfg.rollout.max_turns == 30  # the run's own config stays
 
 
+def test_a_misspelt_level_key_fails_when_the_run_starts_naming_its_stage():
+    from agentrl.train.trainer import Trainer
+
+    cfg = load_train_config(None, ALF + ["train.curriculum=[{steps: 1}, {env_kwargs: {max_recepacles: 4}}]"])
+    with pytest.raises(ConfigError, match=r"train\.curriculum\.1\.env_kwargs: .*'max_recepacles'.*max_receptacles"):
+        Trainer(cfg, policy=object())
+    cfg = load_train_config(None, ALF + ["sft.levels=[{episodes: 1}, {episodes: 1, env_kwargs: {familes: []}}]"])
+    with pytest.raises(ConfigError, match=r"sft\.levels\.1\.env_kwargs"):
+        Trainer(cfg, policy=object())
+
+
+def test_stage_turn_caps_that_a_harness_or_turnopd_would_ignore_are_refused():
+    with pytest.raises(ConfigError, match="harness plays its episodes to the end"):
+        load_train_config(None, ["train.harness=python agent.py", "train.curriculum=[{max_turns: 3}]"])
+    with pytest.raises(ConfigError, match="depth_coverage"):
+        load_train_config(None, ["train.distill={teacher: tiny-random, depth_coverage: 0.9}", "rollout.max_turns=4",
+                                 "train.curriculum=[{steps: 1, max_turns: 2}, {max_turns: 8}]"])
+
+
 def test_sft_levels_play_each_level_on_consecutive_seeds(tokenizer):
     cfg = load_train_config(None, ALF + [
         "sft.seed_start=10", "sft.max_turns=30",
@@ -74,6 +93,28 @@ def test_sft_levels_play_each_level_on_consecutive_seeds(tokenizer):
         assert {n.info["task_type"] for t in trees for n in t.nodes.values()} == {family}
     with pytest.raises(ConfigError, match="levels"):
         load_train_config(None, ["sft.episodes=4", "sft.levels=[{episodes: 2}]"])
+    capped = load_train_config(None, ALF + ["sft.max_turns=30", "sft.levels=[{episodes: 2, max_turns: 2}]"])
+    ((level_cfg, seeds),) = sft_level_seeds(capped)  # the level's cap before sft.max_turns
+    assert all(len(t.nodes) == 2 for t in expert_trees(cfg.env.id, tokenizer, level_cfg, seeds, only_successful=False))
+
+
+def test_the_sft_command_learns_from_every_level(tmp_path):
+    from typer.testing import CliRunner
+
+    from agentrl.train.cli import app
+
+    torch.set_num_threads(1)
+    args = ["sft", "--no-progress", "--out", str(tmp_path)]
+    for item in ["policy.model=tiny-random", "env.id=agentrl/GuessNumber-v0", "env.kwargs={high: 4, max_turns: 3}",
+                 "rollout.max_turns=3", "rollout.max_context_tokens=256", "sampling.max_new_tokens=3",
+                 "train.micro_batch_tokens=1024", "train.evaluation.episodes=0", "train.output.tensorboard=false",
+                 "train.output.plot=false", "sft.epochs=1", "sft.nll_episodes=4",
+                 "sft.levels=[{episodes: 3}, {episodes: 2, env_kwargs: {high: 16, max_turns: 5}, max_turns: 5}]"]:
+        args += ["--set", item]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    sft = next(json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"sft"' in x)
+    assert sft["sft/tasks"] == 5 and sft["sft/episodes"] == 5
 
 
 def test_a_training_run_logs_its_stages_and_saves_each_stage_s_trees(tmp_path):
