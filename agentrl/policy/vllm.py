@@ -438,9 +438,14 @@ def _vllm_params(p: SamplingParams, logprobs: int | None, prompt_logprobs: int |
     from vllm.sampling_params import RequestOutputKind
     from vllm.sampling_params import SamplingParams as VSamplingParams
 
+    from .vllm_constrain import REPLIES
+
+    stop_ids = list(p.stop_token_ids)
+    if extra_args and extra_args.get(REPLIES):  # a constrained reply ends at its trie's end token, even
+        stop_ids = list(dict.fromkeys([*stop_ids, extra_args[REPLIES][0][-1]]))  # one vLLM's EOS is not
     return VSamplingParams(
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_new_tokens,
-        stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None, seed=p.seed,
+        stop=list(p.stop) or None, stop_token_ids=stop_ids or None, seed=p.seed,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         skip_special_tokens=False,  # stop strings see special tokens, as in hf
         output_kind=RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY,
