@@ -146,6 +146,7 @@ class Trainer:
             lr.optimizer.load_state_dict(ck.optimizer)
         if ck.scheduler is not None:
             lr.scheduler.load_state_dict(ck.scheduler)
+        self._keep_config_lr()
         if ck.rng is not None:
             restore_rng(ck.rng)
         self.step = ck.step
@@ -159,6 +160,22 @@ class Trainer:
         sync_policy(self.policy, lr.model)  # drop keys and values of the weights before loading
         self.policy.version = int(ck.state.get("version", self.policy.version))
         return True
+
+    def _keep_config_lr(self) -> None:
+        """After a resume: the config's ``train.optimizer.lr``, not the checkpoint's, where they
+        differ (a run continued with a new rate), with the schedule's position kept; said on the
+        console. The optimizer's state otherwise continues as saved."""
+        lr, want = self.learner, self.cfg.train.optimizer.lr
+        groups = lr.optimizer.param_groups
+        had = groups[0].get("initial_lr", groups[0]["lr"])
+        if had == want:
+            return
+        lr.scheduler.base_lrs = [want] * len(groups)
+        for group, factor in zip(groups, lr.scheduler.lr_lambdas, strict=True):
+            group["initial_lr"], group["lr"] = want, want * factor(lr.scheduler.last_epoch)
+        lr.scheduler._last_lr = [g["lr"] for g in groups]  # what get_last_lr() (train/lr) reports
+        self.console.print(f"resume: the checkpoint trained at lr {had:g}; this run continues at "
+                           f"train.optimizer.lr={want:g}")
 
     # -- one step ----------------------------------------------------------------------------
     def rollout(self, step: int, bars: ProgressBars, policy: Any = None,
