@@ -98,7 +98,8 @@ def main() -> None:
     sets = [a for o in overrides if not o.startswith(("train.", "sft.", "policy.model=")) for a in ("--set", o)]
     entry["splits"] = {}
     for split in args.splits.split(","):
-        out = run_dir / f"eval_{split}" if not args.model else Path(args.out).with_suffix("") / f"{args.label}_{split}"
+        slug = "".join(c if c.isalnum() else "_" for c in args.label)
+        out = run_dir / f"eval_{split}" if not args.model else ROOT / "runs" / "bench_alfworld_full" / f"{slug}_{split}"
         wall = run(AGENTRL + ["eval", "--env", cfg["env"]["id"], "--split", split, "--model", model,
                               "--config", str(cfg_path), "--episodes", str(args.episodes), "--out", str(out),
                               "--no-progress", *sets])
