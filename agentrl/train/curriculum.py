@@ -70,10 +70,10 @@ class SFTLevel(Level):
 
 
 def at_level(cfg: C, level: Level | None) -> C:
-    """A copy of ``cfg`` with ``level``'s env kwargs and turn cap (``cfg`` itself for None)."""
-    if level is None:
-        return cfg
+    """A deep copy of ``cfg`` with ``level``'s env kwargs and turn cap (a plain copy for None)."""
     out = cfg.model_copy(deep=True)
+    if level is None:
+        return out
     out.env.kwargs = {**cfg.env.kwargs, **level.env_kwargs}
     if level.max_turns is not None:
         out.rollout.max_turns = level.max_turns

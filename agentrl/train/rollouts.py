@@ -58,7 +58,7 @@ def step_rollouts(run_cfg: TrainRunConfig, step: int, policy: Any, advance_bar: 
     from ..rollout import collect, summarize
 
     stage = stage_at(run_cfg.train.curriculum, step)
-    cfg = at_level(run_cfg, stage[1] if stage else None).model_copy(deep=True)
+    cfg = at_level(run_cfg, stage[1] if stage else None)  # a copy: this step's changes stay in it
     cfg.rollout.seed = request_seed(run_cfg.train.seed, step)  # fresh sampling streams per step
     if max_turns is not None:
         cfg.rollout.max_turns = min(cfg.rollout.max_turns, max_turns)
