@@ -174,6 +174,15 @@ def random_rewards(n: int, seed: int) -> list[float]:
 # --------------------------------------------------------------------------- agentrl
 
 
+def cpu_features() -> dict:
+    """The CPU's name and the instruction sets that decide bf16's speed (``train.precision: auto``)."""
+    import torch
+
+    caps = torch.cpu.get_capabilities()
+    return {"name": caps.get("cpu_name"), **{k: bool(caps.get(k)) for k in
+            ("avx2", "avx512_f", "avx512_bf16", "amx_tile", "amx_bf16")}}
+
+
 def run_agentrl(args: argparse.Namespace, lora: bool = False) -> dict:
     import torch
 
@@ -439,7 +448,8 @@ def main() -> None:
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
               "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
               "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-              "cpu_count": os.cpu_count(), "platform": platform.platform(), "results": results}
+              "cpu_count": os.cpu_count(), "platform": platform.platform(), "cpu": cpu_features(),
+              "results": results}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
     def mb(x: float | None) -> str:

@@ -185,9 +185,10 @@ class TrainConfig(_Strict):
                                     "are packed up to this; a minibatch accumulates gradients "
                                     "over its micro-batches.")
     precision: Literal["auto", "bf16", "fp32"] = Field(
-        "auto", description="The training and scoring passes: auto is bf16 autocast on a GPU and "
-        "fp32 on CPU; bf16 autocasts on CPU too (faster on CPUs with avx512_bf16 or AMX: the "
-        "make run recipe's SFT at 1.6x fp32's tokens/s, learning as well); fp32 never autocasts. "
+        "auto", description="The training and scoring passes: auto is bf16 autocast on a GPU and on "
+        "a CPU with avx512_bf16 or AMX (the make run recipe's SFT at 1.6x fp32's tokens/s, learning "
+        "as well), fp32 on other CPUs, where bf16 is emulated and many times slower "
+        "(AGENTRL_CPU_BF16=1/0 overrides the detection); bf16 autocasts anywhere; fp32 never does. "
         "The vocabulary head, weights and optimizer state stay fp32; sampling is unaffected.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig,
                                        description="AdamW, its schedule and gradient clipping.")
@@ -301,6 +302,12 @@ class SFTConfig(_Strict):
                               "sft/nll_before and sft/nll_after diagnostics score; each score is a "
                               "forward pass over them (on all 128 of the ALFWorld recipe: 55 s of "
                               "a 15-minute run); 0 skips both.")
+    constrain: bool | None = Field(
+        None, description="Score each expert turn under rollout.constrain's admissible-action "
+        "constraint, as the policy samples it: the loss is then the NLL of choosing the expert's "
+        "action among the actions the env listed (agentrl.policy.constrain), and tokens with one "
+        "allowed id carry none. null: follow rollout.constrain; false: the whole vocabulary even "
+        "when rollouts are constrained; true needs rollout.constrain=admissible.")
     expert: Literal["observable", "oracle"] = Field(
         "observable", description="Which scripted expert to clone: observable, the env's "
         "expert_action(), which acts only on what the agent has seen; oracle, its "
@@ -379,6 +386,10 @@ class TrainRunConfig(Config):
         if self.train.harness is not None and self.rollout.allocator.name != "independent":
             raise ValueError(f"train.harness: a harness plays whole episodes, so rollout.allocator must "
                              f"be 'independent' (got {self.rollout.allocator.name!r})")
+        if self.sft.constrain and self.rollout.constrain != "admissible":
+            raise ValueError("sft.constrain=true scores the expert's turns under the admissible-action "
+                             "constraint, which needs rollout.constrain=admissible "
+                             f"(got {self.rollout.constrain!r})")
         dist = self.distributed
         workers = dist is not None and dist.num_rollout_workers > 0
         if self.train.asynchronous is not None and not workers and self.policy.backend not in ("hf", "auto"):

@@ -13,6 +13,7 @@ from rich.console import Console
 from ..evaluation import held_out_seeds
 from .config import TrainConfig, TrainRunConfig
 from .curriculum import describe
+from .model import resolved_precision
 
 __all__ = ["print_plan", "run_plan", "step_task_seeds"]
 
@@ -37,10 +38,18 @@ def run_plan(cfg: TrainRunConfig) -> dict[str, Any]:
             "budget per step": f"{r.budget} {r.budget_unit}" if r.budget else f"{t.tasks_per_step * r.group_size} leaves",
             "credit": f"{t.credit.name} {t.credit.model_dump(exclude={'name'}, exclude_unset=True) or ''}".strip(),
             "trainable": t.trainable, "lr": t.optimizer.lr,
+            "precision": _precision(t.precision, cfg.policy.device),
             "held-out episodes per eval": len(held_out_seeds(t.evaluation)), "output dir": t.output.dir,
             "trees saved per step": t.output.save_trees,
             **({"curriculum": describe(t.curriculum)} if t.curriculum else {}),
             **({"sft levels": describe(cfg.sft.levels)} if cfg.sft.levels else {})}
+
+
+def _precision(name: str, device: str) -> str:
+    try:
+        return resolved_precision(name, device) + (f" ({name} on {device})" if name == "auto" else "")
+    except Exception as e:  # an unknown device string: the run itself will say so
+        return f"{name} ({e})"
 
 
 def print_plan(console: Console, plan: dict[str, Any]) -> None:

@@ -13,6 +13,13 @@ The loss is the negative log-likelihood of the action tokens, averaged over
 tokens (``token-mean``; ``loss.row_loss`` with ``StepLoss()``): behaviour
 cloning on the expert's turns only, never on the observations.
 
+Under ``rollout.constrain: admissible`` (or ``sft.constrain: true``) each
+expert turn records the actions the env listed for it, as a rollout's turn
+does, and is scored as the constrained sampler would draw it: the NLL of the
+expert's action among the admissible ones (``policy.constrain``). A turn
+whose expert action is not in the list stays free (counted in
+``sft/free_turns``).
+
 With ``sft.levels`` the expert plays several env levels (``agentrl.train.curriculum``),
 each on its own consecutive seeds, and the episodes of all levels are one dataset.
 
@@ -35,7 +42,7 @@ from ..errors import ConfigError, ContextOverflowError
 from ..policy.base import request_seed
 from ..rollout.turns import opening_messages, step_node
 from ..types import Node, RolloutTree
-from .batch import Sample, samples_from_credit, score_old, train_on_samples
+from .batch import Sample, constrain_samples, samples_from_credit, score_old, train_on_samples
 from .curriculum import at_level
 from .loss import StepLoss
 from .model import make_optimizer, make_scheduler, precision, sync_policy
@@ -43,7 +50,7 @@ from .model import make_optimizer, make_scheduler, precision, sync_policy
 if TYPE_CHECKING:
     from .step import Learner, StartBar
 
-__all__ = ["expert_tree", "expert_trees", "sft_level_seeds", "sft_phase", "sft_seeds"]
+__all__ = ["expert_tree", "expert_trees", "sft_constrains", "sft_level_seeds", "sft_phase", "sft_seeds"]
 
 
 def _expert(env: Any, which: str = "observable") -> str:
@@ -78,6 +85,7 @@ def expert_tree(env_id: str, tokenizer: Any, cfg: Config, seed: int,
     """
     max_turns = max_turns or cfg.rollout.max_turns
     eos = tokenizer.eos_token_id
+    constrain = sft_constrains(cfg)
     env = make_env(env_id, **cfg.env.kwargs)
     try:
         obs, info = env.reset(seed=seed)
@@ -95,7 +103,12 @@ def expert_tree(env_id: str, tokenizer: Any, cfg: Config, seed: int,
                 break  # the expert's next action no longer fits: keep what did
             node = Node(context_ids=pending, action_ids=ids, logprobs=[0.0] * len(ids),
                         entropies=[0.0] * len(ids), version=0, action_text=action, finish_reason="stop")
-            pending = step_node(node, env.step(action), ctx, cfg, turn + 1, max_turns)
+            listed = info.get("admissible_actions") if constrain else None
+            if listed and action in listed:  # the sampler's trie spells it with exactly these ids
+                node.admissible = list(listed)
+            result = env.step(action)
+            info = result[4]
+            pending = step_node(node, result, ctx, cfg, turn + 1, max_turns)
             parent = tree.add(node, parent).id
             if pending is None:
                 break
@@ -104,6 +117,13 @@ def expert_tree(env_id: str, tokenizer: Any, cfg: Config, seed: int,
         return tree
     finally:
         env.close()
+
+
+def sft_constrains(cfg: Any) -> bool:
+    """Whether SFT scores expert turns under the admissible-action constraint (``sft.constrain``;
+    null follows ``rollout.constrain``)."""
+    want = cfg.sft.constrain if getattr(cfg, "sft", None) is not None else None
+    return cfg.rollout.constrain == "admissible" if want is None else bool(want)
 
 
 def sft_seeds(cfg: Any) -> list[int]:
@@ -160,6 +180,8 @@ def _sft(learner: Learner, start_bar: StartBar | None) -> dict[str, Any]:
     # An episode's advantages are its loss mask, so SFT samples are RL samples with A = 1.
     items = [(ep, [float(m) for m in ep.loss_mask]) for tree in trees for ep in tree.episodes()]
     samples = samples_from_credit(items)
+    constrained_tokens = constrain_samples(samples, learner.policy.tokenizer) if sft_constrains(cfg) else 0
+    turns = [node for tree in trees for node in tree.nodes.values()]
     build_s = time.perf_counter() - t0
     optimizer = make_optimizer(learner.model, s.lr, cfg.train.optimizer)
     n_steps = s.epochs * math.ceil(len(samples) / s.minibatch_size)
@@ -180,6 +202,9 @@ def _sft(learner: Learner, start_bar: StartBar | None) -> dict[str, Any]:
     sync_policy(learner.policy, learner.model)
     return {"sft/episodes": len(samples), "sft/tasks": len(seeds),
             "sft/action_tokens": sum(x.n_action for x in samples),
+            **({"sft/constrained_tokens": constrained_tokens,
+                "sft/free_turns": sum(node.admissible is None for node in turns) / max(len(turns), 1)}
+               if sft_constrains(cfg) else {}),
             **({"sft/nll_before": nll_before, "sft/nll_after": _mean_nll(learner, probe)} if probe else {}),
             "sft/optimizer_steps": st["train/optimizer_steps"],
             "sft/tokens_per_s": st["train/tokens"] / max(wall, 1e-9),

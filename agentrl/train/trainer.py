@@ -46,7 +46,7 @@ from .checkpoint import (
 from .config import TrainRunConfig
 from .curriculum import check_levels
 from .metrics import MetricsLogger, PeakMemory, ProgressBars, plot_learning_curve
-from .model import sync_policy
+from .model import precision_note, sync_policy
 from .plan import print_plan, run_plan, step_task_seeds
 from .rollouts import RolloutSource, allocation_report, save_trees, step_rollouts
 from .step import Learner, StartBar
@@ -86,6 +86,8 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.policy = policy if policy is not None else policy_for_run(cfg, trainable=True)
         self.learner = Learner(cfg, self.policy, self.console)  # the model, its optimizer, what scores
+        if note := precision_note(t.precision, next(self.learner.model.parameters()).device):
+            self.console.print(f"[yellow]warning:[/] {note}")
         self.rollouts = rollouts(self.policy, cfg) if rollouts is not None else None
         self.step = 0
         self.sft_done = False

@@ -6,9 +6,16 @@ import pytest
 import torch
 
 import agentrl.train.batch as batch
+import agentrl.train.model as train_model
 from agentrl.errors import ConfigError
 from agentrl.train.config import load_train_config
-from agentrl.train.model import autocast, precision
+from agentrl.train.model import (
+    autocast,
+    cpu_has_native_bf16,
+    precision,
+    precision_note,
+    resolved_precision,
+)
 from agentrl.train.trainer import train
 
 from .test_sft import GUESS
@@ -36,7 +43,7 @@ def _matmul_dtype() -> torch.dtype:
 
 
 def test_autocast_follows_the_precision_in_force():
-    assert _matmul_dtype() == torch.float32  # auto: fp32 on CPU
+    assert _matmul_dtype() == torch.float32  # auto: fp32 on CPU (conftest: AGENTRL_CPU_BF16=0)
     with precision("bf16"):
         assert _matmul_dtype() == torch.bfloat16
         with precision("fp32"):  # the innermost block wins
@@ -46,6 +53,63 @@ def test_autocast_follows_the_precision_in_force():
     with pytest.raises(ConfigError, match="train.precision='fp16'"):
         with precision("fp16"):
             pass
+
+
+@pytest.mark.parametrize(("caps", "native"), [
+    ({"avx2", "fma3"}, False),  # an AVX2-only EPYC: bf16 emulated, about 80x slower than fp32
+    ({"avx2", "avx512_f", "avx512_bf16"}, True),
+    ({"avx2", "amx_tile", "amx_bf16"}, True),
+    (set(), False),  # a torch too old to say: assume none
+])
+def test_auto_is_bf16_only_on_a_cpu_that_multiplies_bf16_natively(monkeypatch, caps, native):
+    monkeypatch.delenv("AGENTRL_CPU_BF16", raising=False)
+    monkeypatch.setattr(train_model, "_cpu_capabilities", lambda: frozenset(caps))
+    assert cpu_has_native_bf16() is native
+    assert resolved_precision("auto", "cpu") == ("bf16" if native else "fp32")
+    with precision("auto"):
+        assert _matmul_dtype() == (torch.bfloat16 if native else torch.float32)
+    # explicit choices are kept; a GPU is always bf16 under auto
+    assert resolved_precision("bf16", "cpu") == "bf16" and resolved_precision("fp32", "cpu") == "fp32"
+    assert resolved_precision("auto", "cuda") == "bf16"
+    # asking for bf16 where it is emulated gets a console line; nowhere else
+    assert (precision_note("bf16", "cpu") is not None) is (not native)
+    assert precision_note("auto", "cpu") is None and precision_note("fp32", "cpu") is None
+    assert precision_note("bf16", "cuda") is None
+
+
+def test_the_environment_overrides_the_detection_and_a_bad_value_names_it(monkeypatch):
+    monkeypatch.setattr(train_model, "_cpu_capabilities", lambda: frozenset({"avx2"}))
+    monkeypatch.setenv("AGENTRL_CPU_BF16", "1")
+    assert resolved_precision("auto", "cpu") == "bf16"
+    monkeypatch.setattr(train_model, "_cpu_capabilities", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setenv("AGENTRL_CPU_BF16", "0")
+    assert resolved_precision("auto", "cpu") == "fp32"
+    monkeypatch.setenv("AGENTRL_CPU_BF16", "yes")
+    with pytest.raises(ConfigError, match="AGENTRL_CPU_BF16='yes'"):
+        resolved_precision("auto", "cpu")
+
+
+def test_the_plan_shows_the_precision_and_a_run_asking_for_emulated_bf16_is_warned(tmp_path, monkeypatch):
+    """The dry run's plan says what auto resolved to; a run with train.precision=bf16 on a CPU
+    without native bf16 prints why it will be slow, and still runs."""
+    import io
+
+    from rich.console import Console
+
+    from agentrl.train.plan import run_plan
+    from agentrl.train.trainer import Trainer
+
+    monkeypatch.setenv("AGENTRL_CPU_BF16", "0")
+    assert run_plan(toy_config(tmp_path, "train.steps=0"))["precision"] == "fp32 (auto on cpu)"
+    monkeypatch.setenv("AGENTRL_CPU_BF16", "1")
+    assert run_plan(toy_config(tmp_path, "train.steps=0"))["precision"] == "bf16 (auto on cpu)"
+    monkeypatch.setenv("AGENTRL_CPU_BF16", "0")
+    for name, warned in (("bf16", True), ("auto", False)):
+        buf = io.StringIO()
+        trainer = Trainer(toy_config(tmp_path / name, "train.steps=0", f"train.precision={name}"),
+                          console=Console(file=buf, width=300), progress=False)
+        trainer.close()
+        assert ("without avx512_bf16 or AMX" in buf.getvalue()) is warned
 
 
 def test_a_bad_precision_names_its_key():
