@@ -114,8 +114,9 @@ distillation work is on the [Algorithms](algorithms.md) page.
 
 - **Update loop.** Epochs of shuffled minibatches, packed micro-batches with
   gradient accumulation, gradient clipping, AdamW with warm-up and a
-  schedule; full fine-tuning, the top k layers, or LoRA through `peft`; fp32
-  on CPU, bf16 autocast on GPU. With `hf` in the same process the policy and
+  schedule; full fine-tuning, the top k layers, or LoRA through `peft`; bf16
+  autocast (fp32 head, weights and optimizer) on a GPU and on a CPU with
+  avx512_bf16 or AMX, fp32 on other CPUs (`train.precision: auto`). With `hf` in the same process the policy and
   the trainer share one model, so a weight sync only bumps the version and
   empties the prefix cache.
 - **SFT.** `agentrl sft` trains on expert trajectories of any env with an

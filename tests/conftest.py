@@ -9,7 +9,7 @@ import pytest
 # precision auto means bf16 on a CPU with avx512_bf16 or AMX (agentrl.train.model). The suite's
 # exact-match tests compare fp32 sampling with fp32 training, so auto is fp32 on every machine it
 # runs on; set before anything is imported, so the subprocesses the tests start inherit it.
-os.environ.setdefault("AGENTRL_CPU_BF16", "0")
+os.environ["AGENTRL_CPU_BF16"] = "0"
 
 from agentrl.models import load_model, load_tokenizer
 

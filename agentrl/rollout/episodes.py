@@ -36,7 +36,14 @@ from ..types import Node, RolloutTree
 from .budget import BudgetMeter, BudgetSpent
 from .executors import EnvExecutor
 from .tree import BranchPoint
-from .turns import observation_messages, opening_messages, record_next_context, step_node, top1
+from .turns import (
+    listed_actions,
+    observation_messages,
+    opening_messages,
+    record_next_context,
+    step_node,
+    top1,
+)
 
 if TYPE_CHECKING:
     from ..policy.base import Policy
@@ -95,8 +102,7 @@ class EpisodePlayer:
 
     def _admissible(self, info: dict[str, Any]) -> list[str] | None:
         """The actions the next turn is constrained to: the env's list, when constraining."""
-        actions = info.get("admissible_actions") if self.constrain else None
-        return [str(a) for a in actions] if actions else None
+        return listed_actions(info) if self.constrain else None
 
     # -- starting a path -------------------------------------------------------------
     def _opening(self, obs: str, info: dict[str, Any]) -> ChatContext:

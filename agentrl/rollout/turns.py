@@ -17,7 +17,7 @@ from ..config import Config
 from ..errors import ContextOverflowError
 from ..types import Node
 
-__all__ = ["jsonable_info", "observation_messages", "opening_messages", "record_next_context", "step_node", "top1"]
+__all__ = ["jsonable_info", "listed_actions", "observation_messages", "opening_messages", "record_next_context", "step_node", "top1"]
 
 _HEAVY_INFO = ("admissible_actions", "tools", "tools_prompt")
 _JSON_SCALARS = (str, int, float, bool, type(None))  # exact types: a subclass may dump differently
@@ -87,6 +87,13 @@ def record_next_context(node: Node, ctx: ChatContext, messages: list[dict[str, A
         return
     if len(ctx) + len(ids) < max_context_tokens:
         node.info["next_context_ids"] = ids
+
+
+def listed_actions(info: dict[str, Any]) -> list[str] | None:
+    """The admissible actions an env listed in ``info`` (``rollout.constrain``), as strings; None
+    when it listed none. Rollouts and SFT read the list through this one function."""
+    actions = info.get("admissible_actions")
+    return [str(a) for a in actions] if actions else None
 
 
 def top1(alternatives: list[tuple[int, float]]) -> float:

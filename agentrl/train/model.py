@@ -98,7 +98,9 @@ def resolved_precision(name: str, device: torch.device | str) -> str:
     if name != "auto":
         return name
     kind = torch.device(device).type
-    return "bf16" if kind == "cuda" or (kind == "cpu" and cpu_has_native_bf16()) else "fp32"
+    if kind == "cuda":  # pre-Ampere GPUs emulate bf16 too
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+    return "bf16" if kind == "cpu" and cpu_has_native_bf16() else "fp32"
 
 
 def precision_note(name: str, device: torch.device | str) -> str | None:
@@ -111,7 +113,11 @@ def precision_note(name: str, device: torch.device | str) -> str | None:
 
 
 def autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast where the precision in force resolves to bf16 on ``device``; else nothing (fp32)."""
+    """bf16 autocast where the precision in force resolves to bf16 on ``device``; else nothing (fp32).
+
+    Outside any ``precision`` block the precision is ``auto``: a caller of ``score_samples`` or
+    ``train_on_samples`` that needs fp32 on every machine wraps them in ``precision("fp32")``.
+    """
     if resolved_precision(_PRECISION.get(), device) == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()

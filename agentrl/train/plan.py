@@ -48,7 +48,7 @@ def run_plan(cfg: TrainRunConfig) -> dict[str, Any]:
 def _precision(name: str, device: str) -> str:
     try:
         return resolved_precision(name, device) + (f" ({name} on {device})" if name == "auto" else "")
-    except Exception as e:  # an unknown device string: the run itself will say so
+    except RuntimeError as e:  # torch's error for an unknown device string; a bad override raises
         return f"{name} ({e})"
 
 

@@ -16,9 +16,12 @@ cloning on the expert's turns only, never on the observations.
 Under ``rollout.constrain: admissible`` (or ``sft.constrain: true``) each
 expert turn records the actions the env listed for it, as a rollout's turn
 does, and is scored as the constrained sampler would draw it: the NLL of the
-expert's action among the admissible ones (``policy.constrain``). A turn
-whose expert action is not in the list stays free (counted in
-``sft/free_turns``).
+expert's action among the admissible ones (``policy.constrain``). A token
+with one allowed id scores 0 and carries no gradient, but it stays in the
+token mean, as in a constrained RL step, so the loss and ``sft/nll_*`` are
+smaller than a free run's and not comparable with them. A turn whose expert
+action is not in the list (or whose env listed none) stays free; the run
+warns and counts them (``sft/free_turns``).
 
 With ``sft.levels`` the expert plays several env levels (``agentrl.train.curriculum``),
 each on its own consecutive seeds, and the episodes of all levels are one dataset.
@@ -40,7 +43,7 @@ from ..config import Config
 from ..env import make_env
 from ..errors import ConfigError, ContextOverflowError
 from ..policy.base import request_seed
-from ..rollout.turns import opening_messages, step_node
+from ..rollout.turns import listed_actions, opening_messages, step_node
 from ..types import Node, RolloutTree
 from .batch import Sample, constrain_samples, samples_from_credit, score_old, train_on_samples
 from .curriculum import at_level
@@ -103,9 +106,9 @@ def expert_tree(env_id: str, tokenizer: Any, cfg: Config, seed: int,
                 break  # the expert's next action no longer fits: keep what did
             node = Node(context_ids=pending, action_ids=ids, logprobs=[0.0] * len(ids),
                         entropies=[0.0] * len(ids), version=0, action_text=action, finish_reason="stop")
-            listed = info.get("admissible_actions") if constrain else None
+            listed = listed_actions(info) if constrain else None
             if listed and action in listed:  # the sampler's trie spells it with exactly these ids
-                node.admissible = list(listed)
+                node.admissible = listed
             result = env.step(action)
             info = result[4]
             pending = step_node(node, result, ctx, cfg, turn + 1, max_turns)
@@ -180,8 +183,14 @@ def _sft(learner: Learner, start_bar: StartBar | None) -> dict[str, Any]:
     # An episode's advantages are its loss mask, so SFT samples are RL samples with A = 1.
     items = [(ep, [float(m) for m in ep.loss_mask]) for tree in trees for ep in tree.episodes()]
     samples = samples_from_credit(items)
-    constrained_tokens = constrain_samples(samples, learner.policy.tokenizer) if sft_constrains(cfg) else 0
-    turns = [node for tree in trees for node in tree.nodes.values()]
+    constrained_tokens, free_turns = 0, 0
+    if sft_constrains(cfg):
+        constrained_tokens = constrain_samples(samples, learner.policy.tokenizer)
+        free_turns = sum(node.admissible is None for tree in trees for node in tree.nodes.values())
+        if free_turns:
+            learner.console.print(f"[yellow]warning:[/] sft: {free_turns} expert turn(s) took an action "
+                                  "the env did not list (or it listed none); they train over the whole "
+                                  "vocabulary (sft/free_turns)", highlight=False)
     build_s = time.perf_counter() - t0
     optimizer = make_optimizer(learner.model, s.lr, cfg.train.optimizer)
     n_steps = s.epochs * math.ceil(len(samples) / s.minibatch_size)
@@ -202,8 +211,7 @@ def _sft(learner: Learner, start_bar: StartBar | None) -> dict[str, Any]:
     sync_policy(learner.policy, learner.model)
     return {"sft/episodes": len(samples), "sft/tasks": len(seeds),
             "sft/action_tokens": sum(x.n_action for x in samples),
-            **({"sft/constrained_tokens": constrained_tokens,
-                "sft/free_turns": sum(node.admissible is None for node in turns) / max(len(turns), 1)}
+            **({"sft/constrained_tokens": constrained_tokens, "sft/free_turns": free_turns}
                if sft_constrains(cfg) else {}),
             **({"sft/nll_before": nll_before, "sft/nll_after": _mean_nll(learner, probe)} if probe else {}),
             "sft/optimizer_steps": st["train/optimizer_steps"],

@@ -20,6 +20,7 @@ step 1 then takes its trees from that queue and step 5 also refreshes the copy.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import shutil
 import time
@@ -46,7 +47,7 @@ from .checkpoint import (
 from .config import TrainRunConfig
 from .curriculum import check_levels
 from .metrics import MetricsLogger, PeakMemory, ProgressBars, plot_learning_curve
-from .model import precision_note, sync_policy
+from .model import precision_note, resolved_precision, sync_policy
 from .plan import print_plan, run_plan, step_task_seeds
 from .rollouts import RolloutSource, allocation_report, save_trees, step_rollouts
 from .step import Learner, StartBar
@@ -80,6 +81,8 @@ class Trainer:
             cfg = cfg.model_copy(deep=True)
             cfg.rollout.record_next_context = True
         check_levels(cfg.env.id, cfg.env.imports, {"train.curriculum": t.curriculum, "sft.levels": cfg.sft.levels})
+        with contextlib.suppress(RuntimeError):  # an unknown device: loading the policy says so
+            resolved_precision(t.precision, cfg.policy.device)  # a bad AGENTRL_CPU_BF16 fails now, not mid-run
         self.cfg = cfg
         self.console = console or Console()
         self.progress = progress

@@ -68,13 +68,30 @@ def test_auto_is_bf16_only_on_a_cpu_that_multiplies_bf16_natively(monkeypatch, c
     assert resolved_precision("auto", "cpu") == ("bf16" if native else "fp32")
     with precision("auto"):
         assert _matmul_dtype() == (torch.bfloat16 if native else torch.float32)
-    # explicit choices are kept; a GPU is always bf16 under auto
+    # explicit choices are kept; a GPU is bf16 under auto where it supports bf16 (Ampere on)
     assert resolved_precision("bf16", "cpu") == "bf16" and resolved_precision("fp32", "cpu") == "fp32"
-    assert resolved_precision("auto", "cuda") == "bf16"
+    for gpu_bf16 in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, v=gpu_bf16, **k: v)
+        assert resolved_precision("auto", "cuda") == ("bf16" if gpu_bf16 else "fp32")
     # asking for bf16 where it is emulated gets a console line; nowhere else
     assert (precision_note("bf16", "cpu") is not None) is (not native)
     assert precision_note("auto", "cpu") is None and precision_note("fp32", "cpu") is None
     assert precision_note("bf16", "cuda") is None
+
+
+def test_a_torch_that_cannot_report_its_cpu_counts_as_without_native_bf16(monkeypatch):
+    def missing():
+        raise AttributeError("module 'torch.cpu' has no attribute 'get_capabilities'")
+
+    monkeypatch.delenv("AGENTRL_CPU_BF16", raising=False)
+    monkeypatch.setattr(torch.cpu, "get_capabilities", missing)
+    train_model._cpu_capabilities.cache_clear()
+    try:
+        assert train_model._cpu_capabilities() == frozenset()
+        assert resolved_precision("auto", "cpu") == "fp32"
+    finally:
+        train_model._cpu_capabilities.cache_clear()
 
 
 def test_the_environment_overrides_the_detection_and_a_bad_value_names_it(monkeypatch):
@@ -103,6 +120,11 @@ def test_the_plan_shows_the_precision_and_a_run_asking_for_emulated_bf16_is_warn
     assert run_plan(toy_config(tmp_path, "train.steps=0"))["precision"] == "fp32 (auto on cpu)"
     monkeypatch.setenv("AGENTRL_CPU_BF16", "1")
     assert run_plan(toy_config(tmp_path, "train.steps=0"))["precision"] == "bf16 (auto on cpu)"
+    monkeypatch.setenv("AGENTRL_CPU_BF16", "yes")  # a bad override fails when the run starts
+    with pytest.raises(ConfigError, match="AGENTRL_CPU_BF16"):
+        run_plan(toy_config(tmp_path, "train.steps=0"))
+    with pytest.raises(ConfigError, match="AGENTRL_CPU_BF16"):
+        Trainer(toy_config(tmp_path / "bad", "train.steps=0"), progress=False)
     monkeypatch.setenv("AGENTRL_CPU_BF16", "0")
     for name, warned in (("bf16", True), ("auto", False)):
         buf = io.StringIO()
