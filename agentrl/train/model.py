@@ -7,13 +7,13 @@ which parameters train (all, the top k layers, or LoRA adapters);
 base weights, adapters switched off, ``reference``); ``sync_policy`` hands the
 trained weights to the policy that samples.
 
-Precision (``train.precision``): ``auto`` is bf16 autocast on a GPU, and on a
-CPU whose instructions multiply bf16 natively (``avx512_bf16`` or AMX:
+Precision (``train.precision``): ``auto`` is bf16 autocast on a GPU that
+supports bf16, and on a CPU whose instructions multiply bf16 natively (``avx512_bf16`` or AMX:
 ``cpu_has_native_bf16``), fp32 elsewhere; ``bf16`` autocasts wherever the model
 is; ``fp32`` never autocasts. Native bf16 matters by two orders of magnitude:
 on a CPU with avx512_bf16 the make run recipe's SFT ran 1.6x fp32's tokens/s,
-while on an AVX2-only EPYC a bf16 1024-square matmul ran at 1.0 GFLOP/s
-against fp32's 84, and a SmolLM2-135M training step 18x slower than fp32
+while on an AVX2-only EPYC bf16 matmuls peaked at 1.2 GFLOP/s against fp32's
+182, and a SmolLM2-135M forward and backward ran 18x slower than fp32
 (``precision_note`` says so when a run asks for bf16 there).
 ``AGENTRL_CPU_BF16=1`` or ``0`` overrides the detection (the test suite sets 0,
 so ``auto`` is fp32 on every CI machine). The learning step sets the precision
@@ -107,7 +107,7 @@ def precision_note(name: str, device: torch.device | str) -> str | None:
     """A line for the console when ``name`` on ``device`` is far slower than it need be, else None."""
     if name == "bf16" and torch.device(device).type == "cpu" and not cpu_has_native_bf16():
         return ("train.precision=bf16 on a CPU without avx512_bf16 or AMX: bf16 matmuls are emulated "
-                "here, many times slower than fp32 (an AVX2 EPYC: 1.0 against 84 GFLOP/s); "
+                "here, many times slower than fp32 (an AVX2 EPYC: 1.2 against 182 GFLOP/s); "
                 "precision auto picks fp32 on this CPU")
     return None
 
