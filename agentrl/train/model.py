@@ -58,11 +58,15 @@ __all__ = [
 _PRECISION: ContextVar[str] = ContextVar("agentrl_precision", default="auto")
 
 
+def _check_precision(name: str) -> None:
+    if name not in ("auto", "bf16", "fp32"):
+        raise ConfigError(f"train.precision={name!r}: use auto, bf16 or fp32")
+
+
 @contextlib.contextmanager
 def precision(name: str) -> Iterator[None]:
     """Within this block ``autocast`` follows ``name`` (``auto``, ``bf16`` or ``fp32``)."""
-    if name not in ("auto", "bf16", "fp32"):
-        raise ConfigError(f"train.precision={name!r}: use auto, bf16 or fp32")
+    _check_precision(name)
     token = _PRECISION.set(name)
     try:
         yield
@@ -93,8 +97,7 @@ def cpu_has_native_bf16() -> bool:
 
 def resolved_precision(name: str, device: torch.device | str) -> str:
     """``bf16`` or ``fp32``: what ``name`` (``auto``, ``bf16``, ``fp32``) means on ``device``."""
-    if name not in ("auto", "bf16", "fp32"):
-        raise ConfigError(f"train.precision={name!r}: use auto, bf16 or fp32")
+    _check_precision(name)
     if name != "auto":
         return name
     kind = torch.device(device).type

@@ -183,8 +183,8 @@ def _sft(learner: Learner, start_bar: StartBar | None) -> dict[str, Any]:
     # An episode's advantages are its loss mask, so SFT samples are RL samples with A = 1.
     items = [(ep, [float(m) for m in ep.loss_mask]) for tree in trees for ep in tree.episodes()]
     samples = samples_from_credit(items)
-    constrained_tokens, free_turns = 0, 0
-    if sft_constrains(cfg):
+    constrain, constrained_tokens, free_turns = sft_constrains(cfg), 0, 0
+    if constrain:
         constrained_tokens = constrain_samples(samples, learner.policy.tokenizer)
         free_turns = sum(node.admissible is None for tree in trees for node in tree.nodes.values())
         if free_turns:
@@ -212,7 +212,7 @@ def _sft(learner: Learner, start_bar: StartBar | None) -> dict[str, Any]:
     return {"sft/episodes": len(samples), "sft/tasks": len(seeds),
             "sft/action_tokens": sum(x.n_action for x in samples),
             **({"sft/constrained_tokens": constrained_tokens, "sft/free_turns": free_turns}
-               if sft_constrains(cfg) else {}),
+               if constrain else {}),
             **({"sft/nll_before": nll_before, "sft/nll_after": _mean_nll(learner, probe)} if probe else {}),
             "sft/optimizer_steps": st["train/optimizer_steps"],
             "sft/tokens_per_s": st["train/tokens"] / max(wall, 1e-9),
