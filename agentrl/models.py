@@ -209,6 +209,9 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32", device: str = 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from .policy.attention import avoid_cudnn_attention
+
+    avoid_cudnn_attention(device)  # per-shape cuDNN graphs cost more than the attention (see there)
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise PolicyError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")

@@ -124,20 +124,37 @@ def train_row(model: str, device: str, args: argparse.Namespace, out: Path) -> d
             "train.checkpointing.export_hf": "false", "train.output.plot": "false", "train.output.tensorboard": "false",
             "train.minibatch_size": args.tasks * args.group, "rollout.max_context_tokens": 4096,
             "train.micro_batch_tokens": 4096}
-    cmd = [str(Path(sys.executable).with_name("agentrl")), "train", "--config", str(RECIPE), "--out", str(out),
+    # `python -m agentrl`: the package may be importable without its console script
+    cmd = [sys.executable, "-m", "agentrl", "train", "--config", str(RECIPE), "--out", str(out),
            "--overwrite", "--no-progress"]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
     t = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    # cwd outside the checkout: `-m` puts cwd first on sys.path, where a bare checkout's
+    # agentrl/ would shadow an installed agentrl (whose agentrl.tools maps tools/)
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=out.parent)
     wall = time.perf_counter() - t
     if r.returncode != 0:
         return {"error": (r.stderr or r.stdout)[-2000:], "wall_s": round(wall, 1)}
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     last = [x for x in rows if x.get("phase") == "rl"][-1]
-    keep = ("time/rollout_s", "time/train_s", "time/step_s", "train/tokens_per_s", "train/tokens",
-            "rollout/action_tokens", "memory/peak_cuda_mb", "memory/peak_rss_mb")
-    return {"wall_s": round(wall, 1), **{k: round(last[k], 3) for k in keep if k in last}}
+    keep = ("train/tokens_per_s", "train/tokens", "rollout/action_tokens", "memory/peak_cuda_mb",
+            "memory/peak_rss_mb")
+    return {"wall_s": round(wall, 1), "steps": len([x for x in rows if x.get("phase") == "rl"]),
+            **{k: round(v, 3) for k, v in last.items() if k.startswith("time/") or k in keep}}
+
+
+def guarded(part: str, fn, *args) -> list[dict]:
+    """One part's rows, or one row naming its error: a failing part must not hide the others'
+    numbers (a GPU lease is short, and the first run on a new machine finds the bugs)."""
+    import traceback
+
+    try:
+        out = fn(*args)
+        return out if isinstance(out, list) else [out]
+    except Exception as e:  # noqa: BLE001 - recorded, and the exit status says so
+        return [{"backend": part, "error": f"{type(e).__name__}: {e}",
+                 "traceback": traceback.format_exc()[-3000:]}]
 
 
 def main() -> None:
@@ -168,22 +185,23 @@ def main() -> None:
         model = random_qwen(Path(tmp) / "qwen") if args.random_init else args.model
         batch = prompts(args.prompts, args.prompt_tokens, QWEN_1_5B["vocab_size"])
         t0 = time.perf_counter()
-        decode = [hf_decode(model, device, batch, args.new_tokens)]
-        decode += vllm_rows(model, batch, args.new_tokens, args.gpu_memory_utilization) if device == "cuda" else \
-            [{"backend": "vllm", "skipped": "--quick runs on CPU"}]
-        train = train_row(model, device, args, Path(tmp) / "run")
+        decode = guarded("hf", hf_decode, model, device, batch, args.new_tokens)
+        decode += guarded("vllm", vllm_rows, model, batch, args.new_tokens, args.gpu_memory_utilization) \
+            if device == "cuda" else [{"backend": "vllm", "skipped": "--quick runs on CPU"}]
+        train = guarded("train", train_row, model, device, args, Path(tmp) / "run")[0]
         total = time.perf_counter() - t0
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else None
     result = {"model": args.model, "random_init": args.random_init, "device": device, "gpu": gpu,
               "decode": decode, "train": train, "total_s": round(total, 1),
               "args": {k: v for k, v in vars(args).items() if k != "out"},
+              "cudnn_attention": os.environ.get("AGENTRL_CUDNN_ATTENTION", "0") == "1",
               "machine": {"cpu_count": os.cpu_count(), "load_avg_1m": [round(load[0], 2), round(os.getloadavg()[0], 2)],
                           "python": platform.python_version(), "torch": torch.__version__}}
     print(f"model {args.model}{' (random init)' if args.random_init else ''} on {gpu or 'cpu'}")
     print(f"{'backend':14} {'tokens':>7} {'s':>7} {'tok/s':>8}")
     for r in decode:
-        if "skipped" in r:
-            print(f"{r['backend']:14} skipped: {r['skipped']}")
+        if "skipped" in r or "error" in r:
+            print(f"{r['backend']:14} {'skipped: ' + r['skipped'] if 'skipped' in r else 'ERROR ' + r['error']}")
         else:
             print(f"{r['backend']:14} {r['tokens']:7} {r['seconds']:7} {r['tok_per_s']:8}")
     raw = next((r for r in decode if r["backend"] == "vllm raw" and "tok_per_s" in r), None)
@@ -193,7 +211,10 @@ def main() -> None:
     print("training step:", ", ".join(f"{k} {v}" for k, v in train.items()))
     print(f"total {total:.0f} s")
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    if "error" in train:
+    if any("error" in r for r in [*decode, train]):
+        for r in [*decode, train]:
+            if "traceback" in r or "error" in r:
+                print(r.get("traceback") or r["error"], file=sys.stderr)
         sys.exit(1)
 
 

@@ -1,5 +1,15 @@
-"""Attention for the ``hf`` backend on CPU: grouped keys and values are read in place.
+"""Attention for the ``hf`` backend: grouped keys and values read in place on CPU, and
+no cuDNN attention on CUDA.
 
+**CUDA.** PyTorch picks its cuDNN attention kernel first on Hopper GPUs. cuDNN builds an
+execution graph per set of shapes, and decoding changes the key length at every token,
+so every step builds graphs again: on an H200 (torch 2.11, cu130) ``sdpa`` with a mask
+took 8-54 ms of host time per call against 8 us on the GPU, most of a decode step
+(bench/gpu_check.json, ``cudnn_attention``). ``avoid_cudnn_attention`` turns that
+backend off for the process, so PyTorch uses its flash and memory-efficient kernels,
+which need no graph; ``AGENTRL_CUDNN_ATTENTION=1`` keeps it.
+
+**CPU.**
 transformers' ``sdpa`` attention copies the keys and values of a
 grouped-query model once per query head (``repeat_kv``) whenever a mask is
 given and more than one token is queried: on CPU it never passes
@@ -15,12 +25,13 @@ masks are built exactly as for ``sdpa``.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["GQA_SDPA", "gqa_sdpa_attention", "use_gqa_sdpa"]
+__all__ = ["GQA_SDPA", "avoid_cudnn_attention", "gqa_sdpa_attention", "use_gqa_sdpa"]
 
 GQA_SDPA = "agentrl_gqa_sdpa"
 
@@ -43,6 +54,20 @@ def gqa_sdpa_attention(module: Any, query: torch.Tensor, key: torch.Tensor, valu
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                              scale=scaling, is_causal=causal, enable_gqa=groups > 1)
     return out.transpose(1, 2).contiguous(), None
+
+
+def avoid_cudnn_attention(device: torch.device | str) -> bool:
+    """On CUDA, turn PyTorch's cuDNN attention backend off (process-wide; see the module
+    docstring) unless ``AGENTRL_CUDNN_ATTENTION=1``. True if it is off after the call."""
+    if torch.device(device).type != "cuda":
+        return False
+    keep = os.environ.get("AGENTRL_CUDNN_ATTENTION", "0")
+    if keep not in ("0", "1"):
+        raise ValueError(f"AGENTRL_CUDNN_ATTENTION must be 0 or 1, not {keep!r}")
+    if keep == "1":
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return True
 
 
 def use_gqa_sdpa(model: Any) -> bool:

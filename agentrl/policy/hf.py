@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from ..errors import PolicyError
-from .attention import use_gqa_sdpa
+from .attention import avoid_cudnn_attention, use_gqa_sdpa
 from .base import GenerateRequest, GenerateResult, RequestControl, SamplingParams, stop_string_hit
 from .batching import MicroBatcher
 from .constrain import ActionTrie, allowed_tensor, mask_logits
@@ -175,6 +175,7 @@ class HFPolicy:
         except ValueError as e:  # sliding-window or hybrid attention: not supported by the slab yet
             raise PolicyError(f"{e}; use a full-attention model with the hf backend") from e
         use_gqa_sdpa(model)  # CPU: read grouped keys and values in place (see policy/attention.py)
+        avoid_cudnn_attention(self.device)  # CUDA: cuDNN rebuilds its graphs at every decode step
         self.batcher = MicroBatcher(self.generate, name="agentrl-hf")
         self._tries: dict[tuple[str, ...], ActionTrie] = {}  # per action list: states recur
 

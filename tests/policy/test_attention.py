@@ -1,4 +1,5 @@
-"""The grouped-query attention the hf backend uses on CPU equals transformers' sdpa."""
+"""The grouped-query attention the hf backend uses on CPU equals transformers' sdpa; on
+CUDA, PyTorch's cuDNN attention is switched off."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from agentrl.models import load_model
-from agentrl.policy.attention import GQA_SDPA, gqa_sdpa_attention, use_gqa_sdpa
+from agentrl.policy.attention import (
+    GQA_SDPA,
+    avoid_cudnn_attention,
+    gqa_sdpa_attention,
+    use_gqa_sdpa,
+)
 from agentrl.policy.hf import _gumbel_max_sample
 
 
@@ -59,3 +65,51 @@ def test_gumbel_max_sampling_follows_the_probabilities():
     freq = torch.bincount(draws, minlength=4).float() / 4000
     assert freq[3] == 0  # a token of probability 0 is never drawn
     assert torch.allclose(freq[:3], torch.tensor([0.5, 0.3, 0.2]), atol=0.03)
+
+
+# --- avoid_cudnn_attention: PyTorch's cuDNN attention off on CUDA (per-shape graphs) ---------
+
+
+def _recording_switch(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", lambda on: calls.append(on))
+    return calls
+
+
+def test_cudnn_attention_is_switched_off_on_cuda_only(monkeypatch):
+    calls = _recording_switch(monkeypatch)
+    monkeypatch.delenv("AGENTRL_CUDNN_ATTENTION", raising=False)
+    assert avoid_cudnn_attention("cpu") is False and calls == []
+    assert avoid_cudnn_attention(torch.device("cuda", 0)) is True and calls == [False]
+    assert avoid_cudnn_attention("cuda") is True and calls == [False, False]
+
+
+def test_agentrl_cudnn_attention_1_keeps_it_and_a_bad_value_is_named(monkeypatch):
+    calls = _recording_switch(monkeypatch)
+    monkeypatch.setenv("AGENTRL_CUDNN_ATTENTION", "1")
+    assert avoid_cudnn_attention("cuda") is False and calls == []
+    monkeypatch.setenv("AGENTRL_CUDNN_ATTENTION", "yes")
+    with pytest.raises(ValueError, match="AGENTRL_CUDNN_ATTENTION"):
+        avoid_cudnn_attention("cuda")
+    assert calls == []
+
+
+def test_loading_a_model_onto_cuda_switches_cudnn_attention_off_first(monkeypatch):
+    """load_model is the one door every model (policy, trained copy, teacher) comes through."""
+    calls = _recording_switch(monkeypatch)
+    monkeypatch.delenv("AGENTRL_CUDNN_ATTENTION", raising=False)
+    import agentrl.models as models
+
+    models.load_model("tiny-random", device="cpu")
+    assert calls == []
+
+    class Stop(Exception):
+        pass
+
+    def no_model(seed=0):  # stop before anything touches a GPU this machine lacks
+        raise Stop
+
+    monkeypatch.setattr(models, "_tiny_random", no_model)
+    with pytest.raises(Stop):
+        models.load_model("tiny-random", device="cuda")
+    assert calls == [False]
