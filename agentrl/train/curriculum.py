@@ -22,6 +22,8 @@ all of them.
 
 Held-out evaluation stays where ``train.evaluation`` puts it (``env.kwargs``
 and its own ``env_kwargs``): the target level, whatever stage the run is in.
+Where it names a ``split``, no training data may come from that split:
+``check_held_out`` refuses ``env.kwargs``, a stage or an SFT level that sets it.
 
 The stage of step k depends on k alone, as the task seeds do
 (``agentrl.train.plan``): a resumed run, or the asynchronous producer rolling
@@ -41,7 +43,8 @@ from pydantic import Field
 from ..config import Config, _Strict
 from ..errors import ConfigError
 
-__all__ = ["CurriculumStage", "Level", "SFTLevel", "at_level", "check_levels", "describe", "stage_at"]
+__all__ = ["CurriculumStage", "Level", "SFTLevel", "at_level", "check_held_out", "check_levels", "describe",
+           "stage_at"]
 
 C = TypeVar("C", bound=Config)
 
@@ -126,3 +129,20 @@ def check_levels(env_id: str, imports: list[str], levels: dict[str, list[Level]]
             if bad := sorted(set(level.env_kwargs) - set(params)):
                 raise ConfigError(f"{key}.{i}.env_kwargs: {env_id} takes no keyword {', '.join(map(repr, bad))}; "
                                   f"it takes {', '.join(k for k in params if k != 'self')}")
+
+
+def check_held_out(base: dict[str, Any], held_out: dict[str, Any], levels: dict[str, list[Level]]) -> None:
+    """Raise ``ConfigError`` where training data would come from the split the evaluation holds
+    out: ``held_out`` is ``train.evaluation.env_kwargs``, ``base`` is ``env.kwargs``, ``levels``
+    as in ``check_levels``. Only a ``split`` the evaluation names explicitly is guarded (without
+    one it draws other seeds of the training split, by design)."""
+    split = held_out.get("split")
+    if split is None:
+        return
+    why = f"train.evaluation.env_kwargs.split holds {split!r} out for evaluation; train on another split"
+    if base.get("split") == split:
+        raise ConfigError(f"env.kwargs.split: {why}")
+    for key, items in levels.items():
+        for i, level in enumerate(items):
+            if {**base, **level.env_kwargs}.get("split") == split:
+                raise ConfigError(f"{key}.{i}.env_kwargs.split: {why}")

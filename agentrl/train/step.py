@@ -240,8 +240,15 @@ class Learner:
     def _keep_token_values(self, groups: list[EpisodeGroup], samples: list[Sample], credited: set[int]) -> None:
         """Put what the update read on the trees the run saves (``train.output.save_trees``), for the viewer."""
         t = self.cfg.train
+        limit, now = t.loss.max_token_staleness, self.policy.version  # the version the loss compared against
+
+        def kept(s: Sample) -> list[int]:  # the loss's count mask: staleness drops old tokens
+            if limit is None:
+                return s.mask
+            return [int(bool(m) and v >= 0 and now - v <= limit) for m, v in zip(s.mask, s.versions, strict=True)]
+
         for g in groups[:t.output.save_trees]:
-            g.tree.meta["token_values"] = token_values(g, samples, credited, t.credit.name)
+            g.tree.meta["token_values"] = token_values(g, samples, credited, t.credit.name, kept)
 
     def _teacher_context(self, samples: list[Sample], groups: list[EpisodeGroup]) -> None:
         """What the distillation teacher reads of each sample's episode: its tree's privileged

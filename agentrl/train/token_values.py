@@ -18,7 +18,10 @@ values are those of every epoch (the weights after each epoch are not
 scored again). An asynchronous run saves the values of the step that trained
 on the trees, whichever policy version sampled them.
 
-A token the update left out of its mask (TIP) is ``null``. An episode it left
+A token the update left out of its mask (TIP), or one sampled more than
+``train.loss.max_token_staleness`` versions before the update (``kept``), is
+``null``. M2PO's masked tokens are not: its mask is a minibatch statistic that
+changes per epoch, and is logged as ``m2po/masked_frac``. An episode it left
 out altogether is ``{"trained": false, "reason": ...}``: a failed episode, an
 MC-GRPO pivot, one whose advantages were all 0 (``train.skip_zero_advantage``)
 or one without an action token. Values are rounded to ``DECIMALS`` places:
@@ -27,6 +30,7 @@ JSON floats are text, and this keeps a saved step small.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..types import Episode, EpisodeGroup
@@ -56,13 +60,14 @@ def untrained_reason(episode: Episode, credited: bool, credit: str) -> str:
     return "every advantage 0 (train.skip_zero_advantage)"
 
 
-def token_values(group: EpisodeGroup, samples: list[Sample], credited: set[int], credit: str
-                 ) -> dict[str, dict[str, Any]]:
+def token_values(group: EpisodeGroup, samples: list[Sample], credited: set[int], credit: str,
+                 kept: Callable[[Sample], list[int]] | None = None) -> dict[str, dict[str, Any]]:
     """``{"<leaf id>": values}`` for one tree (see the module docstring), read after the update.
 
     ``samples`` are the step's samples (a sample's ``episode`` is one of the
     group's episodes or another tree's), ``credited`` the ``id``s of the
-    episodes credit gave advantages to, ``credit`` the ``train.credit`` method.
+    episodes credit gave advantages to, ``credit`` the ``train.credit`` method, ``kept`` a
+    sample's trained mask where the loss narrows ``Sample.mask`` (default: ``Sample.mask``).
     """
     trained = {id(s.episode): s for s in samples if s.episode is not None}
     out: dict[str, dict[str, Any]] = {}
@@ -71,9 +76,10 @@ def token_values(group: EpisodeGroup, samples: list[Sample], credited: set[int],
         if s is None:
             out[str(leaf)] = {"trained": False, "reason": untrained_reason(ep, id(ep) in credited, credit)}
             continue
-        vals: dict[str, Any] = {"advantages": _on_actions(s.advantages, ep.loss_mask, s.mask)}
+        mask = kept(s) if kept is not None else s.mask
+        vals: dict[str, Any] = {"advantages": _on_actions(s.advantages, ep.loss_mask, mask)}
         if s.distill.teacher is not None and s.old is not None:
-            vals["teacher_logprobs"] = _on_actions(s.distill.teacher, ep.loss_mask, s.mask)
-            vals["student_logprobs"] = _on_actions(s.old, ep.loss_mask, s.mask)
+            vals["teacher_logprobs"] = _on_actions(s.distill.teacher, ep.loss_mask, mask)
+            vals["student_logprobs"] = _on_actions(s.old, ep.loss_mask, mask)
         out[str(leaf)] = vals
     return out

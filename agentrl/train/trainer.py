@@ -45,7 +45,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import TrainRunConfig
-from .curriculum import check_levels
+from .curriculum import check_held_out, check_levels
 from .metrics import MetricsLogger, PeakMemory, ProgressBars, plot_learning_curve
 from .model import precision_note, resolved_precision, sync_policy
 from .plan import print_plan, run_plan, step_task_seeds
@@ -80,7 +80,9 @@ class Trainer:
         if t.value_head is not None:  # episodes cut at max_turns keep the next state, to bootstrap V from
             cfg = cfg.model_copy(deep=True)
             cfg.rollout.record_next_context = True
-        check_levels(cfg.env.id, cfg.env.imports, {"train.curriculum": t.curriculum, "sft.levels": cfg.sft.levels})
+        levels = {"train.curriculum": t.curriculum, "sft.levels": cfg.sft.levels}
+        check_levels(cfg.env.id, cfg.env.imports, levels)
+        check_held_out(cfg.env.kwargs, t.evaluation.env_kwargs, levels)
         with contextlib.suppress(RuntimeError):  # an unknown device: loading the policy says so
             resolved_precision(t.precision, cfg.policy.device)  # a bad AGENTRL_CPU_BF16 fails now, not mid-run
         self.cfg = cfg

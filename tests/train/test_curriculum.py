@@ -72,6 +72,26 @@ def test_a_misspelt_level_key_fails_when_the_run_starts_naming_its_stage():
         Trainer(cfg, policy=object())
 
 
+def test_training_data_from_the_split_the_evaluation_holds_out_is_refused_naming_the_key():
+    from agentrl.train.trainer import Trainer
+
+    held = ["train.evaluation.env_kwargs={split: valid_unseen}"]
+    for sets, key in [(["env.kwargs={split: valid_unseen}"], r"env\.kwargs\.split"),
+                      (["train.curriculum=[{steps: 1}, {env_kwargs: {split: valid_unseen}}]"],
+                       r"train\.curriculum\.1\.env_kwargs\.split"),
+                      (["sft.levels=[{episodes: 1, env_kwargs: {split: valid_unseen}}]"], r"sft\.levels\.0\.env_kwargs\.split")]:
+        cfg = load_train_config(None, ALF + held + sets)
+        with pytest.raises(ConfigError, match=key + r": .*'valid_unseen' out for evaluation"):
+            Trainer(cfg, policy=object())
+    # another split, or an evaluation that names no split (other seeds of the same split), passes this check
+    for sets in (held + ["train.curriculum=[{steps: 1, env_kwargs: {split: valid_seen}}]"],
+                 ["train.curriculum=[{steps: 1, env_kwargs: {split: valid_unseen}}]"]):
+        cfg = load_train_config(None, ALF + sets)
+        with pytest.raises(Exception) as e:  # the policy given is a placeholder: the run fails past the checks
+            Trainer(cfg, policy=object())
+        assert "out for evaluation" not in str(e.value)
+
+
 def test_stage_turn_caps_that_a_harness_or_turnopd_would_ignore_are_refused():
     with pytest.raises(ConfigError, match="harness plays its episodes to the end"):
         load_train_config(None, ["train.harness=python agent.py", "train.curriculum=[{max_turns: 3}]"])

@@ -179,3 +179,14 @@ def test_a_failed_update_still_saves_its_steps_trees(tmp_path):
         tr.run()
     trees = read_trees(tmp_path / "trees" / "step-000001.jsonl")
     assert len(trees) == 2 and all("token_values" not in t.meta for t in trees)
+
+
+def test_tokens_the_staleness_bound_drops_are_saved_as_not_trained(tmp_path, monkeypatch):
+    # Step 2 trains on trees sampled before step 1's update (one version old): with
+    # max_token_staleness 0 the loss counts none of their tokens, and the saved values say so.
+    saved, _, _ = run_steps(tmp_path, monkeypatch, "rollout.group_size=4", "train.asynchronous={max_batch_staleness: 1}",
+                            "train.loss.max_token_staleness=0", "train.skip_zero_advantage=false", steps=2)
+    fresh = [v for tree in saved[1] for vals in tree.meta["token_values"].values() for v in vals.get("advantages", [])]
+    stale = [v for tree in saved[2] for vals in tree.meta["token_values"].values() for v in vals.get("advantages", [])]
+    assert fresh and all(v is not None for v in fresh)
+    assert stale and all(v is None for v in stale)
