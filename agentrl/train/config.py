@@ -181,6 +181,14 @@ class TrainConfig(_Strict):
     # -- the update ------------------------------------------------------------------
     epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     minibatch_size: int = Field(16, ge=1, description="Episodes per optimizer step.")
+    old_logprobs: Literal["rescore", "sampler"] = Field(
+        "rescore", description="PPO's anchor where a batch makes several optimizer steps (more "
+        "episodes than minibatch_size, or epochs > 1): rescore = a no-grad pass of the trainer "
+        "before the update; sampler = the log-probs the sampler returned with each token, no pass "
+        "(the same numbers where the sampler computes what the trainer does, as the hf backend in "
+        "fp32 does to about 1e-5; elsewhere the ratio also carries the sampler-trainer mismatch, "
+        "which TIS then cannot see). Refused with top_p or top_k truncation, greedy sampling, "
+        "train.asynchronous and train.distill.")
     micro_batch_tokens: int = Field(4096, ge=16, description="Tokens per forward pass: episodes "
                                     "are packed up to this; a minibatch accumulates gradients "
                                     "over its micro-batches.")
@@ -390,6 +398,20 @@ class TrainRunConfig(Config):
             raise ValueError("sft.constrain=true scores the expert's turns under the admissible-action "
                              "constraint, which needs rollout.constrain=admissible "
                              f"(got {self.rollout.constrain!r})")
+        if self.train.old_logprobs == "sampler":
+            sp, why = self.sampling, None
+            if sp.top_p < 1.0 or sp.top_k > 0:
+                why = (f"sampling.top_p={sp.top_p}, sampling.top_k={sp.top_k}: the sampler's log-probs are of "
+                       "the truncated distribution, the trainer's of the whole one")
+            elif sp.temperature == 0:
+                why = "sampling.temperature=0: greedy sampling returns no sampling log-probs"
+            elif self.train.asynchronous is not None:
+                why = ("train.asynchronous: tokens sampled by older weights would anchor PPO to those "
+                       "weights, not to the ones the update starts from")
+            elif self.train.distill is not None:
+                why = "train.distill: the teacher's signal and its labels read the trainer's own scores"
+            if why is not None:
+                raise ValueError(f"train.old_logprobs=sampler is refused with {why}; use rescore")
         dist = self.distributed
         workers = dist is not None and dist.num_rollout_workers > 0
         if self.train.asynchronous is not None and not workers and self.policy.backend not in ("hf", "auto"):

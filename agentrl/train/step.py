@@ -155,7 +155,12 @@ class Learner:
         one_step = not self.needs_scoring_pass(len(batch)) and not labels
         fields: tuple[str, ...] = ("advantages", "behaviour", "versions")
         tokens = 0
-        if not one_step:
+        from_sampler = not one_step and t.old_logprobs == "sampler"
+        if from_sampler:  # PPO's anchor is what the sampler returned with each token: no pass
+            for s in batch:
+                s.old = list(s.behaviour)
+            fields += ("old",)
+        elif not one_step:
             top_k = self.distiller.top_k if self.distiller is not None else 0
             tokens += score_old(self.net, batch, t.micro_batch_tokens, self.pad_id, self.temperature,
                                 top_k=top_k, tree=tree_layout)
@@ -177,7 +182,7 @@ class Learner:
         for lab in labels:  # never sampled: its old logprobs stand for the behaviour, no mismatch to correct
             lab.behaviour = list(lab.old or lab.behaviour)
         stats["time/old_logprobs_s"] = time.perf_counter() - t0
-        stats["train/scoring_pass"] = int(not one_step)
+        stats["train/scoring_pass"] = int(not one_step and not from_sampler)
 
         # The update: epochs of minibatches, each row's loss from loss.row_loss.
         d = t.distill
@@ -194,7 +199,10 @@ class Learner:
         wall = time.perf_counter() - t0
         self._keep_token_values(groups, samples, credited)  # the values the loss read, now final
         stats.update(st)
-        stats.update(self._mismatch(samples, st, one_step))
+        if from_sampler:  # anchored to the sampler, the loss's mismatch is 0 by construction: not measured
+            stats = {k: v for k, v in stats.items() if not k.startswith("mismatch/")}
+        else:
+            stats.update(self._mismatch(samples, st, one_step))
         stats["time/train_s"] = wall
         stats["train/tokens_per_s"] = (st["train/tokens"] + tokens) / max(wall + stats["time/old_logprobs_s"], 1e-9)
         stats["train/lr"] = self.scheduler.get_last_lr()[0]
@@ -285,7 +293,7 @@ class Learner:
     @staticmethod
     def _mismatch(samples: list[Sample], st: dict[str, Any], one_step: bool) -> dict[str, float]:
         """How far the sampler's logprobs are from the trainer's, before the update."""
-        if one_step:  # the loss compared its own detached logprobs with the behaviour ones
+        if one_step:  # no scoring pass: the loss compared its own detached logprobs with the behaviour ones
             return {"mismatch/kl": st.get("mismatch/mismatch_kl", 0.0)}
         flat = lambda get: torch.tensor([x for s in samples for x in get(s)])  # noqa: E731
         mm = mismatch_stats(flat(lambda s: s.old), flat(lambda s: s.behaviour), flat(lambda s: s.mask).bool())
