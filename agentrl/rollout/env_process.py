@@ -83,6 +83,9 @@ class ProcessEnv:
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(child, spec.entry_point, {**spec.kwargs, **kwargs}),
                                  daemon=True, name=f"agentrl-env {spec.id}")
+        # Two threads may reap the child at once (a kill, and a step thread that got EOF):
+        # multiprocessing's waitpid is not safe for that, and the loser of the race saw it alive.
+        self._reap_lock = threading.Lock()
         self._proc.start()
         child.close()
         self._lock = threading.Lock()
@@ -103,7 +106,7 @@ class ProcessEnv:
         try:
             return self._conn.recv()
         except (EOFError, OSError):
-            self._proc.join(timeout=1)  # reap it, so the exit code is known
+            self._join(1)  # reap it, so the exit code is known
             code = self._proc.exitcode
             return False, RuntimeError(f"env process {self.env_id} died (exit code {code})")
 
@@ -155,7 +158,7 @@ class ProcessEnv:
                 self._closed = True
                 self._lock.release()
         self._closed = True
-        self._proc.join(timeout=1)
+        self._join(1)
         self._kill()
 
     def kill(self) -> None:
@@ -164,13 +167,17 @@ class ProcessEnv:
         self._closed = True
         self._kill(close_pipe=False)  # a thread may still be reading it: it gets EOF
 
+    def _join(self, timeout: float) -> None:
+        with self._reap_lock:
+            self._proc.join(timeout=timeout)
+
     def _kill(self, close_pipe: bool = True) -> None:
         pid = self._proc.pid
         if pid is not None and self._proc.exitcode is None:
             with contextlib.suppress(OSError):  # no such group: it never got to setpgid
                 os.killpg(pid, signal.SIGKILL)
             self._proc.kill()
-            self._proc.join(timeout=_REAP_S)
+            self._join(_REAP_S)
             if self._proc.is_alive():
                 warnings.warn(f"env process {self.env_id} (pid {pid}) survived SIGKILL for {_REAP_S:.0f} s",
                               RuntimeWarning, stacklevel=3)
