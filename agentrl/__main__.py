@@ -4,4 +4,5 @@ where the package is importable but its console script was not installed (a
 
 from agentrl.cli import main
 
-main()
+if __name__ == "__main__":
+    main()

@@ -4,8 +4,8 @@ no cuDNN attention on CUDA.
 **CUDA.** PyTorch picks its cuDNN attention kernel first on Hopper GPUs. cuDNN builds an
 execution graph per set of shapes, and decoding changes the key length at every token,
 so every step builds graphs again: on an H200 (torch 2.11, cu130) ``sdpa`` with a mask
-took 8-54 ms of host time per call against 8 us on the GPU, most of a decode step
-(bench/gpu_check.json, ``cudnn_attention``). ``avoid_cudnn_attention`` turns that
+took 8 ms of host time per call against 8 us on the GPU, most of a decode step
+(bench/gpu_check.json: ``decode_profile``, and ``cudnn_attention`` for the speedups). ``avoid_cudnn_attention`` turns that
 backend off for the process, so PyTorch uses its flash and memory-efficient kernels,
 which need no graph; ``AGENTRL_CUDNN_ATTENTION=1`` keeps it.
 
@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from ..errors import ConfigError
 
 __all__ = ["GQA_SDPA", "avoid_cudnn_attention", "gqa_sdpa_attention", "use_gqa_sdpa"]
 
@@ -61,9 +63,9 @@ def avoid_cudnn_attention(device: torch.device | str) -> bool:
     docstring) unless ``AGENTRL_CUDNN_ATTENTION=1``. True if it is off after the call."""
     if torch.device(device).type != "cuda":
         return False
-    keep = os.environ.get("AGENTRL_CUDNN_ATTENTION", "0")
+    keep = os.environ.get("AGENTRL_CUDNN_ATTENTION", "").strip() or "0"  # set but empty: unset
     if keep not in ("0", "1"):
-        raise ValueError(f"AGENTRL_CUDNN_ATTENTION must be 0 or 1, not {keep!r}")
+        raise ConfigError(f"AGENTRL_CUDNN_ATTENTION must be 0 or 1, not {keep!r}")
     if keep == "1":
         return False
     torch.backends.cuda.enable_cudnn_sdp(False)

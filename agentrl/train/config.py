@@ -186,9 +186,10 @@ class TrainConfig(_Strict):
         "episodes than minibatch_size, or epochs > 1): rescore = a no-grad pass of the trainer "
         "before the update; sampler = the log-probs the sampler returned with each token, no pass "
         "(the same numbers where the sampler computes what the trainer does, as the hf backend in "
-        "fp32 does to about 1e-5; elsewhere the ratio also carries the sampler-trainer mismatch, "
-        "which TIS then cannot see). Refused with top_p or top_k truncation, greedy sampling, "
-        "train.asynchronous and train.distill.")
+        "fp32 does to about 1e-5; elsewhere the ratio would also carry the sampler-trainer mismatch, "
+        "which TIS then cannot see). Refused with top_p or top_k truncation, a backend other than hf, "
+        "policy.dtype other than float32, a precision that resolves to bf16, train.asynchronous and "
+        "train.distill.")
     micro_batch_tokens: int = Field(4096, ge=16, description="Tokens per forward pass: episodes "
                                     "are packed up to this; a minibatch accumulates gradients "
                                     "over its micro-batches.")
@@ -403,8 +404,11 @@ class TrainRunConfig(Config):
             if sp.top_p < 1.0 or sp.top_k > 0:
                 why = (f"sampling.top_p={sp.top_p}, sampling.top_k={sp.top_k}: the sampler's log-probs are of "
                        "the truncated distribution, the trainer's of the whole one")
-            elif sp.temperature == 0:
-                why = "sampling.temperature=0: greedy sampling returns no sampling log-probs"
+            elif self.policy.backend not in ("hf", "auto") or self.policy.dtype != "float32":
+                why = (f"policy.backend={self.policy.backend!r}, policy.dtype={self.policy.dtype!r}: the "
+                       "sampler must compute what the trainer does, the hf backend in float32")
+            elif self.train.precision == "bf16":
+                why = "train.precision=bf16: the update scores in bf16 what the sampler sampled in fp32"
             elif self.train.asynchronous is not None:
                 why = ("train.asynchronous: tokens sampled by older weights would anchor PPO to those "
                        "weights, not to the ones the update starts from")

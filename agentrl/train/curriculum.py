@@ -35,6 +35,7 @@ success stalls, which is what to set its ``steps`` from.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any, TypeVar
 
@@ -109,15 +110,9 @@ def check_levels(env_id: str, imports: list[str], levels: dict[str, list[Level]]
     """Raise ``ConfigError`` naming ``<key>.<i>.env_kwargs`` where a level passes a keyword the
     env's constructor does not take (one that takes ``**kwargs`` accepts any). ``levels`` maps a
     config key (``train.curriculum``, ``sft.levels``) to its levels."""
-    import gymnasium as gym
-    from gymnasium.envs.registration import load_env_creator
-
-    from ..env import resolve_env_id
-
     if not any(levels.values()):
         return
-    spec = gym.spec(resolve_env_id(env_id, imports))
-    creator = load_env_creator(spec.entry_point) if isinstance(spec.entry_point, str) else spec.entry_point
+    creator = _env_creator(env_id, imports)
     try:
         params = inspect.signature(creator).parameters
     except (TypeError, ValueError):  # a builtin or C callable: nothing to read
@@ -131,18 +126,44 @@ def check_levels(env_id: str, imports: list[str], levels: dict[str, list[Level]]
                                   f"it takes {', '.join(k for k in params if k != 'self')}")
 
 
-def check_held_out(base: dict[str, Any], held_out: dict[str, Any], levels: dict[str, list[Level]]) -> None:
+def check_held_out(base: dict[str, Any], held_out: dict[str, Any], levels: dict[str, list[Level]],
+                   env_id: str | None = None, imports: list[str] | None = None) -> None:
     """Raise ``ConfigError`` where training data would come from the split the evaluation holds
     out: ``held_out`` is ``train.evaluation.env_kwargs``, ``base`` is ``env.kwargs``, ``levels``
     as in ``check_levels``. Only a ``split`` the evaluation names explicitly is guarded (without
-    one it draws other seeds of the training split, by design)."""
-    split = held_out.get("split")
-    if split is None:
+    one it draws other seeds of the training split, by design). With ``env_id``, a split left
+    out means the constructor's default, and another name of the same split (the env class's
+    ``split_aliases``, such as the real ALFWorld's ``eval_out_of_distribution``) is the same."""
+    if held_out.get("split") is None:
         return
-    why = f"train.evaluation.env_kwargs.split holds {split!r} out for evaluation; train on another split"
-    if base.get("split") == split:
+    default, aliases = None, {}
+    if env_id is not None:
+        creator = _env_creator(env_id, imports or [])
+        aliases = dict(getattr(creator, "split_aliases", None) or {})
+        with contextlib.suppress(TypeError, ValueError):
+            param = inspect.signature(creator).parameters.get("split")
+            if param is not None and param.default is not inspect.Parameter.empty:
+                default = param.default
+
+    def canonical(split: Any) -> Any:
+        return aliases.get(split, split)
+
+    split = canonical(held_out["split"])
+    why = f"train.evaluation.env_kwargs.split holds {held_out['split']!r} out for evaluation; train on another split"
+    if canonical(base.get("split", default)) == split:
         raise ConfigError(f"env.kwargs.split: {why}")
     for key, items in levels.items():
         for i, level in enumerate(items):
-            if {**base, **level.env_kwargs}.get("split") == split:
+            if canonical({**base, **level.env_kwargs}.get("split", default)) == split:
                 raise ConfigError(f"{key}.{i}.env_kwargs.split: {why}")
+
+
+def _env_creator(env_id: str, imports: list[str]) -> Any:
+    """The callable gymnasium builds ``env_id`` with (a class, usually)."""
+    import gymnasium as gym
+    from gymnasium.envs.registration import load_env_creator
+
+    from ..env import resolve_env_id
+
+    spec = gym.spec(resolve_env_id(env_id, imports))
+    return load_env_creator(spec.entry_point) if isinstance(spec.entry_point, str) else spec.entry_point

@@ -20,8 +20,8 @@ sequence (whose logprob is 0). Only the hidden states of kept tokens' sources
 (``positions_to_keep``, usually the loss mask) go through the vocabulary head:
 the decoder runs once, ``hidden[rows, sources]`` picks ``[N, H]`` of its output,
 and the head, log-softmax, gather and entropy run ``chunk_size`` tokens at a
-time, the log-softmax under activation checkpointing. So the only
-vocabulary-sized tensors are one ``[chunk, V]`` of logits a chunk, kept for the
+time, with the log-softmax's gradient written out (``_ChunkScores``). So the only
+vocabulary-sized tensors are one ``[chunk, V]`` log-softmax a chunk, kept for the
 backward, and one chunk's temporaries. With SmolLM2's 49,152-token head,
 running the head on kept positions only was measured to cut forward+backward on
 2k tokens from 18.3 s to 10.6 s; picking the hidden states (not slicing
@@ -159,11 +159,14 @@ def token_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
         for start in range(0, rows.numel(), chunk_size):
             part = slice(start, start + chunk_size)
             logits = head(hidden[part])  # [chunk, V]: the only vocabulary-sized tensor kept for backward
-            args = (logits, wanted[part], temperature, top_k, per_token[part] if per_token is not None else None)
-            if torch.is_grad_enabled() and logits.requires_grad:
-                parts.append(checkpoint(_gather_logprobs, *args, use_reentrant=False))
+            mask = per_token[part] if per_token is not None else None
+            if torch.is_grad_enabled() and logits.requires_grad and not top_k:
+                parts.append(_ChunkScores.apply(logits, wanted[part], temperature, mask))
+            elif torch.is_grad_enabled() and logits.requires_grad:
+                parts.append(checkpoint(_gather_logprobs, logits, wanted[part], temperature, top_k, mask,
+                                        use_reentrant=False))
             else:
-                parts.append(_gather_logprobs(*args))
+                parts.append(_gather_logprobs(logits, wanted[part], temperature, top_k, mask))
     gathered, entropy = torch.cat([p[0] for p in parts]).float(), torch.cat([p[1] for p in parts]).float()
     out.logprobs = out.logprobs.index_put((rows, cols), gathered[:, 0])
     out.entropies = out.entropies.index_put((rows, cols), entropy)
@@ -208,13 +211,12 @@ def fp32_head(model: Any) -> Iterator[None]:
         del head.forward
 
 
-def _gather_logprobs(logits: torch.Tensor, wanted: torch.Tensor, temperature: float,
-                     top_k: int = 0, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """For one chunk of tokens' logits ``[n, V]``: the log-probs of the ``wanted`` ids ``[n, C]``,
-    the entropy, and (``top_k``) the top-k log-probs and ids; ``allowed`` ``[n, A]`` masks
-    constrained tokens."""
+def _log_softmax_entropy(logits: torch.Tensor, temperature: float, allowed: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax(logits / temperature)`` over one chunk ``[n, V]`` (``allowed`` ``[n, A]``
+    masks constrained tokens to -inf) and its entropy ``[n]``."""
     logits = logits.float()
-    if temperature != 1.0:  # a vocabulary-sized division, twice with the recompute: skip it when exact
+    if temperature != 1.0:  # a vocabulary-sized division: skip it when exact
         logits = logits / temperature
     if allowed is None:
         logp = torch.log_softmax(logits, dim=-1)
@@ -223,12 +225,57 @@ def _gather_logprobs(logits: torch.Tensor, wanted: torch.Tensor, temperature: fl
     else:
         logp = torch.log_softmax(mask_logits(logits, allowed), dim=-1)
         p = logp.exp()
-        # masked tokens: p = 0 and log p = -inf; their 0 * -inf (and its gradient) must not be nan
+        # masked tokens: p = 0 and log p = -inf; their 0 * -inf must not be nan
         entropy = -(p * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
+    return logp, entropy
+
+
+def _gather_logprobs(logits: torch.Tensor, wanted: torch.Tensor, temperature: float,
+                     top_k: int = 0, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """For one chunk of tokens' logits ``[n, V]``: the log-probs of the ``wanted`` ids ``[n, C]``,
+    the entropy, and (``top_k``) the top-k log-probs and ids; ``allowed`` ``[n, A]`` masks
+    constrained tokens. The scoring passes' path (no gradient); the update's is ``_ChunkScores``."""
+    logp, entropy = _log_softmax_entropy(logits, temperature, allowed)
     if not top_k:
         return logp.gather(-1, wanted), entropy
     top = torch.topk(logp.detach(), top_k, dim=-1)
     return logp.gather(-1, wanted), entropy, top.values, top.indices
+
+
+class _ChunkScores(torch.autograd.Function):
+    """``_gather_logprobs`` without top-k, for the update: the same forward, and its gradient
+    written out, so that the backward reads one saved ``[n, V]`` log-softmax.
+
+    With ``z = logits / T``, ``l = log_softmax(z)``, ``p = exp(l)`` and ``H = -sum p l``
+    (the softmax Jacobian, as in any derivation of the cross-entropy gradient):
+    ``d l_w / d z = onehot(w) - p`` and ``d H / d z = -p (l + H)``. So for upstream
+    gradients ``g_c`` on the gathered columns and ``g_H`` on the entropy,
+    ``d/dz = -p (g_H (l + H) + sum_c g_c) + sum_c g_c onehot(w_c)``, then ``/ T``.
+    Masked tokens (``allowed``) have p = 0 and get 0. Autograd through a
+    checkpointed ``_gather_logprobs`` ran the forward again and then the backward
+    of each vocabulary-sized op: about twice the time for the same gradients
+    (docs/benchmark-notes.md, train_throughput).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, wanted: torch.Tensor, temperature: float,
+                allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        logp, entropy = _log_softmax_entropy(logits, temperature, allowed)
+        ctx.save_for_backward(logp, wanted, entropy)
+        ctx.temperature, ctx.dtype, ctx.masked = temperature, logits.dtype, allowed is not None
+        return logp.gather(-1, wanted), entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_gathered: torch.Tensor, grad_entropy: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, ...]:
+        logp, wanted, entropy = ctx.saved_tensors
+        p = logp.exp()
+        term = (logp.masked_fill(torch.isinf(logp), 0.0) if ctx.masked else logp) + entropy[:, None]
+        term.mul_(grad_entropy[:, None]).add_(grad_gathered.sum(-1, keepdim=True))
+        grad = term.mul_(p).neg_().scatter_add_(-1, wanted, grad_gathered)
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
+        return grad.to(ctx.dtype), None, None, None
 
 
 _HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")

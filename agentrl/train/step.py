@@ -46,7 +46,7 @@ from .batch import (
     train_on_samples,
 )
 from .config import TrainRunConfig
-from .loss import StepLoss, mismatch_stats
+from .loss import StepLoss, mismatch_stats, staleness_mask
 from .metrics import advantage_balance
 from .model import (
     base_model,
@@ -253,7 +253,8 @@ class Learner:
         def kept(s: Sample) -> list[int]:  # the loss's count mask: staleness drops old tokens
             if limit is None:
                 return s.mask
-            return [int(bool(m) and v >= 0 and now - v <= limit) for m, v in zip(s.mask, s.versions, strict=True)]
+            fresh = staleness_mask(torch.tensor(s.versions, dtype=torch.long), now, limit)
+            return [int(bool(m) and f) for m, f in zip(s.mask, fresh.tolist(), strict=True)]
 
         for g in groups[:t.output.save_trees]:
             g.tree.meta["token_values"] = token_values(g, samples, credited, t.credit.name, kept)

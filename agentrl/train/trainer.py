@@ -82,9 +82,17 @@ class Trainer:
             cfg.rollout.record_next_context = True
         levels = {"train.curriculum": t.curriculum, "sft.levels": cfg.sft.levels}
         check_levels(cfg.env.id, cfg.env.imports, levels)
-        check_held_out(cfg.env.kwargs, t.evaluation.env_kwargs, levels)
+        check_held_out(cfg.env.kwargs, t.evaluation.env_kwargs, levels, cfg.env.id, cfg.env.imports)
         with contextlib.suppress(RuntimeError):  # an unknown device: loading the policy says so
             resolved_precision(t.precision, cfg.policy.device)  # a bad AGENTRL_CPU_BF16 fails now, not mid-run
+        if t.old_logprobs == "sampler":  # what auto resolves to on this machine (config checks the rest)
+            from ..policy.registry import resolve_backend
+
+            backend, precision = resolve_backend(cfg.policy.backend)[0], resolved_precision(t.precision, cfg.policy.device)
+            if backend != "hf" or precision != "fp32":
+                raise ConfigError(f"train.old_logprobs=sampler needs the hf backend and fp32 training, where the "
+                                  f"sampler computes what the trainer does; here policy.backend resolves to "
+                                  f"{backend!r} and train.precision={t.precision!r} to {precision!r}; use rescore")
         self.cfg = cfg
         self.console = console or Console()
         self.progress = progress

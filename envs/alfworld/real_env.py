@@ -61,7 +61,15 @@ from typing import Any
 from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
-from .real_data import FAMILIES, FAMILY_LABELS, RealGame, data_root, family_of, list_games
+from .real_data import (
+    FAMILIES,
+    FAMILY_LABELS,
+    SPLIT_ALIASES,
+    RealGame,
+    data_root,
+    family_of,
+    list_games,
+)
 from .real_engine import _modules, engine_call, make_engine
 
 __all__ = ["ALFWorldRealEnv", "RealSnapshot"]
@@ -86,6 +94,8 @@ class RealSnapshot:
 
 class ALFWorldRealEnv(TextEnv):
     """The real ALFWorld games of one split; see the module docstring."""
+
+    split_aliases = SPLIT_ALIASES  # other names of the same splits (the trainer's held-out check reads them)
 
     family_labels = FAMILY_LABELS  # the papers' column names, in their order (agentrl eval reads it)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from agentrl.errors import ConfigError
 from agentrl.models import load_model
 from agentrl.policy.attention import (
     GQA_SDPA,
@@ -89,9 +90,11 @@ def test_agentrl_cudnn_attention_1_keeps_it_and_a_bad_value_is_named(monkeypatch
     monkeypatch.setenv("AGENTRL_CUDNN_ATTENTION", "1")
     assert avoid_cudnn_attention("cuda") is False and calls == []
     monkeypatch.setenv("AGENTRL_CUDNN_ATTENTION", "yes")
-    with pytest.raises(ValueError, match="AGENTRL_CUDNN_ATTENTION"):
+    with pytest.raises(ConfigError, match="AGENTRL_CUDNN_ATTENTION must be 0 or 1, not 'yes'"):
         avoid_cudnn_attention("cuda")
     assert calls == []
+    monkeypatch.setenv("AGENTRL_CUDNN_ATTENTION", "")  # set but empty reads as unset
+    assert avoid_cudnn_attention("cuda") is True and calls == [False]
 
 
 def test_loading_a_model_onto_cuda_switches_cudnn_attention_off_first(monkeypatch):

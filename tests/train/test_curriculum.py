@@ -11,7 +11,7 @@ from agentrl.errors import ConfigError
 from agentrl.policy import MockPolicy
 from agentrl.train import train
 from agentrl.train.config import load_train_config
-from agentrl.train.curriculum import CurriculumStage, stage_at
+from agentrl.train.curriculum import CurriculumStage, SFTLevel, check_held_out, stage_at
 from agentrl.train.rollouts import step_rollouts
 from agentrl.train.sft import expert_trees, sft_level_seeds
 
@@ -83,13 +83,24 @@ def test_training_data_from_the_split_the_evaluation_holds_out_is_refused_naming
         cfg = load_train_config(None, ALF + held + sets)
         with pytest.raises(ConfigError, match=key + r": .*'valid_unseen' out for evaluation"):
             Trainer(cfg, policy=object())
-    # another split, or an evaluation that names no split (other seeds of the same split), passes this check
-    for sets in (held + ["train.curriculum=[{steps: 1, env_kwargs: {split: valid_seen}}]"],
-                 ["train.curriculum=[{steps: 1, env_kwargs: {split: valid_unseen}}]"]):
-        cfg = load_train_config(None, ALF + sets)
-        with pytest.raises(Exception) as e:  # the policy given is a placeholder: the run fails past the checks
-            Trainer(cfg, policy=object())
-        assert "out for evaluation" not in str(e.value)
+    # another split, or an evaluation that names no split (other seeds of the same split), passes
+    stages = {"train.curriculum": [CurriculumStage(steps=1, env_kwargs={"split": "valid_seen"})]}
+    check_held_out({}, {"split": "valid_unseen"}, stages, "agentrl/ALFWorld-v0", [])
+    check_held_out({}, {}, {"train.curriculum": [CurriculumStage(env_kwargs={"split": "valid_unseen"})]})
+
+
+def test_the_held_out_check_knows_the_env_s_default_split_and_its_other_names():
+    # the env's default split is train: evaluating on train while training with no split set trains on it
+    with pytest.raises(ConfigError, match=r"env\.kwargs\.split: .*'train' out"):
+        check_held_out({}, {"split": "train"}, {}, "agentrl/ALFWorld-v0", [])
+    # the real ALFWorld's eval_out_of_distribution is valid_unseen under another name
+    real = "agentrl/ALFWorldReal-v0"
+    with pytest.raises(ConfigError, match=r"sft\.levels\.0\.env_kwargs\.split"):
+        check_held_out({}, {"split": "valid_unseen"},
+                       {"sft.levels": [SFTLevel(episodes=1, env_kwargs={"split": "eval_out_of_distribution"})]}, real, [])
+    with pytest.raises(ConfigError, match=r"env\.kwargs\.split"):
+        check_held_out({"split": "valid_seen"}, {"split": "eval_in_distribution"}, {}, real, [])
+    check_held_out({"split": "valid_seen"}, {"split": "eval_out_of_distribution"}, {}, real, [])
 
 
 def test_stage_turn_caps_that_a_harness_or_turnopd_would_ignore_are_refused():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -258,3 +259,45 @@ def test_flash_attention_refuses_a_dense_mask(tiny_model):
     with pytest.raises(ValueError, match="sdpa"):
         token_logprobs(_Flash(), torch.tensor([[5, 6]]), torch.ones(1, 1, 2, 2, dtype=torch.bool),
                        position_ids=torch.tensor([[0, 1]]))
+
+
+# --- _ChunkScores: the update's log-softmax, entropy and gather with their gradient written out ---
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("constrained", [False, True])
+def test_the_written_out_gradient_equals_autograd_through_the_log_softmax(temperature, constrained):
+    from agentrl.train.logprobs import _ChunkScores, _gather_logprobs
+
+    torch.manual_seed(0)
+    n, vocab = 5, 11
+    logits = (torch.randn(n, vocab, dtype=torch.float64) * 3).requires_grad_()
+    wanted = torch.tensor([[0, 3], [4, 4], [10, 1], [2, 7], [5, 0]])  # the target, then a candidate
+    allowed = None
+    if constrained:  # row 2 is free (no id), the others may only say a few tokens, the targets among them
+        allowed = torch.tensor([[0, 3, 6], [4, 1, -1], [-1, -1, -1], [2, 7, 9], [5, 0, -1]])
+    g_up, h_up = torch.randn(n, 2, dtype=torch.float64), torch.randn(n, dtype=torch.float64)
+
+    want_g, want_h = _gather_logprobs(logits, wanted, temperature, 0, allowed)
+    (want_g * g_up).sum().add((want_h * h_up).sum()).backward()
+    want_grad, logits.grad = logits.grad.clone(), None
+
+    got_g, got_h = _ChunkScores.apply(logits, wanted, temperature, allowed)
+    assert torch.equal(got_g, want_g) and torch.equal(got_h, want_h)  # the very same forward
+    (got_g * g_up).sum().add((got_h * h_up).sum()).backward()
+    assert torch.isfinite(logits.grad).all()
+    assert torch.allclose(logits.grad, want_grad, atol=1e-12), (logits.grad - want_grad).abs().max()
+    if constrained:  # a token the constraint forbids gets no gradient at all
+        assert logits.grad[0, 1] == 0 and logits.grad[1, 0] == 0
+
+
+def test_hand_case_gradient_of_one_logprob_is_onehot_minus_softmax():
+    """d log p_w / d z = onehot(w) - p: for z = (0, log 3), p = (1/4, 3/4), w = 0 the gradient is (3/4, -3/4)."""
+    from agentrl.train.logprobs import _ChunkScores
+
+    z = torch.tensor([[0.0, math.log(3.0)]], dtype=torch.float64, requires_grad=True)
+    g, h = _ChunkScores.apply(z, torch.tensor([[0]]), 1.0, None)
+    assert float(g) == pytest.approx(math.log(0.25))
+    assert float(h) == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
+    g.sum().backward()
+    assert z.grad[0].tolist() == pytest.approx([0.75, -0.75])

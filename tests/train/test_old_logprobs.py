@@ -79,7 +79,9 @@ def test_anchoring_to_the_sampler_lands_where_the_rescored_update_lands(tmp_path
 @pytest.mark.parametrize("sets, why", [
     (["sampling.top_p=0.9"], "truncated distribution"),
     (["sampling.top_k=20"], "truncated distribution"),
-    (["sampling.temperature=0"], "greedy"),
+    (["policy.backend=vllm"], "the hf backend in float32"),
+    (["policy.dtype=bfloat16"], "the hf backend in float32"),
+    (["train.precision=bf16"], "train.precision=bf16"),
     (["train.asynchronous={max_batch_staleness: 1}"], "train.asynchronous"),
     (["train.distill={teacher: expert}"], "train.distill"),
 ])
@@ -87,3 +89,14 @@ def test_sampler_anchor_is_refused_where_the_sampler_s_numbers_mean_something_el
     with pytest.raises(ConfigError, match=rf"train\.old_logprobs=sampler is refused with .*{why}"):
         load_train_config(None, GUESS + ["train.old_logprobs=sampler", *sets])
     load_train_config(None, GUESS + ["train.old_logprobs=rescore", *sets])  # the default takes any of them
+
+
+def test_sampler_anchor_is_refused_where_auto_precision_resolves_to_bf16(tmp_path, monkeypatch):
+    """precision auto is bf16 on a CPU with native bf16: the config cannot know, the trainer can."""
+    monkeypatch.setenv("AGENTRL_CPU_BF16", "1")
+    cfg = load_train_config(None, GUESS + ["train.precision=auto", "train.old_logprobs=sampler",
+                                           f"train.output.dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"train\.old_logprobs=sampler needs .* to 'bf16'; use rescore"):
+        Trainer(cfg, progress=False)
+    monkeypatch.setenv("AGENTRL_CPU_BF16", "0")
+    Trainer(cfg, progress=False).close()

@@ -182,11 +182,18 @@ def test_a_failed_update_still_saves_its_steps_trees(tmp_path):
 
 
 def test_tokens_the_staleness_bound_drops_are_saved_as_not_trained(tmp_path, monkeypatch):
-    # Step 2 trains on trees sampled before step 1's update (one version old): with
-    # max_token_staleness 0 the loss counts none of their tokens, and the saved values say so.
+    # Step 2 trains on trees the producer started before step 1's update (one version old), so
+    # with max_token_staleness 0 the loss counts none of their version-0 tokens; a later turn
+    # may have been sampled after the sync (version 1). Each saved value follows its token's version.
     saved, _, _ = run_steps(tmp_path, monkeypatch, "rollout.group_size=4", "train.asynchronous={max_batch_staleness: 1}",
                             "train.loss.max_token_staleness=0", "train.skip_zero_advantage=false", steps=2)
-    fresh = [v for tree in saved[1] for vals in tree.meta["token_values"].values() for v in vals.get("advantages", [])]
-    stale = [v for tree in saved[2] for vals in tree.meta["token_values"].values() for v in vals.get("advantages", [])]
-    assert fresh and all(v is not None for v in fresh)
-    assert stale and all(v is None for v in stale)
+    seen = {1: [], 2: []}  # (the version that sampled the token, its saved advantage)
+    for step, trees in saved.items():
+        for tree in trees:
+            for leaf, vals in tree.meta["token_values"].items():
+                versions = [n.version for n in tree.path(int(leaf)) for _ in n.action_ids]
+                assert len(versions) == len(vals["advantages"])
+                seen[step] += list(zip(versions, vals["advantages"], strict=True))
+    assert seen[1] and all(v == 0 and a is not None for v, a in seen[1])
+    assert all((a is None) == (v < 1) for v, a in seen[2]), seen[2]
+    assert any(a is None for _, a in seen[2])  # the first turns at least were sampled before the sync
