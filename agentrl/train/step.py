@@ -199,8 +199,8 @@ class Learner:
         wall = time.perf_counter() - t0
         self._keep_token_values(groups, samples, credited)  # the values the loss read, now final
         stats.update(st)
-        if from_sampler:  # anchored to the sampler, the loss's mismatch is 0 by construction: not measured
-            stats = {k: v for k, v in stats.items() if not k.startswith("mismatch/")}
+        if from_sampler:  # anchored to the sampler, mismatch is 0 and TIS's weight 1 by construction: not measured
+            stats = {k: v for k, v in stats.items() if not k.startswith(("mismatch/", "tis/"))}
         else:
             stats.update(self._mismatch(samples, st, one_step))
         stats["time/train_s"] = wall

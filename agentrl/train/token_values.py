@@ -23,8 +23,8 @@ A token the update left out of its mask (TIP), or one sampled more than
 ``null``. M2PO's masked tokens are not: its mask is a minibatch statistic that
 changes per epoch, and is logged as ``m2po/masked_frac``. An episode it left
 out altogether is ``{"trained": false, "reason": ...}``: a failed episode, an
-MC-GRPO pivot, one whose advantages were all 0 (``train.skip_zero_advantage``)
-or one without an action token. Values are rounded to ``DECIMALS`` places:
+MC-GRPO pivot, one whose advantages were all 0 (``train.skip_zero_advantage``),
+one without an action token, or one whose every token the staleness bound dropped. Values are rounded to ``DECIMALS`` places:
 JSON floats are text, and this keeps a saved step small.
 """
 
@@ -77,6 +77,9 @@ def token_values(group: EpisodeGroup, samples: list[Sample], credited: set[int],
             out[str(leaf)] = {"trained": False, "reason": untrained_reason(ep, id(ep) in credited, credit)}
             continue
         mask = kept(s) if kept is not None else s.mask
+        if any(s.mask) and not any(mask):
+            out[str(leaf)] = {"trained": False, "reason": "every action token older than train.loss.max_token_staleness"}
+            continue
         vals: dict[str, Any] = {"advantages": _on_actions(s.advantages, ep.loss_mask, mask)}
         if s.distill.teacher is not None and s.old is not None:
             vals["teacher_logprobs"] = _on_actions(s.distill.teacher, ep.loss_mask, mask)

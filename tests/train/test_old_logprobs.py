@@ -65,7 +65,7 @@ def test_anchoring_to_the_sampler_lands_where_the_rescored_update_lands(tmp_path
     w_sampler, st_sampler, rows_sampler = one_step(tmp_path, monkeypatch, "sampler")
     assert st_rescore["train/scoring_pass"] == 1 and st_sampler["train/scoring_pass"] == 0
     assert "mismatch/kl" in st_rescore  # not measurable without the pass: no 0 that looks like a measurement
-    assert not [k for k in st_sampler if k.startswith("mismatch/")]
+    assert not [k for k in st_sampler if k.startswith(("mismatch/", "tis/"))] and "tis/on" in st_rescore
     # sampler: the anchor the loss read is exactly the behaviour log-probs
     assert rows_sampler and all(torch.equal(old[m.bool()], beh[m.bool()]) for old, beh, m in rows_sampler)
     # rescore: the anchor is the trainer's own pass, within fp32 noise of the sampler's numbers
