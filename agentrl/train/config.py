@@ -312,11 +312,12 @@ class SFTConfig(_Strict):
                               "forward pass over them (on all 128 of the ALFWorld recipe: 55 s of "
                               "a 15-minute run); 0 skips both.")
     constrain: bool | None = Field(
-        None, description="Score each expert turn under rollout.constrain's admissible-action "
+        False, description="Score each expert turn under rollout.constrain's admissible-action "
         "constraint, as the policy samples it: the loss is then the NLL of choosing the expert's "
         "action among the actions the env listed (agentrl.policy.constrain), and tokens with one "
-        "allowed id carry none. null: follow rollout.constrain; false: the whole vocabulary even "
-        "when rollouts are constrained; true needs rollout.constrain=admissible.")
+        "allowed id carry none. false (default): the whole vocabulary, which learned better: on "
+        "make run's level, evaluated under the constraint over 3 replicates, 0.755 +- 0.036 against "
+        "0.583 +- 0.094 constrained; true needs rollout.constrain=admissible; null follows it.")
     expert: Literal["observable", "oracle"] = Field(
         "observable", description="Which scripted expert to clone: observable, the env's "
         "expert_action(), which acts only on what the agent has seen; oracle, its "

@@ -123,8 +123,8 @@ def expert_tree(env_id: str, tokenizer: Any, cfg: Config, seed: int,
 
 
 def sft_constrains(cfg: Any) -> bool:
-    """Whether SFT scores expert turns under the admissible-action constraint (``sft.constrain``;
-    null follows ``rollout.constrain``)."""
+    """Whether SFT scores expert turns under the admissible-action constraint (``sft.constrain``:
+    false by default; null follows ``rollout.constrain``)."""
     want = cfg.sft.constrain if getattr(cfg, "sft", None) is not None else None
     return cfg.rollout.constrain == "admissible" if want is None else bool(want)
 

@@ -27,9 +27,10 @@ def _nodes(tree):
 
 def test_expert_turns_record_their_admissible_actions_only_when_constrained(tokenizer):
     free = load_train_config(None, ALF)
-    con = load_train_config(None, [*ALF, "rollout.constrain=admissible"])
-    off = load_train_config(None, [*ALF, "rollout.constrain=admissible", "sft.constrain=false"])
-    assert (sft_constrains(free), sft_constrains(con), sft_constrains(off)) == (False, True, False)
+    con = load_train_config(None, [*ALF, "rollout.constrain=admissible", "sft.constrain=true"])
+    off = load_train_config(None, [*ALF, "rollout.constrain=admissible"])  # the default: the whole vocabulary
+    follow = load_train_config(None, [*ALF, "rollout.constrain=admissible", "sft.constrain=null"])
+    assert [sft_constrains(c) for c in (free, con, off, follow)] == [False, True, False, True]
     for seed in (3, 11):
         t_free, t_con = (expert_tree(ENV, tokenizer, c, seed) for c in (free, con))
         assert t_con.meta["expert_success"] and len(_nodes(t_con)) >= 2
@@ -49,7 +50,7 @@ def test_expert_turns_record_their_admissible_actions_only_when_constrained(toke
 def test_constrained_expert_tokens_are_scored_over_the_allowed_ids_only(tokenizer, tiny_model):
     """Hand-checkable: a token with one allowed id has log-prob exactly 0 (it carries no loss);
     any other scores at least its free log-prob, the same logits renormalised over fewer ids."""
-    cfg = load_train_config(None, [*ALF, "rollout.constrain=admissible"])
+    cfg = load_train_config(None, [*ALF, "rollout.constrain=admissible", "sft.constrain=true"])
     tree = expert_tree(ENV, tokenizer, cfg, 3)
     items = [(ep, [float(m) for m in ep.loss_mask]) for ep in tree.episodes()]
     con, free = samples_from_credit(items), samples_from_credit(items)
@@ -83,7 +84,8 @@ def test_an_sft_run_under_the_constraint_reports_its_constrained_tokens_and_lear
     constrained NLL of the expert's actions falls."""
     torch.set_num_threads(1)
     args = ["sft", "--no-progress", "--out", str(tmp_path), "--episodes", "4"]
-    for item in [*ALF, "rollout.constrain=admissible", "policy.model=tiny-random", "policy.backend=hf",
+    for item in [*ALF, "rollout.constrain=admissible", "sft.constrain=true", "policy.model=tiny-random",
+                 "policy.backend=hf",
                  "sft.epochs=2", "sft.lr=5e-3", "sft.minibatch_size=4", "train.evaluation.episodes=0",
                  "train.micro_batch_tokens=4096", "train.output.tensorboard=false", "train.output.plot=false",
                  "train.checkpointing.export_hf=false"]:
@@ -125,7 +127,8 @@ def test_an_expert_action_the_env_did_not_list_stays_free_and_is_counted(tmp_pat
             return "ok", float(self.turn == 3), self.turn == 3, False, {"admissible_actions": listed}
 
     register_env("agentrl/UnlistedTest-v0", Unlisted)
-    over = ["env.id=agentrl/UnlistedTest-v0", "rollout.max_turns=3", "rollout.constrain=admissible"]
+    over = ["env.id=agentrl/UnlistedTest-v0", "rollout.max_turns=3", "rollout.constrain=admissible",
+            "sft.constrain=true"]
     tree = expert_tree("agentrl/UnlistedTest-v0", tokenizer, load_train_config(None, over), 0)
     assert [n.admissible for n in _nodes(tree)] == [None, None, ["take 1", "2"]]
     torch.set_num_threads(1)
