@@ -181,7 +181,7 @@ class TrainConfig(_Strict):
     # -- the update ------------------------------------------------------------------
     epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     minibatch_size: int = Field(16, ge=1, description="Episodes per optimizer step.")
-    old_logprobs: Literal["rescore", "sampler"] = Field(
+    old_logprobs: Literal["rescore", "sampler", "auto"] = Field(
         "rescore", description="PPO's anchor where a batch makes several optimizer steps (more "
         "episodes than minibatch_size, or epochs > 1): rescore = a no-grad pass of the trainer "
         "before the update; sampler = the log-probs the sampler returned with each token, no pass "
@@ -189,7 +189,8 @@ class TrainConfig(_Strict):
         "fp32 does to about 1e-5; elsewhere the ratio would also carry the sampler-trainer mismatch, "
         "which TIS then cannot see). Refused with top_p or top_k truncation, a backend other than hf, "
         "policy.dtype other than float32, a precision that resolves to bf16, train.asynchronous and "
-        "train.distill.")
+        "train.distill. auto = sampler where none of these applies on this machine, else rescore "
+        "(the run prints which).")
     micro_batch_tokens: int = Field(4096, ge=16, description="Tokens per forward pass: episodes "
                                     "are packed up to this; a minibatch accumulates gradients "
                                     "over its micro-batches.")
@@ -378,6 +379,26 @@ class TrainRunConfig(Config):
                       FutureWarning, stacklevel=4)
         return "train.credit." + key.removeprefix("train.credit_options.")
 
+    def sampler_anchor_refusal(self) -> str | None:
+        """Why ``train.old_logprobs: sampler`` would anchor PPO to other numbers than the
+        trainer's, as far as the config tells (the trainer checks the resolved backend and
+        precision); None where it would not."""
+        sp, t = self.sampling, self.train
+        if sp.top_p < 1.0 or sp.top_k > 0:
+            return (f"sampling.top_p={sp.top_p}, sampling.top_k={sp.top_k}: the sampler's log-probs are of "
+                    "the truncated distribution, the trainer's of the whole one")
+        if self.policy.backend not in ("hf", "auto") or self.policy.dtype != "float32":
+            return (f"policy.backend={self.policy.backend!r}, policy.dtype={self.policy.dtype!r}: the "
+                    "sampler must compute what the trainer does, the hf backend in float32")
+        if t.precision == "bf16":
+            return "train.precision=bf16: the update scores in bf16 what the sampler sampled in fp32"
+        if t.asynchronous is not None:
+            return ("train.asynchronous: tokens sampled by older weights would anchor PPO to those "
+                    "weights, not to the ones the update starts from")
+        if t.distill is not None:
+            return "train.distill: the teacher's signal and its labels read the trainer's own scores"
+        return None
+
     @model_validator(mode="after")
     def _check_sections(self) -> TrainRunConfig:
         if self.train.micro_batch_tokens < self.rollout.max_context_tokens:
@@ -396,27 +417,17 @@ class TrainRunConfig(Config):
         if self.train.harness is not None and self.rollout.allocator.name != "independent":
             raise ValueError(f"train.harness: a harness plays whole episodes, so rollout.allocator must "
                              f"be 'independent' (got {self.rollout.allocator.name!r})")
+        if d is not None and d.teacher.startswith("vllm:") and self.rollout.constrain == "admissible":
+            raise ValueError("train.distill.teacher='vllm:...' scores each token over the whole vocabulary "
+                             "(prompt logprobs), while rollout.constrain=admissible samples it among the "
+                             "admissible actions; the teacher must score under the same constraint: use a "
+                             "model folder or name as the teacher (scored in this process, under the mask)")
         if self.sft.constrain and self.rollout.constrain != "admissible":
             raise ValueError("sft.constrain=true scores the expert's turns under the admissible-action "
                              "constraint, which needs rollout.constrain=admissible "
                              f"(got {self.rollout.constrain!r})")
-        if self.train.old_logprobs == "sampler":
-            sp, why = self.sampling, None
-            if sp.top_p < 1.0 or sp.top_k > 0:
-                why = (f"sampling.top_p={sp.top_p}, sampling.top_k={sp.top_k}: the sampler's log-probs are of "
-                       "the truncated distribution, the trainer's of the whole one")
-            elif self.policy.backend not in ("hf", "auto") or self.policy.dtype != "float32":
-                why = (f"policy.backend={self.policy.backend!r}, policy.dtype={self.policy.dtype!r}: the "
-                       "sampler must compute what the trainer does, the hf backend in float32")
-            elif self.train.precision == "bf16":
-                why = "train.precision=bf16: the update scores in bf16 what the sampler sampled in fp32"
-            elif self.train.asynchronous is not None:
-                why = ("train.asynchronous: tokens sampled by older weights would anchor PPO to those "
-                       "weights, not to the ones the update starts from")
-            elif self.train.distill is not None:
-                why = "train.distill: the teacher's signal and its labels read the trainer's own scores"
-            if why is not None:
-                raise ValueError(f"train.old_logprobs=sampler is refused with {why}; use rescore")
+        if self.train.old_logprobs == "sampler" and (why := self.sampler_anchor_refusal()) is not None:
+            raise ValueError(f"train.old_logprobs=sampler is refused with {why}; use rescore")
         dist = self.distributed
         workers = dist is not None and dist.num_rollout_workers > 0
         if self.train.asynchronous is not None and not workers and self.policy.backend not in ("hf", "auto"):

@@ -146,7 +146,10 @@ def check_held_out(base: dict[str, Any], held_out: dict[str, Any], levels: dict[
                 default = param.default
 
     def canonical(split: Any) -> Any:
-        return aliases.get(split, split)
+        try:
+            return aliases.get(split, split)
+        except TypeError:  # an unhashable split (a list): no alias names it; the env says what it accepts
+            return split
 
     split = canonical(held_out["split"])
     why = f"train.evaluation.env_kwargs.split holds {held_out['split']!r} out for evaluation; train on another split"

@@ -54,10 +54,37 @@ from .step import Learner, StartBar
 
 __all__ = [
     "Trainer",
+    "resolve_old_logprobs",
     "run_plan",
     "step_task_seeds",
     "train",
 ]
+
+def resolve_old_logprobs(cfg: TrainRunConfig) -> tuple[TrainRunConfig, str | None]:
+    """``train.old_logprobs`` as this machine runs it: ``auto`` becomes ``sampler`` where the
+    sampler computes what the trainer does (the hf backend, fp32 training, nothing in
+    ``sampler_anchor_refusal``), else ``rescore``; a ``sampler`` that cannot be is refused.
+    Returns the config (a copy where auto was resolved) and a line saying what auto chose."""
+    from ..policy.registry import resolve_backend
+
+    t = cfg.train
+    backend, precision = resolve_backend(cfg.policy.backend)[0], resolved_precision(t.precision, cfg.policy.device)
+    why = cfg.sampler_anchor_refusal()
+    if why is None and (backend != "hf" or precision != "fp32"):
+        why = (f"policy.backend resolving to {backend!r} and train.precision={t.precision!r} to {precision!r}: "
+               "the sampler must compute what the trainer does, the hf backend in fp32")
+    if t.old_logprobs == "sampler":
+        if why is not None:
+            raise ConfigError(f"train.old_logprobs=sampler needs the hf backend and fp32 training, where the "
+                              f"sampler computes what the trainer does; here policy.backend resolves to "
+                              f"{backend!r} and train.precision={t.precision!r} to {precision!r}; use rescore")
+        return cfg, None
+    cfg = cfg.model_copy(deep=True)
+    cfg.train.old_logprobs = "rescore" if why is not None else "sampler"
+    note = ("train.old_logprobs auto: sampler (PPO anchors to the sampler's log-probs; no scoring pass)"
+            if why is None else f"train.old_logprobs auto: rescore, because of {why}")
+    return cfg, note
+
 
 class Trainer:
     """Holds the policy, the trained model, the optimizer and the run state; ``run()`` trains.
@@ -85,14 +112,10 @@ class Trainer:
         check_held_out(cfg.env.kwargs, t.evaluation.env_kwargs, levels, cfg.env.id, cfg.env.imports)
         with contextlib.suppress(RuntimeError):  # an unknown device: loading the policy says so
             resolved_precision(t.precision, cfg.policy.device)  # a bad AGENTRL_CPU_BF16 fails now, not mid-run
-        if t.old_logprobs == "sampler":  # what auto resolves to on this machine (config checks the rest)
-            from ..policy.registry import resolve_backend
-
-            backend, precision = resolve_backend(cfg.policy.backend)[0], resolved_precision(t.precision, cfg.policy.device)
-            if backend != "hf" or precision != "fp32":
-                raise ConfigError(f"train.old_logprobs=sampler needs the hf backend and fp32 training, where the "
-                                  f"sampler computes what the trainer does; here policy.backend resolves to "
-                                  f"{backend!r} and train.precision={t.precision!r} to {precision!r}; use rescore")
+        anchor_note = None
+        if t.old_logprobs in ("sampler", "auto"):  # what auto resolves to on this machine (config checks the rest)
+            cfg, anchor_note = resolve_old_logprobs(cfg)
+            t = cfg.train
         self.cfg = cfg
         self.console = console or Console()
         self.progress = progress
@@ -101,6 +124,8 @@ class Trainer:
         self.learner = Learner(cfg, self.policy, self.console)  # the model, its optimizer, what scores
         if note := precision_note(t.precision, next(self.learner.model.parameters()).device):
             self.console.print(f"[yellow]warning:[/] {note}")
+        if anchor_note is not None:
+            self.console.print(f"[dim]{anchor_note}[/]", highlight=False)
         self.rollouts = rollouts(self.policy, cfg) if rollouts is not None else None
         self.step = 0
         self.sft_done = False

@@ -101,6 +101,10 @@ def test_the_held_out_check_knows_the_env_s_default_split_and_its_other_names():
     with pytest.raises(ConfigError, match=r"env\.kwargs\.split"):
         check_held_out({"split": "valid_seen"}, {"split": "eval_in_distribution"}, {}, real, [])
     check_held_out({"split": "valid_seen"}, {"split": "eval_out_of_distribution"}, {}, real, [])
+    # an unhashable split is compared as it is, not a TypeError from the alias lookup
+    with pytest.raises(ConfigError, match=r"env\.kwargs\.split"):
+        check_held_out({"split": ["valid_seen"]}, {"split": ["valid_seen"]}, {}, real, [])
+    check_held_out({"split": ["train"]}, {"split": ["valid_seen"]}, {}, real, [])
 
 
 def test_stage_turn_caps_that_a_harness_or_turnopd_would_ignore_are_refused():

@@ -100,3 +100,41 @@ def test_sampler_anchor_is_refused_where_auto_precision_resolves_to_bf16(tmp_pat
         Trainer(cfg, progress=False)
     monkeypatch.setenv("AGENTRL_CPU_BF16", "0")
     Trainer(cfg, progress=False).close()
+
+
+@pytest.mark.parametrize("bf16, sets, chosen", [
+    ("0", [], "sampler"),
+    ("1", [], "rescore"),  # auto precision is bf16 on a CPU with native bf16
+    ("0", ["sampling.top_p=0.9"], "rescore"),
+    ("0", ["train.distill={teacher: expert}"], "rescore"),
+    ("0", ["train.asynchronous={max_batch_staleness: 1}"], "rescore"),
+])
+def test_auto_anchors_to_the_sampler_only_where_it_computes_what_the_trainer_does(
+        tmp_path, monkeypatch, capsys, bf16, sets, chosen):
+    from rich.console import Console
+
+    monkeypatch.setenv("AGENTRL_CPU_BF16", bf16)
+    cfg = load_train_config(None, GUESS + ["train.precision=auto", "train.old_logprobs=auto",
+                                           f"train.output.dir={tmp_path}", *sets])
+    tr = Trainer(cfg, progress=False, console=Console(width=400))
+    try:
+        assert tr.cfg.train.old_logprobs == chosen and tr.learner.cfg.train.old_logprobs == chosen
+        assert cfg.train.old_logprobs == "auto"  # the caller's config is not changed
+    finally:
+        tr.close()
+    printed = capsys.readouterr().out
+    assert f"train.old_logprobs auto: {chosen}" in printed
+    if chosen == "rescore":  # and says why
+        assert "because of" in printed
+
+
+def test_auto_runs_a_step_without_the_scoring_pass_where_it_chose_the_sampler(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setenv("AGENTRL_CPU_BF16", "0")
+    tr = Trainer(load_train_config(None, GUESS + ["train.precision=auto", "train.old_logprobs=auto",
+                                                  f"train.output.dir={tmp_path}"]), progress=False)
+    tr.run()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    row = [x for x in lines if x.get("phase") == "rl"][-1]
+    assert row["train/scoring_pass"] == 0 and not [k for k in row if k.startswith("mismatch/")]

@@ -280,6 +280,67 @@ def test_privileged_teacher_scores_the_student_tokens_after_its_own_prefix(token
         distiller.teacher_scores([sample], lambda *a, **kw: ([], 0))
 
 
+def test_a_privileged_teacher_scores_constrained_turns_under_the_sampler_s_mask(tokenizer):
+    """rollout.constrain: the student sampled token t among ``allowed[t]``; the teacher, reading its
+    privileged prefix first, scores the same token among the same ids (the mask moves with the
+    prefix), so log p_teacher - log p_student compares two distributions over one support."""
+    from agentrl.train.distill import Distiller, privileged_prefix
+
+    model, _ = load_model_tiny()
+    distiller = Distiller(DistillConfig(teacher="self", privileged=True, weight=1.0), tokenizer,
+                          torch.device("cpu"), total_steps=1, student=model)
+    ids = tokenizer("Guess a number.\n7\n", add_special_tokens=False)["input_ids"]
+    n = len(ids)
+    mask = [0] * (n - 2) + [1, 1]
+    forced, free_pick = n - 2, n - 1  # the first action token had one allowed id, the second three
+    sample = Sample(list(ids), mask, [0.0] * n, [0.0] * n, [0] * n,
+                    allowed={forced: [ids[forced]], free_pick: [ids[free_pick], 11, 12]})
+    sample.distill.privileged = "The secret number is 7."
+    score_old(model, [sample], 512, 0, 1.0)
+    distiller.teacher_scores([sample], lambda net, ss, temp, **kw: score_samples(net, ss, 512, 0, temp, **kw))
+    prefix = privileged_prefix(tokenizer, "The secret number is 7.")
+    with torch.no_grad():
+        logits = model(torch.tensor([prefix + ids])).logits[0]
+    keep = sample.allowed[free_pick]
+    want = torch.log_softmax(logits[len(prefix) + free_pick - 1, keep], -1)[0].item()
+    whole = torch.log_softmax(logits[len(prefix) + free_pick - 1], -1)[ids[free_pick]].item()
+    assert sample.distill.teacher[forced] == pytest.approx(0.0, abs=1e-6)  # one choice: certain for both
+    assert sample.old[forced] == pytest.approx(0.0, abs=1e-6)
+    assert sample.distill.teacher[free_pick] == pytest.approx(want, abs=1e-5)
+    assert abs(want - whole) > 0.5  # over the whole vocabulary it would have read another number
+    assert sample.allowed == {forced: [ids[forced]], free_pick: keep}  # the student's own mask is unchanged
+
+
+def test_a_model_teacher_scores_constrained_turns_under_the_sampler_s_mask(tokenizer):
+    """Without a privileged prefix the teacher reads the student's own rows, mask included: a
+    teacher with the student's weights gives the student's constrained log-probs exactly."""
+    from agentrl.train.distill import Distiller
+
+    model, _ = load_model_tiny()
+    distiller = Distiller(DistillConfig(teacher="tiny-random", weight=1.0), tokenizer, torch.device("cpu"),
+                          total_steps=1, student=model)
+    distiller.teacher.load_state_dict(model.state_dict())
+    ids = tokenizer("Guess a number.\n7\n", add_special_tokens=False)["input_ids"]
+    n = len(ids)
+    sample = Sample(list(ids), [0] * (n - 2) + [1, 1], [0.0] * n, [0.0] * n, [0] * n,
+                    allowed={n - 2: [ids[n - 2]], n - 1: [ids[n - 1], 11, 12]})
+    score_old(model, [sample], 512, 0, 1.0)
+    distiller.teacher_scores([sample], lambda net, ss, temp, **kw: score_samples(net, ss, 512, 0, temp, **kw))
+    assert sample.distill.teacher[n - 2] == pytest.approx(0.0, abs=1e-6)
+    assert sample.distill.teacher == pytest.approx(sample.old, abs=1e-6)
+    free = Sample(list(ids), sample.mask, [0.0] * n, [0.0] * n, [0] * n)
+    score_old(model, [free], 512, 0, 1.0)
+    assert free.old[n - 2] < -1.0  # unmasked, the forced token is far from certain
+
+
+def test_a_vllm_teacher_is_refused_under_the_admissible_action_constraint():
+    with pytest.raises(ConfigError, match=r"train\.distill\.teacher='vllm:\.\.\.' scores .* rollout\.constrain"):
+        load_train_config(None, GUESS + ["env.id=agentrl/ALFWorld-v0", "rollout.constrain=admissible",
+                                         "train.distill={teacher: 'vllm:smollm2-135m'}"])
+    load_train_config(None, GUESS + ["env.id=agentrl/ALFWorld-v0", "rollout.constrain=admissible",
+                                     "train.distill={teacher: smollm2-135m}"])
+
+
 def load_model_tiny():
     from agentrl.models import load_model
 

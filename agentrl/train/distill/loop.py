@@ -218,8 +218,12 @@ class Distiller:
             # A prefix that opens with a document BOS replaces the student's own (one BOS a sequence).
             cut = int(bos is not None and prefix[:1] == [bos] and s.input_ids[:1] == [bos])
             offsets.append((len(prefix), cut))
+            # A constrained turn's tokens keep their mask (rollout.constrain), shifted past the prefix.
+            shift = len(prefix) - cut
+            allowed = {t + shift: ids for t, ids in s.allowed.items() if t >= cut} if s.allowed else None
             views.append(Sample(prefix + s.input_ids[cut:], [0] * len(prefix) + s.mask[cut:], [], [], [],
-                                old_top=[[-1] * k] * len(prefix) + s.old_top[cut:] if k else None))
+                                old_top=[[-1] * k] * len(prefix) + s.old_top[cut:] if k else None,
+                                allowed=allowed or None))
         return views, offsets
 
     def teacher_scores(self, samples: list[Sample], score: ScoreFn
