@@ -38,12 +38,22 @@ Workers are made once per process, cluster and env configuration
 an engine for each batch, and starting actors each time would cost seconds.
 A finished training run shuts its env's pools down
 (``shutdown_env_worker_pools``, from ``Trainer.close``), so runs in one
-process do not pile up actors on the cluster.
+process do not pile up actors on the cluster. Within a run, each env
+configuration has its pool (a curriculum stage, the evaluation's
+``env_kwargs``); an engine holds its pool while it runs (``users``) and gives
+it back on close (``release_env_worker_pool``). Making a new pool first kills
+the idle pools of the same env but the most recently used one (all of them
+where the cluster has no free room for the new workers): a run
+alternates between its training level and its evaluation, and each stage
+would otherwise keep its workers' CPUs reserved until the run ends, so a
+later stage's workers could wait for CPUs that no one gives back. A pool in
+use is never killed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import threading
@@ -57,7 +67,7 @@ from ..errors import EnvError
 from .cluster import cancel_call, check_placeable, connect, ray_error
 
 __all__ = ["NODE_SANDBOX_BACKENDS", "EnvWorker", "EnvWorkerPool", "RayEnv", "env_resources",
-           "env_worker_options", "env_worker_pool", "shutdown_env_worker_pools"]
+           "env_worker_options", "env_worker_pool", "release_env_worker_pool", "shutdown_env_worker_pools"]
 
 # Sandbox backends that need something installed on the node itself; each becomes a
 # custom Ray resource ``sandbox_<name>`` that the nodes which have it advertise.
@@ -272,6 +282,8 @@ class EnvWorkerPool:
                         for _ in range(dist.num_env_workers)]
         self._next = 0
         self._lock = threading.Lock()
+        self.users = 0  # engines holding it now (env_worker_pool, release_env_worker_pool)
+        self.last_used = 0  # when it was last taken or given back, in _TICKS
 
     def make_env(self) -> RayEnv:
         with self._lock:
@@ -288,11 +300,14 @@ class EnvWorkerPool:
 
 _POOLS: dict[tuple[str, ...], EnvWorkerPool] = {}
 _POOLS_LOCK = threading.Lock()
+_TICKS = itertools.count(1)
+KEEP_IDLE = 1  # idle pools of one env kept besides the one being made: a run's other level (its evaluation)
 
 
 def env_worker_pool(cfg: Config, env_id: str | None = None) -> EnvWorkerPool:
-    """The env workers for ``cfg``'s env (or ``env_id``) on the connected cluster; made on the
-    first call in this process and reused after (see the module docstring)."""
+    """The env workers for ``cfg``'s env (or ``env_id``) on the connected cluster, taken for one
+    more user (give it back with ``release_env_worker_pool``); made on the first call in this
+    process and reused after (see the module docstring)."""
     dist = cfg.distributed
     if dist is None:
         raise EnvError("rollout.env_executor=ray needs the distributed section")
@@ -301,11 +316,45 @@ def env_worker_pool(cfg: Config, env_id: str | None = None) -> EnvWorkerPool:
     key = (ctx.get_node_id(), ctx.get_job_id(), env_id or cfg.env.id,
            json.dumps(cfg.env.kwargs, sort_keys=True, default=str), json.dumps(cfg.env.imports),
            dist.model_dump_json())
+    stale: list[EnvWorkerPool] = []
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
-        if pool is None:
+        if pool is None:  # the env's other idle pools but the most recent one give their CPUs back first
+            idle = sorted((k for k, p in _POOLS.items() if p.users == 0 and k[:3] == key[:3] and k[5] == key[5]),
+                          key=lambda k: _POOLS[k].last_used, reverse=True)
+            keep = idle[:KEEP_IDLE] if _room_for(ray, dist, env_id or cfg.env.id, cfg.env.kwargs,
+                                                 cfg.env.imports) else []
+            stale = [_POOLS.pop(k) for k in idle if k not in keep]
+            _shutdown_quietly(stale)
             pool = _POOLS[key] = EnvWorkerPool(env_id or cfg.env.id, cfg.env.kwargs, dist, cfg.env.imports)
+        pool.users += 1
+        pool.last_used = next(_TICKS)
         return pool
+
+
+def release_env_worker_pool(pool: EnvWorkerPool) -> None:
+    """Give back a pool ``env_worker_pool`` lent: it stays up for the next engine, until a new
+    pool of the same env finds it idle and not the most recently used."""
+    with _POOLS_LOCK:
+        pool.users = max(0, pool.users - 1)
+        pool.last_used = next(_TICKS)
+
+
+def _room_for(ray: Any, dist: DistributedConfig, env_id: str, kwargs: dict[str, Any], imports: list[str]) -> bool:
+    """Whether the cluster has free resources for a new pool's workers now: where it has not, an
+    idle pool kept for later would leave them waiting for good."""
+    opts = env_worker_options(resolve_env_id(env_id, imports), kwargs, dist, imports)
+    need = {"CPU": float(opts["num_cpus"]), **opts["resources"]}
+    free = ray.available_resources()
+    return all(free.get(r, 0.0) >= n * dist.num_env_workers for r, n in need.items() if n)
+
+
+def _shutdown_quietly(pools: list[EnvWorkerPool]) -> None:
+    for pool in pools:
+        try:
+            pool.shutdown()
+        except Exception:  # noqa: BLE001 - the cluster may be gone already: nothing left to kill
+            pass
 
 
 def shutdown_env_worker_pools(env_id: str) -> int:
@@ -314,9 +363,5 @@ def shutdown_env_worker_pools(env_id: str) -> int:
     with _POOLS_LOCK:
         keys = [k for k in _POOLS if k[2] == env_id]
         pools = [_POOLS.pop(k) for k in keys]
-    for pool in pools:
-        try:
-            pool.shutdown()
-        except Exception:  # noqa: BLE001 - the cluster may be gone already: nothing left to kill
-            pass
+    _shutdown_quietly(pools)
     return len(pools)

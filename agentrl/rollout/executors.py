@@ -44,6 +44,7 @@ class EnvExecutor:
         self._closers: list[threading.Thread] = []
         self._making: set[Future[Any]] = set()  # envs being made for episodes that may give up on them
         self._env_workers = None
+        self._released = False  # the env-worker pool given back (close)
         if cfg.rollout.env_executor == "ray":  # Ray actors host the envs (agentrl.distributed)
             from ..distributed.env_workers import env_worker_pool
 
@@ -128,6 +129,11 @@ class EnvExecutor:
         for t in self._closers:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._env_workers is not None and not self._released:  # idle now: a later pool may shut it down
+            from ..distributed.env_workers import release_env_worker_pool
+
+            self._released = True
+            release_env_worker_pool(self._env_workers)
 
 
 def _close_quietly(env: Any) -> None:

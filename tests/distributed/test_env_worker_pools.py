@@ -1,0 +1,78 @@
+"""Env-worker pools within one run: an engine holds its pool while it runs, and a new pool
+(a curriculum stage's, the evaluation's) first frees the CPUs of the env's idle pools but the
+most recent one, or all of them where the cluster has no room: a later stage never waits for
+CPUs an idle pool keeps."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("ray", reason="ray is not installed here: pip install 'agentrl[ray]' (make extras)")
+
+from agentrl.config import load_config  # noqa: E402
+from agentrl.distributed import env_workers  # noqa: E402
+from agentrl.distributed.env_workers import env_worker_pool, release_env_worker_pool  # noqa: E402
+
+
+def _cfg(max_steps: int, cpus: float, workers: int = 1):
+    return load_config(overrides=["env.id=agentrl/GuessNumber-v0", f"env.kwargs={{max_turns: {max_steps}}}",
+                                  "rollout.env_executor=ray", "distributed.ray=auto",
+                                  f"distributed.num_env_workers={workers}",
+                                  f"distributed.env_worker_cpus={cpus}", "distributed.rollout_worker_cpus=0.25"])
+
+
+def _alive(ray, pool, timeout: float = 60.0) -> bool:
+    try:
+        ray.get([w.pid.remote() for w in pool.workers], timeout=timeout)
+        return True
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False
+
+
+@pytest.fixture
+def pools(cluster):
+    yield cluster
+    env_workers.shutdown_env_worker_pools("agentrl/GuessNumber-v0")
+
+
+def test_a_new_pool_keeps_only_the_most_recent_idle_pool_and_never_one_in_use(pools):
+    ray = pools
+    a = env_worker_pool(_cfg(3, 0.25))
+    release_env_worker_pool(a)
+    e = env_worker_pool(_cfg(4, 0.25))  # the evaluation's level
+    release_env_worker_pool(e)
+    assert _alive(ray, a) and _alive(ray, e)
+    b = env_worker_pool(_cfg(5, 0.25))  # the next stage: the older idle pool goes, the recent one stays
+    assert not _alive(ray, a, timeout=10) and _alive(ray, e) and _alive(ray, b)
+    assert a not in env_workers._POOLS.values() and e in env_workers._POOLS.values()
+    c = env_worker_pool(_cfg(6, 0.25))  # b is in use: kept, whatever its age
+    assert _alive(ray, b) and _alive(ray, e) and _alive(ray, c)
+    assert env_worker_pool(_cfg(5, 0.25)) is b and b.users == 2  # the same level reuses its pool
+    for pool in (b, b, c):
+        release_env_worker_pool(pool)
+    d = env_worker_pool(_cfg(7, 0.25))  # idle: e (oldest), b, c (newest) -> only c stays
+    assert [_alive(ray, p, timeout=10) for p in (e, b, c, d)] == [False, False, True, True]
+
+
+def test_a_pool_that_needs_the_cpus_an_idle_pool_holds_gets_them(pools):
+    """Two CPUs; each pool's two workers take one each. Before, the second level's workers
+    waited for good; now the idle pool is shut down first and they start."""
+    ray = pools
+    first = env_worker_pool(_cfg(3, 1.0, workers=2))
+    assert _alive(ray, first)
+    release_env_worker_pool(first)
+    second = env_worker_pool(_cfg(4, 1.0, workers=2))
+    assert _alive(ray, second, timeout=60), "the second level's workers never started"
+    assert not _alive(ray, first, timeout=10)
+
+
+def test_an_engine_gives_its_pool_back_when_it_closes(pools):
+    from agentrl.rollout.executors import EnvExecutor
+
+    cfg = _cfg(3, 0.25)
+    executor = EnvExecutor(cfg, cfg.env.id)
+    pool = executor._env_workers
+    assert pool.users == 1
+    executor.close()
+    executor.close()  # twice: given back once
+    assert pool.users == 0
