@@ -392,6 +392,11 @@ class TrainRunConfig(Config):
                     "sampler must compute what the trainer does, the hf backend in float32")
         if t.precision == "bf16":
             return "train.precision=bf16: the update scores in bf16 what the sampler sampled in fp32"
+        workers = self.distributed is not None and self.distributed.num_rollout_workers > 0
+        if workers and self.policy.backend == "auto":
+            return ("distributed.num_rollout_workers with policy.backend=auto: each worker resolves the "
+                    "backend on its own node (vllm where installed), which the trainer cannot check; "
+                    "set policy.backend: hf")
         if t.asynchronous is not None:
             return ("train.asynchronous: tokens sampled by older weights would anchor PPO to those "
                     "weights, not to the ones the update starts from")

@@ -75,15 +75,26 @@ def resolve_old_logprobs(cfg: TrainRunConfig) -> tuple[TrainRunConfig, str | Non
                "the sampler must compute what the trainer does, the hf backend in fp32")
     if t.old_logprobs == "sampler":
         if why is not None:
-            raise ConfigError(f"train.old_logprobs=sampler needs the hf backend and fp32 training, where the "
-                              f"sampler computes what the trainer does; here policy.backend resolves to "
-                              f"{backend!r} and train.precision={t.precision!r} to {precision!r}; use rescore")
+            raise ConfigError(f"train.old_logprobs=sampler anchors PPO to the sampler's log-probs, which must be "
+                              f"the trainer's; here they are not, because of {why}; use rescore or auto")
         return cfg, None
     cfg = cfg.model_copy(deep=True)
     cfg.train.old_logprobs = "rescore" if why is not None else "sampler"
     note = ("train.old_logprobs auto: sampler (PPO anchors to the sampler's log-probs; no scoring pass)"
             if why is None else f"train.old_logprobs auto: rescore, because of {why}")
     return cfg, note
+
+
+def _not_an_fp32_hf_sampler(policy: Any) -> str | None:
+    """Why a policy handed to ``Trainer`` samples with other numbers than an fp32 update computes
+    (``resolve_old_logprobs`` reads the config, which such a policy need not follow); None where not."""
+    from ..policy.hf import HFPolicy
+
+    if not isinstance(policy, HFPolicy):
+        return f"is a {type(policy).__name__}, not the hf backend"
+    if policy.model.dtype != torch.float32:
+        return f"samples in {policy.model.dtype}, not float32"
+    return None
 
 
 class Trainer:
@@ -116,6 +127,14 @@ class Trainer:
         if t.old_logprobs in ("sampler", "auto"):  # what auto resolves to on this machine (config checks the rest)
             cfg, anchor_note = resolve_old_logprobs(cfg)
             t = cfg.train
+        if policy is not None and t.old_logprobs == "sampler" and (why := _not_an_fp32_hf_sampler(policy)):
+            if anchor_note is None:  # asked for by name
+                raise ConfigError(f"train.old_logprobs=sampler: the policy given to the trainer {why}, so its "
+                                  "log-probs are not the trainer's; use rescore or auto")
+            cfg = cfg.model_copy(deep=True)
+            cfg.train.old_logprobs = "rescore"
+            t = cfg.train
+            anchor_note = f"train.old_logprobs auto: rescore, because the policy given to the trainer {why}"
         self.cfg = cfg
         self.console = console or Console()
         self.progress = progress

@@ -17,7 +17,7 @@ from agentrl.errors import ConfigError
 from agentrl.train.config import load_train_config
 from agentrl.train.trainer import Trainer
 
-GUESS = ["policy.model=tiny-random", "env.id=agentrl/GuessNumber-v0", "env.kwargs={high: 4, max_turns: 3}",
+GUESS = ["policy.model=tiny-random", "policy.backend=hf", "env.id=agentrl/GuessNumber-v0", "env.kwargs={high: 4, max_turns: 3}",
          "rollout.max_turns=3", "rollout.max_context_tokens=256", "sampling.max_new_tokens=3",
          "sampling.temperature=0.7", "train.micro_batch_tokens=2048", "train.evaluation.episodes=0",
          "train.output.tensorboard=false", "train.output.plot=false", "train.checkpointing.export_hf=false",
@@ -84,6 +84,7 @@ def test_anchoring_to_the_sampler_lands_where_the_rescored_update_lands(tmp_path
     (["train.precision=bf16"], "train.precision=bf16"),
     (["train.asynchronous={max_batch_staleness: 1}"], "train.asynchronous"),
     (["train.distill={teacher: expert}"], "train.distill"),
+    (["policy.backend=auto", "distributed={num_rollout_workers: 1}"], "each worker resolves the backend"),
 ])
 def test_sampler_anchor_is_refused_where_the_sampler_s_numbers_mean_something_else(sets, why):
     with pytest.raises(ConfigError, match=rf"train\.old_logprobs=sampler is refused with .*{why}"):
@@ -96,7 +97,7 @@ def test_sampler_anchor_is_refused_where_auto_precision_resolves_to_bf16(tmp_pat
     monkeypatch.setenv("AGENTRL_CPU_BF16", "1")
     cfg = load_train_config(None, GUESS + ["train.precision=auto", "train.old_logprobs=sampler",
                                            f"train.output.dir={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"train\.old_logprobs=sampler needs .* to 'bf16'; use rescore"):
+    with pytest.raises(ConfigError, match=r"train\.old_logprobs=sampler anchors .* to 'bf16'.*; use rescore or auto"):
         Trainer(cfg, progress=False)
     monkeypatch.setenv("AGENTRL_CPU_BF16", "0")
     Trainer(cfg, progress=False).close()
@@ -138,3 +139,30 @@ def test_auto_runs_a_step_without_the_scoring_pass_where_it_chose_the_sampler(tm
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     row = [x for x in lines if x.get("phase") == "rl"][-1]
     assert row["train/scoring_pass"] == 0 and not [k for k in row if k.startswith("mismatch/")]
+
+
+def test_auto_follows_the_policy_given_to_the_trainer_not_only_the_config(tmp_path, monkeypatch):
+    """A policy passed in need not be what ``policy`` says: one sampling in bf16 gets rescore
+    from auto, and an explicit sampler is refused, naming the policy's dtype."""
+    from agentrl.models import load_model
+    from agentrl.policy.hf import HFPolicy
+
+    monkeypatch.setenv("AGENTRL_CPU_BF16", "0")
+    model, tokenizer = load_model("tiny-random")
+    bf16 = HFPolicy(model.to(torch.bfloat16), tokenizer)
+    cfg = load_train_config(None, GUESS + ["train.precision=auto", "train.old_logprobs=auto",
+                                           f"train.output.dir={tmp_path}"])
+    tr = Trainer(cfg, policy=bf16, progress=False)
+    try:
+        assert tr.cfg.train.old_logprobs == "rescore" and tr.learner.cfg.train.old_logprobs == "rescore"
+    finally:
+        tr.close()
+    explicit = load_train_config(None, GUESS + ["train.old_logprobs=sampler", f"train.output.dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"the policy given to the trainer samples in torch\.bfloat16"):
+        Trainer(explicit, policy=bf16, progress=False)
+    fp32 = HFPolicy(*load_model("tiny-random"))
+    tr = Trainer(cfg, policy=fp32, progress=False)
+    try:
+        assert tr.cfg.train.old_logprobs == "sampler"
+    finally:
+        tr.close()

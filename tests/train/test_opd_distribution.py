@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 
@@ -54,6 +57,41 @@ def test_the_support_takes_both_top_ks_once_and_leaves_special_tokens_out():
     ids, _ = build_support(torch.tensor([[5, 3]]), torch.tensor([[-1.0, -2.0]]),
                            torch.tensor([[3, 7]]), torch.tensor([[-0.5, -0.75]]), both=True, vocab=6)
     assert ids.tolist() == [[5, 3, -1, -1]]  # 7 is past the student's vocabulary (a bigger teacher head)
+
+
+def test_the_support_leaves_out_ids_a_constrained_token_was_not_allowed():
+    # token 1 was sampled among {5, 9} (rollout.constrain): its top-3 under the mask lists 3 at -inf
+    ids, lp = build_support(torch.tensor([[5, 3, 9], [5, 3, 9]]), torch.tensor([[-1.0, -2.0, -3.0]] * 2),
+                            torch.tensor([[9, 4], [9, 4]]), torch.tensor([[-0.5, -0.75]] * 2),
+                            both=True, allowed={1: [5, 9]})
+    assert ids.tolist() == [[5, 3, 9, -1, 4], [5, -1, 9, -1, -1]]  # token 0 is free: 3 and 4 stay
+    assert lp.tolist() == [[-1.0, -2.0, -3.0, -0.5, -0.75]] * 2
+
+
+@pytest.mark.parametrize("signal", ["topk_reverse_kl", "jsd", "lsm"])
+def test_a_distribution_signal_trains_constrained_turns_with_finite_weights(tmp_path, signal):
+    """Constrained ALFWorld turns force most tokens (one allowed id), so a top-4 under the mask
+    lists ids of probability 0 on both sides: they left the weights NaN after one step."""
+    from agentrl.models import load_model
+    from agentrl.policy.hf import HFPolicy
+    from agentrl.train import train
+
+    torch.set_num_threads(1)
+    cfg = load_train_config(None, [
+        "policy.model=tiny-random", "env.id=agentrl/ALFWorld-v0", "rollout.constrain=admissible",
+        "rollout.max_turns=2", "rollout.group_size=2", "rollout.max_context_tokens=1024",
+        "sampling.max_new_tokens=24", "sampling.temperature=1.0", "train.tasks_per_step=2",
+        "train.minibatch_size=4", "train.steps=1", "train.evaluation.episodes=0",
+        "train.output.tensorboard=false", "train.checkpointing.export_hf=false", "train.output.plot=false",
+        "train.skip_zero_advantage=false", f"train.distill={{teacher: tiny-random, signal: {signal}, top_k: 4}}",
+        f"train.output.dir={tmp_path}"])
+    policy = HFPolicy(*load_model("tiny-random"))
+    train(cfg, policy=policy, progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r.get("phase") == "rl"][-1]
+    assert rl["train/constrained_tokens"] > 0, "no constrained token: the test would not test the mask"
+    assert math.isfinite(rl["loss/total"]) and math.isfinite(rl["grad/norm"])
+    assert all(torch.isfinite(p).all() for p in policy.model.parameters())
 
 
 def test_the_loss_term_by_hand_with_a_left_out_candidate_and_a_masked_token():

@@ -275,7 +275,8 @@ class Distiller:
                 d = s.distill
                 ids, lp = build_support(torch.tensor(s.old_top), torch.tensor(d.teacher_at_student_top),
                                         torch.tensor(d.teacher_top), torch.tensor(d.teacher_top_logprobs),
-                                        both=both, special=self._special, vocab=self._vocab)
+                                        both=both, special=self._special, vocab=self._vocab,
+                                        allowed=s.allowed)
                 d.support, d.support_teacher = ids.tolist(), lp.tolist()
         return stats, token_w
 

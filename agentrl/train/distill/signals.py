@@ -327,13 +327,17 @@ def informative_token_mask(student_entropy: torch.Tensor, divergence: torch.Tens
 
 def build_support(student_top: torch.Tensor, teacher_at_student: torch.Tensor, teacher_top: torch.Tensor,
                   teacher_top_lp: torch.Tensor, *, both: bool, special: torch.Tensor | None = None,
-                  vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  vocab: int | None = None, allowed: dict[int, list[int]] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The candidate ids ``[T, C]`` a distribution-level signal compares on, and the teacher's log-probs there.
 
     The student's top-K ids (``student_top``, with ``teacher_at_student`` the
     teacher's log-probs of them); with ``both``, then the teacher's own top-K
     (``teacher_top`` / ``teacher_top_lp``), an id the student already listed
-    left out. Left-out ids, ``special`` ones and ids ``>= vocab`` are -1.
+    left out. Left-out ids, ``special`` ones and ids ``>= vocab`` are -1, and so
+    are a constrained token's ids outside its ``allowed`` ones (``Sample.allowed``):
+    a top-K taken under the sampler's mask lists them, with log-prob -inf on both
+    sides, wherever fewer than K ids were allowed, and -inf - -inf is NaN.
     """
     ids, lp = student_top.clone(), teacher_at_student.clone()
     if both:
@@ -344,6 +348,8 @@ def build_support(student_top: torch.Tensor, teacher_at_student: torch.Tensor, t
         ids = ids.masked_fill(torch.isin(ids, special), -1)
     if vocab is not None:
         ids = ids.masked_fill(ids >= vocab, -1)
+    for t, ok in (allowed or {}).items():
+        ids[t] = ids[t].masked_fill(~torch.isin(ids[t], torch.tensor(ok, dtype=ids.dtype)), -1)
     return ids, lp
 
 
