@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .errors import AgentRLError
+from .heap import keep_freed_memory
 
 __all__ = ["app", "main"]
 
@@ -203,5 +204,9 @@ def main() -> None:
     # torch's OpenMP threads spin while they wait; on a small shared CPU that
     # costs 3-30x when another process holds a core. Must be set before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        keep_freed_memory()  # a step's buffers reuse the last step's pages (agentrl.heap)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     _mount_plugins()
     app()

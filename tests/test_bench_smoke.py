@@ -231,3 +231,15 @@ def test_alfworld_full_trains_then_reports_each_split_per_family(tmp_path):
         rows = entry["splits"][split]["rows"]
         assert rows[-1]["family"] == "All" and rows[-1]["tasks"] == 2
         assert sum(r["tasks"] for r in rows[:-1]) == 2 and 0.0 <= rows[-1]["success"] <= 1.0
+
+
+def test_heap_reuse_runs_each_cell_with_the_heap_setting_it_names(tmp_path):
+    out = tmp_path / "heap_reuse.json"
+    _run("heap_reuse.py", out)
+    data = json.loads(out.read_text())
+    cells = {(r["precision"], r["keep"]): r for r in data["raw"]}
+    assert set(cells) == {("fp32", False), ("fp32", True)}
+    for (_, keep), r in cells.items():
+        assert r["keep_freed_memory"] is keep  # the child's mallopt took effect exactly where asked
+        assert r["tokens_per_epoch"] > 0 and len(r["tokens_per_s"]) == 2 and min(r["tokens_per_s"]) > 0
+    assert data["summary"]["fp32_keep_0"]["gain"] == 1.0

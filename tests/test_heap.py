@@ -1,0 +1,48 @@
+"""agentrl.heap: freed memory stays in the process's heap, and the switch that turns it off."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from agentrl.heap import keep_freed_memory
+
+# 256 MB allocated, written (so its pages are resident), freed: what is resident after?
+_PROBE = textwrap.dedent("""
+    import os, sys
+    from agentrl.heap import keep_freed_memory
+    kept = keep_freed_memory()
+    def rss_mb():
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    before = rss_mb()
+    buf = b"x" * (256 << 20)
+    held = rss_mb()
+    del buf
+    print(kept, held - before, rss_mb() - before)
+""")
+
+
+def _probe(flag: str) -> tuple[bool, float, float]:
+    out = subprocess.run([sys.executable, "-c", _PROBE], env={"AGENTRL_KEEP_FREED_MEMORY": flag},
+                         capture_output=True, text=True, check=True).stdout.split()
+    return out[0] == "True", float(out[1]), float(out[2])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and /proc are Linux's")
+def test_freed_memory_stays_resident_only_when_kept():
+    kept, held, after = _probe("1")
+    assert kept and held > 200 and after > 200, (held, after)  # the freed 256 MB is still the process's
+    kept, held, after = _probe("0")
+    assert not kept and held > 200 and after < 50, (held, after)  # glibc's default: unmapped on free
+
+
+def test_a_bad_switch_is_an_error_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("AGENTRL_KEEP_FREED_MEMORY", "yes")
+    with pytest.raises(ValueError, match="AGENTRL_KEEP_FREED_MEMORY must be 0 or 1, got 'yes'"):
+        keep_freed_memory()
+    res = subprocess.run([sys.executable, "-m", "agentrl", "envs", "list"], capture_output=True, text=True,
+                         env={"AGENTRL_KEEP_FREED_MEMORY": "yes", "PATH": "/usr/bin:/bin"})
+    assert res.returncode != 0 and "AGENTRL_KEEP_FREED_MEMORY must be 0 or 1" in res.stderr
