@@ -205,7 +205,7 @@ def main() -> None:
     # costs 3-30x when another process holds a core. Must be set before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
-        keep_freed_memory()  # a step's buffers reuse the last step's pages (agentrl.heap)
+        keep_freed_memory()  # opt-in: a step's buffers reuse the last step's pages (agentrl.heap)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     _mount_plugins()

@@ -6,8 +6,9 @@ minibatches of 8, AdamW), run ``--epochs`` times in one process; the first
 epoch is warm-up and the rest are reported. Each cell is its own process, as
 ``agentrl`` runs: ``train.precision`` fp32 and bf16 (bf16 only on a CPU or GPU
 that multiplies it natively, ``cpu_has_native_bf16``), each with
-``AGENTRL_KEEP_FREED_MEMORY`` 0 and 1. The cells alternate ``--rounds`` times,
-so drift in the machine's load lands on both sides. Prints a table, writes
+``AGENTRL_KEEP_FREED_MEMORY`` 0 and 1. ``--rounds`` repeats the cells, the
+order of 0 and 1 swapped in odd rounds, so drift in the machine's load lands
+on both sides (the committed JSON ran 0 first in both of its rounds). Prints a table, writes
 ``bench/heap_reuse.json``: tokens/s per epoch and the process's peak RSS.
 """
 
@@ -89,7 +90,7 @@ def main() -> None:
     raw: list[dict] = []
     for r in range(args.rounds):
         for prec in precisions:
-            for keep in ("0", "1"):
+            for keep in (("0", "1") if r % 2 == 0 else ("1", "0")):  # each order in turn
                 env = {**os.environ, "AGENTRL_KEEP_FREED_MEMORY": keep, "AGENTRL_CPU_BF16": "1",
                        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
                 cmd = [sys.executable, __file__, "--child", prec, "--episodes", str(args.episodes),

@@ -87,13 +87,16 @@ def resolve_old_logprobs(cfg: TrainRunConfig) -> tuple[TrainRunConfig, str | Non
 
 def _not_an_fp32_hf_sampler(policy: Any) -> str | None:
     """Why a policy handed to ``Trainer`` samples with other numbers than an fp32 update computes
-    (``resolve_old_logprobs`` reads the config, which such a policy need not follow); None where not."""
+    (``resolve_old_logprobs`` reads the config, which such a policy need not follow); None where
+    not, or where it cannot tell: a policy from elsewhere (Ray's rollout workers, a wrapper) is
+    taken to be what the config says, which the config's own checks cover."""
     from ..policy.hf import HFPolicy
 
-    if not isinstance(policy, HFPolicy):
+    if isinstance(policy, HFPolicy):
+        dtypes = {p.dtype for p in policy.model.parameters() if p.is_floating_point()}
+        return None if dtypes <= {torch.float32} else f"samples in {sorted(map(str, dtypes))}, not float32"
+    if type(policy).__module__.startswith("agentrl.policy."):  # vllm, openai, mock: another sampler
         return f"is a {type(policy).__name__}, not the hf backend"
-    if policy.model.dtype != torch.float32:
-        return f"samples in {policy.model.dtype}, not float32"
     return None
 
 

@@ -15,7 +15,7 @@ import torch
 import agentrl.train.batch as batch_module
 from agentrl.errors import ConfigError
 from agentrl.train.config import load_train_config
-from agentrl.train.trainer import Trainer
+from agentrl.train.trainer import Trainer, _not_an_fp32_hf_sampler
 
 GUESS = ["policy.model=tiny-random", "policy.backend=hf", "env.id=agentrl/GuessNumber-v0", "env.kwargs={high: 4, max_turns: 3}",
          "rollout.max_turns=3", "rollout.max_context_tokens=256", "sampling.max_new_tokens=3",
@@ -158,7 +158,7 @@ def test_auto_follows_the_policy_given_to_the_trainer_not_only_the_config(tmp_pa
     finally:
         tr.close()
     explicit = load_train_config(None, GUESS + ["train.old_logprobs=sampler", f"train.output.dir={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"the policy given to the trainer samples in torch\.bfloat16"):
+    with pytest.raises(ConfigError, match=r"the policy given to the trainer samples in \['torch\.bfloat16'\]"):
         Trainer(explicit, policy=bf16, progress=False)
     fp32 = HFPolicy(*load_model("tiny-random"))
     tr = Trainer(cfg, policy=fp32, progress=False)
@@ -166,3 +166,8 @@ def test_auto_follows_the_policy_given_to_the_trainer_not_only_the_config(tmp_pa
         assert tr.cfg.train.old_logprobs == "sampler"
     finally:
         tr.close()
+    from agentrl.policy.mock import MockPolicy
+
+    assert _not_an_fp32_hf_sampler(object.__new__(MockPolicy)) == "is a MockPolicy, not the hf backend"
+    remote = type("RayPolicy", (), {"__module__": "agentrl.distributed.rollout_workers"})()
+    assert _not_an_fp32_hf_sampler(remote) is None  # a rollout worker's: the config's checks cover it
