@@ -60,10 +60,11 @@ __all__ = [
     "train",
 ]
 
-def resolve_old_logprobs(cfg: TrainRunConfig) -> tuple[TrainRunConfig, str | None]:
+def resolve_old_logprobs(cfg: TrainRunConfig, policy: Any = None) -> tuple[TrainRunConfig, str | None]:
     """``train.old_logprobs`` as this machine runs it: ``auto`` becomes ``sampler`` where the
     sampler computes what the trainer does (the hf backend, fp32 training, nothing in
-    ``sampler_anchor_refusal``), else ``rescore``; a ``sampler`` that cannot be is refused.
+    ``sampler_anchor_refusal``, and ``policy``, where one is handed to the trainer, an fp32
+    ``HFPolicy``), else ``rescore``; a ``sampler`` that cannot be is refused.
     Returns the config (a copy where auto was resolved) and a line saying what auto chose."""
     from ..policy.registry import resolve_backend
 
@@ -73,6 +74,8 @@ def resolve_old_logprobs(cfg: TrainRunConfig) -> tuple[TrainRunConfig, str | Non
     if why is None and (backend != "hf" or precision != "fp32"):
         why = (f"policy.backend resolving to {backend!r} and train.precision={t.precision!r} to {precision!r}: "
                "the sampler must compute what the trainer does, the hf backend in fp32")
+    if why is None and policy is not None and (other := _not_an_fp32_hf_sampler(policy)):
+        why = f"the policy given to the trainer {other}"
     if t.old_logprobs == "sampler":
         if why is not None:
             raise ConfigError(f"train.old_logprobs=sampler anchors PPO to the sampler's log-probs, which must be "
@@ -128,16 +131,8 @@ class Trainer:
             resolved_precision(t.precision, cfg.policy.device)  # a bad AGENTRL_CPU_BF16 fails now, not mid-run
         anchor_note = None
         if t.old_logprobs in ("sampler", "auto"):  # what auto resolves to on this machine (config checks the rest)
-            cfg, anchor_note = resolve_old_logprobs(cfg)
+            cfg, anchor_note = resolve_old_logprobs(cfg, policy)
             t = cfg.train
-        if policy is not None and t.old_logprobs == "sampler" and (why := _not_an_fp32_hf_sampler(policy)):
-            if anchor_note is None:  # asked for by name
-                raise ConfigError(f"train.old_logprobs=sampler: the policy given to the trainer {why}, so its "
-                                  "log-probs are not the trainer's; use rescore or auto")
-            cfg = cfg.model_copy(deep=True)
-            cfg.train.old_logprobs = "rescore"
-            t = cfg.train
-            anchor_note = f"train.old_logprobs auto: rescore, because the policy given to the trainer {why}"
         self.cfg = cfg
         self.console = console or Console()
         self.progress = progress
