@@ -12,6 +12,11 @@ import pytest
 os.environ["AGENTRL_CPU_BF16"] = "0"
 
 from agentrl.models import load_model, load_tokenizer
+from tests.xdist_crashes import (  # noqa: F401  (hooks: a crashed worker fails its test, not the run)
+    pytest_configure,
+    pytest_terminal_summary,
+    pytest_xdist_make_scheduler,
+)
 
 
 @pytest.fixture(scope="session")
