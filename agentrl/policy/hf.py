@@ -215,6 +215,14 @@ class HFPolicy:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
+    def drop_prefix_cache(self) -> None:
+        """Free the prefix cache's keys and values now, between batches. A trainer in this
+        process calls it before it changes this model's weights: after that they are stale,
+        and until then they only add to the update's peak memory."""
+        with self.weights_lock:
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
+
     def weights_updated(self) -> None:
         """The model's weights changed in place (a trainer in this process trains this very
         model): bump ``version`` and drop the prefix cache, whose keys and values are stale."""

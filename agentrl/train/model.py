@@ -219,6 +219,16 @@ def sync_policy(policy: Any, model: torch.nn.Module) -> None:
     policy.update_weights({k: v.detach() for k, v in net.state_dict().items()})
 
 
+def drop_stale_cache(policy: Any, model: torch.nn.Module) -> None:
+    """Before an update of the very model the policy samples with (``hf`` in this process), free
+    the policy's prefix cache now instead of at ``sync_policy``: the update makes its keys and
+    values stale, so nothing can reuse them after it, and during it they sat beside the
+    update's own buffers (up to ``prefix_cache_mb``, 4 GiB by default), where the update could
+    not reuse their memory. Other backends keep their caches: their weights change at sync."""
+    if getattr(policy, "model", None) is base_model(model) and hasattr(policy, "drop_prefix_cache"):
+        policy.drop_prefix_cache()
+
+
 # --------------------------------------------------------------------------- the reference
 
 

@@ -34,6 +34,7 @@ from rich.console import Console
 
 from ..errors import ConfigError
 from ..evaluation import evaluate_held_out, held_out_seeds
+from ..heap import give_back_freed_memory
 from ..policy.snapshot import SnapshotPolicy
 from ..types import RolloutTree
 from .asynchronous import RolloutProducer
@@ -277,15 +278,20 @@ class Trainer:
         log = MetricsLogger(self.out, tensorboard=t.output.tensorboard,
                             resume_step=self.step if resumed else -1)
         mem = PeakMemory()  # each logged row carries its phase's (or step's) peak memory
+
+        def phase() -> None:  # a phase starts from what it holds: what the last one freed goes back
+            give_back_freed_memory()
+            mem.start()
+
         try:
             with ProgressBars(self.console, self.progress) as bars:
                 if "start" not in self.phases and t.evaluation.start:
-                    mem.start()
+                    phase()
                     ev = self._eval("start", bars)
                     self._phase("start", ev)
                     log.log(0, {"phase": "start", **ev, **mem.read()})
                 if sft is not None and not self.sft_done:
-                    mem.start()
+                    phase()
                     st = sft(self.learner, bars.start)
                     self.sft_done = True
                     ev = self._eval("after SFT", bars)
@@ -305,12 +311,12 @@ class Trainer:
                         self.step, t.steps, a.max_batch_staleness, a.queue_size, a.batch_timeout_s,
                         max_turns=self._depth_budget()).begin()
                 while self.step < t.steps:
-                    mem.start()
+                    phase()
                     row = self._one_step(bars)
                     log.log(self.step, {"phase": "rl", **row, **mem.read()})
                     overall()
                 ev = {}
-                mem.start()
+                phase()
                 if not ran and "after_sft" in self.phases:  # nothing changed since that eval
                     self.phases.setdefault("end", self.phases["after_sft"])
                     if "after_sft" in self.phase_rewards:

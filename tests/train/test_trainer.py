@@ -20,7 +20,7 @@ from agentrl.train.batch import Sample, samples_from_credit, train_on_samples
 from agentrl.train.config import OptimizerConfig, TrainConfig, TrainRunConfig, load_train_config
 from agentrl.train.loss import PolicyLossConfig, StepLoss
 from agentrl.train.model import make_scheduler, make_trainable, sync_policy
-from agentrl.train.trainer import step_task_seeds, train
+from agentrl.train.trainer import Trainer, step_task_seeds, train
 from agentrl.types import Episode, Node
 
 
@@ -182,6 +182,50 @@ def test_sync_shares_the_hf_model_and_copies_into_others(tokenizer):
     remote = Remote()
     sync_policy(remote, model)
     assert remote.version == 1 and set(remote.got) == set(model.state_dict())
+
+
+@pytest.mark.parametrize("phase", ["rl", "sft"])
+def test_an_update_of_the_shared_model_starts_without_the_policys_stale_prefix_cache(tmp_path, monkeypatch, phase):
+    """The hf policy's cached keys and values are of the weights an update is about to change:
+    they are freed before the SFT and before each RL update, where they only added to the
+    update's peak memory, not after it at sync_policy."""
+    import agentrl.train.sft as sft_mod
+    import agentrl.train.step as step_mod
+
+    torch.set_num_threads(1)
+    policy = HFPolicy(*load_model("tiny-random"))  # the default prefix cache
+    cached = []  # the policy's cache when each update began
+    mod = step_mod if phase == "rl" else sft_mod
+    real = mod.train_on_samples
+
+    def spy(*args, **kwargs):
+        cached.append((len(policy.prefix_cache), policy.prefix_cache.stats.bytes))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mod, "train_on_samples", spy)
+    filled = []  # and before: what the rollouts or the first evaluation left in it
+    for name in ("_eval", "rollout"):
+        orig = getattr(Trainer, name)
+
+        def wrapped(self, *args, _orig=orig, **kwargs):
+            out = _orig(self, *args, **kwargs)
+            filled.append(len(policy.prefix_cache))
+            return out
+
+        monkeypatch.setattr(Trainer, name, wrapped)
+    if phase == "rl":
+        cfg = toy_config(tmp_path, "train.steps=2", "train.evaluation.episodes=0",
+                         "train.skip_zero_advantage=false")
+    else:
+        cfg = load_train_config(None, [
+            "env.id=agentrl/GuessNumber-v0", "env.kwargs={high: 4, max_turns: 3}", "rollout.max_turns=3",
+            "rollout.max_context_tokens=256", "sampling.max_new_tokens=3", "policy.model=tiny-random",
+            "train.evaluation.episodes=4", "train.steps=0", "sft.episodes=8", "sft.epochs=1",
+            "train.output.tensorboard=false", "train.output.plot=false", f"train.output.dir={tmp_path}"])
+    train(cfg, policy=policy, progress=False)
+    assert max(filled, default=0) > 0, filled  # the sampling before an update filled it
+    assert len(cached) == (2 if phase == "rl" else 1), cached
+    assert all(entries == 0 and nbytes == 0 for entries, nbytes in cached), cached
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
