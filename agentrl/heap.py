@@ -1,13 +1,17 @@
-"""What a training process does with the memory a step frees: give it back to the kernel between
-phases (the default), or, opt-in, keep it in its own heap so the next step reuses it.
+"""The memory a training phase frees: given back to the kernel between phases, or (opt-in) kept
+in the process's heap for the next step.
 
 Given back by default (``give_back_freed_memory``, glibc's ``malloc_trim``): glibc
 raises its mmap threshold after the first large frees (up to 32 MiB), so most of
 a step's buffers then come from the heap, and a heap returns only its top to the
 kernel. Freed buffers below it stay resident. In ``make run`` the process held
-13.4 GB during RL step 3, and one ``malloc_trim(0)`` (called through gdb) took it
-to 3.5 GB: three quarters of the peak was memory the process had freed. The
-trainer gives it back before each update and at the start of each step.
+13.1 GB during RL step 3, and one ``malloc_trim(0)`` (called through gdb) took it
+to 3.4 GB: three quarters of it was memory the process had freed. The
+trainer gives it back at the start of each phase (an evaluation, the SFT, an RL
+step) and before each update: make run's RL steps then peaked at 8.1-8.6 GB
+instead of 13.2-13.5, and its rollouts, the same tokens, took 1.5-7 s a step
+more (about 30 s without), touching fresh pages again; its updates and SFT did not
+slow down (bench/make_run.json, ``memory_2026_12_05``).
 
 Kept, opt-in:
 

@@ -118,11 +118,17 @@ distillation work is on the [Algorithms](algorithms.md) page.
   autocast (fp32 head, weights and optimizer) on a GPU and on a CPU with
   avx512_bf16 or AMX, fp32 on other CPUs (`train.precision: auto`). With `hf` in the same process the policy and
   the trainer share one model, so a weight sync only bumps the version and
-  empties the prefix cache. `AGENTRL_KEEP_FREED_MEMORY=1` makes the
-  `agentrl` command keep the memory a step frees in its heap for the next
-  step (`agentrl/heap.py`: make run's SFT update 1.11x faster in fp32 and
-  1.13x in bf16, `bench/heap_reuse.json`). It is off by default: where
-  batch sizes vary from step to step, the kept heap can grow with each step.
+  empties the prefix cache; that cache is dropped before each update, since
+  the update makes it stale. Each phase (an evaluation, the SFT, an RL step)
+  starts by giving what the last one freed back to the kernel (glibc's
+  `malloc_trim`, `agentrl/heap.py`): glibc keeps freed buffers resident, and
+  in `make run`'s RL steps 9.7 of the 13.1 GB resident were such buffers
+  (with the trim its steps peak at 8.1-8.6 GB, `bench/make_run.json`).
+  `AGENTRL_KEEP_FREED_MEMORY=1` does the opposite: the `agentrl` command
+  keeps the memory a step frees in its heap for the next step (make run's
+  SFT update 1.11x faster in fp32 and 1.13x in bf16,
+  `bench/heap_reuse.json`); where batch sizes vary from step to step, the
+  kept heap can grow with each step.
 - **SFT.** `agentrl sft` trains on expert trajectories of any env with an
   expert (ALFWorld-v0, WebShop-v0, TextWorld-v0, GuessNumber-v0). The expert
   episodes are built with the same `ChatContext` and loss masks as rollouts,
