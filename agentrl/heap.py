@@ -9,9 +9,11 @@ kernel. Freed buffers below it stay resident. In ``make run`` the process held
 to 3.4 GB: three quarters of it was memory the process had freed. The
 trainer gives it back at the start of each phase (an evaluation, the SFT, an RL
 step) and before each update: make run's RL steps then peaked at 8.1-8.6 GB
-instead of 13.2-13.5, and its rollouts, the same tokens, took 1.5-7 s a step
-more (about 30 s without), touching fresh pages again; its updates and SFT did not
-slow down (bench/make_run.json, ``memory_2026_12_05``).
+instead of 13.2-13.5. It costs time, as the next phase touches fresh pages: in
+two runs with these trims the rollouts, the same tokens, took 1.3-1.6 s and
+5.5-7.4 s a step more (27-35 s without), and whole RL steps 4% and 10-14% more;
+the updates' tokens/s fell 0-5%, the SFT's did not (bench/make_run.json,
+``memory_2026_12_05``).
 
 Kept, opt-in:
 
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 __all__ = ["give_back_freed_memory", "keep_freed_memory"]
@@ -52,6 +55,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's malloc.h
 _NEVER = -1  # as glibc's size_t: a trim threshold no heap reaches
 
 
+@functools.cache  # find_library runs ldconfig: once a process
 def _libc() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

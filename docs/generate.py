@@ -123,7 +123,8 @@ distillation work is on the [Algorithms](algorithms.md) page.
   starts by giving what the last one freed back to the kernel (glibc's
   `malloc_trim`, `agentrl/heap.py`): glibc keeps freed buffers resident, and
   in `make run`'s RL steps 9.7 of the 13.1 GB resident were such buffers
-  (with the trim its steps peak at 8.1-8.6 GB, `bench/make_run.json`).
+  (with the trim its steps peak at 8.1-8.6 GB instead of 13.2-13.5, and
+  take 4-14% longer: their rollouts touch fresh pages; `bench/make_run.json`).
   `AGENTRL_KEEP_FREED_MEMORY=1` does the opposite: the `agentrl` command
   keeps the memory a step frees in its heap for the next step (make run's
   SFT update 1.11x faster in fp32 and 1.13x in bf16,

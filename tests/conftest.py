@@ -15,6 +15,8 @@ from agentrl.models import load_model, load_tokenizer
 from tests.xdist_crashes import (  # noqa: F401  (hooks: a crashed worker fails its test, not the run)
     pytest_configure,
     pytest_terminal_summary,
+    pytest_testnodedown,
+    pytest_unconfigure,
     pytest_xdist_make_scheduler,
 )
 

@@ -13,18 +13,24 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
 try:
+    import xdist
     from xdist.scheduler import LoadFileScheduling
 except ImportError:  # xdist is a dev extra; plain pytest needs none of this
     LoadFileScheduling = None
+else:  # the subclass leans on 3.8's private methods: another release gets xdist's own scheduler
+    if not xdist.__version__.startswith("3.8."):
+        LoadFileScheduling = None
 
 CRASH_DIR = "AGENTRL_TEST_CRASH_DIR"
 _dump_key = pytest.StashKey()
+_dir_key = pytest.StashKey()
 
 if LoadFileScheduling is not None:
 
@@ -43,6 +49,11 @@ if LoadFileScheduling is not None:
                 self._reschedule(other)
             return crashitem
 
+        def add_node_collection(self, node, collection):
+            super().add_node_collection(node, collection)
+            if self.collection_is_completed and node not in self.registered_collections:
+                node.shutdown()  # a replacement that collected other tests gets no work: let it go
+
         def _reschedule(self, node):
             if node.shutting_down or node not in self.registered_collections:
                 return  # a replacement still collecting is scheduled when its collection arrives
@@ -53,6 +64,7 @@ if LoadFileScheduling is not None:
                 node.shutdown()
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     if LoadFileScheduling is not None and config.getvalue("dist") == "loadfile":
         return CrashTolerantLoadFile(config, log)
@@ -61,28 +73,52 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.hookimpl(trylast=True)  # after pytest's own faulthandler plugin, which writes to stderr
 def pytest_configure(config):
-    """A worker's fatal-error dump goes to a file that the controller prints at the end, where
-    a log cut to its head and tail still shows it."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker is None:
+    """A worker's fatal-error dump goes to a file, which the controller prints when the worker
+    goes down and again at the end of the run, where a log cut to its head and tail shows it."""
+    if not hasattr(config, "workerinput"):  # the controller, or pytest without -n
         if getattr(config.option, "numprocesses", None):
-            os.environ[CRASH_DIR] = tempfile.mkdtemp(prefix="agentrl-test-crashes-")
+            config.stash[_dir_key] = os.environ[CRASH_DIR] = tempfile.mkdtemp(prefix="agentrl-test-crashes-")
         return
-    if os.environ.get(CRASH_DIR):
-        dump = open(Path(os.environ[CRASH_DIR]) / f"{worker}-{os.getpid()}.txt", "w")  # noqa: SIM115
+    folder = os.environ.pop(CRASH_DIR, None)  # a pytest this worker starts keeps its own stderr
+    if folder:
+        dump = open(Path(folder) / f"{config.workerinput['workerid']}-{os.getpid()}.txt", "w")  # noqa: SIM115
         config.stash[_dump_key] = dump  # open until the process ends
         faulthandler.enable(file=dump, all_threads=True)
 
 
-def pytest_terminal_summary(terminalreporter):
-    folder = os.environ.get(CRASH_DIR)
-    if os.environ.get("PYTEST_XDIST_WORKER") or not folder or not Path(folder).is_dir():
-        return
-    for dump in sorted(Path(folder).glob("*.txt")):
+def _dumps(config, worker: str = "*") -> list[tuple[Path, list[str]]]:
+    folder = config.stash.get(_dir_key, None)
+    if folder is None or not Path(folder).is_dir():
+        return []
+    found = []
+    for dump in sorted(Path(folder).glob(f"{worker}-*.txt")):
         lines = dump.read_text(errors="replace").strip().splitlines()
-        if not lines:
-            continue
-        # the crashing thread's stack, innermost first; the other threads' stay in the file
-        start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), 0)
+        if lines:
+            found.append((dump, lines))
+    return found
+
+
+def _crashing_stack(lines: list[str]) -> str:
+    # the crashing thread's stack, innermost first; the other threads' stay in the file
+    start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), 0)
+    return "\n".join([lines[0], *lines[start:start + 40]])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    if error is None:
+        return
+    for dump, lines in _dumps(node.config, node.gateway.id):
+        node.config.get_terminal_writer().line(f"\n[{node.gateway.id}] {dump}:\n{_crashing_stack(lines)}")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    for dump, lines in _dumps(config):
         terminalreporter.section(f"worker {dump.stem} died (all threads: {dump})", sep="=", red=True)
-        terminalreporter.write_line("\n".join([lines[0], *lines[start:start + 40]]))
+        terminalreporter.write_line(_crashing_stack(lines))
+
+
+def pytest_unconfigure(config):
+    folder = config.stash.get(_dir_key, None)
+    if folder is not None and not _dumps(config):
+        shutil.rmtree(folder, ignore_errors=True)  # nothing died: nothing to keep
