@@ -28,11 +28,11 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-def _probe(flag: str | None) -> tuple[bool, float, float]:
+def _probe(flag: str | None, script: str = _PROBE) -> tuple[bool, float, float]:
     env = {k: v for k, v in os.environ.items() if k != "AGENTRL_KEEP_FREED_MEMORY"}
     if flag is not None:
         env["AGENTRL_KEEP_FREED_MEMORY"] = flag
-    out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                          check=True).stdout.split()
     return out[0] == "True", float(out[1]), float(out[2])
 
@@ -81,16 +81,8 @@ _TRIM_PROBE = textwrap.dedent("""
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
                     reason="glibc's malloc_trim and Linux's /proc")
 def test_memory_a_phase_freed_goes_back_to_the_kernel_unless_kept():
-    def probe(flag: str | None) -> tuple[bool, float, float]:
-        env = {k: v for k, v in os.environ.items() if k != "AGENTRL_KEEP_FREED_MEMORY"}
-        if flag is not None:
-            env["AGENTRL_KEEP_FREED_MEMORY"] = flag
-        out = subprocess.run([sys.executable, "-c", _TRIM_PROBE], env=env, capture_output=True, text=True,
-                             check=True).stdout.split()
-        return out[0] == "True", float(out[1]), float(out[2])
-
     for flag in (None, "0"):
-        ran, freed, after = probe(flag)
+        ran, freed, after = _probe(flag, _TRIM_PROBE)
         assert ran and freed > 200 and after < 50, (flag, freed, after)  # 256 MB freed but resident, then given back
-    ran, freed, after = probe("1")
+    ran, freed, after = _probe("1", _TRIM_PROBE)
     assert not ran and after > 200, (freed, after)  # kept, as asked
