@@ -1,12 +1,14 @@
 """pytest hooks for ``-n 2 --dist loadfile``: a worker that dies fails its one test, not the run,
-and its fatal-error dump is printed at the end of the run.
+and its fatal-error dump is printed when it goes down and again at the end of the run.
 
 pytest-xdist 3.8's loadfile scheduler puts a crashed worker's whole workload back on the queue,
 the files it had finished included, as work units with nothing left to run; a worker handed one
 never asks for more, and the session waits for good (pytest-xdist issues 1313 and 1378: our CI hung
 at 96% for 90 minutes after one worker's segfault). It also runs the test the worker died on again,
 and a replacement handed a single test waits for a second that never comes (issue 1327). The
-subclass below changes those two methods and nothing else; it goes when xdist ships the fixes.
+subclass below changes ``remove_node`` and ``_reschedule`` for those, and ``add_node_collection``
+so that a replacement which collected other tests is let go rather than left waiting; it goes when
+xdist ships the fixes.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..heap import give_back_freed_memory
 
 __all__ = [
     "autocast",
@@ -219,14 +220,18 @@ def sync_policy(policy: Any, model: torch.nn.Module) -> None:
     policy.update_weights({k: v.detach() for k, v in net.state_dict().items()})
 
 
-def drop_stale_cache(policy: Any, model: torch.nn.Module) -> None:
-    """Before an update of the very model the policy samples with (``hf`` in this process), free
-    the policy's prefix cache now instead of at ``sync_policy``: the update makes its keys and
-    values stale, so nothing can reuse them after it, and during it they sat beside the
-    update's own buffers (up to ``prefix_cache_mb``, 4 GiB by default), where the update could
-    not reuse their memory. Other backends keep their caches: their weights change at sync."""
+def free_before_update(policy: Any, model: torch.nn.Module) -> None:
+    """Before an update (an RL step's or the SFT): what the sampling before it left goes back.
+
+    With ``hf`` in this process the policy samples with the very model being trained, so its
+    prefix cache is dropped now instead of at ``sync_policy``: the update makes those keys and
+    values stale, and during it they sat beside the update's own buffers (up to
+    ``prefix_cache_mb``, 4 GiB by default). Other backends keep their caches: their weights
+    change at sync. Then the memory freed so far goes back to the kernel
+    (``agentrl.heap.give_back_freed_memory``)."""
     if getattr(policy, "model", None) is base_model(model) and hasattr(policy, "drop_prefix_cache"):
         policy.drop_prefix_cache()
+    give_back_freed_memory()
 
 
 # --------------------------------------------------------------------------- the reference

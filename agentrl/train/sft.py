@@ -42,14 +42,13 @@ from ..chat import ChatContext
 from ..config import Config
 from ..env import make_env
 from ..errors import ConfigError, ContextOverflowError
-from ..heap import give_back_freed_memory
 from ..policy.base import request_seed
 from ..rollout.turns import listed_actions, opening_messages, step_node
 from ..types import Node, RolloutTree
 from .batch import Sample, constrain_samples, samples_from_credit, score_old, train_on_samples
 from .curriculum import at_level
 from .loss import StepLoss
-from .model import drop_stale_cache, make_optimizer, make_scheduler, precision, sync_policy
+from .model import free_before_update, make_optimizer, make_scheduler, precision, sync_policy
 
 if TYPE_CHECKING:
     from .step import Learner, StartBar
@@ -193,8 +192,7 @@ def _sft(learner: Learner, start_bar: StartBar | None) -> dict[str, Any]:
                                   "the env did not list (or it listed none); they train over the whole "
                                   "vocabulary (sft/free_turns)", highlight=False)
     build_s = time.perf_counter() - t0
-    drop_stale_cache(learner.policy, learner.model)  # the evaluation's keys and values, stale after SFT
-    give_back_freed_memory()
+    free_before_update(learner.policy, learner.model)  # the evaluation's keys and values, stale after SFT
     optimizer = make_optimizer(learner.model, s.lr, cfg.train.optimizer)
     n_steps = s.epochs * math.ceil(len(samples) / s.minibatch_size)
     scheduler = make_scheduler(optimizer, cfg.train.optimizer, n_steps)

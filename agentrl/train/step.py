@@ -35,7 +35,6 @@ from rich.console import Console
 
 from ..credit_options import GAEOptions, GiGPOOptions
 from ..errors import ConfigError
-from ..heap import give_back_freed_memory
 from ..policy.base import request_seed
 from ..types import EpisodeGroup, RolloutTree
 from .batch import (
@@ -51,7 +50,7 @@ from .loss import StepLoss, mismatch_stats, staleness_mask
 from .metrics import advantage_balance
 from .model import (
     base_model,
-    drop_stale_cache,
+    free_before_update,
     make_optimizer,
     make_scheduler,
     make_trainable,
@@ -129,8 +128,7 @@ class Learner:
 
     def _learn(self, trees: list[RolloutTree], step: int, start_bar: StartBar) -> dict[str, Any]:
         t, tree_layout = self.cfg.train, self.cfg.train.tree_packing  # the row layout of both passes
-        drop_stale_cache(self.policy, self.model)  # sync_policy would drop it after the update anyway
-        give_back_freed_memory()  # the rollouts' buffers, before the update's own
+        free_before_update(self.policy, self.model)  # the rollouts' cache and buffers
         t0 = time.perf_counter()
         groups = [EpisodeGroup.of(tr) for tr in trees]  # each tree's episodes, once
         samples, credited, stats = self._credit(groups)
