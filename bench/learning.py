@@ -53,6 +53,16 @@ Presets (``--env``):
     python bench/learning.py --env alfworld_easy --warm-start runs/sft64/hf --teacher runs/sft128/hf
     python bench/learning.py --quick               # tiny random model, 2 steps: a smoke test
     python bench/learning.py --deterministic       # re-runs repeat bit for bit (slower on hf)
+    python bench/learning.py --env alfworld_easy --steps 9 --eval-every 3 --eval-episodes 64 --lr 2e-5 \
+        --methods grpo --seeds 0 --resume --out bench/learning_alfworld_easy_9steps.json
+                                                   # one run at a time, into one JSON (see below)
+
+``--resume`` builds one comparison over several invocations, sessions or processes: it keeps
+``--work-dir`` (the SFTs exported there are reused) and the runs recorded in ``--out``, runs only
+the methods and seeds not recorded yet, and writes each run to ``--out`` as it finishes. It refuses
+to add to a JSON made with another env, steps, config or warm start (the weights' SHA-256), so one
+JSON never mixes settings. Two such benches may run side by side on the same files: locks guard the
+SFTs and the JSON.
 
 Writes ``bench/learning.json`` and ``bench/learning.png`` (GuessNumber), or
 ``bench/learning_<env>.json`` and ``.png``. GiGPO's runs also report how many
@@ -64,6 +74,9 @@ ones that count.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import platform
@@ -128,18 +141,53 @@ def run_config(data: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     return train(cfg, overwrite=True, progress=sys.stderr.isatty())
 
 
-def warm_start(base: dict[str, Any], out_dir: Path, sft: dict[str, Any],
-               eval_cfg: dict[str, Any]) -> tuple[str, dict[str, float], dict[str, float]]:
+def warm_start(base: dict[str, Any], out_dir: Path, sft: dict[str, Any], eval_cfg: dict[str, Any],
+               reuse: bool = False) -> tuple[str, dict[str, float], dict[str, float]]:
     """SFT only (``train.steps=0``); the exported model folder, and held-out success and mean
-    reward before and after."""
+    reward before and after. With ``reuse``, an SFT of the same config exported in ``out_dir``
+    earlier (``--resume``) is taken as it is; a lock makes two benches sharing the folder run it once."""
     data = merge(base, {"sft": sft, "train": {"steps": 0, "checkpointing": {"export_hf": True},
                                               "output": {"tensorboard": False, "plot": False},
                                               "evaluation": eval_cfg}})
-    summary = run_config(data, out_dir)
-    hf = Path(summary["checkpoint"]) / "hf"
-    if not (hf / "config.json").exists():
-        raise RuntimeError(f"the warm start exported no model at {hf}")
+    record = out_dir.parent / f"{out_dir.name}.json"
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with locked(out_dir.parent / f".{out_dir.name}.lock"):
+        if reuse and record.exists():
+            done = json.loads(record.read_text())
+            if done["config"] == json.loads(json.dumps(data)) and Path(done["hf"], "config.json").exists():
+                return done["hf"], done["phases"], done["phase_rewards"]
+        summary = run_config(data, out_dir)
+        hf = Path(summary["checkpoint"]) / "hf"
+        if not (hf / "config.json").exists():
+            raise RuntimeError(f"the warm start exported no model at {hf}")
+        record.write_text(json.dumps({"config": data, "hf": str(hf), "phases": summary["phases"],
+                                      "phase_rewards": summary["phase_rewards"]}, indent=1))
     return str(hf), summary["phases"], summary["phase_rewards"]
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    """An exclusive lock on ``path`` (created) for the block: benches sharing a work dir or a JSON wait."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def weights_sha256(model_dir: str) -> str:
+    """A digest of a model folder's weight files: the runs recorded in one JSON started from the same weights."""
+    h = hashlib.sha256()
+    files = sorted(p for p in Path(model_dir).iterdir() if p.suffix in (".safetensors", ".bin"))
+    if not files:
+        raise FileNotFoundError(f"no weight files (.safetensors, .bin) in {model_dir}")
+    for p in files:
+        h.update(p.name.encode())
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 def curve(metrics: Path, start_success: float, start_reward: float | None = None) -> list[dict[str, float]]:
@@ -279,6 +327,10 @@ def main() -> None:
                     help="a config override for every run, as agentrl train --set takes it "
                          "(e.g. train.loss.agg=seq-mean-token-mean); repeatable")
     ap.add_argument("--quick", action="store_true", help="tiny random model, 2 steps, 8 eval episodes")
+    ap.add_argument("--resume", action="store_true", help="keep --work-dir and the runs recorded in --out: "
+                    "an SFT exported there earlier with the same config is reused, and a method and seed "
+                    "recorded with the same config and warm start is not run again (each finished run is "
+                    "written at once). Two benches may share --out and --work-dir: a lock guards both")
     ap.add_argument("--work-dir", default="runs/bench_learning")
     ap.add_argument("--out", default=None, help="default: bench/learning.json for guess_number, "
                     "bench/learning_<env>.json otherwise")
@@ -309,9 +361,17 @@ def main() -> None:
 
         base = apply_overrides(base, args.set)
     work = Path(args.work_dir)
-    if work.exists():
+    if work.exists() and not args.resume:
         shutil.rmtree(work)
-    t_all = time.perf_counter()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    cfg_used = merge(base, {"policy": {"model": "<warm start>"}, "sft": {"episodes": 0, "task_seeds": None}})
+    identity = {"env": args.env, "base_model": base["policy"]["model"], "steps": args.steps,
+                "config": json.loads(json.dumps(cfg_used))}
+    if args.resume:
+        with locked(out.with_name(f".{out.name}.lock")):
+            recorded_runs(out, identity)
 
     sft_base = dict(base.get("sft") or {})
     if args.env == "guess_number":  # the weak warm start; the teacher gets the make-run SFT
@@ -329,29 +389,41 @@ def main() -> None:
         warm, phases, rewards = args.warm_start, {"start": None, "after_sft": args.warm_start_success}, {}
         warm_sft = {"model": args.warm_start, "success_given": args.warm_start_success is not None}
     else:
-        warm, phases, rewards = warm_start(base, work / "warm_start", warm_sft, eval_cfg)
+        warm, phases, rewards = warm_start(base, work / "warm_start", warm_sft, eval_cfg, reuse=args.resume)
     warm_success = phases["after_sft"]
     warm_reward = args.warm_start_reward if args.warm_start else rewards.get("after_sft")
     report: dict[str, Any] = {"base_model_success": phases["start"],
                               "warm_start": {"sft": warm_sft, "success": warm_success,
+                                             "weights_sha256": weights_sha256(warm),
                                              "seconds": round(time.perf_counter() - t0, 1)}}
     teacher = args.teacher
     if teacher:
         report["teacher"] = {"model": teacher}
     elif "grpo_opd" in methods:
         t0 = time.perf_counter()
-        teacher, phases, _ = warm_start(base, work / "teacher", teacher_sft, eval_cfg)
+        teacher, phases, _ = warm_start(base, work / "teacher", teacher_sft, eval_cfg, reuse=args.resume)
         report["teacher"] = {"sft": teacher_sft, "success": phases["after_sft"],
                              "seconds": round(time.perf_counter() - t0, 1)}
+    if teacher and teacher not in ("expert", "oracle"):
+        report["teacher"]["weights_sha256"] = weights_sha256(teacher)
 
     start = merge(base, {"policy": {"model": warm}, "sft": {"episodes": 0, "task_seeds": None}})
-    results: dict[str, Any] = {}
+    report.update(identity)
     seeds = [int(x) for x in args.seeds.split(",") if x]
     if not seeds or len(set(seeds)) != len(seeds):
         ap.error(f"--seeds needs distinct seeds, got {args.seeds!r}")
+    recorded: dict[str, dict[int, dict[str, Any]]] = {}
+    if args.resume:
+        with locked(out.with_name(f".{out.name}.lock")):
+            recorded = recorded_runs(out, report)
+        if warm_success is None and recorded:  # a given warm start, evaluated by an earlier run
+            warm_success = report["warm_start"]["success"]
+            warm_reward = next(iter(next(iter(recorded.values())).values()))["curve"][0].get("reward")
     for m in methods:
-        runs = []
         for seed in seeds:
+            if seed in recorded.get(m, {}):
+                print(f"{m} seed {seed}: recorded in {out} by an earlier run, not run again", flush=True)
+                continue
             t0 = time.perf_counter()
             # every run starts from the same weights on the same greedy held-out seeds: evaluate them once
             shared = {"evaluation": {"start": False}} if warm_success is not None else {}
@@ -361,18 +433,26 @@ def main() -> None:
             if warm_success is None:
                 warm_success = summary["phases"].get("start")
                 warm_reward = summary["phase_rewards"].get("start")
+                report["warm_start"]["success"] = warm_success  # a given warm start: every run's step 0
             metrics = Path(summary["metrics"])
-            runs.append({"seed": seed, "curve": curve(metrics, summary["phases"].get("start", warm_success),
-                                                      summary["phase_rewards"].get("start", warm_reward)),
-                         "final_success": summary["phases"].get("end"), **step_stats(metrics),
-                         "wall_s": round(time.perf_counter() - t0, 1)})
-            print(f"{m} seed {seed}: held-out success {runs[-1]['curve'][0]['success']:.3f} -> "
-                  f"{_num(runs[-1]['final_success'])} in {runs[-1]['wall_s']:.0f} s", flush=True)
-        results[m] = aggregate(runs)
-    if report["warm_start"]["success"] is None and results:  # a given warm start: every run's step 0
-        report["warm_start"]["success"] = next(iter(results.values()))["curve"][0]["success"]
+            run = {"seed": seed, "curve": curve(metrics, summary["phases"].get("start", warm_success),
+                                                summary["phase_rewards"].get("start", warm_reward)),
+                   "final_success": summary["phases"].get("end"), **step_stats(metrics),
+                   "wall_s": round(time.perf_counter() - t0, 1)}
+            print(f"{m} seed {seed}: held-out success {run['curve'][0]['success']:.3f} -> "
+                  f"{_num(run['final_success'])} in {run['wall_s']:.0f} s", flush=True)
+            with locked(out.with_name(f".{out.name}.lock")):  # another bench may have recorded runs meanwhile
+                if args.resume:
+                    recorded = recorded_runs(out, report)
+                recorded.setdefault(m, {})[seed] = run
+                results = write_report(out, report, recorded, plot_it=not args.quick)
+    if args.resume:
+        with locked(out.with_name(f".{out.name}.lock")):
+            recorded = recorded_runs(out, report)
+    results = {m: aggregate([r[s] for s in sorted(r)]) for m, r in sorted(recorded.items(), key=method_order)}
 
-    print(f"\nmean over seeds {seeds}")
+    per_method = ", ".join(f"{m} {r['seeds']}" for m, r in results.items())
+    print(f"\nmean over seeds (per method: {per_method})")
     print(f"{'method':<10}{'start':>7}{'final':>7}{'+-se':>7}{'best':>7}{'env steps':>11}{'episodes':>10}"
           f"{'gen tokens':>12}{'rollout s':>11}{'train s':>9}")
     for m, r in results.items():
@@ -386,21 +466,69 @@ def main() -> None:
             print(f"{m}: {a['later_steps_in_groups_of_2plus']} of {a['later_steps']} steps after the first "
                   f"turn fell into anchor-state groups of 2 or more ({a['later_frac_in_groups_of_2plus']:.1%}); "
                   f"{a['steps_in_groups_of_2plus']} of {a['steps']} counting the first turns")
-    cfg_used = merge(start, {"policy": {"model": "<warm start>"}})
-    out = Path(args.out)
-    png = out.with_suffix(".png")
-    title = (f"{args.env}: {base['policy']['model']}, {len(seeds)} seed(s), {args.steps} steps x {base['train']['tasks_per_step']} "
-             f"tasks x {base['rollout']['group_size']} leaves, eval {eval_cfg['episodes']} greedy")
-    report.update({"env": args.env, "methods": methods, "steps": args.steps, "seeds": seeds, "config": cfg_used,
-                   "results": results, "wall_s": round(time.perf_counter() - t_all, 1),
-                   "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                               "loadavg_end": os.getloadavg()}})
-    if not args.quick:
-        plot(results, png, title)
-        report["plot"] = png.name
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}" + ("" if args.quick else f" and {png}"))
+    print(f"wrote {out}" + ("" if args.quick else f" and {out.with_suffix('.png')}"))
 
+
+def method_order(item: tuple[str, Any]) -> int:
+    return METHODS.index(item[0]) if item[0] in METHODS else len(METHODS)
+
+
+def recorded_runs(out: Path, report: dict[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
+    """``{method: {seed: run}}`` already in ``out`` (``--resume``). They must come from the same env,
+    steps, config and warm start (and teacher, for grpo_opd's), or mixing them would be meaningless: a
+    ``SystemExit`` says which differs. The earlier teacher is kept in ``report`` when this run has none."""
+    if not out.exists():
+        return {}
+    old = json.loads(out.read_text())
+    checks = [("env", old.get("env"), report["env"]), ("steps", old.get("steps"), report["steps"]),
+              ("config", old.get("config"), report["config"])]
+    if "warm_start" in report:  # else checked before the warm start is made: a bench with other
+        # settings stops before its SFT replaces the one in --work-dir
+        checks.append(("warm start's weights", (old.get("warm_start") or {}).get("weights_sha256"),
+                       report["warm_start"]["weights_sha256"]))
+    if "grpo_opd" in old.get("results", {}) and "teacher" in report:
+        checks.append(("teacher's weights", (old.get("teacher") or {}).get("weights_sha256"),
+                       report["teacher"].get("weights_sha256")))
+    for what, was, now in checks:
+        if was != now:
+            raise SystemExit(f"--resume: {out} holds runs made with another {what}; move it away, or run "
+                             f"without --resume to start over")
+    if "warm_start" not in report:
+        return {}
+    if "teacher" not in report and "teacher" in old:
+        report["teacher"] = old["teacher"]
+    for part in ("warm_start", "teacher"):  # a reused SFT took the time of the bench that ran it
+        if part in report and "seconds" in (old.get(part) or {}):
+            report[part]["seconds"] = max(report[part].get("seconds", 0.0), old[part]["seconds"])
+    if report["warm_start"]["success"] is None:
+        report["warm_start"]["success"] = old["warm_start"]["success"]
+    return {m: {r["seed"]: r for r in res["runs"]} for m, res in old.get("results", {}).items()}
+
+
+def write_report(out: Path, report: dict[str, Any], recorded: dict[str, dict[int, dict[str, Any]]],
+                 plot_it: bool) -> dict[str, Any]:
+    """Write every recorded run (each method's mean over its seeds) to ``out`` and its plot: called after
+    each run, so a stopped bench keeps what it finished."""
+    results = {m: aggregate([r[s] for s in sorted(r)]) for m, r in sorted(recorded.items(), key=method_order)}
+    seeds = sorted({s for r in recorded.values() for s in r})
+    cfg = report["config"]
+    full = {**report, "methods": list(results), "seeds": seeds, "results": results,
+            "wall_s": round(sum(r["wall_s"] for r in results.values()) + report["warm_start"]["seconds"]
+                            + (report.get("teacher") or {}).get("seconds", 0.0), 1),
+            "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+                        "loadavg_end": os.getloadavg()}}
+    if plot_it:
+        png = out.with_suffix(".png")
+        counts = sorted({len(r["seeds"]) for r in results.values()})
+        plot(results, png, f"{report['env']}: {report['base_model']}, "
+                           f"{'/'.join(map(str, counts))} seed(s), {report['steps']} steps x "
+                           f"{cfg['train']['tasks_per_step']} tasks x {cfg['rollout']['group_size']} leaves, "
+                           f"eval {cfg['train']['evaluation']['episodes']} greedy")
+        full["plot"] = png.name
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(full, indent=2) + "\n")
+    tmp.replace(out)
+    return results
 
 if __name__ == "__main__":
     main()

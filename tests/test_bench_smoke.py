@@ -140,6 +140,38 @@ def test_learning_runs_every_method_on_the_same_budget_from_one_warm_start(tmp_p
     assert runs["grpo"]["anchor"] == {}
 
 
+def test_learning_resume_adds_runs_to_the_json_without_repeating_any_and_refuses_another_config(tmp_path):
+    """``--resume``: a second bench reuses the exported warm start and the recorded runs, adds its own,
+    and one with other settings stops instead of mixing its runs into the same JSON."""
+    out, work = tmp_path / "l.json", tmp_path / "runs"
+
+    def bench(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(BENCH / "learning.py"), "--quick", "--resume", "--out",
+                               str(out), "--work-dir", str(work), *extra], capture_output=True, text=True,
+                              timeout=600)
+
+    first = bench("--methods", "grpo", "--seeds", "0")
+    assert first.returncode == 0, first.stderr[-3000:]
+    one = json.loads(out.read_text())
+    sft_record = (work / "warm_start.json").read_text()
+    second = bench("--methods", "grpo,gigpo", "--seeds", "0,1")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "grpo seed 0: recorded in" in second.stdout
+    two = json.loads(out.read_text())
+    assert (work / "warm_start.json").read_text() == sft_record  # the SFT was not run again
+    assert two["warm_start"]["weights_sha256"] == one["warm_start"]["weights_sha256"]
+    assert {m: r["seeds"] for m, r in two["results"].items()} == {"grpo": [0, 1], "gigpo": [0, 1]}
+    assert two["results"]["grpo"]["runs"][0] == one["results"]["grpo"]["runs"][0]  # kept as it was
+    assert two["seeds"] == [0, 1] and two["methods"] == ["grpo", "gigpo"]
+    for r in two["results"].values():
+        assert r["episodes"] == 2 * 3 * 8 and [p["step"] for p in r["curve"]] == [0, 1, 2]
+
+    other = bench("--methods", "tree", "--seeds", "0", "--set", "train.optimizer.lr=1e-3")
+    assert other.returncode != 0 and "holds runs made with another config" in other.stderr
+    assert json.loads(out.read_text()) == two  # nothing written
+    assert (work / "warm_start.json").read_text() == sft_record  # checked before its SFT could replace it
+
+
 def test_learning_rerun_in_deterministic_mode_repeats_its_curves_and_losses(tmp_path):
     """``--deterministic``: the same command twice gives the same curves, rollouts and losses, bit for bit."""
     results = []
