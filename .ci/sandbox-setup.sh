@@ -39,6 +39,7 @@ command -v debootstrap >/dev/null || need+=(debootstrap)
 command -v dockerd >/dev/null || need+=(docker.io)
 /usr/bin/python3 -c 'import seccomp' 2>/dev/null || need+=(python3-seccomp)
 command -v runsc >/dev/null || need+=(runsc)  # gVisor: the docker "gvisor" isolation
+[ -e /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 ] || [ "$(uname -m)" != x86_64 ] || need+=(libjemalloc2)  # tests/test_heap.py: another allocator preloaded
 if [ ${#need[@]} -gt 0 ]; then
     log "apt-get install ${need[*]}"
     export DEBIAN_FRONTEND=noninteractive

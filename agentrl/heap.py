@@ -39,7 +39,10 @@ one-off phase (loading, an evaluation's KV cache) also stays resident.
 
 glibc's ``malloc_trim`` and ``mallopt`` through ctypes, because neither torch nor
 the standard library calls them, and the ``MALLOC_*`` environment variables are
-read only when a process starts.
+read only when a process starts. Neither is called where another allocator
+serves ``malloc`` (jemalloc or tcmalloc through ``LD_PRELOAD``): glibc's heap
+then holds nothing to give back or keep, and that allocator's own settings
+(``MALLOC_CONF``, ``TCMALLOC_*``) decide instead.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import ctypes.util
 import functools
 import os
 
-__all__ = ["give_back_freed_memory", "keep_freed_memory"]
+__all__ = ["give_back_freed_memory", "glibc_malloc_in_use", "keep_freed_memory"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's malloc.h
 _NEVER = -1  # as glibc's size_t: a trim threshold no heap reaches
@@ -63,6 +66,21 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
+@functools.cache
+def glibc_malloc_in_use() -> bool:
+    """Whether this process's ``malloc`` is glibc's: not where ``LD_PRELOAD`` put another
+    allocator (jemalloc, tcmalloc) in front of it, nor where the C library is not found."""
+    libc = _libc()
+    if libc is None:
+        return False
+    try:  # the malloc every library resolves to, against the C library's own
+        used = ctypes.cast(ctypes.CDLL(None).malloc, ctypes.c_void_p).value
+        own = ctypes.cast(libc.malloc, ctypes.c_void_p).value
+    except (AttributeError, OSError):
+        return False
+    return used is not None and used == own
+
+
 def _keeping() -> bool:
     flag = os.environ.get("AGENTRL_KEEP_FREED_MEMORY", "0").strip()
     if flag not in ("0", "1"):
@@ -73,8 +91,9 @@ def _keeping() -> bool:
 def give_back_freed_memory() -> bool:
     """Return the free pages of glibc's heaps to the kernel (``malloc_trim(0)``), between two
     phases of a run; whether it ran. It does not run under ``AGENTRL_KEEP_FREED_MEMORY=1``,
-    which asks for the opposite, nor where the C library has no ``malloc_trim``."""
-    if _keeping():
+    which asks for the opposite, nor where the C library has no ``malloc_trim`` or another
+    allocator serves ``malloc`` (``glibc_malloc_in_use``)."""
+    if _keeping() or not glibc_malloc_in_use():
         return False
     libc = _libc()
     trim = getattr(libc, "malloc_trim", None) if libc is not None else None
@@ -90,10 +109,11 @@ def keep_freed_memory() -> bool:
     the heap and never give freed memory back; the ``agentrl`` command calls it at start.
 
     Returns whether it took effect: False where the variable is unset or ``0``,
-    and where the C library has no ``mallopt`` (musl, macOS, Windows). Any other
-    value than ``0`` or ``1`` is an error naming the variable.
+    where the C library has no ``mallopt`` (musl, macOS, Windows), and where another
+    allocator serves ``malloc`` (``glibc_malloc_in_use``). Any other value than ``0`` or
+    ``1`` is an error naming the variable.
     """
-    if not _keeping():
+    if not _keeping() or not glibc_malloc_in_use():
         return False
     libc = _libc()
     mallopt = getattr(libc, "mallopt", None) if libc is not None else None

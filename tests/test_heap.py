@@ -28,10 +28,13 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-def _probe(flag: str | None, script: str = _PROBE) -> tuple[bool, float, float]:
-    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_KEEP_FREED_MEMORY"}
+def _probe(flag: str | None, script: str = _PROBE, preload: str | None = None) -> tuple[bool, float, float]:
+    """Run ``script`` under glibc's malloc (or ``preload``'s) and ``AGENTRL_KEEP_FREED_MEMORY=flag``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("AGENTRL_KEEP_FREED_MEMORY", "LD_PRELOAD")}
     if flag is not None:
         env["AGENTRL_KEEP_FREED_MEMORY"] = flag
+    if preload is not None:
+        env["LD_PRELOAD"] = preload
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                          check=True).stdout.split()
     return out[0] == "True", float(out[1]), float(out[2])
@@ -86,3 +89,21 @@ def test_memory_a_phase_freed_goes_back_to_the_kernel_unless_kept():
         assert ran and freed > 200 and after < 50, (flag, freed, after)  # 256 MB freed but resident, then given back
     ran, freed, after = _probe("1", _TRIM_PROBE)
     assert not ran and after > 200, (freed, after)  # kept, as asked
+
+
+JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"  # Debian's libjemalloc2 (.ci/sandbox-setup.sh)
+
+
+@pytest.mark.skipif(not os.path.exists(JEMALLOC), reason=f"no {JEMALLOC}: apt-get install libjemalloc2")
+def test_under_another_allocator_neither_switch_calls_glibc_and_both_say_so():
+    """With jemalloc preloaded, glibc's heap holds nothing: the trim and the keep report that they
+    did not run, and the freed buffer's fate is jemalloc's (it runs, frees, and reports cleanly)."""
+    check = "from agentrl.heap import glibc_malloc_in_use; print(glibc_malloc_in_use())"
+    for preload, used in ((None, "True"), (JEMALLOC, "False")):
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | ({"LD_PRELOAD": preload} if preload else {})
+        assert subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True,
+                              check=True).stdout.strip() == used
+    ran, _, _ = _probe(None, _TRIM_PROBE, preload=JEMALLOC)
+    assert not ran
+    kept, held, _ = _probe("1", preload=JEMALLOC)
+    assert not kept and held > 200  # the 256 MB buffer was made; the keep switch did not claim it
