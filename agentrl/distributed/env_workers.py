@@ -47,7 +47,9 @@ where the cluster has no free room for the new workers): a run
 alternates between its training level and its evaluation, and each stage
 would otherwise keep its workers' CPUs reserved until the run ends, so a
 later stage's workers could wait for CPUs that no one gives back. A pool in
-use is never killed.
+use is never killed. When a curriculum moves to its next stage, the trainer
+retires the finished stage's pool (``retire_env_worker_pool``), so the idle
+pool kept is the evaluation's, not the one no engine will ask for again.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ from ..errors import EnvError
 from .cluster import cancel_call, check_placeable, connect, ray_error
 
 __all__ = ["NODE_SANDBOX_BACKENDS", "EnvWorker", "EnvWorkerPool", "RayEnv", "env_resources",
-           "env_worker_options", "env_worker_pool", "release_env_worker_pool", "shutdown_env_worker_pools"]
+           "env_worker_options", "env_worker_pool", "release_env_worker_pool", "retire_env_worker_pool",
+           "shutdown_env_worker_pools"]
 
 # Sandbox backends that need something installed on the node itself; each becomes a
 # custom Ray resource ``sandbox_<name>`` that the nodes which have it advertise.
@@ -284,6 +287,8 @@ class EnvWorkerPool:
         self._lock = threading.Lock()
         self.users = 0  # engines holding it now (env_worker_pool, release_env_worker_pool)
         self.last_used = 0  # when it was last taken or given back, in _TICKS
+        self.retired = False  # shut down once idle (retire_env_worker_pool)
+        self.key: tuple[str, ...] = ()  # its key in _POOLS
 
     def make_env(self) -> RayEnv:
         with self._lock:
@@ -312,10 +317,7 @@ def env_worker_pool(cfg: Config, env_id: str | None = None) -> EnvWorkerPool:
     if dist is None:
         raise EnvError("rollout.env_executor=ray needs the distributed section")
     ray = connect(dist)
-    ctx = ray.get_runtime_context()
-    key = (ctx.get_node_id(), ctx.get_job_id(), env_id or cfg.env.id,
-           json.dumps(cfg.env.kwargs, sort_keys=True, default=str), json.dumps(cfg.env.imports),
-           dist.model_dump_json())
+    key = _pool_key(ray, cfg, env_id)
     stale: list[EnvWorkerPool] = []
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
@@ -327,17 +329,54 @@ def env_worker_pool(cfg: Config, env_id: str | None = None) -> EnvWorkerPool:
             stale = [_POOLS.pop(k) for k in idle if k not in keep]
             _shutdown_quietly(stale)
             pool = _POOLS[key] = EnvWorkerPool(env_id or cfg.env.id, cfg.env.kwargs, dist, cfg.env.imports)
+            pool.key = key
         pool.users += 1
         pool.last_used = next(_TICKS)
+        pool.retired = False  # taken again: wanted after all
         return pool
 
 
 def release_env_worker_pool(pool: EnvWorkerPool) -> None:
     """Give back a pool ``env_worker_pool`` lent: it stays up for the next engine, until a new
-    pool of the same env finds it idle and not the most recently used."""
+    pool of the same env finds it idle and not the most recently used, or until it is retired
+    (``retire_env_worker_pool``) and its last user gives it back."""
     with _POOLS_LOCK:
         pool.users = max(0, pool.users - 1)
         pool.last_used = next(_TICKS)
+        done = pool.retired and pool.users == 0 and _POOLS.get(pool.key) is pool
+        if done:
+            del _POOLS[pool.key]
+    if done:
+        _shutdown_quietly([pool])
+
+
+def retire_env_worker_pool(cfg: Config, env_id: str | None = None) -> bool:
+    """Say that no engine will ask for ``cfg``'s env workers again (a finished curriculum stage):
+    the pool is shut down now if idle, else when its last user gives it back. Whether such a pool
+    existed. Without it, the stage's idle pool, the most recently used, would be the one kept when
+    the next stage makes its pool, and the evaluation's would be shut down and made again."""
+    if cfg.distributed is None or cfg.rollout.env_executor != "ray":
+        return False
+    ray = connect(cfg.distributed)
+    with _POOLS_LOCK:
+        pool = _POOLS.get(_pool_key(ray, cfg, env_id))
+        if pool is None:
+            return False
+        pool.retired = True
+        idle = pool.users == 0
+        if idle:
+            del _POOLS[pool.key]
+    if idle:
+        _shutdown_quietly([pool])
+    return True
+
+
+def _pool_key(ray: Any, cfg: Config, env_id: str | None) -> tuple[str, ...]:
+    """One pool per node, job, env, env configuration and distributed section."""
+    ctx = ray.get_runtime_context()
+    return (ctx.get_node_id(), ctx.get_job_id(), env_id or cfg.env.id,
+            json.dumps(cfg.env.kwargs, sort_keys=True, default=str), json.dumps(cfg.env.imports),
+            cfg.distributed.model_dump_json())
 
 
 def _room_for(ray: Any, dist: DistributedConfig, env_id: str, kwargs: dict[str, Any], imports: list[str]) -> bool:

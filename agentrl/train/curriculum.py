@@ -17,8 +17,9 @@ run starts (``check_levels``), so a misspelt key fails naming its stage, not
 as every episode of that stage failing later. Values are the env's to check:
 a bad one fails the stage's episodes, each with the env's reason recorded.
 With ``rollout.env_executor: ray`` each level has its own env worker pool
-(pools are keyed by env kwargs), kept until the run ends: size the cluster for
-all of them.
+(pools are keyed by env kwargs); a finished stage's pool is shut down at the
+next stage's first step (``agentrl.train.rollouts.retire_finished_stage``), so
+the cluster holds the current stage's workers and the evaluation's.
 
 Held-out evaluation stays where ``train.evaluation`` puts it (``env.kwargs``
 and its own ``env_kwargs``): the target level, whatever stage the run is in.

@@ -59,6 +59,8 @@ def step_rollouts(run_cfg: TrainRunConfig, step: int, policy: Any, advance_bar: 
 
     stage = stage_at(run_cfg.train.curriculum, step)
     cfg = at_level(run_cfg, stage[1] if stage else None)  # a copy: this step's changes stay in it
+    if stage and step > 0 and source is None:
+        retire_finished_stage(run_cfg, step)
     cfg.rollout.seed = request_seed(run_cfg.train.seed, step)  # fresh sampling streams per step
     if max_turns is not None:
         cfg.rollout.max_turns = min(cfg.rollout.max_turns, max_turns)
@@ -75,6 +77,25 @@ def step_rollouts(run_cfg: TrainRunConfig, step: int, policy: Any, advance_bar: 
                    "rollout/generated_tokens": s["generated_tokens"],
                    "data/first_task_seed": seeds[0], **_invalid(s, "rollout"),
                    **({"data/curriculum_stage": stage[0]} if stage else {})}
+
+
+def retire_finished_stage(run_cfg: TrainRunConfig, step: int) -> bool:
+    """At the first step of a curriculum stage, retire the env workers of the stage before
+    (``agentrl.distributed.env_workers.retire_env_worker_pool``): stages follow the step number,
+    so no engine asks for them again, and the idle pool kept is then the evaluation's. Not where
+    the evaluation plays the same env kwargs. Whether a pool was retired."""
+    if run_cfg.rollout.env_executor != "ray":
+        return False
+    now, before = stage_at(run_cfg.train.curriculum, step), stage_at(run_cfg.train.curriculum, step - 1)
+    if now is None or before is None or now[0] == before[0]:
+        return False
+    done = at_level(run_cfg, before[1])
+    ev = run_cfg.train.evaluation
+    if ev.episodes and done.env.kwargs == {**run_cfg.env.kwargs, **ev.env_kwargs}:
+        return False
+    from ..distributed.env_workers import retire_env_worker_pool
+
+    return retire_env_worker_pool(done)
 
 
 def allocation_report(name: str, summary: dict[str, Any], step: int, trees: list[RolloutTree],

@@ -5,6 +5,8 @@ CPUs an idle pool keeps."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("ray", reason="ray is not installed here: pip install 'agentrl[ray]' (make extras)")
@@ -31,6 +33,9 @@ def _alive(ray, pool, timeout: float = 60.0) -> bool:
 
 @pytest.fixture
 def pools(cluster):
+    deadline = time.monotonic() + 60  # the workers an earlier test killed give their CPUs back
+    while cluster.available_resources().get("CPU", 0.0) < 2.0 and time.monotonic() < deadline:
+        time.sleep(0.2)
     yield cluster
     env_workers.shutdown_env_worker_pools("agentrl/GuessNumber-v0")
 
@@ -76,3 +81,26 @@ def test_an_engine_gives_its_pool_back_when_it_closes(pools):
     executor.close()
     executor.close()  # twice: given back once
     assert pool.users == 0
+
+
+def test_a_retired_pool_goes_once_idle_and_the_evaluation_s_is_the_one_kept(pools):
+    """A finished stage's pool, used more recently than the evaluation's, is retired: it goes, and
+    the next stage's new pool keeps the evaluation's. One retired in use goes when given back."""
+    ray = pools
+    stage = env_worker_pool(_cfg(3, 0.25))
+    release_env_worker_pool(stage)
+    ev = env_worker_pool(_cfg(4, 0.25))
+    release_env_worker_pool(ev)
+    assert env_worker_pool(_cfg(3, 0.25)) is stage  # the stage's last step: now the most recent
+    release_env_worker_pool(stage)
+    assert env_workers.retire_env_worker_pool(_cfg(3, 0.25))
+    assert not _alive(ray, stage, timeout=10) and stage not in env_workers._POOLS.values()
+    nxt = env_worker_pool(_cfg(5, 0.25))  # the next stage: the evaluation's pool is the idle one kept
+    assert _alive(ray, ev) and _alive(ray, nxt)
+    assert env_workers.retire_env_worker_pool(_cfg(5, 0.25))  # in use: it stays until given back
+    assert _alive(ray, nxt) and nxt in env_workers._POOLS.values()
+    release_env_worker_pool(nxt)
+    assert not _alive(ray, nxt, timeout=10) and nxt not in env_workers._POOLS.values()
+    again = env_worker_pool(_cfg(5, 0.25))  # asked for again: a fresh pool
+    assert again is not nxt and _alive(ray, again)
+    assert not env_workers.retire_env_worker_pool(_cfg(9, 0.25))  # none made for it

@@ -171,3 +171,26 @@ def test_a_training_run_logs_its_stages_and_saves_each_stage_s_trees(tmp_path):
     for step, high in [(1, 4), (2, 8), (3, 8)]:
         trees = read_trees(out / "trees" / f"step-{step:06d}.jsonl")
         assert all(f"between 1 and {high}." in t.meta["instruction"] for t in trees)
+
+
+def test_a_stage_s_env_workers_are_retired_at_the_next_stage_s_first_step_and_only_then(monkeypatch):
+    """With ray env workers, step k's rollouts retire the pool of the stage before exactly when k
+    starts a new stage; never where the evaluation plays the finished stage's env kwargs."""
+    from agentrl.distributed import env_workers
+    from agentrl.train.rollouts import retire_finished_stage
+
+    retired = []
+    monkeypatch.setattr(env_workers, "retire_env_worker_pool", lambda cfg: retired.append(cfg.env.kwargs) or True)
+    base = ["env.id=agentrl/GuessNumber-v0", "env.kwargs={max_turns: 4}", "train.steps=5",
+            "train.curriculum=[{env_kwargs: {max_turns: 2}, steps: 2}, {env_kwargs: {max_turns: 3}, steps: 1}, {}]"]
+    cfg = load_train_config(None, [*base, "rollout.env_executor=ray", "distributed.ray=auto",
+                                   "train.evaluation.episodes=4", "train.evaluation.env_kwargs={max_turns: 8}"])
+    assert [retire_finished_stage(cfg, k) for k in range(1, 5)] == [False, True, True, False]
+    assert retired == [{"max_turns": 2}, {"max_turns": 3}]
+    same_as_eval = load_train_config(None, [*base, "rollout.env_executor=ray", "distributed.ray=auto",
+                                            "train.evaluation.episodes=4",
+                                            "train.evaluation.env_kwargs={max_turns: 2}"])
+    assert not retire_finished_stage(same_as_eval, 2) and retire_finished_stage(same_as_eval, 3)
+    assert retired[-1] == {"max_turns": 3}
+    in_threads = load_train_config(None, base)  # no env workers: nothing to retire
+    assert not any(retire_finished_stage(in_threads, k) for k in range(1, 5)) and len(retired) == 3
