@@ -48,8 +48,9 @@ alternates between its training level and its evaluation, and each stage
 would otherwise keep its workers' CPUs reserved until the run ends, so a
 later stage's workers could wait for CPUs that no one gives back. A pool in
 use is never killed. When a curriculum moves to its next stage, the trainer
-retires the finished stage's pool (``retire_env_worker_pool``), so the idle
-pool kept is the evaluation's, not the one no engine will ask for again.
+retires the finished stage's pool (``retire_env_worker_pool``): the next
+stage's new pool shuts it down, and the idle pool it keeps is the
+evaluation's, not the one no engine will ask for again.
 """
 
 from __future__ import annotations
@@ -287,7 +288,7 @@ class EnvWorkerPool:
         self._lock = threading.Lock()
         self.users = 0  # engines holding it now (env_worker_pool, release_env_worker_pool)
         self.last_used = 0  # when it was last taken or given back, in _TICKS
-        self.retired = False  # shut down once idle (retire_env_worker_pool)
+        self.retired = False  # the first to go when a new pool is made (retire_env_worker_pool)
         self.key: tuple[str, ...] = ()  # its key in _POOLS
 
     def make_env(self) -> RayEnv:
@@ -321,11 +322,13 @@ def env_worker_pool(cfg: Config, env_id: str | None = None) -> EnvWorkerPool:
     stale: list[EnvWorkerPool] = []
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
-        if pool is None:  # the env's other idle pools but the most recent one give their CPUs back first
+        if pool is None:  # the env's retired idle pools, and the others but the most recent, go first
             idle = sorted((k for k, p in _POOLS.items() if p.users == 0 and k[:3] == key[:3] and k[5] == key[5]),
                           key=lambda k: _POOLS[k].last_used, reverse=True)
-            keep = idle[:KEEP_IDLE] if _room_for(ray, dist, env_id or cfg.env.id, cfg.env.kwargs,
-                                                 cfg.env.imports) else []
+            keep = [k for k in idle if not _POOLS[k].retired][:KEEP_IDLE]
+            if not _room_for(ray, dist, env_id or cfg.env.id, cfg.env.kwargs, cfg.env.imports,
+                             freed=[_POOLS[k] for k in idle if k not in keep]):
+                keep = []
             stale = [_POOLS.pop(k) for k in idle if k not in keep]
             _shutdown_quietly(stale)
             pool = _POOLS[key] = EnvWorkerPool(env_id or cfg.env.id, cfg.env.kwargs, dist, cfg.env.imports)
@@ -338,37 +341,27 @@ def env_worker_pool(cfg: Config, env_id: str | None = None) -> EnvWorkerPool:
 
 def release_env_worker_pool(pool: EnvWorkerPool) -> None:
     """Give back a pool ``env_worker_pool`` lent: it stays up for the next engine, until a new
-    pool of the same env finds it idle and not the most recently used, or until it is retired
-    (``retire_env_worker_pool``) and its last user gives it back."""
+    pool of the same env finds it idle and retired, or idle and not the most recently used."""
     with _POOLS_LOCK:
         pool.users = max(0, pool.users - 1)
         pool.last_used = next(_TICKS)
-        done = pool.retired and pool.users == 0 and _POOLS.get(pool.key) is pool
-        if done:
-            del _POOLS[pool.key]
-    if done:
-        _shutdown_quietly([pool])
 
 
 def retire_env_worker_pool(cfg: Config, env_id: str | None = None) -> bool:
     """Say that no engine will ask for ``cfg``'s env workers again (a finished curriculum stage):
-    the pool is shut down now if idle, else when its last user gives it back. Whether such a pool
-    existed. Without it, the stage's idle pool, the most recently used, would be the one kept when
-    the next stage makes its pool, and the evaluation's would be shut down and made again."""
+    the next new pool of the env shuts it down first, once it is idle, and keeps another idle pool
+    (the evaluation's) instead. Whether such a pool existed. Without it the stage's pool, the most
+    recently used, would be the one kept, and the evaluation's would be shut down and made again.
+    Nothing is killed here: the new pool counts the CPUs it frees by killing (``_room_for``), as
+    Ray gives a killed actor's CPUs back only a moment later."""
     if cfg.distributed is None or cfg.rollout.env_executor != "ray":
         return False
     ray = connect(cfg.distributed)
     with _POOLS_LOCK:
         pool = _POOLS.get(_pool_key(ray, cfg, env_id))
-        if pool is None:
-            return False
-        pool.retired = True
-        idle = pool.users == 0
-        if idle:
-            del _POOLS[pool.key]
-    if idle:
-        _shutdown_quietly([pool])
-    return True
+        if pool is not None:
+            pool.retired = True
+    return pool is not None
 
 
 def _pool_key(ray: Any, cfg: Config, env_id: str | None) -> tuple[str, ...]:
@@ -379,12 +372,17 @@ def _pool_key(ray: Any, cfg: Config, env_id: str | None) -> tuple[str, ...]:
             cfg.distributed.model_dump_json())
 
 
-def _room_for(ray: Any, dist: DistributedConfig, env_id: str, kwargs: dict[str, Any], imports: list[str]) -> bool:
-    """Whether the cluster has free resources for a new pool's workers now: where it has not, an
-    idle pool kept for later would leave them waiting for good."""
+def _room_for(ray: Any, dist: DistributedConfig, env_id: str, kwargs: dict[str, Any], imports: list[str],
+              freed: list[EnvWorkerPool] = ()) -> bool:
+    """Whether the cluster has free resources for a new pool's workers once the ``freed`` pools
+    are shut down (their reservations counted as free: they are still held now): where it has
+    not, an idle pool kept for later would leave the new workers waiting for good."""
     opts = env_worker_options(resolve_env_id(env_id, imports), kwargs, dist, imports)
     need = {"CPU": float(opts["num_cpus"]), **opts["resources"]}
-    free = ray.available_resources()
+    free = dict(ray.available_resources())
+    for pool in freed:
+        for r, n in {"CPU": float(pool.options["num_cpus"]), **pool.options["resources"]}.items():
+            free[r] = free.get(r, 0.0) + n * len(pool.workers)
     return all(free.get(r, 0.0) >= n * dist.num_env_workers for r, n in need.items() if n)
 
 

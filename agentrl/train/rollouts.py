@@ -83,15 +83,19 @@ def retire_finished_stage(run_cfg: TrainRunConfig, step: int) -> bool:
     """At the first step of a curriculum stage, retire the env workers of the stage before
     (``agentrl.distributed.env_workers.retire_env_worker_pool``): stages follow the step number,
     so no engine asks for them again, and the idle pool kept is then the evaluation's. Not where
-    the evaluation plays the same env kwargs. Whether a pool was retired."""
+    the evaluation or the next stage plays the same env kwargs. Whether a pool was retired."""
     if run_cfg.rollout.env_executor != "ray":
         return False
     now, before = stage_at(run_cfg.train.curriculum, step), stage_at(run_cfg.train.curriculum, step - 1)
     if now is None or before is None or now[0] == before[0]:
         return False
-    done = at_level(run_cfg, before[1])
+    done, nxt = at_level(run_cfg, before[1]), at_level(run_cfg, now[1])
+    if done.env.kwargs == nxt.env.kwargs:  # one pool for both (they differ in max_turns, say)
+        return False
+    from ..evaluation import held_out_seeds
+
     ev = run_cfg.train.evaluation
-    if ev.episodes and done.env.kwargs == {**run_cfg.env.kwargs, **ev.env_kwargs}:
+    if held_out_seeds(ev) and done.env.kwargs == {**run_cfg.env.kwargs, **ev.env_kwargs}:
         return False
     from ..distributed.env_workers import retire_env_worker_pool
 

@@ -83,24 +83,26 @@ def test_an_engine_gives_its_pool_back_when_it_closes(pools):
     assert pool.users == 0
 
 
-def test_a_retired_pool_goes_once_idle_and_the_evaluation_s_is_the_one_kept(pools):
-    """A finished stage's pool, used more recently than the evaluation's, is retired: it goes, and
-    the next stage's new pool keeps the evaluation's. One retired in use goes when given back."""
+def test_a_retired_pool_goes_first_and_the_evaluation_s_is_the_one_kept(pools):
+    """A finished stage's pool, used more recently than the evaluation's, is retired: the next
+    stage's new pool shuts it down and keeps the evaluation's, right away, on a cluster whose CPUs
+    the three pools fill (the stage's are counted free before Ray has them back). One retired in
+    use stays until given back and a new pool is made."""
     ray = pools
-    stage = env_worker_pool(_cfg(3, 0.25))
-    release_env_worker_pool(stage)
-    ev = env_worker_pool(_cfg(4, 0.25))
+    ev = env_worker_pool(_cfg(4, 1.0))  # two CPUs: one for each of these pools' one worker
     release_env_worker_pool(ev)
-    assert env_worker_pool(_cfg(3, 0.25)) is stage  # the stage's last step: now the most recent
+    stage = env_worker_pool(_cfg(3, 1.0))
     release_env_worker_pool(stage)
-    assert env_workers.retire_env_worker_pool(_cfg(3, 0.25))
-    assert not _alive(ray, stage, timeout=10) and stage not in env_workers._POOLS.values()
-    nxt = env_worker_pool(_cfg(5, 0.25))  # the next stage: the evaluation's pool is the idle one kept
-    assert _alive(ray, ev) and _alive(ray, nxt)
-    assert env_workers.retire_env_worker_pool(_cfg(5, 0.25))  # in use: it stays until given back
+    assert env_workers.retire_env_worker_pool(_cfg(3, 1.0))
+    assert _alive(ray, stage)  # nothing killed yet
+    nxt = env_worker_pool(_cfg(5, 1.0))  # at once, as the trainer's next step does
+    assert env_workers._POOLS.get(ev.key) is ev and stage not in env_workers._POOLS.values()
+    assert _alive(ray, ev) and _alive(ray, nxt) and not _alive(ray, stage, timeout=10)
+    assert env_workers.retire_env_worker_pool(_cfg(5, 1.0))  # in use: it stays
+    later = env_worker_pool(_cfg(6, 0.25))  # ... whatever is made meanwhile
     assert _alive(ray, nxt) and nxt in env_workers._POOLS.values()
     release_env_worker_pool(nxt)
-    assert not _alive(ray, nxt, timeout=10) and nxt not in env_workers._POOLS.values()
-    again = env_worker_pool(_cfg(5, 0.25))  # asked for again: a fresh pool
-    assert again is not nxt and _alive(ray, again)
+    release_env_worker_pool(later)
+    again = env_worker_pool(_cfg(5, 1.0))  # taken again before it went: wanted after all
+    assert again is nxt and not nxt.retired
     assert not env_workers.retire_env_worker_pool(_cfg(9, 0.25))  # none made for it

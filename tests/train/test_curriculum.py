@@ -192,5 +192,13 @@ def test_a_stage_s_env_workers_are_retired_at_the_next_stage_s_first_step_and_on
                                             "train.evaluation.env_kwargs={max_turns: 2}"])
     assert not retire_finished_stage(same_as_eval, 2) and retire_finished_stage(same_as_eval, 3)
     assert retired[-1] == {"max_turns": 3}
+    by_seeds = load_train_config(None, [*base, "rollout.env_executor=ray", "distributed.ray=auto",
+                                        "train.evaluation.episodes=0", "train.evaluation.task_seeds=[7, 8]",
+                                        "train.evaluation.env_kwargs={max_turns: 2}"])
+    assert not retire_finished_stage(by_seeds, 2)  # evaluated on its seeds list: the same kwargs
+    same_kwargs = load_train_config(None, ["env.id=agentrl/GuessNumber-v0", "env.kwargs={max_turns: 4}",
+                                           "train.steps=4", "rollout.env_executor=ray", "distributed.ray=auto",
+                                           "train.curriculum=[{max_turns: 2, steps: 2}, {}]"])
+    assert not retire_finished_stage(same_kwargs, 2)  # both stages play one pool
     in_threads = load_train_config(None, base)  # no env workers: nothing to retire
     assert not any(retire_finished_stage(in_threads, k) for k in range(1, 5)) and len(retired) == 3
