@@ -98,6 +98,9 @@ PRESETS = {
 }
 METHODS = ("grpo", "gigpo", "tree", "grpo_opd", "grpo_opsd")
 DEFAULT_METHODS = {"guess_number": METHODS}  # elsewhere: the four without privileged self-distillation
+# What the runs recorded in one JSON share (``--resume`` refuses to mix others): the env, steps,
+# the config every run trains with, where the warm start and the OPD teacher come from, OPD's weight.
+IDENTITY = ("env", "base_model", "steps", "config", "warm_start_from", "teacher_from", "opd_weight")
 ANCHOR_KEYS = ("anchor/steps", "anchor/steps_in_groups_of_2plus", "anchor/later_steps",
                "anchor/later_steps_in_groups_of_2plus")
 
@@ -141,28 +144,48 @@ def run_config(data: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     return train(cfg, overwrite=True, progress=sys.stderr.isatty())
 
 
-def warm_start(base: dict[str, Any], out_dir: Path, sft: dict[str, Any], eval_cfg: dict[str, Any],
-               reuse: bool = False) -> tuple[str, dict[str, float], dict[str, float]]:
-    """SFT only (``train.steps=0``); the exported model folder, and held-out success and mean
-    reward before and after. With ``reuse``, an SFT of the same config exported in ``out_dir``
-    earlier (``--resume``) is taken as it is; a lock makes two benches sharing the folder run it once."""
+def warm_start(base: dict[str, Any], work: Path, name: str, sft: dict[str, Any], eval_cfg: dict[str, Any],
+               reuse: bool = False) -> tuple[str, dict[str, float], dict[str, float], float]:
+    """SFT only (``train.steps=0``) into ``work/<name>-<config hash>``; the exported model folder,
+    held-out success and mean reward before and after, and the seconds the SFT took. With ``reuse``
+    (``--resume``), the SFT of the same config exported there earlier is taken as it is; a lock
+    makes two benches sharing ``work`` run it once, and an SFT of other settings has its own folder."""
     data = merge(base, {"sft": sft, "train": {"steps": 0, "checkpointing": {"export_hf": True},
                                               "output": {"tensorboard": False, "plot": False},
                                               "evaluation": eval_cfg}})
-    record = out_dir.parent / f"{out_dir.name}.json"
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with locked(out_dir.parent / f".{out_dir.name}.lock"):
+    data = json.loads(json.dumps(data))
+    digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
+    out_dir = work / f"{name}-{digest}"
+    record = work / f"{out_dir.name}.json"
+    work.mkdir(parents=True, exist_ok=True)
+    with locked(work / f".{out_dir.name}.lock"):
         if reuse and record.exists():
-            done = json.loads(record.read_text())
-            if done["config"] == json.loads(json.dumps(data)) and Path(done["hf"], "config.json").exists():
-                return done["hf"], done["phases"], done["phase_rewards"]
+            done = read_json(record)
+            if done["config"] == data and Path(done["hf"], "config.json").exists():
+                return done["hf"], done["phases"], done["phase_rewards"], done["seconds"]
+        t0 = time.perf_counter()
         summary = run_config(data, out_dir)
         hf = Path(summary["checkpoint"]) / "hf"
         if not (hf / "config.json").exists():
             raise RuntimeError(f"the warm start exported no model at {hf}")
-        record.write_text(json.dumps({"config": data, "hf": str(hf), "phases": summary["phases"],
-                                      "phase_rewards": summary["phase_rewards"]}, indent=1))
-    return str(hf), summary["phases"], summary["phase_rewards"]
+        seconds = round(time.perf_counter() - t0, 1)
+        write_json(record, {"config": data, "hf": str(hf), "phases": summary["phases"],
+                            "phase_rewards": summary["phase_rewards"], "seconds": seconds})
+    return str(hf), summary["phases"], summary["phase_rewards"], seconds
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SystemExit(f"{path} is not a bench JSON ({e}); move it away, or run without --resume") from None
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Whole or not at all: a bench stopped mid-write leaves the old file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
 
 
 @contextlib.contextmanager
@@ -176,18 +199,38 @@ def locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def weights_sha256(model_dir: str) -> str:
-    """A digest of a model folder's weight files: the runs recorded in one JSON started from the same weights."""
+def weights_sha256(model: str) -> str | None:
+    """A digest of a model folder's weight files: the runs recorded in one JSON started from the
+    same weights. ``None`` for a model that is not a folder here (a hub id: its name is its identity)."""
+    if not Path(model).is_dir():
+        return None
     h = hashlib.sha256()
-    files = sorted(p for p in Path(model_dir).iterdir() if p.suffix in (".safetensors", ".bin"))
+    files = sorted(p for p in Path(model).iterdir() if p.suffix in (".safetensors", ".bin"))
     if not files:
-        raise FileNotFoundError(f"no weight files (.safetensors, .bin) in {model_dir}")
+        raise FileNotFoundError(f"no weight files (.safetensors, .bin) in {model}")
     for p in files:
         h.update(p.name.encode())
         with open(p, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 24), b""):
                 h.update(chunk)
     return h.hexdigest()
+
+
+@contextlib.contextmanager
+def claimed(path: Path):
+    """Yield whether this bench holds ``path``'s lock (taken without waiting) for the block: two
+    benches given the same method and seed run it once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def curve(metrics: Path, start_success: float, start_reward: float | None = None) -> list[dict[str, float]]:
@@ -366,13 +409,6 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    cfg_used = merge(base, {"policy": {"model": "<warm start>"}, "sft": {"episodes": 0, "task_seeds": None}})
-    identity = {"env": args.env, "base_model": base["policy"]["model"], "steps": args.steps,
-                "config": json.loads(json.dumps(cfg_used))}
-    if args.resume:
-        with locked(out.with_name(f".{out.name}.lock")):
-            recorded_runs(out, identity)
-
     sft_base = dict(base.get("sft") or {})
     if args.env == "guess_number":  # the weak warm start; the teacher gets the make-run SFT
         warm_sft = {**sft_base, "episodes": args.sft_episodes, "seed_start": 0, "epochs": args.sft_epochs}
@@ -382,73 +418,86 @@ def main() -> None:
             sft_base["episodes"] = args.sft_episodes
         warm_sft = sft_base
         teacher_sft = {**sft_base, "episodes": 2 * int(sft_base.get("episodes", 0) or 0)}
-    t0 = time.perf_counter()
     if args.warm_start_success is not None and not args.warm_start:
         ap.error("--warm-start-success goes with --warm-start")
+    seeds = [int(x) for x in args.seeds.split(",") if x]
+    if not seeds or len(set(seeds)) != len(seeds):
+        ap.error(f"--seeds needs distinct seeds, got {args.seeds!r}")
+
+    # What every run recorded in one JSON shares: checked (--resume) before any SFT runs
+    cfg_used = merge(base, {"policy": {"model": "<warm start>"}, "sft": {"episodes": 0, "task_seeds": None}})
+    identity = json.loads(json.dumps({
+        "env": args.env, "base_model": base["policy"]["model"], "steps": args.steps, "config": cfg_used,
+        "warm_start_from": args.warm_start or warm_sft, "teacher_from": args.teacher or teacher_sft,
+        "opd_weight": args.opd_weight}))
+    lock = out.with_name(f".{out.name}.lock")
+    if args.resume:
+        with locked(lock):
+            recorded_runs(out, identity)
+
     if args.warm_start:  # made earlier (say by `agentrl sft` with the preset): its success comes from the runs
         warm, phases, rewards = args.warm_start, {"start": None, "after_sft": args.warm_start_success}, {}
-        warm_sft = {"model": args.warm_start, "success_given": args.warm_start_success is not None}
+        warm_sft, seconds = {"model": args.warm_start, "success_given": args.warm_start_success is not None}, 0.0
     else:
-        warm, phases, rewards = warm_start(base, work / "warm_start", warm_sft, eval_cfg, reuse=args.resume)
+        warm, phases, rewards, seconds = warm_start(base, work, "warm_start", warm_sft, eval_cfg, reuse=args.resume)
     warm_success = phases["after_sft"]
     warm_reward = args.warm_start_reward if args.warm_start else rewards.get("after_sft")
     report: dict[str, Any] = {"base_model_success": phases["start"],
                               "warm_start": {"sft": warm_sft, "success": warm_success,
-                                             "weights_sha256": weights_sha256(warm),
-                                             "seconds": round(time.perf_counter() - t0, 1)}}
+                                             "weights_sha256": weights_sha256(warm), "seconds": seconds}}
     teacher = args.teacher
     if teacher:
         report["teacher"] = {"model": teacher}
     elif "grpo_opd" in methods:
-        t0 = time.perf_counter()
-        teacher, phases, _ = warm_start(base, work / "teacher", teacher_sft, eval_cfg, reuse=args.resume)
-        report["teacher"] = {"sft": teacher_sft, "success": phases["after_sft"],
-                             "seconds": round(time.perf_counter() - t0, 1)}
+        teacher, phases, _, seconds = warm_start(base, work, "teacher", teacher_sft, eval_cfg, reuse=args.resume)
+        report["teacher"] = {"sft": teacher_sft, "success": phases["after_sft"], "seconds": seconds}
     if teacher and teacher not in ("expert", "oracle"):
         report["teacher"]["weights_sha256"] = weights_sha256(teacher)
 
     start = merge(base, {"policy": {"model": warm}, "sft": {"episodes": 0, "task_seeds": None}})
     report.update(identity)
-    seeds = [int(x) for x in args.seeds.split(",") if x]
-    if not seeds or len(set(seeds)) != len(seeds):
-        ap.error(f"--seeds needs distinct seeds, got {args.seeds!r}")
     recorded: dict[str, dict[int, dict[str, Any]]] = {}
     if args.resume:
-        with locked(out.with_name(f".{out.name}.lock")):
+        with locked(lock):
             recorded = recorded_runs(out, report)
         if warm_success is None and recorded:  # a given warm start, evaluated by an earlier run
             warm_success = report["warm_start"]["success"]
             warm_reward = next(iter(next(iter(recorded.values())).values()))["curve"][0].get("reward")
+    wrote = False
     for m in methods:
         for seed in seeds:
-            if seed in recorded.get(m, {}):
-                print(f"{m} seed {seed}: recorded in {out} by an earlier run, not run again", flush=True)
-                continue
-            t0 = time.perf_counter()
-            # every run starts from the same weights on the same greedy held-out seeds: evaluate them once
-            shared = {"evaluation": {"start": False}} if warm_success is not None else {}
-            cfg = merge(start, merge(method_overrides(m, teacher, args.opd_weight),
-                                     {"train": {"seed": seed, **shared}}))
-            summary = run_config(cfg, work / m / f"seed{seed}")
-            if warm_success is None:
-                warm_success = summary["phases"].get("start")
-                warm_reward = summary["phase_rewards"].get("start")
-                report["warm_start"]["success"] = warm_success  # a given warm start: every run's step 0
-            metrics = Path(summary["metrics"])
-            run = {"seed": seed, "curve": curve(metrics, summary["phases"].get("start", warm_success),
-                                                summary["phase_rewards"].get("start", warm_reward)),
-                   "final_success": summary["phases"].get("end"), **step_stats(metrics),
-                   "wall_s": round(time.perf_counter() - t0, 1)}
+            with claimed(work / m / f".seed{seed}.lock") as mine:
+                if args.resume and mine:  # recorded by another bench since this one started?
+                    with locked(lock):
+                        recorded = recorded_runs(out, report)
+                if seed in recorded.get(m, {}) or not mine:
+                    print(f"{m} seed {seed}: " + (f"recorded in {out} by an earlier run" if mine else
+                                                  "being run by another bench") + ", not run here", flush=True)
+                    continue
+                run = one_run(m, seed, start, teacher, args.opd_weight, work, warm_success, warm_reward)
+            if warm_success is None:  # a given warm start: every run's step 0
+                warm_success = report["warm_start"]["success"] = run["curve"][0]["success"]
+                warm_reward = run["curve"][0].get("reward")
             print(f"{m} seed {seed}: held-out success {run['curve'][0]['success']:.3f} -> "
                   f"{_num(run['final_success'])} in {run['wall_s']:.0f} s", flush=True)
-            with locked(out.with_name(f".{out.name}.lock")):  # another bench may have recorded runs meanwhile
-                if args.resume:
-                    recorded = recorded_runs(out, report)
+            with locked(lock):  # another bench may have recorded runs meanwhile
+                try:
+                    if args.resume:
+                        recorded = recorded_runs(out, report)
+                except SystemExit:  # another bench replaced the JSON: keep this run beside it
+                    orphan = out.with_name(f"{out.stem}.{m}-seed{seed}.run.json")
+                    write_json(orphan, {**report, "method": m, "run": run})
+                    print(f"{out} changed under this bench; its {m} seed {seed} run is in {orphan}", file=sys.stderr)
+                    raise
                 recorded.setdefault(m, {})[seed] = run
-                results = write_report(out, report, recorded, plot_it=not args.quick)
+                write_report(out, report, recorded, plot_it=not args.quick)
+                wrote = True
     if args.resume:
-        with locked(out.with_name(f".{out.name}.lock")):
+        with locked(lock):
             recorded = recorded_runs(out, report)
+    if not recorded:
+        print("no run recorded")
+        return
     results = {m: aggregate([r[s] for s in sorted(r)]) for m, r in sorted(recorded.items(), key=method_order)}
 
     per_method = ", ".join(f"{m} {r['seeds']}" for m, r in results.items())
@@ -466,7 +515,23 @@ def main() -> None:
             print(f"{m}: {a['later_steps_in_groups_of_2plus']} of {a['later_steps']} steps after the first "
                   f"turn fell into anchor-state groups of 2 or more ({a['later_frac_in_groups_of_2plus']:.1%}); "
                   f"{a['steps_in_groups_of_2plus']} of {a['steps']} counting the first turns")
-    print(f"wrote {out}" + ("" if args.quick else f" and {out.with_suffix('.png')}"))
+    if wrote:
+        print(f"wrote {out}" + ("" if args.quick else f" and {out.with_suffix('.png')}"))
+
+
+def one_run(method: str, seed: int, start: dict[str, Any], teacher: str | None, opd_weight: float, work: Path,
+            warm_success: float | None, warm_reward: float | None) -> dict[str, Any]:
+    """Train ``method`` from the warm start with ``train.seed=seed``: its curve and step stats."""
+    t0 = time.perf_counter()
+    # every run starts from the same weights on the same greedy held-out seeds: evaluate them once
+    shared = {"evaluation": {"start": False}} if warm_success is not None else {}
+    cfg = merge(start, merge(method_overrides(method, teacher, opd_weight), {"train": {"seed": seed, **shared}}))
+    summary = run_config(cfg, work / method / f"seed{seed}")
+    metrics = Path(summary["metrics"])
+    return {"seed": seed, "curve": curve(metrics, summary["phases"].get("start", warm_success),
+                                         summary["phase_rewards"].get("start", warm_reward)),
+            "final_success": summary["phases"].get("end"), **step_stats(metrics),
+            "wall_s": round(time.perf_counter() - t0, 1)}
 
 
 def method_order(item: tuple[str, Any]) -> int:
@@ -474,16 +539,16 @@ def method_order(item: tuple[str, Any]) -> int:
 
 
 def recorded_runs(out: Path, report: dict[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
-    """``{method: {seed: run}}`` already in ``out`` (``--resume``). They must come from the same env,
-    steps, config and warm start (and teacher, for grpo_opd's), or mixing them would be meaningless: a
-    ``SystemExit`` says which differs. The earlier teacher is kept in ``report`` when this run has none."""
+    """``{method: {seed: run}}`` already in ``out`` (``--resume``). They must come from the same
+    ``IDENTITY`` settings and the same warm start weights (and teacher weights, for grpo_opd's), or
+    mixing them would be meaningless: a ``SystemExit`` names what differs. The earlier teacher is kept
+    in ``report`` when this run has none."""
     if not out.exists():
         return {}
-    old = json.loads(out.read_text())
-    checks = [("env", old.get("env"), report["env"]), ("steps", old.get("steps"), report["steps"]),
-              ("config", old.get("config"), report["config"])]
+    old = read_json(out)
+    checks = [(key, old.get(key), report[key]) for key in IDENTITY]
     if "warm_start" in report:  # else checked before the warm start is made: a bench with other
-        # settings stops before its SFT replaces the one in --work-dir
+        # settings stops before its SFT runs
         checks.append(("warm start's weights", (old.get("warm_start") or {}).get("weights_sha256"),
                        report["warm_start"]["weights_sha256"]))
     if "grpo_opd" in old.get("results", {}) and "teacher" in report:
@@ -506,7 +571,7 @@ def recorded_runs(out: Path, report: dict[str, Any]) -> dict[str, dict[int, dict
 
 
 def write_report(out: Path, report: dict[str, Any], recorded: dict[str, dict[int, dict[str, Any]]],
-                 plot_it: bool) -> dict[str, Any]:
+                 plot_it: bool) -> None:
     """Write every recorded run (each method's mean over its seeds) to ``out`` and its plot: called after
     each run, so a stopped bench keeps what it finished."""
     results = {m: aggregate([r[s] for s in sorted(r)]) for m, r in sorted(recorded.items(), key=method_order)}
@@ -525,10 +590,7 @@ def write_report(out: Path, report: dict[str, Any], recorded: dict[str, dict[int
                            f"{cfg['train']['tasks_per_step']} tasks x {cfg['rollout']['group_size']} leaves, "
                            f"eval {cfg['train']['evaluation']['episodes']} greedy")
         full["plot"] = png.name
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(full, indent=2) + "\n")
-    tmp.replace(out)
-    return results
+    write_json(out, full)
 
 if __name__ == "__main__":
     main()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -133,32 +134,35 @@ def test_learning_runs_every_method_on_the_same_budget_from_one_warm_start(tmp_p
     # Trees share their first turns, so the same leaves play fewer env steps (GuessNumber
     # episodes of a random model run all 4 turns).
     assert runs["tree"]["env_steps"] < runs["grpo"]["env_steps"]
-    assert "teacher" in result and (tmp_path / "runs" / "teacher").is_dir()
+    assert "teacher" in result and len(list((tmp_path / "runs").glob("teacher-*/checkpoints/*/hf"))) == 1
     # GiGPO's runs count the steps that fell into anchor-state groups; the others log none.
     anchor = runs["gigpo"]["anchor"]
     assert anchor["steps"] == runs["gigpo"]["env_steps"] and anchor["steps_in_groups_of_2plus"] >= 2 * 3 * 8
     assert runs["grpo"]["anchor"] == {}
 
 
+def _learning(out, work, *extra: str, wait: bool = True):
+    cmd = [sys.executable, str(BENCH / "learning.py"), "--quick", "--resume", "--out", str(out),
+           "--work-dir", str(work), *extra]
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
 def test_learning_resume_adds_runs_to_the_json_without_repeating_any_and_refuses_another_config(tmp_path):
     """``--resume``: a second bench reuses the exported warm start and the recorded runs, adds its own,
-    and one with other settings stops instead of mixing its runs into the same JSON."""
+    and one with other settings stops before any SFT instead of mixing its runs into the same JSON."""
     out, work = tmp_path / "l.json", tmp_path / "runs"
-
-    def bench(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(BENCH / "learning.py"), "--quick", "--resume", "--out",
-                               str(out), "--work-dir", str(work), *extra], capture_output=True, text=True,
-                              timeout=600)
-
-    first = bench("--methods", "grpo", "--seeds", "0")
+    first = _learning(out, work, "--methods", "grpo", "--seeds", "0")
     assert first.returncode == 0, first.stderr[-3000:]
     one = json.loads(out.read_text())
-    sft_record = (work / "warm_start.json").read_text()
-    second = bench("--methods", "grpo,gigpo", "--seeds", "0,1")
+    (weights,) = work.glob("warm_start-*/checkpoints/*/hf/model.safetensors")
+    made = weights.stat().st_mtime_ns
+    second = _learning(out, work, "--methods", "grpo,gigpo", "--seeds", "0,1")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "grpo seed 0: recorded in" in second.stdout
     two = json.loads(out.read_text())
-    assert (work / "warm_start.json").read_text() == sft_record  # the SFT was not run again
+    assert weights.stat().st_mtime_ns == made  # the SFT was not run again
     assert two["warm_start"]["weights_sha256"] == one["warm_start"]["weights_sha256"]
     assert {m: r["seeds"] for m, r in two["results"].items()} == {"grpo": [0, 1], "gigpo": [0, 1]}
     assert two["results"]["grpo"]["runs"][0] == one["results"]["grpo"]["runs"][0]  # kept as it was
@@ -166,10 +170,27 @@ def test_learning_resume_adds_runs_to_the_json_without_repeating_any_and_refuses
     for r in two["results"].values():
         assert r["episodes"] == 2 * 3 * 8 and [p["step"] for p in r["curve"]] == [0, 1, 2]
 
-    other = bench("--methods", "tree", "--seeds", "0", "--set", "train.optimizer.lr=1e-3")
-    assert other.returncode != 0 and "holds runs made with another config" in other.stderr
-    assert json.loads(out.read_text()) == two  # nothing written
-    assert (work / "warm_start.json").read_text() == sft_record  # checked before its SFT could replace it
+    for extra, what in ((["--set", "train.optimizer.lr=1e-3"], "config"),
+                        (["--sft-epochs", "3"], "warm_start_from"),
+                        (["--opd-weight", "0.5"], "opd_weight")):
+        other = _learning(out, work, "--methods", "tree", "--seeds", "0", *extra)
+        assert other.returncode != 0 and f"holds runs made with another {what}" in other.stderr, other.stderr[-2000:]
+        assert json.loads(out.read_text()) == two  # nothing written
+        assert len([d for d in work.glob("warm_start-*") if d.is_dir()]) == 1  # refused before any SFT ran
+    assert weights.stat().st_mtime_ns == made
+
+
+def test_learning_benches_side_by_side_share_one_sft_and_run_each_method_and_seed_once(tmp_path):
+    out, work = tmp_path / "l.json", tmp_path / "runs"
+    procs = [_learning(out, work, "--methods", "grpo,tree", "--seeds", "0,1", wait=False) for _ in range(2)]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-3000:] for _, e in outputs]
+    result = json.loads(out.read_text())
+    assert {m: r["seeds"] for m, r in result["results"].items()} == {"grpo": [0, 1], "tree": [0, 1]}
+    ran = [line.split(":")[0] for o, _ in outputs for line in o.splitlines()
+           if re.match(r"(grpo|tree) seed \d: held-out success", line)]
+    assert sorted(ran) == ["grpo seed 0", "grpo seed 1", "tree seed 0", "tree seed 1"]  # each once, all told
+    assert len(list(work.glob("warm_start-*/checkpoints/*/hf/model.safetensors"))) == 1  # one SFT
 
 
 def test_learning_rerun_in_deterministic_mode_repeats_its_curves_and_losses(tmp_path):
