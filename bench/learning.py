@@ -562,9 +562,6 @@ def recorded_runs(out: Path, report: dict[str, Any]) -> dict[str, dict[int, dict
         return {}
     if "teacher" not in report and "teacher" in old:
         report["teacher"] = old["teacher"]
-    for part in ("warm_start", "teacher"):  # a reused SFT took the time of the bench that ran it
-        if part in report and "seconds" in (old.get(part) or {}):
-            report[part]["seconds"] = max(report[part].get("seconds", 0.0), old[part]["seconds"])
     if report["warm_start"]["success"] is None:
         report["warm_start"]["success"] = old["warm_start"]["success"]
     return {m: {r["seed"]: r for r in res["runs"]} for m, res in old.get("results", {}).items()}
