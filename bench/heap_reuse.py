@@ -6,9 +6,10 @@ minibatches of 8, AdamW), run ``--epochs`` times in one process; the first
 epoch is warm-up and the rest are reported. Each cell is its own process, as
 ``agentrl`` runs: ``train.precision`` fp32 and bf16 (bf16 only on a CPU or GPU
 that multiplies it natively, ``cpu_has_native_bf16``), each with
-``AGENTRL_KEEP_FREED_MEMORY`` 0 and 1. ``--rounds`` repeats the cells, the
+``AGENTRL_KEEP_FREED_MEMORY`` 0 and 1; a precision ``+compile`` (``bf16+compile``)
+also runs the decoder layers compiled (``train.compile: true``, ``agentrl.train.compiled``). ``--rounds`` repeats the cells, the
 order of 0 and 1 swapped in odd rounds, so drift in the machine's load lands
-on both sides (the committed JSON ran 0 first in both of its rounds). Prints a table, writes
+on both sides (the committed JSON ran one round, 0 first). Prints a table, writes
 ``bench/heap_reuse.json``: tokens/s per epoch and the process's peak RSS.
 """
 
@@ -37,12 +38,14 @@ def child(precision: str, episodes: int, epochs: int, model_name: str | None) ->
     from agentrl.heap import keep_freed_memory
     from agentrl.models import load_model
     from agentrl.train.batch import samples_from_credit, train_on_samples
+    from agentrl.train.compiled import compile_mode
     from agentrl.train.config import TrainRunConfig
     from agentrl.train.loss import StepLoss
     from agentrl.train.model import make_optimizer, make_scheduler
     from agentrl.train.model import precision as run_precision
     from agentrl.train.sft import expert_trees
 
+    precision, _, compiled = precision.partition("+")  # bf16+compile: train.compile true
     kept = keep_freed_memory()
     cfg = TrainRunConfig.model_validate(yaml.safe_load((ROOT / "examples/train_alfworld_easy.yaml").read_text()))
     model, tokenizer = load_model(model_name or cfg.policy.model)
@@ -53,7 +56,7 @@ def child(precision: str, episodes: int, epochs: int, model_name: str | None) ->
     rates = []
     for epoch in range(epochs):
         t0 = time.perf_counter()
-        with run_precision(precision):
+        with run_precision(precision), compile_mode(compiled == "compile"):
             st = train_on_samples(model, optimizer, scheduler, samples, StepLoss(), fields=(), epochs=1,
                                   minibatch_size=cfg.sft.minibatch_size, max_tokens=cfg.train.micro_batch_tokens,
                                   max_grad_norm=cfg.train.optimizer.max_grad_norm, per_token=True,
@@ -85,7 +88,7 @@ def main() -> None:
 
     from agentrl.train.model import cpu_has_native_bf16
 
-    precisions = [p for p in args.precisions.split(",") if p != "bf16" or cpu_has_native_bf16()]
+    precisions = [p for p in args.precisions.split(",") if not p.startswith("bf16") or cpu_has_native_bf16()]
     cells: dict[str, list[float]] = {}
     raw: list[dict] = []
     for r in range(args.rounds):

@@ -41,7 +41,9 @@ this CPU (``--device cpu``): the peak of a matmul (``matmul_peak``: square 1024
 and the model-shaped tokens x hidden x MLP product, fp32 and bf16, the best of
 several repeats) and the memory bandwidth (``copy_bandwidth``: a 256 MB copy).
 Each agentrl row is then run once per ``--precisions`` (``fp32``; ``bf16`` is
-``train.precision: bf16``, autocast with the fp32 head) and reports:
+``train.precision: bf16``, autocast with the fp32 head; ``bf16+compile`` adds
+``train.compile: true``, the decoder layers through ``torch.compile``,
+``agentrl.train.compiled``) and reports:
 
 - ``update_gflops``: ``6 * N * tokens / update_s``, N the parameters every
   token's forward and backward multiply by (the decoder's linear layers and the
@@ -190,10 +192,14 @@ def run_agentrl(args: argparse.Namespace, lora: bool = False) -> dict:
     from agentrl.policy.base import GenerateRequest, SamplingParams
     from agentrl.policy.hf import HFPolicy
     from agentrl.train.batch import Sample, score_old, train_on_samples
+    from agentrl.train.compiled import compile_mode
     from agentrl.train.config import OptimizerConfig, TrainConfig
     from agentrl.train.loss import PolicyLossConfig, StepLoss
     from agentrl.train.model import make_optimizer, make_trainable, precision
 
+    prec, _, compiled = args.precision.partition("+")
+    if compiled not in ("", "compile"):
+        raise SystemExit(f"--precisions: {args.precision!r} is not fp32, bf16 or one of them +compile")
     torch.manual_seed(0)
     model, tok = load_model(args.model, device=args.device)
     policy = HFPolicy(model, tok, max_batch_size=args.prompts * args.group)
@@ -229,7 +235,7 @@ def run_agentrl(args: argparse.Namespace, lora: bool = False) -> dict:
             fields += ("old",)
         score_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        with precision(args.precision):
+        with precision(prec), compile_mode(compiled == "compile"):
             st = train_on_samples(trained, opt, None, samples, loss, fields=fields, epochs=1,
                                   minibatch_size=len(samples), max_tokens=args.micro_batch_tokens,
                                   max_grad_norm=1.0, per_token=True, pad_id=pad_id, temperature=1.0,
@@ -239,7 +245,7 @@ def run_agentrl(args: argparse.Namespace, lora: bool = False) -> dict:
         steps.append({"gen_s": gen_s, "score_s": score_s, "update_s": update_s,
                       "completion_tokens": sum(len(r.token_ids) for r in results),
                       "train_tokens": int(st["train/tokens"]), "score_tokens": score_tokens})
-    return {"steps": steps, "trainable_params": n_trainable, "precision": args.precision,
+    return {"steps": steps, "trainable_params": n_trainable, "precision": prec, "variant": args.precision,
             "matmul_params": matmul_params(model), "decode_batch": len(prompts) * args.group,
             "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             **peak_memory_mb()}
@@ -338,7 +344,7 @@ def summarize_agentrl(a: dict, limits: dict | None = None) -> dict:
     if "matmul_params" in a:
         gflops = 6 * a["matmul_params"] * s["train_tokens"] / upd / 1e9  # forward 2N, backward 4N a token
         step_s = gen / (s["completion_tokens"] / a["decode_batch"])  # one decode step of the whole batch
-        out = {"precision": a["precision"], "update_gflops": gflops,
+        out = {"precision": a.get("variant", a["precision"]), "update_gflops": gflops,
                "decode_tokens_per_s": s["completion_tokens"] / gen}
         if limits:
             out["frac_of_peak"] = gflops / limits["matmul_peak_gflops"][a["precision"]]

@@ -200,6 +200,13 @@ class TrainConfig(_Strict):
         "as well), fp32 on other CPUs, where bf16 is emulated and many times slower "
         "(AGENTRL_CPU_BF16=1/0 overrides the detection); bf16 autocasts anywhere; fp32 never does. "
         "The vocabulary head, weights and optimizer state stay fp32; sampling is unaffected.")
+    compile: Literal["auto"] | bool = Field(
+        False, description="Run the decoder layers through torch.compile in the training and scoring "
+        "passes (agentrl.train.compiled; sampling stays eager): true anywhere; auto where those passes "
+        "run in bf16 on a CPU that builds the kernels; false never. make run's bf16 SFT update ran "
+        "1.6-1.8x faster compiled on 2 AMX cores, but its RL gain over 3 seeds was not shown to match "
+        "the uncompiled one (docs/benchmark-notes.md), so it is opt-in. Each new kind of pass compiles "
+        "first, about 10 s, once a process.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig,
                                        description="AdamW, its schedule and gradient clipping.")
     # -- what trains -----------------------------------------------------------------

@@ -48,6 +48,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..policy.constrain import mask_logits
+from .compiled import compiled_decoder
 
 __all__ = ["TokenScores", "fp32_head", "token_logprobs", "token_scores"]
 
@@ -123,29 +124,30 @@ def token_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     batch, length = input_ids.shape
     device = input_ids.device
-    model_mask, position_ids, valid = _model_inputs(model, input_ids, attention_mask, position_ids)
-    src = _source_positions(batch, length, device, valid, position_ids, parents)
-
     if allowed is not None and allowed.shape[:2] != (batch, length):
         raise ValueError(f"allowed must be [B, T, A] with [B, T] = {(batch, length)}, got {tuple(allowed.shape)}")
     if candidates is not None and candidates.shape[:2] != (batch, length):
         raise ValueError(f"candidates must be [B, T, C] with [B, T] = {(batch, length)}, "
                          f"got {tuple(candidates.shape)}")
-    keep = src >= 0
-    if positions_to_keep is not None:
-        keep &= positions_to_keep.to(device=device, dtype=torch.bool)
+    with compiled_decoder(model, batch, length):  # train.compile; its attention decides the mask's form
+        model_mask, position_ids, valid = _model_inputs(model, input_ids, attention_mask, position_ids)
+        src = _source_positions(batch, length, device, valid, position_ids, parents)
+        keep = src >= 0
+        if positions_to_keep is not None:
+            keep &= positions_to_keep.to(device=device, dtype=torch.bool)
+        rows, cols = keep.nonzero(as_tuple=True)
+        # Only the hidden states of kept tokens' sources go through the vocabulary head, a chunk at a time.
+        hidden = (_hidden_states(model, input_ids, model_mask, position_ids)[rows, src[rows, cols]]  # [N, H]
+                  if rows.numel() else None)
+
     out = TokenScores(torch.zeros(batch, length, device=device), torch.zeros(batch, length, device=device))
     if candidates is not None:
         out.candidates = torch.zeros(batch, length, candidates.shape[2], device=device)
     if top_k:
         out.top_ids = torch.full((batch, length, top_k), -1, dtype=torch.long, device=device)
         out.top_logprobs = torch.zeros(batch, length, top_k, device=device)
-    if not keep.any():
+    if hidden is None:
         return out
-
-    # Only the hidden states of kept tokens' sources go through the vocabulary head, a chunk at a time.
-    rows, cols = keep.nonzero(as_tuple=True)
-    hidden = _hidden_states(model, input_ids, model_mask, position_ids)[rows, src[rows, cols]]  # [N, H]
     targets = input_ids[rows, cols]
 
     # A target's own id leads its candidate list, so one gather serves both.

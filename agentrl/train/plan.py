@@ -11,9 +11,10 @@ from typing import Any
 from rich.console import Console
 
 from ..evaluation import held_out_seeds
+from .compiled import compile_resolves_on
 from .config import TrainConfig, TrainRunConfig
 from .curriculum import describe
-from .model import resolved_precision
+from .model import precision, resolved_precision
 
 __all__ = ["print_plan", "run_plan", "step_task_seeds"]
 
@@ -39,6 +40,7 @@ def run_plan(cfg: TrainRunConfig) -> dict[str, Any]:
             "credit": f"{t.credit.name} {t.credit.model_dump(exclude={'name'}, exclude_unset=True) or ''}".strip(),
             "trainable": t.trainable, "lr": t.optimizer.lr,
             "precision": _precision(t.precision, cfg.policy.device),
+            "compile": _compile(t.compile, t.precision, cfg.policy.device),
             "held-out episodes per eval": len(held_out_seeds(t.evaluation)), "output dir": t.output.dir,
             "trees saved per step": t.output.save_trees,
             **({"curriculum": describe(t.curriculum)} if t.curriculum else {}),
@@ -50,6 +52,17 @@ def _precision(name: str, device: str) -> str:
         return resolved_precision(name, device) + (f" ({name} on {device})" if name == "auto" else "")
     except RuntimeError as e:  # torch's error for an unknown device string; a bad override raises
         return f"{name} ({e})"
+
+
+def _compile(value: bool | str, precision_name: str, device: str) -> str:
+    if value != "auto":
+        return "on" if value else "off"
+    try:
+        with precision(precision_name):
+            on = compile_resolves_on(value, device)
+    except RuntimeError as e:  # as in _precision
+        return f"auto ({e})"
+    return f"{'on' if on else 'off'} (auto on {device})"
 
 
 def print_plan(console: Console, plan: dict[str, Any]) -> None:

@@ -46,6 +46,7 @@ from ..policy.base import request_seed
 from ..rollout.turns import listed_actions, opening_messages, step_node
 from ..types import Node, RolloutTree
 from .batch import Sample, constrain_samples, samples_from_credit, score_old, train_on_samples
+from .compiled import compile_mode
 from .curriculum import at_level
 from .loss import StepLoss
 from .model import free_before_update, make_optimizer, make_scheduler, precision, sync_policy
@@ -168,7 +169,7 @@ def sft_phase(learner: Learner, start_bar: StartBar | None = None) -> dict[str, 
     Returns stats (``sft/*``, ``time/sft_s``); the policy gets the new weights. Its passes
     run at ``train.precision``; ``start_bar`` makes its progress bar.
     """
-    with precision(learner.cfg.train.precision):
+    with precision(learner.cfg.train.precision), compile_mode(learner.cfg.train.compile):
         return _sft(learner, start_bar)
 
 

@@ -45,6 +45,7 @@ from .batch import (
     score_samples,
     train_on_samples,
 )
+from .compiled import compile_mode
 from .config import TrainRunConfig
 from .loss import StepLoss, mismatch_stats, staleness_mask
 from .metrics import advantage_balance
@@ -123,7 +124,7 @@ class Learner:
 
     def learn(self, trees: list[RolloutTree], step: int, start_bar: StartBar) -> dict[str, Any]:
         """Credit, scoring passes and the update on one rollout batch, at ``train.precision``."""
-        with precision(self.cfg.train.precision):
+        with precision(self.cfg.train.precision), compile_mode(self.cfg.train.compile):
             return self._learn(trees, step, start_bar)
 
     def _learn(self, trees: list[RolloutTree], step: int, start_bar: StartBar) -> dict[str, Any]:

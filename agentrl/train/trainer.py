@@ -45,10 +45,11 @@ from .checkpoint import (
     restore_rng,
     save_checkpoint,
 )
+from .compiled import compile_resolves_on
 from .config import TrainRunConfig
 from .curriculum import check_held_out, check_levels
 from .metrics import MetricsLogger, PeakMemory, ProgressBars, plot_learning_curve
-from .model import precision_note, resolved_precision, sync_policy
+from .model import precision, precision_note, resolved_precision, sync_policy
 from .plan import print_plan, run_plan, step_task_seeds
 from .rollouts import RolloutSource, allocation_report, save_trees, step_rollouts
 from .step import Learner, StartBar
@@ -144,6 +145,13 @@ class Trainer:
             self.console.print(f"[yellow]warning:[/] {note}")
         if anchor_note is not None:
             self.console.print(f"[dim]{anchor_note}[/]", highlight=False)
+        if t.compile == "auto":
+            device = next(self.learner.model.parameters()).device
+            with precision(t.precision):
+                if compile_resolves_on(t.compile, device):
+                    self.console.print("[dim]train.compile auto: the decoder layers run compiled in the training "
+                                       "passes (bf16 on this CPU); each new kind of pass compiles first, "
+                                       "about 10 s[/]", highlight=False)
         self.rollouts = rollouts(self.policy, cfg) if rollouts is not None else None
         self.step = 0
         self.sft_done = False

@@ -1,0 +1,135 @@
+"""The decoder's layers through ``torch.compile`` in the training and scoring passes (``train.compile``).
+
+Why: a bf16 update on a CPU with AMX spent a quarter of its time in elementwise
+ops (norms, rotary, SiLU, residual adds, autocast's casts), each a pass over
+memory, and a fifth in the CPU flash-attention kernel's bf16 backward. Inductor
+fuses the elementwise ops into a few loops, and with the layers compiled, plain
+matmul-and-softmax attention (``eager``) beats that kernel. make run's SFT
+update went from about 360 to 550-600 tokens/s; the whole make run (with
+``micro_batch_tokens: 4096``) from 14.4 to 12.5 min, its SFT phase from 233-254 s
+to 147 s and its peak memory from 13-14 to 7.9 GB. fp32 gained nothing
+measurable (``bench/heap_reuse.py``, ``bench/make_run.json``, docs/benchmark-notes.md).
+
+Why it is off by default: the log-probs and gradients of compiled passes are as
+far from fp32's as the uncompiled bf16 ones (a test pins them to eager in fp32),
+but make run's RL ended above its SFT in 1 of 3 seeds compiled, against 2 of 2
+uncompiled from the same SFT weights and 5 of 5 before. That is not yet a
+measured cause, and the fast path becomes the default only where it learns as
+well. ``train.compile: auto`` compiles where the passes run in bf16 on a CPU.
+
+How: inside ``compiled_decoder(model, batch, length)`` each decoder layer's
+``_compiled_call_impl`` (the hook ``nn.Module.compile`` sets) holds a compiled
+``_call_impl``; outside it, the hook is cleared again, so sampling with the very
+same model between two updates (the ``hf`` backend, its KV cache) runs eager.
+Dynamo keys its cache by code object and takes parameters as inputs, so the
+layers of a model share one compiled graph, recompiled only for a new kind of
+input (a batch of 1, no padding mask, the other attention; about 10 s each on 2
+cores, once per process). The backward graph is captured with the forward, so
+it runs compiled after the block ends.
+
+Attention: on a CPU, ``eager`` while the probabilities it keeps for the
+backward fit ``EAGER_ATTENTION_BYTES`` over all layers (``[B, heads, T, T]`` a
+layer: make run's rows of 6 x 384 tokens keep about 0.5 GB), else the model's
+own (``sdpa``), whose memory grows with T, not T squared. On a GPU the model's
+own kernel is kept. The vocabulary head is not compiled (``logprobs.fp32_head``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+
+from .model import precision_in_force
+
+__all__ = ["EAGER_ATTENTION_BYTES", "compile_mode", "compile_resolves_on", "compiled_decoder", "compiler_works"]
+
+EAGER_ATTENTION_BYTES = 1 << 30
+
+_COMPILE: ContextVar[bool | str] = ContextVar("agentrl_compile", default=False)
+
+
+@contextlib.contextmanager
+def compile_mode(value: bool | str) -> Iterator[None]:
+    """Within this block ``compiled_decoder`` follows ``value`` (``auto``, True or False)."""
+    if value not in ("auto", True, False):
+        raise ValueError(f"train.compile={value!r}: use auto, true or false")
+    token = _COMPILE.set(value)
+    try:
+        yield
+    finally:
+        _COMPILE.reset(token)
+
+
+def compile_resolves_on(value: bool | str, device: torch.device | str) -> bool:
+    """Whether ``value`` compiles on ``device``: auto = bf16 passes on a CPU (where it was measured)
+    that can build inductor's kernels (``compiler_works``)."""
+    if value == "auto":
+        device = torch.device(device)
+        return device.type == "cpu" and precision_in_force(device) == "bf16" and compiler_works()
+    return bool(value)
+
+
+@functools.cache
+def compiler_works() -> bool:
+    """Whether ``torch.compile`` builds and runs a kernel here (inductor needs a C++ compiler on a CPU).
+
+    Probed once a process; where it fails, ``auto`` runs eager and says why once.
+    """
+    try:
+        x = torch.arange(8.0)
+        ok = bool(torch.equal(torch.compile(lambda t: t * 2 + 1, dynamic=False)(x), x * 2 + 1))
+    except Exception as e:  # no compiler, no headers, an unsupported platform
+        warnings.warn(f"train.compile auto: torch.compile does not work here ({type(e).__name__}: "
+                      f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}); the passes run eager",
+                      stacklevel=2)
+        return False
+    return ok
+
+
+def _layers(model: Any) -> list[torch.nn.Module]:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
+
+
+def _attention(model: Any, batch: int, length: int, n_layers: int, device: torch.device) -> str:
+    own = getattr(model.config, "_attn_implementation", None) or "eager"
+    if device.type != "cpu" or own != "sdpa" or not hasattr(model, "set_attn_implementation"):
+        return own
+    heads = getattr(model.config, "num_attention_heads", 1)
+    kept = batch * heads * length * length * 2 * n_layers  # bf16 probabilities, every layer
+    return "eager" if kept <= EAGER_ATTENTION_BYTES else own
+
+
+@contextlib.contextmanager
+def compiled_decoder(model: Any, batch: int, length: int) -> Iterator[None]:
+    """Run ``model``'s decoder layers compiled within this block, where ``compile_mode`` says so.
+
+    ``batch`` and ``length``: the rows' shape, which picks the attention on a CPU.
+    A model without a ``layers`` list, or whose layers someone compiled already, runs as it is.
+    """
+    device = next(model.parameters()).device
+    layers = _layers(model)
+    if not layers or not compile_resolves_on(_COMPILE.get(), device):
+        yield
+        return
+    ours = [layer for layer in layers if layer._compiled_call_impl is None]
+    attention = _attention(model, batch, length, len(layers), device)
+    before = model.config._attn_implementation
+    if attention != before:
+        model.set_attn_implementation(attention)
+    for layer in ours:
+        layer._compiled_call_impl = torch.compile(layer._call_impl, dynamic=True)
+    try:
+        yield
+    finally:
+        for layer in ours:
+            layer._compiled_call_impl = None
+        if attention != before:
+            model.set_attn_implementation(before)
