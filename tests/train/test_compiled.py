@@ -71,8 +71,8 @@ def test_compiled_passes_score_and_differentiate_as_eager_ones_do(layout):
     assert _restored(model)  # sampling after the pass runs the model as it was
     assert eager_lp.abs().sum() > 0 and torch.allclose(comp_lp, eager_lp, atol=1e-5)
     assert len(comp_g) == len(eager_g) > 0
-    for c, e in zip(comp_g, eager_g, strict=True):
-        assert torch.allclose(c, e, rtol=1e-4, atol=1e-6)
+    for c, e in zip(comp_g, eager_g, strict=True):  # fused kernels sum in another order: compare tensors whole
+        assert (c - e).norm() <= 1e-4 * e.norm() + 1e-9 and (c - e).abs().max() <= 1e-4 * e.abs().max() + 1e-9
 
 
 def _samples(model: torch.nn.Module) -> list[Sample]:
