@@ -12,10 +12,10 @@ measurable (``bench/heap_reuse.py``, ``bench/make_run.json``, docs/benchmark-not
 
 Why it is off by default: the log-probs and gradients of compiled passes are as
 far from fp32's as the uncompiled bf16 ones (a test pins them to eager in fp32),
-but make run's RL ended above its SFT in 1 of 3 seeds compiled, against 2 of 2
-uncompiled from the same SFT weights and 5 of 5 before. That is not yet a
-measured cause, and the fast path becomes the default only where it learns as
-well. ``train.compile: auto`` compiles where the passes run in bf16 on a CPU.
+but make run's RL ended above its SFT in 2 of 4 seeds compiled (+0.043 +- 0.057),
+against 3 of 3 uncompiled from the same SFT weights (+0.167 +- 0.019) and 5 of 5
+before. No cause is found, and the fast path becomes the default only where it
+learns as well. ``train.compile: auto`` compiles where the passes run in bf16 on a CPU.
 
 How: inside ``compiled_decoder(model, batch, length)`` each decoder layer's
 ``_compiled_call_impl`` (the hook ``nn.Module.compile`` sets) holds a compiled
