@@ -114,9 +114,13 @@ def compiled_decoder(model: Any, batch: int, length: int) -> Iterator[None]:
     ``batch`` and ``length``: the rows' shape, which picks the attention on a CPU.
     A model without a ``layers`` list, or whose layers someone compiled already, runs as it is.
     """
+    mode = _COMPILE.get()
+    if mode is False:  # the default: nothing to look up on each pass
+        yield
+        return
     device = next(model.parameters()).device
     layers = _layers(model)
-    if not layers or not compile_resolves_on(_COMPILE.get(), device):
+    if not layers or not compile_resolves_on(mode, device):
         yield
         return
     ours = [layer for layer in layers if layer._compiled_call_impl is None]

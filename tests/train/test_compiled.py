@@ -67,7 +67,10 @@ def test_compiled_passes_score_and_differentiate_as_eager_ones_do(layout):
         pos = torch.cat([torch.arange(25), torch.arange(15)]).expand(3, 40).contiguous()
         attn, keep, kw = block_causal_mask(pos), torch.ones(3, 40, dtype=torch.bool), {"position_ids": pos}
     eager_lp, eager_g = _scores_and_grads(model, False, ids, attn, keep, **kw)
+    torch._dynamo.reset()  # so that the compiled pass below compiles here, where it is counted
+    torch._dynamo.utils.counters.clear()
     comp_lp, comp_g = _scores_and_grads(model, True, ids, attn, keep, **kw)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the layers did go through dynamo
     assert _restored(model)  # sampling after the pass runs the model as it was
     assert eager_lp.abs().sum() > 0 and torch.allclose(comp_lp, eager_lp, atol=1e-5)
     assert len(comp_g) == len(eager_g) > 0
