@@ -36,9 +36,11 @@ __all__ = [
     "SampleScores",
     "constrain_samples",
     "minibatch_step",
+    "minibatches",
     "samples_from_credit",
     "score_old",
     "score_samples",
+    "shuffled_orders",
     "train_on_samples",
 ]
 
@@ -211,19 +213,26 @@ def _rows(tree: bool) -> Callable[..., Any]:
 @torch.no_grad()
 def score_samples(net: torch.nn.Module, samples: list[Sample], max_tokens: int, pad_id: int,
                   temperature: float, *, top_k: int = 0, candidates: str | None = None,
-                  tree: bool = False) -> tuple[list[SampleScores], int]:
+                  tree: bool = False, groups: list[list[int]] | None = None) -> tuple[list[SampleScores], int]:
     """Each sample's token scores under ``net`` (no gradient), and the tokens run.
 
     With ``top_k`` each action token also gets its K most likely next ids and
     their log-probs; with ``candidates`` (a row field of ids, ``"old_top"``)
     the log-probs of those ids (distribution-level distillation). ``tree``: in
-    prefix-tree rows (logprobs and entropies only).
+    prefix-tree rows (logprobs and entropies only). ``groups`` (indices covering
+    ``samples``) packs each group into its own rows, as the update packs its
+    minibatches: in bf16 a token's score depends on the row it shares, so only
+    the same rows give the update's numbers.
     """
     dev = next(net.parameters()).device
     out: list[SampleScores | None] = [None] * len(samples)
     tokens = 0
     fields = (candidates,) if candidates else ()
-    for row in _rows(tree)(net, samples, list(range(len(samples))), max_tokens, pad_id, fields):
+    groups = [list(range(len(samples)))] if groups is None else groups
+    if sorted(i for g in groups for i in g) != list(range(len(samples))):
+        raise ValueError(f"groups must cover the {len(samples)} samples once each")
+    rows = (row for g in groups for row in _rows(tree)(net, samples, g, max_tokens, pad_id, fields))
+    for row in rows:
         with autocast(dev):
             sc = token_scores(net, row.input_ids, row.attn, row.mask, temperature, position_ids=row.position_ids,
                               parents=row.parents, candidates=row.values[candidates] if candidates else None,
@@ -237,13 +246,25 @@ def score_samples(net: torch.nn.Module, samples: list[Sample], max_tokens: int, 
 
 
 def score_old(net: torch.nn.Module, samples: list[Sample], max_tokens: int, pad_id: int, temperature: float,
-              *, top_k: int = 0, tree: bool = False) -> int:
+              *, top_k: int = 0, tree: bool = False, groups: list[list[int]] | None = None) -> int:
     """The student's own scoring pass: fills each sample's ``old`` (PPO's anchor), ``old_entropy``
-    and, with ``top_k``, ``old_top``; returns the tokens run."""
-    scores, tokens = score_samples(net, samples, max_tokens, pad_id, temperature, top_k=top_k, tree=tree)
+    and, with ``top_k``, ``old_top``; returns the tokens run. ``groups``: the update's first
+    minibatches, so that its first ratio is exactly 1 (``score_samples``)."""
+    scores, tokens = score_samples(net, samples, max_tokens, pad_id, temperature, top_k=top_k, tree=tree,
+                                   groups=groups)
     for s, sc in zip(samples, scores, strict=True):
         s.old, s.old_entropy, s.old_top = sc.logprobs, sc.entropies, sc.top_ids
     return tokens
+
+
+def shuffled_orders(n: int, epochs: int, generator: torch.Generator) -> list[list[int]]:
+    """Each epoch's order of the ``n`` samples, a permutation from ``generator``."""
+    return [torch.randperm(n, generator=generator).tolist() for _ in range(epochs)]
+
+
+def minibatches(order: list[int], size: int) -> list[list[int]]:
+    """``order`` cut into minibatches of ``size`` samples (the last one may be smaller)."""
+    return [order[s:s + size] for s in range(0, len(order), size)]
 
 
 def minibatch_step(net: torch.nn.Module, samples: list[Sample], idx: list[int], loss: StepLoss, *,
@@ -284,19 +305,29 @@ def minibatch_step(net: torch.nn.Module, samples: list[Sample], idx: list[int], 
 def train_on_samples(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                      samples: list[Sample], loss: StepLoss, *, fields: tuple[str, ...],
                      epochs: int, minibatch_size: int, max_tokens: int, max_grad_norm: float | None,
-                     per_token: bool, pad_id: int, temperature: float, generator: torch.Generator,
-                     on_minibatch: Callable[[], None] | None = None, tree: bool = False) -> dict[str, float]:
-    """``epochs`` shuffled passes of minibatches, one optimizer step each; mean stats."""
+                     per_token: bool, pad_id: int, temperature: float, generator: torch.Generator | None = None,
+                     on_minibatch: Callable[[], None] | None = None, tree: bool = False,
+                     orders: list[list[int]] | None = None) -> dict[str, float]:
+    """``epochs`` shuffled passes of minibatches, one optimizer step each; mean stats.
+
+    Each epoch's order is ``orders[epoch]`` where given (``shuffled_orders``, drawn
+    before a scoring pass that packs like the update), else drawn from ``generator``.
+    """
+    if orders is None:
+        if generator is None:
+            raise ValueError("train_on_samples needs a generator or the epochs' orders")
+        orders = shuffled_orders(len(samples), epochs, generator)
+    if len(orders) != epochs or any(sorted(o) != list(range(len(samples))) for o in orders):
+        raise ValueError(f"orders must be {epochs} permutations of the {len(samples)} samples")
     net = base_model(model)
     params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
     n_steps, tokens = 0, 0
     net.train()
     try:
-        for _ in range(epochs):
-            order = torch.randperm(len(samples), generator=generator).tolist()
-            for s in range(0, len(order), minibatch_size):
-                st, n = minibatch_step(net, samples, order[s:s + minibatch_size], loss, fields=fields,
+        for order in orders:
+            for idx in minibatches(order, minibatch_size):
+                st, n = minibatch_step(net, samples, idx, loss, fields=fields,
                                        per_token=per_token, max_tokens=max_tokens, pad_id=pad_id,
                                        temperature=temperature, tree=tree)
                 if max_grad_norm is not None:

@@ -40,9 +40,11 @@ from ..types import EpisodeGroup, RolloutTree
 from .batch import (
     Sample,
     constrain_samples,
+    minibatches,
     samples_from_credit,
     score_old,
     score_samples,
+    shuffled_orders,
     train_on_samples,
 )
 from .compiled import compile_mode
@@ -156,6 +158,10 @@ class Learner:
             stats.update(label_stats)
         batch = samples + labels
         one_step = not self.needs_scoring_pass(len(batch)) and not labels
+        # Drawn before the scoring passes, which pack the first epoch's minibatches into the
+        # update's rows: the first minibatch's ratio is then exactly 1, in bf16 too.
+        orders = shuffled_orders(len(batch), t.epochs, torch.Generator().manual_seed(request_seed(t.seed, step, 1)))
+        first = minibatches(orders[0], t.minibatch_size)
         fields: tuple[str, ...] = ("advantages", "behaviour", "versions")
         tokens = 0
         from_sampler = not one_step and t.old_logprobs == "sampler"
@@ -166,11 +172,12 @@ class Learner:
         elif not one_step:
             top_k = self.distiller.top_k if self.distiller is not None else 0
             tokens += score_old(self.net, batch, t.micro_batch_tokens, self.pad_id, self.temperature,
-                                top_k=top_k, tree=tree_layout)
+                                top_k=top_k, tree=tree_layout, groups=first)
             fields += ("old",)
         if t.loss.kl_coef > 0:
             with reference(self.model, self.ref) as ref:
-                scores, n = score_samples(ref, batch, t.micro_batch_tokens, self.pad_id, self.temperature)
+                scores, n = score_samples(ref, batch, t.micro_batch_tokens, self.pad_id, self.temperature,
+                                          groups=first)
             for s, sc in zip(batch, scores, strict=True):
                 s.ref = sc.logprobs
             tokens += n
@@ -197,8 +204,7 @@ class Learner:
                               epochs=t.epochs, minibatch_size=t.minibatch_size, max_tokens=t.micro_batch_tokens,
                               max_grad_norm=t.optimizer.max_grad_norm, per_token=t.loss.agg == "token-mean",
                               pad_id=self.pad_id, temperature=self.temperature,
-                              generator=torch.Generator().manual_seed(request_seed(t.seed, step, 1)),
-                              on_minibatch=advance, tree=tree_layout)
+                              orders=orders, on_minibatch=advance, tree=tree_layout)
         wall = time.perf_counter() - t0
         self._keep_token_values(groups, samples, credited)  # the values the loss read, now final
         stats.update(st)

@@ -171,3 +171,91 @@ def test_auto_follows_the_policy_given_to_the_trainer_not_only_the_config(tmp_pa
     assert _not_an_fp32_hf_sampler(object.__new__(MockPolicy)) == "is a MockPolicy, not the hf backend"
     remote = type("RayPolicy", (), {"__module__": "agentrl.distributed.rollout_workers"})()
     assert _not_an_fp32_hf_sampler(remote) is None  # a rollout worker's: the config's checks cover it
+
+
+
+def _wide_random_model() -> torch.nn.Module:
+    """A random Llama wide enough (hidden 256) that bf16 rounds a token's score by the row it is in;
+    the tiny-random model's sums are too short to show it."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=2000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_in_bf16_old_logprobs_packed_as_the_update_s_minibatches_give_a_ratio_of_exactly_1(aligned):
+    """The update at lr 0 (its weights never move) reads old log-probs from a scoring pass that
+    packed the epoch's minibatches as the update does: every ratio is exactly 1 (approx_kl 0).
+    Packed as one batch, as the pass did before, bf16 rounds them apart (measured on SmolLM2-135M
+    in make run's rows: approx_kl 1.0e-4)."""
+    from agentrl.train.batch import (
+        Sample,
+        minibatches,
+        score_old,
+        shuffled_orders,
+        train_on_samples,
+    )
+    from agentrl.train.loss import PolicyLossConfig, StepLoss
+    from agentrl.train.model import precision
+
+    torch.set_num_threads(1)
+    model = _wide_random_model()
+    g = torch.Generator().manual_seed(1)
+    samples = []
+    for k, n in enumerate((40, 73, 55, 90, 31, 64, 80, 47)):
+        ids = torch.randint(5, 2000, (n,), generator=g).tolist()
+        samples.append(Sample(ids, [0] * 10 + [1] * (n - 10), [0.0] * n, [0.0] * 10 + [(-1.0) ** k] * (n - 10),
+                              [0] * n))
+    orders = shuffled_orders(len(samples), 2, torch.Generator().manual_seed(0))
+    with precision("bf16"):
+        score_old(model, samples, 2048, 0, 1.0, groups=minibatches(orders[0], 2) if aligned else None)
+        for s in samples:
+            s.behaviour = list(s.old)
+        st = train_on_samples(model, torch.optim.SGD(model.parameters(), lr=0.0), None, samples,
+                              StepLoss(PolicyLossConfig(), version=0), fields=("advantages", "behaviour", "versions",
+                                                                               "old"),
+                              epochs=1, minibatch_size=2, max_tokens=2048, max_grad_norm=None, per_token=True,
+                              pad_id=0, temperature=1.0, orders=orders[:1])
+    assert st["train/optimizer_steps"] == 4
+    if aligned:
+        assert st["ppo/approx_kl"] == 0.0 and st["ppo/ratio_mean"] == 1.0
+    else:
+        assert st["ppo/approx_kl"] > 1e-9
+
+
+def test_the_learner_scores_old_logprobs_in_the_first_epoch_s_minibatches(tmp_path, monkeypatch):
+    """The groups the scoring pass packs are the minibatches the update then runs, in order; and
+    before the first optimizer step the update's log-probs equal the old ones bit for bit."""
+    import agentrl.train.step as step_module
+
+    torch.set_num_threads(1)
+    cfg = load_train_config(None, GUESS + ["train.precision=bf16", "train.old_logprobs=rescore", "train.epochs=2",
+                                           "train.minibatch_size=3", f"train.output.dir={tmp_path}"])
+    tr = Trainer(cfg, progress=False)
+    ran, first_rows, scored = [], [], []
+    minibatch_step, row_loss, score_old = batch_module.minibatch_step, batch_module.row_loss, step_module.score_old
+
+    def count(net: Any, samples: Any, idx: list[int], *a: Any, **kw: Any) -> Any:
+        ran.append(list(idx))
+        return minibatch_step(net, samples, idx, *a, **kw)
+
+    def spy(logprobs: torch.Tensor, entropies: torch.Tensor, row: Any, spec: Any) -> Any:
+        if len(ran) == 1:
+            first_rows.append((logprobs.detach().clone(), row.values["old"].clone(), row.mask.bool()))
+        return row_loss(logprobs, entropies, row, spec)
+
+    def old_pass(*a: Any, **kw: Any) -> Any:
+        scored.append(kw["groups"])
+        return score_old(*a, **kw)
+
+    monkeypatch.setattr(batch_module, "minibatch_step", count)
+    monkeypatch.setattr(batch_module, "row_loss", spy)
+    monkeypatch.setattr(step_module, "score_old", old_pass)
+    tr.run()
+    assert len(scored) == 1 and [len(g) for g in scored[0]] == [3, 3, 2]  # 8 episodes
+    assert len(ran) == 6 and scored[0] == ran[:3]  # two epochs; the pass packs the first one's
+    assert ran[3:] != ran[:3]  # the second epoch draws its own order
+    assert first_rows and all(torch.equal(new[m], old[m]) for new, old, m in first_rows)
