@@ -75,6 +75,8 @@ class Sample:
     distillation teacher. ``turn_spans`` are the episode's action spans.
     ``allowed`` maps each token of a constrained turn (``rollout.constrain``)
     to the ids it was sampled among (``constrain_samples``); None: none.
+    ``trained`` is set by the update: the tokens its loss kept in at least one
+    epoch (``mask`` less those staleness or M2PO left out), for the viewer.
     """
 
     input_ids: list[int]
@@ -90,6 +92,7 @@ class Sample:
     turn_spans: list[tuple[int, int]] | None = None
     distill: DistillFields = field(default_factory=DistillFields)
     allowed: dict[int, list[int]] | None = None
+    trained: list[int] | None = None
 
     @property
     def n_action(self) -> int:
@@ -196,6 +199,9 @@ class Minibatch:
             cuts = torch.tensor([0] + [len(s.mask) for s in ss]).cumsum(0).tolist()
             count = {i: m.count[0, a:b] for i, a, b in zip(self.idx, cuts[:-1], cuts[1:], strict=True)}
             keep = {i: m.keep[0, a:b] for i, a, b in zip(self.idx, cuts[:-1], cuts[1:], strict=True)}
+            for i, k in keep.items():  # what any epoch trained on, for the saved trees
+                was = self.samples[i].trained
+                self.samples[i].trained = [int(x) for x in (k if was is None else k | torch.tensor(was, dtype=torch.bool))]
             self._masks[key] = (count, keep, m.denominator, m.stats)
         count, keep, denominator, stats = self._masks[key]
         return TokenMasks(row.lay_samples(count), row.lay_samples(keep), denominator * row.share, stats)

@@ -49,7 +49,7 @@ from .batch import (
 )
 from .compiled import compile_mode
 from .config import TrainRunConfig
-from .loss import StepLoss, mismatch_stats, staleness_mask
+from .loss import StepLoss, mismatch_stats
 from .metrics import advantage_balance
 from .model import (
     base_model,
@@ -257,14 +257,7 @@ class Learner:
     def _keep_token_values(self, groups: list[EpisodeGroup], samples: list[Sample], credited: set[int]) -> None:
         """Put what the update read on the trees the run saves (``train.output.save_trees``), for the viewer."""
         t = self.cfg.train
-        limit, now = t.loss.max_token_staleness, self.policy.version  # the version the loss compared against
-
-        def kept(s: Sample) -> list[int]:  # the loss's count mask: staleness drops old tokens
-            if limit is None:
-                return s.mask
-            fresh = staleness_mask(torch.tensor(s.versions, dtype=torch.long), now, limit)
-            return [int(bool(m) and f) for m, f in zip(s.mask, fresh.tolist(), strict=True)]
-
+        kept = lambda s: s.trained if s.trained is not None else s.mask  # noqa: E731  # the loss's kept tokens
         for g in groups[:t.output.save_trees]:
             g.tree.meta["token_values"] = token_values(g, samples, credited, t.credit.name, kept)
 

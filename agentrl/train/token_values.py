@@ -18,14 +18,15 @@ values are those of every epoch (the weights after each epoch are not
 scored again). An asynchronous run saves the values of the step that trained
 on the trees, whichever policy version sampled them.
 
-A token the update left out of its mask (TIP), or one sampled more than
-``train.loss.max_token_staleness`` versions before the update (``kept``), is
-``null``. M2PO's masked tokens are not: its mask is a minibatch statistic that
-changes per epoch, and is logged as ``m2po/masked_frac``. An episode it left
-out altogether is ``{"trained": false, "reason": ...}``: a failed episode, an
-MC-GRPO pivot, one whose advantages were all 0 (``train.skip_zero_advantage``),
-one without an action token, or one whose every token the staleness bound dropped. Values are rounded to ``DECIMALS`` places:
-JSON floats are text, and this keeps a saved step small.
+A token the update left out of its mask (TIP), or that its loss left out in
+every epoch (``kept``, the update's ``Sample.trained``: sampled more than
+``train.loss.max_token_staleness`` versions before the update, or masked by
+M2PO, whose mask is a minibatch statistic that can change per epoch), is
+``null``. An episode it left out altogether is ``{"trained": false, "reason":
+...}``: a failed episode, an MC-GRPO pivot, one whose advantages were all 0
+(``train.skip_zero_advantage``), one without an action token, or one whose
+every token the loss's mask dropped. Values are rounded to ``DECIMALS``
+places: JSON floats are text, and this keeps a saved step small.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def token_values(group: EpisodeGroup, samples: list[Sample], credited: set[int],
             continue
         mask = kept(s) if kept is not None else s.mask
         if any(s.mask) and not any(mask):
-            out[str(leaf)] = {"trained": False, "reason": "every action token older than train.loss.max_token_staleness"}
+            out[str(leaf)] = {"trained": False, "reason": "the loss's mask dropped every action token "
+                                                          "(train.loss.max_token_staleness or m2po_tau)"}
             continue
         vals: dict[str, Any] = {"advantages": _on_actions(s.advantages, ep.loss_mask, mask)}
         if s.distill.teacher is not None and s.old is not None:

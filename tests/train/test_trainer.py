@@ -532,6 +532,40 @@ def test_the_minibatch_loss_does_not_depend_on_how_its_rows_are_packed(tmp_path,
         torch.testing.assert_close(g_split[n], g_one[n], rtol=1e-3, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
 
 
+
+@pytest.mark.parametrize("drop", ["staleness", "m2po"])
+def test_each_sample_records_the_tokens_its_loss_kept_in_any_minibatch(tmp_path, drop):
+    """``Sample.trained`` (what the viewer shows as trained): staleness drops sample 0's 5 version-0
+    tokens and all of sample 2's; M2PO masks all of sample 0 in a minibatch of its own (its M2 0.09
+    exceeds tau 0.04), and nothing once it shares one with the other two (M2 0.026): the record is
+    the union over the minibatches that ran it."""
+    from agentrl.train.batch import minibatch_step
+
+    torch.set_num_threads(1)
+    rule = "max_token_staleness: 1" if drop == "staleness" else "m2po_tau: 0.04"
+    cfg = toy_config(tmp_path, f"train.loss={{{rule}}}")
+    tr = Trainer(cfg, progress=False)
+    tr.policy.version = 3
+    samples = _dropping_samples(tr, drop)
+
+    def run(idx: list[int]) -> None:
+        minibatch_step(tr.learner.net, samples, idx, StepLoss(cfg.train.loss, 3),
+                       fields=("advantages", "behaviour", "versions", "old"), per_token=True, max_tokens=1024,
+                       pad_id=tr.learner.pad_id, temperature=tr.learner.temperature)
+
+    assert all(s.trained is None for s in samples)
+    run([0])
+    if drop == "m2po":
+        assert samples[0].trained == [0] * len(samples[0].mask)
+    else:
+        assert samples[0].trained == [0] * 6 + [0] * 5 + [1]  # 6 prompt tokens, 5 stale actions, 1 fresh
+    run([0, 1, 2])
+    if drop == "m2po":
+        assert [s.trained for s in samples] == [s.mask for s in samples]
+    else:
+        assert samples[0].trained == [0] * 11 + [1] and samples[1].trained == samples[1].mask
+        assert samples[2].trained == [0] * len(samples[2].mask)
+
 def test_an_m2po_step_runs_its_no_grad_pass_once_a_minibatch(tmp_path):
     """M2PO's second moment needs every token's current logprob before any row's loss: one no-grad
     pass over each minibatch, so the tokens run are twice those of the same step without M2PO."""
