@@ -7,6 +7,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -498,6 +499,17 @@ def _dropping_samples(tr, drop: str) -> list[Sample]:
     return samples
 
 
+def _dropping_run(tmp_path, drop: str, loss: str = "") -> tuple[Any, Trainer, list[Sample]]:
+    """A toy trainer at policy version 3 whose loss drops tokens (``drop``), and its ``_dropping_samples``;
+    ``loss``: more ``train.loss`` keys, as ``key: value, ``."""
+    torch.set_num_threads(1)
+    rule = "max_token_staleness: 1" if drop == "staleness" else "m2po_tau: 0.04"
+    cfg = toy_config(tmp_path, f"train.loss={{{loss}{rule}}}")
+    tr = Trainer(cfg, progress=False)
+    tr.policy.version = 3
+    return cfg, tr, _dropping_samples(tr, drop)
+
+
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 @pytest.mark.parametrize("drop", ["staleness", "m2po"])
 def test_the_minibatch_loss_does_not_depend_on_how_its_rows_are_packed(tmp_path, agg, drop):
@@ -508,14 +520,8 @@ def test_the_minibatch_loss_does_not_depend_on_how_its_rows_are_packed(tmp_path,
     ``micro_batch_tokens`` puts in a row.
     """
     from agentrl.train.batch import minibatch_step
-    from agentrl.train.trainer import Trainer
 
-    torch.set_num_threads(1)
-    rule = "max_token_staleness: 1" if drop == "staleness" else "m2po_tau: 0.04"
-    cfg = toy_config(tmp_path, f"train.loss={{agg: {agg}, norm_len: 16, {rule}}}")
-    tr = Trainer(cfg, progress=False)
-    tr.policy.version = 3
-    samples = _dropping_samples(tr, drop)
+    cfg, tr, samples = _dropping_run(tmp_path, drop, f"agg: {agg}, norm_len: 16, ")
     runs = []
     for max_tokens in (1024, 14):  # all three samples in one row; each in its own (14: the longest)
         tr.learner.net.zero_grad(set_to_none=True)
@@ -532,7 +538,6 @@ def test_the_minibatch_loss_does_not_depend_on_how_its_rows_are_packed(tmp_path,
         torch.testing.assert_close(g_split[n], g_one[n], rtol=1e-3, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
 
 
-
 @pytest.mark.parametrize("drop", ["staleness", "m2po"])
 def test_each_sample_records_the_tokens_its_loss_kept_in_any_minibatch(tmp_path, drop):
     """``Sample.trained`` (what the viewer shows as trained): staleness drops sample 0's 5 version-0
@@ -541,12 +546,7 @@ def test_each_sample_records_the_tokens_its_loss_kept_in_any_minibatch(tmp_path,
     the union over the minibatches that ran it."""
     from agentrl.train.batch import minibatch_step
 
-    torch.set_num_threads(1)
-    rule = "max_token_staleness: 1" if drop == "staleness" else "m2po_tau: 0.04"
-    cfg = toy_config(tmp_path, f"train.loss={{{rule}}}")
-    tr = Trainer(cfg, progress=False)
-    tr.policy.version = 3
-    samples = _dropping_samples(tr, drop)
+    cfg, tr, samples = _dropping_run(tmp_path, drop)
 
     def run(idx: list[int]) -> None:
         minibatch_step(tr.learner.net, samples, idx, StepLoss(cfg.train.loss, 3),
