@@ -134,6 +134,44 @@ def test_a_layer_compiled_by_its_user_is_left_compiled():
     assert mine._compiled_call_impl is theirs and model.model.layers[1]._compiled_call_impl is None
 
 
+class _RoundTrip(torch.nn.Module):
+    """A layer that rounds through bf16 as autocast does between ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.bfloat16).float() * 3 * self.w
+
+
+class _Decoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_RoundTrip()])
+        self.config = type("Config", (), {"_attn_implementation": "eager"})()
+
+    def get_decoder(self) -> torch.nn.Module:
+        return self
+
+
+def test_compiled_layers_round_where_eager_rounds():
+    """Inductor fuses ``x.to(bf16).float() * 3`` into one loop and, by default, skips the rounding;
+    the layers compile with ``emulate_precision_casts`` (on make run's SFT weights the default
+    shrank a bf16 RL gradient by 1.5% against fp32's and moved it 5.6% from it, eager bf16 0.4% and
+    4.5%). Bit for bit as eager with the option; apart without it (the check has teeth)."""
+    model, x = _Decoder(), torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    eager = model.layers[0](x)
+    torch._dynamo.reset()
+    with compile_mode(True), compiled_decoder(model, batch=1, length=8):
+        ours = model.layers[0](x)
+    assert torch.equal(ours, eager)
+    torch._dynamo.reset()
+    plain = torch.compile(model.layers[0]._call_impl, dynamic=True)(x)
+    assert not torch.equal(plain, eager)
+    assert compiled.INDUCTOR_OPTIONS == {"emulate_precision_casts": True}
+
+
 def test_attention_is_eager_on_a_cpu_only_while_the_probabilities_it_keeps_fit():
     model = _fresh_model()
     layers, heads = len(model.model.layers), model.config.num_attention_heads
