@@ -200,8 +200,8 @@ class Minibatch:
             count = {i: m.count[0, a:b] for i, a, b in zip(self.idx, cuts[:-1], cuts[1:], strict=True)}
             keep = {i: m.keep[0, a:b] for i, a, b in zip(self.idx, cuts[:-1], cuts[1:], strict=True)}
             for i, k in keep.items():  # what any epoch trained on, for the saved trees
-                was = self.samples[i].trained
-                self.samples[i].trained = [int(x) for x in (k if was is None else k | torch.tensor(was, dtype=torch.bool))]
+                was = self.samples[i].trained or [0] * len(k)
+                self.samples[i].trained = [int(a or b) for a, b in zip(k.tolist(), was, strict=True)]
             self._masks[key] = (count, keep, m.denominator, m.stats)
         count, keep, denominator, stats = self._masks[key]
         return TokenMasks(row.lay_samples(count), row.lay_samples(keep), denominator * row.share, stats)

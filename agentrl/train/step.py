@@ -257,9 +257,8 @@ class Learner:
     def _keep_token_values(self, groups: list[EpisodeGroup], samples: list[Sample], credited: set[int]) -> None:
         """Put what the update read on the trees the run saves (``train.output.save_trees``), for the viewer."""
         t = self.cfg.train
-        kept = lambda s: s.trained if s.trained is not None else s.mask  # noqa: E731  # the loss's kept tokens
         for g in groups[:t.output.save_trees]:
-            g.tree.meta["token_values"] = token_values(g, samples, credited, t.credit.name, kept)
+            g.tree.meta["token_values"] = token_values(g, samples, credited, t.credit.name)
 
     def _teacher_context(self, samples: list[Sample], groups: list[EpisodeGroup]) -> None:
         """What the distillation teacher reads of each sample's episode: its tree's privileged

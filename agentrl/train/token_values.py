@@ -19,7 +19,7 @@ scored again). An asynchronous run saves the values of the step that trained
 on the trees, whichever policy version sampled them.
 
 A token the update left out of its mask (TIP), or that its loss left out in
-every epoch (``kept``, the update's ``Sample.trained``: sampled more than
+every epoch (the update's ``Sample.trained``: sampled more than
 ``train.loss.max_token_staleness`` versions before the update, or masked by
 M2PO, whose mask is a minibatch statistic that can change per epoch), is
 ``null``. An episode it left out altogether is ``{"trained": false, "reason":
@@ -31,7 +31,6 @@ places: JSON floats are text, and this keeps a saved step small.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from ..types import Episode, EpisodeGroup
@@ -61,14 +60,14 @@ def untrained_reason(episode: Episode, credited: bool, credit: str) -> str:
     return "every advantage 0 (train.skip_zero_advantage)"
 
 
-def token_values(group: EpisodeGroup, samples: list[Sample], credited: set[int], credit: str,
-                 kept: Callable[[Sample], list[int]] | None = None) -> dict[str, dict[str, Any]]:
+def token_values(group: EpisodeGroup, samples: list[Sample], credited: set[int],
+                 credit: str) -> dict[str, dict[str, Any]]:
     """``{"<leaf id>": values}`` for one tree (see the module docstring), read after the update.
 
     ``samples`` are the step's samples (a sample's ``episode`` is one of the
     group's episodes or another tree's), ``credited`` the ``id``s of the
-    episodes credit gave advantages to, ``credit`` the ``train.credit`` method, ``kept`` a
-    sample's trained mask where the loss narrows ``Sample.mask`` (default: ``Sample.mask``).
+    episodes credit gave advantages to, ``credit`` the ``train.credit`` method. A sample's
+    trained tokens are ``Sample.trained`` where the update set it, else ``Sample.mask``.
     """
     trained = {id(s.episode): s for s in samples if s.episode is not None}
     out: dict[str, dict[str, Any]] = {}
@@ -77,7 +76,7 @@ def token_values(group: EpisodeGroup, samples: list[Sample], credited: set[int],
         if s is None:
             out[str(leaf)] = {"trained": False, "reason": untrained_reason(ep, id(ep) in credited, credit)}
             continue
-        mask = kept(s) if kept is not None else s.mask
+        mask = s.trained if s.trained is not None else s.mask
         if any(s.mask) and not any(mask):
             out[str(leaf)] = {"trained": False, "reason": "the loss's mask dropped every action token "
                                                           "(train.loss.max_token_staleness or m2po_tau)"}
