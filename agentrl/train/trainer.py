@@ -304,8 +304,7 @@ class Trainer:
                     self.sft_done = True
                     ev = self._eval("after SFT", bars)
                     self._phase("after_sft", ev)
-                    log.log(0, {"phase": "sft", **st, **ev, **mem.read()})
-                    self.save()
+                    self._save_then_log(log, {"phase": "sft", **st, **ev, **mem.read()})
                 overall = bars.start("steps", t.steps)
                 for _ in range(self.step):
                     overall()
@@ -320,8 +319,12 @@ class Trainer:
                         max_turns=self._depth_budget()).begin()
                 while self.step < t.steps:
                     phase()
-                    row = self._one_step(bars)
-                    log.log(self.step, {"phase": "rl", **row, **mem.read()})
+                    row = {"phase": "rl", **self._one_step(bars), **mem.read()}
+                    every = t.checkpointing.every
+                    if every and self.step % every == 0 and self.step < t.steps:
+                        self._save_then_log(log, row)
+                    else:
+                        log.log(self.step, row)
                     overall()
                 ev = {}
                 phase()
@@ -332,10 +335,8 @@ class Trainer:
                 elif ran or "end" not in self.phases:
                     ev = self._eval("end", bars)
                     self._phase("end", ev)
-            t0 = time.perf_counter()
-            final = self.save(export_hf=t.checkpointing.export_hf)
-            log.log(self.step, {"phase": "end", **ev, "time/checkpoint_s": time.perf_counter() - t0,
-                                **mem.read()})
+            final = self._save_then_log(log, {"phase": "end", **ev, **mem.read()},
+                                        export_hf=t.checkpointing.export_hf)
         finally:
             if self.producer is not None:
                 self.producer.close()
@@ -376,13 +377,26 @@ class Trainer:
         every = t.evaluation.every
         if every and self.step % every == 0 and self.step < t.steps:
             stats.update(self._eval(f"step {self.step}", bars))
-        every = t.checkpointing.every
-        if every and self.step % every == 0 and self.step < t.steps:
-            t0 = time.perf_counter()
-            self.save()
-            stats["time/checkpoint_s"] = time.perf_counter() - t0
-        stats["time/step_s"] = time.perf_counter() - t_step  # the whole step, eval and checkpoint included
+        stats["time/step_s"] = time.perf_counter() - t_step  # the whole step, eval included; run() adds a checkpoint
         return stats
+
+    def _save_then_log(self, log: MetricsLogger, row: dict[str, Any], export_hf: bool = False) -> Path:
+        """Checkpoint, then log ``row`` with the save's seconds (added to a step's ``time/step_s``).
+
+        A save that fails (a full disk, an interrupt) still logs ``row``, with the error, before raising:
+        the step's metrics and evaluation are measured, and the failed save must not take them along.
+        """
+        t0 = time.perf_counter()
+        try:
+            path = self.save(export_hf=export_hf)
+        except BaseException as e:
+            log.log(self.step, {**row, "checkpoint/error": f"{type(e).__name__}: {e}"})
+            raise
+        dt = time.perf_counter() - t0
+        if "time/step_s" in row:
+            row = {**row, "time/step_s": row["time/step_s"] + dt}
+        log.log(self.step, {**row, "time/checkpoint_s": dt})
+        return path
 
 
 def train(cfg: TrainRunConfig, *, resume: bool = False, overwrite: bool = False, policy: Any = None,

@@ -657,6 +657,36 @@ def test_a_step_without_signal_warns_and_overwrite_clears_the_old_run(tmp_path):
     assert [r["train/no_signal"] for r in _rows(tmp_path / "metrics.jsonl") if r.get("phase") == "rl"] == [1]
 
 
+@pytest.mark.parametrize("failing", ["step", "end"])
+def test_a_failed_checkpoint_save_still_logs_its_row_with_the_error(tmp_path, monkeypatch, failing):
+    """A full disk at a save must not take the step's (or the end's) measured metrics with it."""
+    from agentrl.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    saves, real_save = [], Trainer.save
+
+    def save(self, export_hf=False):
+        saves.append(self.step)
+        if len(saves) == (1 if failing == "step" else 2):
+            raise OSError(28, "No space left on device")
+        return real_save(self, export_hf=export_hf)
+
+    monkeypatch.setattr(Trainer, "save", save)
+    cfg = toy_config(tmp_path, *SHORT, "train.steps=2", "train.checkpointing.every=1", "train.evaluation.every=1")
+    with pytest.raises(OSError, match="No space left"):
+        train(cfg, progress=False, console=_console()[0])
+    rows = _rows(tmp_path / "metrics.jsonl")
+    last = rows[-1]
+    assert (last["step"], last["phase"]) == ((1, "rl") if failing == "step" else (2, "end"))
+    assert last["checkpoint/error"] == "OSError: [Errno 28] No space left on device"
+    assert "eval/success" in last and "time/checkpoint_s" not in last
+    if failing == "end":  # the step-1 save went through: its time is in the step's row, and in its total
+        step1 = next(r for r in rows if r.get("phase") == "rl" and r["step"] == 1)
+        assert "checkpoint/error" not in step1
+        assert step1["time/step_s"] >= step1["time/checkpoint_s"] + step1["time/rollout_s"]
+    assert saves == ([1] if failing == "step" else [1, 2])
+
+
 def test_zero_steps_is_a_dry_run_that_writes_nothing(tmp_path):
     console, buf = _console()
     summary = train(toy_config(tmp_path / "dry", "train.steps=0"), progress=False, console=console)
