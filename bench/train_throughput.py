@@ -191,7 +191,13 @@ def run_agentrl(args: argparse.Namespace, lora: bool = False) -> dict:
     from agentrl.models import load_model
     from agentrl.policy.base import GenerateRequest, SamplingParams
     from agentrl.policy.hf import HFPolicy
-    from agentrl.train.batch import Sample, score_old, train_on_samples
+    from agentrl.train.batch import (
+        Sample,
+        minibatches,
+        score_old,
+        shuffled_orders,
+        train_on_samples,
+    )
     from agentrl.train.compiled import compile_mode
     from agentrl.train.config import OptimizerConfig, TrainConfig
     from agentrl.train.loss import PolicyLossConfig, StepLoss
@@ -228,19 +234,22 @@ def run_agentrl(args: argparse.Namespace, lora: bool = False) -> dict:
             samples.append(Sample(req.prompt_ids + list(res.token_ids), [0] * n_p + [1] * n_c,
                                   [0.0] * n_p + list(res.logprobs), [0.0] * n_p + [a] * n_c,
                                   [0] * (n_p + n_c)))
-        t0 = time.perf_counter()
+        # as the trainer does: the order drawn first, the scoring pass packing the update's rows
+        orders = shuffled_orders(len(samples), 1, torch.Generator().manual_seed(step))
         score_tokens, fields = 0, ("advantages", "behaviour", "versions")
-        if args.score_pass:
-            score_tokens = score_old(model, samples, args.micro_batch_tokens, pad_id, 1.0)
-            fields += ("old",)
-        score_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
         with precision(prec), compile_mode(compiled == "compile"):
+            t0 = time.perf_counter()
+            if args.score_pass:
+                score_tokens = score_old(model, samples, args.micro_batch_tokens, pad_id, 1.0,
+                                         groups=minibatches(orders[0], len(samples)))
+                fields += ("old",)
+            score_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
             st = train_on_samples(trained, opt, None, samples, loss, fields=fields, epochs=1,
                                   minibatch_size=len(samples), max_tokens=args.micro_batch_tokens,
                                   max_grad_norm=1.0, per_token=True, pad_id=pad_id, temperature=1.0,
-                                  generator=torch.Generator().manual_seed(step))
-        update_s = time.perf_counter() - t0
+                                  orders=orders)
+            update_s = time.perf_counter() - t0
         policy.weights_updated()
         steps.append({"gen_s": gen_s, "score_s": score_s, "update_s": update_s,
                       "completion_tokens": sum(len(r.token_ids) for r in results),
