@@ -144,7 +144,10 @@ distillation work is on the [Algorithms](algorithms.md) page.
   deterministic mode, the same to the bit ([Reproducibility](reproducibility.md)).
   The final checkpoint is also exported with `save_pretrained` and loads with
   `AutoModelForCausalLM`, and in vLLM: the vLLM test suite's engine is started
-  from such an export.
+  from such an export. A save that fails (a full disk, an interrupt) still
+  writes its step's `metrics.jsonl` row, evaluation included, with
+  `checkpoint/error`, before the run stops; `--resume` continues from the last
+  whole checkpoint.
 - **Asynchronous training.** With `train.asynchronous: {max_batch_staleness: k}`
   the next steps roll out in a producer thread while the current one trains
   (`agentrl/train/asynchronous.py`, the bounded staleness of AReaL and M2PO).
