@@ -304,7 +304,7 @@ class Trainer:
                     self.sft_done = True
                     ev = self._eval("after SFT", bars)
                     self._phase("after_sft", ev)
-                    self._save_then_log(log, {"phase": "sft", **st, **ev, **mem.read()})
+                    self._save_then_log(log, mem, {"phase": "sft", **st, **ev})
                 overall = bars.start("steps", t.steps)
                 for _ in range(self.step):
                     overall()
@@ -319,12 +319,12 @@ class Trainer:
                         max_turns=self._depth_budget()).begin()
                 while self.step < t.steps:
                     phase()
-                    row = {"phase": "rl", **self._one_step(bars), **mem.read()}
+                    row = {"phase": "rl", **self._one_step(bars)}
                     every = t.checkpointing.every
                     if every and self.step % every == 0 and self.step < t.steps:
-                        self._save_then_log(log, row)
+                        self._save_then_log(log, mem, row)
                     else:
-                        log.log(self.step, row)
+                        log.log(self.step, {**row, **mem.read()})
                     overall()
                 ev = {}
                 phase()
@@ -335,8 +335,7 @@ class Trainer:
                 elif ran or "end" not in self.phases:
                     ev = self._eval("end", bars)
                     self._phase("end", ev)
-            final = self._save_then_log(log, {"phase": "end", **ev, **mem.read()},
-                                        export_hf=t.checkpointing.export_hf)
+            final = self._save_then_log(log, mem, {"phase": "end", **ev}, export_hf=t.checkpointing.export_hf)
         finally:
             if self.producer is not None:
                 self.producer.close()
@@ -380,8 +379,10 @@ class Trainer:
         stats["time/step_s"] = time.perf_counter() - t_step  # the whole step, eval included; run() adds a checkpoint
         return stats
 
-    def _save_then_log(self, log: MetricsLogger, row: dict[str, Any], export_hf: bool = False) -> Path:
-        """Checkpoint, then log ``row`` with the save's seconds (added to a step's ``time/step_s``).
+    def _save_then_log(self, log: MetricsLogger, mem: PeakMemory, row: dict[str, Any],
+                       export_hf: bool = False) -> Path:
+        """Checkpoint, then log ``row`` with the save's seconds (added to a step's ``time/step_s``)
+        and the peak memory, the save's included.
 
         A save that fails (a full disk, an interrupt) still logs ``row``, with the error, before raising:
         the step's metrics and evaluation are measured, and the failed save must not take them along.
@@ -390,12 +391,13 @@ class Trainer:
         try:
             path = self.save(export_hf=export_hf)
         except BaseException as e:
-            log.log(self.step, {**row, "checkpoint/error": f"{type(e).__name__}: {e}"})
+            with contextlib.suppress(Exception):  # a full disk may refuse the row too: the save's error goes up
+                log.log(self.step, {**row, **mem.read(), "checkpoint/error": f"{type(e).__name__}: {e}"})
             raise
         dt = time.perf_counter() - t0
         if "time/step_s" in row:
             row = {**row, "time/step_s": row["time/step_s"] + dt}
-        log.log(self.step, {**row, "time/checkpoint_s": dt})
+        log.log(self.step, {**row, "time/checkpoint_s": dt, **mem.read()})
         return path
 
 
