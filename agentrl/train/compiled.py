@@ -10,16 +10,16 @@ update went from about 360 to 550-600 tokens/s; the whole make run (with
 to 147 s and its peak memory from 13-14 to 7.9 GB. fp32 gained nothing
 measurable (``bench/heap_reuse.py``, ``bench/make_run.json``, docs/benchmark-notes.md).
 
-Why it is off by default: make run's RL from the same SFT weights, 7 seeds each way,
-gained less compiled (+0.083 +- 0.035, 5 of 7 seeds above the SFT) than uncompiled
-(+0.154 +- 0.017, 7 of 7): paired, -0.072 +- 0.032 at the end, though +0.009 +- 0.008
-after step 3. The one cause found: inductor's fused kernels skipped autocast's bf16
-round trips, which shrank an RL gradient by 1.5% against fp32's and moved it 5.6%
-from it, against 0.4% and 4.5% uncompiled. The layers now compile with
-``emulate_precision_casts`` (``INDUCTOR_OPTIONS``: 0.5% and 5.0%, no slower); with
-it 3 seeds ended at -0.005 +- 0.042 against their uncompiled pairs, all above the
-SFT. Too few to call it learning as well, so ``train.compile`` stays opt-in;
-``auto`` compiles where the passes run in bf16 on a CPU.
+Why it is off by default: before the layers compiled with ``emulate_precision_casts``
+(``INDUCTOR_OPTIONS``), make run's RL from the same SFT weights gained less compiled
+over 7 paired seeds (-0.072 +- 0.032 at the end). The one cause found: inductor's
+fused kernels skipped autocast's bf16 round trips, which shrank an RL gradient by
+1.5% against fp32's and moved it 5.6% from it, against 0.4% and 4.5% uncompiled
+(0.5% and 5.0% with the option, no slower). With it, RL over 9 paired seeds ended
+at +0.005 +- 0.025; but make run's SFT compiled scored 0.547, 0.812 and 0.641 on
+seeds 0-2 against 0.656, 0.844 and 0.625 uncompiled (-0.042 +- 0.037), so parity
+is not shown for SFT, and ``train.compile`` stays opt-in. ``auto`` compiles where
+the passes run in bf16 on a CPU.
 
 How: inside ``compiled_decoder(model, batch, length)`` each decoder layer's
 ``_compiled_call_impl`` (the hook ``nn.Module.compile`` sets) holds a compiled

@@ -204,10 +204,9 @@ class TrainConfig(_Strict):
         False, description="Run the decoder layers through torch.compile in the training and scoring "
         "passes (agentrl.train.compiled; sampling stays eager): true anywhere; auto where those passes "
         "run in bf16 on a CPU that builds the kernels; false never. make run's bf16 SFT update ran "
-        "1.5-1.8x faster compiled on 2 AMX cores. Opt-in: before its kernels rounded as eager does, RL "
-        "gained less compiled over 7 paired seeds (-0.07 +- 0.03), and the fixed path has 3 seeds so far "
-        "(docs/benchmark-notes.md). Each new kind of pass compiles "
-        "first, about 10 s, once a process.")
+        "1.5-1.8x faster compiled on 2 AMX cores. Opt-in: RL learned as well compiled over 9 paired "
+        "seeds (+0.005 +- 0.025), but the SFT's 3 seeds lean lower (-0.04 +- 0.04; "
+        "docs/benchmark-notes.md). Each new kind of pass compiles first, about 10 s, once a process.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig,
                                        description="AdamW, its schedule and gradient clipping.")
     # -- what trains -----------------------------------------------------------------
