@@ -16,8 +16,8 @@ over 7 paired seeds (-0.072 +- 0.032 at the end). The one cause found: inductor'
 fused kernels skipped autocast's bf16 round trips, which shrank an RL gradient by
 1.5% against fp32's and moved it 5.6% from it, against 0.4% and 4.5% uncompiled
 (0.5% and 5.0% with the option, no slower). With it, RL over 9 paired seeds ended
-at +0.005 +- 0.025; but make run's SFT compiled scored 0.547, 0.812 and 0.641 on
-seeds 0-2 against 0.656, 0.844 and 0.625 uncompiled (-0.042 +- 0.037), so parity
+at +0.005 +- 0.025; but make run's SFT compiled scored 0.547, 0.812, 0.641 and 0.562
+on seeds 0-3 against 0.656, 0.844, 0.625 and 0.562 uncompiled (-0.031 +- 0.028), so parity
 is not shown for SFT, and ``train.compile`` stays opt-in. ``auto`` compiles where
 the passes run in bf16 on a CPU.
 
