@@ -119,8 +119,9 @@ def _export_hf(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
 def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
                     state: dict[str, Any] | None = None, *, export_hf: bool = False,
-                    tokenizer: Any = None, keep: int = 2) -> Path:
-    """Write checkpoint ``step`` atomically under ``out_dir/checkpoints``; return its folder."""
+                    tokenizer: Any = None, keep: int | None = 2) -> Path:
+    """Write checkpoint ``step`` atomically under ``out_dir/checkpoints``; return its folder.
+    Then keep the newest ``keep`` checkpoints (``None``: prune nothing, see ``prune_checkpoints``)."""
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     root = Path(out_dir) / "checkpoints"
@@ -143,9 +144,15 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module,
         tmp.rename(target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if keep is not None:
+        prune_checkpoints(out_dir, keep)
+    return target
+
+
+def prune_checkpoints(out_dir: str | Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` checkpoints under ``out_dir/checkpoints``."""
     for old in checkpoint_dirs(out_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    return target
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:

@@ -42,6 +42,7 @@ from .checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     load_trainable,
+    prune_checkpoints,
     restore_rng,
     save_checkpoint,
 )
@@ -188,7 +189,7 @@ class Trainer:
             shutdown_env_worker_pools(self.cfg.env.id)
 
     # -- state ---------------------------------------------------------------------------
-    def save(self, export_hf: bool = False) -> Path:
+    def save(self, export_hf: bool = False, prune: bool = True) -> Path:
         state = {"version": self.policy.version, "sft_done": self.sft_done, "phases": self.phases,
                  "phase_rewards": self.phase_rewards,
                  "config": self.cfg.model_dump(mode="json")}
@@ -199,7 +200,7 @@ class Trainer:
             state["distill_turn_mass"] = lr.distiller.turn_mass
         return save_checkpoint(self.out, self.step, lr.model, lr.optimizer, lr.scheduler, state,
                                export_hf=export_hf, tokenizer=self.policy.tokenizer,
-                               keep=self.cfg.train.checkpointing.keep)
+                               keep=self.cfg.train.checkpointing.keep if prune else None)
 
     def resume(self, path: str | Path | None = None) -> bool:
         """Load the newest checkpoint under ``train.output.dir`` (or ``path``); False when there is none."""
@@ -386,10 +387,12 @@ class Trainer:
 
         A save that fails (a full disk, an interrupt) still logs ``row``, with the error, before raising:
         the step's metrics and evaluation are measured, and the failed save must not take them along.
+        Old checkpoints are pruned after the row: an interrupt there leaves a whole checkpoint and a
+        row without an error.
         """
         t0 = time.perf_counter()
         try:
-            path = self.save(export_hf=export_hf)
+            path = self.save(export_hf=export_hf, prune=False)
         except BaseException as e:
             with contextlib.suppress(Exception):  # a full disk may refuse the row too: the save's error goes up
                 log.log(self.step, {**row, **mem.read(), "checkpoint/error": f"{type(e).__name__}: {e}"})
@@ -398,6 +401,7 @@ class Trainer:
         if "time/step_s" in row:
             row = {**row, "time/step_s": row["time/step_s"] + dt}
         log.log(self.step, {**row, "time/checkpoint_s": dt, **mem.read()})
+        prune_checkpoints(self.out, self.cfg.train.checkpointing.keep)
         return path
 
 

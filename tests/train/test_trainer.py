@@ -665,12 +665,12 @@ def test_a_failed_checkpoint_save_still_logs_its_row_with_the_error(tmp_path, mo
     torch.set_num_threads(1)
     saves, real_save = [], Trainer.save
 
-    def save(self, export_hf=False):
+    def save(self, export_hf=False, prune=True):
         saves.append(self.step)
         if len(saves) == (1 if failing == "step" else 2):
             raise OSError(28, "No space left on device")
         time.sleep(0.5)  # a save long enough that its seconds show in the step's total
-        return real_save(self, export_hf=export_hf)
+        return real_save(self, export_hf=export_hf, prune=prune)
 
     monkeypatch.setattr(Trainer, "save", save)
     cfg = toy_config(tmp_path, *SHORT, "train.steps=2", "train.checkpointing.every=1", "train.evaluation.every=1")
@@ -687,6 +687,33 @@ def test_a_failed_checkpoint_save_still_logs_its_row_with_the_error(tmp_path, mo
         parts = sum(step1[k] for k in ("time/rollout_s", "time/train_s", "time/sync_s", "time/eval_s"))
         assert step1["time/step_s"] >= parts + step1["time/checkpoint_s"]
     assert saves == ([1] if failing == "step" else [1, 2])
+
+
+def test_an_interrupt_while_old_checkpoints_are_pruned_logs_the_row_without_an_error(tmp_path, monkeypatch):
+    """The checkpoint is whole once renamed: an interrupt in the pruning after it is no failed save."""
+    import agentrl.train.trainer as trainer_mod
+    from agentrl.train.checkpoint import checkpoint_dirs, latest_checkpoint, load_checkpoint
+
+    torch.set_num_threads(1)
+    real_prune, pruned = trainer_mod.prune_checkpoints, []
+
+    def prune(out_dir, keep):
+        pruned.append(keep)
+        if len(pruned) == 2:  # step 2's save: step 1's checkpoint and step 2's are whole, the row written
+            raise KeyboardInterrupt
+        real_prune(out_dir, keep)
+
+    monkeypatch.setattr(trainer_mod, "prune_checkpoints", prune)
+    cfg = toy_config(tmp_path, *SHORT, "train.steps=3", "train.checkpointing.every=1",
+                     "train.checkpointing.keep=1", "train.evaluation.every=0")
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, progress=False, console=_console()[0])
+    rows = _rows(tmp_path / "metrics.jsonl")
+    last = rows[-1]
+    assert (last["step"], last["phase"]) == (2, "rl")
+    assert "checkpoint/error" not in last and last["time/checkpoint_s"] > 0
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step-000001", "step-000002"]  # not yet pruned
+    assert load_checkpoint(latest_checkpoint(tmp_path)).step == 2
 
 
 def test_zero_steps_is_a_dry_run_that_writes_nothing(tmp_path):
