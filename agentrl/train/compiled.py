@@ -16,10 +16,10 @@ over 7 paired seeds (-0.072 +- 0.032 at the end). The one cause found: inductor'
 fused kernels skipped autocast's bf16 round trips, which shrank an RL gradient by
 1.5% against fp32's and moved it 5.6% from it, against 0.4% and 4.5% uncompiled
 (0.5% and 5.0% with the option, no slower). With it, RL over 9 paired seeds ended
-at +0.005 +- 0.025; but make run's SFT compiled scored 0.547, 0.812, 0.641 and 0.562
-on seeds 0-3 against 0.656, 0.844, 0.625 and 0.562 uncompiled (-0.031 +- 0.028), so parity
-is not shown for SFT, and ``train.compile`` stays opt-in. ``auto`` compiles where
-the passes run in bf16 on a CPU.
+at +0.005 +- 0.025, and make run's SFT over 6 paired seeds at +0.026 +- 0.045 (0.703
+against 0.677). It stays opt-in until make run's recorded table comes from a timed run
+of the compiled recipe (docs/benchmark-notes.md). ``auto`` compiles where the passes
+run in bf16 on a CPU.
 
 How: inside ``compiled_decoder(model, batch, length)`` each decoder layer's
 ``_compiled_call_impl`` (the hook ``nn.Module.compile`` sets) holds a compiled
