@@ -35,7 +35,7 @@ from .batch import (
     score_samples,
     train_on_samples,
 )
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from .config import (
     AsyncConfig,
     CheckpointingConfig,
@@ -154,6 +154,7 @@ __all__ = [
     "ppo_clip_loss",
     "ppo_clip_token_loss",
     "prefix_tree",
+    "prune_checkpoints",
     "reverse_kl_advantage",
     "row_loss",
     "samples_from_credit",

@@ -41,6 +41,7 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "load_trainable",
+    "prune_checkpoints",
     "restore_rng",
     "save_checkpoint",
     "trainable_state",

@@ -387,8 +387,8 @@ class Trainer:
 
         A save that fails (a full disk, an interrupt) still logs ``row``, with the error, before raising:
         the step's metrics and evaluation are measured, and the failed save must not take them along.
-        Old checkpoints are pruned after the row: an interrupt there leaves a whole checkpoint and a
-        row without an error.
+        Old checkpoints are pruned after the row (their seconds are in neither): an interrupt there
+        leaves a whole checkpoint and a row without an error.
         """
         t0 = time.perf_counter()
         try:
@@ -400,8 +400,10 @@ class Trainer:
         dt = time.perf_counter() - t0
         if "time/step_s" in row:
             row = {**row, "time/step_s": row["time/step_s"] + dt}
-        log.log(self.step, {**row, "time/checkpoint_s": dt, **mem.read()})
-        prune_checkpoints(self.out, self.cfg.train.checkpointing.keep)
+        try:
+            log.log(self.step, {**row, "time/checkpoint_s": dt, **mem.read()})
+        finally:  # a row refused by a full disk still frees the old checkpoints' space
+            prune_checkpoints(self.out, self.cfg.train.checkpointing.keep)
         return path
 
 

@@ -712,6 +712,7 @@ def test_an_interrupt_while_old_checkpoints_are_pruned_logs_the_row_without_an_e
     last = rows[-1]
     assert (last["step"], last["phase"]) == (2, "rl")
     assert "checkpoint/error" not in last and last["time/checkpoint_s"] > 0
+    assert len([r for r in rows if r["step"] == 2]) == 1 and pruned == [1, 1]
     assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step-000001", "step-000002"]  # not yet pruned
     assert load_checkpoint(latest_checkpoint(tmp_path)).step == 2
 
