@@ -135,7 +135,8 @@ def sft_child(variant: str, seed: int, out: str) -> None:
     result = train(cfg, progress=False)
     rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     sft = next(r for r in rows if "sft/tokens_per_s" in r)
-    print(json.dumps({"variant": variant, "seed": seed, "success": result["phases"]["after_sft"],
+    print(json.dumps({"variant": variant, "seed": seed, "micro_batch_tokens": cfg.train.micro_batch_tokens,
+                      "success": result["phases"]["after_sft"],
                       "sft_tokens_per_s": round(sft["sft/tokens_per_s"], 1),
                       "nll_after": round(sft["sft/nll_after"], 4), "wall_s": round(time.perf_counter() - t, 1)}))
 
