@@ -10,16 +10,19 @@ update went from about 360 to 550-600 tokens/s; the whole make run (with
 to 147 s and its peak memory from 13-14 to 7.9 GB. fp32 gained nothing
 measurable (``bench/heap_reuse.py``, ``bench/make_run.json``, docs/benchmark-notes.md).
 
-Why it is off by default: before the layers compiled with ``emulate_precision_casts``
-(``INDUCTOR_OPTIONS``), make run's RL from the same SFT weights gained less compiled
-over 7 paired seeds (-0.072 +- 0.032 at the end). The one cause found: inductor's
-fused kernels skipped autocast's bf16 round trips, which shrank an RL gradient by
-1.5% against fp32's and moved it 5.6% from it, against 0.4% and 4.5% uncompiled
-(0.5% and 5.0% with the option, no slower). With it, RL over 9 paired seeds ended
-at +0.005 +- 0.025, and make run's SFT over 6 paired seeds at +0.026 +- 0.045 (0.703
-against 0.677). It stays opt-in until make run's recorded table comes from a timed run
-of the compiled recipe (docs/benchmark-notes.md). ``auto`` compiles where the passes
-run in bf16 on a CPU.
+Where it is on: ``make run``'s recipe (examples/train_alfworld_easy.yaml) sets
+``auto``; the field's default stays false, since each new kind of pass compiles
+first (about 10 s, once a process) and short jobs would pay that. Before the
+layers compiled with ``emulate_precision_casts`` (``INDUCTOR_OPTIONS``), make
+run's RL from the same SFT weights gained less compiled over 7 paired seeds
+(-0.072 +- 0.032 at the end). The one cause found: inductor's fused kernels
+skipped autocast's bf16 round trips, which shrank an RL gradient by 1.5% against
+fp32's and moved it 5.6% from it, against 0.4% and 4.5% uncompiled (0.5% and
+5.0% with the option, no slower). With it, RL over 9 paired seeds ended at +0.005
++- 0.025, and make run's SFT over 6 paired seeds at +0.026 +- 0.045 (0.703
+against 0.677). make run compiled took 16.0 min against 17.1 uncompiled in the
+same hour (bench/make_run.json). ``auto`` compiles where the passes run in bf16
+on a CPU.
 
 How: inside ``compiled_decoder(model, batch, length)`` each decoder layer's
 ``_compiled_call_impl`` (the hook ``nn.Module.compile`` sets) holds a compiled

@@ -205,8 +205,8 @@ class TrainConfig(_Strict):
         "passes (agentrl.train.compiled; sampling stays eager): true anywhere; auto where those passes "
         "run in bf16 on a CPU that builds the kernels; false never. make run's bf16 SFT update ran "
         "1.5-1.8x faster compiled on 2 AMX cores, and learned as well: RL over 9 paired seeds "
-        "(+0.005 +- 0.025), SFT over 6 (+0.026 +- 0.045; docs/benchmark-notes.md). Opt-in until make run's "
-        "table is timed with it. Each new kind of pass compiles first, about 10 s, once a process.")
+        "(+0.005 +- 0.025), SFT over 6 (+0.026 +- 0.045; docs/benchmark-notes.md); make run's recipe sets "
+        "auto. Off by default: each new kind of pass compiles first, about 10 s, once a process.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig,
                                        description="AdamW, its schedule and gradient clipping.")
     # -- what trains -----------------------------------------------------------------
