@@ -42,7 +42,9 @@ Presets (``--env``):
   expert, the OPD teacher the same SFT with twice the episodes. On 2 cores
   both SFTs take longer than the RL runs: ``--warm-start`` and ``--teacher``
   take models exported earlier (``agentrl sft`` with the preset), and the
-  JSON records which.
+  JSON records which. The recipe compiles its bf16 passes since 2026-12-06
+  (``train.compile: auto``); the recorded ``learning_alfworld_easy*.json``
+  ran uncompiled, and ``--set train.compile=false`` repeats them.
 - ``webshop_easy``: ``examples/train_webshop_easy.yaml``: a 1,000-product
   shop, five results a page, the instruction on the search page only.
 

@@ -4,25 +4,26 @@ Why: a bf16 update on a CPU with AMX spent a quarter of its time in elementwise
 ops (norms, rotary, SiLU, residual adds, autocast's casts), each a pass over
 memory, and a fifth in the CPU flash-attention kernel's bf16 backward. Inductor
 fuses the elementwise ops into a few loops, and with the layers compiled, plain
-matmul-and-softmax attention (``eager``) beats that kernel. make run's SFT
-update went from about 360 to 550-600 tokens/s; the whole make run (with
-``micro_batch_tokens: 4096``) from 14.4 to 12.5 min, its SFT phase from 233-254 s
-to 147 s and its peak memory from 13-14 to 7.9 GB. fp32 gained nothing
-measurable (``bench/heap_reuse.py``, ``bench/make_run.json``, docs/benchmark-notes.md).
+matmul-and-softmax attention (``eager``) beats that kernel. The update on 32
+of make run's SFT episodes went from 358 to 538 tokens/s at 2,048-token rows
+(bench/heap_reuse.json). Inside make run the gain is smaller, since each new
+kind of pass compiles first and sampling stays eager: its SFT ran at 354
+against 310 tokens/s, and the whole job took 15.9 against 17.0 min of training
+in the same hour, at the same peak memory (10.7 GB; bench/make_run.json). fp32
+gained nothing measurable.
 
 Where it is on: ``make run``'s recipe (examples/train_alfworld_easy.yaml) sets
 ``auto``; the field's default stays false, since each new kind of pass compiles
-first (about 10 s, once a process) and short jobs would pay that. Before the
-layers compiled with ``emulate_precision_casts`` (``INDUCTOR_OPTIONS``), make
-run's RL from the same SFT weights gained less compiled over 7 paired seeds
-(-0.072 +- 0.032 at the end). The one cause found: inductor's fused kernels
-skipped autocast's bf16 round trips, which shrank an RL gradient by 1.5% against
-fp32's and moved it 5.6% from it, against 0.4% and 4.5% uncompiled (0.5% and
-5.0% with the option, no slower). With it, RL over 9 paired seeds ended at +0.005
-+- 0.025, and make run's SFT over 6 paired seeds at +0.026 +- 0.045 (0.703
-against 0.677). make run compiled took 16.0 min against 17.1 uncompiled in the
-same hour (bench/make_run.json). ``auto`` compiles where the passes run in bf16
-on a CPU.
+first (about 10 s each with a warm cache; make run's SFT compiles 6) and short
+jobs would pay that. Before the layers compiled with ``emulate_precision_casts``
+(``INDUCTOR_OPTIONS``), make run's RL from the same SFT weights gained less
+compiled over 7 paired seeds (-0.072 +- 0.032 at the end). The one cause found:
+inductor's fused kernels skipped autocast's bf16 round trips, which shrank an RL
+gradient by 1.5% against fp32's and moved it 5.6% from it, against 0.4% and 4.5%
+uncompiled (0.5% and 5.0% with the option, no slower). With it, RL over 9 paired
+seeds (at 4,096-token rows) ended at +0.005 +- 0.025, and make run's SFT over 6
+paired seeds at +0.026 +- 0.045 (4 of them at 2,048: +0.066 +- 0.054). ``auto``
+compiles where the passes run in bf16 on a CPU.
 
 How: inside ``compiled_decoder(model, batch, length)`` each decoder layer's
 ``_compiled_call_impl`` (the hook ``nn.Module.compile`` sets) holds a compiled
