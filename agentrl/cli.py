@@ -24,8 +24,9 @@ from rich.table import Table
 
 from .errors import AgentRLError
 from .heap import keep_freed_memory
+from .models import cache_dir
 
-__all__ = ["app", "main"]
+__all__ = ["app", "main", "process_defaults"]
 
 app = typer.Typer(help="Train LLM agents with RL on multi-turn, tool-using tasks.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -200,10 +201,19 @@ def _mount_plugins() -> None:
     app.add_typer(sandbox_cli.app, name="sandbox", help="Sandbox images and servers.")
 
 
-def main() -> None:
+def process_defaults() -> None:
+    """Environment defaults for an ``agentrl`` process; a value the user set is kept."""
     # torch's OpenMP threads spin while they wait; on a small shared CPU that
     # costs 3-30x when another process holds a core. Must be set before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # train.compile's kernels: torch keeps them in /tmp, which a reboot empties, and make run's
+    # SFT then compiles about a minute longer (bench/make_run.json, inductor_cache). Must be set
+    # before the first compile.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+
+
+def main() -> None:
+    process_defaults()
     try:
         keep_freed_memory()  # opt-in: a step's buffers reuse the last step's pages (agentrl.heap)
     except ValueError as e:

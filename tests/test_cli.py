@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from typer.testing import CliRunner
 
@@ -105,3 +106,22 @@ def test_unknown_env_error_says_how_to_make_an_env_visible():
     res = runner.invoke(app, ["rollout", "--env", "agentrl/UnitConvert-v0", "--backend", "mock"])
     assert res.exit_code == 2
     assert "env.imports" in res.output and "module:" in res.output
+
+
+def test_process_defaults_keep_compiled_kernels_under_agentrl_cache_unless_the_user_chose(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+    from agentrl.cli import process_defaults
+
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    process_defaults()
+    # torch reads the variable where it compiles, so its kernels land there, not in /tmp
+    assert inductor_cache_dir() == str(tmp_path / "cache" / "inductor")
+    assert (tmp_path / "cache" / "inductor").is_dir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    process_defaults()
+    assert inductor_cache_dir() == str(tmp_path / "mine")
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"

@@ -23,7 +23,9 @@ gradient by 1.5% against fp32's and moved it 5.6% from it, against 0.4% and 4.5%
 uncompiled (0.5% and 5.0% with the option, no slower). With it, RL over 9 paired
 seeds (at 4,096-token rows) ended at +0.005 +- 0.025, and make run's SFT over 6
 paired seeds at +0.026 +- 0.045 (4 of them at 2,048: +0.066 +- 0.054). ``auto``
-compiles where the passes run in bf16 on a CPU.
+compiles where the passes run in bf16 on a CPU. On a Zen 4 EPYC (avx512_bf16, no
+AMX) make run's SFT alone ran 1.13x faster compiled with a warm cache, at 2.2 GB
+less; a first run, cold, took as long as uncompiled (bench/make_run.json).
 
 How: inside ``compiled_decoder(model, batch, length)`` each decoder layer's
 ``_compiled_call_impl`` (the hook ``nn.Module.compile`` sets) holds a compiled
@@ -40,6 +42,11 @@ backward fit ``EAGER_ATTENTION_BYTES`` over all layers (``[B, heads, T, T]`` a
 layer: make run's rows of 6 x 384 tokens keep about 0.5 GB), else the model's
 own (``sdpa``), whose memory grows with T, not T squared. On a GPU the model's
 own kernel is kept. The vocabulary head is not compiled (``logprobs.fp32_head``).
+
+The compiled kernels: the ``agentrl`` command keeps them under
+``~/.cache/agentrl/inductor`` (``TORCHINDUCTOR_CACHE_DIR``, unless it is set;
+``agentrl.cli.process_defaults``), since torch's default, ``/tmp``, empties on a
+reboot and the next run compiles cold again.
 """
 
 from __future__ import annotations

@@ -196,8 +196,8 @@ class TrainConfig(_Strict):
                                     "over its micro-batches.")
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="The training and scoring passes: auto is bf16 autocast on a GPU and on "
-        "a CPU with avx512_bf16 or AMX (the make run recipe's SFT at 1.6x fp32's tokens/s, learning "
-        "as well), fp32 on other CPUs, where bf16 is emulated and many times slower "
+        "a CPU with avx512_bf16 or AMX (with AMX the make run recipe's SFT at 1.6x fp32's tokens/s, "
+        "learning as well; with avx512_bf16 alone, a Zen 4 EPYC, the bench's update at 1.4x), fp32 on other CPUs, where bf16 is emulated and many times slower "
         "(AGENTRL_CPU_BF16=1/0 overrides the detection); bf16 autocasts anywhere; fp32 never does. "
         "The vocabulary head, weights and optimizer state stay fp32; sampling is unaffected.")
     compile: Literal["auto"] | bool = Field(
@@ -205,7 +205,8 @@ class TrainConfig(_Strict):
         "passes (agentrl.train.compiled; sampling stays eager): true anywhere; auto where those passes "
         "run in bf16 on a CPU that builds the kernels; false never. On 2 AMX cores the bf16 update ran 1.5x "
         "faster compiled (538 against 358 tokens/s), make run's SFT 1.14x and its training 15.9 against 17.0 min "
-        "(warm compile cache; cold, about 1 min more); "
+        "(warm compile cache, which the agentrl command keeps in ~/.cache/agentrl/inductor; cold, about 1 min "
+        "more); "
         "it learned as well: RL over 9 paired seeds (+0.005 +- 0.025), SFT over 6 (+0.026 +- 0.045; "
         "docs/benchmark-notes.md). make run's recipe sets auto. Off by default: each new kind of pass "
         "compiles first, about 10 s, once a process.")

@@ -283,6 +283,23 @@ def test_example_configs_validate(path):
         assert not set(cfg.train.task_seeds) & set(cfg.sft.task_seeds)
 
 
+def test_make_runs_record_describes_the_recipe_make_run_runs():
+    """bench/make_run.json's numbers are for the config it records; the recipe must still be that config."""
+    root = Path(__file__).resolve().parents[2]
+    record = json.loads((root / "bench" / "make_run.json").read_text())
+    cfg = load_train_config(root / record["config_file"]).model_dump(mode="json")
+
+    def differences(recorded, loaded, path):
+        if isinstance(recorded, dict):
+            return [d for k, v in recorded.items() for d in differences(v, loaded.get(k), f"{path}.{k}")]
+        if isinstance(loaded, dict):  # a section the record wrote in short, as the yaml does: credit: grpo
+            loaded = loaded.get("name")
+        return [] if recorded == loaded else [f"{path}: recorded {recorded!r}, recipe {loaded!r}"]
+
+    assert record["command"] == "make run"
+    assert differences(record["config"], cfg, "config") == []
+
+
 def test_one_update_per_batch_skips_the_scoring_pass_and_trains_the_same(tmp_path, monkeypatch):
     """One optimizer step per batch: the update's own logprobs, detached, are PPO's old ones.
 
