@@ -206,10 +206,17 @@ def process_defaults() -> None:
     # torch's OpenMP threads spin while they wait; on a small shared CPU that
     # costs 3-30x when another process holds a core. Must be set before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    # train.compile's kernels: torch keeps them in /tmp, which a reboot empties, and make run's
-    # SFT then compiles about a minute longer (bench/make_run.json, inductor_cache). Must be set
-    # before the first compile.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    # train.compile's kernels: torch keeps them in /tmp, which a reboot often empties, and make
+    # run's SFT then compiles about a minute longer (bench/make_run.json, inductor_cache). Must be
+    # set before the first compile. Without a writable home, torch's default stays.
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        try:
+            kernels = cache_dir() / "inductor"
+            kernels.mkdir(parents=True, exist_ok=True)
+        except (OSError, RuntimeError):  # RuntimeError: Path.home() with no HOME and no passwd entry
+            return
+        if os.access(kernels, os.W_OK):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(kernels)
 
 
 def main() -> None:

@@ -242,4 +242,7 @@ def print_sft(result: dict, variants: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from agentrl.cli import process_defaults
+
+    process_defaults()  # as the agentrl command: compiled kernels in ~/.cache/agentrl/inductor
     main()

@@ -82,7 +82,9 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve a shared CPU
+from agentrl.cli import process_defaults
+
+process_defaults()  # as the agentrl command: OpenMP threads that wait do not spin; compiled kernels kept
 
 PROMPTS = [
     "Write a long story about a robot who learns to cook.",

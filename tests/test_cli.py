@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 from typer.testing import CliRunner
 
@@ -119,9 +121,27 @@ def test_process_defaults_keep_compiled_kernels_under_agentrl_cache_unless_the_u
     process_defaults()
     # torch reads the variable where it compiles, so its kernels land there, not in /tmp
     assert inductor_cache_dir() == str(tmp_path / "cache" / "inductor")
-    assert (tmp_path / "cache" / "inductor").is_dir()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     process_defaults()
     assert inductor_cache_dir() == str(tmp_path / "mine")
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    # a cache folder that cannot be made (here a file is in the way): torch's default stays
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path / "a_file"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    process_defaults()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+
+def test_the_agentrl_command_sets_its_defaults_before_torch_compiles(tmp_path):
+    """``main`` calls ``process_defaults``, and importing the CLI loads no inductor, which would
+    fix torch's /tmp default into the environment first."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["AGENTRL_CACHE"] = str(tmp_path / "cache")
+    probe = ("import sys, agentrl.cli as c; print('torch._inductor' in sys.modules); "
+             "sys.argv = ['agentrl', 'envs', 'list']; c.main()")
+    res = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[0] == "False"
+    assert (tmp_path / "cache" / "inductor").is_dir()

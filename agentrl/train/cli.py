@@ -15,7 +15,6 @@ Heavy imports (torch, transformers) happen inside the commands.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -250,5 +249,7 @@ def register(main_app: typer.Typer, harness_rollouts: Any = None) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from ..cli import process_defaults
+
+    process_defaults()
     app()

@@ -25,7 +25,8 @@ seeds (at 4,096-token rows) ended at +0.005 +- 0.025, and make run's SFT over 6
 paired seeds at +0.026 +- 0.045 (4 of them at 2,048: +0.066 +- 0.054). ``auto``
 compiles where the passes run in bf16 on a CPU. On a Zen 4 EPYC (avx512_bf16, no
 AMX) make run's SFT alone ran 1.13x faster compiled with a warm cache, at 2.2 GB
-less; a first run, cold, took as long as uncompiled (bench/make_run.json).
+less; a first make run, cold, took as long as uncompiled (one run each;
+bench/make_run.json).
 
 How: inside ``compiled_decoder(model, batch, length)`` each decoder layer's
 ``_compiled_call_impl`` (the hook ``nn.Module.compile`` sets) holds a compiled
@@ -46,7 +47,8 @@ own kernel is kept. The vocabulary head is not compiled (``logprobs.fp32_head``)
 The compiled kernels: the ``agentrl`` command keeps them under
 ``~/.cache/agentrl/inductor`` (``TORCHINDUCTOR_CACHE_DIR``, unless it is set;
 ``agentrl.cli.process_defaults``), since torch's default, ``/tmp``, empties on a
-reboot and the next run compiles cold again.
+reboot and the next run compiles cold again. The folder grows with each new torch
+or model code's kernels; deleting it costs only a cold compile.
 """
 
 from __future__ import annotations

@@ -196,8 +196,8 @@ class TrainConfig(_Strict):
                                     "over its micro-batches.")
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="The training and scoring passes: auto is bf16 autocast on a GPU and on "
-        "a CPU with avx512_bf16 or AMX (with AMX the make run recipe's SFT at 1.6x fp32's tokens/s, "
-        "learning as well; with avx512_bf16 alone, a Zen 4 EPYC, the bench's update at 1.4x), fp32 on other CPUs, where bf16 is emulated and many times slower "
+        "a CPU with avx512_bf16 or AMX (on a Xeon with AMX the make run recipe's SFT at 1.6x fp32's "
+        "tokens/s, learning as well), fp32 on other CPUs, where bf16 is emulated and many times slower "
         "(AGENTRL_CPU_BF16=1/0 overrides the detection); bf16 autocasts anywhere; fp32 never does. "
         "The vocabulary head, weights and optimizer state stay fp32; sampling is unaffected.")
     compile: Literal["auto"] | bool = Field(

@@ -11,8 +11,8 @@ Precision (``train.precision``): ``auto`` is bf16 autocast on a GPU that
 supports bf16, and on a CPU whose instructions multiply bf16 natively (``avx512_bf16`` or AMX:
 ``cpu_has_native_bf16``), fp32 elsewhere; ``bf16`` autocasts wherever the model
 is; ``fp32`` never autocasts. Native bf16 matters by two orders of magnitude:
-on a CPU with AMX the make run recipe's SFT ran 1.6x fp32's tokens/s, on a Zen 4
-EPYC (avx512_bf16, no AMX) the bench's update 1.4x (bf16 matmuls peak at 2.5x fp32's there),
+on a Xeon with AMX the make run recipe's SFT ran 1.6x fp32's tokens/s (the throughput
+bench's update: 1.2x there, 1.4x on a Zen 4 EPYC with avx512_bf16 and no AMX),
 while on an AVX2-only EPYC bf16 matmuls peaked at 1.2 GFLOP/s against fp32's
 182, and a SmolLM2-135M forward and backward ran 18x slower than fp32
 (``precision_note`` says so when a run asks for bf16 there).
