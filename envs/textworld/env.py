@@ -19,9 +19,14 @@ plays a given ``.z8``/``.ulx`` game instead.
   game and replays the prefix (about 1.3 ms per replayed step here). TextWorld's
   own ``env.copy()`` was slower (80-170 ms per copy), so it is not used.
 
-Actions are cleaned before they reach the parser: control characters removed,
-whitespace folded, at most 200 characters. An empty command is answered
-without calling the game and still counts as a step.
+Actions are cleaned before they reach the parser: control characters and
+backslashes removed (dumb-frotz's escape; a leading one hung the game), whitespace
+folded, at most 190 characters. An empty command is answered
+without calling the game and still counts as a step, and so is one that asks
+for one of the interpreter's own verbs (``_META_VERBS``): "save" and "script"
+wrote files into the process's working directory, "restore" read them back
+into another episode, and "restart" put the game where TextWorld's state
+tracking (the admissible actions, the oracle) no longer was.
 
 Needs the optional ``textworld`` package; making the env without it raises an
 ``EnvError`` that says what to install.
@@ -43,8 +48,13 @@ from .games import GameSpec, game_file, require_textworld
 __all__ = ["TextWorldEnv", "TextWorldSnapshot", "clean_command"]
 
 _MAX_COMMAND = 190  # jericho truncates commands past 198 bytes, with a warning
-_JUNK = re.compile(r"[^\x20-\x7e]+")
+# Besides control and non-ASCII characters, the backslash: dumb-frotz reads it as its own
+# escape, and a command that starts with one loops forever on "unknown command".
+_JUNK = re.compile(r"[^\x20-\x5b\x5d-\x7e]+")
 _SPACES = re.compile(r"\s+")
+_META_VERBS = frozenset({"save", "restore", "restart", "quit", "q", "script", "transcript", "unscript"})
+_WORD = re.compile(r"[a-z]+")
+_CLAUSES = re.compile(r"[.,;]|\bthen\b")  # Inform runs "look. save", "look, save", "look then save"
 _PROMPT = re.compile(r"\s*>[^\n]*$")  # the trailing "> ... -= Room =-0/3" status line
 _BLANKS = re.compile(r"\n{3,}")
 
@@ -66,6 +76,15 @@ def clean_command(action: str) -> str:
     """What the TextWorld parser is given for ``action``."""
     text = _JUNK.sub(" ", action[: _MAX_COMMAND * 4])
     return _SPACES.sub(" ", text).strip()[:_MAX_COMMAND]
+
+
+def meta_verb(command: str) -> str | None:
+    """The interpreter verb (save, restore, restart, ...) that ``command`` would run, if any."""
+    for clause in _CLAUSES.split(command.lower()):
+        words = _WORD.findall(clause)
+        if words and words[0] in _META_VERBS:
+            return words[0]
+    return None
 
 
 class TextWorldEnv(TextEnv):
@@ -118,6 +137,8 @@ class TextWorldEnv(TextEnv):
         reward, terminated = 0.0, False
         if not command:
             obs = "I beg your pardon? Type a command, e.g. one of the admissible actions."
+        elif verb := meta_verb(command):
+            obs = f'"{verb}" is not available in this game. Type one of the admissible actions.'
         else:
             before = self._state.get("score") or 0
             self._state = self._engine_step(command)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,6 +18,7 @@ from hypothesis import strategies as st
 
 from agentrl.env import list_envs, make_env
 from agentrl.envs.textworld import GameSpec, TextWorldEnv, clean_command, game_file
+from agentrl.envs.textworld.env import meta_verb
 from agentrl.envs.textworld.games import require_textworld
 from agentrl.errors import EnvError
 
@@ -53,6 +56,45 @@ def test_clean_command_strips_junk_and_bounds_length():
     assert clean_command("  take\x00 the\n\tkey \x7f") == "take the key"
     assert len(clean_command("a" * 100_000)) == 190
     assert clean_command("\x01\x02") == ""
+    assert clean_command("\\c look\\") == "c look"  # dumb-frotz's escape character
+
+
+def test_meta_verb_finds_interpreter_verbs_in_any_clause():
+    for command in ["save", "SAVE.", "look, save", "look,restore", "look then restart",
+                    "x me. script notes.txt", "transcript on", "q", "look; quit"]:
+        assert meta_verb(command) is not None, command
+    for command in ["take script", "examine save", "go south", "quilt", "open the saved box"]:
+        assert meta_verb(command) is None, command
+
+
+@needs_textworld
+def test_a_leading_backslash_gets_an_observation(env, tw_cache):
+    # dumb-frotz loops forever on a line that starts with "\\", inside C, where pytest-timeout's
+    # signal never lands: hence a child process with a deadline.
+    env.reset(seed=1)  # the game is cached for the child
+    child = (
+        "import sys; from agentrl.envs.textworld import TextWorldEnv\n"
+        "env = TextWorldEnv(cache_dir=sys.argv[1]); env.reset(seed=1)\n"
+        "print(repr(env.step('\\\\c 3 #F')[0]), repr(env.step(' \\\\help')[0]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", child, str(tw_cache)], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "not a verb" in done.stdout and "DUMB-FROTZ" not in done.stdout
+
+
+@needs_textworld
+def test_interpreter_verbs_are_refused_and_touch_no_file(env, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where "save" and "script" wrote
+    env.reset(seed=1)
+    first = env.step("look")[0]
+    for command in ["save", "look, save", "look then restore", "x me. script notes.txt",
+                    "restart", "quit"]:
+        obs, reward, terminated, truncated, info = env.step(command)
+        assert "is not available" in obs and reward == 0.0 and not terminated
+        assert info["admissible_actions"], command
+    assert list(tmp_path.iterdir()) == []
+    assert env.step("look")[0] == first  # the game was not restarted or restored
 
 
 @needs_textworld
