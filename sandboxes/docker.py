@@ -302,7 +302,14 @@ class DockerSandbox(Sandbox):
             sock = api.exec_start(ex["Id"], socket=True)
         except Exception as e:  # docker.errors.* and requests errors alike
             raise _map_error("exec", e) from e
-        return ex["Id"], sock._sock if hasattr(sock, "_sock") else sock
+        if not hasattr(sock, "_sock"):
+            return ex["Id"], sock
+        # docker-py hands over a file object (SocketIO) made from the socket, and the socket's
+        # close() keeps the descriptor open while that object lives: until the collector found
+        # its cycle, dockerd kept streaming into it, and removing the container waited 20 s.
+        raw = sock._sock
+        sock.close()  # the file object only; the socket stays ours to read and close
+        return ex["Id"], raw
 
     def _oom_count(self) -> int:
         cid = self.container.id

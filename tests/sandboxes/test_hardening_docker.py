@@ -7,6 +7,7 @@ Each test skips with the reason printed where no docker engine and image are her
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import pytest
@@ -73,6 +74,32 @@ async def test_overlong_interpreter_line_is_refused(builder):
                 await asyncio.wait_for(proc.readline(), 30)
         finally:
             await proc.kill()
+
+
+async def test_exec_sockets_close_when_their_run_ends(builder):
+    # docker-py's file object over each exec's socket kept the descriptor open after close()
+    # until the collector freed it; dockerd kept streaming into it, and removal waited 20 s.
+    async with builder("docker", TEST_LIMITS) as b:
+        box, sockets = b.sandbox, []
+        exec_socket = box._exec_socket
+
+        def spy(*args, **kwargs):
+            exec_id, raw = exec_socket(*args, **kwargs)
+            sockets.append(raw)
+            return exec_id, raw
+
+        box._exec_socket = spy
+        gc.disable()  # else a collection may close what the code left open
+        try:
+            r = await box.run("yes | head -c 10000000; sleep 30", timeout=1)
+            assert r.timed_out and r.stdout.startswith("y\n")
+            proc = await box.open_process(["sh", "-c", "yes; sleep 30"])
+            assert await proc.readline() == b"y\n"
+            await proc.kill()
+            await asyncio.sleep(0.1)  # the transport closes its socket on a later loop pass
+            assert len(sockets) == 2 and [s.fileno() for s in sockets] == [-1, -1]
+        finally:
+            gc.enable()
 
 
 @pytest.mark.parametrize("plant", ["mkfifo f", "ln -s /etc/passwd f", "mkdir f"])
