@@ -23,10 +23,12 @@ Actions are cleaned before they reach the parser: control characters and
 backslashes removed (dumb-frotz's escape; a leading one hung the game), whitespace
 folded, at most 190 characters. An empty command is answered
 without calling the game and still counts as a step, and so is one that asks
-for one of the interpreter's own verbs (``_META_VERBS``): "save" and "script"
-wrote files into the process's working directory, "restore" read them back
-into another episode, and "restart" put the game where TextWorld's state
-tracking (the admissible actions, the oracle) no longer was.
+for one of the interpreter's own verbs or TextWorld's debugging commands
+(``meta_verb``): "save" and "script" wrote files into the process's working
+directory (the transcript under a name taken from the command), "restore" read
+a save back into another episode, "restart" put the game where TextWorld's
+state tracking (the admissible actions, the oracle) no longer was, and
+"print_state" showed the hidden world that only the oracle may see.
 
 Needs the optional ``textworld`` package; making the env without it raises an
 ``EnvError`` that says what to install.
@@ -52,8 +54,14 @@ _MAX_COMMAND = 190  # jericho truncates commands past 198 bytes, with a warning
 # escape, and a command that starts with one loops forever on "unknown command".
 _JUNK = re.compile(r"[^\x20-\x5b\x5d-\x7e]+")
 _SPACES = re.compile(r"\s+")
-_META_VERBS = frozenset({"save", "restore", "restart", "quit", "q", "script", "transcript", "unscript"})
-_WORD = re.compile(r"[a-z]+")
+# The Z-machine compares a word's first 9 letters only: "transcripts" is "transcript".
+_DICT_LETTERS = 9
+_META_VERBS = frozenset(v[:_DICT_LETTERS] for v in (
+    "save", "restore", "restart", "quit", "q", "script", "transcript", "unscript",
+    # TextWorld's commands for its own tooling: "print_state" prints the hidden world
+    "print_state", "enable", "disable", "restrict", "tw-extra-infos", "tw-print", "tw-trace-actions",
+))
+_WORD = re.compile(r"[\w-]+")
 _CLAUSES = re.compile(r"[.,;]|\bthen\b")  # Inform runs "look. save", "look, save", "look then save"
 _PROMPT = re.compile(r"\s*>[^\n]*$")  # the trailing "> ... -= Room =-0/3" status line
 _BLANKS = re.compile(r"\n{3,}")
@@ -79,10 +87,11 @@ def clean_command(action: str) -> str:
 
 
 def meta_verb(command: str) -> str | None:
-    """The interpreter verb (save, restore, restart, ...) that ``command`` would run, if any."""
+    """The interpreter or TextWorld verb (save, restart, print_state, ...) that ``command``
+    would run, if any: the first word of any of its clauses, as the game's dictionary reads it."""
     for clause in _CLAUSES.split(command.lower()):
         words = _WORD.findall(clause)
-        if words and words[0] in _META_VERBS:
+        if words and (words[0][:_DICT_LETTERS] in _META_VERBS or words[0].startswith("tw-")):
             return words[0]
     return None
 

@@ -61,9 +61,12 @@ def test_clean_command_strips_junk_and_bounds_length():
 
 def test_meta_verb_finds_interpreter_verbs_in_any_clause():
     for command in ["save", "SAVE.", "look, save", "look,restore", "look then restart",
-                    "x me. script notes.txt", "transcript on", "q", "look; quit"]:
+                    "x me. script notes.txt", "transcript on", "q", "look; quit",
+                    "look. transcripts", "TRANSCRIPTION", "print_state", "print_statement",
+                    "enable print state option", "tw-extra-infos description", "tw-foo"]:
         assert meta_verb(command) is not None, command
-    for command in ["take script", "examine save", "go south", "quilt", "open the saved box"]:
+    for command in ["take script", "examine save", "go south", "quilt", "open the saved box",
+                    "saves", "quitting", "print", "tw"]:
         assert meta_verb(command) is None, command
 
 
@@ -87,14 +90,20 @@ def test_a_leading_backslash_gets_an_observation(env, tw_cache):
 def test_interpreter_verbs_are_refused_and_touch_no_file(env, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # where "save" and "script" wrote
     env.reset(seed=1)
-    first = env.step("look")[0]
+    start = env.step("look")[0]
+    assert "go south" in env.step("look")[4]["admissible_actions"]
+    env.step("go south")
+    moved = env.step("look")[0]
+    assert moved != start
     for command in ["save", "look, save", "look then restore", "x me. script notes.txt",
-                    "restart", "quit"]:
+                    "look. transcripts", "print_state", "enable print state option",
+                    "tw-extra-infos description", "restart", "yes", "quit", "yes"]:
         obs, reward, terminated, truncated, info = env.step(command)
-        assert "is not available" in obs and reward == 0.0 and not terminated
-        assert info["admissible_actions"], command
+        assert reward == 0.0 and not terminated and info["admissible_actions"], command
+        assert "is not available" in obs or command == "yes", (command, obs)
+        assert "STATE START" not in obs and "<description>" not in obs
     assert list(tmp_path.iterdir()) == []
-    assert env.step("look")[0] == first  # the game was not restarted or restored
+    assert env.step("look")[0] == moved  # neither restarted nor restored, and nothing appended
 
 
 @needs_textworld
