@@ -58,8 +58,9 @@ _SPACES = re.compile(r"\s+")
 _DICT_LETTERS = 9
 _META_VERBS = frozenset(v[:_DICT_LETTERS] for v in (
     "save", "restore", "restart", "quit", "q", "script", "transcript", "unscript",
-    # TextWorld's commands for its own tooling: "print_state" prints the hidden world
-    "print_state", "enable", "disable", "restrict", "tw-extra-infos", "tw-print", "tw-trace-actions",
+    # TextWorld's commands for its own tooling (and every "tw-..." one): "print_state" prints
+    # the hidden world
+    "print_state", "enable", "disable", "restrict",
 ))
 _WORD = re.compile(r"[\w-]+")
 _CLAUSES = re.compile(r"[.,;]|\bthen\b")  # Inform runs "look. save", "look, save", "look then save"
