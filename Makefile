@@ -62,9 +62,9 @@ harnesses: install
 
 # The main job (examples/train_alfworld_easy.yaml): SmolLM2-135M learns easy
 # ALFWorld-style tasks on CPU. SFT on 128 episodes of the observation-consistent
-# expert, then 6 GRPO steps: about 15 min on 2 Xeon cores with AMX (bf16, fp32
-# head), 22 min on a slower Zen 4 VM (bf16 too), about 38 min on 2 AVX2-only
-# cores (fp32; precision auto). It prints held-out success (64 greedy games) at the
+# expert, then 6 GiGPO steps: 21.5 min on a 2-vCPU Zen 4 VM (bf16, fp32 head;
+# the GRPO recipe before it: 16 min on 2 Xeon cores with AMX, about 38 min on 2
+# AVX2-only cores in fp32; precision auto). It prints held-out success (64 greedy games) at the
 # start, after SFT and every 3 RL steps, with each phase's seconds and peak
 # memory (bench/make_run.json).
 run: install
