@@ -33,7 +33,7 @@ back a hole that a small live allocation pins, so where buffer sizes change
 from step to step (RL batches of varying lengths) resident memory can grow
 with every step instead of staying at one peak. A synthetic loop (a small
 model trained 500 steps on batches of 64-1,536 tokens) held 7-8 GB kept
-against 3 GB by default, still rising; ``make run`` (15 min) peaked 0.8 GB
+against 3 GB by default, still rising; ``make run`` (the GRPO recipe, 15 min) peaked 0.8 GB
 higher (15.1 against 14.3 GB), and its whole time did not change. Memory of a
 one-off phase (loading, an evaluation's KV cache) also stays resident.
 

@@ -10,7 +10,8 @@ of make run's SFT episodes went from 358 to 538 tokens/s at 2,048-token rows
 kind of pass compiles first and sampling stays eager: its SFT ran at 354
 against 310 tokens/s, and the whole job took 15.9 against 17.0 min of training
 in the same hour with a warm compile cache (cold, about a minute more), at the
-same peak memory (10.7 GB; bench/make_run.json). fp32 gained nothing measurable.
+same peak memory (10.7 GB; the GRPO recipe, bench/make_run.json
+grpo_recipe_amx_2026_12_06). fp32 gained nothing measurable.
 
 Where it is on: ``make run``'s recipe (examples/train_alfworld_easy.yaml) sets
 ``auto``; the field's default stays false, since each new kind of pass compiles

@@ -204,7 +204,7 @@ class TrainConfig(_Strict):
         False, description="Run the decoder layers through torch.compile in the training and scoring "
         "passes (agentrl.train.compiled; sampling stays eager): true anywhere; auto where those passes "
         "run in bf16 on a CPU that builds the kernels; false never. On 2 AMX cores the bf16 update ran 1.5x "
-        "faster compiled (538 against 358 tokens/s), make run's SFT 1.14x and its training 15.9 against 17.0 min "
+        "faster compiled (538 against 358 tokens/s), make run's SFT 1.14x and the GRPO make run's training 15.9 against 17.0 min "
         "(warm compile cache, which the agentrl command keeps in ~/.cache/agentrl/inductor; cold, about 1 min "
         "more); it learned as well: RL over 9 paired seeds (+0.005 +- 0.025), SFT over 6 (+0.026 +- 0.045; "
         "docs/benchmark-notes.md). make run's recipe sets auto. Off by default: each new kind of pass "
