@@ -275,8 +275,13 @@ def minibatches(order: list[int], size: int) -> list[list[int]]:
 
 def minibatch_step(net: torch.nn.Module, samples: list[Sample], idx: list[int], loss: StepLoss, *,
                    fields: tuple[str, ...], per_token: bool, max_tokens: int, pad_id: int,
-                   temperature: float, tree: bool = False) -> tuple[dict[str, float], int]:
+                   temperature: float, tree: bool = False, anchor: bool = False) -> tuple[dict[str, float], int]:
     """Accumulate the gradient of one minibatch over its rows; weighted stats, tokens run.
+
+    ``anchor``: no scoring pass ran for this minibatch, the update's first (its weights are
+    still the ones a pass would score): PPO's old logprobs are this forward's own, detached
+    (ratio exactly 1), and they fill ``Sample.old`` and ``old_entropy``. A scoring pass that
+    packs the same rows gives the same numbers (``score_samples``' ``groups``).
 
     Each row's loss (``loss.row_loss``) is weighted by ``Row.share``, its share of the
     minibatch's action tokens (``per_token``, the token-mean aggregations) or
@@ -291,11 +296,17 @@ def minibatch_step(net: torch.nn.Module, samples: list[Sample], idx: list[int], 
     mb = Minibatch(samples, idx, lambda ss: score_samples(net, ss, max_tokens, pad_id, temperature))
     stats: dict[str, float] = {}
     tokens = 0
+    if anchor:
+        fields = tuple(f for f in fields if f != "old")
     for row in _rows(tree)(net, samples, idx, max_tokens, pad_id, fields, per_token):
         row.minibatch = mb
         with autocast(dev):
             out = token_scores(net, row.input_ids, row.attn, row.mask, temperature, position_ids=row.position_ids,
                                parents=row.parents, candidates=row.values.get("support"), allowed=row.allowed)
+        if anchor:  # row_loss then anchors to logprobs.detach(): the same numbers
+            for i, lp, ent in zip(row.seq_index, row.per_sample(out.logprobs), row.per_sample(out.entropies),
+                                  strict=True):
+                samples[i].old, samples[i].old_entropy = lp, ent
         if out.candidates is not None:  # the student's log-probs on the distillation support
             row.values["support_student"] = out.candidates
         value, st = row_loss(out.logprobs, out.entropies, row, loss)
@@ -313,11 +324,14 @@ def train_on_samples(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
                      epochs: int, minibatch_size: int, max_tokens: int, max_grad_norm: float | None,
                      per_token: bool, pad_id: int, temperature: float, generator: torch.Generator | None = None,
                      on_minibatch: Callable[[], None] | None = None, tree: bool = False,
-                     orders: list[list[int]] | None = None) -> dict[str, float]:
+                     orders: list[list[int]] | None = None, anchor_first: bool = False) -> dict[str, float]:
     """``epochs`` shuffled passes of minibatches, one optimizer step each; mean stats.
 
     Each epoch's order is ``orders[epoch]`` where given (``shuffled_orders``, drawn
     before a scoring pass that packs like the update), else drawn from ``generator``.
+    ``anchor_first``: the first minibatch's samples have no ``old`` yet; it anchors to its
+    own forward and fills them (``minibatch_step``'s ``anchor``), so a scoring pass need
+    only cover the others.
     """
     if orders is None:
         if generator is None:
@@ -335,7 +349,7 @@ def train_on_samples(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
             for idx in minibatches(order, minibatch_size):
                 st, n = minibatch_step(net, samples, idx, loss, fields=fields,
                                        per_token=per_token, max_tokens=max_tokens, pad_id=pad_id,
-                                       temperature=temperature, tree=tree)
+                                       temperature=temperature, tree=tree, anchor=anchor_first and n_steps == 0)
                 if max_grad_norm is not None:
                     st["grad/norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
                 optimizer.step()

@@ -6,9 +6,11 @@ trees and its optimizer steps:
 1. **episodes**, built once a tree (``EpisodeGroup``), read by all that follows;
 2. **credit**: ``agentrl.credit.assign`` (or ``distill.no_credit``) gives each
    episode's per-token advantages, ``batch.samples_from_credit`` the samples;
-3. **scoring**: the trained weights score every action token without gradient
+3. **scoring**: the trained weights score the action tokens without gradient
    when the update takes more than one optimizer step or a teacher reads them
-   (PPO's anchor, ``batch.score_old``; ``needs_scoring_pass``); the KL
+   (PPO's anchor, ``batch.score_old``; ``needs_scoring_pass``). Without a
+   teacher the pass skips the update's first minibatch, which anchors to its
+   own forward (``train_on_samples``' ``anchor_first``: the same numbers). The KL
    reference and a distillation teacher (``Distiller.teacher_scores``) score
    the same tokens, each constrained turn (``rollout.constrain``) under its
    sampler's mask (``batch.constrain_samples``);
@@ -124,6 +126,13 @@ class Learner:
         teacher_reads_old = self.distiller is not None and self.distiller.needs_student_scores
         return t.epochs > 1 or n_samples > t.minibatch_size or teacher_reads_old
 
+    def anchors_first_minibatch(self) -> bool:
+        """Whether, when the scoring pass runs, the update's first minibatch is left out of it and
+        anchors to its own forward instead (``train_on_samples``' ``anchor_first``): the same
+        numbers, a pass over one minibatch fewer. A distillation teacher reads every sample's
+        scores before the update, so it keeps the whole pass."""
+        return self.distiller is None
+
     def learn(self, trees: list[RolloutTree], step: int, start_bar: StartBar) -> dict[str, Any]:
         """Credit, scoring passes and the update on one rollout batch, at ``train.precision``."""
         with precision(self.cfg.train.precision), compile_mode(self.cfg.train.compile):
@@ -165,14 +174,22 @@ class Learner:
         fields: tuple[str, ...] = ("advantages", "behaviour", "versions")
         tokens = 0
         from_sampler = not one_step and t.old_logprobs == "sampler"
+        anchor_first = not one_step and not from_sampler and self.anchors_first_minibatch()
+        scored = 0
         if from_sampler:  # PPO's anchor is what the sampler returned with each token: no pass
             for s in batch:
                 s.old = list(s.behaviour)
             fields += ("old",)
         elif not one_step:
             top_k = self.distiller.top_k if self.distiller is not None else 0
-            tokens += score_old(self.net, batch, t.micro_batch_tokens, self.pad_id, self.temperature,
-                                top_k=top_k, tree=tree_layout, groups=first)
+            rest = first[1:] if anchor_first else first
+            packing = []  # rest's minibatches, as indices into the samples scored
+            for g in rest:
+                packing.append(list(range(scored, scored + len(g))))
+                scored += len(g)
+            if scored:
+                tokens += score_old(self.net, [batch[i] for g in rest for i in g], t.micro_batch_tokens,
+                                    self.pad_id, self.temperature, top_k=top_k, tree=tree_layout, groups=packing)
             fields += ("old",)
         if t.loss.kl_coef > 0:
             with reference(self.model, self.ref) as ref:
@@ -192,7 +209,8 @@ class Learner:
         for lab in labels:  # never sampled: its old logprobs stand for the behaviour, no mismatch to correct
             lab.behaviour = list(lab.old or lab.behaviour)
         stats["time/old_logprobs_s"] = time.perf_counter() - t0
-        stats["train/scoring_pass"] = int(not one_step and not from_sampler)
+        stats["train/scoring_pass"] = int(scored > 0)
+        stats["train/scored_samples"] = scored
 
         # The update: epochs of minibatches, each row's loss from loss.row_loss.
         d = t.distill
@@ -204,7 +222,7 @@ class Learner:
                               epochs=t.epochs, minibatch_size=t.minibatch_size, max_tokens=t.micro_batch_tokens,
                               max_grad_norm=t.optimizer.max_grad_norm, per_token=t.loss.agg == "token-mean",
                               pad_id=self.pad_id, temperature=self.temperature,
-                              orders=orders, on_minibatch=advance, tree=tree_layout)
+                              orders=orders, on_minibatch=advance, tree=tree_layout, anchor_first=anchor_first)
         wall = time.perf_counter() - t0
         self._keep_token_values(groups, samples, credited)  # the values the loss read, now final
         stats.update(st)

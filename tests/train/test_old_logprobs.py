@@ -7,6 +7,7 @@ sampler's numbers mean something else, the option is refused naming why.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -226,36 +227,100 @@ def test_in_bf16_old_logprobs_packed_as_the_update_s_minibatches_give_a_ratio_of
         assert st["ppo/approx_kl"] > 1e-9
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_in_bf16_the_first_minibatch_anchored_to_its_own_forward_trains_as_the_full_pass_does(tree):
+    """anchor_first: the first minibatch is left out of the scoring pass and fills ``Sample.old``
+    from the update's own forward. In bf16 those are the numbers the full pass gives, bit for bit,
+    and two epochs of updates (the second reads them as the anchor) land on the same weights."""
+    import copy
+
+    from agentrl.train.batch import (
+        Sample,
+        minibatches,
+        score_old,
+        shuffled_orders,
+        train_on_samples,
+    )
+    from agentrl.train.loss import PolicyLossConfig, StepLoss
+    from agentrl.train.model import precision
+
+    torch.set_num_threads(1)
+    model = _wide_random_model()
+    models = [model, copy.deepcopy(model)]
+    g = torch.Generator().manual_seed(2)
+    base = []
+    for k, n in enumerate((40, 73, 55, 90, 31, 64, 80)):
+        ids = [1, 2, 3, 4] + torch.randint(5, 2000, (n - 4,), generator=g).tolist()  # a prefix the tree rows share
+        beh = (-torch.rand(n, generator=g) * 8).tolist()
+        base.append(Sample(ids, [0] * 10 + [1] * (n - 10), beh, [0.0] * 10 + [(-1.0) ** k] * (n - 10), [0] * n))
+    orders = shuffled_orders(len(base), 2, torch.Generator().manual_seed(0))
+    packs = minibatches(orders[0], 3)
+    runs = []
+    with precision("bf16"):
+        for m, anchor in zip(models, (False, True), strict=True):
+            samples = copy.deepcopy(base)
+            todo = packs[1:] if anchor else packs
+            flat = [i for p in todo for i in p]
+            cuts = [0]
+            for p in todo:
+                cuts.append(cuts[-1] + len(p))
+            score_old(m, [samples[i] for i in flat], 2048, 0, 1.0, tree=tree,
+                      groups=[list(range(a, b)) for a, b in zip(cuts[:-1], cuts[1:], strict=True)])
+            assert all(samples[i].old is None for i in packs[0]) is anchor
+            st = train_on_samples(m, torch.optim.SGD(m.parameters(), lr=1e-2), None, samples,
+                                  StepLoss(PolicyLossConfig(), version=0),
+                                  fields=("advantages", "behaviour", "versions", "old"), epochs=2, minibatch_size=3,
+                                  max_tokens=2048, max_grad_norm=None, per_token=True, pad_id=0, temperature=1.0,
+                                  orders=orders, anchor_first=anchor, tree=tree)
+            runs.append((samples, st))
+    (full, st_full), (anchored, st_anchored) = runs
+    assert [s.old for s in anchored] == [s.old for s in full]  # every sample's anchor, bit for bit
+    assert [s.old_entropy for s in anchored] == [s.old_entropy for s in full]
+    assert st_anchored["train/optimizer_steps"] == st_full["train/optimizer_steps"] == 6
+    moved = False
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b), name
+        moved |= not torch.equal(a, _wide_random_model().get_parameter(name))
+    assert moved  # the updates did move the weights, the same way
+
+
 def test_the_learner_scores_old_logprobs_in_the_first_epoch_s_minibatches(tmp_path, monkeypatch):
-    """The groups the scoring pass packs are the minibatches the update then runs, in order; and
-    before the first optimizer step the update's log-probs equal the old ones bit for bit."""
+    """The scoring pass packs the first epoch's minibatches but the first, in the update's order;
+    the first anchors to its own forward, whose log-probs become its samples' old ones."""
     import agentrl.train.step as step_module
 
     torch.set_num_threads(1)
     cfg = load_train_config(None, GUESS + ["train.precision=bf16", "train.old_logprobs=rescore", "train.epochs=2",
                                            "train.minibatch_size=3", f"train.output.dir={tmp_path}"])
     tr = Trainer(cfg, progress=False)
-    ran, first_rows, scored = [], [], []
+    ran, first_rows, scored, batch = [], [], [], []
     minibatch_step, row_loss, score_old = batch_module.minibatch_step, batch_module.row_loss, step_module.score_old
 
     def count(net: Any, samples: Any, idx: list[int], *a: Any, **kw: Any) -> Any:
         ran.append(list(idx))
+        batch[:] = samples
         return minibatch_step(net, samples, idx, *a, **kw)
 
     def spy(logprobs: torch.Tensor, entropies: torch.Tensor, row: Any, spec: Any) -> Any:
         if len(ran) == 1:
-            first_rows.append((logprobs.detach().clone(), row.values["old"].clone(), row.mask.bool()))
+            assert "old" not in row.values  # the loss anchors to these log-probs, detached
+            first_rows.append((row.seq_index, row.per_sample(logprobs)))
         return row_loss(logprobs, entropies, row, spec)
 
-    def old_pass(*a: Any, **kw: Any) -> Any:
-        scored.append(kw["groups"])
-        return score_old(*a, **kw)
+    def old_pass(net: Any, samples: Any, *a: Any, **kw: Any) -> Any:
+        scored.append(([id(s) for s in samples], kw["groups"]))
+        return score_old(net, samples, *a, **kw)
 
     monkeypatch.setattr(batch_module, "minibatch_step", count)
     monkeypatch.setattr(batch_module, "row_loss", spy)
     monkeypatch.setattr(step_module, "score_old", old_pass)
     tr.run()
-    assert len(scored) == 1 and [len(g) for g in scored[0]] == [3, 3, 2]  # 8 episodes
-    assert len(ran) == 6 and scored[0] == ran[:3]  # two epochs; the pass packs the first one's
-    assert ran[3:] != ran[:3]  # the second epoch draws its own order
-    assert first_rows and all(torch.equal(new[m], old[m]) for new, old, m in first_rows)
+    assert len(ran) == 6 and ran[3:] != ran[:3]  # two epochs of 3, 3, 2 (8 episodes); the second draws its own order
+    ((ids, groups),) = scored
+    assert ids == [id(batch[i]) for g in ran[1:3] for i in g]  # the first minibatch is not scored
+    assert groups == [[0, 1, 2], [3, 4]]  # packed as the update packs the second and third
+    assert first_rows and sorted(i for idx, _ in first_rows for i in idx) == sorted(ran[0])
+    assert all(batch[i].old == lp for idx, lps in first_rows for i, lp in zip(idx, lps, strict=True))
+    row = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+           if r.get("phase") == "rl"][-1]
+    assert row["train/scoring_pass"] == 1 and row["train/scored_samples"] == 5

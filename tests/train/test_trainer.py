@@ -311,10 +311,12 @@ def test_one_update_per_batch_skips_the_scoring_pass_and_trains_the_same(tmp_pat
     policies = [HFPolicy(*load_model("tiny-random")) for _ in range(2)]
     fast = train(toy_config(tmp_path / "fast", *args), policy=policies[0], progress=False)
     monkeypatch.setattr(Learner, "needs_scoring_pass", lambda self, n: True)
+    monkeypatch.setattr(Learner, "anchors_first_minibatch", lambda self: False)  # the pass scores all 32
     scored = train(toy_config(tmp_path / "scored", *args), policy=policies[1], progress=False)
     f, s = ([r for r in _rows(tmp_path / d / "metrics.jsonl") if r.get("phase") == "rl"][-1]
             for d in ("fast", "scored"))
     assert f["train/scoring_pass"] == 0 and s["train/scoring_pass"] == 1
+    assert f["train/scored_samples"] == 0 and s["train/scored_samples"] == 32
     assert f["train/optimizer_steps"] == s["train/optimizer_steps"] == 1
     assert f["train/episodes"] == s["train/episodes"] == 32
     assert f["grad/norm"] == pytest.approx(s["grad/norm"], rel=1e-4) and f["grad/norm"] > 1.0
