@@ -336,6 +336,8 @@ def train_on_samples(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
     if orders is None:
         if generator is None:
             raise ValueError("train_on_samples needs a generator or the epochs' orders")
+        if anchor_first:  # the caller scored all but the first minibatch: it must know which that is
+            raise ValueError("train_on_samples with anchor_first needs the epochs' orders")
         orders = shuffled_orders(len(samples), epochs, generator)
     if len(orders) != epochs or any(sorted(o) != list(range(len(samples))) for o in orders):
         raise ValueError(f"orders must be {epochs} permutations of the {len(samples)} samples")

@@ -185,7 +185,7 @@ class TrainConfig(_Strict):
         "rescore", description="PPO's anchor where a batch makes several optimizer steps (more "
         "episodes than minibatch_size, or epochs > 1): rescore = a no-grad pass of the trainer "
         "before the update, over every minibatch but the update's first, which anchors to its own "
-        "forward (the same numbers; with train.distill the pass covers all; train/scored_samples "
+        "forward (the same numbers; with train.distill or dropout the pass covers all; train/scored_samples "
         "logs how many it scored); sampler = the log-probs the sampler returned with each token, no pass "
         "(the same numbers where the sampler computes what the trainer does, as the hf backend in "
         "fp32 does to about 1e-5; elsewhere the ratio would also carry the sampler-trainer mismatch, "

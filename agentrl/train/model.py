@@ -42,6 +42,7 @@ __all__ = [
     "autocast",
     "base_model",
     "cpu_has_native_bf16",
+    "dropout_in",
     "make_optimizer",
     "make_scheduler",
     "make_trainable",
@@ -140,6 +141,18 @@ def autocast(device: torch.device) -> contextlib.AbstractContextManager:
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model inside a peft wrapper (adapters injected), else the model."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def dropout_in(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forward in train mode is random: a dropout module with p > 0 (a LoRA
+    adapter's included), or a layer's own dropout rate above 0 (an attention's ``attention_dropout``)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        if any(isinstance(v := getattr(m, k, None), float) and v > 0
+               for k in ("attention_dropout", "dropout", "dropout_p", "attn_dropout")):
+            return True
+    return False
 
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

@@ -55,6 +55,7 @@ from .loss import StepLoss, mismatch_stats
 from .metrics import advantage_balance
 from .model import (
     base_model,
+    dropout_in,
     free_before_update,
     make_optimizer,
     make_scheduler,
@@ -120,7 +121,10 @@ class Learner:
         update's own logprobs, detached, are the old ones (ratio 1; TRL's GRPO
         skips the pass the same way when it makes one update per generation).
         A distillation teacher that reads ``Sample.old`` before the update
-        keeps the pass.
+        keeps the pass. Where it runs, it may leave out the update's first
+        minibatch (``anchors_first_minibatch``); with one minibatch and more
+        epochs it then scores nothing (``train/scoring_pass`` 0,
+        ``train/scored_samples`` 0), and the first epoch's forward is the anchor.
         """
         t = self.cfg.train
         teacher_reads_old = self.distiller is not None and self.distiller.needs_student_scores
@@ -130,8 +134,9 @@ class Learner:
         """Whether, when the scoring pass runs, the update's first minibatch is left out of it and
         anchors to its own forward instead (``train_on_samples``' ``anchor_first``): the same
         numbers, a pass over one minibatch fewer. A distillation teacher reads every sample's
-        scores before the update, so it keeps the whole pass."""
-        return self.distiller is None
+        scores before the update, and with dropout the update's forward (train mode) is random
+        where the pass's (eval mode) is not: both keep the whole pass."""
+        return self.distiller is None and not dropout_in(self.model)
 
     def learn(self, trees: list[RolloutTree], step: int, start_bar: StartBar) -> dict[str, Any]:
         """Credit, scoring passes and the update on one rollout batch, at ``train.precision``."""
