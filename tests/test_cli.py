@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from agentrl.cli import app
@@ -145,3 +146,31 @@ def test_the_agentrl_command_sets_its_defaults_before_torch_compiles(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines()[0] == "False"
     assert (tmp_path / "cache" / "inductor").is_dir()
+
+
+def test_commands_that_need_no_model_do_not_import_torch():
+    """The CLI mounts train, proxy, eval and viewer commands by importing their packages, whose
+    exports are lazy (``agentrl.lazy_exports``): ``agentrl envs list`` loads neither torch nor
+    transformers, while the names those packages export still resolve."""
+    probe = ("import sys, agentrl.cli as c; sys.argv = ['agentrl', 'envs', 'list']\n"
+             "try:\n    c.main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+             "from agentrl.train import Trainer, train_on_samples\nfrom agentrl.policy import HFPolicy\n"
+             "print(Trainer.__module__, train_on_samples.__module__, HFPolicy.__module__)")
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert "agentrl/ALFWorld-v0" in lines
+    assert lines[-2] == "[]"
+    assert lines[-1] == "agentrl.train.trainer agentrl.train.batch agentrl.policy.hf"
+
+
+def test_lazy_exports_name_their_package_and_refuse_unknown_names():
+    import agentrl.train as train_pkg
+    from agentrl.lazy_exports import lazy_exports
+
+    assert "Learner" in dir(train_pkg) and "Learner" in train_pkg.__all__
+    with pytest.raises(AttributeError, match="'agentrl.train' has no attribute 'Lerner'"):
+        train_pkg.Lerner  # noqa: B018
+    with pytest.raises(ValueError, match="exported by two modules"):
+        lazy_exports("pkg", {".a": ["x"], ".b": ["x"]})

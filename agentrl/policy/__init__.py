@@ -1,43 +1,18 @@
 """Policy backends behind one protocol: ``generate(requests) -> results``."""
 
-from .base import (
-    GenerateRequest,
-    GenerateResult,
-    Policy,
-    RequestControl,
-    SamplingParams,
-    action_text,
-    request_seed,
-    stop_string_hit,
-)
-from .batching import MicroBatcher
-from .for_run import open_policy, policy_for_run
-from .hf import HFPolicy, sampling_logprobs
-from .mock import MockPolicy
-from .openai import OpenAIPolicy
-from .prefix_cache import CacheStats, PrefixCache
-from .registry import BACKENDS, make_policy
-from .snapshot import SnapshotPolicy
+from ..lazy_exports import lazy_exports
 
-__all__ = [
-    "BACKENDS",
-    "CacheStats",
-    "make_policy",
-    "GenerateRequest",
-    "GenerateResult",
-    "HFPolicy",
-    "MicroBatcher",
-    "MockPolicy",
-    "OpenAIPolicy",
-    "Policy",
-    "PrefixCache",
-    "RequestControl",
-    "SamplingParams",
-    "SnapshotPolicy",
-    "action_text",
-    "open_policy",
-    "policy_for_run",
-    "request_seed",
-    "sampling_logprobs",
-    "stop_string_hit",
-]
+# each module's names are imported on first use (agentrl.lazy_exports): the CLI imports
+# this package, and most commands need no torch
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    ".base": ["GenerateRequest", "GenerateResult", "Policy", "RequestControl", "SamplingParams",
+        "action_text", "request_seed", "stop_string_hit"],
+    ".batching": ["MicroBatcher"],
+    ".for_run": ["open_policy", "policy_for_run"],
+    ".hf": ["HFPolicy", "sampling_logprobs"],
+    ".mock": ["MockPolicy"],
+    ".openai": ["OpenAIPolicy"],
+    ".prefix_cache": ["CacheStats", "PrefixCache"],
+    ".registry": ["BACKENDS", "make_policy"],
+    ".snapshot": ["SnapshotPolicy"],
+})

@@ -9,6 +9,7 @@ from typing import Any
 from ..config import PolicyConfig
 from ..errors import PolicyError
 from ..models import load_model, load_tokenizer
+from ..precision import resolved_precision
 from .base import Policy
 from .hf import HFPolicy
 from .mock import MockPolicy
@@ -17,8 +18,10 @@ __all__ = ["BACKENDS", "make_policy", "resolve_backend"]
 
 
 def _hf(cfg: PolicyConfig) -> Policy:
+    precision = resolved_precision(cfg.precision, cfg.device, "policy.precision")
     model, tokenizer = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
-    return HFPolicy(model, tokenizer, max_batch_size=cfg.max_batch_size, prefix_cache_mb=cfg.prefix_cache_mb)
+    return HFPolicy(model, tokenizer, max_batch_size=cfg.max_batch_size, prefix_cache_mb=cfg.prefix_cache_mb,
+                    precision=precision)
 
 
 def _vllm(cfg: PolicyConfig) -> Policy:

@@ -38,7 +38,7 @@ class SnapshotPolicy(HFPolicy):
             p.grad = None
         mb = policy.prefix_cache.max_bytes // 2**20 if policy.prefix_cache is not None else 0
         snap = cls(model, policy.tokenizer, policy.max_batch_size, mb, policy.prefill_pad_tokens,
-                   policy.deterministic)
+                   policy.deterministic, policy.precision)
         snap.version = policy.version
         return snap
 

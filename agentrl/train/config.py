@@ -403,6 +403,9 @@ class TrainRunConfig(Config):
                     "sampler must compute what the trainer does, the hf backend in float32")
         if t.precision == "bf16":
             return "train.precision=bf16: the update scores in bf16 what the sampler sampled in fp32"
+        if self.policy.precision == "bf16":
+            return ("policy.precision=bf16: the sampler computes in bf16, and only an fp32 sampler gives the "
+                    "fp32 update's log-probs")
         workers = self.distributed is not None and self.distributed.num_rollout_workers > 0
         if workers and self.policy.backend == "auto":
             return ("distributed.num_rollout_workers with policy.backend=auto: each worker resolves the "

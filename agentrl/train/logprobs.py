@@ -39,8 +39,6 @@ did, so log-probs, entropies and KL are those of the constrained distribution.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +46,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..policy.constrain import mask_logits
+from ..precision import fp32_head
 from .compiled import compiled_decoder
 
 __all__ = ["TokenScores", "fp32_head", "token_logprobs", "token_scores"]
@@ -178,39 +177,6 @@ def token_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
         out.top_logprobs = out.top_logprobs.index_put((rows, cols), torch.cat([p[2] for p in parts]).float())
         out.top_ids = out.top_ids.index_put((rows, cols), torch.cat([p[3] for p in parts]))
     return out
-
-
-@contextlib.contextmanager
-def fp32_head(model: Any) -> Iterator[None]:
-    """Within this block, under bf16 autocast, the vocabulary head's logits are fp32 products of fp32 inputs.
-
-    bf16 logits carry 8 bits of mantissa: a logit near 16 moves in steps of
-    0.125, so the trainer's log-probs of the sampled tokens drift from the
-    sampler's (fp32) by up to a few hundredths of a nat, and PPO's ratio at step
-    0 is no longer 1 (``bench/precision.json``). The body keeps its bf16
-    matmuls; the head, one matmul of the whole model, runs in fp32, forward and
-    backward. A bf16 backward of the head (as autocast does for every other
-    matmul) was tried: the 128-episode ALFWorld SFT ran at the same speed (362
-    against 382 tokens/s) and learned worse on the same seed (final NLL 0.047
-    against 0.036, held-out success 0.453 against 0.688). Outside autocast
-    (sampling, fp32 training) this changes nothing.
-    """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    device = next(model.parameters()).device.type
-    if head is None or not torch.is_autocast_enabled(device):
-        yield
-        return
-    plain = type(head).forward
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False):
-            return plain(head, x.float())
-
-    head.forward = forward  # an instance attribute, removed on the way out
-    try:
-        yield
-    finally:
-        del head.forward
 
 
 def _log_softmax_entropy(logits: torch.Tensor, temperature: float, allowed: torch.Tensor | None

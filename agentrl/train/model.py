@@ -7,7 +7,7 @@ which parameters train (all, the top k layers, or LoRA adapters);
 base weights, adapters switched off, ``reference``); ``sync_policy`` hands the
 trained weights to the policy that samples.
 
-Precision (``train.precision``): ``auto`` is bf16 autocast on a GPU that
+Precision (``train.precision``, resolved by ``agentrl.precision``): ``auto`` is bf16 autocast on a GPU that
 supports bf16, and on a CPU whose instructions multiply bf16 natively (``avx512_bf16`` or AMX:
 ``cpu_has_native_bf16``), fp32 elsewhere; ``bf16`` autocasts wherever the model
 is; ``fp32`` never autocasts. Native bf16 matters by two orders of magnitude:
@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import math
-import os
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -37,6 +35,7 @@ import torch
 
 from ..errors import ConfigError
 from ..heap import give_back_freed_memory
+from ..precision import check_precision, cpu_has_native_bf16, resolved_precision
 
 __all__ = [
     "autocast",
@@ -62,52 +61,15 @@ __all__ = [
 _PRECISION: ContextVar[str] = ContextVar("agentrl_precision", default="auto")
 
 
-def _check_precision(name: str) -> None:
-    if name not in ("auto", "bf16", "fp32"):
-        raise ConfigError(f"train.precision={name!r}: use auto, bf16 or fp32")
-
-
 @contextlib.contextmanager
 def precision(name: str) -> Iterator[None]:
     """Within this block ``autocast`` follows ``name`` (``auto``, ``bf16`` or ``fp32``)."""
-    _check_precision(name)
+    check_precision(name)
     token = _PRECISION.set(name)
     try:
         yield
     finally:
         _PRECISION.reset(token)
-
-
-@functools.cache
-def _cpu_capabilities() -> frozenset[str]:
-    try:
-        return frozenset(k for k, v in torch.cpu.get_capabilities().items() if v is True)
-    except Exception:  # an older torch without the query: assume none
-        return frozenset()
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (``avx512_bf16`` or AMX's ``amx_bf16``).
-
-    ``AGENTRL_CPU_BF16`` (``1`` or ``0``) overrides what the CPU reports.
-    """
-    forced = os.environ.get("AGENTRL_CPU_BF16", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    if forced:
-        raise ConfigError(f"AGENTRL_CPU_BF16={forced!r}: use 1 or 0 (or unset it to detect)")
-    return bool({"avx512_bf16", "amx_bf16"} & _cpu_capabilities())
-
-
-def resolved_precision(name: str, device: torch.device | str) -> str:
-    """``bf16`` or ``fp32``: what ``name`` (``auto``, ``bf16``, ``fp32``) means on ``device``."""
-    _check_precision(name)
-    if name != "auto":
-        return name
-    kind = torch.device(device).type
-    if kind == "cuda":  # pre-Ampere GPUs emulate bf16 too
-        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
-    return "bf16" if kind == "cpu" and cpu_has_native_bf16() else "fp32"
 
 
 def precision_note(name: str, device: torch.device | str) -> str | None:

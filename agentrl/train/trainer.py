@@ -73,10 +73,11 @@ def resolve_old_logprobs(cfg: TrainRunConfig, policy: Any = None) -> tuple[Train
 
     t = cfg.train
     backend, precision = resolve_backend(cfg.policy.backend)[0], resolved_precision(t.precision, cfg.policy.device)
-    why = cfg.sampler_anchor_refusal()
-    if why is None and (backend != "hf" or precision != "fp32"):
+    why = None
+    if backend != "hf" or precision != "fp32":
         why = (f"policy.backend resolving to {backend!r} and train.precision={t.precision!r} to {precision!r}: "
                "the sampler must compute what the trainer does, the hf backend in fp32")
+    why = why or cfg.sampler_anchor_refusal()
     if why is None and policy is not None and (other := _not_an_fp32_hf_sampler(policy)):
         why = f"the policy given to the trainer {other}"
     if t.old_logprobs == "sampler":
@@ -100,7 +101,9 @@ def _not_an_fp32_hf_sampler(policy: Any) -> str | None:
 
     if isinstance(policy, HFPolicy):
         dtypes = {p.dtype for p in policy.model.parameters() if p.is_floating_point()}
-        return None if dtypes <= {torch.float32} else f"samples in {sorted(map(str, dtypes))}, not float32"
+        if not dtypes <= {torch.float32}:
+            return f"samples in {sorted(map(str, dtypes))}, not float32"
+        return None if policy.precision == "fp32" else f"samples in {policy.precision} (its precision), not fp32"
     if type(policy).__module__.startswith("agentrl.policy."):  # vllm, openai, mock: another sampler
         return f"is a {type(policy).__name__}, not the hf backend"
     return None
@@ -132,6 +135,10 @@ class Trainer:
         check_held_out(cfg.env.kwargs, t.evaluation.env_kwargs, levels, cfg.env.id, cfg.env.imports)
         with contextlib.suppress(RuntimeError):  # an unknown device: loading the policy says so
             resolved_precision(t.precision, cfg.policy.device)  # a bad AGENTRL_CPU_BF16 fails now, not mid-run
+        if cfg.policy.precision == "auto":  # the hf sampler computes what the update does
+            with contextlib.suppress(RuntimeError):
+                cfg = cfg.model_copy(deep=True)
+                cfg.policy.precision = resolved_precision(t.precision, cfg.policy.device)  # type: ignore[assignment]
         anchor_note = None
         if t.old_logprobs in ("sampler", "auto"):  # what auto resolves to on this machine (config checks the rest)
             cfg, anchor_note = resolve_old_logprobs(cfg, policy)

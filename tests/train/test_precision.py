@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import agentrl.precision as precision_module
 import agentrl.train.batch as batch
-import agentrl.train.model as train_model
 from agentrl.errors import ConfigError
 from agentrl.train.config import load_train_config
 from agentrl.train.model import (
@@ -63,7 +63,7 @@ def test_autocast_follows_the_precision_in_force():
 ])
 def test_auto_is_bf16_only_on_a_cpu_that_multiplies_bf16_natively(monkeypatch, caps, native):
     monkeypatch.delenv("AGENTRL_CPU_BF16", raising=False)
-    monkeypatch.setattr(train_model, "_cpu_capabilities", lambda: frozenset(caps))
+    monkeypatch.setattr(precision_module, "_cpu_capabilities", lambda: frozenset(caps))
     assert cpu_has_native_bf16() is native
     assert resolved_precision("auto", "cpu") == ("bf16" if native else "fp32")
     with precision("auto"):
@@ -86,19 +86,19 @@ def test_a_torch_that_cannot_report_its_cpu_counts_as_without_native_bf16(monkey
 
     monkeypatch.delenv("AGENTRL_CPU_BF16", raising=False)
     monkeypatch.setattr(torch.cpu, "get_capabilities", missing)
-    train_model._cpu_capabilities.cache_clear()
+    precision_module._cpu_capabilities.cache_clear()
     try:
-        assert train_model._cpu_capabilities() == frozenset()
+        assert precision_module._cpu_capabilities() == frozenset()
         assert resolved_precision("auto", "cpu") == "fp32"
     finally:
-        train_model._cpu_capabilities.cache_clear()
+        precision_module._cpu_capabilities.cache_clear()
 
 
 def test_the_environment_overrides_the_detection_and_a_bad_value_names_it(monkeypatch):
-    monkeypatch.setattr(train_model, "_cpu_capabilities", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr(precision_module, "_cpu_capabilities", lambda: frozenset({"avx2"}))
     monkeypatch.setenv("AGENTRL_CPU_BF16", "1")
     assert resolved_precision("auto", "cpu") == "bf16"
-    monkeypatch.setattr(train_model, "_cpu_capabilities", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(precision_module, "_cpu_capabilities", lambda: frozenset({"avx512_bf16"}))
     monkeypatch.setenv("AGENTRL_CPU_BF16", "0")
     assert resolved_precision("auto", "cpu") == "fp32"
     monkeypatch.setenv("AGENTRL_CPU_BF16", "yes")
@@ -233,3 +233,31 @@ def test_under_bf16_the_head_runs_fp32_forward_and_backward_and_its_gradient_is_
     (ref,) = torch.autograd.grad(picked, w)
     assert lp.dtype == torch.float32
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_training_runs_sampler_computes_in_the_precision_of_its_update(tmp_path, monkeypatch):
+    """``policy.precision: auto`` follows ``train.precision`` as it resolves, so the hf sampler
+    computes what the update does; a bf16 sampler under an fp32 update cannot anchor PPO
+    (``train.old_logprobs: auto`` rescores), whether the config or a handed-in policy says so."""
+    from agentrl.models import load_model, load_tokenizer
+    from agentrl.policy import HFPolicy
+    from agentrl.train.trainer import Trainer
+
+    monkeypatch.setenv("AGENTRL_CPU_BF16", "1")
+    for train_p, policy_p, want, anchor in (("auto", "auto", "bf16", "rescore"), ("fp32", "auto", "fp32", "sampler"),
+                                            ("fp32", "bf16", "bf16", "rescore"), ("bf16", "fp32", "fp32", "rescore")):
+        trainer = Trainer(toy_config(tmp_path / f"{train_p}-{policy_p}", "train.steps=0", "train.old_logprobs=auto",
+                                     f"train.precision={train_p}",
+                                     f"policy.precision={policy_p}"), progress=False)
+        assert (trainer.policy.precision, trainer.cfg.train.old_logprobs) == (want, anchor), (train_p, policy_p)
+        trainer.close()
+    model, _ = load_model("tiny-random")
+    handed = HFPolicy(model, load_tokenizer("tiny-random"), precision="bf16")
+    trainer = Trainer(toy_config(tmp_path / "handed", "train.steps=0", "train.precision=fp32", "train.old_logprobs=auto"),
+                      policy=handed,
+                      progress=False)
+    assert trainer.cfg.train.old_logprobs == "rescore"
+    trainer.close()
+    with pytest.raises(ConfigError, match="samples in bf16"):
+        Trainer(toy_config(tmp_path / "refused", "train.steps=0", "train.precision=fp32", "train.old_logprobs=sampler"),
+                policy=HFPolicy(model, load_tokenizer("tiny-random"), precision="bf16"), progress=False)

@@ -1,0 +1,115 @@
+"""Which precision a device computes in: bf16 where it multiplies bf16 natively, and the head in fp32.
+
+Shared by the trainer (``train.precision``) and the ``hf`` sampler
+(``policy.precision``), so both resolve ``auto`` the same way and compute the
+same numbers: bf16 autocast for the body's matmuls, attention's keys and
+values in bf16, the norms and the residual stream in fp32, and the vocabulary
+head in fp32 (``fp32_head``).
+
+``auto`` is bf16 on a GPU that supports it, and on a CPU whose instructions
+multiply bf16 natively (``avx512_bf16`` or AMX: ``cpu_has_native_bf16``); fp32
+elsewhere. ``AGENTRL_CPU_BF16=1`` or ``0`` overrides the CPU's answer (the test
+suite sets 0, so ``auto`` is fp32 on every CI machine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .errors import ConfigError
+
+__all__ = ["PRECISIONS", "check_precision", "cpu_has_native_bf16", "fp32_head", "resolved_precision"]
+
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+def check_precision(name: str, key: str = "train.precision") -> None:
+    if name not in PRECISIONS:
+        raise ConfigError(f"{key}={name!r}: use auto, bf16 or fp32")
+
+
+@functools.cache
+def _cpu_capabilities() -> frozenset[str]:
+    try:
+        return frozenset(k for k, v in torch.cpu.get_capabilities().items() if v is True)
+    except Exception:  # an older torch without the query: assume none
+        return frozenset()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (``avx512_bf16`` or AMX's ``amx_bf16``).
+
+    ``AGENTRL_CPU_BF16`` (``1`` or ``0``) overrides what the CPU reports.
+    """
+    forced = os.environ.get("AGENTRL_CPU_BF16", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    if forced:
+        raise ConfigError(f"AGENTRL_CPU_BF16={forced!r}: use 1 or 0 (or unset it to detect)")
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_capabilities())
+
+
+def resolved_precision(name: str, device: torch.device | str, key: str = "train.precision") -> str:
+    """``bf16`` or ``fp32``: what ``name`` (``auto``, ``bf16``, ``fp32``) means on ``device``."""
+    check_precision(name, key)
+    if name != "auto":
+        return name
+    kind = torch.device(device).type
+    if kind == "cuda":  # pre-Ampere GPUs emulate bf16 too
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+    return "bf16" if kind == "cpu" and cpu_has_native_bf16() else "fp32"
+
+
+_HEAD_LOCK = threading.Lock()
+_HEAD_USERS = "_agentrl_fp32_head_users"
+
+
+@contextlib.contextmanager
+def fp32_head(model: Any) -> Iterator[None]:
+    """Within this block, under bf16 autocast, the vocabulary head's logits are fp32 products of fp32 inputs.
+
+    bf16 logits carry 8 bits of mantissa: a logit near 16 moves in steps of
+    0.125, so the trainer's log-probs of the sampled tokens drift from the
+    sampler's (fp32) by up to a few hundredths of a nat, and PPO's ratio at step
+    0 is no longer 1 (``bench/precision.json``). The body keeps its bf16
+    matmuls; the head, one matmul of the whole model, runs in fp32, forward and
+    backward. A bf16 backward of the head (as autocast does for every other
+    matmul) was tried: the 128-episode ALFWorld SFT ran at the same speed (362
+    against 382 tokens/s) and learned worse on the same seed (final NLL 0.047
+    against 0.036, held-out success 0.453 against 0.688). Outside autocast
+    (fp32 sampling, fp32 training) this changes nothing.
+
+    Blocks may nest and overlap across threads (a sampler and a trainer over one
+    model): the head's own forward comes back when the last one ends.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    device = next(model.parameters()).device.type
+    if head is None or not torch.is_autocast_enabled(device):
+        yield
+        return
+    with _HEAD_LOCK:
+        users = getattr(head, _HEAD_USERS, 0)
+        if users == 0:
+            plain = type(head).forward
+
+            def forward(x: torch.Tensor) -> torch.Tensor:
+                with torch.autocast(x.device.type, enabled=False):
+                    return plain(head, x.float())
+
+            head.forward = forward  # an instance attribute, removed by the last block out
+        setattr(head, _HEAD_USERS, users + 1)
+    try:
+        yield
+    finally:
+        with _HEAD_LOCK:
+            users = getattr(head, _HEAD_USERS) - 1
+            setattr(head, _HEAD_USERS, users)
+            if users == 0:
+                del head.forward

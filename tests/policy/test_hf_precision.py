@@ -1,0 +1,127 @@
+"""``HFPolicy(precision="bf16")``: generation computes what ``train.precision: bf16`` does (bf16
+autocast, the vocabulary head in fp32), keeps keys and values in bf16, and runs under ``no_grad``
+so that autocast casts each weight once a call; fp32 and deterministic mode stay fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentrl.chat import render_ids
+from agentrl.config import PolicyConfig
+from agentrl.errors import ConfigError, PolicyError
+from agentrl.models import load_model
+from agentrl.policy import GenerateRequest, HFPolicy, SamplingParams, make_policy
+from agentrl.precision import fp32_head
+
+
+def _large_logit_model():
+    """tiny-random with the likeliest logits near 16-32, where a bf16 head rounds them by up to
+    0.125: a sampler whose head ran in bf16 would be off the trainer's log-probs by that much."""
+    model, _ = load_model("tiny-random")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(16.0)
+    return model
+
+
+def _requests(tokenizer, n=3, new=8):
+    texts = ["Tell me a story.", "Go to the kitchen and open the fridge.", "hi"]
+    return [GenerateRequest(render_ids(tokenizer, [{"role": "user", "content": texts[i % 3]}]),
+                            SamplingParams(temperature=0.0, max_new_tokens=new, logprobs=5)) for i in range(n)]
+
+
+def _watch(model):
+    """What each decoder layer and the head saw during generation."""
+    seen: dict[str, set] = {"autocast": set(), "inference_mode": set(), "grad": set(), "head": set()}
+
+    def layer_hook(module, args, out):
+        seen["autocast"].add(torch.is_autocast_enabled("cpu"))
+        seen["inference_mode"].add(torch.is_inference_mode_enabled())
+        seen["grad"].add(torch.is_grad_enabled())
+
+    hooks = [layer.register_forward_hook(layer_hook) for layer in model.model.layers]
+    hooks.append(model.lm_head.register_forward_hook(lambda m, a, out: seen["head"].add(out.dtype)))
+    return seen, hooks
+
+
+def test_bf16_generation_autocasts_under_no_grad_with_the_head_and_the_numbers_of_the_bf16_trainer(tokenizer):
+    model = _large_logit_model()
+    policy = HFPolicy(model, tokenizer, precision="bf16")
+    seen, hooks = _watch(model)
+    reqs = _requests(tokenizer)
+    try:
+        outs = policy.generate(reqs)
+    finally:
+        for h in hooks:
+            h.remove()
+    # bf16 autocast, not in inference mode (where autocast re-casts every weight at every forward)
+    assert seen == {"autocast": {True}, "inference_mode": {False}, "grad": {False}, "head": {torch.float32}}
+    assert not torch.is_autocast_enabled("cpu") and "forward" not in model.lm_head.__dict__  # nothing leaks
+    entry, _ = policy.prefix_cache.match(reqs[0].prompt_ids + outs[0].token_ids[:-1])
+    assert entry is not None and {t.dtype for t in entry.kv[0]} == {torch.bfloat16}
+    errs = []
+    for req, out in zip(reqs, outs, strict=True):  # each step's 5 likeliest tokens, against one full forward
+        ids = torch.tensor([req.prompt_ids + out.token_ids])
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), fp32_head(model):
+            logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0, len(req.prompt_ids) - 1:-1]
+        errs += [abs(lp - logp[pos, t].item()) for pos, top in enumerate(out.top_logprobs) for t, lp in top]
+    assert len(errs) == 3 * 8 * 5
+    assert max(errs) < 0.01, max(errs)  # measured 1e-4; with the head in bf16, 0.083
+
+
+def test_fp32_and_deterministic_generation_stay_fp32(tokenizer, tiny_model):
+    for policy in (HFPolicy(tiny_model, tokenizer), HFPolicy(tiny_model, tokenizer, precision="bf16",
+                                                              deterministic=True)):
+        seen, hooks = _watch(tiny_model)
+        reqs = _requests(tokenizer, n=2, new=4)
+        try:
+            outs = policy.generate(reqs)
+        finally:
+            for h in hooks:
+                h.remove()
+        assert seen["autocast"] == {False} and seen["inference_mode"] == {True}
+        entry, _ = policy.prefix_cache.match(reqs[0].prompt_ids + outs[0].token_ids[:-1])
+        assert entry is not None and entry.kv[0][0].dtype == torch.float32
+
+
+def test_bf16_generation_reuses_its_bf16_cache_across_turns(tokenizer):
+    """A second turn that extends the first prefills only its new tokens from the bf16 cache, and
+    its greedy reply and log-probs are those of a fresh policy that prefills everything."""
+    model, _ = load_model("tiny-random")
+    cached = HFPolicy(model, tokenizer, precision="bf16")
+    first = _requests(tokenizer, n=1, new=6)[0]
+    out = cached.generate([first])[0]
+    follow = GenerateRequest(first.prompt_ids + out.token_ids + render_ids(tokenizer, [{"role": "user",
+                             "content": "and then?"}])[1:], first.params)
+    again = cached.generate([follow])[0]
+    assert again.cached_tokens >= len(first.prompt_ids)
+    fresh = HFPolicy(model, tokenizer, precision="bf16", prefix_cache_mb=0).generate([follow])[0]
+    assert fresh.cached_tokens == 0
+    assert again.token_ids == fresh.token_ids
+    assert max(abs(a - b) for a, b in zip(again.logprobs, fresh.logprobs, strict=True)) < 0.03
+
+
+def test_precision_is_resolved_before_a_policy_is_made(monkeypatch):
+    with pytest.raises(PolicyError, match="resolve it first"):
+        HFPolicy(*load_model("tiny-random"), precision="auto")
+    with pytest.raises(ConfigError, match="policy.precision='fp16'"):
+        HFPolicy(*load_model("tiny-random"), precision="fp16")
+    for forced, want in (("1", "bf16"), ("0", "fp32")):
+        monkeypatch.setenv("AGENTRL_CPU_BF16", forced)
+        policy = make_policy(PolicyConfig(backend="hf", model="tiny-random"))
+        assert policy.precision == want
+        policy.close()
+    assert make_policy(PolicyConfig(backend="hf", model="tiny-random", precision="bf16")).precision == "bf16"
+
+
+def test_fp32_head_blocks_overlap_and_the_last_one_out_restores_the_head():
+    model, _ = load_model("tiny-random")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = fp32_head(model), fp32_head(model)
+        a.__enter__()
+        b.__enter__()
+        a.__exit__(None, None, None)  # out of order, as a sampler's and a trainer's threads may be
+        assert model(input_ids=torch.tensor([[5, 6]])).logits.dtype == torch.float32
+        b.__exit__(None, None, None)
+        assert "forward" not in model.lm_head.__dict__
+        assert model(input_ids=torch.tensor([[5, 6]])).logits.dtype == torch.bfloat16
