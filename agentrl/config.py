@@ -133,8 +133,8 @@ class PolicyConfig(_Strict):
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="hf: what generation computes in. bf16: autocast with the vocabulary head in "
         "fp32 and keys and values in bf16, what train.precision bf16 computes (the weights stay "
-        "policy.dtype); on a Zen 4 CPU with avx512_bf16, make run's evaluation took 61 s against 84 s in "
-        "fp32. auto: in a training run, train.precision as it resolves; elsewhere bf16 where the device "
+        "policy.dtype); on a Zen 4 CPU with avx512_bf16, make run's evaluation took 58-60 s against 83-86 s "
+        "in fp32. auto: in a training run, train.precision as it resolves; elsewhere bf16 where the device "
         "multiplies bf16 natively (avx512_bf16 or AMX, a bf16 GPU), else fp32. rollout.deterministic "
         "computes in fp32.")
     device: str = Field("cpu", description="torch device.")

@@ -37,8 +37,9 @@ them in bf16 anyway). The weights stay as they are. It runs under ``no_grad``,
 not ``inference_mode``: there autocast casts every weight again at every
 forward, and a decode step cost as much as in fp32; under ``no_grad`` each
 weight is cast once a ``generate`` call. On a Zen 4 VM with ``avx512_bf16``,
-make run's held-out evaluation (64 games, SmolLM2-135M) took 61 s against 84 s
-in fp32 (prefill 27 against 42 s, decode 32 against 39 s). Deterministic mode
+make run's held-out evaluation (64 games, SmolLM2-135M after SFT) took 58-60 s
+against 83-86 s in fp32: prefill 26-27 against 41-43 s, decode 29-30 against
+38-40 s (``bench/sampler_precision.json``). Deterministic mode
 computes in fp32: its batch invariance was measured there.
 
 Live requests (``RequestControl``): each sampled token is handed to the row's
@@ -171,6 +172,7 @@ class HFPolicy:
             raise PolicyError("HFPolicy(precision='auto'): resolve it first (agentrl.precision.resolved_precision)")
         self.model = model.eval()
         self.precision = precision
+        self._cached_dtype: torch.dtype | None = None  # the dtype of the prefix cache's keys and values
         self.prefill_pad_tokens = prefill_pad_tokens
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -251,6 +253,9 @@ class HFPolicy:
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         with self.weights_lock, self._numerics():
+            if self.prefix_cache is not None and self._cached_dtype not in (None, self._kv_dtype):
+                self.prefix_cache.clear()  # deterministic mode switched: its keys were computed otherwise
+            self._cached_dtype = self._kv_dtype
             return self._generate_locked(requests)
 
     @property

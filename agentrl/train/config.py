@@ -190,8 +190,8 @@ class TrainConfig(_Strict):
         "(the same numbers where the sampler computes what the trainer does, as the hf backend in "
         "fp32 does to about 1e-5; elsewhere the ratio would also carry the sampler-trainer mismatch, "
         "which TIS then cannot see). Refused with top_p or top_k truncation, a backend other than hf, "
-        "policy.dtype other than float32, a precision that resolves to bf16, train.asynchronous and "
-        "train.distill. auto = sampler where none of these applies on this machine, else rescore "
+        "policy.dtype other than float32, a train.precision or policy.precision that resolves to bf16, "
+        "train.asynchronous and train.distill. auto = sampler where none of these applies on this machine, else rescore "
         "(the run prints which).")
     micro_batch_tokens: int = Field(4096, ge=16, description="Tokens per forward pass: episodes "
                                     "are packed up to this; a minibatch accumulates gradients "

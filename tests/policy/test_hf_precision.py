@@ -125,3 +125,20 @@ def test_fp32_head_blocks_overlap_and_the_last_one_out_restores_the_head():
         b.__exit__(None, None, None)
         assert "forward" not in model.lm_head.__dict__
         assert model(input_ids=torch.tensor([[5, 6]])).logits.dtype == torch.bfloat16
+
+
+def test_switching_deterministic_mode_drops_keys_and_values_of_the_other_precision(tokenizer, tiny_model):
+    """A bf16 policy switched out of deterministic mode (fp32) does not reuse the fp32 keys and
+    values that mode cached, nor does it later reuse its bf16 ones in fp32."""
+    policy = HFPolicy(tiny_model, tokenizer, precision="bf16", deterministic=True)
+    req = _requests(tokenizer, n=1, new=4)[0]
+    policy.generate([req])
+    policy.deterministic = False
+    assert policy.generate([req])[0].cached_tokens == 0
+    assert policy.generate([req])[0].cached_tokens > 0  # reused within one precision
+    entry, _ = policy.prefix_cache.match(req.prompt_ids)
+    assert entry.kv[0][0].dtype == torch.bfloat16
+    policy.deterministic = True
+    policy.generate([req])
+    entry, _ = policy.prefix_cache.match(req.prompt_ids)
+    assert entry.kv[0][0].dtype == torch.float32
