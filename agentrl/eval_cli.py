@@ -15,6 +15,7 @@ samples ``--samples N`` (default K) episodes a task at ``--temperature``
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated
 
@@ -70,6 +71,7 @@ def eval_command(
     from .env import resolve_env_id
     from .policy.for_run import open_policy
     from .policy.registry import resolve_backend
+    from .precision import sampler_precision
     from .rollout import write_run
 
     flags = {"policy.model": model, "policy.backend": backend, "rollout.episodes": episodes}
@@ -83,8 +85,13 @@ def eval_command(
             cfg.sampling.temperature = 0.0
         picked, why = resolve_backend(cfg.policy.backend)
         cfg.policy.backend = picked
+        sampled_in = ""
+        if picked == "hf":  # a training config's train.precision says what its run sampled in
+            cfg.policy.precision = sampler_precision(cfg.policy.precision, cfg.policy.device,  # type: ignore[assignment]
+                                                     _train_precision(config, set_ or []))
+            sampled_in = f", sampling in [bold]{cfg.policy.precision}[/]"
         console.print(f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{picked}[/] ({why})"
-                      f"{placement(cfg)}")
+                      f"{sampled_in}{placement(cfg)}")
         reports, all_trees = [], []
         with open_policy(cfg) as policy:
             for one in (split.split(",") if split else [None]):
@@ -103,10 +110,26 @@ def eval_command(
     except AgentRLError as e:
         console.print(f"[bold red]error:[/] {e}", highlight=False)
         raise typer.Exit(code=2) from None
-    summary = {"env": env_id, "model": cfg.policy.model, "backend": cfg.policy.backend, **worker_stats,
+    summary = {"env": env_id, "model": cfg.policy.model, "backend": cfg.policy.backend,
+               **({"precision": cfg.policy.precision} if cfg.policy.backend == "hf" else {}), **worker_stats,
                "reports": [r.to_dict() for r in reports]}
     path = write_run(out, all_trees, summary)
     console.print(f"wrote {path / 'summary.json'} and {path / 'trajectories.jsonl'}")
+
+
+def _train_precision(config: Path | None, sets: list[str]) -> str | None:
+    """``train.precision`` of a training config (its file, then ``--set``), which ``eval`` does not
+    otherwise read; None where neither says."""
+    import yaml
+
+    found = None
+    if config is not None:
+        with contextlib.suppress(OSError, yaml.YAMLError, AttributeError):
+            found = (yaml.safe_load(config.read_text()) or {}).get("train", {}).get("precision")
+    for s in sets:
+        if s.startswith("train.precision="):
+            found = s.split("=", 1)[1].strip()
+    return found if isinstance(found, str) else None
 
 
 def register(app: typer.Typer) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from importlib import import_module
+from importlib.util import find_spec
 from typing import Any
 
 __all__ = ["lazy_exports"]
@@ -30,7 +31,9 @@ def lazy_exports(package: str, exports: dict[str, list[str]]
 
     def __getattr__(name: str) -> Any:
         module = where.get(name)
-        if module is None:
+        if module is None:  # a submodule, as an eager __init__ had imported them all: agentrl.train.step
+            if not name.startswith("_") and find_spec(f"{package}.{name}") is not None:
+                return import_module(f"{package}.{name}")
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(import_module(module, package), name)
         setattr(sys.modules[package], name, value)  # the next lookup skips this function

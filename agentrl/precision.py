@@ -18,6 +18,7 @@ import contextlib
 import functools
 import os
 import threading
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,7 +26,8 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["PRECISIONS", "check_precision", "cpu_has_native_bf16", "fp32_head", "resolved_precision"]
+__all__ = ["PRECISIONS", "check_precision", "cpu_has_native_bf16", "fp32_head", "resolved_precision",
+           "sampler_precision"]
 
 PRECISIONS = ("auto", "bf16", "fp32")
 
@@ -62,12 +64,33 @@ def resolved_precision(name: str, device: torch.device | str, key: str = "train.
     if name != "auto":
         return name
     kind = torch.device(device).type
-    if kind == "cuda":  # pre-Ampere GPUs emulate bf16 too
-        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+    if kind == "cuda":  # native bf16 only (Ampere on), as on CPU: torch's default check counts emulation
+        native = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+        return "bf16" if native else "fp32"
     return "bf16" if kind == "cpu" and cpu_has_native_bf16() else "fp32"
 
 
+def sampler_precision(policy_precision: str, device: torch.device | str, train_precision: str | None = None) -> str:
+    """``bf16`` or ``fp32``: what the hf sampler computes in. ``policy.precision`` when set; for
+    ``auto``, ``train.precision`` as it resolves where the config has one (a training run, or a
+    training config handed to ``agentrl eval``), so the sampler computes what the update did;
+    else the device's own answer."""
+    if policy_precision != "auto":
+        return resolved_precision(policy_precision, device, "policy.precision")
+    if train_precision is not None:
+        return resolved_precision(train_precision, device)
+    return resolved_precision("auto", device, "policy.precision")
+
+
 _HEAD_LOCK = threading.Lock()
+
+
+def _fp32_forward(head: Any, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(x.device.type, enabled=False):
+        if head.weight.dtype == torch.float32:
+            return type(head).forward(head, x.float())
+        bias = None if getattr(head, "bias", None) is None else head.bias.float()
+        return torch.nn.functional.linear(x.float(), head.weight.float(), bias)
 _HEAD_USERS = "_agentrl_fp32_head_users"
 
 
@@ -77,7 +100,7 @@ def fp32_head(model: Any) -> Iterator[None]:
 
     bf16 logits carry 8 bits of mantissa: a logit near 16 moves in steps of
     0.125, so the trainer's log-probs of the sampled tokens drift from the
-    sampler's (fp32) by up to a few hundredths of a nat, and PPO's ratio at step
+    sampler's (an fp32 one, or a bf16 one with this head) by up to a few hundredths of a nat, and PPO's ratio at step
     0 is no longer 1 (``bench/precision.json``). The body keeps its bf16
     matmuls; the head, one matmul of the whole model, runs in fp32, forward and
     backward. A bf16 backward of the head (as autocast does for every other
@@ -87,7 +110,10 @@ def fp32_head(model: Any) -> Iterator[None]:
     (fp32 sampling, fp32 training) this changes nothing.
 
     Blocks may nest and overlap across threads (a sampler and a trainer over one
-    model): the head's own forward comes back when the last one ends.
+    model): the head's own forward comes back when the last one ends. The patch
+    is a method bound to the head, so a deep copy made meanwhile (a snapshot of
+    the weights) computes with its own head. A head whose weights are not fp32
+    (``policy.dtype: bfloat16``) multiplies an fp32 copy of them.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     device = next(model.parameters()).device.type
@@ -97,13 +123,7 @@ def fp32_head(model: Any) -> Iterator[None]:
     with _HEAD_LOCK:
         users = getattr(head, _HEAD_USERS, 0)
         if users == 0:
-            plain = type(head).forward
-
-            def forward(x: torch.Tensor) -> torch.Tensor:
-                with torch.autocast(x.device.type, enabled=False):
-                    return plain(head, x.float())
-
-            head.forward = forward  # an instance attribute, removed by the last block out
+            head.forward = types.MethodType(_fp32_forward, head)  # an instance attribute, removed by the last block out
         setattr(head, _HEAD_USERS, users + 1)
     try:
         yield

@@ -170,6 +170,7 @@ def test_lazy_exports_name_their_package_and_refuse_unknown_names():
     from agentrl.lazy_exports import lazy_exports
 
     assert "Learner" in dir(train_pkg) and "Learner" in train_pkg.__all__
+    assert train_pkg.trainer.Trainer is train_pkg.Trainer  # a submodule is an attribute, as it was eagerly
     with pytest.raises(AttributeError, match="'agentrl.train' has no attribute 'Lerner'"):
         train_pkg.Lerner  # noqa: B018
     with pytest.raises(ValueError, match="exported by two modules"):

@@ -208,3 +208,23 @@ def test_cli_eval_on_real_format_alfworld_with_tiny_model(tmp_path):
     (report,) = json.loads((out / "summary.json").read_text())["reports"]
     assert [r["label"] for r in report["rows"]] == ["Pick", "Clean", "Heat", "All"]  # the papers' order
     assert report["rows"][-1]["tasks"] == 3 and report["rows"][-1]["errors"] == 0
+
+
+@pytest.mark.parametrize("train_section, sets, want", [
+    ({"precision": "fp32"}, [], "fp32"),  # the run sampled in fp32: its evaluation does too
+    (None, [], "bf16"),  # no training config: what this CPU multiplies natively (forced here)
+    ({"precision": "fp32"}, ["--set", "train.precision=bf16"], "bf16"),
+    ({"precision": "fp32"}, ["--set", "policy.precision=bf16"], "bf16"),
+])
+def test_cli_eval_samples_in_the_precision_its_training_config_trained_in(tmp_path, monkeypatch, train_section,
+                                                                          sets, want):
+    monkeypatch.setenv("AGENTRL_CPU_BF16", "1")
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(yaml.safe_dump({"policy": {"backend": "hf", "model": "tiny-random"},
+                                   **({"train": train_section} if train_section else {})}))
+    out = tmp_path / "ev"
+    res = runner.invoke(app, ["eval", "--env", "TestEvalSplit", "--split", "a", "--config", str(cfg),
+                              "--limit", "1", "--out", str(out), "--no-progress", *sets])
+    assert res.exit_code == 0, res.output
+    assert json.loads((out / "summary.json").read_text())["precision"] == want
+    assert f"sampling in {want}" in res.output

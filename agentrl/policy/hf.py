@@ -36,11 +36,15 @@ bf16`` computes, and keeps keys and values in bf16 (autocast's attention reads
 them in bf16 anyway). The weights stay as they are. It runs under ``no_grad``,
 not ``inference_mode``: there autocast casts every weight again at every
 forward, and a decode step cost as much as in fp32; under ``no_grad`` each
-weight is cast once a ``generate`` call. On a Zen 4 VM with ``avx512_bf16``,
+weight that requires grad is cast once a ``generate`` call, and the bf16
+copies (half the fp32 weights' bytes) live until the call ends; a frozen
+weight (LoRA's base, ``trainable: top_k``'s lower layers) is cast at every
+forward, so there decoding gains nothing, prefill still does. On a Zen 4 VM with ``avx512_bf16``,
 make run's held-out evaluation (64 games, SmolLM2-135M after SFT) took 58-60 s
 against 83-86 s in fp32: prefill 26-27 against 41-43 s, decode 29-30 against
 38-40 s (``bench/sampler_precision.json``). Deterministic mode
-computes in fp32: its batch invariance was measured there.
+computes in fp32: its batch invariance was measured there. Weights already in
+bf16 or fp16 (``policy.dtype``) compute in their own dtype, as before.
 
 Live requests (``RequestControl``): each sampled token is handed to the row's
 ``on_token`` as soon as its decode step ends, so a server streams while the
@@ -173,6 +177,7 @@ class HFPolicy:
         self.model = model.eval()
         self.precision = precision
         self._cached_dtype: torch.dtype | None = None  # the dtype of the prefix cache's keys and values
+        self._call_bf16 = False  # whether the generate call under way samples under bf16 autocast
         self.prefill_pad_tokens = prefill_pad_tokens
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -252,32 +257,32 @@ class HFPolicy:
         self.version += 1
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-        with self.weights_lock, self._numerics():
-            if self.prefix_cache is not None and self._cached_dtype not in (None, self._kv_dtype):
-                self.prefix_cache.clear()  # deterministic mode switched: its keys were computed otherwise
-            self._cached_dtype = self._kv_dtype
-            return self._generate_locked(requests)
-
-    @property
-    def _bf16(self) -> bool:
-        return self.precision == "bf16" and not self.deterministic
+        with self.weights_lock:
+            deterministic = self.deterministic  # read once: an engine may switch it between calls
+            # bf16 autocast over fp32 weights; weights already in bf16 or fp16 compute in their own dtype
+            self._call_bf16 = self.precision == "bf16" and not deterministic and self.model.dtype == torch.float32
+            with self._numerics():
+                if self.prefix_cache is not None and self._cached_dtype not in (None, self._kv_dtype):
+                    self.prefix_cache.clear()  # deterministic mode switched: its keys were computed otherwise
+                self._cached_dtype = self._kv_dtype
+                return self._generate_locked(requests, deterministic)
 
     @property
     def _kv_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self._bf16 else self.model.dtype
+        return torch.bfloat16 if self._call_bf16 else self.model.dtype
 
     @contextlib.contextmanager
     def _numerics(self) -> Any:
         """fp32: ``inference_mode``. bf16: autocast with the fp32 head, under ``no_grad`` so that
         autocast casts each weight once for the whole call (see the module docstring)."""
-        if not self._bf16:
+        if not self._call_bf16:
             with torch.inference_mode():
                 yield
             return
         with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16), fp32_head(self.model):
             yield
 
-    def _generate_locked(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+    def _generate_locked(self, requests: list[GenerateRequest], deterministic: bool) -> list[GenerateResult]:
         results: list[GenerateResult | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for i, req in enumerate(requests):
@@ -287,8 +292,8 @@ class HFPolicy:
             # max_new_tokens and seed are per row: near a context budget, rows differ in room.
             key = (p.temperature, p.top_p, p.top_k, p.stop, p.stop_token_ids, p.logprobs)
             groups.setdefault(key, []).append(i)
-        size = min(self.max_batch_size, STEP_ROWS) if self.deterministic else self.max_batch_size
-        run = self._generate_rows if self.deterministic else self._generate_batch
+        size = min(self.max_batch_size, STEP_ROWS) if deterministic else self.max_batch_size
+        run = self._generate_rows if deterministic else self._generate_batch
         for idx in groups.values():
             for s in range(0, len(idx), size):
                 chunk = idx[s:s + size]
@@ -420,6 +425,7 @@ class HFPolicy:
         assert self.prefix_cache is not None
         self.prefix_cache.insert(prefix, slab.row(0, 0, len(prefix)), storage=slab, storage_bytes=slab.nbytes)
 
+    @torch.no_grad()  # nests in generate's inference_mode or autocast (no_grad keeps its cast weights)
     def _generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         params, dev = requests[0].params, self.device
         matches = [self._match(r.prompt_ids) for r in requests]
@@ -458,6 +464,7 @@ class HFPolicy:
                                         cached_tokens=cached[b])
         return results  # type: ignore[return-value]
 
+    @torch.no_grad()
     def _generate_rows(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """``_generate_batch`` in deterministic mode: each row computed as it would be alone.
 

@@ -33,9 +33,10 @@ class SnapshotPolicy(HFPolicy):
         if not isinstance(policy, HFPolicy):
             raise ConfigError(f"train.asynchronous samples from a copy of the weights, which only the hf "
                               f"backend keeps here; got a {type(policy).__name__}: set policy.backend=hf")
-        model = copy.deepcopy(policy.model).requires_grad_(False)
+        with policy.weights_lock:  # not mid-batch, when the model's head may be patched (fp32_head)
+            model = copy.deepcopy(policy.model)
         for p in model.parameters():  # the trainer's gradients, if any, are no part of the copy
-            p.grad = None
+            p.grad = None  # requires_grad stays: bf16 autocast caches casts of such weights only
         mb = policy.prefix_cache.max_bytes // 2**20 if policy.prefix_cache is not None else 0
         snap = cls(model, policy.tokenizer, policy.max_batch_size, mb, policy.prefill_pad_tokens,
                    policy.deterministic, policy.precision)

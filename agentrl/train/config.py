@@ -201,7 +201,8 @@ class TrainConfig(_Strict):
         "a CPU with avx512_bf16 or AMX (on a Xeon with AMX the make run recipe's SFT at 1.6x fp32's "
         "tokens/s, learning as well), fp32 on other CPUs, where bf16 is emulated and many times slower "
         "(AGENTRL_CPU_BF16=1/0 overrides the detection); bf16 autocasts anywhere; fp32 never does. "
-        "The vocabulary head, weights and optimizer state stay fp32; sampling is unaffected.")
+        "The vocabulary head, weights and optimizer state stay fp32; the hf sampler follows it "
+        "(policy.precision auto).")
     compile: Literal["auto"] | bool = Field(
         False, description="Run the decoder layers through torch.compile in the training and scoring "
         "passes (agentrl.train.compiled; sampling stays eager): true anywhere; auto where those passes "
@@ -402,7 +403,7 @@ class TrainRunConfig(Config):
             return (f"policy.backend={self.policy.backend!r}, policy.dtype={self.policy.dtype!r}: the "
                     "sampler must compute what the trainer does, the hf backend in float32")
         if t.precision == "bf16":
-            return "train.precision=bf16: the update scores in bf16 what the sampler sampled in fp32"
+            return "train.precision=bf16: the update scores in bf16, and only fp32 numbers match to 1e-5"
         if self.policy.precision == "bf16":
             return ("policy.precision=bf16: the sampler computes in bf16, and only an fp32 sampler gives the "
                     "fp32 update's log-probs")

@@ -77,7 +77,7 @@ def precision_note(name: str, device: torch.device | str) -> str | None:
     if name == "bf16" and torch.device(device).type == "cpu" and not cpu_has_native_bf16():
         return ("train.precision=bf16 on a CPU without avx512_bf16 or AMX: bf16 matmuls are emulated "
                 "here, many times slower than fp32 (an AVX2 EPYC: 1.2 against 182 GFLOP/s); "
-                "precision auto picks fp32 on this CPU")
+                "precision auto picks fp32 on this CPU (the hf sampler follows it: policy.precision auto)")
     return None
 
 

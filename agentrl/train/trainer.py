@@ -36,6 +36,7 @@ from ..errors import ConfigError
 from ..evaluation import evaluate_held_out, held_out_seeds
 from ..heap import give_back_freed_memory
 from ..policy.snapshot import SnapshotPolicy
+from ..precision import sampler_precision
 from ..types import RolloutTree
 from .asynchronous import RolloutProducer
 from .checkpoint import (
@@ -138,7 +139,7 @@ class Trainer:
         if cfg.policy.precision == "auto":  # the hf sampler computes what the update does
             with contextlib.suppress(RuntimeError):
                 cfg = cfg.model_copy(deep=True)
-                cfg.policy.precision = resolved_precision(t.precision, cfg.policy.device)  # type: ignore[assignment]
+                cfg.policy.precision = sampler_precision("auto", cfg.policy.device, t.precision)  # type: ignore[assignment]
         anchor_note = None
         if t.old_logprobs in ("sampler", "auto"):  # what auto resolves to on this machine (config checks the rest)
             cfg, anchor_note = resolve_old_logprobs(cfg, policy)

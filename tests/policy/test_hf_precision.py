@@ -111,7 +111,9 @@ def test_precision_is_resolved_before_a_policy_is_made(monkeypatch):
         policy = make_policy(PolicyConfig(backend="hf", model="tiny-random"))
         assert policy.precision == want
         policy.close()
-    assert make_policy(PolicyConfig(backend="hf", model="tiny-random", precision="bf16")).precision == "bf16"
+    policy = make_policy(PolicyConfig(backend="hf", model="tiny-random", precision="bf16"))
+    assert policy.precision == "bf16"
+    policy.close()
 
 
 def test_fp32_head_blocks_overlap_and_the_last_one_out_restores_the_head():
@@ -142,3 +144,56 @@ def test_switching_deterministic_mode_drops_keys_and_values_of_the_other_precisi
     policy.generate([req])
     entry, _ = policy.prefix_cache.match(req.prompt_ids)
     assert entry.kv[0][0].dtype == torch.float32
+
+
+def _weight_casts(policy, reqs) -> tuple[int, int]:
+    """(fp32 -> bf16 casts of 2-D tensors, the weights' kind, during ``generate``; the model's 2-D weights)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            src = args[0] if args else None
+            if (func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.to)  # inference_mode: aten.to
+                    and isinstance(src, torch.Tensor) and src.dim() == 2
+                    and src.dtype == torch.float32 and out.dtype == torch.bfloat16):
+                Count.n += 1
+            return out
+
+    with Count():
+        policy.generate(reqs)
+    return Count.n, sum(1 for p in policy.model.parameters() if p.dim() == 2)
+
+
+def test_bf16_generation_casts_each_weight_once_a_call_also_in_a_snapshot(tokenizer):
+    """Under no_grad, autocast keeps its bf16 copy of each weight for the whole call (under
+    inference_mode it cast them all again at every forward: 8 decode steps, 8 times as many)."""
+    from agentrl.policy import SnapshotPolicy
+
+    model, _ = load_model("tiny-random")
+    policy = HFPolicy(model, tokenizer, precision="bf16", prefix_cache_mb=0)
+    casts, weights = _weight_casts(policy, _requests(tokenizer, n=2, new=8))
+    assert 0 < casts <= weights, (casts, weights)
+    snap = SnapshotPolicy.of(policy)
+    assert snap.precision == "bf16"
+    casts, weights = _weight_casts(snap, _requests(tokenizer, n=2, new=8))
+    assert 0 < casts <= weights, (casts, weights)
+
+
+def test_bf16_precision_over_bf16_weights_computes_in_their_dtype_and_the_head_still_runs_fp32(tokenizer):
+    """policy.dtype bfloat16: nothing to autocast, so generation runs as before; the trainer's
+    fp32 head over bf16 weights multiplies an fp32 copy of them (it crashed on the dtype mismatch)."""
+    model, _ = load_model("tiny-random", dtype="bfloat16")
+    policy = HFPolicy(model, tokenizer, precision="bf16")
+    seen, hooks = _watch(model)
+    try:
+        out = policy.generate(_requests(tokenizer, n=1, new=4))[0]
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(out.token_ids) == 4 and seen["autocast"] == {False} and seen["head"] == {torch.bfloat16}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), fp32_head(model):
+        logits = model(input_ids=torch.tensor([[5, 6, 7]])).logits
+    assert logits.dtype == torch.float32

@@ -70,9 +70,10 @@ def test_auto_is_bf16_only_on_a_cpu_that_multiplies_bf16_natively(monkeypatch, c
         assert _matmul_dtype() == (torch.bfloat16 if native else torch.float32)
     # explicit choices are kept; a GPU is bf16 under auto where it supports bf16 (Ampere on)
     assert resolved_precision("bf16", "cpu") == "bf16" and resolved_precision("fp32", "cpu") == "fp32"
-    for gpu_bf16 in (True, False):
+    for gpu_bf16 in (True, False):  # native only: a T4 or V100 emulates bf16, and torch counts that by default
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, v=gpu_bf16, **k: v)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                            lambda including_emulation=True, v=gpu_bf16: v and not including_emulation)
         assert resolved_precision("auto", "cuda") == ("bf16" if gpu_bf16 else "fp32")
     # asking for bf16 where it is emulated gets a console line; nowhere else
     assert (precision_note("bf16", "cpu") is not None) is (not native)
