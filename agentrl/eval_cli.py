@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -122,13 +122,14 @@ def _train_precision(config: Path | None, sets: list[str]) -> str | None:
     otherwise read; None where neither says."""
     import yaml
 
-    found = None
-    if config is not None:
-        with contextlib.suppress(OSError, yaml.YAMLError, AttributeError):
-            found = (yaml.safe_load(config.read_text()) or {}).get("train", {}).get("precision")
-    for s in sets:
-        if s.startswith("train.precision="):
-            found = s.split("=", 1)[1].strip()
+    from .config import apply_overrides
+
+    data: Any = None
+    if config is not None:  # load_config has read it already, and its errors are reported there
+        with contextlib.suppress(OSError, yaml.YAMLError):
+            data = yaml.safe_load(config.read_text())
+    data = apply_overrides(data if isinstance(data, dict) else {}, [s for s in sets if s.startswith("train.")])
+    found = data.get("train", {}).get("precision") if isinstance(data.get("train"), dict) else None
     return found if isinstance(found, str) else None
 
 

@@ -91,6 +91,8 @@ def _fp32_forward(head: Any, x: torch.Tensor) -> torch.Tensor:
             return type(head).forward(head, x.float())
         bias = None if getattr(head, "bias", None) is None else head.bias.float()
         return torch.nn.functional.linear(x.float(), head.weight.float(), bias)
+
+
 _HEAD_USERS = "_agentrl_fp32_head_users"
 
 
@@ -100,8 +102,8 @@ def fp32_head(model: Any) -> Iterator[None]:
 
     bf16 logits carry 8 bits of mantissa: a logit near 16 moves in steps of
     0.125, so the trainer's log-probs of the sampled tokens drift from the
-    sampler's (an fp32 one, or a bf16 one with this head) by up to a few hundredths of a nat, and PPO's ratio at step
-    0 is no longer 1 (``bench/precision.json``). The body keeps its bf16
+    sampler's (an fp32 one, or a bf16 one with this head) by up to a few
+    hundredths of a nat, and PPO's ratio at step 0 is no longer 1 (``bench/precision.json``). The body keeps its bf16
     matmuls; the head, one matmul of the whole model, runs in fp32, forward and
     backward. A bf16 backward of the head (as autocast does for every other
     matmul) was tried: the 128-episode ALFWorld SFT ran at the same speed (362
@@ -123,7 +125,7 @@ def fp32_head(model: Any) -> Iterator[None]:
     with _HEAD_LOCK:
         users = getattr(head, _HEAD_USERS, 0)
         if users == 0:
-            head.forward = types.MethodType(_fp32_forward, head)  # an instance attribute, removed by the last block out
+            head.forward = types.MethodType(_fp32_forward, head)  # removed by the last block out
         setattr(head, _HEAD_USERS, users + 1)
     try:
         yield
