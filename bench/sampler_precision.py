@@ -6,7 +6,8 @@ Runs the evaluation ``make run`` prints (examples/train_alfworld_easy.yaml:
 the base model never plays a valid command) under each precision, one process
 after another, each in its own subprocess. Per row: wall seconds, seconds in
 prefill and in decode steps (timers around ``HFPolicy._prefill`` and
-``_decode``), tokens prefilled and decoded, the prefix cache's bytes, and the
+``_decode``), the tokens the prefill forwards ran (a row padded to its group's
+longest re-runs a few cached ones) and the tokens decoded, the prefix cache's bytes, and the
 success, turns and invalid-action fraction (greedy bf16 and fp32 may pick other
 tokens where two logits are near).
 
