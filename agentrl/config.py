@@ -8,6 +8,7 @@ key path (``policy.temperature``) and the reason.
 from __future__ import annotations
 
 import difflib
+import re
 import warnings
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
@@ -98,6 +99,9 @@ def folded_options(data: Any, section: str, key: str, default: str) -> Any:
     return data
 
 
+_DEVICE = re.compile(r"(cpu|cuda|mps|xpu|hpu|npu)(:\d+)?")
+
+
 class SamplingConfig(_Strict):
     temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass kept.")
@@ -137,7 +141,7 @@ class PolicyConfig(_Strict):
         "in fp32. auto: in a training run, train.precision as it resolves; elsewhere bf16 where the device "
         "multiplies bf16 natively (avx512_bf16 or AMX, a bf16 GPU), else fp32. rollout.deterministic "
         "computes in fp32.")
-    device: str = Field("cpu", description="torch device.")
+    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:N (also mps, xpu, hpu, npu).")
     max_batch_size: int = Field(16, ge=1, description="Prompts per forward pass.")
     prefix_cache_mb: int = Field(
         4096, ge=0, description="hf: MiB of keys and values kept across turns for prefix reuse; 0 turns it off."
@@ -151,6 +155,16 @@ class PolicyConfig(_Strict):
         default_factory=lambda: ["1"], description="Scripted answers for backend=mock."
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="backend=vllm: engine sizing.")
+
+    @field_validator("device")
+    @classmethod
+    def _device_form(cls, value: str) -> str:
+        """The form only (no torch import here); whether the machine has it is checked when
+        the model loads (``agentrl.models.check_device``)."""
+        if not _DEVICE.fullmatch(value):
+            raise ValueError(f"{value!r} is not a device: use cpu, cuda or cuda:N "
+                             f"(also mps, xpu, hpu, npu, with :N)")
+        return value
 
 
 class EnvConfig(_Strict):

@@ -34,6 +34,7 @@ __all__ = [
     "MODELS",
     "ModelSpec",
     "cache_dir",
+    "check_device",
     "hub_model_dir",
     "is_hub_id",
     "list_models",
@@ -200,6 +201,32 @@ def _tiny_random(seed: int = 0) -> Any:
     return LlamaForCausalLM(config)
 
 
+def check_device(device: str) -> None:
+    """Raise ``PolicyError`` naming ``policy.device`` where this torch build or machine has no
+    such device, before a model is moved there (torch's own error is an assertion deep in a
+    lazy CUDA init, or a list of every device type torch knows)."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise PolicyError(f"policy.device={device!r} is not a torch device: {e}") from None
+    kind, index = dev.type, dev.index or 0
+    counts = {"cuda": lambda: torch.cuda.device_count() if torch.cuda.is_available() else 0,
+              "xpu": lambda: torch.xpu.device_count() if torch.xpu.is_available() else 0,
+              "mps": lambda: int(torch.backends.mps.is_available())}
+    if kind not in counts:
+        return
+    count = counts[kind]()
+    if count == 0:
+        build = " (this torch build has no CUDA)" if kind == "cuda" and torch.version.cuda is None else ""
+        raise PolicyError(f"policy.device={device!r}: no {kind} device here{build}, torch "
+                          f"{torch.__version__}; use policy.device=cpu")
+    if index >= count:
+        raise PolicyError(f"policy.device={device!r}: this machine has {count} {kind} device(s), "
+                          f"{kind}:0 to {kind}:{count - 1}")
+
+
 def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu",
                seed: int = 0) -> tuple[Any, Any]:
     """``(model, tokenizer)`` for a registered name or a local folder.
@@ -211,6 +238,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32", device: str = 
 
     from .policy.attention import avoid_cudnn_attention
 
+    check_device(device)
     avoid_cudnn_attention(device)  # per-shape cuDNN graphs cost more than the attention (see there)
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):

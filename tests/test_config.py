@@ -174,3 +174,29 @@ def test_a_recorded_run_names_its_allocator_in_either_form():
     old = {"allocator": "segment_tree", "allocator_options": {"depth": 2}}  # a run recorded before the change
     assert recorded_allocator(old) == ("segment_tree", {"depth": 2})
     assert recorded_allocator({}) == (None, {})
+
+
+@pytest.mark.parametrize("device", ["gpu", "CUDA", "cuda:-1", "cuda:x", "cpu cuda"])
+def test_a_device_torch_would_not_parse_fails_when_the_config_loads(device):
+    with pytest.raises(ConfigError, match=r"policy\.device: .*is not a device"):
+        load_config(None, [f"policy.device={device}"])
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu:0", "cuda", "cuda:3", "mps", "xpu:1"])
+def test_device_forms_torch_parses_load(device):
+    assert load_config(None, [f"policy.device={device}"]).policy.device == device
+
+
+def test_a_device_this_machine_lacks_fails_naming_the_key_before_a_model_loads():
+    import torch
+
+    from agentrl.errors import PolicyError
+    from agentrl.models import check_device, load_model
+
+    check_device("cpu")
+    check_device("cpu:0")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(PolicyError, match=rf"policy\.device='cuda:{count}': "):
+        check_device(f"cuda:{count}")  # one past the last (none here): no CUDA, or too few devices
+    with pytest.raises(PolicyError, match=rf"policy\.device='cuda:{count}'"):
+        load_model("tiny-random", device=f"cuda:{count}")
