@@ -147,7 +147,10 @@ distillation work is on the [Algorithms](algorithms.md) page.
   from such an export. A save that fails (a full disk, an interrupt) still
   writes its step's `metrics.jsonl` row, evaluation included, with
   `checkpoint/error`, before the run stops; `--resume` continues from the last
-  whole checkpoint.
+  whole checkpoint. One run at a time holds an output folder (an `fcntl` lock on
+  its `.run.lock`, dropped by the kernel when the process ends, however it
+  ends): a second `agentrl train` or `agentrl sft` there, `--overwrite` or
+  `--resume`, stops with the live run's pid and deletes nothing.
 - **Asynchronous training.** With `train.asynchronous: {max_batch_staleness: k}`
   the next steps roll out in a producer thread while the current one trains
   (`agentrl/train/asynchronous.py`, the bounded staleness of AReaL and M2PO).

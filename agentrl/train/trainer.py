@@ -52,6 +52,7 @@ from .config import TrainRunConfig
 from .curriculum import check_held_out, check_levels
 from .metrics import MetricsLogger, PeakMemory, ProgressBars, plot_learning_curve
 from .model import precision, precision_note, resolved_precision, sync_policy
+from .output_lock import output_lock
 from .plan import print_plan, run_plan, step_task_seeds
 from .rollouts import RolloutSource, allocation_report, save_trees, step_rollouts
 from .step import Learner, StartBar
@@ -432,25 +433,26 @@ def train(cfg: TrainRunConfig, *, resume: bool = False, overwrite: bool = False,
     out = Path(cfg.train.output.dir)
     warm = sft_phase if cfg.sft.enabled else None
     dry = cfg.train.steps == 0 and warm is None
-    if not dry and not resume and latest_checkpoint(out) is not None:
-        if not overwrite:
-            raise ConfigError(f"train.output.dir={out} already holds checkpoints: pass --resume to "
-                              "continue that run, or --overwrite to start over")
-        for old in ("checkpoints", "tensorboard", "trees"):  # else TensorBoard and the viewer mix two runs
-            shutil.rmtree(out / old, ignore_errors=True)
-    trainer = Trainer(cfg, policy=policy, console=console, progress=progress, rollouts=rollouts)
-    try:
-        if dry:
-            plan = run_plan(cfg)
-            print_plan(trainer.console, plan)
-            return {"dry_run": True, "plan": plan, "phases": {}, "checkpoint": None, "metrics": None,
-                    "learning_curve": None}
-        if resume and trainer.resume():
-            trainer.console.print(f"resumed from step {trainer.step} ({out / 'checkpoints'})")
-        return trainer.run(sft=warm)
-    finally:
-        trainer.close()
-        del trainer
-        # What the run left in reference cycles (frames of exceptions caught inside libraries,
-        # progress bars) would otherwise wait for a full collection, holding models and caches.
-        gc.collect()
+    with contextlib.nullcontext() if dry else output_lock(out):  # one run at a time in a folder
+        if not dry and not resume and latest_checkpoint(out) is not None:
+            if not overwrite:
+                raise ConfigError(f"train.output.dir={out} already holds checkpoints: pass --resume to "
+                                  "continue that run, or --overwrite to start over")
+            for old in ("checkpoints", "tensorboard", "trees"):  # else TensorBoard and the viewer mix two runs
+                shutil.rmtree(out / old, ignore_errors=True)
+        trainer = Trainer(cfg, policy=policy, console=console, progress=progress, rollouts=rollouts)
+        try:
+            if dry:
+                plan = run_plan(cfg)
+                print_plan(trainer.console, plan)
+                return {"dry_run": True, "plan": plan, "phases": {}, "checkpoint": None, "metrics": None,
+                        "learning_curve": None}
+            if resume and trainer.resume():
+                trainer.console.print(f"resumed from step {trainer.step} ({out / 'checkpoints'})")
+            return trainer.run(sft=warm)
+        finally:
+            trainer.close()
+            del trainer
+            # What the run left in reference cycles (frames of exceptions caught inside libraries,
+            # progress bars) would otherwise wait for a full collection, holding models and caches.
+            gc.collect()

@@ -128,6 +128,14 @@ def test_sigkill_mid_run_then_resume_repeats_the_uninterrupted_steps(tmp_path):
                             stderr=subprocess.PIPE)
     try:
         _wait_for(mark, proc, timeout=240)
+        # A second run into the live run's folder (make run passes --overwrite) is refused, and
+        # deletes nothing of it: it had removed the live run's checkpoints.
+        for flag in ("--overwrite", "--resume"):
+            second = subprocess.run(cmd + [flag], cwd=ROOT, env=env, capture_output=True, timeout=300)
+            said = (second.stdout + second.stderr).decode()
+            assert second.returncode != 0 and "in use by another run" in said, said[-2000:]
+            assert f"pid {proc.pid} on " in " ".join(said.split()), said[-2000:]
+            assert ck.latest_checkpoint(killed).name == "step-000002"
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -135,6 +143,7 @@ def test_sigkill_mid_run_then_resume_repeats_the_uninterrupted_steps(tmp_path):
     assert ck.latest_checkpoint(killed).name == "step-000002"
     assert sorted(_by_step(killed)) == [1, 2]
 
+    # The killed run's lock went with its process: resuming needs no clean-up.
     done = subprocess.run(cmd + ["--resume"], cwd=ROOT, env=env, capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert b"resumed from step 2" in done.stdout

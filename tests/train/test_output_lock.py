@@ -1,0 +1,42 @@
+"""One training run at a time in an output folder (``agentrl.train.output_lock``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from agentrl.errors import ConfigError
+from agentrl.train.output_lock import LOCK_FILE, output_lock
+
+
+def test_a_held_folder_refuses_a_second_holder_naming_the_key_and_the_holder(tmp_path):
+    out = tmp_path / "run"
+    with output_lock(out):
+        assert f"pid {os.getpid()} on " in (out / LOCK_FILE).read_text()
+        with pytest.raises(ConfigError, match=rf"train\.output\.dir={out} is in use by another run \(pid {os.getpid()} "):
+            with output_lock(out):
+                pass
+        with output_lock(tmp_path / "other"):  # another folder is free
+            pass
+    with output_lock(out):  # released on the way out, an error's way too
+        with pytest.raises(ZeroDivisionError):
+            with output_lock(tmp_path / "third"):
+                raise ZeroDivisionError
+    with output_lock(tmp_path / "third"):
+        pass
+
+
+def test_train_refuses_a_held_folder_before_deleting_anything_and_a_dry_run_takes_no_lock(tmp_path):
+    from agentrl.train.trainer import train
+    from tests.train.test_trainer import toy_config
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-000001").mkdir(parents=True)
+    (out / "checkpoints" / "step-000001" / "state.pt").write_bytes(b"a live run's")
+    with output_lock(out):
+        with pytest.raises(ConfigError, match="in use by another run"):
+            train(toy_config(out, "train.steps=1"), overwrite=True, progress=False)
+        assert (out / "checkpoints" / "step-000001" / "state.pt").exists()
+        dry = train(toy_config(out, "train.steps=0", "sft.episodes=0"), progress=False)
+        assert dry["dry_run"] is True
