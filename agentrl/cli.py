@@ -24,7 +24,7 @@ from rich.table import Table
 
 from .errors import AgentRLError
 from .heap import keep_freed_memory
-from .models import cache_dir
+from .models import cache_dir, exact_model
 
 __all__ = ["app", "main", "process_defaults"]
 
@@ -77,6 +77,7 @@ def rollout(
     try:
         cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too
         cfg.env.id = resolve_env_id(cfg.env.id, cfg.env.imports)
+        cfg.policy.model = exact_model(cfg.policy.model)  # a run or checkpoint folder: the export it means
         picked, why = resolve_backend(cfg.policy.backend)
         cfg.policy.backend = picked
         console.print(f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{picked}[/] ({why})"

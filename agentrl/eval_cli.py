@@ -25,6 +25,7 @@ from rich.table import Table
 
 from .errors import AgentRLError
 from .evaluation import EvalReport, evaluate_split
+from .models import exact_model
 
 __all__ = ["eval_command", "format_report", "register"]
 
@@ -83,6 +84,7 @@ def eval_command(
             cfg.sampling.temperature = temperature
         elif (samples or k) == 1:
             cfg.sampling.temperature = 0.0
+        cfg.policy.model = exact_model(cfg.policy.model)  # a run or checkpoint folder: the export it means
         picked, why = resolve_backend(cfg.policy.backend)
         cfg.policy.backend = picked
         sampled_in = ""

@@ -8,7 +8,9 @@
 - ``tiny-random``: a 2-layer Llama with random weights and the real SmolLM2
   tokenizer, built in memory in well under a second; tests use it so they run
   the real code path fast.
-- Any local directory holding a transformers model is accepted as a name too.
+- Any local directory holding a transformers model is accepted as a name too,
+  and so are a training checkpoint (its ``hf`` export) and a run's output folder
+  (its newest checkpoint's export): ``model_folder``.
 - So is a Hugging Face Hub id (``Qwen/Qwen2.5-1.5B-Instruct``): transformers
   loads it from the Hub cache, downloading it there first where the machine
   is online (``HF_HUB_OFFLINE=1`` reads only the cache).
@@ -35,11 +37,13 @@ __all__ = [
     "ModelSpec",
     "cache_dir",
     "check_device",
+    "exact_model",
     "hub_model_dir",
     "is_hub_id",
     "list_models",
     "load_model",
     "load_tokenizer",
+    "model_folder",
     "prepare_model",
 ]
 
@@ -152,6 +156,32 @@ def _unknown(name: str) -> PolicyError:
                        "or pass a local folder holding a transformers model, or a Hub id (org/name)")
 
 
+def model_folder(name: str) -> Path:
+    """The transformers folder a local folder ``name`` names: the folder itself where it holds
+    a ``config.json``; a training checkpoint's ``hf`` export; or, for a run's output folder,
+    the newest checkpoint's. ``PolicyError`` where there is none, saying what to pass."""
+    path = Path(name)
+    if (path / "config.json").is_file():
+        return path
+    if (path / "hf" / "config.json").is_file():  # checkpoints/step-N
+        return path / "hf"
+    steps = sorted((path / "checkpoints").glob("step-*")) if (path / "checkpoints").is_dir() else []
+    if steps:  # a run's output folder
+        if (steps[-1] / "hf" / "config.json").is_file():
+            return steps[-1] / "hf"
+        raise PolicyError(f"{name}: its newest checkpoint, {steps[-1].name}, has no transformers export "
+                          "(hf/; a run exports its last checkpoint, and each one with "
+                          "train.checkpointing.export_hf=true); pass a checkpoint folder that has one")
+    raise PolicyError(f"{name} holds no transformers model (no config.json): pass a model's folder, "
+                      "a training checkpoint (checkpoints/step-N) or a run's output folder")
+
+
+def exact_model(name: str) -> str:
+    """``name``, or for a local folder the transformers folder it means (``model_folder``), so
+    that what a command prints and records names the checkpoint it loaded."""
+    return str(model_folder(name)) if name not in MODELS and Path(name).is_dir() else name
+
+
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -182,7 +212,7 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> Any:
         src = path if (path / "tokenizer.json").exists() else _tokenizer_dir()
         return AutoTokenizer.from_pretrained(str(src))
     if Path(name).is_dir():
-        return AutoTokenizer.from_pretrained(name)
+        return AutoTokenizer.from_pretrained(str(model_folder(name)))
     if is_hub_id(name):
         return AutoTokenizer.from_pretrained(str(hub_model_dir(name)))
     raise _unknown(name)
@@ -249,7 +279,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32", device: str = 
         path = prepare_model(name)
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype).to(device)
     elif Path(name).is_dir():
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype).to(device)
+        model = AutoModelForCausalLM.from_pretrained(str(model_folder(name)), dtype=torch_dtype).to(device)
     elif is_hub_id(name):
         model = AutoModelForCausalLM.from_pretrained(str(hub_model_dir(name)), dtype=torch_dtype).to(device)
     else:

@@ -180,6 +180,9 @@ distillation work is on the [Algorithms](algorithms.md) page.
   at the other (`--set train.optimizer.lr=1e-5` over a recipe's `lr: 2e-5`).
   `agentrl eval`, `rollout` and `proxy` take a train config as well: they
   read its run sections and leave `train` and `sft` to `agentrl train`.
+  Their `--model` (and `policy.model` everywhere) takes a run's folder too,
+  meaning its newest checkpoint's export, or a checkpoint's folder (its
+  `hf/`); `agentrl eval` prints and records the exact folder it loaded.
 
 The sections below list every key."""
 

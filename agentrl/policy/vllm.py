@@ -454,7 +454,7 @@ def _vllm_params(p: SamplingParams, logprobs: int | None, prompt_logprobs: int |
 
 
 def _model_dir(name: str) -> Path:
-    from ..models import MODELS, hub_model_dir, is_hub_id, prepare_model
+    from ..models import MODELS, hub_model_dir, is_hub_id, model_folder, prepare_model
 
     if name in MODELS:
         if not MODELS[name].needs_prepare:
@@ -462,7 +462,7 @@ def _model_dir(name: str) -> Path:
                               "save it with save_pretrained and pass the folder")
         return prepare_model(name)
     if Path(name).is_dir():
-        return Path(name)
+        return model_folder(name)
     if is_hub_id(name):
         return hub_model_dir(name)
     raise PolicyError(f"unknown model {name!r}: registered models are {sorted(MODELS)}, "
