@@ -38,6 +38,8 @@ def output_lock(out: Path, key: str = "train.output.dir") -> Iterator[None]:
     if fcntl is None:
         yield
         return
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{key}={out} is a file, not a folder: give the run a folder")
     out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -449,6 +449,9 @@ def train(cfg: TrainRunConfig, *, resume: bool = False, overwrite: bool = False,
                         "learning_curve": None}
             if resume and trainer.resume():
                 trainer.console.print(f"resumed from step {trainer.step} ({out / 'checkpoints'})")
+            elif resume:
+                trainer.console.print(f"--resume: no checkpoint in {out / 'checkpoints'} yet, so the run starts "
+                                      "from the beginning")
             return trainer.run(sft=warm)
         finally:
             trainer.close()

@@ -40,3 +40,27 @@ def test_train_refuses_a_held_folder_before_deleting_anything_and_a_dry_run_take
         assert (out / "checkpoints" / "step-000001" / "state.pt").exists()
         dry = train(toy_config(out, "train.steps=0", "sft.episodes=0"), progress=False)
         assert dry["dry_run"] is True
+
+
+def test_an_output_dir_that_is_a_file_is_refused_naming_the_key(tmp_path):
+    path = tmp_path / "run"
+    path.write_text("not a folder")
+    with pytest.raises(ConfigError, match=rf"train\.output\.dir={path} is a file, not a folder"):
+        with output_lock(path):
+            pass
+    assert path.read_text() == "not a folder"
+
+
+def test_resume_with_nothing_to_resume_says_the_run_starts_from_the_beginning(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from agentrl.train.trainer import train
+    from tests.train.test_trainer import toy_config
+
+    buf = io.StringIO()
+    summary = train(toy_config(tmp_path / "run", "train.steps=1", "train.evaluation.episodes=0"), resume=True,
+                    progress=False, console=Console(file=buf, width=300))
+    assert "--resume: no checkpoint in" in buf.getvalue() and "starts from the beginning" in buf.getvalue()
+    assert summary["checkpoint"].endswith("step-000001")
