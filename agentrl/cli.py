@@ -60,7 +60,7 @@ def rollout(
     """Run episodes of a policy in an env; write trajectories (JSONL trees) and a summary."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    from .config import load_config
+    from .config import load_config, train_precision_in
     from .distributed import placement
     from .env import resolve_env_id
     from .policy.for_run import open_policy
@@ -80,8 +80,15 @@ def rollout(
         cfg.policy.model = exact_model(cfg.policy.model)  # a run or checkpoint folder: the export it means
         picked, why = resolve_backend(cfg.policy.backend)
         cfg.policy.backend = picked
+        sampled_in = ""
+        if picked == "hf":  # a training config's train.precision says what its run samples in
+            from .precision import sampler_precision
+
+            cfg.policy.precision = sampler_precision(cfg.policy.precision, cfg.policy.device,  # type: ignore[assignment]
+                                                     train_precision_in(config, set_ or []))
+            sampled_in = f", sampling in [bold]{cfg.policy.precision}[/]"
         console.print(f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{picked}[/] ({why})"
-                      f"{placement(cfg)}")
+                      f"{sampled_in}{placement(cfg)}")
         r = cfg.rollout
         total = r.budget if r.budget and r.budget_unit == "leaves" else None
         with open_policy(cfg) as policy, Progress(
@@ -95,6 +102,7 @@ def rollout(
     except AgentRLError as e:
         raise _fail(e) from None
     summary = {"env": cfg.env.id, "model": cfg.policy.model, "backend": cfg.policy.backend,
+               **({"precision": cfg.policy.precision} if cfg.policy.backend == "hf" else {}),
                "allocator": r.allocator.name, **summarize(trees, wall), **worker_stats,
                "branch_points": sum(len(n.children) > 1 for t in trees for n in t.nodes.values()),
                "allocation_report": trees[0].meta.get("allocation_report", {}) if trees else {}}

@@ -7,6 +7,7 @@ key path (``policy.temperature``) and the reason.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import re
 import warnings
@@ -37,6 +38,7 @@ __all__ = [
     "apply_overrides",
     "load_config",
     "moved_keys",
+    "train_precision_in",
 ]
 
 
@@ -138,7 +140,8 @@ class PolicyConfig(_Strict):
         "auto", description="hf: what generation computes in. bf16: autocast with the vocabulary head in "
         "fp32 and keys and values in bf16, what train.precision bf16 computes (the weights stay "
         "policy.dtype); on a Zen 4 CPU with avx512_bf16, make run's evaluation took 58-60 s against 83-86 s "
-        "in fp32. auto: in a training run, train.precision as it resolves; elsewhere bf16 where the device "
+        "in fp32. auto: in a training run, and in eval, rollout and proxy given a training config, "
+        "train.precision as it resolves; elsewhere bf16 where the device "
         "multiplies bf16 natively (avx512_bf16 or AMX, a bf16 GPU), else fp32. rollout.deterministic "
         "computes in fp32.")
     device: str = Field("cpu", description="torch device: cpu, cuda, cuda:N (also mps, xpu, hpu, npu).")
@@ -504,6 +507,19 @@ def _apply_moving_old_paths(data: dict[str, Any], overrides: list[str], schema: 
     for new, old in moved.items():
         if new in given:
             raise ConfigError(f"{old} is the old place of {new}: give only {new}")
+
+
+def train_precision_in(config: Path | None, sets: list[str]) -> str | None:
+    """``train.precision`` of a training config (its file, then ``--set``), for the commands that
+    read only a config's run sections (``eval``, ``rollout``, ``proxy``): their ``hf`` sampler
+    computes what that training run's update computes. None where neither says."""
+    data: Any = None
+    if config is not None:  # load_config has read it already, and its errors are reported there
+        with contextlib.suppress(OSError, yaml.YAMLError):
+            data = yaml.safe_load(Path(config).read_text())
+    data = apply_overrides(data if isinstance(data, dict) else {}, [s for s in sets if s.startswith("train.")])
+    found = data.get("train", {}).get("precision") if isinstance(data.get("train"), dict) else None
+    return found if isinstance(found, str) else None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,

@@ -15,14 +15,14 @@ samples ``--samples N`` (default K) episodes a task at ``--temperature``
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from .config import train_precision_in
 from .errors import AgentRLError
 from .evaluation import EvalReport, evaluate_split
 from .models import exact_model
@@ -90,7 +90,7 @@ def eval_command(
         sampled_in = ""
         if picked == "hf":  # a training config's train.precision says what its run sampled in
             cfg.policy.precision = sampler_precision(cfg.policy.precision, cfg.policy.device,  # type: ignore[assignment]
-                                                     _train_precision(config, set_ or []))
+                                                     train_precision_in(config, set_ or []))
             sampled_in = f", sampling in [bold]{cfg.policy.precision}[/]"
         console.print(f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{picked}[/] ({why})"
                       f"{sampled_in}{placement(cfg)}")
@@ -117,22 +117,6 @@ def eval_command(
                "reports": [r.to_dict() for r in reports]}
     path = write_run(out, all_trees, summary)
     console.print(f"wrote {path / 'summary.json'} and {path / 'trajectories.jsonl'}")
-
-
-def _train_precision(config: Path | None, sets: list[str]) -> str | None:
-    """``train.precision`` of a training config (its file, then ``--set``), which ``eval`` does not
-    otherwise read; None where neither says."""
-    import yaml
-
-    from .config import apply_overrides
-
-    data: Any = None
-    if config is not None:  # load_config has read it already, and its errors are reported there
-        with contextlib.suppress(OSError, yaml.YAMLError):
-            data = yaml.safe_load(config.read_text())
-    data = apply_overrides(data if isinstance(data, dict) else {}, [s for s in sets if s.startswith("train.")])
-    found = data.get("train", {}).get("precision") if isinstance(data.get("train"), dict) else None
-    return found if isinstance(found, str) else None
 
 
 def register(app: typer.Typer) -> None:

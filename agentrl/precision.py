@@ -73,8 +73,8 @@ def resolved_precision(name: str, device: torch.device | str, key: str = "train.
 def sampler_precision(policy_precision: str, device: torch.device | str, train_precision: str | None = None) -> str:
     """``bf16`` or ``fp32``: what the hf sampler computes in. ``policy.precision`` when set; for
     ``auto``, ``train.precision`` as it resolves where the config has one (a training run, or a
-    training config handed to ``agentrl eval``), so the sampler computes what the update did;
-    else the device's own answer."""
+    training config handed to ``agentrl eval``, ``rollout`` or ``proxy``), so the sampler computes
+    what the update does; else the device's own answer."""
     if policy_precision != "auto":
         return resolved_precision(policy_precision, device, "policy.precision")
     if train_precision is not None:

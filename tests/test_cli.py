@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from agentrl.cli import app
@@ -175,3 +176,41 @@ def test_lazy_exports_name_their_package_and_refuse_unknown_names():
         train_pkg.Lerner  # noqa: B018
     with pytest.raises(ValueError, match="exported by two modules"):
         lazy_exports("pkg", {".a": ["x"], ".b": ["x"]})
+
+
+@pytest.mark.parametrize("train_section, want", [({"precision": "fp32"}, "fp32"), (None, "bf16")])
+def test_rollout_samples_in_the_precision_its_training_config_trains_in(tmp_path, monkeypatch, train_section, want):
+    """One config for every command: rollouts of a training config compute what its update does."""
+    monkeypatch.setenv("AGENTRL_CPU_BF16", "1")  # this CPU multiplies bf16 natively, as far as auto knows
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(yaml.safe_dump({"policy": {"backend": "hf", "model": "tiny-random"},
+                                   "sampling": {"max_new_tokens": 2},
+                                   **({"train": train_section} if train_section else {})}))
+    res = runner.invoke(app, ["rollout", "--config", str(cfg), "--env", "agentrl/GuessNumber-v0",
+                              "--episodes", "1", "--out", str(tmp_path / "r"), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["precision"] == want
+    assert f"sampling in {want}" in res.output
+
+
+@pytest.mark.parametrize("train_section, want", [({"precision": "fp32"}, "fp32"), (None, "bf16")])
+def test_proxy_samples_in_the_precision_its_training_config_trains_in(tmp_path, monkeypatch, train_section, want):
+    """The proxy's sessions become training data: its sampler computes what that update does."""
+    import gc
+
+    import agentrl.proxy.app as proxy_app
+    from agentrl.cli import _mount_plugins
+
+    monkeypatch.setenv("AGENTRL_CPU_BF16", "1")
+    served = []
+    monkeypatch.setattr(proxy_app, "serve", lambda policy, *a, **k: served.append(policy.precision))
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(yaml.safe_dump({"policy": {"backend": "hf", "model": "tiny-random"},
+                                   **({"train": train_section} if train_section else {})}))
+    _mount_plugins()
+    try:
+        res = runner.invoke(app, ["proxy", "serve", "--config", str(cfg)])
+    finally:
+        gc.unfreeze()
+    assert res.exit_code == 0, res.output
+    assert served == [want]

@@ -63,8 +63,9 @@ def proxy_serve(
     auto_create_sessions: Annotated[bool, typer.Option(help="Unknown /sessions/{id} creates it.")] = False,
 ) -> None:
     """Serve a policy over the OpenAI API and record each session as a RolloutTree."""
-    from agentrl.config import load_config
+    from agentrl.config import load_config, train_precision_in
     from agentrl.policy.for_run import open_policy
+    from agentrl.policy.registry import resolve_backend
 
     from .app import serve
     from .schemas import ProxyConfig
@@ -80,6 +81,11 @@ def proxy_serve(
                             auto_create_sessions=auto_create_sessions)
     try:
         cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too
+        if resolve_backend(cfg.policy.backend)[0] == "hf":  # sample what training on the data computes
+            from agentrl.precision import sampler_precision
+
+            cfg.policy.precision = sampler_precision(cfg.policy.precision, cfg.policy.device,  # type: ignore[assignment]
+                                                     train_precision_in(config, list(set_ or [])))
         with open_policy(cfg) as policy:  # rollout workers when the distributed section asks for them
             serve(policy, proxy_cfg, host, port)
     except AgentRLError as e:
