@@ -33,6 +33,7 @@ server both use. The sandbox server keeps FastAPI's ``{"detail": ...}``.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import re
@@ -41,6 +42,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
+
+from .errors import ConfigError
 
 __all__ = ["BodyTooLarge", "HTTPError", "call_with_body_limit", "declared_too_large", "listen_socket",
            "lone_surrogate_field", "non_finite_field", "read_json"]
@@ -216,5 +219,10 @@ def listen_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        why = "another process holds the port: pass another --port" if e.errno == errno.EADDRINUSE else e.strerror
+        raise ConfigError(f"cannot listen on {host}:{port}: {why}") from None
     return sock

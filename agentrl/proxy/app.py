@@ -430,13 +430,14 @@ def serve(policy: Any, config: ProxyConfig | None = None, host: str = "127.0.0.1
     """Run the proxy in the foreground (``agentrl proxy serve``)."""
     import uvicorn
 
+    sock = listen_socket(host, port)  # a port in use fails here, before the banner says it serves
     server = uvicorn.Server(uvicorn.Config(create_app(policy, config), log_level="info", access_log=False))
     # The model, tokenizer and modules loaded so far live as long as the server: keep them out of
     # the collector's full passes, which otherwise stall every request in flight (~100 ms here).
     gc.collect()
     gc.freeze()
     print(serve_banner(host, port, config or ProxyConfig()), flush=True)
-    server.run(sockets=[listen_socket(host, port)])
+    server.run(sockets=[sock])
 
 
 def serve_banner(host: str, port: int, config: ProxyConfig) -> str:

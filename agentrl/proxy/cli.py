@@ -105,4 +105,8 @@ def env_serve(
     from .envserver import EnvServerConfig, serve_envs
 
     token = _token(token_file, "AGENTRL_ENV_TOKEN", required=True)
-    serve_envs(EnvServerConfig(token=token or "", max_envs=max_envs), host, port)
+    try:
+        serve_envs(EnvServerConfig(token=token or "", max_envs=max_envs), host, port)
+    except AgentRLError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None

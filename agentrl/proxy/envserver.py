@@ -241,6 +241,7 @@ def serve_envs(config: EnvServerConfig, host: str = "127.0.0.1", port: int = 876
 
     if not config.token:
         raise ConfigError("env serve: a non-empty token is required")
+    sock = listen_socket(host, port)  # a port in use fails here, before the line that says it serves
     server = uvicorn.Server(uvicorn.Config(create_env_app(config), log_level="info", access_log=False))
     print(f"agentrl env server on http://{host}:{port}", flush=True)
-    server.run(sockets=[listen_socket(host, port)])
+    server.run(sockets=[sock])

@@ -35,3 +35,23 @@ def test_proxy_serve_banner_names_the_session_url_a_harness_needs(monkeypatch):
     assert "OPENAI_BASE_URL: http://127.0.0.1:8123/sessions/<id>/v1" in out.output
     assert "ANTHROPIC_BASE_URL (Claude Code, anthropic SDKs): http://127.0.0.1:8123/sessions/<id>" in out.output
     assert "POST http://127.0.0.1:8123/sessions" in out.output
+
+
+def test_a_port_in_use_fails_with_the_reason_before_anything_says_it_serves(monkeypatch):
+    import gc
+    import socket
+
+    monkeypatch.setenv("AGENTRL_ENV_TOKEN", "t0ken")
+    _mount_plugins()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        for cmd in (["proxy", "serve", "--backend", "mock"], ["env", "serve"]):
+            try:
+                out = CliRunner().invoke(app, [*cmd, "--port", str(port)])
+            finally:
+                gc.unfreeze()
+            assert out.exit_code == 2, out.output
+            assert f"cannot listen on 127.0.0.1:{port}: another process holds the port" in out.output
+            assert "http://127.0.0.1" not in out.output  # no banner for a server that never ran
