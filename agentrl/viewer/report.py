@@ -436,6 +436,9 @@ def write_report(paths: list[str | Path], out: str | Path | None = None) -> Path
     if len(names) == 2 and names[0] == names[1]:
         names = [str(Path(p)) for p in paths]
     runs = [gather(p, n) for p, n in zip(paths, names, strict=True)]
+    for p, f in zip(paths, runs, strict=True):  # else a report of dashes, from a mistyped folder
+        if not len(f.run) and not f.run.metrics:
+            raise FileNotFoundError(f"{p} holds no trees and no metrics.jsonl: not a run folder")
     base = runs[0].run.root
     folder = Path(out) if out else base / ("report" if len(runs) == 1 else f"report-vs-{Path(paths[1]).name}")
     folder.mkdir(parents=True, exist_ok=True)

@@ -64,6 +64,16 @@ def test_report_refuses_three_runs():
         write_report([RUN, RUN, RUN])
 
 
+def test_report_of_a_folder_that_is_no_run_says_so_and_writes_nothing(tmp_path):
+    """A mistyped folder gave a report of dashes."""
+    (tmp_path / "notes.txt").write_text("not a run")
+    with pytest.raises(FileNotFoundError, match="holds no trees and no metrics.jsonl: not a run folder"):
+        write_report([tmp_path])
+    with pytest.raises(FileNotFoundError, match="not a run folder"):
+        write_report([RUN, tmp_path])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
 def test_divergence_per_turn_skips_masked_tokens_and_episodes_left_out(tmp_path):
     t = fork_tree()
     t.meta["token_values"] = {"1": {"advantages": [0.5, None, 2.0], "teacher_logprobs": [-0.1, None, -0.4],
