@@ -60,7 +60,7 @@ def rollout(
     """Run episodes of a policy in an env; write trajectories (JSONL trees) and a summary."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    from .config import load_config, train_precision_in
+    from .config import load_config
     from .distributed import placement
     from .env import resolve_env_id
     from .policy.for_run import open_policy
@@ -82,10 +82,9 @@ def rollout(
         cfg.policy.backend = picked
         sampled_in = ""
         if picked == "hf":  # a training config's train.precision says what its run samples in
-            from .precision import sampler_precision
+            from .precision import command_precision
 
-            cfg.policy.precision = sampler_precision(cfg.policy.precision, cfg.policy.device,  # type: ignore[assignment]
-                                                     train_precision_in(config, set_ or []))
+            cfg.policy.precision = command_precision(cfg, config, set_ or [])  # type: ignore[assignment]
             sampled_in = f", sampling in [bold]{cfg.policy.precision}[/]"
         console.print(f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{picked}[/] ({why})"
                       f"{sampled_in}{placement(cfg)}")

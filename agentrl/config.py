@@ -101,7 +101,7 @@ def folded_options(data: Any, section: str, key: str, default: str) -> Any:
     return data
 
 
-_DEVICE = re.compile(r"(cpu|cuda|mps|xpu|hpu|npu)(:\d+)?")
+_DEVICE = re.compile(r"(cpu|cuda|mps|xpu|hpu|npu|mlu|musa|xla|mtia|ipu|privateuseone)(:\d+)?")
 
 
 class SamplingConfig(_Strict):
@@ -144,7 +144,7 @@ class PolicyConfig(_Strict):
         "train.precision as it resolves; elsewhere bf16 where the device "
         "multiplies bf16 natively (avx512_bf16 or AMX, a bf16 GPU), else fp32. rollout.deterministic "
         "computes in fp32.")
-    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:N (also mps, xpu, hpu, npu).")
+    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:N (or mps, xpu, hpu, npu, mlu, musa, xla, ...).")
     max_batch_size: int = Field(16, ge=1, description="Prompts per forward pass.")
     prefix_cache_mb: int = Field(
         4096, ge=0, description="hf: MiB of keys and values kept across turns for prefix reuse; 0 turns it off."
@@ -166,7 +166,7 @@ class PolicyConfig(_Strict):
         the model loads (``agentrl.models.check_device``)."""
         if not _DEVICE.fullmatch(value):
             raise ValueError(f"{value!r} is not a device: use cpu, cuda or cuda:N "
-                             f"(also mps, xpu, hpu, npu, with :N)")
+                             f"(or another device type torch knows, such as mps or xpu, with :N)")
         return value
 
 

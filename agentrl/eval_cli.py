@@ -22,7 +22,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .config import train_precision_in
 from .errors import AgentRLError
 from .evaluation import EvalReport, evaluate_split
 from .models import exact_model
@@ -72,7 +71,7 @@ def eval_command(
     from .env import resolve_env_id
     from .policy.for_run import open_policy
     from .policy.registry import resolve_backend
-    from .precision import sampler_precision
+    from .precision import command_precision
     from .rollout import write_run
 
     flags = {"policy.model": model, "policy.backend": backend, "rollout.episodes": episodes}
@@ -89,8 +88,7 @@ def eval_command(
         cfg.policy.backend = picked
         sampled_in = ""
         if picked == "hf":  # a training config's train.precision says what its run sampled in
-            cfg.policy.precision = sampler_precision(cfg.policy.precision, cfg.policy.device,  # type: ignore[assignment]
-                                                     train_precision_in(config, set_ or []))
+            cfg.policy.precision = command_precision(cfg, config, set_ or [])  # type: ignore[assignment]
             sampled_in = f", sampling in [bold]{cfg.policy.precision}[/]"
         console.print(f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{picked}[/] ({why})"
                       f"{sampled_in}{placement(cfg)}")

@@ -214,15 +214,20 @@ async def read_json(request: Any, model: type[M], limit: int, optional: bool = F
 
 
 def listen_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    """A bound TCP socket with ``TCP_NODELAY`` (inherited by accepted connections), for uvicorn."""
+    """A listening TCP socket with ``TCP_NODELAY`` (inherited by accepted connections), for
+    uvicorn; ``ConfigError`` saying why where it cannot listen (a port in use, out of range)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
-    except OSError as e:
+        sock.listen(2048)  # here, not in uvicorn: two servers may both bind one port, only one listens
+    except (OSError, OverflowError) as e:
         sock.close()
-        why = "another process holds the port: pass another --port" if e.errno == errno.EADDRINUSE else e.strerror
+        if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+            why = "another process holds the port: pass another --port"
+        else:
+            why = getattr(e, "strerror", None) or str(e)
         raise ConfigError(f"cannot listen on {host}:{port}: {why}") from None
     return sock

@@ -156,24 +156,43 @@ def _unknown(name: str) -> PolicyError:
                        "or pass a local folder holding a transformers model, or a Hub id (org/name)")
 
 
+_STEP = re.compile(r"step-(\d+)")  # a checkpoint's folder name (agentrl.train.checkpoint)
+
+
+def _checkpoints(folder: Path) -> list[Path]:
+    """The checkpoint folders in ``folder``, oldest step first (by number, as the trainer orders them)."""
+    steps = [p for p in folder.iterdir() if _STEP.fullmatch(p.name) and p.is_dir()] if folder.is_dir() else []
+    return sorted(steps, key=lambda p: int(p.name[5:]))
+
+
 def model_folder(name: str) -> Path:
-    """The transformers folder a local folder ``name`` names: the folder itself where it holds
-    a ``config.json``; a training checkpoint's ``hf`` export; or, for a run's output folder,
-    the newest checkpoint's. ``PolicyError`` where there is none, saying what to pass."""
+    """The folder transformers loads for a local folder ``name``: a training checkpoint's ``hf``
+    export; for a run's output folder (or its ``checkpoints``), the newest checkpoint's; else
+    ``name`` itself (a model, a PEFT adapter, a tokenizer: transformers decides). ``PolicyError``
+    for a run whose newest checkpoint has no export, or a folder with no JSON file at all."""
     path = Path(name)
     if (path / "config.json").is_file():
         return path
     if (path / "hf" / "config.json").is_file():  # checkpoints/step-N
         return path / "hf"
-    steps = sorted((path / "checkpoints").glob("step-*")) if (path / "checkpoints").is_dir() else []
-    if steps:  # a run's output folder
+    if _STEP.fullmatch(path.name) and (path / "state.json").is_file():  # a checkpoint without hf/
+        exported = [p.name for p in _checkpoints(path.parent) if (p / "hf" / "config.json").is_file()]
+        raise PolicyError(f"{name}: this checkpoint has no transformers export (hf/: a run exports its "
+                          "last checkpoint, and each one with train.checkpointing.export_hf=true)"
+                          + (f"; {', '.join(exported)} of its run have one" if exported else ""))
+    steps = _checkpoints(path / "checkpoints") or _checkpoints(path)
+    if steps:  # a run's output folder, or its checkpoints folder
         if (steps[-1] / "hf" / "config.json").is_file():
             return steps[-1] / "hf"
+        exported = [p.name for p in steps if (p / "hf" / "config.json").is_file()]
+        older = f"; {exported[-1]} has one" if exported else "; none of its checkpoints has one yet"
         raise PolicyError(f"{name}: its newest checkpoint, {steps[-1].name}, has no transformers export "
-                          "(hf/; a run exports its last checkpoint, and each one with "
-                          "train.checkpointing.export_hf=true); pass a checkpoint folder that has one")
-    raise PolicyError(f"{name} holds no transformers model (no config.json): pass a model's folder, "
-                      "a training checkpoint (checkpoints/step-N) or a run's output folder")
+                          "(hf/: a run exports its last checkpoint, and each one with "
+                          f"train.checkpointing.export_hf=true){older}")
+    if path.is_dir() and not any(path.glob("*.json")):
+        raise PolicyError(f"{name} holds no model (no config.json, no JSON file at all): pass a model's "
+                          "folder, a training checkpoint (checkpoints/step-N) or a run's output folder")
+    return path
 
 
 def exact_model(name: str) -> str:

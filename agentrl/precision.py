@@ -20,13 +20,14 @@ import os
 import threading
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .errors import ConfigError
 
-__all__ = ["PRECISIONS", "check_precision", "cpu_has_native_bf16", "fp32_head", "resolved_precision",
+__all__ = ["PRECISIONS", "check_precision", "command_precision", "cpu_has_native_bf16", "fp32_head", "resolved_precision",
            "sampler_precision"]
 
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -135,3 +136,15 @@ def fp32_head(model: Any) -> Iterator[None]:
             setattr(head, _HEAD_USERS, users)
             if users == 0:
                 del head.forward
+
+
+def command_precision(cfg: Any, config: Path | None, sets: list[str]) -> str:
+    """``bf16`` or ``fp32``: what the hf sampler of ``agentrl eval``, ``rollout`` or ``proxy``
+    computes in, for its loaded ``cfg`` and the config file and ``--set`` items it came from:
+    fp32 under ``rollout.deterministic`` (the hf backend computes fp32 there), else
+    ``sampler_precision`` with the file's ``train.precision``."""
+    from .config import train_precision_in
+
+    if cfg.rollout.deterministic:
+        return "fp32"
+    return sampler_precision(cfg.policy.precision, cfg.policy.device, train_precision_in(config, sets))

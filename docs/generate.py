@@ -147,10 +147,12 @@ distillation work is on the [Algorithms](algorithms.md) page.
   from such an export. A save that fails (a full disk, an interrupt) still
   writes its step's `metrics.jsonl` row, evaluation included, with
   `checkpoint/error`, before the run stops; `--resume` continues from the last
-  whole checkpoint. One run at a time holds an output folder (an `fcntl` lock on
-  its `.run.lock`, dropped by the kernel when the process ends, however it
-  ends): a second `agentrl train` or `agentrl sft` there, `--overwrite` or
-  `--resume`, stops with the live run's pid and deletes nothing.
+  whole checkpoint. `agentrl train` and `agentrl sft` (`agentrl.train.train`)
+  hold their output folder one run at a time (an `fcntl` lock on its
+  `.run.lock`, dropped by the kernel when the process ends, however it ends): a
+  second one there, `--overwrite` or `--resume`, stops with the live run's pid
+  and deletes nothing. A `Trainer` driven by hand takes no lock; a filesystem
+  without locks (Lustre without `-o flock`) runs unlocked, with a warning.
 - **Asynchronous training.** With `train.asynchronous: {max_batch_staleness: k}`
   the next steps roll out in a producer thread while the current one trains
   (`agentrl/train/asynchronous.py`, the bounded staleness of AReaL and M2PO).
@@ -182,7 +184,8 @@ distillation work is on the [Algorithms](algorithms.md) page.
   read its run sections and leave `train` and `sft` to `agentrl train`.
   Their `--model` (and `policy.model` everywhere) takes a run's folder too,
   meaning its newest checkpoint's export, or a checkpoint's folder (its
-  `hf/`); `agentrl eval` prints and records the exact folder it loaded.
+  `hf/`); `agentrl eval`, `rollout` and `proxy` print or record the exact folder
+  they loaded, and a training run pins it at its start and saves it in its config.
 
 The sections below list every key."""
 

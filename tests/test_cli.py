@@ -178,8 +178,12 @@ def test_lazy_exports_name_their_package_and_refuse_unknown_names():
         lazy_exports("pkg", {".a": ["x"], ".b": ["x"]})
 
 
-@pytest.mark.parametrize("train_section, want", [({"precision": "fp32"}, "fp32"), (None, "bf16")])
-def test_rollout_samples_in_the_precision_its_training_config_trains_in(tmp_path, monkeypatch, train_section, want):
+@pytest.mark.parametrize("train_section, sets, want", [
+    ({"precision": "fp32"}, [], "fp32"), (None, [], "bf16"),
+    (None, ["--set", "rollout.deterministic=true"], "fp32"),  # the hf backend computes fp32 there
+])
+def test_rollout_samples_in_the_precision_its_training_config_trains_in(tmp_path, monkeypatch, train_section, sets,
+                                                                        want):
     """One config for every command: rollouts of a training config compute what its update does."""
     monkeypatch.setenv("AGENTRL_CPU_BF16", "1")  # this CPU multiplies bf16 natively, as far as auto knows
     cfg = tmp_path / "train.yaml"
@@ -187,7 +191,7 @@ def test_rollout_samples_in_the_precision_its_training_config_trains_in(tmp_path
                                    "sampling": {"max_new_tokens": 2},
                                    **({"train": train_section} if train_section else {})}))
     res = runner.invoke(app, ["rollout", "--config", str(cfg), "--env", "agentrl/GuessNumber-v0",
-                              "--episodes", "1", "--out", str(tmp_path / "r"), "--no-progress"])
+                              "--episodes", "1", "--out", str(tmp_path / "r"), "--no-progress", *sets])
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["precision"] == want
     assert f"sampling in {want}" in res.output

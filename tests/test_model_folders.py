@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,14 +59,41 @@ def test_a_run_folder_means_its_newest_export_and_a_checkpoint_its_own(run):
 
 def test_folders_without_a_model_say_what_to_pass(run, tmp_path):
     root, _ = run
-    with pytest.raises(PolicyError, match=r"no transformers model \(no config\.json\): pass a model's folder"):
+    with pytest.raises(PolicyError, match=r"holds no model \(no config\.json, no JSON file at all\)"):
         model_folder(str(tmp_path))
-    with pytest.raises(PolicyError, match=r"no transformers model"):
-        model_folder(str(root / "checkpoints" / "step-000001"))  # no export of its own
+    with pytest.raises(PolicyError, match=r"this checkpoint has no transformers export .*; step-000002 of its run"):
+        model_folder(str(root / "checkpoints" / "step-000001"))
     bare = tmp_path / "bare"
     (bare / "checkpoints" / "step-000004").mkdir(parents=True)
-    with pytest.raises(PolicyError, match=r"newest checkpoint, step-000004, has no transformers export"):
+    with pytest.raises(PolicyError, match=r"newest checkpoint, step-000004, has no transformers export.*"
+                                          r"none of its checkpoints has one yet"):
         load_model(str(bare))
+    (bare / "checkpoints" / "step-000003" / "hf").mkdir(parents=True)
+    (bare / "checkpoints" / "step-000003" / "hf" / "config.json").write_text("{}")
+    with pytest.raises(PolicyError, match=r"step-000004, has no transformers export.*; step-000003 has one"):
+        model_folder(str(bare))
+
+
+def test_the_newest_checkpoint_is_the_highest_step_and_nothing_else_counts(tmp_path):
+    """Steps by number (as the trainer orders them), not by name; temp folders of a save in
+    progress and stray files are no checkpoints; the checkpoints folder itself works too."""
+    ck = tmp_path / "run" / "checkpoints"
+    for name in ("step-999999", "step-1000000", ".tmp-step-2000000-ab12", "step-3000000-old"):
+        (ck / name / "hf").mkdir(parents=True)
+        (ck / name / "hf" / "config.json").write_text("{}")
+    (ck / "step-notes.txt").write_text("a note")
+    assert model_folder(str(tmp_path / "run")) == ck / "step-1000000" / "hf"
+    assert model_folder(str(ck)) == ck / "step-1000000" / "hf"
+
+
+def test_folders_transformers_loads_without_a_config_pass_through(tmp_path):
+    """A PEFT adapter or a tokenizer alone has no config.json; transformers decides, as before."""
+    adapter, tokenizer = tmp_path / "adapter", tmp_path / "tokenizer"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    load_tokenizer("tiny-random").save_pretrained(tokenizer)
+    assert model_folder(str(adapter)) == adapter and exact_model(str(adapter)) == str(adapter)
+    assert load_tokenizer(str(tokenizer)).vocab_size == load_tokenizer("tiny-random").vocab_size
 
 
 def test_eval_on_a_run_folder_records_the_checkpoint_it_loaded(run, tmp_path):
@@ -78,3 +106,31 @@ def test_eval_on_a_run_folder_records_the_checkpoint_it_loaded(run, tmp_path):
     want = str(root / "checkpoints" / "step-000002" / "hf")
     assert json.loads((out / "summary.json").read_text())["model"] == want
     assert "step-000002" in " ".join(res.output.split())
+
+
+def test_training_from_a_run_folder_pins_its_export_and_a_resume_says_when_it_moved(run, tmp_path):
+    """The learner, the sampler and the saved config take the export the folder meant when the
+    run started; resumed after the source exported a newer one, the run says which it loaded."""
+    import io
+    import shutil
+
+    from rich.console import Console
+
+    from agentrl.train.trainer import train
+    from tests.train.test_trainer import toy_config
+
+    root, _ = run
+    source = tmp_path / "source"
+    shutil.copytree(root, source)
+    out = tmp_path / "rl"
+    base = ["train.evaluation.episodes=0", "train.checkpointing.export_hf=false", f"policy.model={source}"]
+    summary = train(toy_config(out, "train.steps=1", *base), progress=False)
+    state = json.loads((Path(summary["checkpoint"]) / "state.json").read_text())
+    first = str(source / "checkpoints" / "step-000002" / "hf")
+    assert state["config"]["policy"]["model"] == first
+    shutil.copytree(source / "checkpoints" / "step-000002", source / "checkpoints" / "step-000007")
+    buf = io.StringIO()
+    train(toy_config(out, "train.steps=2", *base), resume=True, progress=False, console=Console(file=buf, width=400))
+    said = buf.getvalue()
+    assert f"resume: the checkpoint's run started from policy.model={first}" in said
+    assert str(source / "checkpoints" / "step-000007" / "hf") in said

@@ -65,6 +65,7 @@ import hashlib
 import hmac
 import logging
 import secrets
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -426,11 +427,13 @@ def create_app(policy: Any, config: ProxyConfig | None = None) -> Any:
 
 
 # -- running it -------------------------------------------------------------------------------
-def serve(policy: Any, config: ProxyConfig | None = None, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Run the proxy in the foreground (``agentrl proxy serve``)."""
+def serve(policy: Any, config: ProxyConfig | None = None, host: str = "127.0.0.1", port: int = 8000,
+          sock: socket.socket | None = None) -> None:
+    """Run the proxy in the foreground (``agentrl proxy serve``), on ``sock`` where given (the
+    command listens before it loads the model, so a port in use fails at once)."""
     import uvicorn
 
-    sock = listen_socket(host, port)  # a port in use fails here, before the banner says it serves
+    sock = sock or listen_socket(host, port)  # a port in use fails here, before the banner says it serves
     server = uvicorn.Server(uvicorn.Config(create_app(policy, config), log_level="info", access_log=False))
     # The model, tokenizer and modules loaded so far live as long as the server: keep them out of
     # the collector's full passes, which otherwise stall every request in flight (~100 ms here).

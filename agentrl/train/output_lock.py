@@ -5,18 +5,24 @@
 TensorBoard events and saved trees under it, and both then wrote into one folder.
 ``--resume`` beside a live run did the same to the newest checkpoint.
 
-``output_lock`` holds an advisory ``fcntl.flock`` on ``<dir>/.run.lock`` for the run's
-life. The kernel drops it when the process ends, however it ends, so a killed run
-leaves nothing stale behind; the file keeps the holder's pid, host and start time only
-to say who holds it. Where ``fcntl`` is missing (Windows) runs are not locked.
+``output_lock`` holds an advisory ``fcntl.flock`` on ``<dir>/.run.lock`` while
+``agentrl.train.train`` runs (``agentrl train`` and ``agentrl sft``; a ``Trainer``
+driven by hand takes no lock). The kernel drops the lock when the process ends,
+however it ends; a child forked without exec closes its copy (``os.register_at_fork``),
+so it cannot keep the folder locked after the run. The file keeps the holder's pid,
+host and start time only to say who holds it. Where locks do not work (no ``fcntl``
+on Windows; ``flock`` unsupported on Lustre without ``-o flock`` or NFS without lockd)
+the run goes on unlocked, with a warning. Over NFS a lock may be host-local.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,29 +36,62 @@ except ImportError:  # pragma: no cover - not POSIX
 __all__ = ["LOCK_FILE", "output_lock"]
 
 LOCK_FILE = ".run.lock"
+_HELD: set[int] = set()  # this process's lock descriptors, closed in forked children
+
+
+def _close_in_child() -> None:
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)
 
 
 @contextlib.contextmanager
 def output_lock(out: Path, key: str = "train.output.dir") -> Iterator[None]:
     """Hold ``out``'s run lock inside; ``ConfigError`` naming ``key`` if another run holds it."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{key}={out} is a file, not a folder: give the run a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a dangling symlink, a file on the path, no permission
+        raise ConfigError(f"{key}={out}: cannot make the folder: {e.strerror or e}") from None
     if fcntl is None:
         yield
         return
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{key}={out} is a file, not a folder: give the run a folder")
-    out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError:  # another user's lock file: flock needs only a read descriptor
+            fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise ConfigError(f"{key}={out}: cannot open its {LOCK_FILE}: {e.strerror or e}") from None
+    try:
+        locked = True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process"
             raise ConfigError(f"{key}={out} is in use by another run ({holder}): wait for it to end, "
                               f"or give this run another {key}") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
-                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
-        yield
+        except OSError as e:  # ENOSYS, ENOLCK, EOPNOTSUPP, EINVAL: this filesystem does not lock
+            locked = False
+            warnings.warn(f"{key}={out}: this filesystem does not lock files "
+                          f"({errno.errorcode.get(e.errno, e.errno)}): nothing stops a second run from "
+                          "writing into this folder", RuntimeWarning, stacklevel=3)
+        if locked:
+            with contextlib.suppress(OSError):  # who holds it, for the next run's message only
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
+                              f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+            _HELD.add(fd)
+        try:
+            yield
+        finally:
+            _HELD.discard(fd)
     finally:
         os.close(fd)  # closing the only descriptor releases the lock

@@ -111,6 +111,25 @@ def _not_an_fp32_hf_sampler(policy: Any) -> str | None:
     return None
 
 
+def _pinned_models(cfg: TrainRunConfig) -> TrainRunConfig:
+    """``cfg`` with a run or checkpoint folder as ``policy.model`` or distillation teacher
+    resolved once to the export it means now (``agentrl.models.exact_model``): the learner,
+    the samplers and a resumed run then all load that one, and the saved config records it,
+    though the source run may export a newer checkpoint later."""
+    from ..models import exact_model
+
+    d = cfg.train.distill
+    teacher = d.teacher if d is not None and d.teacher not in ("expert", "oracle") and ":" not in d.teacher else None
+    model, pinned_teacher = exact_model(cfg.policy.model), teacher and exact_model(teacher)
+    if model == cfg.policy.model and pinned_teacher == teacher:
+        return cfg
+    cfg = cfg.model_copy(deep=True)
+    cfg.policy.model = model
+    if pinned_teacher:
+        cfg.train.distill.teacher = pinned_teacher  # type: ignore[union-attr]
+    return cfg
+
+
 class Trainer:
     """Holds the policy, the trained model, the optimizer and the run state; ``run()`` trains.
 
@@ -132,6 +151,7 @@ class Trainer:
         if t.value_head is not None:  # episodes cut at max_turns keep the next state, to bootstrap V from
             cfg = cfg.model_copy(deep=True)
             cfg.rollout.record_next_context = True
+        cfg = _pinned_models(cfg)
         levels = {"train.curriculum": t.curriculum, "sft.levels": cfg.sft.levels}
         check_levels(cfg.env.id, cfg.env.imports, levels)
         check_held_out(cfg.env.kwargs, t.evaluation.env_kwargs, levels, cfg.env.id, cfg.env.imports)
@@ -217,6 +237,11 @@ class Trainer:
         if path is None:
             return False
         ck, lr = load_checkpoint(path), self.learner
+        was = (ck.state.get("config") or {}).get("policy", {}).get("model")
+        if was is not None and was != self.cfg.policy.model:  # weights it did not train come from the new one
+            self.console.print(f"[yellow]warning:[/] resume: the checkpoint's run started from policy.model={was}; "
+                               f"this run loaded {self.cfg.policy.model}, and the weights the checkpoint does "
+                               "not hold (all but the trained ones) are that model's", highlight=False)
         load_trainable(lr.model, ck.trainable)
         if ck.optimizer is not None:
             lr.optimizer.load_state_dict(ck.optimizer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from typer.testing import CliRunner
 
 from agentrl.cli import _mount_plugins, app
@@ -22,9 +23,11 @@ def test_proxy_serve_banner_names_the_session_url_a_harness_needs(monkeypatch):
 
     import uvicorn
 
+    import agentrl.httputil as httputil
     import agentrl.proxy.app as proxy_app
 
-    monkeypatch.setattr(proxy_app, "listen_socket", lambda host, port: None)  # no server: the banner only
+    monkeypatch.setattr(httputil, "listen_socket", lambda host, port: None)  # no server: the banner only
+    monkeypatch.setattr(proxy_app, "listen_socket", lambda host, port: None)
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
     _mount_plugins()
     try:
@@ -55,3 +58,24 @@ def test_a_port_in_use_fails_with_the_reason_before_anything_says_it_serves(monk
             assert out.exit_code == 2, out.output
             assert f"cannot listen on 127.0.0.1:{port}: another process holds the port" in out.output
             assert "http://127.0.0.1" not in out.output  # no banner for a server that never ran
+
+
+def test_a_port_another_socket_bound_but_does_not_listen_on_yet_is_refused_too():
+    """Two servers started at once both bind (SO_REUSEADDR); the second must fail at once, with
+    the reason, not later inside uvicorn: listen_socket listens."""
+    from agentrl.errors import ConfigError
+    from agentrl.httputil import listen_socket
+
+    first = listen_socket("127.0.0.1", 0)
+    try:
+        port = first.getsockname()[1]
+        try:
+            listen_socket("127.0.0.1", port).close()
+        except ConfigError as e:
+            assert "another process holds the port" in str(e)
+        else:
+            raise AssertionError("a second server listened on a port the first listens on")
+        with pytest.raises(ConfigError, match=r"cannot listen on 127\.0\.0\.1:70000: .*65535"):
+            listen_socket("127.0.0.1", 70000)
+    finally:
+        first.close()

@@ -64,3 +64,49 @@ def test_resume_with_nothing_to_resume_says_the_run_starts_from_the_beginning(tm
                     progress=False, console=Console(file=buf, width=300))
     assert "--resume: no checkpoint in" in buf.getvalue() and "starts from the beginning" in buf.getvalue()
     assert summary["checkpoint"].endswith("step-000001")
+
+
+def test_a_child_forked_without_exec_does_not_keep_the_folder_locked(tmp_path):
+    """The lock belongs to the open file; a forked child would share it past the run's end."""
+    out = tmp_path / "run"
+    read, write = os.pipe()
+    with output_lock(out):
+        pid = os.fork()
+        if pid == 0:  # the child: outlives the run a moment, holding whatever it inherited
+            os.close(read)
+            os.write(write, b"x")
+            os.close(write)
+            import time
+
+            time.sleep(3)
+            os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 1) == b"x"  # the child is alive
+        with output_lock(out):  # and the run's lock went with the run
+            pass
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+
+
+def test_a_filesystem_without_locks_runs_unlocked_with_a_warning(tmp_path, monkeypatch):
+    import errno
+
+    import agentrl.train.output_lock as lock
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))  # Lustre without -o flock
+
+    monkeypatch.setattr(lock.fcntl, "flock", no_locks)
+    with pytest.warns(RuntimeWarning, match=r"does not lock files \(ENOSYS\)"):
+        with output_lock(tmp_path / "run"):
+            ran = True
+    assert ran
+
+
+def test_an_output_dir_that_cannot_be_made_is_refused_naming_the_key(tmp_path):
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere" / "x")
+    with pytest.raises(ConfigError, match=r"train\.output\.dir=.*dangling: cannot make the folder"):
+        with output_lock(tmp_path / "dangling"):
+            pass
