@@ -55,10 +55,20 @@ def output_lock(out: Path, key: str = "train.output.dir") -> Iterator[None]:
     """Hold ``out``'s run lock inside; ``ConfigError`` naming ``key`` if another run holds it."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{key}={out} is a file, not a folder: give the run a folder")
+    made = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a dangling symlink, a file on the path, no permission
         raise ConfigError(f"{key}={out}: cannot make the folder: {e.strerror or e}") from None
+    try:
+        yield from _locked(out, key, made)
+    finally:
+        if made:  # a run that failed before writing anything leaves no folder behind
+            with contextlib.suppress(OSError):
+                out.rmdir()
+
+
+def _locked(out: Path, key: str, made: bool) -> Iterator[None]:
     if fcntl is None:
         yield
         return
@@ -82,7 +92,7 @@ def output_lock(out: Path, key: str = "train.output.dir") -> Iterator[None]:
             locked = False
             warnings.warn(f"{key}={out}: this filesystem does not lock files "
                           f"({errno.errorcode.get(e.errno, e.errno)}): nothing stops a second run from "
-                          "writing into this folder", RuntimeWarning, stacklevel=3)
+                          "writing into this folder", RuntimeWarning, stacklevel=4)
         if locked:
             with contextlib.suppress(OSError):  # who holds it, for the next run's message only
                 os.ftruncate(fd, 0)
@@ -93,5 +103,8 @@ def output_lock(out: Path, key: str = "train.output.dir") -> Iterator[None]:
             yield
         finally:
             _HELD.discard(fd)
+            if made and [p.name for p in out.iterdir()] == [LOCK_FILE]:
+                with contextlib.suppress(OSError):
+                    path.unlink()  # while held: a run that opens it after makes its own
     finally:
         os.close(fd)  # closing the only descriptor releases the lock

@@ -110,3 +110,19 @@ def test_an_output_dir_that_cannot_be_made_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"train\.output\.dir=.*dangling: cannot make the folder"):
         with output_lock(tmp_path / "dangling"):
             pass
+
+
+def test_a_run_that_fails_before_writing_leaves_no_folder_and_a_used_folder_stays(tmp_path):
+    out = tmp_path / "typo"
+    with pytest.raises(ZeroDivisionError):
+        with output_lock(out):  # a config or env error before anything is written
+            raise ZeroDivisionError
+    assert not out.exists()
+    with output_lock(out):
+        (out / "metrics.jsonl").write_text("{}\n")
+    assert (out / "metrics.jsonl").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with output_lock(kept):
+        pass
+    assert kept.is_dir()  # a folder the user made stays, even empty
