@@ -117,7 +117,9 @@ def _tokenizer_dir() -> Path:
 
 def prepare_model(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
     """Convert a registered model to safetensors under the cache; return its folder."""
-    if name not in MODELS or not MODELS[name].needs_prepare:
+    if name not in MODELS:
+        raise _unknown(name)
+    if not MODELS[name].needs_prepare:
         raise PolicyError(f"model {name!r} needs no preparation; preparable: "
                           f"{[m for m, s in MODELS.items() if s.needs_prepare]}")
     target = cache_dir() / "models" / name

@@ -31,6 +31,8 @@ def test_models_list_names_default_and_tiny():
 def test_models_prepare_rejects_unpreparable():
     res = runner.invoke(app, ["models", "prepare", "tiny-random"])
     assert res.exit_code == 2 and "needs no preparation" in res.output
+    res = runner.invoke(app, ["models", "prepare", "smolm2-135m"])  # a typo is unknown, not "needs none"
+    assert res.exit_code == 2 and "unknown model 'smolm2-135m'" in res.output
 
 
 def test_rollout_with_mock_policy_writes_trees_and_summary(tmp_path):
