@@ -54,8 +54,8 @@ def eval_command(
     k: Annotated[int, typer.Option(help="pass@k; 1 with one sample is greedy evaluation.")] = 1,
     samples: Annotated[int | None, typer.Option(help="Episodes per task (>= k; default k).")] = None,
     temperature: Annotated[float | None, typer.Option(
-        help="Sampling temperature; default 0 (greedy) for one sample, else sampling.temperature.")] = None,
-    limit: Annotated[int | None, typer.Option(help="Only the first N tasks of the split.")] = None,
+        min=0.0, help="Sampling temperature; default 0 (greedy) for one sample, else sampling.temperature.")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="Only the first N tasks of the split.")] = None,
     episodes: Annotated[int | None, typer.Option(
         help="Tasks of an env that does not say how many its split holds (rollout.episodes).")] = None,
     config: Annotated[Path | None, typer.Option(help="YAML config file.")] = None,

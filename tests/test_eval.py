@@ -176,6 +176,9 @@ def test_cli_eval_errors_say_what_to_do(tmp_path):
     res = runner.invoke(app, ["eval", "--env", "TestEvalSplit", "--k", "3", "--samples", "2",
                               "--backend", "mock", "--out", str(tmp_path)])
     assert res.exit_code == 2 and "--samples >= --k" in res.output
+    for bad in (["--limit", "0"], ["--temperature", "-1"]):  # were an IndexError and a ValidationError
+        res = runner.invoke(app, ["eval", "--env", "TestEvalSplit", "--backend", "mock", "--out", str(tmp_path), *bad])
+        assert res.exit_code == 2 and f"Invalid value for '{bad[0]}'" in res.output, res.output
 
 
 def test_cli_eval_on_procedural_alfworld_with_tiny_model(tmp_path):
