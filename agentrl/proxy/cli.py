@@ -58,7 +58,7 @@ def proxy_serve(
     token_file: Annotated[Path | None, typer.Option(
         help="File with the admin token; else $AGENTRL_PROXY_TOKEN; none: no token needed.")] = None,
     served_model_name: Annotated[str, typer.Option(help="Name in /v1/models.")] = "agentrl",
-    max_context_tokens: Annotated[int, typer.Option(help="Prompt plus max_tokens budget.")] = 4096,
+    max_context_tokens: Annotated[int, typer.Option(min=16, help="Prompt plus max_tokens budget.")] = 4096,
     out: Annotated[str | None, typer.Option(help="JSONL file closed sessions' trees are appended to.")] = None,
     auto_create_sessions: Annotated[bool, typer.Option(help="Unknown /sessions/{id} creates it.")] = False,
 ) -> None:
@@ -88,6 +88,8 @@ def proxy_serve(
             from agentrl.precision import command_precision
 
             cfg.policy.precision = command_precision(cfg, config, list(set_ or []))  # type: ignore[assignment]
+        if out is not None:  # a path it cannot append to fails now, not at the first closed session
+            _check_appendable(Path(out))
         sock = listen_socket(host, port)  # a port in use fails now, not after the model loads
         try:
             with open_policy(cfg) as policy:  # rollout workers when the distributed section asks for them
@@ -98,6 +100,17 @@ def proxy_serve(
     except AgentRLError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+
+
+def _check_appendable(path: Path) -> None:
+    from agentrl.errors import ConfigError
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--out {path}: cannot append to it: {e.strerror or e}") from None
 
 
 @env_app.command("serve")

@@ -79,3 +79,17 @@ def test_a_port_another_socket_bound_but_does_not_listen_on_yet_is_refused_too()
             listen_socket("127.0.0.1", 70000)
     finally:
         first.close()
+
+
+def test_serve_refuses_an_out_it_cannot_append_to_and_a_tiny_context_before_serving(tmp_path):
+    """Both failed late: --out at the first closed session (a 500), the context as a raw traceback."""
+    import gc
+
+    _mount_plugins()
+    try:
+        out = CliRunner().invoke(app, ["proxy", "serve", "--backend", "mock", "--port", "0", "--out", str(tmp_path)])
+        assert out.exit_code == 2 and f"--out {tmp_path}: cannot append to it" in out.output, out.output
+        out = CliRunner().invoke(app, ["proxy", "serve", "--backend", "mock", "--max-context-tokens", "0"])
+        assert out.exit_code == 2 and "Invalid value for '--max-context-tokens'" in out.output, out.output
+    finally:
+        gc.unfreeze()
