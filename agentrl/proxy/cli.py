@@ -54,7 +54,7 @@ def proxy_serve(
     model: Annotated[str | None, typer.Option(help="Model name or folder (policy.model).")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="key.path=value override.")] = None,
     host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = 8000,
     token_file: Annotated[Path | None, typer.Option(
         help="File with the admin token; else $AGENTRL_PROXY_TOKEN; none: no token needed.")] = None,
     served_model_name: Annotated[str, typer.Option(help="Name in /v1/models.")] = "agentrl",
@@ -116,10 +116,10 @@ def _check_appendable(path: Path) -> None:
 @env_app.command("serve")
 def env_serve(
     host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8766,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = 8766,
     token_file: Annotated[Path | None, typer.Option(
         help="File with the bearer token; else $AGENTRL_ENV_TOKEN (required).")] = None,
-    max_envs: Annotated[int, typer.Option(help="Envs alive at once.")] = 256,
+    max_envs: Annotated[int, typer.Option(min=1, help="Envs alive at once.")] = 256,
 ) -> None:
     """Serve every registered env over HTTP (POST /envs, /envs/{id}/step, /envs/{id}/close)."""
     from .envserver import EnvServerConfig, serve_envs

@@ -25,7 +25,7 @@ def view(
     static: Annotated[Path | None, typer.Option(
         "--static", help="Write one self-contained HTML file here instead of serving.")] = None,
     host: Annotated[str, typer.Option(help="Address to serve on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to serve on (0: any free one).")] = 8765,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to serve on (0: any free one).")] = 8765,
     tokenizer: Annotated[str | None, typer.Option(
         help="Tokenizer (model name or folder) for token texts; default: the run's policy.model.")] = None,
     tokens: Annotated[bool, typer.Option(help="Decode token ids to text (loads a tokenizer).")] = True,

@@ -93,3 +93,15 @@ def test_serve_refuses_an_out_it_cannot_append_to_and_a_tiny_context_before_serv
         assert out.exit_code == 2 and "Invalid value for '--max-context-tokens'" in out.output, out.output
     finally:
         gc.unfreeze()
+
+
+def test_servers_refuse_ports_and_sizes_out_of_range_by_the_option(monkeypatch):
+    """A port past 65535 was a raw OverflowError (view), max-envs 0 a raw ValidationError."""
+    monkeypatch.setenv("AGENTRL_ENV_TOKEN", "t0ken")
+    _mount_plugins()
+    for cmd, option in ((["env", "serve", "--max-envs", "0"], "--max-envs"),
+                        (["env", "serve", "--port", "70000"], "--port"),
+                        (["proxy", "serve", "--backend", "mock", "--port", "-1"], "--port"),
+                        (["view", ".", "--port", "70000"], "--port")):
+        out = CliRunner().invoke(app, cmd)
+        assert out.exit_code == 2 and f"Invalid value for '{option}'" in out.output, (cmd, out.output)
