@@ -24,7 +24,7 @@ from rich.table import Table
 
 from .errors import AgentRLError
 from .heap import keep_freed_memory
-from .models import cache_dir, exact_model
+from .models import cache_dir
 
 __all__ = ["app", "main", "process_defaults"]
 
@@ -61,10 +61,8 @@ def rollout(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from .config import load_config
-    from .distributed import placement
     from .env import resolve_env_id
-    from .policy.for_run import open_policy
-    from .policy.registry import resolve_backend
+    from .policy.for_run import open_policy, settle_for_command
     from .rollout import run_episodes, summarize, write_run
     from .rollout.allocators import ALLOCATORS
 
@@ -77,17 +75,7 @@ def rollout(
     try:
         cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too
         cfg.env.id = resolve_env_id(cfg.env.id, cfg.env.imports)
-        cfg.policy.model = exact_model(cfg.policy.model)  # a run or checkpoint folder: the export it means
-        picked, why = resolve_backend(cfg.policy.backend)
-        cfg.policy.backend = picked
-        sampled_in = ""
-        if picked == "hf":  # a training config's train.precision says what its run samples in
-            from .precision import command_precision
-
-            cfg.policy.precision = command_precision(cfg, config, set_ or [])  # type: ignore[assignment]
-            sampled_in = f", sampling in [bold]{cfg.policy.precision}[/]"
-        console.print(f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{picked}[/] ({why})"
-                      f"{sampled_in}{placement(cfg)}")
+        console.print(settle_for_command(cfg, config, set_ or []))
         r = cfg.rollout
         total = r.budget if r.budget and r.budget_unit == "leaves" else None
         with open_policy(cfg) as policy, Progress(

@@ -24,7 +24,6 @@ from rich.table import Table
 
 from .errors import AgentRLError
 from .evaluation import EvalReport, evaluate_split
-from .models import exact_model
 
 __all__ = ["eval_command", "format_report", "register"]
 
@@ -67,11 +66,8 @@ def eval_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from .config import load_config
-    from .distributed import placement
     from .env import resolve_env_id
-    from .policy.for_run import open_policy
-    from .policy.registry import resolve_backend
-    from .precision import command_precision
+    from .policy.for_run import open_policy, settle_for_command
     from .rollout import write_run
 
     flags = {"policy.model": model, "policy.backend": backend, "rollout.episodes": episodes}
@@ -83,15 +79,7 @@ def eval_command(
             cfg.sampling.temperature = temperature
         elif (samples or k) == 1:
             cfg.sampling.temperature = 0.0
-        cfg.policy.model = exact_model(cfg.policy.model)  # a run or checkpoint folder: the export it means
-        picked, why = resolve_backend(cfg.policy.backend)
-        cfg.policy.backend = picked
-        sampled_in = ""
-        if picked == "hf":  # a training config's train.precision says what its run sampled in
-            cfg.policy.precision = command_precision(cfg, config, set_ or [])  # type: ignore[assignment]
-            sampled_in = f", sampling in [bold]{cfg.policy.precision}[/]"
-        console.print(f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{picked}[/] ({why})"
-                      f"{sampled_in}{placement(cfg)}")
+        console.print(settle_for_command(cfg, config, set_ or []))
         reports, all_trees = [], []
         with open_policy(cfg) as policy:
             for one in (split.split(",") if split else [None]):

@@ -215,7 +215,7 @@ def test_proxy_samples_in_the_precision_its_training_config_trains_in(tmp_path, 
                                    **({"train": train_section} if train_section else {})}))
     _mount_plugins()
     try:
-        res = runner.invoke(app, ["proxy", "serve", "--config", str(cfg)])
+        res = runner.invoke(app, ["proxy", "serve", "--config", str(cfg), "--port", "0"])
     finally:
         gc.unfreeze()
     assert res.exit_code == 0, res.output

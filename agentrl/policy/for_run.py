@@ -2,19 +2,42 @@
 
 ``policy_for_run`` is how ``train``, ``rollout``, ``eval`` and ``proxy serve``
 get their policy, so each honours the ``distributed`` section the same way;
-``open_policy`` is the same for a command, closed on the way out. Ray is
-imported only when the config asks for rollout workers.
+``open_policy`` is the same for a command, closed on the way out, and
+``settle_for_command`` fixes in a command's config what that policy will be.
+Ray is imported only when the config asks for rollout workers.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 from ..config import Config
 from .base import Policy
 
-__all__ = ["open_policy", "policy_for_run"]
+__all__ = ["open_policy", "policy_for_run", "settle_for_command"]
+
+
+def settle_for_command(cfg: Config, config: Path | None, sets: list[str]) -> str:
+    """Fix in ``cfg``, before a command (rollout, eval, the proxy) loads its policy, what that
+    policy will be: the export a run or checkpoint folder means (``exact_model``), the backend
+    ``auto`` picks, and for ``hf`` the precision it samples in (``command_precision``: the
+    training config's ``train.precision``, from ``config`` and ``sets``). Returns the line
+    the command prints about it."""
+    from ..distributed import placement
+    from ..models import exact_model
+    from ..precision import command_precision
+    from .registry import resolve_backend
+
+    cfg.policy.model = exact_model(cfg.policy.model)
+    picked, why = resolve_backend(cfg.policy.backend)
+    cfg.policy.backend = picked  # type: ignore[assignment]
+    sampled_in = ""
+    if picked == "hf":
+        cfg.policy.precision = command_precision(cfg, config, sets)  # type: ignore[assignment]
+        sampled_in = f", sampling in [bold]{cfg.policy.precision}[/]"
+    return f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{picked}[/] ({why}){sampled_in}{placement(cfg)}"
 
 
 @contextlib.contextmanager

@@ -65,9 +65,7 @@ def proxy_serve(
     """Serve a policy over the OpenAI API and record each session as a RolloutTree."""
     from agentrl.config import load_config
     from agentrl.httputil import listen_socket
-    from agentrl.models import exact_model
-    from agentrl.policy.for_run import open_policy
-    from agentrl.policy.registry import resolve_backend
+    from agentrl.policy.for_run import open_policy, settle_for_command
 
     from .app import serve
     from .schemas import ProxyConfig
@@ -83,20 +81,12 @@ def proxy_serve(
                             auto_create_sessions=auto_create_sessions)
     try:
         cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too
-        cfg.policy.model = exact_model(cfg.policy.model)  # sessions record the checkpoint that served them
-        if resolve_backend(cfg.policy.backend)[0] == "hf":  # sample what training on the data computes
-            from agentrl.precision import command_precision
-
-            cfg.policy.precision = command_precision(cfg, config, list(set_ or []))  # type: ignore[assignment]
+        settle_for_command(cfg, config, list(set_ or []))  # the exact checkpoint, the precision training computes
         if out is not None:  # a path it cannot append to fails now, not at the first closed session
             _check_appendable(Path(out))
         sock = listen_socket(host, port)  # a port in use fails now, not after the model loads
-        try:
-            with open_policy(cfg) as policy:  # rollout workers when the distributed section asks for them
-                serve(policy, proxy_cfg, host, port, sock=sock)
-        finally:
-            if sock is not None:
-                sock.close()
+        with sock, open_policy(cfg) as policy:  # rollout workers when the distributed section asks for them
+            serve(policy, proxy_cfg, host, port, sock=sock)
     except AgentRLError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

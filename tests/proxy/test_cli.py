@@ -20,14 +20,16 @@ def test_proxy_and_env_commands_are_mounted_and_env_needs_a_token(monkeypatch):
 
 def test_proxy_serve_banner_names_the_session_url_a_harness_needs(monkeypatch):
     import gc
+    import socket
 
     import uvicorn
 
     import agentrl.httputil as httputil
     import agentrl.proxy.app as proxy_app
 
-    monkeypatch.setattr(httputil, "listen_socket", lambda host, port: None)  # no server: the banner only
-    monkeypatch.setattr(proxy_app, "listen_socket", lambda host, port: None)
+    unbound = socket.socket()  # no server: the banner only
+    monkeypatch.setattr(httputil, "listen_socket", lambda host, port: unbound)
+    monkeypatch.setattr(proxy_app, "listen_socket", lambda host, port: unbound)
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
     _mount_plugins()
     try:
