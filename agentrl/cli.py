@@ -75,7 +75,7 @@ def rollout(
     try:
         cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too
         cfg.env.id = resolve_env_id(cfg.env.id, cfg.env.imports)
-        console.print(settle_for_command(cfg, config, set_ or []))
+        console.print(settle_for_command(cfg))
         r = cfg.rollout
         total = r.budget if r.budget and r.budget_unit == "leaves" else None
         with open_policy(cfg) as policy, Progress(

@@ -7,7 +7,6 @@ key path (``policy.temperature``) and the reason.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import re
 import warnings
@@ -19,6 +18,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -36,9 +36,9 @@ __all__ = [
     "SamplingConfig",
     "VLLMConfig",
     "apply_overrides",
+    "ignored_section",
     "load_config",
     "moved_keys",
-    "train_precision_in",
 ]
 
 
@@ -293,6 +293,7 @@ class DistributedConfig(_Strict):
 
 
 class Config(_Strict):
+    _ignored: dict[str, Any] = PrivateAttr(default_factory=dict)  # sections load_config(ignore=...) dropped
     old_paths: ClassVar[dict[str, str]] = {}
     """Each key that moved or was renamed, its old dotted path to its new one (``train.lr``:
     ``train.optimizer.lr``). The sections' validators still read the old keys; ``load_config``
@@ -509,17 +510,13 @@ def _apply_moving_old_paths(data: dict[str, Any], overrides: list[str], schema: 
             raise ConfigError(f"{old} is the old place of {new}: give only {new}")
 
 
-def train_precision_in(config: Path | None, sets: list[str]) -> str | None:
-    """``train.precision`` of a training config (its file, then ``--set``), for the commands that
-    read only a config's run sections (``eval``, ``rollout``, ``proxy``): their ``hf`` sampler
-    computes what that training run's update computes. None where neither says."""
-    data: Any = None
-    if config is not None:  # load_config has read it already, and its errors are reported there
-        with contextlib.suppress(OSError, yaml.YAMLError):
-            data = yaml.safe_load(Path(config).read_text())
-    data = apply_overrides(data if isinstance(data, dict) else {}, [s for s in sets if s.startswith("train.")])
-    found = data.get("train", {}).get("precision") if isinstance(data.get("train"), dict) else None
-    return found if isinstance(found, str) else None
+def ignored_section(cfg: Config, name: str) -> dict[str, Any]:
+    """The section ``name`` (``train``, ``sft``) that ``load_config(ignore=...)`` dropped from
+    ``cfg``, as the file and ``--set`` gave it; ``{}`` where it had none. ``eval``, ``rollout``
+    and ``proxy`` read a training config's ``train.precision`` here, without reading the file
+    again (a FIFO reads once)."""
+    section = cfg._ignored.get(name)
+    return section if isinstance(section, dict) else {}
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -539,9 +536,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = loaded or {}
     data = schema.upgrade_old_keys(data)
     _apply_moving_old_paths(data, overrides or [], schema)
-    for section in ignore:
-        data.pop(section, None)
+    dropped = {section: data.pop(section) for section in ignore if section in data}
     try:
-        return schema.model_validate(data)
+        cfg = schema.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format(e, schema)) from None
+    cfg._ignored = dropped
+    return cfg

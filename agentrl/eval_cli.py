@@ -79,7 +79,7 @@ def eval_command(
             cfg.sampling.temperature = temperature
         elif (samples or k) == 1:
             cfg.sampling.temperature = 0.0
-        console.print(settle_for_command(cfg, config, set_ or []))
+        console.print(settle_for_command(cfg))
         reports, all_trees = [], []
         with open_policy(cfg) as policy:
             for one in (split.split(",") if split else [None]):

@@ -20,7 +20,6 @@ import os
 import threading
 import types
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -138,13 +137,14 @@ def fp32_head(model: Any) -> Iterator[None]:
                 del head.forward
 
 
-def command_precision(cfg: Any, config: Path | None, sets: list[str]) -> str:
+def command_precision(cfg: Any) -> str:
     """``bf16`` or ``fp32``: what the hf sampler of ``agentrl eval``, ``rollout`` or ``proxy``
-    computes in, for its loaded ``cfg`` and the config file and ``--set`` items it came from:
-    fp32 under ``rollout.deterministic`` (the hf backend computes fp32 there), else
-    ``sampler_precision`` with the file's ``train.precision``."""
-    from .config import train_precision_in
+    computes in for its loaded ``cfg``: fp32 under ``rollout.deterministic`` (the hf backend
+    computes fp32 there), else ``sampler_precision`` with the training config's
+    ``train.precision`` (``agentrl.config.ignored_section``)."""
+    from .config import ignored_section
 
     if cfg.rollout.deterministic:
         return "fp32"
-    return sampler_precision(cfg.policy.precision, cfg.policy.device, train_precision_in(config, sets))
+    train = ignored_section(cfg, "train").get("precision")
+    return sampler_precision(cfg.policy.precision, cfg.policy.device, train if isinstance(train, str) else None)

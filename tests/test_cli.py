@@ -220,3 +220,22 @@ def test_proxy_samples_in_the_precision_its_training_config_trains_in(tmp_path, 
         gc.unfreeze()
     assert res.exit_code == 0, res.output
     assert served == [want]
+
+
+def test_a_config_given_as_a_fifo_is_read_once_and_its_train_section_still_counts(tmp_path, monkeypatch):
+    """``--config <(...)`` or a named pipe: a second read of the file (for train.precision) would
+    find nothing, or wait forever for a writer."""
+    import threading
+
+    monkeypatch.setenv("AGENTRL_CPU_BF16", "1")
+    fifo = tmp_path / "train.yaml"
+    os.mkfifo(fifo)
+    text = yaml.safe_dump({"policy": {"backend": "hf", "model": "tiny-random"}, "sampling": {"max_new_tokens": 2},
+                           "train": {"precision": "fp32"}})
+    writer = threading.Thread(target=fifo.write_text, args=(text,), daemon=True)
+    writer.start()
+    res = runner.invoke(app, ["rollout", "--config", str(fifo), "--env", "agentrl/GuessNumber-v0",
+                              "--episodes", "1", "--out", str(tmp_path / "r"), "--no-progress"])
+    writer.join(timeout=5)
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["precision"] == "fp32"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 
 from ..config import Config
 from .base import Policy
@@ -19,12 +18,11 @@ from .base import Policy
 __all__ = ["open_policy", "policy_for_run", "settle_for_command"]
 
 
-def settle_for_command(cfg: Config, config: Path | None, sets: list[str]) -> str:
+def settle_for_command(cfg: Config) -> str:
     """Fix in ``cfg``, before a command (rollout, eval, the proxy) loads its policy, what that
     policy will be: the export a run or checkpoint folder means (``exact_model``), the backend
-    ``auto`` picks, and for ``hf`` the precision it samples in (``command_precision``: the
-    training config's ``train.precision``, from ``config`` and ``sets``). Returns the line
-    the command prints about it."""
+    ``auto`` picks, and for ``hf`` the precision it samples in (``command_precision``: a
+    training config's ``train.precision``). Returns the line the command prints about it."""
     from ..distributed import placement
     from ..models import exact_model
     from ..precision import command_precision
@@ -35,7 +33,7 @@ def settle_for_command(cfg: Config, config: Path | None, sets: list[str]) -> str
     cfg.policy.backend = picked  # type: ignore[assignment]
     sampled_in = ""
     if picked == "hf":
-        cfg.policy.precision = command_precision(cfg, config, sets)  # type: ignore[assignment]
+        cfg.policy.precision = command_precision(cfg)  # type: ignore[assignment]
         sampled_in = f", sampling in [bold]{cfg.policy.precision}[/]"
     return f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{picked}[/] ({why}){sampled_in}{placement(cfg)}"
 

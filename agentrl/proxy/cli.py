@@ -81,7 +81,7 @@ def proxy_serve(
                             auto_create_sessions=auto_create_sessions)
     try:
         cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too
-        settle_for_command(cfg, config, list(set_ or []))  # the exact checkpoint, the precision training computes
+        settle_for_command(cfg)  # the exact checkpoint, the precision training computes
         if out is not None:  # a path it cannot append to fails now, not at the first closed session
             _check_appendable(Path(out))
         sock = listen_socket(host, port)  # a port in use fails now, not after the model loads
