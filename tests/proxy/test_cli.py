@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from typer.testing import CliRunner
 
@@ -91,6 +93,10 @@ def test_serve_refuses_an_out_it_cannot_append_to_and_a_tiny_context_before_serv
     try:
         out = CliRunner().invoke(app, ["proxy", "serve", "--backend", "mock", "--port", "0", "--out", str(tmp_path)])
         assert out.exit_code == 2 and f"--out {tmp_path}: cannot append to it" in out.output, out.output
+        fifo = tmp_path / "sessions.jsonl"
+        os.mkfifo(fifo)  # opening it to append would wait for a reader
+        out = CliRunner().invoke(app, ["proxy", "serve", "--backend", "mock", "--port", "0", "--out", str(fifo)])
+        assert out.exit_code == 2 and "not a regular file" in out.output, out.output
         out = CliRunner().invoke(app, ["proxy", "serve", "--backend", "mock", "--max-context-tokens", "0"])
         assert out.exit_code == 2 and "Invalid value for '--max-context-tokens'" in out.output, out.output
     finally:
