@@ -213,16 +213,19 @@ async def read_json(request: Any, model: type[M], limit: int, optional: bool = F
         raise HTTPError(400, "body: nested too deeply to validate") from None
 
 
-def listen_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+def listen_socket(host: str = "127.0.0.1", port: int = 0, listen: bool = True) -> socket.socket:
     """A listening TCP socket with ``TCP_NODELAY`` (inherited by accepted connections), for
-    uvicorn; ``ConfigError`` saying why where it cannot listen (a port in use, out of range)."""
+    uvicorn; ``ConfigError`` saying why where it cannot (a port in use, out of range).
+    ``listen=False``: bound only, so a port another server listens on fails now while clients
+    are still refused (uvicorn listens when it starts serving)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
-        sock.listen(2048)  # here, not in uvicorn: two servers may both bind one port, only one listens
+        if listen:  # here, not in uvicorn: two servers may both bind one port, only one listens
+            sock.listen(2048)
     except (OSError, OverflowError) as e:
         sock.close()
         if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:

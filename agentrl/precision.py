@@ -89,7 +89,11 @@ def _fp32_forward(head: Any, x: torch.Tensor) -> torch.Tensor:
     with torch.autocast(x.device.type, enabled=False):
         if head.weight.dtype == torch.float32:
             return type(head).forward(head, x.float())
-        bias = None if getattr(head, "bias", None) is None else head.bias.float()
+        if type(head) is not torch.nn.Linear:  # a wrapped head (LoRA on lm_head): its adapter would be lost
+            raise ConfigError(f"the fp32 vocabulary head cannot wrap a {type(head).__name__} over "
+                              f"{head.weight.dtype} weights: use policy.dtype float32, or leave lm_head out "
+                              "of the LoRA target modules")
+        bias = None if head.bias is None else head.bias.float()
         return torch.nn.functional.linear(x.float(), head.weight.float(), bias)
 
 

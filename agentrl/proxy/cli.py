@@ -81,10 +81,10 @@ def proxy_serve(
                             auto_create_sessions=auto_create_sessions)
     try:
         cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too
-        settle_for_command(cfg)  # the exact checkpoint, the precision training computes
+        print(settle_for_command(cfg).replace("[bold]", "").replace("[/]", ""), flush=True)
         if out is not None:  # a path it cannot append to fails now, not at the first closed session
             _check_appendable(Path(out))
-        sock = listen_socket(host, port)  # a port in use fails now, not after the model loads
+        sock = listen_socket(host, port, listen=False)  # a port in use fails now; clients refused until it serves
         with sock, open_policy(cfg) as policy:  # rollout workers when the distributed section asks for them
             serve(policy, proxy_cfg, host, port, sock=sock)
     except AgentRLError as e:

@@ -197,7 +197,7 @@ class TrainConfig(_Strict):
                                     "are packed up to this; a minibatch accumulates gradients "
                                     "over its micro-batches.")
     precision: Literal["auto", "bf16", "fp32"] = Field(
-        "auto", description="The training and scoring passes: auto is bf16 autocast on a GPU and on "
+        "auto", description="The training and scoring passes: auto is bf16 autocast on a GPU with native bf16 (Ampere on; a T4 or V100 gets fp32) and on "
         "a CPU with avx512_bf16 or AMX (on a Xeon with AMX the make run recipe's SFT at 1.6x fp32's "
         "tokens/s, learning as well), fp32 on other CPUs, where bf16 is emulated and many times slower "
         "(AGENTRL_CPU_BF16=1/0 overrides the detection); bf16 autocasts anywhere; fp32 never does. "

@@ -197,3 +197,22 @@ def test_bf16_precision_over_bf16_weights_computes_in_their_dtype_and_the_head_s
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), fp32_head(model):
         logits = model(input_ids=torch.tensor([[5, 6, 7]])).logits
     assert logits.dtype == torch.float32
+
+
+def test_an_fp32_head_refuses_a_wrapped_head_over_bf16_weights_instead_of_dropping_its_adapter():
+    """LoRA on lm_head over bf16 weights: an fp32 copy of the base weight alone would compute
+    logits without the adapter, and train it not at all."""
+    model, _ = load_model("tiny-random", dtype="bfloat16")
+
+    class Adapted(torch.nn.Module):  # the shape of a peft LoRA layer: the base, and more
+        def __init__(self, base):
+            super().__init__()
+            self.base_layer, self.weight, self.bias = base, base.weight, None
+
+        def forward(self, x):
+            return self.base_layer(x) + 1.0
+
+    model.lm_head = Adapted(model.lm_head)
+    with torch.autocast("cpu", dtype=torch.bfloat16), fp32_head(model), \
+            pytest.raises(ConfigError, match="cannot wrap a Adapted over torch.bfloat16 weights"):
+        model(input_ids=torch.tensor([[1, 2, 3]]))

@@ -30,8 +30,8 @@ def test_proxy_serve_banner_names_the_session_url_a_harness_needs(monkeypatch):
     import agentrl.proxy.app as proxy_app
 
     unbound = socket.socket()  # no server: the banner only
-    monkeypatch.setattr(httputil, "listen_socket", lambda host, port: unbound)
-    monkeypatch.setattr(proxy_app, "listen_socket", lambda host, port: unbound)
+    monkeypatch.setattr(httputil, "listen_socket", lambda host, port, **kw: unbound)
+    monkeypatch.setattr(proxy_app, "listen_socket", lambda host, port, **kw: unbound)
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
     _mount_plugins()
     try:
