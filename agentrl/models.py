@@ -37,6 +37,7 @@ __all__ = [
     "ModelSpec",
     "cache_dir",
     "check_device",
+    "checkpoint_folders",
     "exact_model",
     "hub_model_dir",
     "is_hub_id",
@@ -161,8 +162,9 @@ def _unknown(name: str) -> PolicyError:
 _STEP = re.compile(r"step-(\d+)")  # a checkpoint's folder name (agentrl.train.checkpoint)
 
 
-def _checkpoints(folder: Path) -> list[Path]:
-    """The checkpoint folders in ``folder``, oldest step first (by number, as the trainer orders them)."""
+def checkpoint_folders(folder: Path) -> list[Path]:
+    """The checkpoint folders (``step-N``) in ``folder``, oldest step first, by number; the trainer's
+    ``checkpoint_dirs`` too, so a run and the commands that load it agree on its newest."""
     steps = [p for p in folder.iterdir() if _STEP.fullmatch(p.name) and p.is_dir()] if folder.is_dir() else []
     return sorted(steps, key=lambda p: int(p.name[5:]))
 
@@ -178,11 +180,11 @@ def model_folder(name: str) -> Path:
     if (path / "hf" / "config.json").is_file():  # checkpoints/step-N
         return path / "hf"
     if _STEP.fullmatch(path.name) and (path / "state.json").is_file():  # a checkpoint without hf/
-        exported = [p.name for p in _checkpoints(path.parent) if (p / "hf" / "config.json").is_file()]
+        exported = [p.name for p in checkpoint_folders(path.parent) if (p / "hf" / "config.json").is_file()]
         raise PolicyError(f"{name}: this checkpoint has no transformers export (hf/: a run exports its "
                           "last checkpoint, and each one with train.checkpointing.export_hf=true)"
                           + (f"; {', '.join(exported)} of its run have one" if exported else ""))
-    steps = _checkpoints(path / "checkpoints") or _checkpoints(path)
+    steps = checkpoint_folders(path / "checkpoints") or checkpoint_folders(path)
     if steps:  # a run's output folder, or its checkpoints folder
         if (steps[-1] / "hf" / "config.json").is_file():
             return steps[-1] / "hf"

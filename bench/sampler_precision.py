@@ -107,7 +107,7 @@ def main() -> None:
                 "policy.precision of the hf sampler, each row its own process, rounds interleaved",
         "model": a.model, "episodes": episodes, "date": time.strftime("%Y-%m-%d"),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "platform": platform.platform(),
-        "cpu_count": os.cpu_count(), "rows": rows}, indent=1) + "\n")
+        "cpu_count": os.cpu_count(), "quick": a.quick, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -439,7 +439,7 @@ def serve(policy: Any, config: ProxyConfig | None = None, host: str = "127.0.0.1
     # the collector's full passes, which otherwise stall every request in flight (~100 ms here).
     gc.collect()
     gc.freeze()
-    print(serve_banner(host, port, config or ProxyConfig()), flush=True)
+    print(serve_banner(host, sock.getsockname()[1], config or ProxyConfig()), flush=True)  # --port 0: the one it got
     server.run(sockets=[sock])
 
 

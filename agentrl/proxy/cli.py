@@ -95,8 +95,8 @@ def proxy_serve(
 def _check_appendable(path: Path) -> None:
     from agentrl.errors import ConfigError
 
-    if path.exists() and not path.is_file():  # a directory; a FIFO, whose opening waits for a reader
-        raise ConfigError(f"--out {path}: cannot append to it: not a regular file")
+    if path.exists() and not (path.is_file() or path.is_char_device()):  # a directory; a FIFO, whose
+        raise ConfigError(f"--out {path}: cannot append to it: not a regular file")  # opening waits for a reader
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a"):

@@ -243,5 +243,5 @@ def serve_envs(config: EnvServerConfig, host: str = "127.0.0.1", port: int = 876
         raise ConfigError("env serve: a non-empty token is required")
     sock = listen_socket(host, port)  # a port in use fails here, before the line that says it serves
     server = uvicorn.Server(uvicorn.Config(create_env_app(config), log_level="info", access_log=False))
-    print(f"agentrl env server on http://{host}:{port}", flush=True)
+    print(f"agentrl env server on http://{host}:{sock.getsockname()[1]}", flush=True)  # --port 0: the one it got
     server.run(sockets=[sock])

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -33,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from ..models import checkpoint_folders
 
 __all__ = [
     "Checkpoint",
@@ -47,7 +48,6 @@ __all__ = [
     "trainable_state",
 ]
 
-_NAME = re.compile(r"step-(\d+)")
 
 
 @dataclass
@@ -86,12 +86,7 @@ def restore_rng(rng: dict[str, Any]) -> None:
 
 def checkpoint_dirs(out_dir: str | Path) -> list[Path]:
     """Complete checkpoints under ``out_dir/checkpoints``, oldest first."""
-    root = Path(out_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if p.is_dir() and (m := _NAME.fullmatch(p.name))]
-    return [p for _, p in sorted(found)]
+    return checkpoint_folders(Path(out_dir) / "checkpoints")
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+import agentrl.proxy.cli as proxy_cli
 from agentrl.cli import _mount_plugins, app
 
 
@@ -29,19 +31,44 @@ def test_proxy_serve_banner_names_the_session_url_a_harness_needs(monkeypatch):
     import agentrl.httputil as httputil
     import agentrl.proxy.app as proxy_app
 
-    unbound = socket.socket()  # no server: the banner only
-    monkeypatch.setattr(httputil, "listen_socket", lambda host, port, **kw: unbound)
-    monkeypatch.setattr(proxy_app, "listen_socket", lambda host, port, **kw: unbound)
+    bound = socket.socket()  # bound, never served: the banner only
+    bound.bind(("127.0.0.1", 0))
+    port = bound.getsockname()[1]  # --port 0 asks for any port: the banner names the one it got
+    monkeypatch.setattr(httputil, "listen_socket", lambda host, port, **kw: bound)
+    monkeypatch.setattr(proxy_app, "listen_socket", lambda host, port, **kw: bound)
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
     _mount_plugins()
     try:
-        out = CliRunner().invoke(app, ["proxy", "serve", "--backend", "mock", "--port", "8123"])
+        out = CliRunner().invoke(app, ["proxy", "serve", "--backend", "mock", "--port", "0"])
     finally:
         gc.unfreeze()  # serve freezes what is loaded, for a long-lived server
+        bound.close()
     assert out.exit_code == 0, out.output
-    assert "OPENAI_BASE_URL: http://127.0.0.1:8123/sessions/<id>/v1" in out.output
-    assert "ANTHROPIC_BASE_URL (Claude Code, anthropic SDKs): http://127.0.0.1:8123/sessions/<id>" in out.output
-    assert "POST http://127.0.0.1:8123/sessions" in out.output
+    assert f"OPENAI_BASE_URL: http://127.0.0.1:{port}/sessions/<id>/v1" in out.output
+    assert f"ANTHROPIC_BASE_URL (Claude Code, anthropic SDKs): http://127.0.0.1:{port}/sessions/<id>" in out.output
+    assert f"POST http://127.0.0.1:{port}/sessions" in out.output
+
+
+def test_env_serve_on_port_0_says_the_port_it_got(monkeypatch):
+    import socket
+
+    import uvicorn
+
+    import agentrl.proxy.envserver as envserver
+
+    monkeypatch.setenv("AGENTRL_ENV_TOKEN", "t0ken")
+    bound = socket.socket()
+    bound.bind(("127.0.0.1", 0))
+    port = bound.getsockname()[1]
+    monkeypatch.setattr(envserver, "listen_socket", lambda host, port, **kw: bound)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
+    _mount_plugins()
+    try:
+        out = CliRunner().invoke(app, ["env", "serve", "--port", "0"])
+    finally:
+        bound.close()
+    assert out.exit_code == 0, out.output
+    assert f"agentrl env server on http://127.0.0.1:{port}\n" in out.output  # not :0
 
 
 def test_a_port_in_use_fails_with_the_reason_before_anything_says_it_serves(monkeypatch):
@@ -97,6 +124,7 @@ def test_serve_refuses_an_out_it_cannot_append_to_and_a_tiny_context_before_serv
         os.mkfifo(fifo)  # opening it to append would wait for a reader
         out = CliRunner().invoke(app, ["proxy", "serve", "--backend", "mock", "--port", "0", "--out", str(fifo)])
         assert out.exit_code == 2 and "not a regular file" in out.output, out.output
+        assert proxy_cli._check_appendable(Path(os.devnull)) is None  # a character device appends at once
         out = CliRunner().invoke(app, ["proxy", "serve", "--backend", "mock", "--max-context-tokens", "0"])
         assert out.exit_code == 2 and "Invalid value for '--max-context-tokens'" in out.output, out.output
     finally:
