@@ -141,7 +141,8 @@ class PolicyConfig(_Strict):
         "fp32 and keys and values in bf16, what train.precision bf16 computes (the weights stay "
         "policy.dtype); on a Zen 4 CPU with avx512_bf16, make run's evaluation took 58-60 s against 83-86 s "
         "in fp32. auto: in a training run, and in eval, rollout and proxy given a training config, "
-        "train.precision as it resolves; elsewhere bf16 where the device "
+        "train.precision as it resolves; given a run's folder or checkpoint as the model, the "
+        "train.precision its checkpoint recorded; elsewhere bf16 where the device "
         "multiplies bf16 natively (avx512_bf16 or AMX, a bf16 GPU), else fp32. rollout.deterministic "
         "computes in fp32.")
     device: str = Field("cpu", description="torch device: cpu, cuda, cuda:N (or mps, xpu, hpu, npu, mlu, musa, xla, ...).")

@@ -27,7 +27,7 @@ import torch
 from .errors import ConfigError
 
 __all__ = ["PRECISIONS", "check_precision", "command_precision", "cpu_has_native_bf16", "fp32_head", "resolved_precision",
-           "sampler_precision"]
+           "run_precision", "sampler_precision"]
 
 PRECISIONS = ("auto", "bf16", "fp32")
 
@@ -144,11 +144,32 @@ def fp32_head(model: Any) -> Iterator[None]:
 def command_precision(cfg: Any) -> str:
     """``bf16`` or ``fp32``: what the hf sampler of ``agentrl eval``, ``rollout`` or ``proxy``
     computes in for its loaded ``cfg``: fp32 under ``rollout.deterministic`` (the hf backend
-    computes fp32 there), else ``sampler_precision`` with the training config's
-    ``train.precision`` (``agentrl.config.ignored_section``)."""
+    computes fp32 there), else ``sampler_precision`` with the ``train.precision`` of the training
+    config it was given (``agentrl.config.ignored_section``), or, given none, of the run whose
+    checkpoint ``policy.model`` is (``run_precision``): a run's evaluations and ``agentrl eval``
+    of its checkpoint then score it in one precision."""
     from .config import ignored_section
 
     if cfg.rollout.deterministic:
         return "fp32"
     train = ignored_section(cfg, "train").get("precision")
-    return sampler_precision(cfg.policy.precision, cfg.policy.device, train if isinstance(train, str) else None)
+    if not isinstance(train, str):
+        train = run_precision(cfg.policy.model)
+    return sampler_precision(cfg.policy.precision, cfg.policy.device, train)
+
+
+def run_precision(model: str) -> str | None:
+    """``train.precision`` of the run that saved ``model``, a checkpoint's export
+    (``checkpoints/step-N/hf``, what ``agentrl.models.exact_model`` gives for a run's folder), as its
+    ``state.json`` records it; ``None`` for any other model, or a state that does not say."""
+    import json
+    from pathlib import Path
+
+    state = Path(model).parent / "state.json"
+    if Path(model).name != "hf" or not state.is_file():
+        return None
+    try:
+        got = json.loads(state.read_text())["config"]["train"]["precision"]
+    except (OSError, ValueError, KeyError, TypeError):  # a state from elsewhere, or torn: the device decides
+        return None
+    return got if got in PRECISIONS else None

@@ -108,6 +108,33 @@ def test_eval_on_a_run_folder_records_the_checkpoint_it_loaded(run, tmp_path):
     assert "step-000002" in " ".join(res.output.split())
 
 
+@pytest.mark.parametrize("recorded, sets, want, followed", [
+    ({"config": {"train": {"precision": "fp32"}}}, [], "fp32", True),  # the run trained (and evaluated) in fp32
+    ({"config": {"train": {"precision": "fp32"}}}, ["--set", "policy.precision=bf16"], "bf16", False),
+    ({"config": {"train": {"precision": "fp16"}}}, [], "bf16", False),  # not a precision: the device decides
+    ({}, [], "bf16", False),  # a state that does not say (the fixture's): the device decides
+])
+def test_eval_of_a_run_folder_samples_in_the_precision_the_run_trained_in(run, tmp_path, monkeypatch, recorded,
+                                                                          sets, want, followed):
+    """Without a training config, ``agentrl eval --model runs/x`` took the device's precision:
+    a run trained with train.precision fp32 was scored in bf16, off its own evaluations."""
+    import shutil
+
+    monkeypatch.setenv("AGENTRL_CPU_BF16", "1")  # this CPU's own answer would be bf16
+    root = tmp_path / "run"
+    shutil.copytree(run[0], root)
+    (root / "checkpoints" / "step-000002" / "state.json").write_text(json.dumps(recorded))
+    out = tmp_path / "ev"
+    res = CliRunner().invoke(app, ["eval", "--env", "agentrl/GuessNumber-v0", "--model", str(root), "--backend", "hf",
+                                   "--episodes", "1", "--out", str(out), "--no-progress",
+                                   "--set", "sampling.max_new_tokens=2", *sets])
+    assert res.exit_code == 0, res.output
+    assert json.loads((out / "summary.json").read_text())["precision"] == want
+    said = " ".join(res.output.split())
+    assert f"sampling in {want}" in said
+    assert ("(its run's train.precision)" in said) == followed
+
+
 def test_training_from_a_run_folder_pins_its_export_and_a_resume_says_when_it_moved(run, tmp_path):
     """The learner, the sampler and the saved config take the export the folder meant when the
     run started; resumed after the source exported a newer one, the run says which it loaded."""
