@@ -26,7 +26,10 @@ server ``type`` (web search and the like: the proxy cannot run them, so the
 model is not offered them). Ignored without a count, since they do not change
 what is sampled: ``metadata``, ``cache_control``, ``context_management``,
 ``output_config``, ``service_tier``. Refused with a 400 naming the field:
-image and document blocks, and block types the proxy does not know.
+image and document blocks, block types the proxy does not know, a final
+assistant message (a prefill: Anthropic continues it, the chat template can
+only start a new turn after it), and a ``tool_choice`` that names a tool not
+offered.
 
 Auth arrives as ``x-api-key`` or ``Authorization: Bearer`` (``Proxy.resolve``);
 ``anthropic-version`` and ``anthropic-beta`` are accepted and not needed. Any
@@ -251,8 +254,14 @@ def conversation(body: CountTokensRequest) -> Conversation:
             c.type, {"type": "function", "function": {"name": c.name}})
         parallel = False if c.disable_parallel_tool_use else None
     fields: dict[str, Any] = {"model": body.model, "messages": messages, "tools": tools or None,
-                              "tool_choice": choice if tools else None, "parallel_tool_calls": parallel}
+                              # a named tool must be offered (checked with the chat's), even with no tools
+                              "tool_choice": choice if tools or isinstance(choice, dict) else None,
+                              "parallel_tool_calls": parallel}
     if isinstance(body, MessagesRequest):
+        last = len(body.messages) - 1
+        if body.messages[last].role == "assistant":  # count_tokens samples nothing: it counts it
+            raise HTTPError(400, f"messages.{last}: a final assistant message (a prefill) is not supported: "
+                            "the reply would start a new turn, not continue it", param=f"messages.{last}")
         fields.update(max_tokens=body.max_tokens, stop=body.stop_sequences or None,
                       temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stream=body.stream)
     return Conversation(internal_request(fields), ignored)

@@ -278,6 +278,12 @@ class Proxy:
                  logprobs: int, session: Session | None = None, call_id: str = "") -> list[GenerateRequest]:
         if req.n > self.cfg.max_n:
             raise HTTPError(400, f"n: at most {self.cfg.max_n}", param="n")
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in req.stop_token_ids or ()):
+            raise HTTPError(400, f"stop_token_ids: token ids must be in [0, {vocab})", param="stop_token_ids")
+        # A top_k past the vocabulary keeps every token: sent as 0 (off), never a number a
+        # backend's int32 tensors overflow on.
+        top_k = req.top_k if req.top_k is not None and 0 < req.top_k < vocab else 0
         base = req.seed if session is None else session.call_seed(prompt, req.seed, call_id)
         out = []
         for i in range(req.n):
@@ -285,7 +291,7 @@ class Proxy:
             try:
                 params = SamplingParams(
                     temperature=1.0 if req.temperature is None else req.temperature,
-                    top_p=1.0 if req.top_p is None else req.top_p, top_k=max(0, req.top_k or 0),
+                    top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
                     max_new_tokens=max_new, stop=req.stops(),
                     stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=logprobs, seed=seed)
             except PolicyError as e:

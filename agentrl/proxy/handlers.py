@@ -191,9 +191,13 @@ def _check_named_tool(req: ChatRequest) -> None:
                         param="tool_choice")
 
 
-def _check_open(session: Session | None) -> None:
+def _check_open(session: Session | None, sampled: bool = False) -> None:
+    """A closed session records nothing more. ``sampled``: checked again once the call is
+    sampled, since a close may have come while it generated; its tree was written then, and a
+    call recorded after it would reach no reader, though its harness was told it succeeded."""
     if session is not None and session.closed:
-        raise HTTPError(409, f"session {session.session_id!r} is closed")
+        raise HTTPError(409, f"session {session.session_id!r} is closed" + (
+            " (it closed while this call was generating: the call is not recorded)" if sampled else ""))
 
 
 def chat_endpoint(proxy: Proxy, wire: Wire) -> Handler:
@@ -240,6 +244,7 @@ def chat_endpoint(proxy: Proxy, wire: Wire) -> Handler:
                 out.choices.append(replies.Choice(i, res, plan.prompt_ids, text, msg,
                                                   "stop" if short and not called else
                                                   replies.finish_reason(res, called)))
+            _check_open(session, sampled=True)
             if session is not None:
                 timing = {"render_s": t1 - t0, "generate_s": time.perf_counter() - t1, "time": time.time()}
                 try:
@@ -316,6 +321,7 @@ def completions_endpoint(proxy: Proxy) -> Handler:
                 text = cut_at_stop(action_text(proxy.tokenizer, res.token_ids, stops), stops,
                                    req.include_stop_str_in_output)
                 choices.append(replies.Choice(i, res, plan.prompt_ids, text, None, replies.finish_reason(res)))
+            _check_open(session, sampled=True)
             if session is not None:
                 timing = {"render_s": t1 - t0, "generate_s": time.perf_counter() - t1, "time": time.time()}
                 try:

@@ -35,8 +35,10 @@ Accepted and ignored, counted in the session tree's ``meta["ignored"]``:
 is not offered them). Ignored without a count, since they do not change what
 is sampled: ``include``, ``prompt_cache_key``, ``metadata``, ``reasoning``
 settings, ``truncation``, ``user``, ``client_metadata``. Refused with a 400
-naming the field: image, file and audio parts, other item types, and a
-``text.format`` other than text.
+naming the field: image, file and audio parts, other item types, a
+``text.format`` other than text, a ``tool_choice`` that names a tool not
+offered, and ``conversation`` and ``prompt`` (stored state the proxy does
+not keep, which would come before the input).
 
 Reply: ``output`` holds a ``message`` item (``output_text``; the text outside
 tool calls), then one ``function_call`` or ``custom_tool_call`` item per
@@ -63,7 +65,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agentrl.httputil import HTTPError
 
@@ -144,6 +146,18 @@ class ResponsesRequest(BaseModel):
     stream: bool = Field(False, description="Answer as server-sent events.")
     text: dict[str, Any] | None = Field(None, description="Only {format: {type: text}}.")
     metadata: dict[str, Any] | None = Field(None, description="Echoed back.")
+    conversation: str | dict[str, Any] | None = Field(
+        None, description="Not supported: the proxy keeps no conversations (previous_response_id does).")
+    prompt: dict[str, Any] | None = Field(None, description="Not supported: the proxy keeps no prompt templates.")
+
+    @field_validator("conversation", "prompt")
+    @classmethod
+    def _kept_elsewhere(cls, v: Any) -> Any:
+        # OpenAI puts what they name before the input: dropped, the model would answer without it
+        if v:
+            raise ValueError("not supported: the proxy keeps no stored conversations or prompts; send the "
+                             "items in input (or continue with previous_response_id)")
+        return v
 
 
 def _text(content: str | list[Part] | None, where: str) -> str:
@@ -275,7 +289,7 @@ def conversation(body: ResponsesRequest, previous: list[dict[str, Any]]) -> Conv
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
     chat = internal_request({
         "model": body.model, "messages": messages, "tools": tools or None,
-        "tool_choice": choice if tools else None,
+        "tool_choice": choice if tools or isinstance(choice, dict) else None,  # a named tool must be offered: checked
         "parallel_tool_calls": body.parallel_tool_calls, "max_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream})
     return Conversation(chat, ignored, state)

@@ -92,6 +92,18 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCallIn] | None = Field(None, description="Calls an assistant made.")
     tool_call_id: str | None = Field(None, description="role=tool: the call answered.")
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v: Any) -> Any:
+        # Checked before the union, whose error would be its str branch's ("content.str: ...").
+        if isinstance(v, list):
+            for j, p in enumerate(v):
+                kind = p.get("type") if isinstance(p, dict) else getattr(p, "type", None)
+                if kind != "text":
+                    raise ValueError(f"part {j} is of type {kind!r}: only text parts are supported (no images, "
+                                     "audio or files: the policy reads text)")
+        return v
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
@@ -135,7 +147,8 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(None, ge=1, description="Tokens to sample at most.")
     stop: str | list[str] | None = Field(None, description="Strings that end the choice.")
     stop_token_ids: list[int] | None = Field(None, description="Token ids that end the choice.")
-    seed: int | None = Field(None, description="Seed of the request's random stream.")
+    # 64 bits, as OpenAI's: a larger seed overflowed hf's generator, failing its whole batch
+    seed: int | None = Field(None, ge=-(2 ** 63), le=2 ** 63 - 1, description="Seed of the request's random stream.")
     stream: bool = Field(False, description="Answer as server-sent events.")
     stream_options: dict[str, Any] | None = Field(None, description="{include_usage: bool}.")
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string in the text.")
