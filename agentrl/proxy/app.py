@@ -32,10 +32,11 @@ Errors use OpenAI's ``{"error": {message, type, param, code}}`` body (on the
 Anthropic routes, Anthropic's ``{"type": "error", "error": {type, message}}``): 400 for
 invalid JSON or schema (``param`` names the field; see ``agentrl.httputil``
 for JSON nested too deeply and lone surrogates) and for a prompt over the
-context budget, 401/403 for credentials, 404 for an unknown session, 409 for
-a closed one, 413 for a body over ``max_request_bytes``, 500 for a close
-whose tree could not be written to ``out`` (the session stays open; close it
-again), 503 with ``Retry-After`` when the backend fails or too many requests
+context budget, 401/403 for credentials, 404 for an unknown session (or a
+route the proxy lacks; 405 for a method), 409 for a closed one (also for a
+call that was generating when its session closed: it is not recorded), 413
+for a body over ``max_request_bytes``, 500 for a close whose tree could not
+be written to ``out`` (the session stays open; close it again), 503 with ``Retry-After`` when the backend fails or too many requests
 are in flight, 504 for a generation over ``generate_timeout_s``. Every
 response carries ``X-Policy-Version``.
 
@@ -371,8 +372,9 @@ def _guarded(handler: Callable[[Request], Awaitable[Response]],
 
 
 def _errors_for(path: str) -> ErrorShape:
-    """The error shape of the protocol a path belongs to (for the gate's 413 and 503)."""
-    return ANTHROPIC_ERRORS if path.endswith(("/v1/messages", "/v1/messages/count_tokens")) else OPENAI_ERRORS
+    """The error shape of the protocol a path belongs to (for the gate's 413 and 503, and routes
+    the proxy does not have)."""
+    return ANTHROPIC_ERRORS if "/v1/messages" in path else OPENAI_ERRORS
 
 
 class _Gate:
@@ -429,7 +431,19 @@ def create_app(policy: Any, config: ProxyConfig | None = None) -> Any:
         return JSONResponse({"ok": True, "sessions": len(proxy.sessions), "version": policy.version})
 
     routes.append(Route("/health", health, methods=["GET"]))
-    return _Gate(Starlette(routes=routes), proxy)
+
+    async def no_route(request: Request, exc: Exception) -> Response:
+        # A route or method the proxy lacks (embeddings, batches, GET /v1/responses/{id}): answered
+        # in its protocol's error shape, as every other refusal, not as starlette's plain text.
+        status = getattr(exc, "status_code", 404)
+        what = "no such route" if status == 404 else "method not allowed"
+        message = f"{what}: {request.method} {request.url.path}"
+        if _errors_for(request.url.path) is ANTHROPIC_ERRORS:
+            return ANTHROPIC_ERRORS.response(HTTPError(status, message))
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                       "code": None}}, status)  # as OpenAI's own 404 and 405
+
+    return _Gate(Starlette(routes=routes, exception_handlers={404: no_route, 405: no_route}), proxy)
 
 
 # -- running it -------------------------------------------------------------------------------

@@ -189,3 +189,19 @@ def test_a_call_in_flight_when_its_session_closes_is_refused_not_recorded_after_
     written = [json.loads(line) for line in out.read_text().splitlines()]
     assert closed["meta"]["calls"] == again["meta"]["calls"] == written[0]["meta"]["calls"] == 0
     assert again["nodes"] == written[0]["nodes"] == []
+
+
+# -- routes the proxy does not have ------------------------------------------------------------
+@pytest.mark.parametrize(("method", "path", "status"), [
+    ("GET", "/v1/chat/completions", 405), ("POST", "/v1/embeddings", 404), ("GET", "/v1/responses/resp_1", 404),
+    ("GET", "/v1/messages", 405), ("POST", "/v1/messages/batches", 404), ("POST", "/sessions/s/v1/audio", 404)])
+def test_a_route_or_method_the_proxy_lacks_is_answered_in_its_protocols_error_shape(client, method, path, status):
+    # was starlette's text/plain "Not Found" / "Method Not Allowed"
+    r = client.request(method, path)
+    assert r.status_code == status and r.headers["content-type"] == "application/json", r.text
+    body = r.json()
+    if "/v1/messages" in path:
+        assert body["type"] == "error" and body["error"]["type"] in ("not_found_error", "api_error"), body
+        assert path in body["error"]["message"]
+    else:
+        assert path in body["error"]["message"] and body["error"]["type"] == "invalid_request_error", body
