@@ -46,7 +46,8 @@ from pydantic import BaseModel, ValidationError
 from .errors import ConfigError
 
 __all__ = ["BodyTooLarge", "HTTPError", "call_with_body_limit", "declared_too_large", "listen_socket",
-           "lone_surrogate_field", "non_finite_field", "read_json"]
+           "lone_surrogate_field", "non_finite_field", "read_json",
+           "validation_problem"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -205,12 +206,35 @@ async def read_json(request: Any, model: type[M], limit: int, optional: bool = F
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        reason = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        field, reason = validation_problem(e)
         raise HTTPError(400, f"{field or 'body'}: {reason}", param=field or None) from None
     except RecursionError:
         raise HTTPError(400, "body: nested too deeply to validate") from None
+
+
+_TYPE_TAG = re.compile(r"[A-Z]|.*[\[(-]|(str|int|float|bool|bytes|dict|list|none|null)$")
+
+
+def validation_problem(e: ValidationError) -> tuple[str, str]:
+    """``(field, reason)`` of pydantic's refusal, for a client to act on.
+
+    A field that takes one of several shapes (``content``: a string or a list of parts) fails
+    once per shape, and pydantic lists the string's failure first: a bad part read
+    ``content.str: Input should be a valid string``. The deepest failure is where the client's
+    own shape went wrong; failures at one depth are alternatives, joined with "or". The
+    shapes' names (``str``, ``list[Part]``, a model's name) leave the path.
+    """
+    errors = e.errors()
+
+    def path(err: Any) -> tuple[Any, ...]:
+        return tuple(p for p in err["loc"] if not (isinstance(p, str) and _TYPE_TAG.match(p)))
+
+    deepest = max(len(path(err)) for err in errors)
+    at = [err for err in errors if len(path(err)) == deepest]
+    where = path(at[0])
+    reasons = [("unknown field" if err["type"] == "extra_forbidden" else err["msg"])
+               for err in at if path(err) == where]
+    return ".".join(str(p) for p in where), " or ".join(dict.fromkeys(reasons))
 
 
 def listen_socket(host: str = "127.0.0.1", port: int = 0, listen: bool = True) -> socket.socket:

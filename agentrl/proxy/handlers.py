@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from agentrl.chat import render_ids
-from agentrl.httputil import HTTPError, read_json
+from agentrl.httputil import HTTPError, read_json, validation_problem
 from agentrl.policy.base import GenerateResult, action_text
 
 from . import replies
@@ -98,9 +98,8 @@ def internal_request(fields: dict[str, Any]) -> ChatRequest:
     try:
         return ChatRequest.model_validate(fields)
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise HTTPError(400, f"the request translates to no valid conversation: {where}: {err['msg']}",
+        where, reason = validation_problem(e)
+        raise HTTPError(400, f"the request translates to no valid conversation: {where}: {reason}",
                         param=where or None) from None
 
 

@@ -205,3 +205,21 @@ def test_a_route_or_method_the_proxy_lacks_is_answered_in_its_protocols_error_sh
         assert path in body["error"]["message"]
     else:
         assert path in body["error"]["message"] and body["error"]["type"] == "invalid_request_error", body
+
+
+# -- where a field takes several shapes, the error names the client's --------------------
+def test_a_bad_value_inside_a_list_is_named_where_it_is_not_as_the_string_it_might_have_been(client):
+    # pydantic tries a string first: a part with a numeric text read "content.str: Input should
+    # be a valid string", a function call's object arguments "input.str: ..."
+    part = [{"role": "user", "content": [{"type": "text", "text": 5}]}]
+    msg = _openai_error(client.post("/v1/chat/completions", json={**CHAT, "messages": part}),
+                        "messages.0.content.0.text")
+    assert ".str" not in msg and "list[" not in msg
+    call = [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": {"a": 1}}]
+    _openai_error(client.post("/v1/responses", json={**RESPONSES, "input": call}), "input.0.arguments")
+    msg = _anthropic_error(client.post("/v1/messages", json={**MESSAGES, "messages": part}),
+                           "messages.0.content.0.text")
+    assert ".str" not in msg
+    # failures at one depth are the shapes it might have had, all named
+    msg = _openai_error(client.post("/v1/chat/completions", json={**CHAT, "stop": 5}), "stop")
+    assert "valid string or" in msg and "valid list" in msg
