@@ -68,31 +68,54 @@ def output_lock(out: Path, key: str = "train.output.dir") -> Iterator[None]:
                 out.rmdir()
 
 
+def _open(path: Path, out: Path, key: str) -> int:
+    try:
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError:  # another user's lock file: flock needs only a read descriptor
+            return os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise ConfigError(f"{key}={out}: cannot open its {LOCK_FILE}: {e.strerror or e}") from None
+
+
+def _still_there(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file ``fd`` locked: a run that made the folder and failed
+    unlinks its lock file while it holds it, and a lock on that unlinked file guards nothing."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
+
+
 def _locked(out: Path, key: str, made: bool) -> Iterator[None]:
     if fcntl is None:
         yield
         return
     path = out / LOCK_FILE
-    try:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except PermissionError:  # another user's lock file: flock needs only a read descriptor
-            fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        raise ConfigError(f"{key}={out}: cannot open its {LOCK_FILE}: {e.strerror or e}") from None
+    fd = _open(path, out, key)
     try:
         locked = True
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process"
-            raise ConfigError(f"{key}={out} is in use by another run ({holder}): wait for it to end, "
-                              f"or give this run another {key}") from None
-        except OSError as e:  # ENOSYS, ENOLCK, EOPNOTSUPP, EINVAL: this filesystem does not lock
-            locked = False
-            warnings.warn(f"{key}={out}: this filesystem does not lock files "
-                          f"({errno.errorcode.get(e.errno, e.errno)}): nothing stops a second run from "
-                          "writing into this folder", RuntimeWarning, stacklevel=4)
+        for _ in range(100):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process"
+                raise ConfigError(f"{key}={out} is in use by another run ({holder}): wait for it to end, "
+                                  f"or give this run another {key}") from None
+            except OSError as e:  # ENOSYS, ENOLCK, EOPNOTSUPP, EINVAL: this filesystem does not lock
+                locked = False
+                warnings.warn(f"{key}={out}: this filesystem does not lock files "
+                              f"({errno.errorcode.get(e.errno, e.errno)}): nothing stops a second run from "
+                              "writing into this folder", RuntimeWarning, stacklevel=4)
+                break
+            if _still_there(fd, path):
+                break
+            os.close(fd)  # locked a file its holder unlinked on the way out: lock the one there now
+            with contextlib.suppress(OSError):  # it may have removed the folder it made, too
+                out.mkdir(parents=True, exist_ok=True)  # (where it cannot be made, opening says why)
+            fd = _open(path, out, key)
+        else:
+            raise ConfigError(f"{key}={out}: its {LOCK_FILE} kept being replaced while this run locked it")
         if locked:
             with contextlib.suppress(OSError):  # who holds it, for the next run's message only
                 os.ftruncate(fd, 0)

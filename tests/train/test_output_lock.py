@@ -126,3 +126,33 @@ def test_a_run_that_fails_before_writing_leaves_no_folder_and_a_used_folder_stay
     with output_lock(kept):
         pass
     assert kept.is_dir()  # a folder the user made stays, even empty
+
+
+def test_a_lock_won_on_a_file_its_last_holder_unlinked_is_taken_again_on_the_file_there_now(tmp_path, monkeypatch):
+    """A run that made the folder and failed unlinks its lock file while it holds it. A run that
+    opened that file just before then locks a file no one else can open: a third run would lock
+    the new one, and both would write into the folder. The lock is checked to be the path's."""
+    import fcntl
+
+    import agentrl.train.output_lock as lock
+
+    out = tmp_path / "run"
+    real, calls = fcntl.flock, []
+
+    def flock_then_the_holder_leaves(fd, op):
+        real(fd, op)
+        calls.append(op)
+        if len(calls) == 1:  # the earlier holder's way out: unlink, and remove the folder it made
+            (out / LOCK_FILE).unlink()
+            out.rmdir()
+
+    monkeypatch.setattr(lock.fcntl, "flock", flock_then_the_holder_leaves)
+    with output_lock(out):
+        monkeypatch.setattr(lock.fcntl, "flock", real)
+        assert len(calls) == 2  # locked twice: the unlinked file, then the one there now
+        fd = os.open(out / LOCK_FILE, os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):  # a third run cannot lock the path
+                real(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
