@@ -61,9 +61,9 @@ def rollout(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from .config import load_config
-    from .env import resolve_env_id
+    from .env import check_env_kwargs, resolve_env_id
     from .policy.for_run import open_policy, settle_for_command
-    from .rollout import run_episodes, summarize, write_run
+    from .rollout import make_out_dir, run_episodes, summarize, write_run
     from .rollout.allocators import ALLOCATORS
 
     flags = {"env.id": env, "policy.model": model, "policy.backend": backend,
@@ -75,6 +75,8 @@ def rollout(
     try:
         cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too
         cfg.env.id = resolve_env_id(cfg.env.id, cfg.env.imports)
+        check_env_kwargs(cfg.env.id, cfg.env.kwargs, imports=cfg.env.imports)  # else every episode fails
+        make_out_dir(cfg.rollout.out_dir, "rollout.out_dir")  # before the episodes, not after them
         console.print(settle_for_command(cfg))
         r = cfg.rollout
         total = r.budget if r.budget and r.budget_unit == "leaves" else None

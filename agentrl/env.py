@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import difflib
 import importlib
+import inspect
 import threading
 from importlib.metadata import entry_points
 from typing import Any
@@ -45,6 +46,8 @@ __all__ = [
     "NAMESPACE",
     "TextEnv",
     "TextSpace",
+    "check_env_kwargs",
+    "env_creator",
     "import_env_modules",
     "list_envs",
     "make_env",
@@ -213,6 +216,34 @@ def resolve_env_id(env_id: str, imports: list[str] | tuple[str, ...] = ()) -> st
     close = difflib.get_close_matches(name, list(short) + list(bare), n=1, cutoff=0.4)
     hint = f" Did you mean {short.get(close[0], bare.get(close[0]))!r}?" if close else ""
     raise EnvError(f"unknown env {env_id!r}.{hint} Registered envs: {', '.join(known)}. {_HOW_TO_ADD}")
+
+
+def env_creator(env_id: str, imports: list[str] | tuple[str, ...] = ()) -> Any:
+    """The callable gymnasium builds ``env_id`` with (a class, usually)."""
+    from gymnasium.envs.registration import load_env_creator
+
+    spec = gym.spec(resolve_env_id(env_id, imports))
+    return load_env_creator(spec.entry_point) if isinstance(spec.entry_point, str) else spec.entry_point
+
+
+def check_env_kwargs(env_id: str, kwargs: dict[str, Any], key: str = "env.kwargs",
+                     imports: list[str] | tuple[str, ...] = ()) -> None:
+    """Raise ``ConfigError`` naming ``key`` where ``kwargs`` pass a keyword ``env_id``'s constructor
+    does not take (one that takes ``**kwargs`` accepts any): checked before a run starts, since
+    every episode would fail making its env, each recorded as a failure of its own."""
+    from .errors import ConfigError
+
+    if not kwargs:
+        return
+    try:
+        params = inspect.signature(env_creator(env_id, imports)).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to read
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    if bad := sorted(set(kwargs) - set(params)):
+        raise ConfigError(f"{key}: {env_id} takes no keyword {', '.join(map(repr, bad))}; "
+                          f"it takes {', '.join(k for k in params if k != 'self')}")
 
 
 def make_env(env_id: str, **kwargs: Any) -> gym.Env:

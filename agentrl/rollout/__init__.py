@@ -24,7 +24,7 @@ from .allocators import (
 )
 from .engine import Engine, collect, run_episodes
 from .episodes import COUNTERS
-from .summary import episode_success, summarize, write_run
+from .summary import episode_success, make_out_dir, summarize, write_run
 from .tree import BranchPoint, format_tree, split_node
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "episode_success",
     "format_tree",
     "make_allocator",
+    "make_out_dir",
     "prefix_groups",
     "rollout_allocator",
     "run_episodes",

@@ -9,10 +9,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
 from ..types import Episode, Node, RolloutTree, write_trees
 from .episodes import COUNTERS
 
-__all__ = ["episode_success", "invalid_action_frac", "summarize", "write_run"]
+__all__ = ["episode_success", "invalid_action_frac", "make_out_dir", "summarize", "write_run"]
 
 
 def episode_success(tree_or_episode: RolloutTree | Episode) -> bool:
@@ -73,6 +74,19 @@ def _unique_nodes(tree: RolloutTree) -> list[Node]:
         siblings = tree.roots if n.parent is None else tree.nodes[n.parent].children
         first = next(s for s in siblings if tree.nodes[s].context_ids == n.context_ids)
         out.append(n if first == n.id else Node(action_ids=n.action_ids))
+    return out
+
+
+def make_out_dir(out_dir: str | Path, key: str) -> Path:
+    """Make ``out_dir`` before a run, or raise ``ConfigError`` naming ``key``: a folder that
+    cannot be made (a file there, no permission) otherwise fails the run after its episodes."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{key}={out} is a file, not a folder: give the run a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file on the path, no permission, a read-only filesystem
+        raise ConfigError(f"{key}={out}: cannot make the folder: {e.strerror or e}") from None
     return out
 
 

@@ -111,20 +111,11 @@ def check_levels(env_id: str, imports: list[str], levels: dict[str, list[Level]]
     """Raise ``ConfigError`` naming ``<key>.<i>.env_kwargs`` where a level passes a keyword the
     env's constructor does not take (one that takes ``**kwargs`` accepts any). ``levels`` maps a
     config key (``train.curriculum``, ``sft.levels``) to its levels."""
-    if not any(levels.values()):
-        return
-    creator = _env_creator(env_id, imports)
-    try:
-        params = inspect.signature(creator).parameters
-    except (TypeError, ValueError):  # a builtin or C callable: nothing to read
-        return
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
+    from ..env import check_env_kwargs
+
     for key, items in levels.items():
         for i, level in enumerate(items):
-            if bad := sorted(set(level.env_kwargs) - set(params)):
-                raise ConfigError(f"{key}.{i}.env_kwargs: {env_id} takes no keyword {', '.join(map(repr, bad))}; "
-                                  f"it takes {', '.join(k for k in params if k != 'self')}")
+            check_env_kwargs(env_id, level.env_kwargs, f"{key}.{i}.env_kwargs", imports)
 
 
 def check_held_out(base: dict[str, Any], held_out: dict[str, Any], levels: dict[str, list[Level]],
@@ -139,7 +130,9 @@ def check_held_out(base: dict[str, Any], held_out: dict[str, Any], levels: dict[
         return
     default, aliases = None, {}
     if env_id is not None:
-        creator = _env_creator(env_id, imports or [])
+        from ..env import env_creator
+
+        creator = env_creator(env_id, imports or [])
         aliases = dict(getattr(creator, "split_aliases", None) or {})
         with contextlib.suppress(TypeError, ValueError):
             param = inspect.signature(creator).parameters.get("split")
@@ -160,14 +153,3 @@ def check_held_out(base: dict[str, Any], held_out: dict[str, Any], levels: dict[
         for i, level in enumerate(items):
             if canonical({**base, **level.env_kwargs}.get("split", default)) == split:
                 raise ConfigError(f"{key}.{i}.env_kwargs.split: {why}")
-
-
-def _env_creator(env_id: str, imports: list[str]) -> Any:
-    """The callable gymnasium builds ``env_id`` with (a class, usually)."""
-    import gymnasium as gym
-    from gymnasium.envs.registration import load_env_creator
-
-    from ..env import resolve_env_id
-
-    spec = gym.spec(resolve_env_id(env_id, imports))
-    return load_env_creator(spec.entry_point) if isinstance(spec.entry_point, str) else spec.entry_point
