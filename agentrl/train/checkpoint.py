@@ -39,6 +39,7 @@ __all__ = [
     "Checkpoint",
     "capture_rng",
     "checkpoint_dirs",
+    "config_changes",
     "latest_checkpoint",
     "load_checkpoint",
     "load_trainable",
@@ -161,6 +162,18 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     rng = torch.load(p / "rng.pt", weights_only=False)
     return Checkpoint(p, int(state["step"]), load_file(str(p / "trainable.safetensors")),
                       opt["optimizer"], opt["scheduler"], rng, state)
+
+
+def config_changes(was: dict[str, Any], now: dict[str, Any], prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """``{key.path: (was, now)}`` of each leaf of two dumped configs that differs (a list is a leaf)."""
+    out: dict[str, tuple[Any, Any]] = {}
+    for k in sorted(set(was) | set(now)):
+        a, b = was.get(k), now.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.update(config_changes(a, b, f"{prefix}{k}."))
+        elif a != b:
+            out[f"{prefix}{k}"] = (a, b)
+    return out
 
 
 def load_trainable(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:

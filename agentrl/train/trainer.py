@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from ..env import check_env_kwargs
 from ..errors import ConfigError
 from ..evaluation import evaluate_held_out, held_out_seeds
 from ..heap import give_back_freed_memory
@@ -40,6 +41,7 @@ from ..precision import sampler_precision
 from ..types import RolloutTree
 from .asynchronous import RolloutProducer
 from .checkpoint import (
+    config_changes,
     latest_checkpoint,
     load_checkpoint,
     load_trainable,
@@ -153,6 +155,8 @@ class Trainer:
             cfg.rollout.record_next_context = True
         cfg = _pinned_models(cfg)
         levels = {"train.curriculum": t.curriculum, "sft.levels": cfg.sft.levels}
+        for key, kwargs in (("env.kwargs", cfg.env.kwargs), ("train.evaluation.env_kwargs", t.evaluation.env_kwargs)):
+            check_env_kwargs(cfg.env.id, kwargs, key, cfg.env.imports)  # else every episode fails making its env
         check_levels(cfg.env.id, cfg.env.imports, levels)
         check_held_out(cfg.env.kwargs, t.evaluation.env_kwargs, levels, cfg.env.id, cfg.env.imports)
         with contextlib.suppress(RuntimeError):  # an unknown device: loading the policy says so
@@ -242,7 +246,20 @@ class Trainer:
             self.console.print(f"[yellow]warning:[/] resume: the checkpoint's run started from policy.model={was}; "
                                f"this run loaded {self.cfg.policy.model}, and the weights the checkpoint does "
                                "not hold (all but the trained ones) are that model's", highlight=False)
-        load_trainable(lr.model, ck.trainable)
+        changed = config_changes(ck.state.get("config") or {}, self.cfg.model_dump(mode="json"))
+        said = ("policy.model", "train.optimizer.lr")  # each said on its own, with what it means
+        if told := [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items() if k not in said]:
+            self.console.print(f"resume: this run's config differs from the checkpoint's: {'; '.join(told)}",
+                               highlight=False)
+        try:
+            load_trainable(lr.model, ck.trainable)
+        except ValueError as e:  # another trainable setting: name the key, not the tensors
+            shaped = [k for k in changed if k in ("train.trainable", "train.top_k_layers")
+                      or k.startswith("train.lora.")]
+            key = (f"{shaped[0]}: the checkpoint trained {changed[shaped[0]][0]!r}, this run "
+                   f"{changed[shaped[0]][1]!r}" if shaped else f"resume from {path}")
+            raise ConfigError(f"{key}; {e}: resume with the checkpoint's settings, or start over with "
+                              "--overwrite") from None
         if ck.optimizer is not None:
             lr.optimizer.load_state_dict(ck.optimizer)
         if ck.scheduler is not None:
@@ -317,7 +334,7 @@ class Trainer:
     def run(self, sft: Callable[[Learner, StartBar], dict[str, Any]] | None = None) -> dict[str, Any]:
         """Train to ``train.steps``; ``sft`` (the warm start) runs first unless already done."""
         t = self.cfg.train
-        resumed = bool(self.step or self.phases)
+        resumed = bool(self.step or self.phases or self.sft_done)  # evaluation off records no phase
         log = MetricsLogger(self.out, tensorboard=t.output.tensorboard,
                             resume_step=self.step if resumed else -1)
         mem = PeakMemory()  # each logged row carries its phase's (or step's) peak memory
@@ -328,7 +345,7 @@ class Trainer:
 
         try:
             with ProgressBars(self.console, self.progress) as bars:
-                if "start" not in self.phases and t.evaluation.start:
+                if not resumed and t.evaluation.start:  # a resumed model is no longer the base model
                     phase()
                     ev = self._eval("start", bars)
                     self._phase("start", ev)
