@@ -426,6 +426,36 @@ def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
     cur[keys[-1]] = value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping: YAML keeps the last,
+    and a second ``train:`` section silently replaced the whole first one."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *anchor``: keys given here override it
+            continue
+        key, line = loader.construct_object(key_node, deep=deep), key_node.start_mark.line
+        try:
+            first = seen.get(key)
+        except TypeError:  # an unhashable key: construct_mapping says so
+            continue
+        if first is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{key!r} given twice (lines {first + 1} and {line + 1})", key_node.start_mark)
+        seen[key] = line
+    return loader.construct_mapping(node, deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def _load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` of a config's text, refusing a key given twice in one mapping."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``key.path=value`` strings; values are parsed as YAML (``1``, ``true``, ``[a]``)."""
     for item in overrides:
@@ -433,7 +463,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"override {item!r} must look like key.path=value")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw else ""
+            value = _load_yaml(raw) if raw else ""
         except yaml.YAMLError:
             value = raw
         _set_path(data, key.strip(), value)
@@ -529,7 +559,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            loaded = yaml.safe_load(Path(path).read_text())
+            loaded = _load_yaml(Path(path).read_text())
         except (OSError, yaml.YAMLError) as e:
             raise ConfigError(f"cannot read config {path}: {e}") from e
         if loaded is not None and not isinstance(loaded, dict):

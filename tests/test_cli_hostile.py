@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import typer
 from typer.testing import CliRunner
@@ -58,3 +60,32 @@ def test_an_output_folder_that_cannot_be_made_is_an_error_before_the_episodes(tm
     assert f"error:{key}={out}" in _text(res)
     assert "loading model" not in res.output  # refused before the policy loads
     assert afile.read_text() == "keep me"
+
+
+@pytest.mark.parametrize(("text", "where"), [
+    ("train:\n  steps: 0\ntrain:\n  tasks_per_step: 3\n", "'train' given twice (lines 1 and 3)"),
+    ("train:\n  steps: 0\n  steps: 5\n", "'steps' given twice (lines 2 and 3)"),
+    ("env: {id: a, id: b}\n", "'id' given twice (lines 1 and 1)")])
+def test_a_config_key_given_twice_is_an_error(tmp_path, text, where):
+    """YAML keeps the last: a second ``train:`` section replaced the whole first one, and the
+    run trained 20 steps where the file said 0."""
+    from agentrl.config import load_config
+    from agentrl.errors import ConfigError
+    from agentrl.train.config import TrainRunConfig
+
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(where)):
+        load_config(path, schema=TrainRunConfig)
+    res = runner.invoke(main_app, ["rollout", "--config", str(path), *MOCK, "--out", str(tmp_path / "run")])
+    assert res.exit_code == 2 and where.replace(" ", "") in _text(res), res.output
+
+
+def test_a_key_that_overrides_a_yaml_merge_is_not_given_twice(tmp_path):
+    from agentrl.config import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("sampling: &s {temperature: 0.5, max_new_tokens: 4}\nrollout:\n  episodes: 1\n"
+                    "x-other: {<<: *s, temperature: 0.7}\n")
+    cfg = load_config(path, ignore=("x-other",))
+    assert cfg.sampling.temperature == 0.5 and cfg._ignored["x-other"] == {"temperature": 0.7, "max_new_tokens": 4}
