@@ -220,7 +220,8 @@ class RolloutConfig(_Strict):
         "scores under the same mask, so log-probs, entropies and KL are of the constrained "
         "distribution. Turns without a list (or an empty one) sample freely; sampling.stop applies "
         "to those only (it could only cut an action). Needs policy.backend hf or vllm.")
-    out_dir: str = Field("runs/rollout", description="Where trajectories and the summary go.")
+    out_dir: str = Field("runs/rollout", min_length=1,  # "" is the working directory: an unset variable
+                         description="Where trajectories and the summary go.")
     template_check_every: int = Field(
         8, ge=0, description="Compare the context with a full template re-render on the first two "
         "observations and every N-th after (1: every turn; 0: never); the check grows with the episode.")

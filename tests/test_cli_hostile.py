@@ -11,11 +11,13 @@ from typer.testing import CliRunner
 
 from agentrl.cli import app as main_app
 from agentrl.eval_cli import register
+from agentrl.train.cli import register as register_train
 
 runner = CliRunner()
 app = typer.Typer()
 app.registered_commands += main_app.registered_commands
 register(app)
+register_train(app)
 MOCK = ["--backend", "mock", "--set", "policy.mock_responses=['16']", "--no-progress"]
 
 
@@ -89,3 +91,17 @@ def test_a_key_that_overrides_a_yaml_merge_is_not_given_twice(tmp_path):
                     "x-other: {<<: *s, temperature: 0.7}\n")
     cfg = load_config(path, ignore=("x-other",))
     assert cfg.sampling.temperature == 0.5 and cfg._ignored["x-other"] == {"temperature": 0.7, "max_new_tokens": 4}
+
+
+@pytest.mark.parametrize(("command", "key"), [
+    (["rollout", "--env", "agentrl/GuessNumber-v0", "--episodes", "1"], "rollout.out_dir"),
+    (["eval", "--env", "agentrl/GuessNumber-v0", "--episodes", "1"], "--out"),
+    (["train", "--steps", "1", "--set", "policy.model=tiny-random", "--no-progress"], "train.output.dir")])
+def test_an_empty_output_folder_is_an_error_not_the_working_directory(tmp_path, monkeypatch, command, key):
+    """``--out ""`` (an unset shell variable) wrote the run into the working directory, where
+    ``train --overwrite`` removes checkpoints/, tensorboard/ and trees/."""
+    monkeypatch.chdir(tmp_path)
+    res = runner.invoke(app, [*command, *(MOCK if command[0] != "train" else []), "--out", ""])
+    assert res.exit_code == 2, (res.output, res.exception)
+    assert key in _text(res) and "error:" in res.output
+    assert list(tmp_path.iterdir()) == []

@@ -80,6 +80,8 @@ def _unique_nodes(tree: RolloutTree) -> list[Node]:
 def make_out_dir(out_dir: str | Path, key: str) -> Path:
     """Make ``out_dir`` before a run, or raise ``ConfigError`` naming ``key``: a folder that
     cannot be made (a file there, no permission) otherwise fails the run after its episodes."""
+    if not str(out_dir):  # Path("") is the working directory: an unset shell variable, most likely
+        raise ConfigError(f"{key} is empty: give the run a folder")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{key}={out} is a file, not a folder: give the run a folder")

@@ -108,7 +108,8 @@ class CheckpointingConfig(_Strict):
 class OutputConfig(_Strict):
     """Where a run writes, and what besides its checkpoints (``train.output``)."""
 
-    dir: str = Field("runs/train", description="Metrics, checkpoints and the learning curve. "
+    dir: str = Field("runs/train", min_length=1,  # "" is the working directory, where --overwrite removes folders
+                     description="Metrics, checkpoints and the learning curve. "
                      "Was out_dir.")
     tensorboard: bool = Field(True, description="Also write TensorBoard logs, when installed.")
     plot: bool = Field(True, description="Draw learning_curve.png (matplotlib) at the end.")
