@@ -129,6 +129,8 @@ def tree(
     except (OSError, ValueError) as e:
         typer.echo(f"error: cannot read trees from {path}: {e}", err=True)
         raise typer.Exit(code=2) from None
+    if run.skipped:  # a torn line's tree is missing from the indices and steps below
+        typer.echo(f"warning: {run.skipped_note}", err=True)
     picked = [s.index for s in run.summaries if step is None or s.step == step]
     if not picked:
         steps = [s for s in run.steps() if s is not None]

@@ -12,12 +12,14 @@ from typer.testing import CliRunner
 from agentrl.cli import app as main_app
 from agentrl.eval_cli import register
 from agentrl.train.cli import register as register_train
+from agentrl.viewer.cli import register as register_viewer
 
 runner = CliRunner()
 app = typer.Typer()
 app.registered_commands += main_app.registered_commands
 register(app)
 register_train(app)
+register_viewer(app)
 MOCK = ["--backend", "mock", "--set", "policy.mock_responses=['16']", "--no-progress"]
 
 
@@ -105,3 +107,38 @@ def test_an_empty_output_folder_is_an_error_not_the_working_directory(tmp_path, 
     assert res.exit_code == 2, (res.output, res.exception)
     assert key in _text(res) and "error:" in res.output
     assert list(tmp_path.iterdir()) == []
+
+
+def _torn_run(tmp_path):
+    """A rollout run of two trees whose second line was cut short by a kill mid-write."""
+    out = tmp_path / "run"
+    res = runner.invoke(app, ["rollout", "--env", "agentrl/GuessNumber-v0", "--episodes", "2", *MOCK,
+                              "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    lines = (out / "trajectories.jsonl").read_text().splitlines()
+    (out / "trajectories.jsonl").write_text(lines[0] + "\n" + lines[1][:50])
+    return out
+
+
+def test_view_tree_and_report_say_which_lines_of_a_torn_trees_file_they_skipped(tmp_path):
+    """The tree of a torn line was left out silently: 'view' counted 1 tree, 'tree --index 1'
+    said out of range, and report.md read as if the run held one tree."""
+    out = _torn_run(tmp_path)
+    res = runner.invoke(app, ["view", str(out), "--static", str(tmp_path / "v.html"), "--no-tokens"])
+    assert res.exit_code == 0, res.output
+    assert "skipped 1 unreadable line: trajectories.jsonl:2" in res.output
+    res = runner.invoke(app, ["tree", str(out), "--index", "1"])
+    assert res.exit_code == 2 and "skipped 1 unreadable line: trajectories.jsonl:2" in res.output
+    res = runner.invoke(app, ["report", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "skipped 1 unreadable line: trajectories.jsonl:2" in (out / "report" / "report.md").read_text()
+
+
+def test_report_into_a_file_is_an_error_not_a_traceback(tmp_path):
+    out = _torn_run(tmp_path)
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    res = runner.invoke(app, ["report", str(out), "--out", str(afile)])
+    assert res.exit_code == 2, (res.output, res.exception)
+    assert f"error: cannot make the report folder {afile}" in res.output
+    assert afile.read_text() == "keep me"

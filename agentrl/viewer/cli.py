@@ -48,6 +48,8 @@ def view(
         raise typer.Exit(2)
     typer.echo(f"{run}: {len(r)} trees in {len(r.files)} file(s), {len(r.metrics)} metrics rows "
                f"(indexed in {time.perf_counter() - t0:.1f} s)")
+    if r.skipped:  # the page says so too; a tree left out must not pass unnoticed
+        typer.echo(f"warning: {r.skipped_note}", err=True)
 
     def decoder() -> tuple[object, str]:
         return load_decoder(r.config, tokenizer) if tokens else (None, "token ids only (--no-tokens)")
@@ -89,7 +91,7 @@ def report(
         raise typer.Exit(2)
     try:
         path = write_report(list(runs), out)
-    except (FileNotFoundError, NotADirectoryError) as e:
+    except OSError as e:  # no run there, or a report folder that cannot be made
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"wrote {path}")

@@ -361,6 +361,9 @@ def _markdown(runs: list[RunFacts], plots: dict[str, str | None], notes: list[st
           "Written by `agentrl report`; every number comes from the run folder" +
           (" of each run" if len(runs) > 1 else "") + ": `metrics.jsonl`, its trees and its config.", ""]
     md += _table(["", *names], [[k, *(a[i] for a in (_about(f) for f in runs))] for i, k in enumerate(_ABOUT)])
+    for f in runs:
+        if f.run.skipped:
+            md += [f"{f.name}: {f.run.skipped_note} (their trees are left out).", ""]
     md += ["## Learning curves", ""]
     if plots["curves"]:
         md += [f"![learning curves]({plots['curves']})", "",
@@ -441,7 +444,10 @@ def write_report(paths: list[str | Path], out: str | Path | None = None) -> Path
             raise FileNotFoundError(f"{p} holds no trees and no metrics.jsonl: not a run folder")
     base = runs[0].run.root
     folder = Path(out) if out else base / ("report" if len(runs) == 1 else f"report-vs-{Path(paths[1]).name}")
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file there or on the path, no permission
+        raise OSError(f"cannot make the report folder {folder}: {e.strerror or e}") from None
     div, notes = _plot_divergence(runs, folder)
     plots = {"curves": _plot_curves(runs, folder), "families": _plot_families(runs, folder),
              "lengths": _plot_lengths(runs, folder), "budget": _plot_budget(runs, folder), "divergence": div}

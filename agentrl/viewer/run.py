@@ -202,6 +202,14 @@ class Run:
     def __len__(self) -> int:
         return len(self.refs)
 
+    @property
+    def skipped_note(self) -> str:
+        """``skipped N unreadable line(s): file:line, ...`` (a torn last line, from a kill mid-write), or ""."""
+        if not self.skipped:
+            return ""
+        shown = ", ".join(self.skipped[:5]) + (f" and {len(self.skipped) - 5} more" if len(self.skipped) > 5 else "")
+        return f"skipped {len(self.skipped)} unreadable line{'s' if len(self.skipped) > 1 else ''}: {shown}"
+
     def tree(self, index: int) -> RolloutTree:
         """Tree ``index``, parsed from its file now."""
         ref = self.refs[index]
