@@ -142,3 +142,15 @@ def test_report_into_a_file_is_an_error_not_a_traceback(tmp_path):
     assert res.exit_code == 2, (res.output, res.exception)
     assert f"error: cannot make the report folder {afile}" in res.output
     assert afile.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("where", ["file", "under_a_file"])
+def test_view_static_onto_a_path_it_cannot_write_is_an_error_not_a_traceback(tmp_path, where):
+    out = _torn_run(tmp_path)
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    page = afile / "v.html" if where == "under_a_file" else tmp_path
+    res = runner.invoke(app, ["view", str(out), "--static", str(page), "--no-tokens"])
+    assert res.exit_code == 2, (res.output, res.exception)
+    assert f"error: cannot write {page}" in res.output
+    assert afile.read_text() == "keep me"

@@ -41,6 +41,7 @@ from ..precision import sampler_precision
 from ..types import RolloutTree
 from .asynchronous import RolloutProducer
 from .checkpoint import (
+    checkpoint_dirs,
     config_changes,
     latest_checkpoint,
     load_checkpoint,
@@ -240,7 +241,14 @@ class Trainer:
         path = path or latest_checkpoint(self.out)
         if path is None:
             return False
-        ck, lr = load_checkpoint(path), self.learner
+        try:
+            ck, lr = load_checkpoint(path), self.learner
+        except Exception as e:  # a file missing or cut short (saves are atomic: a disk's or a hand's doing)
+            dirs = checkpoint_dirs(self.out)
+            before = dirs[dirs.index(Path(path)) - 1] if Path(path) in dirs[1:] else None
+            hint = (f"remove that folder to resume from the checkpoint before it ({before.name})" if before
+                    else "start over with --overwrite")
+            raise ConfigError(f"cannot resume from {path}: {type(e).__name__}: {e}; {hint}") from None
         was = (ck.state.get("config") or {}).get("policy", {}).get("model")
         if was is not None and was != self.cfg.policy.model:  # weights it did not train come from the new one
             self.console.print(f"[yellow]warning:[/] resume: the checkpoint's run started from policy.model={was}; "

@@ -56,7 +56,11 @@ def view(
 
     if static is not None:
         decode, note = decoder()
-        path = write_static(r, static, decode, note, limit)  # type: ignore[arg-type]
+        try:
+            path = write_static(r, static, decode, note, limit)  # type: ignore[arg-type]
+        except OSError as e:  # a folder there, a file on the path, no permission
+            typer.echo(f"error: cannot write {static}: {e.strerror or e}", err=True)
+            raise typer.Exit(2) from None
         typer.echo(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MB); open it in a browser")
         return
     from .server import ViewerServer

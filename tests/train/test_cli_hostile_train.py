@@ -66,3 +66,19 @@ def test_an_env_keyword_the_env_does_not_take_is_a_config_error_before_the_run(t
     assert res.exit_code == 2, (res.output, res.exception)
     assert f"error: {key}: agentrl/GuessNumber-v0 takes no keyword 'bogus'" in " ".join(res.output.split())
     assert not out.exists()
+
+
+@pytest.mark.parametrize("damage", ["state.json", "trainable.safetensors"])
+def test_a_resume_from_a_damaged_checkpoint_names_it_and_what_to_do(tmp_path, damage):
+    """It was a FileNotFoundError (or safetensors') traceback."""
+    torch.set_num_threads(1)
+    out = tmp_path / "run"
+    train(toy_config(out, "train.steps=2", *QUIET), progress=False)
+    newest = out / "checkpoints" / "step-000002"
+    if damage == "state.json":
+        (newest / damage).unlink()
+    else:
+        (newest / damage).write_bytes((newest / damage).read_bytes()[:100])
+    with pytest.raises(ConfigError, match=r"cannot resume from .*step-000002: .*remove that folder to resume "
+                                          r"from the checkpoint before it \(step-000001\)"):
+        train(toy_config(out, "train.steps=3", *QUIET), resume=True, progress=False)
