@@ -241,7 +241,7 @@ def check_env_kwargs(env_id: str, kwargs: dict[str, Any], key: str = "env.kwargs
         return
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
-    if bad := sorted(set(kwargs) - set(params)):
+    if bad := sorted(set(kwargs) - set(params) - {"max_episode_steps"}):  # gymnasium.make's own (TimeLimit)
         raise ConfigError(f"{key}: {env_id} takes no keyword {', '.join(map(repr, bad))}; "
                           f"it takes {', '.join(k for k in params if k != 'self')}")
 

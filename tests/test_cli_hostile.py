@@ -48,6 +48,11 @@ def test_an_env_that_takes_any_keyword_is_not_refused(tmp_path):
 
     register_env("hostile/Open-v0", Open)
     check_env_kwargs("hostile/Open-v0", {"anything": 1})
+    # gymnasium.make's own keyword (a TimeLimit around the env) is no constructor's, and is taken
+    check_env_kwargs("agentrl/GuessNumber-v0", {"max_episode_steps": 3, "high": 8})
+    from agentrl.env import make_env
+
+    assert make_env("agentrl/GuessNumber-v0", max_episode_steps=3).spec.max_episode_steps == 3
 
 
 @pytest.mark.parametrize(("command", "key"), [
