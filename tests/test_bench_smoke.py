@@ -49,6 +49,17 @@ def test_proxy_overhead_measures_each_protocol_on_sessions_that_stay_one_path(tm
         assert row["min_reused_tokens_from_turn_2"] > 0, name
 
 
+def test_row_layout_times_every_layout_on_one_gradient(tmp_path):
+    result = _run("row_layout.py", tmp_path / "l.json")
+    assert set(result["cases"]) == {"make_run_sft", "uniform_64"}
+    for name, case in result["cases"].items():
+        assert set(case["seconds"]) == {"packed", "padded", "singles", "picked"}, name
+        assert all(v > 0 for v in case["seconds"].values()), name
+        # every layout trains on the same gradient as the packed one (float rounding apart)
+        assert max(case["grad_max_rel_diff_vs_packed"].values()) < 1e-4, name
+        assert sum(case["rows_picked"].values()) >= 1, name
+
+
 def test_prompt_lookup_steps_by_hand():
     sys.path.insert(0, str(BENCH))
     from multiturn_cost import prompt_lookup_steps

@@ -58,7 +58,9 @@ minibatch; the 4D mask is dense, ``N^2`` booleans a row.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +72,7 @@ if TYPE_CHECKING:
     from .batch import Minibatch, Sample
 
 __all__ = [
+    "LAYOUTS",
     "ROW_FIELDS",
     "PackedRow",
     "PrefixTree",
@@ -79,6 +82,7 @@ __all__ = [
     "lay_allowed",
     "collate_packed",
     "episode_rows",
+    "forced_layout",
     "pack_sequences",
     "padding_is_cheaper",
     "prefix_tree",
@@ -346,7 +350,11 @@ def padding_is_cheaper(lengths: list[int], config: Any) -> bool:
     only, in either layout (``logprobs.token_scores``), so it costs the same in
     both and is left out. Measured on SmolLM2-135M, 16 episodes of 78 tokens:
     forward+backward 9.8 s padded, 14.0 s packed (before the head ran on kept
-    tokens only).
+    tokens only). Not taken: one sequence a call (no padding at all), and groups of
+    similar lengths, each padded to its own longest: on make run's SFT rows (8
+    episodes of 240-400 tokens, a fifth of a padded row's tokens padding) neither beat
+    one padded row in fp32, since a call of its own costs about what its padding saves
+    (bench/row_layout.json).
     """
     d = int(getattr(config, "hidden_size", 0) or 0)
     if d == 0 or len(lengths) == 1:
@@ -399,8 +407,33 @@ def _row(samples: list[Sample], row: PackedRow, pad_id: int, device: torch.devic
                tokens=len(row.input_ids), allowed=allowed)
 
 
-def _padded(net: torch.nn.Module, row: PackedRow) -> bool:
-    return padding_is_cheaper([end - start for start, end in row.spans], net.config)
+LAYOUTS = ("packed", "padded", "singles")
+_FORCED: ContextVar[str | None] = ContextVar("agentrl_row_layout", default=None)
+
+
+@contextlib.contextmanager
+def forced_layout(name: str | None) -> Iterator[None]:
+    """Within this block every episode row runs ``name``: ``packed``, ``padded`` (one a row, to
+    the longest) or ``singles`` (a forward and backward each), not what ``padding_is_cheaper``
+    picks; ``None``: the pick. For benches and tests (bench/row_layout.py)."""
+    if name not in (None, *LAYOUTS):
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {name!r}")
+    token = _FORCED.set(name)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def _one_each(row: PackedRow) -> list[PackedRow]:
+    """``row``'s sequences, each in a row of its own."""
+    out = []
+    for (start, end), i in zip(row.spans, row.seq_index, strict=True):
+        one = PackedRow()
+        one.input_ids, one.position_ids = row.input_ids[start:end], list(range(end - start))
+        one.spans, one.seq_index = [(0, end - start)], [i]
+        out.append(one)
+    return out
 
 
 def episode_rows(net: torch.nn.Module, samples: list[Sample], idx: list[int], max_tokens: int, pad_id: int,
@@ -410,15 +443,20 @@ def episode_rows(net: torch.nn.Module, samples: list[Sample], idx: list[int], ma
     Each row's ``share`` is its part of the minibatch's action tokens (``per_token``,
     the token-mean aggregations) or episodes, so that row means add up to the minibatch's.
     """
+    layout = _FORCED.get()
     total = sum(samples[i].n_action for i in idx) if per_token else len(idx)
     packed_rows = pack_sequences([samples[i].input_ids for i in idx], max_tokens)
     for packed in packed_rows:
         packed.seq_index = [idx[j] for j in packed.seq_index]
+    device = next(net.parameters()).device
     for packed in packed_rows:
-        row = _row(samples, packed, pad_id, next(net.parameters()).device, fields, _padded(net, packed))
-        row.share = (int(row.mask.sum()) if per_token else len(packed.spans)) / max(total, 1)
-        row.rate_share = row.share
-        yield row
+        padded = layout != "packed" and (layout is not None or padding_is_cheaper(
+            [end - start for start, end in packed.spans], net.config))
+        for part in _one_each(packed) if layout == "singles" else [packed]:
+            row = _row(samples, part, pad_id, device, fields, padded)
+            row.share = (int(row.mask.sum()) if per_token else len(part.spans)) / max(total, 1)
+            row.rate_share = row.share
+            yield row
 
 
 # --------------------------------------------------------------------------- tree rows

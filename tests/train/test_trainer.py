@@ -357,22 +357,19 @@ def test_padding_is_chosen_only_where_it_costs_fewer_flops():
     assert padding_is_cheaper([300, 300], smol30) and not padding_is_cheaper([1000, 10, 10], smol30)
 
 
-@pytest.mark.parametrize("padded", [True, False])
-def test_padded_and_packed_layouts_score_the_same_logprobs(monkeypatch, padded):
+@pytest.mark.parametrize("layout", ["packed", "padded", "singles"])
+def test_every_row_layout_scores_the_same_logprobs(layout):
     import agentrl.train.batch as batch_mod
-    import agentrl.train.rows as rows_mod
+    from agentrl.train.rows import forced_layout
 
     model, _ = load_model("tiny-random")
     seqs = [[5, 6, 7, 8, 9, 10], [5, 6, 11, 12, 13, 14, 15, 16, 17, 18], [7, 8, 9, 20]]
     masks = [[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 1]]
-
-    def scored(layout: bool) -> list[list[float]]:
-        monkeypatch.setattr(rows_mod, "padding_is_cheaper", lambda lengths, config, heads=None: layout)
-        samples = [Sample(s, m, [0.0] * len(s), [0.0] * len(s), [0] * len(s)) for s, m in zip(seqs, masks, strict=True)]
-        scores, _ = batch_mod.score_samples(model, samples, 64, 0, 1.0)
-        return [sc.logprobs for sc in scores]
-
-    got, alone = scored(padded), []
+    samples = [Sample(s, m, [0.0] * len(s), [0.0] * len(s), [0] * len(s)) for s, m in zip(seqs, masks, strict=True)]
+    with forced_layout(layout):
+        scores, tokens = batch_mod.score_samples(model, samples, 64, 0, 1.0)
+    assert tokens == sum(map(len, seqs))  # the real tokens, whatever the layout pads
+    got, alone = [sc.logprobs for sc in scores], []
     for s, m in zip(seqs, masks, strict=True):  # each sample in a row of its own, no padding, no packing
         from agentrl.train.logprobs import token_logprobs
         with torch.no_grad():
@@ -383,6 +380,9 @@ def test_padded_and_packed_layouts_score_the_same_logprobs(monkeypatch, padded):
         assert any(x != 0 for x in g)  # action tokens were scored
         torch.testing.assert_close(torch.tensor(g), torch.tensor(a) * torch.tensor(m, dtype=torch.float32),
                                    rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        with forced_layout("diagonal"):
+            pass
 
 
 def test_lora_training_raises_held_out_success(tmp_path):
