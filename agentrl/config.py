@@ -427,6 +427,10 @@ def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
     cur[keys[-1]] = value
 
 
+class _DuplicateKey(yaml.constructor.ConstructorError):
+    """A key given twice in one mapping."""
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.safe_load`` that refuses a key given twice in one mapping: YAML keeps the last,
     and a second ``train:`` section silently replaced the whole first one."""
@@ -443,7 +447,7 @@ def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool
         except TypeError:  # an unhashable key: construct_mapping says so
             continue
         if first is not None:
-            raise yaml.constructor.ConstructorError(
+            raise _DuplicateKey(
                 None, None, f"{key!r} given twice (lines {first + 1} and {line + 1})", key_node.start_mark)
         seen[key] = line
     return loader.construct_mapping(node, deep)
@@ -465,6 +469,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key, raw = item.split("=", 1)
         try:
             value = _load_yaml(raw) if raw else ""
+        except _DuplicateKey as e:  # not text to take as it is: the YAML says two things
+            raise ConfigError(f"override {item!r}: {e.problem}") from None
         except yaml.YAMLError:
             value = raw
         _set_path(data, key.strip(), value)

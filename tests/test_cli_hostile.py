@@ -90,6 +90,17 @@ def test_a_config_key_given_twice_is_an_error(tmp_path, text, where):
     assert res.exit_code == 2 and where.replace(" ", "") in _text(res), res.output
 
 
+def test_an_override_whose_value_gives_a_key_twice_is_an_error_naming_it():
+    """It was taken as the raw string, which the schema then refused without saying why."""
+    from agentrl.config import load_config
+    from agentrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape("override 'env.kwargs={high: 8, high: 9}': 'high' given twice")):
+        load_config(None, ["env.kwargs={high: 8, high: 9}"])
+    assert load_config(None, ["env.kwargs={high: 8}"]).env.kwargs == {"high": 8}
+    assert load_config(None, ["env.id=a: b: c"]).env.id == "a: b: c"  # other YAML it cannot read stays text
+
+
 def test_a_key_that_overrides_a_yaml_merge_is_not_given_twice(tmp_path):
     from agentrl.config import load_config
 
