@@ -141,21 +141,23 @@ def fp32_head(model: Any) -> Iterator[None]:
                 del head.forward
 
 
-def command_precision(cfg: Any) -> str:
-    """``bf16`` or ``fp32``: what the hf sampler of ``agentrl eval``, ``rollout`` or ``proxy``
-    computes in for its loaded ``cfg``: fp32 under ``rollout.deterministic`` (the hf backend
-    computes fp32 there), else ``sampler_precision`` with the ``train.precision`` of the training
-    config it was given (``agentrl.config.ignored_section``), or, given none, of the run whose
-    checkpoint ``policy.model`` is (``run_precision``): a run's evaluations and ``agentrl eval``
-    of its checkpoint then score it in one precision."""
+def command_precision(cfg: Any) -> tuple[str, bool]:
+    """``(bf16 or fp32, from its run)``: what the hf sampler of ``agentrl eval``, ``rollout`` or
+    ``proxy`` computes in for its loaded ``cfg``: fp32 under ``rollout.deterministic`` (the hf
+    backend computes fp32 there), else ``sampler_precision`` with the ``train.precision`` of the
+    training config it was given (``agentrl.config.ignored_section``), or, given none, of the run
+    whose checkpoint ``policy.model`` is (``run_precision``; then ``from its run`` is true where
+    ``policy.precision`` is auto): a run's evaluations and ``agentrl eval`` of its checkpoint then
+    score it in one precision."""
     from .config import ignored_section
 
     if cfg.rollout.deterministic:
-        return "fp32"
-    train = ignored_section(cfg, "train").get("precision")
+        return "fp32", False
+    train, recorded = ignored_section(cfg, "train").get("precision"), None
     if not isinstance(train, str):
-        train = run_precision(cfg.policy.model)
-    return sampler_precision(cfg.policy.precision, cfg.policy.device, train)
+        train = recorded = run_precision(cfg.policy.model)
+    followed = recorded is not None and cfg.policy.precision == "auto"
+    return sampler_precision(cfg.policy.precision, cfg.policy.device, train), followed
 
 
 def run_precision(model: str) -> str | None:

@@ -23,10 +23,9 @@ def settle_for_command(cfg: Config) -> str:
     policy will be: the export a run or checkpoint folder means (``exact_model``), the backend
     ``auto`` picks, and for ``hf`` the precision it samples in (``command_precision``: a
     training config's ``train.precision``). Returns the line the command prints about it."""
-    from ..config import ignored_section
     from ..distributed import placement
     from ..models import exact_model
-    from ..precision import command_precision, run_precision
+    from ..precision import command_precision
     from .registry import resolve_backend
 
     cfg.policy.model = exact_model(cfg.policy.model)
@@ -34,9 +33,7 @@ def settle_for_command(cfg: Config) -> str:
     cfg.policy.backend = picked  # type: ignore[assignment]
     sampled_in = ""
     if picked == "hf":
-        followed = (cfg.policy.precision == "auto" and not cfg.rollout.deterministic
-                    and "precision" not in ignored_section(cfg, "train") and run_precision(cfg.policy.model))
-        cfg.policy.precision = command_precision(cfg)  # type: ignore[assignment]
+        cfg.policy.precision, followed = command_precision(cfg)  # type: ignore[assignment]
         sampled_in = f", sampling in [bold]{cfg.policy.precision}[/]" + (" (its run's train.precision)"
                                                                           if followed else "")
     return f"loading model [bold]{cfg.policy.model}[/] on backend [bold]{picked}[/] ({why}){sampled_in}{placement(cfg)}"
