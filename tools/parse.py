@@ -72,6 +72,16 @@ def _short(err: Exception) -> str:
     return str(err).split("\n", 1)[0][:200]
 
 
+def _is_unicode_text(value: Any) -> bool:
+    """False when ``value`` holds a lone surrogate: JSON may write ``"\\ud800"``,
+    which decodes to a str no UTF-8 encoder (a file, a process, a tokenizer) takes."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _call_from_obj(obj: Any, index: int) -> ToolCall | str:
     """A ``ToolCall`` from one decoded JSON value, or an error message."""
     if not isinstance(obj, dict):
@@ -99,6 +109,11 @@ def _call_from_obj(obj: Any, index: int) -> ToolCall | str:
         args = {}
     if not isinstance(args, dict):
         return f'tool {name!r}: "arguments" must be a JSON object, got {type(args).__name__}'
+    if not _is_unicode_text([name, args, call_id]):
+        return (
+            f"tool {name!r}: the call holds a lone surrogate escape (such as \\ud800), which is "
+            "not valid Unicode; write the character itself or a complete surrogate pair"
+        )
     cid = call_id if isinstance(call_id, str) and call_id else f"call_{index}"
     return ToolCall(id=cid, name=name.strip(), arguments=args)
 

@@ -1,0 +1,32 @@
+"""The tools layer under hostile input: odd tool definitions, malformed model
+output, misbehaving tool bodies, verifiers and wrapped envs."""
+
+from __future__ import annotations
+
+import json
+
+from agentrl.tools import Task, ToolEnv, parse_tool_calls
+from tests.tools.sandbox_fakes import MemorySandbox
+
+
+def hermes(name: str, **arguments) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+# -- model output ----------------------------------------------------------------------
+
+
+def test_lone_surrogate_escape_in_arguments_is_an_error_observation_not_a_failed_episode():
+    # JSON may spell "\ud800", which decodes to text no UTF-8 encoder takes: the
+    # write tool raised UnicodeEncodeError and the whole episode failed.
+    env = ToolEnv(Task("q", verify=lambda a: 1.0), tools=["write_file"], sandbox=MemorySandbox())
+    env.reset(seed=0)
+    action = '<tool_call>{"name": "write_file", "arguments": {"path": "a", "content": "x\\ud800"}}</tool_call>'
+    obs, reward, term, trunc, info = env.step(action)
+    assert (term, trunc) == (False, False) and "error" not in info
+    assert "surrogate" in obs and "write_file" in obs
+    obs.encode("utf-8")  # the observation itself is valid text
+    # A complete surrogate pair is an ordinary character.
+    ok = parse_tool_calls('{"name": "t", "arguments": {"s": "\\ud83d\\ude00"}}')
+    assert ok.errors == [] and ok.calls[0].arguments == {"s": "\U0001f600"}
+    env.close()
