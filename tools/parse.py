@@ -121,6 +121,12 @@ def _call_from_obj(obj: Any, index: int) -> ToolCall | str:
 def _add(result: ParseResult, obj: Any, where: str) -> None:
     out = _call_from_obj(obj, len(result.calls))
     if isinstance(out, ToolCall):
+        # Each result answers one id: a repeated one (the model's, or its own id
+        # that matches a generated one) gets the first free ``call_<n>``.
+        taken = {c.id for c in result.calls}
+        n = len(result.calls)
+        while out.id in taken:
+            out.id, n = f"call_{n}", n + 1
         result.calls.append(out)
     else:
         result.errors.append(f"{where}: {out}")
@@ -179,7 +185,8 @@ def _parse_bare_json(text: str, result: ParseResult) -> None:
 def parse_tool_calls(text: Any, style: Literal["auto", "hermes", "json"] = "auto") -> ParseResult:
     """Read the tool calls in ``text``; never raises.
 
-    Calls get ids ``call_0``, ``call_1``, ... unless the JSON carries an ``id``.
+    Calls get ids ``call_0``, ``call_1``, ... unless the JSON carries an ``id``;
+    ids are unique within the result.
     """
     result = ParseResult()
     if not isinstance(text, str):

@@ -30,3 +30,16 @@ def test_lone_surrogate_escape_in_arguments_is_an_error_observation_not_a_failed
     ok = parse_tool_calls('{"name": "t", "arguments": {"s": "\\ud83d\\ude00"}}')
     assert ok.errors == [] and ok.calls[0].arguments == {"s": "\U0001f600"}
     env.close()
+
+
+def test_call_ids_are_unique_even_when_the_model_repeats_or_reuses_them():
+    # Two results answering one id cannot be told apart by a chat template or client.
+    text = (
+        '<tool_call>{"id": "a", "name": "t", "arguments": {}}</tool_call>'
+        '<tool_call>{"id": "a", "name": "t", "arguments": {}}</tool_call>'
+        '<tool_call>{"id": "call_3", "name": "t", "arguments": {}}</tool_call>'
+        '<tool_call>{"name": "t", "arguments": {}}</tool_call>'
+    )
+    ids = [c.id for c in parse_tool_calls(text).calls]
+    assert len(ids) == 4 and len(set(ids)) == 4
+    assert ids[0] == "a" and ids[2] == "call_3"
