@@ -3,8 +3,8 @@
 Two formats are read:
 
 - ``hermes`` (Hermes / Qwen): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-  blocks. An unterminated last block is accepted, since generation often stops
-  on ``</tool_call>``.
+  blocks. An unterminated block is accepted, at the end of the text (generation
+  often stops on ``</tool_call>``) or before the next ``<tool_call>``.
 - ``json`` (OpenAI-style, bare): JSON objects anywhere in the text, shaped
   ``{"name": ..., "arguments": ...}``, ``{"name": ..., "parameters": ...}`` or
   ``{"type": "function", "function": {"name": ..., "arguments": ...}}``.
@@ -39,7 +39,9 @@ Style = Literal["hermes", "json"]
 MAX_PARSE_CHARS = 200_000  # longer text is cut before parsing; calls live near the start
 MAX_JSON_ATTEMPTS = 256
 MAX_NAME_CHARS = 128  # bound on raw_decode tries when scanning for bare JSON
-_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+# A block ends at its closing tag, at the next opening tag (models drop the
+# closing tag between calls) or at the end of the text.
+_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|(?=<tool_call>)|\Z)", re.DOTALL)
 _FENCE = re.compile(r"^```[a-zA-Z]*\s*|\s*```$")
 # A bare object that starts like a call; used to report broken JSON as an error.
 _CALL_START = re.compile(r'\{\s*"(?:name|function)"\s*:')

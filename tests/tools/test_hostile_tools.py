@@ -43,3 +43,15 @@ def test_call_ids_are_unique_even_when_the_model_repeats_or_reuses_them():
     ids = [c.id for c in parse_tool_calls(text).calls]
     assert len(ids) == 4 and len(set(ids)) == 4
     assert ids[0] == "a" and ids[2] == "call_3"
+
+
+def test_a_block_left_open_before_the_next_tool_call_tag_does_not_swallow_it():
+    # Models often drop the closing tag between calls; both calls were lost as
+    # one "invalid JSON (Extra data)" error.
+    text = (
+        '<tool_call>{"name": "a", "arguments": {"x": 1}}\n'
+        '<tool_call>{"name": "b", "arguments": {"y": 2}}</tool_call>'
+    )
+    res = parse_tool_calls(text)
+    assert res.errors == []
+    assert [(c.name, c.arguments) for c in res.calls] == [("a", {"x": 1}), ("b", {"y": 2})]
