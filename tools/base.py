@@ -172,6 +172,32 @@ class Tool:
         return f"<{type(self).__name__} {self.name!r}>"
 
 
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _takes_sandbox(fn: Callable[..., Any]) -> bool:
+    """Whether the env calls ``fn(args, sandbox)`` rather than ``fn(args)``: it does when
+    ``fn`` has a second positional parameter. A signature neither call fits (a third
+    required parameter, a required keyword-only one) is a ``TypeError`` now, not at
+    the first call."""
+    params = list(inspect.signature(fn).parameters.values())
+    positional = [p for p in params if p.kind in _POSITIONAL]
+    if not positional and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise TypeError(f"{_label(fn)} must take an args parameter annotated with a model")
+    left = [p.name for p in positional[2:] if p.default is p.empty]
+    left += [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    if left:
+        raise TypeError(
+            f"{_label(fn)} is called as fn(args) or fn(args, sandbox); give its other "
+            f"parameters defaults: {', '.join(left)}"
+        )
+    return len(positional) >= 2
+
+
+def _label(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
 class FunctionTool(Tool):
     """A tool made from an async function ``fn(args)`` or ``fn(args, sandbox)``."""
 
@@ -184,7 +210,7 @@ class FunctionTool(Tool):
         needs_sandbox: bool,
     ):
         self._fn = fn
-        self._pass_sandbox = len(inspect.signature(fn).parameters) >= 2
+        self._pass_sandbox = _takes_sandbox(fn)
         # Instance attributes shadow the ClassVars of Tool on purpose.
         self.name = name  # type: ignore[misc]
         self.description = description  # type: ignore[misc]
@@ -205,7 +231,9 @@ def tool(
     """Decorator: turn ``async def fn(args: SomeModel[, sandbox])`` into a ``Tool``.
 
     The name defaults to the function's name and the description to its
-    docstring. The tool asks for a sandbox when ``fn`` takes a second parameter.
+    docstring. The tool asks for a sandbox when ``fn`` takes a second positional
+    parameter; keyword-only parameters and ``**kwargs`` keep their defaults. A
+    bound method works too: ``tool(obj.method)``.
     """
 
     # Locals of the decorating scope, so models defined in a function resolve
@@ -213,11 +241,23 @@ def tool(
     caller_locals = dict(sys._getframe(1).f_locals)
 
     def wrap(f: Callable[..., Awaitable[Any]]) -> FunctionTool:
+        # A partial or a callable object has no annotations of its own to read.
+        if not (inspect.isfunction(f) or inspect.ismethod(f)):
+            raise TypeError(
+                f"@tool takes an async def function or a bound method, not {type(f).__name__}; "
+                "wrap the call in an async def"
+            )
         if not inspect.iscoroutinefunction(f):
             raise TypeError(f"@tool needs an async function; {f.__name__} is not")
+        # In a class body the function is not bound yet: ``self`` would be taken for
+        # the args and the args for the sandbox. ``tool(obj.method)`` works.
+        if inspect.isfunction(f) and f.__qualname__.split(".")[-2:-1] not in ([], ["<locals>"]):
+            raise TypeError(
+                f"{f.__qualname__} is a method; decorate a plain function, or make a tool of "
+                "the bound method: tool(obj.method)"
+            )
+        needs_sandbox = _takes_sandbox(f)
         params = list(inspect.signature(f).parameters)
-        if not params:
-            raise TypeError(f"{f.__name__} must take an args parameter annotated with a model")
         try:
             hints = get_type_hints(f, localns=caller_locals)
         except NameError as err:
@@ -231,7 +271,7 @@ def tool(
             model,
             name=name or f.__name__,
             description=description if description is not None else doc,
-            needs_sandbox=len(params) >= 2,
+            needs_sandbox=needs_sandbox,
         )
 
     return wrap(fn) if fn is not None else wrap

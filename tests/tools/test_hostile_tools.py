@@ -3,14 +3,93 @@ output, misbehaving tool bodies, verifiers and wrapped envs."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 
-from agentrl.tools import Task, ToolEnv, parse_tool_calls
+import pytest
+from pydantic import BaseModel
+
+from agentrl.tools import Task, ToolEnv, parse_tool_calls, tool
 from tests.tools.sandbox_fakes import MemorySandbox
 
 
 def hermes(name: str, **arguments) -> str:
     return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+class XArgs(BaseModel):
+    x: int = 0
+
+
+# -- tool definitions ------------------------------------------------------------------
+
+
+def test_keyword_only_and_var_keyword_parameters_are_not_taken_for_the_sandbox():
+    # Any second parameter counted as "the sandbox": such a tool demanded one, and
+    # its first call raised TypeError (positional sandbox), failing the episode.
+    async def kwonly(args: XArgs, *, scale: int = 2) -> str:
+        return str(args.x * scale)
+
+    async def var_kw(args: XArgs, **options) -> str:
+        return str(args.x)
+
+    for fn in (kwonly, var_kw):
+        t = tool(fn)
+        assert t.needs_sandbox is False
+        env = ToolEnv(Task("q", verify=lambda a: 1.0), tools=[t])  # no sandbox needed
+        env.reset(seed=0)
+        obs, _, _, trunc, info = env.step(hermes(t.name, x=3))
+        assert not trunc and "error" not in info, info.get("error")
+        assert obs.split("\n")[1] == ("6" if fn is kwonly else "3")
+        env.close()
+
+
+def test_signatures_the_env_cannot_call_are_refused_at_definition():
+    async def three(args: XArgs, sandbox, extra) -> str:
+        return ""
+
+    async def required_kwonly(args: XArgs, *, extra) -> str:
+        return ""
+
+    for fn in (three, required_kwonly):
+        with pytest.raises(TypeError, match="extra"):
+            tool(fn)
+
+
+def test_decorating_a_method_in_a_class_body_is_refused_and_a_bound_method_works():
+    # In a class body, ``self`` was taken for an unannotated args parameter (NoArgs)
+    # and the real model parameter for the sandbox.
+    with pytest.raises(TypeError, match="method"):
+
+        class Holder:
+            @tool
+            async def look(self, args: XArgs) -> str:
+                return ""
+
+    class Counter:
+        def __init__(self):
+            self.base = 10
+
+        async def add(self, args: XArgs) -> str:
+            return str(self.base + args.x)
+
+    t = tool(Counter().add)
+    assert t.Args is XArgs and t.needs_sandbox is False and t.name == "add"
+    assert asyncio.run(t.invoke({"x": 5}, None)).content == "15"
+
+
+def test_partials_and_callable_objects_get_a_clear_error():
+    async def base(args: XArgs, sandbox=None) -> str:
+        return ""
+
+    class Callable:
+        async def __call__(self, args: XArgs) -> str:
+            return ""
+
+    for obj in (functools.partial(base), Callable()):
+        with pytest.raises(TypeError, match="async def"):
+            tool(obj)
 
 
 # -- model output ----------------------------------------------------------------------
