@@ -29,6 +29,7 @@ parameter is annotated with a pydantic model::
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ __all__ = [
     "ToolResult",
     "format_validation_error",
     "tool",
+    "tool_problem",
     "truncate_middle",
 ]
 
@@ -198,6 +200,34 @@ def _label(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
+# The tool names every chat API accepts (OpenAI's and Anthropic's rule).
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def tool_problem(t: Any) -> str | None:
+    """Why ``t`` cannot be offered to a model, or None: checked when a tool is
+    defined or given to an env, so that a bad one fails there, not at reset."""
+    if isinstance(t, type) and issubclass(t, Tool):
+        return f"{t.__name__} is a Tool class; pass an instance: {t.__name__}()"
+    if not isinstance(t, Tool):
+        hint = "; decorate it with @tool" if callable(t) else ""
+        return f"{t!r} is not a Tool or a built-in tool name{hint}"
+    if not isinstance(t.name, str) or not _TOOL_NAME.fullmatch(t.name):
+        return (
+            f"{type(t).__name__} has tool name {t.name!r}; a name is 1 to 64 letters, "
+            "digits, '_' or '-'"
+        )
+    try:
+        t.spec()
+    except Exception as err:  # pydantic cannot write a JSON schema for some field types
+        return f"tool {t.name!r}: its arguments have no JSON schema to show the model ({_first_line(err)})"
+    return None
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).split("\n", 1)[0]
+
+
 class FunctionTool(Tool):
     """A tool made from an async function ``fn(args)`` or ``fn(args, sandbox)``."""
 
@@ -266,12 +296,15 @@ def tool(
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
             raise TypeError(f"annotate {f.__name__}'s first parameter with a pydantic model")
         doc = inspect.getdoc(f) or ""
-        return FunctionTool(
+        made = FunctionTool(
             f,
             model,
             name=name or f.__name__,
             description=description if description is not None else doc,
             needs_sandbox=needs_sandbox,
         )
+        if problem := tool_problem(made):
+            raise TypeError(problem)
+        return made
 
     return wrap(fn) if fn is not None else wrap

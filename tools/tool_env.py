@@ -62,7 +62,7 @@ from agentrl.sandboxes.base import Sandbox
 from agentrl.sandboxes.tar_filter import restore_filter
 from agentrl.types import Message, ToolCall
 
-from .base import Tool, ToolResult, truncate_middle
+from .base import Tool, ToolResult, tool_problem, truncate_middle
 from .parse import ParseResult, parse_tool_calls, render_tool_results, render_tools_prompt
 from .registry import get_tool
 from .sandbox_source import SandboxSource, as_sandbox_source
@@ -218,6 +218,8 @@ class ToolEnv(TextEnv):
         self.tools: dict[str, Tool] = {}
         for t in tools:
             t = get_tool(t) if isinstance(t, str) else t
+            if problem := tool_problem(t):
+                raise ConfigError(f"bad tool: {problem}")
             if t.name in self.tools:
                 raise EnvError(f"two tools are named {t.name!r}; tool names must be unique")
             self.tools[t.name] = t

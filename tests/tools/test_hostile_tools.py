@@ -7,10 +7,12 @@ import asyncio
 import functools
 import json
 
+import numpy as np
 import pytest
 from pydantic import BaseModel
 
-from agentrl.tools import Task, ToolEnv, parse_tool_calls, tool
+from agentrl.errors import ConfigError
+from agentrl.tools import BashTool, Task, Tool, ToolEnv, parse_tool_calls, tool
 from tests.tools.sandbox_fakes import MemorySandbox
 
 
@@ -90,6 +92,44 @@ def test_partials_and_callable_objects_get_a_clear_error():
     for obj in (functools.partial(base), Callable()):
         with pytest.raises(TypeError, match="async def"):
             tool(obj)
+
+
+class ArrayArgs(BaseModel):
+    model_config = {"arbitrary_types_allowed": True}
+    data: np.ndarray
+
+
+def test_arguments_with_no_json_schema_are_refused_at_definition_not_at_reset():
+    # The schema was first built at reset, so the env failed there, far from the cause.
+    async def takes_array(args: ArrayArgs) -> str:
+        return ""
+
+    with pytest.raises(TypeError, match="takes_array.*ndarray"):
+        tool(takes_array)
+
+    class ArrayTool(Tool):
+        name = "arrays"
+        Args = ArrayArgs
+
+    with pytest.raises(ConfigError, match="arrays"):
+        ToolEnv(Task("q", verify=lambda a: 1.0), tools=[ArrayTool()])
+
+
+def test_tool_names_no_client_can_call_and_things_that_are_not_tools_are_refused():
+    async def f(args: XArgs) -> str:
+        return ""
+
+    for bad in (" padded", "two words", "x" * 65, 'quote"d'):
+        with pytest.raises(TypeError, match="name"):
+            tool(name=bad)(f)
+
+    class Nameless(Tool):  # forgot to set ``name``
+        pass
+
+    # A nameless tool, a plain function (not decorated), a Tool class (not an instance).
+    for thing, hint in ((Nameless(), "name"), (f, "@tool"), (BashTool, "instance")):
+        with pytest.raises(ConfigError, match=hint):
+            ToolEnv(Task("q", verify=lambda a: 1.0), tools=[thing], sandbox=MemorySandbox())
 
 
 # -- model output ----------------------------------------------------------------------
