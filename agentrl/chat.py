@@ -147,6 +147,7 @@ class ChatContext:
         self.prefix_stable = True
         self.mismatches: list[int] = []
         self._last_action: list[int] = []
+        self._prefill = ""  # the start of the reply the next action continues (append_prefill)
         self._observations = 0
         self._probe = self._template_probe()
         self._append(render_ids(tokenizer, self.messages, True, **template_kwargs))
@@ -217,8 +218,19 @@ class ChatContext:
         self._append(ids)
         if text is None:
             text = decode_ids(self.tokenizer, ids, skip_special_tokens=True)
-        self.messages.append({"role": "assistant", "content": text})
-        self._last_action = ids
+        self.messages.append({"role": "assistant", "content": self._prefill + text})
+        self._last_action, self._prefill = ids, ""
+
+    def append_prefill(self, text: str) -> list[int]:
+        """At a generation prompt, append the start of the assistant reply (a prefill) that the
+        next action continues; returns its ids. They are context: the model is shown them, it
+        did not sample them. The reply's message is then the prefill plus the action's text."""
+        if self._prefill or (self.messages and self.messages[-1]["role"] == "assistant"):
+            raise ValueError("append_prefill needs a generation prompt")
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        self._append(ids)
+        self._prefill = text
+        return ids
 
     def _frame(self, role: str) -> tuple[str, str] | None:
         """The delta text before and after one ``role`` message's content, if the template is verbatim."""

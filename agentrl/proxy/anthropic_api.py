@@ -26,10 +26,16 @@ server ``type`` (web search and the like: the proxy cannot run them, so the
 model is not offered them). Ignored without a count, since they do not change
 what is sampled: ``metadata``, ``cache_control``, ``context_management``,
 ``output_config``, ``service_tier``. Refused with a 400 naming the field:
-image and document blocks, block types the proxy does not know, a final
-assistant message (a prefill: Anthropic continues it, the chat template can
-only start a new turn after it), and a ``tool_choice`` that names a tool not
-offered.
+image and document blocks, block types the proxy does not know, and a
+``tool_choice`` that names a tool not offered.
+
+A final assistant message is a prefill: the reply continues it
+(``continue_final_message`` in the internal conversation). Its text is
+appended, as tokens, after the generation prompt, and the reply's content is
+the continuation only, as Anthropic's is. The next call's history holds the
+prefill and the continuation as one assistant message, which is the recorded
+path. Refused, as Anthropic refuses them: a prefill ending in whitespace, and
+one with ``tool_use`` blocks. An empty one is dropped.
 
 Auth arrives as ``x-api-key`` or ``Authorization: Bearer`` (``Proxy.resolve``);
 ``anthropic-version`` and ``anthropic-beta`` are accepted and not needed. Any
@@ -231,6 +237,26 @@ def _messages(body: CountTokensRequest, ignored: list[str]) -> list[dict[str, An
     return out
 
 
+def _prefill(messages: list[dict[str, Any]], last: int) -> bool:
+    """Whether the final assistant message is a prefill the reply continues; an empty one is
+    dropped (the reply starts the turn). Refused as Anthropic does: trailing whitespace, tool_use."""
+    final = messages[-1]
+    if final.get("tool_calls"):
+        raise HTTPError(400, f"messages.{last}: a final assistant message (a prefill) cannot hold tool_use blocks",
+                        param=f"messages.{last}")
+    text = final.get("content") or ""
+    if text != text.rstrip():
+        raise HTTPError(400, f"messages.{last}: final assistant content cannot end with trailing whitespace",
+                        param=f"messages.{last}")
+    if not text:
+        messages.pop()
+        return False
+    if len(messages) < 2:
+        raise HTTPError(400, f"messages.{last}: a final assistant message (a prefill) needs a message or "
+                        "a system prompt before it", param=f"messages.{last}")
+    return True
+
+
 def conversation(body: CountTokensRequest) -> Conversation:
     """An Anthropic request as the internal conversation."""
     ignored: list[str] = []
@@ -257,11 +283,9 @@ def conversation(body: CountTokensRequest) -> Conversation:
                               # a named tool must be offered (checked with the chat's), even with no tools
                               "tool_choice": choice if tools or isinstance(choice, dict) else None,
                               "parallel_tool_calls": parallel}
+    if body.messages[-1].role == "assistant":
+        fields["continue_final_message"] = _prefill(messages, len(body.messages) - 1)
     if isinstance(body, MessagesRequest):
-        last = len(body.messages) - 1
-        if body.messages[last].role == "assistant":  # count_tokens samples nothing: it counts it
-            raise HTTPError(400, f"messages.{last}: a final assistant message (a prefill) is not supported: "
-                            "the reply would start a new turn, not continue it", param=f"messages.{last}")
         fields.update(max_tokens=body.max_tokens, stop=body.stop_sequences or None,
                       temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stream=body.stream)
     return Conversation(internal_request(fields), ignored)

@@ -34,8 +34,8 @@ from agentrl.tools.parse import parse_tool_calls, render_tools_prompt
 
 from .schemas import ChatMessage, ChatRequest, ToolIn
 
-__all__ = ["PromptSpec", "canonical", "canonical_key", "chain_keys", "cut_at_stop", "key_of", "prompt_spec",
-           "rerendering", "response_message"]
+__all__ = ["PromptSpec", "canonical", "canonical_key", "chain_keys", "cut_at_stop", "key_of", "prefill_key",
+           "prompt_spec", "rerendering", "response_message"]
 
 _BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|\Z)", re.DOTALL)
 # One encoder for every key: ``json.dumps`` with options builds a new one per call, and a
@@ -103,6 +103,7 @@ class PromptSpec:
     canon: list[dict[str, Any]] = field(default_factory=list)
     call_ids: list[tuple[str, ...]] = field(default_factory=list)
     single_call: bool = False
+    prefill: str | None = None  # a final assistant message the reply continues (not in the fields above)
 
 
 def _tool_choice_hint(choice: Any, single_call: bool = False) -> str:
@@ -139,11 +140,19 @@ def _to_template(c: dict[str, Any], native_tools: bool, style: str) -> dict[str,
 
 
 def prompt_spec(req: ChatRequest, tokenizer: Any, style: str) -> PromptSpec:
-    """Canonical keys and template rendering of a chat request's messages."""
-    canon = [canonical(m) for m in req.messages]
+    """Canonical keys and template rendering of a chat request's messages.
+
+    With ``continue_final_message`` the final (assistant) message is the
+    ``prefill``: the messages before it are rendered up to the generation
+    prompt, and the prefill's text follows as the reply's start.
+    """
+    messages, prefill = req.messages, None
+    if req.continue_final_message:
+        messages, prefill = messages[:-1], messages[-1].text()
+    canon = [canonical(m) for m in messages]
     keys = [_KEYS.encode(c) for c in canon]
     call_ids = [tuple(c.id for c in m.tool_calls if c.id) if m.role == "assistant" and m.tool_calls else ()
-                for m in req.messages]
+                for m in messages]
     template_src = getattr(tokenizer, "chat_template", None) or ""
     native_tools = "tools" in template_src
     tools = [t.function.model_dump() for t in (req.tools or [])]
@@ -161,7 +170,12 @@ def prompt_spec(req: ChatRequest, tokenizer: Any, style: str) -> PromptSpec:
         else:
             msgs.insert(0, {"role": "system", "content": prompt})
     render = json.dumps({"tools": tools, "choice": hint, "style": style}, sort_keys=True)
-    return PromptSpec(keys, msgs, kwargs, render, parse_tools, canon, call_ids, single)
+    return PromptSpec(keys, msgs, kwargs, render, parse_tools, canon, call_ids, single, prefill)
+
+
+def prefill_key(text: str) -> str:
+    """The key of a prefill: unlike a finished assistant message's, since the reply continues it."""
+    return key_of({"role": "assistant", "prefill": text})
 
 
 def cut_at_stop(text: str, stops: tuple[str, ...], keep: bool) -> str:

@@ -167,6 +167,14 @@ def _spec(proxy: Proxy, req: ChatRequest) -> PromptSpec:
         raise HTTPError(400, "tools: a tool's schema is nested too deeply to render", param="tools") from None
 
 
+def _render_whole(proxy: Proxy, spec: PromptSpec) -> list[int]:
+    """A prompt rendered whole, outside any session: the messages, then a prefill's tokens."""
+    ids = render_ids(proxy.tokenizer, spec.template, True, **spec.template_kwargs)
+    if spec.prefill:
+        ids += proxy.tokenizer.encode(spec.prefill, add_special_tokens=False)
+    return ids
+
+
 def render_plan(proxy: Proxy, session: Session | None, spec: PromptSpec, param: str) -> Plan:
     """Where a chat call hangs and its prompt; a template that refuses the messages is a 400."""
     from jinja2.exceptions import TemplateError
@@ -174,9 +182,15 @@ def render_plan(proxy: Proxy, session: Session | None, spec: PromptSpec, param: 
     try:
         if session is not None:
             return session.plan_chat(spec, proxy.tokenizer)
-        return Plan("chat", render_ids(proxy.tokenizer, spec.template, True, **spec.template_kwargs), None, [])
+        return Plan("chat", _render_whole(proxy, spec), None, [])
     except TemplateError as e:
         raise HTTPError(400, f"{param}: the chat template cannot render them: {e}", param=param) from e
+
+
+def _whole(message: dict[str, Any] | None, prefill: str | None) -> dict[str, Any]:
+    """The reply as the harness's history will hold it: a prefill's continuation follows the prefill."""
+    assert message is not None
+    return {**message, "content": prefill + (message.get("content") or "")} if prefill else message
 
 
 def _check_named_tool(req: ChatRequest) -> None:
@@ -248,7 +262,7 @@ def chat_endpoint(proxy: Proxy, wire: Wire) -> Handler:
                 timing = {"render_s": t1 - t0, "generate_s": time.perf_counter() - t1, "time": time.time()}
                 try:
                     session.record(plan, call_id, results, [c.text for c in out.choices],
-                                   [c.message for c in out.choices], timing,  # type: ignore[misc]
+                                   [_whole(c.message, spec.prefill) for c in out.choices], timing,
                                    model=req.model, api=wire.api)
                 finally:  # once recording began, freeing the stream could sample a recorded one again
                     session.keep_streams(call_id)
@@ -275,7 +289,7 @@ def count_tokens_endpoint(proxy: Proxy, wire: Wire, schema: type[BaseModel]) -> 
         from jinja2.exceptions import TemplateError
 
         try:
-            ids = render_ids(proxy.tokenizer, spec.template, True, **spec.template_kwargs)
+            ids = _render_whole(proxy, spec)
         except TemplateError as e:
             raise HTTPError(400, f"{wire.prompt_param}: the chat template cannot render them: {e}",
                             param=wire.prompt_param) from e

@@ -196,6 +196,8 @@ class ChatRequest(_Sampling):
     logprobs: bool = Field(False, description="Return the sampled tokens' logprobs.")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="Alternatives per token.")
     response_format: dict[str, Any] | None = Field(None, description="Only {type: text}.")
+    continue_final_message: bool = Field(
+        False, description="vLLM extension: the reply continues the final assistant message (a prefill).")
 
     @field_validator("response_format")
     @classmethod
@@ -208,6 +210,16 @@ class ChatRequest(_Sampling):
     def _alias(self) -> ChatRequest:
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
+        return self
+
+    @model_validator(mode="after")
+    def _prefill(self) -> ChatRequest:
+        if self.continue_final_message:
+            last = self.messages[-1]
+            if last.role != "assistant" or last.tool_calls:
+                raise ValueError("continue_final_message needs a final assistant message without tool calls")
+            if len(self.messages) < 2:
+                raise ValueError("continue_final_message needs a message before the one it continues")
         return self
 
 

@@ -22,6 +22,10 @@ Where a call hangs (``plan_chat``, ``plan_tokens``):
   ``tool_use`` blocks) is keyed as that choice's reply, whatever its text and
   whitespace. The recorded tokens stand, and the chain stays one token-exact
   path.
+- a prefill (a final assistant message the reply continues): the call is
+  planned on the messages before it, then the prefill's tokens are appended
+  to its prompt and context. Its reply is keyed as prefill plus continuation,
+  the one assistant message the next call's history holds.
 - completions: the deepest node whose path tokens start the token prompt.
 
 A call whose parent already has children starts a branch (``branch_info``):
@@ -87,7 +91,7 @@ from agentrl.chat import ChatContext
 from agentrl.policy.base import GenerateResult, request_seed
 from agentrl.types import Node, RolloutTree
 
-from .conversation import PromptSpec, canonical, chain_keys, key_of, rerendering
+from .conversation import PromptSpec, canonical, chain_keys, key_of, prefill_key, rerendering
 
 __all__ = ["Call", "Plan", "Session"]
 
@@ -110,6 +114,7 @@ class Plan:
     render_key: str = ""
     new_messages: list[dict[str, Any]] = field(default_factory=list)
     rerendered: dict[str, Any] | None = None  # the recorded reply the history re-renders
+    reply_base: str = ""  # chain key a reply extends: of the messages before a prefill, if any
 
 
 @dataclass(slots=True)
@@ -203,15 +208,29 @@ class Session:
     # -- planning ------------------------------------------------------------------------
     def plan_chat(self, spec: PromptSpec, tokenizer: Any) -> Plan:
         keys = self._known_replies(spec)
+        n = len(keys)
+        if spec.prefill is not None:  # part of the prompt (a retry must match it), not of the history
+            keys.append(prefill_key(spec.prefill))
         chain = chain_keys(spec.render_key, keys)
-        plan = Plan("chat", [], None, [], keys=keys, chain=chain, render_key=spec.render_key)
+        plan = Plan("chat", [], None, [], keys=keys, chain=chain, render_key=spec.render_key,
+                    reply_base=chain[n - 1])
         same = self._by_prompt.get(chain[-1])
         if same is not None:  # a retry: reuse the recorded prompt as it is
             plan.prompt_ids, plan.parent, plan.context_ids = same.prompt_ids, same.parent, same.context_ids
             plan.ctx = same.ctx
             return plan
-        offset = len(spec.template) - len(keys)  # a system message added for tools
-        for k in range(len(chain) - 1, 0, -1):
+        self._plan_history(plan, spec, tokenizer, n)
+        if spec.prefill is not None:
+            assert plan.ctx is not None
+            plan.context_ids = plan.context_ids + plan.ctx.append_prefill(spec.prefill)
+            plan.prompt_ids = plan.ctx.ids
+        return plan
+
+    def _plan_history(self, plan: Plan, spec: PromptSpec, tokenizer: Any, n: int) -> None:
+        """Plan a call's history (its ``n`` messages, a prefill left out) up to the generation prompt."""
+        chain = plan.chain
+        offset = len(spec.template) - n  # a system message added for tools
+        for k in range(n - 1, 0, -1):
             hit = self._by_conv.get(chain[k - 1])
             if hit is not None:  # messages[:k] are a recorded call's and its reply: go on from there
                 call, choice = hit
@@ -222,13 +241,12 @@ class Session:
                 plan.new_messages = spec.template[k + offset:]
                 plan.context_ids = ctx.append_observation(plan.new_messages)
                 plan.parent, plan.ctx, plan.prompt_ids = node.id, ctx, ctx.ids
-                return plan
+                return
             prompted = self._by_prompt.get(chain[k - 1])
             if prompted is not None and self._plan_rerendered(plan, prompted, spec, k, offset):
-                return plan
+                return
         ctx = ChatContext(tokenizer, spec.template, check_prefix=self.check_prefix, **spec.template_kwargs)
         plan.ctx, plan.prompt_ids, plan.context_ids = ctx, ctx.ids, list(ctx.ids)
-        return plan
 
     def _known_replies(self, spec: PromptSpec) -> list[str]:
         """The history's keys, where an assistant message carrying exactly the tool-call ids the
@@ -337,7 +355,7 @@ class Session:
         if plan.kind == "chat":
             self._by_prompt.setdefault(plan.chain[-1], call)
             for i, key in enumerate(call.reply_keys):
-                self._by_conv[chain_keys(plan.chain[-1], [key])[0]] = (call, i)
+                self._by_conv[chain_keys(plan.reply_base, [key])[0]] = (call, i)
                 for tool_call_id in issued[i]:
                     if tool_call_id:
                         self._issued[tool_call_id] = (call, i)

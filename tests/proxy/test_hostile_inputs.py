@@ -125,19 +125,6 @@ def test_auto_or_none_tool_choice_without_tools_is_still_served(client):
 
 
 # -- requests whose meaning the proxy cannot honour ----------------------------------------
-@pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("content", ["Sure, ", [{"type": "text", "text": "{"}]])
-def test_an_anthropic_assistant_prefill_is_refused(client, content, stream):
-    """Anthropic continues a final assistant message; the proxy rendered it as a finished turn and
-    answered a new one, which the harness then glued to its prefill."""
-    body = {**MESSAGES, "stream": stream, "messages": [*USER, {"role": "assistant", "content": content}]}
-    message = _anthropic_error(client.post("/v1/messages", json=body), "messages.1")
-    assert "prefill" in message
-    # count_tokens samples nothing: the prompt is counted
-    r = client.post("/v1/messages/count_tokens", json=body)
-    assert r.status_code == 200 and r.json()["input_tokens"] > 0
-
-
 @pytest.mark.parametrize(("field", "value"), [("conversation", "conv_123"), ("conversation", {"id": "conv_1"}),
                                               ("prompt", {"id": "pmpt_1", "version": "2"})])
 def test_responses_state_the_proxy_does_not_keep_is_refused(client, field, value):
