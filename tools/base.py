@@ -117,7 +117,29 @@ def _schema(model: type[BaseModel]) -> dict[str, Any]:
     out = strip(model.model_json_schema())
     out.setdefault("type", "object")
     out.setdefault("properties", {})
+    if _refuses_unknown_keys(model):
+        out.setdefault("additionalProperties", False)
     return out
+
+
+def _refuses_unknown_keys(model: type[BaseModel]) -> bool:
+    """True when ``model`` leaves ``extra`` unset. Pydantic then drops unknown keys
+    silently, and the model would believe an argument it made up was honoured;
+    ``invoke`` refuses them instead. An explicit ``extra`` setting is respected."""
+    return model.model_config.get("extra") is None
+
+
+def _unknown_keys(model: type[BaseModel], arguments: dict[str, Any]) -> list[str]:
+    """The keys of ``arguments`` that no field of ``model`` reads."""
+    known: set[str] = set()
+    for name, f in model.model_fields.items():
+        known.add(name)
+        for alias in (f.alias, f.validation_alias):
+            if isinstance(alias, str):
+                known.add(alias)
+            elif alias is not None:  # AliasChoices or AliasPath: leave it to pydantic
+                return []
+    return [k for k in arguments if k not in known]
 
 
 class Tool:
@@ -144,9 +166,16 @@ class Tool:
     async def invoke(self, arguments: dict[str, Any], sandbox: Sandbox | None) -> ToolResult:
         """Validate raw ``arguments``, run the tool and cap its output.
 
-        Invalid arguments give an error result naming each bad field. Errors
+        Invalid arguments give an error result naming each bad field, and each
+        unknown one unless ``Args`` sets ``extra`` itself. Errors
         outside the model's control (``SandboxError``, ``ToolError``) propagate.
         """
+        if _refuses_unknown_keys(self.Args) and (unknown := _unknown_keys(self.Args, arguments)):
+            takes = ", ".join(self.Args.model_fields) or "no arguments"
+            return ToolResult.error(
+                f"Invalid arguments for tool {self.name!r}:\n"
+                + "".join(f"- {k}: not an argument of this tool (it takes: {takes})\n" for k in unknown[:10])
+            )
         try:
             args = self.Args.model_validate(arguments)
         except ValidationError as err:

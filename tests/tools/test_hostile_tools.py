@@ -132,6 +132,30 @@ def test_tool_names_no_client_can_call_and_things_that_are_not_tools_are_refused
             ToolEnv(Task("q", verify=lambda a: 1.0), tools=[thing], sandbox=MemorySandbox())
 
 
+class LaxArgs(BaseModel):  # pydantic's default: unknown keys are dropped silently
+    x: int = 0
+
+
+class IgnoringArgs(BaseModel):
+    model_config = {"extra": "ignore"}  # the author's explicit choice
+    x: int = 0
+
+
+def test_an_argument_the_tool_does_not_take_is_an_error_naming_it():
+    # It was dropped silently: the model believed its extra argument was honoured.
+    async def lax(args: LaxArgs) -> str:
+        return str(args.x)
+
+    async def ignoring(args: IgnoringArgs) -> str:
+        return str(args.x)
+
+    bad = asyncio.run(tool(lax).invoke({"x": 1, "verbose": True}, None))
+    assert bad.is_error and "verbose" in bad.content and "lax" in bad.content
+    assert tool(lax).spec().parameters["additionalProperties"] is False
+    assert asyncio.run(tool(ignoring).invoke({"x": 1, "verbose": True}, None)).content == "1"
+    assert "additionalProperties" not in tool(ignoring).spec().parameters
+
+
 # -- model output ----------------------------------------------------------------------
 
 
