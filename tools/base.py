@@ -29,6 +29,7 @@ parameter is annotated with a pydantic model::
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import sys
 from collections.abc import Awaitable, Callable
@@ -48,6 +49,7 @@ __all__ = [
     "NoArgs",
     "Tool",
     "ToolResult",
+    "as_text",
     "format_validation_error",
     "tool",
     "tool_problem",
@@ -74,6 +76,21 @@ class NoArgs(BaseModel):
     """Arguments of a tool that takes none."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+def as_text(value: Any) -> str:
+    """What a tool returned, as the text the model reads: None is empty, bytes are
+    decoded as UTF-8 (bad bytes replaced), dicts and lists are JSON, and anything
+    else is ``str(value)``."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", errors="replace")
+    if isinstance(value, dict | list | tuple):
+        return json.dumps(value, ensure_ascii=False, default=str)
+    return str(value)
 
 
 def truncate_middle(text: str, limit: int) -> str:
@@ -182,7 +199,8 @@ class Tool:
             return ToolResult.error(format_validation_error(self.name, err))
         result = await self(args, sandbox)
         if not isinstance(result, ToolResult):
-            result = ToolResult(content=str(result))
+            result = ToolResult(content=as_text(result))
+        result.content = as_text(result.content)
         if len(result.content) > self.max_output_chars:
             result.metadata["truncated_from"] = len(result.content)
             result.content = truncate_middle(result.content, self.max_output_chars)
@@ -258,7 +276,8 @@ def _first_line(err: Exception) -> str:
 
 
 class FunctionTool(Tool):
-    """A tool made from an async function ``fn(args)`` or ``fn(args, sandbox)``."""
+    """A tool made from an async function ``fn(args)`` or ``fn(args, sandbox)``, which
+    returns a ``ToolResult`` or any value (shown to the model as ``as_text`` writes it)."""
 
     def __init__(
         self,
@@ -278,7 +297,7 @@ class FunctionTool(Tool):
 
     async def __call__(self, args: Any, sandbox: Sandbox | None) -> ToolResult:
         out = await (self._fn(args, sandbox) if self._pass_sandbox else self._fn(args))
-        return out if isinstance(out, ToolResult) else ToolResult(content=str(out))
+        return out if isinstance(out, ToolResult) else ToolResult(content=as_text(out))
 
 
 def tool(

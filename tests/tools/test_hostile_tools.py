@@ -12,7 +12,7 @@ import pytest
 from pydantic import BaseModel
 
 from agentrl.errors import ConfigError
-from agentrl.tools import BashTool, Task, Tool, ToolEnv, parse_tool_calls, tool
+from agentrl.tools import BashTool, Task, Tool, ToolEnv, ToolResult, parse_tool_calls, tool
 from tests.tools.sandbox_fakes import MemorySandbox
 
 
@@ -154,6 +154,37 @@ def test_an_argument_the_tool_does_not_take_is_an_error_naming_it():
     assert tool(lax).spec().parameters["additionalProperties"] is False
     assert asyncio.run(tool(ignoring).invoke({"x": 1, "verbose": True}, None)).content == "1"
     assert "additionalProperties" not in tool(ignoring).spec().parameters
+
+
+# -- tool bodies -----------------------------------------------------------------------
+
+
+class _Point:
+    def __str__(self) -> str:
+        return "point(1, 2)"
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (None, ""),
+        (b"caf\xc3\xa9 \xff", "café \ufffd"),
+        ({"a": 1, "b": "é", "n": np.float32(1.5)}, '{"a": 1, "b": "é", "n": "1.5"}'),
+        ([1, 2], "[1, 2]"),
+        (np.int64(7), "7"),
+        (_Point(), "point(1, 2)"),
+        (ToolResult(content=None), ""),
+        (ToolResult(content=b"hi"), "hi"),
+    ],
+)
+def test_whatever_a_tool_returns_becomes_readable_text(value, text):
+    # bytes showed as "b'...'", dicts as Python reprs, None as "None", and a
+    # ToolResult whose content was not a str failed the episode with a TypeError.
+    async def give(args: XArgs):
+        return value
+
+    result = asyncio.run(tool(give).invoke({}, None))
+    assert result.content == text and result.is_error is False
 
 
 # -- model output ----------------------------------------------------------------------
