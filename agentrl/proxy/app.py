@@ -65,6 +65,7 @@ import gc
 import hashlib
 import hmac
 import logging
+import re
 import secrets
 import socket
 import threading
@@ -104,7 +105,14 @@ from .handlers import (
     models_endpoint,
 )
 from .responses_api import ResponsesWire
-from .schemas import ChatRequest, CompletionRequest, ProxyConfig, RewardRequest, SessionRequest
+from .schemas import (
+    SESSION_ID_PATTERN,
+    ChatRequest,
+    CompletionRequest,
+    ProxyConfig,
+    RewardRequest,
+    SessionRequest,
+)
 from .sessions import Session
 from .streaming import OPENAI_ERRORS, ErrorShape
 
@@ -221,6 +229,8 @@ class Proxy:
         session = self.sessions.get(sid)
         if session is None:
             if self.cfg.auto_create_sessions and (is_admin or token is None):
+                if not re.match(SESSION_ID_PATTERN, sid):  # the ids POST /sessions accepts
+                    raise HTTPError(400, f"session id {sid[:64]!r}: not a valid id ({SESSION_ID_PATTERN})")
                 return self.create_session(sid)
             raise HTTPError(404, f"no session {sid!r}")
         return session

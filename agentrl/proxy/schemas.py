@@ -257,13 +257,16 @@ class CompletionRequest(_Sampling):
 
 
 # -- sessions --------------------------------------------------------------------------
+SESSION_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,128}$"
+
+
 class SessionRequest(BaseModel):
     """``POST /sessions``."""
 
     model_config = ConfigDict(extra="forbid")
 
     session_id: str | None = Field(
-        None, pattern=r"^[A-Za-z0-9_.-]{1,128}$", description="Chosen id; default a random one.")
+        None, pattern=SESSION_ID_PATTERN, description="Chosen id; default a random one.")
     meta: dict[str, Any] = Field(default_factory=dict, description="Copied into the tree's meta.")
     seed: int | None = Field(None, description="Base of the session's sampling streams: each call samples "
                              "from a stream derived from this seed, its prompt, the lowest index of that prompt's "

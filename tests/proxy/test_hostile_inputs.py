@@ -210,3 +210,20 @@ def test_a_bad_value_inside_a_list_is_named_where_it_is_not_as_the_string_it_mig
     # failures at one depth are the shapes it might have had, all named
     msg = _openai_error(client.post("/v1/chat/completions", json={**CHAT, "stop": 5}), "stop")
     assert "valid string or" in msg and "valid list" in msg
+
+
+def test_auto_created_sessions_take_the_ids_post_sessions_takes(tokenizer):
+    """Any path segment or x-session-id header opened a session (a 4 KB id, spaces, unicode),
+    though POST /sessions refuses such ids."""
+    app = create_app(MockPolicy(tokenizer, ["Hello there!"]), ProxyConfig(auto_create_sessions=True))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        for bad in ("x" * 129, "a b", "a/../b"):
+            r = c.post("/v1/chat/completions", json=CHAT, headers={"x-session-id": bad})
+            assert r.status_code == 400 and "not a valid id" in r.json()["error"]["message"], r.text
+        for bad in ("x" * 200, "süß"):
+            r = c.post(f"/sessions/{bad}/v1/chat/completions", json=CHAT)
+            assert r.status_code == 400, r.text
+        assert c.get("/sessions").json()["sessions"] == []
+        assert c.post("/sessions/run-1.a_b/v1/chat/completions", json=CHAT).status_code == 200
+        assert c.post("/v1/chat/completions", json=CHAT, headers={"x-session-id": "h-2"}).status_code == 200
+        assert sorted(s["session_id"] for s in c.get("/sessions").json()["sessions"]) == ["h-2", "run-1.a_b"]
