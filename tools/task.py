@@ -21,7 +21,7 @@ class Task:
     """One task: the prompt the model sees and how its final answer is scored.
 
     ``verify(answer) -> float`` (a bool counts as 0/1) scores the final answer
-    text. ``files`` (path -> content) are written into the sandbox at reset.
+    text; a reward that is not a finite number fails the episode. ``files`` (path -> content) are written into the sandbox at reset.
     ``info`` is merged into the env's ``info`` (e.g. the reference answer), and
     ``report(answer)``, when given, adds metrics to the last step's ``info``.
     """

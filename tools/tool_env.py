@@ -18,8 +18,9 @@ message in the observation. Each call's output is capped at
 The episode is truncated after ``max_turns`` steps.
 
 Failures outside the model's control end the episode: a dead sandbox, a tool
-that raised, or a crash of the wrapped env or the verifier. The step then
-returns ``truncated=True``, reward 0, and the reason in ``info["error"]``.
+that raised, a crash of the wrapped env or the verifier, or a reward that is
+not a finite number. The step then returns ``truncated=True``, reward 0, and
+the reason in ``info["error"]``.
 
 The sandbox comes from ``sandbox=``: a ``Sandbox``, a factory or a pool (see
 ``agentrl.tools.sandbox_source``). It is leased on the first call that needs one
@@ -46,6 +47,8 @@ import copy
 import difflib
 import functools
 import inspect
+import math
+import numbers
 import re
 import traceback
 from collections.abc import Callable, Coroutine, Sequence
@@ -170,6 +173,14 @@ class ToolEnvConfig(BaseModel):
         description="Prepend the rendered tools prompt to the first observation, for models "
         "whose chat template does not take tools.",
     )
+
+
+def _as_reward(value: Any) -> float:
+    """``value`` as a float, or a ``ValueError`` naming it: a NaN or infinite reward
+    would reach every advantage of its group, and a str or None is a verifier bug."""
+    if isinstance(value, numbers.Real | np.bool_) and math.isfinite(value):
+        return float(value)
+    raise ValueError(f"the reward must be a finite number, got {value!r}")
 
 
 def strip_thinking(text: str) -> str:
@@ -476,17 +487,22 @@ class ToolEnv(TextEnv):
         if self.inner is not None:
             try:
                 obs, reward, term, trunc, info = self.inner.step(action)
+                reward = _as_reward(reward)
+                if not isinstance(obs, str):
+                    raise TypeError(f"the observation must be a str, got {type(obs).__name__}")
+                if not isinstance(info, dict):
+                    raise TypeError(f"the info must be a dict, got {type(info).__name__}")
             except Exception as err:
                 return _Outcome(
                     "The environment failed.", error=f"env step failed: {type(err).__name__}: {err}"
                 )
             info = dict(info)
             info.pop("tools", None)
-            return _Outcome(obs, float(reward), bool(term), bool(trunc), info)
+            return _Outcome(obs, reward, bool(term), bool(trunc), info)
         assert self.task is not None
         answer = strip_thinking(action)
         try:
-            reward = await self.task.score(answer, self.sandbox)
+            reward = _as_reward(await self.task.score(answer, self.sandbox))
             extra = {"answer": answer, **(self.task.report(answer) if self.task.report else {})}
         except Exception as err:  # the traceback says where in the verifier it broke
             return _Outcome(

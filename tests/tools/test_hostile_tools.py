@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from pydantic import BaseModel
 
+from agentrl.env import TextEnv
 from agentrl.errors import ConfigError
 from agentrl.tools import BashTool, Task, Tool, ToolEnv, ToolResult, parse_tool_calls, tool
 from tests.tools.sandbox_fakes import MemorySandbox
@@ -185,6 +186,92 @@ def test_whatever_a_tool_returns_becomes_readable_text(value, text):
 
     result = asyncio.run(tool(give).invoke({}, None))
     assert result.content == text and result.is_error is False
+
+
+# -- rewards ---------------------------------------------------------------------------
+
+
+class FixedScore(Task):
+    def __init__(self, value):
+        super().__init__("q")
+        self.value = value
+
+    async def score(self, answer, sandbox):
+        return self.value
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), None, "1", [1.0]])
+def test_a_verifier_reward_that_is_not_a_finite_number_fails_the_episode(value):
+    # NaN and inf were recorded as the reward (NaN lands in the tree's JSON and in
+    # every advantage of the group); None and "1" raised out of step().
+    env = ToolEnv(FixedScore(value))
+    env.reset(seed=0)
+    _, reward, term, trunc, info = env.step("the answer")
+    assert (reward, term, trunc) == (0.0, False, True)
+    assert "finite number" in info["error"] and repr(value) in info["error"]
+    env.close()
+
+
+def test_integer_bool_and_numpy_rewards_are_kept():
+    for value, want in ((True, 1.0), (2, 2.0), (np.float32(0.5), 0.5), (np.int64(1), 1.0)):
+        env = ToolEnv(FixedScore(value))
+        env.reset(seed=0)
+        _, reward, term, trunc, _ = env.step("a")
+        assert (reward, term, trunc) == (want, True, False) and type(reward) is float
+        env.close()
+
+
+class Scripted(TextEnv):
+    """A wrapped env whose step returns what the test gives it."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.answer = step
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return "go", {}
+
+    def step(self, action):
+        return self.answer
+
+
+@pytest.mark.parametrize(
+    ("step", "why"),
+    [
+        (("o", float("nan"), True, False, {}), "finite number"),
+        (("o", None, True, False, {}), "finite number"),
+        (("o", 1.0, True, False, None), "info"),
+        ((None, 1.0, True, False, {}), "observation"),
+    ],
+)
+def test_a_wrapped_env_step_with_a_bad_reward_info_or_observation_fails_the_episode(step, why):
+    # These raised TypeError/ValueError out of ToolEnv.step (or passed NaN through).
+    env = ToolEnv(Scripted(step), tools=["calculator"])
+    env.reset(seed=0)
+    obs, reward, term, trunc, info = env.step("act")
+    assert isinstance(obs, str) and (reward, term, trunc) == (0.0, False, True)
+    assert why in info["error"]
+    env.close()
+
+
+def _nan_scored_env() -> ToolEnv:
+    return ToolEnv(Task("q", verify=lambda a: float("nan")), tools=["calculator"])
+
+
+def test_a_nan_reward_is_a_recorded_episode_failure_in_a_real_rollout(tokenizer):
+    from agentrl.config import Config
+    from agentrl.env import register_env
+    from agentrl.policy.mock import MockPolicy
+    from agentrl.rollout import collect
+
+    register_env("agentrl/HostileNanReward-v0", entry_point=_nan_scored_env)
+    cfg = Config.model_validate({"rollout": {"group_size": 1, "max_turns": 3}})
+    script = [hermes("calculator", expression="6*7"), "42"]
+    (tree,) = collect("agentrl/HostileNanReward-v0", MockPolicy(tokenizer, script), cfg, seeds=[0])
+    last = tree.leaves()[0]
+    assert last.reward == 0.0 and last.truncated and "finite number" in last.error
+    assert "NaN" not in tree.to_json()
 
 
 # -- model output ----------------------------------------------------------------------
