@@ -59,7 +59,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentrl.env import TextEnv
-from agentrl.errors import ConfigError, EnvError, SandboxError
+from agentrl.errors import AgentRLError, ConfigError, EnvError, SandboxError
 from agentrl.loopthread import shared_loop
 from agentrl.sandboxes.base import Sandbox
 from agentrl.sandboxes.tar_filter import restore_filter
@@ -181,6 +181,15 @@ def _as_reward(value: Any) -> float:
     if isinstance(value, numbers.Real | np.bool_) and math.isfinite(value):
         return float(value)
     raise ValueError(f"the reward must be a finite number, got {value!r}")
+
+
+def _tool_failure(name: str, err: BaseException) -> str:
+    """Why a tool call failed the episode. A bug in the tool's own code gets the
+    traceback, to say where it broke; agentrl's errors (a dead sandbox) say it already."""
+    why = f"tool {name!r} failed: {type(err).__name__}: {err}"
+    if isinstance(err, AgentRLError):
+        return why
+    return why + "\n" + "".join(traceback.format_exception(err, limit=-8))
 
 
 def strip_thinking(text: str) -> str:
@@ -529,7 +538,7 @@ class ToolEnv(TextEnv):
             outcomes, error = await self._run_calls([c for _, c in runnable])
             for (i, call), res in zip(runnable, outcomes, strict=False):
                 if isinstance(res, BaseException):
-                    error = error or f"tool {call.name!r} failed: {type(res).__name__}: {res}"
+                    error = error or _tool_failure(call.name, res)
                     res = ToolResult.error(f"Error: the tool {call.name!r} failed.")
                 replies[i] = (call, res)
         results = [replies[i] for i in sorted(replies)]

@@ -188,6 +188,26 @@ def test_whatever_a_tool_returns_becomes_readable_text(value, text):
     assert result.content == text and result.is_error is False
 
 
+def _helper_that_breaks(x: int) -> str:
+    return {}["key" + str(x)]
+
+
+@tool
+async def buggy(args: XArgs) -> str:
+    """Raises from a helper."""
+    return _helper_that_breaks(args.x)
+
+
+def test_a_tool_that_raises_fails_the_episode_with_a_traceback_of_where():
+    # Only "KeyError: 'key1'" was recorded: nothing said which line of the tool broke.
+    env = ToolEnv(Task("q", verify=lambda a: 1.0), tools=[buggy])
+    env.reset(seed=0)
+    _, reward, term, trunc, info = env.step(hermes("buggy", x=1))
+    assert (reward, term, trunc) == (0.0, False, True)
+    assert "KeyError" in info["error"] and "_helper_that_breaks" in info["error"]
+    env.close()
+
+
 # -- rewards ---------------------------------------------------------------------------
 
 
