@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -166,16 +167,22 @@ class MetricsLogger:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a ``metrics.jsonl`` (a torn last line, from a kill mid-write, is skipped)."""
+    """The rows of a ``metrics.jsonl``. A torn last line (a kill mid-write) is skipped; an
+    unreadable line before it (a hand's or a disk's doing) is skipped with a warning naming it."""
     p = Path(path)
     if not p.exists():
         return []
     rows = []
-    for line in p.read_text(encoding="utf-8").splitlines():
+    lines = p.read_text(encoding="utf-8", errors="replace").splitlines()
+    for i, line in enumerate(lines, 1):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
-            continue
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif i < len(lines) and line.strip():
+            warnings.warn(f"{p}:{i}: skipped a line that is not a metrics row", RuntimeWarning, stacklevel=2)
     return rows
 
 

@@ -53,7 +53,7 @@ from .checkpoint import (
 from .compiled import compile_resolves_on
 from .config import TrainRunConfig
 from .curriculum import check_held_out, check_levels
-from .metrics import MetricsLogger, PeakMemory, ProgressBars, plot_learning_curve
+from .metrics import MetricsLogger, PeakMemory, ProgressBars, plot_learning_curve, read_metrics
 from .model import precision, precision_note, resolved_precision, sync_policy
 from .output_lock import output_lock
 from .plan import print_plan, run_plan, step_task_seeds
@@ -190,6 +190,7 @@ class Trainer:
         self.rollouts = rollouts(self.policy, cfg) if rollouts is not None else None
         self.step = 0
         self.sft_done = False
+        self._saved_row: dict[str, Any] | None = None  # the row the resumed checkpoint was saved with
         self.phases: dict[str, float] = {}  # success rate at start, after SFT, at the end
         self.phase_rewards: dict[str, float] = {}  # mean reward of the same evaluations
         self.allocation: dict[str, Any] = {}  # what the allocator did, over the run's steps
@@ -223,10 +224,14 @@ class Trainer:
             shutdown_env_worker_pools(self.cfg.env.id)
 
     # -- state ---------------------------------------------------------------------------
-    def save(self, export_hf: bool = False, prune: bool = True) -> Path:
+    def save(self, export_hf: bool = False, prune: bool = True, row: dict[str, Any] | None = None) -> Path:
+        """Checkpoint the run; ``row`` is the metrics row logged right after, kept so that a
+        resume can log it if the run was killed between the save and the row."""
         state = {"version": self.policy.version, "sft_done": self.sft_done, "phases": self.phases,
                  "phase_rewards": self.phase_rewards,
                  "config": self.cfg.model_dump(mode="json")}
+        if row is not None:
+            state["row"] = row
         lr = self.learner
         if lr.value_head is not None:
             state["value_head"] = lr.value_head.state()
@@ -279,6 +284,7 @@ class Trainer:
         self.sft_done = bool(ck.state.get("sft_done", False))
         self.phases = dict(ck.state.get("phases", {}))
         self.phase_rewards = dict(ck.state.get("phase_rewards", {}))
+        self._saved_row = ck.state.get("row")
         if lr.value_head is not None and "value_head" in ck.state:
             lr.value_head.load(ck.state["value_head"])
         if lr.distiller is not None and ck.state.get("distill_turn_mass"):
@@ -345,6 +351,8 @@ class Trainer:
         resumed = bool(self.step or self.phases or self.sft_done)  # evaluation off records no phase
         log = MetricsLogger(self.out, tensorboard=t.output.tensorboard,
                             resume_step=self.step if resumed else -1)
+        if resumed and self._saved_row is not None:
+            self._log_lost_row(log, self._saved_row)
         mem = PeakMemory()  # each logged row carries its phase's (or step's) peak memory
 
         def phase() -> None:  # a phase starts from what it holds: what the last one freed goes back
@@ -439,6 +447,14 @@ class Trainer:
         stats["time/step_s"] = time.perf_counter() - t_step  # the whole step, eval included; run() adds a checkpoint
         return stats
 
+    def _log_lost_row(self, log: MetricsLogger, row: dict[str, Any]) -> None:
+        """Log the resumed checkpoint's row where ``metrics.jsonl`` lacks it: the run was killed
+        after the save and before the row (without the save's seconds and peak memory, which
+        were measured after it)."""
+        phase = row.get("phase")
+        if not any(r.get("step") == self.step and r.get("phase") == phase for r in read_metrics(log.path)):
+            log.log(self.step, {**row, "recovered_from_checkpoint": True})
+
     def _save_then_log(self, log: MetricsLogger, mem: PeakMemory, row: dict[str, Any],
                        export_hf: bool = False) -> Path:
         """Checkpoint, then log ``row`` with the save's seconds (added to a step's ``time/step_s``)
@@ -451,7 +467,7 @@ class Trainer:
         """
         t0 = time.perf_counter()
         try:
-            path = self.save(export_hf=export_hf, prune=False)
+            path = self.save(export_hf=export_hf, prune=False, row=row)
         except BaseException as e:
             with contextlib.suppress(Exception):  # a full disk may refuse the row too: the save's error goes up
                 log.log(self.step, {**row, **mem.read(), "checkpoint/error": f"{type(e).__name__}: {e}"})

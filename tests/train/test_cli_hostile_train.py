@@ -82,3 +82,41 @@ def test_a_resume_from_a_damaged_checkpoint_names_it_and_what_to_do(tmp_path, da
     with pytest.raises(ConfigError, match=r"cannot resume from .*step-000002: .*remove that folder to resume "
                                           r"from the checkpoint before it \(step-000001\)"):
         train(toy_config(out, "train.steps=3", *QUIET), resume=True, progress=False)
+
+
+def test_a_row_lost_to_a_kill_after_its_checkpoint_is_logged_on_resume(tmp_path, monkeypatch):
+    """A kill between a checkpoint's save and its row's append lost the step's row for good: the
+    resume goes on from the checkpoint and never runs that step again."""
+    from agentrl.train.metrics import MetricsLogger
+
+    torch.set_num_threads(1)
+    out = tmp_path / "run"
+    log = MetricsLogger.log
+
+    def killed_after_the_save(self, step, metrics):
+        if step == 1 and "time/checkpoint_s" in metrics:  # the save of step 1 is on disk
+            raise KeyboardInterrupt
+        log(self, step, metrics)
+
+    monkeypatch.setattr(MetricsLogger, "log", killed_after_the_save)
+    with pytest.raises(KeyboardInterrupt):
+        train(toy_config(out, "train.steps=2", *QUIET), progress=False)
+    assert (out / "checkpoints" / "step-000001").is_dir() and [r["step"] for r in _rows(out)] == [0]
+    monkeypatch.setattr(MetricsLogger, "log", log)
+    train(toy_config(out, "train.steps=2", *QUIET), resume=True, progress=False)
+    rows = _rows(out)
+    assert [(r["step"], r["phase"]) for r in rows] == [(0, "start"), (1, "rl"), (2, "rl"), (2, "end")]
+    assert rows[1]["recovered_from_checkpoint"] is True and {"rollout/reward", "time/step_s"} <= set(rows[1])
+    train(toy_config(out, "train.steps=2", *QUIET), resume=True, progress=False)  # its row is there: not again
+    assert sum(bool(r.get("recovered_from_checkpoint")) for r in _rows(out)) == 1
+
+
+def test_an_unreadable_metrics_line_before_the_last_is_named(tmp_path):
+    from agentrl.train.metrics import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "loss\n7\n{"step": 3}\n{"step": 4, "lo')
+    with pytest.warns(RuntimeWarning) as seen:
+        rows = read_metrics(path)
+    assert rows == [{"step": 1}, {"step": 3}]
+    assert sorted(str(w.message).rsplit(":", 2)[1] for w in seen) == ["2", "3"]  # not line 5, the torn last
