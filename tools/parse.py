@@ -142,9 +142,15 @@ def _parse_hermes(text: str, result: ParseResult) -> None:
             result.errors.append(f"{where}: empty <tool_call> block. Write {_HERMES_EXAMPLE}")
             continue
         try:
-            obj = _DECODER.decode(body)
+            obj, end = _DECODER.raw_decode(body)
         except (ValueError, RecursionError) as err:
             result.errors.append(f"{where}: invalid JSON ({_short(err)}). Write {_HERMES_EXAMPLE}")
+            continue
+        if extra := body[end:].strip():  # often a stray closing brace
+            result.errors.append(
+                f"{where}: text after the JSON object: {extra[:40]!r}. Put only the object "
+                f"between the tags: {_HERMES_EXAMPLE}"
+            )
             continue
         items = obj if isinstance(obj, list) and obj else [obj]
         for item in items:

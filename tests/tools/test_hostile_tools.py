@@ -326,6 +326,15 @@ def test_call_ids_are_unique_even_when_the_model_repeats_or_reuses_them():
     assert ids[0] == "a" and ids[2] == "call_3"
 
 
+def test_text_after_the_json_in_a_block_is_named_as_such():
+    # The message was json's "Extra data: line 1 column 41", which does not say
+    # what to change; a stray closing brace is the usual cause.
+    for tail in ("}", " I hope this works"):
+        res = parse_tool_calls('<tool_call>{"name": "a", "arguments": {"x": 1}}' + tail + "</tool_call>")
+        assert res.calls == [] and len(res.errors) == 1
+        assert "after the JSON object" in res.errors[0] and repr(tail.strip()[:40]) in res.errors[0]
+
+
 def test_a_block_left_open_before_the_next_tool_call_tag_does_not_swallow_it():
     # Models often drop the closing tag between calls; both calls were lost as
     # one "invalid JSON (Extra data)" error.
