@@ -147,7 +147,9 @@ distillation work is on the [Algorithms](algorithms.md) page.
   from such an export. A save that fails (a full disk, an interrupt) still
   writes its step's `metrics.jsonl` row, evaluation included, with
   `checkpoint/error`, before the run stops; `--resume` continues from the last
-  whole checkpoint. `agentrl train` and `agentrl sft` (`agentrl.train.train`)
+  whole checkpoint. A checkpoint keeps its step's row too: a run killed after
+  the save and before the row gets the row back on `--resume`, marked
+  `recovered_from_checkpoint`. `agentrl train` and `agentrl sft` (`agentrl.train.train`)
   hold their output folder one run at a time (an `fcntl` lock on its
   `.run.lock`, dropped by the kernel when the process ends, however it ends): a
   second one there, `--overwrite` or `--resume`, stops with the live run's pid
