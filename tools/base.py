@@ -14,6 +14,10 @@ A tool that keeps state outside the sandbox's files (the ``python`` tool's
 interpreter) implements ``snapshot_state``/``restore_state``, so that a
 restored ``ToolEnv`` continues as the original did.
 
+``ToolEnv`` stops a call after ``call_timeout_s``, but only at an ``await``: a
+tool body that blocks (``time.sleep``, a CPU loop) stalls the event loop every
+env shares. Run blocking code with ``asyncio.to_thread``.
+
 The ``@tool`` decorator makes a tool from an async function whose first
 parameter is annotated with a pydantic model::
 
