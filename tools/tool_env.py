@@ -235,6 +235,8 @@ class ToolEnv(TextEnv):
             raise ConfigError(f"bad ToolEnv setting ({bad})") from err
         self.inner = source if isinstance(source, TextEnv) else None
         self._tasks = None if self.inner is not None else source
+        if isinstance(tools, str | Tool):  # a str is a sequence too: of letters
+            raise ConfigError(f"tools takes a list, e.g. tools=[{tools!r}]")
         self.tools: dict[str, Tool] = {}
         for t in tools:
             t = get_tool(t) if isinstance(t, str) else t

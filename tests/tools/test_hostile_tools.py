@@ -100,6 +100,12 @@ class ArrayArgs(BaseModel):
     data: np.ndarray
 
 
+def test_tools_given_as_one_name_instead_of_a_list_is_a_clear_error():
+    # A str is a sequence: it was read letter by letter ("unknown tool 'c'").
+    with pytest.raises(ConfigError, match=r"tools=\['calculator'\]"):
+        ToolEnv(Task("q", verify=lambda a: 1.0), tools="calculator")
+
+
 def test_arguments_with_no_json_schema_are_refused_at_definition_not_at_reset():
     # The schema was first built at reset, so the env failed there, far from the cause.
     async def takes_array(args: ArrayArgs) -> str:
