@@ -1,5 +1,7 @@
 """The text environment API: ``TextEnv`` is a ``gymnasium.Env`` whose
-observations and actions are strings, plus the registry helpers.
+observations and actions are strings, the registry helpers, and the check of
+what an env returns (``answer_problem``) with the JSON form of its ``info``
+(``jsonable``), which every caller of a user's env goes through.
 
 A subclass overrides ``reset`` and ``step`` (calling ``super().reset(seed=seed)``
 first, as gymnasium asks) and returns ``info`` with:
@@ -33,11 +35,14 @@ import copy
 import difflib
 import importlib
 import inspect
+import math
+import numbers
 import threading
 from importlib.metadata import entry_points
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
 from gymnasium import spaces
 
 from .errors import EnvError
@@ -46,9 +51,11 @@ __all__ = [
     "NAMESPACE",
     "TextEnv",
     "TextSpace",
+    "answer_problem",
     "check_env_kwargs",
     "env_creator",
     "import_env_modules",
+    "jsonable",
     "list_envs",
     "make_env",
     "register_env",
@@ -249,3 +256,113 @@ def check_env_kwargs(env_id: str, kwargs: dict[str, Any], key: str = "env.kwargs
 def make_env(env_id: str, **kwargs: Any) -> gym.Env:
     """``gymnasium.make`` for agentrl envs (``module:id`` too), with a did-you-mean on unknown ids."""
     return gym.make(resolve_env_id(env_id), disable_env_checker=True, **kwargs)
+
+
+# -- what an env returns ---------------------------------------------------------------
+# A user's env is checked where its answer is read, so that a wrong value fails its
+# episode with a reason that names the env, not later: bytes broke the trajectories
+# file after every episode had run, a NaN reward reached the advantages, a str as
+# admissible_actions was listed letter by letter.
+
+_SHAPES = {"reset": "(observation, info)",
+           "step": "gymnasium's five-tuple (observation, reward, terminated, truncated, info)"}
+
+
+def _flag(value: Any) -> bool:
+    """Whether ``value`` is a gymnasium done flag: a bool (numpy's too), or an int 0 or 1."""
+    return isinstance(value, bool | np.bool_) or (isinstance(value, numbers.Integral) and value in (0, 1))
+
+
+def _observation_problem(method: str, obs: Any) -> str | None:
+    if not isinstance(obs, str):
+        hint = " (decode bytes first)" if isinstance(obs, bytes | bytearray) else ""
+        return f"env.{method} returned an observation of type {type(obs).__name__}: observations are str{hint}"
+    if not obs.isascii():
+        try:
+            obs.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: no tokenizer or file takes it
+            return (f"env.{method} returned an observation that is not valid Unicode ({e.reason} "
+                    f"{obs[e.start]!r} at index {e.start}); decode bytes with errors='replace'")
+    return None
+
+
+def _info_problem(method: str, info: Any) -> str | None:
+    if not isinstance(info, dict):
+        return f"env.{method} returned info of type {type(info).__name__}: info is a dict"
+    actions = info.get("admissible_actions")
+    if actions is not None and not isinstance(actions, list | tuple):
+        return (f"env.{method} returned info['admissible_actions'] of type {type(actions).__name__}: "
+                "it is a list of action strings")
+    messages = info.get("tool_messages")
+    if messages and not (isinstance(messages, list | tuple) and all(isinstance(m, dict) for m in messages)):
+        return f"env.{method} returned info['tool_messages'] that is not a list of message dicts"
+    prompt = info.get("tools_prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        return f"env.{method} returned info['tools_prompt'] of type {type(prompt).__name__}: it is a str"
+    success = info.get("success")
+    if success is not None and not isinstance(success, numbers.Number | np.bool_):
+        # bool("false") is True: a str here would count as a success
+        return f"env.{method} returned info['success']={success!r:.40}: it is a bool"
+    return None
+
+
+def answer_problem(method: str, answer: Any) -> str | None:
+    """What is wrong with what ``env.reset`` (``method="reset"``) or ``env.step`` returned,
+    against the contract of the module docstring, in words; None when it is right.
+
+    Lenient where gymnasium is (a numpy or int reward, numpy bools, both flags set),
+    strict where a value would be misread: a reward that is a str or not finite, a
+    done flag that is not a bool, an observation that is not valid Unicode text.
+    """
+    size = 2 if method == "reset" else 5
+    if not isinstance(answer, tuple | list) or len(answer) != size:
+        got = f"{len(answer)} values" if isinstance(answer, tuple | list) else type(answer).__name__
+        return f"env.{method} returned {got}, not {_SHAPES[method]}"
+    if problem := _observation_problem(method, answer[0]) or _info_problem(method, answer[-1]):
+        return problem
+    if method == "reset":
+        return None
+    _, reward, terminated, truncated, _ = answer
+    if isinstance(reward, str | bytes):
+        return f"env.step returned the reward {reward!r:.40}, a {type(reward).__name__}: rewards are numbers"
+    try:
+        value = float(reward)
+    except (TypeError, ValueError):
+        return f"env.step returned a reward of type {type(reward).__name__}: rewards are numbers"
+    if not math.isfinite(value):  # it would reach every advantage of its group
+        return f"env.step returned a reward of {value}: rewards are finite"
+    for name, flag in (("terminated", terminated), ("truncated", truncated)):
+        if not _flag(flag):
+            return f"env.step returned {name}={flag!r:.40}: it is a bool"
+    return None
+
+
+def _text(s: str) -> str:
+    if s.isascii():
+        return str(s)
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def jsonable(value: Any, _depth: int = 0) -> Any:
+    """``value`` (an env's ``info``, or a part of it) as strict JSON data: dict keys become
+    str, tuples and sets lists, numpy scalars numbers, non-finite floats the strings "nan",
+    "inf" and "-inf" (JSON has none; a file that holds them is unreadable to most parsers),
+    a lone surrogate in a str its escape (``\\udcff``: UTF-8 has no such character), and
+    anything else its ``str``. A container nested over 64 deep (a cycle) is cut there."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if value is None or type(value) is bool:
+        return value
+    if isinstance(value, str):
+        return _text(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, dict | list | tuple | set | frozenset):
+        if _depth >= 64:
+            return f"<{type(value).__name__} nested over 64 deep>"
+        if isinstance(value, dict):
+            return {_text(str(k)): jsonable(v, _depth + 1) for k, v in value.items()}
+        return [jsonable(v, _depth + 1) for v in value]
+    return _text(str(value))

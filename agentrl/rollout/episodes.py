@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..chat import ChatContext
 from ..config import Config
+from ..env import answer_problem
 from ..errors import ConfigError, ContextOverflowError, RolloutError
 from ..types import Node, RolloutTree
 from .budget import BudgetMeter, BudgetSpent
@@ -128,10 +129,14 @@ class EpisodePlayer:
             raise BudgetSpent
         env = await self._acquire()
         try:
-            obs, info = await self.envs.call(env, "reset", tree.meta["seed"])
+            answer = await self.envs.call(env, "reset", tree.meta["seed"])
         except Exception as e:
             self.envs.release(env, healthy=False)
             raise RolloutError(f"env.reset raised {type(e).__name__}: {e}") from None
+        if problem := answer_problem("reset", answer):
+            self.envs.release(env, healthy=False)
+            raise RolloutError(problem)
+        obs, info = answer
         tree.meta.setdefault("instruction", info.get("instruction", ""))
         if info.get("state_key") is not None:  # the opening state, for GiGPO's anchor groups
             tree.meta.setdefault("state_key", info["state_key"])
@@ -186,7 +191,10 @@ class EpisodePlayer:
 
     async def _replay(self, env: Any, tree: RolloutTree, upto: int | None) -> BranchPoint:
         """Rebuild a branch point by reset + replaying the actions on the path to ``upto``."""
-        obs, info = await self.envs.call(env, "reset", tree.meta["seed"])
+        answer = await self.envs.call(env, "reset", tree.meta["seed"])
+        if problem := answer_problem("reset", answer):
+            raise RolloutError(problem)
+        obs, info = answer
         ctx = self._opening(obs, info)
         pending, turns, admissible = list(ctx.ids), 0, self._admissible(info)
         path = tree.path(upto) if upto is not None else []
@@ -195,6 +203,8 @@ class EpisodePlayer:
                 continue
             ctx.append_action([t for n in tree.turn_nodes(node.id) for t in n.action_ids])
             step = await self.envs.call(env, "step", node.action_text)
+            if problem := answer_problem("step", step):
+                raise RolloutError(problem)
             _counters(tree)["env_steps_replayed"] += 1
             turns += 1
             admissible = self._admissible(step[4])
@@ -312,11 +322,14 @@ class EpisodePlayer:
                 node.expert_action_error = f"{type(e).__name__}: {e}"
         try:
             step = await self.envs.call(path.env, "step", node.action_text)
+            problem = answer_problem("step", step)
         except Exception as e:
-            node.error = f"env.step raised {type(e).__name__}: {e}"
+            problem = f"env.step raised {type(e).__name__}: {e}"
+        if problem:  # the env's failure, recorded on the turn that met it
+            node.error = problem
             node.truncated = True
             self._add(path, node)
-            raise RolloutError(node.error, env_broken=True) from None
+            raise RolloutError(node.error, env_broken=True)
         _counters(path.tree)["env_steps"] += 1
         obs, _, terminated, truncated, info = step
         path.admissible = self._admissible(info)

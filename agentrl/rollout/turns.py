@@ -8,19 +8,18 @@ token for token.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
 from ..chat import ChatContext
 from ..config import Config
-from ..errors import ContextOverflowError
+from ..env import answer_problem, jsonable
+from ..errors import ContextOverflowError, EnvError
 from ..types import Node
 
 __all__ = ["jsonable_info", "listed_actions", "observation_messages", "opening_messages", "record_next_context", "step_node", "top1"]
 
 _HEAVY_INFO = ("admissible_actions", "tools", "tools_prompt")
-_JSON_SCALARS = (str, int, float, bool, type(None))  # exact types: a subclass may dump differently
 
 
 def observation_messages(obs: str, info: dict[str, Any], cfg: Config) -> list[dict[str, Any]]:
@@ -44,11 +43,16 @@ def opening_messages(obs: str, info: dict[str, Any], cfg: Config) -> list[dict[s
 
 
 def jsonable_info(info: dict[str, Any]) -> dict[str, Any]:
-    """Info minus per-step lists, made JSON-safe so trees serialize."""
+    """Info minus per-step lists, made strict JSON (``agentrl.env.jsonable``) so trees serialize."""
     kept = {k: v for k, v in info.items() if k not in _HEAVY_INFO}
-    if all(type(k) is str and type(v) in _JSON_SCALARS for k, v in kept.items()):
-        return kept  # what a JSON round trip would give back: skip it (the usual info)
-    return json.loads(json.dumps(kept, default=str))
+    if all(type(k) is str and k.isascii() and _plain_scalar(v) for k, v in kept.items()):
+        return kept  # what ``jsonable`` would give back: skip it (the usual info)
+    return jsonable(kept)
+
+
+def _plain_scalar(v: Any) -> bool:
+    t = type(v)
+    return t in (int, bool, type(None)) or (t is str and v.isascii()) or (t is float and math.isfinite(v))
 
 
 def step_node(node: Node, step: tuple[Any, Any, Any, Any, dict[str, Any]], ctx: ChatContext, cfg: Config,
@@ -58,8 +62,12 @@ def step_node(node: Node, step: tuple[Any, Any, Any, Any, dict[str, Any]], ctx: 
     ``turns`` counts this turn; at ``max_turns`` an unfinished episode is truncated.
     Returns the context delta the next turn's node carries, or None when the
     episode ends at ``node`` (done, cut by ``max_turns``, or its answer overflows
-    the context; the reason is in ``node.info["truncation_reason"]``).
+    the context; the reason is in ``node.info["truncation_reason"]``). Raises
+    ``EnvError`` when the step's answer breaks the env contract (``answer_problem``;
+    the engine checks it first, SFT's expert episodes here).
     """
+    if problem := answer_problem("step", step):
+        raise EnvError(problem)
     obs, reward, terminated, truncated, info = step
     node.observation, node.reward = obs, float(reward)
     node.terminated, node.truncated = bool(terminated), bool(truncated)

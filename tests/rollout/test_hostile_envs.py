@@ -1,0 +1,139 @@
+"""User envs that break the contract inside rollouts: each fails only its episode, with a
+reason that names the env, and the run's files stay readable (strict JSON)."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agentrl.config import Config
+from agentrl.env import TextEnv, answer_problem, jsonable, register_env
+from agentrl.policy import MockPolicy
+from agentrl.rollout import collect, summarize, write_run
+
+_OK_STEP = ("Go on.", 0.0, False, False, {})
+
+
+def _cyclic() -> dict[str, Any]:
+    d: dict[str, Any] = {}
+    d["self"] = d
+    return d
+
+
+# What the env returns, by name: (reset's answer, step's answer).
+ANSWERS: dict[str, tuple[Any, Any]] = {
+    "reset_none": (None, _OK_STEP),
+    "reset_three": (("Hi.", {}, 1), _OK_STEP),
+    "reset_obs_int": ((42, {}), _OK_STEP),
+    "reset_info_none": (("Hi.", None), _OK_STEP),
+    "reset_surrogate": (("bad \ud800 text", {}), _OK_STEP),
+    "step_four": (("Hi.", {}), ("o", 0.0, False, {})),
+    "step_none": (("Hi.", {}), None),
+    "step_obs_bytes": (("Hi.", {}), (b"o", 0.0, False, False, {})),
+    "step_obs_dict": (("Hi.", {}), ({"a": 1}, 0.0, False, False, {})),
+    "step_surrogate": (("Hi.", {}), ("bad \udcff end", 0.0, False, False, {})),
+    "reward_nan": (("Hi.", {}), ("o", math.nan, True, False, {})),
+    "reward_inf": (("Hi.", {}), ("o", -math.inf, True, False, {})),
+    "reward_str": (("Hi.", {}), ("o", "1", True, False, {})),
+    "reward_array": (("Hi.", {}), ("o", np.array([1.0, 2.0]), True, False, {})),
+    "flag_str": (("Hi.", {}), ("o", 1.0, "False", False, {})),
+    "info_list": (("Hi.", {}), ("o", 0.0, False, False, [1])),
+    "actions_str": (("Hi.", {"admissible_actions": "go north"}), _OK_STEP),
+    "tool_messages_str": (("Hi.", {}), ("o", 0.0, False, False, {"tool_messages": ["x"]})),
+    "success_str": (("Hi.", {}), ("o", 0.0, True, False, {"success": "false"})),
+}
+
+# Answers gymnasium allows: they must still play.
+FINE: dict[str, tuple[Any, Any]] = {
+    "numpy": (("Hi.", {}), ("o", np.float32(1.0), np.bool_(True), np.bool_(False), {})),
+    "int_flags_bool_reward": (("Hi.", {}), ("o", True, 1, 0, {})),
+    "both_flags": (("Hi.", {}), ("o", 1.0, True, True, {})),
+    "list_answer": (["Hi.", {}], ["o", 1, True, False, {"success": np.bool_(True)}]),
+    "odd_info": (("Hi.", {}), ("o", 1.0, True, False, {
+        "nan": math.nan, "inf": [math.inf], "set": {3}, (1, 2): "tuple key", "arr": np.arange(3),
+        "i64": np.int64(2), "obj": object(), "cycle": _cyclic(), "bad": "x\udcffy"})),
+}
+
+
+class AnswerEnv(TextEnv):
+    """Answers reset and step as ``ANSWERS[name]`` or ``FINE[name]`` says."""
+
+    def __init__(self, name: str = "reset_none"):
+        super().__init__()
+        self.answers = ANSWERS.get(name) or FINE[name]
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return self.answers[0]
+
+    def step(self, action: str):
+        return self.answers[1]
+
+
+register_env("agentrl/TestAnswer-v0", entry_point=AnswerEnv)
+
+
+def _strict_json(line: str) -> Any:
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(line, parse_constant=refuse)
+
+
+def _run(tokenizer: Any, tmp_path: Path, env_id: str, kwargs: dict[str, Any], **rollout: Any):
+    cfg = Config.model_validate({"env": {"id": env_id, "kwargs": kwargs},
+                                 "rollout": {"max_turns": 2, "episode_timeout_s": 30, **rollout}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an env's fault reported as an engine bug warns
+        trees = collect(env_id, MockPolicy(tokenizer, ["hi"]), cfg, seeds=[0, 1])
+    summary = summarize(trees, wall_s=1.0)
+    write_run(tmp_path, trees, summary)
+    lines = (tmp_path / "trajectories.jsonl").read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 2 and all(_strict_json(line) for line in lines)
+    _strict_json((tmp_path / "summary.json").read_text())
+    return trees, summary
+
+
+@pytest.mark.parametrize("name", sorted(ANSWERS))
+def test_an_answer_that_breaks_the_contract_fails_its_episode_naming_the_env(name, tokenizer, tmp_path):
+    trees, summary = _run(tokenizer, tmp_path, "agentrl/TestAnswer-v0", {"name": name},
+                          show_admissible=True)
+    method = name.split("_")[0] if name.startswith(("reset", "actions")) else "step"
+    method = "reset" if method == "actions" else method
+    errors = [ep.error for t in trees for ep in t.episodes()]
+    assert summary["failed_episodes"] == 2
+    assert all(e and e.startswith(f"env.{method} returned ") for e in errors), errors
+    assert math.isfinite(summary["mean_reward"])
+
+
+@pytest.mark.parametrize("name", sorted(FINE))
+def test_answers_gymnasium_allows_still_play(name, tokenizer, tmp_path):
+    trees, summary = _run(tokenizer, tmp_path, "agentrl/TestAnswer-v0", {"name": name})
+    assert summary["failed_episodes"] == 0, summary["failure_reasons"]
+    assert summary["success_rate"] == 1.0
+    if name == "odd_info":
+        info = trees[0].nodes[0].info
+        assert info["nan"] == "nan" and info["inf"] == ["inf"] and info["(1, 2)"] == "tuple key"
+        assert info["i64"] == 2 and info["bad"] == "x\\udcffy"
+
+
+def test_answer_problem_names_what_is_wrong():
+    assert answer_problem("step", ("o", 0.5, False, False, {})) is None
+    assert answer_problem("reset", ("o", {})) is None
+    assert answer_problem("step", ("o", 0.0, False, {})) == (
+        "env.step returned 4 values, not gymnasium's five-tuple "
+        "(observation, reward, terminated, truncated, info)")
+    assert answer_problem("step", ("o", math.nan, True, False, {})) == (
+        "env.step returned a reward of nan: rewards are finite")
+    assert "decode bytes first" in answer_problem("reset", (b"o", {}))
+
+
+def test_jsonable_is_strict_json():
+    out = jsonable({"a": (1, math.nan), 2: {"b": np.float32(0.5)}, "c": np.bool_(False)})
+    assert out == {"a": [1, "nan"], "2": {"b": 0.5}, "c": False}
+    assert _strict_json(json.dumps(out)) == out
