@@ -14,29 +14,33 @@ A tool that keeps state outside the sandbox's files (the ``python`` tool's
 interpreter) implements ``snapshot_state``/``restore_state``, so that a
 restored ``ToolEnv`` continues as the original did.
 
-``ToolEnv`` stops a call after ``call_timeout_s``, but only at an ``await``: a
-tool body that blocks (``time.sleep``, a CPU loop) stalls the event loop every
-env shares. Run blocking code with ``asyncio.to_thread``.
+``ToolEnv`` stops a call after ``call_timeout_s``, but only at an ``await``: an
+async tool body that blocks (``time.sleep``, a CPU loop) stalls the event loop
+every env shares. A plain ``def`` tool runs in a worker thread instead
+(``asyncio.to_thread``), as Starlette runs sync endpoints: it blocks no other
+episode, and one that times out is answered with the error while its thread
+finishes (a thread cannot be killed).
 
-The ``@tool`` decorator makes a tool from an async function whose first
-parameter is annotated with a pydantic model::
+The ``@tool`` decorator makes a tool from a function whose first parameter is
+annotated with a pydantic model::
 
     class AddArgs(BaseModel):
         a: int = Field(description="first addend")
         b: int = Field(description="second addend")
 
     @tool(description="Add two integers.")
-    async def add(args: AddArgs) -> str:
+    def add(args: AddArgs) -> str:
         return str(args.a + args.b)
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import re
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, get_type_hints
 
@@ -280,12 +284,13 @@ def _first_line(err: Exception) -> str:
 
 
 class FunctionTool(Tool):
-    """A tool made from an async function ``fn(args)`` or ``fn(args, sandbox)``, which
-    returns a ``ToolResult`` or any value (shown to the model as ``as_text`` writes it)."""
+    """A tool made from a function ``fn(args)`` or an async one ``fn(args)`` or ``fn(args, sandbox)``,
+    which returns a ``ToolResult`` or any value (shown to the model as ``as_text`` writes it).
+    A plain function runs in a worker thread."""
 
     def __init__(
         self,
-        fn: Callable[..., Awaitable[str | ToolResult]],
+        fn: Callable[..., Any],
         args_model: type[BaseModel],
         name: str,
         description: str,
@@ -300,17 +305,21 @@ class FunctionTool(Tool):
         self.needs_sandbox = needs_sandbox  # type: ignore[misc]
 
     async def __call__(self, args: Any, sandbox: Sandbox | None) -> ToolResult:
-        out = await (self._fn(args, sandbox) if self._pass_sandbox else self._fn(args))
+        if not inspect.iscoroutinefunction(self._fn):  # off the loop every env shares
+            out = await asyncio.to_thread(self._fn, args)
+        else:
+            out = await (self._fn(args, sandbox) if self._pass_sandbox else self._fn(args))
         return out if isinstance(out, ToolResult) else ToolResult(content=as_text(out))
 
 
 def tool(
-    fn: Callable[..., Awaitable[Any]] | None = None,
+    fn: Callable[..., Any] | None = None,
     *,
     name: str | None = None,
     description: str | None = None,
 ) -> Any:
-    """Decorator: turn ``async def fn(args: SomeModel[, sandbox])`` into a ``Tool``.
+    """Decorator: turn ``def fn(args: SomeModel)`` or ``async def fn(args: SomeModel[, sandbox])``
+    into a ``Tool`` (a plain function runs in a worker thread).
 
     The name defaults to the function's name and the description to its
     docstring. The tool asks for a sandbox when ``fn`` takes a second positional
@@ -322,15 +331,17 @@ def tool(
     # under ``from __future__ import annotations``.
     caller_locals = dict(sys._getframe(1).f_locals)
 
-    def wrap(f: Callable[..., Awaitable[Any]]) -> FunctionTool:
+    def wrap(f: Callable[..., Any]) -> FunctionTool:
         # A partial or a callable object has no annotations of its own to read.
         if not (inspect.isfunction(f) or inspect.ismethod(f)):
             raise TypeError(
-                f"@tool takes an async def function or a bound method, not {type(f).__name__}; "
-                "wrap the call in an async def"
+                f"@tool takes a function or a bound method, not {type(f).__name__}; "
+                "wrap the call in a def"
             )
-        if not inspect.iscoroutinefunction(f):
-            raise TypeError(f"@tool needs an async function; {f.__name__} is not")
+        if inspect.isasyncgenfunction(f) or inspect.isgeneratorfunction(f):
+            raise TypeError(f"@tool takes a function that returns its result; {f.__name__} is a generator")
+        if not inspect.iscoroutinefunction(f) and _takes_sandbox(f):
+            raise TypeError(f"{f.__name__} takes the sandbox, whose methods are coroutines: make it an async def")
         # In a class body the function is not bound yet: ``self`` would be taken for
         # the args and the args for the sandbox. ``tool(obj.method)`` works.
         if inspect.isfunction(f) and f.__qualname__.split(".")[-2:-1] not in ([], ["<locals>"]):

@@ -91,7 +91,7 @@ def test_partials_and_callable_objects_get_a_clear_error():
             return ""
 
     for obj in (functools.partial(base), Callable()):
-        with pytest.raises(TypeError, match="async def"):
+        with pytest.raises(TypeError, match="wrap the call in a def"):
             tool(obj)
 
 
