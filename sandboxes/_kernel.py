@@ -101,8 +101,9 @@ def child_runs(code, w_out, w_err, w_st, r_go, ns):
     os.close(w_out)
     os.close(w_err)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.stdout = open(1, "w", encoding="utf-8", errors="replace", closefd=False)
-    sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False)
+    # Line-buffered: what a snippet printed before a timeout's or a crash's kill is in the pipe
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
     exit_code = run_snippet(code, ns)
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -62,6 +62,16 @@ async def test_timeout_kills_the_snippet_and_rolls_back(interp):
     assert (await interp.execute("n")).stdout == "1\n"
 
 
+async def test_what_a_snippet_printed_before_it_was_killed_is_kept(interp):
+    """Its output sat in the snippet's block buffer, and the kill dropped it: the model saw only
+    that the snippet timed out, not how far it got."""
+    r = await interp.execute("import sys\nprint('step 1')\nprint('warn', file=sys.stderr)\nwhile True:\n    pass",
+                             timeout=1.5)
+    assert r.timed_out and r.stdout == "step 1\n" and r.stderr.startswith("warn\n"), r
+    r = await interp.execute("import os\nprint('step 2')\nos._exit(3)")
+    assert (r.exit_code, r.stdout) == (3, "step 2\n")
+
+
 async def test_output_is_truncated(built):
     async with PythonInterpreter(built.sandbox, output_bytes=1000) as it:
         r = await it.execute("print('x' * 100_000)")
