@@ -9,7 +9,11 @@ loop whatever the setting.
 
 Envs are reused between episodes while healthy. One that failed or timed out
 may still be mid-step in a thread: it is never handed out again, and is closed
-on a thread of its own; a hung process env is killed at once.
+on a thread of its own; a hung process env is killed at once. At the end every
+env is closed on a thread of its own too, and a ``close`` still running after
+20 s is left to it with a warning: an env whose ``close`` hangs costs a thread,
+not the run (its trees are written after this). An env that calls
+``sys.exit`` fails its episode like one that raises.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 from ..config import Config
 from ..env import make_env
+from ..errors import EnvError
 from .pool import DaemonPool
 
 __all__ = ["EnvExecutor"]
@@ -56,6 +61,12 @@ class EnvExecutor:
         Methods are called on ``env.unwrapped``: a branch restores the inner env,
         which ``gymnasium.make``'s order-enforcing wrapper would not know about.
         """
+        try:
+            return await self._call(env, method, *args)
+        except SystemExit as e:  # argparse or a library in the env exited: that ends its episode, not the run
+            raise EnvError(f"the env called sys.exit({e.code!r})") from None
+
+    async def _call(self, env: Any, method: str, *args: Any) -> Any:
         inner = env.unwrapped
         remote = getattr(inner, "acall", None)  # hosted by a Ray env worker: await the call itself
         if remote is not None:
@@ -110,24 +121,33 @@ class EnvExecutor:
             return
         # A timed-out or crashed env may still be mid-step in a thread: never
         # reuse it; close it on a thread of its own.
+        self._close_on_thread(env)
+
+    def _close_on_thread(self, env: Any) -> None:
         t = threading.Thread(target=_close_quietly, args=(env,), daemon=True, name="agentrl-env-close")
         t.start()
         self._closers.append(t)
 
     def close(self) -> None:
-        """Close every env (each in its own try) and the step pool."""
+        """Close every env (each in its own try, on its own thread) and the step pool; wait
+        at most ``_CLOSE_WAIT_S`` for them all."""
         envs, self._all, self._idle = self._all, [], []
         for env in envs:
-            _close_quietly(env)
+            self._close_on_thread(env)
         deadline = time.monotonic() + _CLOSE_WAIT_S
         for made in list(self._making):  # its episode timed out while it started (a loaded machine)
             try:
-                _close_quietly(made.result(timeout=max(0.0, deadline - time.monotonic())))
+                env = made.result(timeout=max(0.0, deadline - time.monotonic()))
             except BaseException:  # noqa: BLE001 - it failed to start, or still starts: nothing to close
-                pass
+                continue
+            self._close_on_thread(env)
         self._making.clear()
         for t in self._closers:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
+        if hung := sum(t.is_alive() for t in self._closers):
+            warnings.warn(f"{hung} env close() call(s) still running after {_CLOSE_WAIT_S:.0f} s: left to "
+                          "their daemon threads", RuntimeWarning, stacklevel=2)
+        self._closers.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._env_workers is not None and not self._released:  # idle now: a later pool may shut it down
             from ..distributed.env_workers import release_env_worker_pool

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -137,3 +140,56 @@ def test_jsonable_is_strict_json():
     out = jsonable({"a": (1, math.nan), 2: {"b": np.float32(0.5)}, "c": np.bool_(False)})
     assert out == {"a": [1, "nan"], "2": {"b": 0.5}, "c": False}
     assert _strict_json(json.dumps(out)) == out
+
+
+RELEASE_CLOSE = threading.Event()  # a hung close() waits on it; set when its test ends
+
+
+class MisbehavingEnv(TextEnv):
+    """Plays two turns; ``how`` says what goes wrong: ``close_hangs`` or ``step_exits``."""
+
+    def __init__(self, how: str = "close_hangs"):
+        super().__init__()
+        self.how, self.turn = how, 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.turn = 0
+        return "Say two things.", {}
+
+    def step(self, action: str):
+        self.turn += 1
+        if self.how == "step_exits":
+            sys.exit(2)  # argparse in an env, or a library that exits
+        return "Go on.", 1.0, self.turn == 2, False, {}
+
+    def close(self) -> None:
+        if self.how == "close_hangs":
+            RELEASE_CLOSE.wait(120)
+
+
+register_env("agentrl/TestMisbehaving-v0", entry_point=MisbehavingEnv)
+
+
+def test_an_env_whose_close_hangs_does_not_hang_the_run(tokenizer, monkeypatch):
+    from agentrl.rollout import executors
+
+    monkeypatch.setattr(executors, "_CLOSE_WAIT_S", 1.0)
+    cfg = Config.model_validate({"rollout": {"max_turns": 2, "episode_timeout_s": 30}})
+    t0 = time.monotonic()
+    try:
+        with pytest.warns(RuntimeWarning, match="close\\(\\) call\\(s\\) still running"):
+            trees = collect("agentrl/TestMisbehaving-v0", MockPolicy(tokenizer, ["hi"]), cfg, seeds=[0, 1])
+    finally:
+        RELEASE_CLOSE.set()
+    assert time.monotonic() - t0 < 30
+    assert summarize(trees, 1.0)["success_rate"] == 1.0
+
+
+@pytest.mark.parametrize("executor", ["thread", "inline"])
+def test_an_env_that_calls_sys_exit_fails_only_its_episode(executor, tokenizer):
+    cfg = Config.model_validate({"env": {"kwargs": {"how": "step_exits"}},
+                                 "rollout": {"max_turns": 2, "env_executor": executor}})
+    trees = collect("agentrl/TestMisbehaving-v0", MockPolicy(tokenizer, ["hi"]), cfg, seeds=[0, 1])
+    assert [ep.error for t in trees for ep in t.episodes()] == [
+        "env.step raised EnvError: the env called sys.exit(2)"] * 2
