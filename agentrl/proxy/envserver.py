@@ -13,8 +13,10 @@ A harness that knows nothing of agentrl plays an env through these routes
 Outcomes sort as in ``ToolEnv``: a request the server cannot read (bad JSON, a
 missing or mistyped field) is a 400 that names the field; an unknown env id a
 400 with the closest registered id; an unknown instance a 404. An env that
-raises inside ``step`` ends its episode: the reply is an error observation with
-``truncated=True`` and the reason in ``info["error"]``, and the server goes on.
+raises inside ``step``, exits, or answers against the env contract (a NaN
+reward, bytes, a 4-tuple: ``agentrl.env.answer_problem``) ends its episode: the
+reply is an error observation with ``truncated=True`` and the reason in
+``info["error"]``, and the server goes on. Such a ``reset`` is a 400 with the reason.
 Env calls run on a worker thread, one at a time per env, so a slow env does
 not stall the others. Envs are sandboxed as they are when made in-process.
 """
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -91,14 +92,16 @@ class _Live:
                 "truncated": self.truncated, "steps": self.steps}
 
 
-def _plain(info: Any) -> dict[str, Any]:
-    """``info`` as JSON-safe data (numpy values and objects become strings).
+def _plain(info: dict[str, Any]) -> dict[str, Any]:
+    """``info`` as strict JSON data (``agentrl.env.jsonable``: numpy values become numbers,
+    NaN a string, objects their text), which the reply can always encode.
 
     ``privileged`` (a hidden goal or expert plan, for distillation teachers) is
     dropped: the server talks to the agent, which must not see it.
     """
-    info = info if isinstance(info, dict) else {"info": info}
-    return json.loads(json.dumps({k: v for k, v in info.items() if k != "privileged"}, default=str))
+    from agentrl.env import jsonable
+
+    return jsonable({k: v for k, v in info.items() if k != "privileged"})
 
 
 def create_env_app(config: EnvServerConfig) -> Any:
@@ -122,7 +125,7 @@ def create_env_app(config: EnvServerConfig) -> Any:
         return eid, envs[eid]
 
     async def bounded(fn: Any, *args: Any) -> Any:
-        return await asyncio.wait_for(asyncio.to_thread(fn, *args), config.step_timeout_s)
+        return await asyncio.wait_for(asyncio.to_thread(_no_exit, fn, *args), config.step_timeout_s)
 
     async def make(request: Request) -> Response:
         check(request)
@@ -130,7 +133,7 @@ def create_env_app(config: EnvServerConfig) -> Any:
         _reap(envs, config.idle_s)
         if len(envs) >= config.max_envs:
             raise HTTPError(429, f"at most {config.max_envs} envs alive; close some first")
-        from agentrl.env import make_env
+        from agentrl.env import answer_problem, make_env
 
         try:
             env = await bounded(lambda: make_env(body.env_id, **body.kwargs))
@@ -139,13 +142,17 @@ def create_env_app(config: EnvServerConfig) -> Any:
         except TypeError as e:
             raise HTTPError(400, f"kwargs: {e}", param="kwargs") from None
         try:
-            obs, info = await bounded(lambda: env.reset(seed=body.seed, options=body.options))
+            answer = await bounded(lambda: env.reset(seed=body.seed, options=body.options))
+            problem = answer_problem("reset", answer)
         except Exception as e:
+            problem = f"{type(e).__name__}: {e}"
+        if problem:
             await asyncio.to_thread(_close_quietly, env)
-            raise HTTPError(400, f"reset failed: {type(e).__name__}: {e}") from None
+            raise HTTPError(400, f"reset failed: {problem}")
+        obs, info = answer
         eid = secrets.token_urlsafe(12)
-        envs[eid] = _Live(env, body.env_id, str(obs), _plain(info))
-        return JSONResponse({"id": eid, "observation": str(obs), "info": envs[eid].info})
+        envs[eid] = _Live(env, body.env_id, obs, _plain(info))
+        return JSONResponse({"id": eid, "observation": obs, "info": envs[eid].info})
 
     async def show(request: Request) -> Response:
         eid, state = live(request)
@@ -157,13 +164,19 @@ def create_env_app(config: EnvServerConfig) -> Any:
         async with state.lock:
             if state.terminated or state.truncated:
                 raise HTTPError(409, "the episode is over; make a new env")
+            from agentrl.env import answer_problem
+
             try:
-                obs, reward, terminated, truncated, info = await bounded(state.env.step, body.action)
-                obs, info = str(obs), _plain(info)
+                answer = await bounded(state.env.step, body.action)
+                reason = answer_problem("step", answer)  # a NaN reward or a lone surrogate cannot be sent
             except Exception as e:  # outside the model's control: the episode ends, recorded
                 reason = "step timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+            if reason:
                 obs, reward, terminated, truncated = f"error: the env failed ({reason})", 0.0, False, True
                 info = {"error": reason}
+            else:
+                obs, reward, terminated, truncated, info = answer
+                info = _plain(info)
             state.steps += 1
             state.observation, state.info = obs, info
             state.reward += float(reward)
@@ -220,6 +233,16 @@ class _SizeGate:
         if declared_too_large(scope, self.limit) or await call_with_body_limit(
                 self.app, scope, receive, send, self.limit):
             await too_large(scope, receive, send)
+
+
+def _no_exit(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, with a ``SystemExit`` (an env's argparse or library exiting) as a
+    ``RuntimeError``: its episode fails. Done on the env's thread, since asyncio re-raises a
+    SystemExit from a task into the event loop, which then stops the server."""
+    try:
+        return fn(*args)
+    except SystemExit as e:
+        raise RuntimeError(f"the env called sys.exit({e.code!r})") from None
 
 
 def _close_quietly(env: Any) -> None:

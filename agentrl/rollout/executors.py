@@ -64,7 +64,7 @@ class EnvExecutor:
         try:
             return await self._call(env, method, *args)
         except SystemExit as e:  # argparse or a library in the env exited: that ends its episode, not the run
-            raise EnvError(f"the env called sys.exit({e.code!r})") from None
+            raise _exited(e) from None
 
     async def _call(self, env: Any, method: str, *args: Any) -> Any:
         inner = env.unwrapped
@@ -102,8 +102,10 @@ class EnvExecutor:
             env = await asyncio.wrap_future(made)
         except asyncio.CancelledError:  # timed out while the env starts: ``close`` closes what it makes
             raise
-        except BaseException:
+        except BaseException as e:
             self._making.discard(made)
+            if isinstance(e, SystemExit):  # its constructor exited
+                raise _exited(e) from None
             raise
         self._making.discard(made)
         self._all.append(env)
@@ -154,6 +156,11 @@ class EnvExecutor:
 
             self._released = True
             release_env_worker_pool(self._env_workers)
+
+
+def _exited(e: SystemExit) -> EnvError:
+    # Raised past an asyncio task, a SystemExit would stop the event loop and the run with it.
+    return EnvError(f"the env called sys.exit({e.code!r})")
 
 
 def _close_quietly(env: Any) -> None:

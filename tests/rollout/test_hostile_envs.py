@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
@@ -146,11 +147,13 @@ RELEASE_CLOSE = threading.Event()  # a hung close() waits on it; set when its te
 
 
 class MisbehavingEnv(TextEnv):
-    """Plays two turns; ``how`` says what goes wrong: ``close_hangs`` or ``step_exits``."""
+    """Plays two turns; ``how`` says what goes wrong: ``close_hangs``, ``step_exits`` or ``init_exits``."""
 
     def __init__(self, how: str = "close_hangs"):
         super().__init__()
         self.how, self.turn = how, 0
+        if how == "init_exits":
+            sys.exit(3)
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
@@ -193,3 +196,55 @@ def test_an_env_that_calls_sys_exit_fails_only_its_episode(executor, tokenizer):
     trees = collect("agentrl/TestMisbehaving-v0", MockPolicy(tokenizer, ["hi"]), cfg, seeds=[0, 1])
     assert [ep.error for t in trees for ep in t.episodes()] == [
         "env.step raised EnvError: the env called sys.exit(2)"] * 2
+
+
+def test_an_env_whose_constructor_calls_sys_exit_fails_its_episodes(tokenizer):
+    cfg = Config.model_validate({"env": {"kwargs": {"how": "init_exits"}}, "rollout": {"max_turns": 2}})
+    trees = collect("agentrl/TestMisbehaving-v0", MockPolicy(tokenizer, ["hi"]), cfg, seeds=[0])
+    assert [ep.error for t in trees for ep in t.episodes()] == [
+        "making the env raised EnvError: the env called sys.exit(3)"]
+
+
+@pytest.fixture
+def env_server():
+    from agentrl.proxy import RunningServer
+    from agentrl.proxy.envserver import EnvServerConfig, create_env_app
+
+    with RunningServer(create_env_app(EnvServerConfig(token="t"))) as server:
+        yield server.url
+
+
+def _make(url: str, env_id: str, kwargs: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{url}/envs", json={"env_id": env_id, "kwargs": kwargs}, headers=_AUTH, timeout=30)
+
+
+_AUTH = {"Authorization": "Bearer t"}
+
+
+@pytest.mark.parametrize("name", ["reward_nan", "reward_str", "step_surrogate", "step_obs_bytes", "step_four"])
+def test_the_env_server_ends_the_episode_of_a_step_answer_that_breaks_the_contract(name, env_server):
+    made = _make(env_server, "agentrl/TestAnswer-v0", {"name": name})
+    assert made.status_code == 200
+    url = f"{env_server}/envs/{made.json()['id']}"
+    step = httpx.post(f"{url}/step", json={"action": "hi"}, headers=_AUTH, timeout=30)
+    assert step.status_code == 200, step.text
+    body = step.json()
+    assert body["truncated"] and body["info"]["error"].startswith("env.step returned ")
+    assert httpx.get(url, headers=_AUTH, timeout=30).status_code == 200  # the state still reads
+
+
+@pytest.mark.parametrize("name", ["reset_surrogate", "reset_none"])
+def test_the_env_server_refuses_a_reset_answer_that_breaks_the_contract(name, env_server):
+    made = _make(env_server, "agentrl/TestAnswer-v0", {"name": name})
+    assert made.status_code == 400 and "reset failed: env.reset returned " in made.text
+    assert httpx.get(f"{env_server}/health", headers=_AUTH).json()["envs"] == 0
+
+
+def test_the_env_server_writes_odd_info_as_json_and_survives_an_env_that_exits(env_server):
+    made = _make(env_server, "agentrl/TestAnswer-v0", {"name": "odd_info"}).json()
+    step = httpx.post(f"{env_server}/envs/{made['id']}/step", json={"action": "hi"}, headers=_AUTH, timeout=30)
+    assert step.status_code == 200 and step.json()["info"]["nan"] == "nan"
+    made = _make(env_server, "agentrl/TestMisbehaving-v0", {"how": "step_exits"}).json()
+    step = httpx.post(f"{env_server}/envs/{made['id']}/step", json={"action": "hi"}, headers=_AUTH, timeout=30)
+    assert step.json()["info"]["error"] == "RuntimeError: the env called sys.exit(2)"
+    assert httpx.get(f"{env_server}/health", headers=_AUTH, timeout=10).status_code == 200
