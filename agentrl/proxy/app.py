@@ -229,7 +229,7 @@ class Proxy:
         session = self.sessions.get(sid)
         if session is None:
             if self.cfg.auto_create_sessions and (is_admin or token is None):
-                if not re.match(SESSION_ID_PATTERN, sid):  # the ids POST /sessions accepts
+                if not re.fullmatch(SESSION_ID_PATTERN, sid):  # as POST /sessions: match's $ passed "a\n"
                     raise HTTPError(400, f"session id {sid[:64]!r}: not a valid id ({SESSION_ID_PATTERN})")
                 return self.create_session(sid)
             raise HTTPError(404, f"no session {sid!r}")
