@@ -40,8 +40,8 @@ import torch
 
 from ..chat import ChatContext
 from ..config import Config
-from ..env import make_env
-from ..errors import ConfigError, ContextOverflowError
+from ..env import answer_problem, make_env
+from ..errors import ConfigError, ContextOverflowError, EnvError
 from ..policy.base import request_seed
 from ..rollout.turns import listed_actions, opening_messages, step_node
 from ..types import Node, RolloutTree
@@ -92,7 +92,10 @@ def expert_tree(env_id: str, tokenizer: Any, cfg: Config, seed: int,
     constrain = sft_constrains(cfg)
     env = make_env(env_id, **cfg.env.kwargs)
     try:
-        obs, info = env.reset(seed=seed)
+        answer = env.reset(seed=seed)
+        if problem := answer_problem("reset", answer):  # as a rollout checks it
+            raise EnvError(problem)
+        obs, info = answer
         tree = RolloutTree(meta={"env": env_id, "seed": seed, "expert": expert,
                                  "instruction": info.get("instruction", "")})
         ctx = ChatContext(tokenizer, opening_messages(obs, info, cfg),

@@ -80,7 +80,15 @@ class AnswerEnv(TextEnv):
         return self.answers[1]
 
 
+class ExpertAnswerEnv(AnswerEnv):
+    """``AnswerEnv`` with a scripted expert, for SFT's expert episodes."""
+
+    def expert_action(self) -> str:
+        return "go"
+
+
 register_env("agentrl/TestAnswer-v0", entry_point=AnswerEnv)
+register_env("agentrl/TestAnswerExpert-v0", entry_point=ExpertAnswerEnv)
 
 
 def _strict_json(line: str) -> Any:
@@ -248,3 +256,16 @@ def test_the_env_server_writes_odd_info_as_json_and_survives_an_env_that_exits(e
     step = httpx.post(f"{env_server}/envs/{made['id']}/step", json={"action": "hi"}, headers=_AUTH, timeout=30)
     assert step.json()["info"]["error"] == "RuntimeError: the env called sys.exit(2)"
     assert httpx.get(f"{env_server}/health", headers=_AUTH, timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("name", ["reset_obs_int", "reset_info_none", "step_obs_bytes"])
+def test_an_sft_expert_episode_checks_the_answers_as_a_rollout_does(name, tokenizer):
+    """SFT's expert episodes read reset's answer unchecked: an int observation failed deep in the
+    chat template's rendering, with no word of the env."""
+    from agentrl.errors import EnvError
+    from agentrl.train.sft import expert_tree
+
+    cfg = Config.model_validate({"env": {"id": "agentrl/TestAnswerExpert-v0", "kwargs": {"name": name}},
+                                 "rollout": {"max_turns": 2}})
+    with pytest.raises(EnvError, match=r"env\.(reset|step) returned"):
+        expert_tree(cfg.env.id, tokenizer, cfg, seed=0)
