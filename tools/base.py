@@ -16,10 +16,11 @@ restored ``ToolEnv`` continues as the original did.
 
 ``ToolEnv`` stops a call after ``call_timeout_s``, but only at an ``await``: an
 async tool body that blocks (``time.sleep``, a CPU loop) stalls the event loop
-every env shares. A plain ``def`` tool runs in a worker thread instead
-(``asyncio.to_thread``), as Starlette runs sync endpoints: it blocks no other
-episode, and one that times out is answered with the error while its thread
-finishes (a thread cannot be killed).
+every env shares. A plain ``def`` tool runs on a daemon thread of its own
+instead: it blocks no other episode, and one that times out is answered with
+the error while its thread finishes (a thread cannot be killed) without
+holding up later calls or the process's exit. Concurrent episodes call it on
+concurrent threads, so state it shares across calls needs a lock.
 
 The ``@tool`` decorator makes a tool from a function whose first parameter is
 annotated with a pydantic model::
@@ -36,10 +37,13 @@ annotated with a pydantic model::
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import inspect
 import json
 import re
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, get_type_hints
@@ -306,10 +310,40 @@ class FunctionTool(Tool):
 
     async def __call__(self, args: Any, sandbox: Sandbox | None) -> ToolResult:
         if not inspect.iscoroutinefunction(self._fn):  # off the loop every env shares
-            out = await asyncio.to_thread(self._fn, args)
+            out = await _in_thread(self._fn, args, f"agentrl-tool-{self.name}")
+            if inspect.isawaitable(out):  # a def that hands back a coroutine (a sync decorator's wrapper)
+                out = await out
         else:
             out = await (self._fn(args, sandbox) if self._pass_sandbox else self._fn(args))
         return out if isinstance(out, ToolResult) else ToolResult(content=as_text(out))
+
+
+async def _in_thread(fn: Callable[..., Any], arg: Any, name: str) -> Any:
+    """``fn(arg)`` on a daemon thread of its own, awaited. Not ``asyncio.to_thread``: a call
+    stuck past ``call_timeout_s`` would hold one of the default executor's few threads (later
+    calls then queue behind it and time out) and, as Python joins those threads at exit, keep
+    the process from exiting. Abandoned, a daemon thread costs its stack until it returns."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if done.cancelled():  # timed out: nobody waits for it
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(value)
+
+    def run(context: contextvars.Context) -> None:
+        try:
+            value, error = context.run(fn, arg), None
+        except BaseException as e:  # raised where it is awaited, as to_thread does
+            value, error = None, e
+        with contextlib.suppress(RuntimeError):  # the loop closed while it ran
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=run, args=(contextvars.copy_context(),), name=name, daemon=True).start()
+    return await done
 
 
 def tool(
