@@ -32,7 +32,8 @@ A call whose parent already has children starts a branch (``branch_info``):
 
 - ``retry``: the same prompt as a sibling (siblings then share one context);
 - ``edit``: a message of the history was replaced and every message the
-  earlier call sent after it kept;
+  earlier call sent after it kept, or a prefill was added, dropped or
+  changed after messages the earlier call sent;
 - ``compaction``: the history got shorter (dropped or summarized messages),
   e.g. ``[system, summary]`` after some turns;
 - ``tools_changed``: the same messages under different tools;
@@ -386,6 +387,8 @@ class Session:
         info.update(at_message=j, from_call=ref.call_id)
         if j > 0 and ref.render_key != plan.render_key:
             return {"reason": "tools_changed", **info}
+        if any(j < len(k) and _is_prefill(k[j]) for k in (h, m)):
+            return {"reason": "edit", **info}  # the same messages, another start of the reply (or none)
         # An edit keeps every message the earlier call sent after the replaced one; a history
         # that ends at the replaced message but is shorter than that call's is a compaction.
         if 0 < j < len(h) and j < len(m) and _role(h[j]) == _role(m[j]) and len(m) >= len(ref.keys) \
@@ -519,3 +522,7 @@ def _common(a: list[str], b: list[str]) -> int:
 
 def _role(key: str) -> str:
     return json.loads(key)["role"]
+
+
+def _is_prefill(key: str) -> bool:
+    return "prefill" in json.loads(key)  # ``prefill_key``: no message has such a field

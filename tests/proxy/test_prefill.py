@@ -195,3 +195,25 @@ def test_a_context_continues_a_prefill_token_exactly(tokenizer):
         ctx.fork().append_prefill("x")
     ctx.append_observation([{"role": "user", "content": "Thanks."}])
     assert ctx.prefix_stable and not ctx.mismatches  # the full re-render equals the tokens seen
+
+
+@pytest.mark.parametrize("then", ["no prefill", "another prefill after a longer path"])
+def test_a_prefill_dropped_or_changed_is_an_edit_not_a_compaction(serve, mock_policy, then):
+    """The history [USER] after [USER] + prefill looked shorter than the recorded one, and a new
+    prefill after [USER, reply, user] replaced the reply with a shorter history: both were taken
+    for compactions, so the path the harness left got the session's reward."""
+    server = serve(mock_policy(_recording([])))
+    sid, _ = _session(server.url)
+    client = _claude(server.url, sid)
+    first = _ask(client, [USER, {"role": "assistant", "content": PREFILL}])
+    left = first
+    if then == "no prefill":
+        last = _ask(client, [USER])
+    else:
+        left = _ask(client, [USER, {"role": "assistant", "content": PREFILL + " 5."},
+                             {"role": "user", "content": "And 3 + 4?"}])
+        last = _ask(client, [USER, {"role": "assistant", "content": "Five is"}])
+    closed = RolloutTree.from_dict(httpx.post(f"{server.url}/sessions/{sid}/close").raise_for_status().json())
+    by_call = {n.info["call_id"]: n for n in closed.nodes.values()}
+    assert by_call[last.id].info["branch"]["reason"] == "edit"
+    assert by_call[left.id].info.get("abandoned") is True and "continued_by" not in by_call[left.id].info
