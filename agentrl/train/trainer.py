@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import shutil
 import time
 import warnings
@@ -230,8 +231,8 @@ class Trainer:
         state = {"version": self.policy.version, "sft_done": self.sft_done, "phases": self.phases,
                  "phase_rewards": self.phase_rewards,
                  "config": self.cfg.model_dump(mode="json")}
-        if row is not None:
-            state["row"] = row
+        if row is not None:  # as its metrics line holds it (state.json writes other values as str)
+            state["row"] = json.loads(json.dumps(row, default=float))
         lr = self.learner
         if lr.value_head is not None:
             state["value_head"] = lr.value_head.state()

@@ -38,7 +38,7 @@ def test_a_resume_with_evaluation_off_keeps_the_sft_row_and_logs_no_second_start
 def test_a_resume_with_another_config_says_which_keys_changed(tmp_path):
     torch.set_num_threads(1)
     out = tmp_path / "run"
-    train(toy_config(out, "train.steps=1", *QUIET), progress=False)
+    train(toy_config(out, "train.steps=2", *QUIET), progress=False)
     console = Console(record=True, width=300)
     train(toy_config(out, "train.steps=2", "env.id=agentrl/GuessNumber-v0", "rollout.max_turns=2", *QUIET),
           resume=True, progress=False, console=console)
@@ -51,7 +51,7 @@ def test_a_resume_with_another_trainable_setting_names_the_key(tmp_path):
     """It was a ValueError and a traceback: 'checkpoint does not fit the model: unknown [...]'."""
     torch.set_num_threads(1)
     out = tmp_path / "run"
-    train(toy_config(out, "train.steps=1", *QUIET), progress=False)
+    train(toy_config(out, "train.steps=2", *QUIET), progress=False)
     with pytest.raises(ConfigError, match=r"train\.trainable: the checkpoint trained 'full', this run 'lora'"):
         train(toy_config(out, "train.steps=2", "train.trainable=lora", *QUIET), resume=True, progress=False)
 
@@ -120,3 +120,30 @@ def test_an_unreadable_metrics_line_before_the_last_is_named(tmp_path):
         rows = read_metrics(path)
     assert rows == [{"step": 1}, {"step": 3}]
     assert sorted(str(w.message).rsplit(":", 2)[1] for w in seen) == ["2", "3"]  # not line 5, the torn last
+
+
+def test_a_recovered_row_holds_the_values_its_line_would_have(tmp_path, monkeypatch):
+    """The checkpoint kept its row as state.json writes (default=str): a numpy float32 (an env's or
+    a rollout source's statistic) came back as the string '0.5', which no curve plots."""
+    import numpy as np
+
+    from agentrl.train.metrics import MetricsLogger
+    from agentrl.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    out = tmp_path / "run"
+    log, one_step = MetricsLogger.log, Trainer._one_step
+    monkeypatch.setattr(Trainer, "_one_step", lambda self, bars: {**one_step(self, bars), "x/f32": np.float32(0.5)})
+
+    def killed_after_the_save(self, step, metrics):
+        if step == 1 and "time/checkpoint_s" in metrics:
+            raise KeyboardInterrupt
+        log(self, step, metrics)
+
+    monkeypatch.setattr(MetricsLogger, "log", killed_after_the_save)
+    with pytest.raises(KeyboardInterrupt):
+        train(toy_config(out, "train.steps=2", *QUIET), progress=False)
+    monkeypatch.setattr(MetricsLogger, "log", log)
+    train(toy_config(out, "train.steps=2", *QUIET), resume=True, progress=False)
+    [row] = [r for r in _rows(out) if r.get("recovered_from_checkpoint")]
+    assert row["x/f32"] == 0.5
