@@ -38,7 +38,7 @@ def test_a_resume_with_evaluation_off_keeps_the_sft_row_and_logs_no_second_start
 def test_a_resume_with_another_config_says_which_keys_changed(tmp_path):
     torch.set_num_threads(1)
     out = tmp_path / "run"
-    train(toy_config(out, "train.steps=2", *QUIET), progress=False)
+    train(toy_config(out, "train.steps=1", *QUIET), progress=False)
     console = Console(record=True, width=300)
     train(toy_config(out, "train.steps=2", "env.id=agentrl/GuessNumber-v0", "rollout.max_turns=2", *QUIET),
           resume=True, progress=False, console=console)
@@ -51,7 +51,7 @@ def test_a_resume_with_another_trainable_setting_names_the_key(tmp_path):
     """It was a ValueError and a traceback: 'checkpoint does not fit the model: unknown [...]'."""
     torch.set_num_threads(1)
     out = tmp_path / "run"
-    train(toy_config(out, "train.steps=2", *QUIET), progress=False)
+    train(toy_config(out, "train.steps=1", *QUIET), progress=False)
     with pytest.raises(ConfigError, match=r"train\.trainable: the checkpoint trained 'full', this run 'lora'"):
         train(toy_config(out, "train.steps=2", "train.trainable=lora", *QUIET), resume=True, progress=False)
 
