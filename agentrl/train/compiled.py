@@ -11,7 +11,11 @@ kind of pass compiles first and sampling stays eager: its SFT ran at 354
 against 310 tokens/s, and the whole job took 15.9 against 17.0 min of training
 in the same hour with a warm compile cache (cold, about a minute more), at the
 same peak memory (10.7 GB; the GRPO recipe, bench/make_run.json
-grpo_recipe_amx_2026_12_06). fp32 gained nothing measurable.
+grpo_recipe_amx_2026_12_06). fp32 gained nothing measurable, with AMX or on an
+AVX2-only EPYC (no bf16 at all): there make run's SFT update on 16 episodes ran
+at 114-167 tokens/s compiled against 149-158 eager in its warm epoch (2 rounds
+of 2 cells each, ``bench/heap_reuse.py --precisions fp32+compile,fp32``), and
+the compiled first epoch paid 50-116 against 131-143.
 
 Where it is on: ``make run``'s recipe (examples/train_alfworld_easy.yaml) sets
 ``auto``; the field's default stays false, since each new kind of pass compiles
