@@ -12,7 +12,9 @@ two modes is where the data comes from:
   thousands of trees parses only the index.
 
 JSON is escaped for a script element: every ``<`` becomes ``\\u003c``, so no
-text from a run (model output, observations) can close the element.
+text from a run (model output, observations) can close the element. A lone
+surrogate (what ``json.loads`` makes of ``"\\ud800"`` in a harness message or a
+web page) is written as its ``\\u`` escape, since no UTF-8 encoder writes it raw.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -45,9 +48,14 @@ def _clean(x: Any) -> Any:
     return x
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def to_json(data: Any) -> str:
-    """JSON for the page: finite numbers only, ``<`` escaped (safe inside a script element)."""
-    return json.dumps(_clean(data), ensure_ascii=False, separators=(",", ":")).replace("<", "\\u003c")
+    """JSON for the page: finite numbers only, ``<`` escaped (safe inside a script element),
+    lone surrogates escaped (the text encodes to UTF-8)."""
+    text = json.dumps(_clean(data), ensure_ascii=False, separators=(",", ":")).replace("<", "\\u003c")
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def run_index(run: Run, tokenizer_note: str = "") -> dict[str, Any]:

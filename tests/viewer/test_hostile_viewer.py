@@ -1,0 +1,134 @@
+"""The viewer against hostile or odd runs: what it shows comes from model outputs, env
+observations, harness messages and config files, none of which it can trust.
+
+Each test names the input and the outcome: no script from a run runs, no tree stalls
+or crashes the server, and the server answers only the page's own origin.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from agentrl.types import Node, RolloutTree, write_trees
+from agentrl.viewer import Run, ViewerServer, run_index, tree_data, write_static
+from agentrl.viewer.page import to_json
+
+from .conftest import fork_tree
+
+# Each way text can break out of where the page puts it: a script element, an
+# attribute, a template literal, a JavaScript string (U+2028/U+2029), a comment.
+EVIL = ('</script><script>window.__pwned=1</script><img src=x onerror="window.__pwned=2">'
+        '`${window.__pwned=3}`\u2028\u2029<!--<script>javascript:window.__pwned=4')
+
+
+def _evil_run(folder: Path) -> Path:
+    """A run whose every string the page shows is ``EVIL``: meta, env info, actions,
+    observations, tool calls and results, errors, config and metrics keys."""
+    t = RolloutTree(meta={"env": EVIL, "seed": EVIL, "task": 0, "allocator": EVIL, "instruction": EVIL,
+                          "family": EVIL, "counters": {EVIL: EVIL}, "branch_reasons": {"0": EVIL},
+                          "budget": {"spent": EVIL, "total": EVIL, "unit": EVIL}})
+    first = t.add(Node(context_ids=[1], action_ids=[2], logprobs=[-0.1], entropies=[0.1], action_text=EVIL,
+                       observation=EVIL, expert_action=EVIL,
+                       info={EVIL: EVIL, "tool_calls": [{"name": EVIL, "arguments": {EVIL: EVIL}}],
+                             "tool_messages": [{"name": EVIL, "content": EVIL}], "parse_errors": [EVIL]}))
+    t.add(Node(context_ids=[3], action_ids=[4], logprobs=[-0.1], entropies=[0.1], action_text=EVIL,
+               observation=EVIL, truncated=True, info={"truncation_reason": EVIL}), first.id)
+    t.add(Node(context_ids=[3], action_ids=[5], logprobs=[-0.1], entropies=[0.1], action_text=EVIL,
+               error=EVIL), first.id)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_trees(folder / "trajectories.jsonl", [t])
+    (folder / "config.json").write_text(json.dumps({"env": {"id": EVIL}, "policy": {"model": EVIL}}))
+    (folder / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout/reward": 0.5, EVIL: 1.0}) + "\n")
+    return folder
+
+
+def _strings(x: object) -> set[str]:
+    if isinstance(x, str):
+        return {x}
+    if isinstance(x, dict):
+        return set(x) | {s for v in x.values() for s in _strings(v)}
+    if isinstance(x, list):
+        return {s for v in x for s in _strings(v)}
+    return set()
+
+
+def _evil_decoder(ids: list[int]) -> dict[int, str]:
+    return {i: EVIL for i in ids}
+
+
+def test_run_text_cannot_close_the_script_element_it_is_embedded_in(tmp_path):
+    html = write_static(Run(_evil_run(tmp_path / "run")), tmp_path / "v.html", _evil_decoder).read_text()
+    data = re.findall(r'<script type="application/json" id="([^"]+)">(.*?)</script>', html, re.S)
+    assert [name for name, _ in data] == ["run-data", "tree-0"]  # neither was cut short by run text
+    for _, text in data:
+        assert "<" not in text  # no </script>, no <!--
+        assert EVIL in _strings(json.loads(text))  # intact, once parsed
+    assert "<img" not in html
+
+
+def test_run_text_runs_no_script_in_the_static_page_or_the_served_one(browser_context, tmp_path):
+    """A real browser clicks through every view of a run made of ``EVIL`` strings."""
+    run = Run(_evil_run(tmp_path / "run"))
+    static = write_static(run, tmp_path / "v.html", _evil_decoder)
+    server = ViewerServer(run, port=0, load_decoder=lambda: (_evil_decoder, EVIL)).start()
+    try:
+        for url in (static.as_uri(), server.url):
+            page = browser_context.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
+            page.on("dialog", lambda d, errors=errors: (errors.append(f"dialog: {d.message}"), d.dismiss()))
+            page.goto(url)
+            page.wait_for_selector("body[data-ready='1']", timeout=15_000)
+            page.click("tr.tree-row[data-tree='0']")
+            for nid in ("prompt", "0", "1", "2"):
+                page.click(f"#tree-canvas g.node[data-node='{nid}'] circle")
+                if nid != "prompt":
+                    page.click("#show-tokens")
+                    page.wait_for_selector("#token-view .tok")
+                    page.hover("#token-view .tok >> nth=0")
+                    page.click("nav button[data-view=tree]")
+            page.click("nav button[data-view=curves]")
+            page.click("nav button[data-view=compare]")
+            assert page.evaluate("window.__pwned") is None, url
+            assert EVIL.split("<!--")[0] in page.inner_text("#run-about"), url  # shown as text
+            assert errors == [], url
+            page.close()
+    finally:
+        server.close()
+
+
+def _lone_surrogate_run(folder: Path) -> Path:
+    # what json.loads makes of "\ud800" in a harness message or an env's web page: a
+    # str Python can hold but no UTF-8 encoder writes
+    t = fork_tree()
+    t.meta["instruction"] = "buy \ud800 socks"
+    t.nodes[1].observation = "page \udfff end"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "trajectories.jsonl").write_text(json.dumps(t.to_dict()) + "\n")  # ascii, as the proxy writes
+    return folder
+
+
+def test_a_lone_surrogate_in_a_run_is_shown_not_a_server_error(tmp_path):
+    run = Run(_lone_surrogate_run(tmp_path / "run"))
+    body = to_json(run_index(run)).encode("utf-8")
+    assert json.loads(body)["trees"][0]["instruction"] == "buy \ud800 socks"
+    server = ViewerServer(run, port=0).start()
+    try:
+        for route in ("api/run", "api/tree/0"):
+            with urllib.request.urlopen(server.url + route, timeout=10) as r:
+                assert r.status == 200
+                json.loads(r.read())
+    finally:
+        server.close()
+
+
+def test_a_lone_surrogate_in_a_run_still_writes_the_static_page(tmp_path):
+    run = Run(_lone_surrogate_run(tmp_path / "run"))
+    html = write_static(run, tmp_path / "v.html", None).read_text(encoding="utf-8")
+    tree = json.loads(html.split('id="tree-0">', 1)[1].split("</script>", 1)[0])
+    assert tree == json.loads(to_json(tree_data(run, 0, None)))
+    assert any(n["observation"] == "page \udfff end" for n in tree["nodes"])
