@@ -18,6 +18,11 @@ whole ``RolloutTree`` is parsed only when ``Run.tree(i)`` asks for it.
 
 A tree's step is ``meta["step"]`` when the writer put one there, else the
 number in its file's name (``step-000012.jsonl``), else None.
+
+A line whose node links do not make a tree (a cycle, a child or root that is
+not there, a child that names another parent, a node no root reaches) is
+skipped with its reason, like a torn line (``check_links``): everything that
+walks a tree, here, in the payload and in the page, may then assume it ends.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from typing import Any
 
 from ..types import RolloutTree, succeeded
 
-__all__ = ["Run", "TreeRef", "TreeSummary", "open_run", "summarize_tree_dict"]
+__all__ = ["BadLinks", "Run", "TreeRef", "TreeSummary", "check_links", "open_run", "summarize_tree_dict"]
 
 _STEP = re.compile(r"step[-_]?(\d+)")
 
@@ -99,6 +104,37 @@ def task_family(meta: dict[str, Any], nodes: list[dict[str, Any]]) -> str:
     return ""
 
 
+class BadLinks(ValueError):
+    """A tree's node links do not make a tree (``check_links``)."""
+
+
+def check_links(data: dict[str, Any]) -> None:
+    """Raise ``BadLinks`` unless ``data``'s node links make a forest: each node is reached
+    from ``roots`` exactly once, through ``children``, names the node it hangs under as its
+    ``parent``, and takes its context (``context_from``) from a node of the tree."""
+    nodes = {n["id"]: n for n in data["nodes"]}
+    if len(nodes) != len(data["nodes"]):
+        raise BadLinks("node links: two nodes share an id")
+    seen: set[Any] = set()
+    stack: list[tuple[Any, Any]] = [(r, None) for r in data["roots"]]
+    while stack:
+        nid, parent = stack.pop()
+        if nid not in nodes:
+            raise BadLinks(f"node links: node {nid!r} is linked to but not in the tree")
+        if nid in seen:
+            raise BadLinks(f"node links: node {nid!r} is reached twice (a cycle, or two parents)")
+        if nodes[nid].get("parent") != parent:
+            raise BadLinks(f"node links: node {nid!r} names parent {nodes[nid].get('parent')!r} "
+                           f"but hangs under {parent!r}")
+        seen.add(nid)
+        stack += [(c, nid) for c in nodes[nid].get("children") or []]
+        src = nodes[nid].get("context_from")
+        if src is not None and src not in nodes:
+            raise BadLinks(f"node links: node {nid!r} takes its context from {src!r}, not in the tree")
+    if len(seen) < len(nodes):
+        raise BadLinks(f"node links: {len(nodes) - len(seen)} node(s) no root reaches")
+
+
 def summarize_tree_dict(data: dict[str, Any], index: int = 0, file: str = "",
                         step: int | None = None) -> TreeSummary:
     """The numbers of one tree, from its JSON dict (no ``RolloutTree`` is built).
@@ -108,6 +144,7 @@ def summarize_tree_dict(data: dict[str, Any], index: int = 0, file: str = "",
     ``agentrl.rollout.summarize`` does; a truncated one counts in ``truncated``
     with its ``truncation_reason`` (or ``finish_reason=length``).
     """
+    check_links(data)
     meta = data.get("meta") or {}
     nodes = {n["id"]: n for n in data.get("nodes", [])}
     leaves = [n for n in nodes.values() if not n.get("children")]
@@ -193,6 +230,9 @@ class Run:
                 try:
                     data = json.loads(line)
                     summary = summarize_tree_dict(data, len(self.refs), name, step)
+                except BadLinks as e:
+                    self.skipped.append(f"{name}:{lineno} ({e})")
+                    continue
                 except (ValueError, KeyError, TypeError, AttributeError):
                     self.skipped.append(f"{name}:{lineno}")
                     continue
@@ -215,7 +255,9 @@ class Run:
         ref = self.refs[index]
         with open(ref.file, "rb") as fh:
             fh.seek(ref.offset)
-            return RolloutTree.from_json(fh.read(ref.length).decode("utf-8"))
+            data = json.loads(fh.read(ref.length))
+        check_links(data)  # the file may have changed since it was indexed
+        return RolloutTree.from_dict(data)
 
     @cached_property
     def metrics(self) -> list[dict[str, Any]]:

@@ -103,7 +103,7 @@ class ViewerServer:
                             self._send(200, server.tree_json(int(tail)), "application/json")
                     else:
                         self._error(404, f"nothing at {path}")
-                except (OSError, ValueError) as e:
+                except Exception as e:  # a tree this code cannot draw, a file changed under it: say so
                     self._error(500, f"{type(e).__name__}: {e}")
 
             def _error(self, code: int, message: str) -> None:

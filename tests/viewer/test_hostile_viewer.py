@@ -13,6 +13,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from agentrl.types import Node, RolloutTree, write_trees
 from agentrl.viewer import Run, ViewerServer, run_index, tree_data, write_static
 from agentrl.viewer.page import to_json
@@ -132,3 +134,57 @@ def test_a_lone_surrogate_in_a_run_still_writes_the_static_page(tmp_path):
     tree = json.loads(html.split('id="tree-0">', 1)[1].split("</script>", 1)[0])
     assert tree == json.loads(to_json(tree_data(run, 0, None)))
     assert any(n["observation"] == "page \udfff end" for n in tree["nodes"])
+
+
+def _node(i: int, parent: int | None, children: list[int]) -> dict:
+    return {"id": i, "parent": parent, "children": children, "context_ids": [1], "action_ids": [2],
+            "logprobs": [-0.1], "entropies": [0.1], "action_text": "a", "observation": "o"}
+
+
+BAD_LINKS = {
+    "a parent cycle": [_node(0, None, [1]), _node(1, 2, [2]), _node(2, 1, [])],
+    "a children cycle": [_node(0, None, [1]), _node(1, 0, [0])],
+    "a missing child": [_node(0, None, [5])],
+    "a missing parent": [_node(0, None, []), _node(1, 9, [])],
+    "a child under two parents": [_node(0, None, [2]), _node(1, None, [2]), _node(2, 0, [])],
+}
+
+
+def test_trees_whose_links_make_no_tree_are_skipped_with_the_reason(tmp_path):
+    """A parent cycle looped forever (and grew a list without end) while the run was
+    indexed; a children cycle did the same when the tree was opened; a missing child
+    dropped the server's connection. Run in a child process with a memory cap, so a
+    loop fails this test instead of the machine."""
+    import subprocess
+    import sys
+
+    f = tmp_path / "trees.jsonl"
+    lines = [json.dumps(fork_tree().to_dict())]
+    lines += [json.dumps({"meta": {"seed": k}, "roots": [0], "nodes": nodes}) for k, nodes in BAD_LINKS.items()]
+    f.write_text("\n".join(lines) + "\n")
+    code = ("import json, resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+            "from agentrl.viewer import Run, tree_data, write_static\n"
+            "run = Run(sys.argv[1]); tree_data(run, 0, None); write_static(run, sys.argv[2], None)\n"
+            "print(json.dumps([len(run), run.skipped]))")
+    got = subprocess.run([sys.executable, "-c", code, str(f), str(tmp_path / "v.html")],
+                         capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, got.stderr[-2000:]
+    n, skipped = json.loads(got.stdout)
+    assert n == 1 and len(skipped) == len(BAD_LINKS)
+    assert all(s.startswith(f"trees.jsonl:{k} (node links: ") for k, s in enumerate(skipped, 2)), skipped
+
+
+def test_a_tree_file_changed_after_indexing_gets_an_error_answer_not_a_dropped_connection(tmp_path):
+    f = tmp_path / "trees.jsonl"
+    write_trees(f, [fork_tree()])
+    run = Run(f)
+    old = f.read_text()
+    bad = json.dumps({"meta": {}, "roots": [0], "nodes": [_node(0, None, [5])]})
+    f.write_text(bad.ljust(len(old) - 1) + "\n")  # rewritten in place, same length
+    server = ViewerServer(run, port=0).start()
+    try:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(server.url + "api/tree/0", timeout=10)
+        assert e.value.code == 500 and "node 5" in json.loads(e.value.read())["error"]
+    finally:
+        server.close()
