@@ -9,10 +9,18 @@ Standard library only (``http.server``): three read-only routes, on
 
 The tokenizer loads in a background thread when the server starts, so the
 first page shows at once; a tree asked for before it is ready waits for it.
+
+Served on a loopback address, it answers only requests addressed to one
+(``Host: 127.0.0.1``, ``localhost``, ``[::1]``) and refuses others with 403: a
+web page that re-points its own name at 127.0.0.1 (DNS rebinding) would
+otherwise read the run from the user's browser as its own origin. Served on
+another address (``--host``), where the user chose to expose the run, any
+``Host`` is answered.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import threading
 from collections import OrderedDict
@@ -27,6 +35,21 @@ from .tokens import Decoder
 __all__ = ["ViewerServer"]
 
 _CACHED_TREES = 64
+_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _host_name(header: str) -> str:
+    """``127.0.0.1:8765`` -> ``127.0.0.1``; ``[::1]:8765`` -> ``::1``."""
+    if header.startswith("["):
+        return header[1:].split("]", 1)[0]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
 class ViewerServer:
@@ -50,6 +73,8 @@ class ViewerServer:
         else:
             threading.Thread(target=self._load, args=(load_decoder,), daemon=True).start()
         self.httpd = ThreadingHTTPServer((host, port), self._handler())
+        self.loopback_only = _is_loopback(host)
+        self._hosts = {*_LOOPBACK_NAMES, host}
         self.httpd.daemon_threads = True
 
     def _load(self, load: Callable[[], tuple[Decoder | None, str]]) -> None:
@@ -90,6 +115,10 @@ class ViewerServer:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 path = self.path.split("?", 1)[0]
+                asked = self.headers.get("Host")
+                if server.loopback_only and asked is not None and _host_name(asked).lower() not in server._hosts:
+                    self._error(403, f"this viewer answers requests to {server.url} only, not to host {asked!r}")
+                    return
                 try:
                     if path in ("/", "/index.html"):
                         self._send(200, server._page, "text/html; charset=utf-8")

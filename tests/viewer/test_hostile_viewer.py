@@ -188,3 +188,35 @@ def test_a_tree_file_changed_after_indexing_gets_an_error_answer_not_a_dropped_c
         assert e.value.code == 500 and "node 5" in json.loads(e.value.read())["error"]
     finally:
         server.close()
+
+
+def _get(url: str, path: str, host: str | None) -> tuple[int, bytes]:
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    c = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    c.putrequest("GET", path, skip_host=True)
+    if host is not None:
+        c.putheader("Host", host)
+    c.endheaders()
+    r = c.getresponse()
+    return r.status, r.read()
+
+
+def test_a_loopback_server_answers_only_requests_addressed_to_loopback(tmp_path):
+    """DNS rebinding: a web page at evil.example re-points its name at 127.0.0.1 and
+    reads http://evil.example:PORT/api/run from the user's own browser (same origin,
+    so no CORS rule stops it). The request still says Host: evil.example."""
+    f = tmp_path / "trees.jsonl"
+    write_trees(f, [fork_tree()])
+    server = ViewerServer(Run(f), port=0).start()
+    port = server.httpd.server_address[1]
+    try:
+        for path in ("/", "/api/run", "/api/tree/0"):
+            status, body = _get(server.url, path, f"evil.example:{port}")
+            assert status == 403 and b"find the gold" not in body, path
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost", None):
+            assert _get(server.url, "/api/run", host)[0] == 200, host
+    finally:
+        server.close()
