@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Iterable, Iterator
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -119,32 +120,42 @@ def _asset(name: str) -> str:
     return resources.files("agentrl.viewer").joinpath("static", name).read_text(encoding="utf-8")
 
 
+def _page_parts(index: dict[str, Any] | None, trees: Iterable[tuple[int, dict[str, Any]]]) -> Iterator[str]:
+    """The page in pieces: head, the data elements one a piece (static mode), the tail."""
+    head, tail = _TEMPLATE.split("{data}")
+    yield head.format(css=_asset("viewer.css"), mode="static" if index is not None else "server")
+    if index is not None:
+        yield f'<script type="application/json" id="run-data">{to_json(index)}</script>'
+        for i, payload in trees:
+            yield f'\n<script type="application/json" id="tree-{i}">{to_json(payload)}</script>'
+    yield tail.format(js=_asset("viewer.js"))
+
+
 def render_page(index: dict[str, Any] | None = None, trees: dict[int, dict[str, Any]] | None = None) -> str:
     """The HTML page. With ``index`` (and ``trees``) the data is inside it (static mode);
     without, the page fetches it from the server it was served by."""
-    mode = "static" if index is not None else "server"
-    data = []
-    if index is not None:
-        data.append(f'<script type="application/json" id="run-data">{to_json(index)}</script>')
-        for i, payload in sorted((trees or {}).items()):
-            data.append(f'<script type="application/json" id="tree-{i}">{to_json(payload)}</script>')
-    return _TEMPLATE.format(css=_asset("viewer.css"), js=_asset("viewer.js"), mode=mode,
-                            data="\n".join(data))
+    return "".join(_page_parts(index, sorted((trees or {}).items())))
 
 
 def write_static(run: Run, out: str | Path, decode: Decoder | None, tokenizer_note: str = "",
                  limit: int | None = None) -> Path:
     """Write the self-contained page of ``run`` to ``out`` (atomically); ``limit`` keeps
-    the first trees only (the table still lists every tree)."""
+    the first trees only (the table still lists every tree). Trees are parsed and
+    written one at a time, so a run of any size takes the memory of its largest tree."""
     n = len(run) if limit is None else min(limit, len(run))
     index = run_index(run, tokenizer_note)
     if n < len(run):
         index["about"]["note"] = f"this file holds the first {n} of {len(run)} trees"
-    trees = {i: tree_data(run, i, decode) for i in range(n)}
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(render_page(index, trees), encoding="utf-8")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            for part in _page_parts(index, ((i, tree_data(run, i, decode)) for i in range(n))):
+                fh.write(part)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     return path
 

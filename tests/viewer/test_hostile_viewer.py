@@ -220,3 +220,28 @@ def test_a_loopback_server_answers_only_requests_addressed_to_loopback(tmp_path)
             assert _get(server.url, "/api/run", host)[0] == 200, host
     finally:
         server.close()
+
+
+def test_a_static_page_is_written_a_tree_at_a_time(tmp_path):
+    """A 100 MB trajectories file (web-page observations) took about 770 MB to write as a
+    static page: every tree's payload, then the whole page, were held at once. The
+    memory it takes now is that of the largest tree, not of the run."""
+    import tracemalloc
+
+    page = ("<div class=product>" + "x" * 80 + "</div>\n") * 250  # 25 kB, as a WebShop page
+    trees = []
+    for k in range(120):
+        t = fork_tree(k)
+        t.nodes[0].observation = page
+        trees.append(t)
+    write_trees(tmp_path / "trees.jsonl", trees)
+    run = Run(tmp_path / "trees.jsonl")
+    one = len(to_json(tree_data(run, 0, None)))
+    tracemalloc.start()
+    try:
+        html = write_static(run, tmp_path / "v.html", None)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert html.stat().st_size > 100 * one  # every tree is in the page
+    assert peak < 20 * one, f"writing the page peaked at {peak / 2**20:.1f} MB, {peak / one:.0f} trees' worth"
