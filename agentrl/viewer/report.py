@@ -24,12 +24,17 @@ run lacks them instead of leaving a blank plot:
   on the action tokens of each turn, the sampled-token estimate of the reverse
   KL; else TurnOPD's per-turn divergence mass from the newest checkpoint
   (``distill_turn_mass``); else the per-step ``distill/reverse_kl`` curve.
+
+Text from a run (env ids, models, families from the env's info, folder and file
+names) is written as text: in report.md with no HTML, link or table cell break
+left in it (``_md``), and in the plots with mathtext off (``$`` is a dollar).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,8 +92,14 @@ def _fresh_nodes(tree: RolloutTree) -> set[int]:
     return out
 
 
+def _text(x: Any) -> str:
+    """``str(x)`` that matplotlib and UTF-8 can write: a lone surrogate (``"\\ud800"`` in
+    JSON, or a folder name that is not UTF-8) becomes ?."""
+    return str(x).encode("utf-8", "replace").decode("utf-8")
+
+
 def _tree_facts(f: RunFacts, tree: RolloutTree, step: Any) -> None:
-    fam = str(tree.meta.get("family") or next(
+    fam = _text(tree.meta.get("family") or next(
         (tree.nodes[r].info.get("task_type") for r in tree.roots if tree.nodes[r].info.get("task_type")), "")
         or tree.meta.get("env") or "?")
     counts = f.family.setdefault(fam, [0, 0])
@@ -133,7 +144,7 @@ def _tree_facts(f: RunFacts, tree: RolloutTree, step: Any) -> None:
 def gather(path: str | Path, name: str | None = None) -> RunFacts:
     """Read one run (a folder or a trees file) into ``RunFacts``."""
     run = Run(path)
-    f = RunFacts(name or run.path.name, run, run.metrics, run.config)
+    f = RunFacts(_text(name or run.path.name), run, run.metrics, run.config)
     for s in run.summaries:
         _tree_facts(f, run.tree(s.index), s.step)
     f.budget = {k: dict(v) for k, v in f.budget.items()}
@@ -312,14 +323,22 @@ def _plot_divergence(runs: list[RunFacts], out: Path) -> tuple[str | None, list[
 # --------------------------------------------------------------------------- the Markdown
 
 
+def _md(text: Any) -> str:
+    """Run text as Markdown text: one line (a newline ends a table row), ``\\ [ ] |``
+    escaped (no link, no cell break), ``< > &`` as entities (no HTML), a lone surrogate as ?."""
+    s = re.sub(r"([\\\[\]|])", r"\\\1", " ".join(str(text).split()))
+    s = s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return _text(s)
+
+
 def _fmt(x: Any, digits: int = 3) -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "–"
-    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+    return f"{x:.{digits}f}" if isinstance(x, float) else _md(x)
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out = ["| " + " | ".join(_md(h) for h in header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(_fmt(c) for c in r) + " |" for r in rows]
     return out + [""]
 
@@ -357,13 +376,13 @@ _ABOUT = ["env", "model", "allocator", "credit", "distillation teacher", "RL ste
 def _markdown(runs: list[RunFacts], plots: dict[str, str | None], notes: list[str]) -> str:
     names = [f.name for f in runs]
     title = " vs ".join(names)
-    md = [f"# Run report: {title}", "",
+    md = [f"# Run report: {_md(title)}", "",
           "Written by `agentrl report`; every number comes from the run folder" +
           (" of each run" if len(runs) > 1 else "") + ": `metrics.jsonl`, its trees and its config.", ""]
     md += _table(["", *names], [[k, *(a[i] for a in (_about(f) for f in runs))] for i, k in enumerate(_ABOUT)])
     for f in runs:
         if f.run.skipped:
-            md += [f"{f.name}: {f.run.skipped_note} (their trees are left out).", ""]
+            md += [_md(f"{f.name}: {f.run.skipped_note} (their trees are left out)."), ""]
     md += ["## Learning curves", ""]
     if plots["curves"]:
         md += [f"![learning curves]({plots['curves']})", "",
@@ -413,16 +432,17 @@ def _markdown(runs: list[RunFacts], plots: dict[str, str | None], notes: list[st
                "as fresh while it lies on its root's first-grown path.", ""]
     elif not any(len(f.run) for f in runs):
         md += ["The run holds no trees, and the share of the budget is counted on them (allocator: "
-               + ", ".join(recorded_allocator(f.config.get("rollout") or {})[0] or "not recorded" for f in runs)
+               + _md(", ".join(recorded_allocator(f.config.get("rollout") or {})[0] or "not recorded" for f in runs))
                + ").", ""]
     else:
-        md += ["No tree allocator ran (" + ", ".join(sorted({a or "none recorded" for f in runs for a in f.allocators}))
+        md += ["No tree allocator ran (" + _md(", ".join(sorted({a or "none recorded" for f in runs
+                                                                for a in f.allocators})))
                + "): every episode was a fresh one.", ""]
     md += ["## Teacher-student divergence per turn", ""]
     if plots["divergence"]:
         md += [f"![divergence per turn]({plots['divergence']})", ""]
     if notes:
-        md += [f"- {n}" for n in notes] + [""]
+        md += [f"- {_md(n)}" for n in notes] + [""]
     if not plots["divergence"] and not notes:
         md += ["Distillation did not run (`train.distill` is null).", ""]
     return "\n".join(md)
@@ -448,9 +468,10 @@ def write_report(paths: list[str | Path], out: str | Path | None = None) -> Path
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file there or on the path, no permission
         raise OSError(f"cannot make the report folder {folder}: {e.strerror or e}") from None
-    div, notes = _plot_divergence(runs, folder)
-    plots = {"curves": _plot_curves(runs, folder), "families": _plot_families(runs, folder),
-             "lengths": _plot_lengths(runs, folder), "budget": _plot_budget(runs, folder), "divergence": div}
+    with _plt().rc_context({"text.parse_math": False}):  # a family named $\\x$ is text, not mathtext
+        div, notes = _plot_divergence(runs, folder)
+        plots = {"curves": _plot_curves(runs, folder), "families": _plot_families(runs, folder),
+                 "lengths": _plot_lengths(runs, folder), "budget": _plot_budget(runs, folder), "divergence": div}
     md = folder / "report.md"
     tmp = folder / ".report.md.tmp"
     tmp.write_text(_markdown(runs, plots, notes) + "\n", encoding="utf-8")

@@ -245,3 +245,28 @@ def test_a_static_page_is_written_a_tree_at_a_time(tmp_path):
         tracemalloc.stop()
     assert html.stat().st_size > 100 * one  # every tree is in the page
     assert peak < 20 * one, f"writing the page peaked at {peak / 2**20:.1f} MB, {peak / one:.0f} trees' worth"
+
+
+def test_report_shows_run_text_as_text_and_survives_it(tmp_path):
+    """Family names come from env info (``task_type``), env ids and models from the config:
+    mathtext (``$...$``) in one crashed ``agentrl report`` in matplotlib; HTML, a link or a
+    ``|`` went into report.md raw (a script or a javascript: link for a Markdown renderer
+    that passes HTML through; a broken table for any)."""
+    from agentrl.viewer.report import write_report
+
+    families = ['<img src=x onerror="alert(1)">', "a|b\nc [click](javascript:alert(1))", r"$\badcmd{$",
+                "lone \ud800"]
+    with open(tmp_path / "trees.jsonl", "w") as fh:
+        for k, fam in enumerate(families):
+            t = fork_tree(k)
+            t.meta["family"] = fam
+            fh.write(json.dumps(t.to_dict()) + "\n")
+    (tmp_path / "config.json").write_text(json.dumps({"env": {"id": EVIL}, "policy": {"model": "m|<b>x</b>"}}))
+    md = write_report([tmp_path], tmp_path / "rep").read_text(encoding="utf-8")
+    assert "<img" not in md and "<script" not in md and "<b>" not in md
+    assert "[click](" not in md and r"\[click\](javascript:" in md  # shown, not a link
+    table = md.split("## Success per task family", 1)[1].split("## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("|")]
+    assert len(rows) == 2 + len(families)  # header, rule, one row a family: none broken by | or a newline
+    assert all(len(re.split(r"(?<!\\)\|", line)) == 4 for line in rows), rows
+    assert (tmp_path / "rep" / "family_success.png").is_file()
