@@ -270,3 +270,25 @@ def test_report_shows_run_text_as_text_and_survives_it(tmp_path):
     assert len(rows) == 2 + len(families)  # header, rule, one row a family: none broken by | or a newline
     assert all(len(re.split(r"(?<!\\)\|", line)) == 4 for line in rows), rows
     assert (tmp_path / "rep" / "family_success.png").is_file()
+
+
+def test_an_episode_of_twenty_thousand_turns_is_drawn(browser_context, tmp_path):
+    """The page laid a tree out by recursion, one call a turn: a long harness session
+    overflowed the browser's stack ("Maximum call stack size exceeded") and drew nothing."""
+    t = RolloutTree(meta={"seed": 0})
+    parent = None
+    for _ in range(20_000):
+        parent = t.add(Node(context_ids=[1], action_ids=[2], logprobs=[-0.1], entropies=[0.1], action_text="a",
+                            observation="o"), parent).id
+    write_trees(tmp_path / "trees.jsonl", [t])
+    page = browser_context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        page.goto(write_static(Run(tmp_path / "trees.jsonl"), tmp_path / "v.html", None).as_uri())
+        page.wait_for_selector("body[data-ready='1']", timeout=15_000)
+        page.click("tr.tree-row[data-tree='0']")
+        page.wait_for_selector("#tree-canvas g.node[data-node='19999']", state="attached", timeout=30_000)
+        assert errors == []
+    finally:
+        page.close()

@@ -266,16 +266,21 @@ function treeTitle(t, i) {
 
 function layout(t) {
   // Left to right: depth -> x, leaves -> consecutive rows, a parent centred on its children.
+  // Depth first with a stack of its own, not recursion: an episode may be thousands of turns.
   const pos = new Map(); let row = 0; let maxDepth = 0;
-  const place = (id, depth) => {
+  const todo = t.roots.map((r) => [r, 1, false]).reverse();
+  while (todo.length) {
+    const [id, depth, childrenPlaced] = todo.pop();
     const n = nodeOf(t, id);
     maxDepth = Math.max(maxDepth, depth);
-    if (!n.children.length) { pos.set(id, { x: depth, y: row++ }); return; }
-    for (const c of n.children) place(c, depth + 1);
+    if (!n.children.length) { pos.set(id, { x: depth, y: row++ }); continue; }
+    if (!childrenPlaced) {
+      todo.push([id, depth, true], ...n.children.map((c) => [c, depth + 1, false]).reverse());
+      continue;
+    }
     const ys = n.children.map((c) => pos.get(c).y);
     pos.set(id, { x: depth, y: (Math.min(...ys) + Math.max(...ys)) / 2 });
-  };
-  for (const r of t.roots) place(r, 1);
+  }
   const rootYs = t.roots.map((r) => pos.get(r).y);
   pos.set("prompt", { x: 0, y: rootYs.length ? (Math.min(...rootYs) + Math.max(...rootYs)) / 2 : 0 });
   return { pos, rows: Math.max(row, 1), depth: maxDepth };
