@@ -254,6 +254,9 @@ def _prefill(messages: list[dict[str, Any]], last: int) -> bool:
     if len(messages) < 2:
         raise HTTPError(400, f"messages.{last}: a final assistant message (a prefill) needs a message or "
                         "a system prompt before it", param=f"messages.{last}")
+    if messages[-2]["role"] == "assistant":  # Anthropic would join them into one turn
+        raise HTTPError(400, f"messages.{last}: a prefill right after another assistant message: send the "
+                        "two as one assistant message", param=f"messages.{last}")
     return True
 
 

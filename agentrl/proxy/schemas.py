@@ -220,6 +220,9 @@ class ChatRequest(_Sampling):
                 raise ValueError("continue_final_message needs a final assistant message without tool calls")
             if len(self.messages) < 2:
                 raise ValueError("continue_final_message needs a message before the one it continues")
+            if self.messages[-2].role == "assistant":  # the turn it continues would be two
+                raise ValueError("continue_final_message: the message before the one it continues is an "
+                                 "assistant message too; send them as one")
         return self
 
 

@@ -217,3 +217,21 @@ def test_a_prefill_dropped_or_changed_is_an_edit_not_a_compaction(serve, mock_po
     by_call = {n.info["call_id"]: n for n in closed.nodes.values()}
     assert by_call[last.id].info["branch"]["reason"] == "edit"
     assert by_call[left.id].info.get("abandoned") is True and "continued_by" not in by_call[left.id].info
+
+
+@pytest.mark.parametrize("path", ["messages", "chat"])
+def test_a_prefill_right_after_another_assistant_message_is_refused(serve, mock_policy, path):
+    """Found by the wire fuzz: [assistant "", assistant "0"] was a 500 (the context was not at a
+    generation prompt). Anthropic joins such turns; the proxy asks for them as one message."""
+    server = serve(mock_policy(_recording([])))
+    messages = [USER, {"role": "assistant", "content": "Let me see."}, {"role": "assistant", "content": "It is"}]
+    if path == "messages":
+        r = httpx.post(f"{server.url}/v1/messages", json={"model": "m", "max_tokens": 8, "messages": messages})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages.2: a prefill right after")
+        r = httpx.post(f"{server.url}/v1/messages", json={
+            "model": "m", "max_tokens": 8, "messages": [{"role": "assistant", "content": ""}, messages[2]]})
+        assert r.status_code == 400, r.text
+    else:
+        r = httpx.post(f"{server.url}/v1/chat/completions",
+                       json={"model": "m", "messages": messages, "continue_final_message": True})
+        assert r.status_code == 400 and "assistant message too" in r.json()["error"]["message"], r.text

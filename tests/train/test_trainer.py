@@ -681,12 +681,12 @@ def test_a_failed_checkpoint_save_still_logs_its_row_with_the_error(tmp_path, mo
     torch.set_num_threads(1)
     saves, real_save = [], Trainer.save
 
-    def save(self, export_hf=False, prune=True):
+    def save(self, export_hf=False, prune=True, row=None):
         saves.append(self.step)
         if len(saves) == (1 if failing == "step" else 2):
             raise OSError(28, "No space left on device")
         time.sleep(0.5)  # a save long enough that its seconds show in the step's total
-        return real_save(self, export_hf=export_hf, prune=prune)
+        return real_save(self, export_hf=export_hf, prune=prune, row=row)
 
     monkeypatch.setattr(Trainer, "save", save)
     cfg = toy_config(tmp_path, *SHORT, "train.steps=2", "train.checkpointing.every=1", "train.evaluation.every=1")
