@@ -117,7 +117,8 @@ class ViewerServer:
                 path = self.path.split("?", 1)[0]
                 asked = self.headers.get("Host")
                 if server.loopback_only and asked is not None and _host_name(asked).lower() not in server._hosts:
-                    self._error(403, f"this viewer answers requests to {server.url} only, not to host {asked!r}")
+                    self._error(403, f"this viewer answers requests to {server.url} only, not to host {asked!r} "
+                                     "(behind a proxy that keeps its own name, serve it with --host)")
                     return
                 try:
                     if path in ("/", "/index.html"):
