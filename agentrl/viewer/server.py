@@ -27,6 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import unquote
 
 from .page import render_page, run_index, to_json, tree_data
 from .run import Run
@@ -126,8 +127,9 @@ class ViewerServer:
                     elif path == "/api/run":
                         self._send(200, server.index_json(), "application/json")
                     elif path.startswith("/api/tree/"):
-                        tail = path.rsplit("/", 1)[1]
-                        if not tail.isdigit() or int(tail) >= len(server.run):
+                        tail = unquote(path.rsplit("/", 1)[1])
+                        # ASCII digits of a plausible index: int() refuses '²' and 5,000 digits
+                        if not (tail.isascii() and tail.isdigit() and len(tail) < 16) or int(tail) >= len(server.run):
                             self._error(404, f"no tree {tail!r}: the run holds {len(server.run)} trees")
                         else:
                             self._send(200, server.tree_json(int(tail)), "application/json")

@@ -292,3 +292,17 @@ def test_an_episode_of_twenty_thousand_turns_is_drawn(browser_context, tmp_path)
         assert errors == []
     finally:
         page.close()
+
+
+def test_a_tree_id_that_is_no_index_is_a_404(tmp_path):
+    """'²' passes str.isdigit and a 5,000-digit id passes too; int() refused both: a 500."""
+    f = tmp_path / "trees.jsonl"
+    write_trees(f, [fork_tree()])
+    server = ViewerServer(Run(f), port=0).start()
+    try:
+        for tail in ("%C2%B2", "9" * 5000, "1" * 20, "-1", "x"):
+            status, body = _get(server.url, f"/api/tree/{tail}", None)
+            assert status == 404 and b"no tree" in body, (tail[:20], status, body[:200])
+        assert _get(server.url, "/api/tree/0", None)[0] == 200
+    finally:
+        server.close()
