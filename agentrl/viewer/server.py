@@ -130,7 +130,7 @@ class ViewerServer:
                         tail = unquote(path.rsplit("/", 1)[1])
                         # ASCII digits of a plausible index: int() refuses '²' and 5,000 digits
                         if not (tail.isascii() and tail.isdigit() and len(tail) < 16) or int(tail) >= len(server.run):
-                            self._error(404, f"no tree {tail!r}: the run holds {len(server.run)} trees")
+                            self._error(404, f"no tree {tail[:40]!r}: the run holds {len(server.run)} trees")
                         else:
                             self._send(200, server.tree_json(int(tail)), "application/json")
                     else:
