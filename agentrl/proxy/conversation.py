@@ -188,12 +188,14 @@ def cut_at_stop(text: str, stops: tuple[str, ...], keep: bool) -> str:
 
 
 def response_message(text: str, parse_tools: bool, id_prefix: str = "call_",
-                     single_call: bool = False) -> tuple[dict[str, Any], bool]:
+                     single_call: bool = False, prefilled: bool = False) -> tuple[dict[str, Any], bool]:
     """The assistant message for sampled ``text``, and whether it calls tools.
 
     Each call gets a new id (``id_prefix`` + hex: ``call_`` for OpenAI,
     ``toolu_`` for Anthropic). ``single_call`` (``parallel_tool_calls: false``)
-    keeps the first call only; the tokens keep what was sampled.
+    keeps the first call only; the tokens keep what was sampled. The text around
+    the calls is stripped, except at its start where it continues a prefill
+    (``prefilled``): the harness joins the two.
     """
     if parse_tools:
         parsed = parse_tool_calls(text)
@@ -202,7 +204,8 @@ def response_message(text: str, parse_tools: bool, id_prefix: str = "call_",
             calls = [{"id": f"{id_prefix}{secrets.token_hex(12)}", "type": "function",
                       "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
                      for c in kept]
-            content = _BLOCK.sub("", text).strip() if "<tool_call>" in text else ""
+            content = _BLOCK.sub("", text).rstrip() if "<tool_call>" in text else ""
+            content = content if prefilled and content.strip() else content.lstrip()
             return {"role": "assistant", "content": content or None, "tool_calls": calls}, True
     return {"role": "assistant", "content": text}, False
 

@@ -251,7 +251,8 @@ def chat_endpoint(proxy: Proxy, wire: Wire) -> Handler:
             for i, res in enumerate(results):
                 text = cut_at_stop(action_text(proxy.tokenizer, res.token_ids, stops), stops,
                                    req.include_stop_str_in_output)
-                msg, called = response_message(text, spec.parse_tools, wire.tool_prefix, spec.single_call)
+                msg, called = response_message(text, spec.parse_tools, wire.tool_prefix, spec.single_call,
+                                               prefilled=bool(spec.prefill))
                 # Cut by a limit the proxy set below the harness's (see the module docstring): ended.
                 short = res.finish_reason == "length" and (asked is None or len(res.token_ids) < asked)
                 out.choices.append(replies.Choice(i, res, plan.prompt_ids, text, msg,

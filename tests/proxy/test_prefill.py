@@ -235,3 +235,16 @@ def test_a_prefill_right_after_another_assistant_message_is_refused(serve, mock_
         r = httpx.post(f"{server.url}/v1/chat/completions",
                        json={"model": "m", "messages": messages, "continue_final_message": True})
         assert r.status_code == 400 and "assistant message too" in r.json()["error"]["message"], r.text
+
+
+def test_a_prefilled_reply_with_a_tool_call_keeps_its_leading_text(serve, mock_policy):
+    """The text around calls was stripped: ' 5.' came back as '5.', and a harness that joins it
+    to its prefill showed 'The sum is5.'."""
+    call = '\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    server = serve(mock_policy(_recording([], " 5." + call)))
+    tools = [{"name": "add", "description": "Add.", "input_schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}]
+    reply = _ask(_claude(server.url), [USER, {"role": "assistant", "content": PREFILL}], tools=tools)
+    assert [b.type for b in reply.content] == ["text", "tool_use"] and reply.content[0].text == " 5."
+    unprefilled = _ask(_claude(server.url), [USER], tools=tools)
+    assert unprefilled.content[0].text == "5."  # a reply of its own is stripped as before
