@@ -141,6 +141,9 @@ async def _put_back_files(box: Sandbox, archive: Any, timeout: float) -> None:
         raise SandboxError(f"could not put the snapshot's files back ({why})")
 
 
+_PARSE_ERROR = "parse_error"  # the name a call that could not be read is answered under
+
+
 @dataclass(slots=True)
 class _Pending:
     """Tool state that a restore set aside, rebuilt just before one of those tools runs."""
@@ -244,6 +247,9 @@ class ToolEnv(TextEnv):
                 raise ConfigError(f"bad tool: {problem}")
             if t.name in self.tools:
                 raise EnvError(f"two tools are named {t.name!r}; tool names must be unique")
+            if t.name == _PARSE_ERROR:
+                raise ConfigError(f"a tool is named {_PARSE_ERROR!r}, the name the env answers "
+                                  "unreadable calls under; rename it")
             self.tools[t.name] = t
         self._source: SandboxSource | None = as_sandbox_source(sandbox)
         needy = [t.name for t in self.tools.values() if t.needs_sandbox]
@@ -545,7 +551,7 @@ class ToolEnv(TextEnv):
                 replies[i] = (call, res)
         results = [replies[i] for i in sorted(replies)]
         results += [
-            (ToolCall(id="", name="parse_error"), ToolResult.error(f"Error: {e}"))
+            (ToolCall(id="", name=_PARSE_ERROR), ToolResult.error(f"Error: {e}"))
             for e in parsed.errors
         ]
         obs, messages = self._render(results)

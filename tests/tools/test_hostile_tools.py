@@ -351,3 +351,17 @@ def test_a_block_left_open_before_the_next_tool_call_tag_does_not_swallow_it():
     res = parse_tool_calls(text)
     assert res.errors == []
     assert [(c.name, c.arguments) for c in res.calls] == [("a", {"x": 1}), ("b", {"y": 2})]
+
+
+def test_a_tool_named_parse_error_is_refused():
+    """Calls the env cannot read are answered under that name: the model could not tell them
+    from the tool's own results."""
+    class ParseErrorArgs(BaseModel):
+        x: int = 0
+
+    @tool
+    async def parse_error(args: ParseErrorArgs) -> str:
+        return "mine"
+
+    with pytest.raises(ConfigError, match="'parse_error', the name the env answers unreadable calls under"):
+        ToolEnv(Task("q", verify=lambda a: 1.0), tools=[parse_error])
