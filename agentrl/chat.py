@@ -114,6 +114,22 @@ def _decode_is_transformers(cls: type) -> bool:
             and getattr(cls, "decode", None) is base.PreTrainedTokenizerBase.decode)
 
 
+_LONGEST: dict[tuple[Any, ...], int] = {}
+
+
+def _longest_token(tokenizer: Any) -> int:
+    """The most characters one token's vocabulary string holds (added tokens too), an upper bound
+    on the characters of text one token covers; 0 when the tokenizer does not list its vocabulary."""
+    key = (id(tokenizer), getattr(tokenizer, "name_or_path", ""), len(tokenizer) if hasattr(tokenizer, "__len__") else 0)
+    if key not in _LONGEST:
+        try:
+            pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+            _LONGEST[key] = max(len(p) for p in pieces if isinstance(p, str))
+        except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary list: no early check
+            _LONGEST[key] = 0
+    return _LONGEST[key]
+
+
 def render_ids(tokenizer: Any, messages: Sequence[Message | dict[str, Any]],
                add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
     """Token ids of a full template rendering (used for the opening and for checks)."""
@@ -150,7 +166,9 @@ class ChatContext:
         self._prefill = ""  # the start of the reply the next action continues (append_prefill)
         self._observations = 0
         self._probe = self._template_probe()
-        self._append(render_ids(tokenizer, self.messages, True, **template_kwargs))
+        opening = _render_text(tokenizer, self.messages, True, **template_kwargs)
+        self._check_fits(opening)
+        self._append(tokenizer.encode(opening, add_special_tokens=False))
 
     def fork(self) -> ChatContext:
         """An independent copy, for a branch: token list and message list copied, tokenizer shared."""
@@ -192,6 +210,20 @@ class ChatContext:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def _check_fits(self, text: str) -> None:
+        """Raise ``ContextOverflowError`` before tokenizing ``text`` where it cannot fit the budget
+        whatever its tokens: tokenizing megabytes (a whole web page) takes seconds, on the event
+        loop that every episode shares. A token covers at most ``_longest_token`` characters;
+        the factor 2 leaves room for normalizers that shorten text."""
+        longest = _longest_token(self.tokenizer)
+        if self.max_tokens is None or not longest:
+            return
+        room, least = self.max_tokens - len(self.ids), len(text) // (2 * longest)
+        if least > room:
+            raise ContextOverflowError(
+                f"context would grow past the budget of {self.max_tokens}: {len(text):,} characters "
+                f"are at least {least:,} tokens, and {room} are left")
 
     def _append(self, ids: list[int]) -> None:
         if self.max_tokens is not None and len(self.ids) + len(ids) > self.max_tokens:
@@ -261,6 +293,7 @@ class ChatContext:
                 and new[0]["content"] == new[0]["content"].strip():
             frame = self._frame(new[0]["role"])
         delta = frame[0] + new[0]["content"] + frame[1] if frame else self._render_delta(new)
+        self._check_fits(closing + delta)
         return self.tokenizer.encode(closing + delta, add_special_tokens=False)
 
     def _unsampled_terminator(self) -> str:

@@ -159,3 +159,21 @@ def test_one_message_delta_by_concatenation_equals_the_template_render(tokenizer
         assert fast == slow
 
     check()
+
+
+def test_text_that_cannot_fit_is_refused_before_it_is_tokenized(tokenizer, monkeypatch):
+    """A whole web page as an observation was tokenized first (seconds for megabytes, on the
+    event loop every episode shares), then refused as over the budget."""
+    ctx = ChatContext(tokenizer, [{"role": "user", "content": "hi"}], max_tokens=512)
+    before, seen, encode = list(ctx.ids), [], tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: seen.append(len(text)) or encode(text, **kw))
+    page = "word " * 200_000
+    with pytest.raises(ContextOverflowError, match=r"1,000,\d+ characters are at least"):
+        ctx.append_observation([{"role": "user", "content": page}])
+    with pytest.raises(ContextOverflowError, match="at least"):
+        ChatContext(tokenizer, [{"role": "user", "content": page}], max_tokens=512)
+    assert seen == [] and ctx.ids == before  # never tokenized; the context is unchanged
+    ctx.append_observation([{"role": "user", "content": "word " * 60}])  # what fits is appended
+    with pytest.raises(ContextOverflowError, match="over the budget"):  # near the bound: tokenized, then refused
+        ctx.append_observation([{"role": "user", "content": "word " * 1000}])
+    assert seen and max(seen) < 6000
