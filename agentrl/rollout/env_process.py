@@ -32,6 +32,7 @@ from typing import Any
 import gymnasium as gym
 
 from ..env import resolve_env_id
+from ..errors import EnvError
 
 __all__ = ["ProcessEnv"]
 
@@ -62,12 +63,17 @@ def _serve(conn: Connection, entry: Any, kwargs: dict[str, Any]) -> None:
         except (EOFError, OSError):
             break
         try:
-            conn.send((True, getattr(env, method)(*args, **kw)))
+            answer = (True, getattr(env, method)(*args, **kw))
         except BaseException as e:
-            try:
-                conn.send((False, e))
-            except Exception:  # an unpicklable exception: send its text
-                conn.send((False, RuntimeError(f"{type(e).__name__}: {e}")))
+            answer = (False, e)
+        try:
+            conn.send(answer)
+        except Exception as err:  # it does not pickle: say what it was, as text
+            ok, value = answer
+            conn.send((False, EnvError(
+                f"env.{method} returned an answer that cannot travel from the env's process (pickle: "
+                f"{type(err).__name__}: {err}); return plain data, or run it on rollout.env_executor thread")
+                if ok else RuntimeError(f"{type(value).__name__}: {value}")))
         if method == "close":
             break
 

@@ -62,6 +62,7 @@ FINE: dict[str, tuple[Any, Any]] = {
     "odd_info": (("Hi.", {}), ("o", 1.0, True, False, {
         "nan": math.nan, "inf": [math.inf], "set": {3}, (1, 2): "tuple key", "arr": np.arange(3),
         "i64": np.int64(2), "obj": object(), "cycle": _cyclic(), "bad": "x\udcffy"})),
+    "info_lock": (("Hi.", {}), ("o", 1.0, True, False, {"lock": threading.Lock()})),  # no pickle
 }
 
 
@@ -269,3 +270,14 @@ def test_an_sft_expert_episode_checks_the_answers_as_a_rollout_does(name, tokeni
                                  "rollout": {"max_turns": 2}})
     with pytest.raises(EnvError, match=r"env\.(reset|step) returned"):
         expert_tree(cfg.env.id, tokenizer, cfg, seed=0)
+
+
+def test_an_answer_that_cannot_leave_the_env_process_is_named_as_such(tokenizer):
+    """A lock in info cannot be pickled: the episode failed as 'env.step raised TypeError', blaming
+    the env's step, which returned fine (the thread executor plays it)."""
+    cfg = Config.model_validate({"env": {"kwargs": {"name": "info_lock"}},
+                                 "rollout": {"max_turns": 2, "env_executor": "process", "episode_timeout_s": 60}})
+    trees = collect("agentrl/TestAnswer-v0", MockPolicy(tokenizer, ["hi"]), cfg, seeds=[0])
+    [error] = [ep.error for t in trees for ep in t.episodes()]
+    assert "env.step returned an answer that cannot travel from the env's process" in error, error
+    assert "TypeError" in error and "raised TypeError" not in error
