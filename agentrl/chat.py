@@ -115,6 +115,9 @@ def _decode_is_transformers(cls: type) -> bool:
 
 
 _LONGEST: dict[tuple[Any, ...], int] = {}
+# A normalizer may shorten text before it is tokenized: NFC composes up to 3 code points into
+# one (Hangul jamo, a letter with two marks). 4 keeps the early overflow check a true bound.
+_NORMALIZED_SHRINK = 4
 
 
 def _longest_token(tokenizer: Any) -> int:
@@ -215,11 +218,11 @@ class ChatContext:
         """Raise ``ContextOverflowError`` before tokenizing ``text`` where it cannot fit the budget
         whatever its tokens: tokenizing megabytes (a whole web page) takes seconds, on the event
         loop that every episode shares. A token covers at most ``_longest_token`` characters;
-        the factor 2 leaves room for normalizers that shorten text."""
+        ``_NORMALIZED_SHRINK`` leaves room for normalizers that shorten text."""
         longest = _longest_token(self.tokenizer)
         if self.max_tokens is None or not longest:
             return
-        room, least = self.max_tokens - len(self.ids), len(text) // (2 * longest)
+        room, least = self.max_tokens - len(self.ids), len(text) // (_NORMALIZED_SHRINK * longest)
         if least > room:
             raise ContextOverflowError(
                 f"context would grow past the budget of {self.max_tokens}: {len(text):,} characters "
