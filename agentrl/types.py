@@ -337,7 +337,15 @@ class RolloutTree:
         return cls(meta=data.get("meta", {}), nodes=nodes, roots=list(data["roots"]))
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), ensure_ascii=False)
+        """One line of JSON: UTF-8 text as it is, or ``\\u`` escapes where the tree
+        holds a lone surrogate (a file written as UTF-8 could not hold it)."""
+        data = self.to_dict()
+        text = json.dumps(data, ensure_ascii=False)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = json.dumps(data)
+        return text
 
     @classmethod
     def from_json(cls, line: str) -> RolloutTree:

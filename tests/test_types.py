@@ -55,6 +55,20 @@ def test_tree_round_trips_through_jsonl(tmp_path):
     assert [e.input_ids for e in back[0].episodes()] == [e.input_ids for e in t.episodes()]
 
 
+def test_a_lone_surrogate_is_written_escaped_and_read_back(tmp_path):
+    t, *_ = _branching_tree()
+    t.nodes[0].info = {"text": "caf\u00e9 \ud800"}
+    path = tmp_path / "trees.jsonl"
+    assert write_trees(path, [t]) == 1
+    raw = path.read_bytes()
+    raw.decode("utf-8")  # strict UTF-8: a surrogate written raw would not decode
+    assert b"\\ud800" in raw
+    assert read_trees(path)[0].nodes[0].info == {"text": "caf\u00e9 \ud800"}
+    plain, *_ = _branching_tree()
+    plain.nodes[0].info = {"text": "caf\u00e9"}
+    assert "caf\u00e9" in plain.to_json()  # text without surrogates stays unescaped
+
+
 def test_unknown_node_field_is_rejected():
     with pytest.raises(ValueError, match="unknown Node fields"):
         Node.from_dict({"id": 0, "bogus": 1})
