@@ -94,24 +94,11 @@ def run_index(run: Run, tokenizer_note: str = "") -> dict[str, Any]:
     }
 
 
-def _batch_report(run: Run, index: int) -> dict[str, Any] | None:
-    """The allocation report of tree ``index``'s batch: the engine writes it on the
-    first tree of a batch, i.e. of its file."""
-    ref = run.refs[index]
-    first = next(r for r in run.refs if r.file == ref.file)
-    return _report_of(run, first.index)
-
-
-def _report_of(run: Run, index: int) -> dict[str, Any] | None:
-    got = run.tree(index).meta.get("allocation_report")
-    return got if isinstance(got, dict) else None
-
-
 def tree_data(run: Run, index: int, decode: Decoder | None) -> dict[str, Any]:
     """The page's data for tree ``index`` (``payload.tree_payload`` with the run's config)."""
     tree = run.tree(index)
     cfg = run.config
-    report = tree.meta.get("allocation_report") or _batch_report(run, index)
+    report = tree.meta.get("allocation_report") or run.batch_report(index)
     return tree_payload(tree, credit_spec(cfg), decode, recorded_allocator(cfg.get("rollout") or {})[1], report)
 
 

@@ -58,8 +58,8 @@ class TreeSummary:
 
     index: int
     file: str
-    step: int | None
-    task: int | None
+    step: int | str | None
+    task: int | str | None
     seed: int | str | None
     env: str
     family: str
@@ -83,6 +83,14 @@ class TreeSummary:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "success_rate": self.success_rate}
+
+
+def _short(value: Any, limit: int = 120) -> Any:
+    """A summary field as the table shows it: an int or None as it is, anything else as
+    at most ``limit`` characters of its text (a run's meta can hold whole documents)."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    return str(value)[:limit]
 
 
 def _reason(text: str) -> str:
@@ -174,12 +182,13 @@ def summarize_tree_dict(data: dict[str, Any], index: int = 0, file: str = "",
             reasons[f"truncated: {_reason(str(why))}"] += 1
     branch_points = sum(len(n.get("children") or []) > 1 for n in nodes.values())
     branch_points += len(data.get("roots", [])) > 1
+    env = meta.get("env", "")
     return TreeSummary(
-        index=index, file=file, step=meta.get("step", step), task=meta.get("task"),
-        seed=meta.get("seed", meta.get("session_seed")), env=str(meta.get("env", "")) if not
-        isinstance(meta.get("env"), dict) else str(meta["env"].get("env_id", "")),
-        family=task_family(meta, [nodes[r] for r in data.get("roots", []) if r in nodes]),
-        allocator=str(meta.get("allocator", "")), instruction=str(meta.get("instruction", ""))[:300],
+        index=index, file=file, step=_short(meta.get("step", step)), task=_short(meta.get("task")),
+        seed=_short(meta.get("seed", meta.get("session_seed"))),
+        env=_short(env.get("env_id", "") if isinstance(env, dict) else env),
+        family=_short(task_family(meta, [nodes[r] for r in data.get("roots", []) if r in nodes])),
+        allocator=_short(meta.get("allocator", "")), instruction=str(meta.get("instruction", ""))[:300],
         episodes=len(leaves), successes=successes, failed=failed, truncated=truncated,
         mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
         mean_turns=sum(turns) / len(turns) if turns else 0.0, action_tokens=tokens,
@@ -215,8 +224,12 @@ class Run:
         self.refs: list[TreeRef] = []
         self.summaries: list[TreeSummary] = []
         self.skipped: list[str] = []  # lines that are not trees (a torn last line), by file:line
+        self._reports: dict[Path, dict[str, Any] | None] = {}
         for f in self.files:
             self._index(f)
+        self._first: dict[Path, int] = {}  # each file's first tree: the engine writes a batch's report on it
+        for r in self.refs:
+            self._first.setdefault(r.file, r.index)
 
     def _index(self, file: Path) -> None:
         step = _step_of(file)
@@ -241,6 +254,16 @@ class Run:
 
     def __len__(self) -> int:
         return len(self.refs)
+
+    def batch_report(self, index: int) -> dict[str, Any] | None:
+        """The allocation report of tree ``index``'s batch: the engine writes it on the
+        first tree of a batch, i.e. of its file. Read once a file (``--static`` asks for
+        every tree's)."""
+        file = self.refs[index].file
+        if file not in self._reports:
+            got = self.tree(self._first[file]).meta.get("allocation_report")
+            self._reports[file] = got if isinstance(got, dict) else None
+        return self._reports[file]
 
     @property
     def skipped_note(self) -> str:

@@ -16,6 +16,9 @@ web page that re-points its own name at 127.0.0.1 (DNS rebinding) would
 otherwise read the run from the user's browser as its own origin. Served on
 another address (``--host``), where the user chose to expose the run, any
 ``Host`` is answered.
+
+A thread serves each connection, at most 32 at once (more wait to be accepted),
+and a connection that sends nothing for 30 s is closed.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from .tokens import Decoder
 __all__ = ["ViewerServer"]
 
 _CACHED_TREES = 64
+_MAX_CONNECTIONS = 32  # threads serving at once; more wait in the listen queue
+_IDLE_SECONDS = 30  # a connection that sends nothing this long is closed
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
@@ -51,6 +56,33 @@ def _host_name(header: str) -> str:
     if header.startswith("["):
         return header[1:].split("]", 1)[0]
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``_MAX_CONNECTIONS`` at once: a client that
+    opens thousands of connections waits in the listen queue instead of starting
+    a thread for each."""
+
+    daemon_threads = True
+    request_queue_size = 128  # connections waiting for a thread (socketserver's default: 5)
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self._slots.acquire()
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class ViewerServer:
@@ -73,10 +105,9 @@ class ViewerServer:
             self._ready.set()
         else:
             threading.Thread(target=self._load, args=(load_decoder,), daemon=True).start()
-        self.httpd = ThreadingHTTPServer((host, port), self._handler())
+        self.httpd = _BoundedServer((host, port), self._handler())
         self.loopback_only = _is_loopback(host)
         self._hosts = {*_LOOPBACK_NAMES, host}
-        self.httpd.daemon_threads = True
 
     def _load(self, load: Callable[[], tuple[Decoder | None, str]]) -> None:
         try:
@@ -114,6 +145,8 @@ class ViewerServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = _IDLE_SECONDS
+
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 path = self.path.split("?", 1)[0]
                 asked = self.headers.get("Host")

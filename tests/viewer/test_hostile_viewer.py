@@ -306,3 +306,73 @@ def test_a_tree_id_that_is_no_index_is_a_404(tmp_path):
         assert _get(server.url, "/api/tree/0", None)[0] == 200
     finally:
         server.close()
+
+
+def test_static_reads_each_batchs_allocation_report_once(tmp_path, monkeypatch):
+    """--static asked every tree for its batch's report, found the batch's first tree by
+    a scan of the whole index and parsed that tree again: quadratic in trees."""
+    trees = [fork_tree(k) for k in range(30)]
+    trees[0].meta["allocation_report"] = {"entropy_branch": {"threshold": 0.5}}
+    write_trees(tmp_path / "trees.jsonl", trees)
+    run = Run(tmp_path / "trees.jsonl")
+    parsed: list[int] = []
+    real = Run.tree
+
+    def counting(self: Run, index: int) -> RolloutTree:
+        parsed.append(index)
+        return real(self, index)
+
+    monkeypatch.setattr(Run, "tree", counting)
+    write_static(run, tmp_path / "v.html", None)
+    assert sorted(parsed) == [0, *range(30)]  # each tree once, the batch's first once more
+    assert run.batch_report(29) == {"entropy_branch": {"threshold": 0.5}}
+
+
+def test_summary_fields_from_meta_are_shortened(tmp_path):
+    t = fork_tree()
+    t.meta.update(env="e" * 100_000, allocator="a" * 100_000, family="f" * 100_000,
+                  task={"doc": "t" * 100_000}, seed="s" * 100_000)
+    write_trees(tmp_path / "trees.jsonl", [t])
+    row = run_index(Run(tmp_path / "trees.jsonl"))["trees"][0]
+    for key in ("env", "allocator", "family", "task", "seed"):
+        assert isinstance(row[key], str) and 0 < len(row[key]) <= 120, key
+    assert row["task"].startswith("{'doc': 'ttt")
+    plain = run_index(Run(_plain_run(tmp_path)))["trees"][0]
+    assert (plain["task"], plain["seed"], plain["env"]) == (0, 1, "agentrl/Fake-v0")  # ints stay ints
+
+
+def _plain_run(tmp_path: Path) -> Path:
+    write_trees(tmp_path / "plain.jsonl", [fork_tree()])
+    return tmp_path / "plain.jsonl"
+
+
+def test_idle_connections_take_a_bounded_number_of_threads(tmp_path, monkeypatch):
+    """One thread a connection, with no bound and no timeout: 100 connections that send
+    nothing held 100 threads for as long as they stayed open. Now at most
+    _MAX_CONNECTIONS are served at once, and an idle one is closed after _IDLE_SECONDS."""
+    import socket
+    import threading
+
+    from agentrl.viewer import server as server_module
+
+    monkeypatch.setattr(server_module, "_IDLE_SECONDS", 1)
+    write_trees(tmp_path / "trees.jsonl", [fork_tree()])
+    server = ViewerServer(Run(tmp_path / "trees.jsonl"), port=0).start()
+    host, port = server.httpd.server_address[:2]
+    before = threading.active_count()
+    socks = []
+    try:
+        for _ in range(100):
+            socks.append(socket.create_connection((host, port), timeout=10))
+        most = 0
+        for _ in range(20):
+            most = max(most, threading.active_count() - before)
+            threading.Event().wait(0.05)
+        assert 0 < most <= server_module._MAX_CONNECTIONS
+        # the idle connections stay open on the client's side; the server times them out
+        with urllib.request.urlopen(server.url + "api/run", timeout=60) as r:
+            assert r.status == 200
+    finally:
+        for s in socks:
+            s.close()
+        server.close()
