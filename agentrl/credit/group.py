@@ -15,7 +15,10 @@ Conventions shared by every function here:
   verl's ``compute_grpo_outcome_advantage``) both call ``torch.std``, which is
   the sample std, so we follow them.
 - A group of one episode has no baseline: its advantage is 0.
-- A group whose rewards are all equal gets zeros, never NaN.
+- A group whose rewards are all equal gets exact zeros, never NaN, whatever
+  ``eps`` is: float noise in its mean (``0.7 * 3`` sums to 2.0999999999999996)
+  would otherwise leave advantages like 1e-10, which the trainer's
+  ``skip_zero_advantage`` (``a == 0.0``) does not skip, or NaN with ``eps=0``.
 """
 
 from __future__ import annotations
@@ -61,14 +64,20 @@ def _sample_std(a: np.ndarray) -> float:
     return float(a.std(ddof=1)) if a.size > 1 else 0.0
 
 
+def _no_spread(a: np.ndarray) -> bool:
+    """Whether ``a`` has fewer than two values, or all of them equal: nothing to compare."""
+    return a.size < 2 or bool(a.min() == a.max())
+
+
 def _center_scale(a: np.ndarray, scale: str = "std", eps: float = 1e-6) -> np.ndarray:
     """``(a - mean) / (std + eps)`` (``scale="std"``) or ``a - mean`` (``"none"``).
 
-    The shared core of GRPO-style normalisation. A group of one gets 0.
+    The shared core of GRPO-style normalisation. A group of one, or of equal
+    values, gets exact zeros (see the module docstring).
     """
     if scale not in ("std", "none"):
         raise ValueError(f"scale must be 'std' or 'none', not {scale!r}")
-    if a.size < 2:
+    if _no_spread(a):
         return np.zeros_like(a)
     d = a - a.mean()
     return d / (_sample_std(a) + eps) if scale == "std" else d
@@ -114,7 +123,7 @@ def rloo(rewards: Sequence[float]) -> Any:
     """
     a = _array(rewards)
     k = a.size
-    out = np.zeros_like(a) if k < 2 else a - (a.sum() - a) / (k - 1)
+    out = np.zeros_like(a) if _no_spread(a) else a - (a.sum() - a) / (k - 1)
     return _like(out, rewards)
 
 
@@ -153,7 +162,7 @@ def mc_grpo(rewards: Sequence[float], scale: str = "std", eps: float = 1e-6) -> 
     a = _array(rewards)
     if scale not in ("std", "none"):
         raise ValueError(f"scale must be 'std' or 'none', not {scale!r}")
-    if a.size < 2:
+    if _no_spread(a):
         return _like(np.zeros_like(a), rewards)
     d = a - np.median(a)
     out = d / (_sample_std(a) + eps) if scale == "std" else d

@@ -14,7 +14,7 @@ import numpy as np
 
 from agentrl.types import Episode
 
-from .group import _array, _like
+from .group import _array, _like, _no_spread
 
 __all__ = ["LEVELS", "discounted_returns", "episode_gae", "gae", "normalize"]
 
@@ -98,8 +98,9 @@ def episode_gae(e: Episode, value_fn: Callable[[Episode], Sequence[float]] | Non
 
 
 def _whiten(x: np.ndarray, eps: float) -> np.ndarray:
-    """``(x - mean) / (std + eps)`` with the population std; one value gives 0."""
-    if x.size < 2:
+    """``(x - mean) / (std + eps)`` with the population std; one value, or equal ones, give
+    exact zeros (float noise in the mean is no signal, and eps = 0 would make 0/0)."""
+    if _no_spread(x):
         return np.zeros_like(x)
     return (x - x.mean()) / (x.std() + eps)
 

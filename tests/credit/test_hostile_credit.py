@@ -1,0 +1,53 @@
+"""agentrl.credit under hostile inputs: equal groups, eps = 0, odd state keys, non-finite values.
+
+Each test pins a defect a hostile review found, with a hand-computed expected value.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from agentrl.credit import assign, dr_grpo, gdpo, gigpo_advantages, grpo, mc_grpo, normalize, rloo
+
+from .conftest import build_tree
+
+# -- all-equal groups: exactly 0, whatever eps ------------------------------------------------
+
+
+@pytest.mark.parametrize("r", [0.7, 0.1, 0.3, 1 / 3])
+@pytest.mark.parametrize("n", [3, 5, 6, 7, 10])
+def test_an_all_equal_group_gets_exact_zeros(r, n):
+    # every episode scored r: no episode is better than another, A_i = 0 exactly.
+    # 0.7 * 3 sums to 2.0999999999999996, so GRPO gave 1.1e-10, not 0: the trainer's
+    # skip_zero_advantage (a == 0.0) kept such groups, and no_signal saw a signal
+    group = [r] * n
+    for fn in (grpo, dr_grpo, rloo, mc_grpo):
+        assert fn(group) == [0.0] * n, fn.__name__
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_eps_zero_gives_an_equal_group_zeros_not_nan(n):
+    # eps = 0 is a valid option (ge=0): std = 0 made 0/0 = NaN, and float noise in the mean of
+    # [0.1] * 3 made (r - mean) / std = -0.816 for every episode
+    assert grpo([1.0] * n, eps=0.0) == [0.0] * n
+    assert grpo([0.1] * 3, eps=0.0) == [0.0, 0.0, 0.0]
+    assert mc_grpo([2.0] * n, eps=0.0) == [0.0] * n
+    assert gdpo([[1.0, 0.3]] * n, eps=0.0) == [0.0] * n
+    assert normalize([[0.7], [0.7], [0.7]], "batch", eps=0.0) == [[0.0], [0.0], [0.0]]
+    # one anchor group {a}: two steps with returns 1, 1 -> A_E = 0 and A_S = 0
+    assert gigpo_advantages([[1.0], [1.0]], [["a"], ["a"]], eps=0.0) == [[0.0], [0.0]]
+
+
+def test_eps_zero_still_normalises_a_group_that_differs():
+    # r = [0, 1]: sample std sqrt(0.5); with eps = 0 A = +-0.5 / 0.7071068 = +-0.7071068
+    assert grpo([0.0, 1.0], eps=0.0) == pytest.approx([-0.7071068, 0.7071068])
+    # whitening [1, 3] with the population std 1: [-1, 1]
+    assert normalize([[1.0], [3.0]], "batch", eps=0.0) == [[-1.0], [1.0]]
+
+
+def test_assign_gives_every_token_of_an_equal_group_exact_zero():
+    # three episodes, each one turn with reward 0.7: every action token gets 0.0 exactly
+    tree = build_tree([(None, 0.7, {"terminated": True})] * 3)
+    for method in ("grpo", "dr_grpo", "rloo", "gigpo"):
+        advs = [a for _, token_advs in assign([tree], method) for a in token_advs]
+        assert advs == [0.0] * 15, method
