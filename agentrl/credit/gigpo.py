@@ -67,9 +67,18 @@ def text_key(text: str) -> str:
     return hashlib.blake2b(normalize_observation(text).encode(), digest_size=8).hexdigest()
 
 
+def _env_key(value: Any) -> str | None:
+    """An env's ``state_key`` as a key, or None when it reported none (missing, None or "").
+
+    Not a truth test: 0 or False is a state (room 0), as the rollout engine, which
+    stores the reset key when it ``is not None``, takes it."""
+    return None if value is None or (isinstance(value, str) and not value) else str(value)
+
+
 def _opening_key(tree: RolloutTree) -> str:
-    if tree.meta.get("state_key"):
-        return str(tree.meta["state_key"])
+    key = _env_key(tree.meta.get("state_key"))
+    if key is not None:
+        return key
     roots = [tree.nodes[r] for r in tree.roots]
     if roots and roots[0].context_ids:
         ids = np.asarray(roots[0].context_ids, dtype=np.int64).tobytes()
@@ -85,8 +94,9 @@ def episode_state_keys(episode: Episode, tree: RolloutTree, hashed: bool = True)
     """
     keys = [_opening_key(tree)]
     for prev in episode.nodes[:-1]:
-        if prev.info.get("state_key"):
-            keys.append(str(prev.info["state_key"]))
+        key = _env_key(prev.info.get("state_key"))
+        if key is not None:
+            keys.append(key)
         elif hashed:
             keys.append("obs:" + text_key(prev.observation))
         else:

@@ -7,7 +7,19 @@ from __future__ import annotations
 
 import pytest
 
-from agentrl.credit import assign, dr_grpo, gdpo, gigpo_advantages, grpo, mc_grpo, normalize, rloo
+from agentrl.credit import (
+    assign,
+    dr_grpo,
+    episode_state_keys,
+    gdpo,
+    gigpo_advantages,
+    gigpo_episode_advantages,
+    grpo,
+    mc_grpo,
+    normalize,
+    rloo,
+)
+from agentrl.types import EpisodeGroup
 
 from .conftest import build_tree
 
@@ -51,3 +63,34 @@ def test_assign_gives_every_token_of_an_equal_group_exact_zero():
     for method in ("grpo", "dr_grpo", "rloo", "gigpo"):
         advs = [a for _, token_advs in assign([tree], method) for a in token_advs]
         assert advs == [0.0] * 15, method
+
+
+# -- GiGPO state keys ------------------------------------------------------------------------
+
+
+def test_an_integer_state_key_zero_names_an_anchor_state():
+    # an env whose states are numbered (room 0, 1, ...) reports info["state_key"] = 0; it was
+    # read as "no key" (falsy), so the two turns taken in room 0 were keyed by their differing
+    # observations and shared no anchor group
+    tree = build_tree([
+        (None, 0.0, {"info": {"state_key": 0}, "observation": "Room 0. Nothing happens."}),
+        (0, 1.0, {"terminated": True}),
+        (None, 0.0, {"info": {"state_key": 0}, "observation": "Room 0."}),
+        (2, 0.0, {"terminated": True}),
+    ])
+    keys = [episode_state_keys(e, tree) for e in EpisodeGroup.of(tree).episodes]
+    assert keys[0][1] == keys[1][1] == "0"
+    # scale none, gamma 0.95, omega 1. Totals 1, 0 -> A_E = +-0.5. Opening state: returns
+    # 0.95 and 0 -> A_S = +-0.475. Room 0: returns 1 and 0 -> A_S = +-0.5
+    advs = gigpo_episode_advantages(EpisodeGroup.of(tree).episodes, tree, scale="none")
+    assert advs[0] == pytest.approx([0.975, 1.0])
+    assert advs[1] == pytest.approx([-0.975, -1.0])
+
+
+def test_an_opening_state_key_zero_is_the_opening_anchor():
+    # the engine stores a reset key 0 in tree.meta (it tests `is not None`); GiGPO ignored it, so
+    # a turn back in the opening state did not join the first turn's anchor group
+    tree = build_tree([(None, 0.0, {"info": {"state_key": 0}, "observation": "You look around."}),
+                       (0, 1.0, {"terminated": True})], meta={"state_key": 0})
+    (episode,) = EpisodeGroup.of(tree).episodes
+    assert episode_state_keys(episode, tree) == ["0", "0"]
