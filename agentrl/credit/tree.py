@@ -66,6 +66,8 @@ def _leaf_stats(
     """``{node_id: (sum of outcomes, number of leaves)}`` over the kept leaves below each node.
 
     ``episodes`` maps leaf ids to their episodes when the caller built them already.
+    Raises ``ValueError`` on a non-finite outcome, which would make every value above
+    its leaf NaN (the group methods refuse one too).
     """
     stats: dict[int, tuple[float, int]] = {}
     for leaf in tree.leaves():
@@ -73,6 +75,8 @@ def _leaf_stats(
             continue
         path = tree.path(leaf.id)
         r = episode_outcome(episodes[leaf.id] if episodes is not None else Episode.from_path(path), outcome)
+        if not math.isfinite(r):
+            raise ValueError(f"the outcome of the episode ending at leaf {leaf.id} must be finite, got {r}")
         for node in path:
             s, k = stats.get(node.id, (0.0, 0))
             stats[node.id] = (s + r, k + 1)

@@ -18,6 +18,7 @@ from agentrl.credit import (
     mc_grpo,
     normalize,
     rloo,
+    tree_advantages,
 )
 from agentrl.types import EpisodeGroup
 
@@ -94,3 +95,21 @@ def test_an_opening_state_key_zero_is_the_opening_anchor():
                        (0, 1.0, {"terminated": True})], meta={"state_key": 0})
     (episode,) = EpisodeGroup.of(tree).episodes
     assert episode_state_keys(episode, tree) == ["0", "0"]
+
+
+# -- non-finite values fail loudly -----------------------------------------------------------
+
+
+def test_tree_refuses_a_non_finite_outcome_as_the_group_methods_do():
+    # grpo, gigpo, returns and gdpo raise on a NaN reward; tree averaged it into every value
+    # above the leaf and returned NaN advantages for the whole tree, silently
+    tree = build_tree([(None, 1.0, {"terminated": True}), (None, float("nan"), {"terminated": True})])
+    with pytest.raises(ValueError, match="leaf 1"):
+        tree_advantages(tree)
+    with pytest.raises(ValueError, match="finite"):
+        assign([tree], "tree")
+    ok = build_tree([(None, 1.0, {"terminated": True}), (None, 0.0, {"terminated": True})])
+    with pytest.raises(ValueError, match="finite"):
+        tree_advantages(ok, outcome=lambda e: float("inf") if e.total_reward else 0.0)
+    # the same tree with finite outcomes: V(super-root) = 0.5, A(n) = 2 (V(n) - 0.5) / sqrt(1)
+    assert tree_advantages(ok) == {0: 1.0, 1: -1.0}
