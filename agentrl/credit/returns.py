@@ -72,6 +72,8 @@ def gae(
     r, v = _array(rewards), _array(values, "values")
     if v.size != r.size:
         raise ValueError(f"values has {v.size} entries but rewards has {r.size}")
+    if not np.isfinite(last_value):  # it enters delta_{T-1}, and so every A_t
+        raise ValueError(f"last_value must be finite, got {last_value}")
     out = np.zeros_like(r)
     next_value, running = float(last_value), 0.0
     for t in range(r.size - 1, -1, -1):

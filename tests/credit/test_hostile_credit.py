@@ -11,6 +11,7 @@ from agentrl.credit import (
     assign,
     dr_grpo,
     episode_state_keys,
+    gae,
     gdpo,
     gigpo_advantages,
     gigpo_episode_advantages,
@@ -113,3 +114,15 @@ def test_tree_refuses_a_non_finite_outcome_as_the_group_methods_do():
         tree_advantages(ok, outcome=lambda e: float("inf") if e.total_reward else 0.0)
     # the same tree with finite outcomes: V(super-root) = 0.5, A(n) = 2 (V(n) - 0.5) / sqrt(1)
     assert tree_advantages(ok) == {0: 1.0, 1: -1.0}
+
+
+def test_gae_refuses_a_non_finite_bootstrap_as_it_refuses_non_finite_values():
+    # values must be finite (ValueError), but V of the state after a cut episode went straight
+    # into delta_T: a value head's NaN made every turn's advantage NaN, silently
+    with pytest.raises(ValueError, match="last_value"):
+        gae([1.0], [0.5], last_value=float("nan"))
+    truncated = build_tree([(None, 1.0, {"truncated": True})])
+    with pytest.raises(ValueError, match="last_value"):
+        assign([truncated], "gae", value_fn=lambda e: [0.5, float("inf")], level=None)
+    # finite: delta_0 = r + gamma * V(s_1) - V(s_0) = 1 + 2 - 0.5 = 2.5
+    assert gae([1.0], [0.5], last_value=2.0) == [2.5]
