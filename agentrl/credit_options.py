@@ -51,9 +51,11 @@ _CODE_ONLY = ("value_fn", "reward_fn")  # callables: keyword arguments of agentr
 
 
 class CreditMethodOptions(BaseModel):
-    """The options of one credit method: unknown keys are errors."""
+    """The options of one credit method: unknown keys and non-finite numbers are errors."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf or NaN passes ge/le bounds or has none to pass (omega: .inf made every
+    # advantage NaN); no option means anything by them
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     def arguments(self) -> dict[str, Any]:
         """The keyword arguments of the method's function: every option but ``name`` and ``outcome``

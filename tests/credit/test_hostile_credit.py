@@ -9,6 +9,7 @@ import pytest
 
 from agentrl.credit import (
     assign,
+    credit_options,
     dr_grpo,
     episode_state_keys,
     gae,
@@ -21,6 +22,8 @@ from agentrl.credit import (
     rloo,
     tree_advantages,
 )
+from agentrl.errors import ConfigError
+from agentrl.train.config import load_train_config
 from agentrl.types import EpisodeGroup
 
 from .conftest import build_tree
@@ -126,3 +129,23 @@ def test_gae_refuses_a_non_finite_bootstrap_as_it_refuses_non_finite_values():
         assign([truncated], "gae", value_fn=lambda e: [0.5, float("inf")], level=None)
     # finite: delta_0 = r + gamma * V(s_1) - V(s_0) = 1 + 2 - 0.5 = 2.5
     assert gae([1.0], [0.5], last_value=2.0) == [2.5]
+
+
+@pytest.mark.parametrize("method, key, value", [
+    ("gigpo", "omega", float("inf")),       # inf * A_S = inf * 0 = NaN on every singleton step
+    ("grpo", "eps", float("inf")),          # (r - mean) / inf: every advantage 0, silently
+    ("tree", "global_weight", float("nan")),
+    ("tree", "max_scale", float("inf")),
+    ("gdpo", "weights", [1.0, float("nan")]),
+    ("gdpo", "weights", {"a": float("-inf")}),
+])
+def test_a_non_finite_credit_option_is_refused_naming_it(method, key, value):
+    with pytest.raises(ValueError, match=f"option '{key}"):
+        credit_options(method, **{key: value})
+
+
+def test_a_non_finite_credit_option_fails_when_the_config_loads():
+    # it loaded, and the run trained on NaN advantages (omega: .inf) from its first step
+    with pytest.raises(ConfigError, match=r"train\.credit\.omega"):
+        load_train_config(None, ["train.credit={name: gigpo, omega: .inf}"])
+
