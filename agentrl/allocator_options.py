@@ -48,7 +48,9 @@ _IN_TURN = ("Fork inside the chosen turn, before its {which} token among the fir
 
 
 class _Options(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf or NaN passes a one-sided bound or has none to pass (est_leaf_cost: .inf bought
+    # 0 leaves, threshold: .nan never branched); no option means anything by them
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 def _est_leaf_cost() -> Any:
