@@ -67,7 +67,8 @@ class GuessNumberEnv(TextEnv):
     def step(self, action: str):
         self.turn += 1
         match = _INT.search(action[:10_000])
-        guess = int(match.group()) if match else None
+        # Past 20 digits (leading zeros aside) a number is out of range, and int() refuses 4,300.
+        guess = int(match.group()) if match and len(match.group().lstrip("-0")) <= 20 else None
         reward, terminated = 0.0, False
         if guess is None or not 1 <= guess <= self.high:
             obs = f"Invalid guess. Answer with one whole number between 1 and {self.high}."
