@@ -5,7 +5,10 @@ the score of a turn is ``H_t - H_initial``, the mean entropy of its first
 ``first_tokens`` action tokens minus the same for the episode's first turn.
 AEPO (Dong et al. 2025, "Agentic Entropy-Balanced Policy Optimization"): a
 turn whose previous turn also scored above ``threshold`` has its score
-multiplied by ``penalty``, so branching does not pile up along one path.
+multiplied by ``penalty``, so branching does not pile up along one path. A
+negative score (a fall in entropy, kept under a negative ``threshold``) is
+lowered by the same share, ``score - (1 - penalty) * |score|``: multiplying
+it would raise it.
 Kept: turns whose score after the penalty exceeds ``threshold``
 (``entropy_branch_scores``).
 
@@ -53,7 +56,7 @@ def entropy_branch_scores(
     for node_id, score in raw.items():
         before = tree.turn_parent(node_id)
         if before in raw and raw[before] > threshold:
-            score *= penalty
+            score -= (1.0 - penalty) * abs(score)  # = score * penalty when score > 0
         if score > threshold:
             scores[node_id] = score
     return scores
