@@ -114,7 +114,8 @@ def child_runs(code, w_out, w_err, w_st, r_go, ns):
     os.dup2(null, 1)
     os.dup2(null, 2)
     os.close(null)
-    os.write(w_st, json.dumps({"exit_code": exit_code}).encode())
+    # One line, in one write: K takes it whole (a child the snippet forked may hold w_st open).
+    os.write(w_st, (json.dumps({"exit_code": exit_code}) + "\n").encode())
     os.close(w_st)
     # K either replies and exits (the pipe's write end closes: C is the kernel now) or
     # kills this process group, if a cancel reached it first.
@@ -136,7 +137,7 @@ def collect(pid, r_out, r_err, r_st, timeout, limit):
     truncated, status, timed_out, cancelled = False, b"", False, False
     open_fds = [r_out, r_err, r_st]
     deadline = time.monotonic() + timeout
-    while r_st in open_fds:
+    while r_st in open_fds and not status.endswith(b"\n"):
         left = deadline - time.monotonic()
         if left <= 0:
             timed_out = True
@@ -161,8 +162,8 @@ def collect(pid, r_out, r_err, r_st, timeout, limit):
                 room = limit - len(bufs[fd])
                 bufs[fd] += chunk[: max(room, 0)]
                 truncated = truncated or len(chunk) > room
-    # C flushed before reporting; take what is already in the pipes, never wait for
-    # background processes that inherited them.
+    # C flushed before reporting; take what is already in the pipes, never wait for the
+    # EOF of any of them: background processes the snippet forked hold them open too.
     for fd in (r_out, r_err):
         while fd in open_fds and select.select([fd], [], [], 0)[0]:
             chunk = os.read(fd, 1 << 16)
