@@ -36,11 +36,15 @@ __all__ = ["GenerateRequest", "GenerateResult", "Policy", "RequestControl", "Sam
            "request_seed", "stop_string_hit"]
 
 FinishReason = Literal["stop", "length", "stop_string", "cancelled"]
+# The lowest temperature that samples: vLLM decodes greedily below it (_SAMPLING_EPS), and far
+# below it fp32 logits divided by the temperature overflow (hf then samples token 0, logprob NaN).
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to sample. ``temperature=0`` is greedy. ``top_k=0`` and ``top_p=1`` disable them.
+    """How to sample. ``temperature=0`` is greedy; a sampling temperature is at least
+    ``MIN_TEMPERATURE``. ``top_k=0`` and ``top_p=1`` disable them.
 
     ``logprobs`` is how many top-k alternatives to return per token (0: none).
     ``seed`` seeds this request's own random stream (None: a fresh random seed).
@@ -57,11 +61,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         bad = [f"{name}={getattr(self, name)!r} ({rule})" for name, ok, rule in (
-            ("temperature", self.temperature >= 0, ">= 0"),
+            ("temperature", self.temperature == 0 or self.temperature >= MIN_TEMPERATURE,
+             f"0 for greedy, or >= {MIN_TEMPERATURE}"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", self.top_k >= 0, ">= 0"),
             ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
             ("logprobs", self.logprobs >= 0, ">= 0"),
+            ("stop", all(self.stop), "no empty string: it is in every text"),
         ) if not ok]
         if bad:
             raise PolicyError("invalid sampling parameters: " + ", ".join(bad))
