@@ -115,19 +115,21 @@ def _require_regular(fd: int, path: str) -> None:
         raise SandboxError(f"{path!r} is not a regular file (a FIFO, device or socket); refused")
 
 
-def tar_dir(root: str) -> bytes:
+def tar_dir(root: str, limit: int) -> bytes:
     """The contents of ``root`` as an uncompressed tar: regular files, dirs and symlinks
     (stored, not followed). FIFOs, sockets and devices are left out.
 
     Walked by dir fd like ``write_beneath``: a path the sandbox swaps for a symlink
-    or a FIFO while we walk can neither lead outside nor block the host.
+    or a FIFO while we walk can neither lead outside nor block the host. An archive
+    over ``limit`` bytes is refused before it is built: a sparse file takes no room in
+    the workdir but is stored at its full size, on the host's heap.
     """
     buf = io.BytesIO()
     try:
         fd = os.open(root, _DIR_FLAGS)
         try:
             with tarfile.open(fileobj=buf, mode="w") as tar:
-                _tar_tree(tar, fd, "")
+                _tar_tree(tar, fd, "", limit)
         finally:
             os.close(fd)
     except OSError as e:  # tarfile's own errors (a file shrank mid-read) are OSErrors too
@@ -141,9 +143,10 @@ def _tar_info(name: str, st: os.stat_result, kind: bytes) -> tarfile.TarInfo:
     return info
 
 
-def _tar_tree(tar: tarfile.TarFile, dfd: int, prefix: str) -> None:
+def _tar_tree(tar: tarfile.TarFile, dfd: int, prefix: str, limit: int) -> None:
     for name in sorted(os.listdir(dfd)):
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        _check_room(tar, 0, limit)
         if stat.S_ISLNK(st.st_mode):
             info = _tar_info(prefix + name, st, tarfile.SYMTYPE)
             info.linkname = os.readlink(name, dir_fd=dfd)
@@ -152,7 +155,7 @@ def _tar_tree(tar: tarfile.TarFile, dfd: int, prefix: str) -> None:
             sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
             try:
                 tar.addfile(_tar_info(prefix + name, os.fstat(sub), tarfile.DIRTYPE))
-                _tar_tree(tar, sub, f"{prefix}{name}/")
+                _tar_tree(tar, sub, f"{prefix}{name}/", limit)
             finally:
                 os.close(sub)
         elif stat.S_ISREG(st.st_mode):
@@ -160,9 +163,20 @@ def _tar_tree(tar: tarfile.TarFile, dfd: int, prefix: str) -> None:
             with os.fdopen(fd, "rb") as f:
                 st = os.fstat(fd)
                 if stat.S_ISREG(st.st_mode):  # else swapped since the listing: left out
+                    _check_room(tar, st.st_size, limit)
                     info = _tar_info(prefix + name, st, tarfile.REGTYPE)
                     info.size = st.st_size
                     tar.addfile(info, f)
+
+
+def _check_room(tar: tarfile.TarFile, size: int, limit: int) -> None:
+    """Refuse a member of ``size`` data bytes that would take the archive over ``limit``."""
+    if tar.offset + 1024 + size > limit:  # its header (two for a long name), then its data
+        raise SandboxError(
+            f"cannot snapshot the sandbox workdir: the archive would be over {limit >> 20} MiB "
+            "(files count at their full size, sparse ones too); remove files or raise "
+            "limits.workdir_mb"
+        )
 
 
 def untar_into(root: str, data: bytes, owner: tuple[int, int] | None) -> None:

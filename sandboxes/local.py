@@ -308,8 +308,12 @@ class LocalSandbox(Sandbox):
         await asyncio.to_thread(self._wipe_dirs, workdir)
 
     async def snapshot(self) -> bytes:
-        """The workdir as a tar archive (files only: running processes are not captured)."""
-        return await asyncio.to_thread(tar_dir, await self._live_workdir())
+        """The workdir as a tar archive (files only: running processes are not captured).
+
+        Refused over ``workdir_mb`` + 16 MiB, as docker's is.
+        """
+        limit = (self.limits.workdir_mb + 16) << 20
+        return await asyncio.to_thread(tar_dir, await self._live_workdir(), limit)
 
     async def restore(self, snapshot: bytes) -> None:
         """Reset, then put back the workdir saved by ``snapshot``."""

@@ -4,11 +4,12 @@ tried that the security and hardening suites did not, each kept as the attack th
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
+from agentrl.errors import SandboxError
 from agentrl.sandboxes import PythonInterpreter
+
+from .conftest import TEST_LIMITS
 
 pytestmark = pytest.mark.anyio
 
@@ -38,3 +39,19 @@ async def test_snippet_that_leaves_a_background_child_finishes_and_keeps_its_sta
     assert (r.stdout, r.timed_out, r.exit_code) == ("done\n", False, 0), r
     assert interp.history[0][0].startswith(spawn)
     assert (await interp.execute("kept", timeout=5)).stdout == "42\n"
+
+
+async def test_snapshot_of_sparse_files_is_refused_not_inflated(builder, backend):
+    # 256 MiB of holes take no room in an 8 MiB workdir, and the snapshot stored them at
+    # full size: on the host's heap, a few thousand such files ran a trainer out of memory.
+    limits = TEST_LIMITS.model_copy(update={"workdir_mb": 8})
+    async with builder(backend, limits) as b:
+        r = await b.sandbox.run("for i in 1 2 3 4; do truncate -s 64M hole$i || exit 1; done")
+        assert r.ok, r
+        with pytest.raises(SandboxError, match="snapshot"):
+            await b.sandbox.snapshot()
+        await b.sandbox.run("rm hole*")
+        await b.sandbox.write_file("small.txt", "kept")
+        snap = await b.sandbox.snapshot()
+        await b.sandbox.restore(snap)
+        assert await b.sandbox.read_file("small.txt") == b"kept"
