@@ -13,7 +13,8 @@ may know it (``train.distill.privileged``); the agent never sees it.
 
 Reward: 1.0 on the turn the number is found, else 0.0. The episode is truncated
 after ``max_turns`` turns. An action that holds no integer in range is answered
-with an error observation and uses up the turn.
+with an error observation and uses up the turn. A step after the episode ended
+pays nothing and repeats how it ended.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import re
 from typing import Any
 
 from agentrl.env import TextEnv
+from agentrl.errors import EnvError
 
 _INT = re.compile(r"-?\d+")
 
@@ -35,9 +37,10 @@ class GuessNumberEnv(TextEnv):
             raise ValueError("high and max_turns must be >= 1")
         self.high = high
         self.max_turns = max_turns
-        self.secret = 1
+        self.secret = 0  # none before reset
         self.low_bound, self.high_bound = 1, high
         self.turn = 0
+        self.ended: tuple[bool, bool] | None = None  # (terminated, truncated) once over
 
     def _info(self) -> dict[str, Any]:
         return {
@@ -60,11 +63,17 @@ class GuessNumberEnv(TextEnv):
         self.secret = int(self.np_random.integers(1, self.high + 1))
         self.low_bound, self.high_bound = 1, self.high
         self.turn = 0
+        self.ended = None
         self._last_obs = self.instruction
         # For a distillation teacher only (train.distill.privileged); never shown to the agent.
         return self._last_obs, {**self._info(), "privileged": f"The secret number is {self.secret}."}
 
     def step(self, action: str):
+        if not self.secret:
+            raise EnvError("call reset() before step()")
+        if self.ended:
+            self._last_obs = "The episode is over. Call reset() to start a new one."
+            return self._last_obs, 0.0, *self.ended, self._info()
         self.turn += 1
         match = _INT.search(action[:10_000])
         # Past 20 digits (leading zeros aside) a number is out of range, and int() refuses 4,300.
@@ -83,6 +92,8 @@ class GuessNumberEnv(TextEnv):
         truncated = not terminated and self.turn >= self.max_turns
         if truncated:
             obs += f" Out of guesses; the number was {self.secret}."
+        if terminated or truncated:
+            self.ended = (terminated, truncated)
         self._last_obs = obs
         return obs, reward, terminated, truncated, self._info()
 
