@@ -27,6 +27,8 @@ def relative_parts(path: str, workdir_alias: str | None = None) -> list[str]:
     Absolute paths are allowed only when they start with ``workdir_alias`` (the
     workdir's path as the sandbox sees it, e.g. ``/work``).
     """
+    if "\0" in path:
+        raise SandboxError(f"path {path!r} holds a NUL byte, which no file name can")
     if os.path.isabs(path):
         alias = (workdir_alias or "").rstrip("/")
         if not alias or not (path == alias or path.startswith(alias + "/")):

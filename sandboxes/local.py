@@ -241,7 +241,7 @@ class LocalSandbox(Sandbox):
                 start_new_session=True,
                 pass_fds=tuple(fds),
             )
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: a NUL byte in an argument
             raise SandboxError(f"cannot start {argv[0]!r} in the {self.NAME} sandbox: {e}") from e
         finally:
             for fd in fds:
@@ -255,6 +255,11 @@ class LocalSandbox(Sandbox):
         env: dict[str, str] | None = None,
     ) -> ExecResult:
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+        if not argv:
+            raise SandboxError("run: the command is empty; give a shell string or an argv list")
+        if any("\0" in arg for arg in argv):  # no exec can carry it: a failed run, as in docker
+            stderr = f"{argv[0][:100]}: cannot run a command line holding a NUL byte\n"
+            return ExecResult(stderr=stderr, exit_code=126)
         data = _as_bytes(stdin)
         marker = f"AGENTRL_RUN={secrets.token_hex(8)}"
         started = time.monotonic()

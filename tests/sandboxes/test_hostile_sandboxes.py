@@ -55,3 +55,27 @@ async def test_snapshot_of_sparse_files_is_refused_not_inflated(builder, backend
         snap = await b.sandbox.snapshot()
         await b.sandbox.restore(snap)
         assert await b.sandbox.read_file("small.txt") == b"kept"
+
+
+@pytest.mark.parametrize("command", [["echo", "a\0b"], "echo a\0b"], ids=["argv", "shell"])
+async def test_a_command_holding_a_nul_byte_is_a_failed_run_on_every_backend(built, command):
+    # A model's "\u0000" in a bash call raised ValueError out of local and bwrap (the tool
+    # failed its episode) where docker answers with a failed run the model can read.
+    r = await built.sandbox.run(command, timeout=30)
+    assert not r.ok and not r.timed_out, r
+    assert (await built.sandbox.run("echo alive", timeout=30)).stdout == "alive\n"
+
+
+async def test_an_empty_argv_is_refused_on_every_backend(built):
+    # local and bwrap ran `env -i` with nothing after it, which printed the sandbox's env.
+    with pytest.raises(SandboxError):
+        await built.sandbox.run([], timeout=30)
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+async def test_a_path_holding_a_nul_byte_is_a_sandbox_error(built, op):
+    call = (
+        built.sandbox.write_file("a\0b", b"x") if op == "write" else built.sandbox.read_file("a\0b")
+    )
+    with pytest.raises(SandboxError):
+        await call
