@@ -138,7 +138,8 @@ distillation work is on the [Algorithms](algorithms.md) page.
 - **Checkpoints and resume.** A checkpoint holds the trainable weights, the
   optimizer, the scheduler, the RNG states and the step (which fixes the task
   seeds of the next batch). It is written to a temporary folder and renamed.
-  After `kill -9`, `agentrl train --resume` continues; a test kills a real run
+  After `kill -9`, `agentrl train --resume` continues; after Ctrl-C, `agentrl
+  train` names the checkpoint it continues from. A test kills a real run
   with SIGKILL and checks that the resumed steps see the same tasks and give
   the same loss (within 1e-5) as an uninterrupted run; for branched runs in
   deterministic mode, the same to the bit ([Reproducibility](reproducibility.md)).

@@ -111,6 +111,22 @@ def rl_segments(metrics_path: str | Path) -> list[dict[str, Any]]:
     return out
 
 
+def _interrupted(cfg: Any, resumable: bool) -> typer.Exit:
+    """Ctrl-C: say where the run stands. A checkpoint is written whole or not at all, so
+    the newest one is where ``--resume`` continues."""
+    from .checkpoint import checkpoint_dirs
+
+    newest = checkpoint_dirs(cfg.train.output.dir)[-1:] if cfg is not None else []
+    if not newest:
+        console.print("interrupted before any checkpoint was written", highlight=False)
+    elif resumable:  # soft_wrap: a path cut at the terminal's width cannot be pasted
+        console.print(f"interrupted: the newest checkpoint is {newest[0]}; the same command with "
+                      "--resume (and without --overwrite) continues from it", highlight=False, soft_wrap=True)
+    else:
+        console.print(f"interrupted: the newest checkpoint is {newest[0]}", highlight=False, soft_wrap=True)
+    return typer.Exit(code=130)  # 128 + SIGINT, as a shell reports it
+
+
 def _report(summary: dict[str, Any], wall: float) -> None:
     """The per-phase table: held-out success, mean reward, change from the previous phase, seconds,
     peak memory. A dry run printed its plan already."""
@@ -188,7 +204,7 @@ def train(
     flags = {"train.steps": steps, "train.output.dir": out, "env.id": env,
              "train.harness": None if harness is None else json.dumps(harness)}
     extra = [f"{k}={v}" for k, v in flags.items() if v is not None]
-    t0 = time.perf_counter()
+    t0, cfg = time.perf_counter(), None
     try:
         cfg = _load(config, set_, extra)
         rollouts = None
@@ -201,6 +217,8 @@ def train(
     except AgentRLError as e:
         console.print(f"[bold red]error:[/] {e}", highlight=False)
         raise typer.Exit(code=2) from None
+    except KeyboardInterrupt:
+        raise _interrupted(cfg, resumable=True) from None
     _report(summary, time.perf_counter() - t0)
 
 
@@ -222,7 +240,7 @@ def sft(
 
     flags = {"sft.episodes": episodes, "train.output.dir": out}
     extra = [f"{k}={v}" for k, v in flags.items() if v is not None] + ["train.steps=0"]
-    t0 = time.perf_counter()
+    t0, cfg = time.perf_counter(), None
     try:
         cfg = _load(config, set_, extra)
         if not cfg.sft.enabled:
@@ -231,6 +249,8 @@ def sft(
     except AgentRLError as e:
         console.print(f"[bold red]error:[/] {e}", highlight=False)
         raise typer.Exit(code=2) from None
+    except KeyboardInterrupt:
+        raise _interrupted(cfg, resumable=False) from None
     # No RL steps ran: the "end" evaluation is the SFT'd policy again, not an "after RL" row.
     summary = {**summary, "phases": {k: v for k, v in summary["phases"].items() if k != "end"}}
     _report(summary, time.perf_counter() - t0)

@@ -147,3 +147,32 @@ def test_a_recovered_row_holds_the_values_its_line_would_have(tmp_path, monkeypa
     train(toy_config(out, "train.steps=2", *QUIET), resume=True, progress=False)
     [row] = [r for r in _rows(out) if r.get("recovered_from_checkpoint")]
     assert row["x/f32"] == 0.5
+
+
+def test_ctrl_c_names_the_checkpoint_a_resume_continues_from(tmp_path, monkeypatch):
+    """Ctrl-C ended `agentrl train` with no word on what was kept; now it names the newest
+    checkpoint and how to go on from it, with exit code 130 (128 + SIGINT)."""
+    from agentrl.train.metrics import MetricsLogger
+
+    torch.set_num_threads(1)
+    out = tmp_path / "run"
+    log = MetricsLogger.log
+
+    def interrupted_in_step_2(self, step, metrics):
+        if step == 2:
+            raise KeyboardInterrupt
+        log(self, step, metrics)
+
+    monkeypatch.setattr(MetricsLogger, "log", interrupted_in_step_2)
+    args = ["train", "--no-progress", "--out", str(out), "--steps", "3", "--set", "policy.model=tiny-random",
+            "--set", "train.evaluation.episodes=0", "--set", "train.checkpointing.every=1",
+            "--set", "rollout.group_size=2", "--set", "train.tasks_per_step=1", "--set", "train.output.plot=false"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 130, (res.output, res.exception)
+    # step 2's checkpoint is saved before its row is logged
+    assert (f"interrupted: the newest checkpoint is {out / 'checkpoints' / 'step-000002'}; the same command "
+            "with --resume (and without --overwrite) continues from it") in res.output
+    monkeypatch.setattr(MetricsLogger, "log", log)
+    res = CliRunner().invoke(app, [*args, "--resume"])
+    assert res.exit_code == 0, (res.output, res.exception)
+    assert (out / "checkpoints" / "step-000003").is_dir()
