@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import PolicyError
+from ..errors import ContextOverflowError, PolicyError
 from ..precision import check_precision, fp32_head
 from .attention import avoid_cudnn_attention, use_gqa_sdpa
 from .base import GenerateRequest, GenerateResult, RequestControl, SamplingParams, stop_string_hit
@@ -196,6 +196,9 @@ class HFPolicy:
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        # tokens a sequence may hold, prompt and reply (None: the config names no limit)
+        self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         try:
             kv_shape(model.config)
         except ValueError as e:  # sliding-window or hybrid attention: not supported by the slab yet
@@ -286,8 +289,7 @@ class HFPolicy:
         results: list[GenerateResult | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for i, req in enumerate(requests):
-            if not req.prompt_ids:
-                raise PolicyError(f"request {i} has an empty prompt")
+            self._check_request(i, req)
             p = req.params
             # max_new_tokens and seed are per row: near a context budget, rows differ in room.
             key = (p.temperature, p.top_p, p.top_k, p.stop, p.stop_token_ids, p.logprobs)
@@ -301,6 +303,28 @@ class HFPolicy:
                 for i, out in zip(chunk, outs, strict=True):
                     results[i] = out
         return results  # type: ignore[return-value]
+
+    def _check_request(self, i: int, req: GenerateRequest) -> None:
+        """Refuse, naming request ``i``, what the model cannot run: an empty prompt, a prompt id
+        outside the vocabulary (torch's IndexError; on CUDA a device-side assert that fails every
+        later call), more top logprobs than the vocabulary has, or a prompt that fills the model's
+        context (as vLLM refuses one that fills ``max_model_len``)."""
+        if not req.prompt_ids:
+            raise PolicyError(f"request {i} has an empty prompt")
+        ids, vocab = np.asarray(req.prompt_ids), self.vocab_size
+        if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
+            raise PolicyError(f"request {i} has prompt token ids outside the model's vocabulary [0, {vocab})")
+        if req.params.logprobs > vocab:
+            raise PolicyError(f"request {i}: logprobs={req.params.logprobs} is more than the vocabulary's {vocab} tokens")
+        if self.max_positions is not None and len(ids) >= self.max_positions:
+            raise ContextOverflowError(f"request {i}: prompt of {len(ids)} tokens does not fit the model's context "
+                                       f"of {self.max_positions} tokens (max_position_embeddings)")
+
+    def _limit(self, req: GenerateRequest) -> int:
+        """How many tokens ``req`` may sample: ``max_new_tokens``, cut where the model's context ends."""
+        if self.max_positions is None:
+            return req.params.max_new_tokens
+        return min(req.params.max_new_tokens, self.max_positions - len(req.prompt_ids))
 
     async def agenerate(self, request: GenerateRequest) -> GenerateResult:
         """One request; concurrent calls are gathered into one ``generate`` batch."""
@@ -435,7 +459,7 @@ class HFPolicy:
         prompts = [requests[i].prompt_ids for i in order]
         B, width, plen = len(order), max(map(len, prompts)), [len(p) for p in prompts]
         news = [plen[b] - matches[i][1] for b, i in enumerate(order)]
-        limits = [requests[i].params.max_new_tokens for i in order]
+        limits = [self._limit(requests[i]) for i in order]
         slab = KVSlab(self.model.config, B, width, max(limits), self._kv_dtype, dev)
         logits, cached = [], [0] * B
         for start, end in prefill_groups(news, self.prefill_pad_tokens):
@@ -493,7 +517,7 @@ class HFPolicy:
         B, width, plen = len(order), max(map(len, prompts)), [len(p) for p in prompts]
         cached = [matches[i][1] for i in order]
         news = [plen[b] - cached[b] for b in range(len(run))]
-        limits = [requests[i].params.max_new_tokens for i in order]
+        limits = [self._limit(requests[i]) for i in order]
         slab = KVSlab(self.model.config, B, width, max(limits), self._kv_dtype, dev)
         for b, i in enumerate(order):
             entry = matches[i][0]
