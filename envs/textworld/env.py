@@ -123,6 +123,7 @@ class TextWorldEnv(TextEnv):
         self._state: Any = None
         self._actions: list[str] = []
         self._done = False
+        self._truncated = False  # done for want of steps, not by a win or loss
 
     # -- gymnasium API ---------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
@@ -140,8 +141,8 @@ class TextWorldEnv(TextEnv):
     def step(self, action: str):
         if self._game is None:
             raise EnvError("call reset() before step()")
-        if self._done:
-            return self._last_obs, 0.0, True, False, self._info()
+        if self._done:  # pays nothing and repeats how the episode ended
+            return self._last_obs, 0.0, not self._truncated, self._truncated, self._info()
         command = clean_command(action if isinstance(action, str) else "")
         self._actions.append(command)
         reward, terminated = 0.0, False
@@ -157,7 +158,7 @@ class TextWorldEnv(TextEnv):
             reward = ((self._state.get("score") or 0) - before) / max_score
             terminated = bool(self._state.get("won") or self._state.get("lost"))
         truncated = not terminated and len(self._actions) >= self.max_steps
-        self._done = terminated or truncated
+        self._done, self._truncated = terminated or truncated, truncated
         self._last_obs = obs
         info = self._info()
         if terminated:
@@ -223,7 +224,7 @@ class TextWorldEnv(TextEnv):
             self._game_file = path
             self._state = self._engine_reset()
         self._actions = []
-        self._done = False
+        self._done = self._truncated = False
 
     def _engine_reset(self) -> Any:
         try:

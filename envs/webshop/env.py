@@ -71,6 +71,7 @@ class _State:
     selected: tuple[tuple[str, str], ...] = ()
     steps: int = 0
     done: bool = False
+    truncated: bool = False  # done for want of steps, not by a purchase
     obs: str = ""
 
 
@@ -137,8 +138,8 @@ class WebShopEnv(TextEnv):
         if self.goal is None:
             raise EnvError("call reset() before step()")
         state = self._state
-        if state.done:
-            return state.obs, 0.0, True, False, self._info()
+        if state.done:  # pays nothing and repeats how the episode ended
+            return state.obs, 0.0, not state.truncated, state.truncated, self._info()
         reward, terminated = 0.0, False
         new_state, message = self._transition(state, action if isinstance(action, str) else "")
         if new_state is None:
@@ -154,7 +155,8 @@ class WebShopEnv(TextEnv):
         if truncated:
             obs += "\n\nOut of steps: the episode ends without a purchase."
         keep_obs = new_state.obs if new_state is state else obs
-        self._state = replace(new_state, steps=steps, obs=keep_obs, done=terminated or truncated)
+        self._state = replace(new_state, steps=steps, obs=keep_obs, done=terminated or truncated,
+                              truncated=truncated)
         self._last_obs = obs
         self._notes.read(action if isinstance(action, str) else None, obs)
         info = self._info()

@@ -84,6 +84,7 @@ class _State:
     selected: tuple[tuple[str, str], ...] = ()
     steps: int = 0
     done: bool = False
+    truncated: bool = False  # done for want of steps, not by a purchase
     obs: str = ""
 
 
@@ -161,8 +162,8 @@ class WebShopRealEnv(TextEnv):
 
     def step(self, action: str):
         state = self._require()
-        if state.done:
-            return state.obs, 0.0, True, False, self._info()
+        if state.done:  # pays nothing and repeats how the episode ended
+            return state.obs, 0.0, not state.truncated, state.truncated, self._info()
         new, valid = self._transition(state, action if isinstance(action, str) else "")
         reward, terminated, parts = 0.0, False, None
         if new.done:
@@ -174,7 +175,7 @@ class WebShopRealEnv(TextEnv):
             obs = self._render(new) if new is not state else state.obs
         steps = state.steps + 1
         truncated = not terminated and steps >= self.max_steps
-        self._state = replace(new, steps=steps, obs=obs, done=terminated or truncated)
+        self._state = replace(new, steps=steps, obs=obs, done=terminated or truncated, truncated=truncated)
         self._last_obs = obs
         info = self._info()
         info["valid"] = valid

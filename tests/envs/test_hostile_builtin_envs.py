@@ -8,10 +8,16 @@ Envs with optional extras (textworld) skip, saying so, without them.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
+from agentrl.envs.alfworld.env import ALFWorldEnv
 from agentrl.envs.guess_number import GuessNumberEnv
+from agentrl.envs.webshop import WebShopEnv
 from agentrl.errors import EnvError
+
+HAS_TEXTWORLD = importlib.util.find_spec("textworld") is not None
 
 
 def _run_until_done(env, actions):
@@ -53,8 +59,40 @@ def _guess_number(max_steps):
     return env, (lambda: str(env.secret))
 
 
+def _alfworld(max_steps):
+    env = ALFWorldEnv(max_steps=max_steps)
+    return env, env.oracle_action
+
+
+def _webshop(max_steps):
+    env = WebShopEnv(num_products=500, max_steps=max_steps)
+    return env, env.oracle_action
+
+
+def _webshop_real(max_steps, tmp_path):
+    from agentrl.envs.webshop.real_env import WebShopRealEnv
+    from tests.envs.test_webshop_real import write_webshop_folder
+
+    env = WebShopRealEnv(data_dir=str(write_webshop_folder(tmp_path / "webshop")), split="test",
+                         type_tagger="heuristic", index_cache=str(tmp_path / "index"), max_steps=max_steps)
+    return env, env.oracle_action
+
+
+def _textworld(max_steps, tmp_path):
+    if not HAS_TEXTWORLD:
+        pytest.skip("textworld is not installed (pip install 'agentrl[textworld]')")
+    from agentrl.envs.textworld import TextWorldEnv
+
+    env = TextWorldEnv(max_steps=max_steps, cache_dir=tmp_path / "tw")
+    return env, env.oracle_action
+
+
 MAKERS = {
     "GuessNumber": lambda n, tmp: _guess_number(n),
+    "ALFWorld": lambda n, tmp: _alfworld(n),
+    "WebShop": lambda n, tmp: _webshop(n),
+    "WebShopReal": _webshop_real,
+    "TextWorld": _textworld,
 }
 
 
