@@ -112,6 +112,9 @@ class ALFWorldEnv(TextEnv):
         if isinstance(invalid_penalty, bool) or not isinstance(invalid_penalty, int | float) \
                 or not 0.0 <= invalid_penalty < math.inf:  # True is an int, and no penalty anyone meant
             raise EnvError(f"invalid_penalty must be a number >= 0 (it is subtracted), not {invalid_penalty!r}")
+        if isinstance(subgoal_reward, bool) or not isinstance(subgoal_reward, int | float) \
+                or not math.isfinite(subgoal_reward):  # a NaN would reach every advantage of its group
+            raise EnvError(f"subgoal_reward must be a finite number, not {subgoal_reward!r}")
         self.split = split
         self.dense_reward = dense_reward
         self.subgoal_reward = float(subgoal_reward)

@@ -9,6 +9,7 @@ Envs with optional extras (textworld) skip, saying so, without them.
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import pytest
 
@@ -118,3 +119,12 @@ def test_a_step_after_truncation_pays_nothing_and_stays_truncated(name, tmp_path
         _, reward, terminated, truncated, _ = env.step(solve())
         assert (reward, terminated, truncated) == (0.0, False, True)
     env.close()
+
+
+# -- ALFWorld ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, "x", True])
+def test_alfworld_refuses_a_subgoal_reward_that_is_not_a_finite_number(bad):
+    with pytest.raises(EnvError, match="subgoal_reward"):
+        ALFWorldEnv(dense_reward=True, subgoal_reward=bad)
