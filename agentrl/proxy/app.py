@@ -205,6 +205,20 @@ class Proxy:
                                 "open: fix the cause and close it again") from e
         return session.close()
 
+    def write_open_sessions(self) -> int:
+        """At shutdown: append each open session that recorded a call to ``cfg.out``, with
+        ``meta["closed_by"] = "shutdown"`` (no harness closed it), so a stopped proxy loses
+        nothing it recorded. Returns how many were written."""
+        if not self.cfg.out:
+            return 0
+        trees = []
+        for session in self.sessions.values():
+            if not session.closed and session.calls:
+                tree = session.close()
+                tree.meta["closed_by"] = "shutdown"
+                trees.append(tree)
+        return write_trees(self.cfg.out, trees, append=True) if trees else 0
+
     # -- access --------------------------------------------------------------------------
     def resolve(self, request: Request, admin: bool = False) -> Session | None:
         """Check the credentials and return the session the request names, if any."""
@@ -464,13 +478,19 @@ def serve(policy: Any, config: ProxyConfig | None = None, host: str = "127.0.0.1
     import uvicorn
 
     sock = sock or listen_socket(host, port)  # a port in use fails here, before the banner says it serves
-    server = uvicorn.Server(uvicorn.Config(create_app(policy, config), log_level="info", access_log=False))
+    app = create_app(policy, config)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=False))
     # The model, tokenizer and modules loaded so far live as long as the server: keep them out of
     # the collector's full passes, which otherwise stall every request in flight (~100 ms here).
     gc.collect()
     gc.freeze()
     print(serve_banner(host, sock.getsockname()[1], config or ProxyConfig()), flush=True)  # --port 0: the one it got
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])  # until Ctrl-C or SIGTERM, after the requests in flight
+    finally:
+        written = app.proxy.write_open_sessions()
+        if written:
+            print(f"wrote {written} open session(s) to {app.proxy.cfg.out} (meta closed_by: shutdown)", flush=True)
 
 
 def serve_banner(host: str, port: int, config: ProxyConfig) -> str:

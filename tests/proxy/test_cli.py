@@ -141,3 +141,54 @@ def test_servers_refuse_ports_and_sizes_out_of_range_by_the_option(monkeypatch):
                         (["view", ".", "--port", "70000"], "--port")):
         out = CliRunner().invoke(app, cmd)
         assert out.exit_code == 2 and f"Invalid value for '{option}'" in out.output, (cmd, out.output)
+
+
+def test_a_stopped_proxy_writes_its_open_sessions_to_out(tmp_path):
+    """Ctrl-C on `agentrl proxy serve` lost every session no harness had closed: what they
+    recorded lived only in memory. Now each open session with a call is written at shutdown,
+    marked closed_by: shutdown; a closed one is not written twice, an empty one not at all."""
+    import json
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    out = tmp_path / "trees.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentrl", "proxy", "serve", "--backend", "mock", "--port", "0", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a shell's & ignores SIGINT
+    try:
+        banner = ""
+        while "agentrl proxy on" not in banner and proc.poll() is None:  # after "loading model ..."
+            banner = proc.stdout.readline()
+        base = re.search(r"on (http://127\.0\.0\.1:\d+)", banner).group(1)
+        with httpx.Client(base_url=base, timeout=30) as c:
+            for _ in range(100):  # the banner comes before uvicorn accepts
+                try:
+                    c.get("/health")
+                    break
+                except httpx.TransportError:
+                    threading_wait(0.1)
+            ids = [c.post("/sessions", json={"session_id": sid}).json()["session_id"] for sid in ("a", "b", "c")]
+            for sid in ids[:2]:
+                r = c.post(f"/sessions/{sid}/v1/chat/completions",
+                           json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+                assert r.status_code == 200, r.text
+            assert c.post("/sessions/b/close").status_code == 200
+        proc.send_signal(signal.SIGINT)
+        said = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    trees = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(t["meta"]["session_id"], t["meta"].get("closed_by")) for t in trees] == [("b", None), ("a", "shutdown")]
+    assert len(trees[1]["nodes"]) == 1 and trees[1]["meta"]["calls"] == 1
+    assert f"wrote 1 open session(s) to {out}" in said
+
+
+def threading_wait(seconds: float) -> None:
+    import threading
+
+    threading.Event().wait(seconds)
