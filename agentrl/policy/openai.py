@@ -31,11 +31,16 @@ A seed makes a sample repeatable on one server. Another server, or another
 backend, draws other tokens from the same seed.
 
 Failures. Connection errors and HTTP 429, 502, 503 and 504 are retried with
-exponential backoff; a ``Retry-After`` header is honoured. Other statuses fail
+exponential backoff; a ``Retry-After`` header is honoured. No wait is longer
+than ``MAX_RETRY_WAIT_S`` (a minute): ``Retry-After: inf`` would sleep forever, and
+a day's wait looks like a hang to the run that waits. Other statuses fail
 at once, and so do read timeouts: a timed-out request may still be running on
 the server, which is already slow. Either way the ``PolicyError`` names the
 status and the server's message. A 400 that says the context length was exceeded
-becomes a ``ContextOverflowError``.
+becomes a ``ContextOverflowError``. An answer that is not what was asked for is a
+``PolicyError`` too, never trained on: no tokens, more than ``max_tokens``, a token
+id outside the tokenizer's vocabulary (a server running another model), a logprob
+that is NaN or above 0, or fewer top logprobs than asked.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ _MODES = ("auto", "return_token_ids", "return_tokens_as_token_ids")
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 # Connection failures. Resending a completion is safe: it changes nothing on the server.
 _RETRY_ERRORS = (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
+MAX_RETRY_WAIT_S = 60.0
 _ID_PREFIX = "token_id:"
 VERSION_HEADER = "X-Policy-Version"
 
@@ -104,8 +110,9 @@ def _id_of(token: Any) -> int | None:
     return None
 
 
-def _sampled_ids(choice: dict[str, Any]) -> list[int]:
-    """The sampled token ids, from whichever of the two forms the server returned."""
+def _sampled_ids(choice: dict[str, Any], vocab_size: int | None) -> list[int]:
+    """The sampled token ids, from whichever of the two forms the server returned; each an
+    int in ``[0, vocab_size)`` (a float, a bool or a string is not cast into one)."""
     direct = choice.get("token_ids")
     tokens = (choice.get("logprobs") or {}).get("tokens") or []
     via_text = [_id_of(t) for t in tokens]
@@ -115,10 +122,17 @@ def _sampled_ids(choice: dict[str, Any]) -> list[int]:
             "the server returned no token ids, only text; the openai backend needs a server "
             "that supports `return_token_ids` or `return_tokens_as_token_ids` (vLLM does), "
             "because tokenizing the text again would not give the sampled ids")
-    ids = [int(t) for t in direct] if direct is not None else from_tokens
+    ids = direct if direct is not None else from_tokens
+    if not isinstance(ids, list):
+        raise PolicyError(f"the server's `token_ids` is not a list: {ids!r:.100}")
+    top = vocab_size if vocab_size is not None else float("inf")
+    bad = [t for t in ids if type(t) is not int or not 0 <= t < top]
+    if bad:
+        raise PolicyError(f"the server returned token id {bad[0]!r:.40}, not an id of the tokenizer's vocabulary "
+                          f"[0, {vocab_size}): is it serving the model this tokenizer belongs to?")
     if from_tokens is not None and ids != from_tokens:
         raise PolicyError("the server's `token_ids` and its `token_id:N` tokens disagree")
-    return ids  # type: ignore[return-value]
+    return ids
 
 
 def _top_k(entry: dict[str, float] | None, k: int) -> list[tuple[int, float]]:
@@ -131,6 +145,8 @@ def _top_k(entry: dict[str, float] | None, k: int) -> list[tuple[int, float]]:
     if any(i is None for i, _ in pairs):
         raise PolicyError("the server named its top logprobs by text, not by id; ask for top "
                           "logprobs only from a server that supports `return_tokens_as_token_ids`")
+    if len(pairs) < k:
+        raise PolicyError(f"the server returned {len(pairs)} top logprobs for a token, {k} asked")
     return sorted(pairs, key=lambda p: -p[1])[:k]  # type: ignore[arg-type, return-value]
 
 
@@ -156,15 +172,22 @@ def _finish_reason(choice: dict[str, Any], token_ids: list[int], params: Samplin
 
 
 def completion_result(data: dict[str, Any], params: SamplingParams, eos_ids: set[int],
-                      version: int) -> GenerateResult:
-    """A ``GenerateResult`` from a ``/v1/completions`` response body (one choice)."""
+                      version: int, vocab_size: int | None = None) -> GenerateResult:
+    """A ``GenerateResult`` from a ``/v1/completions`` response body (one choice), checked
+    against what was asked (see the module docstring); ``vocab_size``: the tokenizer's."""
     try:
         choice = data["choices"][0]
-        ids = _sampled_ids(choice)
+        ids = _sampled_ids(choice, vocab_size)
+        if not 1 <= len(ids) <= params.max_new_tokens:
+            raise PolicyError(f"the server returned {len(ids) or 'no'} tokens for max_tokens={params.max_new_tokens}")
         logprobs = choice.get("logprobs") or {}
         chosen = [float(x) for x in logprobs.get("token_logprobs") or []]
         if len(chosen) != len(ids):
             raise PolicyError(f"the server returned {len(chosen)} logprobs for {len(ids)} tokens")
+        wrong = [(i, x) for i, x in enumerate(chosen) if not x <= 0]  # NaN too
+        if wrong:
+            raise PolicyError(f"the server returned logprob {wrong[0][1]} for token {wrong[0][0]}: "
+                              "a log-probability is a number <= 0")
         tops = None
         if params.logprobs:
             entries = logprobs.get("top_logprobs") or []
@@ -186,17 +209,18 @@ def retry_delay(attempt: int, backoff: float, retry_after: str | None = None) ->
     The server's ``Retry-After`` (seconds or an HTTP date) wins when it sent
     one. Otherwise: ``backoff * 2**attempt``, scaled by a random factor in
     [0.5, 1] so that many requests refused together do not all come back together.
+    Either way at most ``MAX_RETRY_WAIT_S``.
     """
     if retry_after:
         try:
-            return max(0.0, float(retry_after))
+            return min(MAX_RETRY_WAIT_S, max(0.0, float(retry_after)))
         except ValueError:
             try:
                 when = email.utils.parsedate_to_datetime(retry_after)
-                return max(0.0, when.timestamp() - time.time())
+                return min(MAX_RETRY_WAIT_S, max(0.0, when.timestamp() - time.time()))
             except (TypeError, ValueError):
                 pass  # unreadable: fall back to our own schedule
-    return backoff * 2 ** attempt * random.uniform(0.5, 1.0)
+    return min(MAX_RETRY_WAIT_S, backoff * 2 ** attempt) * random.uniform(0.5, 1.0)
 
 
 def _server_message(resp: httpx.Response) -> str:
@@ -257,6 +281,7 @@ class OpenAIPolicy:
         self.version = 0
         eos = tokenizer.eos_token_id
         self.eos_ids: set[int] = {eos} if isinstance(eos, int) else set(eos or [])
+        self.vocab_size = len(tokenizer)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # An httpx client's connections belong to the event loop that opened them,
         # so each loop (ours, or a caller's) gets its own client.
@@ -338,7 +363,7 @@ class OpenAIPolicy:
             data = resp.json()
         except ValueError as e:
             raise PolicyError(f"the server's answer is not JSON: {resp.text[:300]!r}") from e
-        return completion_result(data, request.params, self.eos_ids, version)
+        return completion_result(data, request.params, self.eos_ids, version, self.vocab_size)
 
     async def _agenerate_all(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         tasks = [asyncio.ensure_future(self.agenerate(r)) for r in requests]
