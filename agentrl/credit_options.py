@@ -158,7 +158,7 @@ class ReturnsOptions(CreditMethodOptions):
 
 class GAEOptions(CreditMethodOptions):
     """`gae`: generalised advantage estimation over turns (Schulman et al. 2016, eq. 16) with the
-    value head of ``train.value_head`` (V = 0 without one), whitened."""
+    value head of ``train.value_head``, whitened; without a value head, the discounted returns (lam unused)."""
 
     name: Literal["gae"] = Field("gae", description="Credit method name.")
     gamma: float = _gamma(1.0, "the TD errors")

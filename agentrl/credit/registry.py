@@ -144,7 +144,7 @@ def _returns_turns(batch: CreditBatch, options: ReturnsOptions) -> PerTurn:
 
 
 def _gae_turns(batch: CreditBatch, options: GAEOptions) -> PerTurn:
-    """GAE of every turn with ``value_fn`` (V = 0 without one), whitened at ``options.level``."""
+    """GAE of every turn with ``value_fn`` (without one, the discounted returns), whitened at ``options.level``."""
     flat, _ = batch.flat()
     per_turn = [episode_gae(e, batch.value_fn, options.gamma, options.lam) for e in flat]
     return _normalized(batch, per_turn, options.level)
