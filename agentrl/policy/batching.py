@@ -20,6 +20,9 @@ dropped, and one already in the running batch has its ``RequestControl``
 cancelled (one is attached if the caller gave none), which ``hf`` honours at
 its next decode step.
 
+``close`` fails every request not yet running with a ``PolicyError``, on
+every loop, and refuses later ones; a batch already running finishes.
+
 A backend's own ``generate`` method is held by weak reference: the backend
 holds its batcher, and a strong reference back would make the pair a cycle
 that only the cyclic garbage collector frees, keeping a finished run's model
@@ -71,12 +74,13 @@ class MicroBatcher:
         self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Queue] = weakref.WeakKeyDictionary()
         self.batches = 0
         self.batched_requests = 0
+        self.closed = False
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-        """The backend's ``generate``; ``PolicyError`` once the backend is gone."""
+        """The backend's ``generate``; ``PolicyError`` once the batcher is closed or the backend gone."""
         fn = self._generate()
-        if fn is None:
-            raise PolicyError("the policy of this batcher was closed and freed")
+        if fn is None or self.closed:
+            raise PolicyError("the policy of this batcher was closed")
         return fn(requests)
 
     @property
@@ -85,6 +89,8 @@ class MicroBatcher:
         return self.batched_requests / self.batches if self.batches else 0.0
 
     async def submit(self, request: GenerateRequest) -> GenerateResult:
+        if self.closed:
+            raise PolicyError("the policy of this batcher was closed")
         loop = asyncio.get_running_loop()
         q = self._queues.get(loop)
         if q is None:
@@ -138,6 +144,8 @@ class MicroBatcher:
 
     async def _run(self, loop: asyncio.AbstractEventLoop,
                    requests: list[GenerateRequest]) -> list[GenerateResult | BaseException]:
+        if self.closed:  # the pool takes no more work
+            return [PolicyError("the policy of this batcher was closed") for _ in requests]
         try:
             return list(await loop.run_in_executor(self._pool, self.generate, requests))
         except Exception as e:
@@ -157,4 +165,8 @@ class MicroBatcher:
         self._pool.submit(lambda: None).result(timeout)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        # Queued batches are not cancelled: another loop awaits each, and a cancelled one ended
+        # that loop's drain task with its requests unanswered (they hung). They run, and fail
+        # at once in ``generate``.
+        self.closed = True
+        self._pool.shutdown(wait=False)

@@ -12,13 +12,15 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
+import time
 from typing import Any
 
 import httpx
 import pytest
 
 from agentrl.errors import ContextOverflowError, PolicyError
-from agentrl.policy import GenerateRequest, HFPolicy, SamplingParams
+from agentrl.policy import GenerateRequest, GenerateResult, HFPolicy, MicroBatcher, SamplingParams
 from agentrl.policy.openai import OpenAIPolicy, retry_delay
 
 # --- SamplingParams ---------------------------------------------------------------------------
@@ -181,3 +183,47 @@ def test_a_retry_after_is_honoured_up_to_a_bound(retry_after):
 def test_backing_off_waits_at_most_a_minute():
     # max_retries=40 waited 0.5 * 2**39 s before its last try
     assert 0 <= retry_delay(40, 0.5) <= 60
+
+
+# --- the micro-batcher ---------------------------------------------------------------------------
+
+
+def test_closing_the_batcher_fails_the_batch_another_loop_has_queued():
+    # close() cancelled the executor job of loop B's batch, which ended B's drain task with its
+    # request unanswered: it waited forever (here, until wait_for gives up)
+    running, release = threading.Event(), threading.Event()
+
+    def generate(requests):
+        running.set()
+        release.wait(10)
+        return [GenerateResult([7], [0.0], [0.0], "length", 0) for _ in requests]
+
+    batcher, got = MicroBatcher(generate), {}
+
+    def submit_on_own_loop(name: str) -> None:
+        async def main():
+            try:
+                got[name] = await asyncio.wait_for(batcher.submit(GenerateRequest([1], SamplingParams())), 20)
+            except (Exception, asyncio.CancelledError) as e:
+                got[name] = e
+        asyncio.run(main())
+
+    a = threading.Thread(target=submit_on_own_loop, args=("A",))
+    a.start()
+    running.wait(10)
+    b = threading.Thread(target=submit_on_own_loop, args=("B",))
+    b.start()
+    while batcher._pool._work_queue.qsize() == 0 and b.is_alive():  # B's batch queued behind A's
+        time.sleep(0.01)
+    batcher.close()
+    release.set()
+    a.join()
+    b.join()
+    assert got["A"].token_ids == [7]  # the running batch finishes
+    assert isinstance(got["B"], PolicyError) and "closed" in str(got["B"])
+
+
+def test_a_request_after_close_is_a_policy_error(hf):
+    hf.close()
+    with pytest.raises(PolicyError, match="closed"):  # was the executor's RuntimeError
+        asyncio.run(hf.agenerate(GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=2))))
