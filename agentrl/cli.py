@@ -37,6 +37,32 @@ app.add_typer(models_app, name="models")
 console = Console()
 
 
+def _print_version(asked: bool) -> None:
+    """``--version``: agentrl's and the versions a bug report needs, read from the installed
+    packages' metadata (torch is not imported)."""
+    if not asked:
+        return
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    parts = [f"python {platform.python_version()}"]
+    for name in ("torch", "transformers", "vllm", "ray"):
+        try:
+            parts.append(f"{name} {version(name)}")
+        except PackageNotFoundError:  # optional: not installed here
+            pass
+    typer.echo(f"agentrl {__version__} ({', '.join(parts)})")
+    raise typer.Exit()
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True, help="Print the version and exit.")] = False) -> None:
+    """Train LLM agents with RL on multi-turn, tool-using tasks."""
+
+
 def _fail(err: AgentRLError) -> typer.Exit:
     console.print(f"[bold red]error:[/] {err}", highlight=False)
     return typer.Exit(code=2)

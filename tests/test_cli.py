@@ -239,3 +239,18 @@ def test_a_config_given_as_a_fifo_is_read_once_and_its_train_section_still_count
     writer.join(timeout=5)
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["precision"] == "fp32"
+
+
+def test_version_names_agentrl_and_the_libraries_a_bug_report_needs():
+    import platform
+    from importlib.metadata import version
+
+    import agentrl
+
+    res = runner.invoke(app, ["--version"])
+    assert res.exit_code == 0, res.output
+    line = res.output.strip()
+    assert line.startswith(f"agentrl {agentrl.__version__} (python {platform.python_version()}, ")
+    assert f"torch {version('torch')}" in line and f"transformers {version('transformers')}" in line
+    assert agentrl.__version__ == version("agentrl")  # the package and its metadata agree
+    assert runner.invoke(app, ["envs", "list"]).exit_code == 0  # commands still run after the callback
