@@ -234,7 +234,7 @@ class ALFWorldRealEnv(TextEnv):
         truncated = not self._won and self._steps >= self.max_steps
         self._done = self._won or truncated
         self._last_obs = self._state.feedback
-        self._feed_expert(command)
+        self._feed_expert(command, valid)
         info = self._info()
         info["invalid_action"] = not valid  # not admissible: the engine answers "Nothing happens."
         return self._last_obs, 1.0 if self._won else 0.0, self._won, truncated, info
@@ -312,11 +312,13 @@ class ALFWorldRealEnv(TextEnv):
         self._expert = expert
         self._plan = "look"
 
-    def _feed_expert(self, command: str) -> None:
+    def _feed_expert(self, command: str, valid: bool) -> None:
         """After a step: the handcoded expert's next command, as ``AlfredExpert._gather_infos``."""
         if self._expert is None:
             return
-        move = _MOVE.fullmatch(command.strip())
+        # Only an admissible move lets go of anything (the expert reads "Nothing happens." as a
+        # failed command), and _MOVE takes quadratic time on a long line of junk.
+        move = _MOVE.fullmatch(command.strip()) if valid else None
         if move:  # see the module docstring: the expert looks for "put" to let go of what it holds
             command = f"put {move[1]} in/on {move[2]}"
         try:

@@ -68,7 +68,9 @@ PAGE_SIZE = 10
 SEP = " [SEP] "
 BACK, NEXT, PREV, BUY = "back to search", "next >", "< prev", "buy now"
 _SUBPAGES = ("description", "features", "reviews")
-_ACTION = re.compile(r"(.+?)\[(.+)\]", re.DOTALL)
+# An action's name ends at its first "[" after the first character. "(.+?)\[" found that "[" by
+# trying every one in turn: a flood of brackets took a minute.
+_ACTION = re.compile(r"(.[^\[]*)\[(.+)\]", re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True)

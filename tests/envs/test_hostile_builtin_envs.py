@@ -3,7 +3,7 @@ after the episode ended, odd seeds and kwargs. The test of each defect failed be
 fix (the commit that adds it says what was wrong); the others keep the fix from refusing
 too much.
 
-Envs with optional extras (textworld) skip, saying so, without them.
+Envs with optional extras (textworld, alfworld) skip, saying so, without them.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from agentrl.envs.webshop import WebShopEnv
 from agentrl.errors import EnvError
 
 HAS_TEXTWORLD = importlib.util.find_spec("textworld") is not None
+HAS_ALFWORLD = importlib.util.find_spec("alfworld") is not None
 
 
 def _run_until_done(env, actions):
@@ -128,3 +129,32 @@ def test_a_step_after_truncation_pays_nothing_and_stays_truncated(name, tmp_path
 def test_alfworld_refuses_a_subgoal_reward_that_is_not_a_finite_number(bad):
     with pytest.raises(EnvError, match="subgoal_reward"):
         ALFWorldEnv(dense_reward=True, subgoal_reward=bad)
+
+
+# -- the real suites: parsing a huge action ---------------------------------------------------
+# pytest-timeout ends a hung test; both took minutes to hours before (quadratic regexes).
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("action", ["[" * 100_000, "click[" * 16_000 + "x", "a[" + "]x" * 49_000])
+def test_webshop_real_answers_a_flood_of_brackets_as_an_invalid_action(action, tmp_path):
+    env, _ = _webshop_real(15, tmp_path)
+    obs, _ = env.reset(seed=0)
+    answer, reward, terminated, truncated, info = env.step(action)
+    assert (answer, reward, terminated, info["valid"]) == (obs, 0.0, False, False)
+
+
+@pytest.mark.timeout(60)
+def test_alfworld_real_answers_a_huge_move_as_nothing_happens(tmp_path):
+    if not HAS_ALFWORLD:
+        pytest.skip("alfworld is not installed (pip install 'agentrl[alfworld]')")
+    from agentrl.envs.alfworld.real_data import export_games
+    from agentrl.envs.alfworld.real_env import ALFWorldRealEnv
+    from agentrl.envs.alfworld.scene import generate_scene
+
+    export_games([generate_scene(0, "train")], tmp_path)
+    env = ALFWorldRealEnv(split="train", data_dir=str(tmp_path))
+    env.reset(seed=0)
+    obs, reward, terminated, _, info = env.step("move " + "apple 1 to " * 100_000 + "\nx")
+    assert (obs, reward, terminated, info["invalid_action"]) == ("Nothing happens.", 0.0, False, True)
+    assert isinstance(env.oracle_action(), str)  # the handcoded expert read the step too
