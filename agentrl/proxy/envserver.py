@@ -19,6 +19,7 @@ reply is an error observation with ``truncated=True`` and the reason in
 ``info["error"]``, and the server goes on. Such a ``reset`` is a 400 with the reason.
 Env calls run on a worker thread, one at a time per env, so a slow env does
 not stall the others. Envs are sandboxed as they are when made in-process.
+When the server stops (Ctrl-C, SIGTERM), the envs still open are closed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -265,6 +267,28 @@ def serve_envs(config: EnvServerConfig, host: str = "127.0.0.1", port: int = 876
     if not config.token:
         raise ConfigError("env serve: a non-empty token is required")
     sock = listen_socket(host, port)  # a port in use fails here, before the line that says it serves
-    server = uvicorn.Server(uvicorn.Config(create_env_app(config), log_level="info", access_log=False))
+    app = create_env_app(config)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=False))
     print(f"agentrl env server on http://{host}:{sock.getsockname()[1]}", flush=True)  # --port 0: the one it got
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])  # until Ctrl-C or SIGTERM
+    finally:
+        close_live_envs(app.state.envs)
+
+
+def close_live_envs(envs: dict[str, Any], wait_s: float = 20.0) -> int:
+    """Close the envs still open when the server stops, each on a thread of its own (an env
+    that holds a sandbox, a container or a browser would outlive the server otherwise);
+    wait at most ``wait_s`` for them all. Returns how many closes were still running."""
+    threads = [threading.Thread(target=_close_quietly, args=(live.env,), daemon=True, name="agentrl-env-close")
+               for live in envs.values()]
+    envs.clear()
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + wait_s
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    hung = sum(t.is_alive() for t in threads)
+    if hung:
+        print(f"warning: {hung} env close() call(s) still running after {wait_s:.0f} s: left behind", flush=True)
+    return hung

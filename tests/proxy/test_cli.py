@@ -192,3 +192,47 @@ def threading_wait(seconds: float) -> None:
     import threading
 
     threading.Event().wait(seconds)
+
+
+def test_a_stopped_env_server_closes_the_envs_still_open(monkeypatch):
+    """`agentrl env serve` stopped with envs open left them unclosed: an env holding a
+    sandbox container or a browser outlived the server. Now each is closed at the stop,
+    and one whose close hangs is left behind with a warning, not waited on forever."""
+    import socket
+    import threading
+    from types import SimpleNamespace
+
+    import uvicorn
+
+    import agentrl.proxy.envserver as envserver
+
+    closed, release = [], threading.Event()
+
+    class Env:
+        def __init__(self, name: str, hang: bool = False):
+            self.name, self.hang = name, hang
+
+        def close(self) -> None:
+            if self.hang:
+                release.wait(30)
+            closed.append(self.name)
+
+    def serve_then_stop(self, sockets=None):  # the server ran; envs were made; then Ctrl-C
+        self.config.app.state.envs.update(a=SimpleNamespace(env=Env("a")), b=SimpleNamespace(env=Env("b")))
+
+    monkeypatch.setenv("AGENTRL_ENV_TOKEN", "t0ken")
+    bound = socket.socket()
+    bound.bind(("127.0.0.1", 0))
+    monkeypatch.setattr(envserver, "listen_socket", lambda host, port, **kw: bound)
+    monkeypatch.setattr(uvicorn.Server, "run", serve_then_stop)
+    _mount_plugins()
+    try:
+        out = CliRunner().invoke(app, ["env", "serve", "--port", "0"])
+    finally:
+        bound.close()
+    assert out.exit_code == 0, out.output
+    assert sorted(closed) == ["a", "b"]
+    closed.clear()
+    envs = {"ok": SimpleNamespace(env=Env("ok")), "stuck": SimpleNamespace(env=Env("stuck", hang=True))}
+    assert envserver.close_live_envs(envs, wait_s=0.2) == 1 and closed == ["ok"] and envs == {}
+    release.set()
