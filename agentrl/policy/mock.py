@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..chat import decode_ids, render_ids
+from ..errors import PolicyError
 from .base import GenerateRequest, GenerateResult, stop_string_hit
 
 __all__ = ["MockPolicy"]
@@ -81,6 +82,9 @@ class MockPolicy:
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         out = []
         for req in requests:
+            if req.admissible:  # a scripted reply is no sample of the masked distribution
+                raise PolicyError("the mock backend cannot constrain a reply to admissible actions; "
+                                  "rollout.constrain: admissible needs hf or vllm")
             text = self._respond(req.prompt_ids)
             self.calls += 1
             out.append(self._cut(self._encode(text), req))

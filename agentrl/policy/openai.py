@@ -356,6 +356,9 @@ class OpenAIPolicy:
         """Sample one continuation of ``request.prompt_ids`` on the server."""
         if not request.prompt_ids:
             raise PolicyError("the request has an empty prompt")
+        if request.admissible:
+            raise PolicyError("the openai backend cannot constrain a reply to admissible actions (no field of "
+                              "the API does it); rollout.constrain: admissible needs hf or vllm")
         sent_at = self.version
         resp = await self._post(completion_body(self.model, request, self.token_ids_mode))
         version = self._version_from(resp.headers, sent_at)

@@ -20,7 +20,14 @@ import httpx
 import pytest
 
 from agentrl.errors import ContextOverflowError, PolicyError
-from agentrl.policy import GenerateRequest, GenerateResult, HFPolicy, MicroBatcher, SamplingParams
+from agentrl.policy import (
+    GenerateRequest,
+    GenerateResult,
+    HFPolicy,
+    MicroBatcher,
+    MockPolicy,
+    SamplingParams,
+)
 from agentrl.policy.openai import OpenAIPolicy, retry_delay
 
 # --- SamplingParams ---------------------------------------------------------------------------
@@ -227,3 +234,20 @@ def test_a_request_after_close_is_a_policy_error(hf):
     hf.close()
     with pytest.raises(PolicyError, match="closed"):  # was the executor's RuntimeError
         asyncio.run(hf.agenerate(GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=2))))
+
+
+# --- backends that cannot constrain a reply ------------------------------------------------------
+
+
+def test_the_openai_backend_refuses_a_constrained_request(canned):
+    # it sampled freely: a reply outside the admissible list, whose logprobs are not those
+    # of the masked distribution the trainer rebuilds for a constrained turn
+    req = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=4), admissible=("go north", "look"))
+    with pytest.raises(PolicyError, match="admissible"):
+        canned(_answer([5, 6])).generate([req])
+
+
+def test_the_mock_backend_refuses_a_constrained_request(tokenizer):
+    req = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=4), admissible=("go north", "look"))
+    with pytest.raises(PolicyError, match="admissible"):
+        MockPolicy(tokenizer, ["jump"]).generate([req])
