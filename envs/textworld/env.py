@@ -1,7 +1,8 @@
 """``agentrl/TextWorld-v0``: real TextWorld games as a ``TextEnv``.
 
 Each ``reset(seed=s)`` plays the game generated from ``s`` with the env's
-``GameSpec`` (rooms, objects, quest length); games are built on first use
+``GameSpec`` (rooms, objects, quest length), ``s`` modulo 2**32 (TextWorld's
+generator takes no larger seed, gymnasium any); games are built on first use
 and cached on disk (``games.game_file``). ``options={"game_file": path}``
 plays a given ``.z8``/``.ulx`` game instead.
 
@@ -132,7 +133,7 @@ class TextWorldEnv(TextEnv):
         if "game_file" in options:
             path = str(options["game_file"])
         else:
-            game_seed = seed if seed is not None else int(self.np_random.integers(2**31))
+            game_seed = seed % 2**32 if seed is not None else int(self.np_random.integers(2**31))
             path = str(game_file(self.game_spec, game_seed, self.cache_dir))
         self._start(path)
         self._last_obs = _clean_feedback(self._state.get("feedback"))

@@ -158,3 +158,14 @@ def test_alfworld_real_answers_a_huge_move_as_nothing_happens(tmp_path):
     obs, reward, terminated, _, info = env.step("move " + "apple 1 to " * 100_000 + "\nx")
     assert (obs, reward, terminated, info["invalid_action"]) == ("Nothing happens.", 0.0, False, True)
     assert isinstance(env.oracle_action(), str)  # the handcoded expert read the step too
+
+
+# -- TextWorld ---------------------------------------------------------------------------
+
+
+def test_textworld_plays_a_seed_past_32_bits_as_that_seed_modulo_2_32(tmp_path):
+    env, _ = _textworld(50, tmp_path)
+    first, _ = env.reset(seed=1)
+    again, info = env.reset(seed=2**32 + 1)  # TextWorld's generator takes seeds below 2**32
+    assert again == first and info["admissible_actions"]
+    env.close()
