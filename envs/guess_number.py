@@ -26,6 +26,7 @@ from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
 _INT = re.compile(r"-?\d+")
+MAX_HIGH = 1_000_000  # info["admissible_actions"] lists every number still possible
 
 
 class GuessNumberEnv(TextEnv):
@@ -35,6 +36,9 @@ class GuessNumberEnv(TextEnv):
         super().__init__(render_mode=render_mode)
         if high < 1 or max_turns < 1:
             raise ValueError("high and max_turns must be >= 1")
+        if high > MAX_HIGH:
+            raise ValueError(f"high must be at most {MAX_HIGH:,}, not {high:,}: "
+                             "info['admissible_actions'] lists every number still possible")
         self.high = high
         self.max_turns = max_turns
         self.secret = 0  # none before reset

@@ -48,6 +48,11 @@ def test_guess_number_reads_leading_zeros_as_the_number():
     assert reward == 1.0 and terminated, obs
 
 
+def test_guess_number_refuses_a_range_whose_admissible_list_would_not_fit_in_memory():
+    with pytest.raises(ValueError, match="high"):
+        GuessNumberEnv(high=10**9)  # reset would list a billion admissible actions
+
+
 def test_guess_number_step_before_reset_is_an_env_error():
     with pytest.raises(EnvError, match="reset"):
         GuessNumberEnv().step("5")
