@@ -107,6 +107,8 @@ class WebShopRealEnv(TextEnv):
         super().__init__(render_mode=render_mode)
         if max_steps < 1:
             raise EnvError("max_steps must be >= 1")
+        if num_products is not None and num_products < 1:  # a slice: -1 would drop the last product
+            raise EnvError(f"num_products must be >= 1 (or None: every product), not {num_products}")
         folder = data_dir if data_dir is not None else os.environ.get("WEBSHOP_DATA")
         if not folder:
             raise EnvError("WebShopReal-v0 needs WebShop's data folder (items_shuffle_1000.json or "

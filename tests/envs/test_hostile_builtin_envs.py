@@ -174,3 +174,16 @@ def test_textworld_plays_a_seed_past_32_bits_as_that_seed_modulo_2_32(tmp_path):
     again, info = env.reset(seed=2**32 + 1)  # TextWorld's generator takes seeds below 2**32
     assert again == first and info["admissible_actions"]
     env.close()
+
+
+# -- WebShopReal -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_webshop_real_refuses_a_product_count_below_one(bad, tmp_path):
+    from agentrl.envs.webshop.real_env import WebShopRealEnv
+    from tests.envs.test_webshop_real import write_webshop_folder
+
+    with pytest.raises(EnvError, match="num_products"):  # -1 kept all products but the last
+        WebShopRealEnv(data_dir=str(write_webshop_folder(tmp_path / "webshop")), split="test",
+                       num_products=bad, type_tagger="heuristic", index_cache=str(tmp_path / "index"))
