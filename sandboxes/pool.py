@@ -9,6 +9,8 @@
 - A leaked lease (the episode ended without releasing) is reclaimed by
   ``end_episode(episode)``, or automatically when the episode object is garbage
   collected (a ``weakref.finalize`` on it, where it can be weakly referenced).
+- A sandbox that fails to start, or whose start, health check or reset is
+  cancelled, is closed, never dropped; its place goes to the next waiter.
 """
 
 from __future__ import annotations
@@ -90,22 +92,33 @@ class SandboxPool:
         return len(self._idle) + len(self._leased) + self._creating
 
     async def start(self) -> None:
-        """Create the warm sandboxes now, in parallel."""
+        """Create the warm sandboxes now, in parallel; raises the first failure, if any,
+        once the others are in the pool."""
         need = max(0, self.warm - self.total)
-        slots = await asyncio.gather(*(self._create() for _ in range(need)))
+        made = await asyncio.gather(*(self._create() for _ in range(need)), return_exceptions=True)
         async with self._condition():
-            self._idle.extend(slots)
+            self._idle.extend(m for m in made if isinstance(m, _Slot))
             self._condition().notify_all()
+        for failure in made:
+            if isinstance(failure, BaseException):
+                raise failure
 
     async def _create(self) -> _Slot:
         self._creating += 1
+        sandbox = None
         try:
             sandbox = self._factory()
             await sandbox.start()
-            self.stats.created += 1
-            return _Slot(sandbox)
-        finally:
+        except BaseException:  # failed or cancelled: it may hold part of what it started
             self._creating -= 1
+            if sandbox is not None:
+                await self._close_quietly(sandbox)
+            async with self._condition():  # its place is free: a waiter may create one
+                self._condition().notify_all()
+            raise
+        self._creating -= 1
+        self.stats.created += 1
+        return _Slot(sandbox)
 
     def _expired(self, slot: _Slot) -> bool:
         too_old = time.monotonic() - slot.born > self.max_lifetime_s
@@ -113,8 +126,14 @@ class SandboxPool:
 
     async def _discard(self, slot: _Slot) -> None:
         self.stats.replaced += 1
-        with contextlib.suppress(Exception):  # it is being thrown away; a failure changes nothing
-            await slot.sandbox.close()
+        await self._close_quietly(slot.sandbox)
+
+    @staticmethod
+    async def _close_quietly(sandbox: Sandbox) -> None:
+        # Shielded: a second cancel must not leave it running. It is being thrown away, so
+        # a failure to close changes nothing.
+        with contextlib.suppress(Exception):
+            await asyncio.shield(sandbox.close())
 
     async def _take(self, deadline: float) -> _Slot:
         cond = self._condition()
@@ -146,7 +165,14 @@ class SandboxPool:
             # A sandbox started a moment ago is neither stale nor dead: skip its checks.
             fresh = slot.uses == 0 and time.monotonic() - slot.born < 1.0
             stale = slot.uses > 0 and self._expired(slot)
-            if stale or (not fresh and self.health_check and not await slot.sandbox.healthy()):
+            try:
+                usable = not stale and (
+                    fresh or not self.health_check or await slot.sandbox.healthy()
+                )
+            except BaseException:  # cancelled mid-check: it is neither leased nor idle
+                await self._give_back(slot, keep=False)
+                raise
+            if not usable:
                 await self._discard(slot)
                 continue
             slot.uses += 1
@@ -171,6 +197,14 @@ class SandboxPool:
                 await sandbox.reset()
             except Exception:  # a sandbox that cannot reset is replaced, not reused
                 keep = False
+            except BaseException:  # cancelled mid-reset: closed, never lost
+                await self._give_back(slot, keep=False)
+                raise
+        await self._give_back(slot, keep)
+
+    async def _give_back(self, slot: _Slot, keep: bool) -> None:
+        """Put an unleased ``slot`` back in the pool, or close it; wake the waiters."""
+        keep = keep and not self._closed
         if not keep:
             await self._discard(slot)
         async with self._condition():

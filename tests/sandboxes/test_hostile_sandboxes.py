@@ -4,10 +4,13 @@ tried that the security and hardening suites did not, each kept as the attack th
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from agentrl.errors import SandboxError
-from agentrl.sandboxes import PythonInterpreter
+from agentrl.sandboxes import PythonInterpreter, Sandbox, SandboxPool
+from agentrl.sandboxes.base import ExecResult
 
 from .conftest import TEST_LIMITS
 
@@ -79,3 +82,108 @@ async def test_a_path_holding_a_nul_byte_is_a_sandbox_error(built, op):
     )
     with pytest.raises(SandboxError):
         await call
+
+
+class _Tracked(Sandbox):
+    """A fake backend that records closes; its start fails, or its run (the health check)
+    or reset waits on ``hang``, when asked."""
+
+    def __init__(self, fail_start=False, hang: asyncio.Event | None = None, hang_in="run"):
+        self.fail_start, self.hang, self.hang_in, self.closed = fail_start, hang, hang_in, False
+
+    async def _maybe_hang(self, where: str) -> None:
+        if self.hang is not None and self.hang_in == where:
+            await self.hang.wait()
+
+    async def start(self) -> None:
+        if self.fail_start:
+            raise SandboxError("start failed (test)")
+
+    async def run(self, command, stdin=None, timeout=30.0, env=None) -> ExecResult:
+        await self._maybe_hang("run")
+        return ExecResult()
+
+    async def write_file(self, path, data) -> None:
+        pass
+
+    async def read_file(self, path) -> bytes:
+        return b""
+
+    async def reset(self) -> None:
+        await self._maybe_hang("reset")
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_pool_start_that_fails_once_keeps_or_closes_every_other_sandbox():
+    # gather raised the first failure and dropped the sandboxes that had started: never
+    # pooled, never closed (a docker container each, running until the trainer exits).
+    made = [_Tracked(), _Tracked(fail_start=True), _Tracked()]
+    pool = SandboxPool(iter(made).__next__, size=3)
+    with pytest.raises(SandboxError, match="start failed"):
+        await pool.start()
+    assert pool.idle == 2
+    await pool.close()
+    assert all(s.closed for s in made)
+
+
+async def test_pool_acquire_cancelled_mid_health_check_loses_no_sandbox():
+    hang = asyncio.Event()
+    made: list[_Tracked] = []
+
+    def factory() -> _Tracked:
+        made.append(_Tracked(hang=hang if not made else None))
+        return made[-1]
+
+    pool = SandboxPool(factory, size=1)
+    await pool.release(await pool.acquire())
+    pool._idle[0].born -= 5  # no longer fresh: acquire health-checks it, and that hangs
+    task = asyncio.create_task(pool.acquire())
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert made[0].closed or pool.idle == 1  # either back in the pool or closed, not lost
+    got = await asyncio.wait_for(pool.acquire(), 5)
+    assert got is not None
+    await pool.close()
+    assert all(s.closed for s in made)
+
+
+async def test_pool_release_cancelled_mid_reset_loses_no_sandbox():
+    hang = asyncio.Event()
+    pool = SandboxPool(lambda: _Tracked(hang=hang, hang_in="reset"), size=1)
+    box = await pool.acquire()
+    task = asyncio.create_task(pool.release(box))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await pool.close()
+    assert box.closed
+
+
+async def test_pool_waiter_gets_the_place_of_a_sandbox_that_failed_to_start():
+    # The failed creation freed its place silently: the waiter slept until acquire_timeout
+    # and was told that no sandbox was free.
+    class SlowFail(_Tracked):
+        async def start(self) -> None:
+            await asyncio.sleep(0.2)
+            await super().start()
+
+    made: list[_Tracked] = []
+
+    def factory() -> _Tracked:
+        made.append(SlowFail(fail_start=not made))
+        return made[-1]
+
+    pool = SandboxPool(factory, size=1, acquire_timeout=3)
+    first = asyncio.create_task(pool.acquire())
+    await asyncio.sleep(0.05)
+    second = asyncio.create_task(pool.acquire())
+    with pytest.raises(SandboxError, match="start failed"):
+        await first
+    assert await second is made[1]
+    await pool.close()
+    assert all(s.closed for s in made)
