@@ -49,7 +49,8 @@ class GuessNumberEnv(TextEnv):
     def _info(self) -> dict[str, Any]:
         return {
             "instruction": self.instruction,
-            "admissible_actions": [str(i) for i in range(self.low_bound, self.high_bound + 1)],
+            "admissible_actions": [] if self.ended  # no action is taken after the end
+            else [str(i) for i in range(self.low_bound, self.high_bound + 1)],
             "tools": [],
             # What the next guess can depend on: the interval left and the guesses used.
             "state_key": f"turn {self.turn}: {self.low_bound}..{self.high_bound}",

@@ -159,7 +159,7 @@ class ALFWorldEnv(TextEnv):
         task = w.s.scene.task
         return {
             "instruction": task.goal,
-            "admissible_actions": list(w.admissible()),
+            "admissible_actions": [] if self._done else list(w.admissible()),
             "tools": [],
             "won": self._won,
             "task_type": task.family,

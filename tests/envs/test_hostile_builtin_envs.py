@@ -107,11 +107,13 @@ MAKERS = {
 def test_a_step_after_the_goal_is_reached_pays_nothing_and_stays_terminated(name, tmp_path):
     env, solve = MAKERS[name](50, tmp_path)
     env.reset(seed=0)
-    _, reward, terminated, truncated, _ = _run_until_done(env, solve)
+    _, reward, terminated, truncated, info = _run_until_done(env, solve)
     assert terminated and not truncated and reward > 0
+    assert info["admissible_actions"] == []  # none is taken any more
     for _ in range(2):
-        _, reward, terminated, truncated, _ = env.step("look")
+        _, reward, terminated, truncated, info = env.step("look")
         assert (reward, terminated, truncated) == (0.0, True, False)
+        assert info["admissible_actions"] == []
     env.close()
 
 
@@ -119,11 +121,13 @@ def test_a_step_after_the_goal_is_reached_pays_nothing_and_stays_terminated(name
 def test_a_step_after_truncation_pays_nothing_and_stays_truncated(name, tmp_path):
     env, solve = MAKERS[name](2, tmp_path)
     env.reset(seed=0)
-    _, _, terminated, truncated, _ = _run_until_done(env, lambda: "junk")
+    _, _, terminated, truncated, info = _run_until_done(env, lambda: "junk")
     assert truncated and not terminated
+    assert info["admissible_actions"] == []
     for _ in range(2):  # the action that would have won pays nothing now
-        _, reward, terminated, truncated, _ = env.step(solve())
+        _, reward, terminated, truncated, info = env.step(solve())
         assert (reward, terminated, truncated) == (0.0, False, True)
+        assert info["admissible_actions"] == []
     env.close()
 
 
