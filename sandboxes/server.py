@@ -5,7 +5,8 @@ of the app checks, in this order, before any body is read:
 - ``Authorization: Bearer <token>`` (compared in constant time), else 401;
 - at most ``max_concurrent`` requests in flight, else 503 at once;
 - request bodies over ``max_request_bytes``, refused with 413 while streaming.
-There are no ``/docs`` or ``/openapi.json`` pages.
+There are no ``/docs`` or ``/openapi.json`` pages. A field that is not base64 is a
+400 naming it; a second exchange with a process while one is in flight, a 409.
 
 Sessions: each is its own sandbox from the backend factory; the session id is a
 random 128-bit token. Idle sessions are closed after ``session_idle_s``. At most
@@ -91,6 +92,7 @@ class _Session:
     sandbox: Sandbox
     last_used: float = field(default_factory=time.monotonic)
     procs: dict[str, SandboxProcess] = field(default_factory=dict)
+    exchanging: set[str] = field(default_factory=set)  # procs with an exchange in flight
 
 
 class _Gate:
@@ -164,6 +166,14 @@ class _Store:
                 await self.close(sid)
 
 
+def _b64(name: str, text: str) -> bytes:
+    """The bytes of a base64 field; 400 naming the field when it is not base64."""
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError as e:  # binascii.Error
+        raise HTTPException(400, f"{name} is not valid base64: {e}") from e
+
+
 def _http_error(e: SandboxError) -> HTTPException:
     return HTTPException(410 if isinstance(e, SandboxDeadError) else 500, str(e))
 
@@ -228,7 +238,10 @@ def _session_routes(app: FastAPI, store: _Store, isolation: str, op_s: float) ->
     async def new_session() -> dict:
         store.claim_slot()
         try:
-            sandbox = store.factory()
+            try:
+                sandbox = store.factory()
+            except SandboxError as e:  # a backend missing here (bwrap not installed)
+                raise _http_error(e) from e
             try:
                 await _bounded("starting the sandbox", sandbox.start(), op_s)
             except BaseException:
@@ -244,7 +257,7 @@ def _session_routes(app: FastAPI, store: _Store, isolation: str, op_s: float) ->
     @app.post("/v1/sessions/{sid}/run")
     async def run(sid: str, req: RunRequest) -> dict:
         session = store.get(sid)
-        stdin = base64.b64decode(req.stdin_b64) if req.stdin_b64 is not None else None
+        stdin = _b64("stdin_b64", req.stdin_b64) if req.stdin_b64 is not None else None
         call = session.sandbox.run(req.command, stdin, req.timeout, req.env)
         return asdict(await _bounded("the run", call, req.timeout + _RUN_GRACE_S))
 
@@ -264,7 +277,8 @@ def _session_routes(app: FastAPI, store: _Store, isolation: str, op_s: float) ->
 def _file_routes(app: FastAPI, store: _Store, op_s: float) -> None:
     @app.post("/v1/sessions/{sid}/write_file")
     async def write_file(sid: str, req: WriteRequest) -> dict:
-        call = store.get(sid).sandbox.write_file(req.path, base64.b64decode(req.data_b64))
+        data = _b64("data_b64", req.data_b64)
+        call = store.get(sid).sandbox.write_file(req.path, data)
         await _bounded(f"writing {req.path!r}", call, op_s)
         return {"ok": True}
 
@@ -311,16 +325,24 @@ def _process_routes(app: FastAPI, store: _Store, op_s: float) -> None:
 
     @app.post("/v1/sessions/{sid}/procs/{pid}/exchange")
     async def exchange(sid: str, pid: str, req: ExchangeRequest) -> dict:
-        proc = store.get(sid).procs.get(pid)
+        session = store.get(sid)
+        proc = session.procs.get(pid)
         if proc is None:
             raise HTTPException(404, f"no process {pid!r} in session {sid!r}")
+        data = _b64("data_b64", req.data_b64)
+        if pid in session.exchanging:  # two readers of one pipe would each get part of a line
+            raise HTTPException(
+                409, f"an exchange with process {pid!r} is in flight; one at a time"
+            )
+        session.exchanging.add(pid)
         try:
-            data = base64.b64decode(req.data_b64)
             line = await asyncio.wait_for(
                 proc.exchange(data) if data else proc.readline(), req.timeout
             )
         except (SandboxError, TimeoutError) as e:
             raise HTTPException(410, f"process stopped answering: {e}") from e
+        finally:
+            session.exchanging.discard(pid)
         return {"line_b64": base64.b64encode(line).decode()}
 
     @app.delete("/v1/sessions/{sid}/procs/{pid}")

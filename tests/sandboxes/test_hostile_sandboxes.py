@@ -6,10 +6,17 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
-from agentrl.errors import SandboxError
-from agentrl.sandboxes import PythonInterpreter, Sandbox, SandboxPool
+from agentrl.errors import SandboxError, SandboxUnavailableError
+from agentrl.sandboxes import (
+    PythonInterpreter,
+    RemoteSandbox,
+    Sandbox,
+    SandboxPool,
+    SandboxProcess,
+)
 from agentrl.sandboxes.base import ExecResult
 
 from .conftest import TEST_LIMITS
@@ -187,3 +194,91 @@ async def test_pool_waiter_gets_the_place_of_a_sandbox_that_failed_to_start():
     assert await second is made[1]
     await pool.close()
     assert all(s.closed for s in made)
+
+
+class _Pipe(SandboxProcess):
+    """A long-lived process whose lines arrive when the test puts them in ``lines``."""
+
+    def __init__(self) -> None:
+        self.lines: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def write(self, data: bytes) -> None:
+        pass
+
+    async def readline(self) -> bytes:
+        return await self.lines.get()
+
+    async def kill(self) -> None:
+        pass
+
+
+class _Served(_Tracked):
+    ISOLATION = "none"
+    procs: list[_Pipe] = []
+
+    async def open_process(self, argv, env=None) -> SandboxProcess:
+        self.procs.append(_Pipe())
+        return self.procs[-1]
+
+
+@pytest.fixture
+def served():
+    pytest.importorskip("fastapi", reason="the sandbox server needs fastapi")
+    from agentrl.sandboxes.server import create_app
+
+    _Served.procs = []
+    app = create_app(_Served, "tok")
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    headers = {"Authorization": "Bearer tok"}
+    return httpx.AsyncClient(transport=transport, base_url="http://t", headers=headers)
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("run", {"command": "cat", "stdin_b64": "a"}),
+        ("write_file", {"path": "x", "data_b64": "not base64!"}),
+        ("procs/{pid}/exchange", {"data_b64": "a"}),
+    ],
+)
+async def test_server_answers_malformed_base64_with_400_naming_the_field(served, route, body):
+    # binascii.Error escaped the routes: a bare 500 "Internal Server Error", a traceback in
+    # the server's log, and no reason for the client.
+    async with served as client:
+        sid = (await client.post("/v1/sessions")).json()["session_id"]
+        pid = (await client.post(f"/v1/sessions/{sid}/procs", json={"argv": ["x"]})).json()
+        r = await client.post(f"/v1/sessions/{sid}/{route.format(pid=pid['proc_id'])}", json=body)
+        field = next(k for k in body if k.endswith("_b64"))
+        assert r.status_code == 400 and field in r.json()["detail"], r.text
+
+
+async def test_server_refuses_a_second_exchange_with_one_process_while_one_is_in_flight(served):
+    # Two readers on one pipe raised RuntimeError inside asyncio: a bare 500.
+    async with served as client:
+        sid = (await client.post("/v1/sessions")).json()["session_id"]
+        pid = (await client.post(f"/v1/sessions/{sid}/procs", json={"argv": ["x"]})).json()
+        url = f"/v1/sessions/{sid}/procs/{pid['proc_id']}/exchange"
+        first = asyncio.create_task(client.post(url, json={"timeout": 10}))
+        await asyncio.sleep(0.1)
+        second = await client.post(url, json={"timeout": 10})
+        assert second.status_code == 409, second.text
+        _Served.procs[0].lines.put_nowait(b"one line\n")
+        assert (await first).status_code == 200
+        again = asyncio.create_task(client.post(url, json={"timeout": 10}))
+        await asyncio.sleep(0.1)
+        _Served.procs[0].lines.put_nowait(b"next\n")
+        assert (await again).status_code == 200
+
+
+async def test_server_says_why_a_session_cannot_be_made():
+    pytest.importorskip("fastapi", reason="the sandbox server needs fastapi")
+    from agentrl.sandboxes.server import create_app
+
+    def factory() -> Sandbox:
+        raise SandboxUnavailableError("no bwrap here (test)")
+
+    transport = httpx.ASGITransport(app=create_app(factory, "tok"), raise_app_exceptions=False)
+    box = RemoteSandbox("http://t", "tok", transport=transport)
+    with pytest.raises(SandboxError, match="no bwrap here"):  # was: 500 Internal Server Error
+        await box.start()
+    await box.close()
