@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from agentrl.env import answer_problem
 from agentrl.envs.alfworld.env import ALFWorldEnv
 from agentrl.envs.guess_number import GuessNumberEnv
 from agentrl.envs.webshop import WebShopEnv
@@ -191,3 +195,54 @@ def test_webshop_real_refuses_a_product_count_below_one(bad, tmp_path):
     with pytest.raises(EnvError, match="num_products"):  # -1 kept all products but the last
         WebShopRealEnv(data_dir=str(write_webshop_folder(tmp_path / "webshop")), split="test",
                        num_products=bad, type_tagger="heuristic", index_cache=str(tmp_path / "index"))
+
+
+# -- any text: fuzzing (a guard; these found nothing) --------------------------------------
+# test_all_envs fuzzes with hypothesis' default text, which has no lone surrogates.
+
+ANY_CHAR = st.characters(blacklist_categories=())  # surrogates, NUL, RTL and zero-width marks too
+WRAPS = ["{}", "search[{}]", "click[{}]", "go to {}", "take {} from countertop 1", "{}\n\n"]
+
+
+@pytest.mark.parametrize("name", ["GuessNumber", "ALFWorld", "WebShop"])
+def test_any_unicode_action_gets_an_answer_the_contract_accepts(name, tmp_path):
+    env, solve = MAKERS[name](50, tmp_path)
+
+    @settings(deadline=None, max_examples=40, suppress_health_check=list(HealthCheck))
+    @given(prefix=st.integers(0, 3), texts=st.lists(st.tuples(st.sampled_from(WRAPS),
+                                                              st.text(ANY_CHAR, max_size=40)),
+                                                    min_size=1, max_size=3))
+    def run(prefix, texts):
+        env.reset(seed=0)
+        for _ in range(prefix):  # reach later pages and rooms too
+            if any(env.step(solve())[2:4]):
+                return
+        for wrap, text in texts:
+            answer = env.step(wrap.format(text))
+            assert answer_problem("step", answer) is None  # valid Unicode, finite reward, bool flags
+            if any(answer[2:4]):
+                return
+
+    run()
+
+
+# What each env's docstring promises to forgive: ALFWorld-v0 folds repeated spaces too.
+VARIANTS = {
+    "ALFWorld": [str.upper, lambda a: f"  {a}.\n", lambda a: a.replace(" ", "  ")],
+    "WebShop": [str.upper, lambda a: f"  {a}\n", lambda a: a.replace("[", "[ ").replace("]", " ]")],
+}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_an_admissible_action_in_other_case_and_spacing_is_still_taken(name, tmp_path):
+    env, _ = MAKERS[name](50, tmp_path)
+    variants = VARIANTS[name]
+    rng = random.Random(0)
+    for seed in range(5):
+        _, info = env.reset(seed=seed)
+        for _ in range(8):
+            action = rng.choice(info["admissible_actions"])
+            obs, _, terminated, truncated, info = env.step(rng.choice(variants)(action))
+            assert not info.get("invalid_action") and not obs.startswith("Invalid action"), action
+            if terminated or truncated:
+                break
