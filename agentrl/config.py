@@ -104,12 +104,32 @@ def folded_options(data: Any, section: str, key: str, default: str) -> Any:
 _DEVICE = re.compile(r"(cpu|cuda|mps|xpu|hpu|npu|mlu|musa|xla|mtia|ipu|privateuseone)(:\d+)?")
 
 
+def check_temperature(value: float | None) -> float | None:
+    """0 (greedy) or a temperature that samples (``agentrl.policy.base.MIN_TEMPERATURE``: vLLM
+    decodes greedily below it and fp32 logits overflow far below it), so a bad one fails
+    when the config loads, not in every episode."""
+    from .policy.base import MIN_TEMPERATURE
+
+    if value is not None and 0 < value < MIN_TEMPERATURE:
+        raise ValueError(f"use 0 for greedy decoding, or at least {MIN_TEMPERATURE} to sample")
+    return value
+
+
 class SamplingConfig(_Strict):
-    temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 is greedy.")
+    temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 is greedy, else at least 1e-5.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass kept.")
     top_k: int = Field(0, ge=0, description="Keep the k likeliest tokens; 0 disables.")
     max_new_tokens: int = Field(64, ge=1, description="Tokens per turn; the turn is truncated there.")
     stop: list[str] = Field(default_factory=list, description="Strings that end a turn.")
+
+    _temperature = field_validator("temperature")(check_temperature)
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: list[str]) -> list[str]:
+        if any(s == "" for s in value):
+            raise ValueError("an empty stop string is in every text: every turn would end at once")
+        return value
 
 
 class VLLMConfig(_Strict):

@@ -70,16 +70,15 @@ def eval_command(
     from .policy.for_run import open_policy, settle_for_command
     from .rollout import make_out_dir, write_run
 
-    flags = {"policy.model": model, "policy.backend": backend, "rollout.episodes": episodes}
+    flags = {"policy.model": model, "policy.backend": backend, "rollout.episodes": episodes,
+             "sampling.temperature": temperature}  # checked with the config: a bad one names its key
     overrides = [f"{key}={v}" for key, v in flags.items() if v is not None] + list(set_ or [])
     try:
         cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too
         env_id = resolve_env_id(env, cfg.env.imports)
         check_env_kwargs(env_id, cfg.env.kwargs, imports=cfg.env.imports)  # else every episode fails
         make_out_dir(out, "--out")  # before the episodes, not after them
-        if temperature is not None:
-            cfg.sampling.temperature = temperature
-        elif (samples or k) == 1:
+        if temperature is None and (samples or k) == 1:
             cfg.sampling.temperature = 0.0
         console.print(settle_for_command(cfg))
         reports, all_trees = [], []

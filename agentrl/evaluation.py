@@ -47,9 +47,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from .config import Config, _Strict
+from .config import Config, _Strict, check_temperature
 from .errors import ConfigError, EnvError
 from .types import RolloutTree
 
@@ -87,6 +87,8 @@ class EvaluationConfig(_Strict):
                                       "evaluation; null: sampling.temperature. Was eval_temperature.")
     env_kwargs: dict[str, Any] = Field(default_factory=dict, description="Env kwargs overridden for "
                                        "evaluation (e.g. another split). Was eval_env_kwargs.")
+
+    _temperature = field_validator("temperature")(check_temperature)
 
 
 def held_out_seeds(ev: EvaluationConfig) -> list[int]:

@@ -254,3 +254,14 @@ def test_version_names_agentrl_and_the_libraries_a_bug_report_needs():
     assert f"torch {version('torch')}" in line and f"transformers {version('transformers')}" in line
     assert agentrl.__version__ == version("agentrl")  # the package and its metadata agree
     assert runner.invoke(app, ["envs", "list"]).exit_code == 0  # commands still run after the callback
+
+
+def test_eval_with_a_temperature_too_small_to_sample_at_names_the_key(tmp_path):
+    """It was assigned after the config was checked: a pydantic ValidationError traceback."""
+    from agentrl.cli import _mount_plugins
+
+    _mount_plugins()  # eval is mounted as main() mounts it
+    res = runner.invoke(app, ["eval", "--env", "agentrl/GuessNumber-v0", "--backend", "mock", "--episodes", "1",
+                              "--temperature", "1e-6", "--out", str(tmp_path / "ev"), "--no-progress"])
+    assert res.exit_code == 2, (res.output, res.exception)
+    assert "sampling.temperature: use 0 for greedy decoding, or at least 1e-05" in " ".join(res.output.split())

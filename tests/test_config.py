@@ -200,3 +200,19 @@ def test_a_device_this_machine_lacks_fails_naming_the_key_before_a_model_loads()
         check_device(f"cuda:{count}")  # one past the last (none here): no CUDA, or too few devices
     with pytest.raises(PolicyError, match=rf"policy\.device='cuda:{count}'"):
         load_model("tiny-random", device=f"cuda:{count}")
+
+
+@pytest.mark.parametrize(("override", "key", "why"), [
+    ("sampling.temperature=1e-6", "sampling.temperature", "use 0 for greedy decoding, or at least 1e-05"),
+    ("sampling.stop=['', 'END']", "sampling.stop", "an empty stop string is in every text"),
+    ("train.evaluation.temperature=1e-9", "train.evaluation.temperature", "use 0 for greedy decoding"),
+])
+def test_sampling_values_no_backend_takes_fail_when_the_config_loads(override, key, why):
+    """The backends refuse them (agentrl.policy.base.SamplingParams), so such a config failed
+    every episode with a PolicyError instead of failing at once, naming the key."""
+    from agentrl.train.config import load_train_config
+
+    with pytest.raises(ConfigError, match=f"{key}: {why}"):
+        load_train_config(None, [override])
+    for fine in ("sampling.temperature=0", "sampling.temperature=1e-5", "train.evaluation.temperature=0.7"):
+        load_train_config(None, [fine])

@@ -88,6 +88,7 @@ from agentrl.httputil import (
     read_json,
 )
 from agentrl.policy.base import (
+    MIN_TEMPERATURE,
     GenerateRequest,
     GenerateResult,
     RequestControl,
@@ -315,7 +316,7 @@ class Proxy:
             seed = None if base is None else (base if i == 0 else request_seed(base, i))
             try:
                 params = SamplingParams(
-                    temperature=1.0 if req.temperature is None else req.temperature,
+                    temperature=_temperature(req.temperature),
                     top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
                     max_new_tokens=max_new, stop=req.stops(),
                     stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=logprobs, seed=seed)
@@ -323,6 +324,13 @@ class Proxy:
                 raise HTTPError(400, str(e)) from None
             out.append(GenerateRequest(list(prompt), params, RequestControl()))
         return out
+
+
+def _temperature(asked: float | None) -> float:
+    """The temperature sampled at: 1 when unset; 0 (greedy) for one too small to sample at,
+    as vLLM's server decodes it (the OpenAI and Anthropic APIs take any value from 0)."""
+    t = 1.0 if asked is None else asked
+    return 0.0 if t < MIN_TEMPERATURE else t
 
 
 def _session_routes(proxy: Proxy) -> list[Route]:

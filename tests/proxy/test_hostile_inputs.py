@@ -86,6 +86,27 @@ def test_a_top_k_over_the_vocabulary_samples_as_top_k_off(tokenizer):
     assert seen == [0, 0, 5]
 
 
+def test_a_temperature_too_small_to_sample_at_is_served_greedy(tokenizer):
+    """The backends refuse 0 < t < 1e-5 (vLLM decodes it greedily, so its logprobs would not be
+    the ones the trainer scores); the wire APIs take any value from 0, so the proxy sends it as
+    0, as vLLM's own server decodes it, instead of a 400."""
+    seen = []
+
+    class Spy(MockPolicy):
+        async def agenerate(self, request):
+            seen.append(request.params.temperature)
+            return await super().agenerate(request)
+
+    app = create_app(Spy(tokenizer, ["Hello there!"]), ProxyConfig())
+    with TestClient(app) as c:
+        for path, body in [("/v1/chat/completions", {**CHAT, "temperature": 1e-6}),
+                           ("/v1/messages", {**MESSAGES, "temperature": 5e-324}),
+                           ("/v1/responses", {**RESPONSES, "temperature": 1e-5}),
+                           ("/v1/chat/completions", CHAT)]:
+            assert c.post(path, json=body).status_code == 200, body
+    assert seen == [0.0, 0.0, 1e-5, 1.0]
+
+
 # -- content the proxy cannot serve --------------------------------------------------------
 @pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}},
                                   {"type": "input_audio", "input_audio": {"data": "AA", "format": "wav"}},
