@@ -21,6 +21,10 @@ sandbox user and refuse symlinks, FIFOs and devices; ``snapshot`` and
 and ``restore`` unpacks into a staging dir before it replaces /work. Every wait
 on an exec is bounded.
 
+A sandbox never closed removes its container when it is collected or the
+interpreter exits; the containers of a killed process are removed by the next
+sandbox started in the same pid namespace (their labels name the owner).
+
 The default image is built offline: ``build_image()`` (``agentrl sandbox
 build-image``) runs ``debootstrap --variant=minbase --include=python3`` and
 ``docker import``s the rootfs; nothing is pulled from a registry.
@@ -39,6 +43,7 @@ import struct
 import subprocess
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,6 +171,43 @@ def docker_client(base_url: str | None = None) -> Any:
     return client
 
 
+def _owner_labels() -> dict[str, str]:
+    """Who started a container: our pid, and the pid namespace (on this boot) it means
+    something in, so ``_sweep_stale`` never judges a pid of another host or container."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    pidns = os.readlink("/proc/self/ns/pid")
+    return {"agentrl.owner_pid": str(os.getpid()), "agentrl.owner_pidns": f"{boot}/{pidns}"}
+
+
+_swept: set[str] = set()  # engines swept by this process
+
+
+def _sweep_stale(client: Any) -> None:
+    """Once per process and engine: remove the containers of sandboxes whose owner (a
+    killed trainer, in our pid namespace) exited without closing them."""
+    url = str(client.api.base_url)
+    if url in _swept:
+        return
+    _swept.add(url)
+    ns = _owner_labels()["agentrl.owner_pidns"]
+    wanted = {"label": ["agentrl.sandbox=1", f"agentrl.owner_pidns={ns}"]}
+    with contextlib.suppress(Exception):  # a sweep that fails leaves what it found
+        for c in client.containers.list(all=True, filters=wanted):
+            pid = c.labels.get("agentrl.owner_pid", "")
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                c.remove(force=True)
+
+
+def _remove(container: Any, client: Any) -> None:
+    """Remove a sandbox's container: at close, or when a sandbox never closed is
+    collected or the interpreter exits. Already gone is fine."""
+    with contextlib.suppress(Exception):
+        container.remove(force=True)
+    with contextlib.suppress(Exception):
+        client.close()
+
+
 def _map_error(what: str, e: Exception) -> SandboxError:
     text = str(e)
     gone = ("is not running", "No such container", "is paused", "No such exec instance")
@@ -198,6 +240,7 @@ class DockerSandbox(Sandbox):
         self._closed = False
         self._host_pids = False  # can we see (and kill) the container's processes from here?
         self._lock = asyncio.Lock()
+        self._free: weakref.finalize | None = None  # removes the container, once
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -211,6 +254,7 @@ class DockerSandbox(Sandbox):
         import docker
 
         self._client = docker_client(self._base_url)
+        _sweep_stale(self._client)
         lim = self.limits
         tmpfs_opts = "uid=65534,gid=65534,mode=0755,exec"
         kwargs: dict[str, Any] = dict(
@@ -237,12 +281,13 @@ class DockerSandbox(Sandbox):
                 docker.types.Ulimit(name="fsize", soft=lim.fsize_mb << 20, hard=lim.fsize_mb << 20),
                 docker.types.Ulimit(name="core", soft=0, hard=0),
             ],
-            labels={"agentrl.sandbox": "1", "agentrl.owner_pid": str(os.getpid())},
+            labels={"agentrl.sandbox": "1", **_owner_labels()},
         )
         if self.runtime:
             kwargs["runtime"] = self.runtime
         try:
             self.container = self._client.containers.run(self.image, **kwargs)
+            self._free = weakref.finalize(self, _remove, self.container, self._client)
             self.container.reload()
         except docker.errors.ImageNotFound as e:
             raise SandboxUnavailableError(
@@ -261,14 +306,8 @@ class DockerSandbox(Sandbox):
             if self._closed:
                 return
             self._closed = True
-            if self.container is not None:
-                await asyncio.to_thread(self._remove_blocking)
-
-    def _remove_blocking(self) -> None:
-        with contextlib.suppress(Exception):  # already gone is fine: close is idempotent
-            self.container.remove(force=True)
-        with contextlib.suppress(Exception):
-            self._client.close()
+            if self._free is not None:
+                await asyncio.to_thread(self._free)
 
     async def reset(self) -> None:
         """Kill every sandboxed process; empty /work, /tmp, /dev/shm, /dev/mqueue and IPC."""

@@ -5,19 +5,27 @@ tried that the security and hardening suites did not, each kept as the attack th
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
+import subprocess
+import sys
 
 import httpx
 import pytest
 
 from agentrl.errors import SandboxError, SandboxUnavailableError
 from agentrl.sandboxes import (
+    DockerSandbox,
     PythonInterpreter,
     RemoteSandbox,
     Sandbox,
     SandboxPool,
     SandboxProcess,
+    check_backend,
 )
+from agentrl.sandboxes import docker as docker_backend
 from agentrl.sandboxes.base import ExecResult
+from agentrl.sandboxes.docker import docker_client
 
 from .conftest import TEST_LIMITS
 
@@ -282,3 +290,64 @@ async def test_server_says_why_a_session_cannot_be_made():
     with pytest.raises(SandboxError, match="no bwrap here"):  # was: 500 Internal Server Error
         await box.start()
     await box.close()
+
+
+def _docker_or_skip():
+    try:
+        check_backend("docker")
+    except SandboxUnavailableError as e:
+        print(f"SKIPPED: docker unavailable here: {e}")
+        pytest.skip(f"docker unavailable here: {e}")
+    return docker_client()
+
+
+def _container_exists(client, cid: str) -> bool:
+    import docker
+
+    try:
+        client.containers.get(cid)
+        return True
+    except docker.errors.NotFound:
+        return False
+
+
+async def test_a_docker_sandbox_never_closed_removes_its_container_when_collected():
+    # Local and bwrap free what they hold when collected; a docker sandbox left its
+    # container running `sleep infinity` (with its memory) after the trainer had exited.
+    client = _docker_or_skip()
+    box = DockerSandbox(limits=TEST_LIMITS)
+    await box.start()
+    cid = box.container.id
+    del box
+    gc.collect()
+    try:
+        assert not _container_exists(client, cid)
+    finally:
+        with contextlib.suppress(Exception):
+            client.containers.get(cid).remove(force=True)
+        client.close()
+
+
+async def test_containers_of_a_killed_trainer_are_swept_at_the_next_start(monkeypatch):
+    client = _docker_or_skip()
+    killed = (
+        "import asyncio, os, sys\n"
+        "from agentrl.sandboxes import DockerSandbox\n"
+        "box = DockerSandbox()\n"
+        "asyncio.run(box.start())\n"
+        "print(box.container.id, flush=True)\n"
+        "os._exit(0)  # as SIGKILL would: no close, no finalizer\n"
+    )
+    done = subprocess.run([sys.executable, "-c", killed], capture_output=True, text=True)
+    cid = done.stdout.strip()
+    assert done.returncode == 0 and cid, done.stderr
+    try:
+        monkeypatch.setattr(docker_backend, "_swept", set())  # this process sweeps again
+        assert _container_exists(client, cid)
+        async with DockerSandbox(limits=TEST_LIMITS) as box:
+            assert (await box.run("echo alive")).stdout == "alive\n"
+        assert not _container_exists(client, cid)
+    finally:
+        with contextlib.suppress(Exception):
+            client.containers.get(cid).remove(force=True)
+        client.close()
