@@ -49,10 +49,12 @@ def numbers_match(answer: str, reference: float, tolerance: float = 1e-6) -> boo
     return abs(value - reference) <= max(tolerance, 1e-9 * abs(reference))
 
 
+_NO_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
 def normalize_answer(text: str) -> str:
     """SQuAD-style normalization: lower case, no punctuation, articles or extra spaces."""
-    text = text.lower()
-    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    text = text.lower().translate(_NO_PUNCTUATION)  # a set per character made 1 MB take 3 s
     text = re.sub(r"\b(a|an|the)\b", " ", text)
     return " ".join(text.split())
 
