@@ -6,7 +6,8 @@ of the app checks, in this order, before any body is read:
 - at most ``max_concurrent`` requests in flight, else 503 at once;
 - request bodies over ``max_request_bytes``, refused with 413 while streaming.
 There are no ``/docs`` or ``/openapi.json`` pages. A field that is not base64 is a
-400 naming it; a second exchange with a process while one is in flight, a 409.
+400 naming it. A process has one reader: a new exchange takes it over from one
+still in flight (whose client gave up), which is answered 409.
 
 Sessions: each is its own sandbox from the backend factory; the session id is a
 random 128-bit token. Idle sessions are closed after ``session_idle_s``. At most
@@ -92,7 +93,7 @@ class _Session:
     sandbox: Sandbox
     last_used: float = field(default_factory=time.monotonic)
     procs: dict[str, SandboxProcess] = field(default_factory=dict)
-    exchanging: set[str] = field(default_factory=set)  # procs with an exchange in flight
+    readers: dict[str, asyncio.Future] = field(default_factory=dict)  # proc -> its exchange
 
 
 class _Gate:
@@ -330,19 +331,25 @@ def _process_routes(app: FastAPI, store: _Store, op_s: float) -> None:
         if proc is None:
             raise HTTPException(404, f"no process {pid!r} in session {sid!r}")
         data = _b64("data_b64", req.data_b64)
-        if pid in session.exchanging:  # two readers of one pipe would each get part of a line
-            raise HTTPException(
-                409, f"an exchange with process {pid!r} is in flight; one at a time"
-            )
-        session.exchanging.add(pid)
+        # One reader a pipe. An older exchange still reading lost its client (a cancelled
+        # call; the server is not told): this one takes over, as the interpreter's cancel needs.
+        if (older := session.readers.pop(pid, None)) is not None:
+            older.cancel()
+            await asyncio.wait([older])
+        reader = asyncio.ensure_future(proc.exchange(data) if data else proc.readline())
+        session.readers[pid] = reader
         try:
-            line = await asyncio.wait_for(
-                proc.exchange(data) if data else proc.readline(), req.timeout
-            )
+            line = await asyncio.wait_for(reader, req.timeout)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():  # this request was cancelled
+                raise
+            raise HTTPException(409, f"a newer exchange with process {pid!r} took over") from None
         except (SandboxError, TimeoutError) as e:
             raise HTTPException(410, f"process stopped answering: {e}") from e
         finally:
-            session.exchanging.discard(pid)
+            if session.readers.get(pid) is reader:
+                del session.readers[pid]
         return {"line_b64": base64.b64encode(line).decode()}
 
     @app.delete("/v1/sessions/{sid}/procs/{pid}")

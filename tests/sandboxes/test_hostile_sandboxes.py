@@ -16,6 +16,7 @@ import pytest
 from agentrl.errors import SandboxError, SandboxUnavailableError
 from agentrl.sandboxes import (
     DockerSandbox,
+    LocalSandbox,
     PythonInterpreter,
     RemoteSandbox,
     Sandbox,
@@ -260,22 +261,53 @@ async def test_server_answers_malformed_base64_with_400_naming_the_field(served,
         assert r.status_code == 400 and field in r.json()["detail"], r.text
 
 
-async def test_server_refuses_a_second_exchange_with_one_process_while_one_is_in_flight(served):
-    # Two readers on one pipe raised RuntimeError inside asyncio: a bare 500.
+async def test_server_hands_a_process_to_the_newest_exchange(served):
+    # Two readers on one pipe raised RuntimeError inside asyncio: a bare 500. The older
+    # exchange's client has given up (an interpreter call that was cancelled): the newer one
+    # reads on, and the older is answered 409.
     async with served as client:
         sid = (await client.post("/v1/sessions")).json()["session_id"]
         pid = (await client.post(f"/v1/sessions/{sid}/procs", json={"argv": ["x"]})).json()
         url = f"/v1/sessions/{sid}/procs/{pid['proc_id']}/exchange"
         first = asyncio.create_task(client.post(url, json={"timeout": 10}))
         await asyncio.sleep(0.1)
-        second = await client.post(url, json={"timeout": 10})
-        assert second.status_code == 409, second.text
+        second = asyncio.create_task(client.post(url, json={"timeout": 10}))
+        older = await first
+        assert older.status_code == 409 and "newer exchange" in older.text, older.text
         _Served.procs[0].lines.put_nowait(b"one line\n")
-        assert (await first).status_code == 200
-        again = asyncio.create_task(client.post(url, json={"timeout": 10}))
-        await asyncio.sleep(0.1)
-        _Served.procs[0].lines.put_nowait(b"next\n")
-        assert (await again).status_code == 200
+        newer = await second
+        assert newer.status_code == 200 and newer.json()["line_b64"] == "b25lIGxpbmUK"
+
+
+async def test_interpreter_over_a_real_server_keeps_its_state_when_a_call_is_cancelled():
+    # Over TCP the server went on reading for the cancelled call (a client that goes away
+    # does not stop the handler), so the interpreter's cancel could not get through and the
+    # kernel was dropped: every earlier snippet's state was lost, not just the cancelled one.
+    pytest.importorskip("fastapi", reason="the sandbox server needs fastapi")
+    import uvicorn
+
+    from agentrl.sandboxes.server import bind_socket, create_app
+
+    sock = bind_socket("127.0.0.1", 0)
+    app = create_app(lambda: LocalSandbox(limits=TEST_LIMITS), "tok")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            await asyncio.sleep(0.05)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        async with RemoteSandbox(url, "tok") as box, PythonInterpreter(box) as it:
+            await it.execute("acc = 20")
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(it.execute("import time; time.sleep(5)", timeout=10), 0.5)
+            r = await it.execute("acc + 22")
+            assert (r.stdout, it.restarts) == ("42\n", 0), r
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 30)
+        sock.close()
 
 
 async def test_server_says_why_a_session_cannot_be_made():
