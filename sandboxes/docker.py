@@ -562,6 +562,9 @@ class _DockerProcess(SandboxProcess):
         self._box, self._reader, self._writer, self._marker = box, reader, writer, marker
         self._buf = bytearray()
         self._max_line = 16 * box.limits.output_bytes + (1 << 20)
+        # A frame header read by a readline that was cancelled while it waited for the
+        # payload: the next readline goes on from there, in step.
+        self._header: bytes | None = None
 
     async def write(self, data: bytes) -> None:
         try:
@@ -578,11 +581,14 @@ class _DockerProcess(SandboxProcess):
                     f"sandbox process wrote an over-long line: over {self._max_line} bytes"
                 )
             try:
-                header = await self._reader.readexactly(8)
+                if self._header is None:
+                    self._header = await self._reader.readexactly(8)
+                header = self._header
                 size = struct.unpack(">xxxxI", header)[0]
                 if size > self._max_line:
                     raise SandboxError(f"docker sent a {size}-byte frame; the stream is corrupt")
                 payload = await self._reader.readexactly(size)
+                self._header = None
             except (asyncio.IncompleteReadError, ConnectionError):
                 line, self._buf = bytes(self._buf), bytearray()
                 return line

@@ -9,6 +9,7 @@ import contextlib
 import gc
 import subprocess
 import sys
+import types
 
 import httpx
 import pytest
@@ -383,3 +384,26 @@ async def test_containers_of_a_killed_trainer_are_swept_at_the_next_start(monkey
         with contextlib.suppress(Exception):
             client.containers.get(cid).remove(force=True)
         client.close()
+
+
+async def test_docker_process_reads_on_in_step_after_a_cancel_between_header_and_payload():
+    # A cancel (an interpreter call cancelled, a server exchange superseded) that came while
+    # readline waited for a frame's payload lost the header it had read: the next readline
+    # took payload bytes for a header, and the kernel's replies came back garbled.
+    from agentrl.sandboxes.docker import _DockerProcess
+
+    def frame(data: bytes) -> bytes:
+        return bytes([1, 0, 0, 0]) + len(data).to_bytes(4, "big") + data
+
+    reader = asyncio.StreamReader()
+    proc = _DockerProcess(types.SimpleNamespace(limits=TEST_LIMITS), reader, None, "m=1")
+    first = frame(b'{"id": 1}\n')
+    reader.feed_data(first[:8])
+    task = asyncio.create_task(proc.readline())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    reader.feed_data(first[8:] + frame(b'{"id": 2}\n'))
+    assert await proc.readline() == b'{"id": 1}\n'
+    assert await proc.readline() == b'{"id": 2}\n'
