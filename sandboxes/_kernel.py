@@ -131,11 +131,20 @@ def kill_group(pid):
         pass
 
 
+def c_exit_fd(pid):
+    """A pidfd of C, readable once C has exited (None where the OS or Python has none)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
 def collect(pid, r_out, r_err, r_st, timeout, limit):
     """In K: gather C's output (bounded) until it promotes, dies, times out or is cancelled."""
     bufs = {r_out: bytearray(), r_err: bytearray()}
     truncated, status, timed_out, cancelled = False, b"", False, False
     open_fds = [r_out, r_err, r_st]
+    exited = c_exit_fd(pid)
     deadline = time.monotonic() + timeout
     while r_st in open_fds and not status.endswith(b"\n"):
         left = deadline - time.monotonic()
@@ -143,7 +152,8 @@ def collect(pid, r_out, r_err, r_st, timeout, limit):
             timed_out = True
             kill_group(pid)
             break
-        ready, _, _ = select.select([*open_fds, PROTO_IN], [], [], left)
+        watched = [*open_fds, PROTO_IN] + ([exited] if exited is not None else [])
+        ready, _, _ = select.select(watched, [], [], left)
         if PROTO_IN in ready:  # only a cancel arrives mid-snippet; K stays the kernel
             chunk = os.read(PROTO_IN, 1 << 16)  # K is the pipe's only reader until it exits
             kill_group(pid)  # C may have reported already: it waits for K, so it loses the race
@@ -153,6 +163,8 @@ def collect(pid, r_out, r_err, r_st, timeout, limit):
             cancelled = True
             break
         for fd in ready:
+            if fd == exited:
+                continue
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 open_fds.remove(fd)
@@ -162,6 +174,10 @@ def collect(pid, r_out, r_err, r_st, timeout, limit):
                 room = limit - len(bufs[fd])
                 bufs[fd] += chunk[: max(room, 0)]
                 truncated = truncated or len(chunk) > room
+        if exited in ready and not status.endswith(b"\n"):
+            break  # C died without reporting: a crash, whoever still holds r_st open
+    if exited is not None:
+        os.close(exited)
     # C flushed before reporting; take what is already in the pipes, never wait for the
     # EOF of any of them: background processes the snippet forked hold them open too.
     for fd in (r_out, r_err):

@@ -407,3 +407,14 @@ async def test_docker_process_reads_on_in_step_after_a_cancel_between_header_and
     reader.feed_data(first[8:] + frame(b'{"id": 2}\n'))
     assert await proc.readline() == b'{"id": 1}\n'
     assert await proc.readline() == b'{"id": 2}\n'
+
+
+async def test_snippet_that_crashes_with_a_background_child_alive_is_a_crash_not_a_timeout(interp):
+    # The kernel learnt of a crash from its status pipe's EOF, which the child kept away: the
+    # call waited out its whole timeout and was reported as timed out, its exit code lost.
+    await interp.execute("kept = 1")
+    crash = "import os, time\nif os.fork() == 0:\n    time.sleep(60)\n    os._exit(0)\nos._exit(3)"
+    r = await interp.execute(crash, timeout=10)
+    assert (r.timed_out, r.exit_code) == (False, 3), r
+    assert "crashed" in r.stderr
+    assert (await interp.execute("kept", timeout=5)).stdout == "1\n"
