@@ -125,10 +125,13 @@ def child_runs(code, w_out, w_err, w_st, r_go, ns):
 
 
 def kill_group(pid):
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """Kill C's process group, and C itself: a snippet may have left its group for K's
+    (C is not reaped yet, so its pid is still its own)."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def c_exit_fd(pid):

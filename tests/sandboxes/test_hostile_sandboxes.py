@@ -418,3 +418,14 @@ async def test_snippet_that_crashes_with_a_background_child_alive_is_a_crash_not
     assert (r.timed_out, r.exit_code) == (False, 3), r
     assert "crashed" in r.stderr
     assert (await interp.execute("kept", timeout=5)).stdout == "1\n"
+
+
+async def test_snippet_that_leaves_its_process_group_is_still_killed_at_its_timeout(interp):
+    # The timeout killed the snippet's process group only: a snippet that joined the
+    # kernel's group outlived it, the kernel waited on it forever and the host dropped the
+    # kernel after the grace, with every earlier snippet's state.
+    await interp.execute("kept = 1")
+    escape = "import os, time\nos.setpgid(0, os.getpgid(os.getppid()))\ntime.sleep(60)"
+    r = await interp.execute(escape, timeout=2)
+    assert r.timed_out, r
+    assert (await interp.execute("kept", timeout=5)).stdout == "1\n"
