@@ -387,6 +387,21 @@ def test_restore_refuses_to_write_outside(tmp_path, members):
     assert not (tmp_path / "escape").exists()
 
 
+def test_restore_writes_nothing_at_or_beneath_a_symlink_the_archive_made(tmp_path):
+    """tar_dir never stores such members; tarfile's own check resolves with realpath, which
+    symlink chains past PATH_MAX get through on Python < 3.11.13 (CVE-2025-4517). A check
+    of each component with lstat does not depend on it: links inside root show it."""
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    untar_into(str(root), _tar(("link", tarfile.SYMTYPE, "sub"), ("link/f", tarfile.REGTYPE, "through"),
+                               ("same", tarfile.SYMTYPE, "sub/g"), ("same", tarfile.REGTYPE, "at"),
+                               ("plain", tarfile.REGTYPE, "kept"), ("py", tarfile.SYMTYPE, "/usr/bin/python3")),
+               None)
+    assert sorted(p.name for p in (root / "sub").iterdir()) == []  # nothing went through either link
+    assert (root / "plain").read_text() == "kept" and os.readlink(root / "py") == "/usr/bin/python3"
+    assert os.readlink(root / "link") == "sub" and os.readlink(root / "same") == "sub/g"
+
+
 def test_restore_leaves_out_hard_links(tmp_path):
     secret = tmp_path / "secret"
     secret.write_text("s")
