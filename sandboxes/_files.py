@@ -73,7 +73,10 @@ def write_beneath(
     """Write ``data`` to ``root/path`` (parents created), never following a symlink.
 
     Truncates only once the open file is known to be regular (a FIFO with no
-    reader fails the open with ENXIO; one with a reader is refused by fstat).
+    reader fails the open with ENXIO; one with a reader is refused by fstat), and
+    has no other hard link: sandboxed code could link a host file into a workdir on
+    the host's filesystem (where ``fs.protected_hardlinks`` is off, any file), which
+    this host-side write would then fill and hand to the sandbox's user.
     """
     parts = relative_parts(path, workdir_alias)
     try:
@@ -85,6 +88,8 @@ def write_beneath(
             os.close(dfd)
         with os.fdopen(fd, "wb") as f:
             _require_regular(f.fileno(), path)
+            if os.fstat(f.fileno()).st_nlink > 1:
+                raise SandboxError(f"{path!r} has another hard link; write to a new path instead")
             os.ftruncate(f.fileno(), 0)
             f.write(data)
             if owner is not None:

@@ -402,6 +402,24 @@ def test_restore_writes_nothing_at_or_beneath_a_symlink_the_archive_made(tmp_pat
     assert os.readlink(root / "link") == "sub" and os.readlink(root / "same") == "sub/g"
 
 
+def test_a_host_side_write_refuses_a_file_with_another_hard_link(tmp_path):
+    """Sandboxed code can hard-link a host file into its workdir where that is on the host's
+    filesystem; the write (as root) then filled that file and gave it to the sandbox's user."""
+    from agentrl.sandboxes._files import write_beneath
+
+    root, host_file = tmp_path / "root", tmp_path / "host-owned"
+    root.mkdir()
+    host_file.write_text("host data")
+    os.link(host_file, root / "linked")
+    with pytest.raises(SandboxError, match="another hard link"):
+        write_beneath(str(root), "linked", b"model data", owner=(65534, 65534))
+    st = host_file.stat()
+    assert host_file.read_text() == "host data" and st.st_uid == os.geteuid()
+    write_beneath(str(root), "fresh", b"ok", owner=None)  # a file of its own is written as before
+    write_beneath(str(root), "fresh", b"again", owner=None)
+    assert (root / "fresh").read_bytes() == b"again"
+
+
 def test_restore_leaves_out_hard_links(tmp_path):
     secret = tmp_path / "secret"
     secret.write_text("s")
