@@ -24,6 +24,9 @@ from .base import ExecResult, Isolation, Sandbox, SandboxProcess, isolation_at_l
 
 __all__ = ["RemoteSandbox"]
 
+_EXCHANGE_S = 3600.0  # how long the server waits for a process's reply line (the caller bounds it)
+_SERVER_GRACE_S = 60.0  # the server answers a timed-out run or exchange within this of its timeout
+
 
 # -- client ------------------------------------------------------------------------------
 class RemoteSandbox(Sandbox):
@@ -54,8 +57,13 @@ class RemoteSandbox(Sandbox):
         self._closed = False
         self._lock = asyncio.Lock()
 
-    async def _call(self, method: str, path: str, body: dict | None = None) -> dict:
-        return (await self._request(method, path, json=body)).json()
+    async def _call(self, method: str, path: str, body: dict | None = None, wait_s: float | None = None) -> dict:
+        """A JSON call; ``wait_s``: a call that may take this long on the server (a run's or
+        an exchange's own timeout) waits for it past the client's default read timeout."""
+        extra: dict[str, object] = {}
+        if wait_s is not None and wait_s + _SERVER_GRACE_S > (self._client.timeout.read or 0):
+            extra["timeout"] = httpx.Timeout(wait_s + _SERVER_GRACE_S, connect=30.0)
+        return (await self._request(method, path, json=body, **extra)).json()
 
     async def _request(self, method: str, path: str, **kwargs: object) -> httpx.Response:
         try:
@@ -106,7 +114,7 @@ class RemoteSandbox(Sandbox):
             "timeout": timeout,
             "env": env,
         }
-        return ExecResult(**await self._call("POST", f"{await self._session()}/run", body))
+        return ExecResult(**await self._call("POST", f"{await self._session()}/run", body, wait_s=timeout))
 
     async def write_file(self, path: str, data: str | bytes) -> None:
         payload = data.encode() if isinstance(data, str) else data
@@ -161,9 +169,9 @@ class _RemoteProcess(SandboxProcess):
         return await self.exchange(b"")
 
     async def exchange(self, data: bytes) -> bytes:
-        body = {"data_b64": base64.b64encode(data).decode(), "timeout": 3600.0}
+        body = {"data_b64": base64.b64encode(data).decode(), "timeout": _EXCHANGE_S}
         try:
-            reply = await self._box._call("POST", f"{self._path}/exchange", body)
+            reply = await self._box._call("POST", f"{self._path}/exchange", body, wait_s=_EXCHANGE_S)
         except SandboxDeadError:
             return b""  # the process is gone: end of stream
         return base64.b64decode(reply["line_b64"])

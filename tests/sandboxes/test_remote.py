@@ -143,3 +143,27 @@ def test_cli_help_never_shows_the_token(monkeypatch):
     shown = CliRunner().invoke(cli.app, ["serve", "--help"])
     assert shown.exit_code == 0 and "token-file" in shown.output
     assert "hunter2-secret" not in shown.output
+
+
+async def test_a_run_or_exchange_longer_than_the_clients_timeout_is_waited_for(transport):
+    """The client's read timeout (600 s) cut off a run with a longer timeout of its own and
+    every interpreter exchange (the server waits up to an hour for a reply line): a snippet
+    over 10 minutes lost the kernel. Such calls now wait their own time and a grace."""
+    reads: list[tuple[str, float | None]] = []
+
+    class Recording(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            reads.append((request.url.path.rsplit("/", 1)[-1], request.extensions["timeout"]["read"]))
+            return await transport.handle_async_request(request)
+
+    box = RemoteSandbox("http://t", TOKEN, timeout=600.0, transport=Recording())
+    try:
+        assert (await box.run("true", timeout=900.0)).exit_code == 0
+        assert (await box.run("true", timeout=5.0)).exit_code == 0
+        proc = await box.open_process(["cat"])
+        assert await proc.exchange(b"hi\n") == b"hi\n"
+        await proc.kill()
+    finally:
+        await box.close()
+    waits = [(path, read) for path, read in reads if path in ("run", "exchange")]
+    assert waits == [("run", 960.0), ("run", 600.0), ("exchange", 3660.0)]
