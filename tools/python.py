@@ -14,6 +14,11 @@ the files back as they were (see ``ToolEnv.restore``). The rebuilt variables are
 identical when the snippets are deterministic; one that reads the clock, draws
 unseeded random numbers or reads a file that later snippets changed sees
 something else the second time.
+
+A snippet that kills or garbles the kernel itself (not just its own process,
+which rolls back) gets an error result saying the state is lost, and a fresh
+kernel answers the next call; only when no fresh kernel starts (the sandbox is
+gone) does the episode fail.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentrl.errors import SandboxDeadError, SandboxError
 from agentrl.sandboxes.base import Sandbox
 
 from ._sandbox_errors import format_exec, require_sandbox
@@ -88,12 +94,30 @@ class PythonTool(Tool):
         timeout = min(args.timeout, self.max_timeout)
         async with session.lock:
             await self._start(session)
-            result = await session.interpreter.execute(args.code, timeout)
+            try:
+                result = await session.interpreter.execute(args.code, timeout)
+            except SandboxDeadError as e:
+                return await self._after_kernel_death(session, e)
         return ToolResult(
             content=format_exec(result, timeout),
             is_error=not result.ok,
             metadata={"exit_code": result.exit_code, "timed_out": result.timed_out},
         )
+
+    @staticmethod
+    async def _after_kernel_death(session: _Session, err: SandboxDeadError) -> ToolResult:
+        """The kernel died during this call: the snippet may have killed or garbled it
+        (``os.kill(os.getppid(), 9)``, writing to the kernel's pipes). Where a fresh kernel
+        starts, the model is told its state is lost and goes on; where none starts, the
+        sandbox itself is gone and the episode fails, as before."""
+        try:
+            await session.interpreter.start()
+        except SandboxError as e:
+            raise SandboxDeadError(f"{err}; a fresh kernel did not start either: {e}") from e
+        return ToolResult(content="[interpreter] the Python kernel itself died or stopped answering during this "
+                                  "code; every variable, import and function is lost. A fresh kernel answers "
+                                  "the next call.",
+                          is_error=True, metadata={"exit_code": None, "timed_out": False, "kernel_lost": True})
 
     @staticmethod
     async def _start(session: _Session) -> None:

@@ -117,6 +117,44 @@ def test_python_keeps_state_between_calls_and_reports_errors(local_sandbox):
     assert fresh.content == "False"  # release dropped the session
 
 
+@pytest.mark.parametrize("kill", ["import os\nos.kill(os.getppid(), 9)", "import os\nos.write(9, b'garbage\\n')"])
+def test_python_code_that_kills_its_kernel_is_told_so_and_goes_on(local_sandbox, kill):
+    """Killing the kernel itself (not the snippet's own process, which rolls back) or writing
+    to its pipes raised SandboxDeadError: the episode failed as if the sandbox had died."""
+    py = PythonTool()
+
+    async def session():
+        await py.invoke({"code": "x = 41"}, local_sandbox)
+        died = await py.invoke({"code": kill}, local_sandbox)
+        after = await py.invoke({"code": "print('x' in globals(), 6 * 7)"}, local_sandbox)
+        await py.release(local_sandbox)
+        return died, after
+
+    died, after = asyncio.run(session())
+    assert died.is_error and "kernel itself died or stopped answering" in died.content and died.metadata["kernel_lost"]
+    assert after.content == "False 42" and not after.is_error  # a fresh kernel, its state gone
+
+
+def test_python_kernel_death_with_no_fresh_kernel_fails_the_episode():
+    """Where no fresh kernel starts, the sandbox itself is gone: not the model's to fix."""
+    from agentrl.errors import SandboxError
+
+    class Dying:
+        def __init__(self, sandbox):
+            self.starts = 0
+
+        async def start(self):
+            self.starts += 1
+            if self.starts > 1:
+                raise SandboxError("the Python kernel did not start within 60s")
+
+        async def execute(self, code, timeout):
+            raise SandboxDeadError("the Python kernel died")
+
+    with pytest.raises(SandboxDeadError, match="a fresh kernel did not start either"):
+        call("python", {"code": "1"}, MemorySandbox(), PythonTool(interpreter_factory=Dying))
+
+
 def test_python_concurrent_calls_on_one_sandbox_are_serialized(local_sandbox):
     py = PythonTool()
 
