@@ -68,10 +68,18 @@ class _BoundedServer(ThreadingHTTPServer):
 
     def __init__(self, *args: Any, **kwargs: Any):
         self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
+        self._stopping = threading.Event()
         super().__init__(*args, **kwargs)
 
+    def shutdown(self) -> None:
+        self._stopping.set()  # the accept loop may be waiting for a slot: it stops waiting
+        super().shutdown()
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        self._slots.acquire()
+        while not self._slots.acquire(timeout=0.5):  # as socketserver polls for shutdown
+            if self._stopping.is_set():
+                self.shutdown_request(request)
+                return
         try:
             super().process_request(request, client_address)
         except BaseException:

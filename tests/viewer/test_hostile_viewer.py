@@ -376,3 +376,29 @@ def test_idle_connections_take_a_bounded_number_of_threads(tmp_path, monkeypatch
         for s in socks:
             s.close()
         server.close()
+
+
+def test_close_returns_while_every_connection_slot_is_held(tmp_path, monkeypatch):
+    """With every slot held by a connection that sent nothing, the accept loop waited for a
+    free slot with no timeout, so close() (which waits for that loop) hung until a
+    connection timed out: _IDLE_SECONDS, or for ever for a client that trickles bytes."""
+    import socket
+    import threading
+
+    from agentrl.viewer import server as server_module
+
+    monkeypatch.setattr(server_module, "_MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(server_module, "_IDLE_SECONDS", 120)
+    write_trees(tmp_path / "trees.jsonl", [fork_tree()])
+    server = ViewerServer(Run(tmp_path / "trees.jsonl"), port=0).start()
+    host, port = server.httpd.server_address[:2]
+    socks = [socket.create_connection((host, port), timeout=10) for _ in range(4)]
+    try:
+        threading.Event().wait(0.5)  # the loop takes two and waits for a slot for the third
+        closing = threading.Thread(target=server.close, daemon=True)
+        closing.start()
+        closing.join(timeout=10)
+        assert not closing.is_alive(), "close() waited for a connection slot"
+    finally:
+        for s in socks:
+            s.close()
