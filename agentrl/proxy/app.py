@@ -68,6 +68,7 @@ import logging
 import re
 import secrets
 import socket
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -496,9 +497,21 @@ def serve(policy: Any, config: ProxyConfig | None = None, host: str = "127.0.0.1
     try:
         server.run(sockets=[sock])  # until Ctrl-C or SIGTERM, after the requests in flight
     finally:
-        written = app.proxy.write_open_sessions()
-        if written:
-            print(f"wrote {written} open session(s) to {app.proxy.cfg.out} (meta closed_by: shutdown)", flush=True)
+        _write_open_sessions(app.proxy)
+
+
+def _write_open_sessions(proxy: Proxy) -> None:
+    """At the stop: the open sessions to ``--out``, saying how many, or why they are lost (its
+    folder went, the disk is full) instead of a traceback out of the shutdown."""
+    lost = sum(not s.closed and bool(s.calls) for s in proxy.sessions.values())
+    try:
+        written = proxy.write_open_sessions()
+    except OSError as e:
+        print(f"error: could not write {lost} open session(s) to {proxy.cfg.out}: {e.strerror or e}; "
+              "what they recorded is lost", file=sys.stderr, flush=True)
+        return
+    if written:
+        print(f"wrote {written} open session(s) to {proxy.cfg.out} (meta closed_by: shutdown)", flush=True)
 
 
 def serve_banner(host: str, port: int, config: ProxyConfig) -> str:

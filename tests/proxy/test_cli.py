@@ -236,3 +236,34 @@ def test_a_stopped_env_server_closes_the_envs_still_open(monkeypatch):
     envs = {"ok": SimpleNamespace(env=Env("ok")), "stuck": SimpleNamespace(env=Env("stuck", hang=True))}
     assert envserver.close_live_envs(envs, wait_s=0.2) == 1 and closed == ["ok"] and envs == {}
     release.set()
+
+
+def test_a_stopped_proxy_that_cannot_write_its_open_sessions_says_so(tmp_path, monkeypatch):
+    """--out was appendable at the start; at the stop its folder is gone. Writing the open
+    sessions raised out of the shutdown: a FileNotFoundError traceback, exit code 1. Now it
+    says which sessions were lost and why, and the server stops as asked."""
+    import gc
+    import shutil
+
+    import uvicorn
+    from starlette.testclient import TestClient
+
+    out = tmp_path / "gone" / "trees.jsonl"
+
+    def serve_then_stop(self, sockets=None):  # a harness records a call, its --out goes, then Ctrl-C
+        with TestClient(self.config.app) as c:
+            c.post("/sessions", json={"session_id": "a"})
+            r = c.post("/sessions/a/v1/chat/completions",
+                       json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200, r.text
+        shutil.rmtree(out.parent)
+
+    monkeypatch.setattr(uvicorn.Server, "run", serve_then_stop)
+    _mount_plugins()
+    try:
+        res = CliRunner().invoke(app, ["proxy", "serve", "--backend", "mock", "--port", "0", "--out", str(out)])
+    finally:
+        gc.unfreeze()  # serve freezes what is loaded, for a long-lived server
+    assert res.exit_code == 0, (res.output, res.exception)
+    assert f"could not write 1 open session(s) to {out}" in res.output
+    assert not out.exists()
