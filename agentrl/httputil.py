@@ -3,6 +3,9 @@
 - ``listen_socket``: a listening socket with ``TCP_NODELAY``. Without it,
   uvicorn's split header and body writes meet the client's delayed ACK, and
   every small reply waits about 40 ms on Linux.
+- ``run_until_stopped``: uvicorn's ``Server.run``, after which the caller's
+  ``finally`` runs on SIGTERM as on Ctrl-C (what the proxy and the env server
+  save and close when they stop).
 - The request-size limit. A body may arrive with a declared length or without
   one (chunked), so it is checked in two places: ``declared_too_large`` looks
   at ``content-length`` before anything is read, and ``call_with_body_limit``
@@ -37,7 +40,9 @@ import errno
 import json
 import math
 import re
+import signal
 import socket
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -47,7 +52,7 @@ from .errors import ConfigError
 
 __all__ = ["BodyTooLarge", "HTTPError", "call_with_body_limit", "declared_too_large", "listen_socket",
            "lone_surrogate_field", "non_finite_field", "read_json",
-           "validation_problem"]
+           "run_until_stopped", "validation_problem"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -258,3 +263,23 @@ def listen_socket(host: str = "127.0.0.1", port: int = 0, listen: bool = True) -
             why = getattr(e, "strerror", None) or str(e)
         raise ConfigError(f"cannot listen on {host}:{port}: {why}") from None
     return sock
+
+
+def run_until_stopped(server: Any, sock: socket.socket) -> None:
+    """``server.run(sockets=[sock])`` (a ``uvicorn.Server``) until Ctrl-C or SIGTERM, which then
+    raise (``KeyboardInterrupt``; ``SystemExit(143)``) once it has stopped, so the caller's
+    ``finally`` runs for both. uvicorn catches either signal for its graceful shutdown and
+    then raises it again; SIGTERM's default action ended the process right there, before any
+    ``finally``. A SIGTERM handler someone else installed is left as it is."""
+    def stop(sig: int, frame: Any) -> None:
+        raise SystemExit(128 + sig)  # the code a shell reports for a process SIGTERM ended
+
+    ours = threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    if ours:
+        signal.signal(signal.SIGTERM, stop)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if ours:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -87,6 +87,7 @@ from agentrl.httputil import (
     declared_too_large,
     listen_socket,
     read_json,
+    run_until_stopped,
 )
 from agentrl.policy.base import (
     MIN_TEMPERATURE,
@@ -495,7 +496,7 @@ def serve(policy: Any, config: ProxyConfig | None = None, host: str = "127.0.0.1
     gc.freeze()
     print(serve_banner(host, sock.getsockname()[1], config or ProxyConfig()), flush=True)  # --port 0: the one it got
     try:
-        server.run(sockets=[sock])  # until Ctrl-C or SIGTERM, after the requests in flight
+        run_until_stopped(server, sock)  # until Ctrl-C or SIGTERM, after the requests in flight
     finally:
         _write_open_sessions(app.proxy)
 

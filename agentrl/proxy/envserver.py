@@ -45,6 +45,7 @@ from agentrl.httputil import (
     declared_too_large,
     listen_socket,
     read_json,
+    run_until_stopped,
 )
 
 __all__ = ["EnvServerConfig", "create_env_app", "serve_envs"]
@@ -271,7 +272,7 @@ def serve_envs(config: EnvServerConfig, host: str = "127.0.0.1", port: int = 876
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=False))
     print(f"agentrl env server on http://{host}:{sock.getsockname()[1]}", flush=True)  # --port 0: the one it got
     try:
-        server.run(sockets=[sock])  # until Ctrl-C or SIGTERM
+        run_until_stopped(server, sock)  # until Ctrl-C or SIGTERM
     finally:
         close_live_envs(app.state.envs)
 

@@ -143,10 +143,13 @@ def test_servers_refuse_ports_and_sizes_out_of_range_by_the_option(monkeypatch):
         assert out.exit_code == 2 and f"Invalid value for '{option}'" in out.output, (cmd, out.output)
 
 
-def test_a_stopped_proxy_writes_its_open_sessions_to_out(tmp_path):
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_a_stopped_proxy_writes_its_open_sessions_to_out(tmp_path, stop):
     """Ctrl-C on `agentrl proxy serve` lost every session no harness had closed: what they
     recorded lived only in memory. Now each open session with a call is written at shutdown,
-    marked closed_by: shutdown; a closed one is not written twice, an empty one not at all."""
+    marked closed_by: shutdown; a closed one is not written twice, an empty one not at all.
+    SIGTERM too (how a service manager stops it): uvicorn raised it again after its graceful
+    shutdown, and its default action ended the process before the sessions were written."""
     import json
     import re
     import signal
@@ -178,8 +181,9 @@ def test_a_stopped_proxy_writes_its_open_sessions_to_out(tmp_path):
                            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
                 assert r.status_code == 200, r.text
             assert c.post("/sessions/b/close").status_code == 200
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, stop))
         said = proc.communicate(timeout=60)[0]
+        assert stop == "SIGINT" or proc.returncode == 143, (proc.returncode, said)  # 128 + SIGTERM
     finally:
         proc.kill()
     trees = [json.loads(line) for line in out.read_text().splitlines()]
