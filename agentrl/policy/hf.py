@@ -58,12 +58,13 @@ import contextlib
 import inspect
 import random
 import threading
+import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import ContextOverflowError, PolicyError
+from ..errors import PolicyError
 from ..precision import check_precision, fp32_head
 from .attention import avoid_cudnn_attention, use_gqa_sdpa
 from .base import GenerateRequest, GenerateResult, RequestControl, SamplingParams, stop_string_hit
@@ -197,8 +198,9 @@ class HFPolicy:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        # tokens a sequence may hold, prompt and reply (None: the config names no limit)
+        # the positions the model was built for (None: the config names none); see _limit
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
+        self._warned_positions = False
         try:
             kv_shape(model.config)
         except ValueError as e:  # sliding-window or hybrid attention: not supported by the slab yet
@@ -307,8 +309,12 @@ class HFPolicy:
     def _check_request(self, i: int, req: GenerateRequest) -> None:
         """Refuse, naming request ``i``, what the model cannot run: an empty prompt, a prompt id
         outside the vocabulary (torch's IndexError; on CUDA a device-side assert that fails every
-        later call), more top logprobs than the vocabulary has, or a prompt that fills the model's
-        context (as vLLM refuses one that fills ``max_model_len``)."""
+        later call), or more top logprobs than the vocabulary has.
+
+        A sequence past ``max_position_embeddings`` runs, with one warning: the context budget
+        is the caller's (``rollout.max_context_tokens``, the proxy's), and a harness such as
+        Codex sends a system prompt longer than SmolLM2's 8,192 positions. A RoPE model
+        extrapolates there, worse; vLLM refuses unless ``max_model_len`` says otherwise."""
         if not req.prompt_ids:
             raise PolicyError(f"request {i} has an empty prompt")
         ids, vocab = np.asarray(req.prompt_ids), self.vocab_size
@@ -316,15 +322,20 @@ class HFPolicy:
             raise PolicyError(f"request {i} has prompt token ids outside the model's vocabulary [0, {vocab})")
         if req.params.logprobs > vocab:
             raise PolicyError(f"request {i}: logprobs={req.params.logprobs} is more than the vocabulary's {vocab} tokens")
-        if self.max_positions is not None and len(ids) >= self.max_positions:
-            raise ContextOverflowError(f"request {i}: prompt of {len(ids)} tokens does not fit the model's context "
-                                       f"of {self.max_positions} tokens (max_position_embeddings)")
+        if (self.max_positions is not None and not self._warned_positions
+                and len(ids) + self._limit(req) > self.max_positions):
+            self._warned_positions = True
+            warnings.warn(f"a sequence of up to {len(ids) + self._limit(req)} tokens runs past the "
+                          f"{self.max_positions} positions this model was built for "
+                          "(max_position_embeddings); its replies there may be worse", RuntimeWarning, stacklevel=3)
 
     def _limit(self, req: GenerateRequest) -> int:
-        """How many tokens ``req`` may sample: ``max_new_tokens``, cut where the model's context ends."""
+        """How many tokens ``req`` may sample: ``max_new_tokens``, but never more than the
+        model's whole context (a request for 10**12 tried to allocate keys and values for all
+        of them, 128 TB)."""
         if self.max_positions is None:
             return req.params.max_new_tokens
-        return min(req.params.max_new_tokens, self.max_positions - len(req.prompt_ids))
+        return min(req.params.max_new_tokens, self.max_positions)
 
     async def agenerate(self, request: GenerateRequest) -> GenerateResult:
         """One request; concurrent calls are gathered into one ``generate`` batch."""

@@ -14,12 +14,13 @@ import json
 import math
 import threading
 import time
+import warnings
 from typing import Any
 
 import httpx
 import pytest
 
-from agentrl.errors import ContextOverflowError, PolicyError
+from agentrl.errors import PolicyError
 from agentrl.policy import (
     GenerateRequest,
     GenerateResult,
@@ -76,25 +77,31 @@ def test_more_top_logprobs_than_the_vocabulary_fail_as_a_policy_error(hf):
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_a_prompt_that_fills_the_models_context_is_a_context_overflow(hf, tiny_model, deterministic):
+def test_a_sequence_past_the_models_positions_runs_with_one_warning(hf, tiny_model, deterministic):
+    # Refusing it broke Codex through the proxy: its system prompt is longer than SmolLM2's
+    # 8,192 positions, and the context budget is the caller's (rollout.max_context_tokens).
     hf.deterministic = deterministic
+    hf._warned_positions = False
     n = tiny_model.config.max_position_embeddings
-    with pytest.raises(ContextOverflowError, match=f"{n}"):
-        hf.generate([GenerateRequest([5] * n, SamplingParams(max_new_tokens=1, seed=1))])
+    with pytest.warns(RuntimeWarning, match=f"past the {n} positions"):
+        (res,) = hf.generate([GenerateRequest([5] * (n - 2), SamplingParams(max_new_tokens=6, seed=1))])
+    assert (len(res.token_ids), res.finish_reason) == (6, "length") and len(res.logprobs) == 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once a policy
+        hf.generate([GenerateRequest([5] * (n - 2), SamplingParams(max_new_tokens=6, seed=1))])
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_generation_ends_at_the_models_context(hf, tiny_model, deterministic):
-    # A huge max_new_tokens tried to allocate keys and values for all of them (128 TB); a
-    # smaller one sampled past the positions the model was built for, as vLLM never does.
+def test_a_reply_is_never_longer_than_the_models_whole_context(hf, tiny_model, deterministic):
+    # A huge max_new_tokens tried to allocate keys and values for all of them (128 TB).
     hf.deterministic = deterministic
     n = tiny_model.config.max_position_embeddings
-    long = GenerateRequest([5] * (n - 6), SamplingParams(max_new_tokens=10**12, seed=3))
+    huge = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=10**12, seed=3))
+    assert hf._limit(huge) == n
     short = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=4, seed=3))
-    res_long, res_short = hf.generate([long, short])
-    assert (len(res_long.token_ids), res_long.finish_reason) == (6, "length")
-    assert len(res_long.logprobs) == len(res_long.entropies) == 6
-    assert (len(res_short.token_ids), res_short.finish_reason) == (4, "length")
+    assert hf._limit(short) == 4
+    (res,) = hf.generate([GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=4, seed=3))])
+    assert (len(res.token_ids), res.finish_reason) == (4, "length")
 
 
 # --- openai: servers that answer wrong ---------------------------------------------------------
