@@ -44,7 +44,7 @@ from ..allocator_options import recorded_allocator
 from ..credit_options import recorded_credit
 from ..types import RolloutTree
 from .curves import series
-from .run import Run
+from .run import Run, step_order
 
 __all__ = ["RunFacts", "gather", "write_report"]
 
@@ -293,7 +293,7 @@ def _plot_divergence(runs: list[RunFacts], out: Path) -> tuple[str | None, list[
     notes = []
     for k, f in enumerate(shown):
         if f.divergence:
-            steps = sorted(f.divergence, key=lambda s: (s is None, s or 0))
+            steps = sorted(f.divergence, key=step_order)
             for j, step in enumerate(dict.fromkeys([steps[0], steps[-1]])):
                 turns = sorted(f.divergence[step])
                 ax.plot([t + 1 for t in turns], [sum(v) / len(v) for v in (f.divergence[step][t] for t in turns)],

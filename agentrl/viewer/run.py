@@ -37,7 +37,8 @@ from typing import Any
 
 from ..types import RolloutTree, succeeded
 
-__all__ = ["BadLinks", "Run", "TreeRef", "TreeSummary", "check_links", "open_run", "summarize_tree_dict"]
+__all__ = ["BadLinks", "Run", "TreeRef", "TreeSummary", "check_links", "open_run", "step_order",
+           "summarize_tree_dict"]
 
 _STEP = re.compile(r"step[-_]?(\d+)")
 
@@ -91,6 +92,13 @@ def _short(value: Any, limit: int = 120) -> Any:
     if value is None or (isinstance(value, int) and not isinstance(value, bool)):
         return value
     return str(value)[:limit]
+
+
+def step_order(step: Any) -> tuple[bool, bool, float, str]:
+    """A sort key for tree steps: numbers in order, then the text a tree's meta gave as its
+    step (a summary keeps it as text), then None; numbers and text do not compare."""
+    number = isinstance(step, int | float) and not isinstance(step, bool)
+    return step is None, not number, step if number else 0, "" if number else str(step)
 
 
 def _reason(text: str) -> str:
@@ -333,7 +341,7 @@ class Run:
     def steps(self) -> list[int | None]:
         """The distinct steps of the run's trees, in order (None for trees without one)."""
         seen = dict.fromkeys(s.step for s in self.summaries)
-        return sorted(seen, key=lambda s: (s is None, s or 0))
+        return sorted(seen, key=step_order)
 
     def title(self) -> str:
         cfg = self.config

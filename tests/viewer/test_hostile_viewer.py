@@ -402,3 +402,14 @@ def test_close_returns_while_every_connection_slot_is_held(tmp_path, monkeypatch
     finally:
         for s in socks:
             s.close()
+
+
+def test_steps_that_are_not_all_numbers_are_listed_not_a_type_error(tmp_path):
+    """A tree whose meta step is text ('x', or a float the summary keeps as text since the
+    fields were shortened) beside int steps made Run.steps sort str against int: the index
+    (the page's first request) failed with a TypeError."""
+    trees = [fork_tree(k) for k in range(4)]
+    for t, step in zip(trees, [2, "x", 2.5, 1], strict=True):
+        t.meta["step"] = step
+    write_trees(tmp_path / "trees.jsonl", trees)
+    assert run_index(Run(tmp_path / "trees.jsonl"))["steps"] == [1, 2, "2.5", "x"]
