@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import subprocess
 import sys
 import types
@@ -344,16 +343,24 @@ def _container_exists(client, cid: str) -> bool:
         return False
 
 
-async def test_a_docker_sandbox_never_closed_removes_its_container_when_collected():
-    # Local and bwrap free what they hold when collected; a docker sandbox left its
+async def test_a_docker_sandbox_never_closed_removes_its_container_when_the_process_exits():
+    # Local and bwrap free what they hold when collected or at exit; a docker sandbox left its
     # container running `sleep infinity` (with its memory) after the trainer had exited.
+    # (A subprocess that exits: gc.collect() in this process is no proof, since a test runner's
+    # frames may still hold the sandbox.)
     client = _docker_or_skip()
-    box = DockerSandbox(limits=TEST_LIMITS)
-    await box.start()
-    cid = box.container.id
-    del box
-    gc.collect()
+    forgotten = (
+        "import asyncio\n"
+        "from agentrl.sandboxes import DockerSandbox\n"
+        "box = DockerSandbox()\n"
+        "asyncio.run(box.start())\n"
+        "print(box.container.id, flush=True)\n"
+        "# exits normally, never closing it\n"
+    )
+    done = subprocess.run([sys.executable, "-c", forgotten], capture_output=True, text=True, timeout=120)
+    cid = done.stdout.strip()
     try:
+        assert done.returncode == 0 and cid, done.stderr
         assert not _container_exists(client, cid)
     finally:
         with contextlib.suppress(Exception):
