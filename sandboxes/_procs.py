@@ -162,6 +162,36 @@ class UidLease:
             self._fd = -1
 
 
+# Host dirs every user may write: a sandbox's files there outlive it (local shares them).
+SHARED_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def remove_files_of_uid(uid: int, roots: tuple[str, ...] = SHARED_WRITABLE) -> int:
+    """Remove what ``uid`` left at the top of the host's shared writable dirs (files, dirs,
+    links it owns), so the next sandbox that leases the uid, or the next episode of a
+    reset one, cannot read it. Call it with the uid's processes killed. Returns how many
+    entries went."""
+    gone = 0
+    for root in roots:
+        try:
+            entries = list(os.scandir(root))
+        except OSError:  # no such dir here
+            continue
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if st.st_uid != uid:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+                gone += 1
+            except OSError:  # gone already, or not ours to remove
+                continue
+    return gone
+
+
 def _open_lock_dir(path: str) -> int:
     """The lock dir, opened as a private dir of ours: it sits in the world-writable /tmp,
     where another user may have planted a symlink or a dir of their own by that name."""

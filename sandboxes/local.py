@@ -21,6 +21,9 @@ What it does:
 
 What it does not do: the filesystem and the network are visible (the child can
 read world-readable files and write world-writable dirs such as /tmp, uncapped).
+What the sandbox's uid leaves at the top of /tmp, /var/tmp and /dev/shm is
+removed at reset and close, and when a uid is leased, so the next episode does
+not find it; files it writes deeper, into other users' world-writable dirs, stay.
 Not as root it runs model code as your own uid: no isolation at all, and
 cleanup relies on an environment marker that the code can remove. Whatever of
 this the machine lacks is said once at start with an ``IsolationWarning``
@@ -57,6 +60,7 @@ from ._procs import (
     kill_uid_now,
     mount_tmpfs,
     prlimit_argv,
+    remove_files_of_uid,
     sandbox_name,
     sandbox_python,
     scrubbed_env,
@@ -147,6 +151,7 @@ class LocalSandbox(Sandbox):
                     raise SandboxError("drop_privileges=True needs root (it switches uid)")
                 self._held.lease = UidLease()
                 await kill_uid(self._held.lease.uid)  # leftovers of a crashed earlier owner
+                await asyncio.to_thread(remove_files_of_uid, self._held.lease.uid)
             elif os.geteuid() == 0:
                 warn_once(f"{self.NAME} sandbox: drop_privileges=False runs model code as root")
             await asyncio.to_thread(sweep_stale)  # leftovers of killed trainers, once
@@ -311,6 +316,8 @@ class LocalSandbox(Sandbox):
         workdir = await self._live_workdir()
         await self._kill_all(wait_reaped=True)  # the uid runs on: it needs its NPROC slots
         await asyncio.to_thread(self._wipe_dirs, workdir)
+        if self._held.lease:  # the next episode must not find this one's files in /tmp
+            await asyncio.to_thread(remove_files_of_uid, self._held.lease.uid)
 
     async def snapshot(self) -> bytes:
         """The workdir as a tar archive (files only: running processes are not captured).
@@ -352,6 +359,7 @@ class _Held:
             self.cgroup.kill()
         if self.lease:
             kill_uid_now(self.lease.uid)
+            remove_files_of_uid(self.lease.uid)
         if self.base:
             if self.tmpfs:
                 unmount(self.base)

@@ -6,8 +6,10 @@ uid-lock dir, and saying at runtime what this machine cannot enforce.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -483,3 +485,34 @@ async def test_leftovers_of_a_killed_trainer_are_swept(host_backend):
     assert not any(os.path.exists(d) for d in cgroup_dirs)
     with open("/proc/self/mountinfo") as f:
         assert f" {base} " not in f.read()
+
+
+async def test_files_the_sandbox_uid_leaves_in_shared_tmp_dirs_go_at_reset_and_close(builder):
+    """local shares the host's /tmp, /var/tmp and /dev/shm, and a pooled sandbox keeps its uid
+    across episodes (a released uid is leased again): what one episode left there, the next
+    could read (an answer, a cached result). They go at reset and at close now."""
+    if os.geteuid() != 0:
+        print("SKIPPED: needs root (the sandbox runs as a leased uid only as root)")
+        pytest.skip("needs root: the sandbox runs as a leased uid only as root")
+    tag = f"agentrl-leftover-{os.getpid()}"
+    leave = (f"echo answer > /tmp/{tag} && mkdir /dev/shm/{tag} && echo a > /dev/shm/{tag}/f "
+             f"&& ln -s /etc/hostname /var/tmp/{tag}")
+    paths = [f"/tmp/{tag}", f"/dev/shm/{tag}", f"/var/tmp/{tag}"]
+    host_own = f"/tmp/{tag}-host"
+    with open(host_own, "w") as f:  # not the sandbox's: kept
+        f.write("host")
+    try:
+        async with builder("local", LIMITS) as b:
+            assert (await b.sandbox.run(leave)).exit_code == 0
+            assert all(os.path.lexists(p) for p in paths)
+            await b.sandbox.reset()
+            assert not any(os.path.lexists(p) for p in paths)
+            assert (await b.sandbox.run(f"cat /tmp/{tag}")).exit_code != 0
+            assert (await b.sandbox.run(leave)).exit_code == 0
+        assert not any(os.path.lexists(p) for p in paths)  # closed
+        assert open(host_own).read() == "host"
+    finally:
+        os.unlink(host_own)
+        for p in paths:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
