@@ -50,25 +50,29 @@ def test_proxy_serve_banner_names_the_session_url_a_harness_needs(monkeypatch):
 
 
 def test_env_serve_on_port_0_says_the_port_it_got(monkeypatch):
+    monkeypatch.setenv("AGENTRL_ENV_TOKEN", "t0ken")
+    out, port = _env_serve_on_port_0(monkeypatch, lambda self, sockets=None: None)
+    assert out.exit_code == 0, out.output
+    assert f"agentrl env server on http://127.0.0.1:{port}\n" in out.output  # not :0
+
+
+def _env_serve_on_port_0(monkeypatch, run):
+    """``agentrl env serve --port 0`` on a bound socket, with ``run`` as uvicorn's ``Server.run``."""
     import socket
 
     import uvicorn
 
     import agentrl.proxy.envserver as envserver
 
-    monkeypatch.setenv("AGENTRL_ENV_TOKEN", "t0ken")
     bound = socket.socket()
     bound.bind(("127.0.0.1", 0))
-    port = bound.getsockname()[1]
     monkeypatch.setattr(envserver, "listen_socket", lambda host, port, **kw: bound)
-    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
     _mount_plugins()
     try:
-        out = CliRunner().invoke(app, ["env", "serve", "--port", "0"])
+        return CliRunner().invoke(app, ["env", "serve", "--port", "0"]), bound.getsockname()[1]
     finally:
         bound.close()
-    assert out.exit_code == 0, out.output
-    assert f"agentrl env server on http://127.0.0.1:{port}\n" in out.output  # not :0
 
 
 def test_a_port_in_use_fails_with_the_reason_before_anything_says_it_serves(monkeypatch):
@@ -202,11 +206,8 @@ def test_a_stopped_env_server_closes_the_envs_still_open(monkeypatch):
     """`agentrl env serve` stopped with envs open left them unclosed: an env holding a
     sandbox container or a browser outlived the server. Now each is closed at the stop,
     and one whose close hangs is left behind with a warning, not waited on forever."""
-    import socket
     import threading
     from types import SimpleNamespace
-
-    import uvicorn
 
     import agentrl.proxy.envserver as envserver
 
@@ -225,15 +226,7 @@ def test_a_stopped_env_server_closes_the_envs_still_open(monkeypatch):
         self.config.app.state.envs.update(a=SimpleNamespace(env=Env("a")), b=SimpleNamespace(env=Env("b")))
 
     monkeypatch.setenv("AGENTRL_ENV_TOKEN", "t0ken")
-    bound = socket.socket()
-    bound.bind(("127.0.0.1", 0))
-    monkeypatch.setattr(envserver, "listen_socket", lambda host, port, **kw: bound)
-    monkeypatch.setattr(uvicorn.Server, "run", serve_then_stop)
-    _mount_plugins()
-    try:
-        out = CliRunner().invoke(app, ["env", "serve", "--port", "0"])
-    finally:
-        bound.close()
+    out, _ = _env_serve_on_port_0(monkeypatch, serve_then_stop)
     assert out.exit_code == 0, out.output
     assert sorted(closed) == ["a", "b"]
     closed.clear()

@@ -70,40 +70,35 @@ def test_stop_token_ids_outside_the_vocabulary_are_a_400(client, ids):
 def test_a_top_k_over_the_vocabulary_samples_as_top_k_off(tokenizer):
     """top_k past the vocabulary keeps every token: the backend gets 0 (off), not a number that
     overflows its int32 tensors (vLLM)."""
+    seen = _sampled_with(tokenizer, "top_k", [("/v1/chat/completions", {**CHAT, "top_k": 2 ** 70}),
+                                              ("/v1/messages", {**MESSAGES, "top_k": 2 ** 40}),
+                                              ("/v1/chat/completions", {**CHAT, "top_k": 5})])
+    assert seen == [0, 0, 5]
+
+
+def _sampled_with(tokenizer, param: str, calls: list[tuple[str, dict]]) -> list:
+    """The ``SamplingParams.<param>`` the backend got for each call (each must be served)."""
     seen = []
 
     class Spy(MockPolicy):
         async def agenerate(self, request):
-            seen.append(request.params.top_k)
+            seen.append(getattr(request.params, param))
             return await super().agenerate(request)
 
-    app = create_app(Spy(tokenizer, ["Hello there!"]), ProxyConfig())
-    with TestClient(app) as c:
-        for path, body in [("/v1/chat/completions", {**CHAT, "top_k": 2 ** 70}),
-                           ("/v1/messages", {**MESSAGES, "top_k": 2 ** 40}),
-                           ("/v1/chat/completions", {**CHAT, "top_k": 5})]:
-            assert c.post(path, json=body).status_code == 200
-    assert seen == [0, 0, 5]
+    with TestClient(create_app(Spy(tokenizer, ["Hello there!"]), ProxyConfig())) as c:
+        for path, body in calls:
+            assert c.post(path, json=body).status_code == 200, body
+    return seen
 
 
 def test_a_temperature_too_small_to_sample_at_is_served_greedy(tokenizer):
     """The backends refuse 0 < t < 1e-5 (vLLM decodes it greedily, so its logprobs would not be
     the ones the trainer scores); the wire APIs take any value from 0, so the proxy sends it as
     0, as vLLM's own server decodes it, instead of a 400."""
-    seen = []
-
-    class Spy(MockPolicy):
-        async def agenerate(self, request):
-            seen.append(request.params.temperature)
-            return await super().agenerate(request)
-
-    app = create_app(Spy(tokenizer, ["Hello there!"]), ProxyConfig())
-    with TestClient(app) as c:
-        for path, body in [("/v1/chat/completions", {**CHAT, "temperature": 1e-6}),
-                           ("/v1/messages", {**MESSAGES, "temperature": 5e-324}),
-                           ("/v1/responses", {**RESPONSES, "temperature": 1e-5}),
-                           ("/v1/chat/completions", CHAT)]:
-            assert c.post(path, json=body).status_code == 200, body
+    seen = _sampled_with(tokenizer, "temperature", [("/v1/chat/completions", {**CHAT, "temperature": 1e-6}),
+                                                    ("/v1/messages", {**MESSAGES, "temperature": 5e-324}),
+                                                    ("/v1/responses", {**RESPONSES, "temperature": 1e-5}),
+                                                    ("/v1/chat/completions", CHAT)])
     assert seen == [0.0, 0.0, 1e-5, 1.0]
 
 

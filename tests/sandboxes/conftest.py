@@ -21,6 +21,7 @@ from agentrl.sandboxes import (
     DockerSandbox,
     GvisorSandbox,
     LocalSandbox,
+    PythonInterpreter,
     RemoteSandbox,
     Sandbox,
     SandboxLimits,
@@ -162,6 +163,15 @@ async def built(backend: str) -> AsyncIterator[Built]:
     """A started sandbox of each available backend."""
     async with build(backend) as b:
         yield b
+
+
+@pytest.fixture
+async def interp(built: Built) -> AsyncIterator[PythonInterpreter]:
+    """A started ``PythonInterpreter`` in each available backend's sandbox."""
+    it = PythonInterpreter(built.sandbox)
+    await it.start()
+    yield it
+    await it.close()
 
 
 @pytest.fixture

@@ -33,14 +33,6 @@ from .conftest import TEST_LIMITS
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-async def interp(built):
-    it = PythonInterpreter(built.sandbox)
-    await it.start()
-    yield it
-    await it.close()
-
-
 @pytest.mark.parametrize(
     "spawn",
     [

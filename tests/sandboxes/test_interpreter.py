@@ -14,14 +14,6 @@ from agentrl.sandboxes import PythonInterpreter
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-async def interp(built):
-    it = PythonInterpreter(built.sandbox)
-    await it.start()
-    yield it
-    await it.close()
-
-
 async def test_state_persists_between_snippets(interp):
     await interp.execute("import math\ncount = 41\ndef bump(n):\n    return n + 1\nclass K: v = 7")
     r = await interp.execute("print(bump(count), math.floor(2.5), K.v)")
