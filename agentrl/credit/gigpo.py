@@ -28,8 +28,11 @@ engine stored the reset info's key, else a hash of the opening prompt tokens
 Near-duplicates. With ``similarity=0.95`` (verl-agent's threshold), keys
 whose ``difflib.SequenceMatcher`` ratio with a group's first key reaches the
 threshold join that group (greedy, in order of first appearance). This only
-means something on text keys, so pass the normalised observation text
-(``episode_state_keys(..., hashed=False)``), not hashes.
+means something on observation text, so ``episode_state_keys(..., hashed=False)``
+gives the normalised text where it would hash it. An env's ``state_key`` is an
+exact identity, and a hash is no text: ``episode_state_keys`` returns both as
+``ExactKey``s, which only an equal key matches (two 44-character env keys one
+character apart have a ratio of 0.977, yet name different states).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from .group import _array, _center_scale
 from .returns import discounted_returns
 
 __all__ = [
+    "ExactKey",
     "anchor_group_stats",
     "anchor_groups",
     "episode_state_keys",
@@ -55,6 +59,13 @@ __all__ = [
     "normalize_observation",
     "text_key",
 ]
+
+
+class ExactKey(str):
+    """A state key that ``similarity`` never merges with another: an env's ``state_key``
+    or a hash. It equals (and hashes as) the plain string."""
+
+    __slots__ = ()
 
 
 def normalize_observation(text: str) -> str:
@@ -67,30 +78,31 @@ def text_key(text: str) -> str:
     return hashlib.blake2b(normalize_observation(text).encode(), digest_size=8).hexdigest()
 
 
-def _env_key(value: Any) -> str | None:
+def _env_key(value: Any) -> ExactKey | None:
     """An env's ``state_key`` as a key, or None when it reported none (missing, None or "").
 
     Not a truth test: 0 or False is a state (room 0), as the rollout engine, which
     stores the reset key when it ``is not None``, takes it."""
-    return None if value is None or (isinstance(value, str) and not value) else str(value)
+    return None if value is None or (isinstance(value, str) and not value) else ExactKey(value)
 
 
-def _opening_key(tree: RolloutTree) -> str:
+def _opening_key(tree: RolloutTree) -> ExactKey:
     key = _env_key(tree.meta.get("state_key"))
     if key is not None:
         return key
     roots = [tree.nodes[r] for r in tree.roots]
     if roots and roots[0].context_ids:
         ids = np.asarray(roots[0].context_ids, dtype=np.int64).tobytes()
-        return "ctx:" + hashlib.blake2b(ids, digest_size=8).hexdigest()
-    return "instr:" + text_key(str(tree.meta.get("instruction", "")))
+        return ExactKey("ctx:" + hashlib.blake2b(ids, digest_size=8).hexdigest())
+    return ExactKey("instr:" + text_key(str(tree.meta.get("instruction", ""))))
 
 
 def episode_state_keys(episode: Episode, tree: RolloutTree, hashed: bool = True) -> list[str]:
     """The state key of every turn of ``episode`` (see the module docstring).
 
     ``hashed=False`` gives the normalised observation text instead of its
-    hash where no env key exists, for ``similarity`` grouping.
+    hash where no env key exists, for ``similarity`` grouping. Every other key
+    (an env's, a hash) is an ``ExactKey``.
     """
     keys = [_opening_key(tree)]
     for prev in episode.nodes[:-1]:
@@ -98,17 +110,22 @@ def episode_state_keys(episode: Episode, tree: RolloutTree, hashed: bool = True)
         if key is not None:
             keys.append(key)
         elif hashed:
-            keys.append("obs:" + text_key(prev.observation))
+            keys.append(ExactKey("obs:" + text_key(prev.observation)))
         else:
             keys.append(normalize_observation(prev.observation))
     return keys[: episode.num_turns]
 
 
 def _merge_similar(keys: list[Hashable], threshold: float) -> dict[Hashable, Hashable]:
-    """Map each key to the first earlier key it is at least ``threshold`` similar to."""
+    """Map each key to the first earlier key it is at least ``threshold`` similar to.
+
+    An ``ExactKey`` is an identity, not text: it maps to itself and is no one's representative."""
     reps: list[Hashable] = []
     out: dict[Hashable, Hashable] = {}
     for k in keys:
+        if isinstance(k, ExactKey):
+            out[k] = k
+            continue
         for rep in reps:
             m = difflib.SequenceMatcher(None, str(rep), str(k), autojunk=False)
             # the quick upper bounds skip most pairs before the quadratic ratio()
@@ -132,7 +149,7 @@ def anchor_groups(
     ``episodes[i]`` is anything with one entry per step (its rewards, say);
     ``state_keys[i][t]`` is the key of the state step ``t`` of episode ``i``
     acted in. With ``similarity`` set, near-identical keys share the group of
-    the first one (see the module docstring). Groups are in order of first
+    the first one (see the module docstring); an ``ExactKey`` only its own. Groups are in order of first
     appearance; a group may hold two steps of one episode (a revisited state).
     """
     if len(state_keys) != len(episodes):

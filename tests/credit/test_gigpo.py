@@ -149,3 +149,36 @@ def test_anchor_group_stats_count_recurring_states(make_tree):
     assert stats["anchor/later_steps"] == 3 and stats["anchor/later_steps_in_groups_of_2plus"] == 2
     assert stats["anchor/later_frac_in_groups_of_2plus"] == pytest.approx(2 / 3)
     assert stats["anchor/largest_group"] == 3
+
+
+# -- exact env keys, per-root openings (from a review) ---------------------------------------
+LONG_A = "room=kitchen;holding=apple;door=open;step=01"  # 44 characters
+LONG_B = "room=kitchen;holding=apple;door=open;step=02"  # one character apart: ratio 43/44 = 0.977
+
+
+def test_similarity_never_merges_env_state_keys(make_tree):
+    # Two roots with one opening; each root's env names the state its second turn acts in.
+    # By hand (gamma 1, scale none): totals [1, 0] -> A_E = +-0.5; turn 0 shares the opening,
+    # returns [1, 0] -> A_S = +-0.5; turn 1 acts in two different env states -> A_S = 0.
+    # Merging LONG_A and LONG_B (ratio 0.977 >= 0.95) would give turn 1 +-0.5 too.
+    tree = make_tree([
+        (None, 0.0, {"info": {"state_key": LONG_A}}),
+        (0, 1.0, {"terminated": True}),
+        (None, 0.0, {"info": {"state_key": LONG_B}}),
+        (2, 0.0, {"terminated": True}),
+    ])
+    out = gigpo_episode_advantages(list(tree.episodes()), tree, gamma=1.0, scale="none", similarity=0.95)
+    assert out == [pytest.approx([1.0, 0.5]), pytest.approx([-1.0, -0.5])]
+
+
+def test_similarity_still_merges_observation_texts(make_tree):
+    # As above, without env keys: "you are in the kitchen." and "...kitchen!" (ratio 0.9565)
+    # are one anchor state at 0.95, so turn 1's returns [1, 0] give A_S = +-0.5 there too.
+    tree = make_tree([
+        (None, 0.0, {"observation": "You are in the kitchen."}),
+        (0, 1.0, {"terminated": True}),
+        (None, 0.0, {"observation": "You are in the kitchen!"}),
+        (2, 0.0, {"terminated": True}),
+    ])
+    out = gigpo_episode_advantages(list(tree.episodes()), tree, gamma=1.0, scale="none", similarity=0.95)
+    assert out == [pytest.approx([1.0, 1.0]), pytest.approx([-1.0, -1.0])]
