@@ -22,8 +22,11 @@ reports it after the step that led there, so for turn ``k > 0`` it is the
 previous turn's ``info["state_key"]`` (ALFWorld-v0 and WebShop-v0 set it),
 else a hash of that turn's observation, normalised (lowercase, whitespace
 collapsed). For turn 0 it is ``tree.meta["state_key"]`` when the rollout
-engine stored the reset info's key, else a hash of the opening prompt tokens
-(every root of a tree shares them), else of ``tree.meta["instruction"]``.
+engine stored the reset info's key and every root of the tree opens with the
+same prompt (the engine resets every root to the tree's seed; one reset's key
+cannot name roots that open differently), else a hash of the episode's own
+opening prompt tokens (its root's: roots of other seeds open elsewhere), else
+of ``tree.meta["instruction"]``.
 
 Near-duplicates. With ``similarity=0.95`` (verl-agent's threshold), keys
 whose ``difflib.SequenceMatcher`` ratio with a group's first key reaches the
@@ -86,13 +89,21 @@ def _env_key(value: Any) -> ExactKey | None:
     return None if value is None or (isinstance(value, str) and not value) else ExactKey(value)
 
 
-def _opening_key(tree: RolloutTree) -> ExactKey:
+def _one_opening(tree: RolloutTree) -> bool:
+    """Whether every root of ``tree`` opens with the same prompt tokens."""
+    openings = [tree.nodes[r].context_ids for r in tree.roots]
+    return all(ids == openings[0] for ids in openings[1:])
+
+
+def _opening_key(episode: Episode, tree: RolloutTree) -> ExactKey:
+    """The key of the state ``episode``'s first action was taken in (see the module docstring)."""
     key = _env_key(tree.meta.get("state_key"))
-    if key is not None:
+    if key is not None and _one_opening(tree):
         return key
-    roots = [tree.nodes[r] for r in tree.roots]
-    if roots and roots[0].context_ids:
-        ids = np.asarray(roots[0].context_ids, dtype=np.int64).tobytes()
+    # the tokens before the first action: the episode's own root's opening prompt
+    opening = episode.input_ids[: episode.turn_spans[0][0]] if episode.turn_spans else []
+    if opening:
+        ids = np.asarray(opening, dtype=np.int64).tobytes()
         return ExactKey("ctx:" + hashlib.blake2b(ids, digest_size=8).hexdigest())
     return ExactKey("instr:" + text_key(str(tree.meta.get("instruction", ""))))
 
@@ -104,7 +115,7 @@ def episode_state_keys(episode: Episode, tree: RolloutTree, hashed: bool = True)
     hash where no env key exists, for ``similarity`` grouping. Every other key
     (an env's, a hash) is an ``ExactKey``.
     """
-    keys = [_opening_key(tree)]
+    keys = [_opening_key(episode, tree)]
     for prev in episode.nodes[:-1]:
         key = _env_key(prev.info.get("state_key"))
         if key is not None:

@@ -182,3 +182,34 @@ def test_similarity_still_merges_observation_texts(make_tree):
     ])
     out = gigpo_episode_advantages(list(tree.episodes()), tree, gamma=1.0, scale="none", similarity=0.95)
     assert out == [pytest.approx([1.0, 1.0]), pytest.approx([-1.0, -1.0])]
+
+
+def _two_openings(make_tree):
+    """Three one-turn episodes: roots 0 and 2 open with [1, 2, 3], root 1 with [4, 5, 6]
+    (another seed); rewards 1, 0, 0."""
+    tree = make_tree([(None, 1.0, {"terminated": True}), (None, 0.0, {"terminated": True}),
+                      (None, 0.0, {"terminated": True})])
+    tree.nodes[1].context_ids = [4, 5, 6]
+    return tree
+
+
+def test_each_root_opens_in_its_own_state(make_tree):
+    tree = _two_openings(make_tree)
+    episodes = list(tree.episodes())
+    keys = [episode_state_keys(e, tree)[0] for e in episodes]
+    assert keys[0] == keys[2] != keys[1]
+    # By hand (scale none): totals [1, 0, 0], mean 1/3 -> A_E = [2/3, -1/3, -1/3]. Turn 0:
+    # roots 0 and 2 share an opening, returns [1, 0] -> A_S = [0.5, -0.5]; root 1 alone -> 0.
+    out = gigpo_episode_advantages(episodes, tree, scale="none")
+    assert out == [pytest.approx([2 / 3 + 0.5]), pytest.approx([-1 / 3]), pytest.approx([-1 / 3 - 0.5])]
+
+
+def test_a_tree_wide_reset_key_does_not_name_roots_that_open_differently(make_tree):
+    # the engine stores the first reset's state_key in tree.meta; it names every root only
+    # when every root opens with the same prompt
+    tree = _two_openings(make_tree)
+    tree.meta["state_key"] = "reset-key"
+    keys = [episode_state_keys(e, tree)[0] for e in tree.episodes()]
+    assert keys[0] == keys[2] != keys[1]
+    tree.nodes[1].context_ids = [1, 2, 3]
+    assert [episode_state_keys(e, tree)[0] for e in tree.episodes()] == ["reset-key"] * 3
