@@ -77,11 +77,16 @@ class RequestControl:
     """A caller's live handle on one request while a backend works on it.
 
     - ``cancel()``: the caller will not read the result (its client left).
-      ``hf`` drops the row from its running batch at the next decode step
-      (finish reason ``cancelled``, with the tokens sampled so far), so an
-      abandoned long reply stops holding up the requests batched after it;
-      ``vllm`` aborts the request in the engine. ``MicroBatcher`` cancels the
-      request of an awaiting task that is cancelled.
+      The request still returns a result, with finish reason ``cancelled``:
+      cancelling a control never raises ``CancelledError`` out of a backend.
+      ``hf`` drops the row from its running batch at the next decode step,
+      with the tokens sampled so far, so an abandoned long reply stops holding
+      up the requests batched after it; ``vllm`` aborts the request in the
+      engine, with the tokens it reported so far (none unless the request
+      streams through ``on_token``). A cancelled *awaiting task* is another
+      thing: its ``CancelledError`` is the caller's own and propagates, and
+      the backend drops the request too (``MicroBatcher`` cancels its
+      control; ``vllm`` aborts it).
     - ``on_token``: called with each token id as it is sampled, on the
       backend's thread, so that a server can stream a reply while it is
       decoded (``hf``, ``vllm``; other backends never call it). It must be quick

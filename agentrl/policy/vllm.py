@@ -38,12 +38,17 @@ The semantics are the same as ``hf`` (see ``policy/base.py``):
   as token ids, go to ``AdmissibleLogitsProcessor`` (``policy/vllm_constrain.py``),
   installed in every engine, which masks each step to the same trie as ``hf``;
   the processed logprobs are then those of the masked distribution.
-- Live requests (``RequestControl``). A cancelled control, like a cancelled
-  future, aborts the request in the engine at the next step. A request with an
-  ``on_token`` hook asks vLLM for cumulative outputs (``RequestOutputKind.
-  CUMULATIVE``) instead of the final one only, and the driver hands each step's
-  new tokens to the hook. (Coded against vLLM's documented API; the test
-  suite's vLLM runs do not exercise streaming.)
+- Live requests (``RequestControl``). A cancelled control aborts the request
+  in the engine at the next step, and the request returns a result marked
+  ``cancelled``, as ``hf``'s does (``policy/base.py``). Its tokens are those
+  vLLM reported before the abort: every step's for a request with an
+  ``on_token`` hook, none otherwise (vLLM reports the others' tokens only when
+  they finish). A cancelled awaiting task aborts the request too, and its
+  ``CancelledError`` propagates: that cancellation is the caller's own. A
+  request with an ``on_token`` hook asks vLLM for cumulative outputs
+  (``RequestOutputKind.CUMULATIVE``) instead of the final one only, and the
+  driver hands each step's new tokens to the hook. (Coded against vLLM's
+  documented API; the test suite's vLLM runs do not exercise streaming.)
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ import math
 import os
 import queue
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,6 +110,7 @@ class _Job:
     future: Future
     score: bool = False  # score the prompt's own tokens (a teacher), sample nothing
     streamed: int = 0  # tokens handed to the control's on_token so far
+    last: Any = None  # the latest cumulative output (streamed requests): a cancelled reply's tokens
     extra_args: dict[str, Any] | None = None  # a constrained reply's trie, for the logits processor
 
     def cancelled(self) -> bool:
@@ -177,6 +183,10 @@ class VLLMPolicy:
         self._weight_shapes = _checkpoint_shapes(self.model_dir)
         self._tied = bool(getattr(self._engine.model_config.hf_config, "tie_word_embeddings", False))
         self.version = 0
+        self._start_driver()
+
+    def _start_driver(self) -> None:
+        """The driver thread that owns ``self._engine``, and the queue that feeds it."""
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submissions against the driver's death
@@ -193,7 +203,9 @@ class VLLMPolicy:
     async def agenerate(self, request: GenerateRequest) -> GenerateResult:
         """One request, joining the running batch at the next engine step.
 
-        Cancelling the awaiting task aborts the request in the engine.
+        Cancelling the awaiting task aborts the request in the engine, and raises
+        ``CancelledError`` here; cancelling the request's control instead returns
+        a result marked ``cancelled``.
         """
         (job,) = self._submit([request])
         return await asyncio.wrap_future(job.future)
@@ -334,13 +346,13 @@ class VLLMPolicy:
                         held.extend(item)
             for job in [*running.values(), *held, *updates]:
                 if not job.future.done():
-                    job.future.set_exception(err)
+                    _resolve(job.future, error=err)
 
     def _add(self, job: _Job, running: dict[str, _Job]) -> None:
         from vllm.inputs import TokensPrompt
 
         if job.cancelled():
-            job.future.cancel()
+            self._end_cancelled(job)
             return
         try:
             # A scoring request must say so when its params are built: vLLM decides there
@@ -353,7 +365,7 @@ class VLLMPolicy:
         except Exception as e:  # a bad request (e.g. a token id outside the vocabulary) fails alone
             err = PolicyError(f"vLLM rejected the request: {e}")
             err.__cause__ = e
-            job.future.set_exception(err)
+            _resolve(job.future, error=err)
             return
         running[job.request_id] = job
 
@@ -362,13 +374,14 @@ class VLLMPolicy:
         if cancelled:
             self._engine.abort_request(cancelled)
             for rid in cancelled:
-                running.pop(rid).future.cancel()  # nobody reads it; a no-op if already cancelled
+                self._end_cancelled(running.pop(rid))
         for out in self._engine.step():
             if out.request_id not in running:
                 continue
             on_token = running[out.request_id].on_token()
             if on_token is not None:  # cumulative outputs: hand over the tokens not yet seen
                 job, ids = running[out.request_id], out.outputs[0].token_ids
+                job.last = out
                 for t in ids[job.streamed:]:
                     on_token(t)
                 job.streamed = len(ids)
@@ -378,9 +391,25 @@ class VLLMPolicy:
             if job.future.cancelled():
                 continue
             try:
-                job.future.set_result(self._scores(out, job) if job.score else self._result(out, job))
+                _resolve(job.future, self._scores(out, job) if job.score else self._result(out, job))
             except Exception as e:
-                job.future.set_exception(e)
+                _resolve(job.future, error=e)
+
+    def _end_cancelled(self, job: _Job) -> None:
+        """Answer a request aborted before it finished: nothing when its caller cancelled the
+        future (it reads nothing), else a ``cancelled`` result with the tokens seen so far."""
+        if job.future.cancelled():
+            return
+        try:
+            if job.last is not None:
+                result = self._result(job.last, job, finish="cancelled")
+            else:
+                tops = [] if job.request.params.logprobs else None
+                result = GenerateResult([], [], [], "cancelled", self.version, tops)
+        except Exception as e:
+            _resolve(job.future, error=e)
+            return
+        _resolve(job.future, result)
 
     def _apply_update(self, upd: _Update) -> None:
         try:
@@ -404,15 +433,12 @@ class VLLMPolicy:
             raise PolicyError(f"vLLM returned no prompt logprobs for request {out.request_id}")
         return [0.0] + [entry[tok].logprob for tok, entry in zip(prompt[1:], entries[1:], strict=True)]
 
-    def _result(self, out: Any, job: _Job) -> GenerateResult:
+    def _result(self, out: Any, job: _Job, finish: str | None = None) -> GenerateResult:
+        """``out``'s completion as ours; ``finish`` overrides vLLM's reason (a cancelled request's
+        last cumulative output has none)."""
         params = job.request.params
         comp = out.outputs[0]
-        if comp.finish_reason == "stop":
-            finish = "stop_string" if isinstance(comp.stop_reason, str) else "stop"
-        elif comp.finish_reason == "length":
-            finish = "length"
-        else:
-            raise PolicyError(f"vLLM ended request {out.request_id} with {comp.finish_reason!r}")
+        finish = finish or _finish_reason(out)
         support = self.vocab_size
         if params.temperature > 0 and params.top_k > 0:
             support = min(params.top_k, support)
@@ -428,6 +454,30 @@ class VLLMPolicy:
         return GenerateResult(token_ids, logprobs, entropies, finish, self.version,  # type: ignore[arg-type]
                               tops if params.logprobs else None,
                               cached_tokens=out.num_cached_tokens or 0)
+
+
+def _finish_reason(out: Any) -> str:
+    """vLLM's reason for a finished request, as ours: its ``stop_reason`` is the stop string
+    that matched, or a token id (or None: EOS)."""
+    comp = out.outputs[0]
+    if comp.finish_reason == "stop":
+        return "stop_string" if isinstance(comp.stop_reason, str) else "stop"
+    if comp.finish_reason == "length":
+        return "length"
+    raise PolicyError(f"vLLM ended request {out.request_id} with {comp.finish_reason!r}")
+
+
+def _resolve(future: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Set a job's outcome, unless its caller has cancelled it: the caller cancels from its own
+    thread, between the driver's check and this call, and the ``InvalidStateError`` that
+    setting a cancelled future raises would kill the driver with every request in flight."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 def _vllm_params(p: SamplingParams, logprobs: int | None, prompt_logprobs: int | None = None,

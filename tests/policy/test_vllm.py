@@ -19,7 +19,9 @@ import math
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -95,7 +97,9 @@ def test_the_driver_streams_cumulative_outputs_and_aborts_cancelled_controls():
     doomed.request.control.cancel()
     policy._step(running)
     assert seen == [5, 6, 7] and streamed.future.result().token_ids == [5, 6, 7]
-    assert policy._engine.aborted == ["c"] and doomed.future.cancelled() and running == {}
+    assert policy._engine.aborted == ["c"] and running == {}
+    # Not streamed: vLLM reported none of its tokens before the abort.
+    assert doomed.future.result().finish_reason == "cancelled" and doomed.future.result().token_ids == []
 
 
 # --- run from a venv without vLLM -----------------------------------------------------------
@@ -450,3 +454,137 @@ def test_constrained_replies_spell_admissible_actions_with_the_trainers_logprobs
         policy.generate([GenerateRequest(prompts[0], SamplingParams(), admissible=ACTIONS, admissible_head=2)])
     (free,) = policy.generate([GenerateRequest(prompts[0], SamplingParams(seed=3, max_new_tokens=8))])
     assert len(free.token_ids) == 8  # a request without a list is not masked
+
+
+# --- cancellation, on a fake engine driven by the real driver thread (no vLLM needed) --------
+
+class _EndlessEngine:
+    """vLLM's ``LLMEngine`` as the driver calls it: every request runs until aborted, and a
+    request asking for cumulative outputs gets one more token (id 7) at each step."""
+
+    def __init__(self):
+        self.running: dict[str, Any] = {}
+        self.aborted: list[str] = []
+        self.tokens: dict[str, int] = {}
+
+    def add_request(self, rid, prompt, params):
+        self.running[rid] = params
+        self.tokens[rid] = 0
+
+    def abort_request(self, ids):
+        for rid in ids:
+            self.running.pop(rid, None)
+        self.aborted += ids
+
+    def step(self):
+        from types import SimpleNamespace as NS
+
+        time.sleep(0.001)
+        outs = []
+        for rid, streamed in self.running.items():
+            self.tokens[rid] += 1
+            if streamed:
+                ids = [7] * self.tokens[rid]
+                comp = NS(token_ids=ids, logprobs=[{7: NS(logprob=-0.5)} for _ in ids], finish_reason=None,
+                          stop_reason=None)
+                outs.append(NS(request_id=rid, finished=False, outputs=[comp], num_cached_tokens=0))
+        return outs
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """A ``VLLMPolicy`` whose driver thread runs an ``_EndlessEngine``; vLLM's imports faked."""
+    import sys
+    from types import ModuleType
+
+    from agentrl.policy import vllm as vllm_backend
+
+    fake, inputs = ModuleType("vllm"), ModuleType("vllm.inputs")
+    inputs.TokensPrompt = dict
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    # the engine sees only whether a request streams
+    monkeypatch.setattr(vllm_backend, "_vllm_params", lambda p, lp, prompt_logprobs=None, stream=False,
+                        extra_args=None: stream)
+    policy = object.__new__(vllm_backend.VLLMPolicy)
+    policy._engine, policy.vocab_size, policy.entropy_topk, policy.version = _EndlessEngine(), 100, 1, 3
+    policy.max_logprobs, policy.max_model_len = 20, 1024
+    policy._start_driver()
+    yield policy
+    policy.close()
+
+
+def _wait_for(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.002)
+
+
+def test_a_cancelled_control_returns_a_cancelled_result_as_hf_does(fake_vllm):
+    from agentrl.policy.base import RequestControl
+
+    engine = fake_vllm._engine
+    # The policy's own cancel path (a control cancelled while the caller awaits): no CancelledError,
+    # a result marked cancelled; a streamed request keeps the tokens it streamed.
+    for streamed in (False, True):
+        seen: list[int] = []
+        ctl = RequestControl(seen.append if streamed else None)
+
+        async def run(ctl=ctl, seen=seen, streamed=streamed):
+            task = asyncio.ensure_future(fake_vllm.agenerate(
+                GenerateRequest([1, 2], SamplingParams(max_new_tokens=1000), ctl)))
+            await asyncio.to_thread(_wait_for, lambda: engine.running and (not streamed or len(seen) >= 3))
+            ctl.cancel()
+            return await task
+
+        res = asyncio.run(run())
+        assert res.finish_reason == "cancelled" and res.version == 3
+        assert engine.running == {} and len(engine.aborted) == 1 + streamed
+        if streamed:
+            assert res.token_ids == [7] * len(res.token_ids) and len(res.token_ids) >= 3
+            assert res.logprobs == [-0.5] * len(res.token_ids) and len(res.entropies) == len(res.token_ids)
+        else:
+            assert res.token_ids == [] and res.logprobs == [] and res.entropies == []
+    # A control cancelled before the request reaches the engine: the sync path too.
+    ctl = RequestControl()
+    ctl.cancel()
+    (res,) = fake_vllm.generate([GenerateRequest([1, 2], SamplingParams(), ctl)])
+    assert res.finish_reason == "cancelled" and res.token_ids == []
+
+
+def test_a_cancelled_awaiting_task_still_raises_and_the_engine_aborts(fake_vllm):
+    engine = fake_vllm._engine
+
+    async def run():
+        task = asyncio.ensure_future(fake_vllm.agenerate(GenerateRequest([1, 2], SamplingParams())))
+        await asyncio.to_thread(_wait_for, lambda: bool(engine.running))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):  # the caller's own cancellation is never swallowed
+            await task
+
+    asyncio.run(run())
+    _wait_for(lambda: engine.aborted == ["0"])
+    assert fake_vllm._dead is None and fake_vllm._driver.is_alive()
+
+
+def test_a_caller_cancelling_while_its_result_is_built_does_not_kill_the_driver():
+    """The caller's thread may cancel a future between the driver's check and its set_result."""
+    from concurrent.futures import Future
+
+    from agentrl.policy.vllm import VLLMPolicy, _Job
+
+    policy = object.__new__(VLLMPolicy)
+    policy._engine, policy.vocab_size, policy.entropy_topk, policy.version = _ScriptedEngine(), 100, 1, 0
+    job = _Job("s", GenerateRequest([1], SamplingParams()), 1, Future())
+    real = policy._result
+
+    def racing_result(out, j):
+        j.future.cancel()  # the caller's cancel lands here
+        return real(out, j)
+
+    policy._result = racing_result
+    running = {"s": job}
+    policy._step(running)
+    policy._step(running)  # "s" finishes: its result finds the future cancelled
+    assert job.future.cancelled() and "s" not in running
