@@ -46,6 +46,16 @@ def _matrix(rewards: Any) -> tuple[np.ndarray, list[str] | None]:
     return m, None
 
 
+def _one_key_order(rows: Sequence[Mapping[str, float]], names: list[str]) -> None:
+    """Weights by position read dict rows in their key order, so it must be one order in
+    every row; otherwise a weight would follow whichever row came first."""
+    for i, row in enumerate(rows):
+        if list(row) != names:
+            raise ValueError(
+                f"weights by position need the reward names in one order in every row: rewards[0] has "
+                f"{names}, rewards[{i}] has {list(row)}; give weights by name ({{name: weight}} for {sorted(names)})")
+
+
 def gdpo(
     rewards: Sequence[Mapping[str, float]] | Any,
     weights: Mapping[str, float] | Sequence[float] | None = None,
@@ -57,7 +67,8 @@ def gdpo(
 
     ``rewards`` is a list of ``{name: value}`` dicts (one per episode) or a
     2-D ``[episodes, rewards]`` array or tensor. ``weights`` is a dict by name
-    (dict rows) or a sequence by column; all 1 when omitted. ``groups[i]`` is
+    (dict rows) or a sequence by column (for dict rows: in their key order, which
+    must then be the same in every row); all 1 when omitted. ``groups[i]`` is
     episode ``i``'s group id; without it the whole input is one group.
     Returns a list for list input, else an array or tensor like the input.
     """
@@ -75,6 +86,8 @@ def gdpo(
         w = np.asarray(weights, dtype=np.float64)
         if w.shape != (k,):
             raise ValueError(f"weights must have {k} entries, got {w.shape}")
+        if names is not None:
+            _one_key_order(rewards, names)
     if groups is None:
         groups = [0] * n
     if len(groups) != n:

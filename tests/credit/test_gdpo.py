@@ -56,3 +56,20 @@ def test_gdpo_edge_cases_and_errors():
         gdpo(ROWS, groups=["x"])
     with pytest.raises(ValueError, match="2-D"):
         gdpo([1.0, 2.0])
+
+
+def test_gdpo_weights_by_position_need_one_key_order():
+    # Two rows, keys in different orders. By position, [2, 0] weighted "a" when row 0 came
+    # first and "b" when row 1 did: it is refused, naming both orders.
+    rows = [{"a": 1.0, "b": 0.0}, {"b": 1.0, "a": 0.0}]
+    for batch in (rows, rows[::-1]):
+        with pytest.raises(ValueError, match=r"rewards\[1\] has \[.*\]; give weights by name"):
+            gdpo(batch, weights=[2.0, 0.0], batch_norm=False)
+    # By name the order does not matter. Reward a = [1, 0]: mean 0.5, sample std 0.7071068
+    # -> [0.7071068, -0.7071068]; times 2 (b weighs 0) -> [1.4142136, -1.4142136].
+    by_name = {"a": 2.0, "b": 0.0}
+    assert gdpo(rows, weights=by_name, batch_norm=False) == pytest.approx([1.4142136, -1.4142136], rel=1e-5)
+    assert gdpo(rows[::-1], weights=by_name, batch_norm=False) == pytest.approx([-1.4142136, 1.4142136], rel=1e-5)
+    # rows in one order: by position is by that order
+    same = [{"a": 1.0, "b": 0.0}, {"a": 0.0, "b": 1.0}]
+    assert gdpo(same, weights=[2.0, 0.0], batch_norm=False) == pytest.approx([1.4142136, -1.4142136], rel=1e-5)
