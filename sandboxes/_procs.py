@@ -369,13 +369,41 @@ class _Protocol(asyncio.subprocess.SubprocessStreamProtocol):
 
 
 async def spawn(argv: list[str], limit: int, **kwargs: object) -> asyncio.subprocess.Process:
-    """``asyncio.create_subprocess_exec`` whose process has an ``exited`` event."""
+    """``asyncio.create_subprocess_exec`` whose process has an ``exited`` event and a
+    ``close_pipes()`` that closes our ends of its pipes."""
     loop = asyncio.get_running_loop()
     protocol = _Protocol(limit, loop)
     transport, _ = await loop.subprocess_exec(lambda: protocol, *argv, **kwargs)
     proc = asyncio.subprocess.Process(transport, protocol, loop)
     proc.exited = protocol.exited  # type: ignore[attr-defined]
+    proc.close_pipes = transport.close  # type: ignore[attr-defined]
     return proc
+
+
+async def _close_pipes(proc: asyncio.subprocess.Process) -> None:
+    """Close our ends of ``proc``'s pipes now. A background child still holding their
+    other ends keeps them open otherwise (two fds in this process per run, registered
+    in the event loop) until that child exits, however long after the run it is."""
+    close = getattr(proc, "close_pipes", None)
+    if close is not None:
+        close()  # the transport; it would kill the process too, were it still running
+        await asyncio.sleep(0)  # the pipe transports close their fds on the next loop pass
+
+
+async def _wait_or_kill(
+    proc: asyncio.subprocess.Process, timeout: float, kill_tree: Callable[[], Awaitable[None]]
+) -> bool:
+    """Wait for ``proc`` to exit; past ``timeout`` kill its tree. True when it timed out."""
+    exited = getattr(proc, "exited", None)
+    waiter = asyncio.ensure_future(exited.wait() if exited else proc.wait())
+    done, _ = await asyncio.wait([waiter], timeout=timeout)
+    if done:
+        return False
+    await kill_tree()
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    await asyncio.wait([waiter], timeout=10.0)
+    return True
 
 
 async def collect(
@@ -397,20 +425,14 @@ async def collect(
         asyncio.ensure_future(_drain(proc.stderr, limits.output_bytes, err)),
     ]
     feeder = asyncio.ensure_future(_feed(proc, stdin))
-    exited = getattr(proc, "exited", None)
-    waiter = asyncio.ensure_future(exited.wait() if exited else proc.wait())
-    timed_out = False
-    done, _ = await asyncio.wait([waiter], timeout=timeout)
-    if not done:
-        timed_out = True
-        await kill_tree()
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await asyncio.wait([waiter], timeout=10.0)
-    _, pending = await asyncio.wait([*readers, feeder], timeout=1.0 if not timed_out else 5.0)
-    for task in pending:
-        task.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
+    try:  # our pipe ends close however the run ends: done, timed out, or cancelled
+        timed_out = await _wait_or_kill(proc, timeout, kill_tree)
+        _, pending = await asyncio.wait([*readers, feeder], timeout=5.0 if timed_out else 1.0)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    finally:
+        await _close_pipes(proc)
     for task in (*readers, feeder):
         if task.done() and not task.cancelled() and task.exception() is not None:
             raise SandboxError(f"reading sandbox output failed: {task.exception()}")
@@ -459,6 +481,7 @@ class PipeProcess(SandboxProcess):
             self._proc.kill()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._proc.wait(), 10.0)
+        await _close_pipes(self._proc)  # a child that left the session may hold them still
 
 
 _CGROUP_FS = "/sys/fs/cgroup"

@@ -516,3 +516,44 @@ async def test_files_the_sandbox_uid_leaves_in_shared_tmp_dirs_go_at_reset_and_c
         for p in paths:
             with contextlib.suppress(OSError):
                 shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
+
+
+# -- 6. the trainer's own file descriptors ---------------------------------------
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.timeout(120)
+async def test_runs_that_leave_a_background_child_holding_the_pipes_leak_no_fds(
+    builder, host_backend
+):
+    # The child keeps the write ends of stdout and stderr; the run returns after its
+    # grace, but the transport stayed open with both read ends registered in the loop,
+    # 2 fds per run in the trainer until the child exited (200 for 100 such runs).
+    async with builder(host_backend, LIMITS) as b:
+        await b.sandbox.run("true")  # the sandbox's own fds are open before we count
+        before = _open_fds()
+        results = await asyncio.gather(*(b.sandbox.run("sleep 60 & echo up") for _ in range(20)))
+        assert all(r.stdout == "up\n" and r.exit_code == 0 for r in results), results
+        assert _open_fds() - before < 2, os.listdir("/proc/self/fd")
+
+
+@pytest.mark.timeout(120)
+async def test_a_closed_interpreter_whose_snippet_left_a_setsid_child_leaks_no_fds(
+    builder, host_backend
+):
+    # The child left the kernel's session, so killing the session spared it, and it
+    # holds the protocol pipes: the closed kernel's stdin and stdout stayed open here.
+    from agentrl.sandboxes import PythonInterpreter
+
+    escape = "import os, time\nif os.fork() == 0:\n    os.setsid(); time.sleep(60)\nprint('x')"
+    async with builder(host_backend, LIMITS) as b:
+        await b.sandbox.run("true")
+        before = _open_fds()
+        for _ in range(3):
+            interp = PythonInterpreter(b.sandbox)
+            assert (await interp.execute(escape, timeout=10)).stdout == "x\n"
+            await interp.close()
+        assert _open_fds() - before < 2, os.listdir("/proc/self/fd")
