@@ -10,7 +10,8 @@ There are no ``/docs`` or ``/openapi.json`` pages. A field that is not base64 is
 still in flight (whose client gave up), which is answered 409.
 
 Sessions: each is its own sandbox from the backend factory; the session id is a
-random 128-bit token. Idle sessions are closed after ``session_idle_s``. At most
+random 128-bit token. A session with no call in flight, whose last call ended over
+``session_idle_s`` ago, is closed (a call that outlasts it is never cut short). At most
 ``max_sessions`` live at once: a slot is claimed before the sandbox starts, so
 concurrent creations cannot overshoot. Every call into a backend is bounded
 (``op_timeout_s``, or a run's own timeout plus a grace), else 504.
@@ -42,7 +43,7 @@ import hmac
 import json
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -91,7 +92,8 @@ class ExchangeRequest(BaseModel):
 @dataclass(slots=True)
 class _Session:
     sandbox: Sandbox
-    last_used: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)  # when its last call ended
+    in_flight: int = 0  # calls into it still running: it is in use, never idle
     procs: dict[str, SandboxProcess] = field(default_factory=dict)
     readers: dict[str, asyncio.Future] = field(default_factory=dict)  # proc -> its exchange
 
@@ -145,12 +147,26 @@ class _Store:
             raise HTTPException(429, f"at most {self.max_sessions} sessions; close some first")
         self.starting += 1
 
-    def get(self, sid: str) -> _Session:
+    @contextlib.contextmanager
+    def use(self, sid: str) -> Iterator[_Session]:
+        """The session ``sid`` (else 404), in use until the block ends: the reaper spares
+        it meanwhile, and its idle time counts from the end of the call, not the start."""
         session = self.sessions.get(sid)
         if session is None:
             raise HTTPException(404, f"no session {sid!r} (closed, expired or never created)")
-        session.last_used = time.monotonic()
-        return session
+        session.in_flight += 1
+        try:
+            yield session
+        finally:
+            session.in_flight -= 1
+            session.last_used = time.monotonic()
+
+    def idle(self, sid: str, now: float) -> bool:
+        """Whether ``sid`` is live, with no call in flight, unused for over ``idle_s``."""
+        session = self.sessions.get(sid)
+        if session is None or session.in_flight:
+            return False
+        return now - session.last_used > self.idle_s
 
     async def close(self, sid: str) -> None:
         session = self.sessions.pop(sid, None)
@@ -162,9 +178,9 @@ class _Store:
     async def reap_idle_forever(self) -> None:
         while True:
             await asyncio.sleep(min(60.0, self.idle_s / 2))
-            now = time.monotonic()
-            for sid in [s for s, v in self.sessions.items() if now - v.last_used > self.idle_s]:
-                await self.close(sid)
+            for sid in [s for s in self.sessions if self.idle(s, time.monotonic())]:
+                if self.idle(sid, time.monotonic()):  # again: a call may have come meanwhile
+                    await self.close(sid)  # takes it out of ``sessions`` before any await
 
 
 def _b64(name: str, text: str) -> bytes:
@@ -257,16 +273,16 @@ def _session_routes(app: FastAPI, store: _Store, isolation: str, op_s: float) ->
 
     @app.post("/v1/sessions/{sid}/run")
     async def run(sid: str, req: RunRequest) -> dict:
-        session = store.get(sid)
         stdin = _b64("stdin_b64", req.stdin_b64) if req.stdin_b64 is not None else None
-        call = session.sandbox.run(req.command, stdin, req.timeout, req.env)
-        return asdict(await _bounded("the run", call, req.timeout + _RUN_GRACE_S))
+        with store.use(sid) as session:
+            call = session.sandbox.run(req.command, stdin, req.timeout, req.env)
+            return asdict(await _bounded("the run", call, req.timeout + _RUN_GRACE_S))
 
     @app.post("/v1/sessions/{sid}/reset")
     async def reset(sid: str) -> dict:
-        session = store.get(sid)
-        await _kill_procs(session, op_s)
-        await _bounded("reset", session.sandbox.reset(), op_s)
+        with store.use(sid) as session:
+            await _kill_procs(session, op_s)
+            await _bounded("reset", session.sandbox.reset(), op_s)
         return {"ok": True}
 
     @app.delete("/v1/sessions/{sid}")
@@ -279,30 +295,32 @@ def _file_routes(app: FastAPI, store: _Store, op_s: float) -> None:
     @app.post("/v1/sessions/{sid}/write_file")
     async def write_file(sid: str, req: WriteRequest) -> dict:
         data = _b64("data_b64", req.data_b64)
-        call = store.get(sid).sandbox.write_file(req.path, data)
-        await _bounded(f"writing {req.path!r}", call, op_s)
+        with store.use(sid) as session:
+            call = session.sandbox.write_file(req.path, data)
+            await _bounded(f"writing {req.path!r}", call, op_s)
         return {"ok": True}
 
     @app.post("/v1/sessions/{sid}/read_file")
     async def read_file(sid: str, req: ReadRequest) -> dict:
-        data = await _bounded(
-            f"reading {req.path!r}", store.get(sid).sandbox.read_file(req.path), op_s
-        )
+        with store.use(sid) as session:
+            call = session.sandbox.read_file(req.path)
+            data = await _bounded(f"reading {req.path!r}", call, op_s)
         return {"data_b64": base64.b64encode(data).decode()}
 
     @app.post("/v1/sessions/{sid}/snapshot")
     async def snapshot(sid: str) -> Response:
-        data = await _bounded("snapshot", store.get(sid).sandbox.snapshot(), op_s)
+        with store.use(sid) as session:
+            data = await _bounded("snapshot", session.sandbox.snapshot(), op_s)
         if not isinstance(data, bytes):
             raise HTTPException(501, f"snapshot: the backend gave {type(data).__name__}, not bytes")
         return Response(content=data, media_type="application/x-tar")
 
     @app.post("/v1/sessions/{sid}/restore")
     async def restore(sid: str, request: Request) -> dict:
-        session = store.get(sid)
-        data = await request.body()
-        await _kill_procs(session, op_s)  # restore resets: the processes die anyway
-        await _bounded("restore", session.sandbox.restore(data), op_s)
+        with store.use(sid) as session:
+            data = await request.body()
+            await _kill_procs(session, op_s)  # restore resets: the processes die anyway
+            await _bounded("restore", session.sandbox.restore(data), op_s)
         return {"ok": True}
 
 
@@ -313,50 +331,55 @@ async def _kill_procs(session: _Session, op_s: float) -> None:
             await asyncio.wait_for(proc.kill(), op_s)
 
 
+async def _exchange(session: _Session, sid: str, pid: str, req: ExchangeRequest) -> dict:
+    """Write ``req``'s bytes to process ``pid`` and read one line back, as one reader."""
+    proc = session.procs.get(pid)
+    if proc is None:
+        raise HTTPException(404, f"no process {pid!r} in session {sid!r}")
+    data = _b64("data_b64", req.data_b64)
+    # One reader a pipe. An older exchange still reading lost its client (a cancelled
+    # call; the server is not told): this one takes over, as the interpreter's cancel needs.
+    if (older := session.readers.pop(pid, None)) is not None:
+        older.cancel()
+        await asyncio.wait([older])
+    reader = asyncio.ensure_future(proc.exchange(data) if data else proc.readline())
+    session.readers[pid] = reader
+    try:
+        line = await asyncio.wait_for(reader, req.timeout)
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():  # this request was cancelled
+            raise
+        raise HTTPException(409, f"a newer exchange with process {pid!r} took over") from None
+    except (SandboxError, TimeoutError) as e:
+        raise HTTPException(410, f"process stopped answering: {e}") from e
+    finally:
+        if session.readers.get(pid) is reader:
+            del session.readers[pid]
+    return {"line_b64": base64.b64encode(line).decode()}
+
+
 def _process_routes(app: FastAPI, store: _Store, op_s: float) -> None:
     @app.post("/v1/sessions/{sid}/procs")
     async def open_proc(sid: str, req: ProcRequest) -> dict:
-        session = store.get(sid)
-        proc = await _bounded(
-            "starting the process", session.sandbox.open_process(req.argv, req.env), op_s
-        )
-        pid = secrets.token_urlsafe(8)
-        session.procs[pid] = proc
+        with store.use(sid) as session:
+            call = session.sandbox.open_process(req.argv, req.env)
+            proc = await _bounded("starting the process", call, op_s)
+            pid = secrets.token_urlsafe(8)
+            session.procs[pid] = proc
         return {"proc_id": pid}
 
     @app.post("/v1/sessions/{sid}/procs/{pid}/exchange")
     async def exchange(sid: str, pid: str, req: ExchangeRequest) -> dict:
-        session = store.get(sid)
-        proc = session.procs.get(pid)
-        if proc is None:
-            raise HTTPException(404, f"no process {pid!r} in session {sid!r}")
-        data = _b64("data_b64", req.data_b64)
-        # One reader a pipe. An older exchange still reading lost its client (a cancelled
-        # call; the server is not told): this one takes over, as the interpreter's cancel needs.
-        if (older := session.readers.pop(pid, None)) is not None:
-            older.cancel()
-            await asyncio.wait([older])
-        reader = asyncio.ensure_future(proc.exchange(data) if data else proc.readline())
-        session.readers[pid] = reader
-        try:
-            line = await asyncio.wait_for(reader, req.timeout)
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():  # this request was cancelled
-                raise
-            raise HTTPException(409, f"a newer exchange with process {pid!r} took over") from None
-        except (SandboxError, TimeoutError) as e:
-            raise HTTPException(410, f"process stopped answering: {e}") from e
-        finally:
-            if session.readers.get(pid) is reader:
-                del session.readers[pid]
-        return {"line_b64": base64.b64encode(line).decode()}
+        with store.use(sid) as session:  # a snippet running longer than idle_s is in use
+            return await _exchange(session, sid, pid, req)
 
     @app.delete("/v1/sessions/{sid}/procs/{pid}")
     async def kill_proc(sid: str, pid: str) -> dict:
-        proc = store.get(sid).procs.pop(pid, None)
-        if proc is not None:
-            await _bounded("killing the process", proc.kill(), op_s)
+        with store.use(sid) as session:
+            proc = session.procs.pop(pid, None)
+            if proc is not None:
+                await _bounded("killing the process", proc.kill(), op_s)
         return {"ok": True}
 
 

@@ -6,6 +6,7 @@ bounded, snapshots travel over HTTP, and non-regular files fail cleanly end to e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 
@@ -196,3 +197,66 @@ def _unblock_fifo(inner: Sandbox) -> None:
         fd = os.open(os.path.join(workdir, "f"), os.O_RDONLY | os.O_NONBLOCK)
         time.sleep(0.5)
         os.close(fd)
+
+
+class _Timed(Sandbox):
+    """A fake backend whose run takes ``seconds``; it records whether it was closed."""
+
+    ISOLATION = "none"
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def run(self, command, stdin=None, timeout=30.0, env=None) -> ExecResult:
+        await asyncio.sleep(float(command))
+        return ExecResult(stdout="closed under the run" if self.closed else "done")
+
+    async def write_file(self, path, data) -> None:
+        pass
+
+    async def read_file(self, path) -> bytes:
+        return b""
+
+    async def reset(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app):
+    """Run ``app``'s ASGI lifespan (its idle reaper), as uvicorn would; ASGITransport does not."""
+    inbox: asyncio.Queue = asyncio.Queue()
+    outbox: asyncio.Queue = asyncio.Queue()
+    await inbox.put({"type": "lifespan.startup"})
+    scope = {"type": "lifespan", "asgi": {"version": "3.0"}}
+    task = asyncio.create_task(app(scope, inbox.get, outbox.put))
+    assert (await outbox.get())["type"] == "lifespan.startup.complete"
+    try:
+        yield
+    finally:
+        await inbox.put({"type": "lifespan.shutdown"})
+        await outbox.get()
+        await task
+
+
+async def test_a_call_longer_than_the_idle_timeout_never_has_its_sandbox_reaped():
+    # The reaper counted a call's start as the session's last use: a run of 1.2 s with an
+    # idle timeout of 0.4 s had its sandbox closed under it, and the next call got a 404.
+    made: list[_Timed] = []
+
+    def factory() -> _Timed:
+        made.append(_Timed())
+        return made[-1]
+
+    app = create_app(factory, TOKEN, session_idle_s=0.4)
+    async with _lifespan(app):
+        async with RemoteSandbox("http://t", TOKEN, transport=httpx.ASGITransport(app=app)) as box:
+            assert (await box.run("1.2")).stdout == "done"
+            assert (await box.run("0")).stdout == "done"  # idle time counts from the call's end
+            assert not made[0].closed
+            await asyncio.sleep(1.0)  # idle now: reaped
+            assert made[0].closed
+            with pytest.raises(SandboxError, match="404|closed|expired"):
+                await box.run("0")
