@@ -13,7 +13,8 @@ may know it (``train.distill.privileged``); the agent never sees it.
 
 Reward: 1.0 on the turn the number is found, else 0.0. The episode is truncated
 after ``max_turns`` turns. An action that holds no integer in range is answered
-with an error observation and uses up the turn. A step after the episode ended
+with an error observation and uses up the turn, and so is an action that is not
+text (``agentrl.envs._action``: the observation names its type). A step after the episode ended
 pays nothing and repeats how it ended.
 """
 
@@ -24,6 +25,8 @@ from typing import Any
 
 from agentrl.env import TextEnv
 from agentrl.errors import EnvError
+
+from ._action import not_text
 
 _INT = re.compile(r"-?\d+")
 MAX_HIGH = 1_000_000  # info["admissible_actions"] lists every number still possible
@@ -80,12 +83,11 @@ class GuessNumberEnv(TextEnv):
             self._last_obs = "The episode is over. Call reset() to start a new one."
             return self._last_obs, 0.0, *self.ended, self._info()
         self.turn += 1
-        match = _INT.search(action[:10_000])
-        # Past 20 digits (leading zeros aside) a number is out of range, and int() refuses 4,300.
-        guess = int(match.group()) if match and len(match.group().lstrip("-0")) <= 20 else None
+        why = not_text(action)
+        guess = None if why else _guess(action)
         reward, terminated = 0.0, False
         if guess is None or not 1 <= guess <= self.high:
-            obs = f"Invalid guess. Answer with one whole number between 1 and {self.high}."
+            obs = f"Invalid guess. {why + ' ' if why else ''}Answer with one whole number between 1 and {self.high}."
         elif guess == self.secret:
             obs, reward, terminated = f"Correct! The number was {self.secret}.", 1.0, True
         elif guess < self.secret:
@@ -104,3 +106,10 @@ class GuessNumberEnv(TextEnv):
 
     def expert_action(self) -> str:
         return str((self.low_bound + self.high_bound) // 2)
+
+
+def _guess(action: str) -> int | None:
+    """The first whole number in ``action``, or None."""
+    match = _INT.search(action[:10_000])
+    # Past 20 digits (leading zeros aside) a number is out of range, and int() refuses 4,300.
+    return int(match.group()) if match and len(match.group().lstrip("-0")) <= 20 else None

@@ -23,7 +23,9 @@ Input is forgiving the way a model needs: exact admissible commands take the
 fast path; otherwise case, repeated spaces and a trailing period are ignored,
 and ``put O in/on R``, ``put O in R``, ``put O on R`` and ``move O to R`` all
 mean the same thing. Anything else, including junk or huge strings, is
-answered "Nothing happens." and uses up the step.
+answered "Nothing happens." and uses up the step; an action that is not text
+is too, and the answer adds that it must be text, naming its type
+(``agentrl.envs._action``).
 
 ``put_style="move"`` lists and answers puts as alfworld >= 0.4 does
 (``move O to R`` / "You move the O to the R.") instead of the ALFWorld paper's
@@ -42,6 +44,7 @@ from typing import Any
 from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
+from .._action import not_text
 from .expert import Notes, next_command
 from .oracle import oracle_command
 from .scene import SPLITS, Scene, generate_scene
@@ -205,8 +208,9 @@ class ALFWorldEnv(TextEnv):
             obs = "The episode is over. Call reset() to start a new one."
             return obs, 0.0, self._won, not self._won, self._info()
         self._steps += 1
-        op = self._parse(w, action)
-        obs = _NOTHING if op is None else w.apply(op)
+        why = not_text(action)
+        op = None if why else self._parse(w, action)
+        obs = (f"{_NOTHING} {why}" if why else _NOTHING) if op is None else w.apply(op)
         self._invalid = op is None
         reward = 0.0
         if op is None:
@@ -225,15 +229,11 @@ class ALFWorldEnv(TextEnv):
         if truncated:
             self._done = True
         self._last_obs = obs
-        self._notes.read(action if isinstance(action, str) else None, obs)
+        self._notes.read("" if why else action, obs)
         return obs, reward, self._won, truncated, self._info()
 
-    def _parse(self, w: World, action: Any) -> tuple | None:
+    def _parse(self, w: World, action: str) -> tuple | None:
         """The op an action string means, or None ("Nothing happens.")."""
-        if not isinstance(action, str):
-            if not isinstance(action, bytes | bytearray) or len(action) > _MAX_PARSE:
-                return None
-            action = bytes(action).decode("utf-8", "replace")
         op = w.lookup(action)
         if op is not None or len(action) > _MAX_PARSE:
             return op

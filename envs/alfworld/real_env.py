@@ -12,7 +12,9 @@ Text. Observations are the engine's feedback, unchanged: the reset text starts
 "-= Welcome to TextWorld, ALFRED! =-" and ends with "Your task is to: ...".
 Actions go to the engine as given (it strips surrounding whitespace and needs
 an exact admissible command; anything else is "Nothing happens." and uses up
-the step), so a success here is a success in ALFWorld.
+the step), so a success here is a success in ALFWorld. An action that is not
+text goes to the engine as "" and its answer adds that it must be text, naming
+its type (``agentrl.envs._action``).
 ``info["admissible_actions"]`` is the engine's sorted list.
 
 Episodes. ``reset(seed=i)`` plays game ``i % num_tasks`` of the split (sorted
@@ -61,6 +63,7 @@ from typing import Any
 from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
+from .._action import not_text
 from .real_data import (
     FAMILIES,
     FAMILY_LABELS,
@@ -224,7 +227,8 @@ class ALFWorldRealEnv(TextEnv):
         if self._done:
             obs = "The episode is over. Call reset() to start a new one."
             return obs, 0.0, self._won, not self._won, self._info()
-        command = _as_text(action)
+        why = not_text(action)
+        command = "" if why else action
         valid = command.strip() in self._state["admissible_commands"]
         self._state = self._engine_step(command)
         if valid:
@@ -233,7 +237,7 @@ class ALFWorldRealEnv(TextEnv):
         self._won = bool(self._state["won"])
         truncated = not self._won and self._steps >= self.max_steps
         self._done = self._won or truncated
-        self._last_obs = self._state.feedback
+        self._last_obs = f"{self._state.feedback} {why}" if why else self._state.feedback
         self._feed_expert(command, valid)
         info = self._info()
         info["invalid_action"] = not valid  # not admissible: the engine answers "Nothing happens."
@@ -344,14 +348,6 @@ class ALFWorldRealEnv(TextEnv):
         if self._expert is None:
             raise EnvError(f"ALFWorld's handcoded expert is unavailable in {self.game.name}: {self._expert_error}")
         return self._plan
-
-
-def _as_text(action: Any) -> str:
-    if isinstance(action, str):
-        return action
-    if isinstance(action, bytes | bytearray):
-        return bytes(action).decode("utf-8", "replace")
-    return ""
 
 
 def _instruction(obs: str) -> str:

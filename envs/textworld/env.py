@@ -23,7 +23,8 @@ plays a given ``.z8``/``.ulx`` game instead.
 Actions are cleaned before they reach the parser: control characters and
 backslashes removed (dumb-frotz's escape; a leading one hung the game), whitespace
 folded, at most 190 characters. An empty command is answered
-without calling the game and still counts as a step, and so is one that asks
+without calling the game and still counts as a step (an action that is not text
+is one, and the answer names its type: ``agentrl.envs._action``), and so is one that asks
 for one of the interpreter's own verbs or TextWorld's debugging commands
 (``meta_verb``): "save" and "script" wrote files into the process's working
 directory (the transcript under a name taken from the command), "restore" read
@@ -46,6 +47,7 @@ from typing import Any
 from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
+from .._action import not_text
 from .games import GameSpec, game_file, require_textworld
 
 __all__ = ["TextWorldEnv", "TextWorldSnapshot", "clean_command"]
@@ -144,11 +146,12 @@ class TextWorldEnv(TextEnv):
             raise EnvError("call reset() before step()")
         if self._done:  # pays nothing and repeats how the episode ended
             return self._last_obs, 0.0, not self._truncated, self._truncated, self._info()
-        command = clean_command(action if isinstance(action, str) else "")
+        why = not_text(action)
+        command = "" if why else clean_command(action)
         self._actions.append(command)
         reward, terminated = 0.0, False
         if not command:
-            obs = "I beg your pardon? Type a command, e.g. one of the admissible actions."
+            obs = f"I beg your pardon? {why + ' ' if why else ''}Type a command, e.g. one of the admissible actions."
         elif verb := meta_verb(command):
             obs = f'"{verb}" is not available in this game. Type one of the admissible actions.'
         else:

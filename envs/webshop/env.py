@@ -20,7 +20,8 @@ Every page repeats the instruction on its first line, as WebShop does;
 ``repeat_instruction=False`` states it on the search page only (fewer tokens a
 turn). Actions are ``search[query]`` and ``click[element]``, where the element is
 one of the clickables now shown (case-insensitive). Anything else gets an
-"Invalid action!" observation, and the page stays as it was.
+"Invalid action!" observation, and the page stays as it was; for an action that
+is not text, the observation names its type (``agentrl.envs._action``).
 
 Reward: 0 until ``click[buy now]``, which ends the episode with the WebShop
 score of the bought item (formula in ``goal``'s docstring); ``info["success"]``
@@ -47,6 +48,7 @@ from typing import Any
 from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
+from .._action import not_text
 from .catalog import Catalog, Product, get_catalog
 from .expert import ShopNotes, next_action
 from .goal import Goal, make_goal, satisfies, score_purchase
@@ -141,7 +143,8 @@ class WebShopEnv(TextEnv):
         if state.done:  # pays nothing and repeats how the episode ended
             return state.obs, 0.0, not state.truncated, state.truncated, self._info()
         reward, terminated = 0.0, False
-        new_state, message = self._transition(state, action if isinstance(action, str) else "")
+        why = not_text(action)
+        new_state, message = (None, why) if why else self._transition(state, action)
         if new_state is None:
             obs = f"Invalid action! {message}\n\n{state.obs}"
             new_state = state
@@ -158,7 +161,7 @@ class WebShopEnv(TextEnv):
         self._state = replace(new_state, steps=steps, obs=keep_obs, done=terminated or truncated,
                               truncated=truncated)
         self._last_obs = obs
-        self._notes.read(action if isinstance(action, str) else None, obs)
+        self._notes.read("" if why else action, obs)
         info = self._info()
         if terminated:
             info["success"] = reward >= 1.0

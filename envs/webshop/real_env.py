@@ -26,7 +26,8 @@ as WebShop does, where the element is one shown on the page (asins, option
 values and buttons, lower case). ``info["admissible_actions"]`` lists them
 (``search[...]`` on the search page, with the instruction as a query). As in
 WebShop, anything else leaves the page as it was (the same observation) and
-sets ``info["valid"]`` False.
+sets ``info["valid"]`` False. An action that is not text does too, and its
+observation starts with a sentence naming its type (``agentrl.envs._action``).
 
 ``click[buy now]`` ends the episode with the reward of the purchase (its parts
 in ``info["reward_parts"]``, ``info["score"]``); ``info["success"]`` is True
@@ -52,6 +53,7 @@ from typing import Any
 from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
+from .._action import not_text
 from .real_data import RealGoal, RealProduct, Shop, get_shop
 from .real_reward import (
     FUZZ_THRESHOLD,
@@ -168,7 +170,8 @@ class WebShopRealEnv(TextEnv):
         state = self._require()
         if state.done:  # pays nothing and repeats how the episode ended
             return state.obs, 0.0, not state.truncated, state.truncated, self._info()
-        new, valid = self._transition(state, action if isinstance(action, str) else "")
+        why = not_text(action)
+        new, valid = (state, False) if why else self._transition(state, action)
         reward, terminated, parts = 0.0, False, None
         if new.done:
             parts = webshop_reward(self.shop.products[new.item], self.goal, self.shop.prices[new.item],
@@ -180,6 +183,7 @@ class WebShopRealEnv(TextEnv):
         steps = state.steps + 1
         truncated = not terminated and steps >= self.max_steps
         self._state = replace(new, steps=steps, obs=obs, done=terminated or truncated, truncated=truncated)
+        obs = f"{why}\n\n{obs}" if why else obs  # the page stays as it was
         self._last_obs = obs
         info = self._info()
         info["valid"] = valid

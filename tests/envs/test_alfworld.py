@@ -343,9 +343,12 @@ def test_fuzzed_actions_always_get_an_observation(action):
 def test_huge_and_binary_actions_get_nothing_happens():
     env = ALFWorldEnv()
     env.reset(seed=9)
-    for junk in ("x" * 100_000, "go to " + "cabinet 1 " * 10_000, bytes(range(256)) * 400):
-        obs, reward, terminated, truncated, _ = env.step(junk)  # type: ignore[arg-type]
+    for junk in ("x" * 100_000, "go to " + "cabinet 1 " * 10_000, "\udcff\x00" * 400):
+        obs, reward, terminated, truncated, _ = env.step(junk)
         assert obs == "Nothing happens." and reward == 0.0 and not terminated
+    # bytes are not text: refused, with the reason (test_all_envs checks every env)
+    obs, *_ = env.step(bytes(range(256)) * 400)  # type: ignore[arg-type]
+    assert obs == "Nothing happens. The action must be text, got bytes."
 
 
 def test_pddl_export_names_match_the_alfworld_demangler_order():

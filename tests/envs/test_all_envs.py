@@ -12,7 +12,7 @@ from gymnasium.utils.env_checker import check_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentrl.env import list_envs, make_env
+from agentrl.env import answer_problem, list_envs, make_env
 from agentrl.errors import EnvError
 
 ENV_IDS = [e for e in list_envs() if not e.startswith("agentrl/Test")]
@@ -154,4 +154,24 @@ def test_restored_env_continues_identically(env_id):
     assert first == second == _trace(env, after)
     if env_id in ("agentrl/MathPython-v0", "agentrl/BashFix-v0", "agentrl/SearchQA-v0"):
         assert all(calls for *_, calls in first[:-1])  # the tool calls really ran
+    env.close()
+
+
+# What a caller's bug, not a model, sends: each env answers it as an invalid action
+# whose observation names the type (the wording of agentrl.tools.parse), and the
+# episode goes on. GuessNumber-v0 raised a TypeError; the others answered as if the
+# action were "" (bytes were decoded by some and refused by others).
+NOT_TEXT = [None, b"look", bytearray(b"5"), 5, 2.5, ["look"], {"name": "look"}]
+
+
+@pytest.mark.parametrize("action", NOT_TEXT, ids=lambda a: type(a).__name__)
+@pytest.mark.parametrize("env_id", ENV_IDS)
+def test_a_non_text_action_is_answered_with_an_observation_naming_its_type(env_id, action):
+    env = _make(env_id)
+    env.reset(seed=0)
+    answer = env.step(action)
+    assert answer_problem("step", answer) is None
+    obs, reward, terminated, truncated, _ = answer
+    assert f"he action must be text, got {type(action).__name__}" in obs  # "The"/"the"
+    assert (reward, terminated, truncated) == (0.0, False, False)
     env.close()

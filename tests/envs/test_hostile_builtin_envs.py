@@ -135,6 +135,34 @@ def test_a_step_after_truncation_pays_nothing_and_stays_truncated(name, tmp_path
     env.close()
 
 
+def _alfworld_real(max_steps, tmp_path):
+    if not HAS_ALFWORLD:
+        pytest.skip("alfworld is not installed (pip install 'agentrl[alfworld]')")
+    from agentrl.envs.alfworld.real_data import export_games
+    from agentrl.envs.alfworld.real_env import ALFWorldRealEnv
+    from agentrl.envs.alfworld.scene import generate_scene
+
+    export_games([generate_scene(0, "train")], tmp_path)
+    env = ALFWorldRealEnv(split="train", data_dir=str(tmp_path), max_steps=max_steps)
+    return env, env.oracle_action
+
+
+# test_all_envs checks the others; these two need data it does not have.
+@pytest.mark.parametrize("action", [None, b"look", 5], ids=lambda a: type(a).__name__)
+@pytest.mark.parametrize("maker", [_webshop_real, _alfworld_real], ids=["WebShopReal", "ALFWorldReal"])
+def test_the_real_suites_answer_a_non_text_action_naming_its_type(maker, action, tmp_path):
+    env, _ = maker(2, tmp_path)
+    first, _ = env.reset(seed=0)
+    answer = env.step(action)
+    assert answer_problem("step", answer) is None
+    obs, reward, terminated, truncated, info = answer
+    assert f"The action must be text, got {type(action).__name__}." in obs
+    assert (reward, terminated, truncated) == (0.0, False, False)
+    assert info.get("valid") is False or info.get("invalid_action") is True
+    assert env.step(None)[3]  # the step counted: max_steps=2 truncates here
+    env.close()
+
+
 # -- ALFWorld ----------------------------------------------------------------------------
 
 
