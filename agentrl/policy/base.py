@@ -9,9 +9,12 @@ sampled it.
 
 Stop strings, the same in every backend: generation ends at the token that
 completes the first stop string. ``token_ids`` keep every sampled token up to
-and including that one (token-exact: a token is never split). The env sees
-``action_text``: the action decoded without special tokens and cut right after
-the stop string, which stays in the text.
+and including that one (token-exact: a token is never split). A stop string
+matches the text as the env and the user see it: decoded without special
+tokens (vLLM's ``skip_special_tokens``), so one that a special token splits
+matches, and a special token's own text (``<|im_end|>``) never does; stop on
+such a token with ``stop_token_ids``. The env sees ``action_text``: that text,
+cut right after the stop string, which stays in the text.
 
 Seeds: each request draws from its own random stream, seeded by
 ``SamplingParams.seed``, so its sample does not depend on which other requests
@@ -25,7 +28,9 @@ stream them). A backend honours what it can (see ``RequestControl``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -174,17 +179,45 @@ def request_seed(*coords: int) -> int:
 
 
 def stop_string_hit(tokenizer: Any, token_ids: Sequence[int], stop: Sequence[str]) -> bool:
-    """Whether the decoded tail of ``token_ids`` contains a stop string.
+    """Whether the text of ``token_ids``, decoded without special tokens as ``action_text``
+    decodes it, ends in a tail that contains a stop string.
 
     Called after every new token, so only a tail long enough to hold the
-    longest stop string is decoded (a token decodes to at least one character,
-    or a quarter of one for byte-fallback pieces).
+    longest stop string is decoded: a token decodes to at least one character,
+    or a quarter of one for byte-fallback pieces, except a special token, which
+    decodes to nothing and so does not count toward the tail's length.
     """
     if not stop:
         return False
-    window = 4 * max(map(len, stop)) + 4
-    tail = tokenizer.decode(list(token_ids[-window:]), skip_special_tokens=False)
+    need, silent = 4 * max(map(len, stop)) + 4, special_ids(tokenizer)
+    start = len(token_ids)
+    while start > 0 and need > 0:
+        start -= 1
+        need -= token_ids[start] not in silent
+    tail = tokenizer.decode(list(token_ids[start:]), skip_special_tokens=True)
     return any(s in tail for s in stop)
+
+
+_SPECIAL_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids that ``decode(..., skip_special_tokens=True)`` drops: the named special tokens
+    and every added token marked special (SmolLM2's ``<repo_name>`` is one, though not named).
+
+    Kept per tokenizer: ``stop_string_hit`` asks after every sampled token, and a tokenizer's
+    special tokens are fixed once a model's embeddings are sized to its vocabulary."""
+    try:
+        return _SPECIAL_IDS[tokenizer]
+    except (KeyError, TypeError):  # TypeError: a tokenizer that cannot be weakly referenced
+        pass
+    ids = set(getattr(tokenizer, "all_special_ids", None) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(i for i, tok in added.items() if getattr(tok, "special", False))
+    found = frozenset(ids)
+    with contextlib.suppress(TypeError):
+        _SPECIAL_IDS[tokenizer] = found
+    return found
 
 
 def action_text(tokenizer: Any, token_ids: Sequence[int], stop: Sequence[str] = ()) -> str:

@@ -21,7 +21,9 @@ The semantics are the same as ``hf`` (see ``policy/base.py``):
   unprocessed, so greedy logprobs come from the raw model distribution.
 - Stop strings. vLLM cuts the text, but it keeps every token up to and
   including the one that completes the stop string. That is the project's
-  rule, and it is reported as ``stop_string``.
+  rule, and it is reported as ``stop_string``. It detokenizes with
+  ``skip_special_tokens``, so a stop string matches the text without special
+  tokens, as in ``hf``.
 - Seeds. Each request has its own vLLM generator, so a seeded request samples
   the same tokens whatever its batch. The stream is vLLM's, not ``hf``'s, so
   the two backends sample different tokens from the same seed.
@@ -497,7 +499,7 @@ def _vllm_params(p: SamplingParams, logprobs: int | None, prompt_logprobs: int |
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_new_tokens,
         stop=list(p.stop) or None, stop_token_ids=stop_ids or None, seed=p.seed,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        skip_special_tokens=False,  # stop strings see special tokens, as in hf
+        skip_special_tokens=True,  # stop strings match the text without special tokens (policy/base.py)
         output_kind=RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY,
         extra_args=extra_args,
     )

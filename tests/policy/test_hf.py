@@ -260,3 +260,41 @@ def test_a_cancelled_request_leaves_the_running_batch_at_the_next_decode_step(ti
     assert len(seen) <= at_cancel + 1  # at most the step that was running
     assert len(short.token_ids) == 4
     assert len(seen) < 3000 and waited < 30
+
+
+# A reply whose text, as the user sees it (special tokens skipped), is "gonorth": SmolLM2's
+# <repo_name> (id 3) is a special token between "go" and "north". The stop string "onor" spans it.
+_SPLIT_ACTION = "go<repo_name>north"
+
+
+@pytest.mark.parametrize("stop, finish, kept", [
+    (("onor",), "stop_string", 3),     # the visible text has it: stop on "north", as vLLM does
+    (("<repo_name>",), "stop", 4),     # a special token's own text is invisible: no stop string there
+])
+def test_stop_strings_match_the_text_without_special_tokens(tokenizer, tiny_model, stop, finish, kept):
+    from agentrl.policy import MockPolicy, action_text
+
+    ids = tokenizer.encode(_SPLIT_ACTION, add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert ids[1] == 3 and tokenizer.decode(ids, skip_special_tokens=True) == "gonorth"
+    prompt = _prompt(tokenizer)
+    # hf, its reply forced by the admissible-action trie; the mock, scripted: the same tokens.
+    hf = HFPolicy(tiny_model, tokenizer).generate([GenerateRequest(
+        prompt, SamplingParams(temperature=0, max_new_tokens=8, stop=stop), admissible=(_SPLIT_ACTION,))])[0]
+    mock = MockPolicy(tokenizer, [_SPLIT_ACTION]).generate([GenerateRequest(
+        prompt, SamplingParams(max_new_tokens=8, stop=stop))])[0]
+    for res in (hf, mock):
+        assert (res.finish_reason, res.token_ids) == (finish, ids[:kept])
+    assert action_text(tokenizer, hf.token_ids, stop) == ("gonor" if finish == "stop_string" else "gonorth")
+
+
+def test_a_stop_string_is_found_across_a_run_of_special_tokens(tokenizer):
+    """Special tokens decode to nothing, so they do not count toward the tail that is decoded."""
+    from agentrl.policy import MockPolicy, stop_string_hit
+
+    text = "a" + "<repo_name>" * 30 + "b c"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    j = ids.index(3) + 30  # the token after the run: "b"
+    assert tokenizer.decode(ids[:j + 1], skip_special_tokens=True) == "ab"
+    assert stop_string_hit(tokenizer, ids[:j + 1], ("ab",)) and not stop_string_hit(tokenizer, ids[:j], ("ab",))
+    res = MockPolicy(tokenizer, [text]).generate([GenerateRequest([1], SamplingParams(stop=("ab",)))])[0]
+    assert (res.finish_reason, res.token_ids) == ("stop_string", ids[:j + 1])

@@ -235,7 +235,7 @@ def test_stop_token_and_stop_string_end_on_the_completing_token(policy, tokenize
     assert res.finish_reason == "stop" and res.token_ids == ids[:first + 1]
 
     def text(n):
-        return tokenizer.decode(ids[:n], skip_special_tokens=False)
+        return tokenizer.decode(ids[:n], skip_special_tokens=True)
 
     # A plain word that token j completes, not seen before it.
     j, word = next((j, piece) for j in range(1, len(ids))
@@ -588,3 +588,21 @@ def test_a_caller_cancelling_while_its_result_is_built_does_not_kill_the_driver(
     policy._step(running)
     policy._step(running)  # "s" finishes: its result finds the future cancelled
     assert job.future.cancelled() and "s" not in running
+
+
+def test_vllm_matches_stop_strings_on_the_text_without_special_tokens(monkeypatch):
+    """As hf and mock do (policy/base.py): vLLM checks stop strings on the text it detokenizes."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    from agentrl.policy.vllm import _vllm_params
+
+    fake_sp, fake_constrain = ModuleType("vllm.sampling_params"), ModuleType("agentrl.policy.vllm_constrain")
+    fake_sp.RequestOutputKind = SimpleNamespace(CUMULATIVE="cumulative", FINAL_ONLY="final")
+    fake_sp.SamplingParams = lambda **kw: kw
+    fake_constrain.REPLIES = "agentrl_replies"
+    for name, mod in (("vllm", ModuleType("vllm")), ("vllm.sampling_params", fake_sp),
+                      ("agentrl.policy.vllm_constrain", fake_constrain)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    got = _vllm_params(SamplingParams(stop=("onor",)), logprobs=1)
+    assert got["stop"] == ["onor"] and got["skip_special_tokens"] is True
