@@ -18,12 +18,13 @@ group contributes 0 there; a group of one contributes 0.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from .group import _center_scale, _like
+from .group import _center_scale, _like, _scaled, _unscaled
 
 __all__ = ["gdpo"]
 
@@ -97,8 +98,12 @@ def gdpo(
         rows = np.array([gi == g for gi in groups])
         for j in range(k):
             per_reward[rows, j] = _center_scale(m[rows, j], "std", eps)
-    combined = per_reward @ w if k else np.zeros(n)
+    # weights near 1e308 would overflow the sum: sum with them scaled by a power of two (exact)
+    w_scaled, e = _scaled(w)
+    combined = per_reward @ w_scaled if k else np.zeros(n)
     if batch_norm:
-        combined = _center_scale(combined, "std", eps)
+        combined = _center_scale(combined, "std", math.ldexp(eps, -e))
+    else:
+        combined = _unscaled(combined, e, w, "weights")
     like = rewards if not (names or isinstance(rewards, list)) else []
     return _like(combined, like)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import math
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -49,7 +50,7 @@ import numpy as np
 
 from agentrl.types import Episode, EpisodeGroup, RolloutTree
 
-from .group import _array, _center_scale
+from .group import _array, _center_scale, _scaled, _unscaled
 from .returns import discounted_returns
 
 __all__ = [
@@ -195,8 +196,13 @@ def gigpo_advantages(
     ``episodes[i][t]`` is the reward of step ``t`` of episode ``i``;
     ``state_keys`` as in ``anchor_groups``. Returns ``out[i][t]``.
     """
-    rewards = [_array(r, f"episodes[{i}]") for i, r in enumerate(episodes)]
-    groups = anchor_groups(rewards, state_keys, similarity)
+    raw = [_array(r, f"episodes[{i}]") for i, r in enumerate(episodes)]
+    groups = anchor_groups(raw, state_keys, similarity)
+    # Rewards near 1e308 would overflow their sums: work on them divided by a power of two
+    # (exact, see group._scaled), below 1 each, so an episode's return stays below its length.
+    flat = np.concatenate(raw) if raw else np.zeros(0)
+    _, e = _scaled(flat)
+    rewards, eps = [np.ldexp(r, -e) for r in raw], math.ldexp(eps, -e)
     # Episode level: GRPO over the undiscounted total returns.
     totals = np.array([r.sum() for r in rewards])
     a_e = _center_scale(totals, scale, eps)
@@ -207,7 +213,10 @@ def gigpo_advantages(
         g = np.array([step_return[i][t] for i, t in members])
         for (i, t), a in zip(members, _center_scale(g, scale, eps), strict=True):
             a_s[i][t] = a
-    return [(a_e[i] + omega * a_s[i]).tolist() for i in range(len(rewards))]
+    out = [a_e[i] + omega * a_s[i] for i in range(len(rewards))]
+    if scale == "none":  # advantages in the rewards' units: back from the scaled ones
+        out = [_unscaled(a, e, flat) for a in out]
+    return [a.tolist() for a in out]
 
 
 def gigpo_episode_advantages(

@@ -19,10 +19,16 @@ Conventions shared by every function here:
   ``eps`` is: float noise in its mean (``0.7 * 3`` sums to 2.0999999999999996)
   would otherwise leave advantages like 1e-10, which the trainer's
   ``skip_zero_advantage`` (``a == 0.0``) does not skip, or NaN with ``eps=0``.
+- Rewards near float64's limit (1.8e308) work: the statistics are computed on
+  the rewards divided by a power of two (``_scaled``, exact), where a group's
+  sum, ``r - mean`` or the squares of its std cannot overflow. An advantage
+  that is itself out of float64's range (one not divided by a std) raises a
+  ``ValueError`` naming the rewards.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,6 +65,29 @@ def _like(out: np.ndarray, like: Any) -> Any:
     return out.tolist()
 
 
+def _scaled(a: np.ndarray) -> tuple[np.ndarray, int]:
+    """``a / 2**e`` and ``e``, the power of two that brings ``a``'s largest magnitude into [0.5, 1).
+
+    Scaling by a power of two only moves exponents, so it is exact: the mean, the std
+    and ``a - mean`` of the scaled values are those of ``a``, scaled, to the bit; but
+    sums of values below 1 cannot overflow where sums near 1e308 do.
+    """
+    peak = float(np.max(np.abs(a))) if a.size else 0.0
+    e = math.frexp(peak)[1]
+    return np.ldexp(a, -e), e
+
+
+def _unscaled(x: np.ndarray, e: int, source: np.ndarray, name: str = "rewards") -> np.ndarray:
+    """``x * 2**e``: an advantage computed on ``_scaled`` inputs, back in their units;
+    a ``ValueError`` names the inputs (``source``, called ``name``) when it is past float64's range."""
+    with np.errstate(over="ignore"):
+        out = np.ldexp(x, e)
+    if not np.all(np.isfinite(out)):
+        raise ValueError(f"the advantages of {name} {source.tolist()} overflow float64 (beyond "
+                         f"{np.finfo(np.float64).max:.3g}): scale the {name} down")
+    return out
+
+
 def _sample_std(a: np.ndarray) -> float:
     """Bessel-corrected std; 0.0 for fewer than two values."""
     return float(a.std(ddof=1)) if a.size > 1 else 0.0
@@ -79,8 +108,9 @@ def _center_scale(a: np.ndarray, scale: str = "std", eps: float = 1e-6) -> np.nd
         raise ValueError(f"scale must be 'std' or 'none', not {scale!r}")
     if _no_spread(a):
         return np.zeros_like(a)
-    d = a - a.mean()
-    return d / (_sample_std(a) + eps) if scale == "std" else d
+    s, e = _scaled(a)  # (a - mean) / (std + eps) = (s - mean_s) / (std_s + eps / 2**e)
+    d = s - s.mean()
+    return d / (_sample_std(s) + math.ldexp(eps, -e)) if scale == "std" else _unscaled(d, e, a)
 
 
 # -- estimators ------------------------------------------------------------------
@@ -122,9 +152,10 @@ def rloo(rewards: Sequence[float]) -> Any:
     Equivalently ``k/(k-1) * (r_i - mean(r))``. A group of one gets 0.
     """
     a = _array(rewards)
-    k = a.size
-    out = np.zeros_like(a) if _no_spread(a) else a - (a.sum() - a) / (k - 1)
-    return _like(out, rewards)
+    if _no_spread(a):
+        return _like(np.zeros_like(a), rewards)
+    s, e = _scaled(a)  # a.sum() overflows near 1e308
+    return _like(_unscaled(s - (s.sum() - s) / (a.size - 1), e, a), rewards)
 
 
 def mc_grpo_pivot(rewards: Sequence[float]) -> int | None:
@@ -164,8 +195,9 @@ def mc_grpo(rewards: Sequence[float], scale: str = "std", eps: float = 1e-6) -> 
         raise ValueError(f"scale must be 'std' or 'none', not {scale!r}")
     if _no_spread(a):
         return _like(np.zeros_like(a), rewards)
-    d = a - np.median(a)
-    out = d / (_sample_std(a) + eps) if scale == "std" else d
+    s, e = _scaled(a)  # as in _center_scale
+    d = s - np.median(s)
+    out = d / (_sample_std(s) + math.ldexp(eps, -e)) if scale == "std" else _unscaled(d, e, a)
     pivot = mc_grpo_pivot(a)
     if pivot is not None:
         out[pivot] = 0.0  # already 0 up to float error; make it exact

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from agentrl.types import Episode
@@ -25,7 +26,10 @@ def episode_outcome(episode: Episode, outcome: Outcome = "return") -> float:
     if callable(outcome):
         return float(outcome(episode))
     if outcome == "return":
-        return episode.total_reward
+        total = episode.total_reward
+        if math.isinf(total) and all(map(math.isfinite, episode.rewards)):
+            raise ValueError(f"the return of rewards {episode.rewards} overflows float64: scale the rewards down")
+        return total
     if outcome == "success":
         return float(episode.success)
     raise ValueError(f"outcome must be 'return', 'success' or a callable, not {outcome!r}")

@@ -7,6 +7,7 @@ the env reward of turn ``t``. The token-level spreading of a turn's value is
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -14,11 +15,19 @@ import numpy as np
 
 from agentrl.types import Episode
 
-from .group import _array, _like, _no_spread
+from .group import _array, _like, _no_spread, _scaled
 
 __all__ = ["LEVELS", "discounted_returns", "episode_gae", "gae", "normalize"]
 
 LEVELS = ("turn", "group", "batch", "mixed")
+
+
+def _finite_returns(out: np.ndarray, rewards: np.ndarray) -> np.ndarray:
+    """``out``, or a ``ValueError`` naming ``rewards`` when a sum of them overflowed float64."""
+    if not np.all(np.isfinite(out)):
+        raise ValueError(f"the returns of rewards {rewards.tolist()} overflow float64 (beyond "
+                         f"{np.finfo(np.float64).max:.3g}): scale the rewards down")
+    return out
 
 
 def _check_unit(value: float, name: str) -> None:
@@ -36,10 +45,11 @@ def discounted_returns(rewards: Sequence[float], gamma: float = 1.0) -> Any:
     r = _array(rewards)
     out = np.zeros_like(r)
     running = 0.0
-    for t in range(r.size - 1, -1, -1):
-        running = r[t] + gamma * running
-        out[t] = running
-    return _like(out, rewards)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for t in range(r.size - 1, -1, -1):
+            running = r[t] + gamma * running
+            out[t] = running
+    return _like(_finite_returns(out, r), rewards)
 
 
 def gae(
@@ -76,12 +86,13 @@ def gae(
         raise ValueError(f"last_value must be finite, got {last_value}")
     out = np.zeros_like(r)
     next_value, running = float(last_value), 0.0
-    for t in range(r.size - 1, -1, -1):
-        delta = r[t] + gamma * next_value - v[t]
-        running = delta + gamma * lam * running
-        out[t] = running
-        next_value = v[t]
-    return _like(out, rewards)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for t in range(r.size - 1, -1, -1):
+            delta = r[t] + gamma * next_value - v[t]
+            running = delta + gamma * lam * running
+            out[t] = running
+            next_value = v[t]
+    return _like(_finite_returns(out, r), rewards)
 
 
 def episode_gae(e: Episode, value_fn: Callable[[Episode], Sequence[float]] | None, gamma: float,
@@ -101,10 +112,12 @@ def episode_gae(e: Episode, value_fn: Callable[[Episode], Sequence[float]] | Non
 
 def _whiten(x: np.ndarray, eps: float) -> np.ndarray:
     """``(x - mean) / (std + eps)`` with the population std; one value, or equal ones, give
-    exact zeros (float noise in the mean is no signal, and eps = 0 would make 0/0)."""
+    exact zeros (float noise in the mean is no signal, and eps = 0 would make 0/0).
+    Computed on ``x`` scaled by a power of two, so values near 1e308 do not overflow."""
     if _no_spread(x):
         return np.zeros_like(x)
-    return (x - x.mean()) / (x.std() + eps)
+    s, e = _scaled(x)  # exact, and no overflow near 1e308 (see group._scaled)
+    return (s - s.mean()) / (s.std() + math.ldexp(eps, -e))
 
 
 def normalize(

@@ -136,6 +136,9 @@ def tree_advantages(
         out[i] = a / math.sqrt(stats[i][1]) if leaf_norm == "sqrt" else a
     if contrastive:
         _scale_siblings(tree, values, out, max_scale, eps)
+    if not all(map(math.isfinite, out.values())):  # outcomes near 1e308: sums and gains overflow
+        raise ValueError(f"tree advantages overflow float64 at nodes {sorted(i for i, a in out.items() if not math.isfinite(a))}"
+                         f" (outcomes near {np.finfo(np.float64).max:.3g}): scale the rewards down")
     return out
 
 
