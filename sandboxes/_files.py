@@ -18,7 +18,16 @@ from agentrl.errors import SandboxError
 
 from .tar_filter import restore_filter
 
-__all__ = ["read_beneath", "relative_parts", "tar_dir", "untar_into", "write_beneath"]
+__all__ = [
+    "checked_max_bytes",
+    "read_beneath",
+    "read_limit",
+    "relative_parts",
+    "tar_dir",
+    "too_large",
+    "untar_into",
+    "write_beneath",
+]
 
 
 def relative_parts(path: str, workdir_alias: str | None = None) -> list[str]:
@@ -98,8 +107,36 @@ def write_beneath(
         raise SandboxError(f"cannot write {path!r} in the sandbox: {e.strerror or e}") from e
 
 
+def checked_max_bytes(max_bytes: int | None) -> int | None:
+    """``read_file``'s ``max_bytes``: None or an int >= 0, else a ``SandboxError`` naming it."""
+    if max_bytes is not None and (
+        isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0
+    ):
+        raise SandboxError(f"read_file: max_bytes must be an int >= 0 or None, not {max_bytes!r}")
+    return max_bytes
+
+
+def read_limit(fsize_mb: int, max_bytes: int | None) -> int:
+    """The most bytes one ``read_file`` returns: ``max_bytes``, capped at ``fsize_mb`` MiB."""
+    cap = fsize_mb << 20
+    max_bytes = checked_max_bytes(max_bytes)
+    return cap if max_bytes is None else min(cap, max_bytes)
+
+
+def too_large(path: str, limit: int) -> SandboxError:
+    """The error of a read refused for size; it names the limit and what to do instead."""
+    return SandboxError(
+        f"{path!r} is larger than {limit} bytes; read parts of it with a command "
+        "(head -c, tail -c, sed -n)"
+    )
+
+
 def read_beneath(root: str, path: str, limit: int, workdir_alias: str | None = None) -> bytes:
-    """Read up to ``limit`` bytes of ``root/path``, never following a symlink."""
+    """Read up to ``limit`` bytes of ``root/path``, never following a symlink.
+
+    A file whose size is over ``limit`` is refused before any read; otherwise memory
+    grows with what the file holds, never past ``limit`` + 1 bytes (it may grow meanwhile).
+    """
     parts = relative_parts(path, workdir_alias)
     try:
         dfd = _open_dir(root, parts[:-1], create=False, owner=None)
@@ -109,12 +146,29 @@ def read_beneath(root: str, path: str, limit: int, workdir_alias: str | None = N
             os.close(dfd)
         with os.fdopen(fd, "rb") as f:
             _require_regular(f.fileno(), path)
-            data = f.read(limit + 1)
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:  # a sparse file too: never read what we would refuse
+                raise too_large(path, limit)
+            data = _read_at_most(f, limit, size)
     except OSError as e:
         raise SandboxError(f"cannot read {path!r} in the sandbox: {e.strerror or e}") from e
     if len(data) > limit:
-        raise SandboxError(f"{path!r} is larger than {limit} bytes; read it in parts with run()")
+        raise too_large(path, limit)
     return data
+
+
+def _read_at_most(f: io.BufferedReader, limit: int, size: int) -> bytes:
+    """At most ``limit`` + 1 bytes of ``f``, ``size`` bytes long at its fstat. One read of
+    that size (``read(n)`` allocates n bytes up front, whatever the file holds); chunks
+    after it only when the file grew since."""
+    data = f.read(size + 1)
+    if len(data) <= size:  # end of file where fstat said: the usual case
+        return data
+    parts, total = [data], len(data)
+    while total <= limit and (chunk := f.read(min(1 << 20, limit + 1 - total))):
+        parts.append(chunk)
+        total += len(chunk)
+    return b"".join(parts)
 
 
 def _require_regular(fd: int, path: str) -> None:

@@ -145,7 +145,10 @@ class Sandbox(abc.ABC):
     async def write_file(self, path: str, data: str | bytes) -> None: ...
 
     @abc.abstractmethod
-    async def read_file(self, path: str) -> bytes: ...
+    async def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        """The file's bytes. Over ``max_bytes`` (capped at, and by default, the backend's
+        own limit, ``fsize_mb`` where it has one) it raises ``SandboxError`` naming the
+        limit, having held at most that many bytes (+1) in this process's memory."""
 
     @abc.abstractmethod
     async def reset(self) -> None:

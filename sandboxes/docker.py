@@ -49,7 +49,7 @@ from typing import Any
 
 from agentrl.errors import SandboxDeadError, SandboxError, SandboxUnavailableError
 
-from ._files import relative_parts
+from ._files import read_limit, relative_parts, too_large
 from ._procs import kill_marked
 from .base import ExecResult, Isolation, Sandbox, SandboxLimits, SandboxProcess
 
@@ -485,11 +485,12 @@ class DockerSandbox(Sandbox):
         argv = ["/bin/sh", "-c", _WRITE, "sh", self._inner_path(path)]
         await self._checked(f"cannot write {path!r} in the sandbox", argv, 1 << 16, payload)
 
-    async def read_file(self, path: str) -> bytes:
-        """Read a regular file up to ``fsize_mb``; symlinks, FIFOs and devices are refused."""
-        limit = self.limits.fsize_mb << 20
+    async def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        """Read a regular file up to ``max_bytes`` (at most ``fsize_mb``); symlinks, FIFOs
+        and devices are refused. We keep at most that many bytes of the stream."""
+        limit = read_limit(self.limits.fsize_mb, max_bytes)
         argv = ["/bin/sh", "-c", _READ, "sh", self._inner_path(path)]
-        too_big = f"{path!r} is larger than {limit} bytes; read it in parts with run()"
+        too_big = str(too_large(path, limit))
         return await self._checked(
             f"cannot read {path!r} in the sandbox", argv, limit, too_big=too_big
         )

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from agentrl.errors import SandboxDeadError, SandboxError
 
-from ._files import read_beneath, tar_dir, untar_into, write_beneath
+from ._files import read_beneath, read_limit, tar_dir, untar_into, write_beneath
 from ._procs import (
     HOST_ENV,
     SETPRIV,
@@ -295,9 +295,9 @@ class LocalSandbox(Sandbox):
         payload = _as_bytes(data) or b""
         await asyncio.to_thread(write_beneath, workdir, path, payload, owner, alias)
 
-    async def read_file(self, path: str) -> bytes:
+    async def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        limit = read_limit(self.limits.fsize_mb, max_bytes)
         workdir = await self._live_workdir()
-        limit = self.limits.fsize_mb << 20
         alias = self.workdir_alias or workdir
         return await asyncio.to_thread(read_beneath, workdir, path, limit, alias)
 

@@ -20,6 +20,7 @@ import httpx
 
 from agentrl.errors import SandboxDeadError, SandboxError, SandboxUnavailableError
 
+from ._files import checked_max_bytes, too_large
 from .base import ExecResult, Isolation, Sandbox, SandboxProcess, isolation_at_least
 
 __all__ = ["RemoteSandbox"]
@@ -121,9 +122,16 @@ class RemoteSandbox(Sandbox):
         body = {"path": path, "data_b64": base64.b64encode(payload).decode()}
         await self._call("POST", f"{await self._session()}/write_file", body)
 
-    async def read_file(self, path: str) -> bytes:
-        reply = await self._call("POST", f"{await self._session()}/read_file", {"path": path})
-        return base64.b64decode(reply["data_b64"])
+    async def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        """The far file's bytes; the server refuses one over ``max_bytes`` before sending it."""
+        body: dict[str, object] = {"path": path}
+        if checked_max_bytes(max_bytes) is not None:
+            body["max_bytes"] = max_bytes
+        reply = await self._call("POST", f"{await self._session()}/read_file", body)
+        data = base64.b64decode(reply["data_b64"])
+        if max_bytes is not None and len(data) > max_bytes:  # a server that ignores the field
+            raise too_large(path, max_bytes)
+        return data
 
     async def reset(self) -> None:
         await self._call("POST", f"{await self._session()}/reset")

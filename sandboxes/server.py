@@ -76,6 +76,9 @@ class WriteRequest(BaseModel):
 
 class ReadRequest(BaseModel):
     path: str = Field(description="Path under the sandbox workdir.")
+    max_bytes: int | None = Field(
+        None, ge=0, description="Refuse a file over this many bytes (default: the backend's cap)."
+    )
 
 
 class ProcRequest(BaseModel):
@@ -303,7 +306,10 @@ def _file_routes(app: FastAPI, store: _Store, op_s: float) -> None:
     @app.post("/v1/sessions/{sid}/read_file")
     async def read_file(sid: str, req: ReadRequest) -> dict:
         with store.use(sid) as session:
-            call = session.sandbox.read_file(req.path)
+            if req.max_bytes is None:  # backends written before the field take only a path
+                call = session.sandbox.read_file(req.path)
+            else:
+                call = session.sandbox.read_file(req.path, max_bytes=req.max_bytes)
             data = await _bounded(f"reading {req.path!r}", call, op_s)
         return {"data_b64": base64.b64encode(data).decode()}
 

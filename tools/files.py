@@ -13,6 +13,7 @@ calls in one turn apply one after another instead of losing an edit.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import posixpath
 import weakref
 from collections.abc import AsyncIterator
@@ -91,10 +92,24 @@ def _describe(err: BaseException, verb: str, path: str) -> str:
     return f"cannot {verb} {path!r}: {type(err).__name__}: {err}"
 
 
-async def _read_bytes(sandbox: Sandbox, path: str) -> bytes | ToolResult:
-    """The file's bytes, or an error result the model can act on."""
+def _takes_max_bytes(sandbox: Sandbox) -> bool:
+    """Whether ``sandbox.read_file`` takes ``max_bytes`` (sandboxes written before it do not)."""
     try:
-        data = await sandbox.read_file(path)
+        return "max_bytes" in inspect.signature(sandbox.read_file).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False
+
+
+async def _read_bytes(sandbox: Sandbox, path: str) -> bytes | ToolResult:
+    """The file's bytes, or an error result the model can act on.
+
+    The sandbox is asked for at most ``MAX_FILE_BYTES``, so a huge file is refused
+    there, never read whole into this process first."""
+    try:
+        if _takes_max_bytes(sandbox):
+            data = await sandbox.read_file(path, max_bytes=MAX_FILE_BYTES)
+        else:
+            data = await sandbox.read_file(path)
     except Exception as err:
         if not is_model_fixable(err):
             raise

@@ -64,6 +64,15 @@ async def test_missing_file_read_raises(built):
         await built.sandbox.read_file("does-not-exist.txt")
 
 
+async def test_read_file_refuses_a_file_over_max_bytes_naming_the_limit(built):
+    await built.sandbox.write_file("ten.txt", b"0123456789")
+    assert await built.sandbox.read_file("ten.txt", max_bytes=10) == b"0123456789"
+    with pytest.raises(SandboxError, match="larger than 9 bytes"):
+        await built.sandbox.read_file("ten.txt", max_bytes=9)
+    with pytest.raises(SandboxError, match="max_bytes"):
+        await built.sandbox.read_file("ten.txt", max_bytes=-1)
+
+
 async def test_host_side_file_access_does_not_follow_planted_symlinks(built, tmp_path):
     target = tmp_path / "host-file.txt"
     target.write_text("original")
