@@ -11,9 +11,11 @@ or k - 1 when ``node`` is an open leaf (one paused by ``max_turns``, see
 ``is_open``), because that leaf becomes internal.
 
 Budgets in turns or tokens: allocators plan in leaves. ``affordable_leaves``
-divides what is left by the mean cost of a finished episode so far (the turns,
-or the action tokens, on its root-to-leaf path), or by the allocator's
-``est_leaf_cost`` before any episode has finished. A path counts its shared
+divides what is left by the mean cost of an episode so far (the turns, or the
+action tokens, on its root-to-leaf path), or by the allocator's
+``est_leaf_cost`` before any episode has finished. An open leaf is already a
+leaf, but it spends more when it is continued: the cost it is expected to
+reach less what it has spent is kept back first. A path counts its shared
 prefix again, so the estimate is high for branches: plans stay under the
 budget, and the engine stops episodes at the real limit.
 """
@@ -191,15 +193,28 @@ def _path_cost(tree: RolloutTree, leaf: Node, unit: BudgetUnit) -> int:
 def affordable_leaves(state: AllocState, est_leaf_cost: float | None = None) -> int:
     """How many more leaves the remaining budget buys, in the budget's unit.
 
-    ``leaves``: exactly ``state.remaining``. ``turns``/``tokens``: remaining
-    divided by the mean cost of the finished episodes so far (turns, or action
-    tokens, on the root-to-leaf path), or by ``est_leaf_cost`` (default
-    ``DEFAULT_LEAF_COST``) before any has finished. A branch re-uses its
-    prefix, so this over-estimates its cost and the plan stays in budget.
+    ``leaves``: exactly ``state.remaining`` (an open leaf is a leaf already).
+    ``turns``/``tokens``: an episode's cost is the turns, or action tokens, on
+    its root-to-leaf path. A finished one costs what it did; an open one
+    (``is_open``) is expected to cost what a finished one costs on average, or
+    ``est_leaf_cost`` (default ``DEFAULT_LEAF_COST``) before any has finished,
+    and at least one more than it has spent. The remaining budget, less what
+    the open leaves are expected to spend still, is divided by the mean
+    expected cost. A branch re-uses its prefix, so this over-estimates its
+    cost and the plan stays in budget.
     """
     unit = state.budget.unit
     if unit == "leaves":
         return state.remaining
-    costs = [_path_cost(t, leaf, unit) for t in state.trees for leaf in t.leaves() if leaf.done]
-    per_leaf = sum(costs) / len(costs) if costs else (est_leaf_cost or DEFAULT_LEAF_COST[unit])
-    return int(state.remaining // max(per_leaf, 1.0))
+    done, paused = [], []
+    for tree in state.trees:
+        for leaf in tree.leaves():
+            if leaf.done:
+                done.append(_path_cost(tree, leaf, unit))
+            elif is_open(leaf):
+                paused.append(_path_cost(tree, leaf, unit))
+    finished = sum(done) / len(done) if done else (est_leaf_cost or DEFAULT_LEAF_COST[unit])
+    expected = [max(c + 1.0, finished) for c in paused]  # an open leaf is not done: one more, at least
+    per_leaf = (sum(done) + sum(expected)) / len(done + expected) if done or expected else finished
+    to_come = sum(e - c for e, c in zip(expected, paused, strict=True))  # what continuing them spends
+    return int(max(state.remaining - to_come, 0.0) // max(per_leaf, 1.0))
