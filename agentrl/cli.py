@@ -89,7 +89,7 @@ def rollout(
     from .config import load_config
     from .env import check_env_kwargs, resolve_env_id
     from .policy.for_run import open_policy, settle_for_command
-    from .rollout import make_out_dir, run_episodes, summarize, write_run
+    from .rollout import RunInterrupted, make_out_dir, run_episodes, summarize, write_run
     from .rollout.allocators import ALLOCATORS
 
     flags = {"env.id": env, "policy.model": model, "policy.backend": backend,
@@ -111,14 +111,19 @@ def rollout(
                 TimeElapsedColumn(), console=console, disable=not progress) as bar:
             task = bar.add_task(f"{cfg.env.id} episodes", total=total or r.episodes * r.group_size)
             t0 = time.perf_counter()
-            trees = run_episodes(cfg.env.id, policy, cfg, on_episode_done=lambda _t: bar.advance(task))
+            try:
+                trees, interrupted = run_episodes(cfg.env.id, policy, cfg,
+                                                  on_episode_done=lambda _t: bar.advance(task)), None
+            except RunInterrupted as stop:  # what finished is written, and said to be partial
+                trees, interrupted = stop.trees, {"interrupted": True, "tasks_finished": len(stop.trees),
+                                                  "tasks_planned": r.episodes}
             wall = time.perf_counter() - t0
             worker_stats = dict(getattr(policy, "stats", {}))  # rollout workers: deaths, retries
     except AgentRLError as e:
         raise _fail(e) from None
     summary = {"env": cfg.env.id, "model": cfg.policy.model, "backend": cfg.policy.backend,
                **({"precision": cfg.policy.precision} if cfg.policy.backend == "hf" else {}),
-               "allocator": r.allocator.name, **summarize(trees, wall), **worker_stats,
+               **(interrupted or {}), "allocator": r.allocator.name, **summarize(trees, wall), **worker_stats,
                "branch_points": sum(len(n.children) > 1 for t in trees for n in t.nodes.values()),
                "allocation_report": trees[0].meta.get("allocation_report", {}) if trees else {}}
     path = write_run(cfg.rollout.out_dir, trees, summary)
@@ -129,10 +134,14 @@ def rollout(
         shown = f"{v:.3f}" if isinstance(v, float) else json.dumps(v) if isinstance(v, dict) else str(v)
         table.add_row(k, shown)
     console.print(table)
-    if ALLOCATORS[r.allocator.name].needs_snapshots and summary["branch_points"] == 0:  # a tree allocator
+    if ALLOCATORS[r.allocator.name].needs_snapshots and summary["branch_points"] == 0 and not interrupted:
         console.print(f"[yellow]warning:[/] allocator {r.allocator.name!r} made no branch: every leaf is a fresh "
                       "episode. On single-turn tasks set --allocator-option in_turn=true (key_state, "
                       "entropy_branch) to fork inside a turn.", highlight=False)
+    if interrupted:
+        console.print(f"interrupted: wrote the {len(trees)} of {r.episodes} task(s) whose episodes had all "
+                      "ended", highlight=False)
+        raise typer.Exit(code=130)  # 128 + SIGINT, as a shell reports it
 
 
 @app.command()

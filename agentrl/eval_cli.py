@@ -10,7 +10,9 @@ Greedy decoding by default (temperature 0, one sample a task); ``--k K``
 samples ``--samples N`` (default K) episodes a task at ``--temperature``
 (default: the config's). What runs and what the rows mean is in
 ``agentrl.evaluation``. Output: a table on the terminal, and ``summary.json``
-(the reports) with ``trajectories.jsonl`` (every tree) in ``--out``.
+(the reports) with ``trajectories.jsonl`` (every tree) in ``--out``. On Ctrl-C the
+tasks that had finished are reported and written (``"interrupted": true`` in their
+report), and the exit code is 130.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ __all__ = ["eval_command", "format_report", "register"]
 
 def format_report(report: EvalReport, title: str = "") -> Table:
     """The report as a rich table: one row per family and All, rates in percent."""
-    table = Table(title=title or f"{report.env} {report.split or ''} (k={report.k}, samples={report.samples})")
+    table = Table(title=title or f"{report.env} {report.split or ''} (k={report.k}, samples={report.samples})",
+                  caption=f"interrupted: {len(report.results)} of {report.tasks} tasks" if report.interrupted else None)
     cols = ["family", "tasks", "success %"] + ([f"pass@{report.k} %"] if report.k > 1 else [])
     cols += ["score", "errors"]
     for col in cols:
@@ -68,7 +71,7 @@ def eval_command(
     from .config import load_config
     from .env import check_env_kwargs, resolve_env_id
     from .policy.for_run import open_policy, settle_for_command
-    from .rollout import make_out_dir, write_run
+    from .rollout import RunInterrupted, make_out_dir, write_run
 
     flags = {"policy.model": model, "policy.backend": backend, "rollout.episodes": episodes,
              "sampling.temperature": temperature}  # checked with the config: a bad one names its key
@@ -81,29 +84,40 @@ def eval_command(
         if temperature is None and (samples or k) == 1:
             cfg.sampling.temperature = 0.0
         console.print(settle_for_command(cfg))
-        reports, all_trees = [], []
+        reports, all_trees, interrupted = [], [], False
         with open_policy(cfg) as policy:
             for one in (split.split(",") if split else [None]):
                 one = one.strip() if one else None
-                with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                              TimeElapsedColumn(), console=console, disable=not progress) as bar:
-                    task = bar.add_task(f"{env_id} {one or ''}", total=None)
-                    report, trees = evaluate_split(
-                        env_id, policy, cfg, one, k, samples, limit,
-                        on_episode_done=lambda _t, task=task: bar.advance(task),
-                        on_start=lambda total, task=task: bar.update(task, total=total))
+                try:
+                    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                                  TimeElapsedColumn(), console=console, disable=not progress) as bar:
+                        task = bar.add_task(f"{env_id} {one or ''}", total=None)
+                        report, trees = evaluate_split(
+                            env_id, policy, cfg, one, k, samples, limit,
+                            on_episode_done=lambda _t, task=task: bar.advance(task),
+                            on_start=lambda total, task=task: bar.update(task, total=total))
+                except RunInterrupted as stop:  # the finished tasks are reported and written
+                    if stop.report is None:  # before the split's episodes began
+                        raise
+                    report, trees, interrupted = stop.report, stop.trees, True
                 reports.append(report)
                 all_trees += trees
                 console.print(format_report(report))
+                if interrupted:
+                    break
             worker_stats = dict(getattr(policy, "stats", {}))  # rollout workers: deaths, retries
     except AgentRLError as e:
         console.print(f"[bold red]error:[/] {e}", highlight=False)
         raise typer.Exit(code=2) from None
     summary = {"env": env_id, "model": cfg.policy.model, "backend": cfg.policy.backend,
                **({"precision": cfg.policy.precision} if cfg.policy.backend == "hf" else {}), **worker_stats,
+               **({"interrupted": True} if interrupted else {}),
                "reports": [r.to_dict() for r in reports]}
     path = write_run(out, all_trees, summary)
     console.print(f"wrote {path / 'summary.json'} and {path / 'trajectories.jsonl'}")
+    if interrupted:
+        console.print("interrupted: the last report covers only the tasks that had finished", highlight=False)
+        raise typer.Exit(code=130)  # 128 + SIGINT, as a shell reports it
 
 
 def register(app: typer.Typer) -> None:

@@ -188,6 +188,7 @@ class EvalReport:
     failure_reasons: dict[str, int]
     wall_s: float
     settings: dict[str, Any] = field(default_factory=dict)
+    interrupted: bool = False  # Ctrl-C: the rows cover only the tasks that had finished
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -250,9 +251,10 @@ def evaluate_split(env_id: str, policy: Any, cfg: Config, split: str | None = No
 
     ``cfg.sampling.temperature`` is used as given (``agentrl eval`` sets 0 for greedy);
     ``cfg.rollout.episodes`` counts the tasks of an env without ``num_tasks``.
-    ``on_start(total_episodes)`` is called before the first episode.
+    ``on_start(total_episodes)`` is called before the first episode. On Ctrl-C it raises
+    ``RunInterrupted`` whose ``report`` covers the tasks that had finished (``interrupted``).
     """
-    from .rollout import collect
+    from .rollout import RunInterrupted, collect
 
     samples = samples or k
     if k < 1 or samples < k:
@@ -277,7 +279,10 @@ def evaluate_split(env_id: str, policy: Any, cfg: Config, split: str | None = No
     if on_start:
         on_start(len(seeds) * samples)
     t0 = time.perf_counter()
-    trees = collect(env_id, policy, ev, seeds, on_episode_done=on_episode_done)
+    try:
+        trees, stop = collect(env_id, policy, ev, seeds, on_episode_done=on_episode_done), None
+    except RunInterrupted as e:  # a report on the tasks that finished, said to be partial
+        trees, stop = e.trees, e
     wall = time.perf_counter() - t0
     results = _task_results(trees, lambda s: families.get(s))
     reasons: dict[str, int] = {}
@@ -291,5 +296,8 @@ def evaluate_split(env_id: str, policy: Any, cfg: Config, split: str | None = No
         wall_s=round(wall, 3),
         settings={"max_turns": ev.rollout.max_turns, "max_context_tokens": ev.rollout.max_context_tokens,
                   "max_new_tokens": ev.sampling.max_new_tokens, "show_admissible": ev.rollout.show_admissible,
-                  "env_kwargs": {key: str(v) for key, v in kwargs.items()}})
+                  "env_kwargs": {key: str(v) for key, v in kwargs.items()}},
+        interrupted=stop is not None)
+    if stop is not None:
+        raise RunInterrupted(trees, report) from stop
     return report, trees

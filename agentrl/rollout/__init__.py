@@ -22,7 +22,7 @@ from .allocators import (
     prefix_groups,
     rollout_allocator,
 )
-from .engine import Engine, collect, run_episodes
+from .engine import Engine, RunInterrupted, collect, run_episodes
 from .episodes import COUNTERS
 from .summary import episode_success, make_out_dir, summarize, write_run
 from .tree import BranchPoint, format_tree, split_node
@@ -37,6 +37,7 @@ __all__ = [
     "Budget",
     "Engine",
     "Fresh",
+    "RunInterrupted",
     "collect",
     "episode_success",
     "format_tree",

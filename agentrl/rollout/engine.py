@@ -39,7 +39,18 @@ from .tree import renumber, split_node
 if TYPE_CHECKING:  # not at run time: agentrl.policy loads torch (see EpisodePlayer._sample)
     from ..policy.base import Policy
 
-__all__ = ["Engine", "collect", "run_episodes"]
+__all__ = ["Engine", "RunInterrupted", "collect", "run_episodes"]
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a run. ``trees`` holds the tasks whose every planned episode had
+    ended by then (in task order); a task with an episode still running is left out, so
+    what a caller writes is what was played to the end. ``report`` is for a caller that
+    builds one from them (``agentrl.evaluation``)."""
+
+    def __init__(self, trees: list[RolloutTree], report: Any = None) -> None:
+        super().__init__(f"interrupted with {len(trees)} finished task(s)")
+        self.trees, self.report = trees, report
 
 
 class Engine:
@@ -56,6 +67,8 @@ class Engine:
         self.on_episode_done = on_episode_done
         self.envs = EnvExecutor(cfg, self.env_id)
         self._running = False
+        self._pending: dict[int, int] = {}  # task -> its episodes still running
+        self.finished: list[RolloutTree] | None = None  # set when a run is cancelled
 
     def close(self) -> None:
         """Close every env (each in its own try) and the step pool."""
@@ -152,12 +165,17 @@ class Engine:
                                on_episode_done=self.on_episode_done)
         trees = [RolloutTree(meta={"env": self.env_id, "seed": s, "task": i}) for i, s in enumerate(seeds)]
         state = AllocState(trees, budget)
+        self._pending, self.finished = {}, None
         try:
             while await self._round(player, allocator, state):
                 state.round += 1
+        except asyncio.CancelledError:
+            self.finished = [t for i, t in enumerate(trees) if t.nodes and not self._pending.get(i)]
+            raise
         finally:
             for tree in trees:
-                _close_open_leaves(tree, meter.reason() if meter.exhausted()
+                _close_open_leaves(tree, "interrupted" if self.finished is not None
+                                   else meter.reason() if meter.exhausted()
                                    else "paused, and not continued by the allocator")
                 tree.meta.pop("_streams", None)
                 tree.meta["allocator"] = getattr(allocator, "name", type(allocator).__name__)
@@ -178,23 +196,27 @@ class Engine:
         requests = allocator.plan(state)
         if not requests:
             return False
-        jobs = []
+        jobs: list[tuple[int, Any]] = []
         for req in requests:
             req = meter.admit(trees[req.task], req, state.report)
             if req is None:
                 continue
             make = self._fresh_jobs if isinstance(req, Fresh) else self._branch_jobs
-            jobs += make(player, trees, req)
+            jobs += [(req.task, job) for job in make(player, trees, req)]
         if not jobs:
             return False
         firsts = [len(t.nodes) for t in trees]  # the round's nodes get ids from here
         sem = asyncio.Semaphore(self.cfg.rollout.concurrency)
+        pending = self._pending
+        for task, _ in jobs:
+            pending[task] = pending.get(task, 0) + 1
 
-        async def bounded(job: Any) -> None:
+        async def bounded(task: int, job: Any) -> None:
             async with sem:
                 await job
+            pending[task] -= 1  # not on cancellation: that task is then unfinished
 
-        await asyncio.gather(*(bounded(j) for j in jobs))
+        await asyncio.gather(*(bounded(task, job) for task, job in jobs))
         for tree, first in zip(trees, firsts, strict=True):  # ids by plan, not by completion
             renumber(tree, first, lambda n: player.keys[id(n)])
         player.keys.clear()
@@ -227,7 +249,11 @@ def collect(env_id: str, policy: Policy, cfg: Config, seeds: list[int],
             allocator: Allocator | str | None = None, budget: Budget | None = None,
             on_episode_done: Callable[[RolloutTree], None] | None = None) -> list[RolloutTree]:
     """Sync entry point: one tree per task seed, grown by ``allocator`` (default
-    ``cfg.rollout.allocator``) within ``budget`` (default from the config)."""
+    ``cfg.rollout.allocator``) within ``budget`` (default from the config).
+
+    Ctrl-C raises ``RunInterrupted`` (a ``KeyboardInterrupt``) with the tasks that had
+    finished, once the episodes still running are cancelled.
+    """
     from .allocators import rollout_allocator
 
     r = cfg.rollout
@@ -238,6 +264,10 @@ def collect(env_id: str, policy: Policy, cfg: Config, seeds: list[int],
     engine = Engine(policy, cfg, env_id, on_episode_done)
     try:
         return _run_sync(engine.run(seeds, allocator, budget))
+    except KeyboardInterrupt as e:
+        if engine.finished is None or isinstance(e, RunInterrupted):
+            raise
+        raise RunInterrupted(engine.finished) from e
     finally:
         engine.close()
 
