@@ -57,7 +57,7 @@ import httpx
 
 from ..errors import ContextOverflowError, PolicyError
 from ..loopthread import LoopThread
-from .base import FinishReason, GenerateRequest, GenerateResult, SamplingParams
+from .base import FinishReason, GenerateRequest, GenerateResult, SamplingParams, stop_string_hit
 
 __all__ = ["OpenAIPolicy", "completion_body", "completion_result", "retry_delay"]
 
@@ -150,31 +150,58 @@ def _top_k(entry: dict[str, float] | None, k: int) -> list[tuple[int, float]]:
     return sorted(pairs, key=lambda p: -p[1])[:k]  # type: ignore[arg-type, return-value]
 
 
-def _finish_reason(choice: dict[str, Any], token_ids: list[int], params: SamplingParams,
-                   eos_ids: set[int]) -> FinishReason:
-    """Map the OpenAI ``finish_reason`` to ours.
+_NONE = object()  # the server named no stop reason at all
 
-    Servers say ``stop`` for EOS, stop tokens and stop strings alike. vLLM says
-    which one in ``stop_reason``, SGLang in ``matched_stop``: a string is a stop
-    string, an id or None is a token. A server that names neither ended on a
-    stop string exactly when its last token is not a stop token.
+
+def _finish_reason(choice: dict[str, Any], token_ids: list[int], params: SamplingParams,
+                   eos_ids: set[int], tokenizer: Any = None) -> FinishReason:
+    """Our finish reason for the server's answer: ``hf``'s, read from the tokens.
+
+    Servers say ``stop`` for EOS, stop tokens and stop strings alike; vLLM says
+    which in ``stop_reason``, SGLang in ``matched_stop`` (a string is a stop
+    string, an id or None a token). What they say does not always fit the
+    tokens, so the tokens decide, in ``hf``'s order:
+
+    - a last token that is EOS or a stop token is ``stop``, even where the
+      server says ``length`` (vLLM checks ``max_tokens`` first, so an EOS that
+      is also the last token allowed ends as ``length``: the turn did end);
+    - else a stop string that the last token completes (``stop_string_hit``,
+      on ``tokenizer``) is ``stop_string``, even where the server names none,
+      says null, or says ``length``;
+    - else the server's word: a stop string it names, or ``stop`` (an EOS of
+      the server's model that this tokenizer does not name), or ``length``.
+
+    Without a tokenizer a server that names no reason ended on a stop string
+    exactly when its last token is not a stop token (the best guess left).
     """
     reason = choice.get("finish_reason")
+    if reason not in ("stop", "length"):
+        raise PolicyError(f"the server ended generation with finish_reason={reason!r}")
+    named = next((choice[key] for key in ("stop_reason", "matched_stop") if key in choice), _NONE)
+    if token_ids[-1] in eos_ids | set(params.stop_token_ids):
+        return "stop"
+    if params.stop and tokenizer is not None and _completes_stop_string(tokenizer, token_ids, params.stop):
+        return "stop_string"
     if reason == "length":
         return "length"
-    if reason != "stop":
-        raise PolicyError(f"the server ended generation with finish_reason={reason!r}")
-    for key in ("stop_reason", "matched_stop"):
-        if key in choice:
-            return "stop_string" if isinstance(choice[key], str) else "stop"
-    stop_ids = eos_ids | set(params.stop_token_ids)
-    return "stop_string" if params.stop and token_ids[-1] not in stop_ids else "stop"
+    if isinstance(named, str):
+        return "stop_string"
+    if named is _NONE and tokenizer is None and params.stop:
+        return "stop_string"
+    return "stop"
+
+
+def _completes_stop_string(tokenizer: Any, token_ids: list[int], stop: tuple[str, ...]) -> bool:
+    """Whether the last token completes a stop string: a hit now that was not one a token earlier
+    (then the server sampled past it, and it did not end the reply)."""
+    return stop_string_hit(tokenizer, token_ids, stop) and not stop_string_hit(tokenizer, token_ids[:-1], stop)
 
 
 def completion_result(data: dict[str, Any], params: SamplingParams, eos_ids: set[int],
-                      version: int, vocab_size: int | None = None) -> GenerateResult:
+                      version: int, vocab_size: int | None = None, tokenizer: Any = None) -> GenerateResult:
     """A ``GenerateResult`` from a ``/v1/completions`` response body (one choice), checked
-    against what was asked (see the module docstring); ``vocab_size``: the tokenizer's."""
+    against what was asked (see the module docstring); ``vocab_size``: the tokenizer's;
+    ``tokenizer`` finds the stop string a reply ends on (``_finish_reason``)."""
     try:
         choice = data["choices"][0]
         ids = _sampled_ids(choice, vocab_size)
@@ -195,7 +222,7 @@ def completion_result(data: dict[str, Any], params: SamplingParams, eos_ids: set
                 raise PolicyError(f"the server returned {len(entries)} top-logprob entries "
                                   f"for {len(ids)} tokens")
             tops = [_top_k(e, params.logprobs) for e in entries]
-        finish = _finish_reason(choice, ids, params, eos_ids)
+        finish = _finish_reason(choice, ids, params, eos_ids, tokenizer)
         details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
         cached = int(details.get("cached_tokens") or 0)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
@@ -366,7 +393,7 @@ class OpenAIPolicy:
             data = resp.json()
         except ValueError as e:
             raise PolicyError(f"the server's answer is not JSON: {resp.text[:300]!r}") from e
-        return completion_result(data, request.params, self.eos_ids, version, self.vocab_size)
+        return completion_result(data, request.params, self.eos_ids, version, self.vocab_size, self.tokenizer)
 
     async def _agenerate_all(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         tasks = [asyncio.ensure_future(self.agenerate(r)) for r in requests]

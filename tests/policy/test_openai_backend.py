@@ -382,6 +382,39 @@ def test_a_server_that_names_no_stop_is_read_from_the_last_token(last, expected)
     assert completion_result(data, SamplingParams(stop=("b",)), {2}, 0).finish_reason == expected
 
 
+GO, NORTH, DOT, EOS = 2345, 4081, 30, 2  # "go", " north", "." and <|im_end|> in SmolLM2's tokenizer
+_ABSENT = object()
+
+
+# (server's finish_reason, its stop_reason (_ABSENT: no such field), token ids, stop strings,
+#  stop token ids) -> ours. Ours is hf's: a last token that is EOS or a stop token is "stop",
+# else a stop string the last token completes is "stop_string", else the server's reason.
+@pytest.mark.parametrize("reason, named, ids, stop, stop_ids, expected", [
+    ("stop", None, [GO, EOS], (), (), "stop"),                          # vLLM: EOS
+    ("stop", DOT, [GO, DOT], (), (DOT,), "stop"),                       # vLLM: a stop token
+    ("stop", "north", [GO, NORTH], ("north",), (), "stop_string"),      # vLLM: a stop string
+    ("stop", _ABSENT, [GO, NORTH], ("north",), (), "stop_string"),      # names none (agentrl's proxy)
+    ("stop", None, [GO, NORTH], ("north",), (), "stop_string"),         # says null for a stop string
+    ("stop", _ABSENT, [GO, NORTH], ("xyz",), (), "stop"),               # an EOS this tokenizer does not name
+    ("stop", _ABSENT, [GO, NORTH], ("go",), (), "stop"),                # "go" was done a token earlier
+    ("length", None, [GO, EOS], (), (), "stop"),                        # EOS as the max_tokens-th token
+    ("length", None, [GO, DOT], (), (DOT,), "stop"),                    # a stop token as the last one
+    ("length", None, [GO, NORTH], ("north",), (), "stop_string"),       # a stop string the last completes
+    ("length", None, [GO, NORTH], ("xyz",), (), "length"),
+    ("length", None, [GO, NORTH], ("go",), (), "length"),               # not completed by the last token
+    ("length", _ABSENT, [GO, NORTH], (), (), "length"),
+])
+def test_the_finish_reason_follows_the_last_token_whatever_the_server_names(tokenizer, reason, named, ids,
+                                                                            stop, stop_ids, expected):
+    data = _vllm_response(finish_reason=reason, stop_reason=named, token_ids=ids,
+                          logprobs={"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": [-1.0] * len(ids)})
+    if named is _ABSENT:
+        del data["choices"][0]["stop_reason"]
+    params = SamplingParams(max_new_tokens=len(ids), stop=stop, stop_token_ids=stop_ids)
+    res = completion_result(data, params, {EOS}, 0, tokenizer=tokenizer)
+    assert (res.finish_reason, res.token_ids) == (expected, ids)  # token ids kept as sampled
+
+
 def test_an_aborted_generation_is_an_error():
     with pytest.raises(PolicyError, match="finish_reason='abort'"):
         completion_result(_vllm_response(finish_reason="abort"), SamplingParams(), {2}, 0)
