@@ -166,6 +166,7 @@ class VLLMPolicy:
         from .vllm_constrain import AdmissibleLogitsProcessor
 
         self.tokenizer = load_tokenizer(tokenizer or str(self.model_dir))
+        self.eos_ids = _eos_ids(self.tokenizer, self.model_dir)  # what vLLM stops on, besides stop tokens
         self.entropy_topk = entropy_topk
         self.max_logprobs = max(max_logprobs, entropy_topk)
         self.max_model_len = max_model_len
@@ -435,12 +436,21 @@ class VLLMPolicy:
             raise PolicyError(f"vLLM returned no prompt logprobs for request {out.request_id}")
         return [0.0] + [entry[tok].logprob for tok, entry in zip(prompt[1:], entries[1:], strict=True)]
 
+    def _finish(self, out: Any, job: _Job) -> str:
+        """The finish reason ``hf`` gives: vLLM checks ``max_tokens`` before EOS and stop tokens,
+        so a reply whose last allowed token ends it is ``length`` there, ``stop`` here."""
+        ids = out.outputs[0].token_ids
+        reason = _finish_reason(out)
+        if reason == "length" and ids and ids[-1] in self.eos_ids | set(job.request.params.stop_token_ids):
+            return "stop"
+        return reason
+
     def _result(self, out: Any, job: _Job, finish: str | None = None) -> GenerateResult:
         """``out``'s completion as ours; ``finish`` overrides vLLM's reason (a cancelled request's
         last cumulative output has none)."""
         params = job.request.params
         comp = out.outputs[0]
-        finish = finish or _finish_reason(out)
+        finish = finish or self._finish(out, job)
         support = self.vocab_size
         if params.temperature > 0 and params.top_k > 0:
             support = min(params.top_k, support)
@@ -503,6 +513,24 @@ def _vllm_params(p: SamplingParams, logprobs: int | None, prompt_logprobs: int |
         output_kind=RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY,
         extra_args=extra_args,
     )
+
+
+def _eos_ids(tokenizer: Any, model_dir: Path) -> set[int]:
+    """The tokenizer's EOS and the generation config's, on which vLLM stops (it adds the latter
+    to every request's stop tokens)."""
+    ids: set[int] = set()
+    for eos in (tokenizer.eos_token_id, _generation_eos(model_dir)):
+        ids |= {eos} if isinstance(eos, int) else set(eos or [])
+    return ids
+
+
+def _generation_eos(model_dir: Path) -> Any:
+    try:
+        from transformers import GenerationConfig
+
+        return GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
+    except Exception:  # no generation_config.json: the tokenizer's EOS only
+        return None
 
 
 def _model_dir(name: str) -> Path:

@@ -88,6 +88,7 @@ def test_the_driver_streams_cumulative_outputs_and_aborts_cancelled_controls():
 
     policy = object.__new__(VLLMPolicy)  # the driver's step only: no engine to start
     policy._engine, policy.vocab_size, policy.entropy_topk, policy.version = _ScriptedEngine(), 100, 1, 4
+    policy.eos_ids = {2}
     seen: list[int] = []
     streamed = _Job("s", GenerateRequest([1], SamplingParams(), RequestControl(seen.append)), 1, Future())
     doomed = _Job("c", GenerateRequest([1], SamplingParams(), RequestControl()), 1, Future())
@@ -508,7 +509,7 @@ def fake_vllm(monkeypatch):
                         extra_args=None: stream)
     policy = object.__new__(vllm_backend.VLLMPolicy)
     policy._engine, policy.vocab_size, policy.entropy_topk, policy.version = _EndlessEngine(), 100, 1, 3
-    policy.max_logprobs, policy.max_model_len = 20, 1024
+    policy.max_logprobs, policy.max_model_len, policy.eos_ids = 20, 1024, {2}
     policy._start_driver()
     yield policy
     policy.close()
@@ -576,6 +577,7 @@ def test_a_caller_cancelling_while_its_result_is_built_does_not_kill_the_driver(
 
     policy = object.__new__(VLLMPolicy)
     policy._engine, policy.vocab_size, policy.entropy_topk, policy.version = _ScriptedEngine(), 100, 1, 0
+    policy.eos_ids = {2}
     job = _Job("s", GenerateRequest([1], SamplingParams()), 1, Future())
     real = policy._result
 
@@ -606,3 +608,28 @@ def test_vllm_matches_stop_strings_on_the_text_without_special_tokens(monkeypatc
         monkeypatch.setitem(sys.modules, name, mod)
     got = _vllm_params(SamplingParams(stop=("onor",)), logprobs=1)
     assert got["stop"] == ["onor"] and got["skip_special_tokens"] is True
+
+
+@pytest.mark.parametrize("reason, stop_reason, last, stop_ids, expected", [
+    ("length", None, 2, (), "stop"),          # EOS as the max_tokens-th token: vLLM checks the length first
+    ("length", None, 6, (6,), "stop"),        # a stop token likewise
+    ("length", None, 6, (), "length"),
+    ("stop", None, 2, (), "stop"),
+    ("stop", 6, 6, (6,), "stop"),
+    ("stop", "x", 6, (), "stop_string"),
+])
+def test_the_finish_reason_is_hfs_whatever_vllm_checked_first(reason, stop_reason, last, stop_ids, expected):
+    from concurrent.futures import Future
+    from types import SimpleNamespace as NS
+
+    from agentrl.policy.vllm import VLLMPolicy, _Job
+
+    policy = object.__new__(VLLMPolicy)
+    policy.vocab_size, policy.entropy_topk, policy.version, policy.eos_ids = 100, 1, 0, {2}
+    ids = [5, last]
+    comp = NS(token_ids=ids, logprobs=[{t: NS(logprob=-0.1)} for t in ids], finish_reason=reason,
+              stop_reason=stop_reason)
+    out = NS(request_id="r", finished=True, outputs=[comp], num_cached_tokens=0)
+    job = _Job("r", GenerateRequest([1], SamplingParams(max_new_tokens=2, stop_token_ids=stop_ids)), 1, Future())
+    res = policy._result(out, job)
+    assert (res.finish_reason, res.token_ids) == (expected, ids)
