@@ -109,6 +109,15 @@ class MicroBatcher:
             raise
 
     async def _drain(self, q: _Queue) -> None:
+        try:
+            await self._drain_pending(q)
+        finally:
+            # A finished task holds its loop: kept in the queue, it would keep every loop that
+            # ever submitted alive (the queues are weakly keyed by loop), with its futures.
+            if q.worker is asyncio.current_task():
+                q.worker = None
+
+    async def _drain_pending(self, q: _Queue) -> None:
         loop = asyncio.get_running_loop()
         while q.pending:
             await self._linger(loop, q)

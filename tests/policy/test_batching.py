@@ -84,3 +84,24 @@ def test_max_batch_caps_each_generate_call(n):
 
     out = asyncio.run(main())
     assert len(out) == n and max(calls) <= 128 and sum(calls) == n
+
+
+def test_an_event_loop_that_submitted_is_not_kept_alive_by_the_batcher():
+    """Each ``asyncio.run`` makes a loop; the batcher's per-loop queue must not keep it (nor its
+    tasks and futures) once it is gone: its finished drain task referenced the loop."""
+    import gc
+    import weakref
+
+    b = MicroBatcher(_echo([]))
+    loops = []
+
+    async def main():
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        return await b.submit(GenerateRequest([1]))
+
+    for _ in range(3):
+        assert asyncio.run(main()).token_ids == [1]
+    gc.collect()
+    assert [ref() for ref in loops] == [None] * 3
+    assert len(b._queues) == 0
+
