@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -66,6 +67,13 @@ class MicroBatcher:
 
     def __init__(self, generate: GenerateFn, max_batch: int = 256, name: str = "agentrl-generate",
                  max_wait_s: float = 0.02, quiet_s: float = 0.002):
+        bad = [f"{k}={v!r} ({rule})" for k, v, ok, rule in (
+            ("max_batch", max_batch, isinstance(max_batch, int) and max_batch >= 1, "an int >= 1"),
+            ("max_wait_s", max_wait_s, 0 <= max_wait_s < math.inf, "finite, >= 0: it bounds the linger"),
+            ("quiet_s", quiet_s, quiet_s >= 0, ">= 0"),
+        ) if not ok]
+        if bad:  # max_batch=0 took empty batches forever: every submit hung
+            raise PolicyError("invalid MicroBatcher settings: " + ", ".join(bad))
         self._generate: Callable[[], GenerateFn | None] = (
             weakref.WeakMethod(generate) if inspect.ismethod(generate) else lambda: generate)
         self.max_batch = max_batch

@@ -105,3 +105,12 @@ def test_an_event_loop_that_submitted_is_not_kept_alive_by_the_batcher():
     assert [ref() for ref in loops] == [None] * 3
     assert len(b._queues) == 0
 
+
+@pytest.mark.parametrize("bad", [{"max_batch": 0}, {"max_wait_s": -1.0}, {"quiet_s": -0.5},
+                                 {"max_wait_s": float("nan")}, {"max_wait_s": float("inf")}])
+def test_bad_batcher_settings_fail_naming_the_setting(bad):
+    # max_batch=0 took empty batches forever: every submit hung, the loop spinning
+    from agentrl.errors import PolicyError
+
+    with pytest.raises(PolicyError, match=next(iter(bad))):
+        MicroBatcher(_echo([]), **bad)
