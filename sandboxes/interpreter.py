@@ -22,6 +22,15 @@ State semantics (see ``_kernel.py`` for the mechanism):
 ``history`` lists the snippets whose changes the kernel kept, so that a fresh
 kernel can rebuild the state by running them again (the ``python`` tool does
 this when an env is restored).
+
+Trust: a snippet runs in a fork of the kernel, so it holds the protocol pipes and
+everything the kernel knows (its request, the id). It can write a reply of its
+own, and a child it leaves behind can read or forge later ones; no token could be
+kept from it. A result is therefore the snippet's own claim, as its printed
+output is: a reward must never be read from this interpreter (grade in a fresh
+``run``). What the host does guarantee: a line of the wrong shape (not JSON, not
+an object, a field of the wrong type) drops the kernel with ``SandboxDeadError``,
+and every wait is bounded by the snippet's timeout plus a grace.
 """
 
 from __future__ import annotations
@@ -179,13 +188,37 @@ def _cancel_line(rid: int) -> bytes:
     return (json.dumps({"op": "cancel", "id": rid}) + "\n").encode()
 
 
+# The type of each field a kernel's reply may carry. The snippet can write to the
+# protocol pipe itself (it runs in a fork of the kernel, see the module docstring):
+# a line of any other shape is treated as garbled, never trusted to be well formed.
+_REPLY_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "id": int,
+    "stdout": str,
+    "stderr": str,
+    "exit_code": int,
+    "duration_s": (int, float),
+    "timed_out": bool,
+    "truncated": bool,
+    "promoted": bool,
+    "cancelled": bool,
+    "cancel_ack": int,
+}
+
+
 def _decode(raw: bytes) -> dict:
+    """One reply line as a dict whose known fields have their types; else SandboxError."""
     try:
         reply = json.loads(raw)
     except ValueError as e:
         raise SandboxError(f"the Python kernel sent a garbled line: {raw[:200]!r}") from e
     if not isinstance(reply, dict):
         raise SandboxError(f"the Python kernel sent a garbled line: {raw[:200]!r}")
+    for name, kind in _REPLY_FIELDS.items():
+        if name in reply and not isinstance(reply[name], kind):
+            raise SandboxError(
+                f"the Python kernel sent a malformed reply ({name} is "
+                f"{type(reply[name]).__name__}): {raw[:200]!r}"
+            )
     return reply
 
 

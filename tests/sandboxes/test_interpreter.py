@@ -83,6 +83,28 @@ async def test_dead_kernel_raises_then_restarts_fresh(interp):
     assert interp.restarts == 1
 
 
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b'{"id": 1, "stdout": 5, "exit_code": 0, "promoted": true}',
+        b'{"id": 1, "stdout": "x", "exit_code": "zero", "promoted": true}',
+        b'{"id": 1, "stderr": null, "promoted": false}',
+        b'{"id": 1, "duration_s": [1], "promoted": true}',
+        b'{"id": 1, "truncated": "yes", "promoted": true}',
+    ],
+    ids=["stdout-int", "exit-code-text", "stderr-null", "duration-list", "flag-text"],
+)
+async def test_a_forged_reply_of_the_wrong_shape_is_a_lost_kernel_not_a_crash(interp, frame):
+    # The snippet holds the protocol pipe (fd 9) and its request's id is 1. A reply
+    # whose fields had the wrong types raised TypeError or ValueError out of execute()
+    # (or handed the tool a non-str stdout), out of the episode.
+    line = frame + b"\n"
+    forge = f"import os, time\nos.write(9, {line!r})\ntime.sleep(1)"
+    with pytest.raises(SandboxDeadError, match="stopped answering"):
+        await interp.execute(forge, timeout=10)
+    assert (await interp.execute("print('fresh')")).stdout == "fresh\n"
+
+
 async def test_cancelled_call_does_not_leak_its_output_into_the_next(interp):
     await interp.execute("n = 1")
     with pytest.raises(TimeoutError):
