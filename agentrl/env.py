@@ -38,6 +38,8 @@ import inspect
 import math
 import numbers
 import threading
+import time
+import warnings
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -49,10 +51,12 @@ from .errors import EnvError
 
 __all__ = [
     "NAMESPACE",
+    "EnvClosers",
     "TextEnv",
     "TextSpace",
     "answer_problem",
     "check_env_kwargs",
+    "close_quietly",
     "env_creator",
     "import_env_modules",
     "jsonable",
@@ -366,3 +370,33 @@ def jsonable(value: Any, _depth: int = 0) -> Any:
             return {_text(str(k)): jsonable(v, _depth + 1) for k, v in value.items()}
         return [jsonable(v, _depth + 1) for v in value]
     return _text(str(value))
+
+
+def close_quietly(env: Any) -> None:
+    """``env.close()``; what it raises is a warning: the env is dropped either way."""
+    try:
+        env.close()
+    except Exception as e:
+        warnings.warn(f"env.close raised {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+
+
+class EnvClosers:
+    """Closes envs each on a daemon thread of its own, so that one stuck in ``close()`` (a
+    container, a browser, a game engine in C) holds neither the others nor its caller."""
+
+    def __init__(self) -> None:
+        self._threads: list[threading.Thread] = []
+
+    def close(self, env: Any) -> None:
+        """Start closing ``env``; it does not wait."""
+        t = threading.Thread(target=close_quietly, args=(env,), daemon=True, name="agentrl-env-close")
+        t.start()
+        self._threads.append(t)
+
+    def wait(self, deadline: float) -> int:
+        """Wait for the closes started so far until ``time.monotonic()`` reaches ``deadline``;
+        returns how many still run (left to their daemon threads)."""
+        threads, self._threads = self._threads, []
+        for t in threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        return sum(t.is_alive() for t in threads)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import secrets
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from agentrl.env import EnvClosers, close_quietly
 from agentrl.errors import ConfigError, EnvError
 from agentrl.httputil import (
     HTTPError,
@@ -150,7 +150,7 @@ def create_env_app(config: EnvServerConfig) -> Any:
         except Exception as e:
             problem = f"{type(e).__name__}: {e}"
         if problem:
-            await asyncio.to_thread(_close_quietly, env)
+            await asyncio.to_thread(close_quietly, env)
             raise HTTPError(400, f"reset failed: {problem}")
         obs, info = answer
         eid = secrets.token_urlsafe(12)
@@ -190,7 +190,7 @@ def create_env_app(config: EnvServerConfig) -> Any:
     async def close(request: Request) -> Response:
         eid, state = live(request)
         envs.pop(eid, None)
-        await asyncio.to_thread(_close_quietly, state.env)
+        await asyncio.to_thread(close_quietly, state.env)
         return JSONResponse(state.state(eid))
 
     async def registry(request: Request) -> Response:
@@ -248,17 +248,10 @@ def _no_exit(fn: Any, *args: Any) -> Any:
         raise RuntimeError(f"the env called sys.exit({e.code!r})") from None
 
 
-def _close_quietly(env: Any) -> None:
-    try:
-        env.close()
-    except Exception:  # closing is best effort; the env is dropped either way
-        pass
-
-
 def _reap(envs: dict[str, _Live], idle_s: float) -> None:
     now = time.monotonic()
     for eid in [k for k, v in envs.items() if now - v.last_used > idle_s and not v.lock.locked()]:
-        _close_quietly(envs.pop(eid).env)
+        close_quietly(envs.pop(eid).env)
 
 
 def serve_envs(config: EnvServerConfig, host: str = "127.0.0.1", port: int = 8766) -> None:
@@ -281,15 +274,10 @@ def close_live_envs(envs: dict[str, Any], wait_s: float = 20.0) -> int:
     """Close the envs still open when the server stops, each on a thread of its own (an env
     that holds a sandbox, a container or a browser would outlive the server otherwise);
     wait at most ``wait_s`` for them all. Returns how many closes were still running."""
-    threads = [threading.Thread(target=_close_quietly, args=(live.env,), daemon=True, name="agentrl-env-close")
-               for live in envs.values()]
+    closers = EnvClosers()
+    for live in envs.values():
+        closers.close(live.env)
     envs.clear()
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + wait_s
-    for t in threads:
-        t.join(timeout=max(0.0, deadline - time.monotonic()))
-    hung = sum(t.is_alive() for t in threads)
-    if hung:
+    if hung := closers.wait(time.monotonic() + wait_s):
         print(f"warning: {hung} env close() call(s) still running after {wait_s:.0f} s: left behind", flush=True)
     return hung

@@ -19,14 +19,13 @@ not the run (its trees are written after this). An env that calls
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import warnings
 from concurrent.futures import Future
 from typing import Any
 
 from ..config import Config
-from ..env import make_env
+from ..env import EnvClosers, make_env
 from ..errors import EnvError
 from .pool import DaemonPool
 
@@ -46,7 +45,7 @@ class EnvExecutor:
         self._pool = DaemonPool()
         self._idle: list[Any] = []
         self._all: list[Any] = []
-        self._closers: list[threading.Thread] = []
+        self._closers = EnvClosers()
         self._making: set[Future[Any]] = set()  # envs being made for episodes that may give up on them
         self._env_workers = None
         self._released = False  # the env-worker pool given back (close)
@@ -123,33 +122,25 @@ class EnvExecutor:
             return
         # A timed-out or crashed env may still be mid-step in a thread: never
         # reuse it; close it on a thread of its own.
-        self._close_on_thread(env)
-
-    def _close_on_thread(self, env: Any) -> None:
-        t = threading.Thread(target=_close_quietly, args=(env,), daemon=True, name="agentrl-env-close")
-        t.start()
-        self._closers.append(t)
+        self._closers.close(env)
 
     def close(self) -> None:
         """Close every env (each in its own try, on its own thread) and the step pool; wait
         at most ``_CLOSE_WAIT_S`` for them all."""
         envs, self._all, self._idle = self._all, [], []
         for env in envs:
-            self._close_on_thread(env)
+            self._closers.close(env)
         deadline = time.monotonic() + _CLOSE_WAIT_S
         for made in list(self._making):  # its episode timed out while it started (a loaded machine)
             try:
                 env = made.result(timeout=max(0.0, deadline - time.monotonic()))
             except BaseException:  # noqa: BLE001 - it failed to start, or still starts: nothing to close
                 continue
-            self._close_on_thread(env)
+            self._closers.close(env)
         self._making.clear()
-        for t in self._closers:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
-        if hung := sum(t.is_alive() for t in self._closers):
+        if hung := self._closers.wait(deadline):
             warnings.warn(f"{hung} env close() call(s) still running after {_CLOSE_WAIT_S:.0f} s: left to "
                           "their daemon threads", RuntimeWarning, stacklevel=2)
-        self._closers.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._env_workers is not None and not self._released:  # idle now: a later pool may shut it down
             from ..distributed.env_workers import release_env_worker_pool
@@ -162,9 +153,3 @@ def _exited(e: SystemExit) -> EnvError:
     # Raised past an asyncio task, a SystemExit would stop the event loop and the run with it.
     return EnvError(f"the env called sys.exit({e.code!r})")
 
-
-def _close_quietly(env: Any) -> None:
-    try:
-        env.close()
-    except Exception as e:
-        warnings.warn(f"env.close raised {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
