@@ -253,17 +253,18 @@ class BoundaryCache(PrefixCache):
         return best, reuse, below
 
     def insert(self, ids: Sequence[int], kv: Any, storage: object | None = None, storage_bytes: int = 0,
-               bounds: np.ndarray | None = None) -> None:
-        before = set(self._entries)
+               bounds: np.ndarray | None = None) -> PrefixEntry | None:
         bounded = {k: self._entries[k] for k in self._bounds}
-        super().insert(ids, kv, storage, storage_bytes)
+        entry = super().insert(ids, kv, storage, storage_bytes)
         new = np.asarray(ids, dtype=np.int64)
         for k, e in bounded.items():  # gone, and not because the new entry extends it: evicted
-            if k not in self._entries and not (len(e.ids) <= len(new) and common_prefix(e.ids, new) == len(e.ids)):
+            if self._entries.get(k) is not e and not (len(e.ids) <= len(new)
+                                                       and common_prefix(e.ids, new) == len(e.ids)):
                 self.bounded_evictions += 1
-        if bounds is not None:
-            for key in set(self._entries) - before:
-                self._bounds[key] = bounds
+        # By the entry itself: a dropped entry's id may be the new one's (the same address)
+        if bounds is not None and entry is not None:
+            self._bounds[id(entry)] = bounds
+        return entry
 
     def _drop(self, entry: PrefixEntry) -> None:
         super()._drop(entry)

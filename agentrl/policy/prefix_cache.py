@@ -103,8 +103,9 @@ class PrefixCache:
         self.stats.prefilled_tokens += sum(prompt_lens) - sum(reused) + extra_prefilled
 
     def insert(self, ids: Sequence[int], kv: KV, storage: object | None = None,
-               storage_bytes: int = 0) -> None:
-        """Store ``kv`` for ``ids`` (most recently used), then evict down to the budget.
+               storage_bytes: int = 0) -> PrefixEntry | None:
+        """Store ``kv`` for ``ids`` (most recently used), then evict down to the budget; the new
+        entry, or None when it does not fit the budget at all.
 
         ``kv`` may be views of ``storage`` (``storage_bytes`` in all), which is
         charged in full while any entry holds it; without it the entry owns ``kv``.
@@ -113,7 +114,7 @@ class PrefixCache:
         if storage is None:
             storage, storage_bytes = kv, sum(k.nbytes + v.nbytes for k, v in kv)
         if storage_bytes > self.max_bytes:
-            return
+            return None
         for old in [e for e in self._entries.values()
                     if len(e.ids) <= len(key) and common_prefix(e.ids, key) == len(e.ids)]:
             self._drop(old)  # the new entry extends it: it serves whatever the old one could
@@ -127,6 +128,7 @@ class PrefixCache:
             self._drop(next(iter(self._entries.values())))
             self.stats.evictions += 1
         self._sync()
+        return entry
 
     def _drop(self, entry: PrefixEntry) -> None:
         del self._entries[id(entry)]

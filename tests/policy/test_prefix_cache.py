@@ -301,3 +301,21 @@ def test_two_shared_prefixes_that_do_not_fit_together_are_not_swapped_forever(to
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert ran[0] == (40 + 1 + 1) + (41 + 41)  # one stem shared, then its rows' last tokens; the other not
     assert policy.prefix_cache.stats.prefilled_tokens == ran[0]
+
+
+def test_a_bounded_entry_keeps_its_boundaries_when_it_takes_a_dropped_entrys_id():
+    """Deterministic mode after a free call: the two free entries the new one extends are dropped,
+    and the new entry may be allocated at a freed one's address (the same ``id``); its
+    boundaries were looked up by the ids new since before the insert, so they were lost
+    and the next turn reused nothing."""
+    import numpy as np
+
+    from agentrl.policy.deterministic import BoundaryCache
+
+    cache = BoundaryCache(max_bytes=10**6)
+    cache.insert([1, 2], _kv(2))  # no boundaries: a call outside deterministic mode
+    cache.insert([1], _kv(1))
+    cache.insert([1, 2, 3], _kv(3), bounds=np.array([2, 3]))
+    assert len(cache) == 1
+    entry, reuse, bounds = cache.match_boundary([1, 2, 3, 4])
+    assert reuse == 3 and bounds.tolist() == [2, 3] and entry.ids.tolist() == [1, 2, 3]
