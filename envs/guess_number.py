@@ -27,6 +27,7 @@ from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
 from ._action import not_text
+from ._settings import whole
 
 _INT = re.compile(r"-?\d+")
 MAX_HIGH = 1_000_000  # info["admissible_actions"] lists every number still possible
@@ -37,11 +38,10 @@ class GuessNumberEnv(TextEnv):
 
     def __init__(self, high: int = 32, max_turns: int = 8, render_mode: str | None = None):
         super().__init__(render_mode=render_mode)
-        if high < 1 or max_turns < 1:
-            raise ValueError("high and max_turns must be >= 1")
+        high, max_turns = whole("high", high, low=1), whole("max_turns", max_turns, low=1)
         if high > MAX_HIGH:
-            raise ValueError(f"high must be at most {MAX_HIGH:,}, not {high:,}: "
-                             "info['admissible_actions'] lists every number still possible")
+            raise EnvError(f"high must be at most {MAX_HIGH:,}, not {high:,}: "
+                           "info['admissible_actions'] lists every number still possible")
         self.high = high
         self.max_turns = max_turns
         self.secret = 0  # none before reset

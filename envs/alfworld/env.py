@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +44,8 @@ from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
 from .._action import not_text
+from .._settings import flag, names, number, one_of, whole
+from .catalog import FAMILIES
 from .expert import Notes, next_command
 from .oracle import oracle_command
 from .scene import SPLITS, Scene, generate_scene
@@ -108,28 +109,16 @@ class ALFWorldEnv(TextEnv):
         super().__init__(render_mode=render_mode)
         if split not in SPLITS:
             raise EnvError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
-        if put_style not in ("put", "move"):
-            raise EnvError(f"put_style must be 'put' or 'move', not {put_style!r}")
-        if max_steps < 1:
-            raise EnvError("max_steps must be >= 1")
-        if isinstance(invalid_penalty, bool) or not isinstance(invalid_penalty, int | float) \
-                or not 0.0 <= invalid_penalty < math.inf:  # True is an int, and no penalty anyone meant
-            raise EnvError(f"invalid_penalty must be a number >= 0 (it is subtracted), not {invalid_penalty!r}")
-        if isinstance(subgoal_reward, bool) or not isinstance(subgoal_reward, int | float) \
-                or not math.isfinite(subgoal_reward):  # a NaN would reach every advantage of its group
-            raise EnvError(f"subgoal_reward must be a finite number, not {subgoal_reward!r}")
         self.split = split
-        self.dense_reward = dense_reward
-        self.subgoal_reward = float(subgoal_reward)
-        self.invalid_penalty = float(invalid_penalty)
-        self.max_steps = max_steps
-        self.put_style = put_style
-        self.families = tuple(families) if families is not None else None
-        self.max_receptacles = max_receptacles
-        if expert_search not in ("listed", "prior"):
-            raise EnvError(f"expert_search must be 'listed' or 'prior', not {expert_search!r}")
-        self.expert_search = expert_search
-        generate_scene(0, split, self.families, max_receptacles)  # a bad option fails here, not at reset
+        self.put_style = one_of("put_style", put_style, ("put", "move"))
+        self.max_steps = whole("max_steps", max_steps, low=1)
+        self.dense_reward = flag("dense_reward", dense_reward)
+        self.subgoal_reward = number("subgoal_reward", subgoal_reward)
+        self.invalid_penalty = number("invalid_penalty", invalid_penalty, low=0.0)  # it is subtracted
+        self.families = names("families", families, FAMILIES) if families is not None else None
+        self.max_receptacles = None if max_receptacles is None else whole("max_receptacles", max_receptacles, low=2)
+        self.expert_search = one_of("expert_search", expert_search, ("listed", "prior"))
+        generate_scene(0, split, self.families, self.max_receptacles)  # a bad option fails here, not at reset
         self._world: World | None = None
         self._notes = Notes(put_style=put_style, search=expert_search)
         self._steps = 0

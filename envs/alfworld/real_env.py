@@ -64,6 +64,7 @@ from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
 from .._action import not_text
+from .._settings import names, whole
 from .real_data import (
     FAMILIES,
     FAMILY_LABELS,
@@ -112,17 +113,15 @@ class ALFWorldRealEnv(TextEnv):
         render_mode: str | None = None,
     ):
         super().__init__(render_mode=render_mode)
-        if max_steps < 1:
-            raise EnvError("max_steps must be >= 1")
+        max_steps = whole("max_steps", max_steps, low=1)
         if oracle not in _ORACLES:
             raise EnvError(f"oracle must be 'handcoded', 'planner' or None, not {oracle!r}")
+        if families is not None:
+            families = names("families", families, FAMILIES)
         _modules()  # the extra is missing: EnvError naming it
         self.root = data_root(data_dir)
         games = list_games(self.root, split)
         if families is not None:
-            unknown = sorted(set(families) - set(FAMILIES))
-            if unknown:
-                raise EnvError(f"unknown task families {unknown}; use some of {', '.join(FAMILIES)}")
             games = tuple(g for g in games if g.family in families)
             if not games:
                 raise EnvError(f"split {split!r} under {self.root} holds no game of {list(families)}")

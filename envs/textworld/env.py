@@ -48,7 +48,8 @@ from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
 from .._action import not_text
-from .games import GameSpec, game_file, require_textworld
+from .._settings import path_or_none, whole
+from .games import GameSpec, game_file, game_spec, require_textworld
 
 __all__ = ["TextWorldEnv", "TextWorldSnapshot", "clean_command"]
 
@@ -114,13 +115,13 @@ class TextWorldEnv(TextEnv):
     ):
         super().__init__(render_mode=render_mode)
         self._tw = require_textworld()
-        if max_steps < 1:
-            raise ValueError("max_steps must be >= 1")
-        self.game_spec = GameSpec(
-            nb_rooms=nb_rooms, nb_objects=nb_objects, quest_length=quest_length
+        self.max_steps = whole("max_steps", max_steps, low=1)
+        # whole() refuses what pydantic would coerce ("3", 3.0); GameSpec holds the ranges
+        self.game_spec: GameSpec = game_spec(
+            nb_rooms=whole("nb_rooms", nb_rooms), nb_objects=whole("nb_objects", nb_objects),
+            quest_length=whole("quest_length", quest_length),
         )
-        self.max_steps = max_steps
-        self.cache_dir = cache_dir
+        self.cache_dir = path_or_none("cache_dir", cache_dir)
         self._game: Any = None
         self._game_file = ""
         self._state: Any = None

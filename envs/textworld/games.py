@@ -19,11 +19,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentrl.errors import EnvError
 
-__all__ = ["GameSpec", "default_cache_dir", "game_file", "require_textworld"]
+__all__ = ["GameSpec", "default_cache_dir", "game_file", "game_spec", "require_textworld"]
 
 _INSTALL_HINT = "pip install 'agentrl[textworld]' (or: pip install textworld)"
 _COMPILE_LOCK = threading.Lock()
@@ -42,6 +42,17 @@ class GameSpec(BaseModel):
     def key(self, seed: int) -> str:
         """A file-name-safe name of the game made from this spec and ``seed``."""
         return f"r{self.nb_rooms}_o{self.nb_objects}_q{self.quest_length}_{self.theme}_s{int(seed)}"
+
+
+def game_spec(**settings: Any) -> GameSpec:
+    """``GameSpec(**settings)``, or an ``EnvError`` naming the first bad setting and its value
+    (pydantic's ``ValidationError`` is not agentrl's, and its text is several lines)."""
+    try:
+        return GameSpec(**settings)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(map(str, err["loc"])) or "game settings"
+        raise EnvError(f"{key}: {err['msg'][0].lower()}{err['msg'][1:]}, not {err.get('input')!r:.80}") from exc
 
 
 def require_textworld() -> Any:

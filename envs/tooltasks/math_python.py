@@ -19,6 +19,7 @@ import numpy as np
 
 from agentrl.tools import Task
 
+from .._settings import names
 from ._common import extract_answer, numbers_match
 from .base import ToolTaskEnv
 
@@ -136,11 +137,8 @@ class MathPythonEnv(ToolTaskEnv):
     """
 
     def __init__(self, sandbox: Any = "auto", kinds: tuple[str, ...] | None = None, **config: Any):
-        kinds = tuple(kinds or TEMPLATES)
-        unknown = set(kinds) - set(TEMPLATES)
-        if unknown:
-            raise ValueError(f"unknown problem kinds {sorted(unknown)}; known: {list(TEMPLATES)}")
+        self.kinds = names("kinds", kinds, TEMPLATES) if kinds else tuple(TEMPLATES)
         config.setdefault("max_turns", 8)
         super().__init__(
-            lambda rng: make_math_task(rng, kinds), ["python", "calculator"], sandbox, **config
+            lambda rng: make_math_task(rng, self.kinds), ["python", "calculator"], sandbox, **config
         )

@@ -21,6 +21,7 @@ import numpy as np
 
 from agentrl.tools import Document, SearchTool, Task
 
+from .._settings import one_of, whole
 from ._common import answer_f1, extract_answer, normalize_answer
 from .base import ToolTaskEnv
 
@@ -151,10 +152,9 @@ class SearchQAEnv(ToolTaskEnv):
         metric: Literal["em", "f1"] = "em",
         **config: Any,
     ):
-        if metric not in ("em", "f1"):
-            raise ValueError(f"metric must be 'em' or 'f1', got {metric!r}")
-        self.world = make_world(corpus_seed, people=people)
-        self.metric = metric
+        self.metric = one_of("metric", metric, ("em", "f1"))
+        # each of at least 4 companies has a founder among the people
+        self.world = make_world(whole("corpus_seed", corpus_seed), people=whole("people", people, low=4))
         config.setdefault("max_turns", 10)
         super().__init__(self._task, [SearchTool(self.world.documents)], None, **config)
 

@@ -49,6 +49,7 @@ from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
 from .._action import not_text
+from .._settings import flag, whole
 from .catalog import Catalog, Product, get_catalog
 from .expert import ShopNotes, next_action
 from .goal import Goal, make_goal, satisfies, score_purchase
@@ -100,16 +101,12 @@ class WebShopEnv(TextEnv):
         render_mode: str | None = None,
     ):
         super().__init__(render_mode=render_mode)
-        if max_steps < 1:
-            raise ValueError("max_steps must be >= 1")
-        if page_size < 1:
-            raise ValueError("page_size must be >= 1")
-        self.page_size = page_size
-        self.repeat_instruction = repeat_instruction
-        self.num_products = num_products
-        self.catalog_seed = catalog_seed
-        self.max_steps = max_steps
-        self.catalog: Catalog = get_catalog(catalog_seed, num_products)
+        self.page_size = whole("page_size", page_size, low=1)
+        self.repeat_instruction = flag("repeat_instruction", repeat_instruction)
+        self.num_products = whole("num_products", num_products, low=1)
+        self.catalog_seed = whole("catalog_seed", catalog_seed)
+        self.max_steps = whole("max_steps", max_steps, low=1)
+        self.catalog: Catalog = get_catalog(self.catalog_seed, self.num_products)
         self.goal: Goal | None = None
         self._state = _State()
         self._notes = ShopNotes()

@@ -54,6 +54,7 @@ from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
 from .._action import not_text
+from .._settings import whole
 from .real_data import RealGoal, RealProduct, Shop, get_shop
 from .real_reward import (
     FUZZ_THRESHOLD,
@@ -107,10 +108,9 @@ class WebShopRealEnv(TextEnv):
         render_mode: str | None = None,
     ):
         super().__init__(render_mode=render_mode)
-        if max_steps < 1:
-            raise EnvError("max_steps must be >= 1")
-        if num_products is not None and num_products < 1:  # a slice: -1 would drop the last product
-            raise EnvError(f"num_products must be >= 1 (or None: every product), not {num_products}")
+        max_steps = whole("max_steps", max_steps, low=1)
+        if num_products is not None:  # a slice: -1 would drop the last product
+            num_products = whole("num_products (or None: every product)", num_products, low=1)
         folder = data_dir if data_dir is not None else os.environ.get("WEBSHOP_DATA")
         if not folder:
             raise EnvError("WebShopReal-v0 needs WebShop's data folder (items_shuffle_1000.json or "

@@ -220,7 +220,7 @@ def test_options_pick_a_game_by_index_or_path_and_families_filter(data):
         env.reset(options={"game": 99})
     looks = _make(data, families=["look_at_obj_in_light"])
     assert looks.unwrapped.num_tasks == 1 and looks.unwrapped.task_family(7) == "look_at_obj_in_light"
-    with pytest.raises(EnvError, match="unknown task families"):
+    with pytest.raises(EnvError, match="families: unknown 'dance'"):
         _make(data, families=["dance"])
     no_oracle = _make(data, oracle=None)
     no_oracle.reset(seed=0)

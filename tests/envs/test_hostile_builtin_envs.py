@@ -12,6 +12,7 @@ import importlib.util
 import math
 import random
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -53,7 +54,7 @@ def test_guess_number_reads_leading_zeros_as_the_number():
 
 
 def test_guess_number_refuses_a_range_whose_admissible_list_would_not_fit_in_memory():
-    with pytest.raises(ValueError, match="high"):
+    with pytest.raises(EnvError, match="high"):
         GuessNumberEnv(high=10**9)  # reset would list a billion admissible actions
 
 
@@ -223,6 +224,82 @@ def test_webshop_real_refuses_a_product_count_below_one(bad, tmp_path):
     with pytest.raises(EnvError, match="num_products"):  # -1 kept all products but the last
         WebShopRealEnv(data_dir=str(write_webshop_folder(tmp_path / "webshop")), split="test",
                        num_products=bad, type_tagger="heuristic", index_cache=str(tmp_path / "index"))
+
+
+# -- constructor settings: every env names the bad one ---------------------------------------
+# Before: TypeErrors that named neither ("'<' not supported between instances of 'str' and
+# 'int'"), pydantic's ValidationError (TextWorld), ValueErrors, an error only at reset
+# (high=3.5), or nothing: dense_reward="no" turned dense rewards on, max_steps=2.5 ran 3 steps.
+
+
+def _tooltask(name):
+    def make(**kwargs):
+        from agentrl.envs import tooltasks
+
+        return getattr(tooltasks, name)(**kwargs)
+    make.__name__ = name
+    return make
+
+
+def _real(name):
+    def make(**kwargs):  # the settings are checked before the data is looked for
+        from agentrl.envs.alfworld.real_env import ALFWorldRealEnv
+        from agentrl.envs.webshop.real_env import WebShopRealEnv
+
+        return {"ALFWorldReal": ALFWorldRealEnv, "WebShopReal": WebShopRealEnv}[name](
+            data_dir="/nonexistent", **kwargs)
+    make.__name__ = name
+    return make
+
+
+def TextWorldEnv(**kwargs):  # noqa: N802  (named for the test ids)
+    if not HAS_TEXTWORLD:
+        pytest.skip("textworld is not installed (pip install 'agentrl[textworld]')")
+    from agentrl.envs.textworld import TextWorldEnv
+
+    return TextWorldEnv(**{"cache_dir": "/nonexistent/tw", **kwargs})
+
+
+BAD_SETTINGS = [
+    (GuessNumberEnv, {"high": "32"}), (GuessNumberEnv, {"high": 3.5}), (GuessNumberEnv, {"high": True}),
+    (GuessNumberEnv, {"high": None}), (GuessNumberEnv, {"high": 0}), (GuessNumberEnv, {"max_turns": 0}),
+    (GuessNumberEnv, {"max_turns": 2.5}),
+    (ALFWorldEnv, {"max_steps": "5"}), (ALFWorldEnv, {"max_steps": 2.5}), (ALFWorldEnv, {"max_steps": True}),
+    (ALFWorldEnv, {"dense_reward": "no"}), (ALFWorldEnv, {"max_receptacles": "5"}),
+    (ALFWorldEnv, {"families": ["nope"]}), (ALFWorldEnv, {"families": 3}),
+    (WebShopEnv, {"num_products": "10"}), (WebShopEnv, {"num_products": 2.5}), (WebShopEnv, {"max_steps": "3"}),
+    (WebShopEnv, {"max_steps": 2.5}), (WebShopEnv, {"page_size": 0}), (WebShopEnv, {"catalog_seed": "x"}),
+    (WebShopEnv, {"repeat_instruction": "no"}),
+    (TextWorldEnv, {"nb_rooms": "x"}), (TextWorldEnv, {"nb_rooms": 0}), (TextWorldEnv, {"nb_rooms": 2.5}),
+    (TextWorldEnv, {"quest_length": 100}), (TextWorldEnv, {"nb_objects": None}),
+    (TextWorldEnv, {"max_steps": "3"}), (TextWorldEnv, {"max_steps": 0}), (TextWorldEnv, {"cache_dir": 5}),
+    (_tooltask("MathPythonEnv"), {"kinds": ["nope"]}), (_tooltask("MathPythonEnv"), {"kinds": 5}),
+    (_tooltask("SearchQAEnv"), {"metric": "bleu"}), (_tooltask("SearchQAEnv"), {"people": 0}),
+    (_tooltask("SearchQAEnv"), {"people": "60"}), (_tooltask("SearchQAEnv"), {"corpus_seed": 1.5}),
+    (_real("ALFWorldReal"), {"max_steps": "3"}), (_real("ALFWorldReal"), {"families": ["nope"]}),
+    (_real("WebShopReal"), {"max_steps": "3"}), (_real("WebShopReal"), {"num_products": 2.5}),
+]
+
+
+@pytest.mark.parametrize(("make", "kwargs"), BAD_SETTINGS,
+                         ids=[f"{getattr(m, '__name__', 'env')}-{kw}" for m, kw in BAD_SETTINGS])
+def test_a_bad_setting_is_an_env_error_that_names_it_and_its_value(make, kwargs):
+    (key, value), = kwargs.items()
+    with pytest.raises(EnvError, match=key) as err:
+        make(**kwargs)
+    assert repr(value)[:20] in str(err.value)
+
+
+@pytest.mark.parametrize(("make", "kwargs", "attr", "kept"), [
+    (_tooltask("MathPythonEnv"), {"kinds": "arith"}, "kinds", ("arith",)),  # one kind, not five letters
+    (ALFWorldEnv, {"families": "pick_and_place_simple"}, "families", ("pick_and_place_simple",)),
+    (GuessNumberEnv, {"high": np.int64(7)}, "high", 7),
+])
+def test_a_lone_name_or_a_numpy_int_is_taken_as_meant(make, kwargs, attr, kept):
+    env = make(**kwargs)
+    assert getattr(env, attr) == kept and type(getattr(env, attr)) is type(kept)
+    env.reset(seed=0)
+    env.close()
 
 
 # -- any text: fuzzing (a guard; these found nothing) --------------------------------------

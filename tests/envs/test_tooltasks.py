@@ -14,6 +14,7 @@ from agentrl.envs.tooltasks import BashFixEnv, MathPythonEnv, SearchQAEnv, make_
 from agentrl.envs.tooltasks._common import answer_f1, extract_answer, numbers_match
 from agentrl.envs.tooltasks.bash_fix import TEMPLATES, _count_tests, verify_repo
 from agentrl.envs.tooltasks.math_python import TEMPLATES as MATH_KINDS
+from agentrl.errors import EnvError
 
 
 def call(name: str, **arguments) -> str:
@@ -121,7 +122,7 @@ def test_searchqa_f1_metric_gives_partial_credit():
     _, reward, *_ = env.step(f"Answer: {ref} perhaps")
     assert 0.0 < reward < 1.0
     env.close()
-    with pytest.raises(ValueError):
+    with pytest.raises(EnvError, match="metric"):
         SearchQAEnv(metric="bleu")
 
 
