@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import PolicyError
+
 __all__ = ["CacheStats", "PrefixCache", "PrefixEntry", "common_prefix"]
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values as [heads, tokens, head_dim]
@@ -113,6 +115,8 @@ class PrefixCache:
         key = np.asarray(ids, dtype=np.int64)
         if storage is None:
             storage, storage_bytes = kv, sum(k.nbytes + v.nbytes for k, v in kv)
+        elif storage_bytes <= 0:  # charged nothing, buffers would pile up past any budget
+            raise PolicyError(f"storage_bytes={storage_bytes}: a shared storage must say its size in bytes")
         if storage_bytes > self.max_bytes:
             return None
         for old in [e for e in self._entries.values()

@@ -3,6 +3,7 @@ with reuse samples exactly what a full prefill samples."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from agentrl.chat import ChatContext
@@ -319,3 +320,15 @@ def test_a_bounded_entry_keeps_its_boundaries_when_it_takes_a_dropped_entrys_id(
     assert len(cache) == 1
     entry, reuse, bounds = cache.match_boundary([1, 2, 3, 4])
     assert reuse == 3 and bounds.tolist() == [2, 3] and entry.ids.tolist() == [1, 2, 3]
+
+
+def test_a_shared_buffer_without_its_size_is_refused():
+    """Views of a buffer charged 0 bytes would let the cache keep buffers past any budget."""
+    from agentrl.errors import PolicyError
+
+    cache = PrefixCache(max_bytes=100)
+    buffer = _kv(1000)
+    for bad in (0, -5):
+        with pytest.raises(PolicyError, match=f"storage_bytes={bad}"):
+            cache.insert([1, 2], [(k[:, :2], v[:, :2]) for k, v in buffer], storage=buffer, storage_bytes=bad)
+    assert len(cache) == 0 and cache.stats.bytes == 0
