@@ -2,9 +2,11 @@
 
 Each ``reset(seed=s)`` plays the game generated from ``s`` with the env's
 ``GameSpec`` (rooms, objects, quest length), ``s`` modulo 2**32 (TextWorld's
-generator takes no larger seed, gymnasium any); games are built on first use
-and cached on disk (``games.game_file``). ``options={"game_file": path}``
-plays a given ``.z8``/``.ulx`` game instead.
+generator takes no larger seed, gymnasium any); ``reset()`` without a seed
+plays a game from a seed the env's generator draws. Games are built on first
+use and cached on disk (``games.game_file``), at most ``max_cached_games`` of
+them (1,000 by default, about 400 MB), the least recently used dropped first.
+``options={"game_file": path}`` plays a given ``.z8``/``.ulx`` game instead.
 
 - Observation: the game's text feedback.
 - ``info``: ``instruction`` (the quest objective), ``admissible_actions``
@@ -16,8 +18,9 @@ plays a given ``.z8``/``.ulx`` game instead.
   ``max_steps`` steps.
 - Expert: TextWorld's winning policy from the current state (``policy_commands``),
   which equals the walkthrough when the agent has not strayed.
-- Snapshots are the game file plus the action prefix; ``restore`` restarts the
-  game and replays the prefix (about 1.3 ms per replayed step here). TextWorld's
+- Snapshots are the game file plus the action prefix (and the spec and seed
+  the game was built from: a game the cache dropped is built again); ``restore``
+  restarts the game and replays the prefix (about 1.3 ms per replayed step here). TextWorld's
   own ``env.copy()`` was slower (80-170 ms per copy), so it is not used.
 
 Actions are cleaned before they reach the parser: control characters and
@@ -42,6 +45,7 @@ import os
 import re
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from agentrl.env import TextEnv
@@ -49,7 +53,7 @@ from agentrl.errors import EnvError
 
 from .._action import not_text
 from .._settings import path_or_none, whole
-from .games import GameSpec, game_file, game_spec, require_textworld
+from .games import MAX_CACHED_GAMES, GameSpec, game_file, game_spec, require_textworld
 
 __all__ = ["TextWorldEnv", "TextWorldSnapshot", "clean_command"]
 
@@ -74,10 +78,14 @@ _BLANKS = re.compile(r"\n{3,}")
 
 @dataclass(slots=True, frozen=True)
 class TextWorldSnapshot:
-    """A game and the commands played in it; ``restore`` replays them."""
+    """A game and the commands played in it; ``restore`` replays them. ``spec`` and
+    ``seed`` built the game (None for a game given by path): they build it again
+    where the cache has dropped it."""
 
     game_file: str
     actions: tuple[str, ...]
+    spec: GameSpec | None = None
+    seed: int | None = None
 
 
 def _clean_feedback(text: str | None) -> str:
@@ -111,6 +119,7 @@ class TextWorldEnv(TextEnv):
         quest_length: int = 3,
         max_steps: int = 50,
         cache_dir: str | os.PathLike | None = None,
+        max_cached_games: int = MAX_CACHED_GAMES,
         render_mode: str | None = None,
     ):
         super().__init__(render_mode=render_mode)
@@ -122,8 +131,10 @@ class TextWorldEnv(TextEnv):
             quest_length=whole("quest_length", quest_length),
         )
         self.cache_dir = path_or_none("cache_dir", cache_dir)
+        self.max_cached_games = whole("max_cached_games", max_cached_games, low=1)
         self._game: Any = None
         self._game_file = ""
+        self._game_seed: int | None = None  # what built the game; None for a given file
         self._state: Any = None
         self._actions: list[str] = []
         self._done = False
@@ -134,11 +145,12 @@ class TextWorldEnv(TextEnv):
         super().reset(seed=seed)
         options = options or {}
         if "game_file" in options:
-            path = str(options["game_file"])
+            path, game_seed = str(options["game_file"]), None
         else:
             game_seed = seed % 2**32 if seed is not None else int(self.np_random.integers(2**31))
-            path = str(game_file(self.game_spec, game_seed, self.cache_dir))
+            path = self._build(self.game_spec, game_seed)
         self._start(path)
+        self._game_seed = game_seed
         self._last_obs = _clean_feedback(self._state.get("feedback"))
         return self._last_obs, self._info()
 
@@ -179,10 +191,17 @@ class TextWorldEnv(TextEnv):
     def snapshot(self) -> TextWorldSnapshot:
         if self._game is None:
             raise EnvError("call reset() before snapshot()")
-        return TextWorldSnapshot(self._game_file, tuple(self._actions))
+        spec = self.game_spec if self._game_seed is not None else None
+        return TextWorldSnapshot(self._game_file, tuple(self._actions), spec, self._game_seed)
 
     def restore(self, snapshot: TextWorldSnapshot) -> None:
-        self._start(snapshot.game_file)
+        path = snapshot.game_file
+        loaded = self._game is not None and path == self._game_file
+        if not loaded and snapshot.spec is not None and snapshot.seed is not None:
+            # in the snapshot's cache folder: marks the game used, or builds it again there
+            path = str(game_file(snapshot.spec, snapshot.seed, Path(path).parent, self.max_cached_games))
+        self._start(path)
+        self._game_seed = snapshot.seed
         self._last_obs = _clean_feedback(self._state.get("feedback"))
         for command in snapshot.actions:
             self.step(command)
@@ -204,6 +223,10 @@ class TextWorldEnv(TextEnv):
         return walkthrough[len(self._actions)] if len(self._actions) < len(walkthrough) else "look"
 
     # -- internals -------------------------------------------------------------
+    def _build(self, spec: GameSpec, seed: int) -> str:
+        """The path of the cached game for ``(spec, seed)``, built if it is not there."""
+        return str(game_file(spec, seed, self.cache_dir, self.max_cached_games))
+
     def _start(self, path: str) -> None:
         if self._game is not None and path == self._game_file:
             self._state = self._engine_reset()

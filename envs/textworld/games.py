@@ -2,7 +2,15 @@
 
 ``game_file(spec, seed)`` returns the path of a compiled ``.z8`` game. The
 first call for a ``(spec, seed)`` pair builds it with TextWorld's Python API
-(about 1 s); later calls, in this or any other process, reuse the file.
+(1-4 s); later calls, in this or any other process, reuse the file.
+
+The cache holds at most ``max_games`` games (``MAX_CACHED_GAMES``, 1,000, about
+400 MB at the default spec): a use sets a game's mtime, and building a new one
+deletes the least recently used past the cap. Without it, an env reset without a
+seed (a new game each time) grew the folder for ever. A dropped game is built
+again, identically, from its spec and seed, which is how a snapshot of it is
+restored; an env that has loaded a game keeps it in memory. Set the cap above the
+number of games in use at once across the processes that share the folder.
 
 TextWorld's Inform 7 compiler writes ``$HOME/Inform``, so ``HOME`` points at
 the cache folder while a game compiles. ``HOME`` is process-wide, hence the
@@ -23,10 +31,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentrl.errors import EnvError
 
-__all__ = ["GameSpec", "default_cache_dir", "game_file", "game_spec", "require_textworld"]
+__all__ = ["MAX_CACHED_GAMES", "GameSpec", "default_cache_dir", "game_file", "game_spec",
+           "require_textworld", "stale_games"]
 
 _INSTALL_HINT = "pip install 'agentrl[textworld]' (or: pip install textworld)"
 _COMPILE_LOCK = threading.Lock()
+MAX_CACHED_GAMES = 1_000
+_GAME_GLOB = "r*_o*_q*_*_s*.z8"  # GameSpec.key's names: nothing else in the folder is touched
 
 
 class GameSpec(BaseModel):
@@ -75,16 +86,18 @@ def default_cache_dir() -> Path:
     return Path(root) / "textworld"
 
 
-def game_file(spec: GameSpec, seed: int, cache_dir: str | os.PathLike | None = None) -> Path:
-    """The compiled game for ``(spec, seed)``, generated and cached on first use."""
+def game_file(spec: GameSpec, seed: int, cache_dir: str | os.PathLike | None = None,
+              max_games: int = MAX_CACHED_GAMES) -> Path:
+    """The compiled game for ``(spec, seed)``, generated and cached on first use; the
+    cache keeps the ``max_games`` most recently used games (see the module docstring)."""
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = folder / f"{spec.key(seed)}.z8"
-    if target.is_file() and target.with_suffix(".json").is_file():
+    if _mark_used(target):
         return target
     textworld = require_textworld()
     folder.mkdir(parents=True, exist_ok=True)
     with _COMPILE_LOCK:
-        if target.is_file() and target.with_suffix(".json").is_file():
+        if _mark_used(target):
             return target
         work = Path(tempfile.mkdtemp(prefix=".build-", dir=folder))
         try:
@@ -98,7 +111,35 @@ def game_file(spec: GameSpec, seed: int, cache_dir: str | os.PathLike | None = N
             raise EnvError(f"could not generate TextWorld game {spec.key(seed)}: {exc}") from exc
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        for stale in stale_games(folder, max_games, keep=target):
+            # the .json first: without it a game counts as incomplete, never as cached
+            stale.with_suffix(".json").unlink(missing_ok=True)
+            stale.unlink(missing_ok=True)
     return target
+
+
+def _mark_used(target: Path) -> bool:
+    """Whether ``target`` is a complete cached game; if so its mtime becomes now (its last use)."""
+    if not (target.is_file() and target.with_suffix(".json").is_file()):
+        return False
+    try:
+        os.utime(target)
+    except OSError:  # gone meanwhile (another process dropped it), or a read-only cache
+        return target.is_file()
+    return True
+
+
+def stale_games(folder: Path, max_games: int, keep: Path | None = None) -> list[Path]:
+    """The cached games of ``folder`` past its ``max_games`` most recently used (by mtime),
+    oldest first; never ``keep``."""
+    games = []
+    for path in folder.glob(_GAME_GLOB):
+        try:
+            games.append((path.stat().st_mtime_ns, path.name, path))
+        except OSError:  # dropped by another process meanwhile
+            continue
+    games.sort(reverse=True)
+    return [path for *_, path in reversed(games[max_games:]) if path != keep]
 
 
 def _compile(textworld: Any, spec: GameSpec, seed: int, path: Path, home: Path) -> None:

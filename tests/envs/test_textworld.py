@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from agentrl.env import list_envs, make_env
 from agentrl.envs.textworld import GameSpec, TextWorldEnv, clean_command, game_file
 from agentrl.envs.textworld.env import meta_verb
-from agentrl.envs.textworld.games import require_textworld
+from agentrl.envs.textworld.games import require_textworld, stale_games
 from agentrl.errors import EnvError
 
 HAS_TEXTWORLD = importlib.util.find_spec("textworld") is not None
@@ -131,9 +131,9 @@ def test_oracle_wins_generated_games(env, tw_cache):
 def test_games_are_cached_and_seeds_are_reproducible(env, tw_cache, tmp_path):
     first, _ = env.reset(seed=1)
     path = game_file(GameSpec(), 1, tw_cache)
-    mtime = path.stat().st_mtime_ns
+    inode = path.stat().st_ino  # a hit marks the file used (its mtime) but does not rewrite it
     again, _ = env.reset(seed=1)
-    assert again == first and path.stat().st_mtime_ns == mtime
+    assert again == first and path.stat().st_ino == inode
     fresh = TextWorldEnv(cache_dir=tmp_path)
     try:
         assert fresh.reset(seed=1)[0] == first  # regenerated elsewhere: the same game
@@ -152,6 +152,69 @@ def test_restored_env_continues_identically(env):
     env.reset(seed=1)
     env.restore(snap)
     assert [env.step(a) for a in actions] == first
+
+
+# The cache holds at most max_cached_games games, dropping the least recently used: without
+# a seed every reset compiled a new game and the folder grew without bound (about 400 kB a
+# game). The tiniest games still take 1-4 s to compile here, hence few resets and a cap of 2.
+TINY = {"nb_rooms": 1, "nb_objects": 1, "quest_length": 1}
+
+
+def _games(folder: Path) -> set[str]:
+    return {p.stem for p in folder.glob("*.z8")}
+
+
+def test_stale_games_are_those_past_the_cap_by_last_use_oldest_first(tmp_path):
+    spec = GameSpec(**TINY)
+    for seed, mtime in [(1, 500), (2, 100), (3, 400), (4, 200), (5, 300)]:
+        path = tmp_path / f"{spec.key(seed)}.z8"
+        path.write_bytes(b"")
+        os.utime(path, ns=(mtime, mtime))
+    (tmp_path / "notes.z8").write_bytes(b"")  # not a name the cache gives: not counted, never dropped
+    assert [p.stem for p in stale_games(tmp_path, 2)] == [spec.key(2), spec.key(4), spec.key(5)]
+    assert stale_games(tmp_path, 2, keep=tmp_path / f"{spec.key(2)}.z8")[0].stem == spec.key(4)
+    assert stale_games(tmp_path, 5) == []
+
+
+@needs_textworld
+@pytest.mark.timeout(300)
+def test_unseeded_resets_leave_at_most_the_cap_of_games_on_disk(tmp_path):
+    env = TextWorldEnv(**TINY, cache_dir=tmp_path, max_cached_games=2)
+    try:
+        seen = set()
+        for _ in range(5):
+            obs, info = env.reset()
+            assert info["admissible_actions"]
+            seen.add(env.snapshot().game_file)
+            assert len(_games(tmp_path)) <= 2
+        assert len(seen) == 5  # each reset drew a new game from the env's generator
+        assert _games(tmp_path) == {p.stem for p in tmp_path.glob("*.json")}  # whole games only
+    finally:
+        env.close()
+
+
+@needs_textworld
+@pytest.mark.timeout(300)
+def test_the_cache_drops_the_least_recently_used_game_and_restore_rebuilds_it(tmp_path):
+    env = TextWorldEnv(**TINY, cache_dir=tmp_path, max_cached_games=2)
+    key = GameSpec(**TINY).key
+    try:
+        env.reset(seed=1)
+        env.step("look")
+        snap = env.snapshot()
+        actions = ["inventory", env.oracle_action()]
+        after = [env.step(a) for a in actions]
+        env.reset(seed=2)
+        env.reset(seed=1)  # used again: seed 2's game is now the oldest
+        env.reset(seed=3)
+        assert _games(tmp_path) == {key(1), key(3)}
+        env.reset(seed=4)
+        assert _games(tmp_path) == {key(3), key(4)}
+        env.restore(snap)  # its game was dropped: built again from its spec and seed
+        assert [env.step(a) for a in actions] == after
+        assert key(1) in _games(tmp_path) and len(_games(tmp_path)) == 2
+    finally:
+        env.close()
 
 
 @needs_textworld
