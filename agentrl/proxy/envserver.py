@@ -47,8 +47,11 @@ from agentrl.httputil import (
     read_json,
     run_until_stopped,
 )
+from agentrl.rollout.pool import DaemonPool
 
 __all__ = ["EnvServerConfig", "create_env_app", "serve_envs"]
+
+_GRACEFUL_S = 5.0
 
 
 class EnvServerConfig(BaseModel):
@@ -112,6 +115,7 @@ def create_env_app(config: EnvServerConfig) -> Any:
     envs: dict[str, _Live] = {}
     expected = config.token.encode()
     limit = config.max_request_bytes
+    pool = DaemonPool(name="agentrl-env-serve")
 
     def check(request: Request) -> None:
         value = request.headers.get("authorization", "")
@@ -127,8 +131,13 @@ def create_env_app(config: EnvServerConfig) -> Any:
         envs[eid].last_used = time.monotonic()
         return eid, envs[eid]
 
+    async def off_loop(fn: Any, *args: Any) -> Any:
+        # Daemon threads: a step stuck for good must not hold the server's exit (to_thread's
+        # pool is joined when the loop closes, and again at interpreter exit).
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
     async def bounded(fn: Any, *args: Any) -> Any:
-        return await asyncio.wait_for(asyncio.to_thread(_no_exit, fn, *args), config.step_timeout_s)
+        return await asyncio.wait_for(off_loop(_no_exit, fn, *args), config.step_timeout_s)
 
     async def make(request: Request) -> Response:
         check(request)
@@ -150,7 +159,7 @@ def create_env_app(config: EnvServerConfig) -> Any:
         except Exception as e:
             problem = f"{type(e).__name__}: {e}"
         if problem:
-            await asyncio.to_thread(close_quietly, env)
+            await off_loop(close_quietly, env)
             raise HTTPError(400, f"reset failed: {problem}")
         obs, info = answer
         eid = secrets.token_urlsafe(12)
@@ -190,7 +199,7 @@ def create_env_app(config: EnvServerConfig) -> Any:
     async def close(request: Request) -> Response:
         eid, state = live(request)
         envs.pop(eid, None)
-        await asyncio.to_thread(close_quietly, state.env)
+        await off_loop(close_quietly, state.env)
         return JSONResponse(state.state(eid))
 
     async def registry(request: Request) -> Response:
@@ -262,7 +271,9 @@ def serve_envs(config: EnvServerConfig, host: str = "127.0.0.1", port: int = 876
         raise ConfigError("env serve: a non-empty token is required")
     sock = listen_socket(host, port)  # a port in use fails here, before the line that says it serves
     app = create_env_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=False))
+    # A request in flight (a step stuck in its env) holds a graceful stop at most this long.
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=False,
+                                           timeout_graceful_shutdown=_GRACEFUL_S))
     print(f"agentrl env server on http://{host}:{sock.getsockname()[1]}", flush=True)  # --port 0: the one it got
     try:
         run_until_stopped(server, sock)  # until Ctrl-C or SIGTERM

@@ -264,3 +264,54 @@ def test_a_stopped_proxy_that_cannot_write_its_open_sessions_says_so(tmp_path, m
     assert res.exit_code == 0, (res.output, res.exception)
     assert f"could not write 1 open session(s) to {out}" in res.output
     assert not out.exists()
+
+
+def test_env_serve_stops_within_seconds_while_an_env_step_is_stuck(tmp_path):
+    """A stop waited for a stuck env step up to step_timeout_s (300 s): uvicorn's graceful
+    shutdown waits for requests in flight. Now it waits a few seconds, then the envs close."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import httpx
+
+    (tmp_path / "stuck_step_envs.py").write_text(
+        "import time\nfrom agentrl.env import TextEnv, register_env\n"
+        "class Stuck(TextEnv):\n"
+        "    def reset(self, seed=None, options=None):\n"
+        "        super().reset(seed=seed)\n        return 'hi', {}\n"
+        "    def step(self, action):\n        time.sleep(120)\n        return 'late', 0.0, True, False, {}\n"
+        "register_env('test/StuckStep-v0', entry_point=Stuck)\n")
+    env = {**os.environ, "AGENTRL_ENV_TOKEN": "t0ken",
+           "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-m", "agentrl", "env", "serve", "--port", "0"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        banner = ""
+        while "agentrl env server on" not in banner and proc.poll() is None:
+            banner = proc.stdout.readline()
+        base = re.search(r"on (http://127\.0\.0\.1:\d+)", banner).group(1)
+        auth = {"Authorization": "Bearer t0ken"}
+        with httpx.Client(base_url=base, timeout=30, headers=auth) as c:
+            for _ in range(100):  # the banner comes before uvicorn accepts
+                try:
+                    made = c.post("/envs", json={"env_id": "stuck_step_envs:test/StuckStep-v0"})
+                    break
+                except httpx.TransportError:
+                    threading_wait(0.1)
+            assert made.status_code == 200, made.text
+            eid = made.json()["id"]
+        stepping = threading.Thread(target=lambda: httpx.post(f"{base}/envs/{eid}/step", json={"action": "go"},
+                                                              headers=auth, timeout=200), daemon=True)
+        stepping.start()
+        threading_wait(1.0)  # the step is in the env now
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        said = proc.communicate(timeout=100)[0]
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    assert took < 30, f"the stop took {took:.0f} s: {said}"
