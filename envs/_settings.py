@@ -7,6 +7,9 @@ between instances of 'str' and 'int'"), some values failed only at reset
 (``high=3.5``), and some were taken in a sense nobody meant: ``dense_reward="no"``
 is truthy, ``max_steps=2.5`` ran three steps, ``kinds="arith"`` was five letters.
 
+``reset_options`` checks the options of one reset the same way: a misspelt
+option was ignored, and another task than the one asked for was played.
+
 A bool is not a whole number here (``True`` would be a budget of 1 step), a str
 is not a flag, and a lone str where names are listed is one name.
 """
@@ -23,7 +26,7 @@ import numpy as np
 
 from agentrl.errors import EnvError
 
-__all__ = ["flag", "names", "number", "one_of", "path_or_none", "whole"]
+__all__ = ["flag", "names", "number", "one_of", "path_or_none", "reset_options", "whole"]
 
 
 def _bounds(low: float | None, high: float | None) -> str:
@@ -82,3 +85,17 @@ def path_or_none(name: str, value: Any) -> str | os.PathLike | None:
     if value is not None and not isinstance(value, str | os.PathLike):
         raise EnvError(f"{name} must be a folder path or None, not {value!r:.80}")
     return value
+
+
+def reset_options(options: Any, known: Iterable[str]) -> dict[str, Any]:
+    """``options`` of ``reset`` (None: none) as a dict whose keys are all in ``known``."""
+    known = tuple(sorted(known))
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise EnvError(f"reset options must be a dict, not {options!r:.80}")
+    if unknown := sorted(set(options) - set(known), key=repr):
+        takes = f"takes {', '.join(map(repr, known))}" if known else "takes none"
+        raise EnvError(f"unknown reset option {', '.join(f'options[{k!r}]' for k in unknown)}: "
+                       f"this env {takes}")
+    return options

@@ -27,7 +27,7 @@ from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
 from ._action import not_text
-from ._settings import whole
+from ._settings import reset_options, whole
 
 _INT = re.compile(r"-?\d+")
 MAX_HIGH = 1_000_000  # info["admissible_actions"] lists every number still possible
@@ -68,6 +68,7 @@ class GuessNumberEnv(TextEnv):
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
+        reset_options(options, ())
         self.secret = int(self.np_random.integers(1, self.high + 1))
         self.low_bound, self.high_bound = 1, self.high
         self.turn = 0

@@ -44,7 +44,7 @@ from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
 from .._action import not_text
-from .._settings import flag, names, number, one_of, whole
+from .._settings import flag, names, number, one_of, reset_options, whole
 from .catalog import FAMILIES
 from .expert import Notes, next_command
 from .oracle import oracle_command
@@ -164,11 +164,12 @@ class ALFWorldEnv(TextEnv):
         """Start the task of ``seed``; ``options={"split": ...}`` overrides the split, and
         ``options={"scene": Scene}`` plays that scene instead of a generated one."""
         super().reset(seed=seed)
-        split = (options or {}).get("split", self.split)
+        options = reset_options(options, ("split", "scene"))
+        split = options.get("split", self.split)
         if split not in SPLITS:
             raise EnvError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
         task_seed = int(seed) if seed is not None else int(self.np_random.integers(0, 2**31 - 1))
-        scene = (options or {}).get("scene")
+        scene = options.get("scene")
         if scene is not None and not isinstance(scene, Scene):
             raise EnvError(f"options['scene'] must be a Scene, not {type(scene).__name__}")
         if scene is None:

@@ -64,7 +64,7 @@ from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
 from .._action import not_text
-from .._settings import names, whole
+from .._settings import names, reset_options, whole
 from .real_data import (
     FAMILIES,
     FAMILY_LABELS,
@@ -183,12 +183,14 @@ class ALFWorldRealEnv(TextEnv):
         return state
 
     def _pick(self, seed: int | None, options: dict[str, Any] | None) -> RealGame:
-        choice = (options or {}).get("game")
+        choice = reset_options(options, ("game",)).get("game")
         if choice is None:
             index = int(seed) if seed is not None else int(self.np_random.integers(0, len(self.games)))
             return self.games[index % len(self.games)]
         if isinstance(choice, RealGame):
             return choice
+        if isinstance(choice, bool):  # an int, which played game 1
+            raise EnvError(f"options['game'] must be a game index, a path or a RealGame, not {choice!r}")
         if isinstance(choice, int):
             if not 0 <= choice < len(self.games):
                 raise EnvError(f"options['game']={choice} is out of range: split {self.split!r} has "

@@ -52,7 +52,7 @@ from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
 from .._action import not_text
-from .._settings import path_or_none, whole
+from .._settings import path_or_none, reset_options, whole
 from .games import MAX_CACHED_GAMES, GameSpec, game_file, game_spec, require_textworld
 
 __all__ = ["TextWorldEnv", "TextWorldSnapshot", "clean_command"]
@@ -143,7 +143,7 @@ class TextWorldEnv(TextEnv):
     # -- gymnasium API ---------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
-        options = options or {}
+        options = reset_options(options, ("game_file",))
         if "game_file" in options:
             path, game_seed = str(options["game_file"]), None
         else:

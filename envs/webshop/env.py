@@ -49,7 +49,7 @@ from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
 from .._action import not_text
-from .._settings import flag, whole
+from .._settings import flag, reset_options, whole
 from .catalog import Catalog, Product, get_catalog
 from .expert import ShopNotes, next_action
 from .goal import Goal, make_goal, satisfies, score_purchase
@@ -116,7 +116,7 @@ class WebShopEnv(TextEnv):
         """A new goal from ``seed``; ``options={"goal": Goal}`` plays that goal instead."""
         super().reset(seed=seed)
         rng = random.Random(int(self.np_random.integers(2**63)))
-        goal = (options or {}).get("goal")
+        goal = reset_options(options, ("goal",)).get("goal")
         if goal is not None and not isinstance(goal, Goal):
             raise EnvError(f"options['goal'] must be a Goal, not {type(goal).__name__}")
         self.goal = goal if goal is not None else make_goal(self.catalog, rng)

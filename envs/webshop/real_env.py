@@ -54,7 +54,7 @@ from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
 from .._action import not_text
-from .._settings import whole
+from .._settings import reset_options, whole
 from .real_data import RealGoal, RealProduct, Shop, get_shop
 from .real_reward import (
     FUZZ_THRESHOLD,
@@ -150,12 +150,12 @@ class WebShopRealEnv(TextEnv):
         """Goal ``seed % num_tasks`` of the split; ``options={"goal": i}`` plays goal i of the
         whole shuffled list (any split)."""
         super().reset(seed=seed)
-        goal = (options or {}).get("goal")
+        goal = reset_options(options, ("goal",)).get("goal")
         if goal is None:
             i = int(seed) if seed is not None else int(self.np_random.integers(0, len(self.indices)))
             goal = self.indices[i % len(self.indices)]
-        elif not isinstance(goal, int) or not 0 <= goal < len(self.shop.goals):
-            raise EnvError(f"options['goal'] must be an index below {len(self.shop.goals)}, not {goal!r}")
+        else:  # True is an int: it played goal 1
+            goal = whole("options['goal']", goal, low=0, high=len(self.shop.goals) - 1)
         state = _State(goal=goal)
         self._state = replace(state, obs=self._render(state))
         self._last_obs = self._state.obs
