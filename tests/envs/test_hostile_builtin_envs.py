@@ -105,6 +105,7 @@ MAKERS = {
     "WebShop": lambda n, tmp: _webshop(n),
     "WebShopReal": _webshop_real,
     "TextWorld": _textworld,
+    "ALFWorldReal": lambda n, tmp: _alfworld_real(n, tmp),
 }
 
 
@@ -304,14 +305,13 @@ def test_a_lone_name_or_a_numpy_int_is_taken_as_meant(make, kwargs, attr, kept):
 
 # -- reset options: a misspelt one was ignored, and another task played -------------------------
 
-OPTION_MAKERS = {**MAKERS, "ALFWorldReal": lambda n, tmp: _alfworld_real(n, tmp)}
 KNOWN_OPTIONS = {"GuessNumber": "takes none", "ALFWorld": "'scene', 'split'", "WebShop": "'goal'",
                  "WebShopReal": "'goal'", "TextWorld": "'game_file'", "ALFWorldReal": "'game'"}
 
 
-@pytest.mark.parametrize("name", OPTION_MAKERS)
+@pytest.mark.parametrize("name", MAKERS)
 def test_an_unknown_reset_option_is_an_env_error_naming_it_and_the_known_ones(name, tmp_path):
-    env, _ = OPTION_MAKERS[name](50, tmp_path)
+    env, _ = MAKERS[name](50, tmp_path)
     with pytest.raises(EnvError, match=r"options\['gaem'\].*" + KNOWN_OPTIONS[name]):
         env.reset(seed=0, options={"gaem": 3})
     with pytest.raises(EnvError, match="options must be a dict"):
@@ -322,7 +322,7 @@ def test_an_unknown_reset_option_is_an_env_error_naming_it_and_the_known_ones(na
 
 @pytest.mark.parametrize(("name", "key"), [("WebShopReal", "goal"), ("ALFWorldReal", "game")])
 def test_a_bool_is_no_task_index(name, key, tmp_path):
-    env, _ = OPTION_MAKERS[name](50, tmp_path)
+    env, _ = MAKERS[name](50, tmp_path)
     with pytest.raises(EnvError, match=rf"options\['{key}'\] must be .*not True"):  # True played task 1
         env.reset(options={key: True})
     env.close()
