@@ -19,7 +19,8 @@ Process layout and state semantics ("fork and promote"):
 
 If C finishes the snippet (also with an exception or ``sys.exit``), C *becomes*
 the kernel, keeping every change the snippet made, and K exits. C waits for K to
-exit before it reads a request, so exactly one process reads the protocol pipe at
+reply and exit before it reads a request (a K that died unreplied, killed by the
+snippet, ends the chain: the host reads EOF instead of waiting for a reply), so exactly one process reads the protocol pipe at
 any moment: a cancel that K takes always reaches the process that acts on it. If C dies
 (``os._exit``, a signal, a segfault) or passes its timeout (K kills C's whole
 process group), K stays the kernel: the state is exactly as before the snippet.
@@ -117,11 +118,14 @@ def child_runs(code, w_out, w_err, w_st, r_go, ns):
     # One line, in one write: K takes it whole (a child the snippet forked may hold w_st open).
     os.write(w_st, (json.dumps({"exit_code": exit_code}) + "\n").encode())
     os.close(w_st)
-    # K either replies and exits (the pipe's write end closes: C is the kernel now) or
-    # kills this process group, if a cancel reached it first.
-    while os.read(r_go, 1):
-        pass
+    # K either replies, says so on the go pipe and exits (C is the kernel now), or kills
+    # this process group, if a cancel reached it first.
+    handed = b""
+    while chunk := os.read(r_go, 1):
+        handed += chunk
     os.close(r_go)
+    if not handed:  # K died unreplied (the snippet killed it): no one answers this request, so
+        os._exit(0)  # end the chain; the host reads EOF at once instead of waiting out the timeout
 
 
 def kill_group(pid):
@@ -244,7 +248,8 @@ def kernel(ns):
         if status and not (timed_out or cancelled):
             result.update(json.loads(status), promoted=True)
             reply(result)
-            os._exit(0)  # C carries on as the kernel
+            os.write(w_go, b"k")  # replied: C carries on as the kernel
+            os._exit(0)
         _, wstatus = os.waitpid(pid, 0)
         os.close(w_go)
         sig = os.WTERMSIG(wstatus) if os.WIFSIGNALED(wstatus) else 0

@@ -83,6 +83,17 @@ async def test_dead_kernel_raises_then_restarts_fresh(interp):
     assert interp.restarts == 1
 
 
+async def test_a_snippet_that_kills_its_kernel_and_finishes_is_a_dead_kernel_at_once(interp):
+    # The snippet's process, left without the kernel that replies for it, became the
+    # kernel anyway and read on: no reply came, and the host waited out timeout + grace
+    # (45 s for the python tool) to report "stopped answering". It now ends the chain, and
+    # the host reads EOF: the kernel died.
+    await interp.execute("state = 5")
+    with pytest.raises(SandboxDeadError, match="the Python kernel died"):
+        await interp.execute("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nx = 1", timeout=60)
+    assert (await interp.execute("'state' in globals()")).stdout == "False\n"
+
+
 @pytest.mark.parametrize(
     "frame",
     [
