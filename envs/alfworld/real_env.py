@@ -64,7 +64,7 @@ from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
 from .._action import not_text
-from .._settings import names, reset_options, whole
+from .._settings import names, path_or_none, reset_options, whole
 from .real_data import (
     FAMILIES,
     FAMILY_LABELS,
@@ -114,6 +114,7 @@ class ALFWorldRealEnv(TextEnv):
     ):
         super().__init__(render_mode=render_mode)
         max_steps = whole("max_steps", max_steps, low=1)
+        data_dir = path_or_none("data_dir", data_dir)
         if oracle not in _ORACLES:
             raise EnvError(f"oracle must be 'handcoded', 'planner' or None, not {oracle!r}")
         if families is not None:

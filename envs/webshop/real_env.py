@@ -54,7 +54,7 @@ from agentrl.env import TextEnv
 from agentrl.errors import EnvError
 
 from .._action import not_text
-from .._settings import reset_options, whole
+from .._settings import path_or_none, reset_options, whole
 from .real_data import RealGoal, RealProduct, Shop, get_shop
 from .real_reward import (
     FUZZ_THRESHOLD,
@@ -109,6 +109,9 @@ class WebShopRealEnv(TextEnv):
     ):
         super().__init__(render_mode=render_mode)
         max_steps = whole("max_steps", max_steps, low=1)
+        data_dir, index_cache = path_or_none("data_dir", data_dir), path_or_none("index_cache", index_cache)
+        if not isinstance(type_tagger, str):
+            raise EnvError(f"type_tagger must be 'auto', 'heuristic' or a spaCy model name, not {type_tagger!r:.80}")
         if num_products is not None:  # a slice: -1 would drop the last product
             num_products = whole("num_products (or None: every product)", num_products, low=1)
         folder = data_dir if data_dir is not None else os.environ.get("WEBSHOP_DATA")

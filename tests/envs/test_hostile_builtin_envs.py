@@ -248,7 +248,7 @@ def _real(name):
         from agentrl.envs.webshop.real_env import WebShopRealEnv
 
         return {"ALFWorldReal": ALFWorldRealEnv, "WebShopReal": WebShopRealEnv}[name](
-            data_dir="/nonexistent", **kwargs)
+            **{"data_dir": "/nonexistent", **kwargs})
     make.__name__ = name
     return make
 
@@ -279,6 +279,8 @@ BAD_SETTINGS = [
     (_tooltask("SearchQAEnv"), {"people": "60"}), (_tooltask("SearchQAEnv"), {"corpus_seed": 1.5}),
     (_real("ALFWorldReal"), {"max_steps": "3"}), (_real("ALFWorldReal"), {"families": ["nope"]}),
     (_real("WebShopReal"), {"max_steps": "3"}), (_real("WebShopReal"), {"num_products": 2.5}),
+    (_real("WebShopReal"), {"data_dir": 5}), (_real("WebShopReal"), {"index_cache": 5}),
+    (_real("WebShopReal"), {"type_tagger": None}), (_real("ALFWorldReal"), {"data_dir": 5}),
 ]
 
 
