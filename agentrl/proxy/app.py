@@ -214,13 +214,14 @@ class Proxy:
         nothing it recorded. Returns how many were written."""
         if not self.cfg.out:
             return 0
-        trees = []
-        for session in self.sessions.values():
-            if not session.closed and session.calls:
-                tree = session.close()
-                tree.meta["closed_by"] = "shutdown"
-                trees.append(tree)
-        return write_trees(self.cfg.out, trees, append=True) if trees else 0
+        todo = [s for s in self.sessions.values() if not s.closed and s.calls]
+        trees = [s.assemble() for s in todo]
+        for tree in trees:
+            tree.meta["closed_by"] = "shutdown"
+        written = write_trees(self.cfg.out, trees, append=True) if trees else 0
+        for session in todo:  # after the write, as close_session does: a failed write closes none
+            session.close()
+        return written
 
     # -- access --------------------------------------------------------------------------
     def resolve(self, request: Request, admin: bool = False) -> Session | None:
