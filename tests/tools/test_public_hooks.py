@@ -67,7 +67,8 @@ def test_the_in_sandbox_put_back_runs_the_hosts_own_tar_filter():
 
 
 def _private_module_imports(path: Path) -> list[str]:
-    """Imports of another package's private module (``agentrl.tools._loop`` from ``agentrl.policy``)."""
+    """Imports of another package's private module (``agentrl.tools._loop`` from ``agentrl.policy``);
+    a package's subpackages are part of it."""
     import ast
 
     rel = path.relative_to(ROOT).with_suffix("").parts
@@ -79,7 +80,9 @@ def _private_module_imports(path: Path) -> list[str]:
         base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
         target = [p for p in ".".join(x for x in (base, node.module or "") if x).split(".") if p]
         for i, part in enumerate(target):
-            if part.startswith("_") and not part.startswith("__") and target[:i] != package:
+            # private to the package that holds it, subpackages included (envs/_action.py
+            # serves envs/alfworld/ too), never to a sibling or a parent
+            if part.startswith("_") and not part.startswith("__") and package[:i] != target[:i]:
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {'.'.join(target)}")
     return bad
 
