@@ -145,14 +145,19 @@ def create_env_app(config: EnvServerConfig) -> Any:
         _reap(envs, config.idle_s)
         if len(envs) >= config.max_envs:
             raise HTTPError(429, f"at most {config.max_envs} envs alive; close some first")
-        from agentrl.env import answer_problem, make_env
+        from agentrl.env import answer_problem, make_env, resolve_env_id
 
         try:
-            env = await bounded(lambda: make_env(body.env_id, **body.kwargs))
+            resolve_env_id(body.env_id)
         except EnvError as e:
             raise HTTPError(400, f"env_id: {e}", param="env_id") from None
-        except TypeError as e:
-            raise HTTPError(400, f"kwargs: {e}", param="kwargs") from None
+        try:
+            env = await bounded(lambda: make_env(body.env_id, **body.kwargs))
+        except TimeoutError:
+            raise HTTPError(504, f"making {body.env_id} took over step_timeout_s={config.step_timeout_s:g}") from None
+        except Exception as e:  # a setting the env refused (EnvError, TypeError, ValueError) or its bug
+            raise HTTPError(400, f"cannot make {body.env_id} with kwargs {str(body.kwargs)[:200]}: "
+                            f"{type(e).__name__}: {e}", param="kwargs") from None
         try:
             answer = await bounded(lambda: env.reset(seed=body.seed, options=body.options))
             problem = answer_problem("reset", answer)

@@ -54,3 +54,15 @@ def test_bad_input_is_answered_and_a_crash_ends_only_its_episode(env_url):
                       headers=AUTH).status_code == 409
     assert httpx.post(f"{env_url}/envs/nope/step", json={"action": "x"}, headers=AUTH).status_code == 404
     assert httpx.get(f"{env_url}/health", headers=AUTH).json()["ok"]
+
+
+@pytest.mark.parametrize("env_id, kwargs, says", [
+    ("agentrl/MathPython-v0", {"sandbox": "nope"}, "unknown backend 'nope'"),  # ConfigError: was a 500
+    ("agentrl/GuessNumber-v0", {"high": "many"}, "high"),
+    ("agentrl/GuessNumber-v0", {"colour": "red"}, "colour"),
+])
+def test_a_setting_the_env_refuses_is_a_400_naming_the_kwargs(env_url, env_id, kwargs, says):
+    r = httpx.post(f"{env_url}/envs", json={"env_id": env_id, "kwargs": kwargs}, headers=AUTH)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "kwargs" and says in error["message"] and env_id in error["message"]
