@@ -15,7 +15,9 @@ Model mistakes never raise. Invalid JSON, an unknown tool, arguments that fail
 validation and calls over ``max_calls_per_turn`` each answer with an error
 message in the observation. Each call's output is capped at
 ``max_output_chars``, and the whole observation at ``max_observation_chars``.
-The episode is truncated after ``max_turns`` steps.
+The episode is truncated after ``max_turns`` steps. A step after the episode
+ended pays nothing and repeats how it ended (``terminated`` or ``truncated``), and
+from the last step on ``info["admissible_actions"]`` is empty, as in every env.
 
 Failures outside the model's control end the episode: a dead sandbox, a tool
 that raised, a crash of the wrapped env or the verifier, or a reward that is
@@ -263,7 +265,7 @@ class ToolEnv(TextEnv):
         self.sandbox: Sandbox | None = None
         self.task: Task | None = None
         self._turn = 0
-        self._done = False
+        self._ended: tuple[bool, bool] | None = None  # (terminated, truncated) once over
         self._started = False
         self._base_info: dict[str, Any] = {}
         self._release_error: str | None = None
@@ -297,7 +299,7 @@ class ToolEnv(TextEnv):
         """Async ``reset``: end the previous episode, start a new one."""
         TextEnv.reset(self, seed=seed)
         await self._end_episode()
-        self._turn, self._done, self._started = 0, False, True
+        self._turn, self._ended, self._started = 0, None, True
         options = dict(options or {})
         if self.inner is not None:
             if seed is None:  # an explicit seed lets the episode be replayed
@@ -320,7 +322,7 @@ class ToolEnv(TextEnv):
             try:
                 await self.task.setup(await self._ensure_sandbox())
             except Exception as err:  # the episode fails; the reason is recorded
-                self._done = True
+                self._ended = (False, True)
                 info["error"] = f"task setup failed: {type(err).__name__}: {err}"
                 await self._end_episode()
         if self.config.tools_in_observation and self.tools:
@@ -333,9 +335,10 @@ class ToolEnv(TextEnv):
         if not self._started:
             raise EnvError("step() before reset(); call reset() first")
         info = {k: v for k, v in self._base_info.items() if k != "error"}
-        if self._done:
-            info["error"] = "step() after the episode ended; call reset()"
-            return "The episode is over.", 0.0, False, True, info
+        if self._ended is not None:  # pays nothing and repeats how the episode ended
+            info["admissible_actions"] = []
+            self._last_obs = "The episode is over. Call reset() to start a new one."
+            return self._last_obs, 0.0, *self._ended, info
         self._turn += 1
         self._replay_log["actions"].append(action)
         parsed = parse_tool_calls(action)
@@ -354,7 +357,8 @@ class ToolEnv(TextEnv):
         if out.error is not None:
             info["error"] = out.error
         if terminated or truncated:
-            self._done = True
+            self._ended = (terminated, truncated)
+            info["admissible_actions"] = []  # no action is taken any more
             await self._end_episode()
             if self._release_error:
                 info["release_error"], self._release_error = self._release_error, None
@@ -389,7 +393,7 @@ class ToolEnv(TextEnv):
             tools = {**self._loop.run(self._tool_states(self.sandbox)), **pending}
         inner = self.inner.snapshot() if self.inner is not None else None
         own = (
-            self.task, self._turn, self._done, self._started, self._base_info,
+            self.task, self._turn, self._ended, self._started, self._base_info,
             self._last_obs, self._replay_log,
         )  # fmt: skip
         return {"inner": inner, "own": copy.deepcopy(own), "sandbox": box, "tools": tools}
@@ -422,7 +426,7 @@ class ToolEnv(TextEnv):
             self.inner.restore(snapshot["inner"])
         own = copy.deepcopy(snapshot["own"])
         (
-            self.task, self._turn, self._done, self._started, self._base_info,
+            self.task, self._turn, self._ended, self._started, self._base_info,
             self._last_obs, self._replay_log,
         ) = own  # fmt: skip
 

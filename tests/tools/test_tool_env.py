@@ -137,8 +137,8 @@ def test_episode_is_truncated_after_max_turns():
     env.reset(seed=0)
     flags = [env.step(hermes("echo", text="x"))[2:4] for _ in range(3)]
     assert flags == [(False, False), (False, False), (False, True)]
-    obs, _, _, trunc, info = env.step("late")
-    assert trunc and "call reset" in info["error"]
+    obs, _, _, trunc, info = env.step("late")  # repeats the end; not a new failure
+    assert trunc and "Call reset()" in obs and "error" not in info
     env.close()
 
 
@@ -437,4 +437,62 @@ def test_concurrent_edits_in_one_turn_all_land(local_sandbox):
         env.step(hermes("read_file", path="f.txt"))[0]
         == "<tool_response>\nA\nB\nC\n\n</tool_response>"
     )
+    env.close()
+
+
+# -- after the episode ended: the rule every env follows ---------------------------------
+
+
+def _won_math_episode():
+    env = ToolEnv(mult_task, tools=["calculator"])
+    env.reset(seed=3)
+    _, reward, term, trunc, info = env.step(str(env.task.info["answer"]))
+    assert (reward, term, trunc) == (1.0, True, False)
+    return env, info
+
+
+def test_a_step_after_a_won_task_pays_nothing_and_stays_terminated():
+    # Later steps said terminated=False, truncated=True: a win read as a truncation.
+    env, info = _won_math_episode()
+    assert info["admissible_actions"] == []  # no action is taken any more
+    for _ in range(2):
+        obs, reward, term, trunc, info = env.step(str(env.task.info["answer"]))
+        assert (reward, term, trunc) == (0.0, True, False)
+        assert info["admissible_actions"] == [] and "error" not in info
+        assert "episode is over" in obs
+    env.close()
+
+
+def test_a_step_after_a_won_wrapped_env_stays_terminated_with_no_admissible_action():
+    env = ToolEnv(GuessNumberEnv(high=8, max_turns=8), tools=["calculator"])
+    env.reset(seed=0)
+    term = False
+    for _ in range(8):
+        _, _, term, _, _ = env.step(env.inner.expert_action())
+        if term:
+            break
+    assert term
+    for action in (env.inner.expert_action(), hermes("calculator", expression="1+1")):
+        _, reward, term, trunc, info = env.step(action)
+        assert (reward, term, trunc) == (0.0, True, False)
+        assert info["admissible_actions"] == []
+    env.close()
+
+
+def test_a_step_after_truncation_stays_truncated_and_the_answer_pays_nothing():
+    env = ToolEnv(mult_task, tools=[echo], max_turns=1)
+    env.reset(seed=3)
+    *_, term, trunc, info = env.step(hermes("echo", text="x"))
+    assert (term, trunc) == (False, True) and info["admissible_actions"] == []
+    _, reward, term, trunc, info = env.step(str(env.task.info["answer"]))  # would have won
+    assert (reward, term, trunc) == (0.0, False, True) and info["admissible_actions"] == []
+    env.close()
+
+
+def test_a_restored_ended_episode_repeats_how_it_ended():
+    env, _ = _won_math_episode()
+    snap = env.snapshot()
+    env.reset(seed=4)
+    env.restore(snap)
+    assert env.step("again")[1:4] == (0.0, True, False)
     env.close()
