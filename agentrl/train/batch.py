@@ -290,7 +290,8 @@ def minibatch_step(net: torch.nn.Module, samples: list[Sample], idx: list[int], 
     statistic of the whole minibatch, reads ``Row.minibatch`` instead
     (``Minibatch.token_masks``): its rows then add up to the minibatch's loss
     whatever ``max_tokens`` puts in a row. The tokens run include the no-grad
-    pass that ``Minibatch.logprobs`` may add.
+    pass that ``Minibatch.logprobs`` may add. A row with no action token (TIP may drop all of
+    a sample's) has no loss and is not run.
     """
     dev = next(net.parameters()).device
     mb = Minibatch(samples, idx, lambda ss: score_samples(net, ss, max_tokens, pad_id, temperature))
@@ -299,6 +300,12 @@ def minibatch_step(net: torch.nn.Module, samples: list[Sample], idx: list[int], 
     if anchor:
         fields = tuple(f for f in fields if f != "old")
     for row in _rows(tree)(net, samples, idx, max_tokens, pad_id, fields, per_token):
+        if not bool(row.mask.any()):  # no action token left (TIP may drop them all): no loss, no graph
+            if anchor:  # what the forward would have given them: 0 off the kept tokens
+                for i in row.seq_index:
+                    n = len(samples[i].input_ids)
+                    samples[i].old, samples[i].old_entropy = [0.0] * n, [0.0] * n
+            continue
         row.minibatch = mb
         with autocast(dev):
             out = token_scores(net, row.input_ids, row.attn, row.mask, temperature, position_ids=row.position_ids,

@@ -261,6 +261,37 @@ def test_micro_batches_accumulate_the_same_gradient_as_one_forward():
         torch.testing.assert_close(split[n], one[n], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("anchor", [False, True])
+def test_a_row_whose_samples_have_no_action_token_left_adds_nothing_and_does_not_fail(anchor):
+    """TIP can drop every action token of a sample (``Distiller._informative_tokens``). Alone in its
+    row it made a loss with no graph, and its ``backward()`` raised; now the row is skipped (its share
+    of the minibatch is 0), the gradient is the other sample's, and an anchoring minibatch gives the
+    skipped sample the scores a forward would (0 off the kept tokens)."""
+    from agentrl.train.batch import minibatch_step
+
+    def samples() -> list[Sample]:
+        return [Sample([5, 6, 7, 8], [0, 0, 0, 0], [-2.0] * 4, [0.0, 0.0, 0.0, 1.0], [0] * 4),
+                Sample([9, 10, 11, 12, 13, 14], [0, 0, 1, 1, 1, 1], [-2.0] * 6, [0, 0, 1.0, -1.0, 1.0, 1.0], [0] * 6)]
+
+    fields = ("advantages", "behaviour", "versions") + (() if anchor else ("old",))
+    grads = []
+    for idx in ([0, 1], [1]):  # 6 tokens a row: each sample in its own row
+        model, _ = load_model("tiny-random")
+        ss = samples()
+        if not anchor:
+            for s in ss:
+                s.old = [-3.0] * len(s.mask)
+        minibatch_step(model, ss, idx, StepLoss(PolicyLossConfig(tis_cap=None)), fields=fields, per_token=True,
+                       max_tokens=6, pad_id=0, temperature=1.0, anchor=anchor)
+        grads.append(_grads(model))
+        if anchor and idx == [0, 1]:
+            assert ss[0].old == [0.0] * 4 and ss[0].old_entropy == [0.0] * 4
+    both, alone = grads
+    assert set(both) == set(alone) and both
+    for n in both:
+        torch.testing.assert_close(both[n], alone[n])
+
+
 def test_episode_longer_than_a_micro_batch_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="micro_batch_tokens"):
         toy_config(tmp_path, "rollout.max_context_tokens=2048", "train.micro_batch_tokens=1024")
