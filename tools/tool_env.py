@@ -28,6 +28,10 @@ The sandbox comes from ``sandbox=``: a ``Sandbox``, a factory or a pool (see
 ``agentrl.tools.sandbox_source``). It is leased on the first call that needs one
 (or at reset when the task has files) and given back when the episode ends.
 
+Settings (``ToolEnvConfig``'s fields, as keywords or ``config=``) are checked as
+every env checks its own: a bad or unknown one is an ``EnvError`` naming it and
+the value; ``"3"``, ``3.0`` and ``True`` are not whole numbers, nor a str a flag.
+
 ``reset``/``step`` are sync (the gymnasium API) and run on one process-wide
 event-loop thread (``shared_loop``), so they also work inside a running loop, and
 envs that share a pool share its loop. ``areset``/``astep`` are the
@@ -155,9 +159,10 @@ class _Pending:
 
 
 class ToolEnvConfig(BaseModel):
-    """Limits and formats of a ``ToolEnv``."""
+    """Limits and formats of a ``ToolEnv``. Strict: ``max_turns="3"``, ``3.0`` or ``True``
+    is refused, not read as 3, 3 and 1 (a str is not a flag either)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     style: Literal["hermes", "json"] = Field(
         "hermes", description="Format of the tools prompt and of tool results (parsing reads both)."
@@ -171,13 +176,36 @@ class ToolEnvConfig(BaseModel):
     )
     max_turns: int = Field(16, ge=1, description="Steps before the episode is truncated.")
     call_timeout_s: float = Field(
-        180.0, gt=0, description="Wall-clock limit of one call, on top of the tools' own timeouts."
+        180.0, gt=0, allow_inf_nan=False, description="Wall-clock limit of one call, on top of the tools' own timeouts."
     )
     tools_in_observation: bool = Field(
         False,
         description="Prepend the rendered tools prompt to the first observation, for models "
         "whose chat template does not take tools.",
     )
+
+
+def _settings(config: Any, overrides: dict[str, Any]) -> ToolEnvConfig:
+    """``config`` (a ``ToolEnvConfig`` or None) with ``overrides`` set, or an ``EnvError``
+    naming the setting and the value, as every env's settings are checked
+    (``agentrl.envs._settings``). Numpy scalars count as the Python ones."""
+    if config is not None and not isinstance(config, ToolEnvConfig):
+        raise EnvError(f"config must be a ToolEnvConfig or None, not {config!r:.80}; "
+                       "or pass the settings as keywords: ToolEnv(..., max_turns=8)")
+    known = list(ToolEnvConfig.model_fields)
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise EnvError(f"unknown ToolEnv setting {key!r}{hint} Settings: {', '.join(known)}")
+    plain = {k: v.item() if isinstance(v, np.generic) else v for k, v in overrides.items()}
+    try:
+        return ToolEnvConfig.model_validate({**(config or ToolEnvConfig()).model_dump(), **plain})
+    except ValidationError as err:
+        e = err.errors(include_url=False)[0]
+        name = ".".join(map(str, e["loc"]))
+        why = e["msg"][:1].lower() + e["msg"][1:]
+        raise EnvError(f"ToolEnv setting {name}: {why}, not {e['input']!r:.80}") from err
 
 
 def _as_reward(value: Any) -> float:
@@ -230,14 +258,7 @@ class ToolEnv(TextEnv):
         **overrides: Any,
     ):
         super().__init__(render_mode=render_mode)
-        try:
-            base = (config or ToolEnvConfig()).model_dump()
-            self.config = ToolEnvConfig.model_validate({**base, **overrides})
-        except ValidationError as err:
-            bad = "; ".join(
-                f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors(include_url=False)
-            )
-            raise ConfigError(f"bad ToolEnv setting ({bad})") from err
+        self.config = _settings(config, overrides)
         self.inner = source if isinstance(source, TextEnv) else None
         self._tasks = None if self.inner is not None else source
         if isinstance(tools, str | Tool):  # a str is a sequence too: of letters

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 
+import numpy as np
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from agentrl.env import TextEnv
 from agentrl.envs.guess_number import GuessNumberEnv
 from agentrl.errors import ConfigError, EnvError
-from agentrl.tools import Task, ToolEnv, tool
+from agentrl.tools import Task, ToolEnv, ToolEnvConfig, tool
 from tests.tools.sandbox_fakes import DeadSandbox, MemorySandbox
 
 
@@ -154,8 +155,6 @@ def test_sandbox_tools_without_a_sandbox_fail_at_construction():
         ToolEnv(mult_task, tools=["bash"])
     with pytest.raises(ConfigError, match='make_sandbox\\("auto"\\)'):  # says how to get one
         ToolEnv(mult_task, tools=["python"])
-    with pytest.raises(ConfigError):
-        ToolEnv(mult_task, tools=["calculator"], max_calls_per_turn=0)
 
 
 def test_runs_calls_concurrently():
@@ -495,4 +494,48 @@ def test_a_restored_ended_episode_repeats_how_it_ended():
     env.reset(seed=4)
     env.restore(snap)
     assert env.step("again")[1:4] == (0.0, True, False)
+    env.close()
+
+
+# -- settings: checked as every env checks its own -------------------------------------
+
+
+@pytest.mark.parametrize(("setting", "value"), [
+    ("max_turns", "3"),  # pydantic's lax mode took these as 3, 3 and 1
+    ("max_turns", 3.0),
+    ("max_calls_per_turn", True),
+    ("max_calls_per_turn", 0),
+    ("max_output_chars", 10),
+    ("call_timeout_s", float("nan")),
+    ("call_timeout_s", float("inf")),
+    ("call_timeout_s", "60"),
+    ("style", "xml"),
+    ("tools_in_observation", "no"),  # a truthy str
+    ("tools_in_observation", 1),
+])
+def test_a_bad_setting_is_an_env_error_naming_the_setting_and_the_value(setting, value):
+    with pytest.raises(EnvError, match=f"{setting}.*{value!r}"):
+        ToolEnv(mult_task, tools=["calculator"], **{setting: value})
+
+
+def test_an_unknown_setting_is_an_env_error_with_a_did_you_mean():
+    with pytest.raises(EnvError, match="max_turn.*did you mean 'max_turns'"):
+        ToolEnv(mult_task, tools=["calculator"], max_turn=3)
+    with pytest.raises(EnvError, match="config must be a ToolEnvConfig"):
+        ToolEnv(mult_task, tools=["calculator"], config={"max_turns": 3})
+
+
+def test_settings_take_numpy_scalars_and_whole_seconds():
+    env = ToolEnv(mult_task, tools=["calculator"], max_turns=np.int64(3), call_timeout_s=60,
+                  tools_in_observation=np.bool_(True))
+    assert env.config.max_turns == 3 and type(env.config.max_turns) is int
+    assert env.config.call_timeout_s == 60.0 and env.config.tools_in_observation is True
+    env.close()
+
+
+def test_the_config_model_is_strict_too():
+    with pytest.raises(ValidationError, match="max_turns"):
+        ToolEnvConfig(max_turns="3")
+    env = ToolEnv(mult_task, tools=["calculator"], config=ToolEnvConfig(max_turns=2), style="json")
+    assert (env.config.max_turns, env.config.style) == (2, "json")
     env.close()
