@@ -339,7 +339,9 @@ def _response(out: Out, status: str, output: list[dict[str, Any]], usage: dict[s
 
 def _usage(out: Out) -> dict[str, Any]:
     n = len(out.choices[0].result.token_ids)
-    return {"input_tokens": len(out.prompt_ids), "input_tokens_details": {"cached_tokens": out.reused},
+    # cache_write_tokens: the openai client's types require it; the proxy writes no provider cache
+    return {"input_tokens": len(out.prompt_ids),
+            "input_tokens_details": {"cached_tokens": out.reused, "cache_write_tokens": 0},
             "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": len(out.prompt_ids) + n}
 

@@ -518,3 +518,20 @@ def test_a_text_format_that_is_no_object_is_a_400(mock_policy, serve, fmt):
     r = _post(server.url, {"input": "hi", "text": {"format": fmt}})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "text.format"
+
+
+@pytest.mark.parametrize("reply", ["Hello there!", ADD_CALL, "one two three four five six seven"])
+@pytest.mark.parametrize("cut", [False, True])
+def test_bodies_and_events_validate_against_the_sdk_types(mock_policy, serve, reply, cut):
+    """The openai client builds its models without validation: checked here, field by field, so a
+    field its types require (``usage.input_tokens_details.cache_write_tokens``) is never missing."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    server = serve(mock_policy([reply]))
+    body = {"model": "m", "input": "hi", "tools": [ADD], **({"max_output_tokens": 3} if cut else {})}
+    Response.model_validate(_post(server.url, body).json())
+    events = TypeAdapter(list[ResponseStreamEvent]).validate_python(
+        [data for _, data in _sse(_post(server.url, {**body, "stream": True}).text)])
+    assert events[-1].type == ("response.incomplete" if cut else "response.completed")
+    assert events[-1].response.usage.input_tokens_details.cache_write_tokens == 0
