@@ -131,6 +131,10 @@ class Wire:
     def recorded(self, out: Out, proxy: Proxy) -> None:
         """After the call is recorded, before it is written (Responses keeps what ``store`` asks)."""
 
+    def errors_for(self, out: Out) -> ErrorShape:
+        """How this call writes an error (Responses numbers its error event after the events sent)."""
+        return self.errors
+
 
 class ChatWire(Wire):
     """OpenAI Chat Completions: the internal conversation as it is."""
@@ -275,7 +279,7 @@ def chat_endpoint(proxy: Proxy, wire: Wire) -> Handler:
         if req.stream and not spec.parse_tools:  # a reply that may hold tool calls is parsed whole first
             live = live_for(reqs, proxy.tokenizer, stops, req.include_stop_str_in_output, wire.live_chunk(out))
         return Reply(proxy, reqs, finish, req.stream, _cancelled(session, call_id), release, live,
-                     wire.errors)
+                     wire.errors_for(out))
 
     return handle
 

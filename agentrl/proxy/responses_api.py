@@ -84,9 +84,10 @@ _CUSTOM_INPUT = {"type": "object", "properties": {"input": {
     "type": "string", "description": "The tool's whole input, as free-form text."}}, "required": ["input"]}
 
 
-def _error_event(err: HTTPError) -> bytes:
+def _error_event(err: HTTPError, seq: int = 0) -> bytes:
+    """An ``error`` event; ``seq``: its sequence number, the next after the events a call sent."""
     return _event("error", {"type": "error", "code": err.code, "message": err.message, "param": err.param,
-                            "sequence_number": 0})
+                            "sequence_number": seq})
 
 
 RESPONSES_ERRORS = ErrorShape(lambda err: err.response(), _error_event)
@@ -370,6 +371,10 @@ class ResponsesWire(Wire):
 
     def body(self, out: Out) -> dict[str, Any]:
         return _response(out, _status(out), _items(out), _usage(out))
+
+    def errors_for(self, out: Out) -> ErrorShape:
+        # numbered on from the call's events: after response.created and deltas, not 0 again
+        return ErrorShape(RESPONSES_ERRORS.response, lambda err: _error_event(err, next(out.conv.state.seq)))
 
     def _ev(self, out: Out, event: str, **data: Any) -> bytes:
         return _event(event, {"type": event, "sequence_number": next(out.conv.state.seq), **data})

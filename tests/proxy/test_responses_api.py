@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import time
 
 import httpx
 import pytest
@@ -535,3 +538,41 @@ def test_bodies_and_events_validate_against_the_sdk_types(mock_policy, serve, re
         [data for _, data in _sse(_post(server.url, {**body, "stream": True}).text)])
     assert events[-1].type == ("response.incomplete" if cut else "response.completed")
     assert events[-1].response.usage.input_tokens_details.cache_write_tokens == 0
+
+
+class _Gated:
+    """Reports ``text``'s tokens through ``on_token``; after the third it waits (up to 10 s) for
+    ``go``, so a test can act while the reply is half streamed."""
+
+    version = 0
+
+    def __init__(self, tokenizer, text: str):
+        self.tokenizer, self.go = tokenizer, threading.Event()
+        self.ids = tokenizer.encode(text) + [tokenizer.eos_token_id]
+
+    async def agenerate(self, request):
+        from agentrl.policy import GenerateResult
+
+        for k, t in enumerate(self.ids):
+            request.control.on_token(t)
+            if k == 2:
+                deadline = time.monotonic() + 10
+                while not self.go.is_set() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.005)
+        n = len(self.ids)
+        return GenerateResult(list(self.ids), [-0.5] * n, [0.0] * n, "stop", self.version)
+
+
+def test_an_error_after_the_stream_began_continues_its_sequence_numbers(tokenizer, serve):
+    policy = _Gated(tokenizer, "Streaming works, token by token, until the session closes.")
+    server = serve(policy)
+    sid, key, base = _session(server.url)
+    events = []
+    with _client(base, key).responses.create(model="m", input="hi", stream=True) as stream:
+        for event in stream:
+            events.append(event)
+            if event.type == "response.output_text.delta" and not policy.go.is_set():
+                httpx.post(f"{server.url}/sessions/{sid}/close").raise_for_status()
+                policy.go.set()
+    assert events[-1].type == "error" and "closed" in events[-1].message
+    assert [e.sequence_number for e in events] == list(range(len(events)))
