@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -196,3 +197,27 @@ def test_fuzz_parser_never_raises(text):
 def test_overlong_tool_name_is_an_error():
     res = parse_tool_calls('<tool_call>{"name": "' + "x" * 500 + '", "arguments": {}}</tool_call>')
     assert res.calls == [] and "longer than 128" in res.errors[0]
+
+
+
+# -- adversarial text: every parse is linear, every result bounded ------------------------
+
+
+def _timed_parse(text: str):
+    start = time.perf_counter()
+    result = parse_tool_calls(text)
+    return result, time.perf_counter() - start
+
+
+def test_whitespace_inside_a_block_parses_in_linear_time():
+    # The code-fence regex (\s*```$ tried at every position) took 33 s on this 100 KB block.
+    for body in ("a" + " " * 100_000 + "b", '{"name":' + " \n" * 50_000 + "}"):
+        res, seconds = _timed_parse(f"<tool_call>{body}</tool_call>")
+        assert seconds < 1.0 and len(res.errors) == 1 and "invalid JSON" in res.errors[0]
+
+
+def test_a_fenced_call_with_inner_whitespace_still_parses():
+    res = parse_tool_calls('<tool_call>```json\n{"name":  "a",\n\n "arguments": {}}\n  ```</tool_call>')
+    assert res.errors == [] and [c.name for c in res.calls] == ["a"]
+
+
