@@ -193,8 +193,8 @@ def _messages(items: list[Item], ignored: list[str]) -> list[dict[str, Any]]:
             args: Any = (it.arguments or "{}") if kind == "function_call" else {"input": it.input or ""}
             call = {"id": it.call_id, "type": "function", "function": {"name": it.name, "arguments": args}}
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":
-                last["tool_calls"] = [*(last.get("tool_calls") or []), call]
+            if last is not None and last["role"] == "assistant":  # made here, so appended in place
+                last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind in ("function_call_output", "custom_tool_call_output"):
