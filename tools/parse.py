@@ -37,6 +37,8 @@ __all__ = [
 Style = Literal["hermes", "json"]
 
 MAX_PARSE_CHARS = 200_000  # longer text is cut before parsing; calls live near the start
+MAX_CALLS = 128  # calls read from one reply (ToolEnv runs max_calls_per_turn of them); the rest are counted
+MAX_ERRORS = 16  # problems listed for one reply; the rest are counted
 MAX_JSON_ATTEMPTS = 256
 MAX_NAME_CHARS = 128  # bound on raw_decode tries when scanning for bare JSON
 # A block ends at its closing tag, at the next opening tag (models drop the
@@ -63,11 +65,30 @@ class ParseResult:
 
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    # While parsing: the ids taken, and what went past MAX_CALLS and MAX_ERRORS.
+    _ids: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
+    _unread_calls: int = field(default=0, init=False, repr=False, compare=False)
+    _unlisted_errors: int = field(default=0, init=False, repr=False, compare=False)
 
     @property
     def attempted(self) -> bool:
         """True when the text tried to call a tool, successfully or not."""
         return bool(self.calls or self.errors)
+
+    def _error(self, message: str) -> None:
+        """List ``message``, or count it past ``MAX_ERRORS``: 9,000 empty blocks made 1 MB of errors."""
+        if len(self.errors) < MAX_ERRORS:
+            self.errors.append(message)
+        else:
+            self._unlisted_errors += 1
+
+    def _close(self) -> None:
+        """Say what was left out, once parsing is done."""
+        if self._unread_calls:
+            self.errors.append(f"{self._unread_calls} more tool calls were not read: at most "
+                               f"{MAX_CALLS} are read from one reply")
+        if self._unlisted_errors:
+            self.errors.append(f"{self._unlisted_errors} more problems like these were not listed")
 
 
 def _short(err: Exception) -> str:
@@ -121,17 +142,20 @@ def _call_from_obj(obj: Any, index: int) -> ToolCall | str:
 
 
 def _add(result: ParseResult, obj: Any, where: str) -> None:
+    if len(result.calls) >= MAX_CALLS:
+        result._unread_calls += 1
+        return
     out = _call_from_obj(obj, len(result.calls))
     if isinstance(out, ToolCall):
         # Each result answers one id: a repeated one (the model's, or its own id
         # that matches a generated one) gets the first free ``call_<n>``.
-        taken = {c.id for c in result.calls}
         n = len(result.calls)
-        while out.id in taken:
+        while out.id in result._ids:
             out.id, n = f"call_{n}", n + 1
+        result._ids.add(out.id)
         result.calls.append(out)
     else:
-        result.errors.append(f"{where}: {out}")
+        result._error(f"{where}: {out}")
 
 
 def _unfenced(body: str) -> str:
@@ -150,15 +174,15 @@ def _parse_hermes(text: str, result: ParseResult) -> None:
         body = _unfenced(m.group(1).strip())
         where = f"tool call {n}"
         if not body:
-            result.errors.append(f"{where}: empty <tool_call> block. Write {_HERMES_EXAMPLE}")
+            result._error(f"{where}: empty <tool_call> block. Write {_HERMES_EXAMPLE}")
             continue
         try:
             obj, end = _DECODER.raw_decode(body)
         except (ValueError, RecursionError) as err:
-            result.errors.append(f"{where}: invalid JSON ({_short(err)}). Write {_HERMES_EXAMPLE}")
+            result._error(f"{where}: invalid JSON ({_short(err)}). Write {_HERMES_EXAMPLE}")
             continue
         if extra := body[end:].strip():  # often a stray closing brace
-            result.errors.append(
+            result._error(
                 f"{where}: text after the JSON object: {extra[:40]!r}. Put only the object "
                 f"between the tags: {_HERMES_EXAMPLE}"
             )
@@ -188,7 +212,7 @@ def _parse_bare_json(text: str, result: ParseResult) -> None:
             obj, end = decoder.raw_decode(text, start)
         except (ValueError, RecursionError) as err:
             if _CALL_START.match(text, start):
-                result.errors.append(
+                result._error(
                     f"tool call at character {start}: invalid JSON ({_short(err)}). "
                     f"Write {_JSON_EXAMPLE}"
                 )
@@ -209,7 +233,7 @@ def parse_tool_calls(text: Any, style: Literal["auto", "hermes", "json"] = "auto
     """
     result = ParseResult()
     if not isinstance(text, str):
-        result.errors.append(f"the action must be text, got {type(text).__name__}")
+        result._error(f"the action must be text, got {type(text).__name__}")
         return result
     text = text[:MAX_PARSE_CHARS]
     try:
@@ -218,9 +242,10 @@ def parse_tool_calls(text: Any, style: Literal["auto", "hermes", "json"] = "auto
         elif style in ("json", "auto"):
             _parse_bare_json(text, result)
         else:
-            result.errors.append(f"unknown tool-call style {style!r}; use 'hermes' or 'json'")
+            result._error(f"unknown tool-call style {style!r}; use 'hermes' or 'json'")
     except RecursionError:  # deeply nested values inside an otherwise valid object
-        result.errors.append("a tool call is nested too deeply to read")
+        result._error("a tool call is nested too deeply to read")
+    result._close()
     return result
 
 

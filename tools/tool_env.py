@@ -72,7 +72,13 @@ from agentrl.sandboxes.tar_filter import restore_filter
 from agentrl.types import Message, ToolCall
 
 from .base import Tool, ToolResult, tool_problem, truncate_middle
-from .parse import ParseResult, parse_tool_calls, render_tool_results, render_tools_prompt
+from .parse import (
+    MAX_CALLS,
+    ParseResult,
+    parse_tool_calls,
+    render_tool_results,
+    render_tools_prompt,
+)
 from .registry import get_tool
 from .sandbox_source import SandboxSource, as_sandbox_source
 from .task import Task
@@ -168,7 +174,8 @@ class ToolEnvConfig(BaseModel):
         "hermes", description="Format of the tools prompt and of tool results (parsing reads both)."
     )
     max_calls_per_turn: int = Field(
-        4, ge=1, description="Calls run per turn; extra ones get an error."
+        4, ge=1, le=MAX_CALLS,
+        description=f"Calls run per turn; extra ones get an error (the parser reads {MAX_CALLS}).",
     )
     max_output_chars: int = Field(4_000, ge=64, description="Cap on one call's output, in chars.")
     max_observation_chars: int = Field(

@@ -505,6 +505,7 @@ def test_a_restored_ended_episode_repeats_how_it_ended():
     ("max_turns", 3.0),
     ("max_calls_per_turn", True),
     ("max_calls_per_turn", 0),
+    ("max_calls_per_turn", 129),  # past what the parser reads from one reply
     ("max_output_chars", 10),
     ("call_timeout_s", float("nan")),
     ("call_timeout_s", float("inf")),
