@@ -90,9 +90,12 @@ class OptimizerConfig(_Strict):
     lr: float = Field(1e-5, ge=0.0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warm-up.")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warm-up. In RL, counted as "
+                              "planned: epochs * ceil(tasks_per_step * group_size / minibatch_size) a step, "
+                              "which a step with more or fewer minibatches shares out among its own.")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field(
-        "constant", description="Decay after warm-up, to 0 at the last optimizer step.")
+        "constant", description="Decay after warm-up, to 0 at the last optimizer step (in RL, at the end "
+        "of the last step, whatever the steps' minibatch counts).")
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="Gradient clipping; null: none.")
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "reference",
     "resolved_precision",
     "reference_model",
+    "schedule_at",
     "sync_policy",
 ]
 
@@ -187,6 +188,20 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: Any,
         return 0.5 * (1 + math.cos(math.pi * frac)) if cfg.lr_schedule == "cosine" else 1 - frac
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def schedule_at(scheduler: torch.optim.lr_scheduler.LambdaLR, position: float) -> None:
+    """Put ``scheduler`` at ``position`` optimizer steps of its plan (a fraction is fine) and set
+    its learning rates there, as ``position`` calls of ``step()`` would have.
+
+    The RL step places each of its optimizer steps at its share of the step's planned ones
+    (``Learner``), so that the schedule follows the run's steps whatever a step's minibatch count.
+    """
+    lrs = [base * factor(position) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler.last_epoch = position  # type: ignore[assignment]
+    scheduler._last_lr = lrs  # what get_last_lr() reports
 
 
 def sync_policy(policy: Any, model: torch.nn.Module) -> None:

@@ -63,6 +63,7 @@ from .model import (
     precision,
     reference,
     reference_model,
+    schedule_at,
 )
 from .token_values import token_values
 
@@ -103,8 +104,10 @@ class Learner:
             self.distiller = Distiller(t.distill, tok, self.device, t.steps, student=self.net,
                                        max_len=cfg.rollout.max_context_tokens + 2048)  # + a privileged prefix
         self.optimizer = make_optimizer(self.model, t.optimizer.lr, t.optimizer)
-        minibatches = math.ceil(t.tasks_per_step * cfg.rollout.group_size / t.minibatch_size)
-        self.scheduler = make_scheduler(self.optimizer, t.optimizer, t.steps * t.epochs * minibatches)
+        # The schedule's plan: each step's share of it, whatever that step's minibatch count (_update).
+        self.planned_optimizer_steps = t.epochs * math.ceil(t.tasks_per_step * cfg.rollout.group_size
+                                                            / t.minibatch_size)
+        self.scheduler = make_scheduler(self.optimizer, t.optimizer, t.steps * self.planned_optimizer_steps)
 
     def close(self) -> None:
         """Stop the teacher (a vLLM engine) and drop every model and optimizer reference."""
@@ -221,13 +224,14 @@ class Learner:
         d = t.distill
         loss = StepLoss(t.loss, self.policy.version, d.signal if d is not None else None,
                         d.jsd_beta if d is not None else 0.5)
-        advance = start_bar("train", t.epochs * math.ceil(len(batch) / t.minibatch_size), f"step {step + 1}")
+        n_updates = t.epochs * math.ceil(len(batch) / t.minibatch_size)
+        on_update = self._scheduled(step, n_updates, start_bar("train", n_updates, f"step {step + 1}"))
         t0 = time.perf_counter()
-        st = train_on_samples(self.model, self.optimizer, self.scheduler, batch, loss, fields=fields,
+        st = train_on_samples(self.model, self.optimizer, None, batch, loss, fields=fields,  # on_update schedules
                               epochs=t.epochs, minibatch_size=t.minibatch_size, max_tokens=t.micro_batch_tokens,
                               max_grad_norm=t.optimizer.max_grad_norm, per_token=t.loss.agg == "token-mean",
                               pad_id=self.pad_id, temperature=self.temperature,
-                              orders=orders, on_minibatch=advance, tree=tree_layout, anchor_first=anchor_first)
+                              orders=orders, on_minibatch=on_update, tree=tree_layout, anchor_first=anchor_first)
         wall = time.perf_counter() - t0
         self._keep_token_values(groups, samples, credited)  # the values the loss read, now final
         stats.update(st)
@@ -239,6 +243,27 @@ class Learner:
         stats["train/tokens_per_s"] = (st["train/tokens"] + tokens) / max(wall + stats["time/old_logprobs_s"], 1e-9)
         stats["train/lr"] = self.scheduler.get_last_lr()[0]
         return stats
+
+    def _scheduled(self, step: int, n_updates: int, advance: Callable[..., None]) -> Callable[[], None]:
+        """What runs after each of step ``step``'s ``n_updates`` optimizer steps: the learning rate
+        moves on by its share of the step's planned optimizer steps, then ``advance``.
+
+        The schedule is planned as ``planned_optimizer_steps`` a step, but a step runs one per
+        minibatch of its samples: more with a leaf budget over ``tasks_per_step * group_size`` or
+        DAgger's labels, fewer where episodes are left out. Counted one by one, such steps ended a
+        decaying schedule early (the rest trained at lr 0) or never reached its end; placed by the
+        step, step k starts at ``k * planned_optimizer_steps`` whatever came before it.
+        """
+        start, planned, done = step * self.planned_optimizer_steps, self.planned_optimizer_steps, 0
+        schedule_at(self.scheduler, start)
+
+        def after_update() -> None:
+            nonlocal done
+            done += 1
+            schedule_at(self.scheduler, start + done * planned / n_updates)
+            advance()
+
+        return after_update
 
     def _credit(self, groups: list[EpisodeGroup]) -> tuple[list[Sample], set[int], dict[str, Any]]:
         """Per-token advantages for every episode (and a refit value head), as samples; and the

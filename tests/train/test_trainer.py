@@ -144,6 +144,23 @@ def test_scheduler_warms_up_then_decays_to_zero():
     assert lrs == pytest.approx([0.5, 1.0, 1.0, 0.75, 0.5, 0.25])
 
 
+def test_the_lr_schedule_follows_the_steps_whatever_a_step_s_minibatch_count(tmp_path):
+    """The schedule is planned as tasks_per_step * group_size / minibatch_size optimizer steps a
+    step; a step's real count differs (a leaf budget over that, DAgger labels, episodes left out).
+    Here a budget of 4 leaves makes 2 minibatches where 1 was planned: the linear schedule reached
+    lr 0 after step 1 of 2 and step 2 trained at lr 0. Now each step takes its share of the
+    schedule however many optimizer steps it runs: halfway (lr 1e-2 / 2) after step 1, 0 after 2."""
+    torch.set_num_threads(1)
+    cfg = toy_config(tmp_path, "train.steps=2", "train.tasks_per_step=1", "rollout.group_size=2",
+                     "train.minibatch_size=2", "rollout.budget=4", "rollout.allocator={name: independent, n: all}",
+                     "train.optimizer.lr_schedule=linear", "train.evaluation.episodes=0",
+                     "train.skip_zero_advantage=false", "train.output.plot=false")
+    train(cfg, progress=False)
+    rows = [r for r in _rows(tmp_path / "metrics.jsonl") if r.get("phase") == "rl"]
+    assert [r["train/optimizer_steps"] for r in rows] == [2, 2]
+    assert [r["train/lr"] for r in rows] == pytest.approx([5e-3, 0.0])
+
+
 def test_top_k_trains_only_the_top_layers_and_final_norm():
     model, _ = load_model("tiny-random")
     make_trainable(model, TrainConfig(trainable="top_k", top_k_layers=1))
