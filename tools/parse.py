@@ -40,6 +40,9 @@ MAX_PARSE_CHARS = 200_000  # longer text is cut before parsing; calls live near 
 MAX_CALLS = 128  # calls read from one reply (ToolEnv runs max_calls_per_turn of them); the rest are counted
 MAX_ERRORS = 16  # problems listed for one reply; the rest are counted
 MAX_JSON_ATTEMPTS = 256
+# Chars that bare-JSON decoding may read in all: each "{" is decoded from there on, so
+# 256 nested starts of one long broken array read it 256 times (3.9 s for 200 KB).
+MAX_SCAN_CHARS = 5 * MAX_PARSE_CHARS
 MAX_NAME_CHARS = 128  # bound on raw_decode tries when scanning for bare JSON
 # A block ends at its closing tag, at the next opening tag (models drop the
 # closing tag between calls) or at the end of the text.
@@ -200,17 +203,30 @@ def _is_call_shaped(obj: Any) -> bool:
     return "name" in obj and ("arguments" in obj or "parameters" in obj)
 
 
+def _chars_read(err: BaseException, text: str, start: int) -> int:
+    """About how many chars a failed decode from ``start`` read: up to where it failed, or
+    the rest of the text where the error does not say (an unterminated string is read to
+    the end, and its error points at the string's start)."""
+    if isinstance(err, json.JSONDecodeError) and not err.msg.startswith("Unterminated string"):
+        return err.pos - start + 1
+    return len(text) - start
+
+
 def _parse_bare_json(text: str, result: ParseResult) -> None:
+    """Decode from each "{" in turn, within ``MAX_JSON_ATTEMPTS`` tries and ``MAX_SCAN_CHARS``
+    chars read; past either, the rest of the text is not read (as if it held no call)."""
     decoder = _DECODER
-    pos, attempts = 0, 0
-    while attempts < MAX_JSON_ATTEMPTS:
+    pos, attempts, read = 0, 0, 0
+    while attempts < MAX_JSON_ATTEMPTS and read < MAX_SCAN_CHARS:
         start = text.find("{", pos)
         if start < 0:
             return
         attempts += 1
         try:
             obj, end = decoder.raw_decode(text, start)
+            read += end - start
         except (ValueError, RecursionError) as err:
+            read += _chars_read(err, text, start)
             if _CALL_START.match(text, start):
                 result._error(
                     f"tool call at character {start}: invalid JSON ({_short(err)}). "

@@ -238,3 +238,16 @@ def test_thousands_of_broken_blocks_give_a_bounded_list_of_errors():
     assert res.errors[-1] == f"{9_090 - MAX_ERRORS} more problems like these were not listed"
 
 
+def test_bare_json_that_fails_late_is_not_rescanned_for_seconds():
+    # 256 nested starts, each decoding 100,000 numbers before failing: 3.9 s.
+    blob = '{"a":' * 256 + "[" + "1," * 99_000
+    res, seconds = _timed_parse(blob)
+    assert seconds < 0.5 and not res.attempted
+
+
+
+
+def test_a_bare_call_after_some_broken_json_is_still_read():
+    text = "code: {'a': 1} and {x} then " + json.dumps({"name": "calc", "arguments": {"e": "1"}})
+    res = parse_tool_calls(text * 20)
+    assert len(res.calls) == 20 and res.errors == []
