@@ -421,6 +421,8 @@ def test_count_tokens_is_the_full_render_and_records_nothing(mock_policy, serve,
     (_body(stop_sequences=["", "x"]), "stop_sequences"),
     (_body(temperature=3), "temperature"),
     (_body(top_k=-1), "top_k"),
+    (_body(output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}}), "output_config.format"),
+    (_body(output_format={"type": "json_schema", "schema": {"type": "object"}}), "output_format"),
 ])
 def test_bad_bodies_get_anthropic_errors_naming_the_field(mock_policy, serve, body, names):
     server = serve(mock_policy())
@@ -479,3 +481,10 @@ def test_a_sampled_tool_call_with_nan_arguments_is_answered_in_json(mock_policy,
                 _strict_json(data["delta"]["partial_json"])
     else:
         _strict_json(r.text)
+
+
+def test_output_config_without_a_format_is_served(mock_policy, serve):
+    server = serve(mock_policy())
+    for config in ({"effort": "high"}, {"format": None}, {}):
+        r = _post(server.url, _body(output_config=config))
+        assert r.status_code == 200 and r.json()["content"][0]["text"] == "Hello there!", r.text
