@@ -50,6 +50,9 @@ _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|(?=<tool_call>)|\Z)", re.D
 _FENCE_OPEN = re.compile(r"```[a-zA-Z]*")
 # A bare object that starts like a call; used to report broken JSON as an error.
 _CALL_START = re.compile(r'\{\s*"(?:name|function)"\s*:')
+# The ids a call may bring (OpenAI's call_..., Anthropic's toolu_..., Mistral's); another
+# is replaced, as each tool message echoes it into the prompt the template renders.
+_CALL_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _HERMES_EXAMPLE = '<tool_call>{"name": "TOOL", "arguments": {...}}</tool_call>'
 
 
@@ -140,7 +143,7 @@ def _call_from_obj(obj: Any, index: int) -> ToolCall | str:
             f"tool {name!r}: the call holds a lone surrogate escape (such as \\ud800), which is "
             "not valid Unicode; write the character itself or a complete surrogate pair"
         )
-    cid = call_id if isinstance(call_id, str) and call_id else f"call_{index}"
+    cid = call_id if isinstance(call_id, str) and _CALL_ID.fullmatch(call_id) else f"call_{index}"
     return ToolCall(id=cid, name=name.strip(), arguments=args)
 
 
@@ -244,8 +247,8 @@ def _parse_bare_json(text: str, result: ParseResult) -> None:
 def parse_tool_calls(text: Any, style: Literal["auto", "hermes", "json"] = "auto") -> ParseResult:
     """Read the tool calls in ``text``; never raises.
 
-    Calls get ids ``call_0``, ``call_1``, ... unless the JSON carries an ``id``;
-    ids are unique within the result.
+    Calls get ids ``call_0``, ``call_1``, ... unless the JSON carries an ``id`` of 1 to
+    64 letters, digits or ``_.:-``; ids are unique within the result.
     """
     result = ParseResult()
     if not isinstance(text, str):

@@ -251,3 +251,9 @@ def test_a_bare_call_after_some_broken_json_is_still_read():
     text = "code: {'a': 1} and {x} then " + json.dumps({"name": "calc", "arguments": {"e": "1"}})
     res = parse_tool_calls(text * 20)
     assert len(res.calls) == 20 and res.errors == []
+def test_an_overlong_or_non_string_call_id_is_replaced_by_a_generated_one():
+    # A 10,000-char id was echoed into every tool message the chat template renders.
+    calls = [{"id": "x" * 10_000, "name": "a"}, {"id": 7, "name": "b"}, {"id": "ok_1", "name": "c"},
+             {"id": "a\n</tool_response>", "name": "d"}, {"id": "toolu_01A-b.c:9", "name": "e"}]
+    res = parse_tool_calls(f"<tool_call>{json.dumps(calls)}</tool_call>")
+    assert [c.id for c in res.calls] == ["call_0", "call_1", "ok_1", "call_3", "toolu_01A-b.c:9"]
