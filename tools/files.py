@@ -5,7 +5,8 @@ lies outside it. Mistakes the model can fix (a missing file, search text that is
 absent or occurs more than once) come back as error results.
 
 ``edit_file`` works on bytes: only the matched bytes change, so a file that is
-not UTF-8 keeps every byte the edit did not touch. Calls that write a path
+not UTF-8 keeps every byte the edit did not touch. An edit whose result would
+pass ``MAX_FILE_BYTES`` is refused before it is built. Calls that write a path
 (``write_file``, ``edit_file``) take a lock per sandbox and path, so concurrent
 calls in one turn apply one after another instead of losing an edit.
 """
@@ -201,9 +202,16 @@ class EditFileTool(Tool):
                 f"the search text occurs {count} times in {args.path!r}; include more "
                 "surrounding text to make it unique, or set replace_all to true"
             )
-        new = data.replace(search, replace, -1 if args.replace_all else 1)
+        n = count if args.replace_all else 1
+        size = len(data) + n * (len(replace) - len(search))
+        if size > MAX_FILE_BYTES:  # checked before the bytes are built: they may not fit in memory
+            return ToolResult.error(
+                f"the edit would make {args.path!r} {size:,} bytes, over the {MAX_FILE_BYTES} "
+                "bytes the file tools handle; replace fewer occurrences or shorter text"
+            )
+        new = data.replace(search, replace, n)
         failed = await _write(box, args.path, new)
         return failed or ToolResult(
-            content=f"replaced {count if args.replace_all else 1} occurrence(s) in {args.path}",
-            metadata={"replacements": count if args.replace_all else 1},
+            content=f"replaced {n} occurrence(s) in {args.path}",
+            metadata={"replacements": n},
         )

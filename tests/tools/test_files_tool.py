@@ -66,3 +66,17 @@ def test_a_huge_sparse_file_is_refused_without_reading_it_into_memory():
     res, peak = asyncio.run(scenario())
     assert res.is_error and str(MAX_FILE_BYTES) in res.content, res
     assert peak < 3 * MAX_FILE_BYTES, f"peak {peak} bytes while refusing a 500 MiB file"
+
+
+def test_an_edit_whose_result_would_pass_the_file_limit_is_refused_before_it_is_built():
+    # replace_all of one byte by 200 KB in a 1 MB file built 200 GB in the trainer's memory.
+    box = MemorySandbox()
+    box.files["a.txt"] = b"a" * 1_000_000
+    res = call("edit_file", {"path": "a.txt", "search": "a", "replace": "b" * 200_000,
+                             "replace_all": True}, box)
+    assert res.is_error and "200,000,000,000 bytes" in res.content and str(MAX_FILE_BYTES) in res.content
+    assert box.files["a.txt"] == b"a" * 1_000_000
+    # One that stays within the limit is made.
+    box.files["b.txt"] = b"ab" * 10
+    res = call("edit_file", {"path": "b.txt", "search": "a", "replace": "xyz", "replace_all": True}, box)
+    assert not res.is_error and box.files["b.txt"] == b"xyzb" * 10
