@@ -93,16 +93,29 @@ class NoArgs(BaseModel):
 def as_text(value: Any) -> str:
     """What a tool returned, as the text the model reads: None is empty, bytes are
     decoded as UTF-8 (bad bytes replaced), dicts and lists are JSON, and anything
-    else is ``str(value)``."""
+    else is ``str(value)``. A lone surrogate is written as its escape (``\\udcff``)."""
     if isinstance(value, str):
-        return value
+        return _unicode(value)
     if value is None:
         return ""
     if isinstance(value, bytes | bytearray):
         return bytes(value).decode("utf-8", errors="replace")
     if isinstance(value, dict | list | tuple):
-        return json.dumps(value, ensure_ascii=False, default=str)
-    return str(value)
+        return _unicode(json.dumps(value, ensure_ascii=False, default=str))
+    return _unicode(str(value))
+
+
+def _unicode(text: str) -> str:
+    """``text`` with each lone surrogate written as its escape. Python strs may hold them
+    (``os.listdir`` gives undecodable bytes of a name as ``\\udc..``), UTF-8 cannot: the
+    engine refuses such an observation and fails the episode (``agentrl.env.answer_problem``)."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", errors="backslashreplace").decode("utf-8")
+    return text
 
 
 def truncate_middle(text: str, limit: int) -> str:

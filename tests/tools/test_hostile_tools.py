@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from pydantic import BaseModel
 
-from agentrl.env import TextEnv
+from agentrl.env import TextEnv, answer_problem
 from agentrl.errors import ConfigError
 from agentrl.tools import BashTool, Task, Tool, ToolEnv, ToolResult, parse_tool_calls, tool
 from tests.tools.sandbox_fakes import MemorySandbox
@@ -365,3 +365,20 @@ def test_a_tool_named_parse_error_is_refused():
 
     with pytest.raises(ConfigError, match="'parse_error', the name the env answers unreadable calls under"):
         ToolEnv(Task("q", verify=lambda a: 1.0), tools=[parse_error])
+
+
+def test_a_tool_result_that_is_not_valid_unicode_is_escaped_not_a_failed_episode():
+    # os.listdir gives undecodable bytes of a file name as lone surrogates ("\udcff"):
+    # a tool returning such a name gave an observation the engine refuses, failing the episode.
+    @tool
+    async def listing(args: XArgs) -> str:
+        """List."""
+        return "caf\udce9.txt" if args.x == 0 else ToolResult.error("bad \ud800")
+
+    env = ToolEnv(Task("q", verify=lambda a: 1.0), tools=[listing])
+    env.reset(seed=0)
+    for x, shown in ((0, "caf\\udce9.txt"), (1, "bad \\ud800")):
+        answer = env.step(hermes("listing", x=x))
+        assert answer_problem("step", answer) is None
+        assert shown in answer[0] and answer[4]["tool_messages"][0]["content"] == shown
+    env.close()
