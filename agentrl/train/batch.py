@@ -24,7 +24,7 @@ import torch
 from ..policy.constrain import episode_allowed
 from ..types import Episode
 from .logprobs import token_scores
-from .loss import PolicyLossConfig, StepLoss, TokenMasks, row_loss, token_masks
+from .loss import PolicyLossConfig, StepLoss, TokenMasks, row_loss, token_masks, weight_negatives
 from .metrics import merge_stat
 from .model import autocast, base_model
 from .rows import episode_rows, tree_rows
@@ -194,7 +194,8 @@ class Minibatch:
                             versions=flat([s.versions for s in ss], torch.long), current_version=current_version,
                             logprobs=flat(self.logprobs(), torch.float32) if cfg.m2po_tau is not None else None,
                             behaviour_logprobs=flat([s.behaviour for s in ss], torch.float32),
-                            advantages=flat([s.advantages for s in ss], torch.float32),
+                            advantages=weight_negatives(flat([s.advantages for s in ss], torch.float32),
+                                                        cfg.negative_weight),  # the loss's (M2PO's region)
                             seq_ids=flat([[k] * len(s.mask) for k, s in enumerate(ss)], torch.long))
             cuts = torch.tensor([0] + [len(s.mask) for s in ss]).cumsum(0).tolist()
             count = {i: m.count[0, a:b] for i, a, b in zip(self.idx, cuts[:-1], cuts[1:], strict=True)}

@@ -630,6 +630,30 @@ def test_each_sample_records_the_tokens_its_loss_kept_in_any_minibatch(tmp_path,
         assert samples[0].trained == [0] * 11 + [1] and samples[1].trained == samples[1].mask
         assert samples[2].trained == [0] * len(samples[2].mask)
 
+def test_m2po_s_minibatch_mask_reads_the_advantages_the_loss_weights(tmp_path):
+    """With ``negative_weight: 0`` (PSR) a negative advantage is 0 in the loss, so its token is no
+    trust-region token: ``policy_loss`` masked as much. The minibatch's mask (the trainer's path)
+    read the raw advantages: token 2 (A = -1, log r = -0.1, (log r)^2 = .01) joined token 1
+    (A = 1, log r = 0.3, .09) in the trust region, their mean .05 <= tau .06 kept token 1. Its
+    own .09 > .06 masks it, as ``policy_loss`` does."""
+    from types import SimpleNamespace
+
+    from agentrl.train.batch import Minibatch, SampleScores
+    from agentrl.train.loss import token_masks, weight_negatives
+
+    cfg = PolicyLossConfig(m2po_tau=0.06, negative_weight=0.0)
+    current = [0.0, -1.0, -1.0]
+    s = Sample([1, 2, 3], [0, 1, 1], [0.0, -1.3, -0.9], [0.0, 1.0, -1.0], [0, 0, 0])
+    mb = Minibatch([s], [0], lambda ss: ([SampleScores(current, [0.0] * 3)], 3))
+    row = SimpleNamespace(lay_samples=lambda per: per[0][None], share=1.0)
+    got = mb.token_masks(cfg, 0, row)
+    assert got.keep.tolist() == [[False, False, True]]
+    direct = token_masks(cfg, torch.tensor([s.mask]), logprobs=torch.tensor([current]),
+                         behaviour_logprobs=torch.tensor([s.behaviour]),
+                         advantages=weight_negatives(torch.tensor([s.advantages]), cfg.negative_weight))
+    assert torch.equal(got.keep, direct.keep) and got.stats == direct.stats
+
+
 def test_an_m2po_step_runs_its_no_grad_pass_once_a_minibatch(tmp_path):
     """M2PO's second moment needs every token's current logprob before any row's loss: one no-grad
     pass over each minibatch, so the tokens run are twice those of the same step without M2PO."""
