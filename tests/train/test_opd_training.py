@@ -509,6 +509,22 @@ def test_turn_balance_and_sod_weights_scale_the_signal_per_turn():
         add_distill_advantages([s], 1.0, sod_alpha=0.5)
 
 
+def test_sod_s_turn_divergence_is_over_the_turn_s_tokens_whatever_tip_left_in_the_mask():
+    """SOD's d_k is the mean |log pi_s - log pi_t| over turn k's action tokens. TIP (run before)
+    leaves tokens out of the mask, and d_k averaged the masked gap, 0 on those tokens: a 4-token
+    turn with gaps 1, 1, 3, 3 whose last two TIP dropped got d = 0.5, not 2 (alpha 1: weight
+    e^-0.5 for e^-2). The dropped tokens keep their advantage (no signal on them)."""
+    import math
+
+    s = Sample(input_ids=[1, 2, 3, 4, 5, 6], mask=[0, 0, 1, 1, 0, 0], behaviour=[0.0] * 6,
+               advantages=[0.0] * 6, versions=[0] * 6, old=[0.0] * 6,
+               distill=DistillFields(teacher=[0.0, 0.0, -1.0, -1.0, -3.0, -3.0]))
+    s.turn_spans = [(2, 6)]
+    add_distill_advantages([s], 1.0, sod_alpha=1.0)
+    w = math.exp(-2.0)
+    assert s.advantages == pytest.approx([0.0, 0.0, -w, -w, 0.0, 0.0])
+
+
 def test_distill_options_reach_the_loop(tmp_path):
     tr = distill_trainer(tmp_path, "{teacher: tiny-random, turn_balance: true, sod_alpha: 1.0}", steps=2)
     assert tr.learner.distiller._weights(0) == {"turn_balance": 0.0, "sod_alpha": 1.0}

@@ -94,7 +94,8 @@ def add_distill_advantages(samples: list[Sample], weight: float, *, turn_balance
     - ``turn_balance`` = progress in [0, 1]: TurnOPD's move from token- to
       turn-balanced weights (``turn_balance_weights``);
     - ``sod_alpha``: SOD's per-turn ``exp(-alpha * d_k)``, ``d_k`` the mean
-      ``|log pi_s - log pi_t|`` over turn k's action tokens (``step_divergence_weights``).
+      ``|log pi_s - log pi_t|`` over turn k's action tokens, those TIP took out of the
+      mask included (both models scored them; ``step_divergence_weights``).
 
     ``token_weights[i]`` multiplies sample i's ``w_t`` too (the overlap stop).
     With ``loss_weights`` the advantages are left alone and ``weight * w_t``
@@ -118,8 +119,8 @@ def add_distill_advantages(samples: list[Sample], weight: float, *, turn_balance
                 raise ValueError("turn_balance and sod_alpha need sample.turn_spans")
             if turn_balance is not None:
                 w = w * turn_balance_weights(spans, turn_balance, len(s.input_ids))
-            if sod_alpha is not None:
-                gap = a_distill.abs()
+            if sod_alpha is not None:  # over the turn's action tokens, those TIP left out of the mask too
+                gap = (torch.tensor(s.distill.teacher) - torch.tensor(s.old)).abs()
                 d = [float(gap[a:b].mean()) if b > a else 0.0 for a, b in spans]
                 w = w * spread_turn_values(spans, step_divergence_weights(d, sod_alpha), len(s.input_ids))
         if token_weights is not None:
