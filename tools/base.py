@@ -184,6 +184,37 @@ def _unknown_keys(model: type[BaseModel], arguments: dict[str, Any]) -> list[str
     return [k for k in arguments if k not in known]
 
 
+def _not_unicode(arguments: dict[str, Any]) -> list[str]:
+    """The keys of ``arguments`` whose key or value holds a lone surrogate (``"\\ud800"``):
+    no UTF-8 encoder (a file, a process) takes it, so ``write_file`` raised."""
+    bad = []
+    for key, value in arguments.items():
+        try:
+            text = json.dumps([key, value], ensure_ascii=False, default=str)
+        except (ValueError, TypeError, RecursionError):  # not JSON data: left to pydantic
+            continue
+        if not text.isascii() and _unicode(text) != text:
+            bad.append(str(key))
+    return bad
+
+
+def _checked_args(t: Tool, arguments: dict[str, Any]) -> BaseModel | ToolResult:
+    """``arguments`` as ``t.Args``, or an error result naming each bad field."""
+    head = f"Invalid arguments for tool {t.name!r}:\n"
+    if bad := _not_unicode(arguments):
+        return ToolResult.error(head + "".join(
+            f"- {k}: holds a lone surrogate (such as \\ud800), which is not valid Unicode; write "
+            "the character itself or a complete surrogate pair\n" for k in bad[:10]))
+    if _refuses_unknown_keys(t.Args) and (unknown := _unknown_keys(t.Args, arguments)):
+        takes = ", ".join(t.Args.model_fields) or "no arguments"
+        return ToolResult.error(head + "".join(
+            f"- {k}: not an argument of this tool (it takes: {takes})\n" for k in unknown[:10]))
+    try:
+        return t.Args.model_validate(arguments)
+    except ValidationError as err:
+        return ToolResult.error(format_validation_error(t.name, err))
+
+
 class Tool:
     """A tool the model can call. Subclasses set ``name``, ``description``,
     ``Args`` and implement ``__call__``.
@@ -208,25 +239,17 @@ class Tool:
     async def invoke(self, arguments: dict[str, Any], sandbox: Sandbox | None) -> ToolResult:
         """Validate raw ``arguments``, run the tool and cap its output.
 
-        Invalid arguments give an error result naming each bad field, and each
-        unknown one unless ``Args`` sets ``extra`` itself. Errors
+        Invalid arguments give an error result naming each bad field, each one
+        holding a lone surrogate, and each unknown one unless ``Args`` sets ``extra``
+        itself. Every result is capped, argument errors too. Errors
         outside the model's control (``SandboxError``, ``ToolError``) propagate.
         """
-        if _refuses_unknown_keys(self.Args) and (unknown := _unknown_keys(self.Args, arguments)):
-            takes = ", ".join(self.Args.model_fields) or "no arguments"
-            return ToolResult.error(
-                f"Invalid arguments for tool {self.name!r}:\n"
-                + "".join(f"- {k}: not an argument of this tool (it takes: {takes})\n" for k in unknown[:10])
-            )
-        try:
-            args = self.Args.model_validate(arguments)
-        except ValidationError as err:
-            return ToolResult.error(format_validation_error(self.name, err))
-        result = await self(args, sandbox)
+        args = _checked_args(self, arguments)
+        result = args if isinstance(args, ToolResult) else await self(args, sandbox)
         if not isinstance(result, ToolResult):
             result = ToolResult(content=as_text(result))
         result.content = as_text(result.content)
-        if len(result.content) > self.max_output_chars:
+        if len(result.content) > self.max_output_chars:  # argument errors too: they echo keys
             result.metadata["truncated_from"] = len(result.content)
             result.content = truncate_middle(result.content, self.max_output_chars)
         return result

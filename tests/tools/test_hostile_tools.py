@@ -13,7 +13,16 @@ from pydantic import BaseModel
 
 from agentrl.env import TextEnv, answer_problem
 from agentrl.errors import ConfigError
-from agentrl.tools import BashTool, Task, Tool, ToolEnv, ToolResult, parse_tool_calls, tool
+from agentrl.tools import (
+    BashTool,
+    Task,
+    Tool,
+    ToolEnv,
+    ToolResult,
+    get_tool,
+    parse_tool_calls,
+    tool,
+)
 from tests.tools.sandbox_fakes import MemorySandbox
 
 
@@ -382,3 +391,25 @@ def test_a_tool_result_that_is_not_valid_unicode_is_escaped_not_a_failed_episode
         assert answer_problem("step", answer) is None
         assert shown in answer[0] and answer[4]["tool_messages"][0]["content"] == shown
     env.close()
+
+
+@pytest.mark.parametrize(("name", "arguments", "field"), [
+    ("write_file", {"path": "a.txt", "content": "a\ud800b"}, "content"),
+    ("edit_file", {"path": "a.txt", "search": "x", "replace": "\udcff"}, "replace"),
+    ("bash", {"command": "echo \ud800"}, "command"),
+])
+def test_arguments_that_are_not_valid_unicode_are_an_error_result_when_invoked_directly(name, arguments, field):
+    # The parser refuses them; Tool.invoke, the entry point for raw arguments, let them
+    # through: write_file and edit_file raised UnicodeEncodeError, failing the episode.
+    box = MemorySandbox()
+    box.files["a.txt"] = b"x"
+    res = asyncio.run(get_tool(name).invoke(arguments, box))
+    assert res.is_error and f"- {field}: holds a lone surrogate" in res.content
+    assert box.files == {"a.txt": b"x"}
+
+
+def test_an_argument_error_is_capped_like_any_result():
+    # Validation errors returned before the cap: 100 KB unknown keys made a 0.9 MB result.
+    res = asyncio.run(get_tool("calculator").invoke({f"{i}" + "k" * 100_000: 1 for i in range(10)}, None))
+    assert res.is_error and len(res.content) < get_tool("calculator").max_output_chars + 100
+    assert res.metadata["truncated_from"] > 800_000
