@@ -269,22 +269,43 @@ class Proxy:
     async def _generate(self, reqs: list[GenerateRequest]) -> list[GenerateResult]:
         agenerate = getattr(self.policy, "agenerate", None)
         if agenerate is None:
-            if self._lock is None:
-                self._lock = asyncio.Lock()
-            async with self._lock:
-                try:
-                    return list(await asyncio.to_thread(self.policy.generate, reqs))
-                except asyncio.CancelledError:  # the thread runs on: tell the backend to stop
-                    for r in reqs:
-                        if r.control is not None:
-                            r.control.cancel()
-                    raise
+            return await self._generate_serially(reqs)
         tasks = [asyncio.ensure_future(agenerate(r)) for r in reqs]
         try:
             return list(await asyncio.gather(*tasks))
         finally:
             for t in tasks:  # one failed or we were cancelled: the rest are not wanted
                 t.cancel()
+
+    async def _generate_serially(self, reqs: list[GenerateRequest]) -> list[GenerateResult]:
+        """A policy without ``agenerate``: ``generate`` on a thread, one call at a time.
+
+        A cancelled call tells the backend to stop, but its thread runs on until the
+        backend notices: the lock is held until that thread returns, not only until
+        the cancel, so the next call never runs beside it.
+        """
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        lock = self._lock
+        await lock.acquire()
+        try:
+            thread = asyncio.ensure_future(asyncio.to_thread(self.policy.generate, reqs))
+        except BaseException:
+            lock.release()
+            raise
+
+        def done(f: asyncio.Future) -> None:
+            lock.release()
+            if not f.cancelled():
+                f.exception()  # retrieved: a call nobody awaits any more may fail quietly
+        thread.add_done_callback(done)
+        try:
+            return list(await asyncio.shield(thread))
+        except asyncio.CancelledError:  # the thread runs on: tell the backend to stop
+            for r in reqs:
+                if r.control is not None:
+                    r.control.cancel()
+            raise
 
     def max_new_tokens(self, prompt_len: int, asked: int | None, param: str,
                        max_param: str = "max_tokens") -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
+import time
 
 import httpx
 import pytest
@@ -49,3 +51,46 @@ def test_fifty_concurrent_sessions_do_not_cross_talk(mock_policy, serve):
         texts = [n["action_text"] for n in tree["nodes"]]
         assert texts == [f"echo: session {i} turn {t}" for t in range(TURNS)]
         assert [n["parent"] for n in tree["nodes"]] == [None, 0, 1]
+
+
+class _SyncOnly:
+    """A backend with ``generate`` only (no ``agenerate``), not safe to call from two threads: it
+    counts the calls running at once. Each call runs until its requests are cancelled (or 2 s)."""
+
+    version = 0
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.running = self.most = 0
+        self.lock = threading.Lock()
+        self.first_in = threading.Event()
+
+    def generate(self, requests):
+        from agentrl.policy import GenerateResult
+
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        self.first_in.set()
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and not all(r.control.cancelled for r in requests):
+            time.sleep(0.01)
+        time.sleep(0.3)  # a backend notices a cancel at its next step, not at once
+        with self.lock:
+            self.running -= 1
+        ids = [self.tokenizer.eos_token_id]
+        return [GenerateResult(ids, [-0.5], [0.0], "stop", 0) for _ in requests]
+
+
+def test_a_backend_without_agenerate_runs_one_call_at_a_time_even_after_a_cancel(tokenizer, serve):
+    """A client that leaves cancels its call, but the backend's thread runs on until it notices:
+    the next call waits for it, not only for the cancel."""
+    policy = _SyncOnly(tokenizer)
+    server = serve(policy)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(5, read=0.5))
+    assert policy.first_in.is_set()
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=10)
+    assert r.status_code == 200, r.text
+    assert policy.most == 1
