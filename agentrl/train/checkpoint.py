@@ -16,7 +16,13 @@ A checkpoint is a folder ``checkpoints/step-000012`` holding:
 Atomicity: everything is written into a hidden temp folder beside the target,
 which is then renamed into place; a kill at any moment leaves either the
 complete old checkpoints or the complete new one, and stray temp folders are
-swept on the next start. Only the newest ``keep`` checkpoints stay.
+swept on the next start. A save of a step that has a checkpoint already (a
+resumed finished run saves its end again) first sets the old folder aside
+under a hidden name and removes it only once the new one is in place; a save
+killed in between has it put back the next time the checkpoints are listed.
+A folder is removed (replaced or pruned) by renaming it hidden first, so a kill
+mid-removal never leaves a partial ``step-N``. Only the newest ``keep``
+checkpoints stay.
 """
 
 from __future__ import annotations
@@ -86,8 +92,11 @@ def restore_rng(rng: dict[str, Any]) -> None:
 
 
 def checkpoint_dirs(out_dir: str | Path) -> list[Path]:
-    """Complete checkpoints under ``out_dir/checkpoints``, oldest first."""
-    return checkpoint_folders(Path(out_dir) / "checkpoints")
+    """Complete checkpoints under ``out_dir/checkpoints``, oldest first (a checkpoint that a
+    killed save of its step had set aside is put back first)."""
+    root = Path(out_dir) / "checkpoints"
+    _put_back_set_aside(root)
+    return checkpoint_folders(root)
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
@@ -95,10 +104,36 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
+_ASIDE = ".aside-"  # an old step-N while a save of step N moves its new folder into place
+
+
 def _sweep_temp(root: Path) -> None:
     """Remove temp folders that a killed save left behind."""
     for p in root.glob(".tmp-*"):
         shutil.rmtree(p, ignore_errors=True)
+
+
+def _remove(path: Path) -> None:
+    """Remove a checkpoint folder: hidden first (one rename), so no kill leaves part of it listed."""
+    hidden = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".tmp-removing-{path.name}-"))
+    try:
+        path.rename(hidden / path.name)
+    except OSError:  # as before: a folder that will not move is removed where it is, as far as it goes
+        shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(hidden, ignore_errors=True)
+
+
+def _put_back_set_aside(root: Path) -> None:
+    """A checkpoint set aside by a save of its step that died before its new folder was in
+    place is the step's checkpoint still: rename it back (or drop it, where the new one is in)."""
+    if not root.is_dir():
+        return
+    for aside in root.glob(f"{_ASIDE}step-*"):
+        target = root / aside.name[len(_ASIDE):]
+        if target.exists():
+            _remove(aside)
+        else:
+            aside.rename(target)
 
 
 def _export_hf(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
@@ -123,8 +158,10 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module,
         raise ValueError(f"step must be >= 0, got {step}")
     root = Path(out_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
+    _put_back_set_aside(root)
     _sweep_temp(root)
     target = root / f"step-{step:06d}"
+    aside = root / f"{_ASIDE}{target.name}"
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{target.name}-"))
     try:
         save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
@@ -136,11 +173,15 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module,
                                                    default=str))
         if export_hf:
             _export_hf(model, tokenizer, tmp / "hf")
-        if target.exists():  # a re-run of the same step: replace it whole
-            shutil.rmtree(target)
+        if target.exists():  # a re-run of the same step: kept aside until the new one is in place
+            target.rename(aside)
         tmp.rename(target)
     finally:
+        if aside.exists() and not target.exists():  # the new one never came: the old one stays
+            aside.rename(target)
         shutil.rmtree(tmp, ignore_errors=True)
+    if aside.exists():
+        _remove(aside)
     if keep is not None:
         prune_checkpoints(out_dir, keep)
     return target
@@ -149,7 +190,7 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module,
 def prune_checkpoints(out_dir: str | Path, keep: int) -> None:
     """Remove all but the newest ``keep`` checkpoints under ``out_dir/checkpoints``."""
     for old in checkpoint_dirs(out_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:

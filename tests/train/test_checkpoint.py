@@ -65,6 +65,56 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_whole(tmp_path, 
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
 
 
+_RESAVE_THEN_DIE = """
+import os, sys, pathlib, torch
+from agentrl.models import load_model
+from agentrl.train import checkpoint as ck
+model = load_model("tiny-random")[0]
+ck.save_checkpoint(sys.argv[1], 3, model, keep=1)
+rename = pathlib.Path.rename
+def die(self, target):  # SIGKILL as the new folder is moved into place
+    if self.name.startswith(".tmp-") and pathlib.Path(target).name.startswith("step-"):
+        os._exit(9)
+    return rename(self, target)
+pathlib.Path.rename = die
+with torch.no_grad():
+    next(model.parameters()).add_(1.0)
+ck.save_checkpoint(sys.argv[1], 3, model, keep=1)
+"""
+
+
+def test_a_resave_of_the_same_step_killed_midway_leaves_the_old_checkpoint_whole(tmp_path):
+    """Saving step N again (a resumed finished run saves its end again) removed the old step-N
+    before the new one was moved into place: a SIGKILL in between left no step-N, and with
+    ``keep: 1`` no checkpoint at all, so ``--resume`` started the run over. Now the old one is
+    set aside until the new one is in place, and put back when the save died in between."""
+    done = subprocess.run([sys.executable, "-c", _RESAVE_THEN_DIE, str(tmp_path)], cwd=ROOT, timeout=120)
+    assert done.returncode == 9
+    assert ck.latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-000003"
+    got = ck.load_checkpoint(ck.latest_checkpoint(tmp_path))
+    first = next(iter(_model().state_dict().values()))
+    assert torch.equal(next(iter(got.trainable.values())), first)  # the old weights, whole
+    ck.save_checkpoint(tmp_path, 4, _model(), keep=1)  # and the next save leaves nothing hidden behind
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000004"]
+
+
+def test_a_resave_of_the_same_step_interrupted_midway_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    model = _model()
+    path = ck.save_checkpoint(tmp_path, 3, model, state={"which": "old"}, keep=1)
+    rename = Path.rename
+
+    def interrupt(self, target):
+        if self.name.startswith(".tmp-") and Path(target).name.startswith("step-"):
+            raise KeyboardInterrupt
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_checkpoint(tmp_path, 3, model, state={"which": "new"}, keep=1)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [path.name]
+    assert ck.load_checkpoint(path).state["which"] == "old"
+
+
 def test_only_the_newest_checkpoints_are_kept(tmp_path):
     model = _model()
     for step in (1, 2, 3, 10):
