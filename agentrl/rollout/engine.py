@@ -212,8 +212,12 @@ class Engine:
             pending[task] = pending.get(task, 0) + 1
 
         async def bounded(task: int, job: Any) -> None:
-            async with sem:
-                await job
+            try:
+                async with sem:
+                    await job
+            except asyncio.CancelledError:
+                job.close()  # one cancelled while it waited its turn never started: no warning
+                raise
             pending[task] -= 1  # not on cancellation: that task is then unfinished
 
         await asyncio.gather(*(bounded(task, job) for task, job in jobs))
