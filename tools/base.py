@@ -41,6 +41,8 @@ import contextlib
 import contextvars
 import inspect
 import json
+import math
+import numbers
 import re
 import sys
 import threading
@@ -50,6 +52,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from agentrl.errors import ConfigError
 from agentrl.types import ToolSpec
 
 if TYPE_CHECKING:
@@ -116,6 +119,18 @@ def _unicode(text: str) -> str:
     except UnicodeEncodeError:
         return text.encode("utf-8", errors="backslashreplace").decode("utf-8")
     return text
+
+
+def positive_setting(owner: str, name: str, value: Any, *, whole: bool = False) -> Any:
+    """``value`` of the constructor setting ``name`` of the tool class ``owner``: a finite
+    number > 0 (a whole one with ``whole``), as a Python float (int), or a ``ConfigError``
+    naming both. A bad one failed only at the first call, as the episode's failure."""
+    kind = numbers.Integral if whole else numbers.Real
+    ok = isinstance(value, kind) and not isinstance(value, bool)  # numpy bools are not numbers.Real
+    if not ok or not math.isfinite(value) or value <= 0:
+        what = "whole number" if whole else "finite number"
+        raise ConfigError(f"{owner}({name}=...) must be a {what} > 0, not {value!r:.80}")
+    return int(value) if whole else float(value)
 
 
 def truncate_middle(text: str, limit: int) -> str:

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentrl.errors import ToolError
 
 from ._arith import FUNCTION_NAMES, CalcError, format_number
-from .base import Tool, ToolResult
+from .base import Tool, ToolResult, positive_setting
 
 __all__ = ["CalculatorArgs", "CalculatorTool", "CalcError", "evaluate", "format_number"]
 
@@ -140,7 +140,7 @@ class CalculatorTool(Tool):
     Args: ClassVar[type[BaseModel]] = CalculatorArgs
 
     def __init__(self, timeout_s: float = 2.0):
-        self.timeout_s = timeout_s
+        self.timeout_s = positive_setting("CalculatorTool", "timeout_s", timeout_s)
         self._worker = _Worker()
 
     async def __call__(self, args: CalculatorArgs, sandbox: Any = None) -> ToolResult:

@@ -35,7 +35,7 @@ from agentrl.errors import SandboxDeadError, SandboxError
 from agentrl.sandboxes.base import Sandbox
 
 from ._sandbox_errors import format_exec, require_sandbox
-from .base import Tool, ToolResult
+from .base import Tool, ToolResult, positive_setting
 
 __all__ = ["PythonArgs", "PythonTool"]
 
@@ -79,7 +79,7 @@ class PythonTool(Tool):
         max_timeout: float = 120.0,
     ):
         self._factory = interpreter_factory or _default_interpreter
-        self.max_timeout = max_timeout
+        self.max_timeout = positive_setting("PythonTool", "max_timeout", max_timeout)
         self._sessions: weakref.WeakKeyDictionary[Sandbox, _Session] = weakref.WeakKeyDictionary()
 
     def _session(self, sandbox: Sandbox) -> _Session:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.errors import ToolError
 
-from .base import Tool, ToolResult
+from .base import Tool, ToolResult, positive_setting
 
 __all__ = ["Document", "SearchArgs", "SearchIndex", "SearchTool"]
 
@@ -97,7 +97,7 @@ class SearchTool(Tool):
         snippet_chars: int = 500,
     ):
         self.index = corpus if isinstance(corpus, SearchIndex) else SearchIndex(corpus)
-        self.snippet_chars = snippet_chars
+        self.snippet_chars = positive_setting("SearchTool", "snippet_chars", snippet_chars, whole=True)
 
     async def __call__(self, args: SearchArgs, sandbox: Any = None) -> ToolResult:
         if not self.index.documents:

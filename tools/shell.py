@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentrl.sandboxes.base import Sandbox
 
 from ._sandbox_errors import format_exec, require_sandbox
-from .base import Tool, ToolResult
+from .base import Tool, ToolResult, positive_setting
 
 __all__ = ["BashArgs", "BashTool"]
 
@@ -32,7 +32,7 @@ class BashTool(Tool):
     needs_sandbox: ClassVar[bool] = True
 
     def __init__(self, max_timeout: float = 120.0):
-        self.max_timeout = max_timeout
+        self.max_timeout = positive_setting("BashTool", "max_timeout", max_timeout)
 
     async def __call__(self, args: BashArgs, sandbox: Sandbox | None) -> ToolResult:
         timeout = min(args.timeout, self.max_timeout)

@@ -15,6 +15,9 @@ from agentrl.env import TextEnv, answer_problem
 from agentrl.errors import ConfigError
 from agentrl.tools import (
     BashTool,
+    CalculatorTool,
+    PythonTool,
+    SearchTool,
     Task,
     Tool,
     ToolEnv,
@@ -413,3 +416,24 @@ def test_an_argument_error_is_capped_like_any_result():
     res = asyncio.run(get_tool("calculator").invoke({f"{i}" + "k" * 100_000: 1 for i in range(10)}, None))
     assert res.is_error and len(res.content) < get_tool("calculator").max_output_chars + 100
     assert res.metadata["truncated_from"] > 800_000
+
+
+@pytest.mark.parametrize(("make", "setting", "value"), [
+    (CalculatorTool, "timeout_s", "2"),  # select() raised TypeError at the first call
+    (CalculatorTool, "timeout_s", 0),  # every call "took longer than 0 s"
+    (BashTool, "max_timeout", "60"),  # min() raised TypeError at the first call
+    (PythonTool, "max_timeout", float("nan")),
+    (PythonTool, "max_timeout", -1),
+    (SearchTool, "snippet_chars", -1),  # doc.text[:-1]: all but the last char
+    (SearchTool, "snippet_chars", 2.5),
+    (SearchTool, "snippet_chars", True),
+])
+def test_a_bad_tool_setting_is_refused_at_construction_naming_it(make, setting, value):
+    with pytest.raises(ConfigError, match=f"{make.__name__}.*{setting}.*{value!r}"):
+        make(**{setting: value})
+
+
+def test_good_tool_settings_are_kept_as_numbers():
+    assert CalculatorTool(timeout_s=3).timeout_s == 3.0
+    assert BashTool(max_timeout=np.float64(5)).max_timeout == 5.0
+    assert SearchTool(["a b"], snippet_chars=np.int64(80)).snippet_chars == 80
