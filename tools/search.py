@@ -39,8 +39,14 @@ class SearchIndex:
             d if isinstance(d, Document) else Document(text=str(d)) for d in documents
         ]
         self.stopwords = stopwords
-        self._retriever: Any = None
+        self._retriever: Any = None  # False once built: no document holds a word to index
         self._lock = threading.Lock()
+
+    @property
+    def wordless(self) -> bool:
+        """True when the index is built and no document held a word to index (all
+        stopwords, one letter or empty): bm25s cannot score such a corpus."""
+        return self._retriever is False
 
     def _build(self) -> Any:
         with self._lock:
@@ -51,6 +57,9 @@ class SearchIndex:
                     raise ToolError("the search tool needs bm25s: pip install bm25s") from err
                 texts = [f"{d.title}\n{d.text}" if d.title else d.text for d in self.documents]
                 tokens = bm25s.tokenize(texts, stopwords=self.stopwords, show_progress=False)
+                if not tokens.vocab:  # bm25s would divide by a mean length of 0, then raise
+                    self._retriever = False
+                    return False
                 retriever = bm25s.BM25()
                 retriever.index(tokens, show_progress=False)
                 self._retriever = retriever
@@ -63,6 +72,8 @@ class SearchIndex:
         import bm25s
 
         retriever = self._build()
+        if retriever is False:
+            return []
         q = bm25s.tokenize([query], stopwords=self.stopwords, show_progress=False, return_ids=False)
         if not q or not q[0]:
             return []
@@ -103,6 +114,9 @@ class SearchTool(Tool):
         if not self.index.documents:
             return ToolResult.error("the search corpus is empty; nothing can be found")
         hits = await asyncio.to_thread(self.index.search, args.query, args.k)
+        if not hits and self.index.wordless:
+            return ToolResult.error("the search corpus holds no words to search (every document "
+                                    "is empty, stopwords or single letters); nothing can be found")
         if not hits:
             return ToolResult(content=f"no documents match {args.query!r}; try other keywords")
         lines = []

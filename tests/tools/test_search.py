@@ -56,3 +56,11 @@ def test_search_index_is_built_lazily():
     assert tool.index._retriever is None
     search(tool, query="cats")
     assert tool.index._retriever is not None
+
+
+def test_a_corpus_with_no_word_to_index_answers_like_an_empty_one():
+    # Every document was a stopword or one letter: bm25s raised "max() arg is an empty
+    # sequence" at the first search (after a RuntimeWarning), failing every episode.
+    for corpus in (["x", "y"], ["the", "a", ""]):
+        res = search(SearchTool(corpus), query="x")
+        assert res.is_error and "no words to search" in res.content
