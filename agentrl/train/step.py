@@ -102,7 +102,8 @@ class Learner:
         if t.distill is not None:
             from .distill import Distiller
             self.distiller = Distiller(t.distill, tok, self.device, t.steps, student=self.net,
-                                       max_len=cfg.rollout.max_context_tokens + 2048)  # + a privileged prefix
+                                       max_len=cfg.rollout.max_context_tokens + 2048,  # + a privileged prefix
+                                       label_max_tokens=cfg.rollout.max_context_tokens)
         self.optimizer = make_optimizer(self.model, t.optimizer.lr, t.optimizer)
         # The schedule's plan: each step's share of it, whatever that step's minibatch count (_update).
         self.planned_optimizer_steps = t.epochs * math.ceil(t.tasks_per_step * cfg.rollout.group_size

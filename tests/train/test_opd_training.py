@@ -677,6 +677,28 @@ def test_an_expert_with_forward_kl_labels_the_turns_where_the_student_left_it(to
     assert len(two.expert_labels([s], 0, version=7)[0]) == 2
 
 
+def test_a_dagger_label_longer_than_the_context_budget_is_left_out(tokenizer, tmp_path):
+    """A label is the student's context up to the turn, then the expert's whole action: longer than
+    the student's episode where its turn was cut short (the context budget), so past
+    ``rollout.max_context_tokens``, which may be ``micro_batch_tokens`` too (the make run recipe),
+    and packing its row raised mid-run. Such a label is left out now, and counted."""
+    from agentrl.train.distill import Distiller
+
+    right = tokenizer("go to shelf 1", add_special_tokens=False)["input_ids"]
+    ids = [1, 2, 3] + right[:1]  # the budget cut the student's only turn after one token
+    s = Sample(ids, [0, 0, 0, 1], [-0.5] * 4, [0.0] * 4, [3] * 4)
+    s.distill.expert_turns = [(3, 4, "go to desk 2", False)]
+    n = 3 + len(tokenizer("go to desk 2", add_special_tokens=False)["input_ids"]) + 1
+    for budget, labels in ((n - 1, 0), (n, 1)):
+        d = Distiller(DistillConfig(teacher="expert", signal="forward_kl"), tokenizer, torch.device("cpu"),
+                      total_steps=1, label_max_tokens=budget)
+        out, stats = d.expert_labels([s], 0, version=7)
+        assert len(out) == labels and stats["distill/expert_labels_too_long"] == 1 - labels
+        assert all(len(x.input_ids) <= budget for x in out)
+    tr = distill_trainer(tmp_path, "{teacher: expert, signal: forward_kl}")
+    assert tr.learner.distiller.label_max_tokens == tr.cfg.rollout.max_context_tokens == 256
+
+
 def test_dagger_with_the_bisection_expert_teaches_guess_number(tmp_path):
     """GuessNumber(1..4), tiny random model, distillation from the expert alone (no reward term):
     after 16 steps greedy held-out success is higher than at the start, and the loss fell."""

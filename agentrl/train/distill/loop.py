@@ -60,8 +60,9 @@ class Distiller:
 
     def __init__(self, cfg: DistillConfig, student_tokenizer: Any, device: torch.device,
                  total_steps: int, student: torch.nn.Module | None = None, max_len: int = 4096,
-                 vllm_teacher: Any = None):
+                 vllm_teacher: Any = None, label_max_tokens: int | None = None):
         self.cfg = cfg
+        self.label_max_tokens = label_max_tokens  # DAgger's longest label: rollout.max_context_tokens
         self.total_steps = total_steps
         self.tokenizer = student_tokenizer
         self.teacher: torch.nn.Module | None
@@ -132,7 +133,9 @@ class Distiller:
 
         For each of the first ``expert_label_turns`` turns of an episode where the student did
         something else than the expert, one more sample: the student's context up to that turn,
-        then the expert's action tokens and the end token, which alone carry loss. Its loss term is
+        then the expert's action tokens and the end token, which alone carry loss. A label longer than
+        ``label_max_tokens`` (the context budget, which ``train.micro_batch_tokens`` may equal; a turn the
+        budget cut short) is left out, and counted (``distill/expert_labels_too_long``). Its loss term is
         ``forward_kl`` to a one-hot teacher on its own tokens, so ``-w log pi(expert token)``; its
         advantages are 0, so the policy-gradient term leaves it alone. The context is the student's,
         token for token; only the label is the expert's text, tokenized as SFT tokenizes it.
@@ -140,7 +143,7 @@ class Distiller:
         eos = self.tokenizer.eos_token_id
         w = distill_weight(self.cfg, step, self.total_steps)
         out: list[Sample] = []
-        turns = differing = 0
+        turns = differing = too_long = 0
         for s in samples:
             taken = 0
             n_ids = len(s.input_ids)  # the student's own tokens carry no distillation term
@@ -155,8 +158,11 @@ class Distiller:
                 differing += 1
                 if taken >= self.cfg.expert_label_turns:
                     continue
-                taken += 1
                 n = len(want)
+                if self.label_max_tokens is not None and start + n > self.label_max_tokens:
+                    too_long += 1  # no row could hold it
+                    continue
+                taken += 1
                 label = Sample(s.input_ids[:start] + want, [0] * start + [1] * n, s.behaviour[:start] + [0.0] * n,
                                [0.0] * (start + n), s.versions[:start] + [version] * n, episode=s.episode,
                                turn_spans=[(start, start + n)])
@@ -166,7 +172,8 @@ class Distiller:
                 d.weights = [0.0] * start + [w] * n
                 out.append(label)
         return out, {"distill/expert_turns": turns, "distill/expert_match_frac": 1 - differing / max(turns, 1),
-                     "distill/expert_labels": len(out), "distill/weight": w, "distill/teacher_tokens": 0}
+                     "distill/expert_labels": len(out), "distill/expert_labels_too_long": too_long,
+                     "distill/weight": w, "distill/teacher_tokens": 0}
 
     def advantage_term(self, samples: list[Sample], step: int,
                        token_weights: list[torch.Tensor] | None = None) -> dict[str, float]:
