@@ -43,7 +43,9 @@ runs the call on the env's loop.
 ``info`` carries ``tools`` (spec dicts), ``tools_prompt`` (their rendering for a
 system prompt), ``turn``, and on tool turns
 ``tool_calls`` and ``tool_messages`` (``Message`` dicts with ``role="tool"``),
-so a chat context can render the results with the model's own template.
+so a chat context can render the results with the model's own template. Around a
+``TextEnv``, a tool turn's ``info`` also repeats the wrapped env's latest info (its
+admissible actions and state key), since a tool turn does not step it.
 """
 
 from __future__ import annotations
@@ -547,6 +549,9 @@ class ToolEnv(TextEnv):
                 )
             info = dict(info)
             info.pop("tools", None)
+            # The wrapped env's state is now this step's: later tool turns report its
+            # admissible actions and state key, not the reset's.
+            self._base_info.update(info)
             return _Outcome(obs, reward, bool(term), bool(trunc), info)
         assert self.task is not None
         answer = strip_thinking(action)

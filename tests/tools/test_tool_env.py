@@ -540,3 +540,17 @@ def test_the_config_model_is_strict_too():
     env = ToolEnv(mult_task, tools=["calculator"], config=ToolEnvConfig(max_turns=2), style="json")
     assert (env.config.max_turns, env.config.style) == (2, "json")
     env.close()
+
+
+def test_a_tool_turn_reports_the_wrapped_envs_latest_state_not_the_reset_one():
+    # A tool turn's info held the reset's admissible actions and state key: the list
+    # the engine constrains actions to (rollout.constrain) went back to the start.
+    env = ToolEnv(GuessNumberEnv(high=8, max_turns=8), tools=["calculator"])
+    env.reset(seed=0)
+    assert env.inner.secret == 7
+    *_, after_guess = env.step("1")
+    *_, info = env.step(hermes("calculator", expression="1+1"))
+    assert info["admissible_actions"] == after_guess["admissible_actions"] == list("2345678")
+    assert info["state_key"] == after_guess["state_key"] == "turn 1: 2..8"
+    assert "privileged" in info  # the reset's own keys stay
+    env.close()
