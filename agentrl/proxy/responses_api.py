@@ -306,7 +306,7 @@ def _items(out: Out) -> list[dict[str, Any]]:
     msg = out.choices[0].message or {}
     items: list[dict[str, Any]] = []
     if msg.get("content") or not msg.get("tool_calls"):
-        items.append({"type": "message", "id": state.message_id, "status": "completed", "role": "assistant",
+        items.append({"type": "message", "id": state.message_id, "status": _status(out), "role": "assistant",
                       "content": [{"type": "output_text", "text": msg.get("content") or "", "annotations": [],
                                    "logprobs": []}]})
     for c in msg.get("tool_calls") or []:

@@ -590,3 +590,16 @@ def test_many_function_call_items_translate_in_linear_time():
     [_, assistant] = _messages(items, [])
     assert time.perf_counter() - t0 < 1.0
     assert [c["id"] for c in assistant["tool_calls"]] == [f"c{i}" for i in range(n)]
+
+
+def test_the_message_of_a_reply_cut_by_max_output_tokens_is_incomplete(mock_policy, serve):
+    """As OpenAI writes it: the cut message item's status is incomplete, in the body and the events."""
+    server = serve(mock_policy(["one two three four five six seven"]))
+    body = {"model": "m", "input": "Count.", "max_output_tokens": 3}
+    [item] = _post(server.url, body).json()["output"]
+    assert item["status"] == "incomplete"
+    events = dict(_sse(_post(server.url, {**body, "stream": True}).text))
+    assert events["response.output_item.done"]["item"]["status"] == "incomplete"
+    assert events["response.incomplete"]["response"]["output"][0]["status"] == "incomplete"
+    [item] = _post(server.url, {**body, "max_output_tokens": 50}).json()["output"]
+    assert item["status"] == "completed"
