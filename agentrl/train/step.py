@@ -103,7 +103,7 @@ class Learner:
             from .distill import Distiller
             self.distiller = Distiller(t.distill, tok, self.device, t.steps, student=self.net,
                                        max_len=cfg.rollout.max_context_tokens + 2048,  # + a privileged prefix
-                                       label_max_tokens=cfg.rollout.max_context_tokens)
+                                       label_max_tokens=cfg.rollout.max_context_tokens, stop=cfg.sampling.stop)
         self.optimizer = make_optimizer(self.model, t.optimizer.lr, t.optimizer)
         # The schedule's plan: each step's share of it, whatever that step's minibatch count (_update).
         self.planned_optimizer_steps = t.epochs * math.ceil(t.tasks_per_step * cfg.rollout.group_size

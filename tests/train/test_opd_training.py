@@ -540,8 +540,30 @@ def test_expert_stop_strings_of_several_tokens_count_as_matching(tokenizer):
     ids = [1, 2] + action
     s = Sample(ids, [0] * len(ids), [0.0] * len(ids), [0.0] * len(ids), [0] * len(ids), old=[-1.0] * len(ids))
     s.distill.expert_turns = [(2, len(ids), "go to shelf 1", True)]
-    teacher, turns, matched = expert_teacher_logprobs(s, tokenizer, -20.0)
+    teacher, turns, matched = expert_teacher_logprobs(s, tokenizer, -20.0, stop=["</action>"])
     assert (turns, matched) == (1, 1) and teacher[2:] == [0.0] * len(action)
+
+
+def test_an_expert_action_then_more_text_before_the_stop_does_not_match(tokenizer):
+    """A turn that stopped with the expert's text, then its stop, matches; one that said the
+    expert's text and went on ("go to shelf 1 and open it", then its end token) is another
+    action, which the env reads whole. Any stopped turn that began with the expert's tokens
+    matched before: every token 0 (probability 1), the words after it too."""
+    from agentrl.train.distill import expert_teacher_logprobs
+
+    want = tokenizer("go to shelf 1", add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    for said, stop, ok in (("go to shelf 1 and open it", [], False), ("go to shelf 1", [], True),
+                           ("go to shelf 1 now</action>", ["</action>"], False),
+                           ("go to shelf 1\n", ["\n"], True)):
+        action = tokenizer(said, add_special_tokens=False)["input_ids"] + [eos]
+        ids = [1, 2] + action
+        s = Sample(ids, [0] * len(ids), [0.0] * len(ids), [0.0] * len(ids), [0] * len(ids), old=[-1.0] * len(ids))
+        s.distill.expert_turns = [(2, len(ids), "go to shelf 1", True)]
+        teacher, turns, matched = expert_teacher_logprobs(s, tokenizer, -20.0, stop=stop)
+        assert matched == int(ok), said
+        assert teacher[2:2 + len(want)] == [0.0] * len(want)
+        assert teacher[2 + len(want):] == ([0.0] if ok else [-20.0]) * (len(action) - len(want)), said
 
 
 def test_a_privileged_prefix_longer_than_the_micro_batch_still_scores(tmp_path):

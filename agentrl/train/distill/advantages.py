@@ -30,15 +30,25 @@ from .signals import (
 __all__ = ["add_distill_advantages", "expert_teacher_logprobs", "overlap_weights"]
 
 
-def expert_teacher_logprobs(sample: Sample, tokenizer: Any, floor: float) -> tuple[list[float], int, int]:
+def _stops_right_after(tokenizer: Any, rest: list[int], stop: Sequence[str]) -> bool:
+    """Whether a stopped turn's tokens ``rest`` after the expert's text are its stop alone:
+    special tokens (an end token) and white space, or one of the ``stop`` strings."""
+    text = tokenizer.decode(rest, skip_special_tokens=True).strip()
+    return text == "" or text in {s.strip() for s in stop}
+
+
+def expert_teacher_logprobs(sample: Sample, tokenizer: Any, floor: float,
+                            stop: Sequence[str] = ()) -> tuple[list[float], int, int]:
     """The teacher log-probs of a scripted expert, from ``sample.distill.expert_turns``; (logprobs,
     turns, matched turns).
 
     ``expert_turns`` holds ``(start, end, expert_action, stopped)`` per turn: the
     turn's action tokens are ``input_ids[start:end]``. A turn without an expert
     action gets the student's own logprobs (no signal). The expert's action is
-    tokenized alone; when the student's turn stopped (a stop token or string)
-    right after the expert's text, its stop tokens count as matching too.
+    tokenized alone; when the student's turn stopped (a stop token or string,
+    ``stop``: ``sampling.stop``) right after the expert's text, its stop tokens
+    count as matching too. More text before the stop is another action: its
+    tokens get ``floor``.
     """
     if sample.old is None:
         raise ValueError("the expert teacher needs sample.old (the student's logprobs) filled")
@@ -49,8 +59,8 @@ def expert_teacher_logprobs(sample: Sample, tokenizer: Any, floor: float) -> tup
             continue
         action = list(sample.input_ids[start:end])
         want = tokenizer(expert, add_special_tokens=False)["input_ids"]
-        if stopped and action[:len(want)] == want:  # the expert's text, then the student's stop tokens
-            want = action
+        if stopped and action[:len(want)] == want and _stops_right_after(tokenizer, action[len(want):], stop):
+            want = action  # the expert's text, then the student's stop tokens
         lp = expert_one_hot_teacher(action, want, floor=floor).tolist()
         teacher[start:end] = lp
         turns += 1

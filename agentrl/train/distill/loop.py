@@ -60,8 +60,9 @@ class Distiller:
 
     def __init__(self, cfg: DistillConfig, student_tokenizer: Any, device: torch.device,
                  total_steps: int, student: torch.nn.Module | None = None, max_len: int = 4096,
-                 vllm_teacher: Any = None, label_max_tokens: int | None = None):
+                 vllm_teacher: Any = None, label_max_tokens: int | None = None, stop: Sequence[str] = ()):
         self.cfg = cfg
+        self.stop = tuple(stop)  # sampling.stop: a scripted expert's turn may end with one
         self.label_max_tokens = label_max_tokens  # DAgger's longest label: rollout.max_context_tokens
         self.total_steps = total_steps
         self.tokenizer = student_tokenizer
@@ -108,7 +109,7 @@ class Distiller:
     def _expert_teacher(self, samples: list[Sample]) -> dict[str, float]:
         turns = matched = 0
         for s in samples:
-            s.distill.teacher, t, m = expert_teacher_logprobs(s, self.tokenizer, self.cfg.expert_floor)
+            s.distill.teacher, t, m = expert_teacher_logprobs(s, self.tokenizer, self.cfg.expert_floor, self.stop)
             turns, matched = turns + t, matched + m
         if turns == 0 and any(s.distill.expert_turns for s in samples):
             raise ConfigError(f"train.distill.teacher={self.cfg.teacher!r} but no turn has an expert action: "
