@@ -476,8 +476,8 @@ def policy_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Te
             raise ValueError("m2po_tau is set: pass behaviour_logprobs")
         per_token = m2po_token_loss(logprobs, behaviour_logprobs, advantages, keep)
         with torch.no_grad():
-            stats["m2po/ratio_mean"] = float((torch.exp(logprobs - behaviour_logprobs) * keep).sum()
-                                             / keep.sum().clamp(min=1))
+            ratio = torch.exp(logprobs - behaviour_logprobs)[keep]  # masked ratios may be inf
+            stats["m2po/ratio_mean"] = float(ratio.mean()) if ratio.numel() else 0.0
     else:
         per_token, ppo_stats = ppo_clip_token_loss(logprobs, old, advantages, keep, clip_low=cfg.clip_low,
                                                    clip_high=cfg.clip_high, dual_clip=cfg.dual_clip)

@@ -80,8 +80,11 @@ def m2po_token_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, ad
     sequence instead of over all tokens; the KL, entropy and extra terms are not
     masked.
     """
-    ratio = torch.exp(logprobs - behaviour_logprobs.detach())
+    on = keep.bool()
+    # The ratio of masked tokens is never formed: M2PO masks the largest ones, and an infinite
+    # one (a sampler's -inf logprob) times 0 is NaN, in the loss and in its gradient.
+    log_ratio = torch.where(on, logprobs - behaviour_logprobs.detach(), torch.zeros_like(logprobs))
     A = advantages.detach().to(logprobs.dtype)
     if A.dim() == logprobs.dim() + 1:
         A = A.sum(-1)  # linear in A: the sum of the copies' terms
-    return -A * ratio * keep.to(logprobs.dtype)
+    return torch.where(on, -A * torch.exp(log_ratio), torch.zeros_like(logprobs))

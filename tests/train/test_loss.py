@@ -268,6 +268,20 @@ def _m2po_reference(s: list[float], candidates: set[int], tau: float) -> set[int
     return masked
 
 
+def test_a_token_m2po_masks_for_an_infinite_ratio_leaves_the_loss_and_its_gradient_finite():
+    """M2PO masks the tokens with the largest (log r)^2, a sampler's -inf logprob (r = inf) first.
+    Masking multiplied by 0, and inf * 0 made the whole loss NaN; now the masked token is 0 and the
+    rest is the hand-computed -(e^0.1 * 1) / 2 (both tokens in the mean), with finite gradients."""
+    lp = torch.zeros(1, 2, requires_grad=True)
+    behaviour = torch.tensor([[-0.1, float("-inf")]])
+    cfg = PolicyLossConfig(m2po_tau=0.04)
+    loss, stats = policy_loss(lp, torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), cfg, behaviour_logprobs=behaviour)
+    assert loss.item() == pytest.approx(-math.exp(0.1) / 2)
+    assert stats["m2po/masked_frac"] == 0.5 and math.isfinite(stats["m2po/ratio_mean"])
+    loss.backward()
+    assert lp.grad[0].tolist() == pytest.approx([-math.exp(0.1) / 2, 0.0])
+
+
 def test_m2po_matches_the_iterative_rule_on_random_batches():
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
