@@ -107,7 +107,7 @@ from .handlers import (
     count_tokens_endpoint,
     models_endpoint,
 )
-from .responses_api import ResponsesWire
+from .responses_api import ResponsesWire, StoredResponse
 from .schemas import (
     SESSION_ID_PATTERN,
     ChatRequest,
@@ -148,8 +148,8 @@ class Proxy:
         self._keys: dict[str, str] = {}  # sha256(api key) -> session id
         self._lock: asyncio.Lock | None = None  # serializes policies without agenerate
         self.in_flight = 0
-        # Responses ``store``: response id -> (session id, its conversation), oldest first
-        self.responses: OrderedDict[str, tuple[str | None, list[dict[str, Any]]]] = OrderedDict()
+        # Responses ``store``: response id -> what it added to the conversation, oldest first
+        self.responses: OrderedDict[str, StoredResponse] = OrderedDict()
 
     # -- sessions, for in-process callers too ------------------------------------------
     def create_session(self, session_id: str | None = None, meta: dict[str, Any] | None = None,
@@ -167,26 +167,27 @@ class Proxy:
         self._keys[_digest(session.api_key)] = sid
         return session
 
-    def store_response(self, response_id: str, session: Session | None, messages: list[dict[str, Any]]) -> None:
+    def store_response(self, response_id: str, stored: StoredResponse) -> None:
         """Keep a Responses call's conversation (its input and reply) for ``previous_response_id``."""
-        self.responses[response_id] = (session.session_id if session else None, messages)
+        self.responses[response_id] = stored
         while len(self.responses) > self.cfg.max_stored_responses:
             self.responses.popitem(last=False)
 
-    def stored_response(self, response_id: str, session: Session | None) -> list[dict[str, Any]]:
-        """The conversation a stored response ends; only its own session (or none) may name it."""
+    def stored_response(self, response_id: str, session: Session | None) -> StoredResponse:
+        """A stored response (``.messages()``: the conversation it ends); only its own session (or
+        none) may name it."""
         found = self.responses.get(response_id)
-        if found is None or found[0] != (session.session_id if session else None):
+        if found is None or found.owner != (session.session_id if session else None):
             raise HTTPError(400, f"previous_response_id: no stored response {response_id!r} in this session "
                             f"(the proxy keeps the last {self.cfg.max_stored_responses} with store: true)",
                             param="previous_response_id")
-        return [dict(m) for m in found[1]]
+        return found
 
     def drop_session(self, sid: str) -> None:
         session = self.sessions.pop(sid, None)
         if session is not None:
             self._keys.pop(_digest(session.api_key), None)
-            for rid in [r for r, (owner, _) in self.responses.items() if owner == sid]:
+            for rid in [r for r, stored in self.responses.items() if stored.owner == sid]:
                 del self.responses[rid]  # only this session could name them
 
     def close_session(self, sid: str) -> Any:

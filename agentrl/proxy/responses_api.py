@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from .app import Proxy
     from .sessions import Session
 
-__all__ = ["RESPONSES_ERRORS", "ResponsesRequest", "ResponsesWire"]
+__all__ = ["RESPONSES_ERRORS", "ResponsesRequest", "ResponsesWire", "StoredResponse"]
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _CUSTOM_INPUT = {"type": "object", "properties": {"input": {
@@ -209,11 +209,31 @@ def _messages(items: list[Item], ignored: list[str]) -> list[dict[str, Any]]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """A response kept for ``previous_response_id``: the messages it added (its input's, then its
+    reply) after the stored response it continued. Chained, not copied: a chain of n calls holds
+    each message once, where a copy of the whole conversation per response held n^2/2."""
+
+    owner: str | None  # the session that made it; only it may name it
+    parent: StoredResponse | None
+    added: tuple[dict[str, Any], ...]
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The whole conversation this response ends (fresh dicts: a caller may change them)."""
+        parts, node = [], self
+        while node is not None:
+            parts.append(node.added)
+            node = node.parent
+        return [dict(m) for part in reversed(parts) for m in part]
+
+
 @dataclass(slots=True)
 class _State:
     """What one call keeps between its request and its reply."""
 
-    history: list[dict[str, Any]]  # the conversation without instructions, for ``store``
+    previous: StoredResponse | None  # the stored response it continues
+    added: list[dict[str, Any]]  # its input's messages (no instructions), stored with the reply
     custom: set[str] = field(default_factory=set)  # freeform tools' names
     namespace: dict[str, str] = field(default_factory=dict)  # a namespaced tool's name -> its namespace
     message_id: str = field(default_factory=lambda: f"msg_{secrets.token_hex(12)}")
@@ -274,18 +294,19 @@ def _echo(body: ResponsesRequest) -> dict[str, Any]:
     return echo
 
 
-def conversation(body: ResponsesRequest, previous: list[dict[str, Any]]) -> Conversation:
-    """A Responses request as the internal conversation; ``previous`` is the stored one it continues."""
+def conversation(body: ResponsesRequest, previous: StoredResponse | None) -> Conversation:
+    """A Responses request as the internal conversation; ``previous`` is the stored response it continues."""
     fmt = (body.text or {}).get("format") or {"type": "text"}
     if not isinstance(fmt, dict) or fmt.get("type") != "text":
         raise HTTPError(400, "text.format: only type 'text' is supported (no constrained decoding)",
                         param="text.format")
     ignored: list[str] = []
     items = [Item(role="user", content=body.input)] if isinstance(body.input, str) else body.input
-    history = [*previous, *_messages(items, ignored)]
+    added = _messages(items, ignored)
+    history = [*(previous.messages() if previous is not None else []), *added]
     if not history:
         raise HTTPError(400, "input: the conversation is empty", param="input")
-    state = _State(history, echo=_echo(body))
+    state = _State(previous, added, echo=_echo(body))
     choice, tools = _tool_choice(body.tool_choice, _tools(body.tools or [], state, ignored))
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
     chat = internal_request({
@@ -359,7 +380,7 @@ class ResponsesWire(Wire):
     errors = RESPONSES_ERRORS
 
     def conversation(self, body: Any, proxy: Proxy, session: Session | None) -> Conversation:
-        previous = []
+        previous = None
         if body.previous_response_id is not None:
             previous = proxy.stored_response(body.previous_response_id, session)
         return conversation(body, previous)
@@ -367,7 +388,9 @@ class ResponsesWire(Wire):
     def recorded(self, out: Out, proxy: Proxy) -> None:
         if out.body.store:
             state: _State = out.conv.state
-            proxy.store_response(out.call_id, out.session, [*state.history, out.choices[0].message or {}])
+            owner = out.session.session_id if out.session is not None else None
+            proxy.store_response(out.call_id, StoredResponse(
+                owner, state.previous, (*state.added, out.choices[0].message or {})))
 
     def body(self, out: Out) -> dict[str, Any]:
         return _response(out, _status(out), _items(out), _usage(out))

@@ -603,3 +603,44 @@ def test_the_message_of_a_reply_cut_by_max_output_tokens_is_incomplete(mock_poli
     assert events["response.incomplete"]["response"]["output"][0]["status"] == "incomplete"
     [item] = _post(server.url, {**body, "max_output_tokens": 50}).json()["output"]
     assert item["status"] == "completed"
+
+
+def _messages_held(root) -> int:
+    """Distinct message dicts (dicts with a ``role``) reachable from ``root`` through containers
+    and slotted objects' fields."""
+    seen, todo, count = set(), [root], 0
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            count += "role" in obj
+            todo += [*obj.keys(), *obj.values()]
+        elif isinstance(obj, list | tuple):
+            todo += obj
+        elif hasattr(type(obj), "__slots__"):
+            todo += [getattr(obj, f) for f in type(obj).__slots__ if hasattr(obj, f)]
+    return count
+
+
+def test_a_previous_response_id_chain_is_stored_in_linear_memory(mock_policy, tokenizer):
+    """Each stored response kept a copy of its whole conversation: a chain of n calls held n^2/2
+    messages (a 4,096-call chain, the default store, about 7 GB). Now each message is held once."""
+    from starlette.testclient import TestClient
+
+    from agentrl.proxy import ProxyConfig, create_app
+
+    app = create_app(mock_policy(["ok"]), ProxyConfig(max_context_tokens=100_000))
+    client, n, prev = TestClient(app), 60, None
+    for i in range(n):
+        body = {"input": f"turn {i}", **({"previous_response_id": prev} if prev else {})}
+        r = client.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        prev = r.json()["id"]
+    assert _messages_held(app.proxy.responses) <= 2 * n  # each call's input and reply
+    r = client.post("/v1/responses", json={"input": "last", "previous_response_id": prev, "max_output_tokens": 1})
+    whole = [m for i in range(n) for m in ({"role": "user", "content": f"turn {i}"},
+                                           {"role": "assistant", "content": "ok"})]
+    assert r.json()["usage"]["input_tokens"] == _tokens(tokenizer, _render(
+        tokenizer, [*whole, {"role": "user", "content": "last"}]))  # the chain is whole, in order
