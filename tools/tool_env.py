@@ -20,8 +20,8 @@ ended pays nothing and repeats how it ended (``terminated`` or ``truncated``), a
 from the last step on ``info["admissible_actions"]`` is empty, as in every env.
 
 Failures outside the model's control end the episode: a dead sandbox, a tool
-that raised, a crash of the wrapped env or the verifier, or a reward that is
-not a finite number. The step then returns ``truncated=True``, reward 0, and
+that raised, a crash of the wrapped env or the verifier (a ``SystemExit`` too:
+argparse exits on bad input), or a reward that is not a finite number. The step then returns ``truncated=True``, reward 0, and
 the reason in ``info["error"]``.
 
 The sandbox comes from ``sandbox=``: a ``Sandbox``, a factory or a pool (see
@@ -67,7 +67,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentrl.env import TextEnv
-from agentrl.errors import AgentRLError, ConfigError, EnvError, SandboxError
+from agentrl.errors import AgentRLError, ConfigError, EnvError, SandboxError, ToolError
 from agentrl.loopthread import shared_loop
 from agentrl.sandboxes.base import Sandbox
 from agentrl.sandboxes.tar_filter import restore_filter
@@ -234,6 +234,30 @@ def _tool_failure(name: str, err: BaseException) -> str:
     return why + "\n" + "".join(traceback.format_exception(err, limit=-8))
 
 
+# Caught where user code runs (a tool, a verifier, a wrapped env's step) as any failure.
+# A SystemExit (argparse on bad input calls exit) that leaves a task of the loop every
+# env shares stops the loop's thread: that step, and every later call of every env, then
+# waits forever. A KeyboardInterrupt is left alone: Ctrl-C must still stop the program.
+_FAILURES = (Exception, SystemExit)
+
+
+async def _exit_as_error(coro: Coroutine[Any, Any, T]) -> T:
+    """Await ``coro``; a ``SystemExit`` from code the env runs becomes an ``EnvError``,
+    where it would stop the shared loop's thread (see ``_FAILURES``)."""
+    try:
+        return await coro
+    except SystemExit as err:
+        raise EnvError(f"code this env ran called exit({err.code!r})") from err
+
+
+async def _invoke(tool: Tool, arguments: dict[str, Any], box: Sandbox | None) -> ToolResult:
+    """``tool.invoke``, with a ``SystemExit`` as a ``ToolError`` (see ``_FAILURES``)."""
+    try:
+        return await tool.invoke(arguments, box)
+    except SystemExit as err:
+        raise ToolError(f"it called exit({err.code!r})") from err
+
+
 def strip_thinking(text: str) -> str:
     """``text`` without ``<think>...</think>`` blocks, stripped."""
     return _THINK.sub("", text).strip()
@@ -315,13 +339,21 @@ class ToolEnv(TextEnv):
         """Await ``coro`` (an ``areset``/``astep`` call of this env) on this env's event loop,
         from any running loop: the loop its sync API uses, where its sandbox's asyncio
         objects live. Cancelling the awaiting task cancels the call."""
-        return await self._loop.arun(coro)
+        return await self._loop.arun(_exit_as_error(coro))
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on this env's loop, blocking; see ``_exit_as_error``."""
+        try:
+            return self._loop.run(_exit_as_error(coro))
+        finally:
+            if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+                coro.close()  # never run (called from its own loop): not "never awaited"
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
-        return self._loop.run(self.areset(seed=seed, options=options))
+        return self._run(self.areset(seed=seed, options=options))
 
     def step(self, action: str):
-        return self._loop.run(self.astep(action))
+        return self._run(self.astep(action))
 
     async def areset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -351,7 +383,7 @@ class ToolEnv(TextEnv):
         if self.task is not None and self.task.needs_sandbox and self.inner is None:
             try:
                 await self.task.setup(await self._ensure_sandbox())
-            except Exception as err:  # the episode fails; the reason is recorded
+            except _FAILURES as err:  # the episode fails; the reason is recorded
                 self._ended = (False, True)
                 info["error"] = f"task setup failed: {type(err).__name__}: {err}"
                 await self._end_episode()
@@ -397,7 +429,7 @@ class ToolEnv(TextEnv):
 
     def close(self) -> None:
         try:
-            self._loop.run(self._end_episode())
+            self._run(self._end_episode())
         finally:
             if self.inner is not None:
                 self.inner.close()
@@ -416,11 +448,11 @@ class ToolEnv(TextEnv):
         box, tools = None, {}
         if self.sandbox is not None:
             try:
-                box = self._loop.run(self.sandbox.snapshot())
+                box = self._run(self.sandbox.snapshot())
             except NotImplementedError:
                 return {"replay": copy.deepcopy(self._replay_log)}
             pending = self._pending.states if self._pending else {}
-            tools = {**self._loop.run(self._tool_states(self.sandbox)), **pending}
+            tools = {**self._run(self._tool_states(self.sandbox)), **pending}
         inner = self.inner.snapshot() if self.inner is not None else None
         own = (
             self.task, self._turn, self._ended, self._started, self._base_info,
@@ -444,14 +476,14 @@ class ToolEnv(TextEnv):
         not as they were when the snippet first ran.
         """
         if "replay" in snapshot:
-            self._loop.run(self._replay(copy.deepcopy(snapshot["replay"])))
+            self._run(self._replay(copy.deepcopy(snapshot["replay"])))
             return
         if snapshot["sandbox"] is not None:
-            self._loop.run(self._restore_sandbox(snapshot["sandbox"]))
+            self._run(self._restore_sandbox(snapshot["sandbox"]))
             tools = copy.deepcopy(snapshot.get("tools") or {})
             self._pending = _Pending(tools, snapshot["sandbox"]) if tools else None
         elif self.sandbox is not None:  # the branch point had no sandbox state yet
-            self._loop.run(self._end_episode())
+            self._run(self._end_episode())
         if self.inner is not None:
             self.inner.restore(snapshot["inner"])
         own = copy.deepcopy(snapshot["own"])
@@ -543,7 +575,7 @@ class ToolEnv(TextEnv):
                     raise TypeError(f"the observation must be a str, got {type(obs).__name__}")
                 if not isinstance(info, dict):
                     raise TypeError(f"the info must be a dict, got {type(info).__name__}")
-            except Exception as err:
+            except _FAILURES as err:
                 return _Outcome(
                     "The environment failed.", error=f"env step failed: {type(err).__name__}: {err}"
                 )
@@ -558,7 +590,7 @@ class ToolEnv(TextEnv):
         try:
             reward = _as_reward(await self.task.score(answer, self.sandbox))
             extra = {"answer": answer, **(self.task.report(answer) if self.task.report else {})}
-        except Exception as err:  # the traceback says where in the verifier it broke
+        except _FAILURES as err:  # the traceback says where in the verifier it broke
             return _Outcome(
                 "Scoring failed.",
                 error=f"verifier failed: {type(err).__name__}: {err}\n{traceback.format_exc(limit=-8)}",
@@ -617,9 +649,7 @@ class ToolEnv(TextEnv):
         tool = self.tools[call.name]
         box = self.sandbox if tool.needs_sandbox else None
         try:
-            return await asyncio.wait_for(
-                tool.invoke(call.arguments, box), self.config.call_timeout_s
-            )
+            return await asyncio.wait_for(_invoke(tool, call.arguments, box), self.config.call_timeout_s)
         except TimeoutError:
             return ToolResult.error(
                 f"Error: the call took longer than {self.config.call_timeout_s:g} s and was stopped."

@@ -437,3 +437,49 @@ def test_good_tool_settings_are_kept_as_numbers():
     assert CalculatorTool(timeout_s=3).timeout_s == 3.0
     assert BashTool(max_timeout=np.float64(5)).max_timeout == 5.0
     assert SearchTool(["a b"], snippet_chars=np.int64(80)).snippet_chars == 80
+
+
+class CliArgs(BaseModel):
+    argv: list[str] = []
+
+
+@tool
+def cli(args: CliArgs) -> str:
+    """A command line tool: argparse exits on arguments it does not take."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="cli", add_help=False)
+    parser.add_argument("--n", type=int, default=1)
+    return str(parser.parse_args(args.argv).n)
+
+
+@tool
+async def quits(args: XArgs) -> str:
+    """Exits."""
+    raise SystemExit(3)
+
+
+def _exits_when_scored(answer: str) -> float:
+    raise SystemExit("verifier gave up")
+
+
+@pytest.mark.parametrize(("make_env", "action", "why"), [
+    (lambda: ToolEnv(Task("q", verify=lambda a: 1.0), tools=[cli]),
+     hermes("cli", argv=["--bad"]), "tool 'cli' failed: ToolError: it called exit(2)"),
+    (lambda: ToolEnv(Task("q", verify=lambda a: 1.0), tools=[quits]),
+     hermes("quits"), "tool 'quits' failed: ToolError: it called exit(3)"),
+    (lambda: ToolEnv(Task("q", verify=_exits_when_scored)),
+     "42", "verifier failed: SystemExit: verifier gave up"),
+])
+def test_code_that_calls_exit_fails_its_episode_and_the_shared_loop_lives_on(make_env, action, why, capsys):
+    # argparse on bad input raises SystemExit: on the loop every env shares it stopped
+    # the loop's thread, and this step and every later one of every env waited forever.
+    env = make_env()
+    env.reset(seed=0)
+    _, reward, term, trunc, info = env.step(action)
+    assert (reward, term, trunc) == (0.0, False, True) and info["error"].startswith(why)
+    env.close()
+    other = ToolEnv(Task("q", verify=lambda a: a == "2"), tools=["calculator"])
+    other.reset(seed=0)
+    assert other.step(hermes("calculator", expression="1+1"))[0] == "<tool_response>\n2\n</tool_response>"
+    other.close()
