@@ -579,8 +579,7 @@ class ToolEnv(TextEnv):
                 return _Outcome(
                     "The environment failed.", error=f"env step failed: {type(err).__name__}: {err}"
                 )
-            info = dict(info)
-            info.pop("tools", None)
+            info = {k: v for k, v in info.items() if k not in ("tools", "tools_prompt")}  # this env's own
             # The wrapped env's state is now this step's: later tool turns report its
             # admissible actions and state key, not the reset's.
             self._base_info.update(info)

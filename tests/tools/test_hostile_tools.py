@@ -483,3 +483,16 @@ def test_code_that_calls_exit_fails_its_episode_and_the_shared_loop_lives_on(mak
     other.reset(seed=0)
     assert other.step(hermes("calculator", expression="1+1"))[0] == "<tool_response>\n2\n</tool_response>"
     other.close()
+
+
+def test_a_wrapped_envs_own_tools_prompt_does_not_replace_the_tool_envs():
+    # The wrapped env's tools_prompt (a tool env inside, say) replaced the one that lists
+    # this env's tools, on that step and then on every tool turn after it.
+    env = ToolEnv(Scripted(("o", 0.0, False, False, {"tools_prompt": "inner tools", "turn": 99})),
+                  tools=["calculator"])
+    _, reset_info = env.reset(seed=0)
+    *_, info = env.step("act")
+    assert info["tools_prompt"] == reset_info["tools_prompt"] != "inner tools" and info["turn"] == 1
+    *_, info = env.step(hermes("calculator", expression="1"))
+    assert info["tools_prompt"] == reset_info["tools_prompt"] and info["turn"] == 2
+    env.close()
