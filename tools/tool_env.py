@@ -217,6 +217,24 @@ def _settings(config: Any, overrides: dict[str, Any]) -> ToolEnvConfig:
         raise EnvError(f"ToolEnv setting {name}: {why}, not {e['input']!r:.80}") from err
 
 
+def _reset_options(options: Any, wraps_env: bool) -> dict[str, Any]:
+    """``options`` of ``reset`` (None: none) as a dict, or an ``EnvError`` saying what is
+    wrong, as every env checks them: around a task source the one option is ``task``, a
+    ``Task`` (a misspelt one was ignored, and another task played); a wrapped env checks its own."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise EnvError(f"reset options must be a dict, not {options!r:.80}")
+    if not wraps_env:
+        if unknown := sorted(set(options) - {"task"}, key=repr):
+            raise EnvError(f"unknown reset option {', '.join(f'options[{k!r}]' for k in unknown)}: "
+                           "this env takes 'task'")
+        task = options.get("task")
+        if task is not None and not isinstance(task, Task):
+            raise EnvError(f"options['task'] must be a Task, not {task!r:.80}")
+    return dict(options)
+
+
 def _as_reward(value: Any) -> float:
     """``value`` as a float, or a ``ValueError`` naming it: a NaN or infinite reward
     would reach every advantage of its group, and a str or None is a verifier bug."""
@@ -359,10 +377,10 @@ class ToolEnv(TextEnv):
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[str, dict[str, Any]]:
         """Async ``reset``: end the previous episode, start a new one."""
+        options = _reset_options(options, wraps_env=self.inner is not None)
         TextEnv.reset(self, seed=seed)
         await self._end_episode()
         self._turn, self._ended, self._started = 0, None, True
-        options = dict(options or {})
         if self.inner is not None:
             if seed is None:  # an explicit seed lets the episode be replayed
                 seed = int(self.np_random.integers(2**31 - 1))

@@ -554,3 +554,17 @@ def test_a_tool_turn_reports_the_wrapped_envs_latest_state_not_the_reset_one():
     assert info["state_key"] == after_guess["state_key"] == "turn 1: 2..8"
     assert "privileged" in info  # the reset's own keys stay
     env.close()
+
+
+def test_reset_options_are_checked_as_every_env_checks_them():
+    # A misspelt option was ignored and another task played; a task that was not a Task
+    # raised AttributeError ('str' object has no attribute 'prompt').
+    env = ToolEnv(mult_task, tools=["calculator"])
+    for options, why in (({"taks": Task("Say hi")}, r"unknown reset option options\['taks'\].*'task'"),
+                         ({"task": "Say hi"}, r"options\['task'\] must be a Task, not 'Say hi'"),
+                         (["task"], r"reset options must be a dict, not \['task'\]")):
+        with pytest.raises(EnvError, match=why):
+            env.reset(seed=0, options=options)
+    assert env.reset(seed=0, options={"task": Task("Say hi")})[0] == "Say hi"
+    assert env.reset(seed=0, options={})[0].startswith("What is")
+    env.close()
