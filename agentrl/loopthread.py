@@ -33,6 +33,18 @@ def _stop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
         loop.close()
 
 
+async def _exits_raise(coro: Coroutine[Any, Any, T]) -> T:
+    """``coro``, with a ``sys.exit()`` (argparse on bad input) or a stray KeyboardInterrupt
+    inside it raised as a RuntimeError: asyncio re-raises those two out of ``run_forever``,
+    which ended the loop's thread, and every later call on the loop then waited for ever."""
+    try:
+        return await coro
+    except SystemExit as e:
+        raise RuntimeError(f"sys.exit({e.code!r}) was called on the loop thread") from None
+    except KeyboardInterrupt:
+        raise RuntimeError("KeyboardInterrupt was raised on the loop thread") from None
+
+
 class LoopThread:
     """Runs coroutines to completion on one background loop, started on first use."""
 
@@ -59,7 +71,7 @@ class LoopThread:
             coro.close()
             raise RuntimeError("a sync API was called from its own loop; await the async API")
         loop = self._ensure()
-        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+        return asyncio.run_coroutine_threadsafe(_exits_raise(coro), loop).result()
 
     async def arun(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the background loop and await its result from the running loop.
@@ -70,7 +82,7 @@ class LoopThread:
         loop = self._ensure()
         if asyncio.get_running_loop() is loop:
             return await coro
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_exits_raise(coro), loop))
 
     def close(self) -> None:
         """Stop the loop and its thread; a later ``run`` starts a fresh one."""
