@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from agentrl.loopthread import shared_loop
 from agentrl.tools import Tool, ToolEnv
 
 from ._common import owned_sandbox
@@ -18,7 +19,12 @@ class ToolTaskEnv(ToolEnv):
 
     def __init__(self, source: Any, tools: Sequence[Tool | str], sandbox: Any, **config: Any):
         given, self._owned = owned_sandbox(sandbox)
-        super().__init__(source, tools=tools, sandbox=given, **config)
+        try:
+            super().__init__(source, tools=tools, sandbox=given, **config)
+        except BaseException:  # a bad setting: the sandbox made for this env is closed, not leaked
+            if self._owned is not None:
+                shared_loop().run(self._owned.close())
+            raise
 
     def close(self) -> None:
         try:

@@ -229,3 +229,30 @@ def test_bashfix_repos_differ_by_seed_and_repeat_per_seed():
     env.reset(seed=2)
     assert env.task.files != files_a
     env.close()
+
+
+def test_a_bad_setting_closes_the_sandbox_the_env_made_for_itself(monkeypatch):
+    """The sandbox made from a backend name was created before ToolEnv checked its settings,
+    so a bad setting left it open."""
+    import agentrl.sandboxes as sandboxes
+    from agentrl.errors import EnvError
+
+    made = []
+    real = sandboxes.make_sandbox
+
+    def recording(spec, *a, **kw):
+        box = real(spec, *a, **kw)
+        closed = box.close
+
+        async def close():
+            made.append("closed")
+            await closed()
+
+        box.close = close
+        made.append("made")
+        return box
+
+    monkeypatch.setattr(sandboxes, "make_sandbox", recording)
+    with pytest.raises(EnvError, match="max_turns"):
+        MathPythonEnv(sandbox="local", max_turns="three")
+    assert made == ["made", "closed"]
