@@ -1,4 +1,4 @@
-"""Allocators under a turns budget: the plan respects the budget (from a review).
+"""Allocators under a turns budget: no plan buys more turns than are left.
 
 An open leaf (paused by ``max_turns``) spends more turns when it is continued; the
 plans bought new leaves with all that was left, as if those continuations were free,
