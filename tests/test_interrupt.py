@@ -50,7 +50,9 @@ def _interrupt(tmp_path, args: list[str]) -> tuple[subprocess.CompletedProcess, 
     env = {**os.environ, "MARKS": str(marks), "COLUMNS": "200", "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen([sys.executable, "-m", "agentrl", *args, "--backend", "mock", "--no-progress",
                              "--set", "env.imports=[stuck_envs]", "--set", "rollout.concurrency=8"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            # a job a shell started with & ignores SIGINT, and its children inherit that
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     want = {f"done-{s}" for s in range(3)} | {f"stuck-{s}" for s in range(3, 6)}
     deadline = time.monotonic() + 120
     while not want <= {p.name for p in marks.iterdir()}:

@@ -21,15 +21,17 @@ Request, in the internal conversation:
 
 Accepted and ignored, counted in the session tree's ``meta["ignored"]``:
 ``thinking`` (the policy has no thinking mode; ``thinking`` and
-``redacted_thinking`` blocks in the history are dropped), and tools with a
+``redacted_thinking`` blocks in the history are dropped), structured outputs
+(``output_config.format``, the beta ``output_format``: counted as
+``structured_output``; the reply is sampled free, not constrained to the
+schema; Claude Code asks for its session title this way, so a refusal failed
+one of its calls), and tools with a
 server ``type`` (web search and the like: the proxy cannot run them, so the
 model is not offered them). Ignored without a count, since they do not change
 what is sampled: ``metadata``, ``cache_control``, ``context_management``,
 ``output_config.effort``, ``service_tier``. Refused with a 400 naming the field:
-image and document blocks, block types the proxy does not know, a
-``tool_choice`` that names a tool not offered, and structured outputs
-(``output_config.format``, the beta ``output_format``: constrained decoding,
-which the proxy does not do, as Responses' ``text.format``).
+image and document blocks, block types the proxy does not know, and a
+``tool_choice`` that names a tool not offered.
 
 A final assistant message is a prefill: the reply continues it
 (``continue_final_message`` in the internal conversation). Its text is
@@ -138,21 +140,11 @@ class ToolChoice(BaseModel):
     disable_parallel_tool_use: bool | None = Field(None, description="true: at most one call a reply.")
 
 
-def _no_format(v: Any) -> Any:
-    # Structured outputs constrain what is sampled; dropped, the reply would not follow the schema asked.
-    if v is not None:
-        raise ValueError("not supported: structured outputs need constrained decoding, which the proxy "
-                         "does not do")
-    return v
-
-
 class OutputConfig(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     effort: Any = Field(None, description="Ignored: the policy has one effort.")
-    format: Any = Field(None, description="Structured outputs: refused.")
-
-    _check_format = field_validator("format")(_no_format)
+    format: Any = Field(None, description="Structured outputs: ignored (counted); the reply is sampled free.")
 
 
 class CountTokensRequest(BaseModel):
@@ -177,13 +169,8 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus mass.")
     top_k: int | None = Field(None, ge=0, description="Top-k; 0 disables.")
     stream: bool = Field(False, description="Answer as server-sent events.")
-    output_config: OutputConfig | None = Field(None, description="effort ignored; a format refused.")
-    output_format: Any = Field(None, description="Beta structured outputs: refused.")
-
-    @field_validator("output_format")
-    @classmethod
-    def _no_format(cls, v: Any) -> Any:
-        return _no_format(v)
+    output_config: OutputConfig | None = Field(None, description="effort ignored; a format ignored (counted).")
+    output_format: Any = Field(None, description="Beta structured outputs: ignored (counted).")
 
     @field_validator("stop_sequences")
     @classmethod
@@ -291,6 +278,9 @@ def conversation(body: CountTokensRequest) -> Conversation:
     ignored: list[str] = []
     if body.thinking and body.thinking.get("type") != "disabled":
         ignored.append("thinking")
+    config = getattr(body, "output_config", None)
+    if getattr(body, "output_format", None) is not None or (config is not None and config.format is not None):
+        ignored.append("structured_output")
     messages = _messages(body, ignored)
     tools = []
     for t in body.tools or []:

@@ -421,8 +421,6 @@ def test_count_tokens_is_the_full_render_and_records_nothing(mock_policy, serve,
     (_body(stop_sequences=["", "x"]), "stop_sequences"),
     (_body(temperature=3), "temperature"),
     (_body(top_k=-1), "top_k"),
-    (_body(output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}}), "output_config.format"),
-    (_body(output_format={"type": "json_schema", "schema": {"type": "object"}}), "output_format"),
 ])
 def test_bad_bodies_get_anthropic_errors_naming_the_field(mock_policy, serve, body, names):
     server = serve(mock_policy())
@@ -481,6 +479,22 @@ def test_a_sampled_tool_call_with_nan_arguments_is_answered_in_json(mock_policy,
                 _strict_json(data["delta"]["partial_json"])
     else:
         _strict_json(r.text)
+
+
+@pytest.mark.parametrize("fields", [
+    {"output_config": {"effort": "high", "format": {"type": "json_schema", "schema": {"type": "object"}}}},
+    {"output_format": {"type": "json_schema", "schema": {"type": "object"}}},
+])
+def test_structured_outputs_are_served_free_and_counted_as_ignored(mock_policy, serve, fields):
+    """Claude Code asks for its session title with output_config.format: refused with a 400,
+    one of its calls failed (and was missing from the tree). The proxy does not constrain
+    decoding to a schema; it says so in meta["ignored"]."""
+    server = serve(mock_policy())
+    sid, _ = _session(server.url)
+    r = _post(server.url, _body(**fields), sid)
+    assert r.status_code == 200 and r.json()["content"][0]["text"] == "Hello there!", r.text
+    tree = _closed(server.url, sid)
+    assert len(tree.nodes) == 1 and tree.meta["ignored"] == {"structured_output": 1}
 
 
 def test_output_config_without_a_format_is_served(mock_policy, serve):
