@@ -27,8 +27,10 @@ Codex end their whole run on a cut reply), and the recorded node keeps
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -179,6 +181,41 @@ def _render_whole(proxy: Proxy, spec: PromptSpec) -> list[int]:
     return ids
 
 
+_MOST_BYTES: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def _most_bytes_a_token_holds(tokenizer: Any) -> int:
+    """The most UTF-8 bytes one token of ``tokenizer`` decodes to, plus 4 for what decoding
+    one token alone drops (a SentencePiece token's leading space); once per tokenizer."""
+    try:
+        return _MOST_BYTES[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    most = max(len(p.encode("utf-8", "surrogatepass")) for p in pieces) + 4
+    with contextlib.suppress(TypeError):
+        _MOST_BYTES[tokenizer] = most
+    return most
+
+
+def check_text_fits(proxy: Proxy, req: ChatRequest, param: str) -> None:
+    """Refuse a prompt whose messages' text alone cannot fit the context budget, without
+    rendering it: every token holds at most ``_most_bytes_a_token_holds`` bytes, so the prompt
+    has at least (text bytes) / that many tokens. Tokenizing a 7 MB body held the event loop,
+    and with it every session and stream, for 7-10 s before the budget's 400."""
+    budget = proxy.cfg.max_context_tokens
+    size = 0
+    for m in req.messages:
+        texts = [m.content] if isinstance(m.content, str) else [p.text for p in m.content or ()]
+        size += sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    if size <= budget:  # fewer bytes than the budget's tokens: it may fit
+        return
+    at_least = size // _most_bytes_a_token_holds(proxy.tokenizer)
+    if at_least > budget:
+        raise HTTPError(400, f"the prompt is at least {at_least} tokens ({size} bytes of message text), over "
+                        f"the context budget of {budget}", param=param, code="context_length_exceeded")
+
+
 def render_plan(proxy: Proxy, session: Session | None, spec: PromptSpec, param: str) -> Plan:
     """Where a chat call hangs and its prompt; a template that refuses the messages is a 400."""
     from jinja2.exceptions import TemplateError
@@ -228,6 +265,7 @@ def chat_endpoint(proxy: Proxy, wire: Wire) -> Handler:
         conv = wire.conversation(body, proxy, session)
         req = conv.chat
         _check_named_tool(req)
+        check_text_fits(proxy, req, wire.prompt_param)
         if session is not None and conv.ignored:
             session.note_ignored(conv.ignored)
         spec = _spec(proxy, req)

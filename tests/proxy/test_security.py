@@ -92,6 +92,30 @@ def test_invalid_json_oversized_body_and_unknown_session(mock_policy, serve):
     assert httpx.post(f"{server.url}/v1/chat/completions", json=CHAT).status_code == 200  # still up
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "a" * 2_000_000}]}),
+    ("/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "é" * 600_000}, {"type": "text", "text": "x"}]}]}),
+    ("/v1/responses", {"model": "m", "input": "a" * 2_000_000}),
+    ("/v1/messages", {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "a" * 2_000_000}]}),
+])
+def test_a_prompt_too_long_to_fit_is_refused_before_it_is_rendered(mock_policy, serve, monkeypatch, path, body):
+    """A 7 MB body was rendered and tokenized on the event loop (7-10 s, every session and
+    stream stalled) before the budget's 400. Text that no tokenization could fit is refused
+    from its byte count: the template is never rendered."""
+    import agentrl.proxy.handlers as handlers
+
+    def never(*a, **kw):
+        raise AssertionError("rendered a prompt that cannot fit")
+
+    monkeypatch.setattr(handlers, "render_plan", never)
+    server = serve(mock_policy(), max_context_tokens=4096)
+    r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "the prompt is at least" in message and "over the context budget of 4096" in message
+
+
 def test_prompt_over_the_context_budget_is_400(mock_policy, serve):
     server = serve(mock_policy(), max_context_tokens=64)
     long = {"model": "m", "messages": [{"role": "user", "content": "word " * 200}]}
