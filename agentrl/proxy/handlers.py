@@ -200,19 +200,21 @@ def _most_bytes_a_token_holds(tokenizer: Any) -> int:
 
 def check_text_fits(proxy: Proxy, req: ChatRequest, param: str) -> None:
     """Refuse a prompt whose messages' text alone cannot fit the context budget, without
-    rendering it: every token holds at most ``_most_bytes_a_token_holds`` bytes, so the prompt
-    has at least (text bytes) / that many tokens. Tokenizing a 7 MB body held the event loop,
-    and with it every session and stream, for 7-10 s before the budget's 400."""
+    rendering it: every token holds at most ``_most_bytes_a_token_holds`` bytes, and a character
+    is at least one byte, so the prompt has at least (text characters) / that many tokens.
+    Characters, not bytes: counted on every call, they cost no copy of the history. Tokenizing a
+    7 MB body held the event loop, and with it every session and stream, for 7-10 s before the
+    budget's 400."""
     budget = proxy.cfg.max_context_tokens
     size = 0
     for m in req.messages:
         texts = [m.content] if isinstance(m.content, str) else [p.text for p in m.content or ()]
-        size += sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
-    if size <= budget:  # fewer bytes than the budget's tokens: it may fit
+        size += sum(map(len, texts))
+    if size <= budget:  # fewer characters than the budget's tokens: it may fit
         return
     at_least = size // _most_bytes_a_token_holds(proxy.tokenizer)
     if at_least > budget:
-        raise HTTPError(400, f"the prompt is at least {at_least} tokens ({size} bytes of message text), over "
+        raise HTTPError(400, f"the prompt is at least {at_least} tokens ({size} characters of message text), over "
                         f"the context budget of {budget}", param=param, code="context_length_exceeded")
 
 
