@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..chat import ChatContext
 from ..config import Config
-from ..env import answer_problem
+from ..env import answer_problem, jsonable
 from ..errors import ConfigError, ContextOverflowError, RolloutError
 from ..types import Node, RolloutTree
 from .budget import BudgetMeter, BudgetSpent
@@ -137,9 +137,11 @@ class EpisodePlayer:
             self.envs.release(env, healthy=False)
             raise RolloutError(problem)
         obs, info = answer
-        tree.meta.setdefault("instruction", info.get("instruction", ""))
+        # meta is written with the tree: JSON-safe, as a step's info is (a numpy state key
+        # failed writing the run after every episode had played)
+        tree.meta.setdefault("instruction", jsonable(info.get("instruction", "")))
         if info.get("state_key") is not None:  # the opening state, for GiGPO's anchor groups
-            tree.meta.setdefault("state_key", info["state_key"])
+            tree.meta.setdefault("state_key", jsonable(info["state_key"]))
         if info.get("privileged") is not None:  # for a distillation teacher; never in a prompt
             tree.meta.setdefault("privileged", str(info["privileged"]))
         try:

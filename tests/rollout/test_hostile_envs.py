@@ -63,6 +63,9 @@ FINE: dict[str, tuple[Any, Any]] = {
         "nan": math.nan, "inf": [math.inf], "set": {3}, (1, 2): "tuple key", "arr": np.arange(3),
         "i64": np.int64(2), "obj": object(), "cycle": _cyclic(), "bad": "x\udcffy"})),
     "info_lock": (("Hi.", {}), ("o", 1.0, True, False, {"lock": threading.Lock()})),  # no pickle
+    # the reset's state key and instruction go into the tree's meta: JSON-safe there too
+    "reset_odd_meta": (("Hi.", {"state_key": (np.int64(3), math.nan), "instruction": np.int64(7)}),
+                       ("o", 1.0, True, False, {})),
 }
 
 
@@ -133,6 +136,8 @@ def test_answers_gymnasium_allows_still_play(name, tokenizer, tmp_path):
         info = trees[0].nodes[0].info
         assert info["nan"] == "nan" and info["inf"] == ["inf"] and info["(1, 2)"] == "tuple key"
         assert info["i64"] == 2 and info["bad"] == "x\\udcffy"
+    if name == "reset_odd_meta":  # as an info's value would be written (agentrl.env.jsonable)
+        assert trees[0].meta["state_key"] == [3, "nan"] and trees[0].meta["instruction"] == 7
 
 
 def test_answer_problem_names_what_is_wrong():
