@@ -44,9 +44,11 @@ __all__ = [
 
 class _Strict(BaseModel):
     """The base of every config section (here and in ``agentrl.train.config``): unknown keys
-    are errors, and assignments are validated."""
+    are errors, and assignments are validated. A float is finite: ``.inf`` passes every
+    ``ge``/``gt`` bound (``sampling.temperature: .inf`` sampled uniformly, ``lr: .inf`` trained
+    to NaN), and where no limit is meant, the key takes null."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 def moved_keys(data: Any, moves: dict[str, str], section: str) -> Any:
