@@ -8,7 +8,9 @@ Standard library only (``http.server``): three read-only routes, on
     GET /api/tree/<i>     tree i, parsed from its file when asked (the last 64 are kept)
 
 The tokenizer loads in a background thread when the server starts, so the
-first page shows at once; a tree asked for before it is ready waits for it.
+first page and the run index show at once (the index says the tokenizer is
+loading); a tree asked for before it is ready waits for it up to 20 s, then
+comes with token ids only (and is not kept: asked again, it gets the texts).
 
 Served on a loopback address, it answers only requests addressed to one
 (``Host: 127.0.0.1``, ``localhost``, ``[::1]``) and refuses others with 403: a
@@ -41,6 +43,8 @@ __all__ = ["ViewerServer"]
 _CACHED_TREES = 64
 _MAX_CONNECTIONS = 32  # threads serving at once; more wait in the listen queue
 _IDLE_SECONDS = 30  # a connection that sends nothing this long is closed
+_TOKENIZER_WAIT_S = 20.0  # a tree waits this long for the tokenizer, then shows ids
+_LOADING_NOTE = "loading the tokenizer: token ids until it is ready (reload the page for texts)"
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
@@ -107,7 +111,7 @@ class ViewerServer:
         self._ready = threading.Event()
         self._lock = threading.Lock()
         self._trees: OrderedDict[int, bytes] = OrderedDict()
-        self._index: bytes | None = None
+        self._index: dict[bool, bytes] = {}  # by whether the tokenizer was ready
         self._page = render_page().encode("utf-8")
         if load_decoder is None:
             self._ready.set()
@@ -131,17 +135,20 @@ class ViewerServer:
         return f"http://{host}:{port}/"
 
     def index_json(self) -> bytes:
-        self._ready.wait()
-        if self._index is None:
-            self._index = to_json(run_index(self.run, self._decoder[1])).encode("utf-8")
-        return self._index
+        """The run index; it needs the tokenizer's note only, so it never waits for the load."""
+        ready = self._ready.is_set()
+        if ready not in self._index:
+            note = self._decoder[1] if ready else _LOADING_NOTE
+            self._index[ready] = to_json(run_index(self.run, note)).encode("utf-8")
+        return self._index[ready]
 
     def tree_json(self, i: int) -> bytes:
-        self._ready.wait()
         with self._lock:
             if i in self._trees:
                 self._trees.move_to_end(i)
                 return self._trees[i]
+        if not self._ready.wait(_TOKENIZER_WAIT_S):  # a load that hangs must not hang the tree
+            return to_json(tree_data(self.run, i, None)).encode("utf-8")
         body = to_json(tree_data(self.run, i, self._decoder[0])).encode("utf-8")
         with self._lock:
             self._trees[i] = body
