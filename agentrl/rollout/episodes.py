@@ -222,7 +222,9 @@ class EpisodePlayer:
         # listed actions and tool messages count too), or the branch would train on
         # tokens its policy never saw.
         stored = [t for n in path for t in n.context_ids + n.action_ids]
-        first = tree.nodes[tree.roots[0]].context_ids if not path and tree.roots else None
+        # A root that failed before its first turn holds no opening (an empty error node).
+        openings = [tree.nodes[r].context_ids for r in tree.roots if tree.nodes[r].context_ids]
+        first = openings[0] if not path and openings else None
         nxt = [tree.nodes[c].context_ids for c in (path[-1].children if path else []) if tree.nodes[c].context_ids]
         if ctx.ids[:len(stored)] != stored or (first is not None and pending != first) \
                 or (nxt and pending != nxt[0]):

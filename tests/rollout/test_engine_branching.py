@@ -1,0 +1,53 @@
+"""Branching corner cases of the rollout engine: replaying past failed siblings, and
+the bookkeeping of trees that hold failures next to branches."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from agentrl.config import load_config
+from agentrl.env import register_env
+from agentrl.policy import MockPolicy
+from agentrl.rollout import Branch, Budget, Fresh, collect
+from tests.fakes import NoSnapshotEnv
+
+
+class FirstResetFails(NoSnapshotEnv):
+    """Cannot snapshot; the very first reset of a test fails (a sandbox that did not start)."""
+
+    resets = itertools.count()
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        if next(FirstResetFails.resets) == 0:
+            raise OSError("sandbox did not start")
+        return super().reset(seed=seed, options=options)
+
+
+register_env("agentrl/TestFirstResetFails-v0", entry_point=FirstResetFails)
+
+
+class ForkTheGoodRoot:
+    """Two fresh episodes, then a segment fork of the first turn of the one that played."""
+
+    name, needs_snapshots, top_logprobs = "fork-good-root", True, 0
+
+    def plan(self, state):
+        tree = state.trees[0]
+        if state.round == 0:
+            return [Fresh(0, 2)]
+        if state.round == 1:
+            good = next(r for r in tree.roots if tree.nodes[r].action_ids)
+            return [Branch(0, good, 1, at_token=1)]
+        return []
+
+
+def test_a_first_turn_fork_replays_past_a_root_whose_reset_failed(tokenizer):
+    FirstResetFails.resets = itertools.count()
+    cfg = load_config(overrides=["rollout.max_turns=3", "rollout.concurrency=1"])
+    (tree,) = collect("agentrl/TestFirstResetFails-v0", MockPolicy(tokenizer, ["alpha beta gamma"]), cfg,
+                      [0], ForkTheGoodRoot(), Budget(3))
+    errors = sorted(ep.error or "" for ep in tree.episodes())
+    assert errors == ["", "", "env.reset raised OSError: sandbox did not start"]
+    fork = next(n for n in tree.nodes.values() if n.partial)
+    assert len(fork.children) == 2  # the original turn's rest, and the fork's continuation
