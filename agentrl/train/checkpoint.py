@@ -28,6 +28,7 @@ checkpoints stay.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import tempfile
@@ -173,9 +174,11 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module,
                                                    default=str))
         if export_hf:
             _export_hf(model, tokenizer, tmp / "hf")
+        _fsync_tree(tmp)  # the data is on disk before the rename makes it the checkpoint
         if target.exists():  # a re-run of the same step: kept aside until the new one is in place
             target.rename(aside)
         tmp.rename(target)
+        _fsync(root)
     finally:
         if aside.exists() and not target.exists():  # the new one never came: the old one stays
             aside.rename(target)
@@ -185,6 +188,23 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module,
     if keep is not None:
         prune_checkpoints(out_dir, keep)
     return target
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file and folder under ``root`` (a crash of the machine after the rename must
+    not leave a checkpoint whose files are empty)."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            _fsync(Path(folder) / name)
+        _fsync(Path(folder))
 
 
 def prune_checkpoints(out_dir: str | Path, keep: int) -> None:
@@ -199,10 +219,27 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     if not (p / "state.json").exists():
         raise FileNotFoundError(f"{p} is not a checkpoint (no state.json)")
     state = json.loads((p / "state.json").read_text())
-    opt = torch.load(p / "optimizer.pt", weights_only=False)
-    rng = torch.load(p / "rng.pt", weights_only=False)
+    opt = _load_plain(p / "optimizer.pt")
+    rng = _load_plain(p / "rng.pt")
     return Checkpoint(p, int(state["step"]), load_file(str(p / "trainable.safetensors")),
                       opt["optimizer"], opt["scheduler"], rng, state)
+
+
+def _load_plain(path: Path) -> Any:
+    """``torch.load`` restricted to tensors, plain python values and numpy's random state: a
+    checkpoint folder can come from anywhere (a shared drive, a download), and a full unpickle
+    runs whatever code the file names."""
+    arrays = [np.dtype, np.ndarray, type(np.dtype(np.uint32)), _numpy_reconstruct()]
+    with torch.serialization.safe_globals(arrays):
+        return torch.load(path, weights_only=True)
+
+
+def _numpy_reconstruct() -> Any:
+    try:  # numpy 2 (numpy.core warns, and pickles name numpy._core)
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy 1
+        from numpy.core.multiarray import _reconstruct
+    return _reconstruct
 
 
 def config_changes(was: dict[str, Any], now: dict[str, Any], prefix: str = "") -> dict[str, tuple[Any, Any]]:

@@ -45,6 +45,42 @@ def test_save_then_load_round_trips_weights_optimizer_and_state(tmp_path):
     assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
 
 
+class _RunsCode:
+    """A pickle that runs code when loaded: what a checkpoint from an untrusted source can hold."""
+
+    def __reduce__(self):
+        return (os.system, ("touch ran-code-from-checkpoint",))
+
+
+@pytest.mark.parametrize("part", ["optimizer.pt", "rng.pt"])
+def test_loading_a_checkpoint_never_runs_code_from_its_pickles(tmp_path, monkeypatch, part):
+    monkeypatch.chdir(tmp_path)
+    path = ck.save_checkpoint(tmp_path, 1, _model(), torch.optim.AdamW(_model().parameters()))
+    ck.load_checkpoint(path)  # numpy's random state, the optimizer's and scheduler's dicts load
+    torch.save({"optimizer": _RunsCode(), "scheduler": None, "python": _RunsCode()}, path / part)
+    with pytest.raises(Exception, match="(?i)weights only"):
+        ck.load_checkpoint(path)
+    assert not (tmp_path / "ran-code-from-checkpoint").exists()
+
+
+def test_a_save_flushes_every_file_to_disk_before_the_rename(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_rename = os.fsync, Path.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(Path, "rename", lambda self, to: (events.append(("rename", str(self))),
+                                                          real_rename(self, to))[1])
+    ck.save_checkpoint(tmp_path, 4, _model(), export_hf=True)
+    rename = next(i for i, (kind, p) in enumerate(events) if kind == "rename" and ".tmp-" in p)
+    tmp = events[rename][1]
+    flushed = {Path(p).relative_to(tmp).as_posix() for kind, p in events[:rename]
+               if kind == "fsync" and p.startswith(tmp)}
+    written = {q.relative_to(tmp_path / "checkpoints" / "step-000004").as_posix()
+               for q in (tmp_path / "checkpoints" / "step-000004").rglob("*")}
+    assert written <= flushed and {"trainable.safetensors", "hf/config.json"} <= written
+    assert ("fsync", str(tmp_path / "checkpoints")) in events[rename:]  # the rename itself
+
+
 def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
     model = _model()
     first = ck.save_checkpoint(tmp_path, 1, model)
