@@ -56,11 +56,16 @@ def view(
 
     if static is not None:
         decode, note = decoder()
+        failed: list[str] = []
         try:
-            path = write_static(r, static, decode, note, limit)  # type: ignore[arg-type]
+            path = write_static(r, static, decode, note, limit, failed)  # type: ignore[arg-type]
         except OSError as e:  # a folder there, a file on the path, no permission
             typer.echo(f"error: cannot write {static}: {e.strerror or e}", err=True)
             raise typer.Exit(2) from None
+        if failed:  # the page says so when the tree is opened; say it here too
+            more = f" and {len(failed) - 5} more" if len(failed) > 5 else ""
+            typer.echo(f"warning: {len(failed)} tree{'s' if len(failed) > 1 else ''} could not be drawn: "
+                       + "; ".join(failed[:5]) + more, err=True)
         typer.echo(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MB); open it in a browser")
         return
     from .server import ViewerServer

@@ -124,11 +124,27 @@ def render_page(index: dict[str, Any] | None = None, trees: dict[int, dict[str, 
     return "".join(_page_parts(index, sorted((trees or {}).items())))
 
 
+def _drawable(run: Run, n: int, decode: Decoder | None,
+              failed: list[str] | None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """The first ``n`` trees' page data; a tree that cannot be drawn (it indexed, but does not
+    parse or its values do not fit it) becomes ``{"error": why}``, which the page shows when
+    it is opened, and is named in ``failed``: one such tree must not cost the others."""
+    for i in range(n):
+        try:
+            yield i, tree_data(run, i, decode)
+        except Exception as e:  # a newer writer's field, a file changed since it was indexed
+            why = f"{type(e).__name__}: {e}"[:500]
+            if failed is not None:
+                failed.append(f"tree {i} ({run.refs[i].file.name}, byte {run.refs[i].offset}): {why}")
+            yield i, {"error": f"tree {i} could not be drawn: {why}"}
+
+
 def write_static(run: Run, out: str | Path, decode: Decoder | None, tokenizer_note: str = "",
-                 limit: int | None = None) -> Path:
+                 limit: int | None = None, failed: list[str] | None = None) -> Path:
     """Write the self-contained page of ``run`` to ``out`` (atomically); ``limit`` keeps
     the first trees only (the table still lists every tree). Trees are parsed and
-    written one at a time, so a run of any size takes the memory of its largest tree."""
+    written one at a time, so a run of any size takes the memory of its largest tree.
+    A tree that cannot be drawn is named in ``failed`` (and on the page, when opened)."""
     n = len(run) if limit is None else min(limit, len(run))
     index = run_index(run, tokenizer_note)
     if n < len(run):
@@ -138,7 +154,7 @@ def write_static(run: Run, out: str | Path, decode: Decoder | None, tokenizer_no
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
-            for part in _page_parts(index, ((i, tree_data(run, i, decode)) for i in range(n))):
+            for part in _page_parts(index, _drawable(run, n, decode, failed)):
                 fh.write(part)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -53,3 +53,45 @@ def test_the_run_index_is_served_while_the_tokenizer_still_loads(tmp_path, monke
     finally:
         loaded.set()
         server.close()
+
+
+def _run_with_an_undrawable_tree(tmp_path):
+    """Three trees; the middle one indexes (its numbers add up) but does not parse into a
+    ``RolloutTree``: a node field this version does not know (a newer writer's)."""
+    bad = fork_tree(2).to_dict()
+    bad["nodes"][0]["written_by_a_newer_version"] = 1
+    lines = [json.dumps(fork_tree(1).to_dict()), json.dumps(bad), json.dumps(fork_tree(3).to_dict())]
+    (tmp_path / "trees.jsonl").write_text("\n".join(lines) + "\n")
+    return Run(tmp_path / "trees.jsonl")
+
+
+def test_a_static_page_keeps_every_tree_it_can_draw_and_names_the_one_it_cannot(tmp_path):
+    """One tree that indexed but did not parse raised out of write_static: no page at all,
+    and a traceback from ``agentrl view --static``."""
+    import re
+
+    from agentrl.viewer import write_static
+
+    run = _run_with_an_undrawable_tree(tmp_path)
+    failed: list[str] = []
+    html = write_static(run, tmp_path / "v.html", None, failed=failed).read_text()
+    trees = dict(re.findall(r'<script type="application/json" id="tree-(\d+)">(.*?)</script>', html, re.S))
+    assert sorted(trees) == ["0", "1", "2"]
+    assert "nodes" in json.loads(trees["0"]) and "nodes" in json.loads(trees["2"])
+    assert "written_by_a_newer_version" in json.loads(trees["1"])["error"]  # the page says why, on opening it
+    assert len(failed) == 1 and failed[0].startswith("tree 1 ") and "written_by_a_newer_version" in failed[0]
+
+
+def test_agentrl_view_static_warns_of_a_tree_it_could_not_draw(tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from agentrl.viewer.cli import register
+
+    app = typer.Typer()
+    register(app)
+    _run_with_an_undrawable_tree(tmp_path)
+    res = CliRunner().invoke(app, ["view", str(tmp_path / "trees.jsonl"), "--static", str(tmp_path / "v.html"),
+                                   "--no-tokens"])
+    assert res.exit_code == 0, res.output
+    assert "1 tree could not be drawn" in res.output and "tree 1 " in res.output

@@ -86,6 +86,7 @@ async function loadTree(i) {
     const node = $("tree-" + i);
     if (!node) throw new Error("tree " + i + " is not in this page (written with a limit?)");
     t = JSON.parse(node.textContent);
+    if (t.error) throw new Error(t.error);  // --static wrote why this tree could not be drawn
   }
   S.cache.set(i, t);
   while (S.cache.size > MAX_CACHED_TREES) S.cache.delete(S.cache.keys().next().value);
