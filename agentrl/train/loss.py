@@ -323,8 +323,12 @@ def mismatch_stats(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Ten
     on = mask.bool()
     if not on.any():
         return {"mismatch_kl": 0.0, "max_abs_dlogprob": 0.0}
-    d = (trainer_logprobs.detach() - behaviour_logprobs.detach()).float()[on]
-    return {"mismatch_kl": float((torch.exp(d) - 1.0 - d).mean()),
+    t = trainer_logprobs.detach().float()[on]
+    b = behaviour_logprobs.detach().float()[on]
+    d = torch.where(t == b, 0.0, t - b)  # both -inf: they agree (-inf - -inf would be nan)
+    # One side -inf: r - 1 - log r is +inf either way (exp(inf) - inf would be nan).
+    k3 = torch.where(torch.isinf(t) ^ torch.isinf(b), torch.inf, torch.expm1(d) - d)
+    return {"mismatch_kl": float(k3.mean()),
             "max_abs_dlogprob": float(d.abs().max())}
 
 

@@ -303,6 +303,24 @@ def test_mismatch_stats_hand_case():
     assert stats["max_abs_dlogprob"] == pytest.approx(math.log(2.0))
 
 
+def test_mismatch_stats_say_infinite_where_one_side_gave_a_token_no_probability():
+    # The sampler gave the token probability 0 (a constrained or filtered sampler), the trainer
+    # e^-1: r = inf, so r - 1 - log r is inf, not inf - inf = nan; a nan hid the worst mismatch.
+    stats = mismatch_stats(torch.tensor([[-1.0, 0.0]]), torch.tensor([[-math.inf, 0.0]]),
+                           torch.ones(1, 2))
+    assert stats == {"mismatch_kl": math.inf, "max_abs_dlogprob": math.inf}
+    stats = mismatch_stats(torch.tensor([[-math.inf]]), torch.tensor([[-1.0]]), torch.ones(1, 1))
+    assert stats == {"mismatch_kl": math.inf, "max_abs_dlogprob": math.inf}
+    # Far apart but finite in float64 terms: exp overflows float32, the k3 term is still large, not nan.
+    stats = mismatch_stats(torch.tensor([[0.0]]), torch.tensor([[-100.0]]), torch.ones(1, 1))
+    assert stats["mismatch_kl"] == math.inf and stats["max_abs_dlogprob"] == pytest.approx(100.0)
+    # Both -inf: they agree.
+    stats = mismatch_stats(torch.tensor([[-math.inf, math.log(2.0)]]), torch.tensor([[-math.inf, 0.0]]),
+                           torch.ones(1, 2))
+    assert stats["mismatch_kl"] == pytest.approx((2.0 - 1.0 - math.log(2.0)) / 2)
+    assert stats["max_abs_dlogprob"] == pytest.approx(math.log(2.0))
+
+
 # --------------------------------------------------------------------------- the composed loss
 
 
