@@ -11,7 +11,8 @@ import difflib
 import re
 import warnings
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from types import UnionType
+from typing import Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -20,6 +21,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -49,6 +51,31 @@ class _Strict(BaseModel):
     to NaN), and where no limit is meant, the key takes null."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic's lax mode reads true as 1 and false as 0 where a number goes: YAML's
+        ``episodes: yes`` ran one task. A key that also takes a bool keeps it."""
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and _is_bool_in_a_number(field.annotation, value):
+            given = value if isinstance(value, bool) else next(v for v in value if isinstance(v, bool))
+            where = "" if isinstance(value, bool) else f" in {value}"
+            raise ValueError(f"expected a number, got {str(given).lower()}{where}")
+        return value
+
+
+def _is_bool_in_a_number(annotation: Any, value: Any) -> bool:
+    """Whether ``value`` is a bool (or a list holding one) where ``annotation`` takes an int or
+    a float (or a list of them) and no bool."""
+    kinds = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    if bool in kinds:
+        return False
+    if isinstance(value, bool):
+        return any(k in (int, float) for k in kinds)
+    items = [get_args(k)[0] for k in kinds if get_origin(k) is list and get_args(k)]
+    return isinstance(value, list) and any(isinstance(v, bool) for v in value) and any(
+        k in (int, float) for k in items)
 
 
 def moved_keys(data: Any, moves: dict[str, str], section: str) -> Any:

@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 
+from agentrl.config import load_config
 from agentrl.errors import ConfigError
 from agentrl.train.config import load_train_config
 
@@ -32,3 +33,26 @@ def test_an_infinite_setting_is_an_error_naming_its_key(key):
     override = f"{key}=.inf" if not key.startswith("train.asynchronous") else "train.asynchronous={batch_timeout_s: .inf}"
     with pytest.raises(ConfigError, match=rf"{key}: Input should be a finite number"):
         _load(override)
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("rollout.episodes=true", "rollout.episodes"),
+    ("train.steps=true", "train.steps"),
+    ("policy.prefix_cache_mb=false", "policy.prefix_cache_mb"),
+    ("train.optimizer.lr=true", "train.optimizer.lr"),
+    ("rollout.budget=yes", "rollout.budget"),          # YAML 1.1: yes is true
+    ("train.task_seeds=[1, true]", "train.task_seeds"),
+])
+def test_a_boolean_where_a_number_goes_is_an_error_naming_its_key(override, key):
+    """pydantic's lax mode read true as 1 and false as 0: ``episodes: yes`` ran one task."""
+    with pytest.raises(ConfigError, match=rf"{key}: expected a number, got (true|false)"):
+        _load(override)
+
+
+def test_booleans_still_load_where_the_key_takes_one():
+    cfg = _load("train.compile=true")
+    assert cfg.train.compile is True
+    cfg = load_config(overrides=["rollout.record_expert_actions=true", "rollout.deterministic=false",
+                                 "rollout.episodes=3", "sampling.temperature=0"])
+    assert cfg.rollout.record_expert_actions is True and cfg.rollout.deterministic is False
+    assert cfg.rollout.episodes == 3
