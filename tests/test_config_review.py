@@ -56,3 +56,12 @@ def test_booleans_still_load_where_the_key_takes_one():
                                  "rollout.episodes=3", "sampling.temperature=0"])
     assert cfg.rollout.record_expert_actions is True and cfg.rollout.deterministic is False
     assert cfg.rollout.episodes == 3
+
+
+@pytest.mark.parametrize("betas", ["[1.5, 0.999]", "[0.9, 1.0]", "[-0.1, 0.999]"])
+def test_adamw_betas_outside_0_to_1_fail_when_the_config_loads(betas):
+    """torch's AdamW refused them only when the optimizer was built, after the model loaded
+    (and the SFT data was collected), with a ValueError that named no key."""
+    with pytest.raises(ConfigError, match=r"train\.optimizer\.betas: each beta must be in \[0, 1\)"):
+        _load(f"train.optimizer.betas={betas}")
+    assert _load("train.optimizer.betas=[0.0, 0.95]").train.optimizer.betas == (0.0, 0.95)

@@ -98,6 +98,15 @@ class OptimizerConfig(_Strict):
         "of the last step, whatever the steps' minibatch counts).")
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="Gradient clipping; null: none.")
 
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        """What torch's AdamW takes, checked when the config loads: AdamW refuses others only
+        when it is built, after the model has loaded, naming no key."""
+        if not all(0.0 <= b < 1.0 for b in value):
+            raise ValueError(f"each beta must be in [0, 1), got {list(value)}")
+        return value
+
 
 class CheckpointingConfig(_Strict):
     """When checkpoints are written and how many stay (``train.checkpointing``)."""
