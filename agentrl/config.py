@@ -144,6 +144,14 @@ def check_temperature(value: float | None) -> float | None:
     return value
 
 
+def check_task_seeds(value: list[int] | None) -> list[int] | None:
+    """An explicit list of task seeds holds at least one: ``[]`` was read as not given, and
+    the default seeds played instead."""
+    if value is not None and not value:
+        raise ValueError("give at least one seed, or null")
+    return value
+
+
 class SamplingConfig(_Strict):
     temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 is greedy, else at least 1e-5.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass kept.")

@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 
 from pydantic import Field, field_validator
 
-from .config import Config, _Strict, check_temperature
+from .config import Config, _Strict, check_task_seeds, check_temperature
 from .errors import ConfigError, EnvError
 from .types import RolloutTree
 
@@ -89,6 +89,7 @@ class EvaluationConfig(_Strict):
                                        "evaluation (e.g. another split). Was eval_env_kwargs.")
 
     _temperature = field_validator("temperature")(check_temperature)
+    _task_seeds = field_validator("task_seeds")(check_task_seeds)
 
 
 def held_out_seeds(ev: EvaluationConfig) -> list[int]:

@@ -65,3 +65,11 @@ def test_adamw_betas_outside_0_to_1_fail_when_the_config_loads(betas):
     with pytest.raises(ConfigError, match=r"train\.optimizer\.betas: each beta must be in \[0, 1\)"):
         _load(f"train.optimizer.betas={betas}")
     assert _load("train.optimizer.betas=[0.0, 0.95]").train.optimizer.betas == (0.0, 0.95)
+
+
+@pytest.mark.parametrize("key", ["train.evaluation.task_seeds", "sft.task_seeds"])
+def test_an_empty_list_of_task_seeds_is_an_error_not_the_default_seeds(key):
+    """``[]`` read as 'not given': evaluation played the 16 default held-out seeds and SFT
+    sft.episodes seeds, where train.task_seeds=[] was already an error."""
+    with pytest.raises(ConfigError, match=rf"{key}: give at least one seed, or null"):
+        _load(f"{key}=[]")

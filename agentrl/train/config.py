@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ..config import Config, _Strict, folded_options, load_config, moved_keys
+from ..config import Config, _Strict, check_task_seeds, folded_options, load_config, moved_keys
 from ..credit_options import CreditOptions, GRPOOptions, credit_spec
 from ..evaluation import EvaluationConfig
 from .curriculum import CurriculumStage, SFTLevel
@@ -349,6 +349,8 @@ class SFTConfig(_Strict):
         "expert_action(), which acts only on what the agent has seen; oracle, its "
         "oracle_action(), which reads hidden state (a policy of the observations cannot "
         "follow it, so cloning it teaches behaviour the student cannot reproduce).")
+
+    _task_seeds = field_validator("task_seeds")(check_task_seeds)
 
     @model_validator(mode="after")
     def _check(self) -> SFTConfig:
