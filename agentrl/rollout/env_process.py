@@ -10,7 +10,9 @@ A hung or crashed child fails only its episode. The child leads its own
 process group, so whatever it started goes with it: ``kill`` sends SIGKILL to
 the group at once and reaps the child (the engine does this to an env whose
 episode timed out: it is known to be hung), and ``close`` asks the child to
-close its env and kills the group if it does not answer. Snapshots and ``info``
+close its env and kills the group if it does not answer. A child whose parent is
+gone without closing it (killed hard: SIGKILL, the OOM killer) ends its group
+itself within ``_WATCH_S``, hung in a step or not. Snapshots and ``info``
 travel by pickle, so they must be picklable (the built-in envs' are).
 
 Hand-written rather than ``concurrent.futures.ProcessPoolExecutor``: a pool
@@ -25,6 +27,7 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import time
 import warnings
 from multiprocessing.connection import Connection
 from typing import Any
@@ -38,6 +41,7 @@ __all__ = ["ProcessEnv"]
 
 _METHODS = ("reset", "step", "snapshot", "restore", "close", "expert_action", "oracle_action")
 _REAP_S = 30.0  # a SIGKILLed process is gone in milliseconds; this bounds a stuck kernel
+_WATCH_S = 0.5  # how often a child checks that its parent lives
 
 
 def _load(entry: Any) -> Any:
@@ -47,10 +51,31 @@ def _load(entry: Any) -> Any:
     return entry
 
 
+def _end_group() -> None:
+    """SIGKILL this child's process group (itself and what its env started); only itself
+    when it could not lead a group of its own, so that no process of its parent's group dies."""
+    pid = os.getpid()
+    with contextlib.suppress(OSError):
+        if os.getpgid(0) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
+
+
+def _watch_parent(parent: int) -> None:
+    """End the group once the parent is gone (reparented): a parent killed hard (SIGKILL, the OOM
+    killer) runs no cleanup, and a child hung in a step never reads the pipe to learn of it."""
+    while os.getppid() == parent:
+        time.sleep(_WATCH_S)
+    _end_group()
+
+
 def _serve(conn: Connection, entry: Any, kwargs: dict[str, Any]) -> None:
-    """The child: build the env, then answer calls until ``close`` or a closed pipe."""
+    """The child: build the env, then answer calls until ``close`` or a closed pipe (the parent
+    gone: the group ends, with what the env started)."""
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # a group of its own: ``kill`` reaches the processes the env starts
+    # the parent that started it (with ``forkserver``, the server, which ends with the parent)
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="agentrl-env-watch").start()
     try:
         env = _load(entry)(**kwargs)
         conn.send((True, None))
@@ -60,7 +85,8 @@ def _serve(conn: Connection, entry: Any, kwargs: dict[str, Any]) -> None:
     while True:
         try:
             method, args, kw = conn.recv()
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # the parent closed the pipe without ``close``: it is gone
+            _end_group()
             break
         try:
             answer = (True, getattr(env, method)(*args, **kw))

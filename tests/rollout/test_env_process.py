@@ -1,0 +1,62 @@
+"""Out-of-process envs (``rollout.env_executor: process``) when their parent dies hard."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# The "trainer": hosts a process env whose step starts a child and hangs, then waits to be killed.
+_TRAINER = """
+import sys, threading
+import tests.fakes
+from agentrl.rollout.env_process import ProcessEnv
+env = ProcessEnv("agentrl/TestSpawnThenHang-v0", pid_file=sys.argv[1])
+env.reset(seed=0)
+print(env._proc.pid, flush=True)
+env.step("go")
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for its reaper is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _gone_within(pids: list[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(map(_running, pids)):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_process_env_and_its_children_die_with_a_killed_parent(tmp_path):
+    """SIGKILL (the OOM killer, a preempted job) runs no cleanup in the parent: the env's process,
+    hung in a step, and the process its env started must not live on as orphans."""
+    pid_file = tmp_path / "grandchild.pid"
+    root = Path(__file__).resolve().parents[2]
+    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, str(pid_file)], cwd=root,
+                               stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        pids.append(int(trainer.stdout.readline()))  # the env's process
+        deadline = time.monotonic() + 30
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids.append(int(pid_file.read_text()))  # the process the env's step started
+        trainer.kill()
+        trainer.wait()
+        assert _gone_within(pids, 10), [p for p in pids if _running(p)]
+    finally:
+        trainer.kill()
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)  # the test's own leftovers when it fails
