@@ -19,6 +19,14 @@ whole ``RolloutTree`` is parsed only when ``Run.tree(i)`` asks for it.
 A tree's step is ``meta["step"]`` when the writer put one there, else the
 number in its file's name (``step-000012.jsonl``), else None.
 
+A run can change while it is looked at: a training run adds a step's trees
+file and a metrics row, a resumed run or a new ``agentrl rollout`` replaces a
+file whole. Each tree's line is indexed with its CRC-32, and ``Run.tree(i)``
+refuses (``RunChanged``) a line that is no longer the one indexed, instead of
+parsing what now lies at its bytes as tree i; ``Run.changed()`` says whether
+any trees file or ``metrics.jsonl`` changed since the run was opened (the
+server then indexes it again).
+
 A line whose node links do not make a tree (a cycle, a child or root that is
 not there, a child that names another parent, a node no root reaches) is
 skipped with its reason, like a torn line (``check_links``): everything that
@@ -28,7 +36,9 @@ walks a tree, here, in the payload and in the page, may then assume it ends.
 from __future__ import annotations
 
 import json
+import os
 import re
+import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -37,7 +47,7 @@ from typing import Any
 
 from ..types import RolloutTree, succeeded
 
-__all__ = ["BadLinks", "Run", "TreeRef", "TreeSummary", "check_links", "open_run", "step_order",
+__all__ = ["BadLinks", "Run", "RunChanged", "TreeRef", "TreeSummary", "check_links", "open_run", "step_order",
            "summarize_tree_dict"]
 
 _STEP = re.compile(r"step[-_]?(\d+)")
@@ -45,12 +55,13 @@ _STEP = re.compile(r"step[-_]?(\d+)")
 
 @dataclass(slots=True, frozen=True)
 class TreeRef:
-    """Where tree ``index`` of a run lies: its file and byte range."""
+    """Where tree ``index`` of a run lies: its file, byte range and the line's CRC-32."""
 
     index: int
     file: Path
     offset: int
     length: int
+    crc: int = 0
 
 
 @dataclass(slots=True)
@@ -118,6 +129,19 @@ def task_family(meta: dict[str, Any], nodes: list[dict[str, Any]]) -> str:
             if info.get(key):
                 return str(info[key])
     return ""
+
+
+class RunChanged(ValueError):
+    """A tree's file changed since the run was indexed (replaced, rewritten, cut short)."""
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    """What tells a file changed: its inode, size and modification time (None: not there)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 class BadLinks(ValueError):
@@ -229,6 +253,8 @@ class Run:
             raise FileNotFoundError(f"no run at {self.path}: give a run folder or a trees JSONL file")
         self.root = self.path if self.path.is_dir() else self.path.parent
         self.files = tree_files(self.path)
+        # stamped before reading: a file written while it is read shows as changed
+        self._stamps = self._stamp_all(self.files)
         self.refs: list[TreeRef] = []
         self.summaries: list[TreeSummary] = []
         self.skipped: list[str] = []  # lines that are not trees (a torn last line), by file:line
@@ -257,11 +283,24 @@ class Run:
                 except (ValueError, KeyError, TypeError, AttributeError):
                     self.skipped.append(f"{name}:{lineno}")
                     continue
-                self.refs.append(TreeRef(len(self.refs), file, start, len(line)))
+                self.refs.append(TreeRef(len(self.refs), file, start, len(line), zlib.crc32(line)))
                 self.summaries.append(summary)
 
     def __len__(self) -> int:
         return len(self.refs)
+
+    def _stamp_all(self, files: list[Path]) -> dict[Path, tuple[int, int, int] | None]:
+        metrics = [self.root / "metrics.jsonl"] if self.path.is_dir() else []
+        return {f: _stamp(f) for f in [*files, *metrics]}
+
+    def changed(self) -> bool:
+        """Whether a trees file or ``metrics.jsonl`` was added, removed, replaced or written
+        since the run was opened (a stat of each: cheap enough to ask on every index)."""
+        try:
+            files = tree_files(self.path)
+        except OSError:
+            return True
+        return self._stamp_all(files) != self._stamps
 
     def batch_report(self, index: int) -> dict[str, Any] | None:
         """The allocation report of tree ``index``'s batch: the engine writes it on the
@@ -286,8 +325,12 @@ class Run:
         ref = self.refs[index]
         with open(ref.file, "rb") as fh:
             fh.seek(ref.offset)
-            data = json.loads(fh.read(ref.length))
-        check_links(data)  # the file may have changed since it was indexed
+            line = fh.read(ref.length)
+        if zlib.crc32(line) != ref.crc:  # whatever lies there now is not tree ``index``
+            raise RunChanged(f"{ref.file} changed since the run was indexed (its line of tree {index} "
+                             "is not there any more): reload the page, or open the run again")
+        data = json.loads(line)
+        check_links(data)
         return RolloutTree.from_dict(data)
 
     @cached_property

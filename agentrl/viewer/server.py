@@ -4,8 +4,17 @@ Standard library only (``http.server``): three read-only routes, on
 127.0.0.1 by default, no third-party code between the browser and the run.
 
     GET /                 the page (``page.render_page()``, server mode)
-    GET /api/run          the run index: table rows, totals, curves
-    GET /api/tree/<i>     tree i, parsed from its file when asked (the last 64 are kept)
+    GET /api/run          the run index: table rows, totals, curves, its generation
+    GET /api/tree/<i>     tree i, parsed from its file when asked (the last 64 are kept);
+                          ``?generation=G``: of the index the page holds
+
+A run may still be written (a training run adds steps and metrics rows) or have
+a file replaced (a resumed step, a new rollout into the folder). Each
+``/api/run`` checks whether its files changed (``Run.changed``, a stat of each)
+and, when they did, indexes the run again under a new generation: a reload of
+the page shows the run as it is now. A tree asked for under an older generation
+than the server's, or whose line changed on disk, is answered 409 (reload),
+never with what now holds its index.
 
 The tokenizer loads in a background thread when the server starts, so the
 first page and the run index show at once (the index says the tokenizer is
@@ -32,10 +41,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
 from .page import render_page, run_index, to_json, tree_data
-from .run import Run
+from .run import Run, RunChanged
 from .tokens import Decoder
 
 __all__ = ["ViewerServer"]
@@ -46,6 +55,10 @@ _IDLE_SECONDS = 30  # a connection that sends nothing this long is closed
 _TOKENIZER_WAIT_S = 20.0  # a tree waits this long for the tokenizer, then shows ids
 _LOADING_NOTE = "loading the tokenizer: token ids until it is ready (reload the page for texts)"
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+class _NoTree(LookupError):
+    """A tree number past the run's end (a 404)."""
 
 
 def _is_loopback(host: str) -> bool:
@@ -112,6 +125,8 @@ class ViewerServer:
         self._lock = threading.Lock()
         self._trees: OrderedDict[int, bytes] = OrderedDict()
         self._index: dict[bool, bytes] = {}  # by whether the tokenizer was ready
+        self.generation = 0  # bumped each time the run is indexed again
+        self._reindex = threading.Lock()
         self._page = render_page().encode("utf-8")
         if load_decoder is None:
             self._ready.set()
@@ -134,23 +149,54 @@ class ViewerServer:
         host, port = self.httpd.server_address[:2]
         return f"http://{host}:{port}/"
 
-    def index_json(self) -> bytes:
-        """The run index; it needs the tokenizer's note only, so it never waits for the load."""
-        ready = self._ready.is_set()
-        if ready not in self._index:
-            note = self._decoder[1] if ready else _LOADING_NOTE
-            self._index[ready] = to_json(run_index(self.run, note)).encode("utf-8")
-        return self._index[ready]
+    def _refresh(self) -> None:
+        """Index the run again if its files changed since it was indexed (a new generation)."""
+        with self._reindex:
+            if not self.run.changed():
+                return
+            try:
+                run = Run(self.run.path)
+            except OSError:  # the run was moved or deleted: keep showing what was indexed
+                return
+            with self._lock:
+                self.run, self.generation = run, self.generation + 1
+                self._trees.clear()
+                self._index.clear()
 
-    def tree_json(self, i: int) -> bytes:
+    def index_json(self) -> bytes:
+        """The run index as it is on disk now; it needs the tokenizer's note only, so it never
+        waits for the load."""
+        self._refresh()
+        ready = self._ready.is_set()
         with self._lock:
+            run, generation, body = self.run, self.generation, self._index.get(ready)
+        if body is None:
+            index = run_index(run, self._decoder[1] if ready else _LOADING_NOTE)
+            body = to_json({**index, "generation": generation}).encode("utf-8")
+            with self._lock:
+                if generation == self.generation:
+                    self._index[ready] = body
+        return body
+
+    def tree_json(self, i: int, generation: int | None = None) -> bytes:
+        """Tree ``i`` of the current index; ``RunChanged`` when ``generation`` (the page's) is
+        not the current one (its ``i`` may now be another tree), ``_NoTree`` past the end."""
+        with self._lock:
+            run, current = self.run, self.generation
+            if generation is not None and generation != current:
+                raise RunChanged(f"the run changed on disk since this page was loaded: reload the page "
+                                 f"(index {generation}, now {current})")
             if i in self._trees:
                 self._trees.move_to_end(i)
                 return self._trees[i]
+        if i >= len(run):
+            raise _NoTree(f"no tree {i}: the run holds {len(run)} trees")
         if not self._ready.wait(_TOKENIZER_WAIT_S):  # a load that hangs must not hang the tree
-            return to_json(tree_data(self.run, i, None)).encode("utf-8")
-        body = to_json(tree_data(self.run, i, self._decoder[0])).encode("utf-8")
+            return to_json(tree_data(run, i, None)).encode("utf-8")
+        body = to_json(tree_data(run, i, self._decoder[0])).encode("utf-8")
         with self._lock:
+            if current != self.generation:  # indexed again meanwhile: not this index's tree to keep
+                return body
             self._trees[i] = body
             while len(self._trees) > _CACHED_TREES:
                 self._trees.popitem(last=False)
@@ -163,7 +209,7 @@ class ViewerServer:
             timeout = _IDLE_SECONDS
 
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                path = self.path.split("?", 1)[0]
+                path, _, query = self.path.partition("?")
                 asked = self.headers.get("Host")
                 if server.loopback_only and asked is not None and _host_name(asked).lower() not in server._hosts:
                     self._error(403, f"this viewer answers requests to {server.url} only, not to host {asked!r} "
@@ -176,13 +222,19 @@ class ViewerServer:
                         self._send(200, server.index_json(), "application/json")
                     elif path.startswith("/api/tree/"):
                         tail = unquote(path.rsplit("/", 1)[1])
+                        gen = (parse_qs(query).get("generation") or [""])[0]
                         # ASCII digits of a plausible index: int() refuses '²' and 5,000 digits
-                        if not (tail.isascii() and tail.isdigit() and len(tail) < 16) or int(tail) >= len(server.run):
+                        if not (tail.isascii() and tail.isdigit() and len(tail) < 16):
                             self._error(404, f"no tree {tail[:40]!r}: the run holds {len(server.run)} trees")
                         else:
-                            self._send(200, server.tree_json(int(tail)), "application/json")
+                            generation = int(gen) if gen.isascii() and gen.isdigit() and len(gen) < 16 else None
+                            self._send(200, server.tree_json(int(tail), generation), "application/json")
                     else:
                         self._error(404, f"nothing at {path}")
+                except _NoTree as e:  # a tree number past the run's end
+                    self._error(404, str(e))
+                except RunChanged as e:  # the page's index is not the run's any more
+                    self._error(409, str(e))
                 except Exception as e:  # a tree this code cannot draw, a file changed under it: say so
                     self._error(500, f"{type(e).__name__}: {e}")
 

@@ -95,3 +95,59 @@ def test_agentrl_view_static_warns_of_a_tree_it_could_not_draw(tmp_path):
                                    "--no-tokens"])
     assert res.exit_code == 0, res.output
     assert "1 tree could not be drawn" in res.output and "tree 1 " in res.output
+
+
+def test_a_tree_whose_file_was_replaced_since_indexing_is_refused_not_shown_as_another(tmp_path):
+    """A resumed run redoes a step and replaces its trees file whole; a new ``agentrl rollout``
+    into the same folder replaces trajectories.jsonl. Tree i was read from the byte range
+    indexed before: a line of the same length there was parsed and shown as tree i, under
+    the table row of the tree that was there before."""
+    from agentrl.viewer.run import RunChanged
+
+    f = tmp_path / "trajectories.jsonl"
+    write_trees(f, [fork_tree(seed=1)])
+    run = Run(tmp_path)
+    assert run.tree(0).meta["seed"] == 1
+    write_trees(tmp_path / "new.jsonl", [fork_tree(seed=2)])  # the same length, another task
+    (tmp_path / "new.jsonl").replace(f)
+    try:
+        got = run.tree(0).meta["seed"]
+    except RunChanged as e:
+        assert "trajectories.jsonl" in str(e) and "changed" in str(e)
+    else:
+        raise AssertionError(f"tree 0 was shown from the replaced file: seed {got}, its row says 1")
+    assert run.changed()
+    assert Run(tmp_path).tree(0).meta["seed"] == 2
+
+
+def test_the_server_shows_a_run_that_is_still_being_written(tmp_path):
+    """The server indexed the run once, at start: a training run's new steps and metrics
+    never showed, reload or not, until the viewer was restarted. The index is rebuilt
+    when a file changed; a tree asked for under the index the page loaded before is
+    refused with 409 (reload), never answered from the new one."""
+    (tmp_path / "trees").mkdir()
+    write_trees(tmp_path / "trees" / "step-000001.jsonl", [fork_tree(seed=1)])
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout/reward": 0.25}) + "\n")
+    server = ViewerServer(Run(tmp_path), port=0).start()
+    try:
+        first = _json(server.url + "api/run")
+        assert first["totals"]["trees"] == 1
+        gen = first["generation"]
+        assert _json(server.url + f"api/tree/0?generation={gen}")["meta"]["seed"] == 1
+        write_trees(tmp_path / "trees" / "step-000002.jsonl", [fork_tree(seed=2)])
+        with open(tmp_path / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps({"step": 2, "rollout/reward": 0.5}) + "\n")
+        now = _json(server.url + "api/run")
+        assert now["totals"]["trees"] == 2 and now["steps"] == [1, 2]
+        reward = next(p for p in now["curves"] if p["title"] == "reward")["series"][0]["points"]
+        assert reward == [[1, 0.25], [2, 0.5]]
+        assert now["generation"] != gen
+        try:
+            urllib.request.urlopen(server.url + f"api/tree/1?generation={gen}", timeout=10)
+            raise AssertionError("a tree was answered under an index the page no longer holds")
+        except urllib.error.HTTPError as e:
+            assert e.code == 409 and "reload" in json.loads(e.read())["error"]
+        assert _json(server.url + f"api/tree/1?generation={now['generation']}")["meta"]["seed"] == 2
+        assert _json(server.url + "api/run")["generation"] == now["generation"]  # unchanged: not rebuilt
+    finally:
+        server.close()

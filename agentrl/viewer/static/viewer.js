@@ -79,7 +79,8 @@ async function loadTree(i) {
   }
   let t;
   if (S.mode === "server") {
-    const r = await fetch("api/tree/" + i);
+    // the index's generation: the server refuses a tree of an index it has since rebuilt
+    const r = await fetch("api/tree/" + i + (S.run.generation !== undefined ? "?generation=" + S.run.generation : ""));
     if (!r.ok) throw new Error("api/tree/" + i + ": " + r.status + " " + (await r.text()));
     t = await r.json();
   } else {
