@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import socket
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -83,10 +84,12 @@ class _BoundedServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # connections waiting for a thread (socketserver's default: 5)
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]):
         self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
         self._stopping = threading.Event()
-        super().__init__(*args, **kwargs)
+        # an IPv6 address (``::1``, ``::``) needs an IPv6 socket: socketserver's default is IPv4 only
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        super().__init__(address, handler)
 
     def shutdown(self) -> None:
         self._stopping.set()  # the accept loop may be waiting for a slot: it stops waiting
@@ -147,7 +150,7 @@ class ViewerServer:
     @property
     def url(self) -> str:
         host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}/"
+        return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
 
     def _refresh(self) -> None:
         """Index the run again if its files changed since it was indexed (a new generation)."""

@@ -151,3 +151,31 @@ def test_the_server_shows_a_run_that_is_still_being_written(tmp_path):
         assert _json(server.url + "api/run")["generation"] == now["generation"]  # unchanged: not rebuilt
     finally:
         server.close()
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+def test_the_server_serves_on_the_ipv6_loopback(tmp_path):
+    """``--host ::1`` (named a loopback address by the server's own docstring and the CLI)
+    failed: 'Address family for hostname not supported' (the server was IPv4 only), and its
+    URL would have read http://::1:PORT/."""
+    import pytest
+
+    if not _ipv6_loopback():
+        pytest.skip("this machine has no IPv6 loopback")
+    write_trees(tmp_path / "trees.jsonl", [fork_tree()])
+    server = ViewerServer(Run(tmp_path / "trees.jsonl"), host="::1", port=0).start()
+    try:
+        assert server.url.startswith("http://[::1]:") and server.loopback_only
+        assert _json(server.url + "api/run")["totals"]["trees"] == 1
+    finally:
+        server.close()
