@@ -5,7 +5,8 @@ Standard library only (``http.server``): three read-only routes, on
 
     GET /                 the page (``page.render_page()``, server mode)
     GET /api/run          the run index: table rows, totals, curves, its generation
-    GET /api/tree/<i>     tree i, parsed from its file when asked (the last 64 are kept);
+    GET /api/tree/<i>     tree i, parsed from its file when asked (the last 64 are kept,
+                          at most 256 MB of them);
                           ``?generation=G``: of the index the page holds
 
 A run may still be written (a training run adds steps and metrics rows) or have
@@ -51,6 +52,7 @@ from .tokens import Decoder
 __all__ = ["ViewerServer"]
 
 _CACHED_TREES = 64
+_CACHED_BYTES = 256 * 2**20  # and at most this much of their JSON (a tree can be megabytes of web pages)
 _MAX_CONNECTIONS = 32  # threads serving at once; more wait in the listen queue
 _IDLE_SECONDS = 30  # a connection that sends nothing this long is closed
 _TOKENIZER_WAIT_S = 20.0  # a tree waits this long for the tokenizer, then shows ids
@@ -198,11 +200,12 @@ class ViewerServer:
             return to_json(tree_data(run, i, None)).encode("utf-8")
         body = to_json(tree_data(run, i, self._decoder[0])).encode("utf-8")
         with self._lock:
-            if current != self.generation:  # indexed again meanwhile: not this index's tree to keep
+            if current != self.generation or len(body) > _CACHED_BYTES:  # not this index's, or too big
                 return body
             self._trees[i] = body
-            while len(self._trees) > _CACHED_TREES:
-                self._trees.popitem(last=False)
+            held = sum(map(len, self._trees.values()))
+            while len(self._trees) > _CACHED_TREES or held > _CACHED_BYTES:
+                held -= len(self._trees.popitem(last=False)[1])
         return body
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:

@@ -179,3 +179,29 @@ def test_the_server_serves_on_the_ipv6_loopback(tmp_path):
         assert _json(server.url + "api/run")["totals"]["trees"] == 1
     finally:
         server.close()
+
+
+def test_the_server_keeps_a_bounded_number_of_bytes_of_trees_not_just_of_trees(tmp_path, monkeypatch):
+    """The server kept the last 64 trees' JSON whatever their size: a run of trees with
+    megabytes of web-page observations each held 64 of them (hundreds of MB to GBs) for
+    as long as it served. The cache is now bounded in bytes too."""
+    from agentrl.viewer import server as server_module
+
+    page = "<div>" + "x" * 20_000 + "</div>"
+    trees = []
+    for k in range(8):
+        t = fork_tree(k)
+        t.nodes[0].observation = page
+        trees.append(t)
+    write_trees(tmp_path / "trees.jsonl", trees)
+    server = ViewerServer(Run(tmp_path / "trees.jsonl"), port=0)
+    one = len(server.tree_json(0))
+    monkeypatch.setattr(server_module, "_CACHED_BYTES", 3 * one)
+    for i in range(8):
+        assert json.loads(server.tree_json(i))["meta"]["seed"] == i
+    assert sum(map(len, server._trees.values())) <= 3 * one and list(server._trees) == [5, 6, 7]
+    monkeypatch.setattr(server_module, "_CACHED_BYTES", one // 2)  # a tree larger than the bound: not kept
+    server._trees.clear()
+    server.tree_json(0)
+    assert not server._trees
+    server.httpd.server_close()
