@@ -24,10 +24,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .errors import AgentRLError
-from .evaluation import EvalReport, evaluate_split
+from .errors import AgentRLError, ConfigError
+from .evaluation import EvalReport, evaluate_split, plan_split
 
-__all__ = ["eval_command", "format_report", "register"]
+__all__ = ["eval_command", "format_report", "register", "split_names"]
 
 def format_report(report: EvalReport, title: str = "") -> Table:
     """The report as a rich table: one row per family and All, rates in percent."""
@@ -46,6 +46,17 @@ def format_report(report: EvalReport, title: str = "") -> Table:
 
 
 console = Console()
+
+
+def split_names(text: str | None) -> list[str | None]:
+    """``--split``'s comma-separated names; ``[None]`` (the env's default split) when not given.
+    An empty name (``a,`` or ``a,,b``) is an error: it evaluated the default split again."""
+    if text is None:
+        return [None]
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise ConfigError(f"--split {text!r}: an empty split name; give the names, comma separated")
+    return list(names)
 
 
 def eval_command(
@@ -80,20 +91,22 @@ def eval_command(
         cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too
         env_id = resolve_env_id(env, cfg.env.imports)
         check_env_kwargs(env_id, cfg.env.kwargs, imports=cfg.env.imports)  # else every episode fails
-        make_out_dir(out, "--out")  # before the episodes, not after them
         if temperature is None and (samples or k) == 1:
             cfg.sampling.temperature = 0.0
-        console.print(settle_for_command(cfg))
+        loading = settle_for_command(cfg)
+        # every split read before the model loads: a bad --k or split fails in seconds
+        plans = [plan_split(env_id, cfg, one, k, samples, limit) for one in split_names(split)]
+        make_out_dir(out, "--out")  # before the episodes, not after them
+        console.print(loading)
         reports, all_trees, interrupted = [], [], False
         with open_policy(cfg) as policy:
-            for one in (split.split(",") if split else [None]):
-                one = one.strip() if one else None
+            for plan in plans:
                 try:
                     with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                                   TimeElapsedColumn(), console=console, disable=not progress) as bar:
-                        task = bar.add_task(f"{env_id} {one or ''}", total=None)
+                        task = bar.add_task(f"{env_id} {plan.split or ''}", total=None)
                         report, trees = evaluate_split(
-                            env_id, policy, cfg, one, k, samples, limit,
+                            env_id, policy, cfg, plan=plan,
                             on_episode_done=lambda _t, task=task: bar.advance(task),
                             on_start=lambda total, task=task: bar.update(task, total=total))
                 except RunInterrupted as stop:  # the finished tasks are reported and written

@@ -57,12 +57,14 @@ __all__ = [
     "EvalReport",
     "EvaluationConfig",
     "FamilyRow",
+    "SplitPlan",
     "TaskResult",
     "eval_config",
     "evaluate_held_out",
     "evaluate_split",
     "held_out_seeds",
     "pass_at_k",
+    "plan_split",
     "report_rows",
 ]
 
@@ -244,20 +246,28 @@ def _probe(env_id: str, kwargs: dict[str, Any]) -> Any:
     return env
 
 
-def evaluate_split(env_id: str, policy: Any, cfg: Config, split: str | None = None, k: int = 1,
-                   samples: int | None = None, limit: int | None = None,
-                   on_episode_done: Callable[[RolloutTree], None] | None = None,
-                   on_start: Callable[[int], None] | None = None) -> tuple[EvalReport, list[RolloutTree]]:
-    """Evaluate ``policy`` on every task of ``split`` (see the module docstring).
+@dataclass(slots=True)
+class SplitPlan:
+    """What ``evaluate_split`` plays on one split, found before any policy loads
+    (``plan_split``): its task seeds, their families and the config the episodes run with."""
 
-    ``cfg.sampling.temperature`` is used as given (``agentrl eval`` sets 0 for greedy);
-    ``cfg.rollout.episodes`` counts the tasks of an env without ``num_tasks``.
-    ``on_start(total_episodes)`` is called before the first episode. On Ctrl-C it raises
-    ``RunInterrupted`` whose ``report`` covers the tasks that had finished (``interrupted``).
-    """
-    from .rollout import RunInterrupted, collect
+    env_id: str
+    split: str | None
+    k: int
+    samples: int
+    seeds: list[int]
+    families: dict[int, str]
+    labels: dict[str, str]
+    cfg: Config
+    kwargs: dict[str, Any]
 
-    samples = samples or k
+
+def plan_split(env_id: str, cfg: C, split: str | None = None, k: int = 1, samples: int | None = None,
+               limit: int | None = None) -> SplitPlan:
+    """Check the settings and read the split from the env, without a policy: ``agentrl eval``
+    plans every split before the model loads, so that a bad ``--k``, a split the env does not
+    take or one with no tasks fails in seconds. Raises ``ConfigError``."""
+    samples = k if samples is None else samples  # 0 is a bad value, not "default"
     if k < 1 or samples < k:
         raise ConfigError(f"--k must be >= 1 and --samples >= --k (got k={k}, samples={samples})")
     kwargs = dict(cfg.env.kwargs) | ({"split": split} if split is not None else {})
@@ -266,6 +276,9 @@ def evaluate_split(env_id: str, policy: Any, cfg: Config, split: str | None = No
     inner = env.unwrapped
     try:
         num_tasks = getattr(inner, "num_tasks", None)
+        if num_tasks is not None and num_tasks < 1:  # not "unknown": rollout.episodes other seeds
+            raise ConfigError(f"{env_id}: split {split!r} holds no tasks (num_tasks={num_tasks}); "
+                              "check the env's data folder (env.kwargs) and the split's name")
         seeds = list(range(num_tasks)) if num_tasks else [ev.rollout.seed + i for i in range(ev.rollout.episodes)]
         if limit is not None:
             seeds = seeds[:limit]
@@ -277,27 +290,47 @@ def evaluate_split(env_id: str, policy: Any, cfg: Config, split: str | None = No
         env.close()
     if "max_turns" not in ev.rollout.model_fields_set and isinstance(max_steps, int):
         ev.rollout.max_turns = max_steps  # the env's own limit ends the episode
+    return SplitPlan(env_id, split, k, samples, seeds, families, labels, ev, kwargs)
+
+
+def evaluate_split(env_id: str, policy: Any, cfg: Config, split: str | None = None, k: int = 1,
+                   samples: int | None = None, limit: int | None = None,
+                   on_episode_done: Callable[[RolloutTree], None] | None = None,
+                   on_start: Callable[[int], None] | None = None,
+                   plan: SplitPlan | None = None) -> tuple[EvalReport, list[RolloutTree]]:
+    """Evaluate ``policy`` on every task of ``split`` (see the module docstring).
+
+    ``cfg.sampling.temperature`` is used as given (``agentrl eval`` sets 0 for greedy);
+    ``cfg.rollout.episodes`` counts the tasks of an env without ``num_tasks``. ``plan``: the
+    split as ``plan_split`` read it already (the other arguments but the callbacks are then
+    its own). ``on_start(total_episodes)`` is called before the first episode. On Ctrl-C it
+    raises ``RunInterrupted`` whose ``report`` covers the tasks that had finished (``interrupted``).
+    """
+    from .rollout import RunInterrupted, collect
+
+    p = plan or plan_split(env_id, cfg, split, k, samples, limit)
+    ev, seeds = p.cfg, p.seeds
     if on_start:
-        on_start(len(seeds) * samples)
+        on_start(len(seeds) * p.samples)
     t0 = time.perf_counter()
     try:
-        trees, stop = collect(env_id, policy, ev, seeds, on_episode_done=on_episode_done), None
+        trees, stop = collect(p.env_id, policy, ev, seeds, on_episode_done=on_episode_done), None
     except RunInterrupted as e:  # a report on the tasks that finished, said to be partial
         trees, stop = e.trees, e
     wall = time.perf_counter() - t0
-    results = _task_results(trees, lambda s: families.get(s))
+    results = _task_results(trees, lambda s: p.families.get(s))
     reasons: dict[str, int] = {}
     for r in results:
         for e in r.errors:
             reason = e.split(":")[0][:80]
             reasons[reason] = reasons.get(reason, 0) + 1
     report = EvalReport(
-        env=env_id, split=split, k=k, samples=samples, temperature=ev.sampling.temperature,
-        tasks=len(seeds), rows=report_rows(results, k, labels), results=results, failure_reasons=reasons,
+        env=p.env_id, split=p.split, k=p.k, samples=p.samples, temperature=ev.sampling.temperature,
+        tasks=len(seeds), rows=report_rows(results, p.k, p.labels), results=results, failure_reasons=reasons,
         wall_s=round(wall, 3),
         settings={"max_turns": ev.rollout.max_turns, "max_context_tokens": ev.rollout.max_context_tokens,
                   "max_new_tokens": ev.sampling.max_new_tokens, "show_admissible": ev.rollout.show_admissible,
-                  "env_kwargs": {key: str(v) for key, v in kwargs.items()}},
+                  "env_kwargs": {key: str(v) for key, v in p.kwargs.items()}},
         interrupted=stop is not None)
     if stop is not None:
         raise RunInterrupted(trees, report) from stop

@@ -1,0 +1,82 @@
+"""From a hostile review of ``agentrl eval``: bad input fails before the model loads, and a
+split with no tasks is never evaluated on other seeds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from agentrl.config import Config
+from agentrl.env import TextEnv, register_env
+from agentrl.errors import ConfigError
+from agentrl.eval_cli import register
+from agentrl.evaluation import evaluate_split
+from agentrl.policy.mock import MockPolicy
+
+app = typer.Typer()
+
+
+@app.callback()
+def _main() -> None:
+    """A host app for the eval command."""
+
+
+register(app)
+runner = CliRunner()
+
+
+class EmptySplitEnv(TextEnv):
+    """Split "full" holds 2 tasks, split "empty" none (a data folder with no games in it)."""
+
+    max_steps = 1
+
+    def __init__(self, split: str = "full"):
+        super().__init__()
+        self.split = split
+
+    @property
+    def num_tasks(self) -> int:
+        return {"full": 2, "empty": 0}[self.split]
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return "Say 1.", {"instruction": "say 1", "tools": []}
+
+    def step(self, action: str):
+        return "Done.", 1.0, True, False, {}
+
+
+register_env("agentrl/TestEmptySplit-v0", entry_point=EmptySplitEnv)
+MOCK = ["--backend", "mock", "--no-progress"]
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--env", "TestEmptySplit", "--k", "3", "--samples", "2"], "--samples >= --k"),
+    (["--env", "TestEmptySplit", "--k", "0"], "--k must be >= 1"),
+    (["--env", "TestEmptySplit", "--k", "2", "--samples", "0"], "samples=0"),  # was taken as k
+    (["--env", "agentrl/GuessNumber-v0", "--split", "test"], "takes no split"),
+    (["--env", "TestEmptySplit", "--split", "full,empty"], "split 'empty' holds no tasks"),
+    (["--env", "TestEmptySplit", "--split", "full,"], "--split 'full,': an empty split name"),
+])
+def test_bad_eval_input_is_an_error_before_the_model_loads(tmp_path, flags, said):
+    """Each was found only inside the first split's evaluation, after the policy had loaded
+    (minutes for a vLLM engine), or after the splits before it had run."""
+    out = tmp_path / "ev"
+    res = runner.invoke(app, ["eval", *flags, *MOCK, "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    assert "".join(said.split()) in "".join(res.output.split()), res.output  # rich wraps lines
+    assert "loading model" not in res.output
+    assert not out.exists()
+
+
+def test_a_split_with_no_tasks_is_an_error_not_rollout_episodes_other_seeds(tokenizer):
+    """num_tasks 0 was read as 'the env does not say', and the split was evaluated on
+    rollout.episodes seeds (8) that are not in it."""
+    policy = MockPolicy(tokenizer, ["1"])
+    with pytest.raises(ConfigError, match="agentrl/TestEmptySplit-v0: split 'empty' holds no tasks"):
+        evaluate_split("agentrl/TestEmptySplit-v0", policy, Config(), split="empty")
+    report, trees = evaluate_split("agentrl/TestEmptySplit-v0", policy, Config(), split="full")
+    assert report.tasks == 2 and len(trees) == 2 and report.rows[-1].success == 1.0
