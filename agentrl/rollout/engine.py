@@ -263,8 +263,8 @@ def collect(env_id: str, policy: Policy, cfg: Config, seeds: list[int],
     r = cfg.rollout
     if allocator is None or isinstance(allocator, str):
         allocator = rollout_allocator(r, allocator)
-    if budget is None:
-        budget = Budget(r.budget or len(seeds) * r.group_size, r.budget_unit)
+    if budget is None:  # no rollout.budget: episodes * group_size leaves, whatever budget_unit says
+        budget = Budget(r.budget, r.budget_unit) if r.budget else Budget(len(seeds) * r.group_size)
     engine = Engine(policy, cfg, env_id, on_episode_done)
     try:
         return _run_sync(engine.run(seeds, allocator, budget))

@@ -51,3 +51,14 @@ def test_a_first_turn_fork_replays_past_a_root_whose_reset_failed(tokenizer):
     assert errors == ["", "", "env.reset raised OSError: sandbox did not start"]
     fork = next(n for n in tree.nodes.values() if n.partial)
     assert len(fork.children) == 2  # the original turn's rest, and the fork's continuation
+
+
+def test_a_budget_unit_without_a_budget_is_the_documented_leaves(tokenizer):
+    """``rollout.budget: null`` is episodes * group_size leaves, whatever ``budget_unit`` says:
+    taken as that many tokens, 4 episodes shared 4 tokens."""
+    cfg = load_config(overrides=["rollout.budget_unit=tokens", "rollout.group_size=2", "rollout.max_turns=3",
+                                 "env.kwargs={high: 1000, max_turns: 3}"])
+    trees = collect("agentrl/GuessNumber-v0", MockPolicy(tokenizer, ["12 13"]), cfg, [0, 1])
+    assert trees[0].meta["budget"] == {"unit": "leaves", "total": 4, "spent": 4}
+    eps = [ep for t in trees for ep in t.episodes()]
+    assert len(eps) == 4 and all(ep.num_turns == 3 and ep.error is None for ep in eps)
