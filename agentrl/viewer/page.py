@@ -90,7 +90,7 @@ def run_index(run: Run, tokenizer_note: str = "") -> dict[str, Any]:
         "steps": run.steps(),
         "trees": rows,
         "curves": curve_panels(run.metrics),
-        "skipped": run.skipped,
+        "skipped": run.skipped[:20], "skipped_count": run.skipped_count,  # a few named, all counted
     }
 
 

@@ -51,6 +51,7 @@ __all__ = ["BadLinks", "Run", "RunChanged", "TreeRef", "TreeSummary", "check_lin
            "summarize_tree_dict"]
 
 _STEP = re.compile(r"step[-_]?(\d+)")
+_NAMED_SKIPS = 100  # skipped lines named one by one; the rest are counted
 
 
 @dataclass(slots=True, frozen=True)
@@ -257,7 +258,8 @@ class Run:
         self._stamps = self._stamp_all(self.files)
         self.refs: list[TreeRef] = []
         self.summaries: list[TreeSummary] = []
-        self.skipped: list[str] = []  # lines that are not trees (a torn last line), by file:line
+        self.skipped: list[str] = []  # the first lines that are not trees (a torn last line), by file:line
+        self.skipped_count = 0  # all of them: a file of another format skips every line
         self._reports: dict[Path, dict[str, Any] | None] = {}
         for f in self.files:
             self._index(f)
@@ -278,13 +280,18 @@ class Run:
                     data = json.loads(line)
                     summary = summarize_tree_dict(data, len(self.refs), name, step)
                 except BadLinks as e:
-                    self.skipped.append(f"{name}:{lineno} ({e})")
+                    self._skip(f"{name}:{lineno} ({e})")
                     continue
                 except (ValueError, KeyError, TypeError, AttributeError):
-                    self.skipped.append(f"{name}:{lineno}")
+                    self._skip(f"{name}:{lineno}")
                     continue
                 self.refs.append(TreeRef(len(self.refs), file, start, len(line), zlib.crc32(line)))
                 self.summaries.append(summary)
+
+    def _skip(self, where: str) -> None:
+        self.skipped_count += 1
+        if len(self.skipped) < _NAMED_SKIPS:
+            self.skipped.append(where)
 
     def __len__(self) -> int:
         return len(self.refs)
@@ -315,10 +322,11 @@ class Run:
     @property
     def skipped_note(self) -> str:
         """``skipped N unreadable line(s): file:line, ...`` (a torn last line, from a kill mid-write), or ""."""
-        if not self.skipped:
+        n = self.skipped_count
+        if not n:
             return ""
-        shown = ", ".join(self.skipped[:5]) + (f" and {len(self.skipped) - 5} more" if len(self.skipped) > 5 else "")
-        return f"skipped {len(self.skipped)} unreadable line{'s' if len(self.skipped) > 1 else ''}: {shown}"
+        shown = ", ".join(self.skipped[:5]) + (f" and {n - 5} more" if n > 5 else "")
+        return f"skipped {n} unreadable line{'s' if n > 1 else ''}: {shown}"
 
     def tree(self, index: int) -> RolloutTree:
         """Tree ``index``, parsed from its file now."""

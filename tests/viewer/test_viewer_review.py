@@ -205,3 +205,21 @@ def test_the_server_keeps_a_bounded_number_of_bytes_of_trees_not_just_of_trees(t
     server.tree_json(0)
     assert not server._trees
     server.httpd.server_close()
+
+
+def test_a_file_of_lines_that_are_no_trees_is_counted_not_listed_line_by_line(tmp_path):
+    """Every skipped line was kept and sent to the page, which joined them all into one
+    line of text: a JSONL file of another format (a dataset, a log) in the run's place
+    gave an index of megabytes, each line named. Now the first ones are named, all are
+    counted."""
+    from agentrl.viewer import run_index
+    from agentrl.viewer.page import to_json
+
+    rows = [json.dumps(fork_tree().to_dict())] + [json.dumps({"prompt": "p", "completion": "c"})] * 20_000
+    (tmp_path / "trees.jsonl").write_text("\n".join(rows) + "\n")
+    run = Run(tmp_path / "trees.jsonl")
+    assert len(run) == 1 and run.skipped_count == 20_000
+    assert run.skipped[0] == "trees.jsonl:2" and len(run.skipped) <= 100
+    assert run.skipped_note.startswith("skipped 20000 unreadable lines: trees.jsonl:2, trees.jsonl:3")
+    index = run_index(run)
+    assert index["skipped_count"] == 20_000 and len(to_json(index["skipped"])) < 2_000

@@ -234,7 +234,9 @@ function renderRunHeader() {
   const info = [];
   for (const [k, v] of Object.entries(r.about || {})) if (v !== null && v !== "" && v !== undefined) info.push(`${k}: ${v}`);
   $("run-about").textContent = info.join(" · ");
-  if ((r.skipped || []).length) $("run-about").textContent += ` · skipped unreadable lines: ${r.skipped.join(", ")}`;
+  const skips = r.skipped_count || (r.skipped || []).length;
+  if (skips) $("run-about").textContent += ` · skipped ${skips} unreadable line${skips > 1 ? "s" : ""}: ${r.skipped.join(", ")}` +
+    (skips > r.skipped.length ? ` and ${skips - r.skipped.length} more` : "");
   const stepSel = $("f-step");
   stepSel.replaceChildren(el("option", { value: "", text: "all steps" }),
     ...r.steps.filter((s) => s !== null).map((s) => el("option", { value: String(s), text: "step " + s })));
