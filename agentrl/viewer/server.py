@@ -241,6 +241,8 @@ class ViewerServer:
                     self._error(404, str(e))
                 except RunChanged as e:  # the page's index is not the run's any more
                     self._error(409, str(e))
+                except ConnectionError:  # the browser went away (a reload, the next tree): nobody to tell
+                    self.close_connection = True
                 except Exception as e:  # a tree this code cannot draw, a file changed under it: say so
                     self._error(500, f"{type(e).__name__}: {e}")
 

@@ -223,3 +223,30 @@ def test_a_file_of_lines_that_are_no_trees_is_counted_not_listed_line_by_line(tm
     assert run.skipped_note.startswith("skipped 20000 unreadable lines: trees.jsonl:2, trees.jsonl:3")
     index = run_index(run)
     assert index["skipped_count"] == 20_000 and len(to_json(index["skipped"])) < 2_000
+
+
+def test_a_client_that_goes_away_mid_answer_prints_no_traceback(tmp_path, capfd):
+    """A reload or a click to the next tree while a big tree was on its way: the write
+    failed (broken pipe), the handler tried to send a 500 on the same dead socket, and
+    the server printed two tracebacks into the user's terminal."""
+    import socket
+    import struct
+
+    t = fork_tree()
+    t.nodes[0].observation = "x" * 8_000_000  # more than the socket buffers hold
+    write_trees(tmp_path / "trees.jsonl", [t])
+    server = ViewerServer(Run(tmp_path / "trees.jsonl"), port=0).start()
+    host, port = server.httpd.server_address[:2]
+    try:
+        server.tree_json(0)  # parsed and cached: the request below only writes
+        s = socket.create_connection((host, port), timeout=10)
+        s.sendall(f"GET /api/tree/0 HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+        s.recv(1024)  # the answer has started
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()  # a reset, as a browser that gives up on a page
+        time.sleep(1.0)
+        assert _json(server.url + "api/run")["totals"]["trees"] == 1  # still serving
+    finally:
+        server.close()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception occurred" not in err, err[-1500:]
