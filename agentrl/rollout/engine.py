@@ -184,7 +184,7 @@ class Engine:
         state.spent = meter.spent
         for tree in trees:
             tree.meta["budget"] = {"unit": budget.unit, "total": budget.total, "spent": meter.spent}
-        if state.report:
+        if state.report and trees:
             trees[0].meta["allocation_report"] = json.loads(json.dumps(state.report, default=str))
         return trees
 

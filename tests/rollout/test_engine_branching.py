@@ -62,3 +62,9 @@ def test_a_budget_unit_without_a_budget_is_the_documented_leaves(tokenizer):
     assert trees[0].meta["budget"] == {"unit": "leaves", "total": 4, "spent": 4}
     eps = [ep for t in trees for ep in t.episodes()]
     assert len(eps) == 4 and all(ep.num_turns == 3 and ep.error is None for ep in eps)
+
+
+def test_no_task_seeds_give_no_trees(tokenizer):
+    """An allocator's report went onto the first tree, which an empty batch does not have."""
+    for allocator in ("independent", "segment_tree"):
+        assert collect("agentrl/GuessNumber-v0", MockPolicy(tokenizer, ["1"]), load_config(), [], allocator) == []
