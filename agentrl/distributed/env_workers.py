@@ -26,7 +26,10 @@ Failures, in the engine's two columns:
   call that reaches the restarted worker finds the env gone and raises
   ``EnvError`` too, with that reason. Ray restarts the worker
   (``distributed.max_restarts``); the next episodes make fresh envs on it
-  (an episode's first call waits for the restart, up to ``RESTART_WAIT_S``);
+  (an episode's first call waits for the restart, up to ``RESTART_WAIT_S``).
+  A worker Ray will not restart (``max_restarts`` used up) is lost: the pool
+  deals it no more envs, and an episode whose first call finds it dead moves
+  to a live worker; with every worker lost, each episode fails saying so;
 - a call still running when its episode gave up on it (``rollout.episode_timeout_s``)
   keeps its thread until it returns: Ray cancels a call that has not started,
   but cannot interrupt a running thread. Its env is closed after it returns,
@@ -176,10 +179,12 @@ class EnvWorker:
 
 class RayEnv:
     """An env hosted by an ``EnvWorker``: the engine awaits ``acall``; the sync methods
-    (``reset``, ``step``, ...) block on the same calls, for scripts."""
+    (``reset``, ``step``, ...) block on the same calls, for scripts. ``pool`` (and the
+    worker's ``index`` in it): told when the worker is lost, and asked for another."""
 
-    def __init__(self, actor: Any, env_id: str):
+    def __init__(self, actor: Any, env_id: str, pool: EnvWorkerPool | None = None, index: int = 0):
         self._actor, self.env_id = actor, env_id
+        self._pool, self._index = pool, index
         self.handle = uuid.uuid4().hex
         self._made = False
         self._closed = False
@@ -207,6 +212,23 @@ class RayEnv:
             deadline.append(time.monotonic() + RESTART_WAIT_S)
         return time.monotonic() < deadline[0]
 
+    def _moved(self, e: BaseException) -> bool:
+        """Whether to send the call again, to another worker: this one is lost for good
+        (``ActorDiedError``: Ray will not restart it) and this env was never made on it. The
+        pool is told of the loss either way; with no live worker left, ``EnvError``."""
+        from ray.exceptions import ActorDiedError
+
+        if self._pool is None or not isinstance(e, ActorDiedError):
+            return False
+        nxt = self._pool.lost(self._index)
+        if self._made:
+            return False  # the env's state died with it: the episode fails
+        if nxt is None:
+            raise EnvError(f"every env worker of {self.env_id} is lost (distributed.max_restarts used "
+                           f"up): {ray_error(e, EnvError, 'the last one')}") from e
+        self._index, self._actor = nxt
+        return True
+
     async def acall(self, method: str, *args: Any) -> Any:
         """``method`` of the hosted env, awaited on the caller's loop."""
         deadline: list[float] = []
@@ -220,6 +242,8 @@ class RayEnv:
             except Exception as e:
                 if self._restarting(e, deadline):
                     await asyncio.sleep(0.1)
+                    continue
+                if self._moved(e):
                     continue
                 raise ray_error(e, EnvError, f"env worker of {self.env_id}") from e
             self._made = True
@@ -235,6 +259,8 @@ class RayEnv:
             except Exception as e:
                 if self._restarting(e, deadline):
                     time.sleep(0.1)
+                    continue
+                if self._moved(e):
                     continue
                 raise ray_error(e, EnvError, f"env worker of {self.env_id}") from e
             self._made = True
@@ -273,7 +299,7 @@ class RayEnv:
 
 class EnvWorkerPool:
     """``dist.num_env_workers`` env-worker actors for one env; ``make_env`` deals envs out
-    round-robin."""
+    round-robin over the workers not lost (``lost``)."""
 
     def __init__(self, env_id: str, kwargs: dict[str, Any], dist: DistributedConfig,
                  imports: list[str] | tuple[str, ...] = ()):
@@ -285,6 +311,7 @@ class EnvWorkerPool:
         self.workers = [actor.remote(self.env_id, dict(kwargs), list(imports))
                         for _ in range(dist.num_env_workers)]
         self._next = 0
+        self._lost: set[int] = set()  # workers Ray will not restart: dealt no more envs
         self._lock = threading.Lock()
         self.users = 0  # engines holding it now (env_worker_pool, release_env_worker_pool)
         self.last_used = 0  # when it was last taken or given back, in _TICKS
@@ -293,9 +320,28 @@ class EnvWorkerPool:
 
     def make_env(self) -> RayEnv:
         with self._lock:
-            worker = self.workers[self._next % len(self.workers)]
+            i, worker = self._deal()
+        return RayEnv(worker, self.env_id, self, i)
+
+    def _deal(self) -> tuple[int, Any]:
+        """The next worker not lost, round-robin (call with the lock held); every worker lost:
+        the next one anyway, whose first call then fails saying so."""
+        n = len(self.workers)
+        for _ in range(n):
+            i = self._next % n
             self._next += 1
-        return RayEnv(worker, self.env_id)
+            if i not in self._lost:
+                break
+        return i, self.workers[i]
+
+    def lost(self, index: int) -> tuple[int, Any] | None:
+        """Worker ``index`` died for good: deal it no more envs. Another live worker
+        (index, actor) for an env not made yet, or None when none is left."""
+        with self._lock:
+            self._lost.add(index)
+            if len(self._lost) == len(self.workers):
+                return None
+            return self._deal()
 
     def shutdown(self) -> None:
         import ray

@@ -177,6 +177,42 @@ def test_a_killed_env_worker_fails_only_its_episode(cluster, tokenizer):
     assert ray.get(worker.hosted.remote()) == 0
 
 
+def _kill_for_good(worker: Any) -> None:
+    """Kill an env worker without restart, and return once a call to it says so (a kill lands a
+    moment later: a call sent before that would still be served)."""
+    ray.kill(worker)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(worker.pid.remote(), timeout=30)
+        except ray.exceptions.ActorDiedError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the killed env worker still answers")
+
+
+def test_an_env_worker_ray_will_not_restart_gets_no_more_episodes(cluster, tokenizer):
+    """An env worker whose restarts are used up is dealt no more envs: an episode whose first
+    call finds it dead moves to a live worker, so only the pool's other workers host episodes.
+    With every worker lost, each episode fails naming that."""
+    from agentrl.distributed.env_workers import release_env_worker_pool
+
+    cfg = load_config(overrides=["env.id=agentrl/GuessNumber-v0", "rollout.env_executor=ray",
+                                 "rollout.concurrency=4", "rollout.max_turns=2", "distributed.num_env_workers=2",
+                                 "distributed.max_restarts=0", *SMALL])
+    pool = env_worker_pool(cfg)
+    release_env_worker_pool(pool)
+    _kill_for_good(pool.workers[0])
+    trees = collect(cfg.env.id, MockPolicy(tokenizer, ["no number"]), cfg, seeds=[0, 1, 2, 3])
+    errors = [n.error for t in trees for n in t.nodes.values() if n.error]
+    assert errors == []  # round-robin would have sent two of the four episodes to the dead worker
+    assert [len(t.nodes) for t in trees] == [2, 2, 2, 2]
+    _kill_for_good(pool.workers[1])
+    trees = collect(cfg.env.id, MockPolicy(tokenizer, ["no number"]), cfg, seeds=[0, 1])
+    errors = [n.error for t in trees for n in t.nodes.values() if n.error]
+    assert len(errors) == 2 and all("every env worker of agentrl/GuessNumber-v0 is lost" in e for e in errors), errors
+
+
 def test_a_docker_env_asks_for_the_docker_resource(cluster):
     cfg = load_config(overrides=["distributed.ray=auto"])
     assert env_resources("agentrl/GuessNumber-v0", {}) == {}
