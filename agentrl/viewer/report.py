@@ -264,7 +264,7 @@ def _plot_budget(runs: list[RunFacts], out: Path) -> str | None:
     for ax, unit in zip(axes, ("leaves", "turns", "tokens"), strict=True):
         labels, fresh, branch = [], [], []
         for f in shown:
-            for step, b in sorted(f.budget.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
+            for step, b in sorted(f.budget.items(), key=lambda kv: step_order(kv[0])):
                 total = b.get(f"fresh_{unit}", 0) + b.get(f"branch_{unit}", 0)
                 labels.append(f"{f.name}\nstep {step}" if step is not None else f.name)
                 fresh.append(b.get(f"fresh_{unit}", 0) / total if total else 0)

@@ -250,3 +250,16 @@ def test_a_client_that_goes_away_mid_answer_prints_no_traceback(tmp_path, capfd)
         server.close()
     err = capfd.readouterr().err
     assert "Traceback" not in err and "Exception occurred" not in err, err[-1500:]
+
+
+def test_the_report_of_a_branched_run_whose_steps_are_not_all_numbers_is_written(tmp_path):
+    """b85a148 sorted steps with step_order in the index and the divergence plot, but the
+    branch-budget plot still sorted int against str: ``agentrl report`` raised TypeError."""
+    from agentrl.viewer.report import write_report
+
+    trees = [fork_tree(1), fork_tree(2), fork_tree(3)]
+    for t, step in zip(trees, [2, "x", 1], strict=True):
+        t.meta["step"] = step
+    write_trees(tmp_path / "trees.jsonl", trees)
+    md = write_report([tmp_path / "trees.jsonl"], tmp_path / "rep").read_text()
+    assert "![branch budget](branch_budget.png)" in md
