@@ -20,6 +20,7 @@ The cache lives in ``$AGENTRL_CACHE`` (default ``~/.cache/agentrl``).
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
 import re
@@ -155,8 +156,25 @@ def list_models() -> list[tuple[str, str, bool]]:
 
 
 def _unknown(name: str) -> PolicyError:
-    return PolicyError(f"unknown model {name!r}: registered models are {sorted(MODELS)}, "
+    """What a name that is no registered model, no folder here and no Hub id is: a path that
+    does not exist, or a misspelt name (with the closest registered one)."""
+    if name.startswith(("/", "./", "../", "~")):
+        return PolicyError(f"model {name!r}: no such folder (policy.model is a registered model "
+                           f"{sorted(MODELS)}, a local folder holding a transformers model, or a Hub id)")
+    close = difflib.get_close_matches(name, list(MODELS), n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return PolicyError(f"unknown model {name!r}{hint}: registered models are {sorted(MODELS)}, "
                        "or pass a local folder holding a transformers model, or a Hub id (org/name)")
+
+
+def _from_pretrained(load: Any, name: str, folder: Path, what: str, **kwargs: Any) -> Any:
+    """``load(folder)`` (a transformers ``from_pretrained``), its ``OSError`` or ``ValueError`` (no
+    weights in the folder, a torn config.json, an architecture it does not know) a
+    ``PolicyError`` naming the model, which the commands print as an error, not a traceback."""
+    try:
+        return load(str(folder), **kwargs)
+    except (OSError, ValueError) as e:
+        raise PolicyError(f"model {name!r}: cannot load its {what} from {folder}: {e}") from e
 
 
 _STEP = re.compile(r"step-(\d+)")  # a checkpoint's folder name (agentrl.train.checkpoint)
@@ -233,11 +251,11 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> Any:
     if name in MODELS:
         path = cache_dir() / "models" / name
         src = path if (path / "tokenizer.json").exists() else _tokenizer_dir()
-        return AutoTokenizer.from_pretrained(str(src))
+        return _from_pretrained(AutoTokenizer.from_pretrained, name, src, "tokenizer")
     if Path(name).is_dir():
-        return AutoTokenizer.from_pretrained(str(model_folder(name)))
+        return _from_pretrained(AutoTokenizer.from_pretrained, name, model_folder(name), "tokenizer")
     if is_hub_id(name):
-        return AutoTokenizer.from_pretrained(str(hub_model_dir(name)))
+        return _from_pretrained(AutoTokenizer.from_pretrained, name, hub_model_dir(name), "tokenizer")
     raise _unknown(name)
 
 
@@ -298,13 +316,11 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32", device: str = 
         raise PolicyError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
     if name == "tiny-random":
         model = _tiny_random(seed).to(dtype=torch_dtype, device=device)
-    elif name in MODELS:
-        path = prepare_model(name)
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype).to(device)
-    elif Path(name).is_dir():
-        model = AutoModelForCausalLM.from_pretrained(str(model_folder(name)), dtype=torch_dtype).to(device)
-    elif is_hub_id(name):
-        model = AutoModelForCausalLM.from_pretrained(str(hub_model_dir(name)), dtype=torch_dtype).to(device)
+    elif name in MODELS or Path(name).is_dir() or is_hub_id(name):
+        folder = (prepare_model(name) if name in MODELS else model_folder(name) if Path(name).is_dir()
+                  else hub_model_dir(name))
+        model = _from_pretrained(AutoModelForCausalLM.from_pretrained, name, folder, "weights",
+                                 dtype=torch_dtype).to(device)
     else:
         raise _unknown(name)
     return model, load_tokenizer(name)
