@@ -69,6 +69,7 @@ class RunFacts:
     budget: dict[Any, dict[str, float]] = field(default_factory=dict)  # step -> fresh/branch counts
     divergence: dict[Any, dict[int, list[float]]] = field(default_factory=dict)  # step -> turn -> values
     allocators: set[str] = field(default_factory=set)
+    unread: list[str] = field(default_factory=list)  # trees that indexed but could not be read, and why
 
     @property
     def distilled(self) -> bool:
@@ -146,7 +147,12 @@ def gather(path: str | Path, name: str | None = None) -> RunFacts:
     run = Run(path)
     f = RunFacts(_text(name or run.path.name), run, run.metrics, run.config)
     for s in run.summaries:
-        _tree_facts(f, run.tree(s.index), s.step)
+        try:
+            tree = run.tree(s.index)
+        except Exception as e:  # a newer writer's field, a file changed since indexing: the rest still count
+            f.unread.append(f"tree {s.index} ({s.file}): {type(e).__name__}: {e}"[:300])
+            continue
+        _tree_facts(f, tree, s.step)
     f.budget = {k: dict(v) for k, v in f.budget.items()}
     return f
 
@@ -383,6 +389,10 @@ def _markdown(runs: list[RunFacts], plots: dict[str, str | None], notes: list[st
     for f in runs:
         if f.run.skipped:
             md += [_md(f"{f.name}: {f.run.skipped_note} (their trees are left out)."), ""]
+        if f.unread:
+            n = len(f.unread)
+            md += [_md(f"{f.name}: {n} tree{'s' if n > 1 else ''} could not be read (left out): "
+                       + "; ".join(f.unread[:5]) + (f" and {n - 5} more" if n > 5 else "")), ""]
     md += ["## Learning curves", ""]
     if plots["curves"]:
         md += [f"![learning curves]({plots['curves']})", "",

@@ -263,3 +263,15 @@ def test_the_report_of_a_branched_run_whose_steps_are_not_all_numbers_is_written
     write_trees(tmp_path / "trees.jsonl", trees)
     md = write_report([tmp_path / "trees.jsonl"], tmp_path / "rep").read_text()
     assert "![branch budget](branch_budget.png)" in md
+
+
+def test_the_report_leaves_out_a_tree_it_cannot_read_and_says_so(tmp_path):
+    """One tree that indexed but did not parse (a newer writer's node field, a file changed
+    since indexing) raised out of ``agentrl report``: no report, a traceback."""
+    from agentrl.viewer.report import write_report
+
+    _run_with_an_undrawable_tree(tmp_path)
+    md = write_report([tmp_path / "trees.jsonl"], tmp_path / "rep").read_text()
+    assert "1 tree could not be read" in md and "tree 1 " in md and "written_by_a_newer_version" in md
+    table = md.split("## Success per task family", 1)[1].split("## ", 1)[0]
+    assert "| pick | 0.500 (4) |" in table  # the two readable trees: 2 of 4 non-failed episodes
