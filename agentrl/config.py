@@ -8,6 +8,7 @@ key path (``policy.temperature``) and the reason.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import warnings
 from pathlib import Path
@@ -144,6 +145,12 @@ def check_temperature(value: float | None) -> float | None:
     return value
 
 
+def expand_home(value: str) -> str:
+    """A path from a config with a leading ``~`` as the home folder, as a shell reads it: YAML
+    keeps the ``~``, and ``out_dir: ~/runs/x`` made a folder named '~' in the working directory."""
+    return os.path.expanduser(value) if value.startswith("~") else value
+
+
 def check_task_seeds(value: list[int] | None) -> list[int] | None:
     """An explicit list of task seeds holds at least one: ``[]`` was read as not given, and
     the default seeds played instead."""
@@ -216,6 +223,8 @@ class PolicyConfig(_Strict):
         default_factory=lambda: ["1"], description="Scripted answers for backend=mock."
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="backend=vllm: engine sizing.")
+
+    _model_path = field_validator("model")(expand_home)
 
     @field_validator("device")
     @classmethod
@@ -295,6 +304,8 @@ class RolloutConfig(_Strict):
         "ids the next turn would have read in the last turn's info['next_context_ids'] (a value "
         "head bootstraps GAE from that state).")
 
+
+    _out_dir = field_validator("out_dir")(expand_home)
 
     @model_validator(mode="before")
     @classmethod

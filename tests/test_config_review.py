@@ -73,3 +73,16 @@ def test_an_empty_list_of_task_seeds_is_an_error_not_the_default_seeds(key):
     sft.episodes seeds, where train.task_seeds=[] was already an error."""
     with pytest.raises(ConfigError, match=rf"{key}: give at least one seed, or null"):
         _load(f"{key}=[]")
+
+
+@pytest.mark.parametrize(("override", "read"), [
+    ("rollout.out_dir=~/runs/r", lambda c: c.rollout.out_dir),
+    ("train.output.dir=~/runs/t", lambda c: c.train.output.dir),
+    ("policy.model=~/models/m", lambda c: c.policy.model),
+])
+def test_a_path_under_home_in_a_config_means_the_home_folder(tmp_path, monkeypatch, override, read):
+    """YAML does not expand ``~`` as a shell does: ``out_dir: ~/runs/r`` made a folder named
+    '~' in the working directory, and ``model: ~/models/m`` was an unknown model."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = override.split("=", 1)[1]
+    assert read(_load(override)) == str(tmp_path / path.removeprefix("~/"))

@@ -17,7 +17,15 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ..config import Config, _Strict, check_task_seeds, folded_options, load_config, moved_keys
+from ..config import (
+    Config,
+    _Strict,
+    check_task_seeds,
+    expand_home,
+    folded_options,
+    load_config,
+    moved_keys,
+)
 from ..credit_options import CreditOptions, GRPOOptions, credit_spec
 from ..evaluation import EvaluationConfig
 from .curriculum import CurriculumStage, SFTLevel
@@ -128,6 +136,8 @@ class OutputConfig(_Strict):
     save_trees: int = Field(8, ge=0, description="Trees of each step's rollouts written to "
                             "output.dir/trees/step-NNNNNN.jsonl (the first this many tasks), for "
                             "`agentrl tree` and `agentrl view`; 0: none.")
+
+    _dir = field_validator("dir")(expand_home)
 
 
 class AsyncConfig(_Strict):
