@@ -282,7 +282,7 @@ class Run:
                 except BadLinks as e:
                     self._skip(f"{name}:{lineno} ({e})")
                     continue
-                except (ValueError, KeyError, TypeError, AttributeError):
+                except (ValueError, KeyError, TypeError, AttributeError, RecursionError):  # nested too deep
                     self._skip(f"{name}:{lineno}")
                     continue
                 self.refs.append(TreeRef(len(self.refs), file, start, len(line), zlib.crc32(line)))

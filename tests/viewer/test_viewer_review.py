@@ -275,3 +275,12 @@ def test_the_report_leaves_out_a_tree_it_cannot_read_and_says_so(tmp_path):
     assert "1 tree could not be read" in md and "tree 1 " in md and "written_by_a_newer_version" in md
     table = md.split("## Success per task family", 1)[1].split("## ", 1)[0]
     assert "| pick | 0.500 (4) |" in table  # the two readable trees: 2 of 4 non-failed episodes
+
+
+def test_a_line_nested_past_the_json_parsers_limit_is_skipped_not_a_crash(tmp_path):
+    """json.loads raises RecursionError (no ValueError) on a line nested ~1000 deep: opening
+    the run raised out of Run(), so neither the page nor the report came up for any tree."""
+    lines = [json.dumps(fork_tree().to_dict()), "[" * 5000 + "]" * 5000, '{"meta": ' * 3000 + "{}" + "}" * 3000]
+    (tmp_path / "trees.jsonl").write_text("\n".join(lines) + "\n")
+    run = Run(tmp_path / "trees.jsonl")
+    assert len(run) == 1 and run.skipped == ["trees.jsonl:2", "trees.jsonl:3"]
