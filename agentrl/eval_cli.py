@@ -5,7 +5,9 @@
     agentrl eval --env agentrl/ALFWorld-v0 --split valid_unseen --episodes 200 --model smollm2-135m
     agentrl eval --env ... --k 8 --samples 16 --temperature 0.7        (pass@8 from 16 samples a task)
 
-``--split`` takes several splits, comma separated, and gives one report each.
+``--env`` defaults to the ``--config``'s ``env.id``, so one config serves
+``train``, ``rollout`` and ``eval``. ``--split`` takes several splits, comma
+separated, and gives one report each.
 Greedy decoding by default (temperature 0, one sample a task); ``--k K``
 samples ``--samples N`` (default K) episodes a task at ``--temperature``
 (default: the config's). What runs and what the rows mean is in
@@ -60,7 +62,8 @@ def split_names(text: str | None) -> list[str | None]:
 
 
 def eval_command(
-    env: Annotated[str, typer.Option(help="Env id, e.g. agentrl/ALFWorldReal-v0.")],
+    env: Annotated[str | None, typer.Option(
+        help="Env id, e.g. agentrl/ALFWorldReal-v0; default: the --config's env.id.")] = None,
     split: Annotated[str | None, typer.Option(help="Split(s), comma separated, passed as the env's split.")] = None,
     model: Annotated[str | None, typer.Option(help="Model name or folder (policy.model).")] = None,
     backend: Annotated[str | None, typer.Option(help="hf, vllm, openai or mock (policy.backend).")] = None,
@@ -89,7 +92,9 @@ def eval_command(
     overrides = [f"{key}={v}" for key, v in flags.items() if v is not None] + list(set_ or [])
     try:
         cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too
-        env_id = resolve_env_id(env, cfg.env.imports)
+        if env is None and config is None:  # the default env.id is a demo, not what was meant
+            raise ConfigError("which env? give --env, or a --config whose env.id names it")
+        env_id = cfg.env.id = resolve_env_id(env or cfg.env.id, cfg.env.imports)
         check_env_kwargs(env_id, cfg.env.kwargs, imports=cfg.env.imports)  # else every episode fails
         if temperature is None and (samples or k) == 1:
             cfg.sampling.temperature = 0.0

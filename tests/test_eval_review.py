@@ -80,3 +80,16 @@ def test_a_split_with_no_tasks_is_an_error_not_rollout_episodes_other_seeds(toke
         evaluate_split("agentrl/TestEmptySplit-v0", policy, Config(), split="empty")
     report, trees = evaluate_split("agentrl/TestEmptySplit-v0", policy, Config(), split="full")
     assert report.tasks == 2 and len(trees) == 2 and report.rows[-1].success == 1.0
+
+
+def test_eval_plays_the_env_its_config_names_when_no_env_is_given(tmp_path):
+    """One config for every command: ``rollout --config`` and ``train --config`` play env.id,
+    while ``eval --config`` refused to run without ``--env`` naming it again."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("env: {id: agentrl/TestEmptySplit-v0}\npolicy: {backend: mock, mock_responses: ['1']}\n")
+    out = tmp_path / "ev"
+    res = runner.invoke(app, ["eval", "--config", str(cfg), "--split", "full", "--out", str(out), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert '"env": "agentrl/TestEmptySplit-v0"' in (out / "summary.json").read_text()
+    res = runner.invoke(app, ["eval", "--out", str(out), "--no-progress", "--backend", "mock"])
+    assert res.exit_code == 2 and "give --env, or a --config whose env.id names it" in res.output, res.output
