@@ -35,7 +35,7 @@ from typing import Any
 from ..config import DistributedConfig
 from ..errors import AgentRLError, ConfigError
 
-__all__ = ["LOCAL_SYSTEM_CONFIG", "cancel_call", "check_placeable", "cluster_address", "connect", "ray_error",
+__all__ = ["LOCAL_SYSTEM_CONFIG", "cancel_call", "capacity", "check_placeable", "cluster_address", "connect", "ray_error",
            "ray_module", "recorded_cluster_file"]
 
 LOCAL = "local"  # Ray's own word for "start a new local instance", whatever else runs here
@@ -165,16 +165,37 @@ def ray_error(e: BaseException, kind: type[AgentRLError], what: str) -> BaseExce
     return e
 
 
-def check_placeable(ray: Any, need: dict[str, float], what: str = "an env worker") -> None:
-    """Raise unless some live node has ``need``: Ray would keep such an actor pending, and its
-    episodes would wait for ``rollout.episode_timeout_s`` without a word."""
+def capacity(nodes: list[dict[str, float]], need: dict[str, float]) -> int:
+    """How many actors that each need ``need`` the ``nodes`` (each one's total resources) can
+    host at once: an actor is placed on one node, so each node holds whole actors."""
+    parts = {k: v for k, v in need.items() if v > 0}
+    if not parts:
+        return sys.maxsize
+    # Ray counts resources in units of 1e-4: 2 CPUs hold 8 workers of 0.25 exactly
+    return sum(min(int(res.get(k, 0.0) / v + 1e-6) for k, v in parts.items()) for res in nodes)
+
+
+def check_placeable(ray: Any, need: dict[str, float], what: str = "env workers", count: int = 1,
+                    keys: str = "distributed.num_env_workers, env_worker_cpus, and a sandbox_<backend> resource "
+                                "a node advertises with `ray start --resources`") -> None:
+    """Raise unless the live nodes can host ``count`` actors needing ``need`` each (``what``,
+    set by ``keys``): Ray would keep the others pending for good, and their episodes or
+    requests would wait without a word."""
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    if any(all(res.get(k, 0.0) >= v for k, v in need.items()) for res in nodes):
+    can = capacity(nodes, need)
+    if can >= count:
         return
     have = sorted({k for res in nodes for k in res if not k.startswith("node:")})
-    raise ConfigError(f"no node of the Ray cluster can host {what} needing {need} "
-                      f"(distributed.env_worker_cpus, rollout_worker_cpus or rollout_worker_gpus, and a sandbox_<backend> resource a node "
-                      f"advertises with `ray start --resources`); the nodes have {have}")
+    if can == 0:
+        raise ConfigError(f"no node of the Ray cluster can host one of the {what} needing {need} ({keys}); "
+                          f"the nodes have {have}")
+    raise ConfigError(f"the Ray cluster can host {can} of the {count} {what} needing {need} each ({keys}), "
+                      f"never all: the others would wait for good. Its nodes have "
+                      f"{_totals(nodes, need)} in all")
+
+
+def _totals(nodes: list[dict[str, float]], need: dict[str, float]) -> dict[str, float]:
+    return {k: sum(res.get(k, 0.0) for res in nodes) for k in need}
 
 
 def cancel_call(ref: Any) -> None:

@@ -306,7 +306,8 @@ class EnvWorkerPool:
         ray = connect(dist)
         self.env_id = resolve_env_id(env_id, imports)
         self.options = env_worker_options(self.env_id, kwargs, dist, imports)
-        check_placeable(ray, {"CPU": float(self.options["num_cpus"]), **self.options["resources"]})
+        check_placeable(ray, {"CPU": float(self.options["num_cpus"]), **self.options["resources"]},
+                        count=dist.num_env_workers)
         actor = ray.remote(EnvWorker).options(**self.options)
         self.workers = [actor.remote(self.env_id, dict(kwargs), list(imports))
                         for _ in range(dist.num_env_workers)]

@@ -211,7 +211,8 @@ class RayPolicy:
         need = {"CPU": float(dist.rollout_worker_cpus)}
         if dist.rollout_worker_gpus:
             need["GPU"] = float(dist.rollout_worker_gpus)
-        check_placeable(ray, need, "a rollout worker")
+        check_placeable(ray, need, "rollout workers", dist.num_rollout_workers,
+                        "distributed.num_rollout_workers, rollout_worker_cpus, rollout_worker_gpus")
         actor = ray.remote(RolloutWorker).options(num_cpus=dist.rollout_worker_cpus,
                                                   num_gpus=dist.rollout_worker_gpus,
                                                   max_restarts=dist.max_restarts, max_task_retries=0)

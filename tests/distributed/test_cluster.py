@@ -104,3 +104,14 @@ def test_auto_never_joins_another_programs_private_instance():
     finally:
         holder.stdin.close()
         holder.wait(timeout=_WAIT_S)
+
+
+def test_capacity_counts_whole_actors_per_node():
+    from agentrl.distributed.cluster import capacity
+
+    nodes = [{"CPU": 2.0, "GPU": 1.0}, {"CPU": 4.0}]
+    assert capacity(nodes, {"CPU": 1.5}) == 1 + 2  # 0.5 CPU left on the first node is no worker
+    assert capacity(nodes, {"CPU": 1.0, "GPU": 1.0}) == 1  # the GPU node only
+    assert capacity(nodes, {"CPU": 0.25}) == 8 + 16
+    assert capacity(nodes, {"CPU": 1.0, "sandbox_docker": 1.0}) == 0
+    assert capacity([], {"CPU": 1.0}) == 0

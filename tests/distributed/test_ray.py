@@ -230,6 +230,26 @@ def test_a_docker_env_asks_for_the_docker_resource(cluster):
         EnvWorkerPool("agentrl/GuessNumber-v0", {"sandbox": "docker"}, cfg.distributed)
 
 
+def test_more_workers_than_the_cluster_can_ever_hold_are_refused_at_once(cluster, tokenizer, monkeypatch):
+    """Each worker fits a node, but not all of them fit the cluster: Ray would keep the rest
+    pending for good (rollout workers: a 600 s wait then a bare GetTimeoutError; env workers:
+    their episodes wait out rollout.episode_timeout_s). Refused before any actor starts."""
+    from agentrl.distributed import rollout_workers
+    from agentrl.distributed.env_workers import EnvWorkerPool
+    from agentrl.errors import ConfigError
+
+    monkeypatch.setattr(rollout_workers, "_CALL_TIMEOUT_S", 5.0)  # the old wait, shortened
+    cfg = load_config(overrides=["policy.backend=hf", "policy.model=tiny-random", "distributed.ray=auto",
+                                 "distributed.num_rollout_workers=3", "distributed.rollout_worker_cpus=1"])
+    with pytest.raises(ConfigError, match=r"can host 2 of the 3 rollout workers needing \{'CPU': 1\.0\} each "
+                                          r"\(distributed\.num_rollout_workers"):
+        RayPolicy(cfg.policy, cfg.distributed, tokenizer)
+    cfg = load_config(overrides=["distributed.ray=auto", "distributed.num_env_workers=9",
+                                 "distributed.env_worker_cpus=0.25"])
+    with pytest.raises(ConfigError, match=r"can host 8 of the 9 env workers .*distributed\.num_env_workers"):
+        EnvWorkerPool("agentrl/GuessNumber-v0", {}, cfg.distributed)
+
+
 def test_trainer_runs_on_env_and_rollout_workers(cluster, tmp_path):
     """Two GRPO steps with both kinds of workers, set by config only. The weights reach the
     rollout workers: step 2's tokens, sampled there after the sync, score the same under the
