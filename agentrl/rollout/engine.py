@@ -91,7 +91,10 @@ class Engine:
             jobs.append(player.episode(start, tree, req.max_turns, stream))
         return jobs
 
-    def _branch_jobs(self, player: EpisodePlayer, trees: list[RolloutTree], req: Branch) -> list[Any]:
+    def _branch_jobs(self, player: EpisodePlayer, trees: list[RolloutTree], req: Branch,
+                     cut: dict[tuple[int, int], int]) -> list[Any]:
+        """``cut``: the action tokens this round's earlier forks split off the front of a node
+        (``at_token`` counts the node's action as the allocator saw it)."""
         tree = trees[req.task]
         if req.node not in tree.nodes:
             raise ValueError(f"branch from unknown node {req.node} of task {req.task}")
@@ -102,11 +105,15 @@ class Engine:
                                  "is not finished (partial); fork a turn with at_token")
             point, parent, prefix = node.id, node.id, None
         else:
-            m = req.at_token
-            if not 0 < m < len(node.action_ids) or node.partial:
+            m, off = req.at_token, cut.get((req.task, req.node), 0)
+            if not off <= m < off + len(node.action_ids) or m <= 0 or node.partial:
                 raise ValueError(f"segment fork at token {m} of node {req.node} with "
-                                 f"{len(node.action_ids)} action tokens")
-            part = split_node(tree, node.id, m)
+                                 f"{off + len(node.action_ids)} action tokens")
+            if m > off:
+                part = split_node(tree, node.id, m - off)
+                cut[(req.task, req.node)] = m
+            else:  # where an earlier fork of this round split it: share that partial node
+                part = tree.nodes[node.parent]  # type: ignore[index]
             parent = part.id
             point = tree.turn_parent(part.id)  # the state before the turn: above any earlier forks
             head = tree.turn_nodes(part.id)
@@ -197,12 +204,14 @@ class Engine:
         if not requests:
             return False
         jobs: list[tuple[int, Any]] = []
-        for req in requests:
+        cut: dict[tuple[int, int], int] = {}
+        for req in _forks_in_token_order(requests):
             req = meter.admit(trees[req.task], req, state.report)
             if req is None:
                 continue
-            make = self._fresh_jobs if isinstance(req, Fresh) else self._branch_jobs
-            jobs += [(req.task, job) for job in make(player, trees, req)]
+            made = (self._fresh_jobs(player, trees, req) if isinstance(req, Fresh)
+                    else self._branch_jobs(player, trees, req, cut))
+            jobs += [(req.task, job) for job in made]
         if not jobs:
             return False
         firsts = [len(t.nodes) for t in trees]  # the round's nodes get ids from here
@@ -225,6 +234,21 @@ class Engine:
             renumber(tree, first, lambda n: player.keys[id(n)])
         player.keys.clear()
         return True
+
+
+def _forks_in_token_order(requests: list[Any]) -> list[Any]:
+    """The requests, with the segment forks of each node in the order of their ``at_token``
+    (each in a place one of them had): a split moves the node's first tokens into a partial
+    node, so the fork after the fewest tokens splits first, and the next splits what is left."""
+    places: dict[tuple[int, int], list[int]] = {}
+    for i, req in enumerate(requests):
+        if isinstance(req, Branch) and req.at_token is not None:
+            places.setdefault((req.task, req.node), []).append(i)
+    out = list(requests)
+    for idx in places.values():
+        for i, req in zip(idx, sorted((requests[i] for i in idx), key=lambda r: r.at_token), strict=True):
+            out[i] = req
+    return out
 
 
 def _close_open_leaves(tree: RolloutTree, reason: str) -> None:

@@ -68,3 +68,37 @@ def test_no_task_seeds_give_no_trees(tokenizer):
     """An allocator's report went onto the first tree, which an empty batch does not have."""
     for allocator in ("independent", "segment_tree"):
         assert collect("agentrl/GuessNumber-v0", MockPolicy(tokenizer, ["1"]), load_config(), [], allocator) == []
+
+
+class TwoForksOfOneTurn:
+    """One episode, then two segment forks of its first turn in one round, after 2 and 1 tokens."""
+
+    name, needs_snapshots, top_logprobs = "two-forks", True, 0
+
+    def plan(self, state):
+        tree = state.trees[0]
+        if state.round == 0:
+            return [Fresh(0, 1)]
+        if state.round == 1:
+            self.turn = list(tree.nodes[tree.roots[0]].action_ids)
+            return [Branch(0, tree.roots[0], 1, at_token=2), Branch(0, tree.roots[0], 1, at_token=1)]
+        return []
+
+
+def test_two_segment_forks_of_one_turn_in_one_round_fork_where_each_was_planned(tokenizer):
+    """Each ``at_token`` counts the node's action as the allocator saw it: the first fork's split
+    moved the node's first tokens away, and the second forked that many tokens further on."""
+    calls = itertools.count()
+    policy = MockPolicy(tokenizer, lambda p: f"alpha beta gamma delta {next(calls)}")
+    cfg = load_config(overrides=["rollout.max_turns=1", "env.kwargs={high: 1000, max_turns: 1}"])
+    plan = TwoForksOfOneTurn()
+    (tree,) = collect("agentrl/GuessNumber-v0", policy, cfg, [0], plan, Budget(3))
+    assert not [n.error for n in tree.nodes.values() if n.error]
+    heads = []
+    for leaf in tree.leaves():
+        turn = tree.turn_nodes(leaf.id)
+        head = [t for n in turn[:-1] for t in n.action_ids]
+        assert head == plan.turn[:len(head)]  # every fork continues the sampled turn's own tokens
+        heads.append(len(head))
+    # the original turn (split at both points), and one fork after 1 and one after 2 tokens
+    assert sorted(heads) == [1, 2, 2]
