@@ -206,6 +206,9 @@ def train(
     extra = [f"{k}={v}" for k, v in flags.items() if v is not None]
     t0, cfg = time.perf_counter(), None
     try:
+        if resume and overwrite:  # which one wins is not obvious: --resume did, silently
+            raise ConfigError("--resume continues the run in the output folder and --overwrite starts "
+                              "it over: give one of them")
         cfg = _load(config, set_, extra)
         rollouts = None
         if cfg.train.harness is not None:
