@@ -96,7 +96,7 @@ def test_server_loads_only_the_trees_opened(page, branched_run, artifacts):
         _open(page, server.url)
         assert asked == ["run"]
         _node_then_tokens(page, run, artifacts, "server")
-        assert asked == ["run", f"tree/{TREE}"]
+        assert asked == ["run", f"tree/{TREE}?generation=0"]  # of the index the page holds
         page.goto(server.url + "#tree=1&node=0")  # a link to a node opens it
         page.wait_for_selector("#tree-canvas g.node.selected[data-node='0']")
     finally:
