@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,14 +94,23 @@ def make_out_dir(out_dir: str | Path, key: str) -> Path:
     return out
 
 
+def _write_atomically(path: Path, write: Callable[[Path], Any]) -> None:
+    """``write(tmp)`` to a temporary file of this call's own, then rename it to ``path``: two runs
+    writing one folder (the default ``rollout.out_dir``) each leave a whole file, the last one wins;
+    with one shared temporary name, one run's rename failed the other's after all its episodes."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")  # not mkstemp: 0600
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_run(out_dir: str | Path, trees: list[RolloutTree], summary: dict[str, Any]) -> Path:
     """Write ``trajectories.jsonl`` and ``summary.json`` into ``out_dir``, each atomically."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".trajectories.jsonl.tmp"
-    write_trees(tmp, trees)
-    os.replace(tmp, out / "trajectories.jsonl")
-    tmp = out / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp, out / "summary.json")
+    _write_atomically(out / "trajectories.jsonl", lambda tmp: write_trees(tmp, trees))
+    _write_atomically(out / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=2) + "\n"))
     return out
