@@ -284,3 +284,27 @@ def test_a_line_nested_past_the_json_parsers_limit_is_skipped_not_a_crash(tmp_pa
     (tmp_path / "trees.jsonl").write_text("\n".join(lines) + "\n")
     run = Run(tmp_path / "trees.jsonl")
     assert len(run) == 1 and run.skipped == ["trees.jsonl:2", "trees.jsonl:3"]
+
+
+class _ByteLevelTokenizer:
+    """The two tokens SmolLM2's byte-level BPE splits 😀 (F0 9F 98 80) into, and one whole token:
+    ``decode`` of either half alone is U+FFFD, as transformers gives it."""
+
+    pieces = {1: "ĠðŁĺ", 2: "Ģ", 3: "ä¸Ń", 4: "<0xE4>"}  # 4: a sentencepiece byte-fallback piece
+    texts = {1: " \ufffd", 2: "\ufffd", 3: "中", 4: "\ufffd"}
+
+    def decode(self, ids):
+        return "".join(self.texts[i] for i in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.pieces[i] for i in ids]
+
+
+def test_a_token_that_holds_part_of_a_character_shows_its_bytes_not_a_replacement_mark():
+    """Each id was decoded alone: a token holding part of a UTF-8 character (an emoji, most
+    CJK text under byte-level BPE) showed as '�', the same mark for every such token, so
+    the token view hid what the model sampled. Its bytes are shown now."""
+    from agentrl.viewer.tokens import _decoder
+
+    decode = _decoder(_ByteLevelTokenizer())
+    assert decode([1, 2, 3, 4]) == {1: " \\xf0\\x9f\\x98", 2: "\\x80", 3: "中", 4: "\\xe4"}
