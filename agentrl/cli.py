@@ -11,6 +11,7 @@ any other config key. Heavy imports happen inside the commands.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -91,6 +92,7 @@ def rollout(
     from .policy.for_run import open_policy, settle_for_command
     from .rollout import RunInterrupted, make_out_dir, run_episodes, summarize, write_run
     from .rollout.allocators import ALLOCATORS
+    from .train.output_lock import output_lock
 
     flags = {"env.id": env, "policy.model": model, "policy.backend": backend,
              "rollout.episodes": episodes, "rollout.allocator.name": allocator,
@@ -98,35 +100,37 @@ def rollout(
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None]
     overrides += [f"rollout.allocator.{kv}" for kv in allocator_option or []]
     overrides += list(set_ or [])
-    try:
-        cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too
-        cfg.env.id = resolve_env_id(cfg.env.id, cfg.env.imports)
-        check_env_kwargs(cfg.env.id, cfg.env.kwargs, imports=cfg.env.imports)  # else every episode fails
-        make_out_dir(cfg.rollout.out_dir, "rollout.out_dir")  # before the episodes, not after them
-        console.print(settle_for_command(cfg))
-        r = cfg.rollout
-        total = r.budget if r.budget and r.budget_unit == "leaves" else None
-        with open_policy(cfg) as policy, Progress(
-                "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                TimeElapsedColumn(), console=console, disable=not progress) as bar:
-            task = bar.add_task(f"{cfg.env.id} episodes", total=total or r.episodes * r.group_size)
-            t0 = time.perf_counter()
-            try:
-                trees, interrupted = run_episodes(cfg.env.id, policy, cfg,
-                                                  on_episode_done=lambda _t: bar.advance(task)), None
-            except RunInterrupted as stop:  # what finished is written, and said to be partial
-                trees, interrupted = stop.trees, {"interrupted": True, "tasks_finished": len(stop.trees),
-                                                  "tasks_planned": r.episodes}
-            wall = time.perf_counter() - t0
-            worker_stats = dict(getattr(policy, "stats", {}))  # rollout workers: deaths, retries
-    except AgentRLError as e:
-        raise _fail(e) from None
-    summary = {"env": cfg.env.id, "model": cfg.policy.model, "backend": cfg.policy.backend,
-               **({"precision": cfg.policy.precision} if cfg.policy.backend == "hf" else {}),
-               **(interrupted or {}), "allocator": r.allocator.name, **summarize(trees, wall), **worker_stats,
-               "branch_points": sum(len(n.children) > 1 for t in trees for n in t.nodes.values()),
-               "allocation_report": trees[0].meta.get("allocation_report", {}) if trees else {}}
-    path = write_run(cfg.rollout.out_dir, trees, summary)
+    with contextlib.ExitStack() as held:  # the folder's run lock, released once the run is written
+        try:
+            cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too
+            cfg.env.id = resolve_env_id(cfg.env.id, cfg.env.imports)
+            check_env_kwargs(cfg.env.id, cfg.env.kwargs, imports=cfg.env.imports)  # else every episode fails
+            make_out_dir(cfg.rollout.out_dir, "rollout.out_dir")  # before the episodes, not after them
+            held.enter_context(output_lock(Path(cfg.rollout.out_dir), "rollout.out_dir"))  # one run at a time
+            console.print(settle_for_command(cfg))
+            r = cfg.rollout
+            total = r.budget if r.budget and r.budget_unit == "leaves" else None
+            with open_policy(cfg) as policy, Progress(
+                    "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=console, disable=not progress) as bar:
+                task = bar.add_task(f"{cfg.env.id} episodes", total=total or r.episodes * r.group_size)
+                t0 = time.perf_counter()
+                try:
+                    trees, interrupted = run_episodes(cfg.env.id, policy, cfg,
+                                                      on_episode_done=lambda _t: bar.advance(task)), None
+                except RunInterrupted as stop:  # what finished is written, and said to be partial
+                    trees, interrupted = stop.trees, {"interrupted": True, "tasks_finished": len(stop.trees),
+                                                      "tasks_planned": r.episodes}
+                wall = time.perf_counter() - t0
+                worker_stats = dict(getattr(policy, "stats", {}))  # rollout workers: deaths, retries
+        except AgentRLError as e:
+            raise _fail(e) from None
+        summary = {"env": cfg.env.id, "model": cfg.policy.model, "backend": cfg.policy.backend,
+                   **({"precision": cfg.policy.precision} if cfg.policy.backend == "hf" else {}),
+                   **(interrupted or {}), "allocator": r.allocator.name, **summarize(trees, wall), **worker_stats,
+                   "branch_points": sum(len(n.children) > 1 for t in trees for n in t.nodes.values()),
+                   "allocation_report": trees[0].meta.get("allocation_report", {}) if trees else {}}
+        path = write_run(cfg.rollout.out_dir, trees, summary)
     table = Table(title=f"rollout summary ({path})")
     table.add_column("metric")
     table.add_column("value", justify="right")

@@ -19,6 +19,7 @@ report), and the exit code is 130.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated
 
@@ -86,52 +87,55 @@ def eval_command(
     from .env import check_env_kwargs, resolve_env_id
     from .policy.for_run import open_policy, settle_for_command
     from .rollout import RunInterrupted, make_out_dir, write_run
+    from .train.output_lock import output_lock
 
     flags = {"policy.model": model, "policy.backend": backend, "rollout.episodes": episodes,
              "sampling.temperature": temperature}  # checked with the config: a bad one names its key
     overrides = [f"{key}={v}" for key, v in flags.items() if v is not None] + list(set_ or [])
-    try:
-        cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too
-        if env is None and config is None:  # the default env.id is a demo, not what was meant
-            raise ConfigError("which env? give --env, or a --config whose env.id names it")
-        env_id = cfg.env.id = resolve_env_id(env or cfg.env.id, cfg.env.imports)
-        check_env_kwargs(env_id, cfg.env.kwargs, imports=cfg.env.imports)  # else every episode fails
-        if temperature is None and (samples or k) == 1:
-            cfg.sampling.temperature = 0.0
-        loading = settle_for_command(cfg)
-        # every split read before the model loads: a bad --k or split fails in seconds
-        plans = [plan_split(env_id, cfg, one, k, samples, limit) for one in split_names(split)]
-        make_out_dir(out, "--out")  # before the episodes, not after them
-        console.print(loading)
-        reports, all_trees, interrupted = [], [], False
-        with open_policy(cfg) as policy:
-            for plan in plans:
-                try:
-                    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                                  TimeElapsedColumn(), console=console, disable=not progress) as bar:
-                        task = bar.add_task(f"{env_id} {plan.split or ''}", total=None)
-                        report, trees = evaluate_split(
-                            env_id, policy, cfg, plan=plan,
-                            on_episode_done=lambda _t, task=task: bar.advance(task),
-                            on_start=lambda total, task=task: bar.update(task, total=total))
-                except RunInterrupted as stop:  # the finished tasks are reported and written
-                    if stop.report is None:  # before the split's episodes began
-                        raise
-                    report, trees, interrupted = stop.report, stop.trees, True
-                reports.append(report)
-                all_trees += trees
-                console.print(format_report(report))
-                if interrupted:
-                    break
-            worker_stats = dict(getattr(policy, "stats", {}))  # rollout workers: deaths, retries
-    except AgentRLError as e:
-        console.print(f"[bold red]error:[/] {e}", highlight=False)
-        raise typer.Exit(code=2) from None
-    summary = {"env": env_id, "model": cfg.policy.model, "backend": cfg.policy.backend,
-               **({"precision": cfg.policy.precision} if cfg.policy.backend == "hf" else {}), **worker_stats,
-               **({"interrupted": True} if interrupted else {}),
-               "reports": [r.to_dict() for r in reports]}
-    path = write_run(out, all_trees, summary)
+    with contextlib.ExitStack() as held:  # the folder's run lock, released once the run is written
+        try:
+            cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too
+            if env is None and config is None:  # the default env.id is a demo, not what was meant
+                raise ConfigError("which env? give --env, or a --config whose env.id names it")
+            env_id = cfg.env.id = resolve_env_id(env or cfg.env.id, cfg.env.imports)
+            check_env_kwargs(env_id, cfg.env.kwargs, imports=cfg.env.imports)  # else every episode fails
+            if temperature is None and (samples or k) == 1:
+                cfg.sampling.temperature = 0.0
+            loading = settle_for_command(cfg)
+            # every split read before the model loads: a bad --k or split fails in seconds
+            plans = [plan_split(env_id, cfg, one, k, samples, limit) for one in split_names(split)]
+            make_out_dir(out, "--out")  # before the episodes, not after them
+            held.enter_context(output_lock(Path(out), "--out"))  # one run at a time in a folder
+            console.print(loading)
+            reports, all_trees, interrupted = [], [], False
+            with open_policy(cfg) as policy:
+                for plan in plans:
+                    try:
+                        with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                                      TimeElapsedColumn(), console=console, disable=not progress) as bar:
+                            task = bar.add_task(f"{env_id} {plan.split or ''}", total=None)
+                            report, trees = evaluate_split(
+                                env_id, policy, cfg, plan=plan,
+                                on_episode_done=lambda _t, task=task: bar.advance(task),
+                                on_start=lambda total, task=task: bar.update(task, total=total))
+                    except RunInterrupted as stop:  # the finished tasks are reported and written
+                        if stop.report is None:  # before the split's episodes began
+                            raise
+                        report, trees, interrupted = stop.report, stop.trees, True
+                    reports.append(report)
+                    all_trees += trees
+                    console.print(format_report(report))
+                    if interrupted:
+                        break
+                worker_stats = dict(getattr(policy, "stats", {}))  # rollout workers: deaths, retries
+        except AgentRLError as e:
+            console.print(f"[bold red]error:[/] {e}", highlight=False)
+            raise typer.Exit(code=2) from None
+        summary = {"env": env_id, "model": cfg.policy.model, "backend": cfg.policy.backend,
+                   **({"precision": cfg.policy.precision} if cfg.policy.backend == "hf" else {}), **worker_stats,
+                   **({"interrupted": True} if interrupted else {}),
+                   "reports": [r.to_dict() for r in reports]}
+        path = write_run(out, all_trees, summary)
     console.print(f"wrote {path / 'summary.json'} and {path / 'trajectories.jsonl'}")
     if interrupted:
         console.print("interrupted: the last report covers only the tasks that had finished", highlight=False)

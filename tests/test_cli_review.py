@@ -3,6 +3,7 @@ flags one command silently overrode."""
 
 from __future__ import annotations
 
+import pytest
 import typer
 from typer.testing import CliRunner
 
@@ -30,3 +31,32 @@ def test_resume_and_overwrite_together_are_an_error_before_anything_loads(tmp_pa
     said = "--resume continues the run in the output folder and --overwrite starts it over"
     assert "".join(said.split()) in "".join(res.output.split())  # rich wraps lines
     assert not out.exists()
+
+
+def _main_app() -> typer.Typer:
+    from agentrl.cli import app as main_app
+    from agentrl.eval_cli import register
+
+    host = typer.Typer()
+    host.registered_commands += main_app.registered_commands
+    register(host)
+    return host
+
+
+@pytest.mark.parametrize(("command", "key"), [
+    (["rollout", "--env", "agentrl/GuessNumber-v0", "--episodes", "2"], "rollout.out_dir"),
+    (["eval", "--env", "agentrl/GuessNumber-v0", "--episodes", "2"], "--out")])
+def test_a_second_run_into_a_folder_in_use_is_an_error_before_its_episodes(tmp_path, command, key):
+    """Two evals of two checkpoints left at the default --out (runs/eval) both ran; both wrote
+    trajectories through the same .trajectories.jsonl.tmp, and the last summary.json won."""
+    from agentrl.train.output_lock import output_lock
+
+    out = tmp_path / "ev"
+    with output_lock(out, "another"):  # a run already writing there
+        res = runner.invoke(_main_app(), [*command, "--backend", "mock", "--no-progress", "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    assert f"{key}={out}isinusebyanotherrun" in "".join(res.output.split())
+    assert "loading model" not in res.output and not (out / "summary.json").exists()
+    res = runner.invoke(_main_app(), [*command, "--backend", "mock", "--no-progress", "--out", str(out)])
+    assert res.exit_code == 0, res.output  # the lock is released with the run that held it
+    assert (out / "summary.json").exists()
