@@ -43,6 +43,7 @@ from ..types import Node, RolloutTree
 __all__ = ["CreditSpec", "branch_reasons", "credit_spec", "episode_values", "teacher_note", "tree_payload",
            "untrained_episodes"]
 
+_ACTION_HEAD = 80  # characters of each action an episode's summary keeps
 _SHOWN_INFO_SKIP = ("tool_calls", "tool_messages", "parse_errors", "truncation_reason", "branch")
 
 
@@ -309,7 +310,9 @@ def tree_payload(tree: RolloutTree, spec: CreditSpec | None = None,
             "reward": sum(x.reward for x in path), "success": leaf.success and not error, "error": error,
             "truncated": leaf.truncated, "reason": error or leaf.info.get("truncation_reason")
             or ("finish_reason=length" if leaf.truncated and leaf.finish_reason == "length" else None),
-            "actions": [x.action_text for x in path if not x.partial],
+            # the compare view's one-line summary (28 characters an action); the whole texts are on
+            # the nodes, once: an episode's copy of each made a trunk's text count once per episode
+            "actions": [x.action_text[:_ACTION_HEAD] for x in path if not x.partial],
             "trained": (leaf.id not in untrained) if saved else None,  # None: not known (not saved)
             "untrained_reason": untrained.get(leaf.id),
         })

@@ -308,3 +308,28 @@ def test_a_token_that_holds_part_of_a_character_shows_its_bytes_not_a_replacemen
 
     decode = _decoder(_ByteLevelTokenizer())
     assert decode([1, 2, 3, 4]) == {1: " \\xf0\\x9f\\x98", 2: "\\x80", 3: "中", 4: "\\xe4"}
+
+
+def test_a_trees_payload_holds_each_action_once_not_once_per_episode_through_it():
+    """Every episode carried the full text of every action on its path, for the compare
+    view's one-line summary (28 characters each): a tree of 32 episodes that share a
+    10-turn trunk of long (reasoning) actions sent each trunk action 33 times, 8x the text
+    the tree holds."""
+    from agentrl.types import Node, RolloutTree
+    from agentrl.viewer import tree_payload
+    from agentrl.viewer.page import to_json
+
+    text = "think " * 1_700  # ~10 kB, a reasoning model's turn
+    t = RolloutTree(meta={"seed": 0})
+    parent = None
+    for _ in range(10):
+        parent = t.add(Node(context_ids=[1], action_ids=[2], logprobs=[-0.1], entropies=[0.1],
+                            action_text=text, observation="o"), parent).id
+    for _ in range(32):
+        t.add(Node(context_ids=[1], action_ids=[2], logprobs=[-0.1], entropies=[0.1], action_text=text,
+                   observation="o", terminated=True), parent)
+    held = 42 * len(text)
+    payload = tree_payload(t)
+    assert len(to_json(payload)) < 1.5 * held
+    first = payload["episodes"][0]["actions"]
+    assert len(first) == 11 and all(text.startswith(a) and 28 <= len(a) < 200 for a in first)
