@@ -10,7 +10,8 @@ A hung or crashed child fails only its episode. The child leads its own
 process group, so whatever it started goes with it: ``kill`` sends SIGKILL to
 the group at once and reaps the child (the engine does this to an env whose
 episode timed out: it is known to be hung), and ``close`` asks the child to
-close its env and kills the group if it does not answer. A child whose parent is
+close its env and kills the group if it does not answer; a child that answered
+ends its group itself (what its env started and did not stop). A child whose parent is
 gone without closing it (killed hard: SIGKILL, the OOM killer) ends its group
 itself within ``_WATCH_S``, hung in a step or not. Snapshots and ``info``
 travel by pickle, so they must be picklable (the built-in envs' are).
@@ -71,23 +72,30 @@ def _watch_parent(parent: int) -> None:
 
 def _serve(conn: Connection, entry: Any, kwargs: dict[str, Any]) -> None:
     """The child: build the env, then answer calls until ``close`` or a closed pipe (the parent
-    gone: the group ends, with what the env started)."""
+    gone). Either way the group ends with it, with what the env started and did not stop."""
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # a group of its own: ``kill`` reaches the processes the env starts
     # the parent that started it (with ``forkserver``, the server, which ends with the parent)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="agentrl-env-watch").start()
     try:
-        env = _load(entry)(**kwargs)
-        conn.send((True, None))
-    except BaseException as e:  # report, then exit: the parent raises it
-        conn.send((False, e))
-        return
+        try:
+            env = _load(entry)(**kwargs)
+            conn.send((True, None))
+        except BaseException as e:  # report, then exit: the parent raises it
+            conn.send((False, e))
+            return
+        _answer_calls(conn, env)
+    finally:
+        _end_group()
+
+
+def _answer_calls(conn: Connection, env: Any) -> None:
+    """Answer the parent's calls on ``env`` until ``close`` or a closed pipe."""
     while True:
         try:
             method, args, kw = conn.recv()
         except (EOFError, OSError):  # the parent closed the pipe without ``close``: it is gone
-            _end_group()
-            break
+            return
         try:
             answer = (True, getattr(env, method)(*args, **kw))
         except BaseException as e:
@@ -101,7 +109,7 @@ def _serve(conn: Connection, entry: Any, kwargs: dict[str, Any]) -> None:
                 f"{type(err).__name__}: {err}); return plain data, or run it on rollout.env_executor thread")
                 if ok else RuntimeError(f"{type(value).__name__}: {value}")))
         if method == "close":
-            break
+            return
 
 
 class ProcessEnv:

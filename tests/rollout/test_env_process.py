@@ -8,6 +8,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+from agentrl.env import TextEnv, register_env
+from agentrl.rollout.env_process import ProcessEnv
 
 # The "trainer": hosts a process env whose step starts a child and hangs, then waits to be killed.
 _TRAINER = """
@@ -60,3 +64,39 @@ def test_a_process_env_and_its_children_die_with_a_killed_parent(tmp_path):
         for pid in pids:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)  # the test's own leftovers when it fails
+
+
+class LeavesAChild(TextEnv):
+    """Starts a helper process at reset (a game server, a browser) that its ``close`` forgets."""
+
+    def __init__(self, pid_file: str = ""):
+        super().__init__()
+        self.pid_file = pid_file
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.helper = subprocess.Popen(["sleep", "600"])
+        Path(self.pid_file).write_text(str(self.helper.pid))
+        return "Say anything.", {}
+
+    def step(self, action: str):
+        return "Done.", 1.0, True, False, {}
+
+
+register_env("agentrl/TestLeavesAChild-v0", entry_point=LeavesAChild)
+
+
+def test_closing_a_process_env_ends_what_its_env_started(tmp_path):
+    """The env's process group goes with a ``close`` that the env answered, as with one it did not."""
+    pid_file = tmp_path / "helper.pid"
+    env = ProcessEnv("agentrl/TestLeavesAChild-v0", pid_file=str(pid_file))
+    try:
+        env.reset(seed=0)
+        helper = int(pid_file.read_text())
+        assert _running(helper)
+        env.close()
+        assert _gone_within([helper], 5)
+    finally:
+        env.kill()
+        if pid_file.exists() and _running(pid := int(pid_file.read_text())):
+            os.kill(pid, signal.SIGKILL)
