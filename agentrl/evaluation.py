@@ -23,7 +23,8 @@ first N; any other env on ``rollout.episodes`` seeds from ``rollout.seed``.
 ``split`` is passed as the env's ``split`` keyword. ``k`` and ``samples``
 (default k) episodes a task give pass@k by the unbiased estimator of Chen et
 al. 2021 (Codex), ``1 - C(n-c, k) / C(n, k)`` with ``c`` successes of ``n``
-samples, next to pass@1 (``c / n``). Turns per episode default to the env's
+samples, next to pass@1 (``c / n``); several samples a task need a temperature above
+0 (greedy ones would play one episode over). Turns per episode default to the env's
 own ``max_steps`` (50 for ALFWorld, 15 for WebShop), so the env's limit is
 the one that ends an episode.
 
@@ -270,6 +271,9 @@ def plan_split(env_id: str, cfg: C, split: str | None = None, k: int = 1, sample
     samples = k if samples is None else samples  # 0 is a bad value, not "default"
     if k < 1 or samples < k:
         raise ConfigError(f"--k must be >= 1 and --samples >= --k (got k={k}, samples={samples})")
+    if samples > 1 and cfg.sampling.temperature == 0:  # pass@k would be pass@1, n times the cost
+        raise ConfigError(f"--samples {samples} episodes a task at temperature 0 (greedy) play the same "
+                          "episode over: give --temperature above 0 (or sampling.temperature), or --k 1")
     kwargs = dict(cfg.env.kwargs) | ({"split": split} if split is not None else {})
     ev = eval_config(cfg, samples, env_kwargs=kwargs)
     env = _probe(env_id, kwargs)

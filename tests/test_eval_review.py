@@ -93,3 +93,15 @@ def test_eval_plays_the_env_its_config_names_when_no_env_is_given(tmp_path):
     assert '"env": "agentrl/TestEmptySplit-v0"' in (out / "summary.json").read_text()
     res = runner.invoke(app, ["eval", "--out", str(out), "--no-progress", "--backend", "mock"])
     assert res.exit_code == 2 and "give --env, or a --config whose env.id names it" in res.output, res.output
+
+
+@pytest.mark.parametrize("flags", [["--k", "2", "--temperature", "0"],
+                                   ["--k", "1", "--samples", "4", "--set", "sampling.temperature=0"]])
+def test_several_samples_a_task_at_temperature_0_is_an_error(tmp_path, flags):
+    """Greedy decoding plays one task's episode n times over: pass@k was pass@1 under another
+    name, and the run took n times as long."""
+    out = tmp_path / "ev"
+    res = runner.invoke(app, ["eval", "--env", "TestEmptySplit", *flags, *MOCK, "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    assert "attemperature0(greedy)" in "".join(res.output.split()), res.output
+    assert "loading model" not in res.output
