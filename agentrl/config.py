@@ -529,18 +529,40 @@ def _load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
+_NULLS = ("null", "Null", "NULL", "~")
+
+
+def _override_value(raw: str) -> Any:
+    """An override's value, read as YAML (``1``, ``true``, ``null``, ``[a]``, ``{k: v}``, ``'quoted'``);
+    plain text that YAML would read as something else stays as written: ``Reply: with the action``
+    (a mapping), ``Call tool #1 first`` (cut at the comment) and ``- step`` (a list), which a
+    system prompt or a path holds. Raises ``_DuplicateKey``."""
+    if not raw:
+        return ""
+    try:
+        value = _load_yaml(raw)
+    except _DuplicateKey:
+        raise
+    except yaml.YAMLError:
+        return raw
+    if raw.lstrip()[:1] in ("[", "{", "'", '"'):  # a flow collection or a quoted string: as YAML says
+        return value
+    if isinstance(value, dict | list) or (value is None and raw.strip() not in _NULLS) or (
+            isinstance(value, str) and value != raw.strip()):
+        return raw
+    return value
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``key.path=value`` strings; values are parsed as YAML (``1``, ``true``, ``[a]``)."""
+    """Apply ``key.path=value`` strings; values are read as YAML (``_override_value``)."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.path=value")
         key, raw = item.split("=", 1)
         try:
-            value = _load_yaml(raw) if raw else ""
+            value = _override_value(raw)
         except _DuplicateKey as e:  # not text to take as it is: the YAML says two things
             raise ConfigError(f"override {item!r}: {e.problem}") from None
-        except yaml.YAMLError:
-            value = raw
         _set_path(data, key.strip(), value)
     return data
 

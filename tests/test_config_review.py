@@ -86,3 +86,27 @@ def test_a_path_under_home_in_a_config_means_the_home_folder(tmp_path, monkeypat
     monkeypatch.setenv("HOME", str(tmp_path))
     path = override.split("=", 1)[1]
     assert read(_load(override)) == str(tmp_path / path.removeprefix("~/"))
+
+
+@pytest.mark.parametrize(("override", "want"), [
+    ("rollout.system_prompt=Reply: with the action", "Reply: with the action"),  # was a mapping, refused
+    ("rollout.system_prompt=Call tool #1 first", "Call tool #1 first"),          # was cut to 'Call tool'
+    ("rollout.system_prompt=#1 rule: act", "#1 rule: act"),                      # was null: the template's default
+    ("rollout.out_dir=runs/try #2", "runs/try #2"),
+    ("rollout.system_prompt=- one step at a time", "- one step at a time"),       # was a list
+])
+def test_override_text_that_yaml_would_read_otherwise_stays_as_written(override, want):
+    """``--set key=value`` reads the value as YAML, so a system prompt with ': ' became a mapping
+    and ' #' started a comment that cut the text, silently."""
+    key = override.split("=", 1)[0]
+    cfg = load_config(overrides=[override])
+    assert cfg.model_dump()[key.split(".")[0]][key.split(".")[1]] == want
+
+
+def test_overrides_still_read_yaml_values():
+    cfg = load_config(overrides=["env.kwargs={high: 8}", "sampling.stop=[x, 'y z']", "rollout.system_prompt=null",
+                                 "rollout.episodes=3", "sampling.temperature=0.5", "rollout.deterministic=true",
+                                 "policy.model='quoted: text'"])
+    assert cfg.env.kwargs == {"high": 8} and cfg.sampling.stop == ["x", "y z"]
+    assert cfg.rollout.system_prompt is None and cfg.rollout.episodes == 3 and cfg.sampling.temperature == 0.5
+    assert cfg.rollout.deterministic is True and cfg.policy.model == "quoted: text"
