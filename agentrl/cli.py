@@ -155,7 +155,7 @@ def tree(
         "or a trees JSONL file.")],
     index: Annotated[int, typer.Option(help="Which tree (task) of the run, or of the step with --step.")] = 0,
     step: Annotated[int | None, typer.Option(help="Only the trees of this training step.")] = None,
-    width: Annotated[int, typer.Option(help="Characters of each action shown.")] = 60,
+    width: Annotated[int, typer.Option(min=1, help="Characters of each action shown.")] = 60,
     text: Annotated[bool, typer.Option(
         "--text", help="Also show the task's instruction and each turn's observation.")] = False,
 ) -> None:

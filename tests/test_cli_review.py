@@ -60,3 +60,15 @@ def test_a_second_run_into_a_folder_in_use_is_an_error_before_its_episodes(tmp_p
     res = runner.invoke(_main_app(), [*command, "--backend", "mock", "--no-progress", "--out", str(out)])
     assert res.exit_code == 0, res.output  # the lock is released with the run that held it
     assert (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("width", ["0", "-5"])
+def test_tree_refuses_a_width_that_shows_nothing(tmp_path, width):
+    """--width 0 showed each action whole but its last character, then '…' (text[:-1]); a
+    negative one cut from the end."""
+    out = tmp_path / "run"
+    res = runner.invoke(_main_app(), ["rollout", "--env", "agentrl/GuessNumber-v0", "--episodes", "1",
+                                      "--backend", "mock", "--no-progress", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(_main_app(), ["tree", str(out), "--width", width])
+    assert res.exit_code == 2 and "Invalid value for '--width'" in res.output, res.output
