@@ -28,6 +28,7 @@ import contextlib
 import os
 import socket
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from ..config import DistributedConfig
 from ..errors import AgentRLError, ConfigError
 
 __all__ = ["LOCAL_SYSTEM_CONFIG", "cancel_call", "capacity", "check_placeable", "cluster_address", "connect", "ray_error",
-           "ray_module", "recorded_cluster_file"]
+           "ray_module", "recorded_cluster_file", "wait_for_room"]
 
 LOCAL = "local"  # Ray's own word for "start a new local instance", whatever else runs here
 # Ray starts its workers at nice 15, so that a driver stays responsive. Here the workers do the
@@ -45,6 +46,7 @@ LOCAL = "local"  # Ray's own word for "start a new local instance", whatever els
 # beside two busy loops, against 5 s at nice 0. The private instance runs them at nice 0.
 LOCAL_SYSTEM_CONFIG: dict[str, Any] = {"worker_niceness": 0}
 _REACH_TIMEOUT_S = 5.0
+ROOM_WAIT_S = 30.0  # how long new workers wait for free resources (wait_for_room) before the error
 
 
 def ray_module() -> Any:
@@ -192,6 +194,27 @@ def check_placeable(ray: Any, need: dict[str, float], what: str = "env workers",
     raise ConfigError(f"the Ray cluster can host {can} of the {count} {what} needing {need} each ({keys}), "
                       f"never all: the others would wait for good. Its nodes have "
                       f"{_totals(nodes, need)} in all")
+
+
+def wait_for_room(ray: Any, need: dict[str, float], what: str, count: int, keys: str) -> None:
+    """Return once the cluster's free resources could hold ``count`` more actors needing ``need``
+    each; else, after ``ROOM_WAIT_S`` (what killed actors held comes back a moment after the
+    kill), a ``ConfigError``: the other actors that hold the rest (this run's rollout or env
+    workers, another job's) would keep the new ones pending without a word, their episodes
+    waiting out ``rollout.episode_timeout_s``. The sum over nodes: a necessary condition."""
+    want = {k: v * count for k, v in need.items() if v > 0}
+    deadline = time.monotonic() + ROOM_WAIT_S
+    while True:
+        free = ray.available_resources()
+        if all(free.get(k, 0.0) + 1e-6 >= v for k, v in want.items()):
+            return
+        if time.monotonic() >= deadline:
+            nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+            raise ConfigError(f"the Ray cluster has {({k: free.get(k, 0.0) for k in want})} free of "
+                              f"{_totals(nodes, need)}, and {count} {what} need {want} ({keys}): other "
+                              "actors hold the rest (this run's rollout or env workers, or another job's), "
+                              "and Ray would keep the new ones waiting for them without a word")
+        time.sleep(0.2)
 
 
 def _totals(nodes: list[dict[str, float]], need: dict[str, float]) -> dict[str, float]:

@@ -14,8 +14,12 @@ when its env names a sandbox backend tied to the node, one unit of the custom
 resource ``sandbox_<backend>`` (``env_resources``). A node that can run
 docker containers advertises it when it joins the cluster, e.g.
 ``ray start --resources='{"sandbox_docker": 64}'``; an env that needs docker
-is then never placed on a node without it (Ray keeps the actor pending
-instead). ``sandbox: local``, ``remote`` and ``auto`` ask for nothing more.
+is then never placed on a node without it. ``sandbox: local``, ``remote`` and
+``auto`` ask for nothing more. Workers Ray could only keep pending are refused
+with a ``ConfigError`` naming the keys, where Ray would say nothing: more than
+the cluster's nodes can ever hold (``check_placeable``), or more than its free
+resources hold after a short wait (``wait_for_room``: other actors, this run's
+rollout workers say, hold the rest).
 
 Failures, in the engine's two columns:
 
@@ -70,7 +74,7 @@ from typing import Any
 from ..config import Config, DistributedConfig
 from ..env import import_env_modules, make_env, resolve_env_id
 from ..errors import EnvError
-from .cluster import cancel_call, check_placeable, connect, ray_error
+from .cluster import cancel_call, check_placeable, connect, ray_error, wait_for_room
 
 __all__ = ["NODE_SANDBOX_BACKENDS", "EnvWorker", "EnvWorkerPool", "RayEnv", "env_resources",
            "env_worker_options", "env_worker_pool", "release_env_worker_pool", "retire_env_worker_pool",
@@ -306,8 +310,10 @@ class EnvWorkerPool:
         ray = connect(dist)
         self.env_id = resolve_env_id(env_id, imports)
         self.options = env_worker_options(self.env_id, kwargs, dist, imports)
-        check_placeable(ray, {"CPU": float(self.options["num_cpus"]), **self.options["resources"]},
-                        count=dist.num_env_workers)
+        need = {"CPU": float(self.options["num_cpus"]), **self.options["resources"]}
+        check_placeable(ray, need, count=dist.num_env_workers)
+        wait_for_room(ray, need, "env workers", dist.num_env_workers,
+                      "distributed.num_env_workers, env_worker_cpus")
         actor = ray.remote(EnvWorker).options(**self.options)
         self.workers = [actor.remote(self.env_id, dict(kwargs), list(imports))
                         for _ in range(dist.num_env_workers)]

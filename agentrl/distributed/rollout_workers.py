@@ -64,7 +64,7 @@ from typing import Any
 from ..config import Config, DistributedConfig, PolicyConfig
 from ..errors import PolicyError
 from ..policy.base import GenerateRequest, GenerateResult, SamplingParams
-from .cluster import cancel_call, check_placeable, connect, ray_error
+from .cluster import cancel_call, check_placeable, connect, ray_error, wait_for_room
 from .ray_sampler import RaySampler
 from .weights import merged_weights, wire_weights
 
@@ -211,8 +211,9 @@ class RayPolicy:
         need = {"CPU": float(dist.rollout_worker_cpus)}
         if dist.rollout_worker_gpus:
             need["GPU"] = float(dist.rollout_worker_gpus)
-        check_placeable(ray, need, "rollout workers", dist.num_rollout_workers,
-                        "distributed.num_rollout_workers, rollout_worker_cpus, rollout_worker_gpus")
+        keys = "distributed.num_rollout_workers, rollout_worker_cpus, rollout_worker_gpus"
+        check_placeable(ray, need, "rollout workers", dist.num_rollout_workers, keys)
+        wait_for_room(ray, need, "rollout workers", dist.num_rollout_workers, keys)
         actor = ray.remote(RolloutWorker).options(num_cpus=dist.rollout_worker_cpus,
                                                   num_gpus=dist.rollout_worker_gpus,
                                                   max_restarts=dist.max_restarts, max_task_retries=0)

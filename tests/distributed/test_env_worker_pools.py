@@ -99,8 +99,8 @@ def test_a_retired_pool_goes_first_and_the_evaluation_s_is_the_one_kept(pools):
     assert env_workers._POOLS.get(ev.key) is ev and stage not in env_workers._POOLS.values()
     assert _alive(ray, ev) and _alive(ray, nxt) and not _alive(ray, stage, timeout=10)
     assert env_workers.retire_env_worker_pool(_cfg(5, 1.0))  # in use: it stays
-    later = env_worker_pool(_cfg(6, 0.25))  # ... whatever is made meanwhile
-    assert _alive(ray, nxt) and nxt in env_workers._POOLS.values()
+    later = env_worker_pool(_cfg(6, 1.0))  # ... whatever is made meanwhile (in the CPU of ev, idle)
+    assert _alive(ray, nxt) and nxt in env_workers._POOLS.values() and _alive(ray, later)
     release_env_worker_pool(nxt)
     release_env_worker_pool(later)
     again = env_worker_pool(_cfg(5, 1.0))  # taken again before it went: wanted after all

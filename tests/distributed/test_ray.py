@@ -250,6 +250,38 @@ def test_more_workers_than_the_cluster_can_ever_hold_are_refused_at_once(cluster
         EnvWorkerPool("agentrl/GuessNumber-v0", {}, cfg.distributed)
 
 
+class _Hog:
+    def ping(self) -> bool:
+        return True
+
+
+def test_workers_the_busy_cluster_has_no_room_for_fail_naming_the_keys(cluster, tokenizer, monkeypatch):
+    """Other actors hold the CPUs (the default 2 env workers of 1 CPU beside as many rollout
+    workers as a machine has cores, say): new workers would be left pending for good, their
+    episodes waiting out rollout.episode_timeout_s. After a short wait for room: a ConfigError."""
+    from agentrl.distributed import cluster as cluster_mod
+    from agentrl.distributed.env_workers import EnvWorkerPool
+    from agentrl.errors import ConfigError
+
+    monkeypatch.setattr(cluster_mod, "ROOM_WAIT_S", 1.0)
+    hogs = []
+    try:
+        while (free := ray.available_resources().get("CPU", 0.0)) >= 0.25:  # fill the cluster's CPUs
+            hogs.append(ray.remote(num_cpus=free)(_Hog).remote())
+            ray.get(hogs[-1].ping.remote())
+        cfg = load_config(overrides=["distributed.ray=auto", "distributed.num_env_workers=1",
+                                     "distributed.env_worker_cpus=0.25"])
+        with pytest.raises(ConfigError, match=r"1 env workers need \{'CPU': 0\.25\} \(distributed\.num_env_workers"):
+            EnvWorkerPool("agentrl/GuessNumber-v0", {}, cfg.distributed)
+        cfg = load_config(overrides=["policy.backend=hf", "policy.model=tiny-random", "distributed.ray=auto",
+                                     "distributed.num_rollout_workers=1", "distributed.rollout_worker_cpus=0.25"])
+        with pytest.raises(ConfigError, match=r"1 rollout workers need .*other actors hold the rest"):
+            RayPolicy(cfg.policy, cfg.distributed, tokenizer)
+    finally:
+        for hog in hogs:
+            ray.kill(hog)
+
+
 def test_trainer_runs_on_env_and_rollout_workers(cluster, tmp_path):
     """Two GRPO steps with both kinds of workers, set by config only. The weights reach the
     rollout workers: step 2's tokens, sampled there after the sync, score the same under the
