@@ -245,10 +245,25 @@ def _mean(xs: Iterable[float | None]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+PerLeaf = dict[int, dict[int, list[float | None]]]  # {leaf: {node: per-token values}}
+
+
+def _by_node(per_leaf: PerLeaf) -> PerLeaf:
+    """``{leaf: {node: values}}`` turned into ``{node: {leaf: values}}``, in one pass: a
+    node then reads its own episodes, not every episode of the tree (3,000 leaves of
+    15,000 nodes took 9 s the other way)."""
+    out: PerLeaf = {}
+    for leaf, nodes in per_leaf.items():
+        for nid, vals in nodes.items():
+            out.setdefault(nid, {})[leaf] = vals
+    return out
+
+
 def _node(tree: RolloutTree, n: Node, depth: int, reasons: dict[str, str],
-          adv: dict[int, dict[int, list[float | None]]]) -> dict[str, Any]:
+          adv: dict[int, list[float | None]]) -> dict[str, Any]:
+    """One node as the page draws it; ``adv``: its per-token advantages, by leaf."""
     info = n.info or {}
-    per_leaf = {leaf: _mean(vals[n.id]) for leaf, vals in adv.items() if n.id in vals and vals[n.id]}
+    per_leaf = {leaf: _mean(vals) for leaf, vals in adv.items() if vals}
     per_leaf = {k: v for k, v in per_leaf.items() if v is not None}
     tools = [{"name": c.get("name", ""), "arguments": c.get("arguments", {})}
              for c in info.get("tool_calls") or [] if isinstance(c, dict)]
@@ -285,13 +300,13 @@ def tree_payload(tree: RolloutTree, spec: CreditSpec | None = None,
     values, credit_note = episode_values(tree, spec)
     reasons = branch_reasons(tree, allocator_options, report or tree.meta.get("allocation_report"))
     depth = _turn_index(tree)
-    nodes = [_node(tree, n, depth.get(n.id, 0), reasons, values["advantages"])
+    by_node = {name: _by_node(values[name]) for name in ("advantages", "teacher", "student")}
+    nodes = [_node(tree, n, depth.get(n.id, 0), reasons, by_node["advantages"].get(n.id, {}))
              for n in sorted(tree.nodes.values(), key=lambda n: n.id)]
     tokens: dict[str, Any] = {}
     used: set[int] = set()
     for n in tree.nodes.values():
-        per = {name: {str(leaf): vals[n.id] for leaf, vals in values[name].items() if n.id in vals}
-               for name in ("advantages", "teacher", "student")}
+        per = {name: {str(leaf): vals for leaf, vals in got.get(n.id, {}).items()} for name, got in by_node.items()}
         tokens[str(n.id)] = {
             "context": n.context_ids, "action": n.action_ids,
             "logprobs": [_finite(x) for x in n.logprobs], "entropies": [_finite(x) for x in n.entropies],
