@@ -72,3 +72,12 @@ def test_tree_refuses_a_width_that_shows_nothing(tmp_path, width):
     assert res.exit_code == 0, res.output
     res = runner.invoke(_main_app(), ["tree", str(out), "--width", width])
     assert res.exit_code == 2 and "Invalid value for '--width'" in res.output, res.output
+
+
+def test_sft_refuses_rl_steps_it_would_run_and_then_leave_out_of_its_report(tmp_path):
+    """``agentrl sft --set train.steps=3`` ran 3 RL steps after SFT (the user's --set came after
+    the command's own train.steps=0), then dropped the 'after RL' row from its report."""
+    res = runner.invoke(app, ["sft", "--episodes", "2", "--set", "train.steps=3", "--out", str(tmp_path / "run"),
+                              "--set", f"policy.model={tmp_path / 'no-model'}", "--no-progress"])
+    assert res.exit_code == 2, res.output
+    assert "agentrlsftrunsnoRLsteps(train.steps=3wasset)" in "".join(res.output.split()), res.output

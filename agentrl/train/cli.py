@@ -246,6 +246,9 @@ def sft(
     t0, cfg = time.perf_counter(), None
     try:
         cfg = _load(config, set_, extra)
+        if cfg.train.steps:  # a --set after the train.steps=0 above: RL the report would leave out
+            raise ConfigError(f"agentrl sft runs no RL steps (train.steps={cfg.train.steps} was set): "
+                              "run agentrl train for SFT then RL")
         if not cfg.sft.enabled:
             raise typer.BadParameter("set sft.episodes (or --episodes) above 0, or sft.levels")
         summary = run_train(cfg, overwrite=overwrite, progress=progress, console=console)
