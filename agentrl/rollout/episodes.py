@@ -60,6 +60,21 @@ COUNTERS = ("generated_tokens", "prefilled_tokens", "reused_tokens", "shared_tok
 Prefix = tuple[list[int], list[float], list[float]]  # a forked turn's first action tokens, logprobs, entropies
 
 
+# An env answer longer than this is tokenized on a thread (the tokenizer lets go of the GIL):
+# on the event loop, a megabyte stalled every episode for about a second; a short one costs
+# less than the thread hop.
+_OFF_LOOP_CHARS = 20_000
+
+
+async def _off_loop_if_long(obs: str, info: dict[str, Any], fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, which tokenizes the env answer ``(obs, info)``: on a thread when it is long."""
+    size = len(obs) + sum(len(str(m.get("content") or "")) for m in info.get("tool_messages") or ())
+    size += len(str(info.get("tools_prompt") or ""))
+    if size <= _OFF_LOOP_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
 def _counters(tree: RolloutTree) -> dict[str, int]:
     return tree.meta.setdefault("counters", dict.fromkeys(COUNTERS, 0))
 
@@ -145,7 +160,7 @@ class EpisodePlayer:
         if info.get("privileged") is not None:  # for a distillation teacher; never in a prompt
             tree.meta.setdefault("privileged", str(info["privileged"]))
         try:
-            ctx = self._opening(obs, info)
+            ctx = await _off_loop_if_long(obs, info, self._opening, obs, info)
         except RolloutError:
             self.envs.release(env, healthy=True)
             raise
@@ -197,7 +212,7 @@ class EpisodePlayer:
         if problem := answer_problem("reset", answer):
             raise RolloutError(problem)
         obs, info = answer
-        ctx = self._opening(obs, info)
+        ctx = await _off_loop_if_long(obs, info, self._opening, obs, info)
         pending, turns, admissible = list(ctx.ids), 0, self._admissible(info)
         path = tree.path(upto) if upto is not None else []
         for node in path:
@@ -214,7 +229,8 @@ class EpisodePlayer:
             if step[0] != node.observation:
                 raise RolloutError(f"replay diverged at node {node.id}: the env is not deterministic "
                                    "and cannot snapshot, so it cannot be branched")
-            pending = step_node(again, step, ctx, self.cfg, turns, self.cfg.rollout.max_turns)
+            pending = await _off_loop_if_long(step[0], step[4], step_node, again, step, ctx, self.cfg, turns,
+                                              self.cfg.rollout.max_turns)
             if pending is None:  # the stored episode went on from here
                 raise RolloutError(f"replay diverged at node {node.id}: the episode ended "
                                    f"({again.info.get('truncation_reason', 'done')}), so it cannot be branched")
@@ -340,9 +356,14 @@ class EpisodePlayer:
         if info.get("error"):  # the env failed the episode itself and said why
             node.error = str(info["error"])
         cut = not (terminated or truncated) and path.turns >= r.max_turns
-        pending = step_node(node, step, path.ctx, self.cfg, path.turns, r.max_turns)
-        if cut and r.record_next_context:
-            record_next_context(node, path.ctx, observation_messages(obs, info, self.cfg), r.max_context_tokens)
+
+        def write() -> list[int] | None:
+            pending = step_node(node, step, path.ctx, self.cfg, path.turns, r.max_turns)
+            if cut and r.record_next_context:
+                record_next_context(node, path.ctx, observation_messages(obs, info, self.cfg), r.max_context_tokens)
+            return pending
+
+        pending = await _off_loop_if_long(obs, info, write)
         if pending is not None:
             path.pending = pending
             if len(path.ctx) >= r.max_context_tokens:  # full: no action fits
