@@ -67,17 +67,6 @@ def fold_credit_options(data: Any) -> Any:
     """``data`` (a ``train`` mapping) with the old ``credit: NAME`` beside ``credit_options:
     {...}`` as ``credit: {name: NAME, ...}``, with a ``FutureWarning``, for one release."""
     return folded_options(data, "train", "credit", "grpo")
-    data = dict(data)
-    options, name = data.pop("credit_options") or {}, data.get("credit", "grpo")
-    if not isinstance(name, str):
-        raise ValueError("train.credit_options is the old place of the options in "
-                         "train.credit: give only train.credit")
-    if not isinstance(options, dict):
-        raise ValueError("train.credit_options: must be a mapping")
-    warnings.warn("train.credit_options is deprecated and will be removed in the next release: "
-                  f"use train.credit: {{name: {name}, <option>: <value>}}", FutureWarning, stacklevel=2)
-    data["credit"] = {"name": name, **options}
-    return data
 
 
 class LoraConfig(_Strict):
