@@ -79,6 +79,7 @@ def run_index(run: Run, tokenizer_note: str = "") -> dict[str, Any]:
         "credit": spec.method if train else None,
         "distillation teacher": distill.get("teacher") if distill else None,
         "tokens": tokenizer_note or None,
+        "config": "; ".join(run.config_problems) or None,  # a config beside the trees that did not parse
     }
     return {
         "title": run.title(),

@@ -260,6 +260,7 @@ class Run:
         self.summaries: list[TreeSummary] = []
         self.skipped: list[str] = []  # the first lines that are not trees (a torn last line), by file:line
         self.skipped_count = 0  # all of them: a file of another format skips every line
+        self.config_problems: list[str] = []  # config files beside the trees that did not parse
         self._reports: dict[Path, dict[str, Any] | None] = {}
         for f in self.files:
             self._index(f)
@@ -360,14 +361,11 @@ class Run:
         for name in ("config.json", "config.yaml", "config.yml"):
             p = self.root / name
             if p.is_file():
-                if p.suffix == ".json":
-                    got = _read_json(p)
-                else:
-                    import yaml
-
-                    got = yaml.safe_load(p.read_text())
+                got = _read_config(p)
                 if isinstance(got, dict):
                     return got
+                # a hand-edited file with an error in it: named (config_problems), not fatal
+                self.config_problems.append(f"{name} not read ({got})")
         got = self.checkpoint_state.get("config")
         if isinstance(got, dict):
             return got
@@ -402,6 +400,21 @@ class Run:
         if "checkpoints" in parts[1:]:  # a run's exported checkpoint: name the run
             model = Path(parts[parts.index("checkpoints") - 1], *parts[parts.index("checkpoints"):])
         return " / ".join(x for x in (self.path.name, env, str(model) if parts else "") if x)
+
+
+def _read_config(path: Path) -> dict[str, Any] | str:
+    """A config file's mapping, or why there is none (a syntax error, not a mapping)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".json":
+            got = json.loads(text)
+        else:
+            import yaml
+
+            got = yaml.safe_load(text)
+    except Exception as e:  # unreadable, a JSON or YAML syntax error (yaml.YAMLError), nested too deep
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return got if isinstance(got, dict) else f"a {type(got).__name__}, not a mapping"
 
 
 def _read_json(path: Path) -> Any:

@@ -382,3 +382,18 @@ def test_a_trees_payload_reads_each_episodes_values_once_not_once_per_node(monke
     assert len(payload["episodes"]) == 200 and all(n["advantage"] is not None for n in payload["nodes"])
     on_paths = sum(len(tree.path(leaf.id)) for leaf in tree.leaves())  # 200 x 9
     assert lookups[0] <= 4 * on_paths, f"{lookups[0]} lookups for {on_paths} (node, episode) pairs"
+
+
+def test_a_config_beside_the_trees_that_does_not_parse_is_named_not_fatal(tmp_path):
+    """A hand-edited config.yaml with a YAML error raised out of Run.config: the index
+    (the page's first request) was a 500, and --static and agentrl report raised, for a
+    file the viewer reads only to name the run and its credit method."""
+    from agentrl.viewer import run_index
+
+    write_trees(tmp_path / "trajectories.jsonl", [fork_tree()])
+    (tmp_path / "config.yaml").write_text("train:\n  credit: [grpo\n")
+    run = Run(tmp_path)
+    assert run.config == {}
+    index = run_index(run)
+    assert index["totals"]["trees"] == 1
+    assert "config.yaml" in index["about"]["config"] and "not read" in index["about"]["config"]
