@@ -29,7 +29,7 @@ def view(
     tokenizer: Annotated[str | None, typer.Option(
         help="Tokenizer (model name or folder) for token texts; default: the run's policy.model.")] = None,
     tokens: Annotated[bool, typer.Option(help="Decode token ids to text (loads a tokenizer).")] = True,
-    limit: Annotated[int | None, typer.Option(help="--static: embed only the first N trees.")] = None,
+    limit: Annotated[int | None, typer.Option(min=0, help="--static: embed only the first N trees.")] = None,
 ) -> None:
     """Look at a run in a browser: its tasks, rollout trees, tokens, curves, and two steps side by side."""
     from .page import write_static

@@ -397,3 +397,17 @@ def test_a_config_beside_the_trees_that_does_not_parse_is_named_not_fatal(tmp_pa
     index = run_index(run)
     assert index["totals"]["trees"] == 1
     assert "config.yaml" in index["about"]["config"] and "not read" in index["about"]["config"]
+
+
+def test_a_negative_static_limit_is_refused_not_a_page_of_minus_one_trees(tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from agentrl.viewer.cli import register
+
+    app = typer.Typer()
+    register(app)
+    write_trees(tmp_path / "trees.jsonl", [fork_tree()])
+    res = CliRunner().invoke(app, ["view", str(tmp_path / "trees.jsonl"), "--static", str(tmp_path / "v.html"),
+                                   "--no-tokens", "--limit", "-1"])
+    assert res.exit_code == 2 and not (tmp_path / "v.html").exists(), res.output
