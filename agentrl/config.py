@@ -220,7 +220,7 @@ class PolicyConfig(_Strict):
         None, description="backend=openai: the model name the server knows; null is policy.model "
         "(policy.model still names the local tokenizer).")
     mock_responses: list[str] = Field(
-        default_factory=lambda: ["1"], description="Scripted answers for backend=mock."
+        default_factory=lambda: ["1"], min_length=1, description="Scripted answers for backend=mock."
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="backend=vllm: engine sizing.")
 

@@ -110,3 +110,9 @@ def test_overrides_still_read_yaml_values():
     assert cfg.env.kwargs == {"high": 8} and cfg.sampling.stop == ["x", "y z"]
     assert cfg.rollout.system_prompt is None and cfg.rollout.episodes == 3 and cfg.sampling.temperature == 0.5
     assert cfg.rollout.deterministic is True and cfg.policy.model == "quoted: text"
+
+
+def test_a_mock_policy_with_no_responses_is_an_error_naming_the_key():
+    """policy.mock_responses=[] loaded, and every episode failed 'generation failed'."""
+    with pytest.raises(ConfigError, match=r"policy\.mock_responses: List should have at least 1 item"):
+        load_config(overrides=["policy.backend=mock", "policy.mock_responses=[]"])
