@@ -97,6 +97,7 @@ from agentrl.policy.base import (
     SamplingParams,
     request_seed,
 )
+from agentrl.rollout.pool import DaemonPool
 from agentrl.types import write_trees
 
 from .anthropic_api import ANTHROPIC_ERRORS, CountTokensRequest, MessagesWire
@@ -147,6 +148,8 @@ class Proxy:
         self.sessions: dict[str, Session] = {}
         self._keys: dict[str, str] = {}  # sha256(api key) -> session id
         self._lock: asyncio.Lock | None = None  # serializes policies without agenerate
+        # Their generate runs on daemon threads: one stuck in the backend must not hold the exit.
+        self._threads = DaemonPool(name="agentrl-proxy-generate")
         self.in_flight = 0
         # Responses ``store``: response id -> what it added to the conversation, oldest first
         self.responses: OrderedDict[str, StoredResponse] = OrderedDict()
@@ -290,7 +293,7 @@ class Proxy:
         lock = self._lock
         await lock.acquire()
         try:
-            thread = asyncio.ensure_future(asyncio.to_thread(self.policy.generate, reqs))
+            thread = asyncio.get_running_loop().run_in_executor(self._threads, self.policy.generate, reqs)
         except BaseException:
             lock.release()
             raise
@@ -504,6 +507,9 @@ def create_app(policy: Any, config: ProxyConfig | None = None) -> Any:
 
 
 # -- running it -------------------------------------------------------------------------------
+_GRACEFUL_S = 5.0
+
+
 def serve(policy: Any, config: ProxyConfig | None = None, host: str = "127.0.0.1", port: int = 8000,
           sock: socket.socket | None = None) -> None:
     """Run the proxy in the foreground (``agentrl proxy serve``), on ``sock`` where given (the
@@ -512,7 +518,10 @@ def serve(policy: Any, config: ProxyConfig | None = None, host: str = "127.0.0.1
 
     sock = sock or listen_socket(host, port)  # a port in use fails here, before the banner says it serves
     app = create_app(policy, config)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=False))
+    # A call still generating at a stop has this long to end (and be recorded); a generation can
+    # run for minutes, and uvicorn's default waited for it however long it took.
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=False,
+                                           timeout_graceful_shutdown=_GRACEFUL_S))
     # The model, tokenizer and modules loaded so far live as long as the server: keep them out of
     # the collector's full passes, which otherwise stall every request in flight (~100 ms here).
     gc.collect()
