@@ -205,7 +205,9 @@ class RayPolicy:
                  model: Any = None):
         if dist.num_rollout_workers < 1:
             raise PolicyError("RayPolicy needs distributed.num_rollout_workers >= 1")
-        ray = connect(dist)
+        ray = connect(dist)  # first: it says how to install Ray where it is missing
+        from ray.exceptions import GetTimeoutError
+
         self.tokenizer, self.model = tokenizer, model
         self.retries, self.max_request_deaths = dist.generate_retries, dist.max_request_deaths
         need = {"CPU": float(dist.rollout_worker_cpus)}
@@ -220,9 +222,15 @@ class RayPolicy:
         self.workers = [actor.remote(policy.model_dump()) for _ in range(dist.num_rollout_workers)]
         try:
             infos = ray.get([w.info.remote() for w in self.workers], timeout=_CALL_TIMEOUT_S)
-        except Exception as e:
+        except BaseException as e:  # a Ctrl-C too: a notebook that goes on would keep them reserved
             for w in self.workers:
-                ray.kill(w)
+                with contextlib.suppress(Exception):  # the cluster may be gone: the error says why
+                    ray.kill(w)
+            if isinstance(e, GetTimeoutError):
+                raise PolicyError(f"the rollout workers did not start within {_CALL_TIMEOUT_S:.0f} s (loading "
+                                  f"{policy.model} on each): killed") from e
+            if not isinstance(e, Exception):
+                raise
             raise ray_error(e, PolicyError, "a rollout worker") from e
         self._version = int(infos[0]["version"])
         self.deterministic_by_default = bool(infos[0]["deterministic_by_default"])

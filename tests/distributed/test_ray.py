@@ -282,6 +282,54 @@ def test_workers_the_busy_cluster_has_no_room_for_fail_naming_the_keys(cluster, 
             ray.kill(hog)
 
 
+def _live_rollout_workers() -> int:
+    """Rollout-worker actors of the cluster that are alive, starting or restarting (GCS's table)."""
+    from ray._private.state import actors
+
+    return sum(1 for a in actors().values() if a.get("ActorClassName", "").endswith("RolloutWorker")
+               and a.get("State") not in ("DEAD",))
+
+
+def test_rollout_workers_interrupted_while_they_start_are_killed(cluster, tokenizer, monkeypatch):
+    """A Ctrl-C (or any error) while the workers load their model kills them: a notebook that
+    carries on would keep their CPUs and GPUs reserved, and its next RayPolicy would wait for them.
+    A start that times out is a PolicyError saying so, not Ray's bare GetTimeoutError."""
+    from agentrl.distributed import rollout_workers
+    from agentrl.errors import PolicyError
+
+    cfg = load_config(overrides=["policy.backend=hf", "policy.model=tiny-random",
+                                 "distributed.num_rollout_workers=2", *SMALL])
+    deadline = time.monotonic() + 30  # earlier tests' closed workers are dead by now
+    while _live_rollout_workers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    before = _live_rollout_workers()
+    real_get = ray.get
+
+    def interrupted(refs: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(refs, list):  # the workers' first answers
+            raise KeyboardInterrupt
+        return real_get(refs, *args, **kwargs)
+
+    monkeypatch.setattr(ray, "get", interrupted)
+    with pytest.raises(KeyboardInterrupt) as interrupt:  # kept, as IPython keeps sys.last_traceback:
+        RayPolicy(cfg.policy, cfg.distributed, tokenizer)  # its frames hold the worker handles
+    monkeypatch.setattr(ray, "get", real_get)
+    deadline = time.monotonic() + 30
+    while _live_rollout_workers() > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _live_rollout_workers() == before
+    del interrupt
+
+    monkeypatch.setattr(rollout_workers, "_CALL_TIMEOUT_S", 0.01)  # no model loads that fast
+    with pytest.raises(PolicyError, match=r"rollout workers did not start within 0 s") as timeout:
+        RayPolicy(cfg.policy, cfg.distributed, tokenizer)
+    deadline = time.monotonic() + 30
+    while _live_rollout_workers() > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _live_rollout_workers() == before
+    del timeout
+
+
 def test_trainer_runs_on_env_and_rollout_workers(cluster, tmp_path):
     """Two GRPO steps with both kinds of workers, set by config only. The weights reach the
     rollout workers: step 2's tokens, sampled there after the sync, score the same under the
