@@ -104,6 +104,10 @@ def eval_command(
             loading = settle_for_command(cfg)
             # every split read before the model loads: a bad --k or split fails in seconds
             plans = [plan_split(env_id, cfg, one, k, samples, limit) for one in split_names(split)]
+            if episodes is not None and (counted := next((p for p in plans if p.num_tasks), None)):
+                raise ConfigError(f"--episodes {episodes} is not read here: {env_id} says its split "
+                                  f"{counted.split!r} holds {counted.num_tasks} tasks, and all are played; "
+                                  "give --limit N for the first N")
             make_out_dir(out, "--out")  # before the episodes, not after them
             held.enter_context(output_lock(Path(out), "--out"))  # one run at a time in a folder
             console.print(loading)

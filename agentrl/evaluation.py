@@ -261,6 +261,7 @@ class SplitPlan:
     labels: dict[str, str]
     cfg: Config
     kwargs: dict[str, Any]
+    num_tasks: int | None = None  # what the env says its split holds; None: rollout.episodes counts
 
 
 def plan_split(env_id: str, cfg: C, split: str | None = None, k: int = 1, samples: int | None = None,
@@ -294,7 +295,7 @@ def plan_split(env_id: str, cfg: C, split: str | None = None, k: int = 1, sample
         env.close()
     if "max_turns" not in ev.rollout.model_fields_set and isinstance(max_steps, int):
         ev.rollout.max_turns = max_steps  # the env's own limit ends the episode
-    return SplitPlan(env_id, split, k, samples, seeds, families, labels, ev, kwargs)
+    return SplitPlan(env_id, split, k, samples, seeds, families, labels, ev, kwargs, num_tasks or None)
 
 
 def evaluate_split(env_id: str, policy: Any, cfg: Config, split: str | None = None, k: int = 1,

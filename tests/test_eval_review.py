@@ -105,3 +105,13 @@ def test_several_samples_a_task_at_temperature_0_is_an_error(tmp_path, flags):
     assert res.exit_code == 2, res.output
     assert "attemperature0(greedy)" in "".join(res.output.split()), res.output
     assert "loading model" not in res.output
+
+
+def test_episodes_on_an_env_that_counts_its_split_is_an_error_that_names_limit(tmp_path):
+    """--episodes 1 was ignored without a word where the env says how many tasks its split
+    holds: the whole split ran (hours on a real benchmark)."""
+    out = tmp_path / "ev"
+    res = runner.invoke(app, ["eval", "--env", "TestEmptySplit", "--episodes", "1", *MOCK, "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    assert "--episodes1isnotreadhere" in "".join(res.output.split()) and "--limit" in res.output, res.output
+    assert "loading model" not in res.output
