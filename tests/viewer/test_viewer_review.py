@@ -411,3 +411,28 @@ def test_a_negative_static_limit_is_refused_not_a_page_of_minus_one_trees(tmp_pa
     res = CliRunner().invoke(app, ["view", str(tmp_path / "trees.jsonl"), "--static", str(tmp_path / "v.html"),
                                    "--no-tokens", "--limit", "-1"])
     assert res.exit_code == 2 and not (tmp_path / "v.html").exists(), res.output
+
+
+def test_a_turn_or_a_curve_of_more_than_125k_values_is_drawn(browser_context, tmp_path):
+    """The page took minima and maxima with Math.min(...xs) and gathered logprobs with
+    push(...xs): V8 passes each value as an argument and throws RangeError past ~125k, so
+    a turn of that many tokens left the token view and the compare view blank (and a
+    panel of that many points, its curve). Checked on the page's own functions."""
+    from agentrl.viewer import write_static
+
+    write_trees(tmp_path / "trees.jsonl", [fork_tree()])
+    page = browser_context.new_page()
+    try:
+        page.goto(write_static(Run(tmp_path / "trees.jsonl"), tmp_path / "v.html", None).as_uri())
+        page.wait_for_selector("body[data-ready='1']", timeout=15_000)
+        got = page.evaluate("""() => {
+            const n = 200000, big = Array.from({ length: n }, (_, k) => -k / n);
+            const acts = big.map((x, k) => ({ ent: k % 7, adv: x, ratio: -x }));
+            const t = { episodes: [], nodes: [], roots: [], tokens: { 0: { logprobs: big, entropies: big } } };
+            try {
+              return [extent(big), tokenScale(acts).ent, stats(t).logprob < 0];
+            } catch (e) { return String(e); }
+        }""")
+        assert got == [[-(199_999 / 200_000), 0], 6, True], got
+    finally:
+        page.close()

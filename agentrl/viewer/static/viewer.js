@@ -59,6 +59,12 @@ const mean = (xs) => { const v = xs.filter((x) => x !== null && x !== undefined)
 const short = (s, n) => { s = String(s || "").replace(/\s+/g, " ").trim(); return s.length > n ? s.slice(0, n - 1) + "…" : s; };
 const $ = (id) => document.getElementById(id);
 const put = (parent, ...kids) => parent.replaceChildren(...kids.flat().filter((k) => k !== null && k !== undefined && k !== false));
+// Smallest and largest of xs by a loop: Math.min(...xs) passes each value as an argument,
+// and V8 throws RangeError past ~125k of them (a turn of that many tokens, a long run's curve).
+function extent(xs, lo = Infinity, hi = -Infinity) {
+  for (const x of xs) { if (x < lo) lo = x; if (x > hi) hi = x; }
+  return [lo, hi];
+}
 const compact = (x) => Math.abs(x) >= 1e4 ? (x / 1e3).toFixed(Math.abs(x) >= 1e5 ? 0 : 1) + "k" : null;
 
 // --------------------------------------------------------------------------- data
@@ -282,11 +288,11 @@ function layout(t) {
       todo.push([id, depth, true], ...n.children.map((c) => [c, depth + 1, false]).reverse());
       continue;
     }
-    const ys = n.children.map((c) => pos.get(c).y);
-    pos.set(id, { x: depth, y: (Math.min(...ys) + Math.max(...ys)) / 2 });
+    const [lo, hi] = extent(n.children.map((c) => pos.get(c).y));
+    pos.set(id, { x: depth, y: (lo + hi) / 2 });
   }
-  const rootYs = t.roots.map((r) => pos.get(r).y);
-  pos.set("prompt", { x: 0, y: rootYs.length ? (Math.min(...rootYs) + Math.max(...rootYs)) / 2 : 0 });
+  const [lo, hi] = extent(t.roots.map((r) => pos.get(r).y));
+  pos.set("prompt", { x: 0, y: t.roots.length ? (lo + hi) / 2 : 0 });
   return { pos, rows: Math.max(row, 1), depth: maxDepth };
 }
 
@@ -474,6 +480,15 @@ function turnTokens(t, id, leaf) {
   return toks;
 }
 
+function tokenScale(acts) {
+  // the colour scales of a turn's action tokens: the largest entropy, |advantage|, |log-ratio|
+  return {
+    ent: extent(acts.map((x) => x.ent || 0), 1e-9, 1e-9)[1],
+    adv: extent(acts.map((x) => Math.abs(x.adv || 0)), 0, 0)[1],
+    ratio: extent(acts.map((x) => Math.abs(x.ratio || 0)), 0, 0)[1],
+  };
+}
+
 function colour(mode, tok, scale) {
   if (mode === "mask") return tok.ctx ? "#eceff3" : "#cfe3ff";
   if (tok.ctx) return "transparent";
@@ -522,11 +537,7 @@ function renderTokens() {
   const toks = turnTokens(t, n.id, leaf);
   const ep = t.episodes.find((e) => e.leaf === leaf);
   const acts = toks.filter((x) => !x.ctx);
-  const scale = {
-    ent: Math.max(1e-9, ...acts.map((x) => x.ent || 0)),
-    adv: Math.max(0, ...acts.map((x) => Math.abs(x.adv || 0))),
-    ratio: Math.max(0, ...acts.map((x) => Math.abs(x.ratio || 0))),
-  };
+  const scale = tokenScale(acts);
   put($("token-head"), el("b", { text: `tree ${S.treeIndex} · node ${n.id} · turn ${n.depth + 1}` }),
     el("span", { class: "muted", text: ` · episode ending at leaf ${leaf ?? "–"} · ${acts.length} action tokens, ${toks.length - acts.length} context tokens` }),
     el("div", { class: "small muted", text: `mean logprob ${fmt(mean(acts.map((x) => x.lp)), 3)} · mean entropy ${fmt(mean(acts.map((x) => x.ent)), 3)} · advantages: ${t.credit.note}`
@@ -588,7 +599,7 @@ function chart(p) {
   if (!series.length) return el("div", { class: "muted small", text: p.missing || "not logged by this run" });
   const W = 380, H = 190, l = 48, r = 10, top = 8, b = 26;
   const xs = series.flatMap((s) => s.points.map((q) => q[0])), ys = series.flatMap((s) => s.points.map((q) => q[1]));
-  let x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
+  let [x0, x1] = extent(xs), [y0, y1] = extent(ys);
   if (x0 === x1) { x0 -= 1; x1 += 1; }
   if (y0 === y1) { y0 -= Math.abs(y0) * 0.1 || 1; y1 += Math.abs(y1) * 0.1 || 1; }
   const X = (x) => l + (x - x0) / (x1 - x0) * (W - l - r), Y = (y) => top + (1 - (y - y0) / (y1 - y0)) * (H - top - b);
@@ -672,7 +683,7 @@ const STAT_ROWS = [["success", "success rate", 3], ["reward", "mean reward", 3],
 function stats(t) {
   const ok = t.episodes.filter((e) => !e.error);
   const lps = [], ents = [];
-  for (const tk of Object.values(t.tokens)) { lps.push(...tk.logprobs); ents.push(...tk.entropies); }
+  for (const tk of Object.values(t.tokens)) { for (const x of tk.logprobs) lps.push(x); for (const x of tk.entropies) ents.push(x); }
   const tokens = t.episodes.map((e) => e.path.reduce((a, id) => a + nodeOf(t, id).n_action, 0));
   return {
     success: ok.length ? ok.filter((e) => e.success).length / ok.length : null,
