@@ -436,3 +436,21 @@ def test_a_turn_or_a_curve_of_more_than_125k_values_is_drawn(browser_context, tm
         assert got == [[-(199_999 / 200_000), 0], 6, True], got
     finally:
         page.close()
+
+
+def test_compare_shows_no_change_where_one_side_has_no_number(browser_context, tmp_path):
+    """A tree whose every episode failed has no success rate and no mean reward ('–'); the
+    compare view still printed a change beside it, null - 0.5 being -0.5 in JavaScript:
+    'success rate – (-0.500)'."""
+    from agentrl.viewer import write_static
+
+    write_trees(tmp_path / "trees.jsonl", [fork_tree()])
+    page = browser_context.new_page()
+    try:
+        page.goto(write_static(Run(tmp_path / "trees.jsonl"), tmp_path / "v.html", None).as_uri())
+        page.wait_for_selector("body[data-ready='1']", timeout=15_000)
+        got = page.evaluate("() => [statDelta(null, 0.5), statDelta(0.5, null), statDelta(0.75, 0.5), "
+                            "statDelta(0.5, undefined)]")
+        assert got == [None, None, 0.25, None]
+    finally:
+        page.close()

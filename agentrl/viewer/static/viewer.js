@@ -661,7 +661,7 @@ async function openCompare(a = null, b = null) {
     const mini = el("div", { class: "mini" });
     drawTree(t, mini, { dx: 140, dy: 36, label: 14, onclick: (id) => openTree(i, id) });
     const rows = STAT_ROWS.map(([k, label, d]) => {
-      const delta = other ? s[k] - other[k] : null;
+      const delta = other ? statDelta(s[k], other[k]) : null;
       return [label, el("span", {}, fmt(s[k], d), delta !== null && Number.isFinite(delta) && Math.abs(delta) >= 0.5 * 10 ** -d
         ? el("span", { class: delta > 0 ? "delta-pos" : "delta-neg", text: `  (${sfmt(delta, d)})` }) : null)];
     });
@@ -679,6 +679,13 @@ async function openCompare(a = null, b = null) {
 const STAT_ROWS = [["success", "success rate", 3], ["reward", "mean reward", 3], ["turns", "mean turns", 2],
   ["tokens", "action tokens / episode", 1], ["logprob", "mean action logprob", 3], ["entropy", "mean action entropy", 3],
   ["branches", "branch points", 0]];
+
+function statDelta(a, b) {
+  // after - before where both sides have a number: null - 0.5 is -0.5 in JavaScript, and a tree
+  // whose every episode failed has no success rate
+  const num = (x) => typeof x === "number" && Number.isFinite(x);
+  return num(a) && num(b) ? a - b : null;
+}
 
 function stats(t) {
   const ok = t.episodes.filter((e) => !e.error);
