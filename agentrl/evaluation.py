@@ -323,6 +323,9 @@ def evaluate_split(env_id: str, policy: Any, cfg: Config, split: str | None = No
     except RunInterrupted as e:  # a report on the tasks that finished, said to be partial
         trees, stop = e.trees, e
     wall = time.perf_counter() - t0
+    if p.split is not None:  # the trees of several splits share one file, and their seeds
+        for tree in trees:
+            tree.meta["split"] = p.split
     results = _task_results(trees, lambda s: p.families.get(s))
     reasons: dict[str, int] = {}
     for r in results:

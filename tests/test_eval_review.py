@@ -115,3 +115,15 @@ def test_episodes_on_an_env_that_counts_its_split_is_an_error_that_names_limit(t
     assert res.exit_code == 2, res.output
     assert "--episodes1isnotreadhere" in "".join(res.output.split()) and "--limit" in res.output, res.output
     assert "loading model" not in res.output
+
+
+def test_each_tree_of_a_several_split_eval_says_its_split(tmp_path):
+    """Trees of --split a,b went into one trajectories.jsonl with the same env and seeds and
+    nothing else to tell them apart: split a's task 0 and split b's task 0 read the same."""
+    import json
+
+    out = tmp_path / "ev"
+    res = runner.invoke(app, ["eval", "--env", "TestEmptySplit", "--split", "full,full", *MOCK, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    metas = [json.loads(line)["meta"] for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert [(m["split"], m["seed"]) for m in metas] == [("full", 0), ("full", 1)] * 2
