@@ -454,3 +454,21 @@ def test_compare_shows_no_change_where_one_side_has_no_number(browser_context, t
         assert got == [None, None, 0.25, None]
     finally:
         page.close()
+
+
+def test_a_compare_link_to_trees_the_run_does_not_hold_opens_the_default_pair(browser_context, tmp_path):
+    """A #compare=A,B link kept from a bigger run (or a run since re-indexed) read
+    trees[A].env of a tree that is not there: a TypeError, and a blank compare view."""
+    from agentrl.viewer import write_static
+
+    write_trees(tmp_path / "trees.jsonl", [fork_tree(1), fork_tree(2)])
+    page = browser_context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        page.goto(write_static(Run(tmp_path / "trees.jsonl"), tmp_path / "v.html", None).as_uri() + "#compare=5,7")
+        page.wait_for_selector("body[data-ready='1']", timeout=15_000)
+        page.wait_for_selector("#compare-body .col[data-tree='1']", timeout=10_000)
+        assert errors == []
+    finally:
+        page.close()

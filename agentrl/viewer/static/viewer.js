@@ -639,6 +639,8 @@ async function openCompare(a = null, b = null) {
   const byTask = new Map();
   for (const s of trees) { const k = taskKey(s); if (!byTask.has(k)) byTask.set(k, []); byTask.get(k).push(s); }
   const repeated = [...byTask.values()].filter((v) => new Set(v.map((s) => s.step)).size > 1);
+  const held = (i) => Number.isInteger(i) && i >= 0 && i < trees.length;
+  if (!held(a) || !held(b)) a = null;  // a link from a bigger run, or none: the default pair
   if (a === null) {
     const g = repeated[0] || (trees.length > 1 ? trees.slice(0, 2) : null);
     if (!g) { $("compare-body").replaceChildren(el("div", { class: "empty", text: "This run holds fewer than two trees." })); return; }
