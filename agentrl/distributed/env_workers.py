@@ -30,7 +30,8 @@ Failures, in the engine's two columns:
   call that reaches the restarted worker finds the env gone and raises
   ``EnvError`` too, with that reason. Ray restarts the worker
   (``distributed.max_restarts``); the next episodes make fresh envs on it
-  (an episode's first call waits for the restart, up to ``RESTART_WAIT_S``).
+  (an episode's first call, a reset, waits for the restart, up to
+  ``RESTART_WAIT_S``, and makes the env anew where the dead incarnation held it).
   A worker Ray will not restart (``max_restarts`` used up) is lost: the pool
   deals it no more envs, and an episode whose first call finds it dead moves
   to a live worker; with every worker lost, each episode fails saying so;
@@ -197,35 +198,40 @@ class RayEnv:
     def unwrapped(self) -> RayEnv:
         return self
 
+    def _fresh(self, method: str) -> bool:
+        """Whether the call needs no state of an earlier call: the env's first, or a reset (an
+        episode's first call), which may make the env anew where its worker restarted."""
+        return not self._made or method == "reset"
+
     def _ref(self, method: str, args: tuple[Any, ...]) -> Any:
         if self._closed:
             raise EnvError(f"env {self.env_id} ({self.handle}) is closed")
         kwargs: dict[str, Any] = {}
         if method == "reset":  # the engine passes the seed alone
             args, kwargs = (), {"seed": args[0] if args else None}
-        return self._actor.call.remote(self.handle, not self._made, method, args, kwargs)
+        return self._actor.call.remote(self.handle, self._fresh(method), method, args, kwargs)
 
-    def _restarting(self, e: BaseException, deadline: list[float]) -> bool:
-        """Whether to send the call again: the worker is restarting and this env was never
-        made (an episode's first call), so it can be made on the next incarnation."""
+    def _restarting(self, e: BaseException, deadline: list[float], method: str) -> bool:
+        """Whether to send the call again: the worker is restarting and the call needs no
+        state the dead incarnation held (``_fresh``), so it can run on the next one."""
         from ray.exceptions import ActorUnavailableError
 
-        if self._made or not isinstance(e, ActorUnavailableError):
+        if not self._fresh(method) or not isinstance(e, ActorUnavailableError):
             return False
         if not deadline:
             deadline.append(time.monotonic() + RESTART_WAIT_S)
         return time.monotonic() < deadline[0]
 
-    def _moved(self, e: BaseException) -> bool:
+    def _moved(self, e: BaseException, method: str) -> bool:
         """Whether to send the call again, to another worker: this one is lost for good
-        (``ActorDiedError``: Ray will not restart it) and this env was never made on it. The
+        (``ActorDiedError``: Ray will not restart it) and the call needs no state it held. The
         pool is told of the loss either way; with no live worker left, ``EnvError``."""
         from ray.exceptions import ActorDiedError
 
         if self._pool is None or not isinstance(e, ActorDiedError):
             return False
         nxt = self._pool.lost(self._index)
-        if self._made:
+        if not self._fresh(method):
             return False  # the env's state died with it: the episode fails
         if nxt is None:
             raise EnvError(f"every env worker of {self.env_id} is lost (distributed.max_restarts used "
@@ -244,10 +250,10 @@ class RayEnv:
                 cancel_call(ref)
                 raise
             except Exception as e:
-                if self._restarting(e, deadline):
+                if self._restarting(e, deadline, method):
                     await asyncio.sleep(0.1)
                     continue
-                if self._moved(e):
+                if self._moved(e, method):
                     continue
                 raise ray_error(e, EnvError, f"env worker of {self.env_id}") from e
             self._made = True
@@ -261,10 +267,10 @@ class RayEnv:
             try:
                 value = ray.get(self._ref(method, args))
             except Exception as e:
-                if self._restarting(e, deadline):
+                if self._restarting(e, deadline, method):
                     time.sleep(0.1)
                     continue
-                if self._moved(e):
+                if self._moved(e, method):
                     continue
                 raise ray_error(e, EnvError, f"env worker of {self.env_id}") from e
             self._made = True

@@ -177,6 +177,42 @@ def test_a_killed_env_worker_fails_only_its_episode(cluster, tokenizer):
     assert ray.get(worker.hosted.remote()) == 0
 
 
+def _restart(worker: Any) -> None:
+    """Kill an env worker and return once its restarted incarnation answers."""
+    before = ray.get(worker.pid.remote())
+    ray.kill(worker, no_restart=False)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if ray.get(worker.pid.remote(), timeout=30) != before:
+                return
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            time.sleep(0.1)
+    raise AssertionError("the env worker did not restart within 120 s")
+
+
+def test_an_idle_env_whose_worker_restarted_plays_its_next_episode(cluster, tokenizer):
+    """The worker dies between two episodes: the env the engine keeps for the next one lost
+    nothing that episode needs, as its first call is a reset. It is made again on the restarted
+    worker; before, that reset failed the episode ("the env's state was lost")."""
+    cfg = load_config(overrides=["env.id=agentrl/GuessNumber-v0", "rollout.env_executor=ray",
+                                 "rollout.concurrency=1", "rollout.max_turns=2", "distributed.num_env_workers=1",
+                                 "distributed.max_restarts=2", *SMALL])
+    worker = env_worker_pool(cfg).workers[0]
+    done: list[Any] = []
+
+    def kill_after_the_first(tree: Any) -> None:
+        done.append(tree)
+        if len(done) == 1:
+            _restart(worker)
+
+    trees = collect(cfg.env.id, MockPolicy(tokenizer, ["no number"]), cfg, seeds=[0, 1, 2],
+                    on_episode_done=kill_after_the_first)
+    errors = [[n.error for n in t.nodes.values() if n.error] for t in trees]
+    assert errors == [[], [], []]
+    assert [len(t.nodes) for t in trees] == [2, 2, 2]
+
+
 def _kill_for_good(worker: Any) -> None:
     """Kill an env worker without restart, and return once a call to it says so (a kill lands a
     moment later: a call sent before that would still be served)."""
