@@ -24,8 +24,9 @@ file and a metrics row, a resumed run or a new ``agentrl rollout`` replaces a
 file whole. Each tree's line is indexed with its CRC-32, and ``Run.tree(i)``
 refuses (``RunChanged``) a line that is no longer the one indexed, instead of
 parsing what now lies at its bytes as tree i; ``Run.changed()`` says whether
-any trees file or ``metrics.jsonl`` changed since the run was opened (the
-server then indexes it again).
+any trees file or ``metrics.jsonl`` changed since the run was opened, and
+``Run.reopen()`` indexes it again, reading only the trees files that changed
+(the server does so on each page load of a run still being written).
 
 A line whose node links do not make a tree (a cycle, a child or root that is
 not there, a child that names another parent, a node no root reaches) is
@@ -40,7 +41,7 @@ import os
 import re
 import zlib
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -248,7 +249,7 @@ def tree_files(path: Path) -> list[Path]:
 class Run:
     """One run: an index of its trees (read on demand), its metrics and its config."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, previous: Run | None = None):
         self.path = Path(path)
         if not self.path.exists():
             raise FileNotFoundError(f"no run at {self.path}: give a run folder or a trees JSONL file")
@@ -262,11 +263,35 @@ class Run:
         self.skipped_count = 0  # all of them: a file of another format skips every line
         self.config_problems: list[str] = []  # config files beside the trees that did not parse
         self._reports: dict[Path, dict[str, Any] | None] = {}
+        self._spans: dict[Path, tuple[int, int, list[str], int]] = {}  # file: its trees' range, its skips
         for f in self.files:
-            self._index(f)
+            start, skips, count = len(self.refs), len(self.skipped), self.skipped_count
+            if previous is None or not previous._reuse(self, f):
+                self._index(f)
+            self._spans[f] = (start, len(self.refs), self.skipped[skips:], self.skipped_count - count)
         self._first: dict[Path, int] = {}  # each file's first tree: the engine writes a batch's report on it
         for r in self.refs:
             self._first.setdefault(r.file, r.index)
+
+    def reopen(self) -> Run:
+        """The run as it is on disk now; a trees file whose stamp (inode, size, mtime) did
+        not change keeps its index, renumbered, instead of being read and parsed again."""
+        return Run(self.path, previous=self)
+
+    def _reuse(self, into: Run, file: Path) -> bool:
+        """Put this run's index of ``file`` into ``into`` if the file did not change since."""
+        stamp = self._stamps.get(file)
+        if file not in self._spans or stamp is None or stamp != into._stamps.get(file):
+            return False
+        start, end, skips, count = self._spans[file]
+        for ref, summary in zip(self.refs[start:end], self.summaries[start:end], strict=True):
+            i = len(into.refs)
+            into.refs.append(replace(ref, index=i))
+            into.summaries.append(replace(summary, index=i))
+        for where in skips:
+            into._skip(where)
+        into.skipped_count += count - len(skips)  # those counted, not named
+        return True
 
     def _index(self, file: Path) -> None:
         step = _step_of(file)

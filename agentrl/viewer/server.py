@@ -12,7 +12,8 @@ Standard library only (``http.server``): three read-only routes, on
 A run may still be written (a training run adds steps and metrics rows) or have
 a file replaced (a resumed step, a new rollout into the folder). Each
 ``/api/run`` checks whether its files changed (``Run.changed``, a stat of each)
-and, when they did, indexes the run again under a new generation: a reload of
+and, when they did, indexes the run again (``Run.reopen``: the changed files
+only) under a new generation: a reload of
 the page shows the run as it is now. A tree asked for under an older generation
 than the server's, or whose line changed on disk, is answered 409 (reload),
 never with what now holds its index.
@@ -160,7 +161,7 @@ class ViewerServer:
             if not self.run.changed():
                 return
             try:
-                run = Run(self.run.path)
+                run = self.run.reopen()  # reads only the files that changed
             except OSError:  # the run was moved or deleted: keep showing what was indexed
                 return
             with self._lock:

@@ -472,3 +472,38 @@ def test_a_compare_link_to_trees_the_run_does_not_hold_opens_the_default_pair(br
         assert errors == []
     finally:
         page.close()
+
+
+def test_a_run_opened_again_reads_only_the_files_that_changed(tmp_path, monkeypatch):
+    """The server indexes a changed run again on each page load: a training run adds a
+    step's file (and a metrics row) every step, and every tree of every step was read
+    and parsed again each time. Files whose stamp did not change keep their index."""
+    from agentrl.viewer import run as run_module
+
+    (tmp_path / "trees").mkdir()
+    write_trees(tmp_path / "trees" / "step-000001.jsonl", [fork_tree(1), fork_tree(2)])
+    write_trees(tmp_path / "trees" / "step-000003.jsonl", [fork_tree(5)])
+    (tmp_path / "trees" / "step-000003.jsonl").write_text(
+        (tmp_path / "trees" / "step-000003.jsonl").read_text() + "{torn\n")
+    first = Run(tmp_path)
+    parsed: list[int | str | None] = []
+    real = run_module.summarize_tree_dict
+
+    def counting(data, *args, **kwargs):
+        parsed.append(data["meta"]["seed"])
+        return real(data, *args, **kwargs)
+
+    monkeypatch.setattr(run_module, "summarize_tree_dict", counting)
+    write_trees(tmp_path / "trees" / "step-000002.jsonl", [fork_tree(3), fork_tree(4)])  # sorts between
+    again = first.reopen()
+    assert parsed == [3, 4]  # only the new file
+    assert [s.seed for s in again.summaries] == [1, 2, 3, 4, 5]
+    assert [s.index for s in again.summaries] == [r.index for r in again.refs] == [0, 1, 2, 3, 4]
+    assert [again.tree(i).meta["seed"] for i in range(5)] == [1, 2, 3, 4, 5]
+    assert again.skipped == ["trees/step-000003.jsonl:2"] and again.skipped_count == 1
+    assert not again.changed()
+    write_trees(tmp_path / "trees" / "step-000001.jsonl", [fork_tree(9)])  # a resumed step, replaced
+    parsed.clear()
+    third = again.reopen()
+    assert parsed == [9] and [s.seed for s in third.summaries] == [9, 3, 4, 5]
+    assert third.tree(0).meta["seed"] == 9 and third.tree(3).meta["seed"] == 5
