@@ -13,7 +13,7 @@ import re
 import warnings
 from pathlib import Path
 from types import UnionType
-from typing import Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -75,6 +75,7 @@ def _is_bool_in_a_number(annotation: Any, value: Any) -> bool:
     if isinstance(value, bool):
         return any(k in (int, float) for k in kinds)
     items = [get_args(k)[0] for k in kinds if get_origin(k) is list and get_args(k)]
+    items = [get_args(k)[0] if get_origin(k) is Annotated else k for k in items]  # list[Seed]
     return isinstance(value, list) and any(isinstance(v, bool) for v in value) and any(
         k in (int, float) for k in items)
 
@@ -143,6 +144,11 @@ def check_temperature(value: float | None) -> float | None:
     if value is not None and 0 < value < MIN_TEMPERATURE:
         raise ValueError(f"use 0 for greedy decoding, or at least {MIN_TEMPERATURE} to sample")
     return value
+
+
+Seed = Annotated[int, Field(ge=0)]
+"""A task or sampling seed: gymnasium's ``Env.reset`` refuses a negative one, so a config that
+named one loaded and then failed each episode on it as an env error."""
 
 
 def expand_home(value: str) -> str:
@@ -267,7 +273,7 @@ class RolloutConfig(_Strict):
         "counts them by reason.")
     max_turns: int = Field(16, ge=1, description="Turns per episode before truncation.")
     max_context_tokens: int = Field(2048, ge=16, description="Context budget per episode.")
-    seed: int = Field(0, description="Episode i uses env seed seed + i.")
+    seed: Seed = Field(0, description="Episode i uses env seed seed + i.")
     deterministic: bool | None = Field(
         None, description="Same config, seed, machine and torch thread count: the same trees, bit for "
         "bit, whatever the timing, rollout.concurrency or policy.max_batch_size. The policy computes "

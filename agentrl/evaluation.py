@@ -50,7 +50,7 @@ from typing import Any, TypeVar
 
 from pydantic import Field, field_validator
 
-from .config import Config, _Strict, check_task_seeds, check_temperature
+from .config import Config, Seed, _Strict, check_task_seeds, check_temperature
 from .errors import ConfigError, EnvError
 from .types import RolloutTree
 
@@ -83,8 +83,8 @@ class EvaluationConfig(_Strict):
     start: bool = Field(True, description="Evaluate the starting model before SFT and RL. "
                         "false skips it when its success is known already (runs that share "
                         "one starting checkpoint and held-out seeds). Was eval_start.")
-    seed_start: int = Field(1_000_000, description="First held-out task seed. Was eval_seed_start.")
-    task_seeds: list[int] | None = Field(None, description="Explicit held-out task seeds; overrides "
+    seed_start: Seed = Field(1_000_000, description="First held-out task seed. Was eval_seed_start.")
+    task_seeds: list[Seed] | None = Field(None, description="Explicit held-out task seeds; overrides "
                                          "seed_start and episodes. Was eval_task_seeds.")
     temperature: float | None = Field(None, ge=0.0, description="Sampling temperature of "
                                       "evaluation; null: sampling.temperature. Was eval_temperature.")

@@ -116,3 +116,15 @@ def test_a_mock_policy_with_no_responses_is_an_error_naming_the_key():
     """policy.mock_responses=[] loaded, and every episode failed 'generation failed'."""
     with pytest.raises(ConfigError, match=r"policy\.mock_responses: List should have at least 1 item"):
         load_config(overrides=["policy.backend=mock", "policy.mock_responses=[]"])
+
+
+@pytest.mark.parametrize("override", [
+    "rollout.seed=-1", "train.task_seed_start=-4", "train.task_seeds=[3, -1]", "train.seed=-1",
+    "train.evaluation.seed_start=-1", "train.evaluation.task_seeds=[-2]", "sft.seed_start=-1",
+    "sft.task_seeds=[0, -1]"])
+def test_a_negative_seed_is_an_error_naming_its_key(override):
+    """gymnasium refuses a negative seed in Env.reset: the config loaded, and each episode on
+    one failed 'env.reset raised Error', counted as an env failure."""
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key}(\.\d+)?: Input should be greater than or equal to 0"):
+        _load(override)

@@ -19,6 +19,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ..config import (
     Config,
+    Seed,
     _Strict,
     check_task_seeds,
     expand_home,
@@ -159,16 +160,16 @@ class TrainConfig(_Strict):
                        "SFT is a dry run: the config is checked, the model loaded, the plan printed.")
     tasks_per_step: int = Field(4, ge=1, description="Task seeds per rollout batch; each gets "
                                 "rollout.group_size episodes (its group).")
-    task_seed_start: int = Field(0, description="Step k trains on task seeds "
+    task_seed_start: Seed = Field(0, description="Step k trains on task seeds "
                                  "start + k * tasks_per_step, ... (the data position).")
-    task_seeds: list[int] | None = Field(
+    task_seeds: list[Seed] | None = Field(
         None, description="A fixed pool of training task seeds, cycled in order; "
         "overrides task_seed_start (e.g. seeds of one task family).")
     curriculum: list[CurriculumStage] = Field(
         default_factory=list, description="Env levels by RL step, in order: [{name, env_kwargs, "
         "max_turns, steps}, ...]; each stage's env_kwargs are merged over env.kwargs for its steps, "
         "and the last stage may omit steps (agentrl.train.curriculum). Empty: env.kwargs throughout.")
-    seed: int = Field(0, description="Seeds sampling streams, minibatch order and torch init.")
+    seed: Seed = Field(0, description="Seeds sampling streams, minibatch order and torch init.")
     # -- credit --------------------------------------------------------------------
     credit: CreditOptions = Field(
         default_factory=GRPOOptions, description="Credit assignment method (agentrl.credit.ESTIMATORS) "
@@ -319,8 +320,8 @@ class SFTConfig(_Strict):
     """Supervised fine-tuning on an env's expert trajectories (``expert_action()``)."""
 
     episodes: int = Field(0, ge=0, description="Expert episodes; 0 skips SFT in `agentrl train`.")
-    seed_start: int = Field(0, description="Expert episodes use task seeds seed_start, +1, ...")
-    task_seeds: list[int] | None = Field(None, description="Explicit expert task seeds; "
+    seed_start: Seed = Field(0, description="Expert episodes use task seeds seed_start, +1, ...")
+    task_seeds: list[Seed] | None = Field(None, description="Explicit expert task seeds; "
                                          "overrides seed_start and episodes.")
     levels: list[SFTLevel] = Field(
         default_factory=list, description="Expert episodes at several env levels, one dataset: "
