@@ -27,7 +27,8 @@ Accepted and ignored, counted in the session tree's ``meta["ignored"]``:
 schema; Claude Code asks for its session title this way, so a refusal failed
 one of its calls), and tools with a
 server ``type`` (web search and the like: the proxy cannot run them, so the
-model is not offered them). Ignored without a count, since they do not change
+model is not offered them; a ``tool_choice`` of ``any`` over server tools alone
+is counted as ``tool_choice:any``). Ignored without a count, since they do not change
 what is sampled: ``metadata``, ``cache_control``, ``context_management``,
 ``output_config.effort``, ``service_tier``. Refused with a 400 naming the field:
 image and document blocks, block types the proxy does not know, and a
@@ -298,6 +299,8 @@ def conversation(body: CountTokensRequest) -> Conversation:
         choice = {"auto": "auto", "any": "required", "none": "none"}.get(
             c.type, {"type": "function", "function": {"name": c.name}})
         parallel = False if c.disable_parallel_tool_use else None
+        if choice == "required" and not tools:  # only server tools were offered: nothing to require
+            ignored.append("tool_choice:any")
     fields: dict[str, Any] = {"model": body.model, "messages": messages, "tools": tools or None,
                               # a named tool must be offered (checked with the chat's), even with no tools
                               "tool_choice": choice if tools or isinstance(choice, dict) else None,

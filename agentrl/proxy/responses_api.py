@@ -32,7 +32,8 @@ Request, in the internal conversation:
 Accepted and ignored, counted in the session tree's ``meta["ignored"]``:
 ``reasoning`` items (the policy has none to continue) and hosted tools
 (``web_search``, ``file_search``, ...: the proxy cannot run them, so the model
-is not offered them). Ignored without a count, since they do not change what
+is not offered them; a ``tool_choice`` of ``required`` over hosted tools alone
+is counted as ``tool_choice:required``). Ignored without a count, since they do not change what
 is sampled: ``include``, ``prompt_cache_key``, ``metadata``, ``reasoning``
 settings, ``truncation``, ``user``, ``client_metadata``. Refused with a 400
 naming the field: image, file and audio parts, other item types, a
@@ -308,6 +309,8 @@ def conversation(body: ResponsesRequest, previous: StoredResponse | None) -> Con
         raise HTTPError(400, "input: the conversation is empty", param="input")
     state = _State(previous, added, echo=_echo(body))
     choice, tools = _tool_choice(body.tool_choice, _tools(body.tools or [], state, ignored))
+    if choice == "required" and not tools:  # only hosted tools were offered: nothing to require
+        ignored.append("tool_choice:required")
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
     chat = internal_request({
         "model": body.model, "messages": messages, "tools": tools or None,

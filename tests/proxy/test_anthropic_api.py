@@ -184,6 +184,15 @@ def test_server_tools_are_not_offered_and_are_counted(mock_policy, serve):
     assert _closed(server.url, sid).meta["ignored"] == {"server_tool:web_search_20250305": 2}
 
 
+def test_tool_choice_any_over_server_tools_alone_is_counted_not_dropped_silently(mock_policy, serve):
+    server = serve(mock_policy(["Searched."]))
+    sid, _ = _session(server.url)
+    search = {"type": "web_search_20250305", "name": "web_search"}
+    out = _post(server.url, _body(tools=[search], tool_choice={"type": "any"}), sid).json()
+    assert out["content"] == [{"type": "text", "text": "Searched."}]  # nothing of its own to call
+    assert _closed(server.url, sid).meta["ignored"] == {"server_tool:web_search_20250305": 1, "tool_choice:any": 1}
+
+
 # -- tool calls and their ids ---------------------------------------------------------------
 def test_tool_use_ids_round_trip_reuses_the_recorded_tokens(mock_policy, serve, tokenizer):
     server = serve(mock_policy(_adds_then_answers))

@@ -286,6 +286,15 @@ def test_function_custom_and_namespace_tools_are_offered_and_called(mock_policy,
     assert _closed(server.url, sid).meta["ignored"] == {"hosted_tool:web_search": 2, "hosted_tool:file_search": 2}
 
 
+def test_tool_choice_required_over_hosted_tools_alone_is_counted_not_dropped_silently(mock_policy, serve):
+    server = serve(mock_policy(["Searched."]))
+    sid = _session(server.url)[0]
+    out = _post(server.url, {"model": "m", "input": "Look.", "tools": [{"type": "web_search"}],
+                             "tool_choice": "required"}, sid).json()
+    assert [i["type"] for i in out["output"]] == ["message"]  # nothing of its own to call
+    assert _closed(server.url, sid).meta["ignored"] == {"hosted_tool:web_search": 1, "tool_choice:required": 1}
+
+
 def test_custom_tool_call_streams_its_input(mock_policy, serve):
     server = serve(mock_policy([f"<tool_call>\n{json.dumps({'name': 'apply_patch', 'arguments': {'input': PATCH}})}"
                                 "\n</tool_call>"]))
