@@ -436,7 +436,8 @@ class Trainer:
         finally:  # after the update: with the values it used; a failed update's trees too
             save_trees(self.out, t.output.save_trees, k + 1, trees)
         t0 = time.perf_counter()
-        sync_policy(self.policy, self.learner.model)
+        if stats.get("train/optimizer_steps", 0):  # no sample, no step: same weights, same version
+            sync_policy(self.policy, self.learner.model)
         if self.producer is not None:
             self.producer.synced(self.learner.net, self.policy.version, max_turns=self._depth_budget())
         stats["time/sync_s"] = time.perf_counter() - t0

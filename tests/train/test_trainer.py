@@ -86,7 +86,9 @@ def test_grpo_raises_held_out_success_where_lr_zero_does_not(tmp_path):
     assert rl[-1]["rollout/success"] > rl[0]["rollout/success"]
     # The trainer's logprobs of the sampled tokens match the sampler's (same weights, fp32).
     assert all(r["mismatch/max_abs_dlogprob"] < 1e-3 for r in rl if "mismatch/kl" in r)
-    assert all(r["policy/version"] == r["step"] for r in rl)
+    # One version per step that updated the weights (a step whose groups were all solved has no sample).
+    updated = [bool(r.get("train/optimizer_steps")) for r in rl]
+    assert [r["policy/version"] for r in rl] == [sum(updated[:i + 1]) for i in range(len(rl))]
     # one-turn episodes of 2 tokens: a win and a loss weigh the same, so a group's advantages cancel
     assert all(abs(r["adv/token_balance"]) < 0.35 for r in rl)
     assert all(r["time/step_s"] >= r["time/rollout_s"] + r.get("time/train_s", 0.0) for r in rl)  # the whole step
@@ -742,7 +744,11 @@ def test_a_step_without_signal_warns_and_overwrite_clears_the_old_run(tmp_path):
     assert not stale.exists()  # TensorBoard would draw the old run's curves into the new one's
     said = buf.getvalue()
     assert "step 1: no learning signal" in said and "skip_zero_advantage" in said
-    assert [r["train/no_signal"] for r in _rows(tmp_path / "metrics.jsonl") if r.get("phase") == "rl"] == [1]
+    rl = [r for r in _rows(tmp_path / "metrics.jsonl") if r.get("phase") == "rl"]
+    assert [r["train/no_signal"] for r in rl] == [1]
+    # No sample, so no optimizer step: the weights did not change, and neither does their version
+    # (a bump would age every token of the next batch by one for the staleness bounds).
+    assert [(r["train/episodes"], r["policy/version"]) for r in rl] == [(0, 0)]
 
 
 @pytest.mark.parametrize("failing", ["step", "end"])
