@@ -507,3 +507,35 @@ def test_a_run_opened_again_reads_only_the_files_that_changed(tmp_path, monkeypa
     third = again.reopen()
     assert parsed == [9] and [s.seed for s in third.summaries] == [9, 3, 4, 5]
     assert third.tree(0).meta["seed"] == 9 and third.tree(3).meta["seed"] == 5
+
+
+def test_the_loss_mask_view_marks_the_tokens_the_update_left_out(browser_context, tmp_path):
+    """The 'loss mask' colouring showed every action token as trained (its legend: 'action
+    (trained)'; its tooltip: 'loss mask 1'), also a token the update masked out (TIP,
+    staleness: null in the saved values) and every token of an episode it left out."""
+    from agentrl.viewer import write_static
+
+    t = fork_tree()
+    t.meta["token_values"] = {"1": {"advantages": [0.5, None, 2.0]},  # node 0's second token masked out
+                              "2": {"trained": False, "reason": "MC-GRPO's pivot: no gradient"},
+                              "3": {"trained": False, "reason": "failed episode, left out"}}
+    write_trees(tmp_path / "trees.jsonl", [t])
+    page = browser_context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        page.goto(write_static(Run(tmp_path / "trees.jsonl"), tmp_path / "v.html", None).as_uri() + "#tokens=0&node=0&leaf=1")
+        page.wait_for_selector("body[data-ready='1']", timeout=15_000)
+        page.wait_for_selector("#token-view .tok.act")
+        colours = page.eval_on_selector_all("#token-view .tok.act", "els => els.map(e => e.style.background)")
+        assert len(colours) == 2 and colours[0] != colours[1], colours
+        page.hover("#token-view .tok.act >> nth=1")
+        assert "left out of the update" in page.inner_text("#tok-tip")
+        assert "left out of the update" in page.inner_text("#token-legend")
+        page.goto(page.url.split("#")[0] + "#tokens=0&node=2&leaf=2")
+        page.wait_for_selector("#token-view .tok.act")
+        page.hover("#token-view .tok.act >> nth=0")
+        assert "left out of the update" in page.inner_text("#tok-tip")
+        assert errors == []
+    finally:
+        page.close()

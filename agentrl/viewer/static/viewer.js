@@ -490,7 +490,7 @@ function tokenScale(acts) {
 }
 
 function colour(mode, tok, scale) {
-  if (mode === "mask") return tok.ctx ? "#eceff3" : "#cfe3ff";
+  if (mode === "mask") return tok.ctx ? "#eceff3" : tok.dropped ? "#fde2cf" : "#cfe3ff";
   if (tok.ctx) return "transparent";
   const div = (x, m) => { // diverging: red below 0, green above
     if (x === null || x === undefined || !m) return "#f3f4f6";
@@ -512,7 +512,9 @@ function colour(mode, tok, scale) {
 
 function legend(mode, scale, t) {
   const bar = (css) => el("span", { class: "bar", style: "background:" + css });
-  if (mode === "mask") return el("span", { class: "legend" }, el("span", { class: "tok", style: "background:#cfe3ff;padding:0 6px", text: "action (trained)" }), el("span", { style: "background:#eceff3;padding:0 6px", text: "context (masked)" }));
+  if (mode === "mask") return el("span", { class: "legend" }, el("span", { class: "tok", style: "background:#cfe3ff;padding:0 6px", text: "action (trained)" }),
+    scale.dropped ? el("span", { style: "background:#fde2cf;padding:0 6px", text: "action, left out of the update" }) : null,
+    el("span", { style: "background:#eceff3;padding:0 6px", text: "context (masked)" }));
   if (mode === "logprob") return el("span", { class: "legend" }, "p = 1", bar("linear-gradient(90deg, rgba(220,38,38,.05), rgba(220,38,38,.8))"), "p → 0");
   if (mode === "entropy") return el("span", { class: "legend" }, "0", bar("linear-gradient(90deg, rgba(124,58,237,.05), rgba(124,58,237,.8))"), `${fmt(scale.ent, 2)} nats`);
   const m = mode === "advantage" ? scale.adv : scale.ratio;
@@ -536,8 +538,10 @@ function renderTokens() {
   const leaf = currentLeaf(t, n.id);
   const toks = turnTokens(t, n.id, leaf);
   const ep = t.episodes.find((e) => e.leaf === leaf);
+  // an episode the update left out trained none of its tokens; a null saved value, that token
+  if (ep && ep.trained === false) for (const tok of toks) if (!tok.ctx) tok.dropped = true;
   const acts = toks.filter((x) => !x.ctx);
-  const scale = tokenScale(acts);
+  const scale = { ...tokenScale(acts), dropped: acts.some((x) => x.dropped) };
   put($("token-head"), el("b", { text: `tree ${S.treeIndex} · node ${n.id} · turn ${n.depth + 1}` }),
     el("span", { class: "muted", text: ` · episode ending at leaf ${leaf ?? "–"} · ${acts.length} action tokens, ${toks.length - acts.length} context tokens` }),
     el("div", { class: "small muted", text: `mean logprob ${fmt(mean(acts.map((x) => x.lp)), 3)} · mean entropy ${fmt(mean(acts.map((x) => x.ent)), 3)} · advantages: ${t.credit.note}`
@@ -567,7 +571,7 @@ function renderTokens() {
     const tip = $("tok-tip");
     if (!s) { tip.hidden = true; return; }
     const tok = toks[Number(s.dataset.k)];
-    const rows = [["token", JSON.stringify(tokenText(t, tok.id))], ["id", tok.id], ["node", tok.node], ["loss mask", tok.ctx ? "0 (context)" : "1 (action)"]];
+    const rows = [["token", JSON.stringify(tokenText(t, tok.id))], ["id", tok.id], ["node", tok.node], ["loss mask", tok.ctx ? "0 (context)" : tok.dropped ? "0 (an action token, left out of the update)" : "1 (action)"]];
     if (!tok.ctx) {
       rows.push(["logprob", fmt(tok.lp, 4)], ["p", tok.lp === null || tok.lp === undefined ? "–" : fmt(Math.exp(tok.lp), 4)],
         ["entropy", fmt(tok.ent, 4)], ["advantage", tok.adv === null || tok.adv === undefined ? (tok.dropped ? "– (masked out of the update)" : "–") : sfmt(tok.adv, 4)]);
