@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import threading
 from collections.abc import Iterable, Iterator
 from functools import cache
 from importlib import resources
@@ -152,7 +153,8 @@ def write_static(run: Run, out: str | Path, decode: Decoder | None, tokenizer_no
         index["about"]["note"] = f"this file holds the first {n} of {len(run)} trees"
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    # a name of this writer's own: two writers of one page must not share (and truncate) one file
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
             for part in _page_parts(index, _drawable(run, n, decode, failed)):

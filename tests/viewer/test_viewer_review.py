@@ -539,3 +539,32 @@ def test_the_loss_mask_view_marks_the_tokens_the_update_left_out(browser_context
         assert errors == []
     finally:
         page.close()
+
+
+def test_two_static_pages_written_to_one_path_at_once_both_finish_whole(tmp_path):
+    """Both writers used the one temporary name .v.html.tmp: the second truncated what the
+    first was writing, and whichever renamed it second found it gone (FileNotFoundError),
+    or the page kept a mix of both."""
+    import re
+
+    from agentrl.viewer import write_static
+
+    write_trees(tmp_path / "trees.jsonl", [fork_tree(k) for k in range(300)])
+    run_a, run_b = Run(tmp_path / "trees.jsonl"), Run(tmp_path / "trees.jsonl")
+    errors: list[BaseException] = []
+
+    def write(run):
+        try:
+            write_static(run, tmp_path / "v.html", None)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(r,)) for r in (run_a, run_b)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert errors == []
+    html = (tmp_path / "v.html").read_text()
+    assert len(re.findall(r'id="tree-\d+"', html)) == 300 and html.rstrip().endswith("</html>")
+    assert not list(tmp_path.glob(".v.html*"))  # no temporary file left behind
