@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,9 +179,15 @@ def _int_x(ax: Any) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+def _own_tmp(out: Path, name: str, suffix: str = "") -> Path:
+    """A temporary name of this writer's own beside ``out/name``: two reports written into one
+    folder at once must not share one (the second renamed a file the first had moved)."""
+    return out / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp{suffix}"
+
+
 def _save(fig: Any, out: Path, name: str) -> str:
     path = out / name
-    tmp = out / f".{name}.tmp.png"
+    tmp = _own_tmp(out, name, ".png")  # savefig picks the format from the suffix
     fig.tight_layout()
     fig.savefig(tmp, dpi=90)
     _plt().close(fig)
@@ -483,7 +490,7 @@ def write_report(paths: list[str | Path], out: str | Path | None = None) -> Path
         plots = {"curves": _plot_curves(runs, folder), "families": _plot_families(runs, folder),
                  "lengths": _plot_lengths(runs, folder), "budget": _plot_budget(runs, folder), "divergence": div}
     md = folder / "report.md"
-    tmp = folder / ".report.md.tmp"
+    tmp = _own_tmp(folder, "report.md")
     tmp.write_text(_markdown(runs, plots, notes) + "\n", encoding="utf-8")
     os.replace(tmp, md)
     return md

@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from agentrl.types import write_trees
 from agentrl.viewer import Run, ViewerServer
@@ -568,3 +569,39 @@ def test_two_static_pages_written_to_one_path_at_once_both_finish_whole(tmp_path
     html = (tmp_path / "v.html").read_text()
     assert len(re.findall(r'id="tree-\d+"', html)) == 300 and html.rstrip().endswith("</html>")
     assert not list(tmp_path.glob(".v.html*"))  # no temporary file left behind
+
+
+def test_two_reports_written_into_one_folder_at_once_both_finish(tmp_path, monkeypatch):
+    """Every plot went through one temporary name (.NAME.tmp.png), and report.md through
+    .report.md.tmp: two 'agentrl report RUN' at once (measured: 2 of 3 processes) failed with
+    FileNotFoundError when the other had renamed the file first."""
+    from types import SimpleNamespace
+
+    from agentrl.viewer import report
+
+    monkeypatch.setattr(report, "_plt", lambda: SimpleNamespace(close=lambda fig: None))
+    both = threading.Barrier(2)
+
+    class Fig:  # writes its file, then waits for the other writer to have written its own
+        def tight_layout(self):
+            pass
+
+        def savefig(self, path, dpi):
+            Path(path).write_bytes(b"png")
+            both.wait(timeout=10)
+
+    errors: list[BaseException] = []
+
+    def save():
+        try:
+            report._save(Fig(), tmp_path, "plot.png")
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=save) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=30)
+    assert errors == [] and (tmp_path / "plot.png").read_bytes() == b"png"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]
