@@ -188,10 +188,15 @@ def _own_tmp(out: Path, name: str, suffix: str = "") -> Path:
 def _save(fig: Any, out: Path, name: str) -> str:
     path = out / name
     tmp = _own_tmp(out, name, ".png")  # savefig picks the format from the suffix
-    fig.tight_layout()
-    fig.savefig(tmp, dpi=90)
-    _plt().close(fig)
-    os.replace(tmp, path)
+    try:
+        fig.tight_layout()
+        fig.savefig(tmp, dpi=90)
+        os.replace(tmp, path)
+    except BaseException:  # Ctrl-C, a full disk: no half-written plot left in the folder
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        _plt().close(fig)
     return name
 
 
@@ -491,6 +496,10 @@ def write_report(paths: list[str | Path], out: str | Path | None = None) -> Path
                  "lengths": _plot_lengths(runs, folder), "budget": _plot_budget(runs, folder), "divergence": div}
     md = folder / "report.md"
     tmp = _own_tmp(folder, "report.md")
-    tmp.write_text(_markdown(runs, plots, notes) + "\n", encoding="utf-8")
-    os.replace(tmp, md)
+    try:
+        tmp.write_text(_markdown(runs, plots, notes) + "\n", encoding="utf-8")
+        os.replace(tmp, md)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return md

@@ -605,3 +605,26 @@ def test_two_reports_written_into_one_folder_at_once_both_finish(tmp_path, monke
         th.join(timeout=30)
     assert errors == [] and (tmp_path / "plot.png").read_bytes() == b"png"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]
+
+
+def test_a_report_plot_interrupted_mid_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """Ctrl-C while matplotlib wrote a plot left its temporary file in the report folder."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from agentrl.viewer import report
+
+    monkeypatch.setattr(report, "_plt", lambda: SimpleNamespace(close=lambda fig: None))
+
+    class Fig:
+        def tight_layout(self):
+            pass
+
+        def savefig(self, path, dpi):
+            Path(path).write_bytes(b"pn")
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        report._save(Fig(), tmp_path, "plot.png")
+    assert list(tmp_path.iterdir()) == []
