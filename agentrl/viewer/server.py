@@ -138,6 +138,7 @@ class ViewerServer:
             self._ready.set()
         else:
             threading.Thread(target=self._load, args=(load_decoder,), daemon=True).start()
+        self._serving = False
         self.httpd = _BoundedServer((host, port), self._handler())
         self.loopback_only = _is_loopback(host)
         self._hosts = {*_LOOPBACK_NAMES, host}
@@ -264,13 +265,17 @@ class ViewerServer:
         return Handler
 
     def serve_forever(self) -> None:
+        self._serving = True
         self.httpd.serve_forever()
 
     def start(self) -> ViewerServer:
         """Serve in a daemon thread (tests, notebooks); ``close()`` stops it."""
+        self._serving = True  # before the thread: a close() right after must still stop it
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         return self
 
     def close(self) -> None:
-        self.httpd.shutdown()
+        """Stop serving (if it was) and close the socket."""
+        if self._serving:  # shutdown() waits for serve_forever to end: for ever if it never ran
+            self.httpd.shutdown()
         self.httpd.server_close()

@@ -205,7 +205,7 @@ def test_the_server_keeps_a_bounded_number_of_bytes_of_trees_not_just_of_trees(t
     server._trees.clear()
     server.tree_json(0)
     assert not server._trees
-    server.httpd.server_close()
+    server.close()
 
 
 def test_a_file_of_lines_that_are_no_trees_is_counted_not_listed_line_by_line(tmp_path):
@@ -628,3 +628,14 @@ def test_a_report_plot_interrupted_mid_write_leaves_no_temporary_file(tmp_path, 
     with pytest.raises(KeyboardInterrupt):
         report._save(Fig(), tmp_path, "plot.png")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_close_of_a_server_never_started_returns(tmp_path):
+    """socketserver's shutdown() waits for serve_forever to end; on a server made but never
+    started (a notebook, a test, a start that failed) close() waited for ever."""
+    write_trees(tmp_path / "trees.jsonl", [fork_tree()])
+    server = ViewerServer(Run(tmp_path / "trees.jsonl"), port=0)
+    closing = threading.Thread(target=server.close, daemon=True)
+    closing.start()
+    closing.join(timeout=5)
+    assert not closing.is_alive(), "close() of a server never started hung"
