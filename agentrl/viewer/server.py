@@ -134,12 +134,12 @@ class ViewerServer:
         self.generation = 0  # bumped each time the run is indexed again
         self._reindex = threading.Lock()
         self._page = render_page().encode("utf-8")
+        self._serving = False
+        self.httpd = _BoundedServer((host, port), self._handler())  # first: a busy port loads nothing
         if load_decoder is None:
             self._ready.set()
         else:
             threading.Thread(target=self._load, args=(load_decoder,), daemon=True).start()
-        self._serving = False
-        self.httpd = _BoundedServer((host, port), self._handler())
         self.loopback_only = _is_loopback(host)
         self._hosts = {*_LOOPBACK_NAMES, host}
 

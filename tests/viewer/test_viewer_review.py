@@ -639,3 +639,21 @@ def test_close_of_a_server_never_started_returns(tmp_path):
     closing.start()
     closing.join(timeout=5)
     assert not closing.is_alive(), "close() of a server never started hung"
+
+
+def test_a_server_that_cannot_bind_loads_no_tokenizer(tmp_path):
+    """The tokenizer thread started before the port was bound: on a busy port, 'agentrl view'
+    said so and exited while a daemon thread was still importing transformers."""
+    import socket
+
+    import pytest
+
+    write_trees(tmp_path / "trees.jsonl", [fork_tree()])
+    called = threading.Event()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(OSError):
+            ViewerServer(Run(tmp_path / "trees.jsonl"), port=busy.getsockname()[1],
+                         load_decoder=lambda: (called.set(), (None, "x"))[1])
+    assert not called.wait(0.5)
