@@ -297,22 +297,25 @@ class Run:
         step = _step_of(file)
         name = str(file.relative_to(self.root)) if file.is_relative_to(self.root) else file.name
         offset = 0
-        with open(file, "rb") as fh:
-            for lineno, line in enumerate(fh, 1):
-                start, offset = offset, offset + len(line)
-                if not line.strip():
-                    continue
-                try:
-                    data = json.loads(line)
-                    summary = summarize_tree_dict(data, len(self.refs), name, step)
-                except BadLinks as e:
-                    self._skip(f"{name}:{lineno} ({e})")
-                    continue
-                except (ValueError, KeyError, TypeError, AttributeError, RecursionError):  # nested too deep
-                    self._skip(f"{name}:{lineno}")
-                    continue
-                self.refs.append(TreeRef(len(self.refs), file, start, len(line), zlib.crc32(line)))
-                self.summaries.append(summary)
+        try:
+            with open(file, "rb") as fh:
+                for lineno, line in enumerate(fh, 1):
+                    start, offset = offset, offset + len(line)
+                    if not line.strip():
+                        continue
+                    try:
+                        data = json.loads(line)
+                        summary = summarize_tree_dict(data, len(self.refs), name, step)
+                    except BadLinks as e:
+                        self._skip(f"{name}:{lineno} ({e})")
+                        continue
+                    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):  # nested too deep
+                        self._skip(f"{name}:{lineno}")
+                        continue
+                    self.refs.append(TreeRef(len(self.refs), file, start, len(line), zlib.crc32(line)))
+                    self.summaries.append(summary)
+        except OSError as e:  # deleted since listed (old steps pruned), no permission: the rest still show
+            self._skip(f"{name} (unreadable: {type(e).__name__}: {e.strerror or e})")
 
     def _skip(self, where: str) -> None:
         self.skipped_count += 1

@@ -657,3 +657,20 @@ def test_a_server_that_cannot_bind_loads_no_tokenizer(tmp_path):
             ViewerServer(Run(tmp_path / "trees.jsonl"), port=busy.getsockname()[1],
                          load_decoder=lambda: (called.set(), (None, "x"))[1])
     assert not called.wait(0.5)
+
+
+def test_a_trees_file_that_cannot_be_read_is_named_and_the_others_are_shown(tmp_path, monkeypatch):
+    """A step's file deleted between the folder's listing and its reading (old steps pruned
+    while the viewer indexes), or one another user's permissions keep from this one, raised
+    out of Run(): the viewer and the report showed nothing of the run."""
+    from agentrl.viewer import run as run_module
+
+    (tmp_path / "trees").mkdir()
+    write_trees(tmp_path / "trees" / "step-000001.jsonl", [fork_tree(1)])
+    write_trees(tmp_path / "trees" / "step-000002.jsonl", [fork_tree(2)])
+    real = run_module.tree_files
+    monkeypatch.setattr(run_module, "tree_files", lambda path: [*real(path)[:1], tmp_path / "trees" / "gone.jsonl",
+                                                                 *real(path)[1:]])
+    run = Run(tmp_path)
+    assert [s.seed for s in run.summaries] == [1, 2] and run.tree(1).meta["seed"] == 2
+    assert run.skipped_count == 1 and run.skipped[0].startswith("trees/gone.jsonl (unreadable: FileNotFoundError")
