@@ -360,9 +360,13 @@ class Run:
     def tree(self, index: int) -> RolloutTree:
         """Tree ``index``, parsed from its file now."""
         ref = self.refs[index]
-        with open(ref.file, "rb") as fh:
-            fh.seek(ref.offset)
-            line = fh.read(ref.length)
+        try:
+            with open(ref.file, "rb") as fh:
+                fh.seek(ref.offset)
+                line = fh.read(ref.length)
+        except FileNotFoundError:
+            raise RunChanged(f"{ref.file} was deleted since the run was indexed: reload the page, "
+                             "or open the run again") from None
         if zlib.crc32(line) != ref.crc:  # whatever lies there now is not tree ``index``
             raise RunChanged(f"{ref.file} changed since the run was indexed (its line of tree {index} "
                              "is not there any more): reload the page, or open the run again")

@@ -674,3 +674,27 @@ def test_a_trees_file_that_cannot_be_read_is_named_and_the_others_are_shown(tmp_
     run = Run(tmp_path)
     assert [s.seed for s in run.summaries] == [1, 2] and run.tree(1).meta["seed"] == 2
     assert run.skipped_count == 1 and run.skipped[0].startswith("trees/gone.jsonl (unreadable: FileNotFoundError")
+
+
+def test_a_tree_whose_file_was_deleted_since_indexing_says_the_run_changed(tmp_path):
+    """Old steps pruned while the page is open: the tree was a 500 'FileNotFoundError', not
+    the 409 'reload' of every other change to the run."""
+    from agentrl.viewer.run import RunChanged
+
+    (tmp_path / "trees").mkdir()
+    write_trees(tmp_path / "trees" / "step-000001.jsonl", [fork_tree(1)])
+    server = ViewerServer(Run(tmp_path), port=0).start()
+    try:
+        (tmp_path / "trees" / "step-000001.jsonl").unlink()
+        try:
+            server.run.tree(0)
+            raise AssertionError("a deleted file's tree was read")
+        except RunChanged as e:
+            assert "step-000001.jsonl" in str(e)
+        import pytest
+
+        with pytest.raises(urllib.error.HTTPError) as got:
+            urllib.request.urlopen(server.url + "api/tree/0", timeout=10)
+        assert got.value.code == 409 and "reload" in json.loads(got.value.read())["error"]
+    finally:
+        server.close()
