@@ -16,17 +16,22 @@ starts the harness command with these environment variables::
 ``$NAME`` and ``${NAME}`` in the command's arguments are replaced by these
 (and by ``extra_env``), so a CLI that never reads the environment takes the
 task and the URLs as arguments: ``claude -p "$AGENTRL_TASK"``. With
-``submit="stdout"``, the harness's standard output, once it exits, is the
-env's next action (the answer of an agent program that never calls the env
-server). Then it waits for it, reads the reward and closes the session into a
-``RolloutTree``. Outcomes sort in two columns:
+``submit="stdout"``, the harness's whole standard output (at most 1,000,000
+characters), once it exits, is the env's next action (the answer of an agent
+program that never calls the env server). Then it waits for it, reads the
+reward and closes the session into a ``RolloutTree``. Outcomes sort in two
+columns:
 
 - the harness finished (exit code 0): the reward is the env's summed reward
   (or the ``verifier``'s, given the tree), put on the session's last call, and
-  the last node is ``terminated`` if the env says so, else ``truncated``;
+  the last node is ``terminated`` if the env says so, else ``truncated``.
+  With an env or a verifier, these are the tree's only rewards: one the
+  harness posted with its session key is zeroed (``meta["dropped_rewards"]``
+  counts them), since it is no outcome;
 - the episode failed, outside what training should score: the harness
   crashed (non-zero exit), hung past ``timeout`` (its process group is
-  killed), the env could not be made, or its reward could not be read. The tree comes back with
+  killed), the env could not be made, or its reward could not be read (or
+  was not finite). The env and the session are closed whatever failed. The tree comes back with
   ``meta["error"]`` (and the last node's ``error``) holding the reason, and the
   output tails in ``meta["harness"]``. Nothing is raised, so the run goes on.
 
@@ -37,7 +42,9 @@ tree to return.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
+import math
 import os
 import re
 import shlex
@@ -58,6 +65,7 @@ __all__ = ["EnvServer", "SessionHandle", "drop_session", "expand_argv", "harness
            "run_harness_episode"]
 
 _TAIL = 4000  # characters of stdout/stderr kept for the record
+_ANSWER_CHARS = 1_000_000  # the longest answer on stdout (the env server's limit on an action)
 _VAR = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
 
 
@@ -134,13 +142,29 @@ async def _call(method: str, url: str, headers: dict[str, str], body: Any = None
     return r.json()
 
 
-async def _tail(stream: asyncio.StreamReader | None, out: list[str]) -> None:
+@dataclass(slots=True)
+class _Captured:
+    """A stream's text, decoded as UTF-8 across reads (a character split between two reads is
+    kept whole): all of it while it holds at most ``keep`` characters, then only the last
+    ``_TAIL`` (``whole`` False)."""
+
+    keep: int = _TAIL
+    text: str = ""
+    whole: bool = True
+
+    def add(self, text: str) -> None:
+        self.text += text
+        if len(self.text) > self.keep:
+            self.text, self.whole = self.text[-_TAIL:], False
+
+
+async def _capture(stream: asyncio.StreamReader | None, out: _Captured) -> None:
     if stream is None:
         return
-    kept = ""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
     while chunk := await stream.read(65536):
-        kept = (kept + chunk.decode(errors="replace"))[-_TAIL:]
-        out[0] = kept
+        out.add(decoder.decode(chunk))
+    out.add(decoder.decode(b"", final=True))
 
 
 def _kill_group(proc: asyncio.subprocess.Process) -> None:
@@ -148,14 +172,16 @@ def _kill_group(proc: asyncio.subprocess.Process) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-async def _run(argv: list[str], env: dict[str, str], timeout: float | None, cwd: str | None) -> dict[str, Any]:
-    """Run the harness; its exit code (None on timeout), output tails and wall time."""
+async def _run(argv: list[str], env: dict[str, str], timeout: float | None, cwd: str | None,
+               out: _Captured) -> dict[str, Any]:
+    """Run the harness; its exit code (None on timeout), output tails and wall time. Its
+    standard output goes to ``out`` (which keeps what it was asked to)."""
     t0 = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
         *argv, env=env, cwd=cwd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, start_new_session=True)
-    out, err = [""], [""]
-    readers = asyncio.gather(_tail(proc.stdout, out), _tail(proc.stderr, err))
+    err = _Captured()
+    readers = asyncio.gather(_capture(proc.stdout, out), _capture(proc.stderr, err))
     code: int | None
     try:
         code = await asyncio.wait_for(proc.wait(), timeout)
@@ -168,7 +194,7 @@ async def _run(argv: list[str], env: dict[str, str], timeout: float | None, cwd:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(readers, 5)
     return {"cmd": argv, "returncode": code, "wall_s": time.monotonic() - t0,
-            "stdout_tail": out[0], "stderr_tail": err[0]}
+            "stdout_tail": out.text[-_TAIL:], "stderr_tail": err.text[-_TAIL:]}
 
 
 async def run_harness_episode(
@@ -206,22 +232,16 @@ async def run_harness_episode(
                        AGENTRL_TASK=str(made.get("observation", "")))
         except ProxyError as e:
             error = f"env could not be made: {e}"
-    argv = expand_argv(argv, env)
     run: dict[str, Any] = {"cmd": argv, "returncode": None}
-    if error is None:
-        try:
-            run = await _run(argv, env, timeout, cwd)
-        except OSError as e:  # not found, not executable: this episode fails with the reason
-            run = {"cmd": argv, "returncode": None, "stdout_tail": "", "stderr_tail": str(e)}
-            error = f"the harness command could not start: {e}"
-    if error is None:
-        if run["returncode"] is None:
-            error = f"harness timed out after {timeout:g}s"
-        elif run["returncode"] != 0:
-            said = run["stderr_tail"].strip() or run["stdout_tail"].strip()  # CLIs print errors to either
-            error = f"harness exited with code {run['returncode']}: {said[-500:]}"
-    if error is None and submit == "stdout" and instance is not None and env_server is not None:
-        error = await _submit(env_server, instance, env_headers, run["stdout_tail"].strip())
+    stdout = _Captured(_ANSWER_CHARS if submit == "stdout" else _TAIL)  # the answer is all of it
+    try:  # whatever fails in here, the env and the session below are still closed
+        argv = run["cmd"] = expand_argv(argv, env)
+        if error is None:
+            run, error = await _play(argv, env, timeout, cwd, stdout)
+        if error is None and submit == "stdout" and instance is not None and env_server is not None:
+            error = await _submit(env_server, instance, env_headers, stdout)
+    except Exception as e:  # a bug of ours: this episode fails, loudly, and the run goes on
+        error = f"harness runner error {type(e).__name__}: {e}"
     state = None
     if instance is not None and env_server is not None:
         try:
@@ -231,10 +251,17 @@ async def run_harness_episode(
                 error = f"the env's reward could not be read: {e}"
     sess_url = f"{session.proxy_url}/sessions/{session.session_id}"
     headers = session.headers()
+    rewarded: list[int] = []
     if error is None:
-        error = await _reward(sess_url, headers, state, verifier)
+        try:
+            error, rewarded = await _reward(sess_url, headers, state, verifier)
+        except ProxyError as e:  # the session is closed below all the same
+            error = f"the reward could not be posted: {e}"
     tree = RolloutTree.from_dict(await _call("POST", f"{sess_url}/close", headers))
     tree.meta["harness"] = run
+    if env_server is not None or verifier is not None:  # the env or the verifier scores, not the harness
+        if dropped := _drop_rewards_but(tree, set(rewarded)):
+            tree.meta["dropped_rewards"] = dropped
     if state is not None:
         tree.meta["env"] = {k: state[k] for k in ("env_id", "reward", "terminated", "truncated", "steps")}
     if error is not None:
@@ -245,32 +272,68 @@ async def run_harness_episode(
     return tree
 
 
-async def _submit(env_server: EnvServer, instance: str, headers: dict[str, str], answer: str) -> str | None:
-    """Step the env with the harness's answer, unless its episode already ended; a failure reason, or None."""
+async def _play(argv: list[str], env: dict[str, str], timeout: float | None, cwd: str | None,
+                stdout: _Captured) -> tuple[dict[str, Any], str | None]:
+    """Run the harness: its record (``_run``) and why its episode failed, or None."""
+    try:
+        run = await _run(argv, env, timeout, cwd, stdout)
+    except (OSError, ValueError) as e:  # not found, not executable, a NUL byte: this episode fails
+        run = {"cmd": argv, "returncode": None, "stdout_tail": "", "stderr_tail": str(e)}
+        return run, f"the harness command could not start: {e}"
+    if run["returncode"] is None:
+        return run, f"harness timed out after {timeout:g}s"
+    if run["returncode"] != 0:
+        said = run["stderr_tail"].strip() or run["stdout_tail"].strip()  # CLIs print errors to either
+        return run, f"harness exited with code {run['returncode']}: {said[-500:]}"
+    return run, None
+
+
+def _drop_rewards_but(tree: RolloutTree, kept: set[int]) -> int:
+    """Zero every reward but those on ``kept`` (the runner's own); how many were zeroed.
+
+    The harness holds its session's key, which may post rewards: where the env or a
+    verifier scores the episode, a reward the harness put on its own calls is not
+    the episode's outcome, and training on it would teach the model to post one."""
+    dropped = 0
+    for node in tree.nodes.values():
+        if node.id not in kept and node.reward != 0.0:
+            node.reward, dropped = 0.0, dropped + 1
+    return dropped
+
+
+async def _submit(env_server: EnvServer, instance: str, headers: dict[str, str], stdout: _Captured) -> str | None:
+    """Step the env with the harness's answer (its whole standard output), unless its episode
+    already ended; a failure reason, or None."""
+    if not stdout.whole:
+        return f"the harness's answer on stdout is over {_ANSWER_CHARS} characters; it was not submitted"
     try:
         state = await _call("GET", f"{env_server.url}/envs/{instance}", headers)
         if not (state["terminated"] or state["truncated"]):
-            await _call("POST", f"{env_server.url}/envs/{instance}/step", headers, {"action": answer})
+            await _call("POST", f"{env_server.url}/envs/{instance}/step", headers, {"action": stdout.text.strip()})
     except ProxyError as e:
         return f"the harness's answer could not be submitted to the env: {e}"
     return None
 
 
 async def _reward(sess_url: str, headers: dict[str, str], state: dict[str, Any] | None,
-                  verifier: Callable[[RolloutTree], float] | None) -> str | None:
-    """Post the episode's reward to the session; a failure reason, or None."""
+                  verifier: Callable[[RolloutTree], float] | None) -> tuple[str | None, list[int]]:
+    """Post the episode's reward to the session: a failure reason (or None), and the nodes
+    the reward went to."""
     summary = await _call("GET", sess_url, headers)
     if not summary["calls"]:
-        return "the harness made no model call"
+        return "the harness made no model call", []
     if verifier is not None:
         try:
             reward = float(verifier(RolloutTree.from_dict(await _call("GET", f"{sess_url}/tree", headers))))
         except Exception as e:  # fails this episode, not the run; the traceback says where
-            return f"verifier failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=-8)}"
+            return f"verifier failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=-8)}", []
         terminated = True
     elif state is not None:
         reward, terminated = float(state["reward"]), bool(state["terminated"])
     else:
-        return None
-    await _call("POST", f"{sess_url}/reward", headers, {"reward": reward, "terminated": terminated})
-    return None
+        return None, []
+    if not math.isfinite(reward):  # it would reach every advantage of its group
+        by = "verifier" if verifier is not None else "env"
+        return f"the {by} returned a reward of {reward}: rewards are finite", []
+    posted = await _call("POST", f"{sess_url}/reward", headers, {"reward": reward, "terminated": terminated})
+    return None, list(posted["nodes"])

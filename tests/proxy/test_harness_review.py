@@ -1,0 +1,121 @@
+"""run_harness_episode under hostile or unlucky harnesses: what it submits, what it leaks, what it trusts."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any
+
+import httpx
+import pytest
+
+from agentrl.env import TextEnv, register_env
+from agentrl.proxy import RunningServer
+from agentrl.proxy.envserver import EnvServerConfig, create_env_app
+from agentrl.proxy.harness import EnvServer, open_session, run_harness_episode
+
+TOKEN = "env-t0k"
+ADMIN = "proxy-admin"
+
+
+class ExactAnswerEnv(TextEnv):
+    """Reward 1 when the action is exactly ``answer`` (as given), else 0; one step ends it."""
+
+    def __init__(self, answer: str = "42"):
+        super().__init__()
+        self.answer = answer
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return "Answer.", {"instruction": "Answer."}
+
+    def step(self, action: str):
+        return "done", float(action == self.answer), True, False, {"got_chars": len(action)}
+
+
+register_env("review/ExactAnswer-v0", entry_point=ExactAnswerEnv)
+
+# One model call, then the answer on stdout (from $ANSWER).
+ONE_CALL = '''
+import os
+from openai import OpenAI
+OpenAI().chat.completions.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+print(os.environ["ANSWER"])
+'''
+
+
+@pytest.fixture
+def servers(mock_policy, serve):
+    proxy = serve(mock_policy(["ok"] * 50), token=ADMIN)
+    with RunningServer(create_env_app(EnvServerConfig(token=TOKEN))) as envs:
+        yield proxy, envs
+
+
+def _episode(proxy, env, cmd, **kw):
+    async def run():
+        session = await open_session(proxy.url, ADMIN)
+        return session, await run_harness_episode(cmd, session, env, timeout=60, **kw)
+    return asyncio.run(run())
+
+
+def test_a_long_stdout_answer_is_submitted_whole_and_utf8_intact(servers):
+    pytest.importorskip("openai")
+    proxy, envs = servers
+    answer = "é" * 60_000  # over the 4000-character tail, and two-byte characters across 64 KiB reads
+    env = EnvServer(envs.url, TOKEN, "review/ExactAnswer-v0", kwargs={"answer": answer})
+    _, tree = _episode(proxy, env, [sys.executable, "-c", ONE_CALL], submit="stdout",
+                       extra_env={"ANSWER": answer})
+    assert "error" not in tree.meta, tree.meta.get("error")
+    assert tree.meta["env"]["reward"] == 1.0
+    assert len(tree.meta["harness"]["stdout_tail"]) <= 4000  # the record keeps a tail only
+
+
+def test_a_verifier_that_returns_nan_fails_the_episode_and_closes_the_session(servers):
+    pytest.importorskip("openai")
+    proxy, envs = servers
+    env = EnvServer(envs.url, TOKEN, "review/ExactAnswer-v0")
+    session, tree = _episode(proxy, env, [sys.executable, "-c", ONE_CALL], extra_env={"ANSWER": "1"},
+                             verifier=lambda t: float("nan"))
+    assert "verifier" in tree.meta["error"] and "nan" in tree.meta["error"]
+    assert proxy.app.proxy.sessions[session.session_id].closed
+    assert all(n.reward == 0.0 for n in tree.nodes.values())
+
+
+def test_a_harness_cannot_score_itself_through_its_session_key(servers):
+    """The harness holds its session's key (OPENAI_API_KEY): the reward it posts for its own
+    calls does not reach the tree; only the env's reward does."""
+    pytest.importorskip("openai")
+    proxy, envs = servers
+    cheat = ONE_CALL + '''
+import httpx
+base, key = os.environ["ANTHROPIC_BASE_URL"], os.environ["OPENAI_API_KEY"]
+h = {"Authorization": "Bearer " + key}
+calls = httpx.get(base, headers=h).json()["calls"]
+OpenAI().chat.completions.create(model="m", max_tokens=4, messages=[
+    {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}])
+httpx.post(base + "/reward", headers=h, json={"reward": 100.0, "call_id": calls[0]["call_id"]})
+httpx.post(base + "/reward", headers=h, json={"reward": 100.0})
+'''
+    env = EnvServer(envs.url, TOKEN, "review/ExactAnswer-v0", kwargs={"answer": "right"})
+    _, tree = _episode(proxy, env, [sys.executable, "-c", cheat], submit="stdout", extra_env={"ANSWER": "wrong"})
+    assert "error" not in tree.meta, tree.meta.get("error")
+    assert tree.meta["env"]["reward"] == 0.0
+    assert len(tree.nodes) == 2 and len(tree.roots) == 1  # one path: the first call is not its leaf
+    assert [n.reward for n in tree.nodes.values()] == [0.0, 0.0]
+
+
+def test_an_exception_inside_the_episode_closes_its_env_and_session(servers):
+    """A harness argv the OS refuses with a ValueError (a NUL byte), not an OSError."""
+    proxy, envs = servers
+    env = EnvServer(envs.url, TOKEN, "review/ExactAnswer-v0")
+    session = None
+
+    async def run():
+        nonlocal session
+        session = await open_session(proxy.url, ADMIN)
+        return await run_harness_episode([sys.executable, "-c", "print(1)", "a\x00b"], session, env, timeout=10)
+
+    tree = asyncio.run(run())
+    assert "could not start" in tree.meta["error"] and not tree.nodes
+    assert proxy.app.proxy.sessions[session.session_id].closed
+    assert httpx.get(f"{envs.url}/health", headers={"Authorization": f"Bearer {TOKEN}"}).json()["envs"] == 0
