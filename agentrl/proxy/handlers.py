@@ -27,13 +27,14 @@ Codex end their whole run on a cut reply), and the recorded node keeps
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 import time
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -198,7 +199,16 @@ def _most_bytes_a_token_holds(tokenizer: Any) -> int:
     return most
 
 
-def check_text_fits(proxy: Proxy, req: ChatRequest, param: str) -> None:
+def text_size(req: ChatRequest) -> int:
+    """Characters of the messages' text."""
+    size = 0
+    for m in req.messages:
+        texts = [m.content] if isinstance(m.content, str) else [p.text for p in m.content or ()]
+        size += sum(map(len, texts))
+    return size
+
+
+def check_text_fits(proxy: Proxy, req: ChatRequest, param: str) -> int:
     """Refuse a prompt whose messages' text alone cannot fit the context budget, without
     rendering it: every token holds at most ``_most_bytes_a_token_holds`` bytes, and a character
     is at least one byte, so the prompt has at least (text characters) / that many tokens.
@@ -206,16 +216,29 @@ def check_text_fits(proxy: Proxy, req: ChatRequest, param: str) -> None:
     7 MB body held the event loop, and with it every session and stream, for 7-10 s before the
     budget's 400."""
     budget = proxy.cfg.max_context_tokens
-    size = 0
-    for m in req.messages:
-        texts = [m.content] if isinstance(m.content, str) else [p.text for p in m.content or ()]
-        size += sum(map(len, texts))
+    size = text_size(req)
     if size <= budget:  # fewer characters than the budget's tokens: it may fit
-        return
+        return size
     at_least = size // _most_bytes_a_token_holds(proxy.tokenizer)
     if at_least > budget:
         raise HTTPError(400, f"the prompt is at least {at_least} tokens ({size} characters of message text), over "
                         f"the context budget of {budget}", param=param, code="context_length_exceeded")
+    return size
+
+
+# Message text past this many characters is rendered and tokenized on a thread (the tokenizer
+# releases the GIL): on the event loop a long history that fits a large budget held every other
+# session and stream, about a second a megabyte. A plan only reads its session (a call is recorded
+# nodes first, then its keys), so planning beside the loop sees a recorded call whole or not at all.
+OFF_LOOP_CHARS = 20_000
+T = TypeVar("T")
+
+
+async def off_loop_if_long(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a thread when the prompt's text is long, else here."""
+    if size > OFF_LOOP_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 def render_plan(proxy: Proxy, session: Session | None, spec: PromptSpec, param: str) -> Plan:
@@ -228,6 +251,11 @@ def render_plan(proxy: Proxy, session: Session | None, spec: PromptSpec, param: 
         return Plan("chat", _render_whole(proxy, spec), None, [])
     except TemplateError as e:
         raise HTTPError(400, f"{param}: the chat template cannot render them: {e}", param=param) from e
+
+
+def _spec_and_plan(proxy: Proxy, session: Session | None, req: ChatRequest, param: str) -> tuple[PromptSpec, Plan]:
+    spec = _spec(proxy, req)
+    return spec, render_plan(proxy, session, spec, param)
 
 
 def _whole(message: dict[str, Any] | None, prefill: str | None) -> dict[str, Any]:
@@ -267,11 +295,10 @@ def chat_endpoint(proxy: Proxy, wire: Wire) -> Handler:
         conv = wire.conversation(body, proxy, session)
         req = conv.chat
         _check_named_tool(req)
-        check_text_fits(proxy, req, wire.prompt_param)
+        size = check_text_fits(proxy, req, wire.prompt_param)
         if session is not None and conv.ignored:
             session.note_ignored(conv.ignored)
-        spec = _spec(proxy, req)
-        plan = render_plan(proxy, session, spec, wire.prompt_param)
+        spec, plan = await off_loop_if_long(size, _spec_and_plan, proxy, session, req, wire.prompt_param)
         max_new = proxy.max_new_tokens(len(plan.prompt_ids), req.max_tokens, wire.prompt_param,
                                        wire.max_tokens_param)
         top = (req.top_logprobs or 0) if req.logprobs else 0
@@ -330,11 +357,12 @@ def count_tokens_endpoint(proxy: Proxy, wire: Wire, schema: type[BaseModel]) -> 
     async def count(request: Request) -> Response:
         session = proxy.resolve(request)
         body = await read_json(request, schema, proxy.cfg.max_request_bytes)
-        spec = _spec(proxy, wire.conversation(body, proxy, session).chat)
+        req = wire.conversation(body, proxy, session).chat
+        size = text_size(req)
         from jinja2.exceptions import TemplateError
 
         try:
-            ids = _render_whole(proxy, spec)
+            ids = await off_loop_if_long(size, lambda: _render_whole(proxy, _spec(proxy, req)))
         except TemplateError as e:
             raise HTTPError(400, f"{wire.prompt_param}: the chat template cannot render them: {e}",
                             param=wire.prompt_param) from e
