@@ -595,9 +595,9 @@ def test_many_function_call_items_translate_in_linear_time():
     n = 40_000
     items = [Item(role="user", content="x")] + [Item(type="function_call", call_id=f"c{i}", name="a")
                                                 for i in range(n)]
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # this process's CPU time, which other load on the machine does not stretch
     [_, assistant] = _messages(items, [])
-    assert time.perf_counter() - t0 < 1.0
+    assert time.process_time() - t0 < 3.0  # quadratic: about 11 s; linear: about 0.1 s
     assert [c["id"] for c in assistant["tool_calls"]] == [f"c{i}" for i in range(n)]
 
 
