@@ -18,7 +18,10 @@ reward, bytes, a 4-tuple: ``agentrl.env.answer_problem``) ends its episode: the
 reply is an error observation with ``truncated=True`` and the reason in
 ``info["error"]``, and the server goes on. Such a ``reset`` is a 400 with the reason.
 Env calls run on a worker thread, one at a time per env, so a slow env does
-not stall the others. Envs are sandboxed as they are when made in-process.
+not stall the others; a close waits for the step in flight, so the state it
+returns holds that step's reward. An env made after its request gave up (504)
+is closed once made, and idle envs are closed on a thread. Envs are sandboxed
+as they are when made in-process.
 When the server stops (Ctrl-C, SIGTERM), the envs still open are closed.
 """
 
@@ -113,6 +116,7 @@ def _plain(info: dict[str, Any]) -> dict[str, Any]:
 def create_env_app(config: EnvServerConfig) -> Any:
     """The env server's ASGI app."""
     envs: dict[str, _Live] = {}
+    making = [0]  # makes under way: they count toward max_envs before they hold an id
     expected = config.token.encode()
     limit = config.max_request_bytes
     pool = DaemonPool(name="agentrl-env-serve")
@@ -142,18 +146,29 @@ def create_env_app(config: EnvServerConfig) -> Any:
     async def make(request: Request) -> Response:
         check(request)
         body: MakeRequest = await read_json(request, MakeRequest, limit)
-        _reap(envs, config.idle_s)
-        if len(envs) >= config.max_envs:
+        for env in _reap(envs, config.idle_s):  # closed on a thread: a slow close holds no request
+            pool.submit(close_quietly, env)
+        if len(envs) + making[0] >= config.max_envs:
             raise HTTPError(429, f"at most {config.max_envs} envs alive; close some first")
+        making[0] += 1
+        try:
+            return await made(body)
+        finally:
+            making[0] -= 1
+
+    async def made(body: MakeRequest) -> Response:
         from agentrl.env import answer_problem, make_env, resolve_env_id
 
         try:
             resolve_env_id(body.env_id)
         except EnvError as e:
             raise HTTPError(400, f"env_id: {e}", param="env_id") from None
+        building = asyncio.get_running_loop().run_in_executor(
+            pool, _no_exit, lambda: make_env(body.env_id, **body.kwargs))
         try:
-            env = await bounded(lambda: make_env(body.env_id, **body.kwargs))
-        except TimeoutError:
+            env = await asyncio.wait_for(asyncio.shield(building), config.step_timeout_s)
+        except TimeoutError:  # it goes on on its thread: closed once made, as nobody can name it
+            building.add_done_callback(lambda f: _close_made(f, pool))
             raise HTTPError(504, f"making {body.env_id} took over step_timeout_s={config.step_timeout_s:g}") from None
         except Exception as e:  # a setting the env refused (EnvError, TypeError, ValueError) or its bug
             raise HTTPError(400, f"cannot make {body.env_id} with kwargs {str(body.kwargs)[:200]}: "
@@ -179,6 +194,8 @@ def create_env_app(config: EnvServerConfig) -> Any:
         eid, state = live(request)
         body: StepRequest = await read_json(request, StepRequest, limit)
         async with state.lock:
+            if envs.get(eid) is not state:  # closed while this step waited for the one before it
+                raise HTTPError(404, f"no env {eid!r} (closed, expired or never made)")
             if state.terminated or state.truncated:
                 raise HTTPError(409, "the episode is over; make a new env")
             from agentrl.env import answer_problem
@@ -203,8 +220,13 @@ def create_env_app(config: EnvServerConfig) -> Any:
 
     async def close(request: Request) -> Response:
         eid, state = live(request)
-        envs.pop(eid, None)
-        await off_loop(close_quietly, state.env)
+        # After the step in flight, if any (a harness that exited or was killed mid-step): the
+        # state it returns holds that step's reward, and the env is not closed under it.
+        async with state.lock:
+            if envs.get(eid) is not state:
+                raise HTTPError(404, f"no env {eid!r} (closed, expired or never made)")
+            envs.pop(eid)
+            await off_loop(close_quietly, state.env)
         return JSONResponse(state.state(eid))
 
     async def registry(request: Request) -> Response:
@@ -262,10 +284,17 @@ def _no_exit(fn: Any, *args: Any) -> Any:
         raise RuntimeError(f"the env called sys.exit({e.code!r})") from None
 
 
-def _reap(envs: dict[str, _Live], idle_s: float) -> None:
+def _reap(envs: dict[str, _Live], idle_s: float) -> list[Any]:
+    """Drop the envs untouched for ``idle_s``; returns them, for the caller to close."""
     now = time.monotonic()
-    for eid in [k for k, v in envs.items() if now - v.last_used > idle_s and not v.lock.locked()]:
-        close_quietly(envs.pop(eid).env)
+    return [envs.pop(eid).env for eid in [k for k, v in envs.items()
+                                          if now - v.last_used > idle_s and not v.lock.locked()]]
+
+
+def _close_made(made: asyncio.Future, pool: DaemonPool) -> None:
+    """Close an env whose make finished after its request gave up (a 504)."""
+    if not made.cancelled() and made.exception() is None:
+        pool.submit(close_quietly, made.result())
 
 
 def serve_envs(config: EnvServerConfig, host: str = "127.0.0.1", port: int = 8766) -> None:
