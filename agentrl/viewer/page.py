@@ -100,7 +100,7 @@ def tree_data(run: Run, index: int, decode: Decoder | None) -> dict[str, Any]:
     """The page's data for tree ``index`` (``payload.tree_payload`` with the run's config)."""
     tree = run.tree(index)
     cfg = run.config
-    report = tree.meta.get("allocation_report") or run.batch_report(index)
+    report = tree.meta.get("allocation_report") or run.batch_report(index, tree)
     return tree_payload(tree, credit_spec(cfg), decode, recorded_allocator(cfg.get("rollout") or {})[1], report)
 
 

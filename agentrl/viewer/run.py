@@ -338,13 +338,15 @@ class Run:
             return True
         return self._stamp_all(files) != self._stamps
 
-    def batch_report(self, index: int) -> dict[str, Any] | None:
+    def batch_report(self, index: int, tree: RolloutTree | None = None) -> dict[str, Any] | None:
         """The allocation report of tree ``index``'s batch: the engine writes it on the
         first tree of a batch, i.e. of its file. Read once a file (``--static`` asks for
-        every tree's)."""
+        every tree's); ``tree``, tree ``index`` already parsed, spares a second parse when
+        it is the file's first."""
         file = self.refs[index].file
         if file not in self._reports:
-            got = self.tree(self._first[file]).meta.get("allocation_report")
+            first = tree if tree is not None and index == self._first[file] else self.tree(self._first[file])
+            got = first.meta.get("allocation_report")
             self._reports[file] = got if isinstance(got, dict) else None
         return self._reports[file]
 

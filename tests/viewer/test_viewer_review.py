@@ -698,3 +698,25 @@ def test_a_tree_whose_file_was_deleted_since_indexing_says_the_run_changed(tmp_p
         assert got.value.code == 409 and "reload" in json.loads(got.value.read())["error"]
     finally:
         server.close()
+
+
+def test_the_first_tree_of_a_file_is_parsed_once_when_drawn(tmp_path, monkeypatch):
+    """A tree without its batch's allocation report asked the batch's first tree for it;
+    the first tree of a file is that tree, and it was read and parsed a second time (a
+    step file of one 20,000-turn tree: twice the wait)."""
+    write_trees(tmp_path / "trees.jsonl", [fork_tree(1), fork_tree(2)])
+    run = Run(tmp_path / "trees.jsonl")
+    parsed: list[int] = []
+    real = Run.tree
+
+    def counting(self, index):
+        parsed.append(index)
+        return real(self, index)
+
+    monkeypatch.setattr(Run, "tree", counting)
+    from agentrl.viewer import tree_data
+
+    tree_data(run, 0, None)
+    assert parsed == [0]
+    tree_data(run, 1, None)
+    assert parsed == [0, 1]  # the batch's report (none) is known from tree 0 now
