@@ -13,7 +13,9 @@ episode timed out: it is known to be hung), and ``close`` asks the child to
 close its env and kills the group if it does not answer; a child that answered
 ends its group itself (what its env started and did not stop). A child whose parent is
 gone without closing it (killed hard: SIGKILL, the OOM killer) ends its group
-itself within ``_WATCH_S``, hung in a step or not. Snapshots and ``info``
+itself within ``_WATCH_S``, hung in a step or not; a call on a child that died
+answers so within ``_WATCH_S``, even where a process its env started holds the
+pipe open (no EOF then), and that process is killed. Snapshots and ``info``
 travel by pickle, so they must be picklable (the built-in envs' are).
 
 Hand-written rather than ``concurrent.futures.ProcessPoolExecutor``: a pool
@@ -31,6 +33,7 @@ import threading
 import time
 import warnings
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for_ready
 from typing import Any
 
 import gymnasium as gym
@@ -130,7 +133,7 @@ class ProcessEnv:
         child.close()
         self._lock = threading.Lock()
         self._closed = False
-        if not self._conn.poll(start_timeout_s):
+        if not self._answered(start_timeout_s):
             self._kill()
             raise RuntimeError(f"env process {spec.id} did not start within {start_timeout_s:.0f} s")
         ok, err = self._recv()
@@ -142,13 +145,38 @@ class ProcessEnv:
     def unwrapped(self) -> ProcessEnv:
         return self
 
-    def _recv(self) -> tuple[bool, Any]:
+    def _answered(self, timeout: float | None = None) -> bool:
+        """Whether the child answered or ended within ``timeout`` (None: no limit). Its end is
+        checked beside the pipe: a process its env started may hold the pipe (and the exit
+        sentinel) open, and then the child's death brings no EOF (a call waited on that process)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = _WATCH_S if deadline is None else min(_WATCH_S, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            if wait_for_ready([self._conn, self._proc.sentinel], left) or self._ended():
+                return True
+
+    def _ended(self) -> bool:
+        """Whether the child has ended, without reaping it: its pid stays its own until reaped."""
         try:
-            return self._conn.recv()
+            return os.waitid(os.P_PID, self._proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:  # reaped already (a kill on another thread)
+            return True
+
+    def _recv(self) -> tuple[bool, Any]:
+        self._answered()
+        try:
+            if self._conn.poll():  # what the child sent before it ended comes first
+                return self._conn.recv()
         except (EOFError, OSError):
-            self._join(1)  # reap it, so the exit code is known
-            code = self._proc.exitcode
-            return False, RuntimeError(f"env process {self.env_id} died (exit code {code})")
+            pass
+        # It died. Its group goes too, before it is reaped (its pid cannot be reused until then).
+        with contextlib.suppress(OSError):
+            os.killpg(self._proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        self._join(1)  # reap it, so the exit code is known
+        code = self._proc.exitcode
+        return False, RuntimeError(f"env process {self.env_id} died (exit code {code})")
 
     def _ask(self, method: str, *args: Any, **kwargs: Any) -> Any:
         with self._lock:

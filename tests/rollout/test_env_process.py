@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from agentrl.env import TextEnv, register_env
 from agentrl.rollout.env_process import ProcessEnv
 
@@ -96,6 +98,35 @@ def test_closing_a_process_env_ends_what_its_env_started(tmp_path):
         assert _running(helper)
         env.close()
         assert _gone_within([helper], 5)
+    finally:
+        env.kill()
+        if pid_file.exists() and _running(pid := int(pid_file.read_text())):
+            os.kill(pid, signal.SIGKILL)
+
+
+class DiesLeavingAChild(LeavesAChild):
+    """Its step starts a background process the shell's way (it inherits open files), then dies."""
+
+    def step(self, action: str):
+        os.system(f"sleep 600 & echo $! > {self.pid_file}")
+        os._exit(3)
+
+
+register_env("agentrl/TestDiesLeavingAChild-v0", entry_point=DiesLeavingAChild)
+
+
+def test_a_call_on_a_child_that_died_returns_though_its_pipe_is_held_open(tmp_path):
+    """A process the env started may hold the child's end of the pipe: the call answers with the
+    child's death at once (it waited for that process instead), and that process is ended."""
+    pid_file = tmp_path / "helper.pid"
+    env = ProcessEnv("agentrl/TestDiesLeavingAChild-v0", pid_file=str(pid_file))
+    try:
+        env.reset(seed=0)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"died \(exit code 3\)"):
+            env.step("go")
+        assert time.monotonic() - t0 < 5
+        assert _gone_within([int(pid_file.read_text())], 5)
     finally:
         env.kill()
         if pid_file.exists() and _running(pid := int(pid_file.read_text())):
