@@ -177,11 +177,11 @@ def capacity(nodes: list[dict[str, float]], need: dict[str, float]) -> int:
     return sum(min(int(res.get(k, 0.0) / v + 1e-6) for k, v in parts.items()) for res in nodes)
 
 
-def check_placeable(ray: Any, need: dict[str, float], what: str = "env workers", count: int = 1,
+def check_placeable(ray: Any, need: dict[str, float], what: str = "env worker", count: int = 1,
                     keys: str = "distributed.num_env_workers, env_worker_cpus, and a sandbox_<backend> resource "
                                 "a node advertises with `ray start --resources`") -> None:
-    """Raise unless the live nodes can host ``count`` actors needing ``need`` each (``what``,
-    set by ``keys``): Ray would keep the others pending for good, and their episodes or
+    """Raise unless the live nodes can host ``count`` actors needing ``need`` each (each a
+    ``what``, set by ``keys``): Ray would keep the others pending for good, and their episodes or
     requests would wait without a word."""
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     can = capacity(nodes, need)
@@ -189,16 +189,16 @@ def check_placeable(ray: Any, need: dict[str, float], what: str = "env workers",
         return
     have = sorted({k for res in nodes for k in res if not k.startswith("node:")})
     if can == 0:
-        raise ConfigError(f"no node of the Ray cluster can host one of the {what} needing {need} ({keys}); "
+        raise ConfigError(f"no node of the Ray cluster can host a {what} needing {need} ({keys}); "
                           f"the nodes have {have}")
-    raise ConfigError(f"the Ray cluster can host {can} of the {count} {what} needing {need} each ({keys}), "
+    raise ConfigError(f"the Ray cluster can host {can} of the {count} {what}s needing {need} each ({keys}), "
                       f"never all: the others would wait for good. Its nodes have "
                       f"{_totals(nodes, need)} in all")
 
 
 def wait_for_room(ray: Any, need: dict[str, float], what: str, count: int, keys: str) -> None:
-    """Return once the cluster's free resources could hold ``count`` more actors needing ``need``
-    each; else, after ``ROOM_WAIT_S`` (what killed actors held comes back a moment after the
+    """Return once the cluster's free resources could hold ``count`` more actors (each a ``what``)
+    needing ``need`` each; else, after ``ROOM_WAIT_S`` (what killed actors held comes back a moment after the
     kill), a ``ConfigError``: the other actors that hold the rest (this run's rollout or env
     workers, another job's) would keep the new ones pending without a word, their episodes
     waiting out ``rollout.episode_timeout_s``. The sum over nodes: a necessary condition."""
@@ -211,7 +211,7 @@ def wait_for_room(ray: Any, need: dict[str, float], what: str, count: int, keys:
         if time.monotonic() >= deadline:
             nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
             raise ConfigError(f"the Ray cluster has {({k: free.get(k, 0.0) for k in want})} free of "
-                              f"{_totals(nodes, need)}, and {count} {what} need {want} ({keys}): other "
+                              f"{_totals(nodes, need)}, and {count} {what}s need {want} ({keys}): other "
                               "actors hold the rest (this run's rollout or env workers, or another job's), "
                               "and Ray would keep the new ones waiting for them without a word")
         time.sleep(0.2)

@@ -318,7 +318,7 @@ class EnvWorkerPool:
         self.options = env_worker_options(self.env_id, kwargs, dist, imports)
         need = {"CPU": float(self.options["num_cpus"]), **self.options["resources"]}
         check_placeable(ray, need, count=dist.num_env_workers)
-        wait_for_room(ray, need, "env workers", dist.num_env_workers,
+        wait_for_room(ray, need, "env worker", dist.num_env_workers,
                       "distributed.num_env_workers, env_worker_cpus")
         actor = ray.remote(EnvWorker).options(**self.options)
         self.workers = [actor.remote(self.env_id, dict(kwargs), list(imports))

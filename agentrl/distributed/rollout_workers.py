@@ -214,8 +214,8 @@ class RayPolicy:
         if dist.rollout_worker_gpus:
             need["GPU"] = float(dist.rollout_worker_gpus)
         keys = "distributed.num_rollout_workers, rollout_worker_cpus, rollout_worker_gpus"
-        check_placeable(ray, need, "rollout workers", dist.num_rollout_workers, keys)
-        wait_for_room(ray, need, "rollout workers", dist.num_rollout_workers, keys)
+        check_placeable(ray, need, "rollout worker", dist.num_rollout_workers, keys)
+        wait_for_room(ray, need, "rollout worker", dist.num_rollout_workers, keys)
         actor = ray.remote(RolloutWorker).options(num_cpus=dist.rollout_worker_cpus,
                                                   num_gpus=dist.rollout_worker_gpus,
                                                   max_restarts=dist.max_restarts, max_task_retries=0)

@@ -606,13 +606,14 @@ def _rl_rows(out: Any) -> list[dict[str, Any]]:
 
 
 def test_training_goes_on_when_a_rollout_worker_and_an_env_worker_are_killed_mid_batch(cluster, tmp_path):
-    """Step 1's rollout loses a rollout worker (its requests are retried) and then an env
-    worker (its running episodes fail, with the reason in their trees); both steps train."""
+    """Step 1's rollout loses a rollout worker (its requests are retried) and then one of two
+    env workers (its running episodes fail, with the reason in their trees; the other worker's
+    episodes give step 1 its samples); both steps train."""
     import json
 
     from agentrl.train.trainer import train
 
-    cfg = _ray_train_config(tmp_path, "rollout.env_executor=ray", "distributed.num_env_workers=1",
+    cfg = _ray_train_config(tmp_path, "rollout.env_executor=ray", "distributed.num_env_workers=2",
                             "distributed.max_restarts=2", "train.evaluation.start=false")
     policy = policy_for_run(cfg, trainable=True)
     env_worker = env_worker_pool(cfg).workers[0]
@@ -636,7 +637,7 @@ def test_training_goes_on_when_a_rollout_worker_and_an_env_worker_are_killed_mid
     failed = rl[0]["rollout/failed"]
     trees = [json.loads(line) for line in (tmp_path / "trees" / "step-000001.jsonl").read_text().splitlines()]
     errors = [n["error"] for t in trees for n in t["nodes"] if n.get("error")]
-    assert failed >= 1 and len(errors) == failed  # the env worker's episodes: failed, each with its reason
+    assert 1 <= failed < 8 and len(errors) == failed  # the env worker's episodes: failed, each with its reason
     assert all("env worker" in e for e in errors), errors
     assert not [e for e in errors if "rollout worker" in e]  # the rollout worker's requests were retried
     assert rl[1]["rollout/failed"] == 0  # the restarted env worker hosts step 2's episodes
