@@ -30,7 +30,8 @@ columns:
   counts them), since it is no outcome;
 - the episode failed, outside what training should score: the harness
   crashed (non-zero exit), hung past ``timeout`` (its process group is
-  killed), the env could not be made, or its reward could not be read (or
+  killed; so, whatever the outcome, is every process the harness started
+  outside its group, found by its ``AGENTRL_SESSION_ID``), the env could not be made, or its reward could not be read (or
   was not finite). The env and the session are closed whatever failed. The tree comes back with
   ``meta["error"]`` (and the last node's ``error``) holding the reason, and the
   output tails in ``meta["harness"]``. Nothing is raised, so the run goes on.
@@ -172,6 +173,38 @@ def _kill_group(proc: asyncio.subprocess.Process) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _marked(marker: bytes) -> list[int]:
+    """The processes of this user whose environment holds ``marker`` (``NAME=value``); none where
+    there is no ``/proc``."""
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/environ", "rb") as f:
+                    if marker in f.read().split(b"\0"):
+                        found.append(int(entry.name))
+            except OSError:  # gone, or another user's
+                continue
+    return found
+
+
+def _kill_marked(marker: bytes) -> None:
+    """Kill what the harness left outside its process group: a child started in a session of
+    its own (Node's ``detached``, ``setsid``) survives the group's kill, one per episode. Every
+    descendant inherits the episode's own ``AGENTRL_SESSION_ID``, so that finds them; a few
+    passes, for children forked meanwhile."""
+    me = os.getpid()
+    for _ in range(3):
+        pids = [p for p in _marked(marker) if p != me]
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
 async def _run(argv: list[str], env: dict[str, str], timeout: float | None, cwd: str | None,
                out: _Captured) -> dict[str, Any]:
     """Run the harness; its exit code (None on timeout), output tails and wall time. Its
@@ -189,6 +222,8 @@ async def _run(argv: list[str], env: dict[str, str], timeout: float | None, cwd:
         code = None
     finally:  # a timeout or our own cancellation: the harness and its children go
         _kill_group(proc)
+        if sid := env.get("AGENTRL_SESSION_ID"):
+            _kill_marked(f"AGENTRL_SESSION_ID={sid}".encode())
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(proc.wait(), 10)
         with contextlib.suppress(TimeoutError):

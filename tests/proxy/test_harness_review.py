@@ -119,3 +119,50 @@ def test_an_exception_inside_the_episode_closes_its_env_and_session(servers):
     assert "could not start" in tree.meta["error"] and not tree.nodes
     assert proxy.app.proxy.sessions[session.session_id].closed
     assert httpx.get(f"{envs.url}/health", headers={"Authorization": f"Bearer {TOKEN}"}).json()["envs"] == 0
+
+
+# Starts a process in a session of its own (as a Node harness's detached child does), out of the
+# harness's process group, writes its pid, and then exits or hangs as argv[1] says.
+ESCAPES = '''
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+open(sys.argv[2], "w").write(str(child.pid))
+if sys.argv[1] == "hang":
+    time.sleep(60)
+'''
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" in f.read()  # a zombie: killed, waiting for init to reap it
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_a_process_the_harness_detached_from_its_group_is_killed_with_it(servers, tmp_path, how):
+    import os
+    import time
+
+    proxy, _ = servers
+    pidfile = tmp_path / "pid"
+
+    async def run():
+        session = await open_session(proxy.url, ADMIN)
+        return await run_harness_episode([sys.executable, "-c", ESCAPES, how, str(pidfile)], session,
+                                         timeout=3)
+
+    tree = asyncio.run(run())
+    pid = int(pidfile.read_text())
+    try:
+        deadline = time.monotonic() + 5
+        while not _gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(pid), "the detached child outlived its episode"
+    finally:
+        if not _gone(pid):
+            os.kill(pid, 9)
+    assert ("timed out" if how == "hang" else "made no model call") in tree.meta["error"]
