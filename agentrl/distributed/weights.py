@@ -47,13 +47,15 @@ def wire_weights(state_dict: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     out: dict[str, Any] = {}
-    seen: set[int] = set()
+    seen: set[tuple[Any, ...]] = set()
     for k, v in state_dict.items():
         if isinstance(v, torch.Tensor):
-            v = v.detach().cpu()
-            if v.numel() and v.data_ptr() in seen:
+            # a twin is found where the weights live: on a GPU each .cpu() makes its own copy
+            twin = (v.device, v.data_ptr(), tuple(v.shape), v.stride())
+            if v.numel() and twin in seen:
                 continue
-            seen.add(v.data_ptr())
+            seen.add(twin)
+            v = v.detach().cpu()
             if v.dtype != torch.bfloat16:
                 v = v.numpy()
         out[k] = v

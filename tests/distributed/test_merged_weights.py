@@ -45,3 +45,20 @@ def test_merged_weights_without_adapters_is_the_state_dict():
     w = merged_weights(model)
     assert w.keys() == model.state_dict().keys()
     assert all(torch.equal(w[k], v) for k, v in model.state_dict().items())
+
+
+def test_wire_weights_sends_a_tied_weight_once_from_any_device(monkeypatch):
+    """A tied LM head is sent once. On a GPU each ``.cpu()`` makes its own copy, so a check of
+    the copies' addresses never found the twin: the embedding went twice per sync. Simulated
+    here on the CPU, where ``.cpu()`` is a no-op, by making it copy as a device transfer does."""
+    from agentrl.distributed.weights import wire_weights
+
+    emb = torch.randn(16, 4)
+    bias = torch.zeros(0)  # empty tensors share address 0 and are never deduplicated
+    state = {"embed.weight": emb, "lm_head.weight": emb, "other": torch.ones(3), "b1": bias, "b2": torch.zeros(0)}
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self: self.clone())
+    out = wire_weights(state)
+    assert list(out) == ["embed.weight", "other", "b1", "b2"]
+    assert (out["embed.weight"] == emb.numpy()).all()
+    head = emb.t()  # same address, another shape: not a twin
+    assert list(wire_weights({"a": emb, "b": head})) == ["a", "b"]
