@@ -28,12 +28,14 @@ import contextlib
 import importlib
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import threading
 import time
 import warnings
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_ready
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import gymnasium as gym
@@ -73,6 +75,17 @@ def _watch_parent(parent: int) -> None:
     _end_group()
 
 
+def _portable(e: BaseException) -> BaseException:
+    """``e``, or a ``RuntimeError`` naming it, where ``e`` does not come back from pickle as it went:
+    an error class whose constructor takes more than its message unpickles to a TypeError of its
+    own, which named neither the env's error nor what it said."""
+    try:
+        back = pickle.loads(ForkingPickler.dumps(e))  # as Connection.send and recv do
+    except Exception:  # noqa: BLE001 - any failure to travel: send its words instead
+        return RuntimeError(f"{type(e).__name__}: {e}")
+    return e if type(back) is type(e) else RuntimeError(f"{type(e).__name__}: {e}")
+
+
 def _serve(conn: Connection, entry: Any, kwargs: dict[str, Any]) -> None:
     """The child: build the env, then answer calls until ``close`` or a closed pipe (the parent
     gone). Either way the group ends with it, with what the env started and did not stop."""
@@ -85,7 +98,7 @@ def _serve(conn: Connection, entry: Any, kwargs: dict[str, Any]) -> None:
             env = _load(entry)(**kwargs)
             conn.send((True, None))
         except BaseException as e:  # report, then exit: the parent raises it
-            conn.send((False, e))
+            conn.send((False, _portable(e)))
             return
         _answer_calls(conn, env)
     finally:
@@ -102,7 +115,7 @@ def _answer_calls(conn: Connection, env: Any) -> None:
         try:
             answer = (True, getattr(env, method)(*args, **kw))
         except BaseException as e:
-            answer = (False, e)
+            answer = (False, _portable(e))
         try:
             conn.send(answer)
         except Exception as err:  # it does not pickle: say what it was, as text

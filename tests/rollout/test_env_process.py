@@ -131,3 +131,36 @@ def test_a_call_on_a_child_that_died_returns_though_its_pipe_is_held_open(tmp_pa
         env.kill()
         if pid_file.exists() and _running(pid := int(pid_file.read_text())):
             os.kill(pid, signal.SIGKILL)
+
+
+class GameError(Exception):
+    """An env's own error whose constructor takes more than its message: it pickles, but does
+    not unpickle (pickle calls ``GameError(message)``)."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class RaisesItsOwnError(LeavesAChild):
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        TextEnv.reset(self, seed=seed)
+        return "Say anything.", {}
+
+    def step(self, action: str):
+        raise GameError(7, "the board is full")
+
+
+register_env("agentrl/TestRaisesItsOwnError-v0", entry_point=RaisesItsOwnError)
+
+
+def test_an_env_error_that_does_not_unpickle_is_named_with_its_message():
+    """It surfaced as a TypeError from unpickling, which named neither the env's error nor its message."""
+    env = ProcessEnv("agentrl/TestRaisesItsOwnError-v0")
+    try:
+        env.reset(seed=0)
+        with pytest.raises(Exception, match="GameError: the board is full"):
+            env.step("go")
+        assert env.reset(seed=0)[0] == "Say anything."  # the pipe is still in step
+    finally:
+        env.close()
