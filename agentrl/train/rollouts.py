@@ -24,7 +24,7 @@ from .config import TrainRunConfig
 from .curriculum import at_level, stage_at
 from .plan import step_task_seeds
 
-__all__ = ["CollectFn", "RolloutSource", "allocation_report", "save_trees", "step_rollouts"]
+__all__ = ["CollectFn", "RolloutSource", "allocation_report", "drop_trees_after", "save_trees", "step_rollouts"]
 
 # (env id, policy, config, task seeds, on_episode_done=...) -> one tree per seed
 CollectFn = Callable[..., list[RolloutTree]]
@@ -122,6 +122,19 @@ def allocation_report(name: str, summary: dict[str, Any], step: int, trees: list
             "rollout.allocator.in_turn=true (key_state, entropy_branch) to fork inside a turn.",
             highlight=False)
     return {"rollout/branch_points": branches}
+
+
+def drop_trees_after(out: Path, step: int) -> list[Path]:
+    """Remove the saved trees of steps after ``step`` (a run resumed there, or started over at 0),
+    as ``metrics.jsonl`` drops their rows: the viewer would show an abandoned run's later steps
+    beside the resumed run's. Returns the files removed."""
+    gone = []
+    for path in sorted((out / "trees").glob("step-*.jsonl")):
+        number = path.stem.removeprefix("step-")
+        if number.isdigit() and int(number) > step:
+            path.unlink(missing_ok=True)
+            gone.append(path)
+    return gone
 
 
 def save_trees(out: Path, n: int, step: int, trees: list[RolloutTree]) -> None:

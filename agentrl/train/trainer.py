@@ -58,7 +58,7 @@ from .metrics import MetricsLogger, PeakMemory, ProgressBars, plot_learning_curv
 from .model import precision, precision_note, resolved_precision, sync_policy
 from .output_lock import output_lock
 from .plan import print_plan, run_plan, step_task_seeds
-from .rollouts import RolloutSource, allocation_report, save_trees, step_rollouts
+from .rollouts import RolloutSource, allocation_report, drop_trees_after, save_trees, step_rollouts
 from .step import Learner, StartBar
 
 __all__ = [
@@ -352,6 +352,7 @@ class Trainer:
         resumed = bool(self.step or self.phases or self.sft_done)  # evaluation off records no phase
         log = MetricsLogger(self.out, tensorboard=t.output.tensorboard,
                             resume_step=self.step if resumed else -1)
+        drop_trees_after(self.out, self.step if resumed else 0)  # as the rows of those steps went
         if resumed and self._saved_row is not None:
             self._log_lost_row(log, self._saved_row)
         mem = PeakMemory()  # each logged row carries its phase's (or step's) peak memory

@@ -317,17 +317,25 @@ def test_sigkill_mid_branched_run_then_resume_repeats_the_uninterrupted_run_bit_
 
 
 def test_a_resumed_run_trains_at_the_config_s_learning_rate_not_the_checkpoint_s(tmp_path):
-    """A run continued with a new ``train.optimizer.lr`` uses it (the config decides), and says so."""
+    """A run continued with a new ``train.optimizer.lr`` uses it (the config decides), and says so;
+    it drops the saved trees of the steps after the one it resumed from."""
     from rich.console import Console
 
     torch.set_num_threads(1)
     out = tmp_path / "run"
     base = ["train.evaluation.episodes=0", "train.output.plot=false", "train.checkpointing.every=1"]
     train(toy_config(out, "train.steps=1", "train.optimizer.lr=1e-2", *base), progress=False)
+    # What a run killed before its step-2 checkpoint (or resumed before with more steps) left: the
+    # resumed run drops those trees as it drops their metrics rows (the viewer showed them beside its own).
+    for k in (2, 3):
+        (out / "trees" / f"step-00000{k}.jsonl").write_text("{}\n")
     console = Console(record=True, width=200)
     train(toy_config(out, "train.steps=2", "train.optimizer.lr=1e-3", *base), resume=True, progress=False,
           console=console)
+    assert [p.name for p in sorted((out / "trees").glob("*"))] == ["step-000001.jsonl", "step-000002.jsonl"]
+    assert (out / "trees" / "step-000002.jsonl").read_text() != "{}\n"  # the resumed run's own step 2
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     lrs = {r["step"]: r["train/lr"] for r in rows if r.get("phase") == "rl"}
     assert lrs == {1: pytest.approx(1e-2), 2: pytest.approx(1e-3)}
     assert "continues at train.optimizer.lr=0.001" in console.export_text()
+
