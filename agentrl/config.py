@@ -17,6 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union, get_args, 
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -146,7 +147,13 @@ def check_temperature(value: float | None) -> float | None:
     return value
 
 
-Seed = Annotated[int, Field(ge=0)]
+def _non_negative_seed(value: int) -> int:
+    if value < 0:
+        raise ValueError(f"a seed is >= 0 (gymnasium's Env.reset refuses a negative one), got {value}")
+    return value
+
+
+Seed = Annotated[int, AfterValidator(_non_negative_seed)]
 """A task or sampling seed: gymnasium's ``Env.reset`` refuses a negative one, so a config that
 named one loaded and then failed each episode on it as an env error."""
 
