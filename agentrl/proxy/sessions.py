@@ -455,17 +455,19 @@ class Session:
         a root whose first message differs from that of every root holding ``final``
         (a retry or an edit of the main conversation starts with the same one). It is
         part of the episode, not a path the harness left, so its latest leaf carries
-        the session's outcome.
+        the session's outcome. Roots with one prompt (a first call retried, or its
+        other choices) are one conversation: only its latest leaf is the outcome,
+        the replies the harness dropped are abandoned.
         """
         main = [self._root(n) for n in [*final, *self.continued(final)]]
         firsts = {self._first_message(r) for r in main}
-        done = set(main)
+        done = {self._prompt_of(r) for r in main}
         out: list[int] = []
         for leaf in sorted(self.tree.leaves(), key=lambda n: -n.id):  # the latest first
             root = self._root(leaf.id)
-            if root in done:
+            if self._prompt_of(root) in done:
                 continue
-            done.add(root)
+            done.add(self._prompt_of(root))
             first = self._first_message(root)
             if first is not None and first not in firsts:
                 out += [leaf.id, *self.continued([leaf.id])]
@@ -474,6 +476,10 @@ class Session:
     def _first_message(self, root: int) -> str | None:
         call = self.by_id.get(self.tree.nodes[root].info.get("call_id", ""))
         return call.keys[0] if call is not None and call.keys else None
+
+    def _prompt_of(self, root: int) -> tuple[int, ...]:
+        """A root's prompt: the same for every choice and retry of one first call."""
+        return tuple(self.tree.nodes[root].context_ids)
 
     def _root(self, node_id: int) -> int:
         return self.tree.path(node_id)[0].id

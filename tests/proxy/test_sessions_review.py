@@ -1,0 +1,57 @@
+"""Sessions under hostile or unlucky harnesses: rewards that are no numbers, side conversations retried."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from agentrl.types import RolloutTree
+
+openai = pytest.importorskip("openai", reason="the session tests drive the proxy with the openai client")
+
+
+def _session(url: str) -> tuple[str, openai.OpenAI]:
+    data = httpx.post(f"{url}/sessions", json={}).raise_for_status().json()
+    return data["session_id"], openai.OpenAI(base_url=data["base_url"], api_key=data["api_key"], max_retries=0)
+
+
+def _reply(out) -> dict:
+    return out.choices[0].message.model_dump(exclude_none=True)
+
+
+def test_a_retried_side_conversation_call_is_abandoned_not_rewarded(mock_policy, serve):
+    """A sub-agent (its own system prompt) whose first call the harness retried: the retry is the
+    side conversation's outcome; the reply it replaced is a path the harness left."""
+    server = serve(mock_policy(["m1", "s1", "s2", "m2"]))
+    sid, client = _session(server.url)
+    main = [{"role": "system", "content": "Main."}, {"role": "user", "content": "task"}]
+    first = client.chat.completions.create(model="m", messages=main)
+    sub = [{"role": "system", "content": "Sub-agent."}, {"role": "user", "content": "help"}]
+    client.chat.completions.create(model="m", messages=sub)
+    client.chat.completions.create(model="m", messages=sub)  # retried: its first reply was dropped
+    client.chat.completions.create(model="m", messages=main + [_reply(first), {"role": "user", "content": "go"}])
+    url = f"{server.url}/sessions/{sid}"
+    httpx.post(f"{url}/reward", json={"reward": 1.0}).raise_for_status()
+    tree = RolloutTree.from_dict(httpx.post(f"{url}/close").json())
+    by_text = {n.action_text: n for n in tree.nodes.values()}
+    assert by_text["s2"].info.get("side_conversation") and by_text["s2"].reward == 1.0
+    assert by_text["s1"].info.get("abandoned") and by_text["s1"].reward == 0.0
+    assert by_text["m2"].reward == 1.0 and by_text["m1"].children
+
+
+def test_an_unpicked_choice_of_a_side_conversation_is_abandoned(mock_policy, serve):
+    server = serve(mock_policy(["m1", "s1", "s2", "s3", "m2"]))
+    sid, client = _session(server.url)
+    main = [{"role": "system", "content": "Main."}, {"role": "user", "content": "task"}]
+    first = client.chat.completions.create(model="m", messages=main)
+    sub = [{"role": "system", "content": "Sub-agent."}, {"role": "user", "content": "help"}]
+    two = client.chat.completions.create(model="m", messages=sub, n=2)  # s1, s2: it goes on with s2
+    client.chat.completions.create(model="m", messages=sub + [two.choices[1].message.model_dump(exclude_none=True),
+                                                              {"role": "user", "content": "more"}])
+    client.chat.completions.create(model="m", messages=main + [_reply(first), {"role": "user", "content": "go"}])
+    url = f"{server.url}/sessions/{sid}"
+    httpx.post(f"{url}/reward", json={"reward": 1.0}).raise_for_status()
+    tree = RolloutTree.from_dict(httpx.post(f"{url}/close").json())
+    by_text = {n.action_text: n for n in tree.nodes.values()}
+    assert by_text["s3"].info.get("side_conversation") and by_text["s3"].reward == 1.0
+    assert by_text["s1"].info.get("abandoned") and by_text["s1"].reward == 0.0
