@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -408,8 +409,10 @@ class Session:
                    terminated: bool = True) -> list[int]:
         """Put a reward on a call's nodes (default: the last call, as the session's reward).
 
-        Raises ``KeyError``/``IndexError`` with a message naming the bad field.
+        Raises ``KeyError``/``IndexError``/``ValueError`` with a message naming the bad field.
         """
+        if not math.isfinite(reward):  # JSON's 1e999 reads as inf: it would reach every advantage
+            raise ValueError(f"reward: {reward} is not a finite number")
         if call_id is None:
             if not self.calls:
                 raise KeyError("call_id: the session has no calls to reward yet")

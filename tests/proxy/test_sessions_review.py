@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import httpx
 import pytest
 
@@ -17,6 +19,19 @@ def _session(url: str) -> tuple[str, openai.OpenAI]:
 
 def _reply(out) -> dict:
     return out.choices[0].message.model_dump(exclude_none=True)
+
+
+def test_a_reward_past_the_float_range_is_refused_not_recorded(mock_policy, serve):
+    """``1e999`` is valid JSON that Python reads as inf: it would reach every advantage of the group."""
+    server = serve(mock_policy(["a"]))
+    sid, client = _session(server.url)
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+    url = f"{server.url}/sessions/{sid}"
+    r = httpx.post(f"{url}/reward", content=b'{"reward": 1e999}', headers={"content-type": "application/json"})
+    assert r.status_code >= 400 and "reward" in r.text
+    tree = RolloutTree.from_dict(httpx.get(f"{url}/tree").json())
+    assert all(math.isfinite(n.reward) for n in tree.nodes.values())
+    assert tree.meta["reward"] is None
 
 
 def test_a_retried_side_conversation_call_is_abandoned_not_rewarded(mock_policy, serve):
