@@ -285,6 +285,9 @@ def plan_split(env_id: str, cfg: C, split: str | None = None, k: int = 1, sample
             raise ConfigError(f"{env_id}: split {split!r} holds no tasks (num_tasks={num_tasks}); "
                               "check the env's data folder (env.kwargs) and the split's name")
         seeds = list(range(num_tasks)) if num_tasks else [ev.rollout.seed + i for i in range(ev.rollout.episodes)]
+        if limit is not None and not num_tasks and limit > len(seeds):  # it only cuts: say what counts
+            raise ConfigError(f"--limit {limit} is above the {len(seeds)} tasks {env_id} plays: it does not "
+                              "say how many its split holds, so rollout.episodes counts them; give --episodes")
         if limit is not None:
             seeds = seeds[:limit]
         task_family = getattr(inner, "task_family", None)

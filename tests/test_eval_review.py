@@ -127,3 +127,15 @@ def test_each_tree_of_a_several_split_eval_says_its_split(tmp_path):
     assert res.exit_code == 0, res.output
     metas = [json.loads(line)["meta"] for line in (out / "trajectories.jsonl").read_text().splitlines()]
     assert [(m["split"], m["seed"]) for m in metas] == [("full", 0), ("full", 1)] * 2
+
+
+def test_a_limit_above_the_tasks_an_uncounted_env_plays_is_an_error_naming_episodes(tmp_path):
+    """On an env that does not say how many tasks its split holds, rollout.episodes (8) counts
+    them: --limit 20 played 8 without a word."""
+    out = tmp_path / "ev"
+    res = runner.invoke(app, ["eval", "--env", "agentrl/GuessNumber-v0", "--limit", "20", *MOCK, "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    assert "--limit20isabovethe8tasks" in "".join(res.output.split()) and "--episodes" in res.output, res.output
+    res = runner.invoke(app, ["eval", "--env", "agentrl/GuessNumber-v0", "--limit", "3", *MOCK, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert '"tasks": 3' in (out / "summary.json").read_text()
