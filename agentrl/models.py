@@ -158,6 +158,9 @@ def list_models() -> list[tuple[str, str, bool]]:
 def _unknown(name: str) -> PolicyError:
     """What a name that is no registered model, no folder here and no Hub id is: a path that
     does not exist, or a misspelt name (with the closest registered one)."""
+    if Path(name).is_file():
+        return PolicyError(f"model {name!r} is a file: give the folder that holds it (its config.json, "
+                           "weights and tokenizer)")
     if name.startswith(("/", "./", "../", "~")):
         return PolicyError(f"model {name!r}: no such folder (policy.model is a registered model "
                            f"{sorted(MODELS)}, a local folder holding a transformers model, or a Hub id)")

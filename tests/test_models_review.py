@@ -33,3 +33,11 @@ def test_a_misspelt_model_name_suggests_the_registered_one():
 def test_a_path_that_does_not_exist_is_said_to_be_missing(tmp_path):
     with pytest.raises(PolicyError, match=rf"model '{tmp_path}/gone': no such folder"):
         load_model(str(tmp_path / "gone"))
+
+
+def test_a_model_file_instead_of_its_folder_is_said_to_be_a_file(tmp_path):
+    """A weights file (model.safetensors, a .gguf) given as policy.model was 'unknown model'."""
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"x")
+    with pytest.raises(PolicyError, match=rf"model '{weights}' is a file: give the folder that holds it"):
+        load_model(str(weights))
