@@ -3,12 +3,18 @@
 A harness that knows nothing of agentrl plays an env through these routes
 (every one needs ``Authorization: Bearer <token>``, compared in constant time)::
 
-    POST /envs                 {env_id, seed?, options?, kwargs?} -> {id, observation, info}
+    POST /envs                 {env_id, seed?, options?, kwargs?} -> {id, key, observation, info}
     GET  /envs/{id}            -> {observation, info, reward, terminated, truncated, steps}
     POST /envs/{id}/step       {action} -> {observation, reward, terminated, truncated, info}
     POST /envs/{id}/close      -> the final state
     GET  /registry             -> registered env ids
     GET  /health
+
+The ``/envs/{id}`` routes also take that env's own ``key`` as the bearer
+token; it opens no other env and no other route. A harness gets that key, not
+the server's token (``harness.run_harness_episode``): it plays its own episode
+and cannot make envs (filling ``max_envs`` for every other episode), nor step,
+read or close another episode's env.
 
 Outcomes sort as in ``ToolEnv``: a request the server cannot read (bad JSON, a
 missing or mistyped field) is a 400 that names the field; an unknown env id a
@@ -88,6 +94,7 @@ class _Live:
     env_id: str
     observation: str
     info: dict[str, Any]
+    key: str  # opens this env alone (``key`` in the make's reply): what a harness is given
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     reward: float = 0.0
     terminated: bool = False
@@ -121,19 +128,25 @@ def create_env_app(config: EnvServerConfig) -> Any:
     limit = config.max_request_bytes
     pool = DaemonPool(name="agentrl-env-serve")
 
-    def check(request: Request) -> None:
+    def bearer(request: Request) -> bytes:
         value = request.headers.get("authorization", "")
-        given = value[7:].strip().encode() if value[:7].lower() == "bearer " else b""
-        if not hmac.compare_digest(given, expected):
-            raise HTTPError(401, "missing or wrong bearer token")
+        return value[7:].strip().encode() if value[:7].lower() == "bearer " else b""
+
+    def check(request: Request) -> None:
+        if not hmac.compare_digest(bearer(request), expected):
+            raise HTTPError(401, "missing or wrong bearer token (an env's own key opens only that env)")
 
     def live(request: Request) -> tuple[str, _Live]:
-        check(request)
-        eid = request.path_params["eid"]
-        if eid not in envs:
+        given, eid = bearer(request), request.path_params["eid"]
+        state = envs.get(eid)
+        # An env's own key opens it alone; which envs exist is told only to the server's token.
+        own = state is not None and hmac.compare_digest(given, state.key.encode())
+        if not own and not hmac.compare_digest(given, expected):
+            raise HTTPError(401, "missing or wrong bearer token")
+        if state is None:
             raise HTTPError(404, f"no env {eid!r} (closed, expired or never made)")
-        envs[eid].last_used = time.monotonic()
-        return eid, envs[eid]
+        state.last_used = time.monotonic()
+        return eid, state
 
     async def off_loop(fn: Any, *args: Any) -> Any:
         # Daemon threads: a step stuck for good must not hold the server's exit (to_thread's
@@ -183,8 +196,8 @@ def create_env_app(config: EnvServerConfig) -> Any:
             raise HTTPError(400, f"reset failed: {problem}")
         obs, info = answer
         eid = secrets.token_urlsafe(12)
-        envs[eid] = _Live(env, body.env_id, obs, _plain(info))
-        return JSONResponse({"id": eid, "observation": obs, "info": envs[eid].info})
+        envs[eid] = _Live(env, body.env_id, obs, _plain(info), key=secrets.token_urlsafe(24))
+        return JSONResponse({"id": eid, "key": envs[eid].key, "observation": obs, "info": envs[eid].info})
 
     async def show(request: Request) -> Response:
         eid, state = live(request)

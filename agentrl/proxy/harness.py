@@ -8,7 +8,7 @@ starts the harness command with these environment variables::
     ANTHROPIC_BASE_URL   the session's root on the proxy (Anthropic SDKs add /v1/messages)
     ANTHROPIC_API_KEY    the session's key again
     AGENTRL_SESSION_ID   the session id
-    AGENTRL_ENV_URL      the env server, and its bearer token in AGENTRL_ENV_TOKEN
+    AGENTRL_ENV_URL      the env server; AGENTRL_ENV_TOKEN a bearer key that opens only this env
     AGENTRL_ENV_INSTANCE the env made for this episode (GET /envs/{id} shows it)
     AGENTRL_ENV_ID       its registered id
     AGENTRL_TASK         the env's first observation: the task, for a CLI's prompt
@@ -262,7 +262,8 @@ async def run_harness_episode(
                                {"env_id": env_server.env_id, "seed": env_server.seed,
                                 "kwargs": env_server.kwargs})
             instance = made["id"]
-            env.update(AGENTRL_ENV_URL=env_server.url, AGENTRL_ENV_TOKEN=env_server.token,
+            # The env's own key, which opens no other env (a server without keys: its token).
+            env.update(AGENTRL_ENV_URL=env_server.url, AGENTRL_ENV_TOKEN=made.get("key") or env_server.token,
                        AGENTRL_ENV_INSTANCE=instance, AGENTRL_ENV_ID=env_server.env_id,
                        AGENTRL_TASK=str(made.get("observation", "")))
         except ProxyError as e:

@@ -118,3 +118,19 @@ def test_max_envs_holds_for_makes_that_run_at_once():
 @pytest.fixture(autouse=True)
 def _clear():
     CLOSED.clear()
+
+
+def test_an_envs_own_key_opens_that_env_alone():
+    with RunningServer(create_env_app(EnvServerConfig(token=TOKEN))) as server:
+        a, b = _make(server.url).json(), _make(server.url).json()
+        own = {"Authorization": f"Bearer {a['key']}"}
+        assert httpx.get(f"{server.url}/envs/{a['id']}", headers=own).json()["steps"] == 0
+        assert httpx.post(f"{server.url}/envs/{a['id']}/step", json={"action": "x"}, headers=own).json()["reward"] == 1.0
+        # another episode's env, the routes that make envs or list them, an env that is gone: refused alike
+        assert httpx.get(f"{server.url}/envs/{b['id']}", headers=own).status_code == 401
+        assert httpx.post(f"{server.url}/envs/{b['id']}/close", headers=own).status_code == 401
+        assert httpx.post(f"{server.url}/envs", json={"env_id": "review/Slow-v0"}, headers=own).status_code == 401
+        assert httpx.get(f"{server.url}/registry", headers=own).status_code == 401
+        assert httpx.get(f"{server.url}/envs/nope", headers=own).status_code == 401
+        assert httpx.post(f"{server.url}/envs/{a['id']}/close", headers=own).json()["reward"] == 1.0
+        assert httpx.get(f"{server.url}/envs/{b['id']}", headers=AUTH).json()["steps"] == 0  # the token: any env

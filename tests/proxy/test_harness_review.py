@@ -166,3 +166,20 @@ def test_a_process_the_harness_detached_from_its_group_is_killed_with_it(servers
         if not _gone(pid):
             os.kill(pid, 9)
     assert ("timed out" if how == "hang" else "made no model call") in tree.meta["error"]
+
+
+def test_the_harness_gets_a_key_to_its_own_env_only(servers):
+    """It plays its env; it cannot make envs (filling max_envs for every other episode)."""
+    proxy, envs = servers
+    probe = '''
+import httpx, os
+e = os.environ
+h = {"Authorization": "Bearer " + e["AGENTRL_ENV_TOKEN"]}
+url = e["AGENTRL_ENV_URL"]
+assert httpx.post(url + "/envs", json={"env_id": "review/ExactAnswer-v0"}, headers=h).status_code == 401
+httpx.post(url + "/envs/" + e["AGENTRL_ENV_INSTANCE"] + "/step", json={"action": "42"}, headers=h).raise_for_status()
+'''
+    env = EnvServer(envs.url, TOKEN, "review/ExactAnswer-v0")
+    _, tree = _episode(proxy, env, [sys.executable, "-c", probe])
+    assert tree.meta["harness"]["returncode"] == 0, tree.meta["harness"]["stderr_tail"]
+    assert tree.meta["env"]["reward"] == 1.0 and tree.meta["env"]["steps"] == 1
