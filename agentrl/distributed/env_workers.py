@@ -35,6 +35,9 @@ Failures, in the engine's two columns:
   A worker Ray will not restart (``max_restarts`` used up) is lost: the pool
   deals it no more envs, and an episode whose first call finds it dead moves
   to a live worker; with every worker lost, each episode fails saying so;
+- an env that calls ``sys.exit`` (argparse on bad input) fails its episode
+  with ``EnvError``, as in a thread: Ray would end the worker's process, and
+  every episode it hosted with it;
 - a call still running when its episode gave up on it (``rollout.episode_timeout_s``)
   keeps its thread until it returns: Ray cancels a call that has not started,
   but cannot interrupt a running thread. Its env is closed after it returns,
@@ -151,6 +154,8 @@ class EnvWorker:
                     self._envs[handle] = env
                     self.made += 1
             return getattr(env.unwrapped, method)(*args, **kwargs)
+        except SystemExit as e:  # argparse on bad input: Ray would end this process, every env's
+            raise EnvError(f"the env called sys.exit({e.code!r})") from None
         finally:
             with self._lock:
                 self._busy[handle] -= 1

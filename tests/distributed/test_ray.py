@@ -249,6 +249,28 @@ def test_an_env_worker_ray_will_not_restart_gets_no_more_episodes(cluster, token
     assert len(errors) == 2 and all("every env worker of agentrl/GuessNumber-v0 is lost" in e for e in errors), errors
 
 
+def test_an_env_that_calls_exit_fails_its_episode_not_its_worker(cluster, tokenizer):
+    """sys.exit in an env step (argparse on bad input) fails that episode, as under
+    env_executor: thread. It ended the env worker's process: every episode it hosted failed,
+    and each such exit used up one of distributed.max_restarts."""
+    cfg = load_config(overrides=["env.id=agentrl-test/Exits-v0", "env.imports=[tests.distributed.exiting_env]",
+                                 "rollout.env_executor=ray", "rollout.concurrency=4", "rollout.max_turns=2",
+                                 "distributed.num_env_workers=1", "distributed.max_restarts=2", *SMALL])
+    worker = env_worker_pool(cfg).workers[0]
+    pid = ray.get(worker.pid.remote())
+    calls: list[str] = []
+
+    def first_says_exit(text: str) -> str:
+        calls.append(text)
+        return "exit" if len(calls) == 1 else "no number"
+
+    trees = collect(cfg.env.id, MockPolicy(tokenizer, first_says_exit), cfg, seeds=[0, 1, 2, 3])
+    errors = [n.error for t in trees for n in t.nodes.values() if n.error]
+    assert len(errors) == 1 and "the env called sys.exit(3)" in errors[0], errors
+    assert sorted(len(t.nodes) for t in trees) == [1, 2, 2, 2]  # the others play both turns
+    assert ray.get(worker.pid.remote()) == pid  # the same process: no restart
+
+
 def test_a_docker_env_asks_for_the_docker_resource(cluster):
     cfg = load_config(overrides=["distributed.ray=auto"])
     assert env_resources("agentrl/GuessNumber-v0", {}) == {}
