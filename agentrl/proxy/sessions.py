@@ -464,13 +464,20 @@ class Session:
         """
         main = [self._root(n) for n in [*final, *self.continued(final)]]
         firsts = {self._first_message(r) for r in main}
-        done = {self._prompt_of(r) for r in main}
+        prompts: dict[int, tuple[int, ...]] = {}  # root -> its prompt, built once a root
+
+        def prompt_of(root: int) -> tuple[int, ...]:  # the same for every choice and retry of one call
+            if root not in prompts:
+                prompts[root] = tuple(self.tree.nodes[root].context_ids)
+            return prompts[root]
+
+        done = {prompt_of(r) for r in main}
         out: list[int] = []
         for leaf in sorted(self.tree.leaves(), key=lambda n: -n.id):  # the latest first
             root = self._root(leaf.id)
-            if self._prompt_of(root) in done:
+            if prompt_of(root) in done:
                 continue
-            done.add(self._prompt_of(root))
+            done.add(prompt_of(root))
             first = self._first_message(root)
             if first is not None and first not in firsts:
                 out += [leaf.id, *self.continued([leaf.id])]
@@ -479,10 +486,6 @@ class Session:
     def _first_message(self, root: int) -> str | None:
         call = self.by_id.get(self.tree.nodes[root].info.get("call_id", ""))
         return call.keys[0] if call is not None and call.keys else None
-
-    def _prompt_of(self, root: int) -> tuple[int, ...]:
-        """A root's prompt: the same for every choice and retry of one first call."""
-        return tuple(self.tree.nodes[root].context_ids)
 
     def _root(self, node_id: int) -> int:
         return self.tree.path(node_id)[0].id
