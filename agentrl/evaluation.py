@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 from pydantic import Field, field_validator
 
 from .config import Config, Seed, _Strict, check_task_seeds, check_temperature
-from .errors import ConfigError, EnvError
+from .errors import AgentRLError, ConfigError, EnvError
 from .types import RolloutTree
 
 __all__ = [
@@ -240,10 +240,14 @@ def _probe(env_id: str, kwargs: dict[str, Any]) -> Any:
 
     try:
         env = make_env(env_id, **kwargs)
+    except AgentRLError:
+        raise
     except TypeError as e:
         if "split" in kwargs and "split" in str(e):
             raise ConfigError(f"{env_id} takes no split (its tasks are seeds): drop --split") from None
         raise EnvError(f"cannot make {env_id} with {kwargs}: {e}") from None
+    except Exception as e:  # the env's own error (missing data, say): a message, not a traceback
+        raise EnvError(f"cannot make {env_id} with {kwargs}: {type(e).__name__}: {e}") from e
     return env
 
 

@@ -139,3 +139,20 @@ def test_a_limit_above_the_tasks_an_uncounted_env_plays_is_an_error_naming_episo
     res = runner.invoke(app, ["eval", "--env", "agentrl/GuessNumber-v0", "--limit", "3", *MOCK, "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert '"tasks": 3' in (out / "summary.json").read_text()
+
+
+class BrokenEnv(TextEnv):
+    def __init__(self, split: str = "a"):
+        raise ValueError(f"no data for split {split!r}")
+
+
+register_env("agentrl/TestBrokenEval-v0", entry_point=BrokenEnv)
+
+
+def test_an_env_that_cannot_be_made_is_an_error_naming_it_not_a_traceback(tmp_path):
+    """Only a TypeError about split was caught: any other error making the env went up as a
+    traceback (exit 1)."""
+    res = runner.invoke(app, ["eval", "--env", "TestBrokenEval", "--split", "x", *MOCK, "--out", str(tmp_path / "ev")])
+    assert res.exit_code == 2, (res.output, res.exception)
+    said = "".join(res.output.split())  # rich wraps lines
+    assert "cannotmakeagentrl/TestBrokenEval-v0" in said and "ValueError:nodataforsplit'x'" in said
