@@ -170,6 +170,14 @@ class ProcessEnv:
             if wait_for_ready([self._conn, self._proc.sentinel], left) or self._ended():
                 return True
 
+    def _unreaped(self) -> bool:
+        """Whether the child's pid is still its own: it runs, or it ended and is not reaped yet."""
+        try:
+            os.waitid(os.P_PID, self._proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # type: ignore[arg-type]
+        except ChildProcessError:
+            return False
+        return True
+
     def _ended(self) -> bool:
         """Whether the child has ended, without reaping it: its pid stays its own until reaped."""
         try:
@@ -239,8 +247,13 @@ class ProcessEnv:
                 self._closed = True
                 self._lock.release()
         self._closed = True
-        self._join(1)
-        self._kill()
+        self._kill()  # the child ends its group itself once it answered; this is for one that did not
+
+    @property
+    def child_alive(self) -> bool:
+        """Whether the env's process can still answer: not closed, and not ended (the OOM killer
+        may end an idle one between episodes)."""
+        return not self._closed and not self._ended()
 
     def kill(self) -> None:
         """Kill the child's process group now (SIGKILL) and reap it; for an env known to be
@@ -254,7 +267,9 @@ class ProcessEnv:
 
     def _kill(self, close_pipe: bool = True) -> None:
         pid = self._proc.pid
-        if pid is not None and self._proc.exitcode is None:
+        if pid is not None and self._unreaped():
+            # The group first, while the child's pid is still its own (until it is reaped), and also
+            # when the child has died already: what its env started must not outlive it.
             with contextlib.suppress(OSError):  # no such group: it never got to setpgid
                 os.killpg(pid, signal.SIGKILL)
             self._proc.kill()

@@ -93,8 +93,11 @@ class EnvExecutor:
 
     async def acquire(self) -> Any:
         """An idle env, or a new one made off the loop."""
-        if self._idle:
-            return self._idle.pop()
+        while self._idle:
+            env = self._idle.pop()
+            if self.cfg.rollout.env_executor != "process" or env.child_alive:
+                return env
+            self.release(env, healthy=False)  # its process ended while idle (the OOM killer): replace it
         made = self._pool.submit(self._make_env)
         self._making.add(made)
         try:

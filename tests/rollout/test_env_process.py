@@ -164,3 +164,30 @@ def test_an_env_error_that_does_not_unpickle_is_named_with_its_message():
         assert env.reset(seed=0)[0] == "Say anything."  # the pipe is still in step
     finally:
         env.close()
+
+
+def test_an_idle_process_env_that_died_is_replaced_not_handed_to_the_next_episode(tokenizer):
+    """A child killed between episodes (the OOM killer) failed the next episode it was lent to."""
+    import asyncio
+
+    from agentrl.config import load_config
+    from agentrl.policy import MockPolicy
+    from agentrl.rollout import Engine
+
+    cfg = load_config(overrides=["rollout.env_executor=process", "rollout.concurrency=1",
+                                 "rollout.max_turns=2", "env.kwargs={high: 1000, max_turns: 2}"])
+    killed: list[int] = []
+
+    def kill_the_idle_env(tree):
+        if not killed:
+            (env,) = engine.envs._idle
+            killed.append(env._proc.pid)
+            os.kill(env._proc.pid, signal.SIGKILL)
+            time.sleep(0.2)
+
+    engine = Engine(MockPolicy(tokenizer, ["1"]), cfg, "agentrl/GuessNumber-v0", kill_the_idle_env)
+    try:
+        trees = asyncio.run(engine.run([0, 1]))
+    finally:
+        engine.close()
+    assert killed and [ep.error for t in trees for ep in t.episodes()] == [None, None]
