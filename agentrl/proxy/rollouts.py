@@ -81,7 +81,7 @@ if TYPE_CHECKING:
 __all__ = ["HarnessRollouts", "harness_rollouts", "merge_sessions"]
 
 _KEPT_META = ("session_id", "episode", "error", "env", "harness", "branches", "calls",
-              "template_mismatches")
+              "template_mismatches", "dropped_rewards")
 
 
 def merge_sessions(sessions: list[RolloutTree], meta: dict[str, Any]) -> RolloutTree:
@@ -238,7 +238,9 @@ class HarnessRollouts:
         walls = [s["harness"]["wall_s"] for s in sessions if "wall_s" in s.get("harness", {})]
         self.stats = {"rollout/harness_repinned": self.pinned.repinned,
                       "rollout/harness_wall_s": sum(walls) / max(len(walls), 1),
-                      "rollout/template_mismatches": sum(s.get("template_mismatches", 0) for s in sessions)}
+                      "rollout/template_mismatches": sum(s.get("template_mismatches", 0) for s in sessions),
+                      # rewards harnesses posted for themselves with their session key, zeroed
+                      "rollout/harness_dropped_rewards": sum(s.get("dropped_rewards", 0) for s in sessions)}
         return trees
 
     async def _collect(self, env_id: str, cfg: Config, seeds: list[int],
