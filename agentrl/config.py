@@ -500,6 +500,8 @@ def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
     cur = data
     for i, key in enumerate(keys[:-1]):
         nxt = cur.setdefault(key, {})
+        if nxt is None:  # an empty or null section (``train:`` with its keys commented out) takes keys
+            nxt = cur[key] = {}
         if isinstance(nxt, str) and ".".join(keys[:i + 1]) in SHORT_FORMS:
             nxt = cur[key] = {"name": nxt}
         if not isinstance(nxt, dict):

@@ -128,3 +128,17 @@ def test_a_negative_seed_is_an_error_naming_its_key(override):
     key = override.split("=")[0]
     with pytest.raises(ConfigError, match=rf"{key}(\.\d+)?: a seed is >= 0 \(gymnasium's Env.reset refuses"):
         _load(override)
+
+
+def test_an_override_under_an_empty_section_sets_a_key_of_it(tmp_path):
+    """A file's section left empty (``train:`` with its keys commented out) or null
+    (``distributed: null``) is None: ``--set train.steps=3`` said 'train: is a value, cannot
+    set train.steps'."""
+    from agentrl.train.config import TrainRunConfig
+
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  # steps: 20\ndistributed: null\n")
+    cfg = load_config(path, ["train.steps=3", "distributed.num_env_workers=3"], schema=TrainRunConfig)
+    assert cfg.train.steps == 3 and cfg.distributed is not None and cfg.distributed.num_env_workers == 3
+    with pytest.raises(ConfigError, match=r"rollout\.seed: is a value, cannot set rollout\.seed\.x"):
+        load_config(overrides=["rollout.seed=1", "rollout.seed.x=2"])
