@@ -34,6 +34,7 @@ When the server stops (Ctrl-C, SIGTERM), the envs still open are closed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import secrets
 import time
@@ -239,7 +240,11 @@ def create_env_app(config: EnvServerConfig) -> Any:
             if envs.get(eid) is not state:
                 raise HTTPError(404, f"no env {eid!r} (closed, expired or never made)")
             envs.pop(eid)
-            await off_loop(close_quietly, state.env)
+            closing = asyncio.get_running_loop().run_in_executor(pool, close_quietly, state.env)
+            # At most step_timeout_s: an env stuck in close() (a container that will not stop) goes
+            # on closing on its thread, and the state, the reward the runner reads, is answered.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(closing), config.step_timeout_s)
         return JSONResponse(state.state(eid))
 
     async def registry(request: Request) -> Response:

@@ -134,3 +134,16 @@ def test_an_envs_own_key_opens_that_env_alone():
         assert httpx.get(f"{server.url}/envs/nope", headers=own).status_code == 401
         assert httpx.post(f"{server.url}/envs/{a['id']}/close", headers=own).json()["reward"] == 1.0
         assert httpx.get(f"{server.url}/envs/{b['id']}", headers=AUTH).json()["steps"] == 0  # the token: any env
+
+
+def test_a_close_that_hangs_in_the_env_still_answers_with_the_state():
+    """The runner reads the reward from the close's answer: an env stuck in close() (a container that
+    will not stop) must not cost the episode its reward."""
+    with RunningServer(create_env_app(EnvServerConfig(token=TOKEN, step_timeout_s=0.5))) as server:
+        eid = _make(server.url, name="stuck", close_s=3.0).json()["id"]
+        httpx.post(f"{server.url}/envs/{eid}/step", json={"action": "x"}, headers=AUTH).raise_for_status()
+        t0 = time.monotonic()
+        state = httpx.post(f"{server.url}/envs/{eid}/close", headers=AUTH, timeout=30).json()
+        assert time.monotonic() - t0 < 2.0
+        assert state["reward"] == 1.0 and state["terminated"]
+        assert httpx.get(f"{server.url}/envs/{eid}", headers=AUTH).status_code == 404
