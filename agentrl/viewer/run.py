@@ -397,12 +397,12 @@ class Run:
             if p.is_file():
                 got = _read_config(p)
                 if isinstance(got, dict):
-                    return got
+                    return self._sections_as_mappings(got, name)
                 # a hand-edited file with an error in it: named (config_problems), not fatal
                 self.config_problems.append(f"{name} not read ({got})")
         got = self.checkpoint_state.get("config")
         if isinstance(got, dict):
-            return got
+            return self._sections_as_mappings(got, "the checkpoint's config")
         s = self.summary
         out: dict[str, Any] = {}
         if s.get("model"):
@@ -411,6 +411,18 @@ class Run:
             out["env"] = {"id": s["env"]}
         if s.get("allocator"):
             out["rollout"] = {"allocator": s["allocator"]}
+        return out
+
+    def _sections_as_mappings(self, config: dict[str, Any], where: str) -> dict[str, Any]:
+        """``config`` less the sections the viewer reads that are not mappings (a hand-written
+        ``env: x``), each named in ``config_problems``: the page, --static and the report read
+        them as mappings, and one such section raised out of all three."""
+        out = dict(config)
+        for key in _SECTIONS:
+            if out.get(key) is not None and not isinstance(out[key], dict):
+                self.config_problems.append(f"{where}: {key} not read (a {type(out[key]).__name__}, "
+                                            "not a mapping)")
+                del out[key]
         return out
 
     @cached_property
@@ -434,6 +446,9 @@ class Run:
         if "checkpoints" in parts[1:]:  # a run's exported checkpoint: name the run
             model = Path(parts[parts.index("checkpoints") - 1], *parts[parts.index("checkpoints"):])
         return " / ".join(x for x in (self.path.name, env, str(model) if parts else "") if x)
+
+
+_SECTIONS = ("env", "policy", "rollout", "sampling", "train", "sft")  # the config sections the viewer reads
 
 
 def _read_config(path: Path) -> dict[str, Any] | str:

@@ -720,3 +720,22 @@ def test_the_first_tree_of_a_file_is_parsed_once_when_drawn(tmp_path, monkeypatc
     assert parsed == [0]
     tree_data(run, 1, None)
     assert parsed == [0, 1]  # the batch's report (none) is known from tree 0 now
+
+
+def test_a_config_section_of_the_wrong_type_is_named_not_fatal(tmp_path):
+    """A hand-written ``env: x`` (a string where a mapping goes) raised AttributeError out of the
+    index, --static and the report, which read the section as a mapping."""
+    from agentrl.viewer import run_index
+    from agentrl.viewer.report import write_report
+
+    write_trees(tmp_path / "trajectories.jsonl", [fork_tree()])
+    (tmp_path / "config.yaml").write_text("env: x\ntrain: 3\nrollout: [a]\npolicy:\n  model: m\n")
+    run = Run(tmp_path)
+    assert run.config == {"policy": {"model": "m"}}
+    index = run_index(run)
+    assert index["totals"]["trees"] == 1
+    about = index["about"]["config"]
+    assert all(f"{k} not read (a {t}, not a mapping)" in about for k, t in (("env", "str"), ("train", "int"),
+                                                                          ("rollout", "list")))
+    write_report([tmp_path], tmp_path / "report")
+    assert (tmp_path / "report" / "report.md").is_file()
