@@ -34,11 +34,14 @@ class DaemonPool(Executor):
         self._lock = threading.Lock()
         self._idle = 0
         self._threads = 0
+        self._shut = False
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         fut: Future[Any] = Future()
-        self._queue.put((fut, lambda: fn(*args, **kwargs), ()))
         with self._lock:
+            if self._shut:  # its workers are told to leave: it would wait in the queue for good
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._queue.put((fut, lambda: fn(*args, **kwargs), ()))
             if self._idle == 0:
                 self._threads += 1
                 threading.Thread(target=self._work, daemon=True,
@@ -70,5 +73,6 @@ class DaemonPool(Executor):
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._lock:
+            self._shut = True
             for _ in range(self._idle):
                 self._queue.put(None)
