@@ -67,11 +67,13 @@ class Engine:
         self.on_episode_done = on_episode_done
         self.envs = EnvExecutor(cfg, self.env_id)
         self._running = False
+        self._closed = False
         self._pending: dict[int, int] = {}  # task -> its episodes still running
         self.finished: list[RolloutTree] | None = None  # set when a run is cancelled
 
     def close(self) -> None:
         """Close every env (each in its own try) and the step pool."""
+        self._closed = True
         self.envs.close()
 
     # -- requests ------------------------------------------------------------------
@@ -151,6 +153,8 @@ class Engine:
         """
         if self._running:
             raise RuntimeError("this Engine is already running a batch; make another Engine")
+        if self._closed:  # its step pool is shut: every episode would fail making its env
+            raise RuntimeError("this Engine is closed; make another Engine")
         self._running = True
         try:
             return await self._run(seeds, allocator, budget)

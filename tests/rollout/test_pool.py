@@ -18,3 +18,17 @@ def test_a_submit_after_shutdown_is_refused_not_left_waiting():
     pool.shutdown(wait=False)
     with pytest.raises(RuntimeError, match="after shutdown"):
         pool.submit(lambda: 2)
+
+
+def test_an_engine_run_after_close_is_refused(tokenizer):
+    import asyncio
+
+    from agentrl.config import load_config
+    from agentrl.policy import MockPolicy
+    from agentrl.rollout import Engine
+
+    engine = Engine(MockPolicy(tokenizer, ["1"]), load_config(), "agentrl/GuessNumber-v0")
+    assert len(asyncio.run(engine.run([0]))) == 1
+    engine.close()
+    with pytest.raises(RuntimeError, match="this Engine is closed"):
+        asyncio.run(engine.run([0]))
