@@ -266,20 +266,23 @@ class HarnessRollouts:
         meta = {"task": seed, "episode": episode, "env_id": env_id}
         extra = {**self.env_vars, "AGENTRL_TASK_SEED": str(seed), "AGENTRL_EPISODE": str(episode)}
         env = EnvServer(self.envs.url, self.env_token, env_id, seed, dict(cfg.env.kwargs))
+        session = None
         try:
             # Calls the harness sends without a seed sample from this episode's own streams.
             session = await open_session(self.proxy.url, self.proxy_token, meta=meta,
                                          seed=request_seed(cfg.rollout.seed, seed, episode))
             tree = await run_harness_episode(self.argv, session, env, cfg.rollout.episode_timeout_s,
                                              self.verifier, extra, self.cwd, self.submit)
-            with contextlib.suppress(ProxyError):  # the tree is ours now: the proxy need not keep it
-                await drop_session(session)
         except ProxyError as e:
             return RolloutTree(meta={**meta, "error": f"proxy: {e}"})
         except Exception as e:  # a bug of ours: this episode fails, loudly, and the run goes on
             warnings.warn(f"harness episode (task {seed}, episode {episode}) failed: "
                           f"{type(e).__name__}: {e}", stacklevel=1)
             return RolloutTree(meta={**meta, "error": f"harness runner error {type(e).__name__}: {e}"})
+        finally:  # the tree is ours now, or the episode failed: the proxy need not keep the session
+            if session is not None:
+                with contextlib.suppress(ProxyError):
+                    await drop_session(session)
         return tree
 
     def _drain(self, timeout_s: float = 60.0) -> None:

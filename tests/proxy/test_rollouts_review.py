@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from agentrl.errors import ConfigError
 from agentrl.proxy.rollouts import merge_sessions
 from agentrl.types import Node, RolloutTree
 
@@ -15,3 +18,27 @@ def test_the_group_keeps_how_many_rewards_a_harness_posted_for_itself():
     honest.add(Node(action_ids=[2], reward=1.0, terminated=True))
     group = merge_sessions([cheat, honest], {"task": 0})
     assert [s.get("dropped_rewards") for s in group.meta["sessions"]] == [2, None]
+
+
+def test_an_episode_that_raises_leaves_no_session_open_on_the_proxy(tokenizer, monkeypatch):
+    """A bug inside an episode fails it alone; its proxy session goes with it, or a long run fills
+    the proxy's max_sessions with open sessions and every later episode is refused."""
+    import agentrl.proxy.harness as harness
+    from agentrl.config import Config
+    from agentrl.policy import MockPolicy
+    from agentrl.proxy.rollouts import HarnessRollouts
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(harness, "run_harness_episode", broken)
+    cfg = Config()
+    policy = MockPolicy(tokenizer, ["x"])
+    rollouts = HarnessRollouts("python -c pass", policy, cfg)
+    try:
+        with pytest.warns(UserWarning, match="a bug"), pytest.raises(ConfigError, match="every harness episode"):
+            rollouts.collect("agentrl/GuessNumber-v0", policy, cfg, [0, 1])
+        assert rollouts.proxy is not None and rollouts.proxy.app.proxy.sessions == {}
+    finally:
+        rollouts.close()
+
