@@ -170,20 +170,25 @@ class ProcessEnv:
             if wait_for_ready([self._conn, self._proc.sentinel], left) or self._ended():
                 return True
 
+    def _peek(self) -> str:
+        """The child's state, without reaping it (its pid stays its own until reaped): "running",
+        "ended" (not reaped yet) or "reaped". Without ``os.waitid``: multiprocessing's own view."""
+        waitid = getattr(os, "waitid", None)
+        if waitid is None or not hasattr(os, "WNOWAIT"):
+            return "running" if self._proc.exitcode is None else "reaped"
+        try:
+            ended = waitid(os.P_PID, self._proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped already (a kill on another thread)
+            return "reaped"
+        return "running" if ended is None else "ended"
+
     def _unreaped(self) -> bool:
         """Whether the child's pid is still its own: it runs, or it ended and is not reaped yet."""
-        try:
-            os.waitid(os.P_PID, self._proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # type: ignore[arg-type]
-        except ChildProcessError:
-            return False
-        return True
+        return self._peek() != "reaped"
 
     def _ended(self) -> bool:
-        """Whether the child has ended, without reaping it: its pid stays its own until reaped."""
-        try:
-            return os.waitid(os.P_PID, self._proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-        except ChildProcessError:  # reaped already (a kill on another thread)
-            return True
+        """Whether the child has ended (reaped or not)."""
+        return self._peek() != "running"
 
     def _recv(self) -> tuple[bool, Any]:
         self._answered()
