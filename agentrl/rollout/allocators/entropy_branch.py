@@ -44,12 +44,16 @@ def entropy_branch_scores(
     """Turns worth branching before, by their rise in entropy: {node id: score}
     (the rule of the module docstring)."""
     raw: dict[int, float] = {}
+    first_of: dict[int, int] = {}  # node id -> its episode's first turn; shared along a path
+    baseline: dict[int, float | None] = {}  # first turn id -> H_initial
     for node in turns(tree):
         if tree.turn_parent(node.id) is None:
             continue  # a first turn is the baseline itself
-        first = next(n for n in tree.path(node.id) if not n.partial)
+        first = tree.nodes[_first_turn(tree, node.id, first_of)]
+        if first.id not in baseline:
+            baseline[first.id] = head_mean(turn_values(tree, first, node_entropies), first_tokens)
         h_t = head_mean(turn_values(tree, node, node_entropies), first_tokens)
-        h_0 = head_mean(turn_values(tree, first, node_entropies), first_tokens)
+        h_0 = baseline[first.id]
         if h_t is not None and h_0 is not None:
             raw[node.id] = h_t - h_0
     scores = {}
@@ -60,6 +64,25 @@ def entropy_branch_scores(
         if score > threshold:
             scores[node_id] = score
     return scores
+
+
+def _first_turn(tree: RolloutTree, node_id: int, memo: dict[int, int]) -> int:
+    """The id of the first non-partial node from the root down to ``node_id``, remembered for
+    every node walked, so that all of a tree's turns cost one walk (a walk from each to its
+    root was quadratic: a chain of 20,000 turns took 18 s)."""
+    walked = []
+    cur: int | None = node_id
+    while cur is not None and cur not in memo:
+        walked.append(cur)
+        cur = tree.nodes[cur].parent
+    found = memo[cur] if cur is not None else None
+    for nid in reversed(walked):  # root side first: the topmost non-partial node wins
+        if found is None and not tree.nodes[nid].partial:
+            found = nid
+        if found is not None:
+            memo[nid] = found
+    assert found is not None, "a turn's path holds a non-partial node: the turn itself"
+    return found
 
 
 @dataclass(frozen=True)
