@@ -78,7 +78,7 @@ if TYPE_CHECKING:
     from ..config import Config, SamplingConfig
     from .app import RunningServer
 
-__all__ = ["HarnessRollouts", "harness_rollouts", "merge_sessions"]
+__all__ = ["HarnessRollouts", "env_idle_s", "harness_rollouts", "merge_sessions"]
 
 _KEPT_META = ("session_id", "episode", "error", "env", "harness", "branches", "calls",
               "template_mismatches", "dropped_rewards")
@@ -117,6 +117,15 @@ def merge_sessions(sessions: list[RolloutTree], meta: dict[str, Any]) -> Rollout
                 n.error = n.error or error
                 n.truncated = not n.terminated
     return out
+
+
+def env_idle_s(episode_timeout_s: float | None) -> float:
+    """How long the env server keeps an env nobody touches: past the longest an episode may run
+    (a harness with ``submit="stdout"`` touches it only once it exits), at least an hour; about
+    forever where episodes have no time limit."""
+    if episode_timeout_s is None:
+        return float(1 << 40)
+    return max(3600.0, 2 * episode_timeout_s)
 
 
 def _all_failed(sessions: list[dict[str, Any]]) -> str:
@@ -209,7 +218,8 @@ class HarnessRollouts:
         self.proxy = RunningServer(create_app(self.pinned, proxy_cfg))
         try:
             self.envs = RunningServer(create_env_app(EnvServerConfig(
-                token=self.env_token, max_envs=max(256, 2 * r.concurrency))))
+                token=self.env_token, max_envs=max(256, 2 * r.concurrency),
+                idle_s=env_idle_s(r.episode_timeout_s))))
         except BaseException:
             self.close()
             raise

@@ -42,3 +42,12 @@ def test_an_episode_that_raises_leaves_no_session_open_on_the_proxy(tokenizer, m
     finally:
         rollouts.close()
 
+
+def test_the_env_server_keeps_an_idle_env_as_long_as_its_episode_may_run():
+    """Its harness may not touch the env until it exits (submit=stdout): the env server must not
+    reap it (then the answer has no env) before the episode's timeout."""
+    from agentrl.proxy.rollouts import env_idle_s
+
+    assert env_idle_s(1800.0) >= 3600.0
+    assert env_idle_s(7200.0) > 7200.0
+    assert env_idle_s(None) >= 365 * 24 * 3600  # no episode limit: no reaping that would fail one
