@@ -360,7 +360,10 @@ async def _reward(sess_url: str, headers: dict[str, str], state: dict[str, Any] 
         return "the harness made no model call", []
     if verifier is not None:
         try:
-            reward = float(verifier(RolloutTree.from_dict(await _call("GET", f"{sess_url}/tree", headers))))
+            tree = RolloutTree.from_dict(await _call("GET", f"{sess_url}/tree", headers))
+            # On a thread: episodes share this event loop, and a verifier may take seconds (a test
+            # suite); here it would hold every other episode's output, timeout and kill.
+            reward = float(await asyncio.to_thread(verifier, tree))
         except Exception as e:  # fails this episode, not the run; the traceback says where
             return f"verifier failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=-8)}", []
         terminated = True

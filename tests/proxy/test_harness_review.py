@@ -183,3 +183,29 @@ httpx.post(url + "/envs/" + e["AGENTRL_ENV_INSTANCE"] + "/step", json={"action":
     _, tree = _episode(proxy, env, [sys.executable, "-c", probe])
     assert tree.meta["harness"]["returncode"] == 0, tree.meta["harness"]["stderr_tail"]
     assert tree.meta["env"]["reward"] == 1.0 and tree.meta["env"]["steps"] == 1
+
+
+def test_a_slow_verifier_does_not_hold_the_other_episodes_timeouts(servers):
+    """Episodes run side by side on one event loop: a verifier that takes seconds (running a test
+    suite) must not keep a hung harness beside it alive past its own timeout."""
+    import time
+
+    proxy, _ = servers
+    one_call = ("import httpx, os; httpx.post(os.environ['OPENAI_BASE_URL'] + '/chat/completions', "
+                "headers={'Authorization': 'Bearer ' + os.environ['OPENAI_API_KEY']}, "
+                "json={'model': 'm', 'max_tokens': 2, 'messages': [{'role': 'user', 'content': 'hi'}]}, "
+                "timeout=30).raise_for_status()")
+
+    def slow(tree):
+        time.sleep(6)
+        return 1.0
+
+    async def run():
+        a, b = await open_session(proxy.url, ADMIN), await open_session(proxy.url, ADMIN)
+        return await asyncio.gather(
+            run_harness_episode([sys.executable, "-c", one_call], a, timeout=60, verifier=slow),
+            run_harness_episode([sys.executable, "-c", "import time; time.sleep(60)"], b, timeout=4))
+
+    scored, hung = asyncio.run(run())
+    assert "error" not in scored.meta, scored.meta.get("error")
+    assert "timed out" in hung.meta["error"] and hung.meta["harness"]["wall_s"] < 5.5
