@@ -18,13 +18,13 @@ import difflib
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     ValidatorFunctionWrapHandler,
     field_validator,
 )
+
+from .strict import StrictOptions
 
 __all__ = [
     "OPTIONS",
@@ -47,10 +47,9 @@ _IN_TURN = ("Fork inside the chosen turn, before its {which} token among the fir
             "instead of before the turn: what branches a single-turn task.")
 
 
-class _Options(BaseModel):
-    # inf or NaN passes a one-sided bound or has none to pass (est_leaf_cost: .inf bought
-    # 0 leaves, threshold: .nan never branched); no option means anything by them
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+class _Options(StrictOptions):
+    """An allocator's options: unknown keys, non-finite numbers (est_leaf_cost: .inf bought 0
+    leaves, threshold: .nan never branched) and bools for numbers (depth: true) are errors."""
 
 
 def _est_leaf_cost() -> Any:

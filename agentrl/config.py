@@ -12,24 +12,22 @@ import os
 import re
 import warnings
 from pathlib import Path
-from types import UnionType
-from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from .allocator_options import AllocatorOptions, IndependentOptions, allocator_spec
 from .errors import ConfigError
+from .strict import StrictModel
 
 __all__ = [
     "Config",
@@ -46,39 +44,7 @@ __all__ = [
 ]
 
 
-class _Strict(BaseModel):
-    """The base of every config section (here and in ``agentrl.train.config``): unknown keys
-    are errors, and assignments are validated. A float is finite: ``.inf`` passes every
-    ``ge``/``gt`` bound (``sampling.temperature: .inf`` sampled uniformly, ``lr: .inf`` trained
-    to NaN), and where no limit is meant, the key takes null."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
-        """pydantic's lax mode reads true as 1 and false as 0 where a number goes: YAML's
-        ``episodes: yes`` ran one task. A key that also takes a bool keeps it."""
-        field = cls.model_fields.get(info.field_name or "")
-        if field is not None and _is_bool_in_a_number(field.annotation, value):
-            given = value if isinstance(value, bool) else next(v for v in value if isinstance(v, bool))
-            where = "" if isinstance(value, bool) else f" in {value}"
-            raise ValueError(f"expected a number, got {str(given).lower()}{where}")
-        return value
-
-
-def _is_bool_in_a_number(annotation: Any, value: Any) -> bool:
-    """Whether ``value`` is a bool (or a list holding one) where ``annotation`` takes an int or
-    a float (or a list of them) and no bool."""
-    kinds = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
-    if bool in kinds:
-        return False
-    if isinstance(value, bool):
-        return any(k in (int, float) for k in kinds)
-    items = [get_args(k)[0] for k in kinds if get_origin(k) is list and get_args(k)]
-    items = [get_args(k)[0] if get_origin(k) is Annotated else k for k in items]  # list[Seed]
-    return isinstance(value, list) and any(isinstance(v, bool) for v in value) and any(
-        k in (int, float) for k in items)
+_Strict = StrictModel  # the base of every config section here and in agentrl.train.config
 
 
 def moved_keys(data: Any, moves: dict[str, str], section: str) -> Any:

@@ -21,7 +21,9 @@ from __future__ import annotations
 import difflib
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from .strict import StrictOptions
 
 __all__ = [
     "CREDIT_OPTIONS",
@@ -50,12 +52,9 @@ _LEVEL = ("Whitening of the per-turn values (agentrl.credit.normalize): over eac
 _CODE_ONLY = ("value_fn", "reward_fn")  # callables: keyword arguments of agentrl.credit.assign only
 
 
-class CreditMethodOptions(BaseModel):
-    """The options of one credit method: unknown keys and non-finite numbers are errors."""
-
-    # inf or NaN passes ge/le bounds or has none to pass (omega: .inf made every
-    # advantage NaN); no option means anything by them
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+class CreditMethodOptions(StrictOptions):
+    """The options of one credit method: unknown keys, non-finite numbers (omega: .inf made
+    every advantage NaN) and bools for numbers (eps: true) are errors."""
 
     def arguments(self) -> dict[str, Any]:
         """The keyword arguments of the method's function: every option but ``name`` and ``outcome``

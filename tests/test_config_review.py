@@ -26,6 +26,11 @@ def _load(override: str):
     "distributed.env_worker_cpus",
     "rollout.episode_timeout_s",      # null is the no-limit value
     "train.asynchronous.batch_timeout_s",
+    "train.loss.clip_high",           # the option sections share the config's base (agentrl.strict)
+    "train.loss.kl_coef",
+    "train.loss.tis_cap",
+    "train.loss.entropy_coef",
+    "train.value_head.l2",
 ])
 def test_an_infinite_setting_is_an_error_naming_its_key(key):
     """``.inf`` passed every ``ge``/``gt`` bound and loaded; the run then sampled uniformly
@@ -42,6 +47,11 @@ def test_an_infinite_setting_is_an_error_naming_its_key(key):
     ("train.optimizer.lr=true", "train.optimizer.lr"),
     ("rollout.budget=yes", "rollout.budget"),          # YAML 1.1: yes is true
     ("train.task_seeds=[1, true]", "train.task_seeds"),
+    ("train.loss.kl_coef=true", "train.loss.kl_coef"),
+    ("train.value_head.l2=true", "train.value_head.l2"),
+    ("train.distill={teacher: tiny-random, weight: true}", "train.distill.weight"),
+    ("train.credit={name: grpo, eps: true}", "train.credit: eps"),  # a named method's options
+    ("rollout.allocator={name: segment_tree, depth: true}", "rollout.allocator: depth"),
 ])
 def test_a_boolean_where_a_number_goes_is_an_error_naming_its_key(override, key):
     """pydantic's lax mode read true as 1 and false as 0: ``episodes: yes`` ran one task."""

@@ -33,9 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..config import moved_keys
+from ..strict import StrictModel
 from .m2po import m2po_mask, m2po_token_loss, m2po_trust_region
 
 __all__ = [
@@ -335,10 +336,10 @@ def mismatch_stats(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Ten
 # --------------------------------------------------------------------------- the composed loss
 
 
-class PolicyLossConfig(BaseModel):
+class PolicyLossConfig(StrictModel):
     """Options of ``policy_loss``. Defaults: DAPO clip ranges, token-mean, no KL, no entropy."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(frozen=True)
 
     clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO lower clip range (ratio >= 1 - clip_low).")
     clip_high: float = Field(0.28, ge=0.0, description="PPO upper clip range, DAPO clip-higher.")

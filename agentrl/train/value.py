@@ -24,18 +24,17 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from ..credit import episode_gae
+from ..strict import StrictModel
 from ..types import Episode
 
 __all__ = ["ValueHead", "ValueHeadConfig", "next_context", "ridge_fit", "turn_features"]
 
 
-class ValueHeadConfig(BaseModel):
+class ValueHeadConfig(StrictModel):
     """The ``train.value_head`` section (used by ``credit: gae``)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     l2: float = Field(1.0, ge=0.0, description="Ridge penalty on the weights (not the bias).")
     mix: float = Field(0.5, gt=0.0, le=1.0, description="Share of the way from the old weights to "

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from ...strict import StrictModel
 from .signals import linear_schedule
 
 __all__ = ["DistillConfig", "distill_weight"]
 
 
-class DistillConfig(BaseModel):
+class DistillConfig(StrictModel):
     """The ``train.distill`` section: who teaches, with which signal, how strongly."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     teacher: str = Field(description="A registered model name or a local transformers folder "
                          "(e.g. an SFT checkpoint's hf/), loaded frozen; same tokenizer as the student. "
