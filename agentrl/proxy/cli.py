@@ -112,12 +112,18 @@ def env_serve(
     token_file: Annotated[Path | None, typer.Option(
         help="File with the bearer token; else $AGENTRL_ENV_TOKEN (required).")] = None,
     max_envs: Annotated[int, typer.Option(min=1, help="Envs alive at once.")] = 256,
+    imports: Annotated[list[str] | None, typer.Option(
+        "--import", help="A module to import first, whose envs it registers (as env.imports in a config); "
+        "repeat for more.")] = None,
 ) -> None:
     """Serve every registered env over HTTP (POST /envs, /envs/{id}/step, /envs/{id}/close)."""
+    from agentrl.env import import_env_modules
+
     from .envserver import EnvServerConfig, serve_envs
 
     token = _token(token_file, "AGENTRL_ENV_TOKEN", required=True)
     try:
+        import_env_modules(imports or [])  # before it serves: a module that cannot load fails here
         serve_envs(EnvServerConfig(token=token or "", max_envs=max_envs), host, port)
     except AgentRLError as e:
         typer.echo(f"error: {e}", err=True)

@@ -56,7 +56,29 @@ def test_env_serve_on_port_0_says_the_port_it_got(monkeypatch):
     assert f"agentrl env server on http://127.0.0.1:{port}\n" in out.output  # not :0
 
 
-def _env_serve_on_port_0(monkeypatch, run):
+def test_env_serve_imports_the_modules_of_a_users_envs_first(monkeypatch, tmp_path):
+    """A user's env, registered by their own module, could be served only by naming the module in
+    every client's env id ('module:myorg/Name-v0'); --import registers it before the server starts."""
+    import sys
+
+    from agentrl.env import make_env
+
+    (tmp_path / "my_serve_envs.py").write_text(
+        "from agentrl.envs.guess_number import GuessNumberEnv\n"
+        "from agentrl.env import register_env\n"
+        "register_env('myorg/ServedGuess-v0', entry_point=GuessNumberEnv)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("AGENTRL_ENV_TOKEN", "t0ken")
+    made = []
+    out, _ = _env_serve_on_port_0(monkeypatch, lambda self, sockets=None: made.append(make_env("myorg/ServedGuess-v0")),
+                                  "--import", "my_serve_envs")
+    assert out.exit_code == 0, out.output
+    assert "my_serve_envs" in sys.modules and len(made) == 1
+    out, _ = _env_serve_on_port_0(monkeypatch, lambda self, sockets=None: None, "--import", "no_such_env_module")
+    assert out.exit_code == 2 and "cannot import env module 'no_such_env_module'" in out.output, out.output
+
+
+def _env_serve_on_port_0(monkeypatch, run, *extra: str):
     """``agentrl env serve --port 0`` on a bound socket, with ``run`` as uvicorn's ``Server.run``."""
     import socket
 
@@ -70,7 +92,7 @@ def _env_serve_on_port_0(monkeypatch, run):
     monkeypatch.setattr(uvicorn.Server, "run", run)
     _mount_plugins()
     try:
-        return CliRunner().invoke(app, ["env", "serve", "--port", "0"]), bound.getsockname()[1]
+        return CliRunner().invoke(app, ["env", "serve", "--port", "0", *extra]), bound.getsockname()[1]
     finally:
         bound.close()
 
