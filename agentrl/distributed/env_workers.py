@@ -49,7 +49,9 @@ Workers are made once per process, cluster and env configuration
 an engine for each batch, and starting actors each time would cost seconds.
 A finished training run shuts its env's pools down
 (``shutdown_env_worker_pools``, from ``Trainer.close``), so runs in one
-process do not pile up actors on the cluster. Within a run, each env
+process do not pile up actors on the cluster; a shutdown first has the workers
+close the envs they still host (``SHUTDOWN_CLOSE_WAIT_S``), as a kill skips
+``env.close``. Within a run, each env
 configuration has its pool (a curriculum stage, the evaluation's
 ``env_kwargs``); an engine holds its pool while it runs (``users``) and gives
 it back on close (``release_env_worker_pool``). Making a new pool first kills
@@ -67,6 +69,7 @@ evaluation's, not the one no engine will ask for again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -76,7 +79,7 @@ import uuid
 from typing import Any
 
 from ..config import Config, DistributedConfig
-from ..env import import_env_modules, make_env, resolve_env_id
+from ..env import close_quietly, import_env_modules, make_env, resolve_env_id
 from ..errors import EnvError
 from .cluster import cancel_call, check_placeable, connect, ray_error, wait_for_room
 
@@ -92,6 +95,8 @@ NODE_SANDBOX_BACKENDS = ("docker", "gvisor", "bwrap")
 RESTART_WAIT_S = 120.0
 # Calls one env worker runs at once (threads of a threaded actor): its envs step concurrently.
 MAX_CALLS_PER_WORKER = 64
+# How long a pool's shutdown waits for its workers to close the envs they host before it kills them.
+SHUTDOWN_CLOSE_WAIT_S = 20.0
 
 
 def env_resources(env_id: str, kwargs: dict[str, Any], imports: list[str] | tuple[str, ...] = ()
@@ -177,6 +182,17 @@ class EnvWorker:
             env = self._envs.pop(handle, None)
         if env is not None:
             env.close()
+
+    def close_all(self) -> int:
+        """Close every env this incarnation hosts, those a call still runs on too (the worker is
+        about to be killed, which skips ``env.close``); how many. A close that raises is a
+        warning: the others are closed all the same."""
+        with self._lock:
+            envs, self._envs = list(self._envs.values()), {}
+            self._closing.clear()
+        for env in envs:
+            close_quietly(env)
+        return len(envs)
 
     def hosted(self) -> int:
         """How many env instances this incarnation hosts."""
@@ -361,9 +377,18 @@ class EnvWorkerPool:
                 return None
             return self._deal()
 
-    def shutdown(self) -> None:
+    def shutdown(self, close_wait_s: float = SHUTDOWN_CLOSE_WAIT_S) -> None:
+        """Close the envs the workers host (waiting at most ``close_wait_s``), then kill the
+        workers: a kill skips ``env.close``, and what an env holds outside the worker's process
+        (a docker sandbox's container) would outlive it."""
         import ray
 
+        refs = []
+        for w in self.workers:
+            with contextlib.suppress(Exception):  # a dead worker took its envs with it
+                refs.append(w.close_all.remote())
+        with contextlib.suppress(Exception):
+            ray.wait(refs, num_returns=len(refs), timeout=close_wait_s)
         for w in self.workers:
             ray.kill(w)
 

@@ -253,7 +253,7 @@ def test_an_env_that_calls_exit_fails_its_episode_not_its_worker(cluster, tokeni
     """sys.exit in an env step (argparse on bad input) fails that episode, as under
     env_executor: thread. It ended the env worker's process: every episode it hosted failed,
     and each such exit used up one of distributed.max_restarts."""
-    cfg = load_config(overrides=["env.id=agentrl-test/Exits-v0", "env.imports=[tests.distributed.exiting_env]",
+    cfg = load_config(overrides=["env.id=agentrl-test/Exits-v0", "env.imports=[tests.distributed.worker_envs]",
                                  "rollout.env_executor=ray", "rollout.concurrency=4", "rollout.max_turns=2",
                                  "distributed.num_env_workers=1", "distributed.max_restarts=2", *SMALL])
     worker = env_worker_pool(cfg).workers[0]
@@ -269,6 +269,33 @@ def test_an_env_that_calls_exit_fails_its_episode_not_its_worker(cluster, tokeni
     assert len(errors) == 1 and "the env called sys.exit(3)" in errors[0], errors
     assert sorted(len(t.nodes) for t in trees) == [1, 2, 2, 2]  # the others play both turns
     assert ray.get(worker.pid.remote()) == pid  # the same process: no restart
+
+
+def test_shutting_a_pool_down_closes_the_envs_its_workers_host(cluster, tmp_path):
+    """The envs a pool's workers still host (a script's, an engine's whose closes were still on
+    their way) are closed before the workers are killed: a kill skips env.close, so a docker
+    sandbox's container stayed up until some later sandbox on the node swept it."""
+    from agentrl.distributed.env_workers import shutdown_env_worker_pools
+
+    mark = tmp_path / "closed.txt"
+    cfg = load_config(overrides=["env.id=agentrl-test/MarksClose-v0", "env.imports=[tests.distributed.worker_envs]",
+                                 f"env.kwargs={{mark: '{mark}'}}", "rollout.env_executor=ray",
+                                 "distributed.num_env_workers=2", *SMALL])
+    pool = env_worker_pool(cfg)
+    envs = [pool.make_env() for _ in range(3)]
+    for i, env in enumerate(envs):
+        env.reset(seed=i)  # made on the workers, never closed
+    assert shutdown_env_worker_pools(cfg.env.id) == 1
+    assert mark.read_text().splitlines() == ["closed"] * 3
+    assert not _alive_any(pool.workers)
+
+
+def _alive_any(workers: list[Any]) -> bool:
+    try:
+        ray.get([w.pid.remote() for w in workers], timeout=10)
+        return True
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False
 
 
 def test_a_docker_env_asks_for_the_docker_resource(cluster):

@@ -1,5 +1,10 @@
-"""An env for the env-worker tests, imported by the workers (``env.imports``): GuessNumber whose
-step calls ``sys.exit(3)`` on an action that says 'exit', as a CLI wrapped with argparse does."""
+"""Envs for the env-worker tests, imported by the workers (``env.imports``):
+
+- ``agentrl-test/Exits-v0``: GuessNumber whose step calls ``sys.exit(3)`` on an action that says
+  'exit', as a CLI wrapped with argparse does;
+- ``agentrl-test/MarksClose-v0``: GuessNumber that appends a line to the file ``mark`` names when
+  it is closed (a sandbox's container removed, say).
+"""
 
 from __future__ import annotations
 
@@ -17,4 +22,16 @@ class ExitingEnv(GuessNumberEnv):
         return super().step(action)
 
 
+class MarksCloseEnv(GuessNumberEnv):
+    def __init__(self, mark: str, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.mark = mark
+
+    def close(self) -> None:
+        with open(self.mark, "a") as f:
+            f.write("closed\n")
+        super().close()
+
+
 register_env("agentrl-test/Exits-v0", entry_point=ExitingEnv)
+register_env("agentrl-test/MarksClose-v0", entry_point=MarksCloseEnv)
