@@ -191,8 +191,8 @@ class ProcessEnv:
         return self._peek() != "running"
 
     def _recv(self) -> tuple[bool, Any]:
-        self._answered()
         try:
+            self._answered()  # a pipe closed meanwhile (``close`` gave up on a hung call) raises OSError
             if self._conn.poll():  # what the child sent before it ended comes first
                 return self._conn.recv()
         except (EOFError, OSError):
