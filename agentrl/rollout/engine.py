@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -155,6 +156,7 @@ class Engine:
             raise RuntimeError("this Engine is already running a batch; make another Engine")
         if self._closed:  # its step pool is shut: every episode would fail making its env
             raise RuntimeError("this Engine is closed; make another Engine")
+        seeds = [_task_seed(s) for s in seeds]
         self._running = True
         try:
             return await self._run(seeds, allocator, budget)
@@ -238,6 +240,18 @@ class Engine:
             renumber(tree, first, lambda n: player.keys[id(n)])
         player.keys.clear()
         return True
+
+
+def _task_seed(seed: Any) -> int:
+    """``seed`` as a plain int (a numpy one too: the tree's meta is written as JSON), or a
+    ``ValueError`` naming it: a float or str seed would fail every episode's reset, or pass
+    as another task."""
+    if isinstance(seed, bool):
+        raise ValueError(f"task seed {seed!r} is not an integer")
+    try:
+        return operator.index(seed)
+    except TypeError:
+        raise ValueError(f"task seed {seed!r} is not an integer") from None
 
 
 def _forks_in_token_order(requests: list[Any]) -> list[Any]:

@@ -24,3 +24,18 @@ def test_two_runs_writing_one_folder_at_once_each_leave_whole_files(tokenizer, t
     assert [t.meta["seed"] for t in read_trees(tmp_path / "trajectories.jsonl")] == [0, 1]
     assert json.loads((tmp_path / "summary.json").read_text())["run"] == "this"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json", "trajectories.jsonl"]
+
+
+def test_numpy_task_seeds_are_written_as_ints(tokenizer, tmp_path):
+    """Seeds from numpy (``np.arange``, a Generator's ``integers``) played, then writing the
+    run failed: the tree's meta held an int64, which JSON does not take."""
+    import numpy as np
+    import pytest
+
+    seeds = list(np.arange(2))
+    trees = collect("agentrl/GuessNumber-v0", MockPolicy(tokenizer, ["1"]), load_config(), seeds)
+    write_run(tmp_path, trees, summarize(trees, 1.0))
+    assert [t.meta["seed"] for t in read_trees(tmp_path / "trajectories.jsonl")] == [0, 1]
+    for bad in (1.5, "3", True):
+        with pytest.raises(ValueError, match=f"task seed {bad!r} is not an integer"):
+            collect("agentrl/GuessNumber-v0", MockPolicy(tokenizer, ["1"]), load_config(), [0, bad])
