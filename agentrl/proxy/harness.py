@@ -11,7 +11,9 @@ starts the harness command with these environment variables::
     AGENTRL_ENV_URL      the env server; AGENTRL_ENV_TOKEN a bearer key that opens only this env
     AGENTRL_ENV_INSTANCE the env made for this episode (GET /envs/{id} shows it)
     AGENTRL_ENV_ID       its registered id
-    AGENTRL_TASK         the env's first observation: the task, for a CLI's prompt
+    AGENTRL_TASK         the env's first observation: the task, for a CLI's prompt (unset
+                         where it is over 128 KiB, which Linux refuses in one variable)
+    AGENTRL_TASK_FILE    a file that holds the task, whatever its length
 
 ``$NAME`` and ``${NAME}`` in the command's arguments are replaced by these
 (and by ``extra_env``), so a CLI that never reads the environment takes the
@@ -51,6 +53,7 @@ import re
 import shlex
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -67,6 +70,7 @@ __all__ = ["EnvServer", "SessionHandle", "drop_session", "expand_argv", "harness
 
 _TAIL = 4000  # characters of stdout/stderr kept for the record
 _ANSWER_CHARS = 1_000_000  # the longest answer on stdout (the env server's limit on an action)
+_STRING_BYTES = 131072  # Linux's MAX_ARG_STRLEN: one argument or NAME=value, with its NUL
 _VAR = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
 
 
@@ -254,6 +258,7 @@ async def run_harness_episode(
            "ANTHROPIC_API_KEY": session.api_key, "AGENTRL_SESSION_ID": session.session_id}
     error: str | None = None
     instance: str | None = None
+    task = ""
     env_headers: dict[str, str] = {}
     if env_server is not None:
         env_headers = {"Authorization": f"Bearer {env_server.token}"}
@@ -264,13 +269,22 @@ async def run_harness_episode(
             instance = made["id"]
             # The env's own key, which opens no other env (a server without keys: its token).
             env.update(AGENTRL_ENV_URL=env_server.url, AGENTRL_ENV_TOKEN=made.get("key") or env_server.token,
-                       AGENTRL_ENV_INSTANCE=instance, AGENTRL_ENV_ID=env_server.env_id,
-                       AGENTRL_TASK=str(made.get("observation", "")))
+                       AGENTRL_ENV_INSTANCE=instance, AGENTRL_ENV_ID=env_server.env_id)
+            task = str(made.get("observation", ""))
         except ProxyError as e:
             error = f"env could not be made: {e}"
     run: dict[str, Any] = {"cmd": argv, "returncode": None}
     stdout = _Captured(_ANSWER_CHARS if submit == "stdout" else _TAIL)  # the answer is all of it
+    task_file = None
     try:  # whatever fails in here, the env and the session below are still closed
+        if instance is not None:
+            task_file = _task_file(task)
+            env["AGENTRL_TASK_FILE"] = task_file
+            if len(f"AGENTRL_TASK={task}".encode()) < _STRING_BYTES:
+                env["AGENTRL_TASK"] = task
+            elif "AGENTRL_TASK" in {m.group(1) or m.group(2) for a in argv for m in _VAR.finditer(a)}:
+                error = (f"the task is {len(task)} characters, over the 128 KiB one argument may hold: "
+                         "let the harness read it from $AGENTRL_TASK_FILE")
         argv = run["cmd"] = expand_argv(argv, env)
         if error is None:
             run, error = await _play(argv, env, timeout, cwd, stdout)
@@ -278,6 +292,10 @@ async def run_harness_episode(
             error = await _submit(env_server, instance, env_headers, stdout)
     except Exception as e:  # a bug of ours: this episode fails, loudly, and the run goes on
         error = f"harness runner error {type(e).__name__}: {e}"
+    finally:
+        if task_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(task_file)
     state = None
     if instance is not None and env_server is not None:
         try:
@@ -306,6 +324,14 @@ async def run_harness_episode(
             last = tree.nodes[max(tree.nodes)]
             last.error, last.truncated = error, not last.terminated
     return tree
+
+
+def _task_file(task: str) -> str:
+    """A new file (only its owner may read it) that holds ``task``; its path."""
+    fd, path = tempfile.mkstemp(prefix="agentrl-task-", suffix=".txt")
+    with os.fdopen(fd, "w", encoding="utf-8", errors="surrogatepass") as f:
+        f.write(task)
+    return path
 
 
 async def _play(argv: list[str], env: dict[str, str], timeout: float | None, cwd: str | None,

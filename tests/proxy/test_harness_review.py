@@ -209,3 +209,51 @@ def test_a_slow_verifier_does_not_hold_the_other_episodes_timeouts(servers):
     scored, hung = asyncio.run(run())
     assert "error" not in scored.meta, scored.meta.get("error")
     assert "timed out" in hung.meta["error"] and hung.meta["harness"]["wall_s"] < 5.5
+
+
+class LongTaskEnv(TextEnv):
+    """A first observation of ``chars`` characters (a long issue, a page), answered by any action."""
+
+    def __init__(self, chars: int = 200_000):
+        super().__init__()
+        self.chars = chars
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return "x" * self.chars, {}
+
+    def step(self, action: str):
+        return "done", 1.0, True, False, {}
+
+
+register_env("review/LongTask-v0", entry_point=LongTaskEnv)
+
+# Reads the task from the file named in its argument, $AGENTRL_TASK_FILE, and says how long it
+# is; makes one model call.
+READS_TASK_FILE = '''
+import os
+from openai import OpenAI
+import sys
+assert sys.argv[1] == os.environ["AGENTRL_TASK_FILE"] and "AGENTRL_TASK" not in os.environ
+task = open(sys.argv[1], encoding="utf-8").read()
+OpenAI().chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+print(len(task))
+'''
+
+
+def test_a_task_too_long_for_an_environment_variable_reaches_the_harness_in_a_file(servers):
+    """Linux refuses one argument or environment string over 128 KiB (E2BIG): a long first
+    observation in AGENTRL_TASK failed every episode of the env, even of harnesses that never read it."""
+    pytest.importorskip("openai")
+    proxy, envs = servers
+    env = EnvServer(envs.url, TOKEN, "review/LongTask-v0")
+    _, tree = _episode(proxy, env, [sys.executable, "-c", READS_TASK_FILE, "$AGENTRL_TASK_FILE"])
+    assert "error" not in tree.meta, tree.meta.get("error")
+    assert tree.meta["harness"]["stdout_tail"].startswith("200000")
+
+
+def test_a_task_too_long_for_an_argument_fails_the_episode_saying_so(servers):
+    proxy, envs = servers
+    env = EnvServer(envs.url, TOKEN, "review/LongTask-v0")
+    _, tree = _episode(proxy, env, [sys.executable, "-c", "pass", "$AGENTRL_TASK"])
+    assert "AGENTRL_TASK_FILE" in tree.meta["error"] and "200000" in tree.meta["error"]
