@@ -58,7 +58,9 @@ def proxy_serve(
     token_file: Annotated[Path | None, typer.Option(
         help="File with the admin token; else $AGENTRL_PROXY_TOKEN; none: no token needed.")] = None,
     served_model_name: Annotated[str, typer.Option(help="Name in /v1/models.")] = "agentrl",
-    max_context_tokens: Annotated[int, typer.Option(min=16, help="Prompt plus max_tokens budget.")] = 4096,
+    max_context_tokens: Annotated[int | None, typer.Option(
+        min=16, help="Prompt plus max_tokens budget; default: the config's rollout.max_context_tokens "
+        "where --config or --set gives one, else 4096.")] = None,
     out: Annotated[str | None, typer.Option(help="JSONL file closed sessions' trees are appended to.")] = None,
     auto_create_sessions: Annotated[bool, typer.Option(help="Unknown /sessions/{id} creates it.")] = False,
 ) -> None:
@@ -76,11 +78,13 @@ def proxy_serve(
                    err=True)
     flags = {"policy.backend": backend, "policy.model": model}
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(set_ or [])
-    proxy_cfg = ProxyConfig(served_model_name=served_model_name, token=token, out=out,
-                            max_context_tokens=max_context_tokens,
-                            auto_create_sessions=auto_create_sessions)
     try:
         cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too
+        if max_context_tokens is None and "max_context_tokens" in cfg.rollout.model_fields_set:
+            max_context_tokens = cfg.rollout.max_context_tokens  # the budget the run trains within
+        proxy_cfg = ProxyConfig(served_model_name=served_model_name, token=token, out=out,
+                                auto_create_sessions=auto_create_sessions,
+                                **({} if max_context_tokens is None else {"max_context_tokens": max_context_tokens}))
         print(settle_for_command(cfg).replace("[bold]", "").replace("[/]", ""), flush=True)
         if out is not None:  # a path it cannot append to fails now, not at the first closed session
             _check_appendable(Path(out))

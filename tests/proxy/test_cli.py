@@ -157,6 +157,29 @@ def test_serve_refuses_an_out_it_cannot_append_to_and_a_tiny_context_before_serv
         gc.unfreeze()
 
 
+def test_proxy_serve_takes_the_configs_context_budget_unless_the_flag_gives_one(monkeypatch, tmp_path):
+    """One config for every command: --config's rollout.max_context_tokens (the budget the run
+    trains within) was ignored, and the proxy served 4096 whatever it said."""
+    import gc
+
+    import agentrl.proxy.app as proxy_app
+
+    got = []
+    monkeypatch.setattr(proxy_app, "serve", lambda policy, cfg, *a, **k: got.append(cfg.max_context_tokens))
+    config = tmp_path / "run.yaml"
+    config.write_text("rollout:\n  max_context_tokens: 1536\n")
+    _mount_plugins()
+    try:
+        for extra, budget in (([], 4096), (["--config", str(config)], 1536),
+                              (["--set", "rollout.max_context_tokens=2500"], 2500),
+                              (["--config", str(config), "--max-context-tokens", "3000"], 3000)):
+            out = CliRunner().invoke(app, ["proxy", "serve", "--backend", "mock", "--port", "0", *extra])
+            assert out.exit_code == 0, out.output
+            assert got.pop() == budget, extra
+    finally:
+        gc.unfreeze()
+
+
 def test_servers_refuse_ports_and_sizes_out_of_range_by_the_option(monkeypatch):
     """A port past 65535 was a raw OverflowError (view), max-envs 0 a raw ValidationError."""
     monkeypatch.setenv("AGENTRL_ENV_TOKEN", "t0ken")
