@@ -167,6 +167,19 @@ def import_env_modules(modules: list[str] | tuple[str, ...]) -> None:
         except ImportError as e:
             raise EnvError(f"cannot import env module {module!r} (env.imports, or the module of "
                            f"'module:Name-v0'): {e}") from e
+        except Exception as e:  # the user's module itself is broken: say where, not a traceback
+            raise EnvError(f"env module {module!r} raised {type(e).__name__} while it was imported: "
+                           f"{_where(e)}{e}") from e
+
+
+def _where(error: BaseException) -> str:
+    """``file:line: `` of the innermost frame of ``error``'s traceback (a SyntaxError names its own)."""
+    if isinstance(error, SyntaxError):
+        return ""  # its message says the file and line
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}: " if tb is not None else ""
 
 
 _loaded = False

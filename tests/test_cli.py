@@ -108,6 +108,22 @@ def test_rollout_finds_an_env_registered_in_the_users_module(tmp_path, monkeypat
     assert res.exit_code == 0, res.output
 
 
+@pytest.mark.parametrize(("body", "said"), [
+    ("raise RuntimeError('no GPU here')\n", "raised RuntimeError while it was imported: "),
+    ("def broken(:\n", "raised SyntaxError while it was imported: "),
+])
+def test_a_users_env_module_that_fails_to_import_is_an_error_naming_it(tmp_path, monkeypatch, body, said):
+    """Only an ImportError was caught: any other error in the user's module was a traceback."""
+    (tmp_path / "broken_user_envs.py").write_text("import os\n" + body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    res = runner.invoke(app, ["rollout", "--env", "myorg/Broken-v0", "--backend", "mock",
+                              "--set", "env.imports=[broken_user_envs]", "--episodes", "1",
+                              "--out", str(tmp_path / "out"), "--no-progress"])
+    assert res.exit_code == 2, res.output
+    said_all = res.output.replace("\n", "")  # the console wraps long lines
+    assert f"env module 'broken_user_envs' {said}" in said_all and "broken_user_envs.py" in said_all
+
+
 def test_unknown_env_error_says_how_to_make_an_env_visible():
     res = runner.invoke(app, ["rollout", "--env", "agentrl/UnitConvert-v0", "--backend", "mock"])
     assert res.exit_code == 2
