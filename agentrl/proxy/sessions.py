@@ -458,30 +458,37 @@ class Session:
         a root whose first message differs from that of every root holding ``final``
         (a retry or an edit of the main conversation starts with the same one). It is
         part of the episode, not a path the harness left, so its latest leaf carries
-        the session's outcome. Roots with one prompt (a first call retried, or its
-        other choices) are one conversation: only its latest leaf is the outcome,
-        the replies the harness dropped are abandoned.
+        the session's outcome. A first call retried, or answered with n choices, makes
+        roots with one prompt: a root of them the harness never went on from is a
+        reply it dropped (abandoned), where another of them went on or came later.
         """
         main = [self._root(n) for n in [*final, *self.continued(final)]]
         firsts = {self._first_message(r) for r in main}
-        prompts: dict[int, tuple[int, ...]] = {}  # root -> its prompt, built once a root
-
-        def prompt_of(root: int) -> tuple[int, ...]:  # the same for every choice and retry of one call
-            if root not in prompts:
-                prompts[root] = tuple(self.tree.nodes[root].context_ids)
-            return prompts[root]
-
-        done = {prompt_of(r) for r in main}
+        done = set(main) | self._dropped_roots()
         out: list[int] = []
         for leaf in sorted(self.tree.leaves(), key=lambda n: -n.id):  # the latest first
             root = self._root(leaf.id)
-            if prompt_of(root) in done:
+            if root in done:
                 continue
-            done.add(prompt_of(root))
+            done.add(root)
             first = self._first_message(root)
             if first is not None and first not in firsts:
                 out += [leaf.id, *self.continued([leaf.id])]
         return out
+
+    def _dropped_roots(self) -> set[int]:
+        """Roots that are replies the harness dropped: among roots with one prompt, each one
+        with no child, where another one has a child or came later. (Roots with one prompt that
+        each went on are conversations held side by side: parallel sub-agents.)"""
+        by_prompt: dict[tuple[int, ...], list[int]] = {}
+        for r in self.tree.roots:
+            by_prompt.setdefault(tuple(self.tree.nodes[r].context_ids), []).append(r)
+        dropped: set[int] = set()
+        for roots in by_prompt.values():
+            ends = [r for r in roots if not self.tree.nodes[r].children]
+            kept = max(ends) if len(ends) == len(roots) else None  # none went on: the latest stands
+            dropped |= {r for r in ends if r != kept}
+        return dropped
 
     def _first_message(self, root: int) -> str | None:
         call = self.by_id.get(self.tree.nodes[root].info.get("call_id", ""))

@@ -70,3 +70,24 @@ def test_an_unpicked_choice_of_a_side_conversation_is_abandoned(mock_policy, ser
     by_text = {n.action_text: n for n in tree.nodes.values()}
     assert by_text["s3"].info.get("side_conversation") and by_text["s3"].reward == 1.0
     assert by_text["s1"].info.get("abandoned") and by_text["s1"].reward == 0.0
+
+
+def test_sub_agents_started_alike_in_parallel_are_each_an_outcome(mock_policy, serve):
+    """Two sub-agents with one first prompt, each going on from its own reply: both are parts of
+    the episode, not one retried call."""
+    server = serve(mock_policy(["m1", "a1", "b1", "a2", "b2", "m2"]))
+    sid, client = _session(server.url)
+    main = [{"role": "system", "content": "Main."}, {"role": "user", "content": "task"}]
+    first = client.chat.completions.create(model="m", messages=main)
+    sub = [{"role": "system", "content": "Sub-agent."}, {"role": "user", "content": "search"}]
+    a = client.chat.completions.create(model="m", messages=sub)
+    b = client.chat.completions.create(model="m", messages=sub)
+    for out in (a, b):
+        client.chat.completions.create(model="m", messages=sub + [_reply(out), {"role": "user", "content": "go on"}])
+    client.chat.completions.create(model="m", messages=main + [_reply(first), {"role": "user", "content": "go"}])
+    url = f"{server.url}/sessions/{sid}"
+    httpx.post(f"{url}/reward", json={"reward": 1.0}).raise_for_status()
+    tree = RolloutTree.from_dict(httpx.post(f"{url}/close").json())
+    by_text = {n.action_text: n for n in tree.nodes.values()}
+    for text in ("a2", "b2", "m2"):
+        assert by_text[text].reward == 1.0 and not by_text[text].info.get("abandoned"), text
