@@ -362,12 +362,14 @@ def _text(s: str) -> str:
 
 def jsonable(value: Any, _depth: int = 0) -> Any:
     """``value`` (an env's ``info``, or a part of it) as strict JSON data: dict keys become
-    str, tuples and sets lists, numpy scalars numbers, non-finite floats the strings "nan",
+    str, tuples and sets lists, numpy scalars numbers and arrays lists, non-finite floats the strings "nan",
     "inf" and "-inf" (JSON has none; a file that holds them is unreadable to most parsers),
     a lone surrogate in a str its escape (``\\udcff``: UTF-8 has no such character), and
     anything else its ``str``. A container nested over 64 deep (a cycle) is cut there."""
     if isinstance(value, np.generic):
         value = value.item()
+    elif isinstance(value, np.ndarray):  # its str cuts what is over 1,000 elements to '...'
+        value = value.tolist()
     if value is None or type(value) is bool:
         return value
     if isinstance(value, str):

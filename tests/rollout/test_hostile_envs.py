@@ -151,6 +151,15 @@ def test_answer_problem_names_what_is_wrong():
     assert "decode bytes first" in answer_problem("reset", (b"o", {}))
 
 
+def test_jsonable_keeps_a_large_array_whole():
+    """A numpy array was written as its str, which numpy cuts to '[0 0 0 ... 0 0 0]' past 1,000
+    elements: two different large state keys became one string, one state for GiGPO's groups."""
+    a, b = np.zeros(2000, dtype=np.int64), np.zeros(2000, dtype=np.int64)
+    b[1000] = 1
+    assert jsonable(a) != jsonable(b) and jsonable(b)[1000] == 1 and len(jsonable(a)) == 2000
+    assert jsonable({"grid": np.array([[1.5, np.nan]])}) == {"grid": [[1.5, "nan"]]}
+
+
 def test_jsonable_is_strict_json():
     out = jsonable({"a": (1, math.nan), 2: {"b": np.float32(0.5)}, "c": np.bool_(False)})
     assert out == {"a": [1, "nan"], "2": {"b": 0.5}, "c": False}
