@@ -20,6 +20,9 @@ from ..types import Node
 __all__ = ["jsonable_info", "listed_actions", "observation_messages", "opening_messages", "record_next_context", "step_node", "top1"]
 
 _HEAVY_INFO = ("admissible_actions", "tools", "tools_prompt")
+# Written by the engine on a turn's node: an env's info that held them would pass for the
+# engine's (a value head bootstraps from next_context_ids: token ids of the env's choosing).
+_ENGINE_INFO = ("next_context_ids", "next_context_error")
 
 
 def observation_messages(obs: str, info: dict[str, Any], cfg: Config) -> list[dict[str, Any]]:
@@ -43,8 +46,9 @@ def opening_messages(obs: str, info: dict[str, Any], cfg: Config) -> list[dict[s
 
 
 def jsonable_info(info: dict[str, Any]) -> dict[str, Any]:
-    """Info minus per-step lists, made strict JSON (``agentrl.env.jsonable``) so trees serialize."""
-    kept = {k: v for k, v in info.items() if k not in _HEAVY_INFO}
+    """Info minus per-step lists and the keys the engine writes, made strict JSON
+    (``agentrl.env.jsonable``) so trees serialize."""
+    kept = {k: v for k, v in info.items() if k not in _HEAVY_INFO and k not in _ENGINE_INFO}
     if all(type(k) is str and k.isascii() and _plain_scalar(v) for k, v in kept.items()):
         return kept  # what ``jsonable`` would give back: skip it (the usual info)
     return jsonable(kept)

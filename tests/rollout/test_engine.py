@@ -657,3 +657,5 @@ def test_jsonable_info_keeps_scalars_and_makes_the_rest_json_safe():
     out = jsonable_info(nested)
     assert out == {"pair": [1, 2], "7": "int key", "obj": "a/b", "deep": {"x": [1, [2]]}}
     assert json.loads(json.dumps(out)) == out
+    # The keys the engine writes on a node are the engine's: a value head bootstraps from next_context_ids.
+    assert jsonable_info({"next_context_ids": [1, 2], "next_context_error": "x", "won": False}) == {"won": False}
