@@ -212,6 +212,9 @@ class Engine:
         jobs: list[tuple[int, Any]] = []
         cut: dict[tuple[int, int], int] = {}
         for req in _forks_in_token_order(requests):
+            if not (isinstance(req.task, int) and 0 <= req.task < len(trees)):  # -1 was the last tree
+                raise ValueError(f"allocator {allocator.name!r} asked for task {req.task!r}; "
+                                 f"this run has tasks 0..{len(trees) - 1}")
             req = meter.admit(trees[req.task], req, state.report)
             if req is None:
                 continue

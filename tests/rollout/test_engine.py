@@ -659,3 +659,17 @@ def test_jsonable_info_keeps_scalars_and_makes_the_rest_json_safe():
     assert json.loads(json.dumps(out)) == out
     # The keys the engine writes on a node are the engine's: a value head bootstraps from next_context_ids.
     assert jsonable_info({"next_context_ids": [1, 2], "next_context_error": "x", "won": False}) == {"won": False}
+
+
+@pytest.mark.parametrize("task", [-1, 2, "0"])
+def test_a_plan_for_a_task_the_run_does_not_have_is_an_error_naming_it(tokenizer, task):
+    """A negative task index grew the last tree (Python's trees[-1]) without a word."""
+    from agentrl.rollout.allocators.base import Fresh
+
+    class Stray(Independent):
+        def plan(self, state):
+            return [Fresh(task, 1)]
+
+    cfg = load_config(overrides=["rollout.max_turns=1"])
+    with pytest.raises(ValueError, match=rf"allocator 'independent' asked for task {task!r}; this run has tasks 0\.\.1"):
+        collect("agentrl/GuessNumber-v0", MockPolicy(tokenizer, ["1"]), cfg, [0, 1], allocator=Stray())
