@@ -279,12 +279,7 @@ async def run_harness_episode(
     try:  # whatever fails in here, the env and the session below are still closed
         if instance is not None:
             task_file = _task_file(task)
-            env["AGENTRL_TASK_FILE"] = task_file
-            if len(f"AGENTRL_TASK={task}".encode()) < _STRING_BYTES:
-                env["AGENTRL_TASK"] = task
-            elif "AGENTRL_TASK" in {m.group(1) or m.group(2) for a in argv for m in _VAR.finditer(a)}:
-                error = (f"the task is {len(task)} characters, over the 128 KiB one argument may hold: "
-                         "let the harness read it from $AGENTRL_TASK_FILE")
+            error = error or _pass_task(task, task_file, argv, env)
         argv = run["cmd"] = expand_argv(argv, env)
         if error is None:
             run, error = await _play(argv, env, timeout, cwd, stdout)
@@ -312,10 +307,19 @@ async def run_harness_episode(
         except ProxyError as e:  # the session is closed below all the same
             error = f"the reward could not be posted: {e}"
     tree = RolloutTree.from_dict(await _call("POST", f"{sess_url}/close", headers))
+    # The env or the verifier scores, not the harness: their reward is the only one kept.
+    scored = env_server is not None or verifier is not None
+    return _recorded(tree, run, state, error, set(rewarded) if scored else None)
+
+
+def _recorded(tree: RolloutTree, run: dict[str, Any], state: dict[str, Any] | None, error: str | None,
+              rewarded: set[int] | None) -> RolloutTree:
+    """The closed session's tree with the episode's record: the harness's run, the env's final
+    state, the failure (also on the last node), and, where ``rewarded`` names the nodes the
+    runner rewarded, every other reward zeroed (``_drop_rewards_but``)."""
     tree.meta["harness"] = run
-    if env_server is not None or verifier is not None:  # the env or the verifier scores, not the harness
-        if dropped := _drop_rewards_but(tree, set(rewarded)):
-            tree.meta["dropped_rewards"] = dropped
+    if rewarded is not None and (dropped := _drop_rewards_but(tree, rewarded)):
+        tree.meta["dropped_rewards"] = dropped
     if state is not None:
         tree.meta["env"] = {k: state[k] for k in ("env_id", "reward", "terminated", "truncated", "steps")}
     if error is not None:
@@ -324,6 +328,19 @@ async def run_harness_episode(
             last = tree.nodes[max(tree.nodes)]
             last.error, last.truncated = error, not last.terminated
     return tree
+
+
+def _pass_task(task: str, task_file: str, argv: list[str], env: dict[str, str]) -> str | None:
+    """Put the task in ``env``: its file always, its text where one variable may hold it (Linux
+    refuses a string over 128 KiB). Why the episode cannot start (its command names a task too
+    long to pass), or None."""
+    env["AGENTRL_TASK_FILE"] = task_file
+    if len(f"AGENTRL_TASK={task}".encode()) < _STRING_BYTES:
+        env["AGENTRL_TASK"] = task
+    elif "AGENTRL_TASK" in {m.group(1) or m.group(2) for a in argv for m in _VAR.finditer(a)}:
+        return (f"the task is {len(task)} characters, over the 128 KiB one argument may hold: "
+                "let the harness read it from $AGENTRL_TASK_FILE")
+    return None
 
 
 def _task_file(task: str) -> str:
