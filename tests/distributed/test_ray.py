@@ -217,14 +217,7 @@ def _kill_for_good(worker: Any) -> None:
     """Kill an env worker without restart, and return once a call to it says so (a kill lands a
     moment later: a call sent before that would still be served)."""
     ray.kill(worker)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            ray.get(worker.pid.remote(), timeout=30)
-        except ray.exceptions.ActorDiedError:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the killed env worker still answers")
+    _until_dead(worker)
 
 
 def test_an_env_worker_ray_will_not_restart_gets_no_more_episodes(cluster, tokenizer):
@@ -287,15 +280,21 @@ def test_shutting_a_pool_down_closes_the_envs_its_workers_host(cluster, tmp_path
         env.reset(seed=i)  # made on the workers, never closed
     assert shutdown_env_worker_pools(cfg.env.id) == 1
     assert mark.read_text().splitlines() == ["closed"] * 3
-    assert not _alive_any(pool.workers)
+    for worker in pool.workers:  # and killed (a kill lands a moment after it is sent)
+        _until_dead(worker)
 
 
-def _alive_any(workers: list[Any]) -> bool:
-    try:
-        ray.get([w.pid.remote() for w in workers], timeout=10)
-        return True
-    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-        return False
+def _until_dead(worker: Any) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(worker.pid.remote(), timeout=10)
+        except ray.exceptions.ActorDiedError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("the env worker still answers 30 s after its pool was shut down")
 
 
 def test_a_docker_env_asks_for_the_docker_resource(cluster):
