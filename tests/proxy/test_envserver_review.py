@@ -16,6 +16,7 @@ from agentrl.proxy.envserver import EnvServerConfig, create_env_app
 TOKEN = "env-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 CLOSED: list[str] = []  # the ``name`` of every SlowEnv closed
+STEPPING = threading.Event()  # set once a SlowEnv step has begun
 
 
 class SlowEnv(TextEnv):
@@ -31,6 +32,7 @@ class SlowEnv(TextEnv):
         return "Go.", {}
 
     def step(self, action: str):
+        STEPPING.set()
         time.sleep(self.step_s)
         return "done", 1.0, True, False, {}
 
@@ -55,7 +57,7 @@ def test_a_close_waits_for_the_step_in_flight_and_reports_its_reward():
         t = threading.Thread(target=lambda: stepped.append(httpx.post(
             f"{server.url}/envs/{eid}/step", json={"action": "x"}, headers=AUTH, timeout=30)))
         t.start()
-        time.sleep(0.3)  # the step is running in the env
+        assert STEPPING.wait(10)  # the step is running in the env
         state = httpx.post(f"{server.url}/envs/{eid}/close", headers=AUTH, timeout=30).json()
         t.join()
         assert state["steps"] == 1 and state["reward"] == 1.0 and state["terminated"]
@@ -85,7 +87,7 @@ def test_reaping_an_idle_env_whose_close_is_slow_does_not_stall_the_server():
         time.sleep(0.2)
         t0 = time.monotonic()
         assert _make(server.url, name="next").status_code == 200  # reaps the idle one
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 2.5  # the slow close takes 3 s
         deadline = time.monotonic() + 10
         while "idle" not in CLOSED and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -118,6 +120,7 @@ def test_max_envs_holds_for_makes_that_run_at_once():
 @pytest.fixture(autouse=True)
 def _clear():
     CLOSED.clear()
+    STEPPING.clear()
 
 
 def test_an_envs_own_key_opens_that_env_alone():
@@ -144,6 +147,6 @@ def test_a_close_that_hangs_in_the_env_still_answers_with_the_state():
         httpx.post(f"{server.url}/envs/{eid}/step", json={"action": "x"}, headers=AUTH).raise_for_status()
         t0 = time.monotonic()
         state = httpx.post(f"{server.url}/envs/{eid}/close", headers=AUTH, timeout=30).json()
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 2.5  # the slow close takes 3 s
         assert state["reward"] == 1.0 and state["terminated"]
         assert httpx.get(f"{server.url}/envs/{eid}", headers=AUTH).status_code == 404
