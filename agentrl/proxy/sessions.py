@@ -55,7 +55,9 @@ where the histories part) is kept on the branch's first node
 Assembly (``Session.assemble``): leaves other than the last call's choices end
 paths the harness left (a retried call, an unpicked choice, an edited
 history): they are marked ``truncated`` with ``info["abandoned"] = True``, and
-keep reward 0 unless a reward is set on their call.
+keep reward 0 unless a reward is set on their call. A leaf marked so by an
+earlier assembly (a GET of the tree mid-session) that the harness then went
+on from loses the mark.
 
 A side conversation is different too: a root whose first message is not the
 main conversation's (a harness's title or topic call under another system
@@ -499,6 +501,11 @@ class Session:
 
     def assemble(self) -> RolloutTree:
         """The session's tree, with abandoned leaves marked (see the module docstring)."""
+        for node in self.tree.nodes.values():
+            if node.children and node.info.pop("abandoned", False):
+                # An earlier assemble (a GET of the tree mid-session) took it for a path the
+                # harness left, and the harness went on from it: it was not done then either.
+                node.truncated = False
         last = set(self.calls[-1].node_ids) if self.calls else set()
         for leaf, call_id in self.continued(sorted(last)).items():
             self.tree.nodes[leaf].info["continued_by"] = call_id

@@ -91,3 +91,21 @@ def test_sub_agents_started_alike_in_parallel_are_each_an_outcome(mock_policy, s
     by_text = {n.action_text: n for n in tree.nodes.values()}
     for text in ("a2", "b2", "m2"):
         assert by_text[text].reward == 1.0 and not by_text[text].info.get("abandoned"), text
+
+
+def test_a_leaf_marked_abandoned_by_an_early_look_is_unmarked_once_the_harness_goes_on_from_it(mock_policy, serve):
+    """GET /tree assembles the tree (a viewer, a verifier, a curious harness): a leaf abandoned
+    then, which the harness later goes on from, is no abandoned path in the final tree."""
+    server = serve(mock_policy(["a", "b", "c"]))
+    sid, client = _session(server.url)
+    msgs = [{"role": "user", "content": "q"}]
+    first = client.chat.completions.create(model="m", messages=msgs)
+    client.chat.completions.create(model="m", messages=msgs)  # the same call again: "b" beside "a"
+    url = f"{server.url}/sessions/{sid}"
+    early = RolloutTree.from_dict(httpx.get(f"{url}/tree").json())
+    assert early.nodes[0].info.get("abandoned")  # "a", then
+    client.chat.completions.create(model="m", messages=msgs + [_reply(first), {"role": "user", "content": "on"}])
+    tree = RolloutTree.from_dict(httpx.post(f"{url}/close").json())
+    a, b, c = (tree.nodes[i] for i in (0, 1, 2))
+    assert c.parent == a.id and not a.info.get("abandoned") and not a.truncated
+    assert b.info.get("abandoned") and b.truncated
