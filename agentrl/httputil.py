@@ -175,8 +175,16 @@ def _loads(raw: bytes) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise HTTPError(400, f"invalid JSON body: not UTF-8 ({e.reason} at byte {e.start})") from None
+    overflowed = False
+
+    def parse_float(literal: str) -> float:  # 1e999 is JSON, and float() makes it inf
+        nonlocal overflowed
+        value = float(literal)
+        overflowed = overflowed or math.isinf(value)
+        return value
+
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_float=parse_float)
     except ValueError as e:
         raise HTTPError(400, f"invalid JSON body: {e}") from None
     except RecursionError:
@@ -187,10 +195,11 @@ def _loads(raw: bytes) -> Any:
             raise HTTPError(400, f"{field or 'body'}: holds a lone surrogate (a \\ud800-\\udfff escape "
                             "without its pair), which is not valid Unicode text; send UTF-8 text",
                             param=field or None)
-    if "NaN" in text or "Infinity" in text:  # rare: only then walk the data
+    if overflowed or "NaN" in text or "Infinity" in text:  # rare: only then walk the data
         field = non_finite_field(data)
         if field is not None:
-            raise HTTPError(400, f"{field or 'body'}: NaN and Infinity are not JSON; send a number or a string",
+            why = "is past the largest float (1.8e308)" if overflowed else "NaN and Infinity are not JSON"
+            raise HTTPError(400, f"{field or 'body'}: {why}; send a finite number or a string",
                             param=field or None)
     return data
 

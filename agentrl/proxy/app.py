@@ -388,8 +388,8 @@ def _session_routes(proxy: Proxy) -> list[Route]:
         body: RewardRequest = await read_json(request, RewardRequest, limit)
         try:
             nodes = session.set_reward(body.reward, body.call_id, body.choice, body.terminated)
-        except (KeyError, IndexError) as e:
-            msg = e.args[0]
+        except (KeyError, IndexError, ValueError) as e:  # ValueError: a reward that is not finite
+            msg = str(e.args[0]) if e.args else str(e)
             raise HTTPError(404 if "no call" in msg else 400, msg, param=msg.split(":")[0]) from None
         return JSONResponse({"ok": True, "nodes": nodes})
 

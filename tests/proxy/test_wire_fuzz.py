@@ -497,6 +497,21 @@ def test_responses_echoing_nan_or_infinity_is_not_a_500(proxy, raw):
         assert r.json()["error"]["param"] is not None
 
 
+@pytest.mark.parametrize(("path", "raw", "field"), [
+    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}',
+     "temperature"),
+    ("/v1/messages", b'{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], '
+     b'"metadata": {"x": -1' + b"0" * 400 + b'.5}}', "metadata.x"),
+])
+def test_a_number_past_the_largest_float_is_a_400_naming_it(proxy, path, raw, field):
+    """JSON has no limit on a number: 1e999 parsed to inf, which the NaN/Infinity check (it
+    looked for those words) let through; a reward of 1e999 was recorded as inf."""
+    client, _ = proxy
+    r = client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert f"{field}: is past the largest float" in r.json()["error"]["message"]
+
+
 def test_responses_nested_near_the_parser_limit_is_not_a_500(proxy):
     client, _ = proxy
     statuses = set()
