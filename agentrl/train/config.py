@@ -239,8 +239,8 @@ class TrainConfig(_Strict):
     harness_env: dict[str, str | int | float | bool] = Field(
         default_factory=dict, description="Extra environment variables for the harness command.")
     harness_submit: Literal["stdout"] | None = Field(
-        None, description="stdout: once the harness exits, its standard output (the last 4,000 "
-        "characters, stripped) is the env's next action, the episode's answer, for agent programs "
+        None, description="stdout: once the harness exits, its standard output (all of it, up to "
+        "1,000,000 characters, stripped) is the env's next action, the episode's answer, for agent programs "
         "that never call the env server (a CLI such as claude -p or codex exec); null: the harness "
         "steps the env itself.")
     asynchronous: AsyncConfig | None = Field(None, description="Roll out the next steps while "
