@@ -153,6 +153,7 @@ class Proxy:
         self.in_flight = 0
         # Responses ``store``: response id -> what it added to the conversation, oldest first
         self.responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._touched: dict[str, float] = {}  # session id -> when a request last named it (monotonic)
 
     # -- sessions, for in-process callers too ------------------------------------------
     def create_session(self, session_id: str | None = None, meta: dict[str, Any] | None = None,
@@ -161,14 +162,27 @@ class Proxy:
         if sid in self.sessions:
             raise HTTPError(409, f"session {sid!r} exists", param="session_id")
         if len(self.sessions) >= self.cfg.max_sessions:
-            closed = [s for s in self.sessions.values() if s.closed]
-            if not closed:
-                raise HTTPError(429, f"at most {self.cfg.max_sessions} open sessions; close some first")
-            self.drop_session(min(closed, key=lambda s: s.created).session_id)
+            self.drop_session(self._room_for_a_session())
         session = Session(sid, meta=meta, check_prefix=self.cfg.check_prefix, seed=seed)
         self.sessions[sid] = session
         self._keys[_digest(session.api_key)] = sid
+        self._touched[sid] = time.monotonic()
         return session
+
+    def _room_for_a_session(self) -> str:
+        """The session to drop for a new one: the oldest closed one, else the open one idle longest
+        past ``session_idle_s``, closed first (its tree written to ``out``, closed_by: idle)."""
+        closed = [s for s in self.sessions.values() if s.closed]
+        if closed:
+            return min(closed, key=lambda s: s.created).session_id
+        now = time.monotonic()
+        idle = min(self.sessions, key=lambda sid: self._touched.get(sid, 0.0))
+        if now - self._touched.get(idle, 0.0) < self.cfg.session_idle_s:
+            raise HTTPError(429, f"at most {self.cfg.max_sessions} open sessions, none idle for "
+                            f"session_idle_s={self.cfg.session_idle_s:g}; close some first")
+        if self.sessions[idle].calls:  # as at shutdown: a session that recorded nothing is not written
+            self.close_session(idle, closed_by="idle")
+        return idle
 
     def store_response(self, response_id: str, stored: StoredResponse) -> None:
         """Keep a Responses call's conversation (its input and reply) for ``previous_response_id``."""
@@ -188,13 +202,15 @@ class Proxy:
 
     def drop_session(self, sid: str) -> None:
         session = self.sessions.pop(sid, None)
+        self._touched.pop(sid, None)
         if session is not None:
             self._keys.pop(_digest(session.api_key), None)
             for rid in [r for r, stored in self.responses.items() if stored.owner == sid]:
                 del self.responses[rid]  # only this session could name them
 
-    def close_session(self, sid: str) -> Any:
+    def close_session(self, sid: str, closed_by: str | None = None) -> Any:
         """The session's tree; the first close appends it to ``cfg.out`` and then marks the session closed.
+        ``closed_by``: what closed it, where no harness did (``meta["closed_by"]``).
 
         Written before anything is marked: a write that fails (a full disk, a
         folder that is gone) leaves the session open and recording, and the
@@ -204,6 +220,8 @@ class Proxy:
         if session.closed:
             return session.assemble()
         tree = session.assemble()
+        if closed_by is not None:
+            tree.meta["closed_by"] = closed_by
         if self.cfg.out:
             try:
                 write_trees(self.cfg.out, [tree], append=True)
@@ -255,6 +273,7 @@ class Proxy:
                     raise HTTPError(400, f"session id {sid[:64]!r}: not a valid id ({SESSION_ID_PATTERN})")
                 return self.create_session(sid)
             raise HTTPError(404, f"no session {sid!r}")
+        self._touched[sid] = time.monotonic()
         return session
 
     # -- generation ----------------------------------------------------------------------

@@ -43,7 +43,12 @@ class ProxyConfig(BaseModel):
         "a 400, as vLLM answers.")
     max_n: int = Field(16, ge=1, description="Largest n (choices per request).")
     max_concurrent: int = Field(1024, ge=1, description="Requests in flight; more get 503 with Retry-After.")
-    max_sessions: int = Field(4096, ge=1, description="Sessions kept; the oldest closed one is dropped first.")
+    max_sessions: int = Field(4096, ge=1, description="Sessions kept; the oldest closed one is dropped first, "
+                              "else the open one idle longest past session_idle_s (closed and written first).")
+    session_idle_s: float = Field(
+        3600.0, gt=0, description="An open session no request named for this long is closed (its tree written "
+        "to out, meta closed_by: idle) when a new session needs its room; a harness that never closes its "
+        "session otherwise filled max_sessions for good.")
     tool_call_style: Literal["hermes", "json"] = Field(
         "hermes", description="How tools are described to a model whose template has no tools support.")
     check_prefix: int = Field(

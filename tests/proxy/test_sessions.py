@@ -370,3 +370,29 @@ def test_a_session_renders_only_new_messages_and_checks_the_whole_template_every
         msgs += [_reply(out), {"role": "user", "content": f"u{turn + 1}"}]
     assert full_renders == checked  # by the number of assistant turns in the checked context
     assert _tree(server.url, sid).meta["template_mismatches"] == 0
+
+
+
+def test_a_full_proxy_closes_the_session_idle_longest_past_the_limit_for_a_new_one(mock_policy, serve, tmp_path):
+    """Sessions never expired: harnesses that never close theirs filled max_sessions, and every
+    later session was refused with 429 for as long as the proxy ran."""
+    import json
+
+    out = tmp_path / "trees.jsonl"
+    server = serve(mock_policy(["hi"]), max_sessions=2, session_idle_s=60, out=str(out))
+    proxy = server.app.proxy
+    for sid in ("a", "b"):
+        assert httpx.post(f"{server.url}/sessions", json={"session_id": sid}).status_code == 200
+    r = httpx.post(f"{server.url}/sessions/a/v1/chat/completions",
+                   json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200, r.text
+    refused = httpx.post(f"{server.url}/sessions", json={"session_id": "c"})
+    assert refused.status_code == 429 and "session_idle_s=60" in refused.text  # none idle for 60 s yet
+    proxy._touched["a"] -= 100  # a: no request for 100 s; b: an empty session, idle 90 s
+    proxy._touched["b"] -= 90
+    assert httpx.post(f"{server.url}/sessions", json={"session_id": "c"}).status_code == 200
+    assert httpx.post(f"{server.url}/sessions", json={"session_id": "d"}).status_code == 200
+    assert sorted(proxy.sessions) == ["c", "d"]
+    # a recorded a call: written before it went, marked; b recorded nothing: nothing to write
+    [tree] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert tree["meta"]["session_id"] == "a" and tree["meta"]["closed_by"] == "idle" and len(tree["nodes"]) == 1
