@@ -235,11 +235,9 @@ def _load_plain(path: Path) -> Any:
 
 
 def _numpy_reconstruct() -> Any:
-    try:  # numpy 2 (numpy.core warns, and pickles name numpy._core)
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:  # numpy 1
-        from numpy.core.multiarray import _reconstruct
-    return _reconstruct
+    """The function numpy's arrays pickle with, asked of an array rather than imported from
+    numpy's private modules (``numpy._core`` in numpy 2, ``numpy.core`` before)."""
+    return np.zeros(0).__reduce__()[0]
 
 
 def config_changes(was: dict[str, Any], now: dict[str, Any], prefix: str = "") -> dict[str, tuple[Any, Any]]:
