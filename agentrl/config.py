@@ -326,6 +326,15 @@ class DistributedConfig(_Strict):
     rollout_worker_gpus: float = Field(
         0.0, ge=0, description="Ray GPUs one rollout worker reserves (its backend, vllm or hf, then "
         "runs on them; a fraction shares one GPU between workers). 0 on a CPU machine.")
+    @field_validator("env_worker_cpus", "rollout_worker_cpus", "rollout_worker_gpus")
+    @classmethod
+    def _ray_can_count_it(cls, value: float) -> float:
+        """Ray counts resources in units of 0.0001 and refuses a smaller share, when the
+        workers start, with a ValueError that names no key."""
+        if 0 < value < 0.0001:
+            raise ValueError(f"{value:g} is below 0.0001, the smallest share Ray counts")
+        return value
+
     max_restarts: int = Field(
         3, ge=-1, description="Times Ray restarts a dead env or rollout worker (-1: always). The "
         "episodes a dead env worker was running fail with the reason recorded; a dead rollout "

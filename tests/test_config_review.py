@@ -152,3 +152,12 @@ def test_an_override_under_an_empty_section_sets_a_key_of_it(tmp_path):
     assert cfg.train.steps == 3 and cfg.distributed is not None and cfg.distributed.num_env_workers == 3
     with pytest.raises(ConfigError, match=r"rollout\.seed: is a value, cannot set rollout\.seed\.x"):
         load_config(overrides=["rollout.seed=1", "rollout.seed.x=2"])
+
+
+@pytest.mark.parametrize("key", ["env_worker_cpus", "rollout_worker_cpus", "rollout_worker_gpus"])
+def test_a_worker_share_below_what_ray_counts_is_an_error_naming_its_key(key):
+    """Ray counts resources in units of 0.0001: 0.00001 CPUs loaded, then failed at the workers' start
+    with a ValueError that named no key."""
+    with pytest.raises(ConfigError, match=rf"distributed.{key}: .*1e-05 is below 0.0001"):
+        load_config(overrides=[f"distributed={{{key}: 0.00001}}"])
+    assert getattr(load_config(overrides=[f"distributed={{{key}: 0.0001}}"]).distributed, key) == 0.0001
