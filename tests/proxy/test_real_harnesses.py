@@ -146,7 +146,9 @@ def test_codex_cli_runs_through_the_proxy(proxy, tokenizer, tmp_path):
     argv = [codex, "exec", "--skip-git-repo-check", "--sandbox", "danger-full-access",
             "-c", "model_provider=agentrl", "-c", "model=gpt-agentrl", "-c", f"model_providers.agentrl={provider}",
             "Run the command, then report what it printed."]
-    tree = _episode(server, argv, {"CODEX_HOME": str(home)}, tmp_path)
+    # HOME too: Codex runs commands in the user's login shell, which read the machine's dotfiles
+    # (this one's run `pyenv rehash`, which waits 60 s on a lock a killed shell can leave behind).
+    tree = _episode(server, argv, {"CODEX_HOME": str(home), "HOME": str(tmp_path)}, tmp_path)
     sid = tree.meta["session_id"]
     check_episode(tree, app.model_calls(sid), tokenizer, tree.meta["harness"]["stdout_tail"])
     assert {n.info["api"] for n in tree.nodes.values()} == {"responses"}
