@@ -37,18 +37,20 @@ the first two observations and then every N-th.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import ContextOverflowError
 from .types import Message
 
-__all__ = ["ChatContext", "TemplateMismatchWarning", "decode_ids", "render_ids"]
+__all__ = ["OFF_LOOP_CHARS", "ChatContext", "TemplateMismatchWarning", "decode_ids", "off_loop_if_long",
+           "render_ids"]
 
 
 @dataclass(slots=True)
@@ -138,6 +140,21 @@ def render_ids(tokenizer: Any, messages: Sequence[Message | dict[str, Any]],
     """Token ids of a full template rendering (used for the opening and for checks)."""
     text = _render_text(tokenizer, _as_dicts(messages), add_generation_prompt, **template_kwargs)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+# Text past this many characters is rendered and tokenized on a thread (the tokenizer releases the
+# GIL): on an event loop that episodes or proxy sessions share, a long page or history held every
+# other one for about a second a megabyte.
+OFF_LOOP_CHARS = 20_000
+T = TypeVar("T")
+
+
+async def off_loop_if_long(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, which renders or tokenizes ``size`` characters: on a thread when that is
+    over ``OFF_LOOP_CHARS``, else here."""
+    if size > OFF_LOOP_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 class ChatContext:

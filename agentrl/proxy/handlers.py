@@ -27,20 +27,19 @@ Codex end their whole run on a cut reply), and the recorded node keeps
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import secrets
 import time
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from agentrl.chat import render_ids
+from agentrl.chat import off_loop_if_long, render_ids
 from agentrl.httputil import HTTPError, read_json, validation_problem
 from agentrl.policy.base import GenerateResult, action_text
 
@@ -226,21 +225,6 @@ def check_text_fits(proxy: Proxy, req: ChatRequest, param: str) -> int:
     return size
 
 
-# Message text past this many characters is rendered and tokenized on a thread (the tokenizer
-# releases the GIL): on the event loop a long history that fits a large budget held every other
-# session and stream, about a second a megabyte. A plan only reads its session (a call is recorded
-# nodes first, then its keys), so planning beside the loop sees a recorded call whole or not at all.
-OFF_LOOP_CHARS = 20_000
-T = TypeVar("T")
-
-
-async def off_loop_if_long(size: int, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` on a thread when the prompt's text is long, else here."""
-    if size > OFF_LOOP_CHARS:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)
-
-
 def render_plan(proxy: Proxy, session: Session | None, spec: PromptSpec, param: str) -> Plan:
     """Where a chat call hangs and its prompt; a template that refuses the messages is a 400."""
     from jinja2.exceptions import TemplateError
@@ -254,6 +238,9 @@ def render_plan(proxy: Proxy, session: Session | None, spec: PromptSpec, param: 
 
 
 def _spec_and_plan(proxy: Proxy, session: Session | None, req: ChatRequest, param: str) -> tuple[PromptSpec, Plan]:
+    """The prompt's spec and plan; a long one is made on a thread (``off_loop_if_long``). That is
+    safe beside the loop: a plan only reads its session, and a call is recorded nodes first, then
+    its keys, so a plan sees a recorded call whole or not at all."""
     spec = _spec(proxy, req)
     return spec, render_plan(proxy, session, spec, param)
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..chat import ChatContext
+from ..chat import ChatContext, off_loop_if_long
 from ..config import Config
 from ..env import answer_problem, jsonable
 from ..errors import ConfigError, ContextOverflowError, RolloutError
@@ -60,19 +60,11 @@ COUNTERS = ("generated_tokens", "prefilled_tokens", "reused_tokens", "shared_tok
 Prefix = tuple[list[int], list[float], list[float]]  # a forked turn's first action tokens, logprobs, entropies
 
 
-# An env answer longer than this is tokenized on a thread (the tokenizer lets go of the GIL):
-# on the event loop, a megabyte stalled every episode for about a second; a short one costs
-# less than the thread hop.
-_OFF_LOOP_CHARS = 20_000
-
-
 async def _off_loop_if_long(obs: str, info: dict[str, Any], fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``, which tokenizes the env answer ``(obs, info)``: on a thread when it is long."""
     size = len(obs) + sum(len(str(m.get("content") or "")) for m in info.get("tool_messages") or ())
     size += len(str(info.get("tools_prompt") or ""))
-    if size <= _OFF_LOOP_CHARS:
-        return fn(*args)
-    return await asyncio.to_thread(fn, *args)
+    return await off_loop_if_long(size, fn, *args)
 
 
 def _counters(tree: RolloutTree) -> dict[str, int]:
