@@ -64,6 +64,15 @@ class ProxyConfig(BaseModel):
         4096, ge=0, description="Responses calls with store: true whose conversation is kept for "
         "previous_response_id; the oldest is dropped first.")
 
+    @model_validator(mode="after")
+    def _idle_outlasts_a_call(self) -> ProxyConfig:
+        """A session is idle from its last request, so a call still generating is at most
+        generate_timeout_s old: a shorter session_idle_s could close a session under its call."""
+        if self.session_idle_s <= self.generate_timeout_s:
+            raise ValueError(f"session_idle_s ({self.session_idle_s:g}) must be longer than generate_timeout_s "
+                             f"({self.generate_timeout_s:g}): a session is idle from its last request")
+        return self
+
 
 # -- chat ------------------------------------------------------------------------------
 class ContentPart(BaseModel):

@@ -379,7 +379,11 @@ def test_a_full_proxy_closes_the_session_idle_longest_past_the_limit_for_a_new_o
     import json
 
     out = tmp_path / "trees.jsonl"
-    server = serve(mock_policy(["hi"]), max_sessions=2, session_idle_s=60, out=str(out))
+    from agentrl.proxy import ProxyConfig
+
+    with pytest.raises(ValueError, match="session_idle_s .* must be longer than generate_timeout_s"):
+        ProxyConfig(session_idle_s=60)  # a call may still be generating 600 s after its request
+    server = serve(mock_policy(["hi"]), max_sessions=2, session_idle_s=60, generate_timeout_s=30, out=str(out))
     proxy = server.app.proxy
     for sid in ("a", "b"):
         assert httpx.post(f"{server.url}/sessions", json={"session_id": sid}).status_code == 200
