@@ -28,6 +28,7 @@ import contextlib
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -47,6 +48,9 @@ LOCAL = "local"  # Ray's own word for "start a new local instance", whatever els
 LOCAL_SYSTEM_CONFIG: dict[str, Any] = {"worker_niceness": 0}
 _REACH_TIMEOUT_S = 5.0
 ROOM_WAIT_S = 30.0  # how long new workers wait for free resources (wait_for_room) before the error
+# connect() checks ray.is_initialized() and then inits: two threads at once (an env pool and the
+# rollout workers being made together) would both init, the second failing or starting a second instance.
+_CONNECT_LOCK = threading.Lock()
 
 
 def ray_module() -> Any:
@@ -114,10 +118,18 @@ def _check_reachable(address: str, source: str) -> None:
 
 
 def connect(dist: DistributedConfig) -> Any:
-    """The ``ray`` module, connected to the cluster ``dist.ray`` names (see the module docstring)."""
+    """The ``ray`` module, connected to the cluster ``dist.ray`` names (see the module docstring).
+    Safe from several threads: one of them connects, the others find it connected."""
     ray = ray_module()
     if ray.is_initialized():
         return ray
+    with _CONNECT_LOCK:
+        if ray.is_initialized():  # another thread connected while this one waited
+            return ray
+        return _connect(ray, dist)
+
+
+def _connect(ray: Any, dist: DistributedConfig) -> Any:
     recorded = _recorded(os.environ)
     address, source = cluster_address(dist.ray, os.environ, recorded)
     if address == LOCAL:

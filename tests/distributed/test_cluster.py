@@ -115,3 +115,30 @@ def test_capacity_counts_whole_actors_per_node():
     assert capacity(nodes, {"CPU": 0.25}) == 8 + 16
     assert capacity(nodes, {"CPU": 1.0, "sandbox_docker": 1.0}) == 0
     assert capacity([], {"CPU": 1.0}) == 0
+
+
+def test_two_threads_connecting_at_once_init_ray_once(monkeypatch):
+    """``connect`` from two threads at once (a trainer's env pool and its rollout workers, say)
+    must start one instance: both saw ``is_initialized()`` false and both called ``ray.init``."""
+    import threading
+    import time
+
+    ray = pytest.importorskip("ray")
+    inits: list[dict] = []
+    state = {"up": False}
+
+    def init(**kw):
+        inits.append(kw)
+        time.sleep(0.2)  # Ray takes seconds to start: the other thread checks meanwhile
+        state["up"] = True
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: state["up"])
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(cluster, "_recorded", lambda environ: None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    threads = [threading.Thread(target=cluster.connect, args=(DistributedConfig(),)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert len(inits) == 1
