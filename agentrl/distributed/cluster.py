@@ -37,8 +37,8 @@ from typing import Any
 from ..config import DistributedConfig
 from ..errors import AgentRLError, ConfigError
 
-__all__ = ["LOCAL_SYSTEM_CONFIG", "cancel_call", "capacity", "check_placeable", "cluster_address", "connect", "ray_error",
-           "ray_module", "recorded_cluster_file", "wait_for_room"]
+__all__ = ["LOCAL_SYSTEM_CONFIG", "cancel_call", "capacity", "check_placeable", "cluster_address", "connect", "free_per_node",
+           "ray_error", "ray_module", "recorded_cluster_file", "wait_for_room"]
 
 LOCAL = "local"  # Ray's own word for "start a new local instance", whatever else runs here
 # Ray starts its workers at nice 15, so that a driver stays responsive. Here the workers do the
@@ -213,20 +213,32 @@ def wait_for_room(ray: Any, need: dict[str, float], what: str, count: int, keys:
     needing ``need`` each; else, after ``ROOM_WAIT_S`` (what killed actors held comes back a moment after the
     kill), a ``ConfigError``: the other actors that hold the rest (this run's rollout or env
     workers, another job's) would keep the new ones pending without a word, their episodes
-    waiting out ``rollout.episode_timeout_s``. The sum over nodes: a necessary condition."""
+    waiting out ``rollout.episode_timeout_s``. Counted per node (``capacity``): an actor is
+    placed on one node, so 2 free CPUs on each of two nodes hold no actor of 4."""
     want = {k: v * count for k, v in need.items() if v > 0}
     deadline = time.monotonic() + ROOM_WAIT_S
     while True:
-        free = ray.available_resources()
-        if all(free.get(k, 0.0) + 1e-6 >= v for k, v in want.items()):
+        per_node = free_per_node(ray)
+        if capacity(per_node, need) >= count:
             return
         if time.monotonic() >= deadline:
             nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-            raise ConfigError(f"the Ray cluster has {({k: free.get(k, 0.0) for k in want})} free of "
-                              f"{_totals(nodes, need)}, and {count} {what}s need {want} ({keys}): other "
+            free = _totals(per_node, need)
+            raise ConfigError(f"the Ray cluster has {free} free of {_totals(nodes, need)} "
+                              f"({[{k: res.get(k, 0.0) for k in want} for res in per_node]} per node), "
+                              f"and {count} {what}s need {need} ({keys}) each, all of it on one node: other "
                               "actors hold the rest (this run's rollout or env workers, or another job's), "
                               "and Ray would keep the new ones waiting for them without a word")
         time.sleep(0.2)
+
+
+def free_per_node(ray: Any) -> list[dict[str, float]]:
+    """Each live node's free resources. Ray has no public call for it (2.x); where its private
+    one is missing, the cluster's sum as one node: a necessary condition only."""
+    try:
+        return list(ray._private.state.available_resources_per_node().values())
+    except AttributeError:
+        return [dict(ray.available_resources())]
 
 
 def _totals(nodes: list[dict[str, float]], need: dict[str, float]) -> dict[str, float]:

@@ -142,3 +142,21 @@ def test_two_threads_connecting_at_once_init_ray_once(monkeypatch):
     for t in threads:
         t.join(5)
     assert len(inits) == 1
+
+
+def test_room_is_counted_per_node_as_an_actor_fits_on_one(monkeypatch):
+    """Two nodes with 2 free CPUs each have 4 free in all, but no room for one worker of 4 CPUs:
+    the sum passed, and the worker would have waited for good."""
+    from types import SimpleNamespace
+
+    free = {"n1": {"CPU": 2.0}, "n2": {"CPU": 2.0}}
+    fake = SimpleNamespace(available_resources=lambda: {"CPU": 4.0},
+                           nodes=lambda: [{"Alive": True, "Resources": {"CPU": 4.0}}] * 2,
+                           _private=SimpleNamespace(state=SimpleNamespace(
+                               available_resources_per_node=lambda: free)))
+    monkeypatch.setattr(cluster, "ROOM_WAIT_S", 0.0)
+    with pytest.raises(ConfigError, match="per node"):
+        cluster.wait_for_room(fake, {"CPU": 4.0}, "env worker", 1, "distributed.env_worker_cpus")
+    cluster.wait_for_room(fake, {"CPU": 2.0}, "env worker", 2, "distributed.env_worker_cpus")  # one a node
+    with pytest.raises(ConfigError):
+        cluster.wait_for_room(fake, {"CPU": 1.5}, "env worker", 3, "distributed.env_worker_cpus")  # 0.5 left each
