@@ -8,7 +8,8 @@ and env keyword overrides.
 **During training** (``train.evaluation``, ``EvaluationConfig``). The trainer
 calls ``evaluate_held_out`` at the start, after SFT, every
 ``train.evaluation.every`` steps and at the end: one episode on each held-out
-task seed (``held_out_seeds``), and the metrics ``eval/success``,
+task seed (``held_out_seeds``), greedy unless ``train.evaluation.temperature`` says
+otherwise (as ``agentrl eval``), and the metrics ``eval/success``,
 ``eval/reward``, ``eval/turns``, ``eval/failed``, ``time/eval_s`` (and
 ``eval/invalid_action_frac`` where the env reports invalid actions). As on a
 whole split, a failed episode counts as not solved (reward 0): the rates cover
@@ -86,8 +87,10 @@ class EvaluationConfig(_Strict):
     seed_start: Seed = Field(1_000_000, description="First held-out task seed. Was eval_seed_start.")
     task_seeds: list[Seed] | None = Field(None, description="Explicit held-out task seeds; overrides "
                                          "seed_start and episodes. Was eval_task_seeds.")
-    temperature: float | None = Field(None, ge=0.0, description="Sampling temperature of "
-                                      "evaluation; null: sampling.temperature. Was eval_temperature.")
+    temperature: float | None = Field(
+        0.0, ge=0.0, description="Sampling temperature of evaluation: 0 (default) is greedy, as "
+        "agentrl eval plays, so one config evaluates the same in both; null: sampling.temperature, "
+        "the training rollouts' own. Was eval_temperature.")
     env_kwargs: dict[str, Any] = Field(default_factory=dict, description="Env kwargs overridden for "
                                        "evaluation (e.g. another split). Was eval_env_kwargs.")
 
