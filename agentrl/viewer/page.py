@@ -39,15 +39,68 @@ from .tokens import Decoder
 __all__ = ["render_page", "run_index", "tree_data", "write_static"]
 
 
+_MAX_NESTING = 100  # levels of the page's data kept as data; deeper values become their JSON text
+
+
+_SCALARS = frozenset({int, float, str, bool, type(None)})
+
+
+class _Text(str):
+    """JSON text already written, queued between the values it separates (``_json_text``)."""
+
+
+def _json_text(x: Any) -> str:
+    """``x`` as compact JSON (non-finite numbers as null), with a stack of its own instead of
+    recursion: a value from a run can nest as deep as the JSON parser reads (~995 levels)."""
+    out: list[str] = []
+    todo: list[Any] = [x]
+    while todo:
+        v = todo.pop()
+        if type(v) is _Text:
+            out.append(v)
+        elif isinstance(v, dict):
+            seq: list[Any] = [_Text("{")]
+            for j, (k, item) in enumerate(v.items()):
+                seq += [_Text(("," if j else "") + json.dumps(str(k)) + ":"), item]
+            todo += reversed([*seq, _Text("}")])
+        elif isinstance(v, list | tuple):
+            seq = [_Text("[")]
+            for j, item in enumerate(v):
+                seq += [_Text(","), item] if j else [item]
+            todo += reversed([*seq, _Text("]")])
+        elif isinstance(v, float) and not math.isfinite(v):
+            out.append("null")
+        else:
+            out.append(json.dumps(v, ensure_ascii=False))
+    return "".join(out)
+
+
 def _clean(x: Any) -> Any:
-    """NaN and infinities to None: JSON.parse refuses them."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_clean(v) for v in x]
-    return x
+    """A copy of ``x`` that ``json.dumps`` writes and ``JSON.parse`` reads: NaN and infinities
+    to None (JSON.parse refuses them), keys as text, and a value nested deeper than
+    ``_MAX_NESTING`` levels as its JSON text with a note (a tool call's arguments can nest
+    ~995 levels: recursion here, and in ``json.dumps``, stopped at ~490). A stack, not
+    recursion, walks it."""
+    root: list[Any] = [None]
+    todo: list[tuple[Any, Any, Any, int]] = [(x, root, 0, 0)]  # (value, into, key, its depth)
+    while todo:
+        v, into, key, depth = todo.pop()
+        if isinstance(v, dict | list | tuple) and depth >= _MAX_NESTING and v:
+            into[key] = f"(nested past {_MAX_NESTING} levels: shown as its JSON text) {_json_text(v)}"
+        elif isinstance(v, dict):
+            into[key] = copy = dict.fromkeys(map(str, v))  # the keys first: they keep their order
+            todo += [(item, copy, str(k), depth + 1) for k, item in v.items()]
+        elif isinstance(v, list | tuple) and all(type(item) in _SCALARS for item in v):
+            # a list of numbers or texts (token ids, log-probs) in one pass: most of a tree's data
+            into[key] = [None if type(item) is float and not math.isfinite(item) else item for item in v]
+        elif isinstance(v, list | tuple):
+            into[key] = copy = [None] * len(v)
+            todo += [(item, copy, j, depth + 1) for j, item in enumerate(v)]
+        elif isinstance(v, float) and not math.isfinite(v):
+            into[key] = None
+        else:
+            into[key] = v
+    return root[0]
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
