@@ -467,6 +467,8 @@ class RayPolicy:
 
         t0 = time.perf_counter()
         with self._push_lock:
+            if self._closed:  # its workers are killed: the weights would stay in the store for nobody
+                raise PolicyError("the rollout workers are closed: no weights to push to")
             ref = ray.put(wire_weights(state_dict))
             # a worker that missed it (restarting) is stale and loads this ref when it next serves
             self._all("update_weights", ref, self._version + 1)
@@ -506,7 +508,8 @@ class RayPolicy:
         return RaySampler(self)
 
     def close(self) -> None:
-        """Kill the workers; later and in-flight requests fail with the reason."""
+        """Kill the workers and let go of the last weights; later and in-flight requests fail
+        with the reason."""
         import ray
 
         self._closed = True
@@ -515,6 +518,8 @@ class RayPolicy:
                 ray.kill(w)
             except Exception:  # noqa: BLE001 - already gone
                 pass
+        with self._push_lock:  # after a push that runs now, which would set it again
+            self._weights_ref = None  # the object store frees them now, not when this object is collected
 
 
 def _await_restart(worker: Any) -> dict[str, Any]:

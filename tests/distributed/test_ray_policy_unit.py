@@ -1,0 +1,33 @@
+"""``RayPolicy`` bookkeeping that needs no cluster: what ``close`` lets go of."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+pytest.importorskip("ray", reason="ray is not installed here: pip install 'agentrl[ray]' (make extras)")
+
+from agentrl.distributed.rollout_workers import RayPolicy  # noqa: E402
+from agentrl.errors import PolicyError  # noqa: E402
+
+
+def _bare_policy(workers: int = 0) -> RayPolicy:
+    """A RayPolicy's state without its actors (``__init__`` would start them)."""
+    p = object.__new__(RayPolicy)
+    p.workers, p._closed, p._dead, p._stale = [object()] * workers, False, set(), set()
+    p._state_lock, p._push_lock = threading.Lock(), threading.Lock()
+    p._weights_ref = object()  # what update_weights put in the object store
+    p.model = None
+    return p
+
+
+def test_close_lets_go_of_the_last_weights(monkeypatch):
+    """The object store holds the last pushed weights while a reference to them lives: a
+    closed policy kept it until the policy itself was garbage-collected."""
+    p = _bare_policy()
+    p.close()
+    assert p._weights_ref is None
+    with pytest.raises(PolicyError, match="closed"):  # a push after close would put them back
+        p.update_weights({})
+    assert p._weights_ref is None
