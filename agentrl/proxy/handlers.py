@@ -16,7 +16,8 @@ here), Responses (``responses_api.ResponsesWire``) and Anthropic Messages
 (``anthropic_api.MessagesWire``).
 
 A reply reported as cut short (``length``, ``max_tokens``, ``incomplete``) is
-one that reached the limit the harness asked for (its ``max_tokens``). A
+one that reached the limit the harness asked for (its ``max_tokens``), even
+where it holds whole tool calls (they are returned all the same). A
 reply cut by a limit the proxy set (``ProxyConfig.default_max_tokens`` when the
 harness asked none, the room the prompt leaves in ``max_context_tokens``, or
 the trained policy's ``sampling.max_new_tokens`` in harness training) is
@@ -251,6 +252,16 @@ def _whole(message: dict[str, Any] | None, prefill: str | None) -> dict[str, Any
     return {**message, "content": prefill + (message.get("content") or "")} if prefill else message
 
 
+def _reported_finish(res: GenerateResult, called: bool, asked: int | None) -> str:
+    """The finish reason a chat-shaped reply reports (see the module docstring): ``length`` where
+    the harness's own ``max_tokens`` (``asked``) cut it, tool calls or not, as OpenAI's
+    ``length`` and Anthropic's ``max_tokens`` say of any reply that reached the limit; a cut by a
+    limit the proxy set below it is reported as the reply ended (``tool_calls`` or ``stop``)."""
+    if res.finish_reason == "length" and asked is not None and len(res.token_ids) >= asked:
+        return "length"
+    return "tool_calls" if called else "stop"
+
+
 def _check_named_tool(req: ChatRequest) -> None:
     """A tool choice that names a tool must name one the request offers."""
     choice = req.tool_choice
@@ -311,11 +322,8 @@ def chat_endpoint(proxy: Proxy, wire: Wire) -> Handler:
                                    req.include_stop_str_in_output)
                 msg, called = response_message(text, spec.parse_tools, wire.tool_prefix, spec.single_call,
                                                prefilled=bool(spec.prefill))
-                # Cut by a limit the proxy set below the harness's (see the module docstring): ended.
-                short = res.finish_reason == "length" and (asked is None or len(res.token_ids) < asked)
                 out.choices.append(replies.Choice(i, res, plan.prompt_ids, text, msg,
-                                                  "stop" if short and not called else
-                                                  replies.finish_reason(res, called)))
+                                                  _reported_finish(res, called, asked)))
             _check_open(session, sampled=True)
             if session is not None:
                 timing = {"render_s": t1 - t0, "generate_s": time.perf_counter() - t1, "time": time.time()}

@@ -1,0 +1,75 @@
+"""The three wire protocols agree, and say what happened: a reply cut by the harness's limit
+says it was cut, Anthropic's turns merge as Anthropic merges them, prompts can be counted."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+ADD_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+USER = [{"role": "user", "content": "Add 2 and 3."}]
+
+
+def _call_tokens(tokenizer) -> int:
+    return len(tokenizer.encode(CALL, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_cut_at_the_harness_max_tokens_says_it_was_cut_though_it_holds_a_whole_call(
+        mock_policy, serve, tokenizer, stream):
+    """The policy writes a whole tool call and goes on until the harness's own ``max_tokens``
+    cuts it: OpenAI says ``length``, Anthropic ``max_tokens``, Responses ``incomplete``, as
+    their APIs do for any reply that reached the limit; the call is still returned."""
+    limit = _call_tokens(tokenizer) + 3  # the call, then 3 tokens of the text after it
+    server = serve(mock_policy([CALL + " and then I keep on talking for a long while"]))
+    url = server.url
+
+    def sse_lines(r: httpx.Response) -> str:
+        assert r.status_code == 200, r.text
+        return r.text
+
+    chat = {"model": "m", "messages": USER, "max_tokens": limit, "stream": stream,
+            "tools": [{"type": "function", "function": {"name": "add", "parameters": ADD_SCHEMA}}]}
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat)
+    if stream:
+        text = sse_lines(r)
+        assert '"finish_reason": "length"' in text and '"tool_calls"' in text
+    else:
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "length" and choice["message"]["tool_calls"]
+
+    msgs = {"model": "m", "messages": USER, "max_tokens": limit, "stream": stream,
+            "tools": [{"name": "add", "input_schema": ADD_SCHEMA}]}
+    r = httpx.post(f"{url}/v1/messages", json=msgs)
+    if stream:
+        text = sse_lines(r)
+        assert '"stop_reason": "max_tokens"' in text and '"tool_use"' in text
+    else:
+        body = r.json()
+        assert body["stop_reason"] == "max_tokens" and "tool_use" in [b["type"] for b in body["content"]]
+
+    resp = {"model": "m", "input": "Add 2 and 3.", "max_output_tokens": limit, "stream": stream,
+            "tools": [{"type": "function", "name": "add", "parameters": ADD_SCHEMA}]}
+    r = httpx.post(f"{url}/v1/responses", json=resp)
+    if stream:
+        text = sse_lines(r)
+        assert "event: response.incomplete" in text and '"function_call"' in text
+    else:
+        body = r.json()
+        assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
+        assert "function_call" in [i["type"] for i in body["output"]]
+
+
+def test_a_whole_call_that_ends_the_reply_is_still_a_tool_call(mock_policy, serve, tokenizer):
+    """The other side of the cut: a reply that ended by itself, or at a limit the proxy set
+    (the harness asked for more), reports its call as a call."""
+    server = serve(mock_policy([CALL]))
+    chat = {"model": "m", "messages": USER, "max_tokens": 500,
+            "tools": [{"type": "function", "function": {"name": "add", "parameters": ADD_SCHEMA}}]}
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=chat).json()["choices"][0][
+        "finish_reason"] == "tool_calls"
+    cut_by_proxy = serve(mock_policy([CALL + " and then more"]), default_max_tokens=_call_tokens(tokenizer) + 1)
+    del chat["max_tokens"]
+    assert httpx.post(f"{cut_by_proxy.url}/v1/chat/completions", json=chat).json()["choices"][0][
+        "finish_reason"] == "tool_calls"
