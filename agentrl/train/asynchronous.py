@@ -116,6 +116,8 @@ class RolloutProducer:
         self.synced_steps = 0  # syncs since the producer started
         self.dropped = 0
         self.max_turns = max_turns
+        # the version the sampler's weights are: a sync that leaves it (no optimizer step) copies nothing
+        self.weights_version = getattr(policy, "version", None)
         self.doing = "starting"  # what the thread is doing, for take()'s timeout message
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -207,8 +209,11 @@ class RolloutProducer:
 
     def synced(self, net: torch.nn.Module, version: int, max_turns: int | None = None) -> None:
         """The trainer synced: copy its weights into the sampling policy, take the turn cap of
-        the rollouts to come (``max_turns``); the next step may start."""
-        self.policy.refresh(net, version)
+        the rollouts to come (``max_turns``); the next step may start. A sync that left the
+        version (a step with no optimizer step) left the weights too: nothing is copied."""
+        if version != self.weights_version:
+            self.policy.refresh(net, version)
+            self.weights_version = version
         with self._cond:
             self.synced_steps += 1
             self.max_turns = max_turns
