@@ -45,6 +45,14 @@ def _load(config: Path | None, set_: list[str] | None, extra: list[str]) -> Any:
     return cfg
 
 
+def _warn_unread(cfg: Any, command: str) -> None:
+    """Name the ``agentrl rollout`` keys this run does not read (one file serves every command)."""
+    from .plan import unread_rollout_keys
+
+    for said in unread_rollout_keys(cfg, command):
+        console.print(f"[yellow]warning:[/] {said}", highlight=False)
+
+
 _PHASE_ROWS = {"start": ("start (base model)", ("start",)),
                "after_sft": ("after SFT", ("sft",)),
                "end": ("after RL", ("rl", "end"))}
@@ -210,6 +218,7 @@ def train(
             raise ConfigError("--resume continues the run in the output folder and --overwrite starts "
                               "it over: give one of them")
         cfg = _load(config, set_, extra)
+        _warn_unread(cfg, "train")
         rollouts = None
         if cfg.train.harness is not None:
             if _HARNESS_ROLLOUTS is None:
@@ -251,6 +260,7 @@ def sft(
                               "run agentrl train for SFT then RL")
         if not cfg.sft.enabled:
             raise typer.BadParameter("set sft.episodes (or --episodes) above 0, or sft.levels")
+        _warn_unread(cfg, "sft")
         summary = run_train(cfg, overwrite=overwrite, progress=progress, console=console)
     except AgentRLError as e:
         console.print(f"[bold red]error:[/] {e}", highlight=False)

@@ -16,7 +16,7 @@ from .config import TrainConfig, TrainRunConfig
 from .curriculum import describe
 from .model import precision, resolved_precision
 
-__all__ = ["print_plan", "run_plan", "step_task_seeds"]
+__all__ = ["print_plan", "run_plan", "step_task_seeds", "unread_rollout_keys"]
 
 
 def step_task_seeds(cfg: TrainConfig, step: int) -> list[int]:
@@ -26,6 +26,33 @@ def step_task_seeds(cfg: TrainConfig, step: int) -> list[int]:
         pool = cfg.task_seeds
         return [pool[(step * n + j) % len(pool)] for j in range(n)]
     return [cfg.task_seed_start + step * n + j for j in range(n)]
+
+
+def unread_rollout_keys(cfg: TrainRunConfig, command: str) -> list[str]:
+    """What ``agentrl train`` or ``agentrl sft`` (``command``) says about the keys of ``agentrl
+    rollout`` that the config sets and the run does not read, each with the key it reads
+    instead; [] where none is set. One file serves every command, so those keys are no error,
+    but a user who set ``rollout.seed`` to pick the tasks would otherwise train on others."""
+    r, t, s = cfg.rollout, cfg.train, cfg.sft
+    given = r.model_fields_set
+    if command == "sft":
+        tasks = f"its expert episodes play task seeds from sft.seed_start={s.seed_start} (or sft.task_seeds)"
+        count = f"it plays sft.episodes={s.episodes} expert episodes (or sft.task_seeds, sft.levels)"
+    else:
+        tasks = (f"step k trains on task seeds from train.task_seed_start={t.task_seed_start} + k * "
+                 f"train.tasks_per_step (or train.task_seeds)")
+        count = f"each of train.steps={t.steps} steps plays train.tasks_per_step={t.tasks_per_step} tasks"
+    held_out = f"the held-out evaluation plays seeds from train.evaluation.seed_start={t.evaluation.seed_start}"
+    said = []
+    if "seed" in given:
+        said.append(f"rollout.seed={r.seed} is not read by agentrl {command}: {tasks}, and {held_out}")
+    if "episodes" in given:
+        said.append(f"rollout.episodes={r.episodes} is not read by agentrl {command}: {count}; "
+                    f"train.evaluation.episodes={t.evaluation.episodes} are held out")
+    if "out_dir" in given:
+        said.append(f"rollout.out_dir={r.out_dir} is not read by agentrl {command}: it writes to "
+                    f"train.output.dir={t.output.dir}")
+    return said
 
 
 def run_plan(cfg: TrainRunConfig) -> dict[str, Any]:
