@@ -25,6 +25,7 @@ import asyncio
 import functools
 import json
 import operator
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -97,21 +98,14 @@ class Engine:
     def _branch_jobs(self, player: EpisodePlayer, trees: list[RolloutTree], req: Branch,
                      cut: dict[tuple[int, int], int]) -> list[Any]:
         """``cut``: the action tokens this round's earlier forks split off the front of a node
-        (``at_token`` counts the node's action as the allocator saw it)."""
+        (``at_token`` counts the node's action as the allocator saw it). The request was
+        checked (``_request_problem``, ``_fork_problem``)."""
         tree = trees[req.task]
-        if req.node not in tree.nodes:
-            raise ValueError(f"branch from unknown node {req.node} of task {req.task}")
         node = tree.nodes[req.node]
         if req.at_token is None:
-            if node.done or node.partial:
-                raise ValueError(f"branch from node {req.node}: the episode ended there or the turn "
-                                 "is not finished (partial); fork a turn with at_token")
             point, parent, prefix = node.id, node.id, None
         else:
             m, off = req.at_token, cut.get((req.task, req.node), 0)
-            if not off <= m < off + len(node.action_ids) or m <= 0 or node.partial:
-                raise ValueError(f"segment fork at token {m} of node {req.node} with "
-                                 f"{off + len(node.action_ids)} action tokens")
             if m > off:
                 part = split_node(tree, node.id, m - off)
                 cut[(req.task, req.node)] = m
@@ -206,15 +200,21 @@ class Engine:
         False when there is nothing (more) to play."""
         trees, meter = state.trees, player.meter
         state.spent = meter.spent
-        requests = allocator.plan(state)
+        requests = list(allocator.plan(state) or ())  # a generator too: it is read twice
         if not requests:
             return False
         jobs: list[tuple[int, Any]] = []
         cut: dict[tuple[int, int], int] = {}
-        for req in _forks_in_token_order(requests):
-            if not (isinstance(req.task, int) and 0 <= req.task < len(trees)):  # -1 was the last tree
-                raise ValueError(f"allocator {allocator.name!r} asked for task {req.task!r}; "
-                                 f"this run has tasks 0..{len(trees) - 1}")
+        ok = []
+        for req in requests:
+            if problem := _request_problem(trees, req):
+                _reject(state, allocator, req, problem)
+            else:
+                ok.append(req)
+        for req in _forks_in_token_order(ok):
+            if isinstance(req, Branch) and (problem := _fork_problem(trees[req.task], req, cut)):
+                _reject(state, allocator, req, problem)
+                continue
             req = meter.admit(trees[req.task], req, state.report)
             if req is None:
                 continue
@@ -255,6 +255,66 @@ def _task_seed(seed: Any) -> int:
         return operator.index(seed)
     except TypeError:
         raise ValueError(f"task seed {seed!r} is not an integer") from None
+
+
+def _whole(x: Any) -> bool:
+    """An int (a numpy one too), not a bool."""
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
+
+
+def _request_problem(trees: list[RolloutTree], req: Any) -> str | None:
+    """Why the engine cannot play ``req`` as given (None: it can), before any fork of its
+    round splits a node; ``_fork_problem`` checks a segment fork's token after them."""
+    if not isinstance(req, Fresh | Branch):
+        return f"not a Fresh or Branch request: {req!r}"
+    if not (_whole(req.task) and 0 <= req.task < len(trees)):  # -1 was the last tree
+        return f"task {req.task!r}; this run has tasks 0..{len(trees) - 1}"
+    key, count = ("n", req.n) if isinstance(req, Fresh) else ("k", req.k)
+    if not (_whole(count) and count >= 1):  # a negative one gave leaves back to the budget
+        return f"{key}={count!r}: episodes to play must be a whole number >= 1"
+    if req.max_turns is not None and not (_whole(req.max_turns) and req.max_turns >= 1):
+        return f"max_turns={req.max_turns!r}: must be null or a whole number >= 1"
+    if isinstance(req, Fresh):
+        return None
+    tree = trees[req.task]
+    if not (_whole(req.node) and req.node in tree.nodes):
+        return f"branch from unknown node {req.node!r} of task {req.task} (it has {len(tree.nodes)} nodes)"
+    node = tree.nodes[req.node]
+    if req.at_token is None and (node.done or node.partial):
+        return (f"branch from node {req.node} of task {req.task}: the episode ended there or the turn "
+                "is not finished (partial); fork a turn with at_token")
+    if req.at_token is not None and not _whole(req.at_token):
+        return f"segment fork at token {req.at_token!r} of node {req.node}: not a whole number"
+    return None
+
+
+def _fork_problem(tree: RolloutTree, req: Branch, cut: dict[tuple[int, int], int]) -> str | None:
+    """Why a segment fork's ``at_token`` is out of its node's action, as the allocator saw it
+    (``cut``: tokens this round's earlier forks split off its front); None for a turn branch."""
+    if req.at_token is None:
+        return None
+    node, m, off = tree.nodes[req.node], req.at_token, cut.get((req.task, req.node), 0)
+    if not off <= m < off + len(node.action_ids) or m <= 0 or node.partial:
+        return (f"segment fork at token {m} of node {req.node} of task {req.task}, with "
+                f"{off + len(node.action_ids)} action tokens: fork after 1 to (tokens - 1)")
+    return None
+
+
+def _reject(state: AllocState, allocator: Allocator, req: Any, problem: str) -> None:
+    """Fail one request the engine cannot play: the allocator's bug, so warned about loudly and
+    recorded in the run's allocation report (``summarize`` counts them), while the rest of the
+    round plays on. Nothing is charged to the budget."""
+    name = getattr(allocator, "name", type(allocator).__name__)
+    warnings.warn(f"allocator {name!r} asked for a request the engine cannot play, skipped: {problem}",
+                  RuntimeWarning, stacklevel=3)
+    state.report.setdefault("rejected_requests", []).append(
+        {"allocator": name, "round": state.round, "request": repr(req), "reason": problem})
 
 
 def _forks_in_token_order(requests: list[Any]) -> list[Any]:

@@ -36,6 +36,7 @@ def summarize(trees: list[RolloutTree], wall_s: float) -> dict[str, Any]:
 
     Rates are over episodes (root-to-leaf paths). Failed episodes are counted
     with their reasons; ``success_rate`` and ``mean_reward`` cover the rest.
+    ``rejected_requests`` counts allocator requests the engine could not play.
     """
     episodes = [ep for t in trees for ep in t.episodes()]
     failed = [ep for ep in episodes if ep.error]
@@ -57,6 +58,9 @@ def summarize(trees: list[RolloutTree], wall_s: float) -> dict[str, Any]:
         **counts,
         "failed_episodes": len(failed),
         "failure_reasons": dict(Counter(_reason(ep.error or "") for ep in failed)),
+        # requests of the allocator that the engine could not play (the allocator's bug)
+        "rejected_requests": sum(len(t.meta.get("allocation_report", {}).get("rejected_requests", ()))
+                                 for t in trees),
         "wall_s": round(wall_s, 3),
         "generated_tokens_per_s": round(counts["generated_tokens"] / wall_s, 2) if wall_s > 0 else math.nan,
     }

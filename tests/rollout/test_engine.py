@@ -663,14 +663,16 @@ def test_jsonable_info_keeps_scalars_and_makes_the_rest_json_safe():
 
 
 @pytest.mark.parametrize("task", [-1, 2, "0"])
-def test_a_plan_for_a_task_the_run_does_not_have_is_an_error_naming_it(tokenizer, task):
-    """A negative task index grew the last tree (Python's trees[-1]) without a word."""
+def test_a_plan_for_a_task_the_run_does_not_have_is_refused_naming_it(tokenizer, task):
+    """A negative task index grew the last tree (Python's trees[-1]) without a word; now the
+    request is refused with a warning and recorded (tests/rollout/test_bad_requests.py)."""
     from agentrl.rollout.allocators.base import Fresh
 
     class Stray(Independent):
         def plan(self, state):
-            return [Fresh(task, 1)]
+            return [Fresh(task, 1)] if state.round == 0 else []
 
     cfg = load_config(overrides=["rollout.max_turns=1"])
-    with pytest.raises(ValueError, match=rf"allocator 'independent' asked for task {task!r}; this run has tasks 0\.\.1"):
-        collect("agentrl/GuessNumber-v0", MockPolicy(tokenizer, ["1"]), cfg, [0, 1], allocator=Stray())
+    with pytest.warns(RuntimeWarning, match=rf"allocator 'independent' .*task {task!r}; this run has tasks 0\.\.1"):
+        trees = collect("agentrl/GuessNumber-v0", MockPolicy(tokenizer, ["1"]), cfg, [0, 1], allocator=Stray())
+    assert [len(t.nodes) for t in trees] == [0, 0]
