@@ -220,13 +220,21 @@ class RolloutProducer:
             self._cond.notify_all()
 
     def close(self, timeout: float = 60.0) -> None:
-        """Stop the thread: a running rollout fails its remaining requests and ends."""
+        """Stop the thread: a running rollout fails its remaining requests and ends. A Ctrl-C
+        while this waits (a second one, on the way out of the first) ends the wait with a
+        warning and returns: what the caller closes next (the rollout source, its env workers)
+        must still be closed, and the thread is a daemon."""
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
-        if hasattr(self.policy, "close"):
-            self.policy.close()
-        self.thread.join(timeout)
+        try:
+            if hasattr(self.policy, "close"):
+                self.policy.close()
+            self.thread.join(timeout)
+        except KeyboardInterrupt:
+            warnings.warn("Ctrl-C: stopped waiting for the rollout producer; its thread ends when its running "
+                          "generate batch does", RuntimeWarning, stacklevel=2)
+            return
         if self.thread.is_alive():  # a generate batch still running: say so rather than pretend
             warnings.warn(f"the rollout producer did not stop within {timeout:.0f} s; its thread "
                           "ends when its running generate batch does", RuntimeWarning, stacklevel=2)

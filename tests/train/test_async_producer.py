@@ -38,3 +38,44 @@ def test_a_sync_that_made_no_optimizer_step_copies_no_weights():
     producer.synced(net, 1)
     producer.synced(net, 1)
     assert policy.copies == 1 and producer.synced_steps == 3  # each sync still lets a step start
+
+
+def test_a_second_ctrl_c_during_close_ends_the_wait_not_the_cleanup_after_it():
+    """The trainer closes the producer, then its rollout source, on the way out of a Ctrl-C. A
+    second Ctrl-C while close waits (up to 60 s) for a hung rollout raised out of close, and
+    what the caller closes after it (the env workers' pools, the sandboxes) stayed open."""
+    import os
+    import signal
+    import threading
+    import warnings
+
+    import pytest
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("a signal reaches the main thread only")
+    release = threading.Event()
+
+    def hung(step, policy, max_turns):  # a generate batch that no close can stop
+        release.wait(30)
+        return [_tree(0)], {}
+
+    producer = RolloutProducer(hung, _Counting(), start=0, end=2, max_batch_staleness=0, queue_size=1).begin()
+    after: list[str] = []
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        timer.start()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                producer.close(timeout=20)
+                after.append("rollouts.close()")  # the trainer's next line
+            except KeyboardInterrupt:
+                after.append("raised out of close")
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, old)
+        release.set()
+        producer.thread.join(10)
+    assert after == ["rollouts.close()"]
+    assert any("Ctrl-C" in str(w.message) for w in seen)
