@@ -10,6 +10,7 @@ Request, in the internal conversation:
 - ``system`` (a string or text blocks; ``cache_control`` ignored) is the first
   system message; ``system`` messages inside ``messages`` (a beta Claude Code
   sends) stay where they are;
+- consecutive messages of one role are one turn, as Anthropic joins them;
 - a user message's ``text`` blocks are one user message; each ``tool_result``
   block is a tool message answering ``tool_use_id`` (its text content); an
   assistant message's ``text`` blocks are its content and its ``tool_use``
@@ -248,6 +249,23 @@ def _messages(body: CountTokensRequest, ignored: list[str]) -> list[dict[str, An
             out.append(_assistant(m.content, where, ignored))
         else:
             out += _user(m.content, where)
+    return _joined_turns(out)
+
+
+def _joined_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive user (or assistant) messages as one, as Anthropic joins consecutive turns of
+    one role: their texts one after the other (joined as a message's text blocks are), an
+    assistant's tool calls in order. Rendered apart, they were two turns of one speaker, which a
+    chat template that wants the roles to alternate refuses."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        last = out[-1] if out else None
+        if last is None or m["role"] not in ("user", "assistant") or last["role"] != m["role"]:
+            out.append(m)
+            continue
+        text = "\n".join(t for t in (last.get("content"), m.get("content")) if t)
+        calls = [*(last.get("tool_calls") or ()), *(m.get("tool_calls") or ())]
+        out[-1] = {**last, "content": text or (None if calls else ""), **({"tool_calls": calls} if calls else {})}
     return out
 
 
@@ -268,9 +286,6 @@ def _prefill(messages: list[dict[str, Any]], last: int) -> bool:
     if len(messages) < 2:
         raise HTTPError(400, f"messages.{last}: a final assistant message (a prefill) needs a message or "
                         "a system prompt before it", param=f"messages.{last}")
-    if messages[-2]["role"] == "assistant":  # Anthropic would join them into one turn
-        raise HTTPError(400, f"messages.{last}: a prefill right after another assistant message: send the "
-                        "two as one assistant message", param=f"messages.{last}")
     return True
 
 

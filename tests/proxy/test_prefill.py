@@ -220,14 +220,15 @@ def test_a_prefill_dropped_or_changed_is_an_edit_not_a_compaction(serve, mock_po
 
 
 @pytest.mark.parametrize("path", ["messages", "chat"])
-def test_a_prefill_right_after_another_assistant_message_is_refused(serve, mock_policy, path):
+def test_a_prefill_right_after_another_assistant_message_is_joined_or_refused(serve, mock_policy, path):
     """Found by the wire fuzz: [assistant "", assistant "0"] was a 500 (the context was not at a
-    generation prompt). Anthropic joins such turns; the proxy asks for them as one message."""
+    generation prompt). Anthropic joins such turns, and so do Messages calls (one prefill); Chat
+    Completions asks for them as one message."""
     server = serve(mock_policy(_recording([])))
     messages = [USER, {"role": "assistant", "content": "Let me see."}, {"role": "assistant", "content": "It is"}]
     if path == "messages":
         r = httpx.post(f"{server.url}/v1/messages", json={"model": "m", "max_tokens": 8, "messages": messages})
-        assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages.2: a prefill right after")
+        assert r.status_code == 200 and r.json()["content"][0]["text"] == " 5.", r.text
         r = httpx.post(f"{server.url}/v1/messages", json={
             "model": "m", "max_tokens": 8, "messages": [{"role": "assistant", "content": ""}, messages[2]]})
         assert r.status_code == 400, r.text

@@ -73,3 +73,36 @@ def test_a_whole_call_that_ends_the_reply_is_still_a_tool_call(mock_policy, serv
     del chat["max_tokens"]
     assert httpx.post(f"{cut_by_proxy.url}/v1/chat/completions", json=chat).json()["choices"][0][
         "finish_reason"] == "tool_calls"
+
+
+def _count(url: str, messages: list[dict], **over) -> httpx.Response:
+    return httpx.post(f"{url}/v1/messages/count_tokens", json={"model": "m", "messages": messages, **over})
+
+
+def test_consecutive_same_role_anthropic_turns_are_one_turn(mock_policy, serve):
+    """Anthropic joins consecutive user (or assistant) messages into one turn; so does the proxy,
+    where it rendered two turns a strict chat template refuses (roles must alternate)."""
+    url = serve(mock_policy()).url
+    split = [{"role": "user", "content": "Add 2 and 3."}, {"role": "user", "content": [{"type": "text", "text": "Now."}]}]
+    joined = [{"role": "user", "content": "Add 2 and 3.\nNow."}]
+    assert _count(url, split).json() == _count(url, joined).json()
+    use = {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 2, "b": 3}}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "5"}]}
+    tools = [{"name": "add", "input_schema": ADD_SCHEMA}]
+    split = [*joined, {"role": "assistant", "content": "Let me add."}, {"role": "assistant", "content": [use]}, result]
+    one = [*joined, {"role": "assistant", "content": [{"type": "text", "text": "Let me add."}, use]}, result]
+    assert _count(url, split, tools=tools).json() == _count(url, one, tools=tools).json()
+
+
+def test_two_assistant_messages_at_the_end_are_one_prefill(mock_policy, serve):
+    """As Anthropic joins them: the reply continues both, as one assistant turn."""
+    seen: list[str] = []
+    server = serve(mock_policy(lambda prompt: seen.append(prompt) or " five."))
+    messages = [*USER, {"role": "assistant", "content": "Let me see."}, {"role": "assistant", "content": "It is"}]
+    r = httpx.post(f"{server.url}/v1/messages", json={"model": "m", "max_tokens": 8, "messages": messages})
+    assert r.status_code == 200, r.text
+    assert seen[0].endswith("Let me see.\nIt is")
+    # with nothing before the joined prefill, it is still refused
+    r = httpx.post(f"{server.url}/v1/messages", json={"model": "m", "max_tokens": 8, "messages": [
+        {"role": "assistant", "content": ""}, {"role": "assistant", "content": "0"}]})
+    assert r.status_code == 400 and "needs a message" in r.json()["error"]["message"]
