@@ -40,8 +40,8 @@ from typing import Any
 from ..credit_options import recorded_credit
 from ..types import Node, RolloutTree
 
-__all__ = ["CreditSpec", "branch_reasons", "credit_spec", "episode_values", "teacher_note", "tree_payload",
-           "untrained_episodes"]
+__all__ = ["CreditSpec", "SavedValues", "branch_reasons", "credit_spec", "episode_values", "saved_values",
+           "teacher_note", "tree_payload", "untrained_episodes"]
 
 _ACTION_HEAD = 80  # characters of each action an episode's summary keeps
 _SHOWN_INFO_SKIP = ("tool_calls", "tool_messages", "parse_errors", "truncation_reason", "branch")
@@ -79,37 +79,103 @@ def _spread(tree: RolloutTree, leaf: int, values: list[float | None]) -> dict[in
     return out
 
 
+_SAVED_KEYS = {"advantages": "advantages", "teacher_logprobs": "teacher", "student_logprobs": "student"}
+
+
+@dataclass(slots=True)
+class SavedValues:
+    """A tree's ``meta["token_values"]`` as far as it fits the tree (``saved_values``)."""
+
+    values: dict[int, dict[str, list[float | None]]]  # {leaf: {"advantages"|"teacher"|"student": per-token}}
+    untrained: dict[int, str]  # {leaf: why the update left it out}
+    problems: list[str]  # the entries left out, each with why
+
+    @property
+    def readable(self) -> bool:
+        return bool(self.values or self.untrained)
+
+
+def _number_list(x: Any) -> bool:
+    return isinstance(x, list) and all(v is None or (isinstance(v, int | float) and not isinstance(v, bool))
+                                       for v in x)
+
+
+def _saved_entry(tree: RolloutTree, key: Any, entry: Any) -> tuple[int, dict[str, Any]] | str:
+    """``(leaf, entry)`` if ``entry`` fits leaf ``key`` of ``tree``, else why not."""
+    leaf = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 16 else None
+    if leaf is None or leaf not in tree.nodes or tree.nodes[leaf].children:
+        return f"{str(key)[:40]!r}: not a leaf of this tree"
+    if not isinstance(entry, dict):
+        return f"leaf {leaf}: a {type(entry).__name__}, not a mapping"
+    tokens = sum(len(n.action_ids) for n in tree.path(leaf))
+    for name in _SAVED_KEYS:
+        got = entry.get(name)
+        if got is None:
+            continue
+        if not _number_list(got):
+            return f"leaf {leaf}: {name} is not a list of numbers"
+        if len(got) != tokens:  # on other tokens than the update's: not shown at all
+            return f"leaf {leaf}: {name} holds {len(got)} values for {tokens} action tokens"
+    return leaf, entry
+
+
+def saved_values(tree: RolloutTree) -> SavedValues | None:
+    """The trainer's saved values of ``tree`` (None: none saved). What a trainer wrote can
+    still not fit the tree (another writer's format, a hand edit, a bug): an entry that is
+    not a leaf's mapping of per-token numbers, one per action token, is left out and named
+    in ``problems``, so the page and the report show the rest instead of failing."""
+    saved = tree.meta.get("token_values")
+    if not saved:
+        return None
+    if not isinstance(saved, dict):
+        return SavedValues({}, {}, [f"token_values is a {type(saved).__name__}, not a mapping"])
+    out = SavedValues({}, {}, [])
+    for key, entry in saved.items():
+        got = _saved_entry(tree, key, entry)
+        if isinstance(got, str):
+            out.problems.append(got)
+        elif got[1].get("trained") is False:
+            out.untrained[got[0]] = str(got[1].get("reason") or "left out of the update")
+        else:
+            out.values[got[0]] = {name: got[1][key] for key, name in _SAVED_KEYS.items()
+                                  if got[1].get(key) is not None}
+    return out
+
+
+def _problems_note(saved: SavedValues) -> str:
+    shown = "; ".join(saved.problems[:3]) + (f"; and {len(saved.problems) - 3} more" if len(saved.problems) > 3 else "")
+    return f"saved values unreadable, left out: {shown}"
+
+
 def episode_values(tree: RolloutTree, spec: CreditSpec) -> tuple[dict[str, dict[int, dict[int, list[float | None]]]], str]:
     """``({"advantages"|"teacher"|"student": {leaf: {node: per-token}}}, where from)``."""
-    saved = tree.meta.get("token_values")
+    saved = saved_values(tree)
     out: dict[str, dict[int, dict[int, list[float | None]]]] = {"advantages": {}, "teacher": {}, "student": {}}
-    if isinstance(saved, dict) and saved:
-        keys = {"advantages": "advantages", "teacher_logprobs": "teacher", "student_logprobs": "student"}
-        for leaf, vals in saved.items():
-            if int(leaf) not in tree.nodes:
-                continue
-            for key, name in keys.items():
-                if vals.get(key) is not None:
-                    out[name][int(leaf)] = _spread(tree, int(leaf), vals[key])
-        return out, "saved: the values the update used"
+    if saved is not None and saved.readable:
+        for leaf, vals in saved.values.items():
+            for name, per_token in vals.items():
+                out[name][leaf] = _spread(tree, leaf, per_token)
+        note = "saved: the values the update used"
+        return out, note + (f" ({_problems_note(saved)})" if saved.problems else "")
+    unread = f"{_problems_note(saved)}; " if saved is not None else ""
     if spec.method == "none":
-        return out, "train.credit=none: no RL advantage (distillation only), and no saved values"
+        return out, unread + "train.credit=none: no RL advantage (distillation only), and no saved values"
     from ..credit import ESTIMATORS, assign_report
 
     estimator = ESTIMATORS.get(spec.method)
     if estimator is not None and "reward_fn" in estimator.reads:
-        return out, f"{spec.method} needs the run's reward_fn, which a config cannot hold: not recomputed"
+        return out, unread + f"{spec.method} needs the run's reward_fn, which a config cannot hold: not recomputed"
     options = {k: v for k, v in spec.options.items() if k != "value_fn"}  # never in a config; old runs
     try:
         report = assign_report([tree], spec.method, failed=spec.failed, **options)
     except (ValueError, TypeError, KeyError) as e:
-        return out, f"{spec.method} could not be recomputed: {e}"
+        return out, unread + f"{spec.method} could not be recomputed: {e}"
     assert estimator is not None  # assign_report knew the method
     for episode, adv in report.items:
         leaf = episode.nodes[-1].id
         actions = [a for a, m in zip(adv, episode.loss_mask, strict=True) if m]
         out["advantages"][leaf] = _spread(tree, leaf, actions)
-    note = spec.source
+    note = unread + spec.source
     if estimator.scope == "batch":
         note += " (its statistics span a whole batch; here one tree is the batch)"
     if "value_fn" in estimator.reads:
@@ -119,18 +185,16 @@ def episode_values(tree: RolloutTree, spec: CreditSpec) -> tuple[dict[str, dict[
 
 def untrained_episodes(tree: RolloutTree) -> dict[int, str]:
     """``{leaf: why}`` for the episodes the update left out, as the trainer saved them."""
-    saved = tree.meta.get("token_values")
-    if not isinstance(saved, dict):
-        return {}
-    return {int(leaf): str(v.get("reason") or "left out of the update") for leaf, v in saved.items()
-            if isinstance(v, dict) and v.get("trained") is False}
+    saved = saved_values(tree)
+    return saved.untrained if saved is not None else {}
 
 
 def teacher_note(tree: RolloutTree, has_teacher: bool) -> str:
     """Where the page's teacher - student log-ratio comes from, or why there is none."""
     if has_teacher:
         return "saved: the teacher's and the student's log-probs of the sampled tokens, as the update used them"
-    if tree.meta.get("token_values"):
+    saved = saved_values(tree)
+    if saved is not None and saved.readable:
         return "none saved: no teacher scored this run's sampled tokens (no distillation, or DAgger labels)"
     return "not saved with this tree (written by agentrl rollout, or by a trainer that did not save them)"
 
@@ -314,8 +378,9 @@ def tree_payload(tree: RolloutTree, spec: CreditSpec | None = None,
         }
         used.update(n.context_ids)
         used.update(n.action_ids)
-    untrained = untrained_episodes(tree)
-    saved = bool(tree.meta.get("token_values"))
+    saved = saved_values(tree)
+    untrained = saved.untrained if saved is not None else {}
+    trained = set(saved.values) if saved is not None else set()
     episodes = []
     for leaf in tree.leaves():
         path = tree.path(leaf.id)
@@ -328,7 +393,8 @@ def tree_payload(tree: RolloutTree, spec: CreditSpec | None = None,
             # the compare view's one-line summary (28 characters an action); the whole texts are on
             # the nodes, once: an episode's copy of each made a trunk's text count once per episode
             "actions": [x.action_text[:_ACTION_HEAD] for x in path if not x.partial],
-            "trained": (leaf.id not in untrained) if saved else None,  # None: not known (not saved)
+            # None: not known (not saved, or its saved entry did not fit the tree)
+            "trained": True if leaf.id in trained else False if leaf.id in untrained else None,
             "untrained_reason": untrained.get(leaf.id),
         })
     has_teacher = any(values["teacher"].values())
@@ -339,6 +405,6 @@ def tree_payload(tree: RolloutTree, spec: CreditSpec | None = None,
         "episodes": episodes, "branch_points": reasons,
         "vocab": {str(k): v for k, v in decode(sorted(used)).items()} if decode else {},
         "credit": {"method": spec.method, "note": credit_note,
-                   "saved": bool(tree.meta.get("token_values"))},
+                   "saved": saved is not None and saved.readable},
         "has_teacher": has_teacher, "teacher_note": teacher_note(tree, has_teacher),
     }

@@ -45,6 +45,7 @@ from ..allocator_options import recorded_allocator
 from ..credit_options import recorded_credit
 from ..types import RolloutTree
 from .curves import series
+from .payload import saved_values
 from .run import Run, step_order
 
 __all__ = ["RunFacts", "gather", "write_report"]
@@ -122,14 +123,14 @@ def _tree_facts(f: RunFacts, tree: RolloutTree, step: Any) -> None:
         kind = "fresh" if n.id in fresh else "branch"
         b[f"{kind}_turns"] += not n.partial
         b[f"{kind}_tokens"] += len(n.action_ids)
-    saved = tree.meta.get("token_values")
-    if isinstance(saved, dict):  # every trained episode's values; teacher log-probs where a teacher scored
-        for leaf, vals in saved.items():
-            teacher, student = vals.get("teacher_logprobs"), vals.get("student_logprobs")
-            if teacher is None or int(leaf) not in tree.nodes:
+    saved = saved_values(tree)  # entries that do not fit the tree are left out (the page names them)
+    if saved is not None:  # every trained episode's values; teacher log-probs where a teacher scored
+        for leaf, vals in saved.values.items():
+            teacher, student = vals.get("teacher"), vals.get("student")
+            if teacher is None:
                 continue
             per_turn = f.divergence.setdefault(step, defaultdict(list))
-            path = tree.path(int(leaf))
+            path = tree.path(leaf)
             student = student or [x for n in path for x in n.logprobs]
             i, turn, acc = 0, 0, []
             for n in path:

@@ -58,3 +58,57 @@ def test_a_tool_call_argument_nested_900_levels_is_drawn_not_a_server_error(tmp_
     failed: list[str] = []
     write_static(run, tmp_path / "v.html", None, failed=failed)
     assert failed == []
+
+
+def _three_token_tree(token_values: object):
+    """``fork_tree`` (leaves 1, 2 and 3, each an episode of 3 action tokens) with ``token_values``."""
+    t = fork_tree()
+    t.meta["token_values"] = token_values
+    return t
+
+
+def test_saved_token_values_that_do_not_fit_the_tree_are_named_and_the_tree_is_drawn(tmp_path):
+    """A trainer-written ``token_values`` entry that is not a leaf's list of numbers (a key that
+    is no node id, a list where a mapping belongs, text among the numbers) raised out of the
+    payload: the tree's page was a 500. One of the wrong length was spread along the path
+    silently, the values then sitting on the wrong tokens."""
+    from agentrl.types import write_trees
+    from agentrl.viewer.payload import tree_payload
+
+    bad = {"1": {"advantages": [0.5, "x", 2.0]}, "2": [0.1], "leaf-3": {"advantages": [1.0]}}
+    write_trees(tmp_path / "trees.jsonl", [_three_token_tree(bad)])
+    server = ViewerServer(Run(tmp_path / "trees.jsonl"), port=0).start()
+    try:
+        status, body = _get(server.url + "api/tree/0")
+    finally:
+        server.close()
+    assert status == 200, body
+    note = body["credit"]["note"]
+    assert "unreadable" in note and "leaf 1" in note and "leaf 2" in note and "'leaf-3'" in note, note
+    assert not body["credit"]["saved"] and body["credit"]["method"] == "grpo"  # recomputed instead
+    assert all(e["trained"] is None for e in body["episodes"])  # not known: nothing readable was saved
+
+    # One entry of the wrong length is left out; the others still show, and the note says which.
+    p = tree_payload(_three_token_tree({"1": {"advantages": [0.5, 2.0]},
+                                        "2": {"advantages": [0.25, 0.75, 1.0]},
+                                        "3": {"trained": False, "reason": "failed"}}))
+    assert p["credit"]["saved"] and "leaf 1: advantages holds 2 values for 3 action tokens" in p["credit"]["note"]
+    assert p["tokens"]["0"]["advantages"] == {"2": [0.25, 0.75]} and p["tokens"]["2"]["advantages"] == {"2": [1.0]}
+    assert {e["leaf"]: e["trained"] for e in p["episodes"]} == {1: None, 2: True, 3: False}
+    # token_values that is no mapping at all: recomputed, and said so
+    p = tree_payload(_three_token_tree([1, 2, 3]))
+    assert not p["credit"]["saved"] and "token_values is a list, not a mapping" in p["credit"]["note"]
+    assert p["teacher_note"].startswith("not saved")
+
+
+def test_the_report_survives_saved_token_values_that_do_not_fit_the_tree(tmp_path):
+    """The report read the same entries unchecked: ``int('leaf-3')`` ended ``agentrl report``."""
+    from agentrl.types import write_trees
+    from agentrl.viewer.report import gather
+
+    bad = {"1": {"teacher_logprobs": ["x", -0.2, -0.3]}, "2": "oops", "leaf-3": {"teacher_logprobs": [1.0]},
+           "3": {"teacher_logprobs": [-0.5, -0.25, -1.0], "student_logprobs": [-0.75, -0.25, -1.0]}}
+    write_trees(tmp_path / "trees.jsonl", [_three_token_tree(bad)])
+    facts = gather(tmp_path / "trees.jsonl")
+    # leaf 3 is the one readable entry: turn 0 (node 0) s - t = -0.25, 0 (mean -0.125); turn 1: 0
+    assert {step: dict(turns) for step, turns in facts.divergence.items()} == {None: {0: [-0.125], 1: [0.0]}}
