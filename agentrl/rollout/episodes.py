@@ -23,7 +23,10 @@ whose env listed none samples freely.
 from __future__ import annotations
 
 import asyncio
+import numbers
+import operator
 import time
+import typing
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,6 +68,71 @@ async def _off_loop_if_long(obs: str, info: dict[str, Any], fn: Callable[..., An
     size = len(obs) + sum(len(str(m.get("content") or "")) for m in info.get("tool_messages") or ())
     size += len(str(info.get("tools_prompt") or ""))
     return await off_loop_if_long(size, fn, *args)
+
+
+def checked_result(res: Any, backend: str) -> Any:
+    """A backend's ``GenerateResult`` with plain Python numbers (numpy ids and float32 logprobs
+    played, then failed writing the run), or a ``RolloutError`` naming the backend and the
+    field that is not what ``GenerateResult`` promises: ids, logprobs and entropies one per
+    sampled token, a known ``finish_reason``."""
+    import dataclasses
+
+    from ..policy.base import FinishReason
+
+    def field(name: str, convert: Callable[[Any], Any]) -> Any:
+        try:
+            return convert(getattr(res, name))
+        except (TypeError, ValueError, AttributeError) as e:
+            raise RolloutError(f"backend {backend} returned a bad {name}: {e}") from None
+
+    ids = field("token_ids", lambda v: [_token_id(t) for t in v])
+
+    def per_token(v: Any) -> list[float]:
+        out = [_number(x) for x in v]
+        if len(out) != len(ids):
+            raise ValueError(f"{len(out)} values for {len(ids)} tokens")
+        return out
+
+    def tops(v: Any) -> Any:
+        if not v:
+            return v
+        if len(v) != len(ids):
+            raise ValueError(f"{len(v)} lists for {len(ids)} tokens")
+        return [[(_token_id(t), _number(lp)) for t, lp in alts] for alts in v]
+
+    def finish(v: Any) -> str:
+        if v not in typing.get_args(FinishReason):
+            raise ValueError(f"{v!r} is none of {', '.join(typing.get_args(FinishReason))}")
+        return v
+
+    return dataclasses.replace(
+        res, token_ids=ids, logprobs=field("logprobs", per_token), entropies=field("entropies", per_token),
+        top_logprobs=field("top_logprobs", tops), finish_reason=field("finish_reason", finish),
+        version=field("version", _whole), cached_tokens=field("cached_tokens", _whole))
+
+
+def _whole(x: Any) -> int:
+    """``x`` as an int (a numpy one too, not a bool or a float), at least 0."""
+    if isinstance(x, bool):
+        raise TypeError(f"{x!r} is not an integer")
+    n = operator.index(x)
+    if n < 0:
+        raise ValueError(f"{x!r} is negative")
+    return n
+
+
+def _token_id(x: Any) -> int:
+    try:
+        return _whole(x)
+    except (TypeError, ValueError):
+        raise ValueError(f"token id {x!r} is not an integer >= 0") from None
+
+
+def _number(x: Any) -> float:
+    """A real number (a numpy one too) as a float; a string or None is refused, not parsed."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{x!r} is not a number")
+    return float(x)
 
 
 def _counters(tree: RolloutTree) -> dict[str, int]:
@@ -303,6 +371,11 @@ class EpisodePlayer:
             if not isinstance(e, Exception):
                 raise
             raise RolloutError(f"generation failed: {type(e).__name__}: {e}") from None
+        try:
+            res = checked_result(res, type(self.policy).__name__)
+        except RolloutError:
+            self.meter.refund(allowed, 0)  # nothing of it is recorded
+            raise
         self.meter.refund(allowed, len(res.token_ids))
         c = _counters(path.tree)
         c["generated_tokens"] += len(res.token_ids)
