@@ -4,7 +4,7 @@
 runs it on uvicorn, bound to 127.0.0.1 by default)::
 
     POST /v1/chat/completions        tools, n, temperature, top_p, max_tokens, stop, seed, stream
-    POST /v1/responses               OpenAI Responses (responses_api.py)
+    POST /v1/responses               OpenAI Responses (responses_api.py), and .../input_tokens
     POST /v1/messages                Anthropic Messages (anthropic_api.py), and .../count_tokens
     POST /v1/completions             text or token-id prompts, logprobs, return_token_ids, ...
     GET  /v1/models
@@ -108,7 +108,7 @@ from .handlers import (
     count_tokens_endpoint,
     models_endpoint,
 )
-from .responses_api import ResponsesWire, StoredResponse
+from .responses_api import ResponsesCountRequest, ResponsesWire, StoredResponse
 from .schemas import (
     SESSION_ID_PATTERN,
     ChatRequest,
@@ -498,6 +498,8 @@ def create_app(policy: Any, config: ProxyConfig | None = None) -> Any:
     messages = MessagesWire()
     api = [("/v1/chat/completions", chat_endpoint(proxy, ChatWire()), "POST", OPENAI_ERRORS),
            ("/v1/responses", chat_endpoint(proxy, ResponsesWire()), "POST", ResponsesWire.errors),
+           ("/v1/responses/input_tokens", count_tokens_endpoint(proxy, ResponsesWire(), ResponsesCountRequest,
+                                                                "response.input_tokens"), "POST", OPENAI_ERRORS),
            ("/v1/messages", chat_endpoint(proxy, messages), "POST", ANTHROPIC_ERRORS),
            ("/v1/messages/count_tokens", count_tokens_endpoint(proxy, messages, CountTokensRequest), "POST", ANTHROPIC_ERRORS),
            ("/v1/completions", completions_endpoint(proxy), "POST", OPENAI_ERRORS),

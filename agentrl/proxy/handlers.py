@@ -346,8 +346,9 @@ def chat_endpoint(proxy: Proxy, wire: Wire) -> Handler:
     return handle
 
 
-def count_tokens_endpoint(proxy: Proxy, wire: Wire, schema: type[BaseModel]) -> Handler:
-    """``.../count_tokens``: the prompt's length, rendered whole; records nothing."""
+def count_tokens_endpoint(proxy: Proxy, wire: Wire, schema: type[BaseModel], kind: str | None = None) -> Handler:
+    """``.../count_tokens`` (Messages) and ``/v1/responses/input_tokens``: the prompt's length,
+    rendered whole, as ``{"input_tokens": N}`` (with ``"object": kind`` where given); records nothing."""
 
     async def count(request: Request) -> Response:
         session = proxy.resolve(request)
@@ -361,7 +362,7 @@ def count_tokens_endpoint(proxy: Proxy, wire: Wire, schema: type[BaseModel]) -> 
         except TemplateError as e:
             raise HTTPError(400, f"{wire.prompt_param}: the chat template cannot render them: {e}",
                             param=wire.prompt_param) from e
-        return JSONResponse({"input_tokens": len(ids)})
+        return JSONResponse({**({"object": kind} if kind else {}), "input_tokens": len(ids)})
 
     return count
 

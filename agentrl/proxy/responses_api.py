@@ -1,4 +1,4 @@
-"""OpenAI Responses on the proxy: ``POST /v1/responses``.
+"""OpenAI Responses on the proxy: ``POST /v1/responses`` and ``/v1/responses/input_tokens``.
 
 A thin adapter (``ResponsesWire``): the request becomes the internal
 conversation (``handlers.Conversation``), and the sampled reply is written as
@@ -55,6 +55,12 @@ and ``response.content_part.done`` for a message,
 ``response.output_item.done``; then ``response.completed`` (or
 ``response.incomplete``) with ``usage``. A reply without tools streams live
 as it is sampled.
+
+``/v1/responses/input_tokens`` takes the same body (``input`` may be left out
+where ``previous_response_id`` gives the conversation) and answers
+``{"object": "response.input_tokens", "input_tokens": N}``: the tokens that
+call's prompt renders to, outside any session's record; it samples and
+records nothing.
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ if TYPE_CHECKING:
     from .app import Proxy
     from .sessions import Session
 
-__all__ = ["RESPONSES_ERRORS", "ResponsesRequest", "ResponsesWire", "StoredResponse"]
+__all__ = ["RESPONSES_ERRORS", "ResponsesCountRequest", "ResponsesRequest", "ResponsesWire", "StoredResponse"]
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _CUSTOM_INPUT = {"type": "object", "properties": {"input": {
@@ -160,6 +166,13 @@ class ResponsesRequest(BaseModel):
             raise ValueError("not supported: the proxy keeps no stored conversations or prompts; send the "
                              "items in input (or continue with previous_response_id)")
         return v
+
+
+class ResponsesCountRequest(ResponsesRequest):
+    """``POST /v1/responses/input_tokens``: a create body whose input may be left out (with a
+    ``previous_response_id``); its sampling fields are read and not used."""
+
+    input: str | list[Item] | None = Field(None, description="A user message, or the conversation's items.")
 
 
 def _text(content: str | list[Part] | None, where: str) -> str:
@@ -302,7 +315,7 @@ def conversation(body: ResponsesRequest, previous: StoredResponse | None) -> Con
         raise HTTPError(400, "text.format: only type 'text' is supported (no constrained decoding)",
                         param="text.format")
     ignored: list[str] = []
-    items = [Item(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    items = [Item(role="user", content=body.input)] if isinstance(body.input, str) else body.input or []
     added = _messages(items, ignored)
     history = [*(previous.messages() if previous is not None else []), *added]
     if not history:

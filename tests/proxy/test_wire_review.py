@@ -106,3 +106,25 @@ def test_two_assistant_messages_at_the_end_are_one_prefill(mock_policy, serve):
     r = httpx.post(f"{server.url}/v1/messages", json={"model": "m", "max_tokens": 8, "messages": [
         {"role": "assistant", "content": ""}, {"role": "assistant", "content": "0"}]})
     assert r.status_code == 400 and "needs a message" in r.json()["error"]["message"]
+
+
+def test_responses_input_tokens_counts_what_the_call_would_render(mock_policy, serve):
+    """``POST /v1/responses/input_tokens`` (OpenAI's count): the tokens the same body's call
+    renders, tools and a stored previous response included; it records nothing."""
+    server = serve(mock_policy(["Five."]))
+    s = httpx.post(f"{server.url}/sessions").json()
+    base, headers = s["base_url"], {"Authorization": f"Bearer {s['api_key']}"}
+    body = {"model": "m", "instructions": "Be brief.", "input": "Add 2 and 3.",
+            "tools": [{"type": "function", "name": "add", "parameters": ADD_SCHEMA}]}
+    r = httpx.post(f"{base}/responses/input_tokens", json=body, headers=headers)
+    assert r.status_code == 200, r.text
+    counted = r.json()
+    assert counted["object"] == "response.input_tokens"
+    assert httpx.get(f"{server.url}/sessions/{s['session_id']}", headers=headers).json()["calls"] == []
+    first = httpx.post(f"{base}/responses", json=body, headers=headers).json()
+    assert first["usage"]["input_tokens"] == counted["input_tokens"]
+    follow = {"model": "m", "input": "And 3 + 4?", "previous_response_id": first["id"]}
+    counted = httpx.post(f"{base}/responses/input_tokens", json=follow, headers=headers).json()["input_tokens"]
+    assert httpx.post(f"{base}/responses", json=follow, headers=headers).json()["usage"]["input_tokens"] == counted
+    r = httpx.post(f"{server.url}/v1/responses/input_tokens", json={"model": "m"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
