@@ -21,6 +21,7 @@ import contextlib
 import errno
 import os
 import socket
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator
@@ -50,17 +51,35 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_close_in_child)
 
 
+def _check_writable(out: Path, key: str) -> None:
+    """Make and remove a file in ``out``, or raise ``ConfigError`` naming ``key``: in a folder this
+    user cannot write into (another user's run, whose lock file still opens read-only for
+    ``flock``) the run went on, and failed only when it wrote its results, after its episodes."""
+    try:
+        fd, name = tempfile.mkstemp(dir=out, prefix=".write-check-")
+    except OSError as e:  # no permission, a read-only filesystem, a full disk
+        raise ConfigError(f"{key}={out}: cannot write into the folder: {e.strerror or e}") from None
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(name)
+
+
 @contextlib.contextmanager
 def output_lock(out: Path, key: str = "train.output.dir") -> Iterator[None]:
-    """Hold ``out``'s run lock inside; ``ConfigError`` naming ``key`` if another run holds it."""
-    if out.exists() and not out.is_dir():
+    """Hold ``out``'s run lock inside; ``ConfigError`` naming ``key`` if another run holds it,
+    or the folder is a file, cannot be made or cannot be written into."""
+    try:
+        made = not out.exists()
+    except OSError as e:  # a folder on the path this user cannot enter
+        raise ConfigError(f"{key}={out}: cannot look the folder up: {e.strerror or e}") from None
+    if not made and not out.is_dir():
         raise ConfigError(f"{key}={out} is a file, not a folder: give the run a folder")
-    made = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a dangling symlink, a file on the path, no permission
         raise ConfigError(f"{key}={out}: cannot make the folder: {e.strerror or e}") from None
     try:
+        _check_writable(out, key)
         yield from _locked(out, key, made)
     finally:
         if made:  # a run that failed before writing anything leaves no folder behind
