@@ -60,6 +60,9 @@ class Engine:
 
     ``env_id`` and ``cfg.env.kwargs`` make the envs; one tree per task seed.
     Use ``await engine.run(seeds, allocator)``, or the sync ``collect``.
+    ``on_episode_done(tree)`` is called once for each planned path when it ends, or when it
+    is dropped unplayed because a turns or tokens budget was spent (a progress bar of the
+    planned episodes then completes).
     """
 
     def __init__(self, policy: Policy, cfg: Config, env_id: str | None = None,

@@ -475,7 +475,8 @@ class EpisodePlayer:
         failures stay inside.
 
         ``anchor`` is the node the path starts under (None: a new root), where a
-        failure before its first turn is recorded.
+        failure before its first turn is recorded. ``on_episode_done(tree)`` is called
+        once at the end, also for a path dropped unplayed because the budget was spent.
         """
         box: list[_Path] = []
         healthy, hung = True, False
@@ -490,8 +491,8 @@ class EpisodePlayer:
 
         try:
             await asyncio.wait_for(go(), self.cfg.rollout.episode_timeout_s)
-        except BudgetSpent:
-            return
+        except BudgetSpent:  # never started; still reported below, so a bar of planned episodes completes
+            pass
         except RolloutError as e:
             healthy = not e.env_broken
             fail(str(e))
