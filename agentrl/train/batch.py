@@ -64,6 +64,7 @@ class DistillFields:
     weights: list[float] | None = None  # per-token weight of the distribution-level loss term
     privileged: str | None = None  # the env's privileged text, read by a privileged teacher
     expert_turns: list[tuple[int, int, str | None, bool]] | None = None  # (start, end, action, stopped)
+    action_mask: list[int] | None = None  # the loss mask before TIP dropped tokens from it
 
 
 @dataclass(slots=True)

@@ -740,3 +740,22 @@ def test_dagger_with_the_bisection_expert_teaches_guess_number(tmp_path):
     # Over train.seed 0-2: 0.000 -> 0.250, 0.188, 0.625; the loss from 2.0-2.7 to under 0.3.
     assert losses[-1] < losses[0] / 2
     assert summary["phases"]["end"] >= summary["phases"]["start"] + 0.125
+
+
+def test_depth_statistic_counts_the_tokens_tip_dropped(tokenizer):
+    """TurnOPD's per-turn divergence mass is over every action token both models scored, as SOD's
+    is: TIP leaves a token out of the loss, not out of the turn's divergence. Hand-computed: turn 1
+    has gaps 0.9 and 0.1 (TIP drops the low-entropy, small-gap second token), turn 2 a gap of 0.5."""
+    from agentrl.train.distill import Distiller
+
+    model, _ = load_model_tiny()
+    d = Distiller(DistillConfig(teacher="self", privileged=True, tip=True, depth_coverage=0.5), tokenizer,
+                  torch.device("cpu"), 1, student=model)
+    s = Sample([7] * 5, [0, 1, 1, 0, 1], [0.0] * 5, [0.0] * 5, [0] * 5, old=[0.0, -1.0, -1.0, 0.0, -1.0],
+               distill=DistillFields(teacher=[0.0, -1.9, -1.1, 0.0, -1.5]), turn_spans=[(1, 3), (4, 5)])
+    s.old_entropy = [0.0, 0.9, 0.0, 0.0, 0.5]
+    d._informative_tokens([s])
+    assert s.mask == [0, 1, 0, 0, 1]  # TIP dropped the second token of turn 1
+    d._update_depth([s])
+    assert d.turn_mass == pytest.approx([1.0, 0.5])
+    assert d.depth_budget == 1  # 1.0 of 1.5 covers half

@@ -196,12 +196,15 @@ class Distiller:
             self.depth_budget = depth_budget(self.turn_mass, self.cfg.depth_coverage, self.cfg.depth_min_turns)
 
     def _update_depth(self, samples: list[Sample]) -> dict[str, float]:
-        """Fold this batch's per-turn divergence into ``turn_mass`` (half old, half new) and re-budget."""
+        """Fold this batch's per-turn divergence into ``turn_mass`` (half old, half new) and re-budget.
+
+        The divergence is over every action token, those TIP left out of the loss included."""
         mass: list[float] = []
         for s in samples:
             old, teacher = s.old or [], s.distill.teacher or []
+            mask = s.distill.action_mask or s.mask
             for k, (a, b) in enumerate(s.turn_spans or []):
-                gap = sum(abs(x - y) * m for x, y, m in zip(old[a:b], teacher[a:b], s.mask[a:b], strict=True))
+                gap = sum(abs(x - y) * m for x, y, m in zip(old[a:b], teacher[a:b], mask[a:b], strict=True))
                 mass += [0.0] * (k + 1 - len(mass))
                 mass[k] += gap
         old_mass = self.turn_mass
@@ -304,6 +307,7 @@ class Distiller:
         start = 0
         for s in samples:
             n = len(s.mask)
+            s.distill.action_mask = s.mask  # TurnOPD's depth statistic still reads every action token
             s.mask = [int(k) for k in keep[start:start + n].tolist()]
             start += n
         dropped = int(mask.sum() - keep.sum())
