@@ -20,8 +20,10 @@ never with what now holds its index.
 
 The tokenizer loads in a background thread when the server starts, so the
 first page and the run index show at once (the index says the tokenizer is
-loading); a tree asked for before it is ready waits for it up to 20 s, then
-comes with token ids only (and is not kept: asked again, it gets the texts).
+loading); a tree asked for before it is ready waits for it up to 5 s, then
+comes with token ids only, marked ``"tokens_pending": true`` (and is not kept):
+the page asks for it again until it comes with the texts and the tokenizer's
+note (``tokens_note``), so a tree opened early gets its texts without a reload.
 
 Served on a loopback address, it answers only requests addressed to one
 (``Host: 127.0.0.1``, ``localhost``, ``[::1]``) and refuses others with 403: a
@@ -56,8 +58,8 @@ _CACHED_TREES = 64
 _CACHED_BYTES = 256 * 2**20  # and at most this much of their JSON (a tree can be megabytes of web pages)
 _MAX_CONNECTIONS = 32  # threads serving at once; more wait in the listen queue
 _IDLE_SECONDS = 30  # a connection that sends nothing this long is closed
-_TOKENIZER_WAIT_S = 20.0  # a tree waits this long for the tokenizer, then shows ids
-_LOADING_NOTE = "loading the tokenizer: token ids until it is ready (reload the page for texts)"
+_TOKENIZER_WAIT_S = 5.0  # a tree waits this long for the tokenizer, then comes with ids, marked pending
+_LOADING_NOTE = "loading the tokenizer: token ids until it is ready (the page shows texts then)"
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
@@ -199,8 +201,11 @@ class ViewerServer:
         if i >= len(run):
             raise _NoTree(f"no tree {i}: the run holds {len(run)} trees")
         if not self._ready.wait(_TOKENIZER_WAIT_S):  # a load that hangs must not hang the tree
-            return to_json(tree_data(run, i, None)).encode("utf-8")
-        body = to_json(tree_data(run, i, self._decoder[0])).encode("utf-8")
+            # ids for now, marked pending: the page asks again, and this copy is not kept
+            pending = {**tree_data(run, i, None), "tokens_pending": True, "tokens_note": _LOADING_NOTE}
+            return to_json(pending).encode("utf-8")
+        decode, note = self._decoder
+        body = to_json({**tree_data(run, i, decode), "tokens_pending": False, "tokens_note": note}).encode("utf-8")
         with self._lock:
             if current != self.generation or len(body) > _CACHED_BYTES:  # not this index's, or too big
                 return body

@@ -112,3 +112,44 @@ def test_the_report_survives_saved_token_values_that_do_not_fit_the_tree(tmp_pat
     facts = gather(tmp_path / "trees.jsonl")
     # leaf 3 is the one readable entry: turn 0 (node 0) s - t = -0.25, 0 (mean -0.125); turn 1: 0
     assert {step: dict(turns) for step, turns in facts.divergence.items()} == {None: {0: [-0.125], 1: [0.0]}}
+
+
+def test_a_tree_opened_while_the_tokenizer_loads_gets_its_texts_without_a_reload(browser_context, tmp_path,
+                                                                                monkeypatch):
+    """A tree opened before the tokenizer was ready came with ids only, and the page kept that
+    copy (its own cache, and no sign it was provisional): texts showed only after a reload.
+    The payload now says its tokens are pending and the page fetches the tree again."""
+    import threading
+
+    from agentrl.types import write_trees
+    from agentrl.viewer import server as server_module
+
+    monkeypatch.setattr(server_module, "_TOKENIZER_WAIT_S", 0.2)
+    write_trees(tmp_path / "trees.jsonl", [fork_tree()])
+    loaded = threading.Event()
+
+    def slow_decoder():
+        loaded.wait(30)
+        return (lambda ids: {i: f"t{i}" for i in ids}), "tokenizer of slow"
+
+    server = ViewerServer(Run(tmp_path / "trees.jsonl"), port=0, load_decoder=slow_decoder).start()
+    page = browser_context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        status, body = _get(server.url + "api/tree/0")
+        assert status == 200 and body["tokens_pending"] is True and body["vocab"] == {}
+        page.goto(server.url + "#tokens=0&node=0")
+        page.wait_for_selector("#token-view .tok.act")
+        assert "⟨10⟩" in page.inner_text("#token-view") and "loading" in page.inner_text("#token-head")
+        loaded.set()
+        page.wait_for_function("document.querySelector('#token-view').innerText.includes('t10')", timeout=10000)
+        assert "loading" not in page.inner_text("#token-head")
+        assert "tokenizer of slow" in page.inner_text("#run-about")
+        status, body = _get(server.url + "api/tree/0")
+        assert body["tokens_pending"] is False and body["vocab"]["10"] == "t10"
+    finally:
+        loaded.set()
+        page.close()
+        server.close()
+    assert errors == []

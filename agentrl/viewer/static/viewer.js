@@ -9,6 +9,7 @@
 const SVGNS = "http://www.w3.org/2000/svg";
 const PAGE_ROWS = 50;
 const MAX_CACHED_TREES = 24;
+const PENDING_RETRY_MS = 1000;  // a tree served before the tokenizer was ready is asked for again
 
 const S = {
   mode: document.body.dataset.mode || "static",
@@ -95,6 +96,7 @@ async function loadTree(i) {
     t = JSON.parse(node.textContent);
     if (t.error) throw new Error(t.error);  // --static wrote why this tree could not be drawn
   }
+  if (t.tokens_pending) return t;  // ids only, for now: not kept (awaitTokens asks again)
   S.cache.set(i, t);
   while (S.cache.size > MAX_CACHED_TREES) S.cache.delete(S.cache.keys().next().value);
   return t;
@@ -232,17 +234,21 @@ function renderTable() {
   $("next-page").disabled = S.page >= pages - 1;
 }
 
-function renderRunHeader() {
-  const r = S.run, t = r.totals;
-  const cards = [["trees", t.trees], ["episodes", t.episodes], ["success", fmt(t.success_rate, 3)],
-    ["mean reward", fmt(t.mean_reward, 3)], ["failed", t.failed], ["truncated", t.truncated]];
-  $("run-cards").replaceChildren(...cards.map(([k, v]) => el("div", { class: "card" }, el("b", { text: String(v) }), el("span", { text: k }))));
-  const info = [];
+function renderAbout() {
+  const r = S.run, info = [];
   for (const [k, v] of Object.entries(r.about || {})) if (v !== null && v !== "" && v !== undefined) info.push(`${k}: ${v}`);
   $("run-about").textContent = info.join(" · ");
   const skips = r.skipped_count || (r.skipped || []).length;
   if (skips) $("run-about").textContent += ` · skipped ${skips} unreadable line${skips > 1 ? "s" : ""}: ${r.skipped.join(", ")}` +
     (skips > r.skipped.length ? ` and ${skips - r.skipped.length} more` : "");
+}
+
+function renderRunHeader() {
+  const r = S.run, t = r.totals;
+  const cards = [["trees", t.trees], ["episodes", t.episodes], ["success", fmt(t.success_rate, 3)],
+    ["mean reward", fmt(t.mean_reward, 3)], ["failed", t.failed], ["truncated", t.truncated]];
+  $("run-cards").replaceChildren(...cards.map(([k, v]) => el("div", { class: "card" }, el("b", { text: String(v) }), el("span", { text: k }))));
+  renderAbout();
   const stepSel = $("f-step");
   stepSel.replaceChildren(el("option", { value: "", text: "all steps" }),
     ...r.steps.filter((s) => s !== null).map((s) => el("option", { value: String(s), text: "step " + s })));
@@ -265,6 +271,28 @@ async function openTree(i, nodeId = null, leafId = null, view = "tree") {
   for (const b of document.querySelectorAll("nav button[data-needs-tree]")) b.disabled = false;
   renderTree();
   if (view === "tokens") renderTokens(); else setHash();
+  if (t.tokens_pending) awaitTokens(i);
+}
+
+// A tree served while the tokenizer was still loading holds token ids only
+// (tokens_pending): ask for it again until it comes with the texts, then draw it
+// again where the user is (same node, same view), and update the run's tokens note.
+async function awaitTokens(i) {
+  if (S.awaiting === i) return;
+  S.awaiting = i;
+  try {
+    while (S.treeIndex === i && S.tree.tokens_pending) {
+      await new Promise((ok) => setTimeout(ok, PENDING_RETRY_MS));
+      if (S.treeIndex !== i) return;
+      let t;
+      try { t = await loadTree(i); } catch (e) { return; }  // the run changed (409): a reload shows it
+      if (S.treeIndex !== i || t.tokens_pending) continue;
+      S.tree = prepare(t);
+      S.run.about.tokens = t.tokens_note;
+      renderAbout();
+      if (S.view === "tokens") renderTokens(); else if (S.view === "tree") renderTree();
+    }
+  } finally { if (S.awaiting === i) S.awaiting = null; }
 }
 
 function treeTitle(t, i) {
@@ -547,7 +575,8 @@ function renderTokens() {
     el("div", { class: "small muted", text: `mean logprob ${fmt(mean(acts.map((x) => x.lp)), 3)} · mean entropy ${fmt(mean(acts.map((x) => x.ent)), 3)} · advantages: ${t.credit.note}`
       + (t.has_teacher ? ` · teacher − student log-ratio: ${t.teacher_note}` : "") }),
     ep && ep.trained === false ? el("div", { class: "small", text: `this episode was left out of the update: ${ep.untrained_reason}` }) : null,
-    Object.keys(t.vocab).length ? null : el("div", { class: "small muted", text: "token texts unavailable (no tokenizer for this run): ids shown" }));
+    Object.keys(t.vocab).length ? null : el("div", { class: "small muted", text: t.tokens_pending
+      ? "loading the tokenizer: token ids until it is ready, then the texts" : "token texts unavailable (no tokenizer for this run): ids shown" }));
   const modes = $("token-modes");
   modes.replaceChildren(...MODES.map(([m, label]) => el("label", {},
     el("input", { type: "radio", name: "tokmode", value: m, checked: S.tokenMode === m, disabled: m === "ratio" && !t.has_teacher,
