@@ -42,7 +42,9 @@ Failures, in the engine's two columns:
   keeps its thread until it returns: Ray cancels a call that has not started,
   but cannot interrupt a running thread. Its env is closed after it returns,
   never under it. A worker whose envs hang for good runs out of its
-  ``MAX_CALLS_PER_WORKER`` threads; ``ray.kill`` it and Ray restarts it.
+  ``MAX_CALLS_PER_WORKER`` threads: the pool deals it no more envs (it counts
+  the calls given up on that still run), and with every live worker so, making
+  an env fails saying why; ``ray.kill`` such a worker and Ray restarts it.
 
 Workers are made once per process, cluster and env configuration
 (``env_worker_pool``), and reused by every engine after it: a trainer makes
@@ -269,6 +271,8 @@ class RayEnv:
                 value = await ref
             except asyncio.CancelledError:  # an episode timeout: drop the call if it has not started
                 cancel_call(ref)
+                if self._pool is not None:  # one that has keeps a thread of the worker until it returns
+                    self._pool.abandoned(self._index, ref)
                 raise
             except Exception as e:
                 if self._restarting(e, deadline, method):
@@ -346,6 +350,8 @@ class EnvWorkerPool:
                         for _ in range(dist.num_env_workers)]
         self._next = 0
         self._lost: set[int] = set()  # workers Ray will not restart: dealt no more envs
+        # calls their episodes gave up on, per worker, that may still hold one of its threads
+        self._abandoned: list[list[Any]] = [[] for _ in self.workers]
         self._lock = threading.Lock()
         self.users = 0  # engines holding it now (env_worker_pool, release_env_worker_pool)
         self.last_used = 0  # when it was last taken or given back, in _TICKS
@@ -358,15 +364,42 @@ class EnvWorkerPool:
         return RayEnv(worker, self.env_id, self, i)
 
     def _deal(self) -> tuple[int, Any]:
-        """The next worker not lost, round-robin (call with the lock held); every worker lost:
-        the next one anyway, whose first call then fails saying so."""
+        """The next worker not lost with a free thread, round-robin (call with the lock held);
+        every worker lost: the next one anyway, whose first call then fails saying so. Every
+        live worker's threads held by calls their episodes gave up on: ``EnvError``, as such a
+        worker runs no call until one returns."""
         n = len(self.workers)
+        full = 0
         for _ in range(n):
             i = self._next % n
             self._next += 1
-            if i not in self._lost:
-                break
-        return i, self.workers[i]
+            if i in self._lost:
+                continue
+            if self._free_threads(i) > 0:
+                return i, self.workers[i]
+            full += 1
+        if not full:  # every worker lost
+            return i, self.workers[i]
+        raise EnvError(f"all {self.options['max_concurrency']} threads of each live env worker of {self.env_id} "
+                       f"run calls their episodes gave up on (env calls that hang past "
+                       f"rollout.episode_timeout_s): no call can run until one returns. Find what hangs in "
+                       f"the env; `ray.kill` a worker and Ray restarts it (distributed.max_restarts)")
+
+    def abandoned(self, index: int, ref: Any) -> None:
+        """The call ``ref`` on worker ``index`` was given up on (its episode timed out): until it
+        returns it may hold one of the worker's threads (Ray cannot stop a running one)."""
+        with self._lock:
+            self._abandoned[index].append(ref)
+
+    def _free_threads(self, index: int) -> int:
+        """Threads of worker ``index`` not held by abandoned calls still running (lock held)."""
+        refs = self._abandoned[index]
+        if refs:
+            import ray
+
+            _, running = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+            self._abandoned[index] = refs = running
+        return self.options["max_concurrency"] - len(refs)
 
     def lost(self, index: int) -> tuple[int, Any] | None:
         """Worker ``index`` died for good: deal it no more envs. Another live worker

@@ -106,3 +106,37 @@ def test_a_retired_pool_goes_first_and_the_evaluation_s_is_the_one_kept(pools):
     again = env_worker_pool(_cfg(5, 1.0))  # taken again before it went: wanted after all
     assert again is nxt and not nxt.retired
     assert not env_workers.retire_env_worker_pool(_cfg(9, 0.25))  # none made for it
+
+
+def test_a_worker_whose_threads_all_hang_is_dealt_no_more_envs(pools, monkeypatch):
+    """Env steps that hang past their episode's timeout keep their worker's threads: a worker
+    whose every thread is held so can run no call, yet round-robin dealt it every other env,
+    whose episodes then waited out their own timeouts. Once every worker is so, the env
+    cannot be made, and the error says why."""
+    import asyncio
+
+    from agentrl.distributed.env_workers import EnvWorkerPool
+    from agentrl.errors import EnvError
+
+    monkeypatch.setattr(env_workers, "MAX_CALLS_PER_WORKER", 2)  # threads a worker runs at once
+    pool = EnvWorkerPool("agentrl-test/Hangs-v0", {}, _cfg(3, 0.25, workers=2).distributed,
+                         ["tests.distributed.worker_envs"])
+    try:
+        assert _alive(pools, pool)  # started: a call the timeout cancels before it runs holds no thread
+        async def hang(worker: int) -> None:  # an episode that gives up on a hung step
+            env = pool.make_env()
+            while env._index != worker:
+                env = pool.make_env()
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(env.acall("step", "hang"), 2.0)
+
+        async def hang_all(worker: int) -> None:
+            await asyncio.gather(hang(worker), hang(worker))
+
+        asyncio.run(hang_all(0))
+        assert {pool.make_env()._index for _ in range(4)} == {1}
+        asyncio.run(hang_all(1))
+        with pytest.raises(EnvError, match="all 2 threads of each live env worker.*episode_timeout_s"):
+            pool.make_env()
+    finally:
+        pool.shutdown(close_wait_s=0)

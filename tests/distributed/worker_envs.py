@@ -3,12 +3,15 @@
 - ``agentrl-test/Exits-v0``: GuessNumber whose step calls ``sys.exit(3)`` on an action that says
   'exit', as a CLI wrapped with argparse does;
 - ``agentrl-test/MarksClose-v0``: GuessNumber that appends a line to the file ``mark`` names when
-  it is closed (a sandbox's container removed, say).
+  it is closed (a sandbox's container removed, say);
+- ``agentrl-test/Hangs-v0``: GuessNumber whose step sleeps 60 s on an action that says 'hang'
+  (a tool that never returns), holding one of its worker's threads.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 from agentrl.env import register_env
@@ -33,5 +36,13 @@ class MarksCloseEnv(GuessNumberEnv):
         super().close()
 
 
+class HangingEnv(GuessNumberEnv):
+    def step(self, action: Any) -> Any:
+        if "hang" in str(action):
+            time.sleep(60)
+        return super().step(action)
+
+
 register_env("agentrl-test/Exits-v0", entry_point=ExitingEnv)
 register_env("agentrl-test/MarksClose-v0", entry_point=MarksCloseEnv)
+register_env("agentrl-test/Hangs-v0", entry_point=HangingEnv)
