@@ -24,9 +24,12 @@ header, or by the per-session API key it sends as its bearer token (or as
 handler (``handlers.chat_endpoint``); each protocol is a thin ``Wire``.
 
 Access: with ``ProxyConfig.token`` set, every route needs it or a session's
-key (both compared in constant time); a session key opens only its own
-session and never the admin routes. Without a token anyone on the bound
-interface may call, but a session key still cannot name another session.
+key (both compared in constant time). A session key opens only its own
+session: it samples there and reads it (``GET /sessions/{id}``, ``.../tree``);
+rewarding, closing and deleting the session, and the routes of no one session
+(``/sessions``), need the token, since the harness holding the key must not
+score its own episode. Without a token anyone on the bound interface may call
+any route, but a session key still cannot name another session.
 
 Errors use OpenAI's ``{"error": {message, type, param, code}}`` body (on the
 Anthropic routes, Anthropic's ``{"type": "error", "error": {type, message}}``): 400 for
@@ -246,8 +249,10 @@ class Proxy:
         return written
 
     # -- access --------------------------------------------------------------------------
-    def resolve(self, request: Request, admin: bool = False) -> Session | None:
-        """Check the credentials and return the session the request names, if any."""
+    def resolve(self, request: Request, admin: bool = False, manage: bool = False) -> Session | None:
+        """Check the credentials and return the session the request names, if any. ``admin``: a
+        route of no one session (session keys refused); ``manage``: one that scores, closes or
+        deletes its session (with a token, that token only: a session key samples and reads)."""
         bearer = _bearer(request)
         key_sid = None
         if bearer:
@@ -261,6 +266,9 @@ class Proxy:
             raise HTTPError(401, "missing or wrong bearer token")
         if admin and key_sid is not None and not is_admin:
             raise HTTPError(403, "a session key opens only its own session")
+        if manage and token is not None and not is_admin:  # the harness holds its key: no scoring itself
+            raise HTTPError(403, "rewarding, closing or deleting a session needs the admin token; a session "
+                            "key samples in its session and reads it")
         sid = request.path_params.get("sid") or request.headers.get("x-session-id") or key_sid
         if sid is None or admin and "sid" not in request.path_params:
             return None
@@ -403,7 +411,7 @@ def _session_routes(proxy: Proxy) -> list[Route]:
         return JSONResponse(_own(proxy, request).assemble().to_dict())
 
     async def reward(request: Request) -> Response:
-        session = _own(proxy, request)
+        session = _own(proxy, request, manage=True)
         body: RewardRequest = await read_json(request, RewardRequest, limit)
         try:
             nodes = session.set_reward(body.reward, body.call_id, body.choice, body.terminated)
@@ -413,11 +421,11 @@ def _session_routes(proxy: Proxy) -> list[Route]:
         return JSONResponse({"ok": True, "nodes": nodes})
 
     async def close(request: Request) -> Response:
-        session = _own(proxy, request)
+        session = _own(proxy, request, manage=True)
         return JSONResponse(proxy.close_session(session.session_id).to_dict())
 
     async def delete(request: Request) -> Response:
-        proxy.drop_session(_own(proxy, request).session_id)
+        proxy.drop_session(_own(proxy, request, manage=True).session_id)
         return JSONResponse({"ok": True})
 
     return [
@@ -431,8 +439,8 @@ def _session_routes(proxy: Proxy) -> list[Route]:
     ]
 
 
-def _own(proxy: Proxy, request: Request) -> Session:
-    session = proxy.resolve(request)
+def _own(proxy: Proxy, request: Request, manage: bool = False) -> Session:
+    session = proxy.resolve(request, manage=manage)
     assert session is not None  # the route has {sid}
     return session
 

@@ -128,3 +128,31 @@ def test_responses_input_tokens_counts_what_the_call_would_render(mock_policy, s
     assert httpx.post(f"{base}/responses", json=follow, headers=headers).json()["usage"]["input_tokens"] == counted
     r = httpx.post(f"{server.url}/v1/responses/input_tokens", json={"model": "m"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+
+
+def test_with_a_token_a_session_key_samples_and_reads_its_session_but_cannot_score_or_end_it(
+        mock_policy, serve):
+    """The harness holds its session's key: with it, it may sample and read its own session,
+    not set the session's rewards (the outcome training learns from), close it or delete it:
+    those take the admin token. Without a token anyone may do all of it, as the harness runner
+    (which then sends the session key) does."""
+    server = serve(mock_policy(), token="s3cret")
+    url, admin = server.url, {"Authorization": "Bearer s3cret"}
+    s = httpx.post(f"{url}/sessions", json={}, headers=admin).json()
+    key, here = {"x-api-key": s["api_key"]}, f"{url}/sessions/{s['session_id']}"
+    assert httpx.post(f"{s['base_url']}/chat/completions", json={"model": "m", "messages": USER},
+                      headers=key).status_code == 200
+    assert httpx.get(here, headers=key).status_code == 200
+    assert httpx.get(f"{here}/tree", headers=key).status_code == 200
+    for method, path, body in [("POST", "/reward", {"reward": 1.0}), ("POST", "/close", None), ("DELETE", "", None)]:
+        r = httpx.request(method, here + path, json=body, headers=key)
+        assert r.status_code == 403 and "admin token" in r.json()["error"]["message"], (path, r.text)
+    assert httpx.post(f"{here}/reward", json={"reward": 1.0}, headers=admin).json()["nodes"] == [0]
+    assert httpx.post(f"{here}/close", headers=admin).json()["nodes"][0]["reward"] == 1.0
+    assert httpx.delete(here, headers=admin).status_code == 200
+    open_ = serve(mock_policy())
+    s = httpx.post(f"{open_.url}/sessions", json={}).json()
+    httpx.post(f"{s['base_url']}/chat/completions", json={"model": "m", "messages": USER}).raise_for_status()
+    r = httpx.post(f"{open_.url}/sessions/{s['session_id']}/reward", json={"reward": 1.0},
+                   headers={"Authorization": f"Bearer {s['api_key']}"})
+    assert r.status_code == 200, r.text
