@@ -95,9 +95,11 @@ class SavedValues:
         return bool(self.values or self.untrained)
 
 
+_NUMBER_TYPES = frozenset({int, float, type(None)})  # what JSON numbers and null load as (bool is not one)
+
+
 def _number_list(x: Any) -> bool:
-    return isinstance(x, list) and all(v is None or (isinstance(v, int | float) and not isinstance(v, bool))
-                                       for v in x)
+    return isinstance(x, list) and set(map(type, x)) <= _NUMBER_TYPES
 
 
 def _saved_entry(tree: RolloutTree, key: Any, entry: Any) -> tuple[int, dict[str, Any]] | str:
