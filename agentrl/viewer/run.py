@@ -309,7 +309,8 @@ class Run:
                     except BadLinks as e:
                         self._skip(f"{name}:{lineno} ({e})")
                         continue
-                    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):  # nested too deep
+                    # not a tree's JSON; nested too deep (RecursionError); a number past float (OverflowError)
+                    except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError):
                         self._skip(f"{name}:{lineno}")
                         continue
                     self.refs.append(TreeRef(len(self.refs), file, start, len(line), zlib.crc32(line)))

@@ -153,3 +153,12 @@ def test_a_tree_opened_while_the_tokenizer_loads_gets_its_texts_without_a_reload
         page.close()
         server.close()
     assert errors == []
+
+
+def test_a_reward_too_big_for_a_float_skips_its_tree_not_the_run(tmp_path):
+    """A reward written as an integer of 400 digits (JSON has no limit; ``float()`` of it
+    raises OverflowError) ended ``Run()``: the viewer, --static and the report opened nothing."""
+    huge = fork_tree(2).to_dict()
+    huge["nodes"][1]["reward"] = 10**400
+    run = Run(_write_lines(tmp_path / "trees.jsonl", [fork_tree(1).to_dict(), huge, fork_tree(3).to_dict()]))
+    assert [s.seed for s in run.summaries] == [1, 3] and run.skipped == ["trees.jsonl:2"]
