@@ -76,7 +76,8 @@ _NOT_REGULAR = (
     '{ [ -L "$1" ] || { [ -e "$1" ] && [ ! -f "$1" ]; }; } && '
     '{ echo "${1#/work/} is not a regular file" >&2; exit 3; }; '
 )
-_READ = _NOT_REGULAR + 'exec dd if="$1" iflag=nofollow,nonblock bs=64K status=none'
+# At most $2 bytes: a read over its limit must not stream the rest of a huge file.
+_READ = _NOT_REGULAR + 'exec dd if="$1" iflag=nofollow,nonblock,count_bytes count="$2" bs=64K status=none'
 _WRITE = (
     _NOT_REGULAR + 'mkdir -p -- "$(dirname -- "$1")" && '
     'exec dd of="$1" oflag=nofollow,nonblock bs=64K status=none'
@@ -487,9 +488,10 @@ class DockerSandbox(Sandbox):
 
     async def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
         """Read a regular file up to ``max_bytes`` (at most ``fsize_mb``); symlinks, FIFOs
-        and devices are refused. We keep at most that many bytes of the stream."""
+        and devices are refused. dd stops one byte past the limit, which tells a file
+        over it from one exactly at it."""
         limit = read_limit(self.limits.fsize_mb, max_bytes)
-        argv = ["/bin/sh", "-c", _READ, "sh", self._inner_path(path)]
+        argv = ["/bin/sh", "-c", _READ, "sh", self._inner_path(path), str(limit + 1)]
         too_big = str(too_large(path, limit))
         return await self._checked(
             f"cannot read {path!r} in the sandbox", argv, limit, too_big=too_big

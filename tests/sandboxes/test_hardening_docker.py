@@ -124,6 +124,28 @@ async def test_slow_read_is_an_error_not_a_short_file(box, monkeypatch):
         await box.read_file("any.txt")
 
 
+async def test_a_read_over_max_bytes_stops_at_the_limit_not_at_the_end_of_the_file(box, monkeypatch):
+    """A 4 MiB file read with ``max_bytes=1000`` is refused after about 1000 bytes came over the
+    socket: streaming the whole file first costs time and daemon bandwidth for nothing."""
+    import agentrl.sandboxes.docker as docker_mod
+
+    assert (await box.run("head -c 4194304 /dev/zero > big.bin")).ok
+    recv = []
+    real_recv = docker_mod.socket.socket.recv  # what docker sent, not what we kept of it
+
+    def counting_recv(self, n, *a):
+        chunk = real_recv(self, n, *a)
+        recv.append(len(chunk))
+        return chunk
+
+    monkeypatch.setattr(docker_mod.socket.socket, "recv", counting_recv)
+    with pytest.raises(SandboxError, match="larger than 1000 bytes"):
+        await box.read_file("big.bin", max_bytes=1000)
+    assert sum(recv) < 64 << 10, sum(recv)
+    monkeypatch.undo()
+    assert await box.read_file("big.bin", max_bytes=4194304) == bytes(4194304)
+
+
 async def test_snapshot_refuses_a_truncated_archive(builder):
     async with builder("docker", SandboxLimits(memory_mb=256, pids=64, workdir_mb=1)) as b:
         # A sparse file takes no room in /work, but tar writes all of it: 40 MiB of
