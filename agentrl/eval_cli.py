@@ -6,8 +6,10 @@
     agentrl eval --env ... --k 8 --samples 16 --temperature 0.7        (pass@8 from 16 samples a task)
 
 ``--env`` defaults to the ``--config``'s ``env.id``, so one config serves
-``train``, ``rollout`` and ``eval``. ``--split`` takes several splits, comma
-separated, and gives one report each.
+``train``, ``rollout`` and ``eval``; given a training config, an env that does not
+count its tasks plays the run's held-out ones (``train.evaluation``), not its
+training tasks. ``--split`` takes several splits, comma separated, and gives one
+report each.
 Greedy decoding by default (temperature 0, one sample a task); ``--k K``
 samples ``--samples N`` (default K) episodes a task at ``--temperature``
 (default: the config's). What runs and what the rows mean is in
@@ -24,13 +26,15 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
+from .config import Config
 from .errors import AgentRLError, ConfigError
-from .evaluation import EvalReport, evaluate_split, plan_split
+from .evaluation import EvalReport, EvaluationConfig, SplitPlan, evaluate_split, plan_split
 
-__all__ = ["eval_command", "format_report", "register", "split_names"]
+__all__ = ["eval_command", "format_report", "register", "split_names", "train_held_out"]
 
 def format_report(report: EvalReport, title: str = "") -> Table:
     """The report as a rich table: one row per family and All, rates in percent."""
@@ -60,6 +64,28 @@ def split_names(text: str | None) -> list[str | None]:
     if not all(names):
         raise ConfigError(f"--split {text!r}: an empty split name; give the names, comma separated")
     return list(names)
+
+
+def train_held_out(cfg: Config) -> EvaluationConfig | None:
+    """The held-out evaluation of a training config (its ``train.evaluation``), which an env that
+    does not count its split plays; None for a config without a ``train`` section, or one that
+    names the tasks itself (``rollout.seed``, ``rollout.episodes``, ``--episodes``)."""
+    from .config import ignored_section, moved_keys
+    from .train.config import MOVED_KEYS
+
+    train = ignored_section(cfg, "train")
+    if not train or {"seed", "episodes"} & cfg.rollout.model_fields_set:
+        return None
+    old = {key: new for key, new in MOVED_KEYS.items() if new.startswith("evaluation.")}  # eval_seed_start...
+    try:
+        section = moved_keys(train, old, "train").get("evaluation")
+        return EvaluationConfig.model_validate(section or {})
+    except ValidationError as e:
+        raise ConfigError("invalid config: " + "; ".join(
+            f"train.evaluation.{'.'.join(map(str, err['loc']))}: {err['msg'].removeprefix('Value error, ')}"
+            for err in e.errors())) from None
+    except ValueError as e:  # moved_keys: an old key beside its new one
+        raise ConfigError(f"invalid config: {e}") from None
 
 
 def eval_command(
@@ -103,7 +129,8 @@ def eval_command(
                 cfg.sampling.temperature = 0.0
             loading = settle_for_command(cfg)
             # every split read before the model loads: a bad --k or split fails in seconds
-            plans = [plan_split(env_id, cfg, one, k, samples, limit) for one in split_names(split)]
+            held_out = train_held_out(cfg)
+            plans = [plan_split(env_id, cfg, one, k, samples, limit, held_out) for one in split_names(split)]
             if episodes is not None and (counted := next((p for p in plans if p.num_tasks), None)):
                 raise ConfigError(f"--episodes {episodes} is not read here: {env_id} says its split "
                                   f"{counted.split!r} holds {counted.num_tasks} tasks, and all are played; "
@@ -111,6 +138,12 @@ def eval_command(
             make_out_dir(out, "--out")  # before the episodes, not after them
             held.enter_context(output_lock(Path(out), "--out"))  # one run at a time in a folder
             console.print(loading)
+            for p in plans:
+                if p.held_out:
+                    console.print(f"{env_id} does not count its tasks: playing train.evaluation's held-out "
+                                  f"tasks ({len(p.seeds)} seeds, {p.seeds[0]} first{_kwargs_said(p, cfg)}), as "
+                                  "the training run evaluated; --episodes or rollout.seed picks others",
+                                  highlight=False)
             reports, all_trees, interrupted = [], [], False
             with open_policy(cfg) as policy:
                 for plan in plans:
@@ -144,6 +177,12 @@ def eval_command(
     if interrupted:
         console.print("interrupted: the last report covers only the tasks that had finished", highlight=False)
         raise typer.Exit(code=130)  # 128 + SIGINT, as a shell reports it
+
+
+def _kwargs_said(plan: SplitPlan, cfg: Config) -> str:
+    """The env keywords the held-out tasks add to ``env.kwargs``, as the line about them says them."""
+    added = {key: v for key, v in plan.kwargs.items() if cfg.env.kwargs.get(key, object()) != v}
+    return f", env kwargs {added}" if added else ""
 
 
 def register(app: typer.Typer) -> None:

@@ -20,7 +20,10 @@ number and ``agentrl eval``'s agree; ``eval/failed`` counts the failures.
 Every task of the split once: an env that knows how many tasks its
 split holds (a ``num_tasks`` attribute, as the real ALFWorld and WebShop envs
 have) is played on seeds ``0 .. num_tasks - 1``, and ``limit`` keeps the
-first N; any other env on ``rollout.episodes`` seeds from ``rollout.seed``.
+first N; any other env on a training config's held-out seeds (``train.evaluation``, with its
+``env_kwargs`` unless a split is given: the tasks the training run evaluated on) unless
+``rollout.seed`` or ``rollout.episodes`` is given, else on ``rollout.episodes`` seeds from
+``rollout.seed``.
 ``split`` is passed as the env's ``split`` keyword. ``k`` and ``samples``
 (default k) episodes a task give pass@k by the unbiased estimator of Chen et
 al. 2021 (Codex), ``1 - C(n-c, k) / C(n, k)`` with ``c`` successes of ``n``
@@ -269,21 +272,12 @@ class SplitPlan:
     cfg: Config
     kwargs: dict[str, Any]
     num_tasks: int | None = None  # what the env says its split holds; None: rollout.episodes counts
+    held_out: bool = False  # the seeds are a training config's held-out ones (train.evaluation)
 
 
-def plan_split(env_id: str, cfg: C, split: str | None = None, k: int = 1, samples: int | None = None,
-               limit: int | None = None) -> SplitPlan:
-    """Check the settings and read the split from the env, without a policy: ``agentrl eval``
-    plans every split before the model loads, so that a bad ``--k``, a split the env does not
-    take or one with no tasks fails in seconds. Raises ``ConfigError``."""
-    samples = k if samples is None else samples  # 0 is a bad value, not "default"
-    if k < 1 or samples < k:
-        raise ConfigError(f"--k must be >= 1 and --samples >= --k (got k={k}, samples={samples})")
-    if samples > 1 and cfg.sampling.temperature == 0:  # pass@k would be pass@1, n times the cost
-        raise ConfigError(f"--samples {samples} episodes a task at temperature 0 (greedy) play the same "
-                          "episode over: give --temperature above 0 (or sampling.temperature), or --k 1")
-    kwargs = dict(cfg.env.kwargs) | ({"split": split} if split is not None else {})
-    ev = eval_config(cfg, samples, env_kwargs=kwargs)
+def _read_split(env_id: str, kwargs: dict[str, Any], split: str | None) -> tuple[int | None, Any, dict, Any]:
+    """What the env made with ``kwargs`` says about its split: the tasks it holds (None: it does
+    not say), its ``task_family``, ``family_labels`` and ``max_steps``. Raises ``ConfigError``."""
     env = _probe(env_id, kwargs)
     inner = env.unwrapped
     try:
@@ -291,21 +285,50 @@ def plan_split(env_id: str, cfg: C, split: str | None = None, k: int = 1, sample
         if num_tasks is not None and num_tasks < 1:  # not "unknown": rollout.episodes other seeds
             raise ConfigError(f"{env_id}: split {split!r} holds no tasks (num_tasks={num_tasks}); "
                               "check the env's data folder (env.kwargs) and the split's name")
-        seeds = list(range(num_tasks)) if num_tasks else [ev.rollout.seed + i for i in range(ev.rollout.episodes)]
-        if limit is not None and not num_tasks and limit > len(seeds):  # it only cuts: say what counts
-            raise ConfigError(f"--limit {limit} is above the {len(seeds)} tasks {env_id} plays: it does not "
-                              "say how many its split holds, so rollout.episodes counts them; give --episodes")
-        if limit is not None:
-            seeds = seeds[:limit]
         task_family = getattr(inner, "task_family", None)
-        families = {s: task_family(s) for s in seeds} if callable(task_family) else {}
-        labels = dict(getattr(inner, "family_labels", None) or {})
-        max_steps = getattr(inner, "max_steps", None)
+        return (num_tasks or None, task_family if callable(task_family) else None,
+                dict(getattr(inner, "family_labels", None) or {}), getattr(inner, "max_steps", None))
     finally:
         env.close()
+
+
+def plan_split(env_id: str, cfg: C, split: str | None = None, k: int = 1, samples: int | None = None,
+               limit: int | None = None, held_out: EvaluationConfig | None = None) -> SplitPlan:
+    """Check the settings and read the split from the env, without a policy: ``agentrl eval``
+    plans every split before the model loads, so that a bad ``--k``, a split the env does not
+    take or one with no tasks fails in seconds. ``held_out``: a training config's evaluation,
+    whose seeds (and env keywords, unless ``split`` is given) an env that does not count its
+    split plays instead of ``rollout.episodes`` from ``rollout.seed``. Raises ``ConfigError``."""
+    samples = k if samples is None else samples  # 0 is a bad value, not "default"
+    if k < 1 or samples < k:
+        raise ConfigError(f"--k must be >= 1 and --samples >= --k (got k={k}, samples={samples})")
+    if samples > 1 and cfg.sampling.temperature == 0:  # pass@k would be pass@1, n times the cost
+        raise ConfigError(f"--samples {samples} episodes a task at temperature 0 (greedy) play the same "
+                          "episode over: give --temperature above 0 (or sampling.temperature), or --k 1")
+    kwargs = dict(cfg.env.kwargs) | ({"split": split} if split is not None else {})
+    num_tasks, task_family, labels, max_steps = _read_split(env_id, kwargs, split)
+    held = [] if num_tasks or held_out is None else held_out_seeds(held_out)
+    if held and split is None and held_out is not None and held_out.env_kwargs:
+        kwargs = kwargs | held_out.env_kwargs  # the env the training run evaluated on
+        num_tasks, task_family, labels, max_steps = _read_split(env_id, kwargs, split)
+    ev = eval_config(cfg, samples, env_kwargs=kwargs)
+    if num_tasks:
+        seeds, counted_by = list(range(num_tasks)), ""
+    elif held:
+        seeds, counted_by = held, "train.evaluation's held-out tasks count them"
+    else:
+        seeds = [ev.rollout.seed + i for i in range(ev.rollout.episodes)]
+        counted_by = "rollout.episodes counts them; give --episodes"
+    if limit is not None and not num_tasks and limit > len(seeds):  # it only cuts: say what counts
+        raise ConfigError(f"--limit {limit} is above the {len(seeds)} tasks {env_id} plays: it does not "
+                          f"say how many its split holds, so {counted_by}")
+    if limit is not None:
+        seeds = seeds[:limit]
+    families = {s: task_family(s) for s in seeds} if task_family else {}
     if "max_turns" not in ev.rollout.model_fields_set and isinstance(max_steps, int):
         ev.rollout.max_turns = max_steps  # the env's own limit ends the episode
-    return SplitPlan(env_id, split, k, samples, seeds, families, labels, ev, kwargs, num_tasks or None)
+    return SplitPlan(env_id, split, k, samples, seeds, families, labels, ev, kwargs, num_tasks,
+                     held_out=bool(held) and not num_tasks)
 
 
 def evaluate_split(env_id: str, policy: Any, cfg: Config, split: str | None = None, k: int = 1,

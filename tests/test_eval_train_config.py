@@ -1,0 +1,63 @@
+"""``agentrl eval --config`` on a training config plays the training run's held-out tasks on an
+env that does not count its split: it played ``rollout.seed`` on (0-7), the tasks of the SFT
+warm start, and a number the training run never reported."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from agentrl.eval_cli import register
+
+app = typer.Typer()
+
+
+@app.callback()
+def _main() -> None:
+    """A host app for the eval command."""
+
+
+register(app)
+
+TRAIN = {"env": {"id": "agentrl/GuessNumber-v0", "kwargs": {"high": 8}}, "policy": {"backend": "mock"},
+         "sft": {"seed_start": 0, "episodes": 4},
+         "train": {"evaluation": {"seed_start": 500, "episodes": 3, "env_kwargs": {"high": 4}}}}
+
+
+def _eval(tmp_path, config: dict, *flags: str) -> dict:
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = tmp_path / "eval"
+    result = CliRunner().invoke(app, ["eval", "--config", str(path), "--out", str(out), "--no-progress", *flags])
+    assert result.exit_code == 0, (result.output, result.exception)
+    [report] = json.loads((out / "summary.json").read_text())["reports"]
+    return {"seeds": [r["seed"] for r in report["results"]], "kwargs": report["settings"]["env_kwargs"],
+            "output": " ".join(result.output.split())}
+
+
+def test_a_training_config_is_evaluated_on_its_held_out_tasks(tmp_path):
+    got = _eval(tmp_path, TRAIN)
+    assert got["seeds"] == [500, 501, 502] and got["kwargs"] == {"high": "4"}
+    assert "train.evaluation's held-out tasks" in got["output"]
+
+
+def test_its_explicit_held_out_seeds_too(tmp_path):
+    config = {**TRAIN, "train": {"evaluation": {"task_seeds": [9, 4]}}}
+    assert _eval(tmp_path, config)["seeds"] == [9, 4]
+
+
+@pytest.mark.parametrize(("config", "flags", "seeds"), [
+    ({**TRAIN, "rollout": {"seed": 7}}, [], list(range(7, 15))),  # the user picked the tasks
+    (TRAIN, ["--episodes", "2"], [0, 1]),
+    (TRAIN, ["--set", "rollout.seed=3", "--set", "rollout.episodes=1"], [3]),
+    ({k: v for k, v in TRAIN.items() if k not in ("train", "sft")}, [], list(range(8))),  # a run config
+    ({**TRAIN, "train": {"evaluation": {"episodes": 0}}}, [], list(range(8))),  # no held-out tasks
+])
+def test_tasks_the_user_names_or_a_config_without_held_out_tasks_play_rollout_seed_on(
+        tmp_path, config, flags, seeds):
+    got = _eval(tmp_path, config, *flags)
+    assert got["seeds"] == seeds and got["kwargs"] == {"high": "8"}
