@@ -343,11 +343,17 @@ class Run:
         """The allocation report of tree ``index``'s batch: the engine writes it on the
         first tree of a batch, i.e. of its file. Read once a file (``--static`` asks for
         every tree's); ``tree``, tree ``index`` already parsed, spares a second parse when
-        it is the file's first."""
+        it is the file's first. A first tree that does not parse gives None: it is shown as
+        undrawable when opened itself, and must not make the rest of its file so."""
         file = self.refs[index].file
         if file not in self._reports:
-            first = tree if tree is not None and index == self._first[file] else self.tree(self._first[file])
-            got = first.meta.get("allocation_report")
+            try:
+                first = tree if tree is not None and index == self._first[file] else self.tree(self._first[file])
+            except RunChanged:  # the file changed: every tree of it is refused the same way
+                raise
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError):
+                first = None
+            got = first.meta.get("allocation_report") if first is not None else None
             self._reports[file] = got if isinstance(got, dict) else None
         return self._reports[file]
 

@@ -162,3 +162,22 @@ def test_a_reward_too_big_for_a_float_skips_its_tree_not_the_run(tmp_path):
     huge["nodes"][1]["reward"] = 10**400
     run = Run(_write_lines(tmp_path / "trees.jsonl", [fork_tree(1).to_dict(), huge, fork_tree(3).to_dict()]))
     assert [s.seed for s in run.summaries] == [1, 3] and run.skipped == ["trees.jsonl:2"]
+
+
+def test_a_files_first_tree_that_cannot_be_drawn_costs_only_itself(tmp_path):
+    """Every tree asked its file's first tree for the batch's allocation report by parsing
+    it: a first tree that does not parse (a newer writer's node field) made every tree of
+    its file a 500, and --static named them all undrawable."""
+    bad = fork_tree(1).to_dict()
+    bad["nodes"][0]["written_by_a_newer_version"] = 1
+    run = Run(_write_lines(tmp_path / "trees.jsonl", [bad, fork_tree(2).to_dict(), fork_tree(3).to_dict()]))
+    server = ViewerServer(run, port=0).start()
+    try:
+        answers = [_get(server.url + f"api/tree/{i}") for i in range(3)]
+    finally:
+        server.close()
+    assert answers[0][0] == 500 and "written_by_a_newer_version" in answers[0][1]["error"]
+    assert [(status, body["meta"]["seed"]) for status, body in answers[1:]] == [(200, 2), (200, 3)]
+    failed: list[str] = []
+    write_static(run, tmp_path / "v.html", None, failed=failed)
+    assert len(failed) == 1 and failed[0].startswith("tree 0 ")
