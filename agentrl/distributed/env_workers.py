@@ -34,7 +34,9 @@ Failures, in the engine's two columns:
   ``RESTART_WAIT_S``, and makes the env anew where the dead incarnation held it).
   A worker Ray will not restart (``max_restarts`` used up) is lost: the pool
   deals it no more envs, and an episode whose first call finds it dead moves
-  to a live worker; with every worker lost, each episode fails saying so;
+  to a live worker; with every worker lost, each episode fails saying so,
+  and the next engine cannot take the pool (``env_worker_pool`` raises; the
+  asynchronous producer asks ``lost_env_workers``): the run stops with the reason;
 - an env that calls ``sys.exit`` (argparse on bad input) fails its episode
   with ``EnvError``, as in a thread: Ray would end the worker's process, and
   every episode it hosted with it;
@@ -86,7 +88,7 @@ from ..errors import EnvError
 from .cluster import cancel_call, check_placeable, connect, ray_error, wait_for_room
 
 __all__ = ["NODE_SANDBOX_BACKENDS", "EnvWorker", "EnvWorkerPool", "RayEnv", "env_resources",
-           "env_worker_options", "env_worker_pool", "release_env_worker_pool", "retire_env_worker_pool",
+           "env_worker_options", "env_worker_pool", "lost_env_workers", "release_env_worker_pool", "retire_env_worker_pool",
            "shutdown_env_worker_pools"]
 
 # Sandbox backends that need something installed on the node itself; each becomes a
@@ -253,12 +255,11 @@ class RayEnv:
 
         if self._pool is None or not isinstance(e, ActorDiedError):
             return False
-        nxt = self._pool.lost(self._index)
+        nxt = self._pool.lost(self._index, str(ray_error(e, EnvError, "the last one")))
         if not self._fresh(method):
             return False  # the env's state died with it: the episode fails
         if nxt is None:
-            raise EnvError(f"every env worker of {self.env_id} is lost (distributed.max_restarts used "
-                           f"up): {ray_error(e, EnvError, 'the last one')}") from e
+            raise EnvError(self._pool.gone() or f"every env worker of {self.env_id} is lost") from e
         self._index, self._actor = nxt
         return True
 
@@ -350,6 +351,7 @@ class EnvWorkerPool:
                         for _ in range(dist.num_env_workers)]
         self._next = 0
         self._lost: set[int] = set()  # workers Ray will not restart: dealt no more envs
+        self._lost_reason = ""  # how the last of them died, as Ray said
         # calls their episodes gave up on, per worker, that may still hold one of its threads
         self._abandoned: list[list[Any]] = [[] for _ in self.workers]
         self._lock = threading.Lock()
@@ -401,14 +403,23 @@ class EnvWorkerPool:
             self._abandoned[index] = refs = running
         return self.options["max_concurrency"] - len(refs)
 
-    def lost(self, index: int) -> tuple[int, Any] | None:
-        """Worker ``index`` died for good: deal it no more envs. Another live worker
-        (index, actor) for an env not made yet, or None when none is left."""
+    def lost(self, index: int, reason: str = "") -> tuple[int, Any] | None:
+        """Worker ``index`` died for good (``reason``: how, if known): deal it no more envs.
+        Another live worker (index, actor) for an env not made yet, or None when none is left."""
         with self._lock:
             self._lost.add(index)
+            self._lost_reason = reason or self._lost_reason
             if len(self._lost) == len(self.workers):
                 return None
             return self._deal()
+
+    def gone(self) -> str | None:
+        """Why no env can run here any more, when every worker is lost; else None."""
+        if len(self._lost) < len(self.workers):
+            return None
+        why = f": the last said {self._lost_reason}" if self._lost_reason else ""
+        return (f"every env worker of {self.env_id} is lost ({len(self.workers)} of them; Ray restarts a "
+                f"worker distributed.max_restarts={self.options['max_restarts']} times){why}")
 
     def shutdown(self, close_wait_s: float = SHUTDOWN_CLOSE_WAIT_S) -> None:
         """Close the envs the workers host (waiting at most ``close_wait_s``), then kill the
@@ -444,6 +455,9 @@ def env_worker_pool(cfg: Config, env_id: str | None = None) -> EnvWorkerPool:
     stale: list[EnvWorkerPool] = []
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
+        if pool is not None and (why := pool.gone()):  # each episode would fail, step after step
+            raise EnvError(f"{why}: no episode can run, so the run stops (a run's end shuts its pools down, "
+                           "and the next one starts new workers)")
         if pool is None:  # the env's retired idle pools, and the others but the most recent, go first
             idle = sorted((k for k, p in _POOLS.items() if p.users == 0 and k[:3] == key[:3] and k[5] == key[5]),
                           key=lambda k: _POOLS[k].last_used, reverse=True)
@@ -459,6 +473,14 @@ def env_worker_pool(cfg: Config, env_id: str | None = None) -> EnvWorkerPool:
         pool.last_used = next(_TICKS)
         pool.retired = False  # taken again: wanted after all
         return pool
+
+
+def lost_env_workers() -> str | None:
+    """Why this process's env workers can run no more episodes, when every worker of one of
+    its pools is lost (see ``EnvWorkerPool.gone``); else None."""
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values())
+    return next((why for p in pools if (why := p.gone())), None)
 
 
 def release_env_worker_pool(pool: EnvWorkerPool) -> None:

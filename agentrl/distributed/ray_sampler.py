@@ -63,6 +63,10 @@ class RaySampler:
             raise PolicyError("sampling stopped: the rollout producer is closing")
         return await self.policy.agenerate(request, sampler=self)
 
+    def workers_gone(self) -> str | None:
+        """Why the rollout workers can serve no more requests (all lost); else None."""
+        return self.policy.workers_gone()
+
     def track(self, ref: Any) -> None:
         with self._lock:
             self._refs.add(ref)

@@ -245,6 +245,8 @@ class RayPolicy:
         self._weights_ref: Any = None  # the latest pushed weights (None: the starting ones)
         self._stale: set[int] = set()  # died since they last loaded: resync before serving
         self._dead: set[int] = set()  # Ray's restarts used up
+        self._lost_reason = ""  # how the last of them died, as Ray said
+        self._max_restarts = dist.max_restarts
         self._state_lock = threading.Lock()
         self._push_lock = threading.Lock()  # one push or resync at a time: versions move in order
         self._resyncing: set[int] = set()  # stale workers a background thread is bringing back
@@ -394,6 +396,7 @@ class RayPolicy:
                     if w not in self._dead and not self._closed:
                         self._stale.discard(w)
                         self._dead.add(w)
+                        self._lost_reason = str(err)
                         self.stats["rollout_workers/lost"] += 1
                 raise _Unusable(f"rollout worker {w} is lost (distributed.max_restarts used up): {err}") from e
             raise _Unusable(f"rollout worker {w} could not be made ready (tried again later): {err}") from e
@@ -502,6 +505,15 @@ class RayPolicy:
                 continue
             out[w] = int(info["version"])
         return out
+
+    def workers_gone(self) -> str | None:
+        """Why no request can be served any more, when every worker is lost; else None."""
+        with self._state_lock:
+            if len(self._dead) < len(self.workers) or self._closed:
+                return None
+            why = f": the last said {self._lost_reason}" if self._lost_reason else ""
+        return (f"every rollout worker is lost ({len(self.workers)} of them; Ray restarts a worker "
+                f"distributed.max_restarts={self._max_restarts} times){why}")
 
     def sampler(self) -> RaySampler:
         """A view for asynchronous training's producer (see ``RaySampler``)."""

@@ -24,7 +24,10 @@ al. 2025, which trains on data k versions stale), without Ray:
   sync, never read across threads: TurnOPD's depth budget (``max_turns``);
   the allocator's report is read by the trainer from the batch it takes;
 - ``take`` waits at most ``batch_timeout_s`` for a batch, then fails naming
-  what the producer was doing (a hung generate, say).
+  what the producer was doing (a hung generate, say);
+- with every Ray worker the rollouts need lost for good (``workers_gone``),
+  the producer hands the trainer that error instead of a batch: each later
+  episode would fail, and the run would go on learning nothing.
 
 With rollout workers (``distributed.num_rollout_workers``) the workers hold
 their own copy already: the producer samples through a ``RaySampler`` over
@@ -39,6 +42,7 @@ is dropped, so a live episode's next turn prefills again under the new ones.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 import warnings
@@ -48,9 +52,10 @@ from typing import Any
 
 import torch
 
+from ..errors import RolloutError
 from ..types import RolloutTree
 
-__all__ = ["RolloutProducer", "StepBatch", "may_start", "oldest_version", "staleness_stats"]
+__all__ = ["RolloutProducer", "StepBatch", "may_start", "oldest_version", "staleness_stats", "workers_gone"]
 
 _POLL_S = 0.05  # how often a blocked producer or trainer looks whether the other side stopped
 
@@ -74,6 +79,17 @@ def staleness_stats(trees: list[RolloutTree], current_version: int) -> dict[str,
 
 
 # --------------------------------------------------------------------------- the producer
+
+
+def workers_gone(policy: Any) -> str | None:
+    """Why rollouts can run no more episodes, when the Ray workers they need are all lost: the
+    rollout workers ``policy`` samples on (a ``RaySampler``), or the env workers of a pool of
+    this process; else None. Without Ray in the run, None."""
+    check = getattr(policy, "workers_gone", None)
+    if check is not None and (why := check()):
+        return why
+    env_workers = sys.modules.get("agentrl.distributed.env_workers")  # imported where a run has env workers
+    return env_workers.lost_env_workers() if env_workers is not None else None
 
 
 @dataclass(slots=True)
@@ -149,6 +165,8 @@ class RolloutProducer:
                 if not go:
                     return
                 trees, stats = self.rollout(step, self.policy, max_turns)
+                if why := workers_gone(self.policy):  # each step after would fail every episode
+                    raise RolloutError(f"{why}: no episode can run, so the run stops")
                 self.doing = f"waiting for room in the queue for step {step + 1}'s batch"
                 if not self._put(StepBatch(step, trees, stats, time.perf_counter())):
                     return

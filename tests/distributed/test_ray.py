@@ -224,7 +224,7 @@ def test_an_env_worker_ray_will_not_restart_gets_no_more_episodes(cluster, token
     """An env worker whose restarts are used up is dealt no more envs: an episode whose first
     call finds it dead moves to a live worker, so only the pool's other workers host episodes.
     With every worker lost, each episode fails naming that."""
-    from agentrl.distributed.env_workers import release_env_worker_pool
+    from agentrl.distributed.env_workers import release_env_worker_pool, shutdown_env_worker_pools
 
     cfg = load_config(overrides=["env.id=agentrl/GuessNumber-v0", "rollout.env_executor=ray",
                                  "rollout.concurrency=4", "rollout.max_turns=2", "distributed.num_env_workers=2",
@@ -237,9 +237,20 @@ def test_an_env_worker_ray_will_not_restart_gets_no_more_episodes(cluster, token
     assert errors == []  # round-robin would have sent two of the four episodes to the dead worker
     assert [len(t.nodes) for t in trees] == [2, 2, 2, 2]
     _kill_for_good(pool.workers[1])
-    trees = collect(cfg.env.id, MockPolicy(tokenizer, ["no number"]), cfg, seeds=[0, 1])
-    errors = [n.error for t in trees for n in t.nodes.values() if n.error]
-    assert len(errors) == 2 and all("every env worker of agentrl/GuessNumber-v0 is lost" in e for e in errors), errors
+    try:
+        trees = collect(cfg.env.id, MockPolicy(tokenizer, ["no number"]), cfg, seeds=[0, 1])
+        errors = [n.error for t in trees for n in t.nodes.values() if n.error]
+        assert len(errors) == 2 and all("every env worker of agentrl/GuessNumber-v0 is lost" in e
+                                        for e in errors), errors
+        # the next batch (a trainer's next step) does not start: the run stops, saying why
+        from agentrl.distributed.env_workers import lost_env_workers
+        from agentrl.errors import EnvError
+
+        assert "max_restarts=0" in lost_env_workers() and "the last said" in lost_env_workers()
+        with pytest.raises(EnvError, match="every env worker of agentrl/GuessNumber-v0 is lost.*run stops"):
+            collect(cfg.env.id, MockPolicy(tokenizer, ["no number"]), cfg, seeds=[0, 1])
+    finally:  # its dead pool would stop the later tests' runs
+        shutdown_env_worker_pools(cfg.env.id)
 
 
 def test_an_env_that_calls_exit_fails_its_episode_not_its_worker(cluster, tokenizer):

@@ -31,3 +31,14 @@ def test_close_lets_go_of_the_last_weights(monkeypatch):
     with pytest.raises(PolicyError, match="closed"):  # a push after close would put them back
         p.update_weights({})
     assert p._weights_ref is None
+
+
+def test_workers_gone_says_why_once_every_worker_is_lost():
+    p = _bare_policy(workers=2)
+    p._max_restarts = 3
+    p._dead = {0}
+    assert p.workers_gone() is None  # one still serves
+    p._dead, p._lost_reason = {0, 1}, "rollout worker 1 died or is unreachable (ActorDiedError: killed)"
+    assert p.workers_gone() == ("every rollout worker is lost (2 of them; Ray restarts a worker "
+                                "distributed.max_restarts=3 times): the last said rollout worker 1 died or "
+                                "is unreachable (ActorDiedError: killed)")

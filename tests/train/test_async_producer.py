@@ -79,3 +79,44 @@ def test_a_second_ctrl_c_during_close_ends_the_wait_not_the_cleanup_after_it():
         producer.thread.join(10)
     assert after == ["rollouts.close()"]
     assert any("Ctrl-C" in str(w.message) for w in seen)
+
+
+def test_a_run_whose_workers_are_all_lost_stops_saying_so(monkeypatch):
+    """Every rollout worker (or every env worker of a pool) lost for good: each later episode
+    would fail, and the run went on step after step learning nothing. The producer hands the
+    trainer an error naming the loss instead of the batch."""
+    import pytest
+
+    from agentrl.distributed import env_workers
+    from agentrl.errors import RolloutError
+
+    class LosesItsWorkers(_Counting):
+        rolled = 0
+
+        def workers_gone(self):
+            return "every rollout worker is lost (2 of them): the last said killed" if self.rolled else None
+
+    def rollout(step, policy, max_turns):
+        policy.rolled += 1
+        return [_tree(0)], {}
+
+    producer = RolloutProducer(rollout, LosesItsWorkers(), start=0, end=3, max_batch_staleness=1,
+                               queue_size=1).begin()
+    try:
+        with pytest.raises(RolloutError, match="every rollout worker is lost.*killed.*the run stops"):
+            producer.take(0)
+    finally:
+        producer.close(timeout=10)
+
+    class DeadPool:
+        def gone(self):
+            return "every env worker of agentrl/GuessNumber-v0 is lost"
+
+    monkeypatch.setitem(env_workers._POOLS, ("test",), DeadPool())
+    producer = RolloutProducer(lambda s, p, m: ([_tree(0)], {}), _Counting(), start=0, end=3,
+                               max_batch_staleness=1, queue_size=1).begin()
+    try:
+        with pytest.raises(RolloutError, match="every env worker of agentrl/GuessNumber-v0 is lost"):
+            producer.take(0)
+    finally:
+        producer.close(timeout=10)
