@@ -58,13 +58,19 @@ def _token_text(tokenizer: Any, i: int) -> str:
 
 
 def _decoder(tokenizer: Any) -> Decoder:
-    known: dict[int, str] = {}
+    """``decode(ids) -> {id: text}``, each id decoded once. An id the tokenizer cannot decode
+    (a negative one, one past its integer type: another writer's padding) is left out, so
+    the page shows it as its id; one such id must not make the whole tree undrawable."""
+    known: dict[int, str | None] = {}
 
     def decode(ids: list[int]) -> dict[int, str]:
         for i in ids:
             if i not in known:
-                known[i] = _token_text(tokenizer, i)
-        return {i: known[i] for i in ids}
+                try:
+                    known[i] = _token_text(tokenizer, i)
+                except (OverflowError, ValueError, TypeError, IndexError, KeyError):
+                    known[i] = None
+        return {i: text for i in ids if (text := known[i]) is not None}
 
     return decode
 

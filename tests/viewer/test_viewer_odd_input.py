@@ -181,3 +181,21 @@ def test_a_files_first_tree_that_cannot_be_drawn_costs_only_itself(tmp_path):
     failed: list[str] = []
     write_static(run, tmp_path / "v.html", None, failed=failed)
     assert len(failed) == 1 and failed[0].startswith("tree 0 ")
+
+
+def test_a_token_id_the_tokenizer_cannot_decode_is_shown_as_its_id_not_a_server_error():
+    """A Rust tokenizer raises OverflowError on a negative id (and on one past 2**64): one
+    such id in a tree (another writer's padding, a hand edit) made the tree's page a 500."""
+    from agentrl.types import Node, RolloutTree
+    from agentrl.viewer.payload import tree_payload
+    from agentrl.viewer.tokens import _decoder
+
+    class Tokenizer:
+        def decode(self, ids: list[int]) -> str:
+            if ids[0] < 0:
+                raise OverflowError("number too small to fit in target type")
+            return f"t{ids[0]}"
+
+    t = RolloutTree(meta={})
+    t.add(Node(context_ids=[1, -1], action_ids=[2], logprobs=[-0.1], entropies=[0.1], action_text="x"))
+    assert tree_payload(t, decode=_decoder(Tokenizer()))["vocab"] == {"1": "t1", "2": "t2"}
