@@ -15,9 +15,10 @@ divides what is left by the mean cost of an episode so far (the turns, or the
 action tokens, on its root-to-leaf path), or by the allocator's
 ``est_leaf_cost`` before any episode has finished. An open leaf is already a
 leaf, but it spends more when it is continued: the cost it is expected to
-reach less what it has spent is kept back first. A path counts its shared
-prefix again, so the estimate is high for branches: plans stay under the
-budget, and the engine stops episodes at the real limit.
+reach less what it has spent is kept back first. A branch is priced by what
+the finished episodes through its point spent after it
+(``continuation_cost``), not by the mean episode: branch points sit in long
+episodes. The engine stops episodes at the real limit.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ __all__ = [
     "Fresh",
     "Request",
     "affordable_leaves",
+    "budget_estimate",
+    "continuation_cost",
     "fill_evenly",
     "is_open",
     "largest_remainder",
@@ -190,22 +193,10 @@ def _path_cost(tree: RolloutTree, leaf: Node, unit: BudgetUnit) -> int:
     return sum(len(n.action_ids) for n in path)
 
 
-def affordable_leaves(state: AllocState, est_leaf_cost: float | None = None) -> int:
-    """How many more leaves the remaining budget buys, in the budget's unit.
-
-    ``leaves``: exactly ``state.remaining`` (an open leaf is a leaf already).
-    ``turns``/``tokens``: an episode's cost is the turns, or action tokens, on
-    its root-to-leaf path. A finished one costs what it did; an open one
-    (``is_open``) is expected to cost what a finished one costs on average, or
-    ``est_leaf_cost`` (default ``DEFAULT_LEAF_COST``) before any has finished,
-    and at least one more than it has spent. The remaining budget, less what
-    the open leaves are expected to spend still, is divided by the mean
-    expected cost. A branch re-uses its prefix, so this over-estimates its
-    cost and the plan stays in budget.
-    """
+def budget_estimate(state: AllocState, est_leaf_cost: float | None) -> tuple[float, float]:
+    """(budget left for new leaves, expected cost of a new episode), in a turns or tokens
+    budget's unit; see ``affordable_leaves``."""
     unit = state.budget.unit
-    if unit == "leaves":
-        return state.remaining
     done, paused = [], []
     for tree in state.trees:
         for leaf in tree.leaves():
@@ -217,4 +208,60 @@ def affordable_leaves(state: AllocState, est_leaf_cost: float | None = None) -> 
     expected = [max(c + 1.0, finished) for c in paused]  # an open leaf is not done: one more, at least
     per_leaf = (sum(done) + sum(expected)) / len(done + expected) if done or expected else finished
     to_come = sum(e - c for e, c in zip(expected, paused, strict=True))  # what continuing them spends
-    return int(max(state.remaining - to_come, 0.0) // max(per_leaf, 1.0))
+    return max(state.remaining - to_come, 0.0), max(per_leaf, 1.0)
+
+
+def affordable_leaves(state: AllocState, est_leaf_cost: float | None = None) -> int:
+    """How many more leaves the remaining budget buys, in the budget's unit.
+
+    ``leaves``: exactly ``state.remaining`` (an open leaf is a leaf already).
+    ``turns``/``tokens``: an episode's cost is the turns, or action tokens, on
+    its root-to-leaf path. A finished one costs what it did; an open one
+    (``is_open``) is expected to cost what a finished one costs on average, or
+    ``est_leaf_cost`` (default ``DEFAULT_LEAF_COST``) before any has finished,
+    and at least one more than it has spent. The remaining budget, less what
+    the open leaves are expected to spend still, is divided by the mean
+    expected cost. This prices fresh episodes; a branch is priced by where it
+    starts (``continuation_cost``).
+    """
+    if state.budget.unit == "leaves":
+        return state.remaining
+    left, per_leaf = budget_estimate(state, est_leaf_cost)
+    return int(left // per_leaf)
+
+
+def _spent_before(tree: RolloutTree, node: Node, at_token: int | None, unit: BudgetUnit) -> int:
+    """What a path has spent at a branch point: after ``node``'s turn, or ``at_token`` tokens into
+    its action (the turn itself is then still to play)."""
+    if at_token is None:
+        return _path_cost(tree, node, unit)
+    if node.parent is None:
+        return at_token if unit == "tokens" else 0
+    return _path_cost(tree, tree.nodes[node.parent], unit) + (at_token if unit == "tokens" else 0)
+
+
+def continuation_cost(state: AllocState, task: int, node_id: int, at_token: int | None = None,
+                      est_leaf_cost: float | None = None) -> float:
+    """Expected spend of one more continuation from a branch point (after ``node_id``'s turn,
+    or ``at_token`` tokens into its action) in a turns or tokens budget: the mean, over the
+    finished episodes through the point, of what they spent after it (at least 1); the cost of
+    a fresh episode (``affordable_leaves``) when none has finished. 1 for a leaves budget.
+
+    The mean fresh episode priced branches before: branch points sit in the long episodes
+    (a short one has few turns to branch before), so continuing from them cost several times
+    that, and a branch round planned more than its budget."""
+    unit = state.budget.unit
+    if unit == "leaves":
+        return 1.0
+    tree = state.trees[task]
+    node = tree.nodes[node_id]
+    before = _spent_before(tree, node, at_token, unit)
+    after, stack = [], [node_id]
+    while stack:  # the finished leaves below the point
+        n = tree.nodes[stack.pop()]
+        stack.extend(n.children)
+        if not n.children and n.done:
+            after.append(_path_cost(tree, n, unit) - before)
+    if not after:
+        return budget_estimate(state, est_leaf_cost)[1]
+    return max(sum(after) / len(after), 1.0)

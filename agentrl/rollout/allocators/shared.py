@@ -25,6 +25,8 @@ from .base import (
     Fresh,
     Request,
     affordable_leaves,
+    budget_estimate,
+    continuation_cost,
     fill_evenly,
     leaf_cost,
 )
@@ -102,29 +104,41 @@ def opening_round(state: AllocState, leaves: int, fraction: float, reason: str) 
 
 def branch_from(
     state: AllocState, points: Iterable[tuple[int, int | None] | tuple[int, int, int]], k: int, leaves: int,
-    reason: str
+    reason: str, est_leaf_cost: float | None = None
 ) -> tuple[list[Request], int]:
     """``k`` continuations from each branch point (task, node id), in order,
     until ``leaves`` are spent. A point is the state after its node; None is
     the state after the reset, where only the prompt exists: that gives ``k``
     fresh episodes. A point (task, node id, m) forks inside the node's action
     after its first m tokens (``Branch.at_token``). A point met twice is
-    branched once. Returns the requests and the leaves left."""
+    branched once. Returns the requests and the leaves left.
+
+    In a turns or tokens budget each continuation is priced by its point
+    (``continuation_cost``), out of the budget that ``leaves`` fresh episodes
+    would cost, and the leaves left are what the rest of it buys fresh; the
+    first point that no longer fits ends the plan."""
     out: list[Request] = []
     seen: set[tuple[int, int | None, int | None]] = set()
+    priced = state.budget.unit != "leaves"
+    units, per_leaf = budget_estimate(state, est_leaf_cost) if priced else (float(leaves), 1.0)
+    units = min(units, leaves * per_leaf)  # what the caller gave: ``leaves`` fresh episodes
     for task, node_id, *at in points:
         at_token = at[0] if at else None
-        if leaves <= 0:
+        if units < 1.0:
             break
         if (task, node_id, at_token) in seen:
             continue
         seen.add((task, node_id, at_token))
-        n = min(k, leaves)
+        cost = (per_leaf if node_id is None or not priced
+                else continuation_cost(state, task, node_id, at_token, est_leaf_cost))
+        n = min(k, int(units // cost))
+        if n <= 0:
+            break
         req: Request = (Fresh(task, n, reason=reason) if node_id is None
                         else Branch(task, node_id, n, at_token=at_token, reason=reason))
-        leaves -= leaf_cost(state.trees[task], req)
+        units -= cost * leaf_cost(state.trees[task], req) if not priced else cost * n
         out.append(req)
-    return out, leaves
+    return out, int(units // per_leaf + 1e-9)
 
 
 class OpenThenBranch:
@@ -154,7 +168,8 @@ class OpenThenBranch:
         if state.round >= self.OWN_ROUNDS or leaves <= 0:
             return top_up(state, leaves, self.OWN_ROUNDS)
         report = state.report.setdefault(self.name, {})
-        out, left = branch_from(state, self._branch_points(state, report), o.k, leaves, self.branch_reason)
+        out, left = branch_from(state, self._branch_points(state, report), o.k, leaves, self.branch_reason,
+                                o.est_leaf_cost)
         report.update(branches=len(out), fresh_leftover=left,
                       branch_points=[(r.task, r.node if isinstance(r, Branch) else None) for r in out])
         return out + fresh_spread(state, left, self.leftover_reason)

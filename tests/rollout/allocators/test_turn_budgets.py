@@ -20,9 +20,11 @@ from agentrl.allocator_options import (
 )
 from agentrl.rollout.allocators import (
     AllocState,
+    Branch,
     Budget,
     Contrastive,
     EntropyBranch,
+    Fresh,
     Independent,
     KeyState,
     PilotCommit,
@@ -87,3 +89,27 @@ def test_no_round_plans_more_turns_than_are_left(length, budget):
             state.spent = engine.turns_used
             state.round += 1
         assert state.spent > 0
+
+
+@pytest.mark.parametrize("alloc", [
+    Contrastive(ContrastiveOptions()),
+    EntropyBranch(EntropyBranchOptions(threshold=0.5)),
+    EntropyBranch(EntropyBranchOptions(threshold=0.5, in_turn=True)),
+    KeyState(KeyStateOptions(top1_threshold=0.5)),
+], ids=lambda a: a.name)
+def test_branches_are_priced_by_what_continuing_from_their_point_costs(alloc):
+    # Task 0 ends after 1 turn (no branch point), task 1 after 9: 3 + 9 = 12 of 30 turns spent.
+    # The mean episode costs 12 / 4 = 3 turns, so 18 turns bought 6 leaves, and the branch
+    # round spent them all in task 1, where a continuation from turn 1 costs 8 turns, not 3:
+    # its plan played 30 or more turns with 18 left. Priced by the finished episodes below each
+    # point, the branches fit what is left.
+    engine = FakeEngine(lengths=[1, 9])
+    state = AllocState(trees=[RolloutTree(), RolloutTree()], budget=Budget(30, "turns"))
+    engine.apply(state, Fresh(0, 3))
+    engine.apply(state, Fresh(1, 1))
+    state.spent, state.round = engine.turns_used, 1
+    reqs = alloc.plan(state)
+    assert any(isinstance(r, Branch) for r in reqs)
+    for r in reqs:
+        engine.apply(state, r)
+    assert engine.turns_used - 12 <= 18, reqs
