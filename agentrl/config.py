@@ -124,10 +124,22 @@ Seed = Annotated[int, AfterValidator(_non_negative_seed)]
 named one loaded and then failed each episode on it as an env error."""
 
 
-def expand_home(value: str) -> str:
-    """A path from a config with a leading ``~`` as the home folder, as a shell reads it: YAML
-    keeps the ``~``, and ``out_dir: ~/runs/x`` made a folder named '~' in the working directory."""
-    return os.path.expanduser(value) if value.startswith("~") else value
+_VARIABLE = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
+
+
+def expand_path(value: str) -> str:
+    """A path from a config as a shell reads it: a leading ``~`` is the home folder, ``$NAME`` and
+    ``${NAME}`` the variable's value. YAML keeps both as text: ``out_dir: ~/runs/x`` made a folder
+    named '~' in the working directory, ``$SCRATCH/runs`` one named '$SCRATCH'. An unset variable
+    is an error: the shell would make it empty, and ``$SCRATCH/runs`` would be /runs."""
+    def value_of(m: re.Match[str]) -> str:
+        name = m.group(1) or m.group(2)
+        if name not in os.environ:
+            raise ValueError(f"${name} is not set in the environment (the path is {value!r})")
+        return os.environ[name]
+
+    value = os.path.expanduser(value) if value.startswith("~") else value
+    return _VARIABLE.sub(value_of, value)
 
 
 def check_task_seeds(value: list[int] | None) -> list[int] | None:
@@ -177,7 +189,8 @@ class PolicyConfig(_Strict):
     backend: Literal["auto", "hf", "vllm", "openai", "mock"] = Field(
         "auto", description="Generation backend; auto is vllm where installed (faster), else hf.")
     model: str = Field("smollm2-135m", description="Registered model name, local folder, or Hugging "
-                       "Face Hub id (org/name; downloaded into the Hub cache where online).")
+                       "Face Hub id (org/name; downloaded into the Hub cache where online). ~ and $NAME "
+                       "expand as in a shell.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="hf: what generation computes in. bf16: autocast with the vocabulary head in "
@@ -203,7 +216,7 @@ class PolicyConfig(_Strict):
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="backend=vllm: engine sizing.")
 
-    _model_path = field_validator("model")(expand_home)
+    _model_path = field_validator("model")(expand_path)
 
     @field_validator("device")
     @classmethod
@@ -266,7 +279,8 @@ class RolloutConfig(_Strict):
         "distribution. Turns without a list (or an empty one) sample freely; sampling.stop applies "
         "to those only (it could only cut an action). Needs policy.backend hf or vllm.")
     out_dir: str = Field("runs/rollout", min_length=1,  # "" is the working directory: an unset variable
-                         description="Where trajectories and the summary go.")
+                         description="Where trajectories and the summary go (~ and $NAME expand "
+                         "as in a shell; an unset variable is an error).")
     template_check_every: int = Field(
         8, ge=0, description="Compare the context with a full template re-render on the first two "
         "observations and every N-th after (1: every turn; 0: never); the check grows with the episode.")
@@ -284,7 +298,7 @@ class RolloutConfig(_Strict):
         "head bootstraps GAE from that state).")
 
 
-    _out_dir = field_validator("out_dir")(expand_home)
+    _out_dir = field_validator("out_dir")(expand_path)
 
     @model_validator(mode="before")
     @classmethod

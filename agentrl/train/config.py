@@ -22,7 +22,7 @@ from ..config import (
     Seed,
     _Strict,
     check_task_seeds,
-    expand_home,
+    expand_path,
     folded_options,
     load_config,
     moved_keys,
@@ -119,15 +119,15 @@ class OutputConfig(_Strict):
     """Where a run writes, and what besides its checkpoints (``train.output``)."""
 
     dir: str = Field("runs/train", min_length=1,  # "" is the working directory, where --overwrite removes folders
-                     description="Metrics, checkpoints and the learning curve. "
-                     "Was out_dir.")
+                     description="Metrics, checkpoints and the learning curve (~ and $NAME "
+                     "expand as in a shell). Was out_dir.")
     tensorboard: bool = Field(True, description="Also write TensorBoard logs, when installed.")
     plot: bool = Field(True, description="Draw learning_curve.png (matplotlib) at the end.")
     save_trees: int = Field(8, ge=0, description="Trees of each step's rollouts written to "
                             "output.dir/trees/step-NNNNNN.jsonl (the first this many tasks), for "
                             "`agentrl tree` and `agentrl view`; 0: none.")
 
-    _dir = field_validator("dir")(expand_home)
+    _dir = field_validator("dir")(expand_path)
 
 
 class AsyncConfig(_Strict):
