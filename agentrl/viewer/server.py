@@ -63,6 +63,11 @@ _LOADING_NOTE = "loading the tokenizer: token ids until it is ready (the page sh
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
+def _plain_number(text: str) -> bool:
+    """ASCII digits of a plausible index: ``int()`` takes '²' and 5,000 digits."""
+    return text.isascii() and text.isdigit() and len(text) < 16
+
+
 class _NoTree(LookupError):
     """A tree number past the run's end (a 404)."""
 
@@ -233,14 +238,17 @@ class ViewerServer:
                         self._send(200, server._page, "text/html; charset=utf-8")
                     elif path == "/api/run":
                         self._send(200, server.index_json(), "application/json")
-                    elif path.startswith("/api/tree/"):
-                        tail = unquote(path.rsplit("/", 1)[1])
-                        gen = (parse_qs(query).get("generation") or [""])[0]
-                        # ASCII digits of a plausible index: int() refuses '²' and 5,000 digits
-                        if not (tail.isascii() and tail.isdigit() and len(tail) < 16):
+                    elif path.startswith("/api/tree/") and "/" not in path[len("/api/tree/"):]:
+                        tail = unquote(path[len("/api/tree/"):])
+                        gens = parse_qs(query, keep_blank_values=True).get("generation")
+                        gen = gens[-1] if gens else None
+                        if not _plain_number(tail):
                             self._error(404, f"no tree {tail[:40]!r}: the run holds {len(server.run)} trees")
+                        elif gen is not None and not _plain_number(gen):  # not the page's: say so, not ignore it
+                            self._error(400, f"generation {gen[:40]!r} is not a number: give the 'generation' "
+                                             "of the api/run answer the tree's index came from, or none")
                         else:
-                            generation = int(gen) if gen.isascii() and gen.isdigit() and len(gen) < 16 else None
+                            generation = int(gen) if gen is not None else None
                             self._send(200, server.tree_json(int(tail), generation), "application/json")
                     else:
                         self._error(404, f"nothing at {path}")

@@ -199,3 +199,22 @@ def test_a_token_id_the_tokenizer_cannot_decode_is_shown_as_its_id_not_a_server_
     t = RolloutTree(meta={})
     t.add(Node(context_ids=[1, -1], action_ids=[2], logprobs=[-0.1], entropies=[0.1], action_text="x"))
     assert tree_payload(t, decode=_decoder(Tokenizer()))["vocab"] == {"1": "t1", "2": "t2"}
+
+
+def test_a_tree_request_the_page_never_sends_is_refused_naming_what_is_wrong(tmp_path):
+    """``?generation=abc`` was read as no generation at all (the tree of whatever index the
+    server held now was sent), and ``/api/tree/<anything>/1`` was tree 1."""
+    from agentrl.types import write_trees
+
+    write_trees(tmp_path / "trees.jsonl", [fork_tree(1), fork_tree(2)])
+    server = ViewerServer(Run(tmp_path / "trees.jsonl"), port=0).start()
+    try:
+        bad_generation = _get(server.url + "api/tree/1?generation=abc")
+        nested = _get(server.url + "api/tree/x/1")
+        good = _get(server.url + "api/tree/1?generation=0")
+        plain = _get(server.url + "api/tree/1")
+    finally:
+        server.close()
+    assert bad_generation[0] == 400 and "generation 'abc'" in bad_generation[1]["error"]
+    assert nested[0] == 404 and "/api/tree/x/1" in nested[1]["error"]
+    assert good[0] == plain[0] == 200 and good[1]["meta"]["seed"] == plain[1]["meta"]["seed"] == 2
