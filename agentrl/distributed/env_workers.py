@@ -433,8 +433,14 @@ class EnvWorkerPool:
                 refs.append(w.close_all.remote())
         with contextlib.suppress(Exception):
             ray.wait(refs, num_returns=len(refs), timeout=close_wait_s)
-        for w in self.workers:
-            ray.kill(w)
+        failed: list[Exception] = []
+        for w in self.workers:  # each one: a kill that fails must not leave the others running
+            try:
+                ray.kill(w)
+            except Exception as e:  # noqa: BLE001 - raised below, once the rest are killed
+                failed.append(e)
+        if failed:
+            raise failed[0]
 
 
 _POOLS: dict[tuple[str, ...], EnvWorkerPool] = {}

@@ -1,4 +1,4 @@
-"""``RayPolicy`` bookkeeping that needs no cluster: what ``close`` lets go of."""
+"""Worker bookkeeping that needs no cluster: what ``RayPolicy.close`` lets go of, when the workers are gone, what a pool shutdown kills."""
 
 from __future__ import annotations
 
@@ -42,3 +42,26 @@ def test_workers_gone_says_why_once_every_worker_is_lost():
     assert p.workers_gone() == ("every rollout worker is lost (2 of them; Ray restarts a worker "
                                 "distributed.max_restarts=3 times): the last said rollout worker 1 died or "
                                 "is unreachable (ActorDiedError: killed)")
+
+
+def test_a_pool_shutdown_kills_every_worker_when_one_kill_fails(monkeypatch):
+    """``ray.kill`` raises for a worker its cluster cannot reach any more (its node lost): the
+    workers after it in the list were left running, holding their CPUs and envs."""
+    import ray
+
+    from agentrl.distributed.env_workers import EnvWorkerPool
+
+    killed: list[str] = []
+
+    def kill(worker):
+        if worker == "unreachable":
+            raise ValueError("the actor's node is gone")
+        killed.append(worker)
+
+    monkeypatch.setattr(ray, "kill", kill)
+    monkeypatch.setattr(ray, "wait", lambda refs, **kw: (refs, []))
+    pool = object.__new__(EnvWorkerPool)
+    pool.workers = ["unreachable", "w1", "w2"]  # close_all.remote fails on these too: skipped
+    with pytest.raises(ValueError, match="node is gone"):  # said, once the others are killed
+        pool.shutdown(close_wait_s=0)
+    assert killed == ["w1", "w2"]
