@@ -204,11 +204,22 @@ def budget_estimate(state: AllocState, est_leaf_cost: float | None) -> tuple[flo
                 done.append(_path_cost(tree, leaf, unit))
             elif is_open(leaf):
                 paused.append(_path_cost(tree, leaf, unit))
-    finished = sum(done) / len(done) if done else (est_leaf_cost or DEFAULT_LEAF_COST[unit])
-    expected = [max(c + 1.0, finished) for c in paused]  # an open leaf is not done: one more, at least
+    guess = est_leaf_cost or DEFAULT_LEAF_COST[unit]
+    finished = sum(done) / len(done) if done else guess
+    expected = [_open_leaf_cost(c, done, guess) for c in paused]
     per_leaf = (sum(done) + sum(expected)) / len(done + expected) if done or expected else finished
     to_come = sum(e - c for e, c in zip(expected, paused, strict=True))  # what continuing them spends
     return max(state.remaining - to_come, 0.0), max(per_leaf, 1.0)
+
+
+def _open_leaf_cost(spent: int, done: list[int], guess: float) -> float:
+    """What an episode paused after ``spent`` is expected to cost in all: the mean of the
+    finished episodes that cost more than that (it is known to go on), or ``guess`` when none
+    did; at least one more than it has spent. The mean of all finished episodes priced a
+    long task's open leaf by the short tasks that had finished first (1 more turn for a
+    10-turn episode paused at 2, as the only finished episode took 2)."""
+    longer = [c for c in done if c > spent]
+    return max(spent + 1.0, sum(longer) / len(longer) if longer else guess)
 
 
 def affordable_leaves(state: AllocState, est_leaf_cost: float | None = None) -> int:
@@ -217,9 +228,10 @@ def affordable_leaves(state: AllocState, est_leaf_cost: float | None = None) -> 
     ``leaves``: exactly ``state.remaining`` (an open leaf is a leaf already).
     ``turns``/``tokens``: an episode's cost is the turns, or action tokens, on
     its root-to-leaf path. A finished one costs what it did; an open one
-    (``is_open``) is expected to cost what a finished one costs on average, or
-    ``est_leaf_cost`` (default ``DEFAULT_LEAF_COST``) before any has finished,
-    and at least one more than it has spent. The remaining budget, less what
+    (``is_open``) is expected to cost what the finished ones that went past
+    its point cost on average, or ``est_leaf_cost`` (default
+    ``DEFAULT_LEAF_COST``) when none did, and at least one more than it has
+    spent. The remaining budget, less what
     the open leaves are expected to spend still, is divided by the mean
     expected cost. This prices fresh episodes; a branch is priced by where it
     starts (``continuation_cost``).

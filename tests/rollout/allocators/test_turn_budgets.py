@@ -113,3 +113,20 @@ def test_branches_are_priced_by_what_continuing_from_their_point_costs(alloc):
     for r in reqs:
         engine.apply(state, r)
     assert engine.turns_used - 12 <= 18, reqs
+
+
+def test_an_open_leaf_is_priced_by_the_finished_episodes_that_went_past_it():
+    # Task 0 finished in 2 turns; task 1 is paused after 2 (open): 4 of 40 turns spent. Priced
+    # by the mean finished episode (2 turns), the open leaf was expected to spend 1 more turn,
+    # and (40 - 4 - 1) // 2.5 = 14 leaves were bought (a segment tree of tasks of 2 and 10
+    # turns then planned 2.4 times its budget). No finished episode went past 2 turns: the
+    # guess of 8 turns holds, 6 more to come: (36 - 6) // ((2 + 8) / 2) = 6 leaves.
+    short, long_ = RolloutTree(), RolloutTree()
+    linear(short, [{"action_ids": [1]}, {"action_ids": [1], "terminated": True}])
+    linear(long_, [{"action_ids": [1]}, {"action_ids": [1], "open": True}])
+    assert affordable_leaves(AllocState([short, long_], Budget(40, "turns"), spent=4)) == 6
+    assert affordable_leaves(AllocState([short, long_], Budget(40, "turns"), spent=4), est_leaf_cost=10) == 4
+    # A finished 6-turn episode went past it: expected 6, 4 to come; (40 - 10 - 4) // (14 / 3) = 5
+    # (the mean of all, 4 turns, gave 7)
+    linear(short, [{"action_ids": [1]}] * 5 + [{"action_ids": [1], "terminated": True}])
+    assert affordable_leaves(AllocState([short, long_], Budget(40, "turns"), spent=10)) == 5
