@@ -140,6 +140,7 @@ class EnvWorker:
         self._busy: dict[str, int] = {}  # calls running on each env
         self._closing: set[str] = set()  # closed while a call ran on it: closed when that call ends
         self._lock = threading.Lock()
+        self._shut = False  # close_all ran: the worker is about to be killed
         self.made = 0  # env instances this incarnation has made
 
     def pid(self) -> int:
@@ -151,6 +152,8 @@ class EnvWorker:
         """``env.unwrapped.<method>(*args, **kwargs)`` on the env ``handle``; ``create``: make it
         first if this worker does not host it yet."""
         with self._lock:
+            if self._shut:
+                raise EnvError("the env worker is shutting down (its pool's run ended)")
             env = self._envs.get(handle)
             if env is None and not create:
                 raise EnvError(f"env worker restarted (now pid {os.getpid()}): the env's state "
@@ -171,7 +174,7 @@ class EnvWorker:
                 last = not self._busy[handle]
                 if last:
                     del self._busy[handle]
-                late = last and handle in self._closing
+                late = last and (handle in self._closing or self._shut)  # made after close_all: close it too
             if late:
                 self.close(handle)
 
@@ -194,6 +197,7 @@ class EnvWorker:
         with self._lock:
             envs, self._envs = list(self._envs.values()), {}
             self._closing.clear()
+            self._shut = True  # an env a call still makes is closed when that call ends (call)
         for env in envs:
             close_quietly(env)
         return len(envs)

@@ -65,3 +65,30 @@ def test_close_while_the_env_is_being_made_closes_it_once_made(monkeypatch):
     release.set()
     t.join(30)
     assert closed == [True] and worker.hosted() == 0
+
+
+def test_an_env_still_being_made_when_the_pool_shuts_down_is_closed_once_made(monkeypatch):
+    """A pool shutdown has each worker close its envs before the kill (which skips env.close).
+    An env still starting then (a sandbox booting) was stored after close_all had run, and the
+    kill left it unclosed: a docker sandbox's container outlived the run."""
+    from agentrl.distributed import env_workers
+
+    entered, release, closed = threading.Event(), threading.Event(), []
+    make = env_workers.make_env
+
+    def slow_make(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        env = make(*args, **kwargs)
+        env.close = lambda: closed.append(True)
+        return env
+
+    monkeypatch.setattr(env_workers, "make_env", slow_make)
+    worker = EnvWorker("agentrl/GuessNumber-v0", {}, [])
+    t = threading.Thread(target=worker.call, args=("h", True, "reset", (), {"seed": 0}))
+    t.start()
+    assert entered.wait(30)
+    assert worker.close_all() == 0  # nothing made yet
+    release.set()
+    t.join(30)
+    assert closed == [True] and worker.hosted() == 0
