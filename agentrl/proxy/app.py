@@ -36,7 +36,7 @@ Anthropic routes, Anthropic's ``{"type": "error", "error": {type, message}}``): 
 invalid JSON or schema (``param`` names the field; see ``agentrl.httputil``
 for JSON nested too deeply and lone surrogates) and for a prompt over the
 context budget, 401/403 for credentials, 404 for an unknown session (or a
-route the proxy lacks; 405 for a method), 409 for a closed one (also for a
+route the proxy lacks; 405 for a method), 409 for a closed one (a call, or a reward, to it; also for a
 call that was generating when its session closed: it is not recorded), 413
 for a body over ``max_request_bytes``, 500 for a close whose tree could not
 be written to ``out`` (the session stays open; close it again), 503 with ``Retry-After`` when the backend fails or too many requests
@@ -413,6 +413,8 @@ def _session_routes(proxy: Proxy) -> list[Route]:
     async def reward(request: Request) -> Response:
         session = _own(proxy, request, manage=True)
         body: RewardRequest = await read_json(request, RewardRequest, limit)
+        if session.closed:  # its tree is written (to out): a reward now would reach no reader
+            raise HTTPError(409, f"session {session.session_id!r} is closed: post its rewards before closing it")
         try:
             nodes = session.set_reward(body.reward, body.call_id, body.choice, body.terminated)
         except (KeyError, IndexError, ValueError) as e:  # ValueError: a reward that is not finite

@@ -156,3 +156,18 @@ def test_with_a_token_a_session_key_samples_and_reads_its_session_but_cannot_sco
     r = httpx.post(f"{open_.url}/sessions/{s['session_id']}/reward", json={"reward": 1.0},
                    headers={"Authorization": f"Bearer {s['api_key']}"})
     assert r.status_code == 200, r.text
+
+
+def test_a_reward_after_the_close_is_refused_not_lost(mock_policy, serve, tmp_path):
+    """The close wrote the tree to ``out``: a reward posted after it reached no reader, yet was
+    answered ok. It is a 409 that says to reward before closing."""
+    out = tmp_path / "trees.jsonl"
+    server = serve(mock_policy(), out=str(out))
+    s = httpx.post(f"{server.url}/sessions").json()
+    here = f"{server.url}/sessions/{s['session_id']}"
+    httpx.post(f"{s['base_url']}/chat/completions", json={"model": "m", "messages": USER}).raise_for_status()
+    httpx.post(f"{here}/close").raise_for_status()
+    r = httpx.post(f"{here}/reward", json={"reward": 1.0})
+    assert r.status_code == 409 and "closed" in r.json()["error"]["message"], r.text
+    assert httpx.get(f"{here}/tree").json()["nodes"][0]["reward"] == 0.0
+
