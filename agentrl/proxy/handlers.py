@@ -29,6 +29,7 @@ Codex end their whole run on a cut reply), and the recorded node keeps
 from __future__ import annotations
 
 import contextlib
+import json
 import secrets
 import time
 import weakref
@@ -200,16 +201,21 @@ def _most_bytes_a_token_holds(tokenizer: Any) -> int:
 
 
 def text_size(req: ChatRequest) -> int:
-    """Characters of the messages' text."""
+    """Characters of the messages' text and of the tools' descriptions and schemas (JSON), all
+    of which the prompt renders."""
     size = 0
     for m in req.messages:
         texts = [m.content] if isinstance(m.content, str) else [p.text for p in m.content or ()]
         size += sum(map(len, texts))
+    for t in req.tools or ():
+        size += len(t.function.name) + len(t.function.description)
+        with contextlib.suppress(RecursionError):  # nested too deeply to write: refused when rendered
+            size += len(json.dumps(t.function.parameters, ensure_ascii=False))
     return size
 
 
 def check_text_fits(proxy: Proxy, req: ChatRequest, param: str) -> int:
-    """Refuse a prompt whose messages' text alone cannot fit the context budget, without
+    """Refuse a prompt whose messages' and tools' text alone cannot fit the context budget, without
     rendering it: every token holds at most ``_most_bytes_a_token_holds`` bytes, and a character
     is at least one byte, so the prompt has at least (text characters) / that many tokens.
     Characters, not bytes: counted on every call, they cost no copy of the history. Tokenizing a
@@ -221,7 +227,8 @@ def check_text_fits(proxy: Proxy, req: ChatRequest, param: str) -> int:
         return size
     at_least = size // _most_bytes_a_token_holds(proxy.tokenizer)
     if at_least > budget:
-        raise HTTPError(400, f"the prompt is at least {at_least} tokens ({size} characters of message text), over "
+        raise HTTPError(400, f"the prompt is at least {at_least} tokens ({size} characters of message and tool "
+                        "text), over "
                         f"the context budget of {budget}", param=param, code="context_length_exceeded")
     return size
 
