@@ -325,10 +325,11 @@ def plan_split(env_id: str, cfg: C, split: str | None = None, k: int = 1, sample
     if limit is not None:
         seeds = seeds[:limit]
     families = {s: task_family(s) for s in seeds} if task_family else {}
-    if "max_turns" not in ev.rollout.model_fields_set and isinstance(max_steps, int):
+    held_out_tasks = bool(held) and not num_tasks  # played as the training run did: rollout.max_turns
+    if "max_turns" not in ev.rollout.model_fields_set and isinstance(max_steps, int) and not held_out_tasks:
         ev.rollout.max_turns = max_steps  # the env's own limit ends the episode
     return SplitPlan(env_id, split, k, samples, seeds, families, labels, ev, kwargs, num_tasks,
-                     held_out=bool(held) and not num_tasks)
+                     held_out=held_out_tasks)
 
 
 def evaluate_split(env_id: str, policy: Any, cfg: Config, split: str | None = None, k: int = 1,

@@ -5,12 +5,14 @@ warm start, and a number the training run never reported."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import typer
 import yaml
 from typer.testing import CliRunner
 
+from agentrl.env import TextEnv, register_env
 from agentrl.eval_cli import register
 
 app = typer.Typer()
@@ -61,3 +63,36 @@ def test_tasks_the_user_names_or_a_config_without_held_out_tasks_play_rollout_se
         tmp_path, config, flags, seeds):
     got = _eval(tmp_path, config, *flags)
     assert got["seeds"] == seeds and got["kwargs"] == {"high": "8"}
+
+
+class LongEnv(TextEnv):
+    """Does not count its tasks; says its episodes may take 50 steps."""
+
+    max_steps = 50
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return "Say 1.", {"instruction": "say 1", "tools": []}
+
+    def step(self, action: str):
+        return "Done.", 1.0, True, False, {}
+
+
+register_env("agentrl/TestEvalLong-v0", entry_point=LongEnv)
+
+
+@pytest.mark.parametrize(("rollout", "max_turns"), [
+    ({}, 16),  # the held-out tasks, with the turns the training run gave them (rollout.max_turns)
+    ({"seed": 3}, 50),  # tasks of the user's: the env's own limit, as on any split
+    ({"seed": 3, "max_turns": 5}, 5),
+])
+def test_held_out_tasks_take_the_turns_the_training_run_gave_them(tmp_path, rollout, max_turns):
+    config = {"env": {"id": "agentrl/TestEvalLong-v0"}, "policy": {"backend": "mock"}, "rollout": rollout,
+              "train": {"evaluation": {"episodes": 2}}}
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = tmp_path / "eval"
+    result = CliRunner().invoke(app, ["eval", "--config", str(path), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    [report] = json.loads((out / "summary.json").read_text())["reports"]
+    assert report["settings"]["max_turns"] == max_turns
