@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import heapq
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 from ...types import Node, RolloutTree
 
@@ -59,6 +60,17 @@ class Budget:
 
     total: int
     unit: BudgetUnit = "leaves"
+
+    def __post_init__(self) -> None:
+        # Budget(8, "episodes") was charged per token (every unit but leaves and turns was)
+        units = get_args(BudgetUnit)
+        if self.unit not in units:
+            raise ValueError(f"budget unit {self.unit!r} is none of {', '.join(units)}")
+        if isinstance(self.total, bool) or not isinstance(self.total, numbers.Integral):
+            raise ValueError(f"budget total {self.total!r} is not a whole number")
+        if self.total < 0:
+            raise ValueError(f"budget total {self.total} is negative")
+        object.__setattr__(self, "total", int(self.total))  # a numpy one is written as JSON
 
 
 @dataclass(slots=True)

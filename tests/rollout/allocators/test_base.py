@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from agentrl.rollout.allocators import (
     AllocState,
     Budget,
@@ -39,3 +41,17 @@ def test_affordable_leaves_converts_turns_and_tokens_with_the_mean_episode():
     assert affordable_leaves(fresh) == 2  # the default guess of 8 turns per episode
     assert affordable_leaves(fresh, est_leaf_cost=6) == 3
     assert affordable_leaves(AllocState([tree], Budget(9), spent=2)) == 7
+
+
+@pytest.mark.parametrize("total, unit, match", [
+    (10, "episodes", "unit 'episodes' is none of leaves, turns, tokens"),
+    (10, "Turns", "unit 'Turns' is none of leaves, turns, tokens"),
+    (2.5, "leaves", "total 2.5 is not a whole number"),
+    (True, "leaves", "total True is not a whole number"),
+    (-1, "turns", "total -1 is negative"),
+])
+def test_a_budget_in_an_unknown_unit_or_of_no_whole_size_is_refused(total, unit, match):
+    # Budget(8, "episodes") was taken as a tokens budget (every unit but leaves and turns
+    # was charged per token), and Budget(2.5) planned 2.5 leaves' worth of fill_evenly
+    with pytest.raises(ValueError, match=match):
+        Budget(total, unit)
