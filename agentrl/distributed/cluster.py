@@ -234,10 +234,11 @@ def wait_for_room(ray: Any, need: dict[str, float], what: str, count: int, keys:
 
 def free_per_node(ray: Any) -> list[dict[str, float]]:
     """Each live node's free resources. Ray has no public call for it (2.x); where its private
-    one is missing, the cluster's sum as one node: a necessary condition only."""
+    one is missing or cannot answer (through Ray Client, ``ray://``, this process holds no GCS
+    connection), the cluster's sum as one node: a necessary condition only."""
     try:
         return list(ray._private.state.available_resources_per_node().values())
-    except AttributeError:
+    except Exception:  # noqa: BLE001 - AttributeError (another Ray), RaySystemError (Ray Client)
         return [dict(ray.available_resources())]
 
 

@@ -160,3 +160,19 @@ def test_room_is_counted_per_node_as_an_actor_fits_on_one(monkeypatch):
     cluster.wait_for_room(fake, {"CPU": 2.0}, "env worker", 2, "distributed.env_worker_cpus")  # one a node
     with pytest.raises(ConfigError):
         cluster.wait_for_room(fake, {"CPU": 1.5}, "env worker", 3, "distributed.env_worker_cpus")  # 0.5 left each
+
+
+def test_room_falls_back_to_the_clusters_sum_where_ray_has_no_per_node_view(monkeypatch):
+    """Through Ray Client (``ray://``) this process holds no GCS connection: Ray's per-node call
+    raises RaySystemError ('Ray has not been started yet'); the sum is the check there."""
+    from types import SimpleNamespace
+
+    from ray.exceptions import RaySystemError
+
+    def no_view():
+        raise RaySystemError("Ray has not been started yet")
+
+    fake = SimpleNamespace(available_resources=lambda: {"CPU": 4.0}, nodes=lambda: [],
+                           _private=SimpleNamespace(state=SimpleNamespace(available_resources_per_node=no_view)))
+    monkeypatch.setattr(cluster, "ROOM_WAIT_S", 0.0)
+    cluster.wait_for_room(fake, {"CPU": 2.0}, "env worker", 2, "distributed.env_worker_cpus")
