@@ -33,6 +33,7 @@ from rich.table import Table
 from .config import Config
 from .errors import AgentRLError, ConfigError
 from .evaluation import EvalReport, EvaluationConfig, SplitPlan, evaluate_split, plan_split
+from .strict import StrictModel
 
 __all__ = ["eval_command", "format_report", "register", "split_names", "train_held_out"]
 
@@ -70,7 +71,7 @@ def train_held_out(cfg: Config) -> EvaluationConfig | None:
     """The held-out evaluation of a training config (its ``train.evaluation``), which an env that
     does not count its split plays; None for a config without a ``train`` section, or one that
     names the tasks itself (``rollout.seed``, ``rollout.episodes``, ``--episodes``)."""
-    from .config import ignored_section, moved_keys
+    from .config import _format, ignored_section, moved_keys
     from .train.config import MOVED_KEYS
 
     train = ignored_section(cfg, "train")
@@ -79,13 +80,23 @@ def train_held_out(cfg: Config) -> EvaluationConfig | None:
     old = {key: new for key, new in MOVED_KEYS.items() if new.startswith("evaluation.")}  # eval_seed_start...
     try:
         section = moved_keys(train, old, "train").get("evaluation")
-        return EvaluationConfig.model_validate(section or {})
-    except ValidationError as e:
-        raise ConfigError("invalid config: " + "; ".join(
-            f"train.evaluation.{'.'.join(map(str, err['loc']))}: {err['msg'].removeprefix('Value error, ')}"
-            for err in e.errors())) from None
-    except ValueError as e:  # moved_keys: an old key beside its new one
+    except ValueError as e:  # an old key beside its new one
         raise ConfigError(f"invalid config: {e}") from None
+    try:
+        return _HeldOut.model_validate({"train": {"evaluation": section or {}}}).train.evaluation
+    except ValidationError as e:  # the message agentrl train gives: key paths, did-you-mean
+        raise ConfigError(_format(e, _HeldOut)) from None
+
+
+class _TrainEvaluation(StrictModel):
+    evaluation: EvaluationConfig
+
+
+class _HeldOut(StrictModel):
+    """The one part of a training config that ``agentrl eval`` reads, nested as in the file, so
+    that an error names its whole key path."""
+
+    train: _TrainEvaluation
 
 
 def eval_command(

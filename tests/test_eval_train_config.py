@@ -96,3 +96,12 @@ def test_held_out_tasks_take_the_turns_the_training_run_gave_them(tmp_path, roll
     assert result.exit_code == 0, (result.output, result.exception)
     [report] = json.loads((out / "summary.json").read_text())["reports"]
     assert report["settings"]["max_turns"] == max_turns
+
+
+def test_a_bad_held_out_section_is_the_error_agentrl_train_gives(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump({**TRAIN, "train": {"evaluation": {"episods": 3}}}))
+    result = CliRunner().invoke(app, ["eval", "--config", str(path), "--out", str(tmp_path / "e"), "--no-progress"])
+    assert result.exit_code == 2
+    assert ("train.evaluation.episods: unknown key (did you mean 'train.evaluation.episodes'?)"
+            in " ".join(result.output.split()))
