@@ -85,7 +85,15 @@ from typing import Any
 from ..config import Config, DistributedConfig
 from ..env import close_quietly, import_env_modules, make_env, resolve_env_id
 from ..errors import EnvError
-from .cluster import cancel_call, check_placeable, connect, ray_error, wait_for_room
+from .cluster import (
+    cancel_call,
+    capacity,
+    check_placeable,
+    connect,
+    free_per_node,
+    ray_error,
+    wait_for_room,
+)
 
 __all__ = ["NODE_SANDBOX_BACKENDS", "EnvWorker", "EnvWorkerPool", "RayEnv", "env_resources",
            "env_worker_options", "env_worker_pool", "lost_env_workers", "release_env_worker_pool", "retire_env_worker_pool",
@@ -530,14 +538,16 @@ def _room_for(ray: Any, dist: DistributedConfig, env_id: str, kwargs: dict[str, 
               freed: list[EnvWorkerPool] = ()) -> bool:
     """Whether the cluster has free resources for a new pool's workers once the ``freed`` pools
     are shut down (their reservations counted as free: they are still held now): where it has
-    not, an idle pool kept for later would leave the new workers waiting for good."""
+    not, an idle pool kept for later would leave the new workers waiting for good. Counted per
+    node, as a worker is placed on one (``capacity``); a freed worker gives back its whole
+    reservation on its own node, which holds this many new ones at least."""
     opts = env_worker_options(resolve_env_id(env_id, imports), kwargs, dist, imports)
     need = {"CPU": float(opts["num_cpus"]), **opts["resources"]}
-    free = dict(ray.available_resources())
+    room = capacity(free_per_node(ray), need)
     for pool in freed:
-        for r, n in {"CPU": float(pool.options["num_cpus"]), **pool.options["resources"]}.items():
-            free[r] = free.get(r, 0.0) + n * len(pool.workers)
-    return all(free.get(r, 0.0) >= n * dist.num_env_workers for r, n in need.items() if n)
+        held = {"CPU": float(pool.options["num_cpus"]), **pool.options["resources"]}
+        room += capacity([held], need) * len(pool.workers)
+    return room >= dist.num_env_workers
 
 
 def _shutdown_quietly(pools: list[EnvWorkerPool]) -> None:

@@ -176,3 +176,21 @@ def test_room_falls_back_to_the_clusters_sum_where_ray_has_no_per_node_view(monk
                            _private=SimpleNamespace(state=SimpleNamespace(available_resources_per_node=no_view)))
     monkeypatch.setattr(cluster, "ROOM_WAIT_S", 0.0)
     cluster.wait_for_room(fake, {"CPU": 2.0}, "env worker", 2, "distributed.env_worker_cpus")
+
+
+def test_a_new_env_pool_counts_room_per_node_before_it_keeps_an_idle_pool():
+    """Half a CPU free on each of two nodes is no room for a worker of 1 CPU: counted as one
+    free CPU, the idle pool was kept and the new pool's workers waited, then failed the run."""
+    from types import SimpleNamespace
+
+    from agentrl.distributed.env_workers import _room_for
+
+    free = {"n1": {"CPU": 0.5}, "n2": {"CPU": 0.5}}
+    fake = SimpleNamespace(available_resources=lambda: {"CPU": 1.0},
+                           _private=SimpleNamespace(state=SimpleNamespace(available_resources_per_node=lambda: free)))
+    dist = DistributedConfig(num_env_workers=1, env_worker_cpus=1.0)
+    assert not _room_for(fake, dist, "agentrl/GuessNumber-v0", {}, [])
+    idle = SimpleNamespace(options={"num_cpus": 1.0, "resources": {}}, workers=["w"])  # one worker of 1 CPU
+    assert _room_for(fake, dist, "agentrl/GuessNumber-v0", {}, [], freed=[idle])  # its CPU, on one node
+    dist2 = DistributedConfig(num_env_workers=2, env_worker_cpus=1.0)
+    assert not _room_for(fake, dist2, "agentrl/GuessNumber-v0", {}, [], freed=[idle])
