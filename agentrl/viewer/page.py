@@ -75,28 +75,37 @@ def _json_text(x: Any) -> str:
     return "".join(out)
 
 
+def _scalar(v: Any) -> Any:
+    """A number, text, bool or None as JSON.parse reads it: NaN and infinities as None."""
+    return None if type(v) is float and not math.isfinite(v) else v
+
+
 def _clean(x: Any) -> Any:
     """A copy of ``x`` that ``json.dumps`` writes and ``JSON.parse`` reads: NaN and infinities
     to None (JSON.parse refuses them), keys as text, and a value nested deeper than
     ``_MAX_NESTING`` levels as its JSON text with a note (a tool call's arguments can nest
     ~995 levels: recursion here, and in ``json.dumps``, stopped at ~490). A stack, not
-    recursion, walks it."""
+    recursion, walks the containers; plain values are copied where they are met."""
     root: list[Any] = [None]
-    todo: list[tuple[Any, Any, Any, int]] = [(x, root, 0, 0)]  # (value, into, key, its depth)
+    todo: list[tuple[Any, Any, Any, int]] = [(x, root, 0, 0)]  # (container or value, into, key, its depth)
     while todo:
         v, into, key, depth = todo.pop()
-        if isinstance(v, dict | list | tuple) and depth >= _MAX_NESTING and v:
+        if type(v) in _SCALARS:
+            into[key] = _scalar(v)
+        elif isinstance(v, dict | list | tuple) and depth >= _MAX_NESTING and v:
             into[key] = f"(nested past {_MAX_NESTING} levels: shown as its JSON text) {_json_text(v)}"
         elif isinstance(v, dict):
-            into[key] = copy = dict.fromkeys(map(str, v))  # the keys first: they keep their order
-            todo += [(item, copy, str(k), depth + 1) for k, item in v.items()]
-        elif isinstance(v, list | tuple) and all(type(item) in _SCALARS for item in v):
-            # a list of numbers or texts (token ids, log-probs) in one pass: most of a tree's data
-            into[key] = [None if type(item) is float and not math.isfinite(item) else item for item in v]
+            into[key] = copy = {}
+            for k, item in v.items():
+                if type(item) in _SCALARS:
+                    copy[str(k)] = _scalar(item)
+                else:  # a place kept for it, so the keys keep their order
+                    copy[str(k)] = None
+                    todo.append((item, copy, str(k), depth + 1))
         elif isinstance(v, list | tuple):
-            into[key] = copy = [None] * len(v)
-            todo += [(item, copy, j, depth + 1) for j, item in enumerate(v)]
-        elif isinstance(v, float) and not math.isfinite(v):
+            into[key] = copy = [_scalar(item) if type(item) in _SCALARS else None for item in v]
+            todo += [(item, copy, j, depth + 1) for j, item in enumerate(v) if type(item) not in _SCALARS]
+        elif isinstance(v, float) and not math.isfinite(v):  # a float subclass (numpy's float64)
             into[key] = None
         else:
             into[key] = v
