@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..types import RolloutTree
-from .allocators import Branch, Budget, Fresh, leaf_cost
+from .allocators import Branch, Budget, Fresh, is_open, leaf_cost
 
 __all__ = ["BudgetMeter", "BudgetSpent"]
 
@@ -27,6 +27,14 @@ class BudgetMeter:
     def __init__(self, budget: Budget | None = None):
         self.budget = budget
         self.spent = 0
+        self._continued: set[tuple[int, int]] = set()  # (id(tree), open leaf) a request continues
+
+    @staticmethod
+    def _continues(tree: RolloutTree, req: Fresh | Branch) -> tuple[int, int] | None:
+        """The open leaf a turn branch continues, as a key; None for other requests."""
+        if isinstance(req, Branch) and req.at_token is None and is_open(tree.nodes[req.node]):
+            return id(tree), req.node
+        return None
 
     def exhausted(self) -> bool:
         """Whether no turn can be charged any more (a leaf budget is spent by admitting requests)."""
@@ -42,9 +50,14 @@ class BudgetMeter:
         if b is None:
             return req
         if b.unit == "leaves":
-            req = clip(tree, req, b.total - self.spent, report)  # type: ignore[assignment]
+            # an open leaf becomes internal once: only the first branch from it saves a leaf
+            key = self._continues(tree, req)
+            again = int(key is not None and key in self._continued)
+            req = clip(tree, req, b.total - self.spent - again, report)  # type: ignore[assignment]
             if req is not None:
-                self.spent += leaf_cost(tree, req)
+                self.spent += leaf_cost(tree, req) + again
+                if key is not None:
+                    self._continued.add(key)
             return req
         return None if self.spent >= b.total else req
 

@@ -86,3 +86,14 @@ def test_a_plan_given_as_a_generator_is_played(tokenizer):
 
     trees = collect("agentrl/GuessNumber-v0", MockPolicy(tokenizer, ["1"]), _cfg(), [0], Lazy(), Budget(2))
     assert len(trees[0].leaves()) == 2
+
+
+def test_two_branches_from_one_open_leaf_in_a_round_never_overspend_leaves(tokenizer):
+    # The paused leaf becomes internal once, so only the first branch from it saves a leaf:
+    # each was charged k - 1 = 1, 1 + 1 + 1 = 3 of 3 leaves, and 4 leaves were played.
+    def paused(s):
+        return [Branch(0, _root(s), 2), Branch(0, _root(s), 2)]
+
+    alloc = Scripted(lambda s: [Fresh(0, 1, max_turns=1)], paused)
+    trees = collect("agentrl/GuessNumber-v0", MockPolicy(tokenizer, ["1"]), _cfg(), [0], alloc, Budget(3))
+    assert len(trees[0].leaves()) == trees[0].meta["budget"]["spent"] == 3
