@@ -46,10 +46,11 @@ def _load(config: Path | None, set_: list[str] | None, extra: list[str]) -> Any:
 
 
 def _warn_unread(cfg: Any, command: str) -> None:
-    """Name the ``agentrl rollout`` keys this run does not read (one file serves every command)."""
-    from .plan import unread_rollout_keys
+    """Name the ``agentrl rollout`` keys this run does not read (one file serves every command),
+    and held-out task seeds that are trained on."""
+    from .plan import start_warnings
 
-    for said in unread_rollout_keys(cfg, command):
+    for said in start_warnings(cfg, command):
         console.print(f"[yellow]warning:[/] {said}", highlight=False)
 
 

@@ -16,7 +16,8 @@ from .config import TrainConfig, TrainRunConfig
 from .curriculum import describe
 from .model import precision, resolved_precision
 
-__all__ = ["print_plan", "run_plan", "step_task_seeds", "unread_rollout_keys"]
+__all__ = ["held_out_overlaps", "print_plan", "run_plan", "start_warnings", "step_task_seeds",
+           "unread_rollout_keys"]
 
 
 def step_task_seeds(cfg: TrainConfig, step: int) -> list[int]:
@@ -53,6 +54,39 @@ def unread_rollout_keys(cfg: TrainRunConfig, command: str) -> list[str]:
         said.append(f"rollout.out_dir={r.out_dir} is not read by agentrl {command}: it writes to "
                     f"train.output.dir={t.output.dir}")
     return said
+
+
+def _seeds(task_seeds: list[int] | None, start: int, count: int) -> set[int]:
+    return set(task_seeds) if task_seeds is not None else set(range(start, start + count))
+
+
+def held_out_overlaps(cfg: TrainRunConfig) -> list[str]:
+    """What the run says when held-out task seeds (``train.evaluation``) are also trained on, by
+    RL (``train.task_seed_start`` or ``train.task_seeds`` over ``train.steps``) or by SFT: the
+    evaluation then measures training tasks. Only where both play the same env keywords (no
+    ``train.evaluation.env_kwargs``; no curriculum stage or SFT level with its own), where one
+    seed is one task."""
+    t, s = cfg.train, cfg.sft
+    ev = t.evaluation
+    if ev.env_kwargs:
+        return []
+    held = _seeds(ev.task_seeds, ev.seed_start, ev.episodes)
+    trained = {}
+    if t.steps and not any(stage.env_kwargs for stage in t.curriculum):
+        trained["RL training tasks (train.task_seed_start, train.task_seeds)"] = (
+            set(t.task_seeds) if t.task_seeds is not None
+            else set(range(t.task_seed_start, t.task_seed_start + t.steps * t.tasks_per_step)))
+    if s.enabled and not s.levels:
+        trained["SFT expert tasks (sft.seed_start, sft.task_seeds)"] = _seeds(s.task_seeds, s.seed_start, s.episodes)
+    return [f"{len(held & seeds)} of the {len(held)} held-out task seeds (train.evaluation) are {what}, "
+            f"{sorted(held & seeds)[0]} first: eval/success measures tasks trained on; move "
+            "train.evaluation.seed_start or train.evaluation.task_seeds away from them"
+            for what, seeds in trained.items() if held & seeds]
+
+
+def start_warnings(cfg: TrainRunConfig, command: str) -> list[str]:
+    """What ``agentrl train`` or ``agentrl sft`` warns of before it runs."""
+    return unread_rollout_keys(cfg, command) + held_out_overlaps(cfg)
 
 
 def run_plan(cfg: TrainRunConfig) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from agentrl.train import trainer
 from agentrl.train.cli import app
 from agentrl.train.config import load_train_config
-from agentrl.train.plan import unread_rollout_keys
+from agentrl.train.plan import held_out_overlaps, unread_rollout_keys
 
 DRY = {"dry_run": True, "plan": {}, "phases": {}, "checkpoint": None, "metrics": None, "learning_curve": None}
 
@@ -46,3 +46,26 @@ def test_the_commands_print_the_warning_before_the_run(tmp_path, monkeypatch, co
     text = " ".join(result.output.split())  # rich wraps long lines
     assert f"warning: rollout.seed=500 is not read by agentrl {command}" in text
     assert f"warning: rollout.episodes=3 is not read by agentrl {command}" in text
+
+
+@pytest.mark.parametrize(("sets", "said"), [
+    (["train.evaluation.seed_start=100", "train.steps=20", "train.tasks_per_step=8"],
+     "16 of the 16 held-out task seeds (train.evaluation) are RL training tasks"),  # RL plays 0-159
+    (["train.evaluation.task_seeds=[3, 500, 9]", "sft.episodes=5", "train.task_seed_start=10000"],
+     "1 of the 3 held-out task seeds (train.evaluation) are SFT expert tasks"),  # SFT plays 0-4
+    (["train.evaluation.seed_start=30", "train.evaluation.episodes=4", "train.task_seeds=[31, 33, 7]"],
+     "2 of the 4 held-out task seeds (train.evaluation) are RL training tasks"),
+])
+def test_held_out_seeds_that_are_trained_on_are_named(sets, said):
+    cfg = load_train_config(overrides=sets)
+    [warning] = held_out_overlaps(cfg)
+    assert warning.startswith(said), warning
+
+
+@pytest.mark.parametrize("sets", [
+    [],  # the defaults: RL from 0, held out from 1,000,000
+    ["train.evaluation.seed_start=100", "train.evaluation.env_kwargs={high: 4}"],  # other tasks on those seeds
+    ["train.evaluation.seed_start=100", "train.steps=0", "sft.episodes=0"],
+])
+def test_disjoint_or_other_env_held_out_seeds_get_no_warning(sets):
+    assert held_out_overlaps(load_train_config(overrides=sets)) == []
