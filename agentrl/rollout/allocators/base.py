@@ -280,12 +280,15 @@ def continuation_cost(state: AllocState, task: int, node_id: int, at_token: int 
     tree = state.trees[task]
     node = tree.nodes[node_id]
     before = _spent_before(tree, node, at_token, unit)
-    after, stack = [], [node_id]
-    while stack:  # the finished leaves below the point
-        n = tree.nodes[stack.pop()]
-        stack.extend(n.children)
+    after: list[int] = []
+    stack = [(node, _path_cost(tree, node, unit) - before)]
+    while stack:  # the finished leaves below the point, with what they spent after it
+        n, spent = stack.pop()
         if not n.children and n.done:
-            after.append(_path_cost(tree, n, unit) - before)
+            after.append(spent)
+        for c in n.children:
+            child = tree.nodes[c]
+            stack.append((child, spent + (not child.partial if unit == "turns" else len(child.action_ids))))
     if not after:
         return budget_estimate(state, est_leaf_cost)[1]
     return max(sum(after) / len(after), 1.0)
