@@ -77,7 +77,6 @@ def _decoder(tokenizer: Any) -> Decoder:
 
 def load_decoder(config: dict[str, Any], name: str | None = None) -> tuple[Decoder | None, str]:
     """``(decode, where it came from)``; ``(None, why not)`` when no tokenizer loads."""
-    from ..errors import AgentRLError
     from ..models import load_tokenizer
 
     want = name or (config.get("policy") or {}).get("model")
@@ -85,6 +84,7 @@ def load_decoder(config: dict[str, Any], name: str | None = None) -> tuple[Decod
         return None, "the run names no model: pass --tokenizer NAME"
     try:
         tok = load_tokenizer(str(want))
-    except (AgentRLError, OSError, ValueError) as e:
-        return None, f"no tokenizer for {want!r} ({type(e).__name__}: {e}); pass --tokenizer NAME"
+    # ours (no such model), and transformers' own: KeyError('added_tokens') on a corrupt tokenizer.json
+    except Exception as e:
+        return None, f"no tokenizer for {want!r} ({type(e).__name__}: {str(e)[:300]}); pass --tokenizer NAME"
     return _decoder(tok), f"tokenizer of {want}"

@@ -218,3 +218,18 @@ def test_a_tree_request_the_page_never_sends_is_refused_naming_what_is_wrong(tmp
     assert bad_generation[0] == 400 and "generation 'abc'" in bad_generation[1]["error"]
     assert nested[0] == 404 and "/api/tree/x/1" in nested[1]["error"]
     assert good[0] == plain[0] == 200 and good[1]["meta"]["seed"] == plain[1]["meta"]["seed"] == 2
+
+
+def test_a_tokenizer_folder_that_does_not_load_leaves_ids_and_says_why(tmp_path, monkeypatch):
+    """transformers raises KeyError('added_tokens') on a corrupt tokenizer.json (and other
+    errors of its own): load_decoder let it through, so ``agentrl view --static`` ended in
+    a traceback instead of a page of token ids that says why."""
+    from agentrl import models
+    from agentrl.viewer.tokens import load_decoder
+
+    def corrupt(name: str):
+        raise KeyError("added_tokens")
+
+    monkeypatch.setattr(models, "load_tokenizer", corrupt)
+    decode, note = load_decoder({"policy": {"model": "runs/x/checkpoints/step-1"}})
+    assert decode is None and "KeyError" in note and "'added_tokens'" in note and "--tokenizer" in note
