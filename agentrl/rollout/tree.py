@@ -115,7 +115,9 @@ def format_tree(tree: RolloutTree, width: int = 60, text: bool = False) -> str:
     if text and tree.meta.get("instruction"):
         lines.append(f"instruction: {_short(tree.meta['instruction'], 4 * width)!r}")
 
-    def walk(nid: int, depth: int) -> None:
+    stack = [(r, 1) for r in reversed(tree.roots)]  # not recursive: episodes can be deeper than Python's limit
+    while stack:
+        nid, depth = stack.pop()
         n = tree.nodes[nid]
         marks = []
         if len(n.children) > 1:
@@ -136,11 +138,7 @@ def format_tree(tree: RolloutTree, width: int = 60, text: bool = False) -> str:
                      f"tok={len(n.action_ids)} {action!r}" + (f"  <{'; '.join(marks)}>" if marks else ""))
         if text and not n.partial:
             lines.append(f"{'  ' * depth}    -> {_short(n.observation, 4 * width)!r}")
-        for c in n.children:
-            walk(c, depth + 1)
-
-    for r in tree.roots:
-        walk(r, 1)
+        stack += [(c, depth + 1) for c in reversed(n.children)]
     counters = tree.meta.get("counters")
     if counters:
         lines.append("counters: " + ", ".join(f"{k}={v}" for k, v in counters.items()))

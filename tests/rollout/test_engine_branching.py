@@ -102,3 +102,16 @@ def test_two_segment_forks_of_one_turn_in_one_round_fork_where_each_was_planned(
         heads.append(len(head))
     # the original turn (split at both points), and one fork after 1 and one after 2 tokens
     assert sorted(heads) == [1, 2, 2]
+
+
+def test_format_tree_prints_an_episode_deeper_than_pythons_recursion_limit():
+    """``agentrl tree`` walked the tree recursively: a 3,000-turn episode raised RecursionError."""
+    from agentrl.rollout import format_tree
+    from agentrl.types import Node, RolloutTree
+
+    tree, parent = RolloutTree(), None
+    for i in range(3000):
+        parent = tree.add(Node(action_ids=[1], action_text=f"a{i}"), parent).id
+    lines = format_tree(tree).splitlines()
+    assert len(lines) == 1 + 3000 and lines[-1].strip().startswith("[2999] ") and "'a2999'" in lines[-1]
+    assert lines[1] == "  [0] v0 r=0 tok=1 'a0'"
