@@ -396,14 +396,24 @@ async def _wait_or_kill(
     """Wait for ``proc`` to exit; past ``timeout`` kill its tree. True when it timed out."""
     exited = getattr(proc, "exited", None)
     waiter = asyncio.ensure_future(exited.wait() if exited else proc.wait())
-    done, _ = await asyncio.wait([waiter], timeout=timeout)
+    try:
+        done, _ = await asyncio.wait([waiter], timeout=timeout)
+    except asyncio.CancelledError:  # the caller gave up: the run and what it started die now
+        waiter.cancel()
+        await asyncio.shield(_kill_now(proc, kill_tree))
+        raise
     if done:
         return False
+    await _kill_now(proc, kill_tree)
+    await asyncio.wait([waiter], timeout=10.0)
+    return True
+
+
+async def _kill_now(proc: asyncio.subprocess.Process, kill_tree: Callable[[], Awaitable[None]]) -> None:
+    """The run's tree (its session and every process with its marker), then the run itself."""
     await kill_tree()
     with contextlib.suppress(ProcessLookupError):
         proc.kill()
-    await asyncio.wait([waiter], timeout=10.0)
-    return True
 
 
 async def collect(

@@ -372,8 +372,9 @@ class DockerSandbox(Sandbox):
         timeout: float,
         env: dict[str, str] | None,
         limit: int | None = None,
+        marker: str | None = None,
     ) -> _Exec:
-        marker = f"AGENTRL_RUN={secrets.token_hex(8)}"
+        marker = marker or _new_marker()
         full_env = {**(env or {}), marker.split("=")[0]: marker.split("=")[1]}
         oom_before = self._oom_count()
         deadline = time.monotonic() + timeout
@@ -447,7 +448,12 @@ class DockerSandbox(Sandbox):
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
         data = stdin.encode() if isinstance(stdin, str) else stdin
         started = time.monotonic()
-        r = await asyncio.to_thread(self._run_blocking, argv, data, timeout, env)
+        marker = _new_marker()
+        try:
+            r = await asyncio.to_thread(self._run_blocking, argv, data, timeout, env, None, marker)
+        except asyncio.CancelledError:  # the caller gave up: the run and what it started die now
+            await asyncio.shield(asyncio.to_thread(self._kill_marked, marker))
+            raise
         if r.code == 126 and b"container" in r.err and b"not running" in r.err:
             raise SandboxDeadError("the container is not running; create a new sandbox")
         return ExecResult(
@@ -528,7 +534,7 @@ class DockerSandbox(Sandbox):
         self, argv: list[str], env: dict[str, str] | None = None
     ) -> SandboxProcess:
         await self._ensure()
-        marker = f"AGENTRL_RUN={secrets.token_hex(8)}"
+        marker = _new_marker()
         full_env = {**(env or {}), "AGENTRL_RUN": marker.split("=")[1]}
         _, raw = await asyncio.to_thread(self._exec_socket, argv, True, full_env)
         raw.setblocking(False)
@@ -606,6 +612,11 @@ class _DockerProcess(SandboxProcess):
             self._writer.close()
         if self._box.container is not None and not self._box._closed:
             await asyncio.to_thread(self._box._kill_marked, self._marker)
+
+
+def _new_marker() -> str:
+    """The env entry that marks one run's processes, so that it can be killed alone."""
+    return f"AGENTRL_RUN={secrets.token_hex(8)}"
 
 
 def _read_frames(

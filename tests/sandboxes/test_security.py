@@ -181,6 +181,28 @@ async def test_grandchild_that_called_setsid_dies_at_timeout(built, live_pids):
     assert live_pids(f"sleep\0{tag}") == []
 
 
+async def test_a_cancelled_run_leaves_no_process_behind(built, live_pids):
+    # An episode cancelled mid-call (its env step timed out, Ctrl-C) must not leave the run's
+    # processes, nor what they started in the background, running until the sandbox resets.
+    tag = f"298.{os.getpid()}{id(built) % 10000}"
+    task = asyncio.ensure_future(built.sandbox.run(f"sleep {tag} & setsid sleep {tag} & sleep {tag}",
+                                                   timeout=120))
+    for _ in range(100):
+        if len(live_pids(f"sleep\0{tag}")) == 3:
+            break
+        await asyncio.sleep(0.05)
+    assert len(live_pids(f"sleep\0{tag}")) == 3
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(50):
+        if not live_pids(f"sleep\0{tag}"):
+            break
+        await asyncio.sleep(0.1)
+    assert live_pids(f"sleep\0{tag}") == []
+    assert (await built.sandbox.run("echo next", timeout=60)).stdout == "next\n"
+
+
 async def test_huge_stdout_is_truncated_with_bounded_parent_memory(built):
     tracemalloc.start()
     try:
