@@ -114,11 +114,8 @@ def test_the_report_survives_saved_token_values_that_do_not_fit_the_tree(tmp_pat
     assert {step: dict(turns) for step, turns in facts.divergence.items()} == {None: {0: [-0.125], 1: [0.0]}}
 
 
-def test_a_tree_opened_while_the_tokenizer_loads_gets_its_texts_without_a_reload(browser_context, tmp_path,
-                                                                                monkeypatch):
-    """A tree opened before the tokenizer was ready came with ids only, and the page kept that
-    copy (its own cache, and no sign it was provisional): texts showed only after a reload.
-    The payload now says its tokens are pending and the page fetches the tree again."""
+def _slow_tokenizer_server(tmp_path, monkeypatch):
+    """A server whose tokenizer loads when the returned event is set; a tree waits 0.2 s for it."""
     import threading
 
     from agentrl.types import write_trees
@@ -132,13 +129,37 @@ def test_a_tree_opened_while_the_tokenizer_loads_gets_its_texts_without_a_reload
         loaded.wait(30)
         return (lambda ids: {i: f"t{i}" for i in ids}), "tokenizer of slow"
 
-    server = ViewerServer(Run(tmp_path / "trees.jsonl"), port=0, load_decoder=slow_decoder).start()
+    return ViewerServer(Run(tmp_path / "trees.jsonl"), port=0, load_decoder=slow_decoder).start(), loaded
+
+
+def test_a_tree_served_before_the_tokenizer_is_ready_says_its_tokens_are_pending(tmp_path, monkeypatch):
+    """A tree served with ids only looked like a tree of a run without a tokenizer: nothing
+    told the page to ask again. It now says ``tokens_pending``, and the tokenizer's note."""
+    server, loaded = _slow_tokenizer_server(tmp_path, monkeypatch)
+    try:
+        status, body = _get(server.url + "api/tree/0")
+        assert status == 200 and body["tokens_pending"] is True and body["vocab"] == {}
+        assert "loading the tokenizer" in body["tokens_note"]
+        loaded.set()
+        server._ready.wait(10)
+        status, body = _get(server.url + "api/tree/0")
+        assert body["tokens_pending"] is False and body["vocab"]["10"] == "t10"
+        assert body["tokens_note"] == "tokenizer of slow"
+    finally:
+        loaded.set()
+        server.close()
+
+
+def test_a_tree_opened_while_the_tokenizer_loads_gets_its_texts_without_a_reload(browser_context, tmp_path,
+                                                                                monkeypatch):
+    """A tree opened before the tokenizer was ready came with ids only, and the page kept that
+    copy (its own cache, and no sign it was provisional): texts showed only after a reload.
+    The page now asks again while the tree's tokens are pending, and draws them in place."""
+    server, loaded = _slow_tokenizer_server(tmp_path, monkeypatch)
     page = browser_context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     try:
-        status, body = _get(server.url + "api/tree/0")
-        assert status == 200 and body["tokens_pending"] is True and body["vocab"] == {}
         page.goto(server.url + "#tokens=0&node=0")
         page.wait_for_selector("#token-view .tok.act")
         assert "⟨10⟩" in page.inner_text("#token-view") and "loading" in page.inner_text("#token-head")
@@ -146,8 +167,6 @@ def test_a_tree_opened_while_the_tokenizer_loads_gets_its_texts_without_a_reload
         page.wait_for_function("document.querySelector('#token-view').innerText.includes('t10')", timeout=10000)
         assert "loading" not in page.inner_text("#token-head")
         assert "tokenizer of slow" in page.inner_text("#run-about")
-        status, body = _get(server.url + "api/tree/0")
-        assert body["tokens_pending"] is False and body["vocab"]["10"] == "t10"
     finally:
         loaded.set()
         page.close()
