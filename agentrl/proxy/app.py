@@ -64,10 +64,12 @@ since its text may turn out to be a tool call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import hashlib
 import hmac
 import logging
+import os
 import re
 import secrets
 import socket
@@ -101,7 +103,6 @@ from agentrl.policy.base import (
     request_seed,
 )
 from agentrl.rollout.pool import DaemonPool
-from agentrl.types import write_trees
 
 from .anthropic_api import ANTHROPIC_ERRORS, CountTokensRequest, MessagesWire
 from .handlers import (
@@ -227,7 +228,7 @@ class Proxy:
             tree.meta["closed_by"] = closed_by
         if self.cfg.out:
             try:
-                write_trees(self.cfg.out, [tree], append=True)
+                append_trees(self.cfg.out, [tree])
             except (OSError, ValueError) as e:  # ValueError: text UTF-8 cannot encode
                 raise HTTPError(500, f"could not write session {sid!r} to {self.cfg.out}: {e}; it stays "
                                 "open: fix the cause and close it again") from e
@@ -243,7 +244,7 @@ class Proxy:
         trees = [s.assemble() for s in todo]
         for tree in trees:
             tree.meta["closed_by"] = "shutdown"
-        written = write_trees(self.cfg.out, trees, append=True) if trees else 0
+        written = append_trees(self.cfg.out, trees) if trees else 0
         for session in todo:  # after the write, as close_session does: a failed write closes none
             session.close()
         return written
@@ -379,6 +380,33 @@ class Proxy:
                 raise HTTPError(400, str(e)) from None
             out.append(GenerateRequest(list(prompt), params, RequestControl()))
         return out
+
+
+def append_trees(path: str, trees: list[Any]) -> int:
+    """Append trees to the JSONL file ``path`` whole or not at all; how many were appended.
+
+    One ``write`` call of every line together: a proxy beside this one appending to the same
+    file (two runs, one ``--out``) cannot interleave its lines into ours, as the buffered
+    writer's 8 KB pieces could. A write that fails part way (a full disk) is cut back off the
+    file: a broken line there made every later read of the file fail, the trees written
+    again after it included.
+    """
+    data = "".join(tree.to_json() + "\n" for tree in trees).encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.fstat(fd).st_size
+        done = 0
+        try:
+            while done < len(data):  # a regular file takes it in one write; a short one goes on
+                done += os.write(fd, data[done:])
+        except OSError:
+            if done:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)
+    return len(trees)
 
 
 def _temperature(asked: float | None) -> float:
