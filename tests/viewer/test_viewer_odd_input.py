@@ -252,3 +252,26 @@ def test_a_tokenizer_folder_that_does_not_load_leaves_ids_and_says_why(tmp_path,
     monkeypatch.setattr(models, "load_tokenizer", corrupt)
     decode, note = load_decoder({"policy": {"model": "runs/x/checkpoints/step-1"}})
     assert decode is None and "KeyError" in note and "'added_tokens'" in note and "--tokenizer" in note
+
+
+def test_a_page_waiting_for_token_texts_says_so_when_the_run_changed_under_it(browser_context, tmp_path,
+                                                                             monkeypatch):
+    """A page asking again for a pending tree of an index the server has since rebuilt (the
+    run changed on disk) got a 409 and stopped asking without a word: it said 'loading the
+    tokenizer' for ever. It now shows the server's answer: reload the page."""
+    from agentrl.types import write_trees
+
+    server, loaded = _slow_tokenizer_server(tmp_path, monkeypatch)
+    page = browser_context.new_page()
+    try:
+        page.goto(server.url + "#tree=0&node=0")
+        page.wait_for_selector("#tree-canvas g.node.selected[data-node='0']")
+        write_trees(tmp_path / "trees.jsonl", [fork_tree(7), fork_tree(8)])
+        assert _get(server.url + "api/run")[1]["generation"] == 1  # another tab's reload, say
+        loaded.set()
+        page.wait_for_function("document.querySelector('#tree-title').innerText.includes('reload the page')",
+                               timeout=10000)
+    finally:
+        loaded.set()
+        page.close()
+        server.close()

@@ -285,7 +285,10 @@ async function awaitTokens(i) {
       await new Promise((ok) => setTimeout(ok, PENDING_RETRY_MS));
       if (S.treeIndex !== i) return;
       let t;
-      try { t = await loadTree(i); } catch (e) { return; }  // the run changed (409): a reload shows it
+      try { t = await loadTree(i); } catch (e) {  // the run changed on disk (409): say so, stop asking
+        if (S.treeIndex === i) $("tree-title").textContent = String(e);
+        return;
+      }
       if (S.treeIndex !== i || t.tokens_pending) continue;
       S.tree = prepare(t);
       S.run.about.tokens = t.tokens_note;
