@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from .app import Proxy
 
 __all__ = ["ChatWire", "Conversation", "Out", "Wire", "chat_endpoint", "completions_endpoint",
-           "count_tokens_endpoint", "internal_request", "models_endpoint", "render_plan"]
+           "check_chars_fit", "count_tokens_endpoint", "internal_request", "models_endpoint", "render_plan"]
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -221,14 +221,17 @@ def check_text_fits(proxy: Proxy, req: ChatRequest, param: str) -> int:
     Characters, not bytes: counted on every call, they cost no copy of the history. Tokenizing a
     7 MB body held the event loop, and with it every session and stream, for 7-10 s before the
     budget's 400."""
+    return check_chars_fit(proxy, text_size(req), param, "message and tool text")
+
+
+def check_chars_fit(proxy: Proxy, size: int, param: str, what: str) -> int:
+    """``check_text_fits`` for ``size`` characters of ``what``; returns ``size``."""
     budget = proxy.cfg.max_context_tokens
-    size = text_size(req)
     if size <= budget:  # fewer characters than the budget's tokens: it may fit
         return size
     at_least = size // _most_bytes_a_token_holds(proxy.tokenizer)
     if at_least > budget:
-        raise HTTPError(400, f"the prompt is at least {at_least} tokens ({size} characters of message and tool "
-                        "text), over "
+        raise HTTPError(400, f"the prompt is at least {at_least} tokens ({size} characters of {what}), over "
                         f"the context budget of {budget}", param=param, code="context_length_exceeded")
     return size
 
@@ -383,12 +386,13 @@ def completions_endpoint(proxy: Proxy) -> Handler:
         req: CompletionRequest = await read_json(request, CompletionRequest, proxy.cfg.max_request_bytes)
         _check_open(session)
         vocab = len(proxy.tokenizer)
-        prompts = []
-        for p in req.prompts():
-            ids = proxy.tokenizer.encode(p) if isinstance(p, str) else p
+        # A text prompt too long for the budget is refused before it is tokenized, and a long one
+        # is tokenized off the event loop, as a chat call's messages are (``check_text_fits``).
+        texts = [check_chars_fit(proxy, len(p), "prompt", "prompt text") for p in req.prompts() if isinstance(p, str)]
+        prompts = await off_loop_if_long(sum(texts), _token_prompts, proxy.tokenizer, req)
+        for ids in prompts:
             if any(not 0 <= t < vocab for t in ids):
                 raise HTTPError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
-            prompts.append(ids)
         plans = [session.plan_tokens(p) if session else Plan("completion", p, None, p) for p in prompts]
         call_id = f"cmpl-{secrets.token_hex(12)}"
         release = _release(session, call_id)
@@ -437,6 +441,11 @@ def completions_endpoint(proxy: Proxy) -> Handler:
         return Reply(proxy, reqs, finish, req.stream, _cancelled(session, call_id), release, live)
 
     return completions
+
+
+def _token_prompts(tokenizer: Any, req: CompletionRequest) -> list[list[int]]:
+    """Each prompt of a completions request as token ids (text ones tokenized)."""
+    return [tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts()]
 
 
 def models_endpoint(proxy: Proxy) -> Handler:

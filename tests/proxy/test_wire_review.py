@@ -221,3 +221,12 @@ def test_a_close_that_fails_mid_write_leaves_no_broken_line_in_out(tmp_path):
     out = tmp_path / "trees.jsonl"
     run = subprocess.run([sys.executable, "-c", _FULL_DISK, str(out)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "True", run.stderr[-2000:]
+
+
+def test_a_text_prompt_too_long_for_the_budget_is_refused_before_tokenizing(mock_policy, serve):
+    """/v1/completions tokenized a 7.5 MB text prompt on the event loop before the budget's
+    400: 26 s here, with every other request (a /health) waiting as long."""
+    server = serve(mock_policy())
+    r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={"model": "m", "prompt": "word " * 1_500_000})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "prompt" and "characters" in r.json()["error"]["message"]
