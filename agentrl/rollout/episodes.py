@@ -205,6 +205,9 @@ class EpisodePlayer:
         env = await self._acquire()
         try:
             answer = await self.envs.call(env, "reset", tree.meta["seed"])
+        except asyncio.CancelledError:  # timed out mid-reset: it may still run; killed, not kept to the end
+            self.envs.release(env, healthy=False, hung=True)
+            raise
         except Exception as e:
             self.envs.release(env, healthy=False)
             raise RolloutError(f"env.reset raised {type(e).__name__}: {e}") from None
@@ -212,23 +215,27 @@ class EpisodePlayer:
             self.envs.release(env, healthy=False)
             raise RolloutError(problem)
         obs, info = answer
-        # meta is written with the tree: JSON-safe, as a step's info is (a numpy state key
-        # failed writing the run after every episode had played)
-        tree.meta.setdefault("instruction", jsonable(info.get("instruction", "")))
-        if info.get("state_key") is not None:  # the opening state, for GiGPO's anchor groups
-            tree.meta.setdefault("state_key", jsonable(info["state_key"]))
-        if info.get("privileged") is not None:  # for a distillation teacher; never in a prompt
-            tree.meta.setdefault("privileged", str(info["privileged"]))
         try:
+            # meta is written with the tree: JSON-safe, as a step's info is (a numpy state key
+            # failed writing the run after every episode had played)
+            tree.meta.setdefault("instruction", jsonable(info.get("instruction", "")))
+            if info.get("state_key") is not None:  # the opening state, for GiGPO's anchor groups
+                tree.meta.setdefault("state_key", jsonable(info["state_key"]))
+            if info.get("privileged") is not None:  # for a distillation teacher; never in a prompt
+                tree.meta.setdefault("privileged", str(info["privileged"]))
             ctx = await _off_loop_if_long(obs, info, self._opening, obs, info)
-        except RolloutError:
-            self.envs.release(env, healthy=True)
+        except BaseException:  # the env was reset and is well (a template's ValueError, a timeout):
+            self.envs.release(env, healthy=True)  # held, each episode made one more until the run ended
             raise
         admissible = self._admissible(info)
         if "root" not in tree.snapshots and self.snapshots:
             # a segment fork of a first turn starts here (each fresh root renders its own opening)
-            tree.snapshots["root"] = BranchPoint(await self._snapshot(env), ctx.fork(), list(ctx.ids), 0,
-                                                 admissible)
+            try:
+                snap = await self._snapshot(env)
+            except BaseException:  # cancelled: the snapshot may still run in its thread
+                self.envs.release(env, healthy=False, hung=True)
+                raise
+            tree.snapshots["root"] = BranchPoint(snap, ctx.fork(), list(ctx.ids), 0, admissible)
         return _Path(task, tree, env, ctx, list(ctx.ids), None, 0, stream, admissible=admissible)
 
     async def _snapshot(self, env: Any) -> Any:
@@ -252,6 +259,9 @@ class EpisodePlayer:
                 await self.envs.call(env, "restore", point.env)
             else:
                 point = await self._replay(env, tree, point_node)
+        except asyncio.CancelledError:  # timed out mid-restore or replay: killed, not kept to the end
+            self.envs.release(env, healthy=False, hung=True)
+            raise
         except RolloutError as e:
             self.envs.release(env, healthy=False)
             raise RolloutError(str(e), env_broken=True) from None

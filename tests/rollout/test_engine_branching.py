@@ -115,3 +115,69 @@ def test_format_tree_prints_an_episode_deeper_than_pythons_recursion_limit():
     lines = format_tree(tree).splitlines()
     assert len(lines) == 1 + 3000 and lines[-1].strip().startswith("[2999] ") and "'a2999'" in lines[-1]
     assert lines[1] == "  [0] v0 r=0 tok=1 'a0'"
+
+
+def test_an_env_whose_opening_failed_to_render_is_handed_back_not_held_to_the_end(tokenizer, monkeypatch):
+    """The opening prompt raised something other than a RolloutError (a chat template's
+    ValueError): the episode failed as an engine error, but its env, reset and healthy, was
+    never handed back; each episode made a new one, all held (sandboxes, child processes)
+    until the run ended."""
+    import warnings
+
+    from agentrl.envs.guess_number import GuessNumberEnv
+    from agentrl.rollout.episodes import EpisodePlayer
+
+    made = []
+    real_init = GuessNumberEnv.__init__
+
+    def counting(self, *a, **k):
+        made.append(self)
+        real_init(self, *a, **k)
+
+    def broken(self, obs, info):
+        raise ValueError("chat template re-renders the base conversation; cannot take a delta")
+
+    monkeypatch.setattr(GuessNumberEnv, "__init__", counting)
+    monkeypatch.setattr(EpisodePlayer, "_opening", broken)
+    cfg = load_config(overrides=["rollout.concurrency=1", "rollout.group_size=3"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        (tree,) = collect("agentrl/GuessNumber-v0", MockPolicy(tokenizer, ["1"]), cfg, [0])
+    assert [n.error.startswith("engine error ValueError: chat template") for n in tree.nodes.values()] == [True] * 3
+    assert len(made) == 1
+
+
+def test_an_env_hung_in_reset_or_restore_is_killed_when_its_episode_times_out(tokenizer):
+    """A reset or a branch's restore that hung past ``episode_timeout_s`` left its env held, not
+    killed, until the run ended (a hung child process, a sandbox, for the rest of the batch)."""
+    import asyncio
+    import functools
+
+    from agentrl.rollout.budget import BudgetMeter
+    from agentrl.rollout.episodes import EpisodePlayer
+    from agentrl.types import Node, RolloutTree
+
+    class Hanging:
+        def __init__(self):
+            self.released = []
+
+        async def acquire(self):
+            return "env"
+
+        async def call(self, env, method, *args):
+            await asyncio.sleep(60)
+
+        def release(self, env, healthy, hung=False):
+            self.released.append((env, healthy, hung))
+
+    cfg = load_config(overrides=["rollout.episode_timeout_s=0.2"])
+    for how in ("reset", "restore"):
+        envs = Hanging()
+        player = EpisodePlayer(MockPolicy(tokenizer, ["1"]), cfg, envs, BudgetMeter())  # type: ignore[arg-type]
+        tree = RolloutTree(meta={"seed": 0, "task": 0})
+        root = tree.add(Node(action_ids=[1], open=True, snapshot="n0"))
+        tree.snapshots["n0"] = type("Point", (), {"env": "snap"})()
+        start = (functools.partial(player.start, tree, 0, 0) if how == "reset"
+                 else functools.partial(player.resume, tree, 0, root.id, root.id, None, 1))
+        asyncio.run(player.episode(start, tree, None, 0, anchor=None if how == "reset" else root.id))
+        assert envs.released == [("env", False, True)], how
