@@ -469,12 +469,20 @@ def _unknown_key(schema: type[BaseModel], loc: tuple[Any, ...]) -> str:
     return f"unknown key (did you mean {' or '.join(repr(prefix + c) for c in close)}?)"
 
 
+def _read_as(value: Any) -> str:
+    """What YAML made of a value that should have been text: 'null', 'the int 83'."""
+    return "null" if value is None else f"the {type(value).__name__} {value!r}"
+
+
 def _format(err: ValidationError, schema: type[BaseModel]) -> str:
     lines = []
     for e in err.errors():
         path = ".".join(_walk(schema, e["loc"])[0]) or "<root>"
         reason = (_unknown_key(schema, e["loc"]) if e["type"] == "extra_forbidden"
                   else e["msg"].removeprefix("Value error, "))
+        if e["type"] == "string_type" and (e["input"] is None or isinstance(e["input"], int | float)):
+            # YAML reads 0123 as the octal int 83, 1.0 as a float, yes as true and ~ as null
+            reason += f" (YAML read the value as {_read_as(e['input'])}: quote it to keep it text)"
         lines.append(f"{path}: {reason}")
     return "invalid config: " + "; ".join(lines)
 
