@@ -10,11 +10,13 @@ A harness that knows nothing of agentrl plays an env through these routes
     GET  /registry             -> registered env ids
     GET  /health
 
-The ``/envs/{id}`` routes also take that env's own ``key`` as the bearer
-token; it opens no other env and no other route. A harness gets that key, not
-the server's token (``harness.run_harness_episode``): it plays its own episode
-and cannot make envs (filling ``max_envs`` for every other episode), nor step,
-read or close another episode's env.
+The ``GET /envs/{id}`` and ``.../step`` routes also take that env's own
+``key`` as the bearer token; it opens no other env and no other route. A
+harness gets that key, not the server's token (``harness.run_harness_episode``):
+it plays its own episode and cannot make envs (filling ``max_envs`` for every
+other episode), nor step, read or close another episode's env, nor close its
+own (the runner's close reads the reward: an env closed before it failed the
+episode, which credit leaves out, so a losing model could dodge its reward).
 
 Outcomes sort as in ``ToolEnv``: a request the server cannot read (bad JSON, a
 missing or mistyped field) is a 400 that names the field; an unknown env id a
@@ -137,13 +139,17 @@ def create_env_app(config: EnvServerConfig) -> Any:
         if not hmac.compare_digest(bearer(request), expected):
             raise HTTPError(401, "missing or wrong bearer token (an env's own key opens only that env)")
 
-    def live(request: Request) -> tuple[str, _Live]:
+    def live(request: Request, server_only: bool = False) -> tuple[str, _Live]:
+        """The env the route names; ``server_only``: a route its own key does not open (close)."""
         given, eid = bearer(request), request.path_params["eid"]
         state = envs.get(eid)
         # An env's own key opens it alone; which envs exist is told only to the server's token.
         own = state is not None and hmac.compare_digest(given, state.key.encode())
-        if not own and not hmac.compare_digest(given, expected):
+        server = hmac.compare_digest(given, expected)
+        if not own and not server:
             raise HTTPError(401, "missing or wrong bearer token")
+        if server_only and not server:  # the runner reads the reward in the close: not the harness's call
+            raise HTTPError(403, "closing an env takes the server's token; its own key steps and reads it")
         if state is None:
             raise HTTPError(404, f"no env {eid!r} (closed, expired or never made)")
         state.last_used = time.monotonic()
@@ -233,7 +239,7 @@ def create_env_app(config: EnvServerConfig) -> Any:
                              "truncated": bool(truncated), "info": info})
 
     async def close(request: Request) -> Response:
-        eid, state = live(request)
+        eid, state = live(request, server_only=True)
         # After the step in flight, if any (a harness that exited or was killed mid-step): the
         # state it returns holds that step's reward, and the env is not closed under it.
         async with state.lock:

@@ -135,7 +135,8 @@ def test_an_envs_own_key_opens_that_env_alone():
         assert httpx.post(f"{server.url}/envs", json={"env_id": "review/Slow-v0"}, headers=own).status_code == 401
         assert httpx.get(f"{server.url}/registry", headers=own).status_code == 401
         assert httpx.get(f"{server.url}/envs/nope", headers=own).status_code == 401
-        assert httpx.post(f"{server.url}/envs/{a['id']}/close", headers=own).json()["reward"] == 1.0
+        assert httpx.post(f"{server.url}/envs/{a['id']}/close", headers=own).status_code == 403  # the runner's
+        assert httpx.post(f"{server.url}/envs/{a['id']}/close", headers=AUTH).json()["reward"] == 1.0
         assert httpx.get(f"{server.url}/envs/{b['id']}", headers=AUTH).json()["steps"] == 0  # the token: any env
 
 
@@ -150,3 +151,18 @@ def test_a_close_that_hangs_in_the_env_still_answers_with_the_state():
         assert time.monotonic() - t0 < 2.5  # the slow close takes 3 s
         assert state["reward"] == 1.0 and state["terminated"]
         assert httpx.get(f"{server.url}/envs/{eid}", headers=AUTH).status_code == 404
+
+
+def test_an_envs_own_key_plays_and_reads_it_but_cannot_close_it():
+    """The harness holds its env's key. Closing the env with it made the runner's close a 404, so
+    the reward could not be read and the episode failed: credit leaves failed episodes out, so
+    a model could learn to close an env it was losing. Closing takes the server's token."""
+    with RunningServer(create_env_app(EnvServerConfig(token=TOKEN))) as server:
+        made = _make(server.url).json()
+        here, key = f"{server.url}/envs/{made['id']}", {"Authorization": f"Bearer {made['key']}"}
+        assert httpx.get(here, headers=key).status_code == 200
+        r = httpx.post(f"{here}/close", headers=key)
+        assert r.status_code == 403 and "server's token" in r.json()["error"]["message"], r.text
+        assert httpx.post(f"{here}/step", json={"action": "x"}, headers=key).json()["reward"] == 1.0
+        state = httpx.post(f"{here}/close", headers=AUTH).json()
+        assert state["reward"] == 1.0 and state["terminated"]
