@@ -90,7 +90,7 @@ def rollout(
     from .config import load_config
     from .env import check_env_kwargs, resolve_env_id
     from .policy.for_run import open_policy, settle_for_command
-    from .rollout import RunInterrupted, make_out_dir, run_episodes, summarize, write_run
+    from .rollout import RunInterrupted, run_episodes, summarize, write_run
     from .rollout.allocators import ALLOCATORS
     from .train.output_lock import output_lock
 
@@ -105,8 +105,8 @@ def rollout(
             cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too
             cfg.env.id = resolve_env_id(cfg.env.id, cfg.env.imports)
             check_env_kwargs(cfg.env.id, cfg.env.kwargs, imports=cfg.env.imports)  # else every episode fails
-            make_out_dir(cfg.rollout.out_dir, "rollout.out_dir")  # before the episodes, not after them
-            held.enter_context(output_lock(Path(cfg.rollout.out_dir), "rollout.out_dir"))  # one run at a time
+            # one run at a time in a folder it can write, checked before the episodes, not after them
+            held.enter_context(output_lock(Path(cfg.rollout.out_dir), "rollout.out_dir"))
             console.print(settle_for_command(cfg))
             r = cfg.rollout
             total = r.budget if r.budget and r.budget_unit == "leaves" else None

@@ -123,7 +123,7 @@ def eval_command(
     from .config import load_config
     from .env import check_env_kwargs, resolve_env_id
     from .policy.for_run import open_policy, settle_for_command
-    from .rollout import RunInterrupted, make_out_dir, write_run
+    from .rollout import RunInterrupted, write_run
     from .train.output_lock import output_lock
 
     flags = {"policy.model": model, "policy.backend": backend, "rollout.episodes": episodes,
@@ -146,8 +146,10 @@ def eval_command(
                 raise ConfigError(f"--episodes {episodes} is not read here: {env_id} says its split "
                                   f"{counted.split!r} holds {counted.num_tasks} tasks, and all are played; "
                                   "give --limit N for the first N")
-            make_out_dir(out, "--out")  # before the episodes, not after them
-            held.enter_context(output_lock(Path(out), "--out"))  # one run at a time in a folder
+            if not out:  # Path("") is the working directory: an unset shell variable, most likely
+                raise ConfigError("--out is empty: give the run a folder")
+            # one run at a time in a folder it can write, checked before the episodes, not after them
+            held.enter_context(output_lock(Path(out), "--out"))
             console.print(loading)
             for p in plans:
                 if p.held_out:

@@ -134,3 +134,30 @@ def test_each_command_refuses_an_unwritable_output_folder_before_any_model_loads
     text = "".join(result.output.split())  # rich wraps long lines, a path at a slash too
     assert result.exit_code == 2, (result.output, result.exception)
     assert "".join(f"{key}={out}: cannot write into the folder: Permission denied".split()) in text
+
+
+@pytest.mark.parametrize(("argv", "key"), [
+    (["rollout", "--backend", "mock", "--episodes", "1", "--out", "private/run"], "rollout.out_dir"),
+    (["eval", "--env", "agentrl/GuessNumber-v0", "--backend", "mock", "--episodes", "1", "--out", "private/run"],
+     "--out"),
+])
+def test_an_output_folder_this_user_cannot_look_up_is_an_error_not_a_traceback(tmp_path, monkeypatch, argv, key):
+    """``--out`` under another user's private folder: rollout and eval raised PermissionError."""
+    if os.geteuid() != 0:
+        pytest.skip("needs a folder this user cannot enter: run as root, the child drops to nobody")
+    (tmp_path / "private").mkdir(mode=0o700)
+    (tmp_path / "afile").write_text("")
+    tmp_path.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    app = _app()
+    said = CliRunner().invoke(app, [*argv[:-1], "afile", "--no-progress"])  # imports what the command reads
+    assert said.exit_code == 2, said.output
+
+    def run() -> None:
+        result = CliRunner().invoke(app, [*argv, "--no-progress"])
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            raise result.exception
+        raise ConfigError(" ".join(result.output.split()))
+
+    said = _as_nobody(tmp_path, run)
+    assert f"error: {key}=private/run: cannot look the folder up: Permission denied" in said, said
