@@ -275,3 +275,32 @@ def test_a_page_waiting_for_token_texts_says_so_when_the_run_changed_under_it(br
         loaded.set()
         page.close()
         server.close()
+
+
+def test_the_page_keeps_a_bounded_number_of_bytes_of_trees_not_just_of_trees(browser_context, tmp_path):
+    """The page kept the last 24 trees it opened whatever their size (the server keeps at most
+    256 MB of them): a run of 100 MB trees (20,000-turn episodes, web pages in observations)
+    took a tab past 2 GB after 24 clicks. It now keeps at most ``S.cacheBytes`` of their JSON."""
+    from agentrl.types import write_trees
+
+    trees = [fork_tree(k) for k in range(4)]
+    for t in trees:
+        t.nodes[0].observation = "x" * 1_000_000
+    write_trees(tmp_path / "trees.jsonl", trees)
+    server = ViewerServer(Run(tmp_path / "trees.jsonl"), port=0).start()
+    page = browser_context.new_page()
+    try:
+        page.goto(server.url)
+        page.wait_for_selector("body[data-ready='1']")
+        page.evaluate("S.cacheBytes = 2_500_000")  # two of these trees
+        for k in range(4):
+            page.evaluate(f"location.hash = '#tree={k}&node=0'")
+            page.wait_for_function(f"S.treeIndex === {k}")
+        assert page.evaluate("[...S.cache.keys()]") == [2, 3]
+        page.evaluate("S.cacheBytes = 10")  # one tree bigger than the limit is still kept: it is on screen
+        page.evaluate("location.hash = '#tree=0&node=0'")
+        page.wait_for_function("S.treeIndex === 0")
+        assert page.evaluate("[...S.cache.keys()]") == [0]
+    finally:
+        page.close()
+        server.close()

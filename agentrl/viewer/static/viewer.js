@@ -15,6 +15,7 @@ const S = {
   mode: document.body.dataset.mode || "static",
   run: null,
   cache: new Map(),          // tree index -> payload (least recently used first)
+  cacheBytes: 256 * 2 ** 20, // and at most this much of their JSON text (as the server keeps)
   tree: null, treeIndex: null,
   node: null, leaf: null,
   tokenMode: "mask", showContext: true,
@@ -89,16 +90,27 @@ async function loadTree(i) {
     // the index's generation: the server refuses a tree of an index it has since rebuilt
     const r = await fetch("api/tree/" + i + (S.run.generation !== undefined ? "?generation=" + S.run.generation : ""));
     if (!r.ok) throw new Error("api/tree/" + i + ": " + r.status + " " + (await r.text()));
-    t = await r.json();
+    const text = await r.text();
+    t = JSON.parse(text);
+    t._bytes = text.length;
   } else {
     const node = $("tree-" + i);
     if (!node) throw new Error("tree " + i + " is not in this page (written with a limit?)");
     t = JSON.parse(node.textContent);
     if (t.error) throw new Error(t.error);  // --static wrote why this tree could not be drawn
+    t._bytes = node.textContent.length;
   }
   if (t.tokens_pending) return t;  // ids only, for now: not kept (awaitTokens asks again)
   S.cache.set(i, t);
-  while (S.cache.size > MAX_CACHED_TREES) S.cache.delete(S.cache.keys().next().value);
+  // a count alone let 24 trees of 100 MB (20,000-turn episodes) take a tab past 2 GB; the
+  // newest stays whatever its size: it is the one on screen
+  let held = 0;
+  for (const c of S.cache.values()) held += c._bytes || 0;
+  while (S.cache.size > 1 && (S.cache.size > MAX_CACHED_TREES || held > S.cacheBytes)) {
+    const oldest = S.cache.keys().next().value;
+    held -= S.cache.get(oldest)._bytes || 0;
+    S.cache.delete(oldest);
+  }
   return t;
 }
 
