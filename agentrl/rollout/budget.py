@@ -9,6 +9,7 @@ generates fewer tokens than it reserved gets the rest back.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from ..types import RolloutTree
@@ -26,7 +27,9 @@ class BudgetMeter:
 
     def __init__(self, budget: Budget | None = None):
         self.budget = budget
-        self.spent = 0
+        self.spent = 0  # what is charged, reservations of turns in flight included
+        self._out = 0  # tokens reserved by turns in flight, not yet settled (``refund``)
+        self._waiters: list[asyncio.Future[None]] = []
         self._continued: set[tuple[int, int]] = set()  # (id(tree), open leaf) a request continues
 
     @staticmethod
@@ -61,25 +64,56 @@ class BudgetMeter:
             return req
         return None if self.spent >= b.total else req
 
-    def reserve(self, tokens: int) -> int:
-        """Charge one turn of up to ``tokens`` tokens; returns the tokens allowed (0: spent)."""
+    async def has_room(self) -> bool:
+        """Whether a path may start: a turn can still be charged once the turns in flight have
+        given back what they reserved and did not generate (their reservations alone do not
+        spend a tokens budget)."""
+        b = self.budget
+        if b is None or b.unit == "leaves":
+            return True
+        while self.spent >= b.total and self._out > 0:
+            await self._settled()
+        return self.spent < b.total
+
+    async def reserve(self, tokens: int) -> int:
+        """Charge one turn of up to ``tokens`` tokens; returns the tokens allowed (0: spent).
+
+        In a tokens budget a turn that does not fit what is left waits while other turns'
+        reservations are in flight: with a backend that serves requests together, the first
+        few turns reserved the whole budget, and the others were cut at 0 tokens while it
+        was still to be given back. With none in flight it gets what is left."""
         b = self.budget
         if b is None or b.unit == "leaves":
             return tokens
-        left = b.total - self.spent
-        if left <= 0:
-            return 0
         if b.unit == "turns":
+            if self.spent >= b.total:
+                return 0
             self.spent += 1
             return tokens
-        self.spent += min(tokens, left)
-        return min(tokens, left)
+        while b.total - self.spent < tokens and self._out > 0:
+            await self._settled()
+        allowed = min(tokens, b.total - self.spent)
+        if allowed <= 0:
+            return 0
+        self.spent += allowed
+        self._out += allowed
+        return allowed
 
     def refund(self, reserved: int, used: int) -> None:
-        """Give back what a turn reserved and did not generate (token budgets only)."""
-        if self.budget is not None and self.budget.unit == "tokens":
+        """Settle a turn: give back what it reserved and did not generate (token budgets only)."""
+        if self.budget is not None and self.budget.unit == "tokens" and reserved > 0:
             self.spent -= reserved - used
+            self._out -= reserved
+            waiters, self._waiters = self._waiters, []
+            for w in waiters:
+                if not w.done():
+                    w.set_result(None)
 
+    async def _settled(self) -> None:
+        """Until a turn in flight settles."""
+        w = asyncio.get_running_loop().create_future()
+        self._waiters.append(w)
+        await w
 
 def clip(tree: RolloutTree, req: Fresh | Branch, left: int, report: dict[str, Any]) -> Fresh | Branch | None:
     """Shrink a request to the leaves left (never overspend); None when nothing fits."""

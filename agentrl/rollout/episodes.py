@@ -200,7 +200,7 @@ class EpisodePlayer:
 
     async def start(self, tree: RolloutTree, task: int, stream: int) -> _Path:
         """A new root path: reset the env to the task's seed and render the opening."""
-        if self.meter.exhausted():  # do not reset an env for a path that cannot take a turn
+        if not await self.meter.has_room():  # do not reset an env for a path that cannot take a turn
             raise BudgetSpent
         env = await self._acquire()
         try:
@@ -248,7 +248,7 @@ class EpisodePlayer:
                      prefix: Prefix | None, stream: int) -> _Path:
         """A new path from the state after ``point_node`` (None: the reset): restore the
         env from its snapshot or replay the actions, and fork the context."""
-        if self.meter.exhausted():
+        if not await self.meter.has_room():
             raise BudgetSpent
         tree.nodes[parent].open = False  # continued: no longer a paused leaf
         key = "root" if point_node is None else tree.nodes[point_node].snapshot
@@ -362,19 +362,20 @@ class EpisodePlayer:
         want = min(s.max_new_tokens - len(head_ids), room)
         if want <= 0:
             raise RolloutError("context budget: no room to continue the forked action")
-        allowed = self.meter.reserve(want)
+        allowed = await self.meter.reserve(want)
         if allowed == 0:
             return None
         admissible = tuple(path.admissible) if path.admissible else None
         # A constrained reply ends with its action's end token: a stop string could only cut an action.
         stop = () if admissible else tuple(s.stop)
-        params = SamplingParams(
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=allowed,
-            stop=stop, logprobs=self.top_logprobs,
-            seed=request_seed(r.seed, path.tree.meta["seed"], path.task, path.stream, path.turns))
-        request = GenerateRequest(path.ctx.ids + head_ids, params, admissible=admissible,
-                                  admissible_head=len(head_ids) if admissible else 0)
-        try:  # the prompt is a new list: the context grows in place after the call
+        try:  # every way out gives back the reservation: turns waiting for room wait on it
+            params = SamplingParams(
+                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=allowed,
+                stop=stop, logprobs=self.top_logprobs,
+                seed=request_seed(r.seed, path.tree.meta["seed"], path.task, path.stream, path.turns))
+            request = GenerateRequest(path.ctx.ids + head_ids, params, admissible=admissible,
+                                      admissible_head=len(head_ids) if admissible else 0)
+            # the prompt is a new list: the context grows in place after the call
             res = await self.policy.agenerate(request)
         except BaseException as e:  # a timeout cancels us here: refund, then go on failing
             self.meter.refund(allowed, 0)

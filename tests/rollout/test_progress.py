@@ -22,3 +22,26 @@ def test_episodes_dropped_for_a_spent_budget_are_reported_done(tokenizer):
                       Budget(3, "turns"), on_episode_done=done.append)
     assert len(list(tree.episodes())) == 1  # the first episode spent all 3 turns; the others never started
     assert len(done) == 3 and all(t is tree for t in done)
+
+
+def test_a_tokens_budget_is_not_spent_by_the_reservations_of_turns_in_flight(tokenizer):
+    """Each turn reserves ``max_new_tokens`` before its request and gets back what it did not
+    generate. With a backend that serves requests concurrently (hf, vLLM), the first two
+    turns reserved all 60 tokens: the six other episodes were cut at 0 tokens ('budget: 60
+    tokens spent', an empty node: a 0-reward member of the GRPO group) and 12 tokens were
+    spent in all. Now a turn that does not fit waits for the turns in flight to settle."""
+    import asyncio
+
+    class Concurrent(MockPolicy):
+        async def agenerate(self, request):
+            await asyncio.sleep(0.02)  # other episodes' requests go out meanwhile
+            return await super().agenerate(request)
+
+    cfg = load_config(overrides=["rollout.max_turns=3", "sampling.max_new_tokens=30", "rollout.concurrency=8",
+                                 "env.kwargs={high: 1000, max_turns: 3}"])
+    (tree,) = collect("agentrl/GuessNumber-v0", Concurrent(tokenizer, ["1"]), cfg, [0],
+                      Independent(IndependentOptions(n=8, est_leaf_cost=6)), Budget(60, "tokens"))
+    eps = list(tree.episodes())
+    assert [ep.num_turns for ep in eps] == [3] * 8  # each turn "1" is 2 tokens: 8 x 3 x 2 = 48 <= 60
+    assert tree.meta["budget"]["spent"] == 48
+    assert not any(n.info.get("truncation_reason", "").startswith("budget") for n in tree.nodes.values())
