@@ -184,44 +184,32 @@ def test_tools_too_long_for_the_budget_are_refused_before_rendering(mock_policy,
     assert "characters of message and tool text" in r.json()["error"]["message"]
 
 
-_FULL_DISK = r'''
-import resource, signal, sys
-from starlette.testclient import TestClient
-from agentrl.models import load_tokenizer
-from agentrl.policy import MockPolicy
-from agentrl.proxy import ProxyConfig, create_app
-from agentrl.types import read_trees
 
-out = sys.argv[1]
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
-client = TestClient(create_app(MockPolicy(load_tokenizer("smollm2-135m"), ["word " * 3000] * 2),
-                               ProxyConfig(out=out, max_context_tokens=8192, default_max_tokens=4000)))
-sids = [client.post("/sessions").json()["session_id"] for _ in range(2)]
-for sid in sids:
-    client.post(f"/sessions/{sid}/v1/chat/completions", json={"model": "m", "messages": [
-        {"role": "user", "content": "hi"}]}).raise_for_status()
-assert client.post(f"/sessions/{sids[0]}/close").status_code == 200
-size = len(open(out, "rb").read())
-resource.setrlimit(resource.RLIMIT_FSIZE, (size + 1000, resource.RLIM_INFINITY))  # the disk fills mid-line
-r = client.post(f"/sessions/{sids[1]}/close")
-assert r.status_code == 500, r.text
-resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))  # space freed
-assert client.post(f"/sessions/{sids[1]}/close").status_code == 200  # closed again, as the 500 says
-print(sorted(t.meta["session_id"] for t in read_trees(out)) == sorted(sids))
-'''
-
-
-def test_a_close_that_fails_mid_write_leaves_no_broken_line_in_out(tmp_path):
+def test_a_close_that_fails_mid_write_leaves_no_broken_line_in_out(mock_policy, serve, tmp_path):
     """The disk fills while a tree is written: the close is a 500 and the session stays open,
     to be closed again. The part of the line that was written stayed in ``out``, so the file
     then held a line that is no JSON and read_trees failed on all of it."""
-    import subprocess
-    import sys
+    import resource
+    import signal
+
+    from agentrl.types import read_trees
 
     out = tmp_path / "trees.jsonl"
-    run = subprocess.run([sys.executable, "-c", _FULL_DISK, str(out)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0 and run.stdout.strip() == "True", run.stderr[-2000:]
-
+    server = serve(mock_policy(["word " * 3000] * 2), out=str(out), max_context_tokens=8192, default_max_tokens=4000)
+    sids = [httpx.post(f"{server.url}/sessions").json()["session_id"] for _ in range(2)]
+    for sid in sids:
+        httpx.post(f"{server.url}/sessions/{sid}/v1/chat/completions", json={"model": "m", "messages": USER},
+                   timeout=30).raise_for_status()
+    httpx.post(f"{server.url}/sessions/{sids[0]}/close").raise_for_status()
+    limits, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:  # the disk fills mid-line: a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (out.stat().st_size + 1000, limits[1]))
+        assert httpx.post(f"{server.url}/sessions/{sids[1]}/close").status_code == 500
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    httpx.post(f"{server.url}/sessions/{sids[1]}/close").raise_for_status()  # closed again, as the 500 says
+    assert sorted(t.meta["session_id"] for t in read_trees(out)) == sorted(sids)
 
 def test_a_text_prompt_too_long_for_the_budget_is_refused_before_tokenizing(mock_policy, serve):
     """/v1/completions tokenized a 7.5 MB text prompt on the event loop before the budget's
