@@ -430,6 +430,12 @@ class Run:
                 self.config_problems.append(f"{where}: {key} not read (a {type(out[key]).__name__}, "
                                             "not a mapping)")
                 del out[key]
+        for section, key, kind, what in _KEYS:  # the keys inside them the viewer reads as one kind
+            got = (out.get(section) or {}).get(key)
+            if got is not None and not isinstance(got, kind):
+                self.config_problems.append(f"{where}: {section}.{key} not read (a {type(got).__name__}, "
+                                            f"not {what})")
+                out[section] = {k: v for k, v in out[section].items() if k != key}
         return out
 
     @cached_property
@@ -456,6 +462,8 @@ class Run:
 
 
 _SECTIONS = ("env", "policy", "rollout", "sampling", "train", "sft")  # the config sections the viewer reads
+_KEYS = (("train", "distill", dict, "a mapping"), ("train", "credit_options", dict, "a mapping"),
+         ("env", "id", str, "a name"))  # keys read as mappings (.get, dict()) or joined as text (the title)
 
 
 def _read_config(path: Path) -> dict[str, Any] | str:

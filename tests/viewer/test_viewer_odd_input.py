@@ -304,3 +304,27 @@ def test_the_page_keeps_a_bounded_number_of_bytes_of_trees_not_just_of_trees(bro
     finally:
         page.close()
         server.close()
+
+
+def test_a_config_key_of_the_wrong_type_inside_a_section_is_named_not_fatal(tmp_path):
+    """Sections of the wrong type were named and dropped, but not the keys inside them the
+    viewer reads: a hand-written ``train.distill: x``, ``train.credit_options: [1]`` or
+    ``env.id: {a: 1}`` raised out of the run index (a blank page), of every tree's payload,
+    and of ``agentrl report``."""
+    from agentrl.types import write_trees
+    from agentrl.viewer import run_index, tree_data
+    from agentrl.viewer.report import write_report
+
+    write_trees(tmp_path / "trajectories.jsonl", [fork_tree()])
+    (tmp_path / "config.yaml").write_text(
+        "env:\n  id: {a: 1}\ntrain:\n  credit: gigpo\n  credit_options: [1]\n  distill: x\npolicy:\n  model: m\n")
+    run = Run(tmp_path)
+    assert run.config == {"env": {}, "train": {"credit": "gigpo"}, "policy": {"model": "m"}}
+    index = run_index(run)
+    assert index["totals"]["trees"] == 1 and index["about"]["credit"] == "gigpo"
+    about = index["about"]["config"]
+    for key, kind in (("env.id", "dict"), ("train.credit_options", "list"), ("train.distill", "str")):
+        assert f"{key} not read (a {kind}" in about, about
+    assert tree_data(run, 0, None)["credit"]["method"] == "gigpo"
+    write_report([tmp_path], tmp_path / "report")
+    assert (tmp_path / "report" / "report.md").is_file()
