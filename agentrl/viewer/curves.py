@@ -31,10 +31,13 @@ PANELS: tuple[Panel, ...] = (
 
 
 def _num(v: Any) -> float | None:
+    """``v`` as a finite float; None for anything else (text, NaN, an integer past float's range)."""
     if isinstance(v, bool):
         return float(v)
-    if isinstance(v, int | float) and math.isfinite(v):
-        return float(v)
+    if isinstance(v, int):
+        v = float(v) if -1e308 < v < 1e308 else math.inf  # float() of a 400-digit integer raises
+    if isinstance(v, float) and math.isfinite(v):
+        return v
     return None
 
 

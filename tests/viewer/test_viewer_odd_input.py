@@ -328,3 +328,15 @@ def test_a_config_key_of_the_wrong_type_inside_a_section_is_named_not_fatal(tmp_
     assert tree_data(run, 0, None)["credit"]["method"] == "gigpo"
     write_report([tmp_path], tmp_path / "report")
     assert (tmp_path / "report" / "report.md").is_file()
+
+
+def test_a_metric_too_big_for_a_float_is_left_out_of_its_curve_not_a_blank_page():
+    """``math.isfinite`` of an integer of 400 digits raises OverflowError: one such value in
+    ``metrics.jsonl`` raised out of the run index (a blank page) and the report's plots."""
+    from agentrl.viewer.curves import curve_panels, series
+
+    rows = [{"step": 1, "rollout/reward": 0.5}, {"step": 2, "rollout/reward": 10**400},
+            {"step": 10**400, "rollout/reward": 0.25}, {"step": 3, "rollout/reward": 0.75}]
+    assert series(rows, "rollout/reward") == [(1.0, 0.5), (3.0, 0.75)]
+    reward = next(p for p in curve_panels(rows) if p["title"] == "reward")
+    assert reward["series"][0]["points"] == [[1.0, 0.5], [3.0, 0.75]]
