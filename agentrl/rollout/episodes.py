@@ -250,7 +250,6 @@ class EpisodePlayer:
         env from its snapshot or replay the actions, and fork the context."""
         if not await self.meter.has_room():
             raise BudgetSpent
-        tree.nodes[parent].open = False  # continued: no longer a paused leaf
         key = "root" if point_node is None else tree.nodes[point_node].snapshot
         point = tree.snapshots.get(key) if key else None
         env = await self._acquire()
@@ -326,6 +325,8 @@ class EpisodePlayer:
             turn = await self._sample(path, prefix or ([], [], []))
             prefix = None
             if turn is None:
+                if not path.added:  # no turn at all: dropped like a path that never started
+                    raise BudgetSpent
                 self._truncate_last(path, self.meter.reason())
                 return
             node, allowed = turn
@@ -451,6 +452,8 @@ class EpisodePlayer:
     def _add(self, path: _Path, node: Node) -> Node:
         """Add the path's next node. Its id is provisional until the round ends; then
         ``renumber`` orders the round's nodes by (path stream, nth node of the path)."""
+        if not path.added and path.parent is not None:  # continued: no longer a paused leaf
+            path.tree.nodes[path.parent].open = False
         path.tree.add(node, path.parent)
         self.keys[id(node)] = (path.stream, path.added)
         path.parent, path.added = node.id, path.added + 1

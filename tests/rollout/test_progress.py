@@ -7,9 +7,11 @@ run stopped short (1 of 3 below) and looked hung.
 
 from __future__ import annotations
 
+import pytest
+
 from agentrl.config import load_config
 from agentrl.policy import MockPolicy
-from agentrl.rollout import Budget, collect
+from agentrl.rollout import Budget, Fresh, collect
 from agentrl.rollout.allocators import Independent, IndependentOptions
 
 
@@ -45,3 +47,31 @@ def test_a_tokens_budget_is_not_spent_by_the_reservations_of_turns_in_flight(tok
     assert [ep.num_turns for ep in eps] == [3] * 8  # each turn "1" is 2 tokens: 8 x 3 x 2 = 48 <= 60
     assert tree.meta["budget"]["spent"] == 48
     assert not any(n.info.get("truncation_reason", "").startswith("budget") for n in tree.nodes.values())
+
+
+@pytest.mark.parametrize("unit, total", [("turns", 5), ("tokens", 9)])
+def test_paths_that_started_together_when_the_budget_ran_out_leave_no_empty_episodes(tokenizer, unit, total):
+    """Eight paths start at once with room for some: those whose first turn found the budget
+    spent were recorded as empty episodes (a node with no action, truncated 'budget: ...'),
+    0-reward members of the group. Now they are dropped, as a path that never started is."""
+    import asyncio
+
+    class Concurrent(MockPolicy):
+        async def agenerate(self, request):
+            await asyncio.sleep(0.02)
+            return await super().agenerate(request)
+
+    class Eight:
+        name, needs_snapshots, top_logprobs = "eight", False, 0
+
+        def plan(self, state):
+            return [Fresh(0, 8)] if state.round == 0 else []
+
+    cfg = load_config(overrides=["rollout.max_turns=3", "rollout.concurrency=8",
+                                 "env.kwargs={high: 1000, max_turns: 3}"])
+    done = []
+    (tree,) = collect("agentrl/GuessNumber-v0", Concurrent(tokenizer, ["1"]), cfg, [0], Eight(),
+                      Budget(total, unit), on_episode_done=done.append)
+    eps = list(tree.episodes())
+    assert eps and all(sum(ep.loss_mask) > 0 for ep in eps), [sum(ep.loss_mask) for ep in eps]
+    assert tree.meta["budget"]["spent"] == total and len(done) == 8
