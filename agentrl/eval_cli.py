@@ -7,8 +7,8 @@
 
 ``--env`` defaults to the ``--config``'s ``env.id``, so one config serves
 ``train``, ``rollout`` and ``eval``; given a training config, an env that does not
-count its tasks plays the run's held-out ones (``train.evaluation``), not its
-training tasks. ``--split`` takes several splits, comma separated, and gives one
+count its tasks plays the run's held-out ones (``train.evaluation``: its seeds,
+env kwargs and temperature, with ``rollout.max_turns``), not its training tasks. ``--split`` takes several splits, comma separated, and gives one
 report each.
 Greedy decoding by default (temperature 0, one sample a task); ``--k K``
 samples ``--samples N`` (default K) episodes a task at ``--temperature``
@@ -136,12 +136,17 @@ def eval_command(
                 raise ConfigError("which env? give --env, or a --config whose env.id names it")
             env_id = cfg.env.id = resolve_env_id(env or cfg.env.id, cfg.env.imports)
             check_env_kwargs(env_id, cfg.env.kwargs, imports=cfg.env.imports)  # else every episode fails
-            if temperature is None and (samples or k) == 1:
+            one_sample, sampling_temperature = temperature is None and (samples or k) == 1, cfg.sampling.temperature
+            if one_sample:
                 cfg.sampling.temperature = 0.0
             loading = settle_for_command(cfg)
             # every split read before the model loads: a bad --k or split fails in seconds
             held_out = train_held_out(cfg)
             plans = [plan_split(env_id, cfg, one, k, samples, limit, held_out) for one in split_names(split)]
+            for p in plans:
+                if p.held_out and one_sample and held_out is not None:  # as the training run evaluated
+                    p.cfg.sampling.temperature = (sampling_temperature if held_out.temperature is None
+                                                  else held_out.temperature)
             if episodes is not None and (counted := next((p for p in plans if p.num_tasks), None)):
                 raise ConfigError(f"--episodes {episodes} is not read here: {env_id} says its split "
                                   f"{counted.split!r} holds {counted.num_tasks} tasks, and all are played; "
@@ -154,8 +159,9 @@ def eval_command(
             for p in plans:
                 if p.held_out:
                     console.print(f"{env_id} does not count its tasks: playing train.evaluation's held-out "
-                                  f"tasks ({len(p.seeds)} seeds, {p.seeds[0]} first{_kwargs_said(p, cfg)}), as "
-                                  "the training run evaluated; --episodes or rollout.seed picks others",
+                                  f"tasks ({len(p.seeds)} seeds, {p.seeds[0]} first{_kwargs_said(p, cfg)}, "
+                                  f"temperature {p.cfg.sampling.temperature:g}), as the training run "
+                                  "evaluated; --episodes or rollout.seed picks others",
                                   highlight=False)
             reports, all_trees, interrupted = [], [], False
             with open_policy(cfg) as policy:

@@ -105,3 +105,22 @@ def test_a_bad_held_out_section_is_the_error_agentrl_train_gives(tmp_path):
     assert result.exit_code == 2
     assert ("train.evaluation.episods: unknown key (did you mean 'train.evaluation.episodes'?)"
             in " ".join(result.output.split()))
+
+
+@pytest.mark.parametrize(("evaluation", "flags", "temperature"), [
+    ({"temperature": 0.5}, [], 0.5),  # as the training run evaluated
+    ({"temperature": None}, [], 0.9),  # null: sampling.temperature, in training too
+    ({}, [], 0.0),  # greedy, in both
+    ({"temperature": 0.5}, ["--temperature", "0"], 0.0),  # the flag wins
+    ({"temperature": 0.5}, ["--episodes", "2"], 0.0),  # tasks of the user's: agentrl eval's greedy default
+])
+def test_held_out_tasks_are_played_at_the_training_runs_evaluation_temperature(
+        tmp_path, evaluation, flags, temperature):
+    config = {**TRAIN, "sampling": {"temperature": 0.9}, "train": {"evaluation": {"episodes": 2, **evaluation}}}
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = tmp_path / "eval"
+    result = CliRunner().invoke(app, ["eval", "--config", str(path), "--out", str(out), "--no-progress", *flags])
+    assert result.exit_code == 0, (result.output, result.exception)
+    [report] = json.loads((out / "summary.json").read_text())["reports"]
+    assert report["temperature"] == temperature
