@@ -668,7 +668,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            loaded = _load_yaml(Path(path).read_text())
+            loaded = _load_yaml(Path(path).read_text(encoding="utf-8"))  # YAML's own, whatever the locale
+        except UnicodeDecodeError as e:  # an editor's Latin-1, say: a ValueError, which escaped as a traceback
+            raise ConfigError(f"cannot read config {path}: it is not UTF-8 text (byte 0x{e.object[e.start]:02x} "
+                              f"at offset {e.start}); save it as UTF-8") from None
         except (OSError, yaml.YAMLError) as e:
             raise ConfigError(f"cannot read config {path}: {e}") from e
         if loaded is not None and not isinstance(loaded, dict):
