@@ -340,3 +340,27 @@ def test_a_metric_too_big_for_a_float_is_left_out_of_its_curve_not_a_blank_page(
     assert series(rows, "rollout/reward") == [(1.0, 0.5), (3.0, 0.75)]
     reward = next(p for p in curve_panels(rows) if p["title"] == "reward")
     assert reward["series"][0]["points"] == [[1.0, 0.5], [3.0, 0.75]]
+
+
+def test_a_run_index_the_server_cannot_build_shows_its_reason_on_the_page(browser_context, tmp_path,
+                                                                           monkeypatch):
+    """The page said only 'could not load the run: Error: api/run: 500'; the server's answer
+    says why, and the page now shows it."""
+    from agentrl.types import write_trees
+
+    write_trees(tmp_path / "trees.jsonl", [fork_tree()])
+    server = ViewerServer(Run(tmp_path / "trees.jsonl"), port=0).start()
+
+    def broken() -> bytes:
+        raise PermissionError(13, "Permission denied", "metrics.jsonl")
+
+    monkeypatch.setattr(server, "index_json", broken)
+    page = browser_context.new_page()
+    try:
+        page.goto(server.url)
+        page.wait_for_selector("pre")
+        shown = page.inner_text("pre")
+    finally:
+        page.close()
+        server.close()
+    assert "500" in shown and "Permission denied" in shown and "metrics.jsonl" in shown, shown

@@ -74,7 +74,7 @@ const compact = (x) => Math.abs(x) >= 1e4 ? (x / 1e3).toFixed(Math.abs(x) >= 1e5
 async function loadRun() {
   if (S.mode === "server") {
     const r = await fetch("api/run");
-    if (!r.ok) throw new Error("api/run: " + r.status);
+    if (!r.ok) throw new Error("api/run: " + r.status + " " + (await r.text()));  // the server says why
     return r.json();
   }
   return JSON.parse($("run-data").textContent);
