@@ -73,9 +73,10 @@ def held_out_overlaps(cfg: TrainRunConfig) -> list[str]:
     held = _seeds(ev.task_seeds, ev.seed_start, ev.episodes)
     trained = {}
     if t.steps and not any(stage.env_kwargs for stage in t.curriculum):
+        played = t.steps * t.tasks_per_step  # a pool of task_seeds is cycled: the first this many
         trained["RL training tasks (train.task_seed_start, train.task_seeds)"] = (
-            set(t.task_seeds) if t.task_seeds is not None
-            else set(range(t.task_seed_start, t.task_seed_start + t.steps * t.tasks_per_step)))
+            set(t.task_seeds[:played]) if t.task_seeds is not None
+            else set(range(t.task_seed_start, t.task_seed_start + played)))
     if s.enabled and not s.levels:
         trained["SFT expert tasks (sft.seed_start, sft.task_seeds)"] = _seeds(s.task_seeds, s.seed_start, s.episodes)
     return [f"{len(held & seeds)} of the {len(held)} held-out task seeds (train.evaluation) are {what}, "

@@ -66,6 +66,7 @@ def test_held_out_seeds_that_are_trained_on_are_named(sets, said):
     [],  # the defaults: RL from 0, held out from 1,000,000
     ["train.evaluation.seed_start=100", "train.evaluation.env_kwargs={high: 4}"],  # other tasks on those seeds
     ["train.evaluation.seed_start=100", "train.steps=0", "sft.episodes=0"],
+    ["train.task_seeds=[1, 2, 3, 9]", "train.steps=1", "train.tasks_per_step=2", "train.evaluation.task_seeds=[9]"],
 ])
 def test_disjoint_or_other_env_held_out_seeds_get_no_warning(sets):
     assert held_out_overlaps(load_train_config(overrides=sets)) == []
