@@ -267,7 +267,7 @@ class RayEnv:
 
         if self._pool is None or not isinstance(e, ActorDiedError):
             return False
-        nxt = self._pool.lost(self._index, str(ray_error(e, EnvError, "the last one")))
+        nxt = self._pool.lost(self._index, str(ray_error(e, EnvError, f"env worker {self._index}")))
         if not self._fresh(method):
             return False  # the env's state died with it: the episode fails
         if nxt is None:
@@ -429,7 +429,7 @@ class EnvWorkerPool:
         """Why no env can run here any more, when every worker is lost; else None."""
         if len(self._lost) < len(self.workers):
             return None
-        why = f": the last said {self._lost_reason}" if self._lost_reason else ""
+        why = f"; last: {self._lost_reason}" if self._lost_reason else ""
         return (f"every env worker of {self.env_id} is lost ({len(self.workers)} of them; Ray restarts a "
                 f"worker distributed.max_restarts={self.options['max_restarts']} times){why}")
 

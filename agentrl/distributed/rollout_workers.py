@@ -511,7 +511,7 @@ class RayPolicy:
         with self._state_lock:
             if len(self._dead) < len(self.workers) or self._closed:
                 return None
-            why = f": the last said {self._lost_reason}" if self._lost_reason else ""
+            why = f"; last: {self._lost_reason}" if self._lost_reason else ""
         return (f"every rollout worker is lost ({len(self.workers)} of them; Ray restarts a worker "
                 f"distributed.max_restarts={self._max_restarts} times){why}")
 

@@ -108,7 +108,7 @@ def test_a_retired_pool_goes_first_and_the_evaluation_s_is_the_one_kept(pools):
     assert not env_workers.retire_env_worker_pool(_cfg(9, 0.25))  # none made for it
 
 
-def test_a_worker_whose_threads_all_hang_is_dealt_no_more_envs(pools, monkeypatch):
+def test_a_worker_whose_threads_all_hang_is_dealt_no_more_envs(pools, monkeypatch, tmp_path):
     """Env steps that hang past their episode's timeout keep their worker's threads: a worker
     whose every thread is held so can run no call, yet round-robin dealt it every other env,
     whose episodes then waited out their own timeouts. Once every worker is so, the env
@@ -119,20 +119,25 @@ def test_a_worker_whose_threads_all_hang_is_dealt_no_more_envs(pools, monkeypatc
     from agentrl.errors import EnvError
 
     monkeypatch.setattr(env_workers, "MAX_CALLS_PER_WORKER", 2)  # threads a worker runs at once
-    pool = EnvWorkerPool("agentrl-test/Hangs-v0", {}, _cfg(3, 0.25, workers=2).distributed,
+    mark = tmp_path / "hangs"
+    pool = EnvWorkerPool("agentrl-test/Hangs-v0", {"mark": str(mark)}, _cfg(3, 0.25, workers=2).distributed,
                          ["tests.distributed.worker_envs"])
-    try:
-        assert _alive(pools, pool)  # started: a call the timeout cancels before it runs holds no thread
-        async def hang(worker: int) -> None:  # an episode that gives up on a hung step
+
+    async def hang_all(worker: int) -> None:  # two episodes that give up on a hung step each
+        envs = []
+        while len(envs) < 2:
             env = pool.make_env()
-            while env._index != worker:
-                env = pool.make_env()
-            with pytest.raises(TimeoutError):
-                await asyncio.wait_for(env.acall("step", "hang"), 2.0)
+            envs += [env] if env._index == worker else []
+        calls = [asyncio.ensure_future(env.acall("step", "hang")) for env in envs]
+        deadline = time.monotonic() + 60
+        while (mark.read_text().count("hang") if mark.exists() else 0) < 2 * (worker + 1):
+            assert time.monotonic() < deadline, "the hung steps did not begin"
+            await asyncio.sleep(0.05)
+        for call in calls:  # their episodes time out: the calls go on in the worker's threads
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
 
-        async def hang_all(worker: int) -> None:
-            await asyncio.gather(hang(worker), hang(worker))
-
+    try:
         asyncio.run(hang_all(0))
         assert {pool.make_env()._index for _ in range(4)} == {1}
         asyncio.run(hang_all(1))

@@ -40,7 +40,7 @@ def test_workers_gone_says_why_once_every_worker_is_lost():
     assert p.workers_gone() is None  # one still serves
     p._dead, p._lost_reason = {0, 1}, "rollout worker 1 died or is unreachable (ActorDiedError: killed)"
     assert p.workers_gone() == ("every rollout worker is lost (2 of them; Ray restarts a worker "
-                                "distributed.max_restarts=3 times): the last said rollout worker 1 died or "
+                                "distributed.max_restarts=3 times); last: rollout worker 1 died or "
                                 "is unreachable (ActorDiedError: killed)")
 
 

@@ -5,7 +5,8 @@
 - ``agentrl-test/MarksClose-v0``: GuessNumber that appends a line to the file ``mark`` names when
   it is closed (a sandbox's container removed, say);
 - ``agentrl-test/Hangs-v0``: GuessNumber whose step sleeps 60 s on an action that says 'hang'
-  (a tool that never returns), holding one of its worker's threads.
+  (a tool that never returns), holding one of its worker's threads; it first appends a line to
+  the file ``mark`` names.
 """
 
 from __future__ import annotations
@@ -37,8 +38,15 @@ class MarksCloseEnv(GuessNumberEnv):
 
 
 class HangingEnv(GuessNumberEnv):
+    def __init__(self, mark: str = "", **kwargs: Any):
+        super().__init__(**kwargs)
+        self.mark = mark
+
     def step(self, action: Any) -> Any:
         if "hang" in str(action):
+            if self.mark:  # the test sees the hang has begun
+                with open(self.mark, "a") as f:
+                    f.write("hang\n")
             time.sleep(60)
         return super().step(action)
 

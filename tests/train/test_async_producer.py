@@ -94,7 +94,7 @@ def test_a_run_whose_workers_are_all_lost_stops_saying_so(monkeypatch):
         rolled = 0
 
         def workers_gone(self):
-            return "every rollout worker is lost (2 of them): the last said killed" if self.rolled else None
+            return "every rollout worker is lost (2 of them); last: rollout worker 1 died" if self.rolled else None
 
     def rollout(step, policy, max_turns):
         policy.rolled += 1
@@ -103,7 +103,7 @@ def test_a_run_whose_workers_are_all_lost_stops_saying_so(monkeypatch):
     producer = RolloutProducer(rollout, LosesItsWorkers(), start=0, end=3, max_batch_staleness=1,
                                queue_size=1).begin()
     try:
-        with pytest.raises(RolloutError, match="every rollout worker is lost.*killed.*the run stops"):
+        with pytest.raises(RolloutError, match="every rollout worker is lost.*worker 1 died.*the run stops"):
             producer.take(0)
     finally:
         producer.close(timeout=10)
