@@ -242,10 +242,10 @@ class RolloutProducer:
         while this waits (a second one, on the way out of the first) ends the wait with a
         warning and returns: what the caller closes next (the rollout source, its env workers)
         must still be closed, and the thread is a daemon."""
-        self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
         try:
+            self._stop.set()
+            with self._cond:
+                self._cond.notify_all()
             if hasattr(self.policy, "close"):
                 self.policy.close()
             self.thread.join(timeout)

@@ -61,7 +61,7 @@ def test_a_second_ctrl_c_during_close_ends_the_wait_not_the_cleanup_after_it():
 
     producer = RolloutProducer(hung, _Counting(), start=0, end=2, max_batch_staleness=0, queue_size=1).begin()
     after: list[str] = []
-    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         timer.start()
