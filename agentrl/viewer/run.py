@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
@@ -229,6 +230,34 @@ def summarize_tree_dict(data: dict[str, Any], index: int = 0, file: str = "",
         nodes=len(nodes), branch_points=branch_points, reasons=dict(reasons))
 
 
+def _loads(line: bytes) -> Any:
+    """``json.loads(line)``; from a fresh thread's stack when the caller's is too deep for it.
+
+    json's parser counts its caller's frames against the recursion limit, so whether a
+    line nested ~980 levels parses depended on who asked: it indexed when the run was
+    opened and raised when a server thread asked for the tree. A fresh thread starts at
+    depth 0, so a line parses (or not) the same wherever it is read.
+    """
+    try:
+        return json.loads(line)
+    except RecursionError:
+        got: list[Any] = []
+        failed: list[BaseException] = []
+
+        def parse() -> None:
+            try:
+                got.append(json.loads(line))
+            except BaseException as e:  # noqa: BLE001 (handed to the caller's thread, raised there)
+                failed.append(e)
+
+        worker = threading.Thread(target=parse, name="agentrl-viewer-parse")
+        worker.start()
+        worker.join()
+        if failed:
+            raise failed[0] from None
+        return got[0]
+
+
 def _step_of(path: Path) -> int | None:
     m = _STEP.search(path.stem)
     return int(m.group(1)) if m else None
@@ -304,7 +333,7 @@ class Run:
                     if not line.strip():
                         continue
                     try:
-                        data = json.loads(line)
+                        data = _loads(line)
                         summary = summarize_tree_dict(data, len(self.refs), name, step)
                     except BadLinks as e:
                         self._skip(f"{name}:{lineno} ({e})")
@@ -379,7 +408,7 @@ class Run:
         if zlib.crc32(line) != ref.crc:  # whatever lies there now is not tree ``index``
             raise RunChanged(f"{ref.file} changed since the run was indexed (its line of tree {index} "
                              "is not there any more): reload the page, or open the run again")
-        data = json.loads(line)
+        data = _loads(line)
         check_links(data)
         return RolloutTree.from_dict(data)
 

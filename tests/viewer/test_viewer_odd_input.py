@@ -364,3 +364,24 @@ def test_a_run_index_the_server_cannot_build_shows_its_reason_on_the_page(browse
         page.close()
         server.close()
     assert "500" in shown and "Permission denied" in shown and "metrics.jsonl" in shown, shown
+
+
+def test_a_tree_nested_near_the_parsers_limit_opens_from_the_server_as_it_indexed(tmp_path):
+    """json's parser counts its caller's stack against the recursion limit: a line nested 985
+    levels indexed when the run was opened (near the top of the stack) but raised
+    RecursionError when a server thread, 20 frames deeper, parsed it again: listed, never
+    shown. It is parsed from a fresh stack when the caller's is too deep."""
+    t = fork_tree().to_dict()
+    t["nodes"][1]["info"]["tool_calls"][0]["arguments"] = "DEEP"
+    deep = '{"a":' * 980 + '"bottom"' + "}" * 980  # json.dumps from pytest's stack stops short of it
+    (tmp_path / "trees.jsonl").write_text(json.dumps(t).replace('"DEEP"', deep) + "\n")
+    run = Run(tmp_path / "trees.jsonl")
+    assert len(run) == 1
+    server = ViewerServer(run, port=0).start()
+    try:
+        status, body = _get(server.url + "api/tree/0")
+    finally:
+        server.close()
+    assert status == 200, body
+    (call,) = next(n for n in body["nodes"] if n["id"] == 1)["tool_calls"]
+    assert json.dumps(call["arguments"]).count("bottom") == 1
