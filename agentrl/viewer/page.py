@@ -15,6 +15,8 @@ JSON is escaped for a script element: every ``<`` becomes ``\\u003c``, so no
 text from a run (model output, observations) can close the element. A lone
 surrogate (what ``json.loads`` makes of ``"\\ud800"`` in a harness message or a
 web page) is written as its ``\\u`` escape, since no UTF-8 encoder writes it raw.
+A value nested deeper than 100 levels (a tool call's arguments can nest as deep
+as the JSON parser reads) is written as its JSON text, with a note.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ positions where ``Episode.loss_mask`` is 1; ``null`` on a token the update
 masked out). These are what the update used, distillation included; the
 trainer writes them (``agentrl.train.token_values``). An episode the update
 left out is ``{"trained": false, "reason": ...}``, and its page says so.
+An entry that does not fit its tree (no leaf's id, not a mapping, not one number
+per action token) is left out and named in the page's credit note
+(``saved_values``); with none readable, the advantages are recomputed.
 Without them, the advantages are recomputed with
 ``agentrl.credit.assign_report`` and the run's ``train.credit`` (a run recorded
 before its options moved there: ``train.credit_options``) and
