@@ -55,9 +55,10 @@ where the histories part) is kept on the branch's first node
 Assembly (``Session.assemble``): leaves other than the last call's choices end
 paths the harness left (a retried call, an unpicked choice, an edited
 history): they are marked ``truncated`` with ``info["abandoned"] = True``, and
-keep reward 0 unless a reward is set on their call. A leaf marked so by an
-earlier assembly (a GET of the tree mid-session) that the harness then went
-on from loses the mark.
+keep reward 0 unless a reward is set on their call. Every assembly makes
+these marks (and ``side_conversation``, ``continued_by`` below) afresh: an
+earlier one (a GET of the tree mid-session) judged a session the harness then
+went on with.
 
 A side conversation is different too: a root whose first message is not the
 main conversation's (a harness's title or topic call under another system
@@ -180,6 +181,7 @@ class Session:
             self.tree.meta["session_seed"] = seed
         self._streams: dict[int, set[int]] = {}  # prompt digest -> stream indices recorded or in flight
         self._held: dict[str, list[tuple[int, int]]] = {}  # call id -> its (digest, index), until recorded
+        self._marked: set[int] = set()  # leaves the last ``assemble`` marked abandoned (and truncated)
 
     def call_seed(self, prompt_ids: list[int], own: int | None, call_id: str) -> int | None:
         """A seeded session's stream for a call, held for ``call_id``: from the session seed,
@@ -432,8 +434,10 @@ class Session:
         for nid in nodes:
             node = self.tree.nodes[nid]
             node.reward = reward
-            if call_id is None:
+            if call_id is None:  # its end is the session's now, whatever an assembly made of it
                 node.terminated, node.truncated = terminated, not terminated
+                node.info.pop("abandoned", None)
+                self._marked.discard(nid)
         return nodes
 
     def continued(self, node_ids: list[int]) -> dict[int, str]:
@@ -501,11 +505,16 @@ class Session:
 
     def assemble(self) -> RolloutTree:
         """The session's tree, with abandoned leaves marked (see the module docstring)."""
+        # An earlier assembly (a GET of the tree mid-session) judged the session as it was then:
+        # its marks are made afresh, since the harness may have gone on from a leaf it took for
+        # left or for a side conversation.
         for node in self.tree.nodes.values():
-            if node.children and node.info.pop("abandoned", False):
-                # An earlier assemble (a GET of the tree mid-session) took it for a path the
-                # harness left, and the harness went on from it: it was not done then either.
-                node.truncated = False
+            node.info.pop("side_conversation", None)
+            node.info.pop("continued_by", None)
+        for nid in self._marked:
+            self.tree.nodes[nid].info.pop("abandoned", None)
+            self.tree.nodes[nid].truncated = False  # marked only where it was not done
+        self._marked.clear()
         last = set(self.calls[-1].node_ids) if self.calls else set()
         for leaf, call_id in self.continued(sorted(last)).items():
             self.tree.nodes[leaf].info["continued_by"] = call_id
@@ -517,6 +526,7 @@ class Session:
             if leaf.id not in last and not leaf.done:
                 leaf.truncated = True
                 leaf.info["abandoned"] = True
+                self._marked.add(leaf.id)
         self.tree.meta.update(
             session_id=self.session_id, calls=len(self.calls), branches=self.branches,
             reward=self.reward, cancelled_calls=len(self.cancelled), ignored=dict(self.ignored),

@@ -218,3 +218,30 @@ def test_a_text_prompt_too_long_for_the_budget_is_refused_before_tokenizing(mock
     r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={"model": "m", "prompt": "word " * 1_500_000})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert r.json()["error"]["param"] == "prompt" and "characters" in r.json()["error"]["message"]
+
+
+def _flags(tree: dict) -> list[tuple]:
+    return [(n["info"].get("abandoned", False), n["info"].get("side_conversation", False),
+             n["info"].get("continued_by") is not None, n["truncated"], n["terminated"]) for n in tree["nodes"]]
+
+
+def test_a_tree_read_mid_session_leaves_no_stale_marks_on_the_final_tree(mock_policy, serve):
+    """GET .../tree assembles the tree so far: the main conversation's leaf, seen beside a
+    later side conversation (a title call), was marked a side conversation, and kept the mark
+    once the harness went on from it. The final tree is the same whether or not it was read."""
+    server = serve(mock_policy(["r1", "title", "r2"] * 2))
+    main = [{"role": "system", "content": "You help."}, {"role": "user", "content": "u1"}]
+    side = [{"role": "system", "content": "Write a title."}, {"role": "user", "content": "u1"}]
+    trees = []
+    for read_midway in (False, True):
+        s = httpx.post(f"{server.url}/sessions").json()
+        here = f"{server.url}/sessions/{s['session_id']}"
+        for k, messages in enumerate([main, side, [*main, {"role": "assistant", "content": "r1"},
+                                                   {"role": "user", "content": "u2"}]]):
+            if k == 2 and read_midway:
+                httpx.get(f"{here}/tree").raise_for_status()
+            httpx.post(f"{s['base_url']}/chat/completions", json={"model": "m", "messages": messages}).raise_for_status()
+        httpx.post(f"{here}/reward", json={"reward": 1.0}).raise_for_status()
+        trees.append(httpx.post(f"{here}/close").json())
+    assert _flags(trees[1]) == _flags(trees[0])
+    assert _flags(trees[0])[0] == (False, False, False, False, False)  # the main path's first node
