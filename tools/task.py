@@ -13,6 +13,8 @@ from typing import Any
 
 from agentrl.sandboxes.base import Sandbox
 
+from .base import _in_thread
+
 __all__ = ["Task"]
 
 
@@ -43,7 +45,8 @@ class Task:
             await sandbox.write_file(path, data)
 
     async def score(self, answer: str, sandbox: Sandbox | None) -> float:
-        """The reward of the final ``answer``."""
+        """The reward of the final ``answer``; ``verify`` runs on a thread of its own, off the
+        event loop every ``ToolEnv`` of the process shares."""
         if self.verify is None:
             raise NotImplementedError("give Task a verify function or override score()")
-        return float(self.verify(answer))
+        return float(await _in_thread(self.verify, answer, "agentrl-verify"))

@@ -51,13 +51,16 @@ admissible actions and state key), since a tool turn does not step it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import difflib
 import functools
 import inspect
 import math
 import numbers
+import queue
 import re
+import threading
 import traceback
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -252,6 +255,53 @@ def _tool_failure(name: str, err: BaseException) -> str:
     return why + "\n" + "".join(traceback.format_exception(err, limit=-8))
 
 
+class _InnerThread:
+    """One daemon thread that runs the wrapped env's ``reset`` and ``step``, in call order.
+
+    Off the shared loop, where a slow step held every other env's tool calls;
+    always the same thread, so an env may keep thread-bound state (a sqlite
+    connection). Not a one-worker ``ThreadPoolExecutor``: Python joins those
+    threads at exit, so a step hung for ever would keep the process alive.
+    """
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="agentrl-wrapped-env", daemon=True)
+            self._thread.start()
+        self._calls.put((fn, args, kwargs, loop, done))
+        return await done
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._calls.put(None)
+            self._thread = None
+
+    def _serve(self) -> None:
+        while (item := self._calls.get()) is not None:
+            fn, args, kwargs, loop, done = item
+            try:
+                value, error = fn(*args, **kwargs), None
+            except BaseException as e:  # raised where it is awaited; SystemExit too
+                value, error = None, e
+            with contextlib.suppress(RuntimeError):  # the loop closed while it ran
+                loop.call_soon_threadsafe(_settle, done, value, error)
+
+
+def _settle(done: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if done.cancelled():  # the episode gave up on the call
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(value)
+
+
 # Caught where user code runs (a tool, a verifier, a wrapped env's step) as any failure.
 # A SystemExit (argparse on bad input calls exit) that leaves a task of the loop every
 # env shares stops the loop's thread: that step, and every later call of every env, then
@@ -334,6 +384,7 @@ class ToolEnv(TextEnv):
                 "the strongest backend this machine has); the built-in tool envs take sandbox=\"auto\""
             )
         self._loop = shared_loop()
+        self._inner_thread = _InnerThread() if self.inner is not None else None
         self.sandbox: Sandbox | None = None
         self.task: Task | None = None
         self._turn = 0
@@ -384,7 +435,8 @@ class ToolEnv(TextEnv):
         if self.inner is not None:
             if seed is None:  # an explicit seed lets the episode be replayed
                 seed = int(self.np_random.integers(2**31 - 1))
-            obs, info = self.inner.reset(seed=seed, options=options or None)
+            assert self._inner_thread is not None
+            obs, info = await self._inner_thread.call(self.inner.reset, seed=seed, options=options or None)
             info = dict(info)
             self._replay_log = {"seed": seed, "options": options, "actions": []}
         else:
@@ -451,6 +503,8 @@ class ToolEnv(TextEnv):
         finally:
             if self.inner is not None:
                 self.inner.close()
+            if self._inner_thread is not None:
+                self._inner_thread.stop()
         super().close()
 
     # -- branching ---------------------------------------------------------------
@@ -471,7 +525,7 @@ class ToolEnv(TextEnv):
                 return {"replay": copy.deepcopy(self._replay_log)}
             pending = self._pending.states if self._pending else {}
             tools = {**self._run(self._tool_states(self.sandbox)), **pending}
-        inner = self.inner.snapshot() if self.inner is not None else None
+        inner = self._on_inner_thread(self.inner.snapshot) if self.inner is not None else None
         own = (
             self.task, self._turn, self._ended, self._started, self._base_info,
             self._last_obs, self._replay_log,
@@ -503,12 +557,17 @@ class ToolEnv(TextEnv):
         elif self.sandbox is not None:  # the branch point had no sandbox state yet
             self._run(self._end_episode())
         if self.inner is not None:
-            self.inner.restore(snapshot["inner"])
+            self._on_inner_thread(self.inner.restore, snapshot["inner"])
         own = copy.deepcopy(snapshot["own"])
         (
             self.task, self._turn, self._ended, self._started, self._base_info,
             self._last_obs, self._replay_log,
         ) = own  # fmt: skip
+
+    def _on_inner_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` (the wrapped env's) on the thread its reset and step run on."""
+        assert self._inner_thread is not None
+        return self._run(self._inner_thread.call(fn, *args))
 
     async def _tool_states(self, box: Sandbox) -> dict[str, Any]:
         states = {name: await t.snapshot_state(box) for name, t in self.tools.items()}
@@ -587,7 +646,8 @@ class ToolEnv(TextEnv):
     async def _final_turn(self, action: str) -> _Outcome:
         if self.inner is not None:
             try:
-                obs, reward, term, trunc, info = self.inner.step(action)
+                assert self._inner_thread is not None
+                obs, reward, term, trunc, info = await self._inner_thread.call(self.inner.step, action)
                 reward = _as_reward(reward)
                 if not isinstance(obs, str):
                     raise TypeError(f"the observation must be a str, got {type(obs).__name__}")

@@ -4,8 +4,10 @@ output, misbehaving tool bodies, verifiers and wrapped envs."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -496,3 +498,49 @@ def test_a_wrapped_envs_own_tools_prompt_does_not_replace_the_tool_envs():
     *_, info = env.step(hermes("calculator", expression="1"))
     assert info["tools_prompt"] == reset_info["tools_prompt"] and info["turn"] == 2
     env.close()
+
+
+class Gated(TextEnv):
+    """A wrapped env whose step waits for the test's gate, noting the threads it ran on."""
+
+    def __init__(self, gate, started):
+        super().__init__()
+        self.gate, self.started, self.threads = gate, started, set()
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.threads.add(threading.get_ident())
+        return "go", {}
+
+    def step(self, action):
+        self.threads.add(threading.get_ident())
+        self.started.set()
+        return ("opened" if self.gate.wait(10) else "the gate timed out"), 1.0, True, False, {}
+
+
+def test_a_slow_wrapped_env_step_or_verifier_does_not_stall_other_envs_tools():
+    # Every ToolEnv of a process shares one event loop: a sync wrapped-env step or verifier run
+    # on it held every other env's tool calls until it returned.
+    gate, step_started, verify_started = threading.Event(), threading.Event(), threading.Event()
+
+    def gated_verify(answer):
+        verify_started.set()
+        return 1.0 if gate.wait(10) else 0.0
+
+    inner = Gated(gate, step_started)
+    slow_step = ToolEnv(inner, tools=["calculator"])
+    slow_verify = ToolEnv(Task("q", verify=gated_verify), tools=["calculator"])
+    fast = ToolEnv(Task("q", verify=lambda a: 1.0), tools=["calculator"])
+    for env in (slow_step, slow_verify, fast):
+        env.reset(seed=0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        stepping, verifying = pool.submit(slow_step.step, "act"), pool.submit(slow_verify.step, "42")
+        assert step_started.wait(10) and verify_started.wait(10)
+        obs, *_ = fast.step('<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>')
+        gate.set()
+        assert obs == "<tool_response>\n4\n</tool_response>"
+        assert stepping.result(20)[:2] == ("opened", 1.0)
+        assert verifying.result(20)[1] == 1.0
+    assert len(inner.threads) == 1  # reset and step on one thread: an env may keep thread-bound state
+    for env in (slow_step, slow_verify, fast):
+        env.close()

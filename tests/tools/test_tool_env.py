@@ -398,9 +398,11 @@ def test_envs_share_a_real_sandbox_pool():
 
 
 def test_python_call_stopped_by_the_call_timeout_does_not_answer_the_next_call(local_sandbox):
-    env = ToolEnv(mult_task, tools=["python"], sandbox=local_sandbox, call_timeout_s=0.5)
+    env = ToolEnv(mult_task, tools=["python"], sandbox=local_sandbox, call_timeout_s=60)
     env.reset(seed=0)
-    env.step(hermes("python", code="n = 1"))
+    obs, *_ = env.step(hermes("python", code="n = 1"))  # starts the interpreter: slow on a loaded machine
+    assert obs == "<tool_response>\n(no output)\n</tool_response>", obs
+    env.config.call_timeout_s = 0.5
     slow = "import time\nn = 2\ntime.sleep(3)\nprint('slow')"
     obs, _, _, _, info = env.step(hermes("python", code=slow))
     assert "longer than 0.5 s" in obs and "error" not in info
