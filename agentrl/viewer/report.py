@@ -241,6 +241,17 @@ def _plot_families(runs: list[RunFacts], out: Path) -> str | None:
     return _save(fig, out, "family_success.png")
 
 
+_MAX_BINS = 100
+
+
+def _turn_bins(turns: list[int]) -> range:
+    """Histogram edges for turn counts: a bin per count up to 100; past that, 100 bins of a
+    whole number of turns each (a bin per count of a 20,000-turn episode took a minute)."""
+    top = max(turns) + 1
+    width = max(1, math.ceil(top / _MAX_BINS))
+    return range(0, top + 1) if width == 1 else range(0, _MAX_BINS * width + 1, width)
+
+
 def _plot_lengths(runs: list[RunFacts], out: Path) -> str | None:
     per_step = [(f, series(f.rows, "rollout/turns"), _tokens_per_episode(f.rows)) for f in runs]
     if not any(f.turns for f in runs) and not any(t or k for _, t, k in per_step):
@@ -250,7 +261,7 @@ def _plot_lengths(runs: list[RunFacts], out: Path) -> str | None:
     for k, f in enumerate(runs):
         c = f"C{k}"
         if f.turns:
-            axes[0].hist(f.turns, bins=range(0, max(f.turns) + 2), alpha=0.55, color=c, label=f.name)
+            axes[0].hist(f.turns, bins=_turn_bins(f.turns), alpha=0.55, color=c, label=f.name)
             axes[1].hist(f.tokens, bins=20, alpha=0.55, color=c, label=f.name)
         _, turns, toks = per_step[k]
         if turns:

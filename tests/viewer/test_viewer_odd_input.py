@@ -385,3 +385,16 @@ def test_a_tree_nested_near_the_parsers_limit_opens_from_the_server_as_it_indexe
     assert status == 200, body
     (call,) = next(n for n in body["nodes"] if n["id"] == 1)["tool_calls"]
     assert json.dumps(call["arguments"]).count("bottom") == 1
+
+
+def test_the_reports_turn_histogram_has_a_bounded_number_of_bins():
+    """The report's histogram of turns per episode had a bin per turn count: a run with one
+    20,000-turn episode drew 20,001 bins, a minute of matplotlib per run. Counts up to 100
+    keep a bin each (whole turns); longer ones share 100 bins."""
+    from agentrl.viewer.report import _turn_bins
+
+    assert list(_turn_bins([1, 3, 2])) == [0, 1, 2, 3, 4]
+    assert list(_turn_bins([1, 99])) == list(range(101))
+    wide = list(_turn_bins([3, 20_000]))
+    assert len(wide) == 101 and wide[0] == 0 and wide[-1] >= 20_001
+    assert all(b - a == wide[1] - wide[0] for a, b in zip(wide, wide[1:], strict=False))  # equal widths
