@@ -35,8 +35,9 @@ Failures, in the engine's two columns:
   A worker Ray will not restart (``max_restarts`` used up) is lost: the pool
   deals it no more envs, and an episode whose first call finds it dead moves
   to a live worker; with every worker lost, each episode fails saying so,
-  and the next engine cannot take the pool (``env_worker_pool`` raises; the
-  asynchronous producer asks ``lost_env_workers``): the run stops with the reason;
+  and the next engine cannot take the pool (``env_worker_pool`` raises once and
+  forgets it, so a later one starts new workers; the asynchronous producer asks
+  ``lost_env_workers``): the run stops with the reason;
 - an env that calls ``sys.exit`` (argparse on bad input) fails its episode
   with ``EnvError``, as in a thread: Ray would end the worker's process, and
   every episode it hosted with it;
@@ -474,9 +475,10 @@ def env_worker_pool(cfg: Config, env_id: str | None = None) -> EnvWorkerPool:
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
         if pool is not None and (why := pool.gone()):  # each episode would fail, step after step
-            raise EnvError(f"{why}: no episode can run, so the run stops (a run's end shuts its pools down, "
-                           "and the next one starts new workers)")
-        if pool is None:  # the env's retired idle pools, and the others but the most recent, go first
+            del _POOLS[key]  # said once: the next call (a new run, a notebook's next cell) starts new workers
+        else:
+            why = None
+        if why is None and pool is None:  # the env's retired idle pools, and the others but the most recent, go first
             idle = sorted((k for k, p in _POOLS.items() if p.users == 0 and k[:3] == key[:3] and k[5] == key[5]),
                           key=lambda k: _POOLS[k].last_used, reverse=True)
             keep = [k for k in idle if not _POOLS[k].retired][:KEEP_IDLE]
@@ -487,10 +489,13 @@ def env_worker_pool(cfg: Config, env_id: str | None = None) -> EnvWorkerPool:
             _shutdown_quietly(stale)
             pool = _POOLS[key] = EnvWorkerPool(env_id or cfg.env.id, cfg.env.kwargs, dist, cfg.env.imports)
             pool.key = key
-        pool.users += 1
-        pool.last_used = next(_TICKS)
-        pool.retired = False  # taken again: wanted after all
-        return pool
+        if why is None:
+            pool.users += 1
+            pool.last_used = next(_TICKS)
+            pool.retired = False  # taken again: wanted after all
+            return pool
+    _shutdown_quietly([pool])  # outside the lock: it waits for the (dead) workers' close_all
+    raise EnvError(f"{why}: no episode can run, so the run stops (the next pool of this env starts new workers)")
 
 
 def lost_env_workers() -> str | None:

@@ -243,12 +243,16 @@ def test_an_env_worker_ray_will_not_restart_gets_no_more_episodes(cluster, token
         assert len(errors) == 2 and all("every env worker of agentrl/GuessNumber-v0 is lost" in e
                                         for e in errors), errors
         # the next batch (a trainer's next step) does not start: the run stops, saying why
+        from agentrl.distributed import env_workers
         from agentrl.distributed.env_workers import lost_env_workers
         from agentrl.errors import EnvError
 
         assert "max_restarts=0" in lost_env_workers() and "; last: env worker 1 died" in lost_env_workers()
         with pytest.raises(EnvError, match="every env worker of agentrl/GuessNumber-v0 is lost.*run stops"):
             collect(cfg.env.id, MockPolicy(tokenizer, ["no number"]), cfg, seeds=[0, 1])
+        # said once: the dead pool is forgotten, so a later collect in this process (a notebook's
+        # next cell) makes new workers instead of failing for good
+        assert lost_env_workers() is None and pool not in env_workers._POOLS.values()
     finally:  # its dead pool would stop the later tests' runs
         shutdown_env_worker_pools(cfg.env.id)
 
