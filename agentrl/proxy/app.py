@@ -130,12 +130,17 @@ __all__ = ["HTTPError", "Proxy", "RunningServer", "create_app", "listen_socket",
 log = logging.getLogger("agentrl.proxy")
 
 
-def _bearer(request: Request) -> str | None:
-    """The credential: ``Authorization: Bearer KEY`` (OpenAI) or ``x-api-key: KEY`` (Anthropic)."""
+def _credentials(request: Request) -> list[str]:
+    """The credentials sent: ``Authorization: Bearer KEY`` (OpenAI) and ``x-api-key: KEY``
+    (Anthropic). Both count: the anthropic SDK sends both where ANTHROPIC_API_KEY (the session
+    key a harness is given) and ANTHROPIC_AUTH_TOKEN (one of the user's own) are both set."""
+    out = []
     value = request.headers.get("authorization", "")
-    if value[:7].lower() == "bearer ":
-        return value[7:].strip()
-    return request.headers.get("x-api-key") or None
+    if value[:7].lower() == "bearer " and value[7:].strip():
+        out.append(value[7:].strip())
+    if request.headers.get("x-api-key"):
+        out.append(request.headers["x-api-key"])
+    return out
 
 
 def _digest(key: str) -> str:
@@ -254,15 +259,14 @@ class Proxy:
         """Check the credentials and return the session the request names, if any. ``admin``: a
         route of no one session (session keys refused); ``manage``: one that scores, closes or
         deletes its session (with a token, that token only: a session key samples and reads)."""
-        bearer = _bearer(request)
         key_sid = None
-        if bearer:
-            sid = self._keys.get(_digest(bearer))
-            if sid is not None and hmac.compare_digest(bearer.encode(), self.sessions[sid].api_key.encode()):
-                key_sid = sid
         token = self.cfg.token
-        is_admin = token is not None and bearer is not None and hmac.compare_digest(
-            bearer.encode(), token.encode())
+        is_admin = False
+        for given in _credentials(request):
+            sid = self._keys.get(_digest(given))
+            if sid is not None and hmac.compare_digest(given.encode(), self.sessions[sid].api_key.encode()):
+                key_sid = key_sid or sid
+            is_admin = is_admin or (token is not None and hmac.compare_digest(given.encode(), token.encode()))
         if token is not None and not is_admin and key_sid is None:
             raise HTTPError(401, "missing or wrong bearer token")
         if admin and key_sid is not None and not is_admin:

@@ -245,3 +245,18 @@ def test_a_tree_read_mid_session_leaves_no_stale_marks_on_the_final_tree(mock_po
         trees.append(httpx.post(f"{here}/close").json())
     assert _flags(trees[1]) == _flags(trees[0])
     assert _flags(trees[0])[0] == (False, False, False, False, False)  # the main path's first node
+
+
+def test_a_session_key_in_x_api_key_opens_beside_another_bearer_token(mock_policy, serve):
+    """The anthropic SDK sends both ``x-api-key`` (ANTHROPIC_API_KEY: the runner sets the session
+    key) and ``Authorization: Bearer`` (ANTHROPIC_AUTH_TOKEN, inherited from the user's shell)
+    where both are set: only the bearer was read, so every call was a 401."""
+    server = serve(mock_policy(), token="s3cret")
+    s = httpx.post(f"{server.url}/sessions", json={}, headers={"Authorization": "Bearer s3cret"}).json()
+    root = f"{server.url}/sessions/{s['session_id']}"
+    r = httpx.post(f"{root}/v1/messages", headers={"x-api-key": s["api_key"], "Authorization": "Bearer sk-ant-mine"},
+                   json={"model": "m", "max_tokens": 8, "messages": USER})
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{root}/v1/messages", headers={"x-api-key": "wrong", "Authorization": "Bearer sk-ant-mine"},
+                   json={"model": "m", "max_tokens": 8, "messages": USER})
+    assert r.status_code == 401
