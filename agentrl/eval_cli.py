@@ -35,7 +35,7 @@ from .errors import AgentRLError, ConfigError
 from .evaluation import EvalReport, EvaluationConfig, SplitPlan, evaluate_split, plan_split
 from .strict import StrictModel
 
-__all__ = ["eval_command", "format_report", "register", "split_names", "train_held_out"]
+__all__ = ["eval_command", "format_report", "register", "split_names", "train_held_out", "trained_model_hint"]
 
 def format_report(report: EvalReport, title: str = "") -> Table:
     """The report as a rich table: one row per family and All, rates in percent."""
@@ -156,6 +156,8 @@ def eval_command(
             # one run at a time in a folder it can write, checked before the episodes, not after them
             held.enter_context(output_lock(Path(out), "--out"))
             console.print(loading)
+            if model is None and (hint := trained_model_hint(cfg)):
+                console.print(f"[yellow]note:[/] {hint}", highlight=False)
             for p in plans:
                 if p.held_out:
                     console.print(f"{env_id} does not count its tasks: playing train.evaluation's held-out "
@@ -196,6 +198,31 @@ def eval_command(
     if interrupted:
         console.print("interrupted: the last report covers only the tasks that had finished", highlight=False)
         raise typer.Exit(code=130)  # 128 + SIGINT, as a shell reports it
+
+
+def trained_model_hint(cfg: Config) -> str | None:
+    """What to say when a training config's ``policy.model`` (where its run starts) is about to
+    be evaluated while its run folder (``train.output.dir``) holds checkpoints: the trained model
+    is the run's folder. None for a run config, a run without checkpoints, or a model in the run."""
+    from .config import expand_path, ignored_section
+    from .models import checkpoint_folders
+
+    train = ignored_section(cfg, "train")
+    output = train.get("output") if isinstance(train.get("output"), dict) else {}
+    folder = output.get("dir") or train.get("out_dir") or ("runs/train" if train else None)
+    if not isinstance(folder, str):
+        return None
+    try:
+        run = Path(expand_path(folder))
+        if not checkpoint_folders(run / "checkpoints"):
+            return None
+        model = Path(cfg.policy.model).resolve()
+        if model == run.resolve() or run.resolve() in model.parents:
+            return None
+    except (OSError, ValueError):  # an unset variable, an unreadable folder: no hint, no error
+        return None
+    return (f"policy.model={cfg.policy.model} is the model the training run started from: give --model {run} "
+            "for the model it trained (its newest checkpoint)")
 
 
 def _kwargs_said(plan: SplitPlan, cfg: Config) -> str:

@@ -124,3 +124,16 @@ def test_held_out_tasks_are_played_at_the_training_runs_evaluation_temperature(
     assert result.exit_code == 0, (result.output, result.exception)
     [report] = json.loads((out / "summary.json").read_text())["reports"]
     assert report["temperature"] == temperature
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    ([], True),  # policy.model is where training starts: the run's model is one flag away
+    (["--model", "tiny-random"], False),  # the user chose
+])
+def test_a_training_config_whose_run_has_checkpoints_names_the_trained_model(tmp_path, flags, named):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-000002").mkdir(parents=True)
+    config = {**TRAIN, "train": {**TRAIN["train"], "output": {"dir": str(run)}}}
+    got = _eval(tmp_path, config, *flags)
+    hint = f"policy.model=smollm2-135m is the model the training run started from: give --model {run}"
+    assert (hint in got["output"]) == named, got["output"]
