@@ -247,7 +247,11 @@ class RolloutProducer:
             with self._cond:
                 self._cond.notify_all()
             if hasattr(self.policy, "close"):
-                self.policy.close()
+                try:
+                    self.policy.close()
+                except Exception as e:  # noqa: BLE001 - the thread is stopped all the same, and the caller goes on
+                    warnings.warn(f"closing the rollout producer's sampler raised {type(e).__name__}: {e}",
+                                  RuntimeWarning, stacklevel=2)
             self.thread.join(timeout)
         except KeyboardInterrupt:
             warnings.warn("Ctrl-C: stopped waiting for the rollout producer; its thread ends when its running "

@@ -120,3 +120,21 @@ def test_a_run_whose_workers_are_all_lost_stops_saying_so(monkeypatch):
             producer.take(0)
     finally:
         producer.close(timeout=10)
+
+
+def test_a_sampler_whose_close_raises_still_has_its_producer_stopped():
+    """The sampler's close raising (a rollout worker's cluster gone) skipped the join and raised
+    out of close: the trainer's next line, closing the rollout source, never ran."""
+    import warnings
+
+    class Breaks(_Counting):
+        def close(self) -> None:
+            raise RuntimeError("the cluster is gone")
+
+    producer = RolloutProducer(lambda s, p, m: ([_tree(0)], {}), Breaks(), start=0, end=2,
+                               max_batch_staleness=0, queue_size=1).begin()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        producer.close(timeout=10)
+    assert not producer.thread.is_alive()
+    assert any("the cluster is gone" in str(w.message) for w in seen)
