@@ -191,6 +191,10 @@ class Proxy:
                             f"session_idle_s={self.cfg.session_idle_s:g}; close some first")
         if self.sessions[idle].calls:  # as at shutdown: a session that recorded nothing is not written
             self.close_session(idle, closed_by="idle")
+            if not self.cfg.out:  # written nowhere: say so, as nobody closed it to take its tree
+                log.warning("session %r, idle for session_idle_s=%g, was dropped for a new one with its %d "
+                            "call(s) unread (no out to write it to)", idle, self.cfg.session_idle_s,
+                            len(self.sessions[idle].calls))
         return idle
 
     def store_response(self, response_id: str, stored: StoredResponse) -> None:

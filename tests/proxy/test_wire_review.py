@@ -260,3 +260,16 @@ def test_a_session_key_in_x_api_key_opens_beside_another_bearer_token(mock_polic
     r = httpx.post(f"{root}/v1/messages", headers={"x-api-key": "wrong", "Authorization": "Bearer sk-ant-mine"},
                    json={"model": "m", "max_tokens": 8, "messages": USER})
     assert r.status_code == 401
+
+
+def test_an_idle_session_dropped_without_out_says_what_was_lost(mock_policy, serve, caplog):
+    """Without ``out`` a session closed for want of room is written nowhere: its calls were
+    dropped without a word."""
+    server = serve(mock_policy(["hi"]), max_sessions=1, session_idle_s=60, generate_timeout_s=30)
+    s = httpx.post(f"{server.url}/sessions", json={"session_id": "a"}).json()
+    httpx.post(f"{s['base_url']}/chat/completions", json={"model": "m", "messages": USER}).raise_for_status()
+    server.app.proxy._touched["a"] -= 100
+    with caplog.at_level("WARNING", logger="agentrl.proxy"):
+        assert httpx.post(f"{server.url}/sessions", json={"session_id": "b"}).status_code == 200
+    assert any("'a'" in r.getMessage() and "1 call" in r.getMessage() and "no out" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
