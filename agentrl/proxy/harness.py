@@ -15,6 +15,10 @@ starts the harness command with these environment variables::
                          where it is over 128 KiB, which Linux refuses in one variable)
     AGENTRL_TASK_FILE    a file that holds the task, whatever its length
 
+The rest of the harness's environment is the trainer's, less its credentials
+(``harness_environ``: ``HF_TOKEN``, cloud keys, ``SSH_AUTH_SOCK``): the model
+writes the commands a harness runs. ``extra_env`` passes what it needs.
+
 ``$NAME`` and ``${NAME}`` in the command's arguments are replaced by these
 (and by ``extra_env``), so a CLI that never reads the environment takes the
 task and the URLs as arguments: ``claude -p "$AGENTRL_TASK"``. With
@@ -56,7 +60,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -236,6 +240,20 @@ async def _run(argv: list[str], env: dict[str, str], timeout: float | None, cwd:
             "stdout_tail": out.text[-_TAIL:], "stderr_tail": err.text[-_TAIL:]}
 
 
+# Words of an environment variable's name that mark a credential of the trainer's own.
+_CREDENTIAL_WORDS = frozenset({"TOKEN", "SECRET", "PASSWORD", "PASSWD", "KEY", "CREDENTIAL",
+                               "CREDENTIALS", "AUTH"})
+
+
+def harness_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """The trainer's environment less its credentials, for a harness: every variable whose name
+    has a word (split at ``_``) such as TOKEN, SECRET, PASSWORD, KEY or AUTH (``HF_TOKEN``,
+    ``AWS_SECRET_ACCESS_KEY``, ``SSH_AUTH_SOCK``). A harness runs commands the model writes,
+    so what it can read, the model can print; pass what it needs in ``extra_env``."""
+    return {k: v for k, v in environ.items()
+            if not _CREDENTIAL_WORDS.intersection(k.upper().split("_"))}
+
+
 async def run_harness_episode(
     cmd: str | Sequence[str],
     session: SessionHandle,
@@ -253,7 +271,7 @@ async def run_harness_episode(
     """
     argv = harness_argv(cmd)
     session_root = f"{session.proxy_url}/sessions/{session.session_id}"
-    env = {**os.environ, **(extra_env or {}), "OPENAI_BASE_URL": session.base_url,
+    env = {**harness_environ(os.environ), **(extra_env or {}), "OPENAI_BASE_URL": session.base_url,
            "OPENAI_API_KEY": session.api_key, "ANTHROPIC_BASE_URL": session_root,
            "ANTHROPIC_API_KEY": session.api_key, "AGENTRL_SESSION_ID": session.session_id}
     error: str | None = None

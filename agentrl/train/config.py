@@ -237,7 +237,9 @@ class TrainConfig(_Strict):
                                 "engine: the command that plays one episode through the proxy "
                                 "and the env server (agentrl.proxy.rollouts); null: native rollouts.")
     harness_env: dict[str, str | int | float | bool] = Field(
-        default_factory=dict, description="Extra environment variables for the harness command.")
+        default_factory=dict, description="Extra environment variables for the harness command. It gets "
+        "the trainer's environment less its credentials (names with a word such as TOKEN, SECRET, "
+        "PASSWORD, KEY or AUTH), so pass any it needs here.")
     harness_submit: Literal["stdout"] | None = Field(
         None, description="stdout: once the harness exits, its standard output (all of it, up to "
         "1,000,000 characters, stripped) is the env's next action, the episode's answer, for agent programs "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import sys
 from typing import Any
 
@@ -257,3 +259,27 @@ def test_a_task_too_long_for_an_argument_fails_the_episode_saying_so(servers):
     env = EnvServer(envs.url, TOKEN, "review/LongTask-v0")
     _, tree = _episode(proxy, env, [sys.executable, "-c", "pass", "$AGENTRL_TASK"])
     assert "AGENTRL_TASK_FILE" in tree.meta["error"] and "200000" in tree.meta["error"]
+
+
+def test_the_harness_gets_the_trainers_environment_without_its_credentials(servers, monkeypatch):
+    """A harness runs commands the model writes: the trainer's own tokens and keys (HF_TOKEN, a
+    cloud key) must not be readable there. What the harness needs, ``extra_env`` passes; the
+    session's own key and the rest of the environment (PATH, HOME, proxies) still come through."""
+    pytest.importorskip("openai")
+    proxy, envs = servers
+    secrets = {"HF_TOKEN": "hf-s3cret", "AWS_SECRET_ACCESS_KEY": "aws-s3cret", "WANDB_API_KEY": "wb-s3cret",
+               "MY_SERVICE_PASSWORD": "pw-s3cret", "GITHUB_TOKEN": "gh-s3cret", "SSH_AUTH_SOCK": "/tmp/agent.sock"}
+    for name, value in secrets.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AGENTRL_TEST_PLAIN", "plain-value")
+    names = [*secrets, "AGENTRL_TEST_PLAIN", "PATH", "OPENAI_API_KEY", "ANTHROPIC_API_KEY", "AGENTRL_ENV_TOKEN"]
+    show = ONE_CALL.replace('print(os.environ["ANSWER"])',
+                            f'import json; print(json.dumps({{k: os.environ[k] for k in {names} if k in os.environ}}))')
+    env = EnvServer(envs.url, TOKEN, "review/ExactAnswer-v0")
+    _, tree = _episode(proxy, env, [sys.executable, "-c", show], extra_env={"GITHUB_TOKEN": "given"})
+    assert "error" not in tree.meta, tree.meta.get("error")
+    seen = json.loads(tree.meta["harness"]["stdout_tail"])
+    assert set(seen) == set(names) - set(secrets) | {"GITHUB_TOKEN"}, sorted(seen)
+    assert seen["GITHUB_TOKEN"] == "given"  # passed on purpose
+    assert seen["AGENTRL_TEST_PLAIN"] == "plain-value" and seen["PATH"] == os.environ["PATH"]
+    assert seen["OPENAI_API_KEY"] == seen["ANTHROPIC_API_KEY"] and seen["AGENTRL_ENV_TOKEN"]
