@@ -77,7 +77,10 @@ def checked_result(res: Any, backend: str) -> Any:
     sampled token, a known ``finish_reason``."""
     import dataclasses
 
-    from ..policy.base import FinishReason
+    from ..policy.base import FinishReason, GenerateResult
+
+    if not isinstance(res, GenerateResult):  # a dict, a server's JSON: dataclasses.replace raised TypeError
+        raise RolloutError(f"backend {backend} returned a bad result: a {type(res).__name__}, not a GenerateResult")
 
     def field(name: str, convert: Callable[[Any], Any]) -> Any:
         try:

@@ -56,6 +56,8 @@ def test_numpy_ids_and_logprobs_are_taken_as_plain_numbers_and_the_run_is_writte
     (lambda r: dataclasses.replace(r, logprobs=[None] * len(r.logprobs)), "logprobs"),
     (lambda r: dataclasses.replace(r, version="v2"), "version"),
     (lambda r: dataclasses.replace(r, top_logprobs=[[(1, -0.1)]]), "top_logprobs"),
+    (lambda r: dataclasses.replace(r, finish_reason="max_tokens"), "finish_reason"),
+    (lambda r: dataclasses.asdict(r), "result"),
 ])
 def test_a_malformed_backend_output_fails_its_episode_naming_the_backend_and_field(tokenizer, change, field):
     (tree,) = collect("agentrl/GuessNumber-v0", NumpyBackend(tokenizer, change), load_config(), [0])
