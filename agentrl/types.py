@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -172,7 +172,9 @@ class Node:
         return succeeded(self.info, self.terminated, self.reward)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as they are, not copied: ``asdict``'s deep copy took two stack frames a level
+        of ``info`` and failed at about 500 levels, where ``json`` writes about 990."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Node:
@@ -340,7 +342,11 @@ class RolloutTree:
         """One line of JSON: UTF-8 text as it is, or ``\\u`` escapes where the tree
         holds a lone surrogate (a file written as UTF-8 could not hold it)."""
         data = self.to_dict()
-        text = json.dumps(data, ensure_ascii=False)
+        try:
+            text = json.dumps(data, ensure_ascii=False)
+        except RecursionError:  # an env's info nested past what json writes: that info, not the tree
+            data = {**data, "nodes": [_writable_info(d) for d in data["nodes"]]}
+            text = json.dumps(data, ensure_ascii=False)
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
@@ -380,6 +386,15 @@ class EpisodeGroup:
 _NODE_FIELDS = frozenset(f.name for f in fields(Node))
 # Written into ``info`` by older versions of the engine; fields of ``Node`` now.
 _ENGINE_ANNOTATIONS = ("top1", "expert_action", "expert_action_error", "open")
+
+
+def _writable_info(node: dict[str, Any]) -> dict[str, Any]:
+    """``node`` with its ``info`` replaced by a note when ``json`` cannot nest that deep."""
+    try:
+        json.dumps(node["info"])
+    except RecursionError:
+        return {**node, "info": {"error": "info was too deeply nested to write as JSON (RecursionError)"}}
+    return node
 
 
 def write_trees(path: str | Path, trees: Iterable[RolloutTree], append: bool = False) -> int:

@@ -184,7 +184,9 @@ distillation work is on the [Algorithms](algorithms.md) page.
   that names its new path; `--set` on either path replaces the file's value
   at the other (`--set train.optimizer.lr=1e-5` over a recipe's `lr: 2e-5`).
   `agentrl eval`, `rollout` and `proxy` take a train config as well: they
-  read its run sections and leave `train` and `sft` to `agentrl train`.
+  read its run sections and leave `train` and `sft` to `agentrl train`
+  (`agentrl eval` reads `train.evaluation` too: its held-out tasks, turns and
+  temperature, unless `--split` or `--temperature` say otherwise).
   Their `--model` (and `policy.model` everywhere) takes a run's folder too,
   meaning its newest checkpoint's export, or a checkpoint's folder (its
   `hf/`); `agentrl eval`, `rollout` and `proxy` print or record the exact folder

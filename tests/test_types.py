@@ -69,6 +69,31 @@ def test_a_lone_surrogate_is_written_escaped_and_read_back(tmp_path):
     assert "caf\u00e9" in plain.to_json()  # text without surrogates stays unescaped
 
 
+def _nested(depth: int) -> dict:
+    value: dict = {"leaf": 1}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+def test_deeply_nested_info_is_written_and_what_json_cannot_nest_is_named(tmp_path):
+    """Tool-call arguments (in ``info``) nested 900 deep are valid JSON, which the parser reads
+    back; writing them hit RecursionError at about 500 (``asdict`` copied two frames a level)
+    and lost the whole file. Past what ``json`` itself can nest, that node's info is replaced
+    by a note saying why, and the rest of the tree is kept."""
+    t, *_ = _branching_tree()
+    t.nodes[1].info = {"args": _nested(900)}
+    path = tmp_path / "trees.jsonl"
+    assert write_trees(path, [t]) == 1
+    assert read_trees(path)[0].nodes[1].info == {"args": _nested(900)}
+    t.nodes[2].info = {"args": _nested(5000)}
+    assert write_trees(path, [t]) == 1
+    back = read_trees(path)[0]
+    assert back.nodes[1].info == {"args": _nested(900)}
+    assert "too deeply nested" in back.nodes[2].info["error"]
+    assert back.nodes[2].action_ids == [13, 14, 15] and back.nodes[2].logprobs == [-1, -2, -3.5]
+
+
 def test_unknown_node_field_is_rejected():
     with pytest.raises(ValueError, match="unknown Node fields"):
         Node.from_dict({"id": 0, "bogus": 1})

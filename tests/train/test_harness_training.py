@@ -147,6 +147,7 @@ def test_cli_train_harness_trains_on_exactly_what_the_proxy_sampled(tmp_path, mo
     sets = ["policy.model=tiny-random", "policy.backend=hf", "env.kwargs={high: 4, max_turns: 2}",
             "rollout.group_size=4", "rollout.max_context_tokens=512", "train.tasks_per_step=1",
             "train.micro_batch_tokens=1024", "train.evaluation.task_seeds=[99]", "train.optimizer.lr=1e-3",
+            "train.evaluation.temperature=null",  # held-out calls sample as training does: one check for all
             "train.loss.entropy_coef=0.01",  # a gradient even if all rewards are equal
             "sampling.temperature=0.7", "sampling.max_new_tokens=6",
             "train.output.tensorboard=false", "train.checkpointing.export_hf=false", "train.output.plot=false",
