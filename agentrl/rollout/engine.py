@@ -203,7 +203,12 @@ class Engine:
         False when there is nothing (more) to play."""
         trees, meter = state.trees, player.meter
         state.spent = meter.spent
-        requests = list(allocator.plan(state) or ())  # a generator too: it is read twice
+        try:
+            requests = list(allocator.plan(state) or ())  # a generator too: it is read twice
+        except Exception as e:  # the allocator's own bug: the run stops, saying whose
+            name = getattr(allocator, "name", type(allocator).__name__)
+            e.add_note(f"allocator {name!r} raised planning round {state.round}")
+            raise
         if not requests:
             return False
         jobs: list[tuple[int, Any]] = []

@@ -97,3 +97,16 @@ def test_two_branches_from_one_open_leaf_in_a_round_never_overspend_leaves(token
     alloc = Scripted(lambda s: [Fresh(0, 1, max_turns=1)], paused)
     trees = collect("agentrl/GuessNumber-v0", MockPolicy(tokenizer, ["1"]), _cfg(), [0], alloc, Budget(3))
     assert len(trees[0].leaves()) == trees[0].meta["budget"]["spent"] == 3
+
+
+def test_an_allocator_that_raises_stops_the_run_with_its_name_and_round_noted(tokenizer):
+    """A plan that raises is a bug in the allocator's own code, with nothing left to play: the
+    run stops with its exception (its type kept), now noted with the allocator and round."""
+
+    def broken(s):
+        return [Fresh(0, 1 // 0)]
+
+    alloc = Scripted(lambda s: [Fresh(0, 1)], broken)
+    with pytest.raises(ZeroDivisionError) as info:
+        collect("agentrl/GuessNumber-v0", MockPolicy(tokenizer, ["1"]), _cfg(), [0], alloc, Budget(3))
+    assert "allocator 'scripted' raised planning round 1" in "".join(getattr(info.value, "__notes__", []))
