@@ -34,13 +34,13 @@ import torch
 from rich.console import Console
 
 from ..env import check_env_kwargs
-from ..errors import ConfigError
+from ..errors import ConfigError, RolloutError
 from ..evaluation import evaluate_held_out, held_out_seeds
 from ..heap import give_back_freed_memory
 from ..policy.snapshot import SnapshotPolicy
 from ..precision import sampler_precision
 from ..types import RolloutTree
-from .asynchronous import RolloutProducer
+from .asynchronous import RolloutProducer, workers_gone
 from .checkpoint import (
     checkpoint_dirs,
     config_changes,
@@ -406,13 +406,17 @@ class Trainer:
                     ev = self._eval("end", bars)
                     self._phase("end", ev)
             final = self._save_then_log(log, mem, {"phase": "end", **ev}, export_hf=t.checkpointing.export_hf)
-        finally:
-            if self.producer is not None:
-                self.producer.close()
-                self.producer = None
-            if self.rollouts is not None:
-                self.rollouts.close()
-            log.close()
+        finally:  # each closes whatever the one before raised
+            try:
+                if self.producer is not None:
+                    self.producer, producer = None, self.producer
+                    producer.close()
+            finally:
+                try:
+                    if self.rollouts is not None:
+                        self.rollouts.close()
+                finally:
+                    log.close()
         png = None
         if t.output.plot:
             png = plot_learning_curve(log.path, self.out / "learning_curve.png",
@@ -426,6 +430,8 @@ class Trainer:
         t_step = time.perf_counter()
         if self.producer is None:
             trees, stats = self.rollout(k, bars, max_turns=self._depth_budget())
+            if why := workers_gone(self.policy):  # each step after would fail every episode too
+                raise RolloutError(f"{why}: no episode can run, so the run stops")
             data_step = k
         else:
             batch, stats = self.producer.take(self.policy.version)

@@ -972,3 +972,18 @@ def test_the_trainer_logs_the_invalid_action_fraction_for_envs_that_report_it(tm
 
     train(toy_config(tmp_path / "letter", "train.steps=1", "train.evaluation.episodes=2"), progress=False)
     assert not any(k.endswith("invalid_action_frac") for r in _rows(tmp_path / "letter" / "metrics.jsonl") for k in r)
+
+
+def test_a_run_whose_ray_workers_are_all_lost_stops_naming_why(tmp_path):
+    """Every episode of a step fails when the rollout workers are gone: no update, no version
+    change, and without this check the run went on, step after step, learning nothing."""
+    from agentrl.errors import RolloutError
+
+    policy = HFPolicy(*load_model("tiny-random"))
+    policy.workers_gone = lambda: "every rollout worker is lost (max_restarts=0; the last died of OOM)"
+    args = ("train.steps=3", "train.evaluation.every=0", "train.evaluation.episodes=0")
+    with pytest.raises(RolloutError, match="every rollout worker is lost .*: no episode can run"):
+        train(toy_config(tmp_path, *args), policy=policy, progress=False)
+    rl = [r for r in _rows(tmp_path / "metrics.jsonl") if r.get("phase") == "rl"] \
+        if (tmp_path / "metrics.jsonl").exists() else []
+    assert rl == []  # it stopped at the first step, before logging it
