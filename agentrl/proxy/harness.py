@@ -31,8 +31,9 @@ columns:
 - the harness finished (exit code 0): the reward is the env's summed reward
   (or the ``verifier``'s, given the tree), put on the session's last call, and
   the last node is ``terminated`` if the env says so, else ``truncated``.
-  With an env or a verifier, these are the tree's only rewards: one the
-  harness posted with its session key is zeroed (``meta["dropped_rewards"]``
+  With an env or a verifier, these are the tree's only rewards: a proxy
+  with a token refuses a reward posted with the session key, and without a
+  token one the harness posted is zeroed (``meta["dropped_rewards"]``
   counts them), since it is no outcome;
 - the episode failed, outside what training should score: the harness
   crashed (non-zero exit), hung past ``timeout`` (its process group is
