@@ -213,9 +213,15 @@ class Proxy:
                             param="previous_response_id")
         return found
 
+    def forget_responses(self, sid: str) -> None:
+        """Drop what ``sid`` stored for ``previous_response_id``: a closed session calls no more."""
+        for rid in [rid for rid, r in self.responses.items() if r.owner == sid]:
+            del self.responses[rid]
+
     def drop_session(self, sid: str) -> None:
         session = self.sessions.pop(sid, None)
         self._touched.pop(sid, None)
+        self.forget_responses(sid)
         if session is not None:
             self._keys.pop(_digest(session.api_key), None)
             for rid in [r for r, stored in self.responses.items() if stored.owner == sid]:
@@ -241,6 +247,7 @@ class Proxy:
             except (OSError, ValueError) as e:  # ValueError: text UTF-8 cannot encode
                 raise HTTPError(500, f"could not write session {sid!r} to {self.cfg.out}: {e}; it stays "
                                 "open: fix the cause and close it again") from e
+        self.forget_responses(sid)
         return session.close()
 
     def write_open_sessions(self) -> int:

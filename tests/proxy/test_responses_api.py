@@ -245,6 +245,25 @@ def test_previous_response_id_is_refused_unless_stored_in_this_session(mock_poli
     assert len(_tree(server.url, sid_b).nodes) == 0
 
 
+def test_a_closed_or_dropped_sessions_stored_responses_are_freed(mock_policy, serve):
+    """A closed session takes no more calls, so what it stored for ``previous_response_id`` is
+    memory no one can use: a training run closes thousands of sessions, and the store held the
+    last max_stored_responses of them (each a whole conversation) until pushed out."""
+    server = serve(mock_policy())
+    store = server.app.proxy.responses
+    sids = []
+    for _ in range(3):
+        sid, key, base = _session(server.url)
+        sids.append(sid)
+        first = _client(base, key).responses.create(model="m", input="hi")
+        _client(base, key).responses.create(model="m", input="more", previous_response_id=first.id)
+    plain = _post(server.url, {"input": "hi"}).json()["id"]  # no session: kept
+    assert len(store) == 7
+    _closed(server.url, sids[0])
+    httpx.delete(f"{server.url}/sessions/{sids[1]}").raise_for_status()
+    assert {s.owner for s in store.values()} == {sids[2], None} and len(store) == 3 and plain in store
+
+
 # -- tools ----------------------------------------------------------------------------------
 PATCH = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch"
 THREE_CALLS = ("Working.\n"
