@@ -122,6 +122,7 @@ def rollout(
                     trees, interrupted = stop.trees, {"interrupted": True, "tasks_finished": len(stop.trees),
                                                       "tasks_planned": r.episodes}
                 wall = time.perf_counter() - t0
+                bar.update(task, total=bar.tasks[task].completed)  # a budget may stop short of the plan
                 worker_stats = dict(getattr(policy, "stats", {}))  # rollout workers: deaths, retries
         except AgentRLError as e:
             raise _fail(e) from None

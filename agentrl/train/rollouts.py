@@ -72,6 +72,7 @@ def step_rollouts(run_cfg: TrainRunConfig, step: int, policy: Any, advance_bar: 
     return trees, {**(extra_stats or {}), "rollout/success": s["success_rate"], "rollout/reward": s["mean_reward"],
                    "rollout/turns": s["mean_turns"], "rollout/episodes": s["episodes"],
                    "rollout/failed": s["failed_episodes"],
+                   "rollout/rejected_requests": s["rejected_requests"],  # an allocator's bad plans
                    "rollout/action_tokens": s["action_tokens"], "time/rollout_s": s["wall_s"],
                    "rollout/env_steps": s["env_steps"],
                    "rollout/generated_tokens": s["generated_tokens"],

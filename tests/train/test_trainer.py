@@ -56,6 +56,7 @@ TOY = [
     "sampling.temperature=0.1", "train.tasks_per_step=4", "train.minibatch_size=16",
     "train.micro_batch_tokens=1024", "train.evaluation.episodes=32", "train.output.tensorboard=false",
     "train.checkpointing.export_hf=false", "train.optimizer.lr=1e-2",
+    "train.evaluation.temperature=null",  # held-out episodes sample at 0.1 too: greedy, tiny-random says one word
 ]
 
 
@@ -369,6 +370,7 @@ def test_one_update_per_batch_skips_the_scoring_pass_and_trains_the_same(tmp_pat
     assert f["train/scored_samples"] == 0 and s["train/scored_samples"] == 32
     assert f["train/optimizer_steps"] == s["train/optimizer_steps"] == 1
     assert f["train/episodes"] == s["train/episodes"] == 32
+    assert f["rollout/rejected_requests"] == 0  # logged: an allocator's bad requests would show here
     assert f["grad/norm"] == pytest.approx(s["grad/norm"], rel=1e-4) and f["grad/norm"] > 1.0
     assert f["loss/pg"] == pytest.approx(s["loss/pg"], abs=1e-6)
     for r in (f, s):  # both compare the trainer's logprobs with the sampler's: float noise at most
