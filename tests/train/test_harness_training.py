@@ -71,10 +71,11 @@ def test_a_reward_that_cannot_be_read_fails_the_episode_instead_of_scoring_zero(
     from agentrl.proxy.envserver import EnvServerConfig, create_env_app
     from agentrl.proxy.harness import EnvServer, open_session, run_harness_episode
 
-    # The harness closes its own env, so the runner finds no env to read the reward from.
+    # The env is closed under the runner (with the server's token: the harness's own key may not
+    # close it), so the runner finds no env to read the reward from.
     closes_env = ("import httpx, os; e = os.environ; httpx.post(f\"{e['AGENTRL_ENV_URL']}/envs/"
                   "{e['AGENTRL_ENV_INSTANCE']}/close\", headers={'Authorization': "
-                  "'Bearer ' + e['AGENTRL_ENV_TOKEN']}).raise_for_status()")
+                  "'Bearer t'}).raise_for_status()")
     with RunningServer(create_app(MockPolicy(tokenizer, ["1"]))) as proxy, \
             RunningServer(create_env_app(EnvServerConfig(token="t"))) as envs:
         async def run():
