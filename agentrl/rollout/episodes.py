@@ -23,6 +23,7 @@ whose env listed none samples freely.
 from __future__ import annotations
 
 import asyncio
+import math
 import numbers
 import operator
 import time
@@ -74,7 +75,7 @@ def checked_result(res: Any, backend: str) -> Any:
     """A backend's ``GenerateResult`` with plain Python numbers (numpy ids and float32 logprobs
     played, then failed writing the run), or a ``RolloutError`` naming the backend and the
     field that is not what ``GenerateResult`` promises: ids, logprobs and entropies one per
-    sampled token, a known ``finish_reason``."""
+    sampled token (a NaN logprob refused: it poisons the update), a known ``finish_reason``."""
     import dataclasses
 
     from ..policy.base import FinishReason, GenerateResult
@@ -96,6 +97,12 @@ def checked_result(res: Any, backend: str) -> Any:
             raise ValueError(f"{len(out)} values for {len(ids)} tokens")
         return out
 
+    def logprobs(v: Any) -> list[float]:
+        out = per_token(v)
+        if any(math.isnan(x) for x in out):  # one makes the update's loss NaN (a NaN entropy: not known)
+            raise ValueError(f"NaN at token {next(i for i, x in enumerate(out) if math.isnan(x))}")
+        return out
+
     def tops(v: Any) -> Any:
         if not v:
             return v
@@ -109,7 +116,7 @@ def checked_result(res: Any, backend: str) -> Any:
         return v
 
     return dataclasses.replace(
-        res, token_ids=ids, logprobs=field("logprobs", per_token), entropies=field("entropies", per_token),
+        res, token_ids=ids, logprobs=field("logprobs", logprobs), entropies=field("entropies", per_token),
         top_logprobs=field("top_logprobs", tops), finish_reason=field("finish_reason", finish),
         version=field("version", _whole), cached_tokens=field("cached_tokens", _whole))
 

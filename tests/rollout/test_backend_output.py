@@ -54,6 +54,7 @@ def test_numpy_ids_and_logprobs_are_taken_as_plain_numbers_and_the_run_is_writte
     (lambda r: dataclasses.replace(r, token_ids=[str(t) for t in r.token_ids]), "token_ids"),
     (lambda r: dataclasses.replace(r, token_ids=[-1] * len(r.token_ids)), "token_ids"),
     (lambda r: dataclasses.replace(r, logprobs=[None] * len(r.logprobs)), "logprobs"),
+    (lambda r: dataclasses.replace(r, logprobs=[float("nan")] * len(r.logprobs)), "logprobs"),
     (lambda r: dataclasses.replace(r, version="v2"), "version"),
     (lambda r: dataclasses.replace(r, top_logprobs=[[(1, -0.1)]]), "top_logprobs"),
     (lambda r: dataclasses.replace(r, finish_reason="max_tokens"), "finish_reason"),
