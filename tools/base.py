@@ -369,6 +369,28 @@ class FunctionTool(Tool):
         return out if isinstance(out, ToolResult) else ToolResult(content=as_text(out))
 
 
+def run_and_settle(loop: asyncio.AbstractEventLoop, done: asyncio.Future[Any], fn: Callable[..., Any],
+                   *args: Any, **kwargs: Any) -> None:
+    """On a worker thread: ``fn(*args, **kwargs)``, its result or exception handed to ``done``
+    on ``loop`` (raised where it is awaited, as ``to_thread`` does), unless the awaiting call
+    gave up on it (a timeout cancelled ``done``) or the loop closed while it ran."""
+    try:
+        value, error = fn(*args, **kwargs), None
+    except BaseException as e:
+        value, error = None, e
+    with contextlib.suppress(RuntimeError):  # the loop closed
+        loop.call_soon_threadsafe(_settle, done, value, error)
+
+
+def _settle(done: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+    if done.cancelled():
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(value)
+
+
 async def _in_thread(fn: Callable[..., Any], arg: Any, name: str) -> Any:
     """``fn(arg)`` on a daemon thread of its own, awaited. Not ``asyncio.to_thread``: a call
     stuck past ``call_timeout_s`` would hold one of the default executor's few threads (later
@@ -377,21 +399,8 @@ async def _in_thread(fn: Callable[..., Any], arg: Any, name: str) -> Any:
     loop = asyncio.get_running_loop()
     done: asyncio.Future[Any] = loop.create_future()
 
-    def settle(value: Any, error: BaseException | None) -> None:
-        if done.cancelled():  # timed out: nobody waits for it
-            return
-        if error is not None:
-            done.set_exception(error)
-        else:
-            done.set_result(value)
-
     def run(context: contextvars.Context) -> None:
-        try:
-            value, error = context.run(fn, arg), None
-        except BaseException as e:  # raised where it is awaited, as to_thread does
-            value, error = None, e
-        with contextlib.suppress(RuntimeError):  # the loop closed while it ran
-            loop.call_soon_threadsafe(settle, value, error)
+        run_and_settle(loop, done, context.run, fn, arg)
 
     threading.Thread(target=run, args=(contextvars.copy_context(),), name=name, daemon=True).start()
     return await done

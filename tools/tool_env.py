@@ -51,7 +51,6 @@ admissible actions and state key), since a tool turn does not step it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import difflib
 import functools
@@ -76,7 +75,7 @@ from agentrl.sandboxes.base import Sandbox
 from agentrl.sandboxes.tar_filter import restore_filter
 from agentrl.types import Message, ToolCall
 
-from .base import Tool, ToolResult, tool_problem, truncate_middle
+from .base import Tool, ToolResult, run_and_settle, tool_problem, truncate_middle
 from .parse import (
     MAX_CALLS,
     ParseResult,
@@ -285,21 +284,7 @@ class _InnerThread:
     def _serve(self) -> None:
         while (item := self._calls.get()) is not None:
             fn, args, kwargs, loop, done = item
-            try:
-                value, error = fn(*args, **kwargs), None
-            except BaseException as e:  # raised where it is awaited; SystemExit too
-                value, error = None, e
-            with contextlib.suppress(RuntimeError):  # the loop closed while it ran
-                loop.call_soon_threadsafe(_settle, done, value, error)
-
-
-def _settle(done: asyncio.Future, value: Any, error: BaseException | None) -> None:
-    if done.cancelled():  # the episode gave up on the call
-        return
-    if error is not None:
-        done.set_exception(error)
-    else:
-        done.set_result(value)
+            run_and_settle(loop, done, fn, *args, **kwargs)
 
 
 # Caught where user code runs (a tool, a verifier, a wrapped env's step) as any failure.

@@ -406,17 +406,14 @@ class Trainer:
                     ev = self._eval("end", bars)
                     self._phase("end", ev)
             final = self._save_then_log(log, mem, {"phase": "end", **ev}, export_hf=t.checkpointing.export_hf)
-        finally:  # each closes whatever the one before raised
-            try:
+        finally:  # producer, rollouts, log: each closes whatever the one before raised
+            with contextlib.ExitStack() as closing:
+                closing.callback(log.close)
+                if self.rollouts is not None:
+                    closing.callback(self.rollouts.close)
                 if self.producer is not None:
-                    self.producer, producer = None, self.producer
-                    producer.close()
-            finally:
-                try:
-                    if self.rollouts is not None:
-                        self.rollouts.close()
-                finally:
-                    log.close()
+                    closing.callback(self.producer.close)
+                    self.producer = None
         png = None
         if t.output.plot:
             png = plot_learning_curve(log.path, self.out / "learning_curve.png",
