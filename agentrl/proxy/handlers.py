@@ -358,13 +358,15 @@ def chat_endpoint(proxy: Proxy, wire: Wire) -> Handler:
 
 def count_tokens_endpoint(proxy: Proxy, wire: Wire, schema: type[BaseModel], kind: str | None = None) -> Handler:
     """``.../count_tokens`` (Messages) and ``/v1/responses/input_tokens``: the prompt's length,
-    rendered whole, as ``{"input_tokens": N}`` (with ``"object": kind`` where given); records nothing."""
+    rendered whole, as ``{"input_tokens": N}`` (with ``"object": kind`` where given); records nothing.
+    A prompt that cannot fit the context budget is refused before it is rendered, as a sampling
+    call's is (``check_text_fits``): an 8 MB body held a thread for seconds per count."""
 
     async def count(request: Request) -> Response:
         session = proxy.resolve(request)
         body = await read_json(request, schema, proxy.cfg.max_request_bytes)
         req = wire.conversation(body, proxy, session).chat
-        size = text_size(req)
+        size = check_text_fits(proxy, req, wire.prompt_param)
         from jinja2.exceptions import TemplateError
 
         try:
