@@ -145,6 +145,7 @@ def run_index(run: Run, tokenizer_note: str = "") -> dict[str, Any]:
         "distillation teacher": distill.get("teacher") if distill else None,
         "tokens": tokenizer_note or None,
         "config": "; ".join(run.config_problems) or None,  # a config beside the trees that did not parse
+        "metrics": run.metrics_note or None,  # a metrics.jsonl (or lines of it) that could not be read
     }
     return {
         "title": run.title(),

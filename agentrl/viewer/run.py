@@ -412,12 +412,19 @@ class Run:
         check_links(data)
         return RolloutTree.from_dict(data)
 
-    @cached_property
+    @property
     def metrics(self) -> list[dict[str, Any]]:
-        """The rows of ``metrics.jsonl`` (empty without one)."""
-        from ..train.metrics import read_metrics
+        """The rows of ``metrics.jsonl`` (empty without one, or when it cannot be read)."""
+        return self._metrics[0]
 
-        return read_metrics(self.root / "metrics.jsonl") if self.path.is_dir() else []
+    @property
+    def metrics_note(self) -> str:
+        """Why ``metrics.jsonl`` or some of its lines were not read, or ""."""
+        return self._metrics[1]
+
+    @cached_property
+    def _metrics(self) -> tuple[list[dict[str, Any]], str]:
+        return read_metrics_rows(self.root / "metrics.jsonl") if self.path.is_dir() else ([], "")
 
     @cached_property
     def summary(self) -> dict[str, Any]:
@@ -510,10 +517,44 @@ def _read_config(path: Path) -> dict[str, Any] | str:
     return got if isinstance(got, dict) else f"a {type(got).__name__}, not a mapping"
 
 
+def read_metrics_rows(path: Path) -> tuple[list[dict[str, Any]], str]:
+    """``(rows, note)`` of a ``metrics.jsonl``: ``train.metrics.read_metrics``'s rows, and
+    why none or some were not read. The file is the trainer's, but what lies at its path
+    is not the viewer's to trust: a folder there, or a line nested past what the JSON
+    parser reads (``read_metrics`` raises RecursionError on it), must not cost the page
+    its run; the lines around a too-deep one are read on their own."""
+    from ..train.metrics import read_metrics
+
+    try:
+        return read_metrics(path), ""
+    except OSError as e:  # a folder at the path, no permission, deleted since listed
+        return [], f"metrics.jsonl not read ({type(e).__name__}: {e.strerror or e})"
+    except RecursionError:
+        pass
+    rows, deep = [], []
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError as e:  # changed under us since the first read
+        return [], f"metrics.jsonl not read ({type(e).__name__}: {e.strerror or e})"
+    for i, line in enumerate(lines, 1):
+        try:
+            row = _loads(line.encode("utf-8", errors="replace"))
+        except RecursionError:
+            deep.append(f"metrics.jsonl:{i}")
+            continue
+        except ValueError:  # not JSON: read_metrics skips it too (a torn last line)
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    shown = ", ".join(deep[:5]) + (f" and {len(deep) - 5} more" if len(deep) > 5 else "")
+    return rows, f"skipped {len(deep)} metrics line(s) nested too deep to read: {shown}"
+
+
 def _read_json(path: Path) -> Any:
+    """A JSON file's value, or None: not there, unreadable, not JSON, or nested too deep."""
     try:
         return json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 

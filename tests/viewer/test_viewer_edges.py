@@ -1,0 +1,79 @@
+"""The viewer at the edges of a run's life and data: a metrics file it cannot read, a run
+not started yet, a config edited while it is looked at, a node's info of the wrong type,
+a tree asked for again and again while the tokenizer loads.
+
+Each test names the input and the outcome the page must get: a message, never a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from agentrl.types import write_trees
+from agentrl.viewer import Run, ViewerServer
+
+from .conftest import fork_tree
+
+
+def _get(url: str) -> tuple[int, dict]:
+    """``(status, JSON body)`` of a GET, an HTTP error's included."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _run_with_metrics(folder: Path, metrics: str | None) -> Path:
+    """A run of one tree whose ``metrics.jsonl`` holds ``metrics`` (None: a folder there)."""
+    write_trees(folder / "trajectories.jsonl", [fork_tree()])
+    if metrics is None:
+        (folder / "metrics.jsonl").mkdir()
+    else:
+        (folder / "metrics.jsonl").write_text(metrics)
+    return folder
+
+
+def test_a_metrics_line_nested_past_the_parser_keeps_the_other_rows_and_is_named(tmp_path):
+    """A metrics line nested 100,000 levels raised RecursionError out of ``read_metrics``:
+    ``/api/run`` was a 500 and the page showed nothing of the run."""
+    rows = [json.dumps({"step": 1, "rollout/reward": 0.25}), "[" * 100_000 + "]" * 100_000,
+            json.dumps({"step": 2, "rollout/reward": 0.5})]
+    server = ViewerServer(Run(_run_with_metrics(tmp_path, "\n".join(rows) + "\n")), port=0).start()
+    try:
+        code, index = _get(server.url + "api/run")
+    finally:
+        server.close()
+    assert code == 200, index
+    assert index["totals"]["trees"] == 1
+    reward = next(p for p in index["curves"] if p["title"] == "reward")["series"][0]["points"]
+    assert reward == [[1, 0.25], [2, 0.5]]  # the rows around the bad line still draw
+    assert "metrics.jsonl:2" in index["about"]["metrics"]
+
+
+def test_a_metrics_path_that_is_a_folder_is_named_not_a_500(tmp_path):
+    server = ViewerServer(Run(_run_with_metrics(tmp_path, None)), port=0).start()
+    try:
+        code, index = _get(server.url + "api/run")
+    finally:
+        server.close()
+    assert code == 200, index
+    assert index["totals"]["trees"] == 1 and not any(p["series"] for p in index["curves"])
+    assert "metrics.jsonl not read" in index["about"]["metrics"]
+    assert "IsADirectoryError" in index["about"]["metrics"]
+
+
+def test_a_summary_json_nested_past_the_parser_is_left_unread_not_a_500(tmp_path):
+    """``summary.json`` (read for the title when there is no config) raised RecursionError too."""
+    write_trees(tmp_path / "trajectories.jsonl", [fork_tree()])
+    (tmp_path / "summary.json").write_text("[" * 100_000 + "]" * 100_000)
+    server = ViewerServer(Run(tmp_path), port=0).start()
+    try:
+        code, index = _get(server.url + "api/run")
+    finally:
+        server.close()
+    assert code == 200, index
+    assert index["totals"]["trees"] == 1 and index["about"]["model"] is None
