@@ -345,7 +345,8 @@ class RolloutTree:
         try:
             text = json.dumps(data, ensure_ascii=False)
         except RecursionError:  # an env's info nested past what json writes: that info, not the tree
-            data = {**data, "nodes": [_writable_info(d) for d in data["nodes"]]}
+            data = {**data, "meta": _writable_meta(data["meta"]),
+                    "nodes": [_writable_info(d) for d in data["nodes"]]}
             text = json.dumps(data, ensure_ascii=False)
         try:
             text.encode("utf-8")
@@ -395,6 +396,18 @@ def _writable_info(node: dict[str, Any]) -> dict[str, Any]:
     except RecursionError:
         return {**node, "info": {"error": "info was too deeply nested to write as JSON (RecursionError)"}}
     return node
+
+
+def _writable_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` with each value ``json`` cannot nest that deep replaced by a note."""
+    out = {}
+    for k, v in meta.items():
+        try:
+            json.dumps(v)
+            out[k] = v
+        except RecursionError:
+            out[k] = "meta value was too deeply nested to write as JSON (RecursionError)"
+    return out
 
 
 def write_trees(path: str | Path, trees: Iterable[RolloutTree], append: bool = False) -> int:

@@ -94,6 +94,19 @@ def test_deeply_nested_info_is_written_and_what_json_cannot_nest_is_named(tmp_pa
     assert back.nodes[2].action_ids == [13, 14, 15] and back.nodes[2].logprobs == [-1, -2, -3.5]
 
 
+def test_a_meta_value_nested_past_what_json_writes_is_named_and_the_tree_kept(tmp_path):
+    """A hand-built tree (a proxy session's, a user's) may carry a ``meta`` value nested past
+    what ``json`` writes: that value is replaced by a note, the other keys and the nodes kept."""
+    t, *_ = _branching_tree()
+    t.meta = {"env": "e", "seed": 3, "task_spec": _nested(5000)}
+    path = tmp_path / "trees.jsonl"
+    assert write_trees(path, [t]) == 1
+    back = read_trees(path)[0]
+    assert back.meta["env"] == "e" and back.meta["seed"] == 3
+    assert "too deeply nested" in back.meta["task_spec"]
+    assert back.nodes[2].action_ids == [13, 14, 15]
+
+
 def test_unknown_node_field_is_rejected():
     with pytest.raises(ValueError, match="unknown Node fields"):
         Node.from_dict({"id": 0, "bogus": 1})
