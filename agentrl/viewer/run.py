@@ -21,10 +21,10 @@ number in its file's name (``step-000012.jsonl``), else None.
 
 A run can change while it is looked at: a training run adds a step's trees
 file and a metrics row, a resumed run or a new ``agentrl rollout`` replaces a
-file whole. Each tree's line is indexed with its CRC-32, and ``Run.tree(i)``
-refuses (``RunChanged``) a line that is no longer the one indexed, instead of
-parsing what now lies at its bytes as tree i; ``Run.changed()`` says whether
-any trees file or ``metrics.jsonl`` changed since the run was opened, and
+file whole, a config is edited. Each tree's line is indexed with its CRC-32, and
+``Run.tree(i)`` refuses (``RunChanged``) a line that is no longer the one indexed,
+instead of parsing what now lies at its bytes as tree i; ``Run.changed()`` says
+whether any file above changed since the run was opened, and
 ``Run.reopen()`` indexes it again, reading only the trees files that changed
 (the server does so on each page load of a run still being written).
 
@@ -356,12 +356,21 @@ class Run:
         return len(self.refs)
 
     def _stamp_all(self, files: list[Path]) -> dict[Path, tuple[int, int, int] | None]:
-        metrics = [self.root / "metrics.jsonl"] if self.path.is_dir() else []
-        return {f: _stamp(f) for f in [*files, *metrics]}
+        return {f: _stamp(f) for f in [*files, *self._side_files()]}
+
+    def _side_files(self) -> list[Path]:
+        """The files besides the trees that the index reads: the config files, ``summary.json``,
+        and in a folder ``metrics.jsonl`` and the newest checkpoint's ``state.json``."""
+        side = [self.root / name for name in ("config.json", "config.yaml", "config.yml", "summary.json")]
+        if self.path.is_dir():
+            side.append(self.root / "metrics.jsonl")
+            side += sorted(self.root.glob("checkpoints/step-*/state.json"))[-1:]
+        return side
 
     def changed(self) -> bool:
-        """Whether a trees file or ``metrics.jsonl`` was added, removed, replaced or written
-        since the run was opened (a stat of each: cheap enough to ask on every index)."""
+        """Whether a trees file, ``metrics.jsonl``, a config file, ``summary.json`` or the
+        newest checkpoint's state was added, removed, replaced or written since the run was
+        opened (a stat of each: cheap enough to ask on every index)."""
         try:
             files = tree_files(self.path)
         except OSError:

@@ -10,7 +10,7 @@ Standard library only (``http.server``): three read-only routes, on
                           ``?generation=G``: of the index the page holds
 
 A run may still be written (a training run adds steps and metrics rows) or have
-a file replaced (a resumed step, a new rollout into the folder). Each
+a file replaced (a resumed step, a new rollout into the folder, an edited config). Each
 ``/api/run`` checks whether its files changed (``Run.changed``, a stat of each)
 and, when they did, indexes the run again (``Run.reopen``: the changed files
 only) under a new generation: a reload of

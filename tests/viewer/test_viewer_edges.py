@@ -77,3 +77,24 @@ def test_a_summary_json_nested_past_the_parser_is_left_unread_not_a_500(tmp_path
         server.close()
     assert code == 200, index
     assert index["totals"]["trees"] == 1 and index["about"]["model"] is None
+
+
+def test_a_config_edited_while_the_run_is_served_shows_on_the_next_index(tmp_path):
+    """The run was indexed again only when a trees file or metrics.jsonl changed: a config
+    written or edited after the viewer started (the trainer's, a hand's fix) never showed."""
+    write_trees(tmp_path / "trajectories.jsonl", [fork_tree()])
+    (tmp_path / "config.json").write_text(json.dumps({"env": {"id": "agentrl/One-v0"}}))
+    server = ViewerServer(Run(tmp_path), port=0).start()
+    try:
+        first = _get(server.url + "api/run")[1]
+        assert first["about"]["env"] == "agentrl/One-v0"
+        (tmp_path / "config.json").write_text(json.dumps({"env": {"id": "agentrl/Second-v0"}}))
+        now = _get(server.url + "api/run")[1]
+        assert now["about"]["env"] == "agentrl/Second-v0" and now["generation"] != first["generation"]
+        (tmp_path / "config.json").unlink()  # the checkpoint's config stands in for a config file
+        (tmp_path / "checkpoints" / "step-000001").mkdir(parents=True)
+        state = {"config": {"env": {"id": "agentrl/Third-v0"}}}
+        (tmp_path / "checkpoints" / "step-000001" / "state.json").write_text(json.dumps(state))
+        assert _get(server.url + "api/run")[1]["about"]["env"] == "agentrl/Third-v0"
+    finally:
+        server.close()
