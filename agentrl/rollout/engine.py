@@ -62,7 +62,8 @@ class Engine:
     Use ``await engine.run(seeds, allocator)``, or the sync ``collect``.
     ``on_episode_done(tree)`` is called once for each planned path when it ends, or when it
     is dropped unplayed because a turns or tokens budget was spent (a progress bar of the
-    planned episodes then completes).
+    planned episodes then completes). A callback that raises an ``Exception`` is warned about
+    (``RuntimeWarning``) and not called again that run; the run goes on.
     """
 
     def __init__(self, policy: Policy, cfg: Config, env_id: str | None = None,

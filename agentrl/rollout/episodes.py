@@ -535,5 +535,20 @@ class EpisodePlayer:
         finally:
             if box:
                 self.envs.release(box[0].env, healthy, hung)
-        if self.on_episode_done:
-            self.on_episode_done(tree)
+        self._report_done(tree)
+
+    def _report_done(self, tree: RolloutTree) -> None:
+        """Call ``on_episode_done(tree)``. A user's callback (a progress bar) that raises must not
+        lose the batch: its error went up through the round's gather and every episode of the run
+        was lost. It is warned about once, naming it, and not called again this run; a
+        ``BaseException`` (Ctrl-C inside it) still stops the run."""
+        callback = self.on_episode_done
+        if callback is None:
+            return
+        try:
+            callback(tree)
+        except Exception as e:
+            self.on_episode_done = None
+            warnings.warn(f"on_episode_done callback {getattr(callback, '__qualname__', callback)!r} raised "
+                          f"{type(e).__name__}: {e}; the run goes on without calling it again",
+                          RuntimeWarning, stacklevel=2)

@@ -1,0 +1,48 @@
+"""Edges of the rollout engine and its allocators: a failing progress callback, a backend that
+overspends, groups written however a run ends, per-task pricing, and the trainer's bar."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from agentrl.config import load_config
+from agentrl.policy import MockPolicy
+from agentrl.rollout import collect
+from agentrl.rollout.allocators import Independent, IndependentOptions
+
+
+def _cfg(*extra: str):
+    return load_config(overrides=["rollout.max_turns=2", "env.kwargs={high: 1000, max_turns: 2}", *extra])
+
+
+def test_a_raising_on_episode_done_loses_no_episode(tokenizer):
+    """A progress callback that raised went up through the batch's gather: the run stopped and
+    every episode of every task was lost. Now the run plays on and returns its trees; the
+    callback's error is warned about once, naming it, and it is not called again."""
+    calls = []
+
+    def bar(tree):
+        calls.append(tree)
+        raise ValueError("bar closed")
+
+    cfg = _cfg("rollout.concurrency=1", "rollout.group_size=3")
+    with pytest.warns(RuntimeWarning, match="on_episode_done.*ValueError: bar closed") as caught:
+        trees = collect("agentrl/GuessNumber-v0", MockPolicy(tokenizer, ["1"]), cfg, [0, 1],
+                        Independent(IndependentOptions(n=3)), on_episode_done=bar)
+    assert [len(list(t.episodes())) for t in trees] == [3, 3]
+    assert all(n.error is None for t in trees for n in t.nodes.values())
+    assert len(calls) == 1  # not called again after it raised
+    assert len([w for w in caught if "on_episode_done" in str(w.message)]) == 1
+
+
+def test_a_keyboard_interrupt_in_on_episode_done_still_stops_the_run(tokenizer):
+    """Only an ``Exception`` is warned about: Ctrl-C met inside the callback still stops the run."""
+    def bar(_tree):
+        raise KeyboardInterrupt
+
+    with warnings.catch_warnings(), pytest.raises(KeyboardInterrupt):
+        warnings.simplefilter("ignore")
+        collect("agentrl/GuessNumber-v0", MockPolicy(tokenizer, ["1"]), _cfg(), [0],
+                Independent(IndependentOptions(n=2)), on_episode_done=bar)
