@@ -70,7 +70,7 @@ from .weights import merged_weights, wire_weights
 
 __all__ = ["PrefixRouter", "RayPolicy", "RolloutWorker", "merged_weights", "placement"]
 
-_CALL_TIMEOUT_S = 600.0  # a worker that answers no settings or weights call in this long is lost
+_CALL_TIMEOUT_S = 600.0  # RayPolicy(call_timeout_s=...)'s default
 _MOD = (1 << 61) - 1  # a Mersenne prime: rolling prefix hashes modulo it
 _BASE = 1_000_003
 
@@ -199,12 +199,17 @@ class RayPolicy:
     ``model``: an in-process copy of the weights for a trainer to train
     (``weights_updated`` pushes it); None when only rollouts are wanted.
     ``on_dispatch(request, worker)`` is called as each request is routed.
+    ``call_timeout_s``: how long the workers may take to start, and a worker to answer a
+    settings or weights call or to come back from a restart (loading the model each time).
     """
 
     def __init__(self, policy: PolicyConfig, dist: DistributedConfig, tokenizer: Any,
-                 model: Any = None):
+                 model: Any = None, *, call_timeout_s: float = _CALL_TIMEOUT_S):
         if dist.num_rollout_workers < 1:
             raise PolicyError("RayPolicy needs distributed.num_rollout_workers >= 1")
+        if not call_timeout_s > 0:  # NaN too: every wait would end at once
+            raise PolicyError(f"RayPolicy(call_timeout_s={call_timeout_s!r}): it must be > 0 seconds")
+        self.call_timeout_s = float(call_timeout_s)
         ray = connect(dist)  # first: it says how to install Ray where it is missing
         from ray.exceptions import GetTimeoutError
 
@@ -221,13 +226,13 @@ class RayPolicy:
                                                   max_restarts=dist.max_restarts, max_task_retries=0)
         self.workers = [actor.remote(policy.model_dump()) for _ in range(dist.num_rollout_workers)]
         try:
-            infos = ray.get([w.info.remote() for w in self.workers], timeout=_CALL_TIMEOUT_S)
+            infos = ray.get([w.info.remote() for w in self.workers], timeout=self.call_timeout_s)
         except BaseException as e:  # a Ctrl-C too: a notebook that goes on would keep them reserved
             for w in self.workers:
                 with contextlib.suppress(Exception):  # the cluster may be gone: the error says why
                     ray.kill(w)
             if isinstance(e, GetTimeoutError):
-                raise PolicyError(f"the rollout workers did not start within {_CALL_TIMEOUT_S:.0f} s (loading "
+                raise PolicyError(f"the rollout workers did not start within {self.call_timeout_s:g} s (loading "
                                   f"{policy.model} on each): killed") from e
             if not isinstance(e, Exception):
                 raise
@@ -374,16 +379,16 @@ class RayPolicy:
             raise _Unusable(f"rollout worker {w} is lost (distributed.max_restarts used up)")
         worker = self.workers[w]
         try:
-            info = _await_restart(worker)  # outside the push lock: a restart loads the model
+            info = _await_restart(worker, self.call_timeout_s)  # outside the push lock: a restart loads the model
             with self._push_lock:
                 if w not in self._stale:  # another request did it meanwhile
                     return
                 if self._weights_ref is not None:
-                    ray.get(worker.update_weights.remote(self._weights_ref, self._version), timeout=_CALL_TIMEOUT_S)
+                    ray.get(worker.update_weights.remote(self._weights_ref, self._version), timeout=self.call_timeout_s)
                 else:
-                    ray.get(worker.set_version.remote(self._version), timeout=_CALL_TIMEOUT_S)
+                    ray.get(worker.set_version.remote(self._version), timeout=self.call_timeout_s)
                 if self._deterministic is not None:
-                    ray.get(worker.set_deterministic.remote(self._deterministic), timeout=_CALL_TIMEOUT_S)
+                    ray.get(worker.set_deterministic.remote(self._deterministic), timeout=self.call_timeout_s)
                 with self._state_lock:
                     self._incarnation[w] = info["incarnation"]
                     self._stale.discard(w)
@@ -413,7 +418,7 @@ class RayPolicy:
         out, error = [], None
         for w, incarnation, ref in refs:
             try:
-                out.append(ray.get(ref, timeout=_CALL_TIMEOUT_S))
+                out.append(ray.get(ref, timeout=self.call_timeout_s))
             except Exception as e:
                 if _died(e):
                     self._note_death(w, incarnation)
@@ -494,7 +499,7 @@ class RayPolicy:
         out: dict[int, int] = {}
         for w, incarnation, ref in refs:
             try:
-                info = ray.get(ref, timeout=_CALL_TIMEOUT_S)
+                info = ray.get(ref, timeout=self.call_timeout_s)
             except Exception as e:
                 if not _died(e):
                     raise ray_error(e, PolicyError, f"rollout worker {w}") from e
@@ -534,13 +539,14 @@ class RayPolicy:
             self._weights_ref = None  # the object store frees them now, not when this object is collected
 
 
-def _await_restart(worker: Any) -> dict[str, Any]:
-    """``worker.info()`` once it is up again: Ray answers "temporarily unavailable" while it
-    restarts (which loads the model), and "died" only when it will not come back."""
+def _await_restart(worker: Any, timeout_s: float) -> dict[str, Any]:
+    """``worker.info()`` once it is up again, within ``timeout_s``: Ray answers "temporarily
+    unavailable" while it restarts (which loads the model), and "died" only when it will not
+    come back."""
     import ray
     from ray.exceptions import ActorUnavailableError
 
-    deadline = time.monotonic() + _CALL_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while True:
         try:
             return ray.get(worker.info.remote(), timeout=max(deadline - time.monotonic(), 0.0))

@@ -329,20 +329,18 @@ def test_a_docker_env_asks_for_the_docker_resource(cluster):
         EnvWorkerPool("agentrl/GuessNumber-v0", {"sandbox": "docker"}, cfg.distributed)
 
 
-def test_more_workers_than_the_cluster_can_ever_hold_are_refused_at_once(cluster, tokenizer, monkeypatch):
+def test_more_workers_than_the_cluster_can_ever_hold_are_refused_at_once(cluster, tokenizer):
     """Each worker fits a node, but not all of them fit the cluster: Ray would keep the rest
     pending for good (rollout workers: a 600 s wait then a bare GetTimeoutError; env workers:
     their episodes wait out rollout.episode_timeout_s). Refused before any actor starts."""
-    from agentrl.distributed import rollout_workers
     from agentrl.distributed.env_workers import EnvWorkerPool
     from agentrl.errors import ConfigError
 
-    monkeypatch.setattr(rollout_workers, "_CALL_TIMEOUT_S", 5.0)  # the old wait, shortened
     cfg = load_config(overrides=["policy.backend=hf", "policy.model=tiny-random", "distributed.ray=auto",
                                  "distributed.num_rollout_workers=3", "distributed.rollout_worker_cpus=1"])
     with pytest.raises(ConfigError, match=r"can host 2 of the 3 rollout workers needing \{'CPU': 1\.0\} each "
                                           r"\(distributed\.num_rollout_workers"):
-        RayPolicy(cfg.policy, cfg.distributed, tokenizer)
+        RayPolicy(cfg.policy, cfg.distributed, tokenizer, call_timeout_s=5.0)  # the old wait, shortened
     cfg = load_config(overrides=["distributed.ray=auto", "distributed.num_env_workers=9",
                                  "distributed.env_worker_cpus=0.25"])
     with pytest.raises(ConfigError, match=r"can host 8 of the 9 env workers .*distributed\.num_env_workers"):
@@ -393,7 +391,6 @@ def test_rollout_workers_interrupted_while_they_start_are_killed(cluster, tokeni
     """A Ctrl-C (or any error) while the workers load their model kills them: a notebook that
     carries on would keep their CPUs and GPUs reserved, and its next RayPolicy would wait for them.
     A start that times out is a PolicyError saying so, not Ray's bare GetTimeoutError."""
-    from agentrl.distributed import rollout_workers
     from agentrl.errors import PolicyError
 
     cfg = load_config(overrides=["policy.backend=hf", "policy.model=tiny-random",
@@ -419,9 +416,8 @@ def test_rollout_workers_interrupted_while_they_start_are_killed(cluster, tokeni
     assert _live_rollout_workers() == before
     del interrupt
 
-    monkeypatch.setattr(rollout_workers, "_CALL_TIMEOUT_S", 0.01)  # no model loads that fast
-    with pytest.raises(PolicyError, match=r"rollout workers did not start within 0 s") as timeout:
-        RayPolicy(cfg.policy, cfg.distributed, tokenizer)
+    with pytest.raises(PolicyError, match=r"rollout workers did not start within 0\.01 s") as timeout:
+        RayPolicy(cfg.policy, cfg.distributed, tokenizer, call_timeout_s=0.01)  # no model loads that fast
     deadline = time.monotonic() + 30
     while _live_rollout_workers() > before and time.monotonic() < deadline:
         time.sleep(0.1)

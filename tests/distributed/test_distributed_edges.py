@@ -1,0 +1,110 @@
+"""Edges of the Ray layer that need no cluster: call timeouts, slow workers against dead ones,
+workers that never come back up, LoRA layers with no active adapter, and the pool lock."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="ray is not installed here: pip install 'agentrl[ray]' (make extras)")
+
+from agentrl.config import load_config  # noqa: E402
+from agentrl.distributed import rollout_workers  # noqa: E402
+from agentrl.distributed.rollout_workers import RayPolicy  # noqa: E402
+from agentrl.errors import PolicyError  # noqa: E402
+
+
+class _Call:
+    """What ``actor.method.remote(...)`` returns here: a ref ``ray.get`` (faked) resolves."""
+
+    def __init__(self, worker: _Worker, method: str, args: tuple):
+        self.worker, self.method, self.args = worker, method, args
+
+
+class _Method:
+    def __init__(self, worker: _Worker, name: str):
+        self.worker, self.name = worker, name
+
+    def remote(self, *args):
+        return _Call(self.worker, self.name, args)
+
+
+class _Worker:
+    """A rollout-worker handle whose calls answer from ``answers`` (method -> value, exception,
+    or a list of them taken in turn)."""
+
+    def __init__(self, **answers):
+        self.answers = answers
+        self.calls: list[tuple[str, tuple]] = []
+
+    def __getattr__(self, name: str) -> _Method:
+        if name.startswith("_") or name in ("answers", "calls"):
+            raise AttributeError(name)
+        return _Method(self, name)
+
+    def answer(self, call: _Call):
+        self.calls.append((call.method, call.args))
+        a = self.answers[call.method]
+        if isinstance(a, list):
+            a = a.pop(0) if len(a) > 1 else a[0]
+        if isinstance(a, BaseException):
+            raise a
+        return a
+
+
+@pytest.fixture
+def fake_get(monkeypatch):
+    """``ray.get`` over ``_Call``s; records each timeout it was given."""
+    timeouts: list[float | None] = []
+
+    def get(ref, timeout=None):
+        timeouts.append(timeout)
+        return ref.worker.answer(ref)
+
+    monkeypatch.setattr(ray, "get", get)
+    return timeouts
+
+
+def _policy(workers: list[_Worker], call_timeout_s: float = 600.0) -> RayPolicy:
+    """A RayPolicy's state over fake worker handles (``__init__`` would start actors)."""
+    p = object.__new__(RayPolicy)
+    n = len(workers)
+    p.workers, p._closed, p._dead, p._stale, p._resyncing = list(workers), False, set(), set(), set()
+    p._state_lock, p._push_lock = threading.Lock(), threading.Lock()
+    p._incarnation = [f"inc{i}" for i in range(n)]
+    p._weights_ref, p._version, p._deterministic = None, 0, None
+    p._lost_reason, p._max_restarts, p.model = "", 3, None
+    p.call_timeout_s = call_timeout_s
+    p.stats = {"rollout_workers/deaths": 0, "rollout_workers/retried_requests": 0, "rollout_workers/lost": 0}
+    return p
+
+
+# -- 1. the call timeout is a parameter ---------------------------------------------------
+def test_the_call_timeout_is_a_parameter_every_call_waits_by(fake_get):
+    """It was a module constant (600 s): a cluster whose workers load a large model slowly, or
+    a test that wants a dead worker found in seconds, could not set it."""
+    p = _policy([_Worker(set_version=None), _Worker(set_version=None)], call_timeout_s=7.5)
+    p._all("set_version", 3)
+    assert fake_get == [7.5, 7.5]
+
+
+def test_a_restart_is_awaited_for_the_timeout_given():
+    """A worker that stays "temporarily unavailable" is given up on after ``timeout_s``, not 600 s."""
+    import time
+
+    from ray.exceptions import ActorUnavailableError
+
+    w = _Worker(info=ActorUnavailableError("restarting", None))
+    t0 = time.monotonic()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ray, "get", lambda ref, timeout=None: ref.worker.answer(ref))
+        with pytest.raises(ActorUnavailableError):
+            rollout_workers._await_restart(w, timeout_s=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 5.0
+
+
+def test_a_call_timeout_that_is_not_positive_is_refused_naming_it():
+    cfg = load_config(overrides=["distributed.num_rollout_workers=1"])
+    with pytest.raises(PolicyError, match=r"call_timeout_s=0\b.*> 0"):
+        RayPolicy(cfg.policy, cfg.distributed, tokenizer=None, call_timeout_s=0)
