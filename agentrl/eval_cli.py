@@ -8,8 +8,9 @@
 ``--env`` defaults to the ``--config``'s ``env.id``, so one config serves
 ``train``, ``rollout`` and ``eval``; given a training config, an env that does not
 count its tasks plays the run's held-out ones (``train.evaluation``: its seeds,
-env kwargs and temperature, with ``rollout.max_turns``), not its training tasks. ``--split`` takes several splits, comma separated, and gives one
-report each.
+env kwargs and temperature, with ``rollout.max_turns``), not its training tasks, and one that
+counts them plays the whole split of ``train.evaluation.env_kwargs`` (valid_seen, say), not its
+default one. ``--split`` takes several splits, comma separated, and gives one report each.
 Greedy decoding by default (temperature 0, one sample a task); ``--k K``
 samples ``--samples N`` (default K) episodes a task at ``--temperature``
 (default: the config's). What runs and what the rows mean is in
@@ -165,6 +166,10 @@ def eval_command(
                                   f"temperature {p.cfg.sampling.temperature:g}), as the training run "
                                   "evaluated; --episodes or rollout.seed picks others",
                                   highlight=False)
+                elif p.held_out_kwargs and held_out is not None:
+                    console.print(f"{env_id} is made with train.evaluation.env_kwargs {held_out.env_kwargs}, "
+                                  f"as the training run evaluated: all {len(p.seeds)} tasks; --split "
+                                  "picks another", highlight=False)
             reports, all_trees, interrupted = [], [], False
             with open_policy(cfg) as policy:
                 for plan in plans:

@@ -20,10 +20,12 @@ number and ``agentrl eval``'s agree; ``eval/failed`` counts the failures.
 Every task of the split once: an env that knows how many tasks its
 split holds (a ``num_tasks`` attribute, as the real ALFWorld and WebShop envs
 have) is played on seeds ``0 .. num_tasks - 1``, and ``limit`` keeps the
-first N; any other env on a training config's held-out seeds (``train.evaluation``, with its
-``env_kwargs`` unless a split is given: the tasks the training run evaluated on) unless
-``rollout.seed`` or ``rollout.episodes`` is given, else on ``rollout.episodes`` seeds from
-``rollout.seed``.
+first N; any other env on a training config's held-out seeds (``train.evaluation``: the tasks
+the training run evaluated on) unless ``rollout.seed`` or ``rollout.episodes`` is given, else
+on ``rollout.episodes`` seeds from ``rollout.seed``. Given a training config with held-out
+tasks and no split, either kind of env is made with ``train.evaluation.env_kwargs`` over
+``env.kwargs``: the split the training run evaluated on (ALFWorld's valid_seen, say), played
+whole where the env counts its tasks.
 ``split`` is passed as the env's ``split`` keyword. ``k`` and ``samples``
 (default k) episodes a task give pass@k by the unbiased estimator of Chen et
 al. 2021 (Codex), ``1 - C(n-c, k) / C(n, k)`` with ``c`` successes of ``n``
@@ -273,6 +275,7 @@ class SplitPlan:
     kwargs: dict[str, Any]
     num_tasks: int | None = None  # what the env says its split holds; None: rollout.episodes counts
     held_out: bool = False  # the seeds are a training config's held-out ones (train.evaluation)
+    held_out_kwargs: bool = False  # the env keywords add train.evaluation.env_kwargs to env.kwargs
 
 
 def _read_split(env_id: str, kwargs: dict[str, Any], split: str | None) -> tuple[int | None, Any, dict, Any]:
@@ -297,20 +300,21 @@ def plan_split(env_id: str, cfg: C, split: str | None = None, k: int = 1, sample
     """Check the settings and read the split from the env, without a policy: ``agentrl eval``
     plans every split before the model loads, so that a bad ``--k``, a split the env does not
     take or one with no tasks fails in seconds. ``held_out``: a training config's evaluation,
-    whose seeds (and env keywords, unless ``split`` is given) an env that does not count its
-    split plays instead of ``rollout.episodes`` from ``rollout.seed``. Raises ``ConfigError``."""
+    whose seeds an env that does not count its split plays instead of ``rollout.episodes`` from
+    ``rollout.seed``, and whose env keywords (unless ``split`` is given) any env is made with.
+    Raises ``ConfigError``."""
     samples = k if samples is None else samples  # 0 is a bad value, not "default"
     if k < 1 or samples < k:
         raise ConfigError(f"--k must be >= 1 and --samples >= --k (got k={k}, samples={samples})")
     if samples > 1 and cfg.sampling.temperature == 0:  # pass@k would be pass@1, n times the cost
         raise ConfigError(f"--samples {samples} episodes a task at temperature 0 (greedy) play the same "
                           "episode over: give --temperature above 0 (or sampling.temperature), or --k 1")
-    kwargs = dict(cfg.env.kwargs) | ({"split": split} if split is not None else {})
+    # the env the training run evaluated on (its split, say), whether or not the env counts its
+    # tasks: a counted one (the real ALFWorld) played its default split, not train.evaluation's
+    evaluated = held_out.env_kwargs if split is None and held_out is not None and held_out_seeds(held_out) else {}
+    kwargs = dict(cfg.env.kwargs) | ({"split": split} if split is not None else {}) | evaluated
     num_tasks, task_family, labels, max_steps = _read_split(env_id, kwargs, split)
     held = [] if num_tasks or held_out is None else held_out_seeds(held_out)
-    if held and split is None and held_out is not None and held_out.env_kwargs:
-        kwargs = kwargs | held_out.env_kwargs  # the env the training run evaluated on
-        num_tasks, task_family, labels, max_steps = _read_split(env_id, kwargs, split)
     ev = eval_config(cfg, samples, env_kwargs=kwargs)
     if num_tasks:
         seeds, counted_by = list(range(num_tasks)), ""
@@ -329,7 +333,7 @@ def plan_split(env_id: str, cfg: C, split: str | None = None, k: int = 1, sample
     if "max_turns" not in ev.rollout.model_fields_set and isinstance(max_steps, int) and not held_out_tasks:
         ev.rollout.max_turns = max_steps  # the env's own limit ends the episode
     return SplitPlan(env_id, split, k, samples, seeds, families, labels, ev, kwargs, num_tasks,
-                     held_out=held_out_tasks)
+                     held_out=held_out_tasks, held_out_kwargs=bool(evaluated))
 
 
 def evaluate_split(env_id: str, policy: Any, cfg: Config, split: str | None = None, k: int = 1,

@@ -1,0 +1,86 @@
+"""Edges of the config, ``agentrl rollout`` and ``agentrl eval``: which split a training config
+evaluates, environment variables kept as text, a bound on ``rollout.episodes``, an output
+folder's earlier results, each split's report written as it ends, a teacher's path expanded."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from agentrl import eval_cli
+from agentrl.env import TextEnv, register_env
+
+runner = CliRunner()
+
+
+def _app() -> typer.Typer:
+    """``agentrl rollout`` and ``agentrl eval`` in one host app."""
+    from agentrl.cli import app as main_app
+
+    host = typer.Typer()
+    host.registered_commands += main_app.registered_commands
+    eval_cli.register(host)
+    return host
+
+
+def _text(result: Any) -> str:
+    return " ".join(result.output.split())
+
+
+class CountedSplitEnv(TextEnv):
+    """Counts its tasks, as the real ALFWorld and WebShop envs do: split "train" holds 5,
+    "valid_seen" 2. Every episode wins in one step."""
+
+    max_steps = 3
+
+    def __init__(self, split: str = "train"):
+        super().__init__()
+        self.split = split
+
+    @property
+    def num_tasks(self) -> int:
+        return {"train": 5, "valid_seen": 2}[self.split]
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return "Say 1.", {"instruction": "say 1", "tools": []}
+
+    def step(self, action: str):
+        return "Done.", 1.0, True, False, {}
+
+
+register_env("agentrl/TestCountedSplit-v0", entry_point=CountedSplitEnv)
+
+TRAIN = {"env": {"id": "agentrl/TestCountedSplit-v0"}, "policy": {"backend": "mock"},
+         "train": {"evaluation": {"episodes": 3, "env_kwargs": {"split": "valid_seen"}}}}
+
+
+def _eval(tmp_path, config: dict, *flags: str) -> tuple[Any, Any]:
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = tmp_path / "eval"
+    result = runner.invoke(_app(), ["eval", "--config", str(path), "--out", str(out), "--no-progress", *flags])
+    return result, out
+
+
+# -- 1. agentrl eval on a training config: the split its held-out evaluation plays -------------------
+
+def test_eval_of_a_training_config_plays_the_split_of_its_held_out_evaluation(tmp_path):
+    result, out = _eval(tmp_path, TRAIN)
+    assert result.exit_code == 0, (result.output, result.exception)
+    [report] = json.loads((out / "summary.json").read_text())["reports"]
+    # valid_seen holds 2 tasks (train 5): the whole split the training run evaluated on
+    assert report["settings"]["env_kwargs"] == {"split": "valid_seen"}
+    assert [r["seed"] for r in report["results"]] == [0, 1]
+    assert "train.evaluation.env_kwargs" in _text(result)
+
+
+def test_eval_split_flag_still_picks_the_split(tmp_path):
+    result, out = _eval(tmp_path, TRAIN, "--split", "train")
+    assert result.exit_code == 0, (result.output, result.exception)
+    [report] = json.loads((out / "summary.json").read_text())["reports"]
+    assert report["settings"]["env_kwargs"] == {"split": "train"} and report["tasks"] == 5
