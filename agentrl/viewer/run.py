@@ -121,13 +121,30 @@ def _reason(text: str) -> str:
     return text.split(":")[0].split(" after ")[0][:80]
 
 
+def node_info(node: dict[str, Any]) -> dict[str, Any]:
+    """A node dict's ``info`` as a mapping: ``{}`` for none, and a value of another type (a
+    list from a foreign writer or a hand edit) kept whole under a key that says so, so
+    that what reads ``info`` (``.get``) works and the page still shows what was there."""
+    info = node.get("info")
+    if info is None:
+        return {}
+    return info if isinstance(info, dict) else {f"info (a {type(info).__name__}, not a mapping)": info}
+
+
+def _mapping_infos(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with every node's ``info`` a mapping (``node_info``); as it is when all are."""
+    if all(isinstance(n.get("info", {}), dict) for n in data["nodes"]):
+        return data
+    return {**data, "nodes": [{**n, "info": node_info(n)} for n in data["nodes"]]}
+
+
 def task_family(meta: dict[str, Any], nodes: list[dict[str, Any]]) -> str:
     """The task's family: ``meta["family"]``, else the env's ``task_type`` or ``family``
     in its first step's info (ALFWorld-v0 reports ``task_type``), else ``""``."""
     if meta.get("family"):
         return str(meta["family"])
     for n in nodes[:1]:
-        info = n.get("info") or {}
+        info = node_info(n)
         for key in ("task_type", "family"):
             if info.get(key):
                 return str(info[key])
@@ -208,7 +225,7 @@ def summarize_tree_dict(data: dict[str, Any], index: int = 0, file: str = "",
             reasons[f"failed: {_reason(error)}"] += 1
             continue
         rewards.append(sum(float(n.get("reward", 0.0)) for n in path))
-        info = leaf.get("info") or {}
+        info = node_info(leaf)
         successes += succeeded(info, bool(leaf.get("terminated")), float(leaf.get("reward", 0.0)))
         if leaf.get("truncated"):
             truncated += 1
@@ -419,7 +436,7 @@ class Run:
                              "is not there any more): reload the page, or open the run again")
         data = _loads(line)
         check_links(data)
-        return RolloutTree.from_dict(data)
+        return RolloutTree.from_dict(_mapping_infos(data))
 
     @property
     def metrics(self) -> list[dict[str, Any]]:

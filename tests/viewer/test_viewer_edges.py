@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from agentrl.types import write_trees
+from agentrl.types import Node, RolloutTree, write_trees
 from agentrl.viewer import Run, ViewerServer
 
 from .conftest import fork_tree
@@ -96,5 +96,40 @@ def test_a_config_edited_while_the_run_is_served_shows_on_the_next_index(tmp_pat
         state = {"config": {"env": {"id": "agentrl/Third-v0"}}}
         (tmp_path / "checkpoints" / "step-000001" / "state.json").write_text(json.dumps(state))
         assert _get(server.url + "api/run")[1]["about"]["env"] == "agentrl/Third-v0"
+    finally:
+        server.close()
+
+
+def _tree_with_infos(root_info: object, mid_info: object, leaf_info: object) -> RolloutTree:
+    """root -> mid -> two leaves, each with the ``info`` given (whatever its type)."""
+    t = RolloutTree(meta={"env": "agentrl/Fake-v0", "seed": 3, "task": 0})
+    root = t.add(Node(context_ids=[1], action_ids=[2], logprobs=[-0.1], action_text="a"))
+    mid = t.add(Node(context_ids=[3], action_ids=[4], logprobs=[-0.2], action_text="b"), root.id)
+    t.add(Node(context_ids=[5], action_ids=[6], logprobs=[-0.3], action_text="c", reward=1.0, terminated=True),
+          mid.id)
+    t.add(Node(context_ids=[5], action_ids=[7], logprobs=[-0.4], action_text="d", truncated=True), mid.id)
+    for node, info in zip(t.nodes.values(), (root_info, mid_info, leaf_info, leaf_info), strict=True):
+        node.info = info  # as a hand-edited or foreign writer's file holds it
+    return t
+
+
+def test_a_node_whose_info_is_not_a_mapping_is_drawn_with_it_shown(tmp_path):
+    """An inner node's ``info`` that was a list made its tree's endpoint a 500 (``info.get``);
+    on a root or a leaf the whole tree was skipped as an unreadable line. The tree is drawn,
+    and the node's info shown as it is, named as not a mapping."""
+    write_trees(tmp_path / "trajectories.jsonl", [
+        fork_tree(), _tree_with_infos({}, ["x", "y"], {}), _tree_with_infos("text", [1], ["success"])])
+    run = Run(tmp_path)
+    assert len(run) == 3 and run.skipped == []
+    assert run.summaries[2].episodes == 2 and run.summaries[2].successes == 1  # terminated with reward 1
+    server = ViewerServer(run, port=0).start()
+    try:
+        for i in (1, 2):
+            code, tree = _get(server.url + f"api/tree/{i}")
+            assert code == 200, tree
+            mid = next(n for n in tree["nodes"] if n["action"] == "b")
+            assert list(mid["info"].values()) == [["x", "y"] if i == 1 else [1]]
+            assert "not a mapping" in next(iter(mid["info"]))
+            assert [e["success"] for e in tree["episodes"]] == [True, False]
     finally:
         server.close()
