@@ -34,8 +34,10 @@ too, so it fails alone instead of taking down the fleet. A generation is pure gi
 seed, so a retry samples what the dead worker would have (same weights,
 version and seed). A restarted worker comes back with the starting weights:
 before it serves again it loads the latest weights (their object-store
-reference is kept), version and settings. ``stats`` counts the deaths seen and
-the requests retried.
+reference is kept), version and settings. A call that outlasts the call timeout
+(``RayPolicy(call_timeout_s=...)``) is slow, not dead: no death is counted, and the
+worker is resynced the same way before it serves again. ``stats`` counts the deaths
+seen, the requests retried and the slow calls.
 
 Asynchronous training (``train.asynchronous``): the workers already sample
 from their own copy of the weights, so the producer samples through a
@@ -257,7 +259,7 @@ class RayPolicy:
         self._resyncing: set[int] = set()  # stale workers a background thread is bringing back
         self._closed = False
         self.stats = {"rollout_workers/deaths": 0, "rollout_workers/retried_requests": 0,
-                      "rollout_workers/lost": 0}
+                      "rollout_workers/lost": 0, "rollout_workers/slow_calls": 0}
 
     # -- generation --------------------------------------------------------------------
     async def agenerate(self, request: GenerateRequest, *, sampler: RaySampler | None = None) -> GenerateResult:
@@ -348,6 +350,17 @@ class RayPolicy:
                 self.stats["rollout_workers/deaths"] += 1
         self._resync_soon(w)
 
+    def _note_slow(self, w: int) -> None:
+        """Worker ``w`` did not answer a call within ``call_timeout_s``: slow (a long batch holds
+        its weights lock, say), not dead, so no death is counted; it may not have taken the
+        call's state yet, so it is resynced before it serves again, as a restarted one is."""
+        with self._state_lock:
+            if self._closed or w in self._dead:
+                return
+            self._stale.add(w)
+            self.stats["rollout_workers/slow_calls"] += 1
+        self._resync_soon(w)
+
     def _resync_soon(self, w: int) -> None:
         """Bring stale worker ``w`` back in a background thread (requests meanwhile go to the
         ready workers); one such thread a worker at a time."""
@@ -422,6 +435,8 @@ class RayPolicy:
             except Exception as e:
                 if _died(e):
                     self._note_death(w, incarnation)
+                elif _slow(e):
+                    self._note_slow(w)
                 else:
                     error = error or ray_error(e, PolicyError, f"rollout worker {w}")
                     with self._state_lock:
@@ -501,6 +516,9 @@ class RayPolicy:
             try:
                 info = ray.get(ref, timeout=self.call_timeout_s)
             except Exception as e:
+                if _slow(e):
+                    self._note_slow(w)
+                    continue
                 if not _died(e):
                     raise ray_error(e, PolicyError, f"rollout worker {w}") from e
                 self._note_death(w, incarnation)
@@ -575,10 +593,18 @@ def _in_flight_death(e: BaseException, ref: Any) -> bool:
 def _died(e: BaseException) -> bool:
     """``e`` says the worker died, restarted or could not be reached (so the request, a pure
     function of weights, prompt and seed, may go to another), not that the request failed on it.
-    ``ActorUnavailableError`` (a restart, or a network blip) counts: the worker is resynced."""
-    from ray.exceptions import GetTimeoutError, RayActorError
+    ``ActorUnavailableError`` (a restart, or a network blip) counts: the worker is resynced.
+    A timeout does not (``_slow``): the worker is busy, and its process and state live on."""
+    from ray.exceptions import RayActorError
 
-    return isinstance(e, RayActorError | GetTimeoutError | _Restarted | _Unusable)
+    return isinstance(e, RayActorError | _Restarted | _Unusable)
+
+
+def _slow(e: BaseException) -> bool:
+    """``e`` says the worker did not answer in time (``GetTimeoutError``), not that it died."""
+    from ray.exceptions import GetTimeoutError
+
+    return isinstance(e, GetTimeoutError)
 
 
 def placement(cfg: Config) -> str:

@@ -76,7 +76,8 @@ def _policy(workers: list[_Worker], call_timeout_s: float = 600.0) -> RayPolicy:
     p._weights_ref, p._version, p._deterministic = None, 0, None
     p._lost_reason, p._max_restarts, p.model = "", 3, None
     p.call_timeout_s = call_timeout_s
-    p.stats = {"rollout_workers/deaths": 0, "rollout_workers/retried_requests": 0, "rollout_workers/lost": 0}
+    p.stats = {"rollout_workers/deaths": 0, "rollout_workers/retried_requests": 0, "rollout_workers/lost": 0,
+               "rollout_workers/slow_calls": 0}
     return p
 
 
@@ -108,3 +109,31 @@ def test_a_call_timeout_that_is_not_positive_is_refused_naming_it():
     cfg = load_config(overrides=["distributed.num_rollout_workers=1"])
     with pytest.raises(PolicyError, match=r"call_timeout_s=0\b.*> 0"):
         RayPolicy(cfg.policy, cfg.distributed, tokenizer=None, call_timeout_s=0)
+
+
+# -- 3. a slow worker is not a dead one ------------------------------------------------------
+def _timeout():
+    from ray.exceptions import GetTimeoutError
+
+    return GetTimeoutError("Get timed out: some object(s) not ready.")
+
+
+def test_a_worker_slow_to_take_a_push_is_resynced_not_counted_dead(fake_get):
+    """A weights push that outlasts the call timeout (a long batch holds the weights lock) was
+    counted as the worker's death: ``deaths`` lied, and the worker was treated as restarted."""
+    p = _policy([_Worker(update_weights=4), _Worker(update_weights=_timeout())], call_timeout_s=1.0)
+    resynced: list[int] = []
+    p._resync_soon = resynced.append
+    assert p._all("update_weights", "ref", 4) == [4]
+    assert p.stats["rollout_workers/deaths"] == 0
+    assert p.stats["rollout_workers/slow_calls"] == 1
+    assert p._stale == {1} and resynced == [1]  # it loads the latest before it serves again
+    assert p._incarnation == ["inc0", "inc1"] and not p._dead
+
+
+def test_a_worker_slow_to_report_its_version_is_left_out_not_counted_dead(fake_get):
+    p = _policy([_Worker(info={"incarnation": "inc0", "version": 2}), _Worker(info=_timeout())])
+    p._resync_soon = lambda w: None
+    assert p.worker_versions() == {0: 2}
+    assert p.stats["rollout_workers/deaths"] == 0 and p.stats["rollout_workers/slow_calls"] == 1
+    assert p._stale == {1}
