@@ -492,6 +492,12 @@ SHORT_FORMS = {"rollout.allocator", "train.credit"}
 (``rollout.allocator.depth=2`` over ``allocator: segment_tree``) sets a key of that mapping."""
 
 
+TEXT_MAPPINGS = ("train.harness_env",)
+"""Mappings whose values are text (environment variables): an override of one of their keys
+(``train.harness_env.FOO=0123``) keeps its value as written, where YAML would read 0123 as the
+int 83, ``on`` as true and ``1.0e3`` as 1000.0, and the harness would get that other text."""
+
+
 def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     cur = data
@@ -566,7 +572,8 @@ def _override_value(raw: str) -> Any:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``key.path=value`` strings; values are read as YAML (``_override_value``)."""
+    """Apply ``key.path=value`` strings; values are read as YAML (``_override_value``), but
+    those of a key of ``TEXT_MAPPINGS`` stay text."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.path=value")
@@ -575,6 +582,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             value = _override_value(raw)
         except _DuplicateKey as e:  # not text to take as it is: the YAML says two things
             raise ConfigError(f"override {item!r}: {e.problem}") from None
+        if not isinstance(value, str) and key.strip().rpartition(".")[0] in TEXT_MAPPINGS:
+            value = raw  # quoted ('0123'), YAML's text is kept: the quotes go, as for any key
         _set_path(data, key.strip(), value)
     return data
 

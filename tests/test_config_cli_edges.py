@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 import typer
 import yaml
 from typer.testing import CliRunner
 
 from agentrl import eval_cli
 from agentrl.env import TextEnv, register_env
+from agentrl.errors import ConfigError
+from agentrl.train.config import load_train_config
 
 runner = CliRunner()
 
@@ -84,3 +87,24 @@ def test_eval_split_flag_still_picks_the_split(tmp_path):
     assert result.exit_code == 0, (result.output, result.exception)
     [report] = json.loads((out / "summary.json").read_text())["reports"]
     assert report["settings"]["env_kwargs"] == {"split": "train"} and report["tasks"] == 5
+
+
+# -- 2. train.harness_env: environment variables are text --------------------------------------------
+
+@pytest.mark.parametrize(("yaml_value", "read_as"), [
+    ("0123", "the int 83"), ("yes", "the bool True"), ("on", "the bool True"), ("1.50", "the float 1.5"), ("1.0e+3", "the float 1000.0")])
+def test_a_harness_env_value_yaml_read_as_no_text_is_refused_naming_the_key(tmp_path, yaml_value, read_as):
+    path = tmp_path / "train.yaml"
+    path.write_text(f"train:\n  harness_env:\n    FOO: {yaml_value}\n")
+    with pytest.raises(ConfigError) as err:
+        load_train_config(path)
+    assert "train.harness_env.FOO" in str(err.value) and f"YAML read the value as {read_as}" in str(err.value)
+    assert "quote it" in str(err.value)
+
+
+def test_a_harness_env_value_quoted_or_given_with_set_is_kept_as_written(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text("train:\n  harness_env:\n    FOO: '0123'\n    BAR: 'yes'\n")
+    cfg = load_train_config(path, ["train.harness_env.N=0123", "train.harness_env.ON=on",
+                                   "train.harness_env.E=1e3", "train.harness_env.T=2"])
+    assert cfg.train.harness_env == {"FOO": "0123", "BAR": "yes", "N": "0123", "ON": "on", "E": "1e3", "T": "2"}

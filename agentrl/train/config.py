@@ -236,10 +236,11 @@ class TrainConfig(_Strict):
     harness: str | None = Field(None, description="Train an agent program instead of the native "
                                 "engine: the command that plays one episode through the proxy "
                                 "and the env server (agentrl.proxy.rollouts); null: native rollouts.")
-    harness_env: dict[str, str | int | float | bool] = Field(
+    harness_env: dict[str, str] = Field(
         default_factory=dict, description="Extra environment variables for the harness command. It gets "
         "the trainer's environment less its credentials (names with a word such as TOKEN, SECRET, "
-        "PASSWORD, KEY or AUTH), so pass any it needs here.")
+        "PASSWORD, KEY or AUTH), so pass any it needs here. Values are text: in YAML quote one that "
+        "would read as a number or a bool ('0123', 'yes', 'on', '1.0'); --set keeps it as written.")
     harness_submit: Literal["stdout"] | None = Field(
         None, description="stdout: once the harness exits, its standard output (all of it, up to "
         "1,000,000 characters, stripped) is the env's next action, the episode's answer, for agent programs "
