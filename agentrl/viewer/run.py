@@ -384,6 +384,11 @@ class Run:
             side += sorted(self.root.glob("checkpoints/step-*/state.json"))[-1:]
         return side
 
+    def stamp_of(self, index: int) -> tuple[int, int, int] | None:
+        """The stamp (inode, size, mtime; None: gone) of tree ``index``'s file now: what
+        tells a copy of the tree made before is still the tree on disk."""
+        return _stamp(self.refs[index].file)
+
     def changed(self) -> bool:
         """Whether a trees file, ``metrics.jsonl``, a config file, ``summary.json`` or the
         newest checkpoint's state was added, removed, replaced or written since the run was

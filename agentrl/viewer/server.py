@@ -21,9 +21,11 @@ never with what now holds its index.
 The tokenizer loads in a background thread when the server starts, so the
 first page and the run index show at once (the index says the tokenizer is
 loading); a tree asked for before it is ready waits for it up to 5 s, then
-comes with token ids only, marked ``"tokens_pending": true`` (and is not kept):
-the page asks for it again until it comes with the texts and the tokenizer's
-note (``tokens_note``), so a tree opened early gets its texts without a reload.
+comes with token ids only, marked ``"tokens_pending": true``: the page asks for
+it again until it comes with the texts and the tokenizer's note
+(``tokens_note``), so a tree opened early gets its texts without a reload. The
+ids-only copy is kept (a few trees) while its file's stamp stays the same, so
+that the asking again does not build the tree each time.
 
 Served on a loopback address, it answers only requests addressed to one
 (``Host: 127.0.0.1``, ``localhost``, ``[::1]``) and refuses others with 403: a
@@ -55,6 +57,7 @@ from .tokens import Decoder
 __all__ = ["ViewerServer"]
 
 _CACHED_TREES = 64
+_PENDING_TREES = 8  # ids-only copies kept while the tokenizer loads (the page polls for each tree open)
 _CACHED_BYTES = 256 * 2**20  # and at most this much of their JSON (a tree can be megabytes of web pages)
 _MAX_CONNECTIONS = 32  # threads serving at once; more wait in the listen queue
 _IDLE_SECONDS = 30  # a connection that sends nothing this long is closed
@@ -137,6 +140,8 @@ class ViewerServer:
         self._ready = threading.Event()
         self._lock = threading.Lock()
         self._trees: OrderedDict[int, bytes] = OrderedDict()
+        # tree: (generation, its file's stamp, the ids-only answer) while the tokenizer loads
+        self._pending: OrderedDict[int, tuple[int, Any, bytes]] = OrderedDict()
         self._index: dict[bool, bytes] = {}  # by whether the tokenizer was ready
         self.generation = 0  # bumped each time the run is indexed again
         self._reindex = threading.Lock()
@@ -175,6 +180,7 @@ class ViewerServer:
             with self._lock:
                 self.run, self.generation = run, self.generation + 1
                 self._trees.clear()
+                self._pending.clear()
                 self._index.clear()
 
     def index_json(self) -> bytes:
@@ -206,9 +212,8 @@ class ViewerServer:
         if i >= len(run):
             raise _NoTree(f"no tree {i}: the run holds {len(run)} trees")
         if not self._ready.wait(_TOKENIZER_WAIT_S):  # a load that hangs must not hang the tree
-            # ids for now, marked pending: the page asks again, and this copy is not kept
-            pending = {**tree_data(run, i, None), "tokens_pending": True, "tokens_note": _LOADING_NOTE}
-            return to_json(pending).encode("utf-8")
+            return self._pending_json(run, i, current)
+        self._pending.clear()  # the tokenizer is ready: no ids-only copy is asked for again
         decode, note = self._decoder
         body = to_json({**tree_data(run, i, decode), "tokens_pending": False, "tokens_note": note}).encode("utf-8")
         with self._lock:
@@ -218,6 +223,27 @@ class ViewerServer:
             held = sum(map(len, self._trees.values()))
             while len(self._trees) > _CACHED_TREES or held > _CACHED_BYTES:
                 held -= len(self._trees.popitem(last=False)[1])
+        return body
+
+    def _pending_json(self, run: Run, i: int, generation: int) -> bytes:
+        """Tree ``i`` with token ids only, marked pending (the page asks again until the
+        tokenizer is ready). Kept while its file keeps its stamp, so that the page's asking
+        again does not parse and build the tree each time; a changed file is read again
+        (and ``Run.tree`` refuses it if tree ``i``'s line is not there any more)."""
+        stamp = run.stamp_of(i)
+        with self._lock:
+            got = self._pending.get(i)
+            if got is not None and got[:2] == (generation, stamp):
+                self._pending.move_to_end(i)
+                return got[2]
+        pending = {**tree_data(run, i, None), "tokens_pending": True, "tokens_note": _LOADING_NOTE}
+        body = to_json(pending).encode("utf-8")
+        with self._lock:
+            if generation == self.generation and len(body) <= _CACHED_BYTES and not self._ready.is_set():
+                self._pending[i] = (generation, stamp, body)
+                held = sum(len(b) for *_, b in self._pending.values())
+                while len(self._pending) > _PENDING_TREES or held > _CACHED_BYTES:
+                    held -= len(self._pending.popitem(last=False)[1][2])
         return body
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:

@@ -8,6 +8,7 @@ Each test names the input and the outcome the page must get: a message, never a 
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -132,4 +133,40 @@ def test_a_node_whose_info_is_not_a_mapping_is_drawn_with_it_shown(tmp_path):
             assert "not a mapping" in next(iter(mid["info"]))
             assert [e["success"] for e in tree["episodes"]] == [True, False]
     finally:
+        server.close()
+
+
+def test_a_tree_asked_for_again_while_the_tokenizer_loads_is_built_once_per_file_state(tmp_path, monkeypatch):
+    """The page asks for a tree served with ids only (``tokens_pending``) again every second
+    until the tokenizer is ready; each ask parsed the tree and built its payload again (a
+    tree can be megabytes). The ids-only answer is kept while the tree's file keeps its
+    stamp (inode, size, mtime); a file changed under it is read again, and refused (409)."""
+    from agentrl.viewer import server as server_module
+
+    monkeypatch.setattr(server_module, "_TOKENIZER_WAIT_S", 0.05)
+    built: list[int] = []
+    real = server_module.tree_data
+
+    def counting(run, i, decode):
+        built.append(i)
+        return real(run, i, decode)
+
+    monkeypatch.setattr(server_module, "tree_data", counting)
+    write_trees(tmp_path / "trees.jsonl", [fork_tree(seed=1), fork_tree(seed=2)])
+    never = threading.Event()
+
+    def no_tokenizer_yet():
+        never.wait(30)
+        return None, "token ids only"
+
+    server = ViewerServer(Run(tmp_path / "trees.jsonl"), port=0, load_decoder=no_tokenizer_yet).start()
+    try:
+        answers = [_get(server.url + "api/tree/1") for _ in range(3)]
+        assert all(code == 200 and t["tokens_pending"] and t["meta"]["seed"] == 2 for code, t in answers)
+        assert built == [1]
+        write_trees(tmp_path / "trees.jsonl", [fork_tree(seed=3), fork_tree(seed=4)])  # replaced whole
+        code, body = _get(server.url + "api/tree/1")
+        assert code == 409 and "reload" in body["error"]
+    finally:
+        never.set()
         server.close()
