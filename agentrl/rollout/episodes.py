@@ -71,11 +71,14 @@ async def _off_loop_if_long(obs: str, info: dict[str, Any], fn: Callable[..., An
     return await off_loop_if_long(size, fn, *args)
 
 
-def checked_result(res: Any, backend: str) -> Any:
+def checked_result(res: Any, backend: str, max_new_tokens: int | None = None) -> Any:
     """A backend's ``GenerateResult`` with plain Python numbers (numpy ids and float32 logprobs
     played, then failed writing the run), or a ``RolloutError`` naming the backend and the
     field that is not what ``GenerateResult`` promises: ids, logprobs and entropies one per
-    sampled token (a NaN logprob refused: it poisons the update), a known ``finish_reason``."""
+    sampled token (a NaN logprob refused: it poisons the update), a known ``finish_reason``,
+    and no more tokens than the request's ``max_new_tokens`` (more overspent a tokens budget,
+    and would train on tokens no request asked for; cutting them would pass the backend's bug
+    off as a ``length`` stop)."""
     import dataclasses
 
     from ..policy.base import FinishReason, GenerateResult
@@ -90,6 +93,8 @@ def checked_result(res: Any, backend: str) -> Any:
             raise RolloutError(f"backend {backend} returned a bad {name}: {e}") from None
 
     ids = field("token_ids", lambda v: [_token_id(t) for t in v])
+    if max_new_tokens is not None and len(ids) > max_new_tokens:
+        raise RolloutError(f"backend {backend} returned {len(ids)} tokens for max_new_tokens={max_new_tokens}")
 
     def per_token(v: Any) -> list[float]:
         out = [_number(x) for x in v]
@@ -394,7 +399,7 @@ class EpisodePlayer:
                 raise
             raise RolloutError(f"generation failed: {type(e).__name__}: {e}") from None
         try:
-            res = checked_result(res, type(self.policy).__name__)
+            res = checked_result(res, type(self.policy).__name__, allowed)
         except RolloutError:
             self.meter.refund(allowed, 0)  # nothing of it is recorded
             raise

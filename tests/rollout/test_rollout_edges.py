@@ -46,3 +46,31 @@ def test_a_keyboard_interrupt_in_on_episode_done_still_stops_the_run(tokenizer):
         warnings.simplefilter("ignore")
         collect("agentrl/GuessNumber-v0", MockPolicy(tokenizer, ["1"]), _cfg(), [0],
                 Independent(IndependentOptions(n=2)), on_episode_done=bar)
+
+
+class _Overlong(MockPolicy):
+    """A backend that ignores ``max_new_tokens``: it samples as if it were 64."""
+
+    async def agenerate(self, request):
+        import dataclasses
+
+        params = dataclasses.replace(request.params, max_new_tokens=64)
+        return await super().agenerate(dataclasses.replace(request, params=params))
+
+
+def test_a_backend_over_max_new_tokens_fails_its_episode_and_spends_nothing(tokenizer):
+    """The turn reserved 4 tokens and was settled with the 12 the backend returned: a 10-token
+    budget was spent to 12, and the 12 were trained on although no request asked past 4. Now
+    such a result fails its episode, naming the backend and both counts, and nothing of it is
+    charged or recorded (as the openai backend already refused a server's over-long reply)."""
+    from agentrl.rollout import Budget
+
+    cfg = _cfg("sampling.max_new_tokens=4", "rollout.concurrency=1")
+    text = "1 2 3 4 5 6"
+    assert len(tokenizer.encode(text, add_special_tokens=False)) > 4
+    (tree,) = collect("agentrl/GuessNumber-v0", _Overlong(tokenizer, [text]), cfg, [0],
+                      Independent(IndependentOptions(n=2, est_leaf_cost=4)), Budget(10, "tokens"))
+    assert tree.meta["budget"]["spent"] == 0
+    assert all(len(n.action_ids) <= 4 for n in tree.nodes.values())
+    errors = [n.error for n in tree.nodes.values() if n.error]
+    assert len(errors) == 2 and all("_Overlong" in e and "max_new_tokens=4" in e for e in errors), errors
