@@ -237,8 +237,13 @@ class EnvConfig(_Strict):
                                "is made: those that register_env your own envs.")
 
 
+MAX_TASKS = 1_000_000
+"""The most tasks one ``rollout.episodes`` asks for: the largest real split (WebShop's goals) holds
+about 12,000, and a typo (1000000000000) planned its seeds and ran for ever."""
+
+
 class RolloutConfig(_Strict):
-    episodes: int = Field(8, ge=1, description="Tasks to run: env seeds seed, seed+1, ...")
+    episodes: int = Field(8, ge=1, description="Tasks to run: env seeds seed, seed+1, ... (at most 1,000,000).")
     group_size: int = Field(1, ge=1, description="Episodes per task for the independent allocator (a GRPO group).")
     allocator: AllocatorOptions = Field(
         default_factory=IndependentOptions, description="Branch allocator (agentrl.rollout.allocators) "
@@ -299,6 +304,14 @@ class RolloutConfig(_Strict):
 
 
     _out_dir = field_validator("out_dir")(expand_path)
+
+    @field_validator("episodes")
+    @classmethod
+    def _episodes_bounded(cls, value: int) -> int:
+        if value > MAX_TASKS:
+            raise ValueError(f"{value} tasks: at most {MAX_TASKS:,} (a typo?); a run that large is "
+                             "several runs over rollout.seed")
+        return value
 
     @model_validator(mode="before")
     @classmethod

@@ -13,6 +13,7 @@ import yaml
 from typer.testing import CliRunner
 
 from agentrl import eval_cli
+from agentrl.config import load_config
 from agentrl.env import TextEnv, register_env
 from agentrl.errors import ConfigError
 from agentrl.train.config import load_train_config
@@ -108,3 +109,11 @@ def test_a_harness_env_value_quoted_or_given_with_set_is_kept_as_written(tmp_pat
     cfg = load_train_config(path, ["train.harness_env.N=0123", "train.harness_env.ON=on",
                                    "train.harness_env.E=1e3", "train.harness_env.T=2"])
     assert cfg.train.harness_env == {"FOO": "0123", "BAR": "yes", "N": "0123", "ON": "on", "E": "1e3", "T": "2"}
+
+
+# -- 3. rollout.episodes is bounded ----------------------------------------------------------------------
+
+def test_rollout_episodes_past_the_bound_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"rollout\.episodes: .*1000000000000.*at most 1,000,000"):
+        load_config(None, ["rollout.episodes=1000000000000"])
+    assert load_config(None, ["rollout.episodes=1000000"]).rollout.episodes == 1_000_000
