@@ -15,6 +15,14 @@ starts the harness command with these environment variables::
                          where it is over 128 KiB, which Linux refuses in one variable)
     AGENTRL_TASK_FILE    a file that holds the task, whatever its length
 
+Each episode runs in a new empty directory of its own (``cwd=None``), removed once it ends
+(with every process the harness started): concurrent harnesses write their files there, and
+not where the trainer or another episode runs. So that a command names its files from where the
+trainer runs (``python examples/harness/react_agent.py``), a relative path in it that names a
+file there, and a relative program path (``./agent``), are made absolute (``anchored_argv``); a
+path inside a shell string (``sh -c 'python agent.py'``) is not: give ``cwd``. A ``cwd`` given
+is used as it is, shared by the episodes that run in it, and kept.
+
 The rest of the harness's environment is the trainer's, less its credentials
 (``harness_environ``: ``HF_TOKEN``, cloud keys, ``SSH_AUTH_SOCK``): the model
 writes the commands a harness runs. ``extra_env`` passes what it needs.
@@ -56,6 +64,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -70,8 +79,8 @@ import httpx
 from agentrl.errors import ProxyError
 from agentrl.types import RolloutTree
 
-__all__ = ["EnvServer", "SessionHandle", "drop_session", "expand_argv", "harness_argv", "open_session",
-           "run_harness_episode"]
+__all__ = ["EnvServer", "SessionHandle", "anchored_argv", "drop_session", "expand_argv", "harness_argv",
+           "open_session", "run_harness_episode"]
 
 _TAIL = 4000  # characters of stdout/stderr kept for the record
 _ANSWER_CHARS = 1_000_000  # the longest answer on stdout (the env server's limit on an action)
@@ -93,6 +102,35 @@ def harness_argv(cmd: str | Sequence[str]) -> list[str]:
     if argv and argv[0] in ("python", "python3"):
         argv[0] = sys.executable
     return argv
+
+
+def anchored_argv(argv: list[str], base: str) -> list[str]:
+    """``argv`` to run from another directory as it runs from ``base``: a relative program path
+    (``./agent``, ``bin/agent``), and every other relative argument that names an existing file
+    under ``base`` (``python agents/agent.py``'s script), made absolute. Options (``-x``) and
+    what names no file there (a prompt, ``.``) stay as they are."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if not arg or arg.startswith("-") or os.path.isabs(arg):
+            continue
+        if (i == 0 and os.sep in arg) or (i > 0 and os.path.isfile(os.path.join(base, arg))):
+            out[i] = os.path.normpath(os.path.join(base, arg))
+    return out
+
+
+def _remove_dir(path: str) -> None:
+    """Remove an episode's directory, also where the harness left parts of it unwritable
+    (``rmtree`` never follows a link out of it)."""
+    shutil.rmtree(path, ignore_errors=True)
+    if not os.path.lexists(path):
+        return
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o700)
+    for root, dirs, _ in os.walk(path):  # top-down: each directory is opened up before it is entered
+        for d in dirs:
+            with contextlib.suppress(OSError):
+                os.chmod(os.path.join(root, d), 0o700, follow_symlinks=False)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass(slots=True)
@@ -268,7 +306,8 @@ async def run_harness_episode(
     """One episode of the harness ``cmd`` in ``session``; see the module docstring.
 
     ``timeout`` is in seconds (None: no limit). ``submit="stdout"``: the harness's
-    output is the env's next action once it exits.
+    output is the env's next action once it exits. ``cwd``: where the harness runs (None: a new
+    directory of the episode's own, removed once it ends).
     """
     argv = harness_argv(cmd)
     session_root = f"{session.proxy_url}/sessions/{session.session_id}"
@@ -294,8 +333,11 @@ async def run_harness_episode(
             error = f"env could not be made: {e}"
     run: dict[str, Any] = {"cmd": argv, "returncode": None}
     stdout = _Captured(_ANSWER_CHARS if submit == "stdout" else _TAIL)  # the answer is all of it
-    task_file = None
+    task_file = workdir = None
     try:  # whatever fails in here, the env and the session below are still closed
+        if cwd is None:  # one episode's files are no other's (see the module docstring)
+            workdir = cwd = tempfile.mkdtemp(prefix="agentrl-episode-")
+            argv = anchored_argv(argv, os.getcwd())
         if instance is not None:
             task_file = _task_file(task)
             error = error or _pass_task(task, task_file, argv, env)
@@ -310,6 +352,8 @@ async def run_harness_episode(
         if task_file is not None:
             with contextlib.suppress(OSError):
                 os.unlink(task_file)
+        if workdir is not None:  # the harness and its processes are gone (``_run``)
+            await asyncio.to_thread(_remove_dir, workdir)
     state = None
     if instance is not None and env_server is not None:
         try:
