@@ -258,10 +258,12 @@ class RolloutConfig(_Strict):
         "thread", description="Where env steps run: a thread pool; processes for CPU-heavy envs; "
         "inline on the event loop for envs whose steps take microseconds; ray: in env-worker "
         "actors of a Ray cluster (needs the distributed section; agentrl.distributed.env_workers).")
-    failed_episodes: Literal["exclude", "zero"] = Field(
+    failed_episodes: Literal["exclude", "zero", "credit"] = Field(
         "exclude", description="Failed episodes in training: left out (exclude), or kept in the "
-        "batch with zero advantage (zero). Either way they never enter a baseline, and the summary "
-        "counts them by reason.")
+        "batch with zero advantage (zero); neither enters a baseline. credit: trained as ordinary "
+        "episodes with the rewards they earned before failing, baselines included, so a policy whose "
+        "output makes episodes fail (a harness that exits non-zero) is pushed away from it, and from "
+        "failures it did not cause too. The summary counts them by reason.")
     max_turns: int = Field(16, ge=1, description="Turns per episode before truncation.")
     max_context_tokens: int = Field(2048, ge=16, description="Context budget per episode.")
     seed: Seed = Field(0, description="Episode i uses env seed seed + i.")

@@ -55,6 +55,7 @@ from .tree import leaf_outcome, node_values, tree_advantages
 
 __all__ = [
     "ESTIMATORS",
+    "FAILED_EPISODES",
     "CreditBatch",
     "CreditReport",
     "Estimator",
@@ -84,6 +85,12 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# What credit does with a failed episode (``Node.error`` set): leave it out, keep it with zero
+# advantage (neither enters a baseline), or credit it as an ordinary episode with the rewards
+# it earned before failing (it enters the baselines: a policy whose output makes episodes fail,
+# a harness exiting non-zero say, is pushed away from it, and so are failures it did not cause).
+FAILED_EPISODES: tuple[str, ...] = ("exclude", "zero", "credit")
 
 
 def to_token_advantages(episode: Episode, turn_advantages: float | Sequence[float]) -> list[float]:
@@ -123,9 +130,9 @@ class CreditReport:
 
 
 def _credit_batch(groups: list[EpisodeGroup], report: CreditReport, outcome: Outcome,
-                  reward_fn: Any, value_fn: Any) -> tuple[CreditBatch, list[list[Episode]]]:
-    """The batch an estimator reads (failed episodes set aside and listed in ``report``),
-    and the failed episodes of each tree."""
+                  reward_fn: Any, value_fn: Any, failed: str = "exclude") -> tuple[CreditBatch, list[list[Episode]]]:
+    """The batch an estimator reads (failed episodes listed in ``report``, and set aside
+    unless ``failed`` is ``credit``), and the failed episodes set aside from each tree."""
     kept: list[list[Episode]] = []
     bad: list[list[Episode]] = []
     bad_leaves: list[set[int]] = []
@@ -133,9 +140,10 @@ def _credit_batch(groups: list[EpisodeGroup], report: CreditReport, outcome: Out
         good, fails, leaves = [], [], set()
         for leaf_id, episode in zip(group.leaf_ids, group.episodes, strict=True):
             if episode.error:
+                report.failed.append((t, leaf_id, episode.error))
+            if episode.error and failed != "credit":
                 fails.append(episode)
                 leaves.add(leaf_id)
-                report.failed.append((t, leaf_id, episode.error))
             else:
                 good.append(episode)
         kept.append(good)
@@ -159,7 +167,8 @@ def assign_report(
     ``method`` is a key of ``ESTIMATORS`` (``options`` are its options, validated by its
     model in ``agentrl.credit_options``), or such a model (``train.credit``), which
     ``options`` update. The group of an episode is its tree; ``trees`` may be
-    ``EpisodeGroup``s whose episodes are built already. Inputs no config can hold:
+    ``EpisodeGroup``s whose episodes are built already. ``failed`` is one of
+    ``FAILED_EPISODES`` (``rollout.failed_episodes``). Inputs no config can hold:
 
     - ``outcome``: an episode's scalar result for the group methods and ``tree``:
       ``"return"`` (sum of rewards, the default), ``"success"`` (both also an option of
@@ -179,11 +188,11 @@ def assign_report(
     unread = sorted(k for k, v in given.items() if v and k not in estimator.reads)
     if unread:
         raise TypeError(f"credit method {opts.name!r} does not read {', '.join(unread)}")
-    if failed not in ("exclude", "zero"):
-        raise ValueError(f"failed must be 'exclude' or 'zero', not {failed!r}")
+    if failed not in FAILED_EPISODES:
+        raise ValueError(f"failed must be one of {', '.join(map(repr, FAILED_EPISODES))}, not {failed!r}")
     report = CreditReport()
     resolved = outcome if callable(outcome) else getattr(opts, "outcome", "return")
-    batch, bad = _credit_batch([EpisodeGroup.of(t) for t in trees], report, resolved, reward_fn, value_fn)
+    batch, bad = _credit_batch([EpisodeGroup.of(t) for t in trees], report, resolved, reward_fn, value_fn, failed)
     turns = estimator.turns(batch, opts)
     for tree_idx, (eps, per_turn) in enumerate(zip(batch.kept, turns, strict=True)):
         drop = None  # MC-GRPO: the pivot carries no gradient
@@ -214,7 +223,7 @@ def assign(
         log.warning(
             "credit: %d failed episode(s) %s (%s)",
             len(report.failed),
-            "left out" if failed == "exclude" else "given 0 advantage",
+            {"exclude": "left out", "zero": "given 0 advantage", "credit": "credited as ordinary episodes"}[failed],
             "; ".join(f"{n}x {r}" for r, n in reasons.items()),
         )
     return report.items

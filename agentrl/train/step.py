@@ -155,7 +155,8 @@ class Learner:
         samples, credited, stats = self._credit(groups)
         # Constrained turns are scored under their sampler's mask (rollout.constrain).
         stats["train/constrained_tokens"] = constrain_samples(samples, self.policy.tokenizer)
-        why = no_signal(groups, samples, distilling=self.distiller is not None)
+        why = no_signal(groups, samples, distilling=self.distiller is not None,
+                        failed_credited=self.cfg.rollout.failed_episodes == "credit")
         stats["train/no_signal"] = int(why is not None)
         if why is not None:
             self.console.print(f"[yellow]warning:[/] step {step + 1}: no learning signal: {why}",
@@ -351,14 +352,16 @@ class Learner:
         return {"mismatch/kl": mm["mismatch_kl"], "mismatch/max_abs_dlogprob": mm["max_abs_dlogprob"]}
 
 
-def no_signal(groups: list[EpisodeGroup], samples: list[Sample], distilling: bool = False) -> str | None:
-    """Why this step has no policy-gradient signal, or None when it has one."""
+def no_signal(groups: list[EpisodeGroup], samples: list[Sample], distilling: bool = False,
+              failed_credited: bool = False) -> str | None:
+    """Why this step has no policy-gradient signal, or None when it has one. ``failed_credited``:
+    failed episodes are trained as ordinary ones (``rollout.failed_episodes: credit``)."""
     if distilling:  # the teacher's advantages come later
         return None
     episodes = [ep for g in groups for ep in g.episodes]
     if not episodes:
         return "the rollout produced no episode"
-    if all(ep.error for ep in episodes):
+    if not failed_credited and all(ep.error for ep in episodes):
         return f"all {len(episodes)} episodes failed (first: {episodes[0].error.splitlines()[0]})"
     if not samples:
         return ("every episode's advantages are zero (each group's episodes got the same reward), "

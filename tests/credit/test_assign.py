@@ -86,6 +86,23 @@ def test_failed_episodes_are_excluded_or_zeroed_and_reported(star, caplog):
     assert "1 failed episode(s) left out (1x sandbox died)" in caplog.text
 
 
+def test_failed_episodes_credited_enter_the_baseline_with_the_reward_they_earned(star, caplog):
+    """``failed="credit"``: a failed episode is an ordinary one (a harness that exits non-zero on
+    the model's output is pushed away from it). Rewards 1, 0, 0, 1 and a failed 0: mean 0.4, sample
+    std sqrt(1.2 / 4); the failed episode gets (0 - 0.4) / 0.5477 = -0.7303 on its action tokens."""
+    tree = star([1, 0, 0, 1, 0], errors={4: "harness exited 1"})
+    report = assign_report([tree], "grpo", failed="credit")
+    assert report.failed == [(0, 5, "harness exited 1")]  # still counted, by reason
+    assert len(report.items) == 5
+    by_error = {bool(ep.error): tokens for ep, tokens in report.items if ep.total_reward == 0}
+    assert by_error[True][3] == pytest.approx(-0.7302967, rel=1e-5)
+    assert by_error[False][3] == pytest.approx(-0.7302967, rel=1e-5)
+    assert report.items[0][1][3] == pytest.approx(1.0954451, rel=1e-5)
+    with caplog.at_level(logging.WARNING, logger="agentrl.credit"):
+        assign([tree], "grpo", failed="credit")
+    assert "1 failed episode(s) credited as ordinary episodes (1x harness exited 1)" in caplog.text
+
+
 def test_assign_mc_grpo_drops_the_pivot(star):
     report = assign_report([star([1, 3, 4, 10, 2])], "mc_grpo", scale="none")
     assert report.pivots == 1

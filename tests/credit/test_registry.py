@@ -98,6 +98,14 @@ def test_every_method_gives_the_pinned_advantages_and_zeroes_the_failed_episode(
     failed = [(ep, tokens) for ep, tokens in zero.items if ep.error]
     assert len(failed) == 1 and failed[0][1] == [0.0] * len(failed[0][0].input_ids)
     assert [t for ep, t in zero.items if not ep.error] == [t for _, t in report.items]
+    # failed="credit": exactly the advantages of the same batch with no failure recorded
+    credited = assign_report(batch(), method, failed="credit", **options)
+    assert credited.failed == [(0, 6, "sandbox died")]
+    healed = batch()
+    healed[0].nodes[6].error = None
+    plain = assign_report(healed, method, **options)
+    assert [(ep.nodes[-1].id, t) for ep, t in credited.items] == [(ep.nodes[-1].id, t) for ep, t in plain.items]
+    assert len(credited.items) == 8 - credited.pivots  # every leaf of both trees, the failed one too
 
 
 def test_each_estimator_has_its_options_model_whose_defaults_are_its_functions():

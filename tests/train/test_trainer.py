@@ -753,6 +753,29 @@ def test_a_step_without_signal_warns_and_overwrite_clears_the_old_run(tmp_path):
     assert [(r["train/episodes"], r["policy/version"]) for r in rl] == [(0, 0)]
 
 
+@pytest.mark.parametrize("mode", ["exclude", "credit"])
+def test_failed_episodes_credited_are_trained_as_ordinary_ones(tmp_path, mode):
+    """Every episode fails at its first step (reward 0). Left out, the step has no episode to
+    train on; credited (rollout.failed_episodes=credit), each is an ordinary episode of reward 0,
+    so the step's batch holds all 8, whose advantages are all zero."""
+    import tests.fakes  # noqa: F401  (registers agentrl/TestCrashing-v0)
+
+    torch.set_num_threads(1)
+    cfg = toy_config(tmp_path, *SHORT, "env.id=agentrl/TestCrashing-v0", "train.steps=1",
+                     "train.evaluation.episodes=0", "train.skip_zero_advantage=false",
+                     f"rollout.failed_episodes={mode}")
+    console, buf = _console()
+    train(cfg, progress=False, console=console)
+    (rl,) = [r for r in _rows(tmp_path / "metrics.jsonl") if r.get("phase") == "rl"]
+    assert rl["rollout/failed"] == 8
+    said = " ".join(buf.getvalue().split())
+    if mode == "exclude":
+        assert "all 8 episodes failed" in said and rl["train/episodes"] == 0
+    else:
+        assert "all 8 episodes failed" not in said and "every advantage is zero" in said
+        assert rl["train/episodes"] == 8
+
+
 @pytest.mark.parametrize("failing", ["step", "end"])
 def test_a_failed_checkpoint_save_still_logs_its_row_with_the_error(tmp_path, monkeypatch, failing):
     """A full disk at a save must not take the step's (or the end's) measured metrics with it."""
