@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-__all__ = ["register", "report", "view"]
+if TYPE_CHECKING:
+    from .run import Run
+
+__all__ = ["register", "report", "run_started", "view"]
 
 
 def view(
@@ -42,17 +45,27 @@ def view(
     except (FileNotFoundError, NotADirectoryError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    if not len(r) and not r.metrics:
+    waiting = not len(r) and not r.metrics
+    if waiting and (static is not None or not run_started(r.path)):
         typer.echo(f"error: {run} holds no trees and no metrics.jsonl (looked for trajectories.jsonl, "
-                   "trees*.jsonl, trees/*.jsonl)", err=True)
+                   "trees*.jsonl, trees/*.jsonl)" + ("" if static is not None else
+                   f"; a run folder that holds one of {', '.join(_RUN_MARKS)} is served until its "
+                   "first step comes"), err=True)
         raise typer.Exit(2)
-    typer.echo(f"{run}: {len(r)} trees in {len(r.files)} file(s), {len(r.metrics)} metrics rows "
-               f"(indexed in {time.perf_counter() - t0:.1f} s)")
+    if waiting:
+        typer.echo(f"{run}: no step yet; the page waits for the first one and fills in as the run writes")
+    else:
+        typer.echo(f"{run}: {len(r)} trees in {len(r.files)} file(s), {len(r.metrics)} metrics rows "
+                   f"(indexed in {time.perf_counter() - t0:.1f} s)")
     if r.skipped:  # the page says so too; a tree left out must not pass unnoticed
         typer.echo(f"warning: {r.skipped_note}", err=True)
 
     def decoder() -> tuple[object, str]:
-        return load_decoder(r.config, tokenizer) if tokens else (None, "token ids only (--no-tokens)")
+        if not tokens:
+            return None, "token ids only (--no-tokens)"
+        # a run not started yet names its model later (its config, its first checkpoint)
+        config = _config_once_named(r) if waiting and tokenizer is None else r.config
+        return load_decoder(config, tokenizer)
 
     if static is not None:
         decode, note = decoder()
@@ -84,6 +97,27 @@ def view(
         pass
     finally:
         server.close()
+
+
+_RUN_MARKS = (".run.lock", "config.json", "config.yaml", "checkpoints", "trees", "summary.json")
+_WAIT_POLL_S = 2.0  # how often a run not started yet is looked at again for its model
+
+
+def run_started(path: Path) -> bool:
+    """Whether ``path`` is a folder that a run has begun to write into: it holds the run
+    lock that ``agentrl train`` takes first (``train.output_lock``), a config, checkpoints
+    or a trees folder. An empty or unrelated folder (a mistyped path) is not one."""
+    return path.is_dir() and any((path / mark).exists() for mark in _RUN_MARKS)
+
+
+def _config_once_named(run: Run) -> dict[str, Any]:
+    """The config of ``run`` as it is on disk once it names the policy's model or the run
+    has trees (from then on the viewer is as if started then); looked at every 2 s."""
+    while not ((run.config.get("policy") or {}).get("model") or len(run)):
+        time.sleep(_WAIT_POLL_S)
+        if run.changed():
+            run = run.reopen()
+    return run.config
 
 
 def report(

@@ -158,6 +158,7 @@ def run_index(run: Run, tokenizer_note: str = "") -> dict[str, Any]:
         "trees": rows,
         "curves": curve_panels(run.metrics),
         "skipped": run.skipped[:20], "skipped_count": run.skipped_count,  # a few named, all counted
+        "waiting": not len(run) and not run.metrics,  # no step yet: the served page asks again
     }
 
 

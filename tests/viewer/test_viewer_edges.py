@@ -8,13 +8,22 @@ Each test names the input and the outcome the page must get: a message, never a 
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import typer
+from typer.testing import CliRunner
+
 from agentrl.types import Node, RolloutTree, write_trees
 from agentrl.viewer import Run, ViewerServer
+from agentrl.viewer.cli import register
 
 from .conftest import fork_tree
 
@@ -170,3 +179,82 @@ def test_a_tree_asked_for_again_while_the_tokenizer_loads_is_built_once_per_file
     finally:
         never.set()
         server.close()
+
+
+def _serving_url(proc: subprocess.Popen) -> str:
+    """The URL ``agentrl view`` prints, read from its output (it must not exit first)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line, "agentrl view exited early"
+        m = re.search(r"serving at (http://127\.0\.0\.1:\d+/)", line)
+        if m:
+            return m.group(1)
+    raise AssertionError("agentrl view printed no URL in 60 s")
+
+
+def test_agentrl_view_of_a_run_not_started_yet_serves_and_waits_for_its_first_step(tmp_path):
+    """Started before the trainer's first step (its folder holds only the run lock),
+    ``agentrl view`` said the run holds no trees and exited. It serves, the index says it is
+    waiting, and the steps show as they are written."""
+    (tmp_path / ".run.lock").touch()  # what agentrl train writes first (train.output_lock)
+    proc = subprocess.Popen([sys.executable, "-c", "from agentrl.cli import main; main()", "view", str(tmp_path),
+                             "--port", "0", "--no-tokens"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = _serving_url(proc)
+        first = _get(url + "api/run")[1]
+        assert first["waiting"] is True and first["totals"]["trees"] == 0
+        (tmp_path / "trees").mkdir()
+        write_trees(tmp_path / "trees" / "step-000001.jsonl", [fork_tree(seed=5)])
+        (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout/reward": 0.5}) + "\n")
+        now = _get(url + "api/run")[1]
+        assert now["waiting"] is False and now["totals"]["trees"] == 1 and now["steps"] == [1]
+        assert _get(url + f"api/tree/0?generation={now['generation']}")[1]["meta"]["seed"] == 5
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_agentrl_view_of_a_folder_with_nothing_of_a_run_still_says_what_it_looked_for(tmp_path):
+    """A folder with no mark of a run (a typo'd path) is refused at once, as before, not
+    served empty for ever; the message says how a run being started is recognised."""
+    (tmp_path / "notes.txt").write_text("not a run")
+    app = typer.Typer()
+    register(app)
+    res = CliRunner().invoke(app, ["view", str(tmp_path)])
+    assert res.exit_code == 2 and "trajectories.jsonl" in res.output and ".run.lock" in res.output
+
+
+def test_the_page_of_a_run_not_started_says_it_waits_and_fills_in(browser_context, tmp_path):
+    """The page of an empty run said it held no trees and never asked again: it says it
+    waits for the first step, asks the server again, and draws the run when it comes."""
+    server = ViewerServer(Run(tmp_path), port=0).start()
+    page = browser_context.new_page()
+    try:
+        page.goto(server.url)
+        page.wait_for_selector("body[data-ready='1']", timeout=15_000)
+        assert "waiting for the first step" in page.inner_text("#run-table").lower()
+        write_trees(tmp_path / "trajectories.jsonl", [fork_tree(seed=7), fork_tree(seed=8)])
+        page.wait_for_selector("#run-table tr.tree-row[data-tree='1']", timeout=15_000)
+        assert page.inner_text("#run-cards").split()[0] == "2"
+    finally:
+        page.close()
+        server.close()
+
+
+def test_the_tokenizer_of_a_run_not_started_is_chosen_once_the_run_names_its_model(tmp_path, monkeypatch):
+    """At start a run not started names no model; the tokenizer is chosen from its config
+    once one is written, not from the empty config it had when the viewer started."""
+    from agentrl.viewer import cli
+
+    monkeypatch.setattr(cli, "_WAIT_POLL_S", 0.01)
+    (tmp_path / ".run.lock").touch()
+    got: list[dict] = []
+    waiter = threading.Thread(target=lambda: got.append(cli._config_once_named(Run(tmp_path))), daemon=True)
+    waiter.start()
+    time.sleep(0.1)
+    assert got == []
+    (tmp_path / "config.json").write_text(json.dumps({"policy": {"model": "tiny/model"}}))
+    waiter.join(10)
+    assert got and got[0]["policy"]["model"] == "tiny/model"

@@ -10,6 +10,7 @@ const SVGNS = "http://www.w3.org/2000/svg";
 const PAGE_ROWS = 50;
 const MAX_CACHED_TREES = 24;
 const PENDING_RETRY_MS = 1000;  // a tree served before the tokenizer was ready is asked for again
+const FIRST_STEP_POLL_MS = 2000;  // a run served before its first step is asked for again
 
 const S = {
   mode: document.body.dataset.mode || "static",
@@ -236,7 +237,9 @@ function renderTable() {
   $("run-table").replaceChildren(el("thead", {}, head), body);
   if (!S.run.trees.length) {
     body.append(el("tr", {}, el("td", { colspan: cols.length, class: "empty",
-      text: "This run holds no trees: only its curves. agentrl rollout writes trajectories.jsonl; a training run holds trees/step-*.jsonl where the trainer saves them." })));
+      text: S.run.waiting
+        ? "Waiting for the first step: the run has written no trees and no metrics yet. This page asks again every few seconds and fills in as they come."
+        : "This run holds no trees: only its curves. agentrl rollout writes trajectories.jsonl; a training run holds trees/step-*.jsonl where the trainer saves them." })));
   }
   $("pager-info").textContent = rows.length
     ? `trees ${S.page * PAGE_ROWS + 1}–${Math.min(rows.length, (S.page + 1) * PAGE_ROWS)} of ${rows.length}` +
@@ -752,6 +755,24 @@ function stats(t) {
 
 // --------------------------------------------------------------------------- start
 
+// A run served before its first step (the server says "waiting"): ask for the index
+// again until it holds trees, and draw it again each time it changed (metrics may come
+// first). A tree is not open meanwhile: there is none to open.
+async function awaitFirstStep() {
+  while (!S.run.trees.length) {
+    await new Promise((ok) => setTimeout(ok, FIRST_STEP_POLL_MS));
+    let next;
+    try { next = await loadRun(); } catch (e) { $("run-about").textContent = "could not load the run: " + e; return; }
+    if (next.generation === S.run.generation) continue;
+    S.run = next;
+    document.title = "agentrl · " + S.run.title;
+    $("title").textContent = S.run.title;
+    renderRunHeader();
+    renderTable();
+    renderCurves();
+  }
+}
+
 async function main() {
   try { S.run = await loadRun(); } catch (e) { document.body.append(el("pre", { text: "could not load the run: " + e })); return; }
   document.title = "agentrl · " + S.run.title;
@@ -778,6 +799,7 @@ async function main() {
   window.addEventListener("hashchange", route);  // a pasted or followed link to a tree or node
   await route();
   document.body.dataset.ready = "1";
+  if (S.mode === "server" && S.run.waiting) awaitFirstStep();
 }
 
 main();
