@@ -192,6 +192,7 @@ class Engine:
                 tree.meta["allocator"] = getattr(allocator, "name", type(allocator).__name__)
                 if not self.cfg.rollout.keep_snapshots:
                     tree.snapshots.clear()
+            _finish(allocator, state)
         state.spent = meter.spent
         for tree in trees:
             tree.meta["budget"] = {"unit": budget.unit, "total": budget.total, "spent": meter.spent}
@@ -252,6 +253,22 @@ class Engine:
             renumber(tree, first, lambda n: player.keys[id(n)])
         player.keys.clear()
         return True
+
+
+def _finish(allocator: Allocator, state: AllocState) -> None:
+    """The allocator's ``finish(state)``, where it has one, however the run ended: the
+    contrastive allocator wrote its prefix groups only on its last, empty plan, so an
+    interrupted run's finished trees had none. Its error is warned about, not raised: it
+    runs while the run's own exception (a Ctrl-C) may be on its way out."""
+    finish = getattr(allocator, "finish", None)
+    if finish is None:
+        return
+    try:
+        finish(state)
+    except Exception as e:
+        name = getattr(allocator, "name", type(allocator).__name__)
+        warnings.warn(f"allocator {name!r} raised in finish: {type(e).__name__}: {e}", RuntimeWarning,
+                      stacklevel=3)
 
 
 def _task_seed(seed: Any) -> int:

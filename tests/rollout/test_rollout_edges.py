@@ -74,3 +74,33 @@ def test_a_backend_over_max_new_tokens_fails_its_episode_and_spends_nothing(toke
     assert all(len(n.action_ids) <= 4 for n in tree.nodes.values())
     errors = [n.error for n in tree.nodes.values() if n.error]
     assert len(errors) == 2 and all("_Overlong" in e and "max_new_tokens=4" in e for e in errors), errors
+
+
+def test_an_interrupted_contrastive_run_keeps_the_prefix_groups_of_its_finished_trees(tokenizer):
+    """``prefix_groups`` was written only by the contrastive allocator's last, empty plan: the
+    finished trees an interrupted run hands back (and ``agentrl rollout`` writes) had none. The
+    engine now calls the allocator's ``finish`` however the run ends. Two tasks, 6 leaves:
+    round 0 plays 2 + 1 fresh episodes, round 1 branches task 0's first turn twice, then task 1's
+    once, and that last call (the 9th, one at a time) is cancelled: task 0 is finished."""
+    import asyncio
+
+    from agentrl.allocator_options import ContrastiveOptions
+    from agentrl.rollout import Budget
+    from agentrl.rollout.allocators import Contrastive
+    from agentrl.rollout.engine import Engine
+
+    class CancelledAt(MockPolicy):
+        async def agenerate(self, request):
+            if self.calls == 8:
+                raise asyncio.CancelledError  # as Ctrl-C cancels the run's tasks
+            return await super().agenerate(request)
+
+    engine = Engine(CancelledAt(tokenizer, ["1"]), _cfg("rollout.concurrency=1"), "agentrl/GuessNumber-v0")
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            asyncio.run(engine.run([0, 1], Contrastive(ContrastiveOptions()), Budget(6)))
+    finally:
+        engine.close()
+    (tree,) = engine.finished
+    assert tree.meta["task"] == 0
+    assert tree.meta["prefix_groups"] == [{"node": 0, "leaves": [1, 4, 5]}]

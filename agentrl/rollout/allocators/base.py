@@ -132,6 +132,9 @@ class Allocator(Protocol):
     context) after every turn, so ``Branch`` can start from any node.
     ``top_logprobs``: how many top-k logprobs per token the backend returns
     (``Node.top1`` gets the top-1 probability of each action token).
+    An allocator may also define ``finish(state)``: the engine calls it once when
+    the run ends, however it ends (the last plan, a round it admitted nothing of,
+    an interruption), to write what it keeps in the trees' meta.
     """
 
     name: str

@@ -14,9 +14,10 @@ for the next ones, so picks move to other trajectories and other depths
 
 Plan (``OpenThenBranch``): round 0 spends ``fresh_fraction`` of the budget on
 fresh episodes; round 1 branches ``k`` ways from the points ranked first,
-until the budget is spent (the rest to fresh episodes). The last call writes
-``prefix_groups`` into every tree's ``meta["prefix_groups"]`` for credit
-assignment. Deterministic: no sampling, so no seed.
+until the budget is spent (the rest to fresh episodes). When the run ends
+(``finish``, which the engine calls however the run ends, and the last, empty
+plan) ``prefix_groups`` goes into every tree's ``meta["prefix_groups"]`` for
+credit assignment. Deterministic: no sampling, so no seed.
 """
 
 from __future__ import annotations
@@ -128,8 +129,8 @@ def prefix_groups(tree: RolloutTree) -> list[dict[str, Any]]:
 
 @dataclass(frozen=True)
 class Contrastive(OpenThenBranch):
-    """Branch from the points ``contrastive_branch_points`` ranks first; the last
-    call writes ``prefix_groups`` into every tree's meta."""
+    """Branch from the points ``contrastive_branch_points`` ranks first; ``finish`` (and the
+    last, empty plan) writes ``prefix_groups`` into every tree's meta."""
 
     options: ContrastiveOptions = field(default_factory=ContrastiveOptions)
 
@@ -142,9 +143,14 @@ class Contrastive(OpenThenBranch):
     def plan(self, state: AllocState) -> list[Request]:
         out = super().plan(state)
         if not out:
-            for tree in state.trees:
-                tree.meta["prefix_groups"] = prefix_groups(tree)
+            self.finish(state)
         return out
+
+    def finish(self, state: AllocState) -> None:
+        """Write each tree's ``prefix_groups``. Only the last, empty plan wrote them: a run that
+        ended another way (interrupted, or a round the engine admitted nothing of) kept none."""
+        for tree in state.trees:
+            tree.meta["prefix_groups"] = prefix_groups(tree)
 
     def _branch_points(self, state: AllocState, report: dict[str, Any]) -> Iterator[tuple[int, int]]:
         # lazy: each point is ranked after the picks before it, and few are taken
