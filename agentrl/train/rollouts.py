@@ -24,7 +24,8 @@ from .config import TrainRunConfig
 from .curriculum import at_level, stage_at
 from .plan import step_task_seeds
 
-__all__ = ["CollectFn", "RolloutSource", "allocation_report", "drop_trees_after", "save_trees", "step_rollouts"]
+__all__ = ["CollectFn", "RolloutSource", "allocation_report", "drop_trees_after", "planned_episodes", "save_trees",
+           "step_rollouts"]
 
 # (env id, policy, config, task seeds, on_episode_done=...) -> one tree per seed
 CollectFn = Callable[..., list[RolloutTree]]
@@ -65,7 +66,8 @@ def step_rollouts(run_cfg: TrainRunConfig, step: int, policy: Any, advance_bar: 
     if max_turns is not None:
         cfg.rollout.max_turns = min(cfg.rollout.max_turns, max_turns)
     seeds = step_task_seeds(run_cfg.train, step)
-    advance = advance_bar(len(seeds) * cfg.rollout.group_size, f"step {step + 1}")
+    total = len(seeds) * cfg.rollout.group_size if source else planned_episodes(cfg.rollout, len(seeds))
+    advance = advance_bar(total, f"step {step + 1}")
     t0 = time.perf_counter()
     trees = (source.collect if source else collect)(cfg.env.id, policy, cfg, seeds, on_episode_done=advance)
     s = summarize(trees, time.perf_counter() - t0)
@@ -78,6 +80,20 @@ def step_rollouts(run_cfg: TrainRunConfig, step: int, policy: Any, advance_bar: 
                    "rollout/generated_tokens": s["generated_tokens"],
                    "data/first_task_seed": seeds[0], **_invalid(s, "rollout"),
                    **({"data/curriculum_stage": stage[0]} if stage else {})}
+
+
+def planned_episodes(rollout: Any, tasks: int) -> int:
+    """The episodes ``agentrl.rollout.collect`` plays for ``tasks`` tasks under ``rollout`` (a
+    ``RolloutConfig``), which a step's bar counts to: a leaves budget's total (its default is
+    ``tasks * group_size``), or fewer where ``independent``'s ``n`` per task caps it. The bar was
+    made for ``tasks * group_size`` whatever ``rollout.budget`` said. A turns or tokens budget
+    is not known in episodes until they have played: ``tasks * group_size`` is its estimate, and
+    ``segment_tree`` counts each paused segment of a path, so its bar passes the total."""
+    leaves = rollout.budget if rollout.budget and rollout.budget_unit == "leaves" else tasks * rollout.group_size
+    a = rollout.allocator
+    if a.name == "independent" and a.n != "all":
+        return min(leaves, tasks * (rollout.group_size if a.n is None else a.n))
+    return leaves
 
 
 def retire_finished_stage(run_cfg: TrainRunConfig, step: int) -> bool:

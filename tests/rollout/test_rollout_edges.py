@@ -104,3 +104,29 @@ def test_an_interrupted_contrastive_run_keeps_the_prefix_groups_of_its_finished_
     (tree,) = engine.finished
     assert tree.meta["task"] == 0
     assert tree.meta["prefix_groups"] == [{"node": 0, "leaves": [1, 4, 5]}]
+
+
+@pytest.mark.parametrize("allocator, budget, want", [
+    ("independent", 3, 3),  # fewer than 2 tasks x group_size 2: the bar stopped at 3 of 4
+    ("{name: independent, n: all}", 6, 6),  # the whole budget, spread: it ended at 6 of 4
+    ("independent", 9, 4),  # n = group_size caps each task: 4, not the budget's 9
+    ("contrastive", 5, 5),
+])
+def test_the_trainer_s_rollout_bar_counts_to_the_episodes_a_leaves_budget_plays(tokenizer, allocator, budget,
+                                                                               want):
+    """The trainer's bar was made for tasks x group_size episodes whatever ``rollout.budget`` said."""
+    from agentrl.train.config import load_train_config
+    from agentrl.train.rollouts import step_rollouts
+
+    cfg = load_train_config(None, ["env.id=agentrl/GuessNumber-v0", "env.kwargs={high: 1000, max_turns: 2}",
+                                   "rollout.max_turns=2", "rollout.group_size=2", "train.tasks_per_step=2",
+                                   "sampling.max_new_tokens=4", f"rollout.budget={budget}",
+                                   f"rollout.allocator={allocator}"])
+    bars, done = [], []
+
+    def advance_bar(total, label):
+        bars.append(total)
+        return done.append
+
+    step_rollouts(cfg, 0, MockPolicy(tokenizer, ["1"]), advance_bar)
+    assert (bars, len(done)) == ([want], want)
