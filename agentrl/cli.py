@@ -81,10 +81,13 @@ def rollout(
         "--allocator-option", help="Allocator option key=value (rollout.allocator.KEY).")] = None,
     concurrency: Annotated[int | None, typer.Option(help="Episodes in flight (rollout.concurrency).")] = None,
     out: Annotated[str | None, typer.Option(help="Output folder (rollout.out_dir).")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        help="Replace the results (summary.json, trajectories.jsonl) the output folder holds.")] = False,
     set_: Annotated[list[str] | None, typer.Option("--set", help="key.path=value override.")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
-    """Run episodes of a policy in an env; write trajectories (JSONL trees) and a summary."""
+    """Run episodes of a policy in an env; write trajectories (JSONL trees) and a summary.
+    A folder that holds results already is refused unless ``--overwrite``."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from .config import load_config
@@ -92,6 +95,7 @@ def rollout(
     from .policy.for_run import open_policy, settle_for_command
     from .rollout import RunInterrupted, run_episodes, summarize, write_run
     from .rollout.allocators import ALLOCATORS
+    from .rollout.summary import check_no_results
     from .train.output_lock import output_lock
 
     flags = {"env.id": env, "policy.model": model, "policy.backend": backend,
@@ -107,6 +111,7 @@ def rollout(
             check_env_kwargs(cfg.env.id, cfg.env.kwargs, imports=cfg.env.imports)  # else every episode fails
             # one run at a time in a folder it can write, checked before the episodes, not after them
             held.enter_context(output_lock(Path(cfg.rollout.out_dir), "rollout.out_dir"))
+            check_no_results(cfg.rollout.out_dir, "rollout.out_dir", overwrite)  # under the lock
             console.print(settle_for_command(cfg))
             r = cfg.rollout
             total = r.budget if r.budget and r.budget_unit == "leaves" else None

@@ -15,7 +15,8 @@ Greedy decoding by default (temperature 0, one sample a task); ``--k K``
 samples ``--samples N`` (default K) episodes a task at ``--temperature``
 (default: the config's). What runs and what the rows mean is in
 ``agentrl.evaluation``. Output: a table on the terminal, and ``summary.json``
-(the reports) with ``trajectories.jsonl`` (every tree) in ``--out``. On Ctrl-C the
+(the reports) with ``trajectories.jsonl`` (every tree) in ``--out``, a folder that
+holds no results yet unless ``--overwrite``. On Ctrl-C the
 tasks that had finished are reported and written (``"interrupted": true`` in their
 report), and the exit code is 130.
 """
@@ -115,6 +116,7 @@ def eval_command(
         help="Tasks of an env that does not say how many its split holds (rollout.episodes).")] = None,
     config: Annotated[Path | None, typer.Option(help="YAML config file.")] = None,
     out: Annotated[str, typer.Option(help="Output folder: summary.json and trajectories.jsonl.")] = "runs/eval",
+    overwrite: Annotated[bool, typer.Option(help="Replace the results the output folder holds.")] = False,
     set_: Annotated[list[str] | None, typer.Option("--set", help="key.path=value override.")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
@@ -125,6 +127,7 @@ def eval_command(
     from .env import check_env_kwargs, resolve_env_id
     from .policy.for_run import open_policy, settle_for_command
     from .rollout import RunInterrupted, write_run
+    from .rollout.summary import check_no_results
     from .train.output_lock import output_lock
 
     flags = {"policy.model": model, "policy.backend": backend, "rollout.episodes": episodes,
@@ -156,6 +159,7 @@ def eval_command(
                 raise ConfigError("--out is empty: give the run a folder")
             # one run at a time in a folder it can write, checked before the episodes, not after them
             held.enter_context(output_lock(Path(out), "--out"))
+            check_no_results(out, "--out", overwrite)  # under the lock: no other run writes between
             console.print(loading)
             if model is None and (hint := trained_model_hint(cfg)):
                 console.print(f"[yellow]note:[/] {hint}", highlight=False)

@@ -16,6 +16,7 @@ from agentrl import eval_cli
 from agentrl.config import load_config
 from agentrl.env import TextEnv, register_env
 from agentrl.errors import ConfigError
+from agentrl.rollout.summary import make_out_dir
 from agentrl.train.config import load_train_config
 
 runner = CliRunner()
@@ -32,7 +33,7 @@ def _app() -> typer.Typer:
 
 
 def _text(result: Any) -> str:
-    return " ".join(result.output.split())
+    return "".join(result.output.split())  # rich wraps long lines, paths too
 
 
 class CountedSplitEnv(TextEnv):
@@ -117,3 +118,42 @@ def test_rollout_episodes_past_the_bound_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match=r"rollout\.episodes: .*1000000000000.*at most 1,000,000"):
         load_config(None, ["rollout.episodes=1000000000000"])
     assert load_config(None, ["rollout.episodes=1000000"]).rollout.episodes == 1_000_000
+
+
+# -- 4. an output folder's earlier results are not replaced silently -----------------------------------
+
+MOCK = ["--backend", "mock", "--no-progress"]
+
+
+@pytest.mark.parametrize(("command", "key"), [
+    (["rollout", "--env", "agentrl/GuessNumber-v0", "--episodes", "1"], "rollout.out_dir"),
+    (["eval", "--env", "agentrl/GuessNumber-v0", "--episodes", "1"], "--out")])
+def test_a_folder_with_results_is_refused_unless_overwrite(tmp_path, command, key):
+    out = tmp_path / "run"
+    first = runner.invoke(_app(), [*command, *MOCK, "--out", str(out)])
+    assert first.exit_code == 0, first.output
+    before = (out / "summary.json").read_text()
+    again = runner.invoke(_app(), [*command, *MOCK, "--out", str(out)])
+    assert again.exit_code == 2
+    assert f"{key}={out}alreadyholdsresults" in _text(again) and "--overwrite" in _text(again)
+    assert (out / "summary.json").read_text() == before
+    forced = runner.invoke(_app(), [*command, *MOCK, "--out", str(out), "--overwrite"])
+    assert forced.exit_code == 0, forced.output
+
+
+def test_make_out_dir_says_a_file_is_in_the_way(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        make_out_dir(tmp_path / "f", "rollout.out_dir")
+    assert make_out_dir(tmp_path / "new", "rollout.out_dir").is_dir()
+    assert make_out_dir(tmp_path / "new", "rollout.out_dir").is_dir()  # an existing folder is fine
+
+
+def test_make_out_dir_does_not_look_before_it_makes(tmp_path, monkeypatch):
+    """A folder made by another process between a look and the mkdir was called a file."""
+    from pathlib import Path
+
+    looked = []
+    monkeypatch.setattr(Path, "exists", lambda self, **_: looked.append(self) or False)
+    assert make_out_dir(tmp_path / "new", "rollout.out_dir").is_dir()
+    assert looked == []

@@ -15,7 +15,8 @@ from ..errors import ConfigError
 from ..types import Episode, Node, RolloutTree, write_trees
 from .episodes import COUNTERS
 
-__all__ = ["episode_success", "invalid_action_frac", "make_out_dir", "summarize", "write_run"]
+__all__ = ["RESULT_FILES", "check_no_results", "episode_success", "invalid_action_frac", "make_out_dir", "summarize",
+           "write_run"]
 
 
 def episode_success(tree_or_episode: RolloutTree | Episode) -> bool:
@@ -89,13 +90,27 @@ def make_out_dir(out_dir: str | Path, key: str) -> Path:
     if not str(out_dir):  # Path("") is the working directory: an unset shell variable, most likely
         raise ConfigError(f"{key} is empty: give the run a folder")
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{key}={out} is a file, not a folder: give the run a folder")
-    try:
+    try:  # no look first: what another process makes or removes meanwhile cannot mislead it
         out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # exist_ok covers a folder only
+        raise ConfigError(f"{key}={out} is a file, not a folder: give the run a folder") from None
     except OSError as e:  # a file on the path, no permission, a read-only filesystem
         raise ConfigError(f"{key}={out}: cannot make the folder: {e.strerror or e}") from None
     return out
+
+
+RESULT_FILES = ("summary.json", "trajectories.jsonl")
+"""What ``write_run`` writes: a folder holding either has a run's results."""
+
+
+def check_no_results(out_dir: str | Path, key: str, overwrite: bool) -> None:
+    """Raise ``ConfigError`` naming ``key`` where ``out_dir`` holds a run's results
+    (``RESULT_FILES``) and ``overwrite`` is not given: a second run there replaced them silently.
+    Call it holding the folder's run lock, so that no other run writes between."""
+    held = [name for name in RESULT_FILES if (Path(out_dir) / name).exists()]
+    if held and not overwrite:
+        raise ConfigError(f"{key}={out_dir} already holds results ({', '.join(held)}): give another "
+                          "folder, or --overwrite to replace them")
 
 
 def _write_atomically(path: Path, write: Callable[[Path], Any]) -> None:
