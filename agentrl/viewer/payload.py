@@ -48,6 +48,7 @@ __all__ = ["CreditSpec", "SavedValues", "branch_reasons", "credit_spec", "episod
 
 _ACTION_HEAD = 80  # characters of each action an episode's summary keeps
 _SHOWN_INFO_SKIP = ("tool_calls", "tool_messages", "parse_errors", "truncation_reason", "branch")
+_INFO_LISTS = ("tool_calls", "tool_messages", "parse_errors")  # info keys read as lists
 
 
 @dataclass(slots=True)
@@ -212,6 +213,22 @@ def _options(fn: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k in names}
 
 
+def _pilot_note(report: Any, task: Any) -> str:
+    """``pilot_commit`` with task ``task``'s pilot pass rate and commitment from the batch's
+    allocation report, where the report holds them as the allocator writes them (a list of
+    numbers by task, a list of counts); just ``pilot_commit`` otherwise."""
+    mine = report.get("pilot_commit") if isinstance(report, dict) else None
+    p = mine.get("p") if isinstance(mine, dict) else None
+    commit = mine.get("commit") if isinstance(mine, dict) else None
+    if not (isinstance(task, int) and isinstance(p, list) and isinstance(commit, list)
+            and 0 <= task < min(len(p), len(commit))):
+        return "pilot_commit"
+    rate = p[task]
+    if not isinstance(rate, int | float) or isinstance(rate, bool):
+        return "pilot_commit"
+    return f"pilot_commit: pilot pass rate {rate:.2f}, {commit[task]} committed"
+
+
 def branch_reasons(tree: RolloutTree, allocator_options: dict[str, Any] | None = None,
                    report: dict[str, Any] | None = None) -> dict[str, str]:
     """Why each branch point branched: ``{node id (str) or "prompt": reason}``.
@@ -221,17 +238,14 @@ def branch_reasons(tree: RolloutTree, allocator_options: dict[str, Any] | None =
     """
     options = allocator_options or {}
     alloc = str(tree.meta.get("allocator", ""))
-    recorded = {str(k): str(v) for k, v in (tree.meta.get("branch_reasons") or {}).items()}
+    given = tree.meta.get("branch_reasons")  # a writer's free-form meta: read only as a mapping
+    recorded = {str(k): str(v) for k, v in given.items()} if isinstance(given, dict) else {}
     points = [n for n in tree.nodes.values() if len(n.children) >= 2]
     out: dict[str, str] = {}
     if len(tree.roots) > 1:
         why = f"{len(tree.roots)} episodes started from the prompt"
-        mine = (report or {}).get(alloc) or {}
-        task = tree.meta.get("task")
-        if alloc == "pilot_commit" and isinstance(task, int) and task < len(mine.get("p") or []):
-            p = mine["p"][task]
-            why += (f" (pilot_commit: pilot pass rate {p:.2f}, {mine['commit'][task]} committed)"
-                    if p is not None else " (pilot_commit)")
+        if alloc == "pilot_commit":
+            why += f" ({_pilot_note(report, tree.meta.get('task'))})"
         elif alloc:
             why += f" ({alloc})"
         proxy = [str(tree.nodes[r].info["branch"].get("reason")) for r in tree.roots
@@ -334,11 +348,15 @@ def _node(tree: RolloutTree, n: Node, depth: int, reasons: dict[str, str],
     info = n.info or {}
     per_leaf = {leaf: _mean(vals) for leaf, vals in adv.items() if vals}
     per_leaf = {k: v for k, v in per_leaf.items() if v is not None}
+    lists = {k: info[k] if isinstance(info.get(k), list) else [] for k in _INFO_LISTS}
     tools = [{"name": c.get("name", ""), "arguments": c.get("arguments", {})}
-             for c in info.get("tool_calls") or [] if isinstance(c, dict)]
+             for c in lists["tool_calls"] if isinstance(c, dict)]
     results = [{"name": m.get("name") or "", "content": m.get("content", "")}
-               for m in info.get("tool_messages") or [] if isinstance(m, dict)]
-    shown = {k: v for k, v in info.items() if k not in _SHOWN_INFO_SKIP}
+               for m in lists["tool_messages"] if isinstance(m, dict)]
+    # an env's info is free-form: a value not of the kind read above (a count of parse
+    # errors) is shown with the rest, as it is
+    shown = {k: v for k, v in info.items()
+             if k not in _SHOWN_INFO_SKIP or (k in _INFO_LISTS and v is not None and not isinstance(v, list))}
     return {
         "id": n.id, "parent": n.parent, "children": list(n.children), "depth": depth,
         "partial": n.partial, "action": n.action_text, "observation": n.observation,
@@ -346,7 +364,7 @@ def _node(tree: RolloutTree, n: Node, depth: int, reasons: dict[str, str],
         "finish_reason": n.finish_reason, "truncation_reason": info.get("truncation_reason"),
         "error": n.error, "leaf": not n.children, "success": n.success if not n.children else None,
         "version": n.version, "tool_calls": tools, "tool_results": results,
-        "parse_errors": list(info.get("parse_errors") or []), "expert_action": n.expert_action,
+        "parse_errors": list(lists["parse_errors"]), "expert_action": n.expert_action,
         "abandoned": bool(info.get("abandoned")), "continued_by": info.get("continued_by"),
         "side_conversation": bool(info.get("side_conversation")), "info": shown,
         "branch": reasons.get(str(n.id)), "n_action": len(n.action_ids), "n_context": len(n.context_ids),

@@ -258,3 +258,40 @@ def test_the_tokenizer_of_a_run_not_started_is_chosen_once_the_run_names_its_mod
     (tmp_path / "config.json").write_text(json.dumps({"policy": {"model": "tiny/model"}}))
     waiter.join(10)
     assert got and got[0]["policy"]["model"] == "tiny/model"
+
+
+def _two_root_tree(meta: dict, info: dict) -> RolloutTree:
+    """fork_tree (allocator pilot_commit) with a second root, ``meta`` over its meta and
+    ``info`` over every node's info."""
+    t = fork_tree(allocator="pilot_commit")
+    t.add(Node(context_ids=[1], action_ids=[9], logprobs=[-0.1], entropies=[0.1], action_text="z"))
+    t.meta.update(meta)
+    for n in t.nodes.values():
+        n.info = {**n.info, **info}
+    return t
+
+
+def test_an_env_info_or_a_tree_meta_field_of_another_type_is_shown_not_a_500(tmp_path):
+    """What an env puts in ``info`` and what a writer puts in ``meta`` is free-form: a count
+    where the viewer reads a list (``parse_errors: 2``), a list where it reads a mapping
+    (``branch_reasons``, ``allocation_report``), a pass rate that is text. Each made its
+    tree's endpoint a 500; the tree is drawn, an info value it cannot read as its kind
+    shown as it is."""
+    trees = [_two_root_tree({}, {"parse_errors": 2, "tool_calls": 1.5, "tool_messages": True}),
+             _two_root_tree({"branch_reasons": ["first"], "allocation_report": [1]}, {}),
+             _two_root_tree({"allocation_report": {"pilot_commit": {"p": ["high"], "commit": 3}}}, {}),
+             _two_root_tree({"allocation_report": {"pilot_commit": {"p": [0.5]}}}, {}),
+             _two_root_tree({"allocation_report": {"pilot_commit": 5}}, {})]
+    write_trees(tmp_path / "trees.jsonl", trees)
+    server = ViewerServer(Run(tmp_path / "trees.jsonl"), port=0).start()
+    try:
+        answers = [_get(server.url + f"api/tree/{i}") for i in range(len(trees))]
+    finally:
+        server.close()
+    assert [code for code, _ in answers] == [200] * len(trees), answers
+    node = answers[0][1]["nodes"][0]
+    assert node["parse_errors"] == [] and node["tool_calls"] == [] and node["tool_results"] == []
+    assert {k: node["info"][k] for k in ("parse_errors", "tool_calls", "tool_messages")} == {
+        "parse_errors": 2, "tool_calls": 1.5, "tool_messages": True}
+    assert answers[1][1]["branch_points"]["prompt"] == "2 episodes started from the prompt (pilot_commit)"
+    assert answers[3][1]["branch_points"]["prompt"].startswith("2 episodes started from the prompt (pilot_commit")
