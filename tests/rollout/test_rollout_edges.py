@@ -130,3 +130,55 @@ def test_the_trainer_s_rollout_bar_counts_to_the_episodes_a_leaves_budget_plays(
 
     step_rollouts(cfg, 0, MockPolicy(tokenizer, ["1"]), advance_bar)
     assert (bars, len(done)) == ([want], want)
+
+
+def _episodes(tree, turns: int, rewards: list[float]) -> None:
+    """One finished episode of ``turns`` turns per reward."""
+    from tests.rollout.allocators.sim import linear
+
+    for r in rewards:
+        linear(tree, [{}] * (turns - 1) + [{"terminated": True, "reward": r}])
+
+
+def test_fresh_episodes_of_a_long_task_are_priced_by_its_own_episodes():
+    """Task 0's episodes take 1 turn, task 1's take 5. 12 of 20 turns are left; the mean episode
+    (3 x 1 + 5) / 4 = 2 turns bought 6 leaves, which the top-up gave (n=4 per task) 1 to task 0
+    and 3 to task 1: 1 + 15 = 16 turns planned for 12, and the budget cut task 1's episodes.
+    Priced by task: task 1 (fewest leaves) 5, 5, then task 0 1: 11 turns; a third episode of
+    task 1 (5) does not fit the 1 left."""
+    from agentrl.rollout.allocators import AllocState, Budget, Fresh
+    from agentrl.types import RolloutTree
+
+    trees = [RolloutTree(), RolloutTree()]
+    _episodes(trees[0], 1, [1.0, 0.0, 1.0])
+    _episodes(trees[1], 5, [0.0])
+    state = AllocState(trees, Budget(20, "turns"), spent=8, round=1)
+    plan = Independent(IndependentOptions(n=4)).plan(state)
+    assert plan == [Fresh(0, 1, reason="independent"), Fresh(1, 2, reason="independent")]
+
+
+def test_pilot_commit_prices_its_commit_by_the_tasks_it_goes_to():
+    """Task 0 (1-turn episodes) is solved by both pilots, task 1 (5 turns) by one of two: the
+    whole commit goes to task 1. The mean pilot, 12 / 4 = 3 turns, bought 4 episodes of it for
+    the 12 turns left: 20 turns planned. Priced at task 1's 5 turns: 2 episodes, 10 turns."""
+    from agentrl.allocator_options import PilotCommitOptions
+    from agentrl.rollout.allocators import AllocState, Budget, Fresh, PilotCommit
+    from agentrl.types import RolloutTree
+
+    trees = [RolloutTree(), RolloutTree()]
+    _episodes(trees[0], 1, [1.0, 1.0])
+    _episodes(trees[1], 5, [1.0, 0.0])
+    state = AllocState(trees, Budget(24, "turns"), spent=12, round=1)
+    assert PilotCommit(PilotCommitOptions()).plan(state) == [Fresh(1, 2, reason="commit")]
+    assert state.report["pilot_commit"]["commit"] == [0, 2]
+
+
+def test_priced_fill_hands_out_by_fewest_leaves_while_each_task_s_price_fits():
+    from agentrl.rollout.allocators import priced_fill
+
+    # 10 units: slot 1 (0 leaves) 4 -> 6 left; slot 1 again (1 vs 2) 4 -> 2; slot 0 (2) 1 -> 1;
+    # slot 0 (3 vs 2: slot 1 costs 4, closed) 1 -> 0
+    assert priced_fill([2, 0], 10, [1.0, 4.0]) == [2, 2]
+    assert priced_fill([2, 0], 10, [1.0, 4.0], caps=[1, 5]) == [1, 2]
+    assert priced_fill([0, 0], 2.5, [3.0, 3.0]) == [0, 0]
+    assert priced_fill([0, 0, 0], 7, [2.0, 2.0, 2.0]) == [1, 1, 1]  # as fill_evenly at one price

@@ -41,9 +41,12 @@ from .base import (
     Fresh,
     affordable_leaves,
     fill_evenly,
+    fresh_costs,
     is_open,
     largest_remainder,
     leaf_cost,
+    most_leaves,
+    priced_fill,
 )
 from .contrastive import Contrastive, contrastive_branch_points, prefix_groups
 from .entropy_branch import EntropyBranch, entropy_branch_scores
@@ -75,14 +78,17 @@ __all__ = [
     "contrastive_branch_points",
     "entropy_branch_scores",
     "fill_evenly",
+    "fresh_costs",
     "is_open",
     "key_states",
     "largest_remainder",
     "leaf_cost",
     "make_allocator",
+    "most_leaves",
     "options_for",
     "pilot_commit_split",
     "prefix_groups",
+    "priced_fill",
     "rollout_allocator",
     "segment_children",
 ]

@@ -18,7 +18,10 @@ leaf, but it spends more when it is continued: the cost it is expected to
 reach less what it has spent is kept back first. A branch is priced by what
 the finished episodes through its point spent after it
 (``continuation_cost``), not by the mean episode: branch points sit in long
-episodes. The engine stops episodes at the real limit.
+episodes. Fresh episodes sent to given tasks (top-ups, ``independent``'s fill,
+``pilot_commit``'s commit) are priced by each task's own finished episodes
+(``fresh_costs``, ``priced_fill``): tasks differ in length. The engine stops
+episodes at the real limit.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import heapq
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
@@ -46,9 +49,12 @@ __all__ = [
     "budget_estimate",
     "continuation_cost",
     "fill_evenly",
+    "fresh_costs",
     "is_open",
     "largest_remainder",
     "leaf_cost",
+    "most_leaves",
+    "priced_fill",
 ]
 
 BudgetUnit = Literal["leaves", "turns", "tokens"]
@@ -255,6 +261,58 @@ def affordable_leaves(state: AllocState, est_leaf_cost: float | None = None) -> 
         return state.remaining
     left, per_leaf = budget_estimate(state, est_leaf_cost)
     return int(left // per_leaf)
+
+
+def fresh_costs(state: AllocState, est_leaf_cost: float | None = None) -> list[float]:
+    """Expected cost of one more fresh episode of each task, in a turns or tokens budget: the
+    mean of the task's own finished episodes where it has any, else the mean episode over all
+    tasks (``budget_estimate``); at least 1. The mean over all priced every task alike: fresh
+    episodes sent to a long task (the fewest leaves, a pilot's disagreement) cost several
+    times it, and the budget cut them."""
+    unit, default = state.budget.unit, budget_estimate(state, est_leaf_cost)[1]
+    out = []
+    for tree in state.trees:
+        done = [_path_cost(tree, leaf, unit) for leaf in tree.leaves() if leaf.done]
+        out.append(max(sum(done) / len(done), 1.0) if done else default)
+    return out
+
+
+def priced_fill(counts: Sequence[int], units: float, costs: Sequence[float],
+                caps: Sequence[int] | None = None) -> list[int]:
+    """``fill_evenly`` with a price: one episode at a time to the slot with the fewest
+    ``counts[i]`` plus episodes so far (lowest index on ties), each costing ``costs[i]`` of
+    ``units``; a slot whose next episode no longer fits what is left, or that reached
+    ``caps[i]``, gets no more. Returns the episodes per slot."""
+    if bad := [c for c in costs if not c > 0]:
+        raise ValueError(f"episode costs must be > 0, got {bad[0]!r}")
+    added = [0] * len(counts)
+    heap = [(c, i) for i, c in enumerate(counts) if caps is None or caps[i] > 0]
+    heapq.heapify(heap)
+    while heap:
+        c, i = heapq.heappop(heap)
+        if costs[i] > units + 1e-9:  # does not fit: closed, cheaper slots go on
+            continue
+        units -= costs[i]
+        added[i] += 1
+        if caps is None or added[i] < caps[i]:
+            heapq.heappush(heap, (c + 1, i))
+    return added
+
+
+def most_leaves(split: Callable[[int], list[int]], costs: Sequence[float], units: float) -> list[int]:
+    """``split(n)`` (episodes per task for n in all) for the largest n whose episodes, each
+    priced by its task's ``costs``, fit ``units`` (a bisection; ``split(0)`` is all zeros)."""
+    def cost(n: int) -> float:
+        return sum(k * c for k, c in zip(split(n), costs, strict=True))
+
+    lo, hi = 0, int(units // min(costs)) if costs else 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(mid) <= units + 1e-9:
+            lo = mid
+        else:
+            hi = mid - 1
+    return split(lo)
 
 
 def _spent_before(tree: RolloutTree, node: Node, at_token: int | None, unit: BudgetUnit) -> int:

@@ -7,7 +7,8 @@ Plan: round 0 starts ``n`` episodes per task, or spreads the whole budget
 evenly over the tasks when ``n`` is ``"all"`` (or None: ``rollout_allocator``
 makes that ``rollout.group_size`` for a configured allocator); a budget smaller than ``n`` per task
 is spread evenly too, the remainder to the first tasks. A turns or tokens
-budget gets top-up rounds, never past ``n`` per task.
+budget gets top-up rounds, never past ``n`` per task, each episode priced by its
+task's finished ones (``fresh_costs``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,17 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ...allocator_options import IndependentOptions
-from .base import TOP_UP_ROUNDS, AllocState, Fresh, Request, affordable_leaves, fill_evenly
+from .base import (
+    TOP_UP_ROUNDS,
+    AllocState,
+    Fresh,
+    Request,
+    affordable_leaves,
+    budget_estimate,
+    fill_evenly,
+    fresh_costs,
+    priced_fill,
+)
 from .shared import leaf_counts
 
 __all__ = ["Independent"]
@@ -36,9 +47,12 @@ class Independent:
         n = None if self.options.n == "all" else self.options.n
         if state.round >= 1 + TOP_UP_ROUNDS or (state.round > 0 and state.budget.unit == "leaves"):
             return []
-        leaves = affordable_leaves(state, self.options.est_leaf_cost)
+        est = self.options.est_leaf_cost
         counts = leaf_counts(state)
         caps = None if n is None else [max(n - c, 0) for c in counts]
-        got = fill_evenly(counts, leaves, caps)
+        if state.budget.unit == "leaves":
+            got = fill_evenly(counts, affordable_leaves(state, est), caps)
+        else:  # each task's episodes priced by its own (a long task's cost more than the mean)
+            got = priced_fill(counts, budget_estimate(state, est)[0], fresh_costs(state, est), caps)
         state.report[self.name] = {"per_task": [c + g for c, g in zip(counts, got, strict=True)]}
         return [Fresh(task, n, reason="independent") for task, n in enumerate(got) if n > 0]

@@ -10,7 +10,9 @@ p, the chance that two of its episodes disagree, i.e. that its GRPO group has
 a nonzero advantage. Saturated tasks (p in {0, 1}) get only ``min_per_task``.
 
 Plan: round 0 starts ``pilots`` episodes per task; round 1 commits the rest of
-the budget by the split; later rounds only top up a turns or tokens budget.
+the budget by the split (in a turns or tokens budget, as many episodes as fit
+when each is priced by its task's pilots, ``fresh_costs``); later rounds only
+top up a turns or tokens budget.
 Simplified: one pilot round, no response reuse, no refill of groups.
 """
 
@@ -27,9 +29,12 @@ from .base import (
     Fresh,
     Request,
     affordable_leaves,
+    budget_estimate,
     fill_evenly,
+    fresh_costs,
     is_open,
     largest_remainder,
+    most_leaves,
 )
 from .shared import top_up
 
@@ -86,8 +91,12 @@ class PilotCommit:
             got = fill_evenly([0] * tasks, leaves, [o.pilots] * tasks)
             return [Fresh(task, n, reason="pilot") for task, n in enumerate(got) if n > 0]
         if state.round > 1:  # round 0 pilots, round 1 commits
-            return top_up(state, leaves, 2)
+            return top_up(state, 2, o.est_leaf_cost)
         p = [_pass_rate(t) for t in state.trees]
+        if state.budget.unit != "leaves":  # the commit goes to some tasks: priced by theirs
+            leaves = sum(most_leaves(lambda n: pilot_commit_split(p, n, o.min_per_task)[0],
+                                     fresh_costs(state, o.est_leaf_cost),
+                                     budget_estimate(state, o.est_leaf_cost)[0]))
         alloc, skipped = pilot_commit_split(p, leaves, o.min_per_task)
         state.report[self.name] = {"p": p, "commit": alloc, "skipped_budget": skipped}
         return [Fresh(task, n, reason="commit") for task, n in enumerate(alloc) if n > 0]

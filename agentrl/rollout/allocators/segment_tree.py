@@ -88,7 +88,7 @@ class SegmentTree:
                 k = m // len(opened) + (j < m % len(opened))
                 out.append(Branch(task, leaf.id, k, max_turns=paused, reason="segment"))
         if level >= o.depth and not out:
-            return top_up(state, leaves, o.depth)
+            return top_up(state, o.depth, o.est_leaf_cost)
         # Past every open leaf's growth: budget of finished branches (and, in
         # turns or tokens, what the estimate left) goes to fresh episodes.
         given_back = leaves - sum(extra) if level < o.depth else 0

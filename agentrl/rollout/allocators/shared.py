@@ -28,7 +28,9 @@ from .base import (
     budget_estimate,
     continuation_cost,
     fill_evenly,
+    fresh_costs,
     leaf_cost,
+    priced_fill,
 )
 
 __all__ = [
@@ -87,12 +89,16 @@ def fresh_spread(
     return [Fresh(task, n, reason=reason) for task, n in enumerate(got) if n > 0]
 
 
-def top_up(state: AllocState, leaves: int, own_rounds: int) -> list[Request]:
+def top_up(state: AllocState, own_rounds: int, est_leaf_cost: float | None = None) -> list[Request]:
     """After an allocator's ``own_rounds`` rounds: what a turns or tokens
-    budget still affords, as fresh episodes, for ``TOP_UP_ROUNDS`` rounds."""
+    budget still affords, as fresh episodes, for ``TOP_UP_ROUNDS`` rounds; each
+    to the task with the fewest leaves, priced by that task's episodes
+    (``fresh_costs``: a long task's cost more than the mean)."""
     if state.budget.unit == "leaves" or state.round >= own_rounds + TOP_UP_ROUNDS:
         return []
-    return fresh_spread(state, leaves, "top-up")
+    got = priced_fill(leaf_counts(state), budget_estimate(state, est_leaf_cost)[0],
+                      fresh_costs(state, est_leaf_cost))
+    return [Fresh(task, n, reason="top-up") for task, n in enumerate(got) if n > 0]
 
 
 def opening_round(state: AllocState, leaves: int, fraction: float, reason: str) -> list[Request]:
@@ -166,7 +172,7 @@ class OpenThenBranch:
         if state.round == 0:
             return opening_round(state, leaves, o.fresh_fraction, "fresh")
         if state.round >= self.OWN_ROUNDS or leaves <= 0:
-            return top_up(state, leaves, self.OWN_ROUNDS)
+            return top_up(state, self.OWN_ROUNDS, o.est_leaf_cost)
         report = state.report.setdefault(self.name, {})
         out, left = branch_from(state, self._branch_points(state, report), o.k, leaves, self.branch_reason,
                                 o.est_leaf_cost)
