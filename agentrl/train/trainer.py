@@ -267,15 +267,11 @@ class Trainer:
                                highlight=False)
         try:
             load_trainable(lr.model, ck.trainable)
+            if ck.optimizer is not None:  # fewer trainable parameters load, but their moments do not
+                lr.optimizer.load_state_dict(ck.optimizer)
         except ValueError as e:  # another trainable setting: name the key, not the tensors
-            shaped = [k for k in changed if k in ("train.trainable", "train.top_k_layers")
-                      or k.startswith("train.lora.")]
-            key = (f"{shaped[0]}: the checkpoint trained {changed[shaped[0]][0]!r}, this run "
-                   f"{changed[shaped[0]][1]!r}" if shaped else f"resume from {path}")
-            raise ConfigError(f"{key}; {e}: resume with the checkpoint's settings, or start over with "
-                              "--overwrite") from None
-        if ck.optimizer is not None:
-            lr.optimizer.load_state_dict(ck.optimizer)
+            raise ConfigError(f"{_unfit_key(changed, path)}; {e}: resume with the checkpoint's settings, "
+                              "or start over with --overwrite") from None
         if ck.scheduler is not None:
             lr.scheduler.load_state_dict(ck.scheduler)
         self._keep_config_lr()
@@ -486,6 +482,17 @@ class Trainer:
         finally:  # a row refused by a full disk still frees the old checkpoints' space
             prune_checkpoints(self.out, self.cfg.train.checkpointing.keep)
         return path
+
+
+def _unfit_key(changed: dict[str, tuple[Any, Any]], path: str | Path) -> str:
+    """What a checkpoint that does not fit the model is blamed on: the changed key that sets what
+    trains (``train.trainable``, ``train.top_k_layers``, ``train.lora.*``) with both values, or
+    the checkpoint's folder where none changed."""
+    shaped = [k for k in changed if k in ("train.trainable", "train.top_k_layers") or k.startswith("train.lora.")]
+    if not shaped:
+        return f"resume from {path}"
+    key = "train.trainable" if "train.trainable" in shaped else shaped[0]  # the cause, not its side effect
+    return f"{key}: the checkpoint trained {changed[key][0]!r}, this run {changed[key][1]!r}"
 
 
 def train(cfg: TrainRunConfig, *, resume: bool = False, overwrite: bool = False, policy: Any = None,
