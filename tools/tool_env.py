@@ -11,6 +11,10 @@ OpenAI-style JSON, see ``agentrl.tools.parse``):
   ``task.score``, and the episode terminates) or the wrapped env's action (passed
   to its ``step`` unchanged).
 
+Text inside ``<think>...</think>`` (to the end of the action when the block is
+left open) is reasoning: a call drafted there is not run, and the final answer
+leaves it out (``strip_thinking``).
+
 Model mistakes never raise. Invalid JSON, an unknown tool, arguments that fail
 validation and calls over ``max_calls_per_turn`` each answer with an error
 message in the observation. Each call's output is capped at
@@ -458,7 +462,9 @@ class ToolEnv(TextEnv):
             return self._last_obs, 0.0, *self._ended, info
         self._turn += 1
         self._replay_log["actions"].append(action)
-        parsed = parse_tool_calls(action)
+        # Calls are read outside <think> blocks: one drafted while reasoning is not made, and
+        # the final answer (which leaves the thinking out too) is scored instead of lost.
+        parsed = parse_tool_calls(_THINK.sub("", action) if isinstance(action, str) else action)
         if parsed.attempted:
             out = await self._tool_turn(parsed)
         else:

@@ -1,0 +1,39 @@
+"""Edge cases of the tools and ``ToolEnv`` found by a hostile review: each test failed
+before the fix that its commit describes."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentrl.tools import Task, ToolEnv
+
+_CALC = '{"name": "calculator", "arguments": {"expression": "1+1"}}'
+
+
+def _one_plus_one_env() -> ToolEnv:
+    task = Task("What is 1+1?", verify=lambda answer: float(answer == "Answer: 2"))
+    return ToolEnv(task, tools=["calculator"])
+
+
+@pytest.mark.parametrize("draft", [_CALC, f"<tool_call>{_CALC}</tool_call>"], ids=["json", "hermes"])
+def test_a_call_drafted_inside_think_is_not_run_and_the_answer_is_scored(draft):
+    env = _one_plus_one_env()
+    env.reset(seed=0)
+    obs, reward, terminated, truncated, info = env.step(
+        f"<think>I could call {draft}, but I know it.</think>Answer: 2"
+    )
+    assert (reward, terminated, truncated) == (1.0, True, False)
+    assert "tool_calls" not in info and info["answer"] == "Answer: 2"
+    env.close()
+
+
+@pytest.mark.parametrize("draft", [_CALC, f"<tool_call>{_CALC}</tool_call>"], ids=["json", "hermes"])
+def test_a_call_after_the_thinking_runs_once(draft):
+    env = _one_plus_one_env()
+    env.reset(seed=0)
+    obs, reward, terminated, truncated, info = env.step(
+        f"<think>Let me draft {draft} first.</think>\n<tool_call>{_CALC}</tool_call>"
+    )
+    assert obs == "<tool_response>\n2\n</tool_response>"
+    assert len(info["tool_calls"]) == 1 and not terminated
+    env.close()
