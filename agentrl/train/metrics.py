@@ -127,7 +127,10 @@ def _scalar(v: Any) -> float | None:
 
 
 class MetricsLogger:
-    """Append ``{"step": k, ...}`` lines to ``out_dir/metrics.jsonl`` and mirror them to TensorBoard."""
+    """Append ``{"step": k, ...}`` lines to ``out_dir/metrics.jsonl`` and mirror them to TensorBoard.
+
+    ``resume_step``: the step the run goes on from (-1: from the start); the rows and the
+    TensorBoard events of later steps are dropped first, since the run redoes them."""
 
     def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_step: int | None = None):
         self.out = Path(out_dir)
@@ -142,7 +145,11 @@ class MetricsLogger:
             except ImportError:  # optional: metrics.jsonl still holds everything
                 self.writer = None
             else:
-                self.writer = SummaryWriter(str(self.out / "tensorboard"))
+                # The events of the steps the file just dropped are hidden too (TensorBoard's purge:
+                # every event at or after this step, in the folder's older files), else it shows
+                # the abandoned run's steps beside the ones this run redoes.
+                purge = resume_step + 1 if resume_step is not None else None
+                self.writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=purge)
 
     def _truncate_after(self, step: int) -> None:
         """Keep only lines of steps <= ``step`` (written atomically)."""

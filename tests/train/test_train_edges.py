@@ -31,3 +31,31 @@ def test_resume_with_fewer_trainable_parameters_is_a_config_error_naming_the_key
             top.resume()
     finally:
         top.close()
+
+
+def _tensorboard_series(folder: Path, key: str) -> list[tuple[int, float]]:
+    """What TensorBoard shows of ``key``: every event file of ``folder``, purges applied."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), purge_orphaned_data=True)
+    acc.Reload()
+    return [(e.step, round(e.value, 6)) for e in acc.Scalars(key)]
+
+
+@pytest.mark.parametrize(("resume_step", "kept"), [(1, [(1, 1.0)]), (-1, [])])
+def test_tensorboard_drops_the_steps_a_restarted_run_redoes(tmp_path: Path, resume_step: int,
+                                                             kept: list[tuple[int, float]]) -> None:
+    """metrics.jsonl drops the rows after the checkpoint a run resumes from (all of them for a
+    run started over: one killed before its first checkpoint, run again), but TensorBoard's
+    events were left in place: it showed the abandoned run's steps beside the new ones, and two
+    values at each step the new run redid. Now the writer purges them as the file does."""
+    from agentrl.train.metrics import MetricsLogger
+
+    first = MetricsLogger(tmp_path, tensorboard=True)
+    for step in (1, 2, 3):
+        first.log(step, {"loss/pg": float(step)})
+    first.close()
+    again = MetricsLogger(tmp_path, tensorboard=True, resume_step=resume_step)
+    again.log(2, {"loss/pg": 20.0})
+    again.close()
+    assert _tensorboard_series(tmp_path / "tensorboard", "loss/pg") == [*kept, (2, 20.0)]
