@@ -24,8 +24,9 @@ report), and the exit code is 130.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from pydantic import ValidationError
@@ -36,6 +37,7 @@ from .config import Config
 from .errors import AgentRLError, ConfigError
 from .evaluation import EvalReport, EvaluationConfig, SplitPlan, evaluate_split, plan_split
 from .strict import StrictModel
+from .types import RolloutTree
 
 __all__ = ["eval_command", "format_report", "register", "split_names", "train_held_out", "trained_model_hint"]
 
@@ -121,12 +123,10 @@ def eval_command(
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Evaluate a model over a whole split: success per task family and overall, as the papers report."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
     from .config import load_config
     from .env import check_env_kwargs, resolve_env_id
     from .policy.for_run import open_policy, settle_for_command
-    from .rollout import RunInterrupted, write_run
+    from .rollout import write_run
     from .rollout.summary import check_no_results
     from .train.output_lock import output_lock
 
@@ -174,39 +174,69 @@ def eval_command(
                     console.print(f"{env_id} is made with train.evaluation.env_kwargs {held_out.env_kwargs}, "
                                   f"as the training run evaluated: all {len(p.seeds)} tasks; --split "
                                   "picks another", highlight=False)
-            reports, all_trees, interrupted = [], [], False
             with open_policy(cfg) as policy:
-                for plan in plans:
-                    try:
-                        with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                                      TimeElapsedColumn(), console=console, disable=not progress) as bar:
-                            task = bar.add_task(f"{env_id} {plan.split or ''}", total=None)
-                            report, trees = evaluate_split(
-                                env_id, policy, cfg, plan=plan,
-                                on_episode_done=lambda _t, task=task: bar.advance(task),
-                                on_start=lambda total, task=task: bar.update(task, total=total))
-                    except RunInterrupted as stop:  # the finished tasks are reported and written
-                        if stop.report is None:  # before the split's episodes began
-                            raise
-                        report, trees, interrupted = stop.report, stop.trees, True
-                    reports.append(report)
-                    all_trees += trees
-                    console.print(format_report(report))
-                    if interrupted:
-                        break
-                worker_stats = dict(getattr(policy, "stats", {}))  # rollout workers: deaths, retries
+                def written(reports: list[EvalReport], trees: list[RolloutTree], interrupted: bool) -> Path:
+                    return write_run(out, trees, _summary(env_id, cfg, policy, reports, interrupted))
+
+                reports, trees, interrupted = _evaluate_splits(env_id, policy, cfg, plans, progress, written)
+                if interrupted and reports:  # the summary says the run was cut short
+                    written(reports, trees, True)
         except AgentRLError as e:
             console.print(f"[bold red]error:[/] {e}", highlight=False)
             raise typer.Exit(code=2) from None
-        summary = {"env": env_id, "model": cfg.policy.model, "backend": cfg.policy.backend,
-                   **({"precision": cfg.policy.precision} if cfg.policy.backend == "hf" else {}), **worker_stats,
-                   **({"interrupted": True} if interrupted else {}),
-                   "reports": [r.to_dict() for r in reports]}
-        path = write_run(out, all_trees, summary)
-    console.print(f"wrote {path / 'summary.json'} and {path / 'trajectories.jsonl'}")
+    if reports:
+        console.print(f"wrote {Path(out) / 'summary.json'} and {Path(out) / 'trajectories.jsonl'}")
     if interrupted:
-        console.print("interrupted: the last report covers only the tasks that had finished", highlight=False)
+        console.print("interrupted: the reports cover only the tasks that had finished" if reports else
+                      "interrupted before any task had finished: nothing written", highlight=False)
         raise typer.Exit(code=130)  # 128 + SIGINT, as a shell reports it
+
+
+def _evaluate_splits(env_id: str, policy: Any, cfg: Config, plans: list[SplitPlan], progress: bool,
+                     written: Callable[[list[EvalReport], list[RolloutTree], bool], Any],
+                     ) -> tuple[list[EvalReport], list[RolloutTree], bool]:
+    """Each split in turn, with its progress bar and table; ``written(reports, trees, False)``
+    writes the run so far as each split ends, so that a Ctrl-C in a later one loses no finished
+    split (all were written at the end, and one between splits lost them all). Returns the
+    reports, their trees and whether Ctrl-C stopped it (the last report then covers the tasks
+    that had finished)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from .rollout import RunInterrupted
+
+    reports: list[EvalReport] = []
+    trees: list[RolloutTree] = []
+    for plan in plans:
+        try:
+            with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                          TimeElapsedColumn(), console=console, disable=not progress) as bar:
+                task = bar.add_task(f"{env_id} {plan.split or ''}", total=None)
+                report, split_trees = evaluate_split(
+                    env_id, policy, cfg, plan=plan,
+                    on_episode_done=lambda _t, task=task: bar.advance(task),
+                    on_start=lambda total, task=task: bar.update(task, total=total))
+        except RunInterrupted as stop:  # the finished tasks are reported and written
+            if stop.report is not None:  # None: before the split's episodes began
+                reports.append(stop.report)
+                trees += stop.trees
+                console.print(format_report(stop.report))
+            return reports, trees, True
+        except KeyboardInterrupt:  # between splits: the finished ones are written already
+            return reports, trees, True
+        reports.append(report)
+        trees += split_trees
+        written(reports, trees, False)
+        console.print(format_report(report))
+    return reports, trees, False
+
+
+def _summary(env_id: str, cfg: Config, policy: Any, reports: list[EvalReport], interrupted: bool) -> dict[str, Any]:
+    """``summary.json``: what was evaluated, the rollout workers' counters and the reports."""
+    return {"env": env_id, "model": cfg.policy.model, "backend": cfg.policy.backend,
+            **({"precision": cfg.policy.precision} if cfg.policy.backend == "hf" else {}),
+            **dict(getattr(policy, "stats", {})),  # rollout workers: deaths, retries
+            **({"interrupted": True} if interrupted else {}),
+            "reports": [r.to_dict() for r in reports]}
 
 
 def trained_model_hint(cfg: Config) -> str | None:

@@ -157,3 +157,23 @@ def test_make_out_dir_does_not_look_before_it_makes(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "exists", lambda self, **_: looked.append(self) or False)
     assert make_out_dir(tmp_path / "new", "rollout.out_dir").is_dir()
     assert looked == []
+
+
+# -- 5. eval --split a,b: each split's report is written when it ends --------------------------------
+
+def test_a_ctrl_c_between_splits_keeps_the_finished_splits_report(tmp_path, monkeypatch):
+    real = eval_cli.evaluate_split
+
+    def stop_at_b(env_id, policy, cfg, **kw):
+        if kw["plan"].split == "valid_seen":  # Ctrl-C as the second split starts
+            raise KeyboardInterrupt
+        return real(env_id, policy, cfg, **kw)
+
+    monkeypatch.setattr(eval_cli, "evaluate_split", stop_at_b)
+    out = tmp_path / "ev"
+    result = runner.invoke(_app(), ["eval", "--env", "agentrl/TestCountedSplit-v0", "--split", "train,valid_seen",
+                                    *MOCK, "--out", str(out)])
+    assert result.exit_code == 130, (result.output, result.exception)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True and [r["split"] for r in summary["reports"]] == ["train"]
+    assert len((out / "trajectories.jsonl").read_text().splitlines()) == 5
