@@ -23,7 +23,10 @@ so the driver sends it once whatever the number of workers. ``weights_updated()`
 pushes the weights of ``model``, the in-process copy a trainer trains (with
 LoRA adapters merged in, ``merged_weights``).
 
-Failures: Ray restarts a dead worker (``distributed.max_restarts``). A request
+Failures: Ray restarts a dead worker (``distributed.max_restarts``); one whose
+restarts fail ``max_failed_starts`` times in a row (it crashes while it loads, or
+does not answer within the call timeout) is lost and killed, as Ray would restart
+it for ever under ``max_restarts=-1`` and the run would never stop. A request
 whose worker died is sent again to another worker, up to
 ``distributed.generate_retries`` times, so the episode goes on; past that it
 fails with ``PolicyError`` naming the deaths, and the engine records it in the
@@ -73,6 +76,7 @@ from .weights import merged_weights, wire_weights
 __all__ = ["PrefixRouter", "RayPolicy", "RolloutWorker", "merged_weights", "placement"]
 
 _CALL_TIMEOUT_S = 600.0  # RayPolicy(call_timeout_s=...)'s default
+_MAX_FAILED_STARTS = 3  # RayPolicy(max_failed_starts=...)'s default
 _MOD = (1 << 61) - 1  # a Mersenne prime: rolling prefix hashes modulo it
 _BASE = 1_000_003
 
@@ -203,15 +207,21 @@ class RayPolicy:
     ``on_dispatch(request, worker)`` is called as each request is routed.
     ``call_timeout_s``: how long the workers may take to start, and a worker to answer a
     settings or weights call or to come back from a restart (loading the model each time).
+    ``max_failed_starts``: a worker whose restarts fail this many times in a row (it crashes
+    while it starts, or does not answer within ``call_timeout_s``) is lost, whatever
+    ``distributed.max_restarts`` is left (-1 would restart it for ever).
     """
 
     def __init__(self, policy: PolicyConfig, dist: DistributedConfig, tokenizer: Any,
-                 model: Any = None, *, call_timeout_s: float = _CALL_TIMEOUT_S):
+                 model: Any = None, *, call_timeout_s: float = _CALL_TIMEOUT_S,
+                 max_failed_starts: int = _MAX_FAILED_STARTS):
         if dist.num_rollout_workers < 1:
             raise PolicyError("RayPolicy needs distributed.num_rollout_workers >= 1")
         if not call_timeout_s > 0:  # NaN too: every wait would end at once
             raise PolicyError(f"RayPolicy(call_timeout_s={call_timeout_s!r}): it must be > 0 seconds")
-        self.call_timeout_s = float(call_timeout_s)
+        if not (isinstance(max_failed_starts, int) and max_failed_starts >= 1):
+            raise PolicyError(f"RayPolicy(max_failed_starts={max_failed_starts!r}): it must be an int >= 1")
+        self.call_timeout_s, self.max_failed_starts = float(call_timeout_s), max_failed_starts
         ray = connect(dist)  # first: it says how to install Ray where it is missing
         from ray.exceptions import GetTimeoutError
 
@@ -251,8 +261,11 @@ class RayPolicy:
         self._incarnation = [i["incarnation"] for i in infos]
         self._weights_ref: Any = None  # the latest pushed weights (None: the starting ones)
         self._stale: set[int] = set()  # died since they last loaded: resync before serving
-        self._dead: set[int] = set()  # Ray's restarts used up
+        self._dead: set[int] = set()  # lost: Ray's restarts used up, or its starts kept failing
         self._lost_reason = ""  # how the last of them died, as Ray said
+        # -- restart waits that ran out since each worker last answered (failed starts)
+        self._failed_waits = [0] * len(self.workers)
+        self._last_failed_wait = [0.0] * len(self.workers)  # when the last counted one ran out
         self._max_restarts = dist.max_restarts
         self._state_lock = threading.Lock()
         self._push_lock = threading.Lock()  # one push or resync at a time: versions move in order
@@ -389,10 +402,10 @@ class RayPolicy:
         from ray.exceptions import ActorDiedError
 
         if w in self._dead:
-            raise _Unusable(f"rollout worker {w} is lost (distributed.max_restarts used up)")
+            raise _Unusable(f"rollout worker {w} is lost (max_restarts used up, or its starts kept failing)")
         worker = self.workers[w]
         try:
-            info = _await_restart(worker, self.call_timeout_s)  # outside the push lock: a restart loads the model
+            info = self._await_start(w)  # outside the push lock: a restart loads the model
             with self._push_lock:
                 if w not in self._stale:  # another request did it meanwhile
                     return
@@ -405,19 +418,60 @@ class RayPolicy:
                 with self._state_lock:
                     self._incarnation[w] = info["incarnation"]
                     self._stale.discard(w)
+                    self._failed_waits[w] = 0  # it answered: a new run of starts begins
         except _Unusable:
             raise
         except Exception as e:
             err = ray_error(e, PolicyError, f"rollout worker {w}")
             if isinstance(e, ActorDiedError):
-                with self._state_lock:
-                    if w not in self._dead and not self._closed:
-                        self._stale.discard(w)
-                        self._dead.add(w)
-                        self._lost_reason = str(err)
-                        self.stats["rollout_workers/lost"] += 1
+                self._lose(w, str(err))
                 raise _Unusable(f"rollout worker {w} is lost (distributed.max_restarts used up): {err}") from e
             raise _Unusable(f"rollout worker {w} could not be made ready (tried again later): {err}") from e
+
+    def _await_start(self, w: int) -> dict[str, Any]:
+        """Worker ``w``'s ``info`` once it is up again (``_await_restart``). It is lost
+        (``_Unusable``) after ``max_failed_starts`` starts that failed in a row, as Ray would
+        restart it for ever under ``max_restarts=-1``: restarts Ray counts during one wait,
+        or waits that ran out (``call_timeout_s``) with no answer in between."""
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError
+
+        began = time.monotonic()
+        try:
+            return _await_restart(self.workers[w], self.call_timeout_s, self.max_failed_starts)
+        except _CrashLoop as e:
+            failed, restarts = e.args
+            why = (f"rollout worker {w} failed to start {failed} times in a row (Ray restarted it {restarts} "
+                   f"times, distributed.max_restarts={self._max_restarts}; RayPolicy max_failed_starts="
+                   f"{self.max_failed_starts}): it crashes while it starts (loading its model, say)")
+            self._lose(w, why)
+            raise _Unusable(f"rollout worker {w} is lost: {why}") from e
+        except (ActorUnavailableError, GetTimeoutError) as e:
+            with self._state_lock:  # waits that overlap a counted one are the same failed start
+                if began >= self._last_failed_wait[w]:
+                    self._failed_waits[w] += 1
+                    self._last_failed_wait[w] = time.monotonic()
+                n = self._failed_waits[w]
+            if n < self.max_failed_starts:
+                raise
+            why = (f"rollout worker {w} did not come back within {self.call_timeout_s:g} s {n} times in a row "
+                   f"(RayPolicy max_failed_starts={self.max_failed_starts}): lost")
+            self._lose(w, why)
+            raise _Unusable(why) from e
+
+    def _lose(self, w: int, reason: str) -> None:
+        """Worker ``w`` is lost for good (``reason``): no request goes to it again. One Ray
+        would go on restarting (a crash loop) is killed, so that it gives its resources back."""
+        import ray
+
+        with self._state_lock:
+            if w in self._dead or self._closed:
+                return
+            self._stale.discard(w)
+            self._dead.add(w)
+            self._lost_reason = reason
+            self.stats["rollout_workers/lost"] += 1
+        with contextlib.suppress(Exception):  # already dead, or the cluster is gone
+            ray.kill(self.workers[w], no_restart=True)
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         """``method(*args)`` on every live worker (call with ``_push_lock`` held). A worker that
@@ -557,21 +611,43 @@ class RayPolicy:
             self._weights_ref = None  # the object store frees them now, not when this object is collected
 
 
-def _await_restart(worker: Any, timeout_s: float) -> dict[str, Any]:
+def _await_restart(worker: Any, timeout_s: float, max_failed_starts: int | None = None) -> dict[str, Any]:
     """``worker.info()`` once it is up again, within ``timeout_s``: Ray answers "temporarily
     unavailable" while it restarts (which loads the model), and "died" only when it will not
-    come back."""
+    come back. ``_CrashLoop(failed, restarts)`` once Ray has restarted it ``max_failed_starts``
+    more times during the wait: each of those starts failed. Restarts before the wait are not
+    counted: a worker that died idle and came back is no failed start."""
     import ray
     from ray.exceptions import ActorUnavailableError
 
     deadline = time.monotonic() + timeout_s
+    first: int | None = None  # Ray's restart count when the wait first found it restarting
     while True:
         try:
             return ray.get(worker.info.remote(), timeout=max(deadline - time.monotonic(), 0.0))
         except ActorUnavailableError:
             if time.monotonic() > deadline:
                 raise
+            if max_failed_starts is not None and (restarts := _restart_count(worker)) is not None:
+                first = restarts if first is None else first
+                if restarts - first >= max_failed_starts:
+                    raise _CrashLoop(restarts - first, restarts) from None
             time.sleep(0.1)
+
+
+def _restart_count(worker: Any) -> int | None:
+    """How many times Ray has restarted ``worker`` (GCS's actor table); None where Ray cannot
+    say: its private state call is missing (another Ray) or cannot answer (Ray Client)."""
+    import ray
+
+    try:
+        return int(ray._private.state.actors(worker._actor_id.hex())["NumRestarts"])
+    except Exception:  # noqa: BLE001 - AttributeError, KeyError, RaySystemError: unknown
+        return None
+
+
+class _CrashLoop(Exception):
+    """A restarting worker whose starts keep failing: Ray would restart it for ever."""
 
 
 class _Restarted(Exception):

@@ -48,6 +48,8 @@ class _Worker:
         a = self.answers[call.method]
         if isinstance(a, list):
             a = a.pop(0) if len(a) > 1 else a[0]
+        if callable(a) and not isinstance(a, type):
+            a = a()
         if isinstance(a, BaseException):
             raise a
         return a
@@ -76,6 +78,8 @@ def _policy(workers: list[_Worker], call_timeout_s: float = 600.0) -> RayPolicy:
     p._weights_ref, p._version, p._deterministic = None, 0, None
     p._lost_reason, p._max_restarts, p.model = "", 3, None
     p.call_timeout_s = call_timeout_s
+    p.max_failed_starts = 3
+    p._failed_waits, p._last_failed_wait = [0] * n, [0.0] * n
     p.stats = {"rollout_workers/deaths": 0, "rollout_workers/retried_requests": 0, "rollout_workers/lost": 0,
                "rollout_workers/slow_calls": 0}
     return p
@@ -137,3 +141,76 @@ def test_a_worker_slow_to_report_its_version_is_left_out_not_counted_dead(fake_g
     assert p.worker_versions() == {0: 2}
     assert p.stats["rollout_workers/deaths"] == 0 and p.stats["rollout_workers/slow_calls"] == 1
     assert p._stale == {1}
+
+
+# -- 2. a worker that never comes back up is lost, whatever max_restarts --------------------
+def _unavailable():
+    from ray.exceptions import ActorUnavailableError
+
+    return ActorUnavailableError("The actor is temporarily unavailable: IOError: The actor is restarting.", None)
+
+
+@pytest.fixture
+def kills(monkeypatch):
+    killed: list[object] = []
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart=True: killed.append(actor))
+    return killed
+
+
+def test_a_worker_that_crashes_on_every_start_is_lost_after_max_failed_starts(fake_get, kills, monkeypatch):
+    """``max_restarts=-1``: Ray restarts a worker that crashes while it loads its model for ever,
+    and never says "died"; its requests waited on it and the run never stopped. Ray counts its
+    restarts (GCS): each one while a wait for it found it restarting is a start that failed."""
+    restarts = iter(range(1, 100))  # Ray's count, growing while the worker never answers
+    monkeypatch.setattr(rollout_workers, "_restart_count", lambda worker: next(restarts), raising=False)
+    w = _Worker(info=_unavailable())
+    p = _policy([w], call_timeout_s=2.0)
+    p._stale, p._max_restarts = {0}, -1
+    with pytest.raises(rollout_workers._Unusable, match="failed to start 3 times in a row"):
+        p._resync(0)
+    assert p._dead == {0} and not p._stale and p.stats["rollout_workers/lost"] == 1
+    assert kills == [w]  # Ray would go on restarting it, holding its CPUs and GPUs
+    assert "failed to start 3 times in a row" in p.workers_gone()
+
+
+def test_without_a_restart_count_restart_waits_that_time_out_count_as_failed_starts(fake_get, kills, monkeypatch):
+    """Where Ray cannot say how often it restarted the worker (Ray Client), each wait for it
+    that ran out is a failed start; an answer in between starts the count again."""
+    monkeypatch.setattr(rollout_workers, "_restart_count", lambda worker: None, raising=False)
+    up = [False]
+    w = _Worker(info=lambda: {"incarnation": "new", "version": 0} if up[0] else (_ for _ in ()).throw(_unavailable()),
+                set_version=None)
+    p = _policy([w], call_timeout_s=0.05)
+    for _ in range(2):
+        p._stale = {0}
+        with pytest.raises(rollout_workers._Unusable, match="tried again later"):
+            p._resync(0)
+    up[0] = True
+    p._resync(0)  # it came back: the count starts again
+    assert not p._stale and p._incarnation[0] == "new"
+    up[0] = False
+    for i in range(3):
+        p._stale = {0}
+        with pytest.raises(rollout_workers._Unusable, match="tried again later" if i < 2 else "in a row"):
+            p._resync(0)
+    assert p._dead == {0} and p.stats["rollout_workers/lost"] == 1 and kills == [w]
+    assert "did not come back within 0.05 s 3 times in a row" in p.workers_gone()
+
+
+def test_max_failed_starts_below_one_is_refused_naming_it():
+    cfg = load_config(overrides=["distributed.num_rollout_workers=1"])
+    with pytest.raises(PolicyError, match=r"max_failed_starts=0\b.*>= 1"):
+        RayPolicy(cfg.policy, cfg.distributed, tokenizer=None, max_failed_starts=0)
+
+
+def test_restarts_before_the_wait_are_no_failed_starts(fake_get, kills, monkeypatch):
+    """A worker Ray restarted 10 times before (each death noticed or not) that comes back after
+    one more restart is ready, not lost: only restarts during a wait count."""
+    counts = iter([10, 10, 11])
+    monkeypatch.setattr(rollout_workers, "_restart_count", lambda worker: next(counts))
+    w = _Worker(info=[_unavailable(), _unavailable(), _unavailable(), {"incarnation": "new", "version": 0}],
+                set_version=None)
+    p = _policy([w], call_timeout_s=5.0)
+    p._stale = {0}
+    p._resync(0)
+    assert not p._dead and not p._stale and not kills and p._incarnation[0] == "new"
