@@ -49,7 +49,7 @@ from typing import Any
 
 from ..types import RolloutTree, succeeded
 
-__all__ = ["BadLinks", "Run", "RunChanged", "TreeRef", "TreeSummary", "check_links", "open_run", "step_order",
+__all__ = ["BadFields", "BadLinks", "Run", "RunChanged", "TreeRef", "TreeSummary", "check_links", "open_run", "step_order",
            "summarize_tree_dict"]
 
 _STEP = re.compile(r"step[-_]?(\d+)")
@@ -195,6 +195,42 @@ def check_links(data: dict[str, Any]) -> None:
         raise BadLinks(f"node links: {len(nodes) - len(seen)} node(s) no root reaches")
 
 
+_INT = frozenset({int})
+_NUMBERS = frozenset({int, float, type(None)})  # a logprob JSON wrote as null (NaN) is None
+_FIELD_KINDS: dict[str, tuple[str, Any]] = {  # a node field the viewer reads: (what it must be, the check)
+    **dict.fromkeys(("context_ids", "action_ids"), (
+        "a list of token ids", lambda v: isinstance(v, list) and set(map(type, v)) <= _INT)),
+    **dict.fromkeys(("logprobs", "entropies", "top1"), (
+        "a list of numbers", lambda v: isinstance(v, list) and set(map(type, v)) <= _NUMBERS)),
+    **dict.fromkeys(("action_text", "observation", "finish_reason"), ("text", lambda v: isinstance(v, str))),
+    **dict.fromkeys(("error", "expert_action", "expert_action_error", "snapshot"), (
+        "text or null", lambda v: v is None or isinstance(v, str))),
+    **dict.fromkeys(("terminated", "truncated", "partial", "open"), (
+        "true or false", lambda v: isinstance(v, bool) or v in (0, 1) and type(v) is int)),
+    "reward": ("a number", lambda v: type(v) in (int, float)),
+    "version": ("a whole number", lambda v: type(v) is int),
+    "admissible": ("a list or null", lambda v: v is None or isinstance(v, list)),
+}
+
+
+class BadFields(ValueError):
+    """A node's field is not of the kind a tree's is (``check_fields``)."""
+
+
+def check_fields(data: dict[str, Any]) -> None:
+    """Raise ``BadFields``, naming the node and field, unless each node field the viewer
+    reads is of its kind (``_FIELD_KINDS``; a field left out takes ``Node``'s default)
+    and each partial node has a child (an episode of partial nodes only has no turn)."""
+    for n in data["nodes"]:
+        for name, (kind, ok) in _FIELD_KINDS.items():
+            shared = name == "context_ids" and n.get(name) is None and n.get("context_from") is not None
+            if name in n and not shared and not ok(n[name]):
+                got = n[name]
+                raise BadFields(f"node {n.get('id')!r}: {name} is a {type(got).__name__}, not {kind}")
+        if n.get("partial") and not n.get("children"):  # split_node gives a partial node its continuation
+            raise BadFields(f"node {n.get('id')!r}: partial (a turn's first tokens) but nothing continues it")
+
+
 def summarize_tree_dict(data: dict[str, Any], index: int = 0, file: str = "",
                         step: int | None = None) -> TreeSummary:
     """The numbers of one tree, from its JSON dict (no ``RolloutTree`` is built).
@@ -205,6 +241,7 @@ def summarize_tree_dict(data: dict[str, Any], index: int = 0, file: str = "",
     with its ``truncation_reason`` (or ``finish_reason=length``).
     """
     check_links(data)
+    check_fields(data)
     meta = data.get("meta") or {}
     nodes = {n["id"]: n for n in data.get("nodes", [])}
     leaves = [n for n in nodes.values() if not n.get("children")]
@@ -352,7 +389,7 @@ class Run:
                     try:
                         data = _loads(line)
                         summary = summarize_tree_dict(data, len(self.refs), name, step)
-                    except BadLinks as e:
+                    except (BadLinks, BadFields) as e:
                         self._skip(f"{name}:{lineno} ({e})")
                         continue
                     # not a tree's JSON; nested too deep (RecursionError); a number past float (OverflowError)

@@ -295,3 +295,23 @@ def test_an_env_info_or_a_tree_meta_field_of_another_type_is_shown_not_a_500(tmp
         "parse_errors": 2, "tool_calls": 1.5, "tool_messages": True}
     assert answers[1][1]["branch_points"]["prompt"] == "2 episodes started from the prompt (pilot_commit)"
     assert answers[3][1]["branch_points"]["prompt"].startswith("2 episodes started from the prompt (pilot_commit")
+
+
+def test_a_tree_whose_node_fields_are_of_another_type_is_skipped_with_the_field_named(tmp_path):
+    """A node field of another type than a tree's (``logprobs: null`` from a writer without
+    logprobs, ``action_text`` a number, ``partial`` a number) indexed, and its tree's
+    endpoint was a 500 (TypeError, IndexError). Such a line is skipped like a torn one,
+    its node and field named; the other trees show."""
+    good = json.loads(fork_tree(seed=1).to_json())
+    lines = [json.dumps(good)]
+    for field, value in (("logprobs", None), ("action_text", 5), ("partial", 5), ("context_ids", ["a"]),
+                         ("partial", True)):  # a leaf: no turn on its episode (IndexError)
+        bad = json.loads(json.dumps(good))
+        bad["nodes"][1][field] = value
+        lines.append(json.dumps(bad))
+    (tmp_path / "trees.jsonl").write_text("\n".join(lines) + "\n")
+    run = Run(tmp_path / "trees.jsonl")
+    assert len(run) == 1 and run.skipped_count == 5
+    assert "node 1: logprobs" in run.skipped[0] and "node 1: action_text" in run.skipped[1]
+    assert "node 1: partial" in run.skipped[2] and "node 1: context_ids" in run.skipped[3]
+    assert "node 1: partial (a turn's first tokens) but nothing continues it" in run.skipped[4]
