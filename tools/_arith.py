@@ -92,6 +92,18 @@ def _power(base: Any, exp: Any) -> Any:
     return base**exp
 
 
+def _binop(op: ast.operator, left: Any, right: Any) -> Any:
+    """``left op right``, size-checked."""
+    if isinstance(op, ast.Pow):
+        return _check_size(_power(left, right))
+    if isinstance(op, ast.BitXor):
+        raise CalcError("'^' is not a power here; write ** for powers (2**10)")
+    fn = _BINOPS.get(type(op))
+    if fn is None:
+        raise CalcError(f"operator {type(op).__name__} is not allowed")
+    return _check_size(fn(left, right))
+
+
 class _Evaluator:
     def eval(self, node: ast.AST, depth: int = 0) -> Any:
         if depth > MAX_DEPTH:
@@ -110,16 +122,16 @@ class _Evaluator:
             value = self.eval(node.operand, depth + 1)
             return value if isinstance(node.op, ast.UAdd) else -value
         if isinstance(node, ast.BinOp):
-            left = self.eval(node.left, depth + 1)
-            right = self.eval(node.right, depth + 1)
-            if isinstance(node.op, ast.Pow):
-                return _check_size(_power(left, right))
-            if isinstance(node.op, ast.BitXor):
-                raise CalcError("'^' is not a power here; write ** for powers (2**10)")
-            fn = _BINOPS.get(type(node.op))
-            if fn is None:
-                raise CalcError(f"operator {type(node.op).__name__} is not allowed")
-            return _check_size(fn(left, right))
+            # 1+2+...+60 parses as a left spine of 59 BinOps: flat as written, so it is walked
+            # in a loop at this depth. Counted a level each, a sum of 51 terms was refused.
+            spine = []
+            while isinstance(node, ast.BinOp):
+                spine.append(node)
+                node = node.left
+            value = self.eval(node, depth + 1)
+            for link in reversed(spine):
+                value = _binop(link.op, value, self.eval(link.right, depth + 1))
+            return value
         if isinstance(node, ast.Call):
             return self._call(node, depth)
         raise CalcError(f"{type(node).__name__} is not allowed in a calculator expression")

@@ -37,3 +37,31 @@ def test_a_call_after_the_thinking_runs_once(draft):
     assert obs == "<tool_response>\n2\n</tool_response>"
     assert len(info["tool_calls"]) == 1 and not terminated
     env.close()
+
+
+# -- calculator ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [
+        ("+".join(["1"] * 60), 60),  # a sum of 60 prices, say
+        ("+".join(["1"] * 400), 400),  # 799 chars: within the length limit
+        ("100" + "-1" * 99, 1),
+        ("*".join(["2"] * 60), 2**60),
+        ("(" * 40 + "1" + "+1)" * 40 + "+1" * 100, 141),  # ((1+1)+1)...: as flat as 1+1+1
+    ],
+    ids=["sum60", "sum400", "minus99", "product60", "parenthesised_chain"],
+)
+def test_a_long_flat_chain_of_operators_is_not_taken_for_deep_nesting(expression, value):
+    from agentrl.tools.calculator import evaluate
+
+    assert evaluate(expression) == value
+
+
+@pytest.mark.parametrize("expression", ["1+(" * 60 + "1" + ")" * 60, "-" * 900 + "1", "sqrt(" * 60 + "1" + ")" * 60])
+def test_real_nesting_past_the_limit_is_still_a_clear_error(expression):
+    from agentrl.tools.calculator import CalcError, evaluate
+
+    with pytest.raises(CalcError, match="nested"):
+        evaluate(expression)
