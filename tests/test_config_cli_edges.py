@@ -177,3 +177,17 @@ def test_a_ctrl_c_between_splits_keeps_the_finished_splits_report(tmp_path, monk
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] is True and [r["split"] for r in summary["reports"]] == ["train"]
     assert len((out / "trajectories.jsonl").read_text().splitlines()) == 5
+
+
+# -- 6. train.distill.teacher as a path expands ~ and $NAME ---------------------------------------------
+
+def test_a_teacher_path_expands_home_and_variables(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TEACHERS", "/models")
+    cfg = load_train_config(None, ["train.distill.teacher=~/teacher/hf"])
+    assert cfg.train.distill.teacher == f"{tmp_path}/teacher/hf"
+    cfg = load_train_config(None, ["train.distill.teacher=vllm:$TEACHERS/big"])
+    assert cfg.train.distill.teacher == "vllm:/models/big"
+    assert load_train_config(None, ["train.distill.teacher=smollm2-135m"]).train.distill.teacher == "smollm2-135m"
+    with pytest.raises(ConfigError, match=r"train\.distill: teacher: \$NOPE is not set"):
+        load_train_config(None, ["train.distill.teacher=$NOPE/x"])

@@ -267,6 +267,21 @@ class TrainConfig(_Strict):
     def _fold_credit_options(cls, data: Any) -> Any:
         return fold_credit_options(data)
 
+    @field_validator("distill")
+    @classmethod
+    def _teacher_path(cls, value: DistillConfig | None) -> DistillConfig | None:
+        """A teacher given as a local folder (``teacher: ~/runs/sft/hf``, ``vllm:$MODELS/big``)
+        expands ``~`` and ``$NAME`` as ``policy.model`` does; it was looked up as written, a
+        folder named '~' or a Hub id. Here, not in ``DistillConfig``, which other code owns."""
+        if value is None:
+            return value
+        prefix = "vllm:" if value.teacher.startswith("vllm:") else ""
+        try:
+            teacher = prefix + expand_path(value.teacher.removeprefix(prefix))
+        except ValueError as e:  # an unset variable
+            raise ValueError(f"teacher: {e}") from None
+        return value if teacher == value.teacher else value.model_copy(update={"teacher": teacher})
+
     @field_validator("credit", mode="before")
     @classmethod
     def _credit_by_name(cls, value: Any) -> Any:
