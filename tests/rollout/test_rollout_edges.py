@@ -182,3 +182,21 @@ def test_priced_fill_hands_out_by_fewest_leaves_while_each_task_s_price_fits():
     assert priced_fill([2, 0], 10, [1.0, 4.0], caps=[1, 5]) == [1, 2]
     assert priced_fill([0, 0], 2.5, [3.0, 3.0]) == [0, 0]
     assert priced_fill([0, 0, 0], 7, [2.0, 2.0, 2.0]) == [1, 1, 1]  # as fill_evenly at one price
+
+
+def test_the_fresh_episodes_left_after_branching_are_priced_by_their_tasks():
+    """No turn's entropy rose, so the branch round's 12 turns all go to fresh episodes. Priced at
+    the mean episode (2 turns) they were 6, spread to the fewest leaves: 2 of task 0 (1 turn) and
+    4 of task 1 (5 turns), 22 turns for 12. By task: 5, 5, 1, 1 turns (see ``priced_fill``)."""
+    from agentrl.allocator_options import EntropyBranchOptions
+    from agentrl.rollout.allocators import AllocState, Budget, EntropyBranch, Fresh
+    from agentrl.types import RolloutTree
+
+    trees = [RolloutTree(), RolloutTree()]
+    _episodes(trees[0], 1, [1.0, 0.0, 1.0])
+    _episodes(trees[1], 5, [0.0])
+    state = AllocState(trees, Budget(20, "turns"), spent=8, round=1)
+    plan = EntropyBranch(EntropyBranchOptions()).plan(state)
+    reason = "no high-entropy turn left"
+    assert plan == [Fresh(0, 2, reason=reason), Fresh(1, 2, reason=reason)]
+    assert state.report["entropy_branch"]["fresh_leftover"] == 4

@@ -42,6 +42,7 @@ __all__ = [
     "node_entropies",
     "node_top1",
     "opening_round",
+    "priced_spread",
     "top_up",
     "turn_values",
     "turns",
@@ -96,9 +97,15 @@ def top_up(state: AllocState, own_rounds: int, est_leaf_cost: float | None = Non
     (``fresh_costs``: a long task's cost more than the mean)."""
     if state.budget.unit == "leaves" or state.round >= own_rounds + TOP_UP_ROUNDS:
         return []
-    got = priced_fill(leaf_counts(state), budget_estimate(state, est_leaf_cost)[0],
-                      fresh_costs(state, est_leaf_cost))
-    return [Fresh(task, n, reason="top-up") for task, n in enumerate(got) if n > 0]
+    return priced_spread(state, budget_estimate(state, est_leaf_cost)[0], "top-up", est_leaf_cost)
+
+
+def priced_spread(state: AllocState, units: float, reason: str,
+                  est_leaf_cost: float | None = None) -> list[Request]:
+    """Fresh episodes for ``units`` of a turns or tokens budget, each to the task with the fewest
+    leaves, priced by that task's episodes (``fresh_costs``, ``priced_fill``)."""
+    got = priced_fill(leaf_counts(state), units, fresh_costs(state, est_leaf_cost))
+    return [Fresh(task, n, reason=reason) for task, n in enumerate(got) if n > 0]
 
 
 def opening_round(state: AllocState, leaves: int, fraction: float, reason: str) -> list[Request]:
@@ -111,13 +118,14 @@ def opening_round(state: AllocState, leaves: int, fraction: float, reason: str) 
 def branch_from(
     state: AllocState, points: Iterable[tuple[int, int | None] | tuple[int, int, int]], k: int, leaves: int,
     reason: str, est_leaf_cost: float | None = None
-) -> tuple[list[Request], int]:
+) -> tuple[list[Request], int, float]:
     """``k`` continuations from each branch point (task, node id), in order,
     until ``leaves`` are spent. A point is the state after its node; None is
     the state after the reset, where only the prompt exists: that gives ``k``
     fresh episodes. A point (task, node id, m) forks inside the node's action
     after its first m tokens (``Branch.at_token``). A point met twice is
-    branched once. Returns the requests and the leaves left.
+    branched once. Returns the requests, the leaves left and the budget left
+    (in a leaves budget the two are one).
 
     In a turns or tokens budget each continuation is priced by its point
     (``continuation_cost``), out of the budget that ``leaves`` fresh episodes
@@ -144,7 +152,7 @@ def branch_from(
                         else Branch(task, node_id, n, at_token=at_token, reason=reason))
         units -= cost * leaf_cost(state.trees[task], req) if not priced else cost * n
         out.append(req)
-    return out, int(units // per_leaf + 1e-9)
+    return out, int(units // per_leaf + 1e-9), units
 
 
 class OpenThenBranch:
@@ -174,11 +182,15 @@ class OpenThenBranch:
         if state.round >= self.OWN_ROUNDS or leaves <= 0:
             return top_up(state, self.OWN_ROUNDS, o.est_leaf_cost)
         report = state.report.setdefault(self.name, {})
-        out, left = branch_from(state, self._branch_points(state, report), o.k, leaves, self.branch_reason,
-                                o.est_leaf_cost)
-        report.update(branches=len(out), fresh_leftover=left,
+        out, left, units = branch_from(state, self._branch_points(state, report), o.k, leaves,
+                                       self.branch_reason, o.est_leaf_cost)
+        # in turns or tokens, what is left buys fresh episodes priced by their tasks: the mean
+        # episode sent a long task's at a short one's price
+        fresh = (fresh_spread(state, left, self.leftover_reason) if state.budget.unit == "leaves"
+                 else priced_spread(state, units, self.leftover_reason, o.est_leaf_cost))
+        report.update(branches=len(out), fresh_leftover=sum(r.n for r in fresh if isinstance(r, Fresh)),
                       branch_points=[(r.task, r.node if isinstance(r, Branch) else None) for r in out])
-        return out + fresh_spread(state, left, self.leftover_reason)
+        return out + fresh
 
     def _branch_points(self, state: AllocState,
                        report: dict[str, Any]) -> Iterable[tuple[int, int | None] | tuple[int, int, int]]:
