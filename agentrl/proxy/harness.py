@@ -53,6 +53,11 @@ columns:
 
 Only a proxy that cannot be reached raises (``ProxyError``): then there is no
 tree to return.
+
+On Linux the harness runs under a guard (``harness_guard``) that the kernel
+signals when the trainer dies: a trainer SIGKILLed (the OOM killer, a
+scheduler) cannot clean up, so the guard kills the harness and every process
+it started, and removes the episode's own directory.
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ import httpx
 from agentrl.errors import ProxyError
 from agentrl.types import RolloutTree
 
+from .harness_guard import START_FAILED, kill_marked
+
 __all__ = ["EnvServer", "SessionHandle", "anchored_argv", "drop_session", "expand_argv", "harness_argv",
            "open_session", "run_harness_episode"]
 
@@ -86,6 +93,7 @@ _TAIL = 4000  # characters of stdout/stderr kept for the record
 _ANSWER_CHARS = 1_000_000  # the longest answer on stdout (the env server's limit on an action)
 _STRING_BYTES = 131072  # Linux's MAX_ARG_STRLEN: one argument or NAME=value, with its NUL
 _VAR = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
+_GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness_guard.py")
 
 
 def expand_argv(argv: list[str], env: dict[str, str]) -> list[str]:
@@ -220,45 +228,23 @@ def _kill_group(proc: asyncio.subprocess.Process) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _marked(marker: bytes) -> list[int]:
-    """The processes of this user whose environment holds ``marker`` (``NAME=value``); none where
-    there is no ``/proc``."""
-    found = []
-    with contextlib.suppress(OSError):
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/environ", "rb") as f:
-                    if marker in f.read().split(b"\0"):
-                        found.append(int(entry.name))
-            except OSError:  # gone, or another user's
-                continue
-    return found
-
-
-def _kill_marked(marker: bytes) -> None:
-    """Kill what the harness left outside its process group: a child started in a session of
-    its own (Node's ``detached``, ``setsid``) survives the group's kill, one per episode. Every
-    descendant inherits the episode's own ``AGENTRL_SESSION_ID``, so that finds them; a few
-    passes, for children forked meanwhile."""
-    me = os.getpid()
-    for _ in range(3):
-        pids = [p for p in _marked(marker) if p != me]
-        if not pids:
-            return
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+def _guarded(argv: list[str], remove_cwd: bool) -> list[str]:
+    """``argv`` under the guard (``harness_guard``) that kills it, and all it started, with this
+    process, on Linux; as it is elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    return [sys.executable, "-I", "-S", _GUARD, str(os.getpid()), *(["--remove-cwd"] if remove_cwd else []),
+            "--", *argv]
 
 
 async def _run(argv: list[str], env: dict[str, str], timeout: float | None, cwd: str | None,
-               out: _Captured) -> dict[str, Any]:
-    """Run the harness; its exit code (None on timeout), output tails and wall time. Its
-    standard output goes to ``out`` (which keeps what it was asked to)."""
+               out: _Captured, own_cwd: bool = False) -> dict[str, Any]:
+    """Run the harness, under its guard (``own_cwd``: the guard removes ``cwd`` if this process
+    dies); its exit code (None on timeout), output tails and wall time. Its standard output goes
+    to ``out`` (which keeps what it was asked to)."""
     t0 = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        *argv, env=env, cwd=cwd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        *_guarded(argv, own_cwd), env=env, cwd=cwd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, start_new_session=True)
     err = _Captured()
     readers = asyncio.gather(_capture(proc.stdout, out), _capture(proc.stderr, err))
@@ -270,7 +256,7 @@ async def _run(argv: list[str], env: dict[str, str], timeout: float | None, cwd:
     finally:  # a timeout or our own cancellation: the harness and its children go
         _kill_group(proc)
         if sid := env.get("AGENTRL_SESSION_ID"):
-            _kill_marked(f"AGENTRL_SESSION_ID={sid}".encode())
+            kill_marked(f"AGENTRL_SESSION_ID={sid}".encode())
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(proc.wait(), 10)
         with contextlib.suppress(TimeoutError):
@@ -343,7 +329,7 @@ async def run_harness_episode(
             error = error or _pass_task(task, task_file, argv, env)
         argv = run["cmd"] = expand_argv(argv, env)
         if error is None:
-            run, error = await _play(argv, env, timeout, cwd, stdout)
+            run, error = await _play(argv, env, timeout, cwd, stdout, workdir is not None)
         if error is None and submit == "stdout" and instance is not None and env_server is not None:
             error = await _submit(env_server, instance, env_headers, stdout)
     except Exception as e:  # a bug of ours: this episode fails, loudly, and the run goes on
@@ -415,13 +401,15 @@ def _task_file(task: str) -> str:
 
 
 async def _play(argv: list[str], env: dict[str, str], timeout: float | None, cwd: str | None,
-                stdout: _Captured) -> tuple[dict[str, Any], str | None]:
+                stdout: _Captured, own_cwd: bool = False) -> tuple[dict[str, Any], str | None]:
     """Run the harness: its record (``_run``) and why its episode failed, or None."""
     try:
-        run = await _run(argv, env, timeout, cwd, stdout)
+        run = await _run(argv, env, timeout, cwd, stdout, own_cwd)
     except (OSError, ValueError) as e:  # not found, not executable, a NUL byte: this episode fails
         run = {"cmd": argv, "returncode": None, "stdout_tail": "", "stderr_tail": str(e)}
         return run, f"the harness command could not start: {e}"
+    if run["returncode"] == 127 and run["stderr_tail"].startswith(START_FAILED):  # said by its guard
+        return run, f"the harness command could not start: {run['stderr_tail'][len(START_FAILED):].strip()}"
     if run["returncode"] is None:
         return run, f"harness timed out after {timeout:g}s"
     if run["returncode"] != 0:

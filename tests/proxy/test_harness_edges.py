@@ -4,6 +4,7 @@ trainer, and the proxy's count endpoints under bodies too long to fit."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -119,3 +120,89 @@ def test_anchored_argv_makes_only_paths_to_files_absolute(tmp_path):
         str(tmp_path / "bin" / "run"), str(tmp_path / "agent.py"), "-c", "agent.py is good", ".", "data",
         "--x=agent.py", "/abs/y", "missing.py"]
     assert anchored_argv(["claude", "-p", "hi"], str(tmp_path)) == ["claude", "-p", "hi"]  # found on PATH
+
+
+# -- harnesses die with the trainer ---------------------------------------------------------
+
+# A harness that starts a child in its process group and one in a session of its own (out of
+# the group, as a Node CLI's detached child), writes where it runs and the three pids, then hangs.
+SPAWNS = '''
+import os, subprocess, sys, time
+sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+kids = [subprocess.Popen(sleep), subprocess.Popen(sleep, start_new_session=True)]
+pids = " ".join(str(p) for p in [os.getpid()] + [k.pid for k in kids])
+open(sys.argv[1] + ".tmp", "w").write(os.getcwd() + "\\n" + pids)
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(60)
+'''
+
+# A trainer that runs one episode of SPAWNS (no proxy is called before the harness exits).
+TRAINER = '''
+import asyncio, sys
+from agentrl.proxy.harness import SessionHandle, run_harness_episode
+session = SessionHandle("http://127.0.0.1:9", sys.argv[2], "key")
+asyncio.run(run_harness_episode([sys.executable, "-c", sys.argv[3], sys.argv[1]], session, timeout=60))
+'''
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_harness_and_its_children_die_when_the_trainer_is_killed(tmp_path):
+    """A SIGKILLed trainer cleans nothing up: its harness, the harness's children and one that
+    left the process group all lived on (and held their GPU, ports and files). Now the
+    harness's guard kills them all, and removes the episode's directory."""
+    import secrets
+    import signal
+    import subprocess
+    import time
+
+    pidfile = tmp_path / "pids"
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(pidfile), f"edge-{secrets.token_hex(6)}", SPAWNS],
+                               cwd=tmp_path)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not pidfile.exists():
+            assert trainer.poll() is None and time.monotonic() < deadline, "the harness never started"
+            time.sleep(0.05)
+        workdir, line = pidfile.read_text().split("\n")
+        pids = [int(p) for p in line.split()]
+        assert all(_alive(p) for p in pids)
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [p for p in pids if _alive(p)] == []
+        assert not os.path.exists(workdir)
+    finally:
+        for p in pids:
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)
+        if trainer.poll() is None:
+            trainer.kill()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard runs on Linux")
+def test_a_sigterm_to_its_own_group_while_the_trainer_lives_is_no_teardown(mock_policy, serve):
+    """The guard tears the episode down on the death signal, a SIGTERM; one the harness sends to
+    its own group (``kill 0``) while the trainer lives leaves the guard waiting for it."""
+    proxy = serve(mock_policy())
+    survives = "import os, signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); os.killpg(0, signal.SIGTERM); print('on')"
+    (tree,) = _sessions_run(proxy, ([sys.executable, "-c", survives], {}))
+    assert tree.meta["harness"]["returncode"] == 0 and tree.meta["harness"]["stdout_tail"] == "on\n"
+
+
+def test_a_command_the_guard_cannot_start_fails_its_episode_saying_so(mock_policy, serve):
+    proxy = serve(mock_policy())
+    (tree,) = _sessions_run(proxy, (["no-such-harness-here", "-p", "x"], {}))
+    assert tree.meta["error"].startswith("the harness command could not start: ")
+    assert "no-such-harness-here" in tree.meta["error"]
