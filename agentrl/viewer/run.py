@@ -570,8 +570,29 @@ _KEYS = (("train", "distill", dict, "a mapping"), ("train", "credit_options", di
          ("env", "id", str, "a name"))  # keys read as mappings (.get, dict()) or joined as text (the title)
 
 
+_CONFIG_VALUES = 100_000  # values a config may expand to; a run's real config holds a few hundred
+
+
+def _expands_past(x: Any, limit: int) -> bool:
+    """Whether ``x`` holds more than ``limit`` values counted as a walk meets them: a value
+    YAML aliases share is counted once per place it is used, as ``str`` and JSON write it."""
+    todo, seen = [x], 0
+    while todo:
+        v = todo.pop()
+        seen += 1
+        if seen > limit:
+            return True
+        if isinstance(v, dict):
+            todo += v.values()
+            seen += len(v)  # the keys
+        elif isinstance(v, list | tuple | set):
+            todo += v
+    return False
+
+
 def _read_config(path: Path) -> dict[str, Any] | str:
-    """A config file's mapping, or why there is none (a syntax error, not a mapping)."""
+    """A config file's mapping, or why there is none (a syntax error, not a mapping, YAML
+    aliases that expand past ``_CONFIG_VALUES`` values: 400 bytes can hold 10 million)."""
     try:
         text = path.read_text(encoding="utf-8")
         if path.suffix == ".json":
@@ -582,6 +603,8 @@ def _read_config(path: Path) -> dict[str, Any] | str:
             got = yaml.safe_load(text)
     except Exception as e:  # unreadable, a JSON or YAML syntax error (yaml.YAMLError), nested too deep
         return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    if _expands_past(got, _CONFIG_VALUES):
+        return f"it expands to over {_CONFIG_VALUES:,} values (YAML aliases)"
     return got if isinstance(got, dict) else f"a {type(got).__name__}, not a mapping"
 
 

@@ -22,7 +22,7 @@ import typer
 from typer.testing import CliRunner
 
 from agentrl.types import Node, RolloutTree, write_trees
-from agentrl.viewer import Run, ViewerServer
+from agentrl.viewer import Run, ViewerServer, run_index
 from agentrl.viewer.cli import register
 
 from .conftest import fork_tree
@@ -315,3 +315,27 @@ def test_a_tree_whose_node_fields_are_of_another_type_is_skipped_with_the_field_
     assert "node 1: logprobs" in run.skipped[0] and "node 1: action_text" in run.skipped[1]
     assert "node 1: partial" in run.skipped[2] and "node 1: context_ids" in run.skipped[3]
     assert "node 1: partial (a turn's first tokens) but nothing continues it" in run.skipped[4]
+
+
+def test_a_config_yaml_whose_aliases_expand_past_reason_is_named_not_walked(tmp_path):
+    """YAML aliases share one value: 400 bytes of ``config.yaml`` can hold 10 million
+    values once expanded. The title (``str`` of policy.model) and the index's JSON walked
+    every one: 6 s and 52 MB a page load here, and one more level runs out of memory. A
+    config that expands past 100,000 values is named in the page's about line, not read."""
+    write_trees(tmp_path / "trajectories.jsonl", [fork_tree()])
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 7)]
+    (tmp_path / "config.yaml").write_text("\n".join([*lines, "policy:", "  model: *a6", ""]))
+    t0 = time.monotonic()
+    index = run_index(Run(tmp_path))
+    assert time.monotonic() - t0 < 2
+    assert index["about"]["model"] is None and "100,000 values" in index["about"]["config"]
+    assert "config.yaml" in index["about"]["config"]
+
+
+def test_a_config_yaml_that_holds_itself_is_named_not_walked_for_ever(tmp_path):
+    """``model: &a [1, *a]`` is a list that holds itself; the index's JSON walked it for ever."""
+    write_trees(tmp_path / "trajectories.jsonl", [fork_tree()])
+    (tmp_path / "config.yaml").write_text("policy:\n  model: &a [1, *a]\n")
+    index = run_index(Run(tmp_path))
+    assert index["about"]["model"] is None and "YAML aliases" in index["about"]["config"]
