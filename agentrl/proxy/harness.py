@@ -58,6 +58,20 @@ On Linux the harness runs under a guard (``harness_guard``) that the kernel
 signals when the trainer dies: a trainer SIGKILLed (the OOM killer, a
 scheduler) cannot clean up, so the guard kills the harness and every process
 it started, and removes the episode's own directory.
+
+**Limitation: episodes are not isolated from one another.** Every harness runs
+as the trainer's user, and that user may read any of its processes'
+``/proc/<pid>/environ`` (and ``cmdline``): a harness, or a command the model
+has it run, can read a concurrent episode's ``OPENAI_API_KEY`` (its session)
+and ``AGENTRL_ENV_TOKEN`` (its env, which it could then step or close), open
+that episode's directory (mode 0700, but the same owner), and signal its
+processes. No variable or file mode can hide them from the same user: the
+kernel makes an ``execve``d program dumpable again, so ``PR_SET_DUMPABLE``
+does not carry over to the harness. A run that trains on untrusted model
+actions should run each harness as a user of its own, or in a sandbox with a
+PID namespace of its own (the command's prefix
+``bwrap --dev-bind / / --unshare-pid --proc /proc``), where the others'
+``/proc`` entries do not exist.
 """
 
 from __future__ import annotations
