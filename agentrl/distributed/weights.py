@@ -17,7 +17,9 @@ def merged_weights(model: Any) -> dict[str, Any]:
     """``model``'s state dict under the plain model's names: where LoRA adapters are injected
     (``train.trainable: lora``), each adapted weight merged (``W + delta``, from peft's own
     ``get_delta_weight``) and the adapter tensors left out, so a worker holding the plain
-    model samples what the adapted one does. Without adapters: ``model.state_dict()``."""
+    model samples what the adapted one does. Only the adapters a layer's forward runs are
+    merged (``_running_adapters``): a layer with none gives its base weight. Without adapters:
+    ``model.state_dict()``."""
     import torch
 
     adapted = {name: m for name, m in model.named_modules()
@@ -32,11 +34,22 @@ def merged_weights(model: Any) -> dict[str, Any]:
             name, sep, param = k.partition(".base_layer.")
             if sep:
                 m = adapted[name]
-                if param == "weight" and not getattr(m, "merged", False):
-                    v = v + sum(m.get_delta_weight(a) for a in m.active_adapters).to(v.dtype)
+                running = _running_adapters(m)
+                if param == "weight" and running and not getattr(m, "merged", False):
+                    v = v + sum(m.get_delta_weight(a) for a in running).to(v.dtype)
                 k = f"{name}.{param}"
             out[k] = v
     return out
+
+
+def _running_adapters(layer: Any) -> list[str]:
+    """The adapters peft's forward of ``layer`` adds: none while its adapters are disabled,
+    else the active ones the layer holds (an adapter may target other layers only; the
+    forward skips it, and ``get_delta_weight`` would raise ``KeyError``)."""
+    if getattr(layer, "disable_adapters", False):
+        return []
+    names = getattr(layer, "adapter_layer_names", ("lora_A",))
+    return [a for a in layer.active_adapters if any(a in getattr(layer, n, {}) for n in names)]
 
 
 def wire_weights(state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -4,6 +4,7 @@ workers that never come back up, LoRA layers with no active adapter, and the poo
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 
@@ -214,3 +215,75 @@ def test_restarts_before_the_wait_are_no_failed_starts(fake_get, kills, monkeypa
     p._stale = {0}
     p._resync(0)
     assert not p._dead and not p._stale and not kills and p._incarnation[0] == "new"
+
+
+# -- 4. LoRA layers with no active adapter ---------------------------------------------------
+def _adapted_net(adapters: dict[str, list[str]]):
+    """Two linear layers (``a``, ``b``) with LoRA adapters injected in place, each adapter on the
+    layers given, its B moved off zero so that it changes the output; and a plain copy."""
+    import torch
+    from peft import LoraConfig, inject_adapter_in_model
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    plain = Net()
+    net = Net()
+    net.load_state_dict(plain.state_dict())
+    for name, targets in adapters.items():
+        with warnings.catch_warnings():  # a second adapter is what the test wants
+            warnings.filterwarnings("ignore", "Already found a `peft_config`", UserWarning)
+            inject_adapter_in_model(LoraConfig(r=2, lora_alpha=4, target_modules=targets), net, adapter_name=name)
+    with torch.no_grad():
+        for n, p in net.named_parameters():
+            if "lora_B" in n:
+                p.add_(torch.randn_like(p))
+    return net, plain
+
+
+def _computes_like(plain, weights, net) -> bool:
+    import torch
+
+    plain.load_state_dict(weights)
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        return torch.allclose(plain(x), net(x), atol=1e-6)
+
+
+def test_a_lora_layer_with_no_active_adapter_gives_its_base_weight():
+    """``sum`` over no active adapter is the int 0, and ``0.to(dtype)`` raised AttributeError:
+    no weights could be pushed once any adapted layer had none active."""
+    pytest.importorskip("peft", reason="trainable=lora needs peft (pip install peft)")
+    from agentrl.distributed.weights import merged_weights
+
+    net, plain = _adapted_net({"default": ["a", "b"]})
+    net.b.set_adapter([])  # b computes with its base weight alone
+    weights = merged_weights(net)
+    assert sorted(weights) == ["a.bias", "a.weight", "b.bias", "b.weight"]
+    assert weights["b.weight"].equal(net.b.base_layer.weight)
+    assert not weights["a.weight"].equal(net.a.base_layer.weight)
+    assert _computes_like(plain, weights, net)
+
+
+def test_only_the_adapters_a_layer_holds_and_runs_are_merged():
+    """Adapter ``x`` on ``a`` only, ``y`` on ``b`` only, both active: peft's forward skips an
+    active adapter a layer does not hold, where ``get_delta_weight`` raised KeyError. Adapters
+    disabled (``disable_adapters``): the base weights, as the forward computes."""
+    pytest.importorskip("peft", reason="trainable=lora needs peft (pip install peft)")
+    from agentrl.distributed.weights import merged_weights
+
+    net, plain = _adapted_net({"x": ["a"], "y": ["b"]})
+    for m in (net.a, net.b):
+        m.set_adapter(["x", "y"])
+    assert _computes_like(plain, merged_weights(net), net)
+    for m in (net.a, net.b):
+        m.enable_adapters(False)
+    weights = merged_weights(net)
+    assert weights["a.weight"].equal(net.a.base_layer.weight) and weights["b.weight"].equal(net.b.base_layer.weight)
+    assert _computes_like(plain, weights, net)
