@@ -567,7 +567,7 @@ class Run:
 
 _SECTIONS = ("env", "policy", "rollout", "sampling", "train", "sft")  # the config sections the viewer reads
 _KEYS = (("train", "distill", dict, "a mapping"), ("train", "credit_options", dict, "a mapping"),
-         ("env", "id", str, "a name"))  # keys read as mappings (.get, dict()) or joined as text (the title)
+         ("rollout", "allocator_options", dict, "a mapping"), ("env", "id", str, "a name"))  # keys read as mappings (.get, dict()) or joined as text (the title)
 
 
 _CONFIG_VALUES = 100_000  # values a config may expand to; a run's real config holds a few hundred

@@ -339,3 +339,19 @@ def test_a_config_yaml_that_holds_itself_is_named_not_walked_for_ever(tmp_path):
     (tmp_path / "config.yaml").write_text("policy:\n  model: &a [1, *a]\n")
     index = run_index(Run(tmp_path))
     assert index["about"]["model"] is None and "YAML aliases" in index["about"]["config"]
+
+
+def test_allocator_options_that_are_not_a_mapping_are_named_not_a_500(tmp_path):
+    """A hand-written ``rollout.allocator_options: 5`` (the form of runs recorded before
+    ``allocator: {name: ...}``) made /api/run and every tree a 500 (``dict(5)``)."""
+    write_trees(tmp_path / "trajectories.jsonl", [fork_tree()])
+    cfg = {"rollout": {"allocator": "entropy_branch", "allocator_options": 5}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    server = ViewerServer(Run(tmp_path), port=0).start()
+    try:
+        (code, index), (tree_code, tree) = _get(server.url + "api/run"), _get(server.url + "api/tree/0")
+    finally:
+        server.close()
+    assert code == 200 and tree_code == 200, (index, tree)
+    assert "rollout.allocator_options not read (a int, not a mapping)" in index["about"]["config"]
+    assert index["about"]["allocator"] == "entropy_branch"
