@@ -116,9 +116,14 @@ def _sweep_temp(root: Path) -> None:
 
 def _remove(path: Path) -> None:
     """Remove a checkpoint folder: hidden first (one rename), so no kill leaves part of it listed."""
-    hidden = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".tmp-removing-{path.name}-"))
     try:
-        path.rename(hidden / path.name)
+        hidden = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".tmp-removing-{path.name}-"))
+        moved = hidden / path.name
+    except OSError:  # a full disk refuses a new folder (ENOSPC) but not a rename, which frees it
+        hidden = moved = path.parent / f".tmp-removing-{path.name}"
+        shutil.rmtree(hidden, ignore_errors=True)  # what a killed removal of this name left
+    try:
+        path.rename(moved)
     except OSError:  # as before: a folder that will not move is removed where it is, as far as it goes
         shutil.rmtree(path, ignore_errors=True)
     shutil.rmtree(hidden, ignore_errors=True)

@@ -59,3 +59,25 @@ def test_tensorboard_drops_the_steps_a_restarted_run_redoes(tmp_path: Path, resu
     again.log(2, {"loss/pg": 20.0})
     again.close()
     assert _tensorboard_series(tmp_path / "tensorboard", "loss/pg") == [*kept, (2, 20.0)]
+
+
+def test_a_full_disk_still_prunes_old_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint is removed by renaming it hidden first. The hidden name was a new folder
+    (mkdtemp), and a full ext4 disk refuses a new folder (ENOSPC; measured on an 8 MB loop
+    disk filled up: mkdir failed, rename worked): pruning raised, and the old checkpoints whose
+    space it was meant to free stayed. Now the rename goes to a hidden name beside it."""
+    import errno
+    import tempfile
+
+    from agentrl.train import checkpoint as ck
+
+    model = torch.nn.Linear(2, 2)
+    for step in (1, 2, 3):
+        ck.save_checkpoint(tmp_path, step, model, keep=None)
+
+    def full(*_: object, **__: object) -> str:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", full)
+    ck.prune_checkpoints(tmp_path, keep=1)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000003"]
