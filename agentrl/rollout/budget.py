@@ -4,7 +4,9 @@ A budget counts leaves, turns or generated tokens (``Budget`` in
 ``agentrl.rollout.allocators``). Leaves are charged when a request is admitted,
 whole (a request that would overspend is clipped to what is left); turns and
 tokens are charged by each turn before its request goes out, and a turn that
-generates fewer tokens than it reserved gets the rest back. A turn that does
+generates fewer tokens than it reserved gets the rest back (a result with more
+than it reserved is refused, failing its episode: ``checked_result`` in
+``agentrl.rollout.episodes``, so nothing is charged past it). A turn that does
 not fit what is left waits while other turns' reservations are in flight, so
 reservations alone never end a tokens budget.
 """
