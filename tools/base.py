@@ -272,6 +272,11 @@ class Tool:
     async def release(self, sandbox: Sandbox) -> None:
         """Drop any state this tool keeps for ``sandbox`` (called when an episode ends)."""
 
+    def close(self) -> None:
+        """Free what this tool holds across episodes (the calculator's worker process). A
+        ``ToolEnv`` calls it on close for the tools it made from names; a later call may
+        start them again."""
+
     async def snapshot_state(self, sandbox: Sandbox) -> Any:
         """Plain data from which ``restore_state`` rebuilds what this tool keeps for
         ``sandbox`` outside its files (a sandbox snapshot holds only files); None: nothing."""

@@ -148,3 +148,7 @@ class CalculatorTool(Tool):
         if "error" in out:
             return ToolResult.error(f"calculator error: {out['error']}")
         return ToolResult(content=format_number(out["value"]))
+
+    def close(self) -> None:
+        """Stop the worker process now, not at garbage collection; a later call starts another."""
+        self._worker.close()

@@ -354,8 +354,11 @@ class ToolEnv(TextEnv):
         if isinstance(tools, str | Tool):  # a str is a sequence too: of letters
             raise ConfigError(f"tools takes a list, e.g. tools=[{tools!r}]")
         self.tools: dict[str, Tool] = {}
+        self._made_tools: list[Tool] = []  # made here from names: closed with the env
         for t in tools:
-            t = get_tool(t) if isinstance(t, str) else t
+            if isinstance(t, str):
+                t = get_tool(t)
+                self._made_tools.append(t)
             if problem := tool_problem(t):
                 raise ConfigError(f"bad tool: {problem}")
             if t.name in self.tools:
@@ -496,6 +499,9 @@ class ToolEnv(TextEnv):
                 self.inner.close()
             if self._inner_thread is not None:
                 self._inner_thread.stop()
+            # Tools given as instances belong to the caller, who may share them with other envs.
+            for t in self._made_tools:  # the calculator's worker outlived close() until gc
+                t.close()
         super().close()
 
     # -- branching ---------------------------------------------------------------

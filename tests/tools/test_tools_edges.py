@@ -65,3 +65,35 @@ def test_real_nesting_past_the_limit_is_still_a_clear_error(expression):
 
     with pytest.raises(CalcError, match="nested"):
         evaluate(expression)
+
+
+def _calculator_worker(env: ToolEnv):
+    """The worker process of ``env``'s calculator tool (None before its first call)."""
+    return env.tools["calculator"]._worker._box[0]
+
+
+def test_closing_an_env_stops_the_calculator_worker_it_made():
+    env = _one_plus_one_env()  # tools=["calculator"]: the env made the tool
+    env.reset(seed=0)
+    env.step(f"<tool_call>{_CALC}</tool_call>")
+    proc = _calculator_worker(env)
+    assert proc is not None and proc.poll() is None
+    env.close()
+    assert proc.wait(timeout=5) is not None  # the process is gone, not left until gc or exit
+
+
+def test_closing_an_env_leaves_a_calculator_the_caller_gave_it_running():
+    import asyncio
+
+    from agentrl.tools import CalculatorTool
+
+    calculator = CalculatorTool()
+    env = ToolEnv(Task("What is 1+1?", verify=lambda answer: 1.0), tools=[calculator])
+    env.reset(seed=0)
+    env.step(f"<tool_call>{_CALC}</tool_call>")
+    proc = _calculator_worker(env)
+    env.close()
+    assert proc.poll() is None  # the caller owns it, and may share it with other envs
+    assert asyncio.run(calculator.invoke({"expression": "6*7"}, None)).content == "42"
+    assert _calculator_worker(env) is proc
+    calculator._worker.close()
