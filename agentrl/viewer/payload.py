@@ -229,6 +229,28 @@ def _pilot_note(report: Any, task: Any) -> str:
     return f"pilot_commit: pilot pass rate {rate:.2f}, {commit[task]} committed"
 
 
+def _scored_turns(tree: RolloutTree, alloc: str, options: dict[str, Any]) -> dict[int, str]:
+    """``{node a scored turn hangs under (-1: the prompt): why}`` from the allocator's own
+    scoring function (``entropy_branch``, ``key_state``); ``{}`` for the others."""
+    if alloc not in ("entropy_branch", "key_state"):
+        return {}
+    from ..rollout.allocators import entropy_branch_scores, key_states
+
+    found: dict[int, str] = {}
+    if alloc == "entropy_branch":
+        scores = entropy_branch_scores(tree, **_options(entropy_branch_scores, options))
+        for nid, s in sorted(scores.items(), key=lambda kv: -kv[1]):
+            found.setdefault(tree.turn_parent(nid) if tree.turn_parent(nid) is not None else -1,
+                             f"entropy rise {s:+.2f} nats at node {nid}'s turn (ARPO/AEPO score above "
+                             f"threshold {options.get('threshold', 0.5)})")
+    elif alloc == "key_state":
+        for p1, nid in key_states(tree, **_options(key_states, options)):
+            found.setdefault(tree.turn_parent(nid) if tree.turn_parent(nid) is not None else -1,
+                             f"key state: node {nid}'s turn opens with mean top-1 probability {p1:.2f} "
+                             f"(below {options.get('top1_threshold', 0.5)}; Spark)")
+    return found
+
+
 def branch_reasons(tree: RolloutTree, allocator_options: dict[str, Any] | None = None,
                    report: dict[str, Any] | None = None) -> dict[str, str]:
     """Why each branch point branched: ``{node id (str) or "prompt": reason}``.
@@ -253,21 +275,11 @@ def branch_reasons(tree: RolloutTree, allocator_options: dict[str, Any] | None =
         if proxy:  # a harness session's roots: new conversations, side calls, re-rendered replies
             why += "; harness proxy: " + ", ".join(proxy)
         out["prompt"] = why
-    found: dict[int, str] = {}
-    if alloc in ("entropy_branch", "key_state"):
-        from ..rollout.allocators import entropy_branch_scores, key_states
-
-        if alloc == "entropy_branch":
-            scores = entropy_branch_scores(tree, **_options(entropy_branch_scores, options))
-            for nid, s in sorted(scores.items(), key=lambda kv: -kv[1]):
-                found.setdefault(tree.turn_parent(nid) if tree.turn_parent(nid) is not None else -1,
-                                 f"entropy rise {s:+.2f} nats at node {nid}'s turn (ARPO/AEPO score above "
-                                 f"threshold {options.get('threshold', 0.5)})")
-        else:
-            for p1, nid in key_states(tree, **_options(key_states, options)):
-                found.setdefault(tree.turn_parent(nid) if tree.turn_parent(nid) is not None else -1,
-                                 f"key state: node {nid}'s turn opens with mean top-1 probability {p1:.2f} "
-                                 f"(below {options.get('top1_threshold', 0.5)}; Spark)")
+    unscored = ""
+    try:
+        found = _scored_turns(tree, alloc, options)
+    except (TypeError, ValueError) as e:  # a hand-written option of another type than the scorer takes
+        found, unscored = {}, f"its scores could not be recomputed ({type(e).__name__}: {str(e)[:120]})"
     for node in points:
         child_reasons = [str((tree.nodes[c].info.get("branch") or {}).get("reason"))
                          for c in node.children if isinstance(tree.nodes[c].info.get("branch"), dict)]
@@ -285,7 +297,8 @@ def branch_reasons(tree: RolloutTree, allocator_options: dict[str, Any] | None =
         elif alloc == "contrastive":
             why = "contrastive: the branch point ranked first by path and depth decay (CBPO)"
         elif alloc in ("entropy_branch", "key_state"):
-            why = f"{alloc}: chosen when the batch was planned (no score above threshold now)"
+            why = f"{alloc}: chosen when the batch was planned" + (
+                f"; {unscored}" if unscored else " (no score above threshold now)")
         else:
             why = f"{k} continuations" + (f" ({alloc})" if alloc else "")
         out[str(node.id)] = why

@@ -355,3 +355,20 @@ def test_allocator_options_that_are_not_a_mapping_are_named_not_a_500(tmp_path):
     assert code == 200 and tree_code == 200, (index, tree)
     assert "rollout.allocator_options not read (a int, not a mapping)" in index["about"]["config"]
     assert index["about"]["allocator"] == "entropy_branch"
+
+
+def test_allocator_options_the_scoring_function_cannot_take_leave_the_branch_unscored_not_a_500(tmp_path):
+    """``threshold: "0.5"`` (text, as a hand may write it) reached ``entropy_branch_scores``,
+    whose comparison raised TypeError: every tree of the run was a 500. The branch point's
+    reason says the scores could not be recomputed and why."""
+    write_trees(tmp_path / "trajectories.jsonl", [fork_tree(allocator="entropy_branch")])
+    cfg = {"rollout": {"allocator": {"name": "entropy_branch", "threshold": "0.5"}}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    server = ViewerServer(Run(tmp_path), port=0).start()
+    try:
+        code, tree = _get(server.url + "api/tree/0")
+    finally:
+        server.close()
+    assert code == 200, tree
+    assert tree["branch_points"]["0"].startswith("entropy_branch: chosen when the batch was planned; "
+                                                 "its scores could not be recomputed (TypeError")
