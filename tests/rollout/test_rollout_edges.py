@@ -200,3 +200,19 @@ def test_the_fresh_episodes_left_after_branching_are_priced_by_their_tasks():
     reason = "no high-entropy turn left"
     assert plan == [Fresh(0, 2, reason=reason), Fresh(1, 2, reason=reason)]
     assert state.report["entropy_branch"]["fresh_leftover"] == 4
+
+
+def test_a_task_whose_episodes_all_failed_is_priced_by_the_mean_episode_not_at_one_token():
+    """Task 0's two episodes failed at reset (empty error nodes, 0 tokens), task 1's one took 30
+    tokens. Priced by its own failures, task 0 cost 1 token an episode (the floor), and a
+    top-up sent it one fresh episode per token left. Failures say nothing of what an episode
+    that plays costs: it takes the mean episode, (0 + 0 + 30) / 3 = 10."""
+    from agentrl.rollout.allocators import AllocState, Budget, fresh_costs
+    from agentrl.types import Node, RolloutTree
+
+    trees = [RolloutTree(), RolloutTree()]
+    for _ in range(2):
+        trees[0].add(Node(truncated=True, error="env.reset raised OSError: gone"))
+    trees[1].add(Node(action_ids=list(range(30)), terminated=True))
+    state = AllocState(trees, Budget(100, "tokens"), spent=30, round=1)
+    assert fresh_costs(state) == [10.0, 30.0]

@@ -268,11 +268,12 @@ def fresh_costs(state: AllocState, est_leaf_cost: float | None = None) -> list[f
     mean of the task's own finished episodes where it has any, else the mean episode over all
     tasks (``budget_estimate``); at least 1. The mean over all priced every task alike: fresh
     episodes sent to a long task (the fewest leaves, a pilot's disagreement) cost several
-    times it, and the budget cut them."""
+    times it, and the budget cut them. Failed episodes are left out of a task's own mean: one
+    that failed at reset cost nothing, and priced so its task took one episode per unit left."""
     unit, default = state.budget.unit, budget_estimate(state, est_leaf_cost)[1]
     out = []
     for tree in state.trees:
-        done = [_path_cost(tree, leaf, unit) for leaf in tree.leaves() if leaf.done]
+        done = [_path_cost(tree, leaf, unit) for leaf in tree.leaves() if leaf.done and leaf.error is None]
         out.append(max(sum(done) / len(done), 1.0) if done else default)
     return out
 
