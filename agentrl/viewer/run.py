@@ -418,8 +418,17 @@ class Run:
         side = [self.root / name for name in ("config.json", "config.yaml", "config.yml", "summary.json")]
         if self.path.is_dir():
             side.append(self.root / "metrics.jsonl")
-            side += sorted(self.root.glob("checkpoints/step-*/state.json"))[-1:]
+            side += self._checkpoint_states()[-1:]
         return side
+
+    def _checkpoint_states(self) -> list[Path]:
+        """The checkpoints' ``state.json`` files, oldest step first (by number: a name past
+        step 999,999 has more digits, and sorts before older ones as text)."""
+        if not self.path.is_dir():
+            return []
+        states = self.root.glob("checkpoints/step-*/state.json")
+        # a name with no step number (not the trainer's) sorts first: never taken for the newest
+        return sorted(states, key=lambda p: (_step_of(p.parent) is not None, _step_of(p.parent) or 0, p.parent.name))
 
     def stamp_of(self, index: int) -> tuple[int, int, int] | None:
         """The stamp (inode, size, mtime; None: gone) of tree ``index``'s file now: what
@@ -546,7 +555,7 @@ class Run:
     def checkpoint_state(self) -> dict[str, Any]:
         """``state.json`` of the newest checkpoint (``{}`` without one): the step, the
         config, and what the trainer keeps across a resume (e.g. ``distill_turn_mass``)."""
-        states = sorted(self.root.glob("checkpoints/step-*/state.json")) if self.path.is_dir() else []
+        states = self._checkpoint_states()
         got = _read_json(states[-1]) if states else None
         return got if isinstance(got, dict) else {}
 

@@ -372,3 +372,15 @@ def test_allocator_options_the_scoring_function_cannot_take_leave_the_branch_uns
     assert code == 200, tree
     assert tree["branch_points"]["0"].startswith("entropy_branch: chosen when the batch was planned; "
                                                  "its scores could not be recomputed (TypeError")
+
+
+def test_the_newest_checkpoint_is_the_highest_step_not_the_last_name(tmp_path):
+    """Checkpoints are named step-{step:06d}: past step 999,999 the name has 7 digits and
+    sorts before step-999999, so the config was read from the older checkpoint."""
+    write_trees(tmp_path / "trajectories.jsonl", [fork_tree()])
+    for step, env in ((999_999, "agentrl/Old-v0"), (1_000_000, "agentrl/New-v0")):
+        folder = tmp_path / "checkpoints" / f"step-{step:06d}"
+        folder.mkdir(parents=True)
+        (folder / "state.json").write_text(json.dumps({"step": step, "config": {"env": {"id": env}}}))
+    run = Run(tmp_path)
+    assert run.checkpoint_state["step"] == 1_000_000 and run.config["env"]["id"] == "agentrl/New-v0"
