@@ -333,8 +333,8 @@ class _Outcome:
 class ToolEnv(TextEnv):
     """Wraps a ``TextEnv`` or a task source into a tool-calling ``TextEnv``.
 
-    ``source`` is a ``TextEnv``, a ``Task``, a sequence of tasks (one drawn per
-    reset) or a function ``rng -> Task``. ``tools`` are ``Tool`` instances or
+    ``source`` is a ``TextEnv``, a ``Task``, a sequence of tasks (``reset(seed=s)``
+    plays task ``s % len``, an unseeded reset draws one) or a function ``rng -> Task``. ``tools`` are ``Tool`` instances or
     built-in tool names. ``reset(options={"task": Task(...)})`` plays a given task.
     """
 
@@ -388,6 +388,15 @@ class ToolEnv(TextEnv):
         self._pending: _Pending | None = None  # see ``restore``
 
     # -- public API --------------------------------------------------------------
+    @property
+    def num_tasks(self) -> int | None:
+        """For a list of tasks, how many it holds: ``reset(seed=s)`` plays task ``s % num_tasks``
+        (``agentrl eval`` plays seeds ``0 .. num_tasks - 1``). None for other sources."""
+        src = self._tasks
+        if isinstance(src, Sequence) and not isinstance(src, str) and len(src) > 0:
+            return len(src)
+        return None
+
     def tool_specs(self) -> list[dict[str, Any]]:
         """The spec dicts of this env's tools (``ToolSpec.model_dump()``)."""
         return [t.spec().model_dump() for t in self.tools.values()]
@@ -432,7 +441,7 @@ class ToolEnv(TextEnv):
             info = dict(info)
             self._replay_log = {"seed": seed, "options": options, "actions": []}
         else:
-            self.task = options.get("task") or self._draw_task()
+            self.task = options.get("task") or self._draw_task(seed)
             self._replay_log = {"seed": None, "options": {"task": self.task}, "actions": []}
             obs = self.task.prompt
             info = {"instruction": self.task.prompt, **self.task.info}
@@ -598,14 +607,17 @@ class ToolEnv(TextEnv):
             await self.astep(action)
 
     # -- internals ---------------------------------------------------------------
-    def _draw_task(self) -> Task:
+    def _draw_task(self, seed: int | None) -> Task:
         src = self._tasks
         if isinstance(src, Task):
             return src
         if callable(src):
             task = src(self.np_random)
         elif isinstance(src, Sequence) and len(src) > 0:
-            task = src[int(self.np_random.integers(len(src)))]
+            # Seed s plays task s % n, so seeds 0..n-1 (an evaluation's) play each task once;
+            # drawn from the seeded generator, seeds 0..9 played 5 of 10 tasks, some twice.
+            index = seed % len(src) if seed is not None else int(self.np_random.integers(len(src)))
+            task = src[index]
         else:
             raise EnvError(
                 "ToolEnv needs a TextEnv, a Task, a non-empty list of tasks or a task function"

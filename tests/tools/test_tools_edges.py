@@ -97,3 +97,26 @@ def test_closing_an_env_leaves_a_calculator_the_caller_gave_it_running():
     assert asyncio.run(calculator.invoke({"expression": "6*7"}, None)).content == "42"
     assert _calculator_worker(env) is proc
     calculator._worker.close()
+
+
+# -- ToolEnv over a list of tasks ----------------------------------------------------------
+
+
+def _task_list(n: int) -> list[Task]:
+    return [Task(f"question {i}", verify=lambda answer: 0.0) for i in range(n)]
+
+
+def test_seeds_zero_to_n_minus_one_play_each_task_of_a_list_once():
+    env = ToolEnv(_task_list(10))
+    prompts = [env.reset(seed=seed)[0] for seed in range(10)]
+    assert prompts == [f"question {i}" for i in range(10)]
+    assert env.reset(seed=13)[0] == "question 3"  # and then around again
+    assert env.num_tasks == 10  # what agentrl eval reads to play the whole list
+    env.close()
+
+
+def test_an_unseeded_reset_still_draws_a_task_of_the_list_and_other_sources_count_none():
+    env = ToolEnv(_task_list(3))
+    assert env.reset()[0] in {"question 0", "question 1", "question 2"}
+    env.close()
+    assert ToolEnv(lambda rng: _task_list(1)[0]).num_tasks is None
