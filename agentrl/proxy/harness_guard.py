@@ -2,13 +2,17 @@
 
 ``run_harness_episode`` starts ``python -I -S harness_guard.py TRAINER_PID [--remove-cwd] -- CMD...``
 in place of ``CMD``. The guard asks the kernel for a SIGTERM when the trainer's thread that
-started it dies (``prctl(PR_SET_PDEATHSIG)``), then runs ``CMD`` as its child, in its own
-process group, and exits as ``CMD`` does (its code, or the signal that ended it).
+started it dies (``prctl(PR_SET_PDEATHSIG)``), and to be the subreaper of what ``CMD`` starts
+(``PR_SET_CHILD_SUBREAPER``: an orphaned descendant becomes its child, not init's). It runs
+``CMD`` as its child, in its own process group. Once ``CMD`` exits, it kills every descendant
+left (``kill_descendants``: one that left the group and dropped ``AGENTRL_SESSION_ID`` too, as
+``env -i setsid CMD &`` does) and exits as ``CMD`` did (its code, or the signal that ended it).
 
 A trainer that ends normally, or times an episode out, cleans up itself (``harness._run``). A
 SIGKILLed one (the OOM killer, a scheduler) cannot: then the guard does what it would have done.
-It kills every process of this user that carries the episode's ``AGENTRL_SESSION_ID`` (those that
-left the group, with ``setsid`` or Node's ``detached``), then its process group, itself included;
+It kills its descendants, every process of this user that carries the episode's
+``AGENTRL_SESSION_ID`` (those that left the group, with ``setsid`` or Node's ``detached``, and
+were not yet orphaned to it), then its process group, itself included;
 with ``--remove-cwd``, it first removes its working directory (the episode's own). The death
 signal on the harness alone would not do: the kernel clears it in every child the harness forks
 (a CLI's own workers, the commands the model runs).
@@ -28,10 +32,50 @@ import os
 import signal
 import sys
 
-__all__ = ["START_FAILED", "kill_marked", "marked"]
+__all__ = ["START_FAILED", "descendants", "kill_descendants", "kill_marked", "marked"]
 
 START_FAILED = "agentrl harness guard: the harness command could not start: "
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def descendants(root: int) -> list[int]:
+    """The live (not zombie) processes below ``root``, by the parent each names in
+    ``/proc/<pid>/stat``; none where there is no ``/proc``."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]  # the name may hold ")"
+            except (OSError, ValueError):  # gone
+                continue
+            if state != "Z":
+                children.setdefault(int(ppid), []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_descendants(passes: int = 20) -> None:
+    """Kill every process below this one, reaping those orphaned to it; a pass more for each
+    generation that was forking meanwhile (their orphans come up to this subreaper)."""
+    me = os.getpid()
+    for _ in range(passes):
+        pids = descendants(me)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        if not pids:
+            return
 
 
 def marked(marker: bytes) -> list[int]:
@@ -73,18 +117,18 @@ def _teardown(remove_cwd: bool) -> None:
 
         with contextlib.suppress(OSError):
             shutil.rmtree(os.getcwd(), ignore_errors=True)
+    kill_descendants()
     if sid := os.environ.get("AGENTRL_SESSION_ID"):
         kill_marked(f"AGENTRL_SESSION_ID={sid}".encode())
     os.killpg(0, signal.SIGKILL)
 
 
-def _ask_for_death_signal() -> bool:
-    """Ask for SIGTERM when the parent thread dies; whether the kernel took it."""
+def _prctl(option: int, value: int) -> bool:
+    """``prctl(option, value)``; whether the kernel took it."""
     import ctypes
 
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 
@@ -119,13 +163,15 @@ def main(argv: list[str]) -> None:
             _teardown(remove_cwd)
 
     signal.signal(signal.SIGTERM, on_death_signal)
-    _ask_for_death_signal()
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     if os.getppid() != trainer:  # it died before the kernel was asked
         _teardown(remove_cwd)
     child = os.fork()
     if child == 0:
         _exec(cmd)
     _, status = os.waitpid(child, 0)  # retried across signals (PEP 475)
+    kill_descendants()
     _exit_as(status)
 
 

@@ -206,3 +206,36 @@ def test_a_command_the_guard_cannot_start_fails_its_episode_saying_so(mock_polic
     (tree,) = _sessions_run(proxy, (["no-such-harness-here", "-p", "x"], {}))
     assert tree.meta["error"].startswith("the harness command could not start: ")
     assert "no-such-harness-here" in tree.meta["error"]
+
+
+# Starts a child in a session of its own with an environment of its own (``env -i setsid CMD &``:
+# no AGENTRL_SESSION_ID to find it by), writes its pid, and exits at once.
+UNMARKED = '''
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
+                         env={}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+open(sys.argv[1], "w").write(str(child.pid))
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard runs on Linux")
+def test_a_child_that_left_the_group_and_dropped_the_marker_is_killed_with_the_episode(mock_policy, serve,
+                                                                                      tmp_path):
+    """A process the harness started outside its group, with an environment of its own, was
+    found neither by the group's kill nor by ``AGENTRL_SESSION_ID``, and outlived the episode.
+    The guard is the harness's subreaper: every descendant, orphaned or not, is its to kill."""
+    import signal
+    import time
+
+    pidfile = tmp_path / "pid"
+    proxy = serve(mock_policy())
+    _sessions_run(proxy, ([sys.executable, "-c", UNMARKED, str(pidfile)], {}))
+    pid = int(pidfile.read_text())
+    try:
+        deadline = time.monotonic() + 5
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid)
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
