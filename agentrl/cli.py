@@ -90,7 +90,7 @@ def rollout(
     A folder that holds results already is refused unless ``--overwrite``."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    from .config import load_config
+    from .config import flag_overrides, load_config
     from .env import check_env_kwargs, resolve_env_id
     from .policy.for_run import open_policy, settle_for_command
     from .rollout import RunInterrupted, run_episodes, summarize, write_run
@@ -101,7 +101,7 @@ def rollout(
     flags = {"env.id": env, "policy.model": model, "policy.backend": backend,
              "rollout.episodes": episodes, "rollout.allocator.name": allocator,
              "rollout.concurrency": concurrency, "rollout.out_dir": out}
-    overrides = [f"{k}={v}" for k, v in flags.items() if v is not None]
+    overrides = flag_overrides(flags)  # a flag's text arrives as written, not as YAML reads it
     overrides += [f"rollout.allocator.{kv}" for kv in allocator_option or []]
     overrides += list(set_ or [])
     with contextlib.ExitStack() as held:  # the folder's run lock, released once the run is written

@@ -8,6 +8,7 @@ key path (``policy.temperature``) and the reason.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import warnings
@@ -38,6 +39,7 @@ __all__ = [
     "SamplingConfig",
     "VLLMConfig",
     "apply_overrides",
+    "flag_overrides",
     "ignored_section",
     "load_config",
     "moved_keys",
@@ -601,6 +603,13 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             value = raw  # quoted ('0123'), YAML's text is kept: the quotes go, as for any key
         _set_path(data, key.strip(), value)
     return data
+
+
+def flag_overrides(flags: dict[str, Any]) -> list[str]:
+    """The ``key.path=value`` overrides of a command's flags (``{"rollout.out_dir": out}``;
+    None: not given). Text is quoted as JSON, which YAML reads back as the same text: read as
+    YAML, ``--out 2024`` was the int 2024 (refused: not text) and ``--model 0123`` the int 83."""
+    return [f"{key}={json.dumps(v) if isinstance(v, str) else v}" for key, v in flags.items() if v is not None]
 
 
 def _deprecated(old: str, new: str) -> None:

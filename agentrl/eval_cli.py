@@ -123,7 +123,7 @@ def eval_command(
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Evaluate a model over a whole split: success per task family and overall, as the papers report."""
-    from .config import load_config
+    from .config import flag_overrides, load_config
     from .env import check_env_kwargs, resolve_env_id
     from .policy.for_run import open_policy, settle_for_command
     from .rollout import write_run
@@ -132,7 +132,7 @@ def eval_command(
 
     flags = {"policy.model": model, "policy.backend": backend, "rollout.episodes": episodes,
              "sampling.temperature": temperature}  # checked with the config: a bad one names its key
-    overrides = [f"{key}={v}" for key, v in flags.items() if v is not None] + list(set_ or [])
+    overrides = flag_overrides(flags) + list(set_ or [])  # a flag's text as written (--model 0123)
     with contextlib.ExitStack() as held:  # the folder's run lock, released once the run is written
         try:
             cfg = load_config(config, overrides, ignore=("train", "sft"))  # a train config serves too

@@ -191,3 +191,24 @@ def test_a_teacher_path_expands_home_and_variables(monkeypatch, tmp_path):
     assert load_train_config(None, ["train.distill.teacher=smollm2-135m"]).train.distill.teacher == "smollm2-135m"
     with pytest.raises(ConfigError, match=r"train\.distill: teacher: \$NOPE is not set"):
         load_train_config(None, ["train.distill.teacher=$NOPE/x"])
+
+
+# -- a flag's text arrives as written ----------------------------------------------------------------
+
+@pytest.mark.parametrize("command", [["rollout", "--env", "agentrl/GuessNumber-v0", "--episodes", "1"],
+                                     ["eval", "--env", "agentrl/GuessNumber-v0", "--episodes", "1"]])
+def test_an_out_flag_that_yaml_reads_as_a_number_is_still_the_folder(tmp_path, monkeypatch, command):
+    """``--out 2024`` was read as YAML, the int 2024, and refused: "quote it to keep it text"."""
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(_app(), [*command, *MOCK, "--out", "2024"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "2024" / "summary.json").exists()
+
+
+def test_flag_overrides_quote_text_and_keep_numbers():
+    from agentrl.config import flag_overrides
+
+    assert flag_overrides({"policy.model": "0123", "rollout.episodes": 3, "x": None, "a.b": 'say "hi"'}) == [
+        'policy.model="0123"', "rollout.episodes=3", 'a.b="say \\"hi\\""']
+    cfg = load_config(None, flag_overrides({"policy.model": "0123", "rollout.out_dir": "on"}))
+    assert (cfg.policy.model, cfg.rollout.out_dir) == ("0123", "on")

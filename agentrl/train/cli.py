@@ -207,12 +207,12 @@ def train(
     the OpenAI-compatible proxy (see ``agentrl.proxy.rollouts``).
     Prints the held-out success rate at the start, after SFT and at the end.
     """
+    from ..config import flag_overrides
     from .trainer import train as run_train
 
-    # A command line is no YAML value: quoted as JSON (valid YAML), it arrives as written.
-    flags = {"train.steps": steps, "train.output.dir": out, "env.id": env,
-             "train.harness": None if harness is None else json.dumps(harness)}
-    extra = [f"{k}={v}" for k, v in flags.items() if v is not None]
+    # A flag's text is no YAML value: quoted as JSON (valid YAML), it arrives as written (--out 2024).
+    flags = {"train.steps": steps, "train.output.dir": out, "env.id": env, "train.harness": harness}
+    extra = flag_overrides(flags)
     t0, cfg = time.perf_counter(), None
     try:
         if resume and overwrite:  # which one wins is not obvious: --resume did, silently
@@ -249,10 +249,10 @@ def sft(
     Uses the same token-exact contexts and loss masks as RL; evaluates on
     held-out seeds before and after.
     """
+    from ..config import flag_overrides
     from .trainer import train as run_train
 
-    flags = {"sft.episodes": episodes, "train.output.dir": out}
-    extra = [f"{k}={v}" for k, v in flags.items() if v is not None] + ["train.steps=0"]
+    extra = flag_overrides({"sft.episodes": episodes, "train.output.dir": out}) + ["train.steps=0"]
     t0, cfg = time.perf_counter(), None
     try:
         cfg = _load(config, set_, extra)
