@@ -417,6 +417,8 @@ def _task_file(task: str) -> str:
 async def _play(argv: list[str], env: dict[str, str], timeout: float | None, cwd: str | None,
                 stdout: _Captured, own_cwd: bool = False) -> tuple[dict[str, Any], str | None]:
     """Run the harness: its record (``_run``) and why its episode failed, or None."""
+    if not argv:
+        return {"cmd": argv, "returncode": None, "stdout_tail": "", "stderr_tail": ""}, "the harness command is empty"
     try:
         run = await _run(argv, env, timeout, cwd, stdout, own_cwd)
     except (OSError, ValueError) as e:  # not found, not executable, a NUL byte: this episode fails

@@ -239,3 +239,12 @@ def test_a_child_that_left_the_group_and_dropped_the_marker_is_killed_with_the_e
     finally:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("cmd", ["", "   ", []])
+def test_an_empty_command_fails_its_episode_saying_so(mock_policy, serve, cmd):
+    """An empty command reached the guard (an IndexError's traceback as the harness's exit 1)
+    or asyncio (a TypeError, as a bug of the runner's); it is the command's fault, named."""
+    proxy = serve(mock_policy())
+    (tree,) = _sessions_run(proxy, (cmd, {}))
+    assert tree.meta["error"] == "the harness command is empty" and not tree.nodes
