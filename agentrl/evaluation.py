@@ -56,7 +56,7 @@ from typing import Any, TypeVar
 
 from pydantic import Field, field_validator
 
-from .config import Config, Seed, _Strict, check_task_seeds, check_temperature
+from .config import MAX_TASKS, Config, Seed, _Strict, check_task_seeds, check_temperature
 from .errors import AgentRLError, ConfigError, EnvError
 from .types import RolloutTree
 
@@ -85,7 +85,8 @@ class EvaluationConfig(_Strict):
 
     every: int = Field(0, ge=0, description="Evaluate every this many steps (0: only at "
                        "start and end). Was eval_every.")
-    episodes: int = Field(16, ge=0, description="Held-out episodes per evaluation. Was eval_episodes.")
+    episodes: int = Field(16, ge=0, le=MAX_TASKS, description="Held-out episodes per evaluation (at most "
+                          "1,000,000). Was eval_episodes.")
     start: bool = Field(True, description="Evaluate the starting model before SFT and RL. "
                         "false skips it when its success is known already (runs that share "
                         "one starting checkpoint and held-out seeds). Was eval_start.")

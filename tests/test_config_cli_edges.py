@@ -212,3 +212,10 @@ def test_flag_overrides_quote_text_and_keep_numbers():
         'policy.model="0123"', "rollout.episodes=3", 'a.b="say \\"hi\\""']
     cfg = load_config(None, flag_overrides({"policy.model": "0123", "rollout.out_dir": "on"}))
     assert (cfg.policy.model, cfg.rollout.out_dir) == ("0123", "on")
+
+
+@pytest.mark.parametrize("key", ["train.evaluation.episodes", "sft.episodes", "train.tasks_per_step"])
+def test_other_task_counts_are_bounded_too(key):
+    """Each planned a list of that many seeds (train.evaluation.episodes: agentrl eval too)."""
+    with pytest.raises(ConfigError, match=rf"{key}: Input should be less than or equal to 1000000"):
+        load_train_config(None, [f"{key}=1000000000000"])

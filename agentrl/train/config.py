@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from ..config import (
+    MAX_TASKS,
     Config,
     Seed,
     _Strict,
@@ -158,8 +159,8 @@ class TrainConfig(_Strict):
     # -- data ----------------------------------------------------------------------
     steps: int = Field(20, ge=0, description="Updates (rollout batches) to run in all; 0 without "
                        "SFT is a dry run: the config is checked, the model loaded, the plan printed.")
-    tasks_per_step: int = Field(4, ge=1, description="Task seeds per rollout batch; each gets "
-                                "rollout.group_size episodes (its group).")
+    tasks_per_step: int = Field(4, ge=1, le=MAX_TASKS, description="Task seeds per rollout batch; each "
+                                "gets rollout.group_size episodes (its group).")
     task_seed_start: Seed = Field(0, description="Step k trains on task seeds "
                                  "start + k * tasks_per_step, ... (the data position).")
     task_seeds: list[Seed] | None = Field(
@@ -337,7 +338,7 @@ class TrainConfig(_Strict):
 class SFTConfig(_Strict):
     """Supervised fine-tuning on an env's expert trajectories (``expert_action()``)."""
 
-    episodes: int = Field(0, ge=0, description="Expert episodes; 0 skips SFT in `agentrl train`.")
+    episodes: int = Field(0, ge=0, le=MAX_TASKS, description="Expert episodes; 0 skips SFT in `agentrl train`.")
     seed_start: Seed = Field(0, description="Expert episodes use task seeds seed_start, +1, ...")
     task_seeds: list[Seed] | None = Field(None, description="Explicit expert task seeds; "
                                          "overrides seed_start and episodes.")
