@@ -85,7 +85,8 @@ def expert_tree(env_id: str, tokenizer: Any, cfg: Config, seed: int,
 
     The episode ends when the env ends it, after ``max_turns`` (default
     ``rollout.max_turns``) or when the context budget is full; the tree's
-    ``meta["expert_success"]`` says whether the expert won.
+    ``meta["expert_success"]`` says whether the expert won, and
+    ``meta["context_cut"]`` whether the budget ended it.
     """
     max_turns = max_turns or cfg.rollout.max_turns
     eos = tokenizer.eos_token_id
@@ -100,13 +101,14 @@ def expert_tree(env_id: str, tokenizer: Any, cfg: Config, seed: int,
                                  "instruction": info.get("instruction", "")})
         ctx = ChatContext(tokenizer, opening_messages(obs, info, cfg),
                           max_tokens=cfg.rollout.max_context_tokens)
-        pending, parent = list(ctx.ids), None
+        pending, parent, cut = list(ctx.ids), None, False
         for turn in range(max_turns):
             action = _expert(env, expert)
             ids = tokenizer.encode(action, add_special_tokens=False) + [eos]
             try:
                 ctx.append_action(ids)
             except ContextOverflowError:
+                cut = True
                 break  # the expert's next action no longer fits: keep what did
             node = Node(context_ids=pending, action_ids=ids, logprobs=[0.0] * len(ids),
                         entropies=[0.0] * len(ids), version=0, action_text=action, finish_reason="stop")
@@ -118,9 +120,11 @@ def expert_tree(env_id: str, tokenizer: Any, cfg: Config, seed: int,
             pending = step_node(node, result, ctx, cfg, turn + 1, max_turns)
             parent = tree.add(node, parent).id
             if pending is None:
+                cut = str(node.info.get("truncation_reason", "")).startswith("context budget")
                 break
         last = tree.nodes[parent] if parent is not None else None
         tree.meta["expert_success"] = bool(last and last.success)
+        tree.meta["context_cut"] = cut
         return tree
     finally:
         env.close()
@@ -180,10 +184,19 @@ def _sft(learner: Learner, start_bar: StartBar | None) -> dict[str, Any]:
     cfg, s = learner.cfg, learner.cfg.sft
     t0 = time.perf_counter()
     seeds = sft_seeds(cfg)
-    trees = [t for level_cfg, level_seeds in sft_level_seeds(cfg)
-             for t in expert_trees(cfg.env.id, learner.policy.tokenizer, level_cfg, level_seeds)]
-    if not trees:
-        raise ConfigError(f"sft: the expert won none of the {len(seeds)} tasks; nothing to imitate")
+    played = [t for level_cfg, level_seeds in sft_level_seeds(cfg)
+              for t in expert_trees(cfg.env.id, learner.policy.tokenizer, level_cfg, level_seeds,
+                                    only_successful=False)]
+    trees = [t for t in played if t.meta["expert_success"]]
+    cut = sum(bool(t.meta.get("context_cut")) and not t.meta["expert_success"] for t in played)
+    budget = (f"{cut} of the {len(seeds)} tasks ran out of the context budget before the expert "
+              f"finished (rollout.max_context_tokens={cfg.rollout.max_context_tokens})")
+    if not trees:  # the budget, not the expert, is what to fix then
+        raise ConfigError(f"sft: the expert won none of the {len(seeds)} tasks"
+                          + (f"; {budget}: raise it" if cut else "") + "; nothing to imitate")
+    if cut:  # left out as losses, so the data leans to the episodes short enough to fit
+        learner.console.print(f"[yellow]warning:[/] sft: {budget}; they are left out (sft/context_cut)",
+                              highlight=False)
     # An episode's advantages are its loss mask, so SFT samples are RL samples with A = 1.
     items = [(ep, [float(m) for m in ep.loss_mask]) for tree in trees for ep in tree.episodes()]
     samples = samples_from_credit(items)
@@ -214,7 +227,7 @@ def _sft(learner: Learner, start_bar: StartBar | None) -> dict[str, Any]:
                           on_minibatch=advance)
     wall = time.perf_counter() - t1
     sync_policy(learner.policy, learner.model)
-    return {"sft/episodes": len(samples), "sft/tasks": len(seeds),
+    return {"sft/episodes": len(samples), "sft/tasks": len(seeds), "sft/context_cut": cut,
             "sft/action_tokens": sum(x.n_action for x in samples),
             **({"sft/constrained_tokens": constrained_tokens, "sft/free_turns": free_turns}
                if constrain else {}),

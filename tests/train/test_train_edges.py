@@ -81,3 +81,22 @@ def test_a_full_disk_still_prunes_old_checkpoints(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(tempfile, "mkdtemp", full)
     ck.prune_checkpoints(tmp_path, keep=1)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000003"]
+
+
+def test_sft_whose_expert_episodes_the_context_budget_cut_says_so(tokenizer) -> None:
+    """An expert episode that outgrows rollout.max_context_tokens ends unfinished and is left out
+    as a loss. With every episode cut, SFT said 'the expert won none of the tasks' (it wins
+    them all with room: bisection over 32 numbers in 4 guesses), sending the user to debug
+    the env's expert instead of the budget. Now the error names the budget and how many it cut."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from agentrl.train.config import load_train_config
+    from agentrl.train.sft import sft_phase
+
+    cfg = load_train_config(None, ["env.id=agentrl/GuessNumber-v0", "env.kwargs={high: 32, max_turns: 8}",
+                                   "rollout.max_turns=8", "rollout.max_context_tokens=100", "sft.task_seeds=[0, 5]"])
+    learner = SimpleNamespace(cfg=cfg, policy=SimpleNamespace(tokenizer=tokenizer), console=Console())
+    with pytest.raises(ConfigError, match=r"2 of the 2 tasks .*rollout\.max_context_tokens=100"):
+        sft_phase(learner)  # type: ignore[arg-type]
