@@ -68,6 +68,9 @@ def view(
         return load_decoder(config, tokenizer)
 
     if static is not None:
+        if static.resolve() in {f.resolve() for f in r.sources()}:  # os.replace would put the page in its place
+            typer.echo(f"error: --static {static} is a file of the run: write the page to another path", err=True)
+            raise typer.Exit(2)
         decode, note = decoder()
         failed: list[str] = []
         try:

@@ -412,6 +412,11 @@ class Run:
     def _stamp_all(self, files: list[Path]) -> dict[Path, tuple[int, int, int] | None]:
         return {f: _stamp(f) for f in [*files, *self._side_files()]}
 
+    def sources(self) -> list[Path]:
+        """The files the run is read from: its trees files and the side files (config,
+        summary, metrics, newest checkpoint state), those that are there."""
+        return [*self.files, *(p for p in self._side_files() if p.exists())]
+
     def _side_files(self) -> list[Path]:
         """The files besides the trees that the index reads: the config files, ``summary.json``,
         and in a folder ``metrics.jsonl`` and the newest checkpoint's ``state.json``."""

@@ -384,3 +384,16 @@ def test_the_newest_checkpoint_is_the_highest_step_not_the_last_name(tmp_path):
         (folder / "state.json").write_text(json.dumps({"step": step, "config": {"env": {"id": env}}}))
     run = Run(tmp_path)
     assert run.checkpoint_state["step"] == 1_000_000 and run.config["env"]["id"] == "agentrl/New-v0"
+
+
+def test_a_static_page_is_not_written_over_a_file_of_the_run(tmp_path):
+    """``agentrl view run/trees.jsonl --static run/trees.jsonl`` replaced the run's trees
+    with the page made of them: the run was lost. It is refused, the file left as it was."""
+    write_trees(tmp_path / "trees.jsonl", [fork_tree()])
+    before = (tmp_path / "trees.jsonl").read_bytes()
+    app = typer.Typer()
+    register(app)
+    for run, out in ((tmp_path / "trees.jsonl", tmp_path / "trees.jsonl"), (tmp_path, tmp_path / "x" / ".." / "trees.jsonl")):
+        res = CliRunner().invoke(app, ["view", str(run), "--static", str(out), "--no-tokens"])
+        assert res.exit_code == 2 and "is a file of the run" in res.output, res.output
+    assert (tmp_path / "trees.jsonl").read_bytes() == before
