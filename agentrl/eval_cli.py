@@ -62,12 +62,16 @@ console = Console()
 
 def split_names(text: str | None) -> list[str | None]:
     """``--split``'s comma-separated names; ``[None]`` (the env's default split) when not given.
-    An empty name (``a,`` or ``a,,b``) is an error: it evaluated the default split again."""
+    An empty name (``a,`` or ``a,,b``) is an error: it evaluated the default split again; so
+    is a name given twice."""
     if text is None:
         return [None]
     names = [name.strip() for name in text.split(",")]
     if not all(names):
         raise ConfigError(f"--split {text!r}: an empty split name; give the names, comma separated")
+    if twice := next((name for i, name in enumerate(names) if name in names[:i]), None):
+        # it was played twice, its trees written twice into one trajectories.jsonl
+        raise ConfigError(f"--split {text!r}: split {twice!r} is given twice; give each once")
     return list(names)
 
 

@@ -219,3 +219,9 @@ def test_other_task_counts_are_bounded_too(key):
     """Each planned a list of that many seeds (train.evaluation.episodes: agentrl eval too)."""
     with pytest.raises(ConfigError, match=rf"{key}: Input should be less than or equal to 1000000"):
         load_train_config(None, [f"{key}=1000000000000"])
+
+
+def test_a_split_given_twice_is_refused():
+    with pytest.raises(ConfigError, match="split 'a' is given twice"):
+        eval_cli.split_names("a,b, a")
+    assert eval_cli.split_names("a,b") == ["a", "b"]
