@@ -145,6 +145,9 @@ def test_make_out_dir_says_a_file_is_in_the_way(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(ConfigError, match="is a file, not a folder"):
         make_out_dir(tmp_path / "f", "rollout.out_dir")
+    (tmp_path / "gone").symlink_to(tmp_path / "nothing")
+    with pytest.raises(ConfigError, match="is a link to nothing, not a folder"):
+        make_out_dir(tmp_path / "gone", "rollout.out_dir")
     assert make_out_dir(tmp_path / "new", "rollout.out_dir").is_dir()
     assert make_out_dir(tmp_path / "new", "rollout.out_dir").is_dir()  # an existing folder is fine
 

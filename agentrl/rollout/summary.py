@@ -92,8 +92,9 @@ def make_out_dir(out_dir: str | Path, key: str) -> Path:
     out = Path(out_dir)
     try:  # no look first: what another process makes or removes meanwhile cannot mislead it
         out.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:  # exist_ok covers a folder only
-        raise ConfigError(f"{key}={out} is a file, not a folder: give the run a folder") from None
+    except FileExistsError:  # exist_ok covers a folder only: a file, or a link to nothing
+        what = "a file" if out.is_file() else "a link to nothing" if out.is_symlink() else "no folder"
+        raise ConfigError(f"{key}={out} is {what}, not a folder: give the run a folder") from None
     except OSError as e:  # a file on the path, no permission, a read-only filesystem
         raise ConfigError(f"{key}={out}: cannot make the folder: {e.strerror or e}") from None
     return out
