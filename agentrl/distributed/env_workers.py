@@ -458,6 +458,7 @@ class EnvWorkerPool:
 
 _POOLS: dict[tuple[str, ...], EnvWorkerPool] = {}
 _POOLS_LOCK = threading.Lock()
+_MAKING: dict[tuple[str, ...], threading.Event] = {}  # pools being made, outside the lock: set once made
 _TICKS = itertools.count(1)
 KEEP_IDLE = 1  # idle pools of one env kept besides the one being made: a run's other level (its evaluation)
 
@@ -465,37 +466,70 @@ KEEP_IDLE = 1  # idle pools of one env kept besides the one being made: a run's 
 def env_worker_pool(cfg: Config, env_id: str | None = None) -> EnvWorkerPool:
     """The env workers for ``cfg``'s env (or ``env_id``) on the connected cluster, taken for one
     more user (give it back with ``release_env_worker_pool``); made on the first call in this
-    process and reused after (see the module docstring)."""
+    process and reused after (see the module docstring). Making one (which may wait for room,
+    ``wait_for_room``, and shut idle pools down) holds no lock: other callers go on, and one
+    that wants the same pool waits for it and shares it."""
     dist = cfg.distributed
     if dist is None:
         raise EnvError("rollout.env_executor=ray needs the distributed section")
     ray = connect(dist)
     key = _pool_key(ray, cfg, env_id)
-    stale: list[EnvWorkerPool] = []
-    with _POOLS_LOCK:
-        pool = _POOLS.get(key)
-        if pool is not None and (why := pool.gone()):  # each episode would fail, step after step
-            del _POOLS[key]  # said once: the next call (a new run, a notebook's next cell) starts new workers
-        else:
-            why = None
-        if why is None and pool is None:  # the env's retired idle pools, and the others but the most recent, go first
-            idle = sorted((k for k, p in _POOLS.items() if p.users == 0 and k[:3] == key[:3] and k[5] == key[5]),
-                          key=lambda k: _POOLS[k].last_used, reverse=True)
-            keep = [k for k in idle if not _POOLS[k].retired][:KEEP_IDLE]
-            if not _room_for(ray, dist, env_id or cfg.env.id, cfg.env.kwargs, cfg.env.imports,
-                             freed=[_POOLS[k] for k in idle if k not in keep]):
-                keep = []
-            stale = [_POOLS.pop(k) for k in idle if k not in keep]
-            _shutdown_quietly(stale)
-            pool = _POOLS[key] = EnvWorkerPool(env_id or cfg.env.id, cfg.env.kwargs, dist, cfg.env.imports)
-            pool.key = key
-        if why is None:
-            pool.users += 1
-            pool.last_used = next(_TICKS)
-            pool.retired = False  # taken again: wanted after all
-            return pool
+    while True:
+        with _POOLS_LOCK:
+            making = _MAKING.get(key)
+            if making is None:
+                pool = _POOLS.get(key)
+                if pool is not None and (why := pool.gone()):  # each episode would fail, step after step
+                    del _POOLS[key]  # said once: the next call (a new run, a notebook's next cell) starts new workers
+                    break
+                if pool is not None:
+                    return _taken(pool)
+                stale = _idle_pools_to_free(ray, cfg, key, env_id)
+                made = _MAKING[key] = threading.Event()
+        if making is None:  # this caller makes it, with no lock held
+            return _made_pool(cfg, key, env_id, stale, made)
+        making.wait()  # another caller is making this pool: take it (or make it where that failed)
     _shutdown_quietly([pool])  # outside the lock: it waits for the (dead) workers' close_all
     raise EnvError(f"{why}: no episode can run, so the run stops (the next pool of this env starts new workers)")
+
+
+def _taken(pool: EnvWorkerPool) -> EnvWorkerPool:
+    """``pool``, counted as taken by one more user (call with ``_POOLS_LOCK`` held)."""
+    pool.users += 1
+    pool.last_used = next(_TICKS)
+    pool.retired = False  # taken again: wanted after all
+    return pool
+
+
+def _idle_pools_to_free(ray: Any, cfg: Config, key: tuple[str, ...], env_id: str | None) -> list[EnvWorkerPool]:
+    """The idle pools of ``key``'s env a new pool shuts down first, taken out of ``_POOLS`` (call
+    with ``_POOLS_LOCK`` held): the retired ones, and the others but the most recent, or all of
+    them where the cluster has no room for the new pool's workers beside that one."""
+    idle = sorted((k for k, p in _POOLS.items() if p.users == 0 and k[:3] == key[:3] and k[5] == key[5]),
+                  key=lambda k: _POOLS[k].last_used, reverse=True)
+    keep = [k for k in idle if not _POOLS[k].retired][:KEEP_IDLE]
+    if not _room_for(ray, cfg.distributed, env_id or cfg.env.id, cfg.env.kwargs, cfg.env.imports,
+                     freed=[_POOLS[k] for k in idle if k not in keep]):
+        keep = []
+    return [_POOLS.pop(k) for k in idle if k not in keep]
+
+
+def _made_pool(cfg: Config, key: tuple[str, ...], env_id: str | None, stale: list[EnvWorkerPool],
+               made: threading.Event) -> EnvWorkerPool:
+    """Shut ``stale`` down, then make ``key``'s pool and take it, with no lock held (a shutdown
+    waits for the workers to close their envs; new workers wait for room); ``made`` is set once
+    it is in ``_POOLS``, or once making it failed, for the callers waiting on it."""
+    try:
+        _shutdown_quietly(stale)
+        pool = EnvWorkerPool(env_id or cfg.env.id, cfg.env.kwargs, cfg.distributed, cfg.env.imports)
+        pool.key = key
+        with _POOLS_LOCK:
+            _POOLS[key] = pool
+            return _taken(pool)
+    finally:
+        with _POOLS_LOCK:
+            _MAKING.pop(key, None)
+        made.set()
 
 
 def lost_env_workers() -> str | None:

@@ -287,3 +287,68 @@ def test_only_the_adapters_a_layer_holds_and_runs_are_merged():
     weights = merged_weights(net)
     assert weights["a.weight"].equal(net.a.base_layer.weight) and weights["b.weight"].equal(net.b.base_layer.weight)
     assert _computes_like(plain, weights, net)
+
+
+# -- 5. making a pool holds no lock others need -----------------------------------------------
+class _Context:
+    def get_node_id(self) -> str:
+        return "node"
+
+    def get_job_id(self) -> str:
+        return "job"
+
+
+class _FakeRay:
+    def get_runtime_context(self) -> _Context:
+        return _Context()
+
+
+def test_a_pool_waiting_for_room_holds_up_no_other_caller(monkeypatch):
+    """A new pool waits up to 30 s for free CPUs (``wait_for_room``), and shutting idle pools
+    down up to 20 s; both ran under the lock of every pool, so an engine giving its pool back,
+    the producer asking ``lost_env_workers`` and another env's pool all waited. A second caller
+    for the pool being made waits for it and shares it: never two pools for one key."""
+    import time
+
+    from agentrl.distributed import env_workers
+
+    waiting, room = threading.Event(), threading.Event()
+
+    class SlowPool:
+        def __init__(self, env_id, kwargs, dist, imports=()):
+            self.env_id, self.users, self.last_used, self.retired, self.key = env_id, 0, 0, False, ()
+            if kwargs.get("max_turns") == 3:  # this level's workers wait for room
+                waiting.set()
+                room.wait(10)
+
+        def gone(self) -> None:
+            return None
+
+    monkeypatch.setattr(env_workers, "EnvWorkerPool", SlowPool)
+    monkeypatch.setattr(env_workers, "connect", lambda dist: _FakeRay())
+    monkeypatch.setattr(env_workers, "_room_for", lambda *a, **k: True)
+    monkeypatch.setattr(env_workers, "_POOLS", {})
+
+    def cfg(turns: int):
+        return load_config(overrides=["env.id=agentrl/GuessNumber-v0", f"env.kwargs={{max_turns: {turns}}}",
+                                      "rollout.env_executor=ray", "distributed.ray=auto"])
+
+    got: list[object] = []
+    first = threading.Thread(target=lambda: got.append(env_workers.env_worker_pool(cfg(3))))
+    first.start()
+    try:
+        assert waiting.wait(10)
+        t0 = time.monotonic()
+        other = env_workers.env_worker_pool(cfg(4))  # another level's pool: made at once
+        env_workers.release_env_worker_pool(other)
+        assert env_workers.lost_env_workers() is None
+        assert time.monotonic() - t0 < 2.0
+        second = threading.Thread(target=lambda: got.append(env_workers.env_worker_pool(cfg(3))))
+        second.start()
+        time.sleep(0.2)
+        assert got == []  # it waits for the pool being made ...
+    finally:
+        room.set()
+        first.join(10)
+    second.join(10)
+    assert len(got) == 2 and got[0] is got[1] and got[0].users == 2  # ... and shares it
