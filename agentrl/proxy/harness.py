@@ -269,8 +269,8 @@ async def _run(argv: list[str], env: dict[str, str], timeout: float | None, cwd:
         code = None
     finally:  # a timeout or our own cancellation: the harness and its children go
         _kill_group(proc)
-        if sid := env.get("AGENTRL_SESSION_ID"):
-            kill_marked(f"AGENTRL_SESSION_ID={sid}".encode())
+        if sid := env.get("AGENTRL_SESSION_ID"):  # on a thread: it reads every process's environ
+            await asyncio.to_thread(kill_marked, f"AGENTRL_SESSION_ID={sid}".encode())
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(proc.wait(), 10)
         with contextlib.suppress(TimeoutError):

@@ -248,3 +248,35 @@ def test_an_empty_command_fails_its_episode_saying_so(mock_policy, serve, cmd):
     proxy = serve(mock_policy())
     (tree,) = _sessions_run(proxy, (cmd, {}))
     assert tree.meta["error"] == "the harness command is empty" and not tree.nodes
+
+
+def test_the_scan_for_marked_processes_runs_off_the_event_loop(mock_policy, serve, monkeypatch):
+    """Every episode's end read ``/proc/*/environ`` of every process on the event loop that
+    runs all the episodes (14 ms for 141 processes here, more on a busy node, and a read
+    blocks while its process holds its memory map's lock): every other episode's output,
+    timeout and kill waited. A scan slowed to 1 s must leave the loop ticking."""
+    import time
+
+    import agentrl.proxy.harness as harness
+
+    monkeypatch.setattr(harness, "kill_marked", lambda marker: time.sleep(1.0))
+    proxy = serve(mock_policy())
+
+    async def run():
+        session = await open_session(proxy.url)
+        gaps, last, done = [], time.monotonic(), False
+
+        async def tick():
+            nonlocal last
+            while not done:
+                await asyncio.sleep(0.02)
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+
+        ticking = asyncio.create_task(tick())
+        await run_harness_episode([sys.executable, "-c", "pass"], session, timeout=30)
+        done = True
+        await ticking
+        return max(gaps)
+
+    assert asyncio.run(run()) < 0.5
