@@ -275,6 +275,7 @@ class Trainer:
         if ck.scheduler is not None:
             lr.scheduler.load_state_dict(ck.scheduler)
         self._keep_config_lr()
+        self._keep_config_adamw()
         if ck.rng is not None:
             restore_rng(ck.rng)
         self.step = ck.step
@@ -305,6 +306,20 @@ class Trainer:
         lr.scheduler._last_lr = [g["lr"] for g in groups]  # what get_last_lr() (train/lr) reports
         self.console.print(f"resume: the checkpoint trained at lr {had:g}; this run continues at "
                            f"train.optimizer.lr={want:g}")
+
+    def _keep_config_adamw(self) -> None:
+        """After a resume: the config's ``train.optimizer.weight_decay`` and ``betas``, not the
+        checkpoint's (``load_state_dict`` brings the saved ones back with the moments), where they
+        differ; said on the console. The moments themselves continue as saved."""
+        o, groups = self.cfg.train.optimizer, self.learner.optimizer.param_groups
+        want = {"weight_decay": float(o.weight_decay), "betas": tuple(float(b) for b in o.betas)}
+        had = {"weight_decay": groups[0]["weight_decay"], "betas": tuple(groups[0]["betas"])}
+        if had == want:
+            return
+        for group in groups:
+            group.update(want)
+        said = "; ".join(f"{k} {had[k]} -> {want[k]}" for k in want if had[k] != want[k])
+        self.console.print(f"resume: AdamW continues with this run's train.optimizer: {said}", highlight=False)
 
     # -- one step ----------------------------------------------------------------------------
     def rollout(self, step: int, bars: ProgressBars, policy: Any = None,

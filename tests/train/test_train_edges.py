@@ -100,3 +100,24 @@ def test_sft_whose_expert_episodes_the_context_budget_cut_says_so(tokenizer) -> 
     learner = SimpleNamespace(cfg=cfg, policy=SimpleNamespace(tokenizer=tokenizer), console=Console())
     with pytest.raises(ConfigError, match=r"2 of the 2 tasks .*rollout\.max_context_tokens=100"):
         sft_phase(learner)  # type: ignore[arg-type]
+
+
+def test_a_resume_trains_with_the_config_s_weight_decay_and_betas(tmp_path: Path) -> None:
+    """torch's ``Optimizer.load_state_dict`` brings back the saved hyperparameters with the
+    moments, and the resume put back only the config's lr: a run continued with another
+    train.optimizer.weight_decay or betas was told 'this run's config differs: ... 0.0 -> 0.1',
+    then trained with the checkpoint's values, and its next checkpoint recorded the new ones."""
+    torch.set_num_threads(1)
+    first = Trainer(toy_config(tmp_path, *_QUIET), progress=False)
+    try:
+        first.save()
+    finally:
+        first.close()
+    changed = ["train.optimizer.weight_decay=0.1", "train.optimizer.betas=[0.8, 0.95]"]
+    again = Trainer(toy_config(tmp_path, *_QUIET, *changed), progress=False)
+    try:
+        assert again.resume()
+        groups = again.learner.optimizer.param_groups
+        assert [(g["weight_decay"], tuple(g["betas"])) for g in groups] == [(0.1, (0.8, 0.95))] * len(groups)
+    finally:
+        again.close()
