@@ -333,6 +333,8 @@ def plan_split(env_id: str, cfg: C, split: str | None = None, k: int = 1, sample
     held_out_tasks = bool(held) and not num_tasks  # played as the training run did: rollout.max_turns
     if "max_turns" not in ev.rollout.model_fields_set and isinstance(max_steps, int) and not held_out_tasks:
         ev.rollout.max_turns = max_steps  # the env's own limit ends the episode
+    if split is None and isinstance(evaluated.get("split"), str):
+        split = evaluated["split"]  # the report and its trees name the split train.evaluation gave
     return SplitPlan(env_id, split, k, samples, seeds, families, labels, ev, kwargs, num_tasks,
                      held_out=held_out_tasks, held_out_kwargs=bool(evaluated))
 

@@ -79,8 +79,10 @@ def test_eval_of_a_training_config_plays_the_split_of_its_held_out_evaluation(tm
     assert result.exit_code == 0, (result.output, result.exception)
     [report] = json.loads((out / "summary.json").read_text())["reports"]
     # valid_seen holds 2 tasks (train 5): the whole split the training run evaluated on
-    assert report["settings"]["env_kwargs"] == {"split": "valid_seen"}
+    assert report["settings"]["env_kwargs"] == {"split": "valid_seen"} and report["split"] == "valid_seen"
     assert [r["seed"] for r in report["results"]] == [0, 1]
+    assert {json.loads(line)["meta"]["split"] for line in (out / "trajectories.jsonl").read_text().splitlines()} == {
+        "valid_seen"}
     assert "train.evaluation.env_kwargs" in _text(result)
 
 
