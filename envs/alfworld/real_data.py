@@ -137,8 +137,21 @@ def list_games(root: Path, split: str) -> tuple[RealGame, ...]:
     return games
 
 
-@cache
+_SCANNED: dict[tuple[Path, str], tuple[RealGame, ...]] = {}
+
+
 def _scan(folder: Path, split: str) -> tuple[RealGame, ...]:
+    """The games of ``folder``, read once per process. A folder found without games is read
+    again next time: kept, it hid the games a download brought later until a restart."""
+    games = _SCANNED.get((folder, split))
+    if games is None:
+        games = _read_games(folder, split)
+        if games:
+            _SCANNED[(folder, split)] = games
+    return games
+
+
+def _read_games(folder: Path, split: str) -> tuple[RealGame, ...]:
     out = []
     for trial_dir in sorted(p.parent for p in folder.glob("*/*/traj_data.json")):
         if "movable" in str(trial_dir) or "Sliced" in str(trial_dir):
@@ -225,5 +238,5 @@ def export_games(scenes: Iterable[Scene], root: str | os.PathLike[str]) -> list[
         (trial / "traj_data.json").write_text(json.dumps(_traj_data(scene), indent=1))
         (trial / "initial_state.pddl").write_text(problem)
         out.append(trial / "game.tw-pddl")
-    _scan.cache_clear()
+    _SCANNED.clear()
     return out
