@@ -133,15 +133,18 @@ def expand_path(value: str) -> str:
     """A path from a config as a shell reads it: a leading ``~`` is the home folder, ``$NAME`` and
     ``${NAME}`` the variable's value. YAML keeps both as text: ``out_dir: ~/runs/x`` made a folder
     named '~' in the working directory, ``$SCRATCH/runs`` one named '$SCRATCH'. An unset variable
-    is an error: the shell would make it empty, and ``$SCRATCH/runs`` would be /runs."""
+    is an error: the shell would make it empty, and ``$SCRATCH/runs`` would be /runs; so is a
+    value that expands to nothing (``$RUN`` with RUN set to ''), which was the working directory."""
     def value_of(m: re.Match[str]) -> str:
         name = m.group(1) or m.group(2)
         if name not in os.environ:
             raise ValueError(f"${name} is not set in the environment (the path is {value!r})")
         return os.environ[name]
 
-    value = os.path.expanduser(value) if value.startswith("~") else value
-    return _VARIABLE.sub(value_of, value)
+    expanded = _VARIABLE.sub(value_of, os.path.expanduser(value) if value.startswith("~") else value)
+    if value and not expanded:  # Path("") is the working directory, where train --overwrite removes folders
+        raise ValueError(f"{value!r} expands to an empty path: its variable is set to ''")
+    return expanded
 
 
 def check_task_seeds(value: list[int] | None) -> list[int] | None:

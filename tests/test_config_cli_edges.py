@@ -230,3 +230,12 @@ def test_a_split_given_twice_is_refused():
     with pytest.raises(ConfigError, match="split 'a' is given twice"):
         eval_cli.split_names("a,b, a")
     assert eval_cli.split_names("a,b") == ["a", "b"]
+
+
+@pytest.mark.parametrize("key", ["rollout.out_dir", "policy.model", "train.output.dir"])
+def test_a_path_that_expands_to_nothing_is_refused(monkeypatch, key):
+    """``$RUN`` with RUN set to '' was '', the working directory, where train --overwrite removes
+    the checkpoints, tensorboard and trees folders."""
+    monkeypatch.setenv("RUN", "")
+    with pytest.raises(ConfigError, match=rf"{key}: '\$RUN' expands to an empty path"):
+        load_train_config(None, [f"{key}=$RUN"])
