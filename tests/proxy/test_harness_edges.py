@@ -8,11 +8,15 @@ import contextlib
 import json
 import os
 import sys
+from typing import Any
 
 import httpx
 import pytest
 
-from agentrl.proxy.harness import anchored_argv, open_session, run_harness_episode
+from agentrl.env import TextEnv, register_env
+from agentrl.proxy import RunningServer
+from agentrl.proxy.envserver import EnvServerConfig, create_env_app
+from agentrl.proxy.harness import EnvServer, anchored_argv, open_session, run_harness_episode
 
 
 @pytest.mark.parametrize("path, body", [
@@ -280,3 +284,43 @@ def test_the_scan_for_marked_processes_runs_off_the_event_loop(mock_policy, serv
         return max(gaps)
 
     assert asyncio.run(run()) < 0.5
+
+
+# -- the env server takes every action the runner submits ----------------------------------
+
+class _CountsChars(TextEnv):
+    """One step; its info holds how many characters the action had."""
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return "Answer.", {}
+
+    def step(self, action: str):
+        return "done", 1.0, True, False, {"got_chars": len(action)}
+
+
+register_env("edges/CountsChars-v0", entry_point=_CountsChars)
+
+# One model call, then an answer of argv[1] characters "é" on stdout.
+LONG_ANSWER = '''
+import sys
+from openai import OpenAI
+OpenAI().chat.completions.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+sys.stdout.write("\\u00e9" * int(sys.argv[1]))
+'''
+
+
+def test_an_answer_within_the_character_limit_reaches_the_env_whatever_its_bytes(mock_policy, serve):
+    """The runner submits an answer of up to 1,000,000 characters, and the env server's action
+    takes as many, but its bodies were capped at 1 MiB: 600,000 "é" (1,200,000 bytes of
+    UTF-8) were a 413, and the episode failed, though its answer was within every limit said."""
+    proxy = serve(mock_policy(["ok"]))
+    with RunningServer(create_env_app(EnvServerConfig(token="t"))) as envs:
+        async def run():
+            session = await open_session(proxy.url)
+            return await run_harness_episode([sys.executable, "-c", LONG_ANSWER, "600000"], session,
+                                             EnvServer(envs.url, "t", "edges/CountsChars-v0"), timeout=60,
+                                             submit="stdout")
+        tree = asyncio.run(run())
+    assert "error" not in tree.meta, tree.meta["error"]
+    assert tree.meta["env"]["reward"] == 1.0 and tree.meta["env"]["steps"] == 1
