@@ -11,9 +11,9 @@ OpenAI-style JSON, see ``agentrl.tools.parse``):
   ``task.score``, and the episode terminates) or the wrapped env's action (passed
   to its ``step`` unchanged).
 
-Text inside ``<think>...</think>`` (to the end of the action when the block is
-left open) is reasoning: a call drafted there is not run, and the final answer
-leaves it out (``strip_thinking``).
+The ``<think>...</think>`` block an action opens with (to the end of the action
+when it is left open) is reasoning: a call drafted there is not run, and the
+final answer leaves it out (``strip_thinking``).
 
 Model mistakes never raise. Invalid JSON, an unknown tool, arguments that fail
 validation and calls over ``max_calls_per_turn`` each answer with an error
@@ -94,6 +94,9 @@ from .task import Task
 __all__ = ["ToolEnv", "ToolEnvConfig", "strip_thinking"]
 
 _THINK = re.compile(r"<think>.*?(?:</think>|\Z)", re.DOTALL)
+# The reasoning a thinking model (Qwen3) opens its reply with; a "<think>" later on is text
+# (a call's argument may hold one, and read as thinking it cut the call off).
+_LEADING_THINK = re.compile(r"\A\s*<think>.*?(?:</think>|\Z)", re.DOTALL)
 
 TaskSource = Task | Sequence[Task] | Callable[[np.random.Generator], Task]
 T = TypeVar("T")
@@ -474,9 +477,9 @@ class ToolEnv(TextEnv):
             return self._last_obs, 0.0, *self._ended, info
         self._turn += 1
         self._replay_log["actions"].append(action)
-        # Calls are read outside <think> blocks: one drafted while reasoning is not made, and
-        # the final answer (which leaves the thinking out too) is scored instead of lost.
-        parsed = parse_tool_calls(_THINK.sub("", action) if isinstance(action, str) else action)
+        # Calls are read after the reasoning: one drafted while thinking is not made, and the
+        # final answer (which leaves the thinking out too) is scored instead of lost.
+        parsed = parse_tool_calls(_LEADING_THINK.sub("", action) if isinstance(action, str) else action)
         if parsed.attempted:
             out = await self._tool_turn(parsed)
         else:

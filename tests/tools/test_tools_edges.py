@@ -39,6 +39,15 @@ def test_a_call_after_the_thinking_runs_once(draft):
     env.close()
 
 
+def test_a_think_tag_inside_a_call_argument_is_text_not_thinking():
+    env = _one_plus_one_env()
+    env.reset(seed=0)
+    call = '{"name": "calculator", "arguments": {"expression": "len(\'<think>\')"}}'
+    obs, reward, terminated, truncated, info = env.step(f"<tool_call>{call}</tool_call>")
+    assert info["parse_errors"] == [] and info["tool_calls"][0]["arguments"] == {"expression": "len('<think>')"}
+    env.close()
+
+
 # -- calculator ------------------------------------------------------------------------------
 
 
