@@ -239,3 +239,13 @@ def test_a_path_that_expands_to_nothing_is_refused(monkeypatch, key):
     monkeypatch.setenv("RUN", "")
     with pytest.raises(ConfigError, match=rf"{key}: '\$RUN' expands to an empty path"):
         load_train_config(None, [f"{key}=$RUN"])
+
+
+@pytest.mark.parametrize(("env", "said"), [({"A=B": "1"}, "'A=B' is no environment variable name"),
+                                           ({"": "1"}, "'' is no environment variable name"),
+                                           ({"A": "x\0y"}, "A: a value cannot hold a NUL")])
+def test_a_harness_env_the_os_refuses_fails_when_the_config_loads(env, said):
+    from agentrl.train.config import TrainRunConfig
+
+    with pytest.raises(ValueError, match=f"train.harness_env\n.*{said}"):
+        TrainRunConfig.model_validate({"train": {"harness_env": env}})

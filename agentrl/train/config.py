@@ -268,6 +268,18 @@ class TrainConfig(_Strict):
     def _fold_credit_options(cls, data: Any) -> Any:
         return fold_credit_options(data)
 
+    @field_validator("harness_env")
+    @classmethod
+    def _environment_variables(cls, value: dict[str, str]) -> dict[str, str]:
+        """Names and values the operating system takes, checked when the config loads: the
+        harness's start refused them (ValueError) in every episode, each then failing."""
+        for name, text in value.items():
+            if not name or "=" in name or "\0" in name:
+                raise ValueError(f"{name!r} is no environment variable name: give a non-empty name without '='")
+            if "\0" in text:
+                raise ValueError(f"{name}: a value cannot hold a NUL character")
+        return value
+
     @field_validator("distill")
     @classmethod
     def _teacher_path(cls, value: DistillConfig | None) -> DistillConfig | None:
