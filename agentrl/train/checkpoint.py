@@ -258,13 +258,19 @@ def config_changes(was: dict[str, Any], now: dict[str, Any], prefix: str = "") -
 
 
 def load_trainable(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy checkpointed parameters into ``model``; every trainable one must be there."""
+    """Copy checkpointed parameters into ``model``; every trainable one must be there, in its shape."""
     params = dict(model.named_parameters())
     unknown = sorted(set(tensors) - set(params))
     missing = sorted(n for n, p in params.items() if p.requires_grad and n not in tensors)
     if unknown or missing:
         raise ValueError(f"checkpoint does not fit the model: unknown {unknown[:3]}, "
                          f"missing {missing[:3]} (same trainable setting and base model?)")
+    # Same names, other shapes: another size of the same architecture (copy_ would say only sizes).
+    shaped = [f"{n}: {tuple(t.shape)} in the checkpoint, {tuple(params[n].shape)} in the model"
+              for n, t in sorted(tensors.items()) if t.shape != params[n].shape]
+    if shaped:
+        raise ValueError(f"checkpoint does not fit the model: {len(shaped)} tensors of another shape, "
+                         f"{'; '.join(shaped[:2])} (same base model?)")
     with torch.no_grad():
         for n, t in tensors.items():
             params[n].copy_(t.to(params[n].device, params[n].dtype))

@@ -501,12 +501,14 @@ class Trainer:
 
 def _unfit_key(changed: dict[str, tuple[Any, Any]], path: str | Path) -> str:
     """What a checkpoint that does not fit the model is blamed on: the changed key that sets what
-    trains (``train.trainable``, ``train.top_k_layers``, ``train.lora.*``) with both values, or
-    the checkpoint's folder where none changed."""
-    shaped = [k for k in changed if k in ("train.trainable", "train.top_k_layers") or k.startswith("train.lora.")]
+    trains (``policy.model``, ``train.trainable``, ``train.top_k_layers``, ``train.lora.*``) with
+    both values, or the checkpoint's folder where none changed."""
+    shaped = [k for k in changed if k in ("policy.model", "train.trainable", "train.top_k_layers")
+              or k.startswith("train.lora.")]
     if not shaped:
         return f"resume from {path}"
-    key = "train.trainable" if "train.trainable" in shaped else shaped[0]  # the cause, not its side effect
+    # the cause, not its side effect (a new trainable setting changes top_k_layers' meaning)
+    key = next(k for k in ("train.trainable", "policy.model", *shaped) if k in shaped)
     return f"{key}: the checkpoint trained {changed[key][0]!r}, this run {changed[key][1]!r}"
 
 

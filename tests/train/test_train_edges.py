@@ -121,3 +121,18 @@ def test_a_resume_trains_with_the_config_s_weight_decay_and_betas(tmp_path: Path
         assert [(g["weight_decay"], tuple(g["betas"])) for g in groups] == [(0.1, (0.8, 0.95))] * len(groups)
     finally:
         again.close()
+
+
+def test_a_checkpoint_of_another_shape_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    """Same parameter names, other shapes (a resume with policy.model moved to a bigger model of
+    the same family): ``load_trainable`` checked names only, and ``copy_`` raised torch's bare
+    'The size of tensor a (3) must match the size of tensor b (2)', which the resume does not
+    turn into a config error. Now it is the ValueError the resume names the changed key for."""
+    from agentrl.train import checkpoint as ck
+    from agentrl.train.trainer import _unfit_key
+
+    small, big = torch.nn.Linear(2, 2), torch.nn.Linear(2, 3)
+    with pytest.raises(ValueError, match=r"shape.*weight: \(2, 2\) in the checkpoint, \(3, 2\) in the model"):
+        ck.load_trainable(big, ck.trainable_state(small))
+    changed = {"policy.model": ("tiny", "big"), "train.steps": (1, 2)}
+    assert _unfit_key(changed, tmp_path) == "policy.model: the checkpoint trained 'tiny', this run 'big'"
