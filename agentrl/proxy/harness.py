@@ -12,7 +12,7 @@ starts the harness command with these environment variables::
     AGENTRL_ENV_INSTANCE the env made for this episode (GET /envs/{id} shows it)
     AGENTRL_ENV_ID       its registered id
     AGENTRL_TASK         the env's first observation: the task, for a CLI's prompt (unset
-                         where it is over 128 KiB, which Linux refuses in one variable)
+                         where it is over 128 KiB, or holds a NUL: Linux refuses either in a variable)
     AGENTRL_TASK_FILE    a file that holds the task, whatever its length
 
 Each episode runs in a new empty directory of its own (``cwd=None``), removed once it ends
@@ -395,14 +395,18 @@ def _recorded(tree: RolloutTree, run: dict[str, Any], state: dict[str, Any] | No
 
 def _pass_task(task: str, task_file: str, argv: list[str], env: dict[str, str]) -> str | None:
     """Put the task in ``env``: its file always, its text where one variable may hold it (Linux
-    refuses a string over 128 KiB). Why the episode cannot start (its command names a task too
-    long to pass), or None."""
+    refuses a string over 128 KiB, or one with a NUL). Why the episode cannot start (its command
+    names a task it cannot pass), or None."""
     env["AGENTRL_TASK_FILE"] = task_file
-    if len(f"AGENTRL_TASK={task}".encode()) < _STRING_BYTES:
+    if "\0" in task:
+        why = "the task holds a NUL character, which no argument or variable may hold"
+    elif len(f"AGENTRL_TASK={task}".encode()) >= _STRING_BYTES:
+        why = f"the task is {len(task)} characters, over the 128 KiB one argument may hold"
+    else:
         env["AGENTRL_TASK"] = task
-    elif "AGENTRL_TASK" in {m.group(1) or m.group(2) for a in argv for m in _VAR.finditer(a)}:
-        return (f"the task is {len(task)} characters, over the 128 KiB one argument may hold: "
-                "let the harness read it from $AGENTRL_TASK_FILE")
+        return None
+    if "AGENTRL_TASK" in {m.group(1) or m.group(2) for a in argv for m in _VAR.finditer(a)}:
+        return f"{why}: let the harness read it from $AGENTRL_TASK_FILE"
     return None
 
 

@@ -324,3 +324,43 @@ def test_an_answer_within_the_character_limit_reaches_the_env_whatever_its_bytes
         tree = asyncio.run(run())
     assert "error" not in tree.meta, tree.meta["error"]
     assert tree.meta["env"]["reward"] == 1.0 and tree.meta["env"]["steps"] == 1
+
+
+class _NulTask(_CountsChars):
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return "a\x00b", {}
+
+
+register_env("edges/NulTask-v0", entry_point=_NulTask)
+
+READS_TASK_FILE = '''
+import os
+from openai import OpenAI
+OpenAI().chat.completions.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+print(repr(open(os.environ["AGENTRL_TASK_FILE"]).read()), "AGENTRL_TASK" in os.environ)
+'''
+
+
+def _nul_episode(proxy, cmd):
+    with RunningServer(create_env_app(EnvServerConfig(token="t"))) as envs:
+        async def run():
+            session = await open_session(proxy.url)
+            return await run_harness_episode(cmd, session, EnvServer(envs.url, "t", "edges/NulTask-v0"), timeout=60)
+        return asyncio.run(run())
+
+
+def test_a_task_with_a_nul_is_passed_in_its_file_alone(mock_policy, serve):
+    """A task holding a NUL (an env may return one) went into AGENTRL_TASK, which no
+    environment variable can hold: every episode of it failed to start, though the harness
+    read the task's file. Now the variable is unset, as for a task over 128 KiB."""
+    proxy = serve(mock_policy(["ok"]))
+    tree = _nul_episode(proxy, [sys.executable, "-c", READS_TASK_FILE])
+    assert "error" not in tree.meta, tree.meta["error"]
+    assert tree.meta["harness"]["stdout_tail"] == "'a\\x00b' False\n"
+
+
+def test_a_command_that_names_a_task_with_a_nul_fails_saying_why(mock_policy, serve):
+    proxy = serve(mock_policy(["ok"]))
+    tree = _nul_episode(proxy, [sys.executable, "-c", "pass", "$AGENTRL_TASK"])
+    assert "the task holds a NUL character" in tree.meta["error"] and "$AGENTRL_TASK_FILE" in tree.meta["error"]
