@@ -18,7 +18,8 @@ background thread, and each has its own random bearer token:
 **Episodes.** For every task seed, ``collect`` runs ``rollout.group_size``
 episodes, at most ``rollout.concurrency`` at once. An episode is one proxy
 session, one env made with the task seed and ``env.kwargs``, and one run of
-the command through ``run_harness_episode``. That function sets
+the command through ``run_harness_episode``, in a new directory of the
+episode's own (removed when it ends). That function sets
 ``OPENAI_BASE_URL`` to the session and passes the env server's address in
 ``AGENTRL_ENV_*``. Here the command also gets ``AGENTRL_TASK_SEED``,
 ``AGENTRL_EPISODE`` (the episode's index in its group) and the variables in
@@ -173,7 +174,8 @@ class HarnessRollouts:
 
     ``cmd`` is the command line of one episode (split like a shell would).
     ``verifier``, if given, scores a session's tree instead of the env's reward.
-    The servers start on the first ``collect`` and stop on ``close``.
+    ``cwd``, if given, is where every episode's harness runs (shared, and kept); else each
+    runs in a new directory of its own. The servers start on the first ``collect`` and stop on ``close``.
     """
 
     def __init__(self, cmd: str, policy: Any, cfg: Config, harness_env: dict[str, Any] | None = None,
