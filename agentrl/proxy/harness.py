@@ -46,7 +46,8 @@ columns:
 - the episode failed, outside what training should score: the harness
   crashed (non-zero exit), hung past ``timeout`` (its process group is
   killed; so, whatever the outcome, is every process the harness started
-  outside its group, found by its ``AGENTRL_SESSION_ID``), the env could not be made, or its reward could not be read (or
+  outside its group: found by its ``AGENTRL_SESSION_ID``, and on Linux, by
+  its guard, below), the env could not be made, or its reward could not be read (or
   was not finite). The env and the session are closed whatever failed. The tree comes back with
   ``meta["error"]`` (and the last node's ``error``) holding the reason, and the
   output tails in ``meta["harness"]``. Nothing is raised, so the run goes on.
@@ -63,7 +64,7 @@ it started, and removes the episode's own directory.
 as the trainer's user, and that user may read any of its processes'
 ``/proc/<pid>/environ`` (and ``cmdline``): a harness, or a command the model
 has it run, can read a concurrent episode's ``OPENAI_API_KEY`` (its session)
-and ``AGENTRL_ENV_TOKEN`` (its env, which it could then step or close), open
+and ``AGENTRL_ENV_TOKEN`` (its env, which it could then read and step), open
 that episode's directory (mode 0700, but the same owner), and signal its
 processes. No variable or file mode can hide them from the same user: the
 kernel makes an ``execve``d program dumpable again, so ``PR_SET_DUMPABLE``
