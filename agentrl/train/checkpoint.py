@@ -27,6 +27,7 @@ checkpoints stay.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -196,9 +197,15 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module,
 
 
 def _fsync(path: Path) -> None:
+    """Flush ``path`` to disk. A folder whose filesystem refuses the flush (EINVAL, ENOTSUP:
+    FUSE mounts, CIFS; PostgreSQL's fsync_fname skips it alike) is left to it: the rename
+    still happened, and a save that raised there lost a run whose checkpoint was in place."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if not (path.is_dir() and e.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
+            raise
     finally:
         os.close(fd)
 

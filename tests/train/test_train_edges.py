@@ -136,3 +136,27 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_the_tensor(tmp_path: Pa
         ck.load_trainable(big, ck.trainable_state(small))
     changed = {"policy.model": ("tiny", "big"), "train.steps": (1, 2)}
     assert _unfit_key(changed, tmp_path) == "policy.model: the checkpoint trained 'tiny', this run 'big'"
+
+
+def test_a_save_goes_on_where_the_filesystem_cannot_flush_a_folder(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some filesystems refuse fsync on a folder (EINVAL: FUSE mounts such as gcsfuse, CIFS;
+    PostgreSQL's fsync_fname ignores it for that reason). The save then raised after its
+    checkpoint was in place, and the run died at its first checkpoint. A folder's flush is now
+    skipped where the filesystem refuses it; a file's still raises."""
+    import errno
+    import os
+    import stat
+
+    from agentrl.train import checkpoint as ck
+
+    real = os.fsync
+
+    def no_folder_fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", no_folder_fsync)
+    path = ck.save_checkpoint(tmp_path, 1, torch.nn.Linear(2, 2))
+    assert ck.load_checkpoint(path).step == 1
