@@ -4,7 +4,8 @@ Two formats are read:
 
 - ``hermes`` (Hermes / Qwen): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
   blocks. An unterminated block is accepted, at the end of the text (generation
-  often stops on ``</tool_call>``) or before the next ``<tool_call>``.
+  often stops on ``</tool_call>``) or before the next ``<tool_call>``. A tag inside
+  a JSON string (code that mentions one) does not end its block.
 - ``json`` (OpenAI-style, bare): JSON objects anywhere in the text, shaped
   ``{"name": ..., "arguments": ...}``, ``{"name": ..., "parameters": ...}`` or
   ``{"type": "function", "function": {"name": ..., "arguments": ...}}``.
@@ -43,6 +44,7 @@ MAX_JSON_ATTEMPTS = 256
 # Chars that bare-JSON decoding may read in all: each "{" is decoded from there on, so
 # 256 nested starts of one long broken array read it 256 times (3.9 s for 200 KB).
 MAX_SCAN_CHARS = 5 * MAX_PARSE_CHARS
+MAX_SPANS = 16  # blocks cut short by a tag in a string that are decoded from the text itself
 MAX_NAME_CHARS = 128  # bound on raw_decode tries when scanning for bare JSON
 # A block ends at its closing tag, at the next opening tag (models drop the
 # closing tag between calls) or at the end of the text.
@@ -175,8 +177,38 @@ def _unfenced(body: str) -> str:
     return body.strip()
 
 
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _json_across_tags(text: str, start: int, block_end: int) -> tuple[Any, int | None, int]:
+    """Decode the JSON at ``start`` (just after a ``<tool_call>`` tag) from the text itself, not
+    from the block the tags cut: an argument string may hold a tag ("</tool_call>" in code being
+    written). (value, where parsing goes on, chars read); where is None when the JSON is
+    broken, ends inside its block (the block's own error stands) or is followed by more
+    than a tag."""
+    j = start
+    while j < block_end and text[j].isspace():
+        j += 1
+    if j >= block_end or text[j] not in "{[":
+        return None, None, 0
+    try:
+        obj, end = _DECODER.raw_decode(text, j)
+    except (ValueError, RecursionError) as err:
+        return None, None, _chars_read(err, text, j)
+    if end <= block_end:
+        return None, None, end - j
+    after = end
+    while after < len(text) and text[after].isspace():
+        after += 1
+    if after < len(text) and not text.startswith((_OPEN, _CLOSE), after):
+        return None, None, after - j
+    return obj, after + len(_CLOSE) if text.startswith(_CLOSE, after) else after, after - j
+
+
 def _parse_hermes(text: str, result: ParseResult) -> None:
-    for n, m in enumerate(_BLOCK.finditer(text), start=1):
+    pos, n, read, spans = 0, 0, 0, 0
+    while (m := _BLOCK.search(text, pos)) is not None:
+        n, pos = n + 1, m.end()
         body = _unfenced(m.group(1).strip())
         where = f"tool call {n}"
         if not body:
@@ -184,14 +216,20 @@ def _parse_hermes(text: str, result: ParseResult) -> None:
             continue
         try:
             obj, end = _DECODER.raw_decode(body)
+            extra = body[end:].strip()  # often a stray closing brace
+            problem = (f"text after the JSON object: {extra[:40]!r}. Put only the object between "
+                       f"the tags: {_HERMES_EXAMPLE}") if extra else ""
         except (ValueError, RecursionError) as err:
-            result._error(f"{where}: invalid JSON ({_short(err)}). Write {_HERMES_EXAMPLE}")
-            continue
-        if extra := body[end:].strip():  # often a stray closing brace
-            result._error(
-                f"{where}: text after the JSON object: {extra[:40]!r}. Put only the object "
-                f"between the tags: {_HERMES_EXAMPLE}"
-            )
+            problem = f"invalid JSON ({_short(err)}). Write {_HERMES_EXAMPLE}"
+        # A tag inside a string may have cut the block short. Each try decodes the whole text
+        # from the tag (and an error counts its lines up to where it failed), so they are few.
+        if problem and read < MAX_SCAN_CHARS and spans < MAX_SPANS:
+            value, resume, chars = _json_across_tags(text, m.start(1), m.end(1))
+            read, spans = read + chars, spans + 1
+            if resume is not None:
+                obj, pos, problem = value, resume, ""
+        if problem:
+            result._error(f"{where}: {problem}")
             continue
         items = obj if isinstance(obj, list) and obj else [obj]
         for item in items:

@@ -129,3 +129,43 @@ def test_an_unseeded_reset_still_draws_a_task_of_the_list_and_other_sources_coun
     assert env.reset()[0] in {"question 0", "question 1", "question 2"}
     env.close()
     assert ToolEnv(lambda rng: _task_list(1)[0]).num_tasks is None
+
+
+# -- the tool-call parser -----------------------------------------------------------------
+
+
+def _call_text(expression: str) -> str:
+    import json
+
+    return json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+
+
+@pytest.mark.parametrize("inside", ["</tool_call>", "<tool_call>", "a <tool_call>b</tool_call> c"])
+def test_a_tool_call_tag_inside_an_argument_string_is_text(inside):
+    from agentrl.tools.parse import parse_tool_calls
+
+    text = f"<tool_call>{_call_text(inside)}</tool_call>\n<tool_call>{_call_text('6*7')}</tool_call>"
+    res = parse_tool_calls(text)
+    assert res.errors == []
+    assert [c.arguments["expression"] for c in res.calls] == [inside, "6*7"]
+
+
+def test_a_broken_block_is_still_an_error_and_the_next_block_is_read():
+    from agentrl.tools.parse import parse_tool_calls
+
+    res = parse_tool_calls(f'<tool_call>{{"name": "x", </tool_call><tool_call>{_call_text("1")}</tool_call>')
+    assert len(res.errors) == 1 and "invalid JSON" in res.errors[0]
+    assert [c.arguments for c in res.calls] == [{"expression": "1"}]
+    res = parse_tool_calls(f"<tool_call>{_call_text('1')} oops</tool_call>")  # text after the JSON
+    assert res.calls == [] and "text after the JSON object" in res.errors[0]
+
+
+def test_many_blocks_each_opening_a_long_string_parse_quickly():
+    import time
+
+    from agentrl.tools.parse import parse_tool_calls
+
+    text = ('<tool_call>{"name": "a", "arguments": {"x": "' + "y" * 2_000) * 90  # 180 KB, no quote closes
+    start = time.perf_counter()
+    res = parse_tool_calls(text)
+    assert time.perf_counter() - start < 2.0 and res.calls == [] and res.errors
