@@ -4,9 +4,10 @@
 in place of ``CMD``. The guard asks the kernel for a SIGTERM when the trainer's thread that
 started it dies (``prctl(PR_SET_PDEATHSIG)``), and to be the subreaper of what ``CMD`` starts
 (``PR_SET_CHILD_SUBREAPER``: an orphaned descendant becomes its child, not init's). It runs
-``CMD`` as its child, in its own process group. Once ``CMD`` exits, it kills every descendant
-left (``kill_descendants``: one that left the group and dropped ``AGENTRL_SESSION_ID`` too, as
-``env -i setsid CMD &`` does) and exits as ``CMD`` did (its code, or the signal that ended it).
+``CMD`` as its child, in the guard's own process group (made where its caller did not). Once
+``CMD`` exits, it kills every descendant left (``kill_descendants``: one that left the group
+and dropped ``AGENTRL_SESSION_ID`` too, as ``env -i setsid CMD &`` does) and exits as ``CMD``
+did (its code, or the signal that ended it).
 
 A trainer that ends normally, or times an episode out, cleans up itself (``harness._run``). A
 SIGKILLed one (the OOM killer, a scheduler) cannot: then the guard does what it would have done.
@@ -162,6 +163,8 @@ def main(argv: list[str]) -> None:
         if os.getppid() != trainer:  # not the trainer's own SIGTERM: it died
             _teardown(remove_cwd)
 
+    if os.getpgrp() != os.getpid():  # the teardown kills its group: never its caller's
+        os.setpgid(0, 0)
     signal.signal(signal.SIGTERM, on_death_signal)
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)

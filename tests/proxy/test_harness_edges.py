@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import sys
 from typing import Any
 
@@ -336,6 +337,7 @@ register_env("edges/NulTask-v0", entry_point=_NulTask)
 
 READS_TASK_FILE = '''
 import os
+import shlex
 from openai import OpenAI
 OpenAI().chat.completions.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
 print(repr(open(os.environ["AGENTRL_TASK_FILE"]).read()), "AGENTRL_TASK" in os.environ)
@@ -364,3 +366,18 @@ def test_a_command_that_names_a_task_with_a_nul_fails_saying_why(mock_policy, se
     proxy = serve(mock_policy(["ok"]))
     tree = _nul_episode(proxy, [sys.executable, "-c", "pass", "$AGENTRL_TASK"])
     assert "the task holds a NUL character" in tree.meta["error"] and "$AGENTRL_TASK_FILE" in tree.meta["error"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard runs on Linux")
+def test_a_guard_whose_trainer_is_already_gone_kills_only_its_own_group(tmp_path):
+    """Started outside a session of its own (by hand, or by a caller other than the runner),
+    the guard's teardown killed its caller's process group, its caller with it. It makes a
+    group of its own first."""
+    import subprocess
+
+    from agentrl.proxy import harness
+
+    # Pid 1 is never the shell that starts the guard: its trainer is "already gone".
+    script = f"{shlex.quote(sys.executable)} -I -S {shlex.quote(harness._GUARD)} 1 -- true; echo survived"
+    out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=30, start_new_session=True)
+    assert out.stdout == "survived\n"
