@@ -44,6 +44,10 @@ def m2po_mask(logratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tens
     ascending sort only grows, so the kept set is a prefix). Ties at the cut
     keep the earlier token. If even the smallest exceeds tau, all of T is masked.
     Returns a boolean mask: True on ``mask`` except the masked trust-region tokens.
+
+    Deviation: a token whose ratio is not finite (a sampler's -inf logprob) is masked
+    whatever its advantage. Outside T (A < 0 or A = 0 with r = inf) the paper keeps it, and
+    its term ``-A r`` is +inf or NaN, in the loss and in every gradient of the step.
     """
     if tau < 0:
         raise ValueError(f"tau must be >= 0, got {tau}")
@@ -56,7 +60,7 @@ def m2po_mask(logratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tens
     kept[order[:n_keep]] = True
     out = mask.bool().clone()
     out[tr] = kept
-    return out
+    return out & torch.isfinite(logratio.detach())
 
 
 def m2po_token_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,

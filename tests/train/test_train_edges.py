@@ -160,3 +160,23 @@ def test_a_save_goes_on_where_the_filesystem_cannot_flush_a_folder(tmp_path: Pat
     monkeypatch.setattr(os, "fsync", no_folder_fsync)
     path = ck.save_checkpoint(tmp_path, 1, torch.nn.Linear(2, 2))
     assert ck.load_checkpoint(path).step == 1
+
+
+@pytest.mark.parametrize("advantage", [-1.0, 0.0])
+def test_m2po_masks_a_token_whose_sampler_logprob_is_minus_inf(advantage: float) -> None:
+    """M2PO masks only trust-region tokens (A > 0 and r > 1, A < 0 and r < 1). A sampler's -inf
+    logprob makes r infinite; with A < 0 (or A = 0) that token is outside the region, so it kept
+    its term -A * r: +inf (or 0 * inf = NaN), in the loss and in every gradient, and the
+    optimizer step wrote NaN into the weights. Such a token now leaves the policy-gradient
+    term, as M2PO's own mask drops the largest ratios; its gradient is 0, the others' as before."""
+    from agentrl.train.loss import PolicyLossConfig, policy_loss
+
+    lp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    behaviour = torch.tensor([[-1.0, float("-inf"), -0.5]])
+    loss, stats = policy_loss(lp, torch.tensor([[1.0, advantage, 0.5]]), torch.ones(1, 3),
+                              PolicyLossConfig(m2po_tau=0.04), behaviour_logprobs=behaviour)
+    loss.backward()
+    # r = 1 on the finite tokens: loss = -(1 + 0.5) / 3, d/dlp_t = -A_t r_t / 3
+    assert float(loss.detach()) == pytest.approx(-0.5)
+    assert lp.grad[0].tolist() == pytest.approx([-1 / 3, 0.0, -0.5 / 3])
+    assert stats["m2po/masked_frac"] == pytest.approx(1 / 3)
