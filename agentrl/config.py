@@ -8,7 +8,6 @@ key path (``policy.temperature``) and the reason.
 from __future__ import annotations
 
 import difflib
-import json
 import os
 import re
 import warnings
@@ -608,11 +607,17 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def _quoted(text: str) -> str:
+    """``text`` as a YAML double-quoted scalar, which reads back as the same text whatever it
+    holds (JSON's quoting split a character past U+FFFF into two halves that YAML kept apart)."""
+    return yaml.safe_dump(text, default_style='"', width=float("inf"), allow_unicode=True).rstrip("\n")
+
+
 def flag_overrides(flags: dict[str, Any]) -> list[str]:
     """The ``key.path=value`` overrides of a command's flags (``{"rollout.out_dir": out}``;
-    None: not given). Text is quoted as JSON, which YAML reads back as the same text: read as
+    None: not given). Text is quoted, so that YAML reads it back as the same text: read as
     YAML, ``--out 2024`` was the int 2024 (refused: not text) and ``--model 0123`` the int 83."""
-    return [f"{key}={json.dumps(v) if isinstance(v, str) else v}" for key, v in flags.items() if v is not None]
+    return [f"{key}={_quoted(v) if isinstance(v, str) else v}" for key, v in flags.items() if v is not None]
 
 
 def _deprecated(old: str, new: str) -> None:

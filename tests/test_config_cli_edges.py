@@ -215,8 +215,9 @@ def test_flag_overrides_quote_text_and_keep_numbers():
 
     assert flag_overrides({"policy.model": "0123", "rollout.episodes": 3, "x": None, "a.b": 'say "hi"'}) == [
         'policy.model="0123"', "rollout.episodes=3", 'a.b="say \\"hi\\""']
-    cfg = load_config(None, flag_overrides({"policy.model": "0123", "rollout.out_dir": "on"}))
-    assert (cfg.policy.model, cfg.rollout.out_dir) == ("0123", "on")
+    for text in ("0123", "on", "runs/\U0001f600", "a\\b: c # d", "\x7f", ""):  # each as written
+        cfg = load_config(None, flag_overrides({"rollout.system_prompt": "x" + text, "rollout.out_dir": text or "."}))
+        assert (cfg.rollout.system_prompt, cfg.rollout.out_dir) == ("x" + text, text or ".")
 
 
 @pytest.mark.parametrize("key", ["train.evaluation.episodes", "sft.episodes", "train.tasks_per_step"])
