@@ -337,8 +337,9 @@ class ToolEnv(TextEnv):
     """Wraps a ``TextEnv`` or a task source into a tool-calling ``TextEnv``.
 
     ``source`` is a ``TextEnv``, a ``Task``, a sequence of tasks (``reset(seed=s)``
-    plays task ``s % len``, an unseeded reset draws one) or a function ``rng -> Task``. ``tools`` are ``Tool`` instances or
-    built-in tool names. ``reset(options={"task": Task(...)})`` plays a given task.
+    plays task ``s % len``, an unseeded reset draws one) or a function
+    ``rng -> Task``. ``tools`` are ``Tool`` instances or built-in tool names.
+    ``reset(options={"task": Task(...)})`` plays a given task.
     """
 
     def __init__(
