@@ -137,7 +137,8 @@ class MathPythonEnv(ToolTaskEnv):
     """
 
     def __init__(self, sandbox: Any = "auto", kinds: tuple[str, ...] | None = None, **config: Any):
-        self.kinds = names("kinds", kinds, TEMPLATES) if kinds else tuple(TEMPLATES)
+        # None is every kind; an empty list is refused (it played every kind, silently)
+        self.kinds = names("kinds", kinds, TEMPLATES) if kinds is not None else tuple(TEMPLATES)
         config.setdefault("max_turns", 8)
         super().__init__(
             lambda rng: make_math_task(rng, self.kinds), ["python", "calculator"], sandbox, **config

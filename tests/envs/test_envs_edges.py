@@ -29,3 +29,11 @@ def test_alfworld_real_finds_games_that_arrived_after_it_found_none(tmp_path):
     env = ALFWorldRealEnv(split="train", data_dir=str(tmp_path / "data"), oracle=None)
     assert env.num_tasks == 1
     env.close()
+
+
+@pytest.mark.parametrize("kinds", [[], ()], ids=["list", "tuple"])
+def test_math_python_refuses_an_empty_list_of_kinds_as_alfworld_refuses_no_families(kinds):
+    from agentrl.envs.tooltasks.math_python import MathPythonEnv
+
+    with pytest.raises(EnvError, match="kinds"):
+        MathPythonEnv(kinds=kinds)
