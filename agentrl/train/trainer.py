@@ -519,7 +519,8 @@ def train(cfg: TrainRunConfig, *, resume: bool = False, overwrite: bool = False,
 
     ``resume`` continues from the newest checkpoint in ``train.output.dir``. A
     fresh run refuses an output folder that holds checkpoints unless ``overwrite``,
-    which removes the old run's checkpoints, TensorBoard events and saved trees.
+    which removes the old run's checkpoints, TensorBoard events and saved trees once
+    the new run's trainer is built (a config it refuses leaves them).
     ``train.steps=0`` without SFT is a dry run: the model and the rollout source
     are made, the plan printed, and nothing is evaluated or written.
     ``rollouts`` makes a rollout source other than the native engine (see ``Trainer``).
@@ -530,14 +531,15 @@ def train(cfg: TrainRunConfig, *, resume: bool = False, overwrite: bool = False,
     warm = sft_phase if cfg.sft.enabled else None
     dry = cfg.train.steps == 0 and warm is None
     with contextlib.nullcontext() if dry else output_lock(out):  # one run at a time in a folder
-        if not dry and not resume and latest_checkpoint(out) is not None:
-            if not overwrite:
-                raise ConfigError(f"train.output.dir={out} already holds checkpoints: pass --resume to "
-                                  "continue that run, or --overwrite to start over")
-            for old in ("checkpoints", "tensorboard", "trees"):  # else TensorBoard and the viewer mix two runs
-                shutil.rmtree(out / old, ignore_errors=True)
+        replace = not dry and not resume and latest_checkpoint(out) is not None
+        if replace and not overwrite:
+            raise ConfigError(f"train.output.dir={out} already holds checkpoints: pass --resume to "
+                              "continue that run, or --overwrite to start over")
         trainer = Trainer(cfg, policy=policy, console=console, progress=progress, rollouts=rollouts)
         try:
+            if replace:  # only now: a config the trainer refuses leaves the old run as it was
+                for old in ("checkpoints", "tensorboard", "trees"):  # else TensorBoard and the viewer mix two runs
+                    shutil.rmtree(out / old, ignore_errors=True)
             if dry:
                 plan = run_plan(cfg)
                 print_plan(trainer.console, plan)

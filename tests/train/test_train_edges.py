@@ -180,3 +180,17 @@ def test_m2po_masks_a_token_whose_sampler_logprob_is_minus_inf(advantage: float)
     assert float(loss.detach()) == pytest.approx(-0.5)
     assert lp.grad[0].tolist() == pytest.approx([-1 / 3, 0.0, -0.5 / 3])
     assert stats["m2po/masked_frac"] == pytest.approx(1 / 3)
+
+
+def test_overwrite_keeps_the_old_run_when_the_new_one_is_refused(tmp_path: Path) -> None:
+    """--overwrite (make run passes it) removed the old run's checkpoints, TensorBoard events
+    and trees first, then built the trainer; a config the trainer refuses (an env keyword the
+    env does not take, a teacher that does not load) then left neither run. The old one is now
+    removed only once the new one is built."""
+    from agentrl.train import checkpoint as ck
+    from agentrl.train.trainer import train
+
+    ck.save_checkpoint(tmp_path, 3, torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="env.kwargs"):
+        train(toy_config(tmp_path, *_QUIET, "env.kwargs={no_such_keyword: 1}"), overwrite=True, progress=False)
+    assert [p.name for p in ck.checkpoint_dirs(tmp_path)] == ["step-000003"]
