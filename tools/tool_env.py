@@ -9,11 +9,11 @@ OpenAI-style JSON, see ``agentrl.tools.parse``):
   ``style="json"``). Reward 0; the episode goes on.
 - **The action calls no tool**: it is the final answer (for a ``Task``, scored by
   ``task.score``, and the episode terminates) or the wrapped env's action (passed
-  to its ``step`` unchanged).
+  to its ``step`` as it is, after the reasoning below).
 
 The ``<think>...</think>`` block an action opens with (to the end of the action
-when it is left open) is reasoning: a call drafted there is not run, and the
-final answer leaves it out (``strip_thinking``).
+when it is left open) is reasoning: a call drafted there is not run, and neither
+the final answer (``strip_thinking``) nor the wrapped env's action holds it.
 
 Model mistakes never raise. Invalid JSON, an unknown tool, arguments that fail
 validation and calls over ``max_calls_per_turn`` each answer with an error
@@ -318,6 +318,12 @@ async def _invoke(tool: Tool, arguments: dict[str, Any], box: Sandbox | None) ->
         raise ToolError(f"it called exit({err.code!r})") from err
 
 
+def _after_reasoning(action: str) -> str:
+    """``action`` without the ``<think>`` block it opens with, nor the blank after it."""
+    m = _LEADING_THINK.match(action)
+    return action[m.end():].lstrip() if m else action
+
+
 def strip_thinking(text: str) -> str:
     """``text`` without ``<think>...</think>`` blocks, stripped."""
     return _THINK.sub("", text).strip()
@@ -480,7 +486,7 @@ class ToolEnv(TextEnv):
         self._replay_log["actions"].append(action)
         # Calls are read after the reasoning: one drafted while thinking is not made, and the
         # final answer (which leaves the thinking out too) is scored instead of lost.
-        parsed = parse_tool_calls(_LEADING_THINK.sub("", action) if isinstance(action, str) else action)
+        parsed = parse_tool_calls(_after_reasoning(action) if isinstance(action, str) else action)
         if parsed.attempted:
             out = await self._tool_turn(parsed)
         else:
@@ -660,7 +666,9 @@ class ToolEnv(TextEnv):
         if self.inner is not None:
             try:
                 assert self._inner_thread is not None
-                obs, reward, term, trunc, info = await self._inner_thread.call(self.inner.step, action)
+                # without its reasoning: GuessNumber read "<think>not 3</think>5" as a guess of 3
+                obs, reward, term, trunc, info = await self._inner_thread.call(
+                    self.inner.step, _after_reasoning(action))
                 reward = _as_reward(reward)
                 if not isinstance(obs, str):
                     raise TypeError(f"the observation must be a str, got {type(obs).__name__}")

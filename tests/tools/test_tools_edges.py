@@ -169,3 +169,15 @@ def test_many_blocks_each_opening_a_long_string_parse_quickly():
     start = time.perf_counter()
     res = parse_tool_calls(text)
     assert time.perf_counter() - start < 2.0 and res.calls == [] and res.errors
+
+
+def test_a_wrapped_env_gets_the_action_without_the_reasoning_it_opens_with():
+    from agentrl.envs.guess_number import GuessNumberEnv
+
+    env = ToolEnv(GuessNumberEnv(high=8, max_turns=8), tools=["calculator"])
+    env.reset(seed=0)
+    secret = env.inner.secret
+    wrong = secret % 8 + 1  # the first number of the raw text, which GuessNumber reads
+    obs, reward, terminated, truncated, info = env.step(f"<think>Not {wrong}, I think.</think>\n{secret}")
+    assert (obs, reward, terminated) == (f"Correct! The number was {secret}.", 1.0, True)
+    env.close()
