@@ -38,7 +38,7 @@ from ..config import DistributedConfig
 from ..errors import AgentRLError, ConfigError
 
 __all__ = ["LOCAL_SYSTEM_CONFIG", "cancel_call", "capacity", "check_placeable", "cluster_address", "connect", "free_per_node",
-           "ray_error", "ray_module", "recorded_cluster_file", "wait_for_room"]
+           "ray_error", "ray_module", "recorded_cluster_file", "restart_count", "wait_for_room"]
 
 LOCAL = "local"  # Ray's own word for "start a new local instance", whatever else runs here
 # Ray starts its workers at nice 15, so that a driver stays responsive. Here the workers do the
@@ -244,6 +244,19 @@ def free_per_node(ray: Any) -> list[dict[str, float]]:
 
 def _totals(nodes: list[dict[str, float]], need: dict[str, float]) -> dict[str, float]:
     return {k: sum(res.get(k, 0.0) for res in nodes) for k in need}
+
+
+def restart_count(actor: Any) -> int | None:
+    """How many times Ray has restarted ``actor`` (GCS's actor table); None where Ray cannot
+    say: its private state call is missing (another Ray) or cannot answer (Ray Client). A worker
+    that crashes while it starts shows it: Ray answers "temporarily unavailable", never "died",
+    under ``max_restarts=-1``, and only this count grows."""
+    import ray
+
+    try:
+        return int(ray._private.state.actors(actor._actor_id.hex())["NumRestarts"])
+    except Exception:  # noqa: BLE001 - AttributeError, KeyError, RaySystemError: unknown
+        return None
 
 
 def cancel_call(ref: Any) -> None:

@@ -32,7 +32,9 @@ Failures, in the engine's two columns:
   (``distributed.max_restarts``); the next episodes make fresh envs on it
   (an episode's first call, a reset, waits for the restart, up to
   ``RESTART_WAIT_S``, and makes the env anew where the dead incarnation held it).
-  A worker Ray will not restart (``max_restarts`` used up) is lost: the pool
+  A worker Ray will not restart (``max_restarts`` used up), or one Ray restarts
+  ``MAX_FAILED_STARTS`` times while a call waits for it (it crashes while it
+  starts: ``max_restarts=-1`` would restart it for ever), is lost: the pool
   deals it no more envs, and an episode whose first call finds it dead moves
   to a live worker; with every worker lost, each episode fails saying so,
   and the next engine cannot take the pool (``env_worker_pool`` raises once and
@@ -93,6 +95,7 @@ from .cluster import (
     connect,
     free_per_node,
     ray_error,
+    restart_count,
     wait_for_room,
 )
 
@@ -106,6 +109,9 @@ NODE_SANDBOX_BACKENDS = ("docker", "gvisor", "bwrap")
 # How long an episode's first call waits for its restarting worker (Ray answers "temporarily
 # unavailable" until the new process is up) before its episode fails.
 RESTART_WAIT_S = 120.0
+# Restarts Ray makes of a worker while one call waits for it: each a start that failed (it crashes
+# while it starts); at this many it is lost, as max_restarts=-1 would restart it for ever.
+MAX_FAILED_STARTS = 3
 # Calls one env worker runs at once (threads of a threaded actor): its envs step concurrently.
 MAX_CALLS_PER_WORKER = 64
 # How long a pool's shutdown waits for its workers to close the envs they host before it kills them.
@@ -249,16 +255,42 @@ class RayEnv:
             args, kwargs = (), {"seed": args[0] if args else None}
         return self._actor.call.remote(self.handle, self._fresh(method), method, args, kwargs)
 
-    def _restarting(self, e: BaseException, deadline: list[float], method: str) -> bool:
+    def _restarting(self, e: BaseException, wait: list[Any], method: str) -> bool:
         """Whether to send the call again: the worker is restarting and the call needs no
-        state the dead incarnation held (``_fresh``), so it can run on the next one."""
+        state the dead incarnation held (``_fresh``), so it can run on the next one. ``wait``:
+        the deadline and Ray's restart count when this call began waiting; once Ray has
+        restarted it ``MAX_FAILED_STARTS`` more times (each start crashed), it is lost and the
+        call goes to another worker (``_crash_looped``)."""
         from ray.exceptions import ActorUnavailableError
 
         if not self._fresh(method) or not isinstance(e, ActorUnavailableError):
             return False
-        if not deadline:
-            deadline.append(time.monotonic() + RESTART_WAIT_S)
-        return time.monotonic() < deadline[0]
+        if not wait:
+            wait += [time.monotonic() + RESTART_WAIT_S, restart_count(self._actor)]
+        restarts = restart_count(self._actor) if wait[1] is not None else None
+        if restarts is not None and restarts - wait[1] >= MAX_FAILED_STARTS:
+            failed = restarts - wait[1]
+            del wait[:]  # the next worker's wait begins anew
+            return self._crash_looped(e, failed, restarts)
+        return time.monotonic() < wait[0]
+
+    def _crash_looped(self, e: BaseException, failed: int, restarts: int) -> bool:
+        """The worker failed to start ``failed`` times in a row: kill it (Ray would restart it
+        for ever, holding its CPUs), tell the pool it is lost, and move to a live worker (True);
+        with none left, or no pool, ``EnvError`` saying why."""
+        import ray
+
+        why = (f"env worker {self._index} failed to start {failed} times in a row (Ray restarted it {restarts} "
+               f"times; MAX_FAILED_STARTS={MAX_FAILED_STARTS}): it crashes while it starts")
+        with contextlib.suppress(Exception):  # already dead, or the cluster is gone
+            ray.kill(self._actor, no_restart=True)
+        if self._pool is None:
+            raise EnvError(why) from e
+        nxt = self._pool.lost(self._index, why)
+        if nxt is None:
+            raise EnvError(self._pool.gone() or why) from e
+        self._index, self._actor = nxt
+        return True
 
     def _moved(self, e: BaseException, method: str) -> bool:
         """Whether to send the call again, to another worker: this one is lost for good
@@ -278,7 +310,7 @@ class RayEnv:
 
     async def acall(self, method: str, *args: Any) -> Any:
         """``method`` of the hosted env, awaited on the caller's loop."""
-        deadline: list[float] = []
+        wait: list[Any] = []
         while True:
             ref = self._ref(method, args)
             try:
@@ -289,7 +321,7 @@ class RayEnv:
                     self._pool.abandoned(self._index, ref)
                 raise
             except Exception as e:
-                if self._restarting(e, deadline, method):
+                if self._restarting(e, wait, method):
                     await asyncio.sleep(0.1)
                     continue
                 if self._moved(e, method):
@@ -301,12 +333,12 @@ class RayEnv:
     def _get(self, method: str, *args: Any) -> Any:
         import ray
 
-        deadline: list[float] = []
+        wait: list[Any] = []
         while True:
             try:
                 value = ray.get(self._ref(method, args))
             except Exception as e:
-                if self._restarting(e, deadline, method):
+                if self._restarting(e, wait, method):
                     time.sleep(0.1)
                     continue
                 if self._moved(e, method):

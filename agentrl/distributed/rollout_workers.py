@@ -69,7 +69,7 @@ from typing import Any
 from ..config import Config, DistributedConfig, PolicyConfig
 from ..errors import PolicyError
 from ..policy.base import GenerateRequest, GenerateResult, SamplingParams
-from .cluster import cancel_call, check_placeable, connect, ray_error, wait_for_room
+from .cluster import cancel_call, check_placeable, connect, ray_error, restart_count, wait_for_room
 from .ray_sampler import RaySampler
 from .weights import merged_weights, wire_weights
 
@@ -628,22 +628,11 @@ def _await_restart(worker: Any, timeout_s: float, max_failed_starts: int | None 
         except ActorUnavailableError:
             if time.monotonic() > deadline:
                 raise
-            if max_failed_starts is not None and (restarts := _restart_count(worker)) is not None:
+            if max_failed_starts is not None and (restarts := restart_count(worker)) is not None:
                 first = restarts if first is None else first
                 if restarts - first >= max_failed_starts:
                     raise _CrashLoop(restarts - first, restarts) from None
             time.sleep(0.1)
-
-
-def _restart_count(worker: Any) -> int | None:
-    """How many times Ray has restarted ``worker`` (GCS's actor table); None where Ray cannot
-    say: its private state call is missing (another Ray) or cannot answer (Ray Client)."""
-    import ray
-
-    try:
-        return int(ray._private.state.actors(worker._actor_id.hex())["NumRestarts"])
-    except Exception:  # noqa: BLE001 - AttributeError, KeyError, RaySystemError: unknown
-        return None
 
 
 class _CrashLoop(Exception):

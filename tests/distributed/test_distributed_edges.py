@@ -163,7 +163,7 @@ def test_a_worker_that_crashes_on_every_start_is_lost_after_max_failed_starts(fa
     and never says "died"; its requests waited on it and the run never stopped. Ray counts its
     restarts (GCS): each one while a wait for it found it restarting is a start that failed."""
     restarts = iter(range(1, 100))  # Ray's count, growing while the worker never answers
-    monkeypatch.setattr(rollout_workers, "_restart_count", lambda worker: next(restarts), raising=False)
+    monkeypatch.setattr(rollout_workers, "restart_count", lambda worker: next(restarts))
     w = _Worker(info=_unavailable())
     p = _policy([w], call_timeout_s=2.0)
     p._stale, p._max_restarts = {0}, -1
@@ -177,7 +177,7 @@ def test_a_worker_that_crashes_on_every_start_is_lost_after_max_failed_starts(fa
 def test_without_a_restart_count_restart_waits_that_time_out_count_as_failed_starts(fake_get, kills, monkeypatch):
     """Where Ray cannot say how often it restarted the worker (Ray Client), each wait for it
     that ran out is a failed start; an answer in between starts the count again."""
-    monkeypatch.setattr(rollout_workers, "_restart_count", lambda worker: None, raising=False)
+    monkeypatch.setattr(rollout_workers, "restart_count", lambda worker: None)
     up = [False]
     w = _Worker(info=lambda: {"incarnation": "new", "version": 0} if up[0] else (_ for _ in ()).throw(_unavailable()),
                 set_version=None)
@@ -208,7 +208,7 @@ def test_restarts_before_the_wait_are_no_failed_starts(fake_get, kills, monkeypa
     """A worker Ray restarted 10 times before (each death noticed or not) that comes back after
     one more restart is ready, not lost: only restarts during a wait count."""
     counts = iter([10, 10, 11])
-    monkeypatch.setattr(rollout_workers, "_restart_count", lambda worker: next(counts))
+    monkeypatch.setattr(rollout_workers, "restart_count", lambda worker: next(counts))
     w = _Worker(info=[_unavailable(), _unavailable(), _unavailable(), {"incarnation": "new", "version": 0}],
                 set_version=None)
     p = _policy([w], call_timeout_s=5.0)
@@ -352,3 +352,43 @@ def test_a_pool_waiting_for_room_holds_up_no_other_caller(monkeypatch):
         first.join(10)
     second.join(10)
     assert len(got) == 2 and got[0] is got[1] and got[0].users == 2  # ... and shares it
+
+
+# -- 2b. the same for env workers ---------------------------------------------------------------
+class _EnvActor:
+    """An env-worker handle: ``call.remote`` gives a ``_Call`` that ``ray.get`` (faked) answers."""
+
+    def __init__(self, name: str, answer):
+        self.name, self._answer = name, answer
+        self.call = _Method(self, "call")
+
+    def answer(self, call: _Call):
+        a = self._answer
+        if isinstance(a, BaseException):
+            raise a
+        return a
+
+
+def test_an_env_worker_that_crashes_on_every_start_is_lost_and_the_episode_moves(fake_get, kills, monkeypatch):
+    """``max_restarts=-1``: an env worker that crashes while it starts is restarted for ever;
+    each episode dealt to it waited ``RESTART_WAIT_S`` (120 s) and failed, and the run never
+    stopped. Now its restarts during an episode's first call count: at ``MAX_FAILED_STARTS`` it
+    is lost (killed), and the call goes to a live worker."""
+    from agentrl.distributed import env_workers
+    from agentrl.distributed.env_workers import EnvWorkerPool
+
+    restarts = iter(range(1, 100))
+    monkeypatch.setattr(env_workers, "restart_count", lambda actor: next(restarts) if actor.name == "w0" else 0,
+                        raising=False)
+    monkeypatch.setattr(env_workers, "RESTART_WAIT_S", 5.0)  # the old wait, shortened
+    w0, w1 = _EnvActor("w0", _unavailable()), _EnvActor("w1", ("obs", {}))
+    pool = object.__new__(EnvWorkerPool)
+    pool.env_id, pool.workers, pool.options = "agentrl/GuessNumber-v0", [w0, w1], {"max_restarts": -1,
+                                                                                  "max_concurrency": 4}
+    pool._next, pool._lost, pool._lost_reason, pool._lock = 0, set(), "", threading.Lock()
+    pool._abandoned = [[], []]
+    env = pool.make_env()
+    assert env._index == 0
+    assert env.reset(seed=1) == ("obs", {})  # on w1, at once: not after a 120 s wait
+    assert env._index == 1 and pool._lost == {0} and kills == [w0]
+    assert "env worker 0 failed to start 3 times in a row" in pool._lost_reason
