@@ -62,6 +62,7 @@ import inspect
 import math
 import numbers
 import queue
+import random
 import re
 import threading
 import traceback
@@ -318,6 +319,21 @@ async def _invoke(tool: Tool, arguments: dict[str, Any], box: Sandbox | None) ->
         raise ToolError(f"it called exit({err.code!r})") from err
 
 
+@functools.lru_cache(maxsize=4)
+def _order(n: int, epoch: int) -> list[int]:
+    """The tasks of a list of ``n``, in the order seeds ``epoch * n ..`` play them."""
+    order = list(range(n))
+    random.Random(epoch).shuffle(order)
+    return order
+
+
+def _shuffled(n: int, seed: int) -> int:
+    """The index of the task ``seed`` plays in a list of ``n``: each run of ``n`` seeds
+    from a multiple of ``n`` plays every task once, in an order of its own."""
+    seed = int(seed)  # a numpy int too: random.Random takes no other
+    return _order(n, seed // n)[seed % n]
+
+
 def _after_reasoning(action: str) -> str:
     """``action`` without the ``<think>`` block it opens with, nor the blank after it."""
     m = _LEADING_THINK.match(action)
@@ -342,9 +358,9 @@ class _Outcome:
 class ToolEnv(TextEnv):
     """Wraps a ``TextEnv`` or a task source into a tool-calling ``TextEnv``.
 
-    ``source`` is a ``TextEnv``, a ``Task``, a sequence of tasks (``reset(seed=s)``
-    plays task ``s % len``, an unseeded reset draws one) or a function
-    ``rng -> Task``. ``tools`` are ``Tool`` instances or built-in tool names.
+    ``source`` is a ``TextEnv``, a ``Task``, a sequence of tasks (seeds ``0 .. n-1`` play
+    each once in a shuffled order, as each later run of ``n`` seeds does; an unseeded
+    reset draws one) or a function ``rng -> Task``. ``tools`` are ``Tool`` instances or built-in tool names.
     ``reset(options={"task": Task(...)})`` plays a given task.
     """
 
@@ -400,8 +416,8 @@ class ToolEnv(TextEnv):
     # -- public API --------------------------------------------------------------
     @property
     def num_tasks(self) -> int | None:
-        """For a list of tasks, how many it holds: ``reset(seed=s)`` plays task ``s % num_tasks``
-        (``agentrl eval`` plays seeds ``0 .. num_tasks - 1``). None for other sources."""
+        """For a list of tasks, how many it holds: seeds ``0 .. num_tasks - 1`` play each once
+        (``agentrl eval`` plays them). None for other sources."""
         src = self._tasks
         if isinstance(src, Sequence) and not isinstance(src, str) and len(src) > 0:
             return len(src)
@@ -624,9 +640,10 @@ class ToolEnv(TextEnv):
         if callable(src):
             task = src(self.np_random)
         elif isinstance(src, Sequence) and len(src) > 0:
-            # Seed s plays task s % n, so seeds 0..n-1 (an evaluation's) play each task once;
-            # drawn from the seeded generator, seeds 0..9 played 5 of 10 tasks, some twice.
-            index = seed % len(src) if seed is not None else int(self.np_random.integers(len(src)))
+            # Seeds kn..kn+n-1 play each task once (an evaluation's 0..n-1 the whole list), in
+            # a shuffled order: training's consecutive seeds would walk a sorted list in order.
+            # Drawn from the seeded generator, seeds 0..9 played 5 of 10 tasks, some twice.
+            index = _shuffled(len(src), seed) if seed is not None else int(self.np_random.integers(len(src)))
             task = src[index]
         else:
             raise EnvError(

@@ -116,11 +116,14 @@ def _task_list(n: int) -> list[Task]:
 
 
 def test_seeds_zero_to_n_minus_one_play_each_task_of_a_list_once():
-    env = ToolEnv(_task_list(10))
-    prompts = [env.reset(seed=seed)[0] for seed in range(10)]
-    assert prompts == [f"question {i}" for i in range(10)]
-    assert env.reset(seed=13)[0] == "question 3"  # and then around again
-    assert env.num_tasks == 10  # what agentrl eval reads to play the whole list
+    env = ToolEnv(_task_list(20))
+    every = {f"question {i}" for i in range(20)}
+    first = [env.reset(seed=seed)[0] for seed in range(20)]
+    again = [env.reset(seed=seed)[0] for seed in range(20, 40)]
+    assert set(first) == every and set(again) == every  # each run of 20 seeds plays each once
+    assert first != sorted(first, key=lambda p: int(p.split()[1]))  # shuffled: not the list's order
+    assert first != again and env.reset(seed=7)[0] == first[7]  # each run its own order; repeatable
+    assert env.num_tasks == 20  # what agentrl eval reads to play the whole list
     env.close()
 
 
