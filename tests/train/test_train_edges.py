@@ -194,3 +194,21 @@ def test_overwrite_keeps_the_old_run_when_the_new_one_is_refused(tmp_path: Path)
     with pytest.raises(ConfigError, match="env.kwargs"):
         train(toy_config(tmp_path, *_QUIET, "env.kwargs={no_such_keyword: 1}"), overwrite=True, progress=False)
     assert [p.name for p in ck.checkpoint_dirs(tmp_path)] == ["step-000003"]
+
+
+def test_a_resume_with_another_lora_rank_names_the_key(tmp_path: Path) -> None:
+    """LoRA adapters of another rank have the same names and other shapes: copy_ raised torch's
+    bare size mismatch out of the resume. Now the ConfigError names train.lora.r."""
+    torch.set_num_threads(1)
+    lora = [*_QUIET, "train.trainable=lora"]
+    first = Trainer(toy_config(tmp_path, *lora, "train.lora.r=4"), progress=False)
+    try:
+        first.save()
+    finally:
+        first.close()
+    again = Trainer(toy_config(tmp_path, *lora, "train.lora.r=2"), progress=False)
+    try:
+        with pytest.raises(ConfigError, match=r"train\.lora\.r: the checkpoint trained 4, this run 2; .*another shape"):
+            again.resume()
+    finally:
+        again.close()
