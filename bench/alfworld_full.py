@@ -102,7 +102,7 @@ def main() -> None:
         out = run_dir / f"eval_{split}" if not args.model else ROOT / "runs" / "bench_alfworld_full" / f"{slug}_{split}"
         wall = run(AGENTRL + ["eval", "--env", cfg["env"]["id"], "--split", split, "--model", model,
                               "--config", str(cfg_path), "--episodes", str(args.episodes), "--out", str(out),
-                              "--no-progress", *sets])
+                              "--overwrite", "--no-progress", *sets])  # a rerun (--skip-train) evaluates again
         summary = json.loads((out / "summary.json").read_text())
         report = summary["reports"][0]
         entry["splits"][split] = {"eval_wall_s": round(wall, 1), "model": summary["model"], "tasks": report["tasks"],
