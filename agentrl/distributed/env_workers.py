@@ -499,8 +499,9 @@ def env_worker_pool(cfg: Config, env_id: str | None = None) -> EnvWorkerPool:
     """The env workers for ``cfg``'s env (or ``env_id``) on the connected cluster, taken for one
     more user (give it back with ``release_env_worker_pool``); made on the first call in this
     process and reused after (see the module docstring). Making one (which may wait for room,
-    ``wait_for_room``, and shut idle pools down) holds no lock: other callers go on, and one
-    that wants the same pool waits for it and shares it."""
+    ``wait_for_room``, and shut idle pools down) holds no lock: other callers go on; one that
+    wants the same pool waits for it and shares it, and one that makes another pool of the same
+    env waits until it is made (which idle pools to free depends on the room it took)."""
     dist = cfg.distributed
     if dist is None:
         raise EnvError("rollout.env_executor=ray needs the distributed section")
@@ -508,7 +509,7 @@ def env_worker_pool(cfg: Config, env_id: str | None = None) -> EnvWorkerPool:
     key = _pool_key(ray, cfg, env_id)
     while True:
         with _POOLS_LOCK:
-            making = _MAKING.get(key)
+            making = next((ev for k, ev in _MAKING.items() if _same_env(k, key)), None)
             if making is None:
                 pool = _POOLS.get(key)
                 if pool is not None and (why := pool.gone()):  # each episode would fail, step after step
@@ -520,7 +521,7 @@ def env_worker_pool(cfg: Config, env_id: str | None = None) -> EnvWorkerPool:
                 made = _MAKING[key] = threading.Event()
         if making is None:  # this caller makes it, with no lock held
             return _made_pool(cfg, key, env_id, stale, made)
-        making.wait()  # another caller is making this pool: take it (or make it where that failed)
+        making.wait()  # another caller is making this pool (take it) or one of this env (then count the room)
     _shutdown_quietly([pool])  # outside the lock: it waits for the (dead) workers' close_all
     raise EnvError(f"{why}: no episode can run, so the run stops (the next pool of this env starts new workers)")
 
@@ -537,13 +538,19 @@ def _idle_pools_to_free(ray: Any, cfg: Config, key: tuple[str, ...], env_id: str
     """The idle pools of ``key``'s env a new pool shuts down first, taken out of ``_POOLS`` (call
     with ``_POOLS_LOCK`` held): the retired ones, and the others but the most recent, or all of
     them where the cluster has no room for the new pool's workers beside that one."""
-    idle = sorted((k for k, p in _POOLS.items() if p.users == 0 and k[:3] == key[:3] and k[5] == key[5]),
+    idle = sorted((k for k, p in _POOLS.items() if p.users == 0 and _same_env(k, key)),
                   key=lambda k: _POOLS[k].last_used, reverse=True)
     keep = [k for k in idle if not _POOLS[k].retired][:KEEP_IDLE]
     if not _room_for(ray, cfg.distributed, env_id or cfg.env.id, cfg.env.kwargs, cfg.env.imports,
                      freed=[_POOLS[k] for k in idle if k not in keep]):
         keep = []
     return [_POOLS.pop(k) for k in idle if k not in keep]
+
+
+def _same_env(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    """Whether two pool keys are pools of one env (any env kwargs) on one node, job and
+    distributed section: the pools a new one may shut down to make room."""
+    return a[:3] == b[:3] and a[5] == b[5]
 
 
 def _made_pool(cfg: Config, key: tuple[str, ...], env_id: str | None, stale: list[EnvWorkerPool],

@@ -307,12 +307,14 @@ def test_a_pool_waiting_for_room_holds_up_no_other_caller(monkeypatch):
     """A new pool waits up to 30 s for free CPUs (``wait_for_room``), and shutting idle pools
     down up to 20 s; both ran under the lock of every pool, so an engine giving its pool back,
     the producer asking ``lost_env_workers`` and another env's pool all waited. A second caller
-    for the pool being made waits for it and shares it: never two pools for one key."""
+    for the pool being made waits for it and shares it (never two pools for one key), and one
+    for another level of the same env waits until it is made, to count the room it took."""
     import time
 
     from agentrl.distributed import env_workers
 
     waiting, room = threading.Event(), threading.Event()
+    made: list[str] = []
 
     class SlowPool:
         def __init__(self, env_id, kwargs, dist, imports=()):
@@ -320,6 +322,7 @@ def test_a_pool_waiting_for_room_holds_up_no_other_caller(monkeypatch):
             if kwargs.get("max_turns") == 3:  # this level's workers wait for room
                 waiting.set()
                 room.wait(10)
+            made.append(f"{env_id.split('/')[-1]}:{kwargs.get('max_turns')}")
 
         def gone(self) -> None:
             return None
@@ -329,29 +332,35 @@ def test_a_pool_waiting_for_room_holds_up_no_other_caller(monkeypatch):
     monkeypatch.setattr(env_workers, "_room_for", lambda *a, **k: True)
     monkeypatch.setattr(env_workers, "_POOLS", {})
 
-    def cfg(turns: int):
-        return load_config(overrides=["env.id=agentrl/GuessNumber-v0", f"env.kwargs={{max_turns: {turns}}}",
+    def cfg(turns: int, env: str = "agentrl/GuessNumber-v0"):
+        return load_config(overrides=[f"env.id={env}", f"env.kwargs={{max_turns: {turns}}}",
                                       "rollout.env_executor=ray", "distributed.ray=auto"])
 
-    got: list[object] = []
-    first = threading.Thread(target=lambda: got.append(env_workers.env_worker_pool(cfg(3))))
-    first.start()
+    got: dict[str, object] = {}
+
+    def take(name: str, c) -> threading.Thread:
+        t = threading.Thread(target=lambda: got.__setitem__(name, env_workers.env_worker_pool(c)))
+        t.start()
+        return t
+
+    first = take("first", cfg(3))
     try:
         assert waiting.wait(10)
         t0 = time.monotonic()
-        other = env_workers.env_worker_pool(cfg(4))  # another level's pool: made at once
+        other = env_workers.env_worker_pool(cfg(5, "agentrl/ALFWorld-v0"))  # another env's pool: made at once
         env_workers.release_env_worker_pool(other)
         assert env_workers.lost_env_workers() is None
         assert time.monotonic() - t0 < 2.0
-        second = threading.Thread(target=lambda: got.append(env_workers.env_worker_pool(cfg(3))))
-        second.start()
+        same, level = take("same", cfg(3)), take("level", cfg(4))
         time.sleep(0.2)
-        assert got == []  # it waits for the pool being made ...
+        assert set(got) == set() and made == ["ALFWorld-v0:5"]  # both wait for the pool being made
     finally:
         room.set()
         first.join(10)
-    second.join(10)
-    assert len(got) == 2 and got[0] is got[1] and got[0].users == 2  # ... and shares it
+    same.join(10)
+    level.join(10)
+    assert got["first"] is got["same"] and got["first"].users == 2  # shared
+    assert made == ["ALFWorld-v0:5", "GuessNumber-v0:3", "GuessNumber-v0:4"]
 
 
 # -- 2b. the same for env workers ---------------------------------------------------------------
