@@ -15,6 +15,7 @@ the samples into episode rows or, with ``tree``, prefix-tree rows (``rows``).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -353,7 +354,7 @@ def train_on_samples(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
     net = base_model(model)
     params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
-    n_steps, tokens = 0, 0
+    n_steps, tokens, skipped = 0, 0, 0
     net.train()
     try:
         for order in orders:
@@ -362,18 +363,31 @@ def train_on_samples(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
                                        per_token=per_token, max_tokens=max_tokens, pad_id=pad_id,
                                        temperature=temperature, tree=tree, anchor=anchor_first and n_steps == 0)
                 if max_grad_norm is not None:
-                    st["grad/norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
-                optimizer.step()
-                if scheduler is not None:
+                    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+                else:
+                    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+                if torch.isfinite(norm):
+                    optimizer.step()
+                    if max_grad_norm is not None:
+                        st["grad/norm"] = float(norm)
+                else:  # AdamW would write NaN into every weight and its moments for good
+                    skipped += 1
+                    st = {}
+                if scheduler is not None:  # the schedule keeps its plan either way
                     scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 for k, v in st.items():
                     merge_stat(sums, k, v, 1.0)
-                n_steps, tokens = n_steps + 1, tokens + n
+                if st:
+                    n_steps, tokens = n_steps + 1, tokens + n
                 if on_minibatch:
                     on_minibatch()
     finally:
         net.eval()
     out = {k: v if "/max_" in k else v / max(n_steps, 1) for k, v in sums.items()}
     out.update({"train/optimizer_steps": n_steps, "train/tokens": tokens})
+    if skipped:
+        out["train/nonfinite_grad_steps"] = skipped
+        warnings.warn(f"{skipped} minibatch(es) had a gradient that is not finite: their optimizer "
+                      "steps were skipped (train/nonfinite_grad_steps)", RuntimeWarning, stacklevel=2)
     return out

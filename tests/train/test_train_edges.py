@@ -212,3 +212,32 @@ def test_a_resume_with_another_lora_rank_names_the_key(tmp_path: Path) -> None:
             again.resume()
     finally:
         again.close()
+
+
+def test_a_minibatch_whose_gradient_is_not_finite_steps_no_weight_and_is_counted(tiny_model):
+    """A NaN or inf gradient (a ratio overflowing past 88 nats, say) went into AdamW, which wrote NaN
+    into every weight and its moments for good. That minibatch's step is skipped and counted; the
+    next one steps as usual."""
+    import copy
+
+    from agentrl.train.batch import Sample, train_on_samples
+    from agentrl.train.loss import PolicyLossConfig, StepLoss
+
+    model = copy.deepcopy(tiny_model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    calls = []
+    param = next(p for p in model.parameters() if p.requires_grad)
+    param.register_hook(lambda g: g * float("nan") if not calls.append(1) and len(calls) == 1 else g)
+    n = 12
+    samples = [Sample(list(range(5 + k, 5 + k + n)), [0] * 4 + [1] * (n - 4), [-1.0] * n,
+                      [0.0] * 4 + [1.0 - 2 * k] * (n - 4), [0] * n) for k in range(2)]
+    st = train_on_samples(model, opt, None, samples, StepLoss(PolicyLossConfig(), version=0),
+                          fields=("advantages", "behaviour", "versions"), epochs=1, minibatch_size=1,
+                          max_tokens=2048, max_grad_norm=1.0, per_token=True, pad_id=0, temperature=1.0,
+                          orders=[[0, 1]])
+    assert len(calls) == 2
+    assert st["train/nonfinite_grad_steps"] == 1 and st["train/optimizer_steps"] == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.isfinite(v).all() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())  # the second step ran
