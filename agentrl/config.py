@@ -376,6 +376,14 @@ class DistributedConfig(_Strict):
         2, ge=0, description="Times a request whose rollout worker died is sent to another worker "
         "(or to the same one once restarted, which first loads the current weights); past that "
         "its episode fails with the reason recorded.")
+    call_timeout_s: float = Field(
+        600.0, gt=0, description="Seconds a rollout worker may take to answer a start, settings or "
+        "weights call (a slow-loading model needs more); past it the worker counts as slow "
+        "(rollout_workers/slow_calls) and reloads the weights before it serves again.")
+    max_failed_starts: int = Field(
+        3, ge=1, description="Failed starts in a row (restarts Ray makes while a call waits, or waits "
+        "that run out) after which a rollout worker is lost, with the reason; with max_restarts=-1 "
+        "a worker that crashes on every start would otherwise be restarted for ever.")
     max_request_deaths: int = Field(
         2, ge=1, description="Rollout-worker deaths one request may be running on: at that many it "
         "fails (its episode records why) instead of going to another worker, whatever generate_retries "

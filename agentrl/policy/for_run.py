@@ -69,4 +69,5 @@ def policy_for_run(cfg: Config, trainable: bool = False) -> Policy:
         model, tokenizer = load_model(p.model, dtype=p.dtype, device=p.device)
     else:
         model, tokenizer = None, load_tokenizer(p.model)
-    return RayPolicy(p, dist, tokenizer, model)
+    return RayPolicy(p, dist, tokenizer, model, call_timeout_s=dist.call_timeout_s,
+                     max_failed_starts=dist.max_failed_starts)

@@ -401,3 +401,28 @@ def test_an_env_worker_that_crashes_on_every_start_is_lost_and_the_episode_moves
     assert env.reset(seed=1) == ("obs", {})  # on w1, at once: not after a 120 s wait
     assert env._index == 1 and pool._lost == {0} and kills == [w0]
     assert "env worker 0 failed to start 3 times in a row" in pool._lost_reason
+
+
+def test_the_distributed_section_sets_the_rollout_workers_call_timeout_and_failed_starts(monkeypatch):
+    """distributed.call_timeout_s and distributed.max_failed_starts reach RayPolicy (they were
+    keyword arguments no config could set); a bad value fails naming its key."""
+    import agentrl.distributed.rollout_workers as rw
+    from agentrl.config import load_config
+    from agentrl.errors import ConfigError
+    from agentrl.policy.for_run import policy_for_run
+
+    seen = {}
+
+    class Captured:
+        def __init__(self, policy, dist, tokenizer, model=None, **kwargs):
+            seen.update(kwargs)
+
+    monkeypatch.setattr(rw, "RayPolicy", Captured)
+    monkeypatch.setattr("agentrl.models.load_tokenizer", lambda name: None)
+    cfg = load_config(overrides=["distributed.num_rollout_workers=1", "distributed.call_timeout_s=42.5",
+                                 "distributed.max_failed_starts=5"])
+    policy_for_run(cfg)
+    assert seen == {"call_timeout_s": 42.5, "max_failed_starts": 5}
+    for bad in ("distributed.call_timeout_s=0", "distributed.max_failed_starts=0"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0].split(".")[1]):
+            load_config(overrides=["distributed.num_rollout_workers=1", bad])
