@@ -99,7 +99,7 @@ import httpx
 from agentrl.errors import ProxyError
 from agentrl.types import RolloutTree
 
-from .harness_guard import START_FAILED, kill_marked
+from .harness_guard import START_FAILED, kill_descendants, kill_marked
 
 __all__ = ["EnvServer", "SessionHandle", "anchored_argv", "drop_session", "expand_argv", "harness_argv",
            "open_session", "run_harness_episode"]
@@ -269,6 +269,8 @@ async def _run(argv: list[str], env: dict[str, str], timeout: float | None, cwd:
     except TimeoutError:
         code = None
     finally:  # a timeout or our own cancellation: the harness and its children go
+        if proc.returncode is None:  # the guard lives (its pid is no other's): first all below it,
+            await asyncio.to_thread(kill_descendants, proc.pid)  # which its group's kill would orphan
         _kill_group(proc)
         if sid := env.get("AGENTRL_SESSION_ID"):  # on a thread: it reads every process's environ
             await asyncio.to_thread(kill_marked, f"AGENTRL_SESSION_ID={sid}".encode())

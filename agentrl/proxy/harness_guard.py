@@ -63,18 +63,21 @@ def descendants(root: int) -> list[int]:
     return found
 
 
-def kill_descendants(passes: int = 20) -> None:
-    """Kill every process below this one, reaping those orphaned to it; a pass more for each
-    generation that was forking meanwhile (their orphans come up to this subreaper)."""
+def kill_descendants(root: int | None = None, passes: int = 20) -> None:
+    """Kill every process below ``root`` (None: this one, which reaps those orphaned to it); a
+    pass more for each generation that was forking meanwhile (their orphans come up to the
+    guard, the subreaper). ``root`` must be alive, or its pid may be another process's."""
     me = os.getpid()
+    root = me if root is None else root
     for _ in range(passes):
-        pids = descendants(me)
+        pids = descendants(root)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
+        if root == me:
+            with contextlib.suppress(ChildProcessError):
+                while os.waitpid(-1, os.WNOHANG)[0]:
+                    pass
         if not pids:
             return
 

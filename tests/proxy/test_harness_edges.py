@@ -381,3 +381,32 @@ def test_a_guard_whose_trainer_is_already_gone_kills_only_its_own_group(tmp_path
     script = f"{shlex.quote(sys.executable)} -I -S {shlex.quote(harness._GUARD)} 1 -- true; echo survived"
     out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=30, start_new_session=True)
     assert out.stdout == "survived\n"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard runs on Linux")
+def test_an_unmarked_child_outside_the_group_is_killed_when_its_harness_times_out(mock_policy, serve, tmp_path):
+    """On a timeout the runner killed the guard's group, the guard with it, before the guard
+    could kill what the harness left outside the group: an unmarked child lived on. Now the
+    runner kills everything below the guard first."""
+    import signal
+    import time
+
+    pidfile = tmp_path / "pid"
+    proxy = serve(mock_policy())
+    hangs = UNMARKED + "import time; time.sleep(60)\n"
+
+    async def run():
+        session = await open_session(proxy.url)
+        return await run_harness_episode([sys.executable, "-c", hangs, str(pidfile)], session, timeout=3)
+
+    tree = asyncio.run(run())
+    pid = int(pidfile.read_text())
+    try:
+        assert tree.meta["error"].startswith("harness timed out")
+        deadline = time.monotonic() + 5
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid)
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
