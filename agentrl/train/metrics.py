@@ -184,7 +184,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     for i, line in enumerate(lines, 1):
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, an int past 4,300 digits, nested past the parser
             row = None
         if isinstance(row, dict):
             rows.append(row)

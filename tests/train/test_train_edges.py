@@ -241,3 +241,16 @@ def test_a_minibatch_whose_gradient_is_not_finite_steps_no_weight_and_is_counted
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert all(torch.isfinite(v).all() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())  # the second step ran
+
+
+def test_read_metrics_skips_a_line_nested_past_the_parser_or_with_a_huge_int(tmp_path):
+    """Such a line raised RecursionError or ValueError (not JSONDecodeError) out of read_metrics,
+    so a resume or `agentrl report` of that run stopped; it is skipped with a warning, as a
+    torn line is."""
+    from agentrl.train.metrics import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n' + "[" * 100_000 + "\n" + '{"x": ' + "1" * 5000 + "}\n" + '{"step": 2}\n')
+    with pytest.warns(RuntimeWarning, match="metrics.jsonl:2: skipped"):
+        rows = read_metrics(path)
+    assert rows == [{"step": 1}, {"step": 2}]
