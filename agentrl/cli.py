@@ -95,6 +95,7 @@ def rollout(
     from .policy.for_run import open_policy, settle_for_command
     from .rollout import RunInterrupted, run_episodes, summarize, write_run
     from .rollout.allocators import ALLOCATORS
+    from .rollout.budget import planned_episodes
     from .rollout.summary import check_no_results
     from .train.output_lock import output_lock
 
@@ -114,11 +115,10 @@ def rollout(
             check_no_results(cfg.rollout.out_dir, "rollout.out_dir", overwrite)  # under the lock
             console.print(settle_for_command(cfg))
             r = cfg.rollout
-            total = r.budget if r.budget and r.budget_unit == "leaves" else None
             with open_policy(cfg) as policy, Progress(
                     "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), console=console, disable=not progress) as bar:
-                task = bar.add_task(f"{cfg.env.id} episodes", total=total or r.episodes * r.group_size)
+                task = bar.add_task(f"{cfg.env.id} episodes", total=planned_episodes(r, r.episodes))
                 t0 = time.perf_counter()
                 try:
                     trees, interrupted = run_episodes(cfg.env.id, policy, cfg,

@@ -250,3 +250,20 @@ def test_a_harness_env_the_os_refuses_fails_when_the_config_loads(env, said):
 
     with pytest.raises(ValueError, match=f"train.harness_env\n.*{said}"):
         TrainRunConfig.model_validate({"train": {"harness_env": env}})
+
+
+def test_the_rollout_bar_counts_to_the_episodes_independent_n_plays(tmp_path, monkeypatch):
+    """3 tasks, group_size 4, independent n=2: 6 episodes play; the bar was made for 12 (it was
+    corrected only once the run ended)."""
+    from rich.progress import Progress
+
+    totals = []
+    add_task = Progress.add_task
+    monkeypatch.setattr(Progress, "add_task", lambda self, *a, **k: totals.append(k.get("total")) or add_task(
+        self, *a, **k))
+    result = runner.invoke(_app(), ["rollout", "--env", "agentrl/GuessNumber-v0", "--episodes", "3", *MOCK,
+                                    "--set", "rollout.group_size=4", "--allocator", "independent", "--allocator-option", "n=2",
+                                    "--out", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    assert totals == [6]
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["episodes"] == 6

@@ -19,7 +19,7 @@ from typing import Any
 from ..types import RolloutTree
 from .allocators import Branch, Budget, Fresh, is_open, leaf_cost
 
-__all__ = ["BudgetMeter", "BudgetSpent"]
+__all__ = ["BudgetMeter", "BudgetSpent", "planned_episodes"]
 
 
 class BudgetSpent(Exception):
@@ -129,3 +129,17 @@ def clip(tree: RolloutTree, req: Fresh | Branch, left: int, report: dict[str, An
         return Fresh(req.task, req.n - over, req.max_turns, req.reason) if req.n > over else None
     k = req.k - over
     return Branch(req.task, req.node, k, req.at_token, req.max_turns, req.reason) if k >= 1 else None
+
+
+def planned_episodes(rollout: Any, tasks: int) -> int:
+    """The episodes ``agentrl.rollout.collect`` plays for ``tasks`` tasks under ``rollout`` (a
+    ``RolloutConfig``), which a progress bar counts to (a training step's, ``agentrl rollout``'s): a leaves budget's total (its default is
+    ``tasks * group_size``), or fewer where ``independent``'s ``n`` per task caps it. The bar was
+    made for ``tasks * group_size`` whatever ``rollout.budget`` said. A turns or tokens budget
+    is not known in episodes until they have played: ``tasks * group_size`` is its estimate, and
+    ``segment_tree`` counts each paused segment of a path, so its bar passes the total."""
+    leaves = rollout.budget if rollout.budget and rollout.budget_unit == "leaves" else tasks * rollout.group_size
+    a = rollout.allocator
+    if a.name == "independent" and a.n != "all":
+        return min(leaves, tasks * (rollout.group_size if a.n is None else a.n))
+    return leaves

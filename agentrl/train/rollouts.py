@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from rich.console import Console
 
 from ..policy.base import request_seed
+from ..rollout.budget import planned_episodes
 from ..types import RolloutTree, write_trees
 from .config import TrainRunConfig
 from .curriculum import at_level, stage_at
@@ -80,20 +81,6 @@ def step_rollouts(run_cfg: TrainRunConfig, step: int, policy: Any, advance_bar: 
                    "rollout/generated_tokens": s["generated_tokens"],
                    "data/first_task_seed": seeds[0], **_invalid(s, "rollout"),
                    **({"data/curriculum_stage": stage[0]} if stage else {})}
-
-
-def planned_episodes(rollout: Any, tasks: int) -> int:
-    """The episodes ``agentrl.rollout.collect`` plays for ``tasks`` tasks under ``rollout`` (a
-    ``RolloutConfig``), which a step's bar counts to: a leaves budget's total (its default is
-    ``tasks * group_size``), or fewer where ``independent``'s ``n`` per task caps it. The bar was
-    made for ``tasks * group_size`` whatever ``rollout.budget`` said. A turns or tokens budget
-    is not known in episodes until they have played: ``tasks * group_size`` is its estimate, and
-    ``segment_tree`` counts each paused segment of a path, so its bar passes the total."""
-    leaves = rollout.budget if rollout.budget and rollout.budget_unit == "leaves" else tasks * rollout.group_size
-    a = rollout.allocator
-    if a.name == "independent" and a.n != "all":
-        return min(leaves, tasks * (rollout.group_size if a.n is None else a.n))
-    return leaves
 
 
 def retire_finished_stage(run_cfg: TrainRunConfig, step: int) -> bool:
