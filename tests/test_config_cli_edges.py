@@ -5,6 +5,7 @@ folder's earlier results, each split's report written as it ends, a teacher's pa
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -194,7 +195,7 @@ def test_a_teacher_path_expands_home_and_variables(monkeypatch, tmp_path):
     cfg = load_train_config(None, ["train.distill.teacher=vllm:$TEACHERS/big"])
     assert cfg.train.distill.teacher == "vllm:/models/big"
     assert load_train_config(None, ["train.distill.teacher=smollm2-135m"]).train.distill.teacher == "smollm2-135m"
-    with pytest.raises(ConfigError, match=r"train\.distill: teacher: \$NOPE is not set"):
+    with pytest.raises(ConfigError, match=r"train\.distill\.teacher: \$NOPE is not set"):
         load_train_config(None, ["train.distill.teacher=$NOPE/x"])
 
 
@@ -267,3 +268,14 @@ def test_the_rollout_bar_counts_to_the_episodes_independent_n_plays(tmp_path, mo
     assert result.exit_code == 0, result.output
     assert totals == [6]
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["episodes"] == 6
+
+
+def test_a_distill_config_built_directly_expands_its_teacher_path(monkeypatch):
+    """The expansion lived in the train config's validator, so DistillConfig(teacher="~/x") built
+    by hand (the Python API) looked for a folder named '~'."""
+    from agentrl.train.distill.config import DistillConfig
+
+    monkeypatch.setenv("MODELS", "/models")
+    assert DistillConfig(teacher="vllm:$MODELS/big").teacher == "vllm:/models/big"
+    assert DistillConfig(teacher="~/t").teacher.startswith(str(Path.home()))
+    assert DistillConfig(teacher="smollm2-135m").teacher == "smollm2-135m"

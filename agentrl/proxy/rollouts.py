@@ -257,8 +257,11 @@ class HarnessRollouts:
 
     async def _collect(self, env_id: str, cfg: Config, seeds: list[int],
                        on_episode_done: Callable[[RolloutTree], None] | None) -> list[RolloutTree]:
+        from ..rollout.episodes import guarded_callback
+
         gate = asyncio.Semaphore(cfg.rollout.concurrency)
         g = cfg.rollout.group_size
+        on_episode_done = guarded_callback(on_episode_done)  # one that raises loses no episode
 
         async def one(seed: int, episode: int) -> RolloutTree:
             async with gate:
@@ -323,4 +326,4 @@ def harness_rollouts(policy: Any, cfg: Any) -> HarnessRollouts:
     if cfg.train.harness is None:
         raise ConfigError("train.harness is not set: there is no agent program to run")
     return HarnessRollouts(cfg.train.harness, policy, cfg, cfg.train.harness_env,
-                           submit=cfg.train.harness_submit)
+                           cwd=cfg.train.harness_cwd, submit=cfg.train.harness_submit)

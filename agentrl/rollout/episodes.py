@@ -53,7 +53,7 @@ from .turns import (
 if TYPE_CHECKING:
     from ..policy.base import Policy
 
-__all__ = ["COUNTERS", "EpisodePlayer"]
+__all__ = ["COUNTERS", "EpisodePlayer", "guarded_callback"]
 
 # Per-tree counts, exact: tokens sampled, prompt tokens prefilled or served
 # from the backend's prefix cache, context tokens a branch inherited instead of
@@ -184,7 +184,7 @@ class EpisodePlayer:
                  on_episode_done: Callable[[RolloutTree], None] | None = None):
         self.policy, self.cfg, self.envs, self.meter = policy, cfg, envs, meter
         self.snapshots, self.top_logprobs = snapshots, top_logprobs
-        self.on_episode_done = on_episode_done
+        self.on_episode_done = guarded_callback(on_episode_done)
         self.keys: dict[int, tuple[int, int]] = {}  # id(node) -> (stream, nth node of its path)
         self.constrain = cfg.rollout.constrain == "admissible"
         if self.constrain and not getattr(policy, "constrains_actions", False):
@@ -543,17 +543,29 @@ class EpisodePlayer:
         self._report_done(tree)
 
     def _report_done(self, tree: RolloutTree) -> None:
-        """Call ``on_episode_done(tree)``. A user's callback (a progress bar) that raises must not
-        lose the batch: its error went up through the round's gather and every episode of the run
-        was lost. It is warned about once, naming it, and not called again this run; a
-        ``BaseException`` (Ctrl-C inside it) still stops the run."""
-        callback = self.on_episode_done
-        if callback is None:
+        if self.on_episode_done is not None:
+            self.on_episode_done(tree)
+
+
+def guarded_callback(callback: Callable[[RolloutTree], None] | None) -> Callable[[RolloutTree], None] | None:
+    """``on_episode_done`` made safe for a run: a user's callback (a progress bar) that raises must
+    not lose the batch (its error went up through the round's gather, and every episode of the run
+    was lost). It is warned about once, naming it, and not called again; a ``BaseException``
+    (Ctrl-C inside it) still stops the run."""
+    if callback is None:
+        return None
+    failed = False
+
+    def call(tree: RolloutTree) -> None:
+        nonlocal failed
+        if failed:
             return
         try:
             callback(tree)
         except Exception as e:
-            self.on_episode_done = None
+            failed = True
             warnings.warn(f"on_episode_done callback {getattr(callback, '__qualname__', callback)!r} raised "
                           f"{type(e).__name__}: {e}; the run goes on without calling it again",
                           RuntimeWarning, stacklevel=2)
+
+    return call

@@ -242,6 +242,11 @@ class TrainConfig(_Strict):
         "the trainer's environment less its credentials (names with a word such as TOKEN, SECRET, "
         "PASSWORD, KEY or AUTH), so pass any it needs here. Values are text: in YAML quote one that "
         "would read as a number or a bool ('0123', 'yes', 'on', '1.0'); --set keeps it as written.")
+    harness_cwd: str | None = Field(
+        None, description="Where every episode's harness runs (shared by them, and kept); ~ and "
+        "$NAME expand. null: each episode in a new empty folder of its own, removed when it ends, "
+        "with relative file paths in the command made absolute (agentrl.proxy.harness).")
+    _harness_cwd = field_validator("harness_cwd")(lambda v: None if v is None else expand_path(v))
     harness_submit: Literal["stdout"] | None = Field(
         None, description="stdout: once the harness exits, its standard output (all of it, up to "
         "1,000,000 characters, stripped) is the env's next action, the episode's answer, for agent programs "
@@ -279,21 +284,6 @@ class TrainConfig(_Strict):
             if "\0" in text:
                 raise ValueError(f"{name}: a value cannot hold a NUL character")
         return value
-
-    @field_validator("distill")
-    @classmethod
-    def _teacher_path(cls, value: DistillConfig | None) -> DistillConfig | None:
-        """A teacher given as a local folder (``teacher: ~/runs/sft/hf``, ``vllm:$MODELS/big``)
-        expands ``~`` and ``$NAME`` as ``policy.model`` does; it was looked up as written, a
-        folder named '~' or a Hub id. Here, not in ``DistillConfig``, which other code owns."""
-        if value is None:
-            return value
-        prefix = "vllm:" if value.teacher.startswith("vllm:") else ""
-        try:
-            teacher = prefix + expand_path(value.teacher.removeprefix(prefix))
-        except ValueError as e:  # an unset variable
-            raise ValueError(f"teacher: {e}") from None
-        return value if teacher == value.teacher else value.model_copy(update={"teacher": teacher})
 
     @field_validator("credit", mode="before")
     @classmethod

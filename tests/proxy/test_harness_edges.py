@@ -410,3 +410,37 @@ def test_an_unmarked_child_outside_the_group_is_killed_when_its_harness_times_ou
     finally:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_harness_run_s_raising_episode_callback_loses_no_episode_and_harness_cwd_is_where_it_runs(
+        tokenizer, tmp_path):
+    """A progress callback that raised went up through the harness batch's gather, and the whole
+    step's episodes were lost (the native engine already warned and went on). train.harness_cwd
+    is where every episode's harness runs, shared and kept."""
+    from agentrl.policy import MockPolicy
+    from agentrl.proxy.rollouts import harness_rollouts
+    from agentrl.train.config import load_train_config
+
+    work = tmp_path / "work"
+    work.mkdir()
+    writes = ("import httpx, os; e = os.environ; open(f'ran-{os.getpid()}', 'w').write('x'); "
+              "httpx.post(e['OPENAI_BASE_URL'] + '/chat/completions', headers={'Authorization': 'Bearer ' + "
+              "e['OPENAI_API_KEY']}, json={'model': 'm', 'messages': [{'role': 'user', 'content': 'hi'}]}, "
+              "timeout=60).raise_for_status()")
+    cfg = load_train_config(None, ["rollout.group_size=3", f"train.harness=python -c {shlex.quote(writes)}",
+                                   f"train.harness_cwd={work}", "train.harness_submit=stdout"])
+    policy = MockPolicy(tokenizer, ["1"])
+    source = harness_rollouts(policy, cfg)
+    calls = []
+
+    def bar(tree):
+        calls.append(tree)
+        raise ValueError("bar closed")
+
+    try:
+        with pytest.warns(RuntimeWarning, match="on_episode_done.*ValueError: bar closed"):
+            [tree] = source.collect(cfg.env.id, policy, cfg, [0], on_episode_done=bar)
+    finally:
+        source.close()
+    assert len(calls) == 1 and len(tree.meta["sessions"]) == 3
+    assert len(list(work.glob("ran-*"))) == 3  # each episode ran there, and the folder is kept

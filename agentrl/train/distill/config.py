@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from ...config import expand_path
 from ...strict import StrictModel
 from .signals import linear_schedule
 
@@ -32,6 +33,14 @@ class DistillConfig(StrictModel):
                          "where the student left it (DAgger). "
                          "'oracle': the same with the env's privileged oracle (env.oracle_action(), "
                          "which reads hidden state).")
+
+    @field_validator("teacher")
+    @classmethod
+    def _teacher_path(cls, value: str) -> str:
+        """A teacher given as a local folder (``~/runs/sft/hf``, ``vllm:$MODELS/big``) expands ``~``
+        and ``$NAME`` as ``policy.model`` does; it was looked up as written, a folder named '~'."""
+        prefix = "vllm:" if value.startswith("vllm:") else ""
+        return prefix + expand_path(value.removeprefix(prefix))  # an unset variable: its ValueError
     turn_balance: bool = Field(False, description="TurnOPD: move the distillation weights from "
                                "token-balanced (step 0) to turn-balanced (last step), so every turn "
                                "counts the same however many tokens it took.")
