@@ -29,7 +29,7 @@ runner = CliRunner()
 
 
 class EmptySplitEnv(TextEnv):
-    """Split "full" holds 2 tasks, split "empty" none (a data folder with no games in it)."""
+    """Splits "full" and "other" hold 2 tasks each, split "empty" none (a data folder with no games in it)."""
 
     max_steps = 1
 
@@ -39,7 +39,7 @@ class EmptySplitEnv(TextEnv):
 
     @property
     def num_tasks(self) -> int:
-        return {"full": 2, "empty": 0}[self.split]
+        return {"full": 2, "other": 2, "empty": 0}[self.split]
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
@@ -123,10 +123,10 @@ def test_each_tree_of_a_several_split_eval_says_its_split(tmp_path):
     import json
 
     out = tmp_path / "ev"
-    res = runner.invoke(app, ["eval", "--env", "TestEmptySplit", "--split", "full,full", *MOCK, "--out", str(out)])
+    res = runner.invoke(app, ["eval", "--env", "TestEmptySplit", "--split", "full,other", *MOCK, "--out", str(out)])
     assert res.exit_code == 0, res.output
     metas = [json.loads(line)["meta"] for line in (out / "trajectories.jsonl").read_text().splitlines()]
-    assert [(m["split"], m["seed"]) for m in metas] == [("full", 0), ("full", 1)] * 2
+    assert [(m["split"], m["seed"]) for m in metas] == [("full", 0), ("full", 1), ("other", 0), ("other", 1)]
 
 
 def test_a_limit_above_the_tasks_an_uncounted_env_plays_is_an_error_naming_episodes(tmp_path):

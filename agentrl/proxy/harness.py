@@ -19,8 +19,9 @@ Each episode runs in a new empty directory of its own (``cwd=None``), removed on
 (with every process the harness started): concurrent harnesses write their files there, and
 not where the trainer or another episode runs. So that a command names its files from where the
 trainer runs (``python examples/harness/react_agent.py``), a relative path in it that names a
-file there, and a relative program path (``./agent``), are made absolute (``anchored_argv``); a
-path inside a shell string (``sh -c 'python agent.py'``) is not: give ``cwd``. A ``cwd`` given
+file there, and a relative program path (``./agent``), are made absolute (``anchored_argv``), as
+is an ``extra_env`` value that names a file or folder there (``anchored_env``); a path inside a
+shell string (``sh -c 'python agent.py'``) is not: give ``cwd``. A ``cwd`` given
 is used as it is, shared by the episodes that run in it, and kept.
 
 The rest of the harness's environment is the trainer's, less its credentials
@@ -101,8 +102,8 @@ from agentrl.types import RolloutTree
 
 from .harness_guard import START_FAILED, kill_descendants, kill_marked
 
-__all__ = ["EnvServer", "SessionHandle", "anchored_argv", "drop_session", "expand_argv", "harness_argv",
-           "open_session", "run_harness_episode"]
+__all__ = ["EnvServer", "SessionHandle", "anchored_argv", "anchored_env", "drop_session", "expand_argv",
+           "harness_argv", "open_session", "run_harness_episode"]
 
 _TAIL = 4000  # characters of stdout/stderr kept for the record
 _ANSWER_CHARS = 1_000_000  # the longest answer on stdout (the env server's limit on an action)
@@ -139,6 +140,15 @@ def anchored_argv(argv: list[str], base: str) -> list[str]:
         if (i == 0 and os.sep in arg) or (i > 0 and os.path.isfile(os.path.join(base, arg))):
             out[i] = os.path.normpath(os.path.join(base, arg))
     return out
+
+
+def anchored_env(extra: dict[str, str], base: str) -> dict[str, str]:
+    """``extra`` (the variables a run gives its harness) to run from another directory as from
+    ``base``: a relative value that names an existing file or folder under ``base``
+    (``CODEX_HOME=runs/codex-home``, ``PYTHONPATH=.``) made absolute; the rest as it is."""
+    return {k: os.path.normpath(os.path.join(base, v))
+            if v and not os.path.isabs(v) and not v.startswith("-") and os.path.exists(os.path.join(base, v))
+            else v for k, v in extra.items()}
 
 
 def _remove_dir(path: str) -> None:
@@ -341,6 +351,9 @@ async def run_harness_episode(
         if cwd is None:  # one episode's files are no other's (see the module docstring)
             workdir = cwd = tempfile.mkdtemp(prefix="agentrl-episode-")
             argv = anchored_argv(argv, os.getcwd())
+            given = extra_env or {}
+            env.update({k: v for k, v in anchored_env(given, os.getcwd()).items()
+                        if env.get(k) == given[k]})  # not one the session's own variables replaced
         if instance is not None:
             task_file = _task_file(task)
             error = error or _pass_task(task, task_file, argv, env)

@@ -625,34 +625,24 @@ def _read_config(path: Path) -> dict[str, Any] | str:
 def read_metrics_rows(path: Path) -> tuple[list[dict[str, Any]], str]:
     """``(rows, note)`` of a ``metrics.jsonl``: ``train.metrics.read_metrics``'s rows, and
     why none or some were not read. The file is the trainer's, but what lies at its path
-    is not the viewer's to trust: a folder there, or a line nested past what the JSON
-    parser reads (``read_metrics`` raises RecursionError on it), must not cost the page
-    its run; the lines around a too-deep one are read on their own."""
+    is not the viewer's to trust: a folder there must not cost the page its run, and the
+    lines ``read_metrics`` skips (not JSON, nested past the parser) are named."""
+    import warnings
+
     from ..train.metrics import read_metrics
 
     try:
-        return read_metrics(path), ""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rows = read_metrics(path)
     except OSError as e:  # a folder at the path, no permission, deleted since listed
         return [], f"metrics.jsonl not read ({type(e).__name__}: {e.strerror or e})"
-    except RecursionError:
-        pass
-    rows, deep = [], []
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError as e:  # changed under us since the first read
-        return [], f"metrics.jsonl not read ({type(e).__name__}: {e.strerror or e})"
-    for i, line in enumerate(lines, 1):
-        try:
-            row = _loads(line.encode("utf-8", errors="replace"))
-        except RecursionError:
-            deep.append(f"metrics.jsonl:{i}")
-            continue
-        except ValueError:  # not JSON: read_metrics skips it too (a torn last line)
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    shown = ", ".join(deep[:5]) + (f" and {len(deep) - 5} more" if len(deep) > 5 else "")
-    return rows, f"skipped {len(deep)} metrics line(s) nested too deep to read: {shown}"
+    skipped = [f"metrics.jsonl:{m.group(1)}" for w in caught
+               if (m := re.search(r":(\d+): skipped a line", str(w.message)))]
+    if not skipped:
+        return rows, ""
+    shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+    return rows, f"skipped {len(skipped)} metrics line(s) that are not metrics rows: {shown}"
 
 
 def _read_json(path: Path) -> Any:

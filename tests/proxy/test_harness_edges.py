@@ -117,6 +117,24 @@ def test_a_relative_script_still_runs_from_a_fresh_directory(mock_policy, serve,
     assert run["stdout_tail"].strip() != str(tmp_path)
 
 
+def test_a_relative_path_in_the_harness_env_still_names_the_trainer_s_file(mock_policy, serve, tmp_path,
+                                                                           monkeypatch):
+    """``CODEX_HOME=runs/codex-home`` (a folder where the trainer runs) pointed nowhere once each
+    episode ran in its own folder, and Codex exited 1 ("that path does not exist"): a relative
+    value that names a file or folder there is made absolute; other values, and the session's
+    own variables, are as given."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "home").mkdir(parents=True)
+    proxy = serve(mock_policy())
+    prints = "import json, os; print(json.dumps({k: os.environ.get(k) for k in ('H', 'N', 'W', 'OPENAI_BASE_URL')}))"
+    given = {"H": "runs/home", "N": "1", "W": "no/such", "OPENAI_BASE_URL": "runs"}
+    (tree,) = _sessions_run(proxy, ([sys.executable, "-c", prints], {"extra_env": given}))
+    got = _printed(tree)
+    assert got["H"] == str(tmp_path / "runs" / "home")
+    assert (got["N"], got["W"]) == ("1", "no/such")
+    assert got["OPENAI_BASE_URL"].startswith("http")  # the session's, not the given one
+
+
 def test_anchored_argv_makes_only_paths_to_files_absolute(tmp_path):
     (tmp_path / "agent.py").write_text("")
     (tmp_path / "data").mkdir()
