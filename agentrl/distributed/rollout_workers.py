@@ -526,8 +526,13 @@ class RayPolicy:
 
     # -- weights -------------------------------------------------------------------------
     def update_weights(self, state_dict: dict[str, Any]) -> None:
-        """New weights for every worker (and the in-process ``model``, if any)."""
+        """New weights for every worker (and the in-process ``model``, if any). Names and shapes
+        are checked against the in-process model first: one it lacks (plain names given to a
+        LoRA-wrapped model) was skipped there without a word while the workers took it."""
         if self.model is not None:
+            from ..policy.hf import check_weight_update
+
+            check_weight_update(self.model.state_dict(), state_dict)
             self.model.load_state_dict(state_dict, strict=False)
         self._push(state_dict)
 

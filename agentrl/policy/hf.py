@@ -81,7 +81,20 @@ from .deterministic import (
 from .kv_slab import KVSlab, kv_shape
 from .prefix_cache import PrefixEntry, common_prefix
 
-__all__ = ["HFPolicy", "sampling_logprobs"]
+__all__ = ["HFPolicy", "check_weight_update", "sampling_logprobs"]
+
+
+def check_weight_update(own: dict[str, Any], state_dict: dict[str, Any]) -> None:
+    """Refuse, before anything is copied, a weight update that names a weight ``own`` (a model's
+    ``state_dict``) lacks or gives one of another shape: ``load_state_dict(strict=False)`` would
+    skip the first without a word (plain names given to a LoRA-wrapped model: none loads)."""
+    unexpected = sorted(set(state_dict) - set(own))
+    if unexpected:
+        raise PolicyError(f"unexpected weight names: {unexpected[:5]}")
+    wrong = [f"{k}: {tuple(v.shape)} for {tuple(own[k].shape)}" for k, v in state_dict.items()
+             if tuple(v.shape) != tuple(own[k].shape)]
+    if wrong:
+        raise PolicyError(f"weight update has wrong shapes: {wrong[:5]}")
 
 
 def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -223,13 +236,7 @@ class HFPolicy:
         as given.
         """
         own = self.model.state_dict()
-        unexpected = sorted(set(state_dict) - set(own))
-        if unexpected:
-            raise PolicyError(f"unexpected weight names: {unexpected[:5]}")
-        wrong = [f"{k}: {tuple(v.shape)} for {tuple(own[k].shape)}" for k, v in state_dict.items()
-                 if tuple(v.shape) != tuple(own[k].shape)]
-        if wrong:
-            raise PolicyError(f"weight update has wrong shapes: {wrong[:5]}")
+        check_weight_update(own, state_dict)
         given = {own[k].data_ptr() for k in state_dict}
         missing = sorted(k for k in set(own) - set(state_dict) if own[k].data_ptr() not in given)
         if missing and strict:

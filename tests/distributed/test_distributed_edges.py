@@ -426,3 +426,22 @@ def test_the_distributed_section_sets_the_rollout_workers_call_timeout_and_faile
     for bad in ("distributed.call_timeout_s=0", "distributed.max_failed_starts=0"):
         with pytest.raises(ConfigError, match=bad.split("=")[0].split(".")[1]):
             load_config(overrides=["distributed.num_rollout_workers=1", bad])
+
+
+def test_update_weights_refuses_names_the_in_process_model_lacks_before_pushing_any(tiny_model):
+    """Plain names given to RayPolicy whose in-process model is LoRA-wrapped were skipped there by
+    load_state_dict(strict=False), while the workers took them: the trained model and the samplers
+    drifted apart without a word. Now it is a PolicyError, and nothing is pushed."""
+    import copy
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(copy.deepcopy(tiny_model), LoraConfig(r=2, target_modules=["q_proj"]))
+    pushed = []
+    fake = SimpleNamespace(model=model, _push=pushed.append)
+    with pytest.raises(PolicyError, match="unexpected weight names"):
+        RayPolicy.update_weights(fake, {k: v.clone() for k, v in tiny_model.state_dict().items()})
+    assert pushed == []
+    RayPolicy.update_weights(fake, {k: v.clone() for k, v in model.state_dict().items()})
+    assert len(pushed) == 1
