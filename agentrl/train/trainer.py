@@ -175,29 +175,34 @@ class Trainer:
         self.console = console or Console()
         self.progress = progress
         torch.manual_seed(t.seed)
-        self.policy = policy if policy is not None else policy_for_run(cfg, trainable=True)
-        self.learner = Learner(cfg, self.policy, self.console)  # the model, its optimizer, what scores
-        if note := precision_note(t.precision, next(self.learner.model.parameters()).device):
-            self.console.print(f"[yellow]warning:[/] {note}")
-        if anchor_note is not None:
-            self.console.print(f"[dim]{anchor_note}[/]", highlight=False)
-        if t.compile == "auto":
-            device = next(self.learner.model.parameters()).device
-            with precision(t.precision):
-                if compile_resolves_on(t.compile, device):
-                    self.console.print("[dim]train.compile auto: the decoder layers run compiled in the training "
-                                       "passes (bf16 on this CPU); each new kind of pass compiles first, "
-                                       "about 10 s[/]", highlight=False)
-        self.rollouts = rollouts(self.policy, cfg) if rollouts is not None else None
         self.step = 0
         self.sft_done = False
         self._saved_row: dict[str, Any] | None = None  # the row the resumed checkpoint was saved with
         self.phases: dict[str, float] = {}  # success rate at start, after SFT, at the end
         self.phase_rewards: dict[str, float] = {}  # mean reward of the same evaluations
         self.allocation: dict[str, Any] = {}  # what the allocator did, over the run's steps
-        self.producer: RolloutProducer | None = None  # train.asynchronous: the rollouts ahead
         self.out = Path(t.output.dir)
+        self.producer: RolloutProducer | None = None  # train.asynchronous: the rollouts ahead
+        self.rollouts = self.learner = None  # type: ignore[assignment]
         self._owns_policy = policy is None  # close() closes only a policy it made
+        self.policy = policy if policy is not None else policy_for_run(cfg, trainable=True)
+        try:  # what fails from here (a teacher that will not load) must not leave the policy running
+            self.learner = Learner(cfg, self.policy, self.console)  # the model, its optimizer, what scores
+            if note := precision_note(t.precision, next(self.learner.model.parameters()).device):
+                self.console.print(f"[yellow]warning:[/] {note}")
+            if anchor_note is not None:
+                self.console.print(f"[dim]{anchor_note}[/]", highlight=False)
+            if t.compile == "auto":
+                device = next(self.learner.model.parameters()).device
+                with precision(t.precision):
+                    if compile_resolves_on(t.compile, device):
+                        self.console.print("[dim]train.compile auto: the decoder layers run compiled in the training "
+                                           "passes (bf16 on this CPU); each new kind of pass compiles first, "
+                                           "about 10 s[/]", highlight=False)
+            self.rollouts = rollouts(self.policy, cfg) if rollouts is not None else None
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         """Release what the run holds, so the next run in this process starts from the same

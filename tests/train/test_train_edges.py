@@ -254,3 +254,22 @@ def test_read_metrics_skips_a_line_nested_past_the_parser_or_with_a_huge_int(tmp
     with pytest.warns(RuntimeWarning, match="metrics.jsonl:2: skipped"):
         rows = read_metrics(path)
     assert rows == [{"step": 1}, {"step": 2}]
+
+
+def test_a_trainer_that_fails_to_build_closes_the_policy_it_made(tmp_path, monkeypatch):
+    """A failure after the policy was made (a rollout source or a teacher that will not load) left
+    it running: for rollout workers or a vLLM engine, their memory until garbage collection. The
+    trainer now closes what it made before the error goes up."""
+    import agentrl.policy.for_run as for_run
+    from tests.train.test_trainer import SHORT
+
+    made = []
+    real = for_run.policy_for_run
+    monkeypatch.setattr(for_run, "policy_for_run", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+
+    def rollouts(policy, cfg):
+        raise RuntimeError("no harness here")
+
+    with pytest.raises(RuntimeError, match="no harness here"):
+        Trainer(toy_config(tmp_path, *SHORT), progress=False, rollouts=rollouts)
+    assert len(made) == 1 and made[0].batcher.closed
