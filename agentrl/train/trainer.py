@@ -517,6 +517,17 @@ def _unfit_key(changed: dict[str, tuple[Any, Any]], path: str | Path) -> str:
     return f"{key}: the checkpoint trained {changed[key][0]!r}, this run {changed[key][1]!r}"
 
 
+def _refuse_models_in(out: Path, cfg: TrainRunConfig) -> None:
+    """``--overwrite`` removes ``out``'s checkpoints: a model the run starts from, or a teacher,
+    inside them would be loaded and then deleted under the run, its config naming a folder gone."""
+    teacher = cfg.train.distill.teacher.removeprefix("vllm:") if cfg.train.distill is not None else None
+    for key, name in (("policy.model", cfg.policy.model), ("train.distill.teacher", teacher)):
+        path = Path(name) if name else None
+        if path is not None and path.exists() and path.resolve().is_relative_to(out.resolve()):
+            raise ConfigError(f"{key}={name} is inside train.output.dir={out}, whose checkpoints --overwrite "
+                              "removes: copy that model out of the folder first, or write this run elsewhere")
+
+
 def train(cfg: TrainRunConfig, *, resume: bool = False, overwrite: bool = False, policy: Any = None,
           progress: bool = True, console: Console | None = None,
           rollouts: Callable[[Any, TrainRunConfig], RolloutSource] | None = None) -> dict[str, Any]:
@@ -540,6 +551,8 @@ def train(cfg: TrainRunConfig, *, resume: bool = False, overwrite: bool = False,
         if replace and not overwrite:
             raise ConfigError(f"train.output.dir={out} already holds checkpoints: pass --resume to "
                               "continue that run, or --overwrite to start over")
+        if replace:
+            _refuse_models_in(out, cfg)
         trainer = Trainer(cfg, policy=policy, console=console, progress=progress, rollouts=rollouts)
         try:
             if replace:  # only now: a config the trainer refuses leaves the old run as it was

@@ -273,3 +273,20 @@ def test_a_trainer_that_fails_to_build_closes_the_policy_it_made(tmp_path, monke
     with pytest.raises(RuntimeError, match="no harness here"):
         Trainer(toy_config(tmp_path, *SHORT), progress=False, rollouts=rollouts)
     assert len(made) == 1 and made[0].batcher.closed
+
+
+def test_overwrite_refuses_a_run_that_starts_from_a_model_in_the_folder_it_clears(tmp_path):
+    """``--overwrite`` with policy.model naming the same run folder loaded the old export, then
+    removed it under the run (since 5f05ac8 removes after the trainer is built): the saved config
+    named a folder gone. It is refused before anything loads or is removed."""
+    from agentrl.errors import ConfigError
+    from agentrl.train.trainer import train
+
+    out = tmp_path / "run"
+    export = out / "checkpoints" / "step-000001" / "hf"
+    export.mkdir(parents=True)
+    (export / "config.json").write_text("{}")
+    cfg = toy_config(out, f"policy.model={out}")
+    with pytest.raises(ConfigError, match=r"policy\.model=.* is inside train\.output\.dir"):
+        train(cfg, overwrite=True, progress=False)
+    assert (export / "config.json").exists()
