@@ -177,6 +177,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _gone_within(pid: int, seconds: float) -> bool:
+    """Whether ``pid`` stops running within ``seconds``."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_harness_and_its_children_die_when_the_trainer_is_killed(tmp_path):
     """A SIGKILLed trainer cleans nothing up: its harness, the harness's children and one that
@@ -248,17 +258,13 @@ def test_a_child_that_left_the_group_and_dropped_the_marker_is_killed_with_the_e
     found neither by the group's kill nor by ``AGENTRL_SESSION_ID``, and outlived the episode.
     The guard is the harness's subreaper: every descendant, orphaned or not, is its to kill."""
     import signal
-    import time
 
     pidfile = tmp_path / "pid"
     proxy = serve(mock_policy())
     _sessions_run(proxy, ([sys.executable, "-c", UNMARKED, str(pidfile)], {}))
     pid = int(pidfile.read_text())
     try:
-        deadline = time.monotonic() + 5
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(pid)
+        assert _gone_within(pid, 5.0)
     finally:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
@@ -407,7 +413,6 @@ def test_an_unmarked_child_outside_the_group_is_killed_when_its_harness_times_ou
     could kill what the harness left outside the group: an unmarked child lived on. Now the
     runner kills everything below the guard first."""
     import signal
-    import time
 
     pidfile = tmp_path / "pid"
     proxy = serve(mock_policy())
@@ -421,10 +426,7 @@ def test_an_unmarked_child_outside_the_group_is_killed_when_its_harness_times_ou
     pid = int(pidfile.read_text())
     try:
         assert tree.meta["error"].startswith("harness timed out")
-        deadline = time.monotonic() + 5
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(pid)
+        assert _gone_within(pid, 5.0)
     finally:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
