@@ -675,7 +675,13 @@ def test_training_goes_on_when_a_rollout_worker_and_an_env_worker_are_killed_mid
     cfg = _ray_train_config(tmp_path, "rollout.env_executor=ray", "distributed.num_env_workers=2",
                             "distributed.max_restarts=2", "train.evaluation.start=false")
     policy = policy_for_run(cfg, trainable=True)
-    env_worker = env_worker_pool(cfg).workers[0]
+    pool = env_worker_pool(cfg)
+    warm = [pool.make_env() for _ in pool.workers]  # one on each worker (round-robin): both started, the
+    for i, env in enumerate(warm):  # env imported, so step 1's resets on worker 0 are done before the kill;
+        env.reset(seed=i)  # a worker still starting took its resets (fresh calls) to its next incarnation,
+    for env in warm:  # and no episode failed (seen once in CI)
+        env.close()
+    env_worker = pool.workers[0]
     routed: list[int] = []
 
     def kill(req: GenerateRequest, w: int) -> None:
