@@ -354,32 +354,32 @@ def train_on_samples(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
     net = base_model(model)
     params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
-    n_steps, tokens, skipped = 0, 0, 0
+    n_steps, tokens, skipped, first = 0, 0, 0, True
     net.train()
     try:
         for order in orders:
             for idx in minibatches(order, minibatch_size):
                 st, n = minibatch_step(net, samples, idx, loss, fields=fields,
                                        per_token=per_token, max_tokens=max_tokens, pad_id=pad_id,
-                                       temperature=temperature, tree=tree, anchor=anchor_first and n_steps == 0)
+                                       temperature=temperature, tree=tree, anchor=anchor_first and first)
+                first = False
                 if max_grad_norm is not None:
                     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
                 else:
                     norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-                if torch.isfinite(norm):
+                stepped = bool(torch.isfinite(norm))
+                if stepped:
                     optimizer.step()
                     if max_grad_norm is not None:
                         st["grad/norm"] = float(norm)
+                    for k, v in st.items():
+                        merge_stat(sums, k, v, 1.0)
+                    n_steps, tokens = n_steps + 1, tokens + n
                 else:  # AdamW would write NaN into every weight and its moments for good
                     skipped += 1
-                    st = {}
                 if scheduler is not None:  # the schedule keeps its plan either way
                     scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-                for k, v in st.items():
-                    merge_stat(sums, k, v, 1.0)
-                if st:
-                    n_steps, tokens = n_steps + 1, tokens + n
                 if on_minibatch:
                     on_minibatch()
     finally:
